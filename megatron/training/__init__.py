@@ -1,0 +1,1 @@
+"""Megatron-LM-compatible trainer built on the megatron-core package."""

@@ -1,0 +1,1 @@
+"""GPU telemetry backends, risk scorers and the checkpoint-request flag writer."""

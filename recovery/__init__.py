@@ -1,0 +1,1 @@
+"""Recovery: parallel-layout planner, command rewriting, checkpoint discovery."""

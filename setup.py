@@ -1,0 +1,38 @@
+"""Package metadata for ftmaster.
+
+The source folders follow the project's design card (``tools/ftmaster``, ``monitor``,
+``recovery``, ``megatron/training``) while the import names stay namespaced:
+``ftmaster``, ``ftmaster.monitor``, ``ftmaster.recovery`` and ``megatron.training`` (a portion
+of the ``megatron`` namespace package that megatron-core also contributes to).
+"""
+
+from setuptools import setup
+
+PACKAGE_DIRS = {
+    "ftmaster": "tools/ftmaster",
+    "ftmaster.monitor": "monitor",
+    "ftmaster.recovery": "recovery",
+    "megatron.training": "megatron/training",
+}
+
+setup(
+    name="ftmaster",
+    version="0.1.0",
+    description="Proactive fault tolerance for Megatron training: GPU risk monitor, "
+    "gap-filtered emergency checkpoints and automatic re-planned relaunch.",
+    python_requires=">=3.10",
+    packages=list(PACKAGE_DIRS),
+    package_dir=PACKAGE_DIRS,
+    install_requires=[
+        "torch",
+        "megatron-core==0.16.1",
+        "numpy",
+        "psutil",
+        "click",
+        "pandas",
+        "matplotlib",
+        "nvidia-ml-py",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},
+)

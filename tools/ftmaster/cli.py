@@ -1,0 +1,18 @@
+"""The ``ftmaster`` command line: a thin click layer over plain functions.
+
+Each subcommand lives in the module that owns its work and is registered here.
+"""
+
+import click
+
+from ftmaster import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ftmaster")
+def main() -> None:
+    """Proactive fault tolerance for Megatron training."""
+
+
+if __name__ == "__main__":
+    main()
