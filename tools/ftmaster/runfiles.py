@@ -1,0 +1,129 @@
+"""The run directory contract shared by the monitor, the trainer and the supervisor.
+
+Layout (``FTMASTER_RUN_DIR``)::
+
+    flags/trigger_checkpoint.flag   written by the monitor
+    flags/save_now.flag             read by the trainer
+    gpu_metrics.csv                 monitor samples
+    events.jsonl                    one JSON object per line, each with "event" and "time"
+    heartbeat.json                  training progress, written by rank 0 every iteration
+    logs/                           one training log per launch attempt
+
+Every writer here is atomic or append-only, so a reader never sees half a record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RUN_DIR_ENV = "FTMASTER_RUN_DIR"
+TRIGGER_FLAG = "trigger_checkpoint.flag"
+SAVE_NOW_FLAG = "save_now.flag"
+
+
+def run_dir_from_env() -> Path | None:
+    value = os.environ.get(RUN_DIR_ENV)
+    return Path(value) if value else None
+
+
+def flags_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "flags"
+
+
+def trigger_flag_path(run_dir: Path) -> Path:
+    return flags_dir(run_dir) / TRIGGER_FLAG
+
+
+def save_now_flag_path(run_dir: Path) -> Path:
+    return flags_dir(run_dir) / SAVE_NOW_FLAG
+
+
+def events_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "events.jsonl"
+
+
+def metrics_csv_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "gpu_metrics.csv"
+
+
+def heartbeat_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "heartbeat.json"
+
+
+def logs_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "logs"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_flag(path: Path, **reason: Any) -> None:
+    """Atomically write a request flag whose JSON body says who asked and why."""
+    atomic_write_text(path, json.dumps({"time": time.time(), **reason}) + "\n")
+
+
+def read_flag(path: Path) -> dict[str, Any] | None:
+    """Return the flag's request, or None when there is no flag.
+
+    A flag that exists but is empty, malformed or unreadable is still a request: it comes
+    back as ``{"unreadable": True}`` instead of raising.
+    """
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {"unreadable": True}
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {"unreadable": True}
+    return body if isinstance(body, dict) else {"unreadable": True}
+
+
+def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
+    """Append one event line to ``events.jsonl``; one ``write`` call keeps lines whole."""
+    record = {"event": event, "time": time.time(), **fields}
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return record
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """All well-formed events in order; a torn or foreign line is skipped, never fatal."""
+    path = events_path(run_dir)
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "event" in record:
+            events.append(record)
+    return events
