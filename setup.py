@@ -32,6 +32,7 @@ setup(
         "pandas",
         "matplotlib",
         "nvidia-ml-py",
+        "regex",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},

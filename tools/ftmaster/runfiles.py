@@ -59,16 +59,21 @@ def logs_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "logs"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename."""
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and a rename.
+
+    ``durable=False`` skips the fsync: still never torn, but may be lost in a power cut.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users' tools
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -97,6 +102,22 @@ def read_flag(path: Path) -> dict[str, Any] | None:
     except ValueError:
         return {"unreadable": True}
     return body if isinstance(body, dict) else {"unreadable": True}
+
+
+def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int) -> None:
+    """Training progress for hang detection; cheap enough to write every iteration."""
+    body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
+            "pid": os.getpid()}
+    atomic_write_text(heartbeat_path(run_dir), json.dumps(body) + "\n", durable=False)
+
+
+def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
+    """The last heartbeat, or None when there is none yet or it cannot be read."""
+    try:
+        body = json.loads(heartbeat_path(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("iteration"), int) else None
 
 
 def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:

@@ -1,0 +1,258 @@
+"""Megatron-LM-compatible command-line arguments, validated before anything starts.
+
+Names and meanings follow Megatron-LM. Arguments that are ours are marked so in their help.
+Any problem raises ``ArgumentError`` with one line naming what is wrong and what to do;
+``pretrain_gpt.py`` prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
+
+TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+class ArgumentError(ValueError):
+    """A bad command line or an impossible combination of arguments."""
+
+
+class _StrictParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ArgumentError(message)
+
+
+def _add_model_args(parser):
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, required=True)
+    group.add_argument("--hidden-size", type=int, required=True)
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
+    group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=None)
+    group.add_argument("--seq-length", type=int, required=True)
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="default: --seq-length")
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+
+
+def _add_parallel_args(parser):
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, required=True)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro-batch size x data-parallel size")
+    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--lr", type=float, required=True)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--eval-iters", type=int, default=100)
+    group.add_argument("--eval-interval", type=int, default=1000)
+
+
+def _add_data_args(parser):
+    group = parser.add_argument_group("data")
+    group.add_argument("--mock-data", action="store_true")
+    group.add_argument("--data-path", nargs="+", default=None)
+    group.add_argument("--split", default="969,30,1")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    group.add_argument("--vocab-size", type=int, default=None)
+    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--merge-file", default=None)
+    group.add_argument("--data-cache-path", default=None)
+
+
+def _add_checkpoint_args(parser):
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", default=None)
+    group.add_argument("--load", default=None)
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--async-save", action="store_true")
+    group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    group.add_argument("--no-load-optim", action="store_true")
+    group.add_argument("--no-load-rng", action="store_true")
+    group.add_argument("--exit-signal-handler", action="store_true")
+    group.add_argument("--emergency-save-gap-frac", type=float, default=0.25,
+                       help="ours: an emergency save needs at least ceil(frac x save interval) "
+                            "iterations since the last checkpoint; 0 disables the filter")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _StrictParser(prog="pretrain_gpt.py", allow_abbrev=False,
+                           description="Megatron-LM-compatible GPT pretraining on megatron-core.")
+    _add_model_args(parser)
+    _add_parallel_args(parser)
+    _add_training_args(parser)
+    _add_data_args(parser)
+    _add_checkpoint_args(parser)
+    return parser
+
+
+def parse_args(argv: list[str], world_size: int | None = None) -> argparse.Namespace:
+    """Parse and validate ``argv``; ``world_size`` defaults to ``$WORLD_SIZE`` or 1."""
+    args = build_parser().parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    _fill_defaults(args)
+    validate_args(args)
+    return args
+
+
+def _fill_defaults(args):
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel if model_parallel > 0 else 0
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject impossible combinations with one line each, before any process group exists."""
+    _validate_positive(args)
+    _validate_layout(args)
+    _validate_batch(args)
+    _validate_schedule(args)
+    _validate_data(args)
+    _validate_checkpointing(args)
+
+
+def _validate_positive(args):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "ffn_hidden_size", "num_query_groups",
+                 "global_batch_size", "log_interval"):
+        value = getattr(args, name)
+        _require(value is not None and value > 0,
+                 f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    _require(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
+
+
+def _validate_layout(args):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(args.world_size % (tp * pp) == 0,
+             f"world size {args.world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
+             f"parallel size: launch a multiple of {tp * pp} processes")
+    for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size"):
+        value = getattr(args, name)
+        _require(value % tp == 0,
+                 f"--{name.replace('_', '-')} ({value}) is not divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
+    _require(args.num_attention_heads % args.num_query_groups == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
+             f"--num-query-groups ({args.num_query_groups})")
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size ({args.hidden_size}) is not divisible by "
+             f"--num-attention-heads ({args.num_attention_heads})")
+    _require(args.num_layers % pp == 0,
+             f"--num-layers ({args.num_layers}) is not divisible by "
+             f"--pipeline-model-parallel-size ({pp})")
+    _require(args.max_position_embeddings >= args.seq_length,
+             f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
+             f"--seq-length ({args.seq_length})")
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+
+
+def _validate_batch(args):
+    per_step = args.micro_batch_size * args.data_parallel_size
+    _require(args.global_batch_size % per_step == 0,
+             f"--global-batch-size ({args.global_batch_size}) is not divisible by "
+             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+             f"({args.data_parallel_size})")
+
+
+def _validate_schedule(args):
+    _require(args.lr >= args.min_lr >= 0, f"need --lr ({args.lr}) >= --min-lr ({args.min_lr}) >= 0")
+    _require(args.lr_decay_iters > args.lr_warmup_iters or args.train_iters == 0,
+             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the decay "
+             f"iterations ({args.lr_decay_iters})")
+    if args.save_interval is not None:
+        _require(args.save_interval > 0,
+                 f"--save-interval must be a positive integer, got {args.save_interval}")
+
+
+def _validate_data(args):
+    _require(args.mock_data != bool(args.data_path),
+             "give exactly one of --mock-data or --data-path PREFIX")
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 1,
+                 "--tokenizer-type NullTokenizer needs --vocab-size N (N > 1)")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            _require(path is not None and Path(path).is_file(),
+                     f"GPT2BPETokenizer needs {flag} pointing to an existing file, got {path}")
+    for prefix in _data_prefixes(args.data_path or []):
+        for suffix in (".bin", ".idx"):
+            _require(Path(prefix + suffix).is_file(),
+                     f"--data-path: {prefix + suffix} does not exist; build it with "
+                     f"tools/preprocess_data.py")
+
+
+def _data_prefixes(data_path: list[str]) -> list[str]:
+    """Megatron's --data-path is either ``PREFIX...`` or ``WEIGHT PREFIX WEIGHT PREFIX...``."""
+    try:
+        float(data_path[0])
+    except (ValueError, IndexError):
+        return list(data_path)
+    return list(data_path[1::2])
+
+
+def _validate_checkpointing(args):
+    if args.save is not None:
+        _require(_is_writable_dir(Path(args.save)),
+                 f"--save directory {args.save} is not writable: choose a directory you can "
+                 f"write to")
+    _require(not args.async_save or args.save is not None, "--async-save needs --save DIR")
+    _require(args.emergency_save_gap_frac >= 0,
+             f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
+
+
+def _is_writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x TP``."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -1,0 +1,83 @@
+"""Training data: megatron-core GPT datasets and a sampler that resumes at the exact sample.
+
+Sample order is global and independent of the parallel layout. Iteration ``i`` consumes the
+global batch ``[consumed, consumed + global_batch_size)``. That batch is cut into
+``micro_batch_size x data_parallel_size`` slices, and data-parallel rank ``r`` takes rank ``r``'s
+share of each slice, as Megatron-LM's ``MegatronPretrainingSampler`` does. A resume under
+any DP therefore continues at sample ``consumed_samples``, with nothing repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from torch.utils.data import default_collate
+
+
+def dataset_sizes(args: argparse.Namespace) -> list[int]:
+    """Samples needed per split (train, valid, test), as Megatron-LM computes them."""
+    train = args.train_iters * args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    valid = args.eval_iters * evaluations * args.global_batch_size
+    test = args.eval_iters * args.global_batch_size
+    return [max(train, 1), max(valid, 1), max(test, 1)]
+
+
+def build_datasets(args: argparse.Namespace, tokenizer):
+    """Build (train, valid, test) on every rank; megatron-core lets rank 0 build caches first."""
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # The local attention builds its causal mask itself; one mask path for every layout.
+        create_attention_mask=False,
+    )
+    dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_cls, dataset_sizes(args), lambda: True,
+                                         config).build()
+
+
+def needs_data() -> bool:
+    """Only the first pipeline stage (tokens) and the last (labels) read batches."""
+    return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+
+
+def micro_batch_indices(consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                        num_micro_batches: int) -> Iterator[list[int]]:
+    """Sample indices of each micro-batch that ``dp_rank`` trains on in one iteration."""
+    stride = micro_batch_size * dp_size
+    for micro in range(num_micro_batches):
+        start = consumed + micro * stride + dp_rank * micro_batch_size
+        yield list(range(start, start + micro_batch_size))
+
+
+class MicroBatches:
+    """Iterator over this rank's micro-batches for one iteration, read straight from ``dataset``.
+
+    Index arithmetic wraps modulo the dataset size, so evaluation can cycle the validation split.
+    """
+
+    def __init__(self, dataset, consumed: int, micro_batch_size: int, num_micro_batches: int):
+        self.dataset = dataset
+        self.indices = micro_batch_indices(
+            consumed, micro_batch_size, parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(), num_micro_batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        size = len(self.dataset)
+        return default_collate([self.dataset[index % size] for index in next(self.indices)])

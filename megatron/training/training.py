@@ -1,0 +1,345 @@
+"""The training loop: megatron-core GPT, pipeline schedules, Megatron DDP and optimizer.
+
+``pretrain(argv)`` is the whole program behind ``pretrain_gpt.py``. It runs on CUDA + NCCL
+when CUDA is present and on CPU + gloo otherwise (see ``cpu_compat``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from ftmaster import runfiles
+
+from . import cpu_compat
+from .arguments import padded_vocab_size
+from .checkpointing import Checkpointer, SaveResult, TrainingState, checkpoint_args
+from .console import format_iteration_line, log_last_rank, log_rank0
+from .data import MicroBatches, build_datasets, needs_data
+from .save_requests import Decision, SaveRequests
+from .tokenizer import build_tokenizer
+
+
+# ---- initialisation -----------------------------------------------------------------------
+def initialize(args: argparse.Namespace) -> None:
+    """Process group, model-parallel groups and seeds."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        cpu_compat.apply()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                             args.pipeline_model_parallel_size)
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _params_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def transformer_config(args) -> TransformerConfig:
+    use_cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        params_dtype=_params_dtype(args),
+        pipeline_dtype=_params_dtype(args),
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=not use_cuda,
+        # The fused kernels are CUDA-only; their unfused forms compute the same thing.
+        bias_activation_fusion=use_cuda,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=use_cuda,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_comm=use_cuda,
+    )
+
+
+def _layer_spec():
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+            import transformer_engine  # noqa: F401  (only its presence matters)
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return get_gpt_layer_local_spec()
+
+
+def build_model(args, config: TransformerConfig, vocab_size: int):
+    """GPTModel for this pipeline stage, wrapped for mixed precision and Megatron DDP."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    wrapped = Float16Module(config, model) if (args.bf16 or args.fp16) else model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped), model
+
+
+def build_optimizer(args, ddp_model):
+    config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=_params_dtype(args),
+        # Megatron's distributed optimizer needs CUDA buffers, and its default checkpoint
+        # format cannot change TP/PP; the plain optimizer reshards under any layout.
+        use_distributed_optimizer=False,
+    )
+    optimizer = get_megatron_optimizer(config, [ddp_model])
+    # Megatron-LM counts scheduler steps in samples, so the schedule survives a change of
+    # global batch size; the loop steps it by the global batch size.
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
+        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def vocab_size_for_layout(args, tokenizer) -> int:
+    """Megatron's padded vocabulary, kept from the checkpoint when it fits the new TP.
+
+    The padding depends on TP, so a resharded resume would otherwise build an embedding of
+    another shape than the checkpoint's.
+    """
+    saved = checkpoint_args(args.load) if torch.distributed.get_rank() == 0 else None
+    box = [saved.get("padded_vocab_size") if saved else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] and box[0] % args.tensor_model_parallel_size == 0 and box[0] >= tokenizer.vocab_size:
+        return box[0]
+    return padded_vocab_size(tokenizer.vocab_size, args)
+
+
+# ---- one iteration ------------------------------------------------------------------------
+def _to_device(batch: dict) -> dict:
+    if torch.cuda.is_available():
+        return {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    return batch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    if data_iterator is None:  # a middle pipeline stage reads its input from the previous one
+        output = model(None, None, None)
+        return output, partial(loss_func, None)
+    batch = _to_device(next(data_iterator))
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _average_loss(losses: list[dict]) -> float | None:
+    """Mean over micro-batches and data-parallel ranks, on the last pipeline stage."""
+    if not parallel_state.is_pipeline_last_stage() or not losses:
+        return None
+    value = torch.stack([entry["lm loss"] for entry in losses]).mean().float().reshape(1)
+    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return value.item() / parallel_state.get_data_parallel_world_size()
+
+
+class Trainer:
+    def __init__(self, args):
+        self.args = args
+        self.run_dir = runfiles.run_dir_from_env()
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file,
+                                    args.merge_file)
+        args.padded_vocab_size = vocab_size_for_layout(args, tokenizer)
+        self.config = transformer_config(args)
+        self.model, self.module = build_model(args, self.config, args.padded_vocab_size)
+        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        self._connect_schedule_hooks()
+        self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
+        self.state = TrainingState()
+        self.checkpointer = Checkpointer(args, self.module, self.optimizer, self.scheduler)
+        self.num_micro_batches = args.global_batch_size // (
+            args.micro_batch_size * parallel_state.get_data_parallel_world_size())
+        self.forward_backward = get_forward_backward_func()
+        self.requests = SaveRequests(
+            flag_path=runfiles.save_now_flag_path(self.run_dir) if self.run_dir else None,
+            handle_sigterm=args.exit_signal_handler, gap_frac=args.emergency_save_gap_frac,
+            save_interval=args.save_interval, can_save=args.save is not None)
+
+    def _connect_schedule_hooks(self):
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+    def _data(self, dataset, consumed):
+        if not needs_data():
+            return None
+        return MicroBatches(dataset, consumed, self.args.micro_batch_size,
+                            self.num_micro_batches)
+
+    def train_step(self) -> float | None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=self._data(self.train_ds, self.state.consumed_train_samples),
+            model=[self.model], num_microbatches=self.num_micro_batches,
+            seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
+            forward_only=False)
+        self.optimizer.step()
+        self.scheduler.step(increment=self.args.global_batch_size)
+        return _average_loss(losses)
+
+    def evaluate(self) -> None:
+        consumed = self.state.iteration // self.args.eval_interval * self.args.eval_iters
+        losses = []
+        self.model.eval()
+        with torch.no_grad():
+            for step in range(self.args.eval_iters):
+                batch_start = (consumed + step) * self.args.global_batch_size
+                losses += self.forward_backward(
+                    forward_step_func=forward_step,
+                    data_iterator=self._data(self.valid_ds, batch_start), model=[self.model],
+                    num_microbatches=self.num_micro_batches, seq_length=self.args.seq_length,
+                    micro_batch_size=self.args.micro_batch_size, forward_only=True)
+        self.model.train()
+        loss = _average_loss(losses)
+        if loss is not None:
+            log_last_rank(f"validation loss at iteration {self.state.iteration} | "
+                          f"lm loss value: {loss:.6E} |")
+
+    # ---- checkpoint events ------------------------------------------------------------------
+    def _event(self, name: str, **fields) -> None:
+        if self.run_dir is not None and torch.distributed.get_rank() == 0:
+            runfiles.append_event(self.run_dir, name, **fields)
+
+    def save(self, decision: Decision) -> None:
+        kind = "emergency_save" if decision.emergency else "periodic_save"
+
+        def durable(result: SaveResult) -> None:
+            self._event(kind, iteration=result.iteration, seconds=round(blocked, 4),
+                        bytes=result.bytes, persist_seconds=round(result.blocking_seconds, 4))
+            if torch.distributed.get_rank() == 0:
+                self.requests.consume()
+
+        start = time.perf_counter()
+        blocked = 0.0
+        result = self.checkpointer.save(self.state, on_durable=durable)
+        blocked = time.perf_counter() - start
+        if result.bytes is None:
+            log_rank0(f"async save at iteration {result.iteration} started; training blocked "
+                      f"{blocked:.3f} s")
+
+    def _heartbeat(self) -> None:
+        if self.run_dir is not None and torch.distributed.get_rank() == 0:
+            runfiles.write_heartbeat(self.run_dir, self.state.iteration,
+                                     self.state.consumed_train_samples)
+
+    def _after_iteration(self) -> bool:
+        """Checkpoint bookkeeping after an iteration; True when training must stop now."""
+        self.checkpointer.finalize_async()
+        last = self.checkpointer.last_saved_iteration or 0
+        decision = self.requests.decide(self.state.iteration, last)
+        if decision.deferred_until is not None:
+            self._event("save_deferred", iteration=self.state.iteration,
+                        until_iteration=decision.deferred_until)
+        if decision.save:
+            self.save(decision)
+        if decision.exit:
+            log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
+        return decision.exit
+
+    def run(self) -> None:
+        args = self.args
+        if args.load:
+            self.checkpointer.load(self.state)
+        log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
+        window_start, window_losses = time.perf_counter(), []
+        while self.state.iteration < args.train_iters:
+            loss = self.train_step()
+            self.state.iteration += 1
+            self.state.consumed_train_samples += args.global_batch_size
+            self._heartbeat()
+            if loss is not None:
+                window_losses.append(loss)
+            if self.state.iteration % args.log_interval == 0:
+                self._log(window_start, window_losses)
+                window_start, window_losses = time.perf_counter(), []
+            if args.eval_iters and self.state.iteration % args.eval_interval == 0:
+                self.evaluate()
+            if self._after_iteration():
+                break
+        else:
+            self._final_save()
+        self.checkpointer.close()
+
+    def _final_save(self) -> None:
+        if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
+            self.save(Decision(save=True))
+
+    def _log(self, window_start: float, losses: list[float]) -> None:
+        elapsed_ms = (time.perf_counter() - window_start) * 1000 / self.args.log_interval
+        log_last_rank(format_iteration_line(
+            self.state.iteration, self.args.train_iters, self.state.consumed_train_samples,
+            elapsed_ms, self.optimizer.param_groups[0]["lr"], self.args.global_batch_size,
+            sum(losses) / len(losses) if losses else None))
+
+
+def pretrain(args: argparse.Namespace) -> None:
+    initialize(args)
+    trainer = Trainer(args)
+    trainer.run()
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
