@@ -214,7 +214,7 @@ def _no_layout_message(gpus_available: int, gpus_per_node: int | None, shape: Mo
         (estimate_bytes_per_gpu(shape, tp, pp, 1, original.global_batch_size // dp), tp, pp, dp)
         for tp, pp, dp in _shape_layouts(gpus_available, gpus_per_node, shape, original))
     return (f"{head} in {gpu_memory_gb:g} GiB per GPU: the smallest memory estimate is "
-            f"{estimate / GIB:.3g} GiB at TP{tp} PP{pp} DP{dp} micro-batch 1 "
+            f"{estimate / GIB:.4g} GiB at TP{tp} PP{pp} DP{dp} micro-batch 1 "
             f"({_tensor_limits(shape, gpus_per_node)}); add GPUs or memory per GPU")
 
 

@@ -14,5 +14,9 @@ def main() -> None:
     """Proactive fault tolerance for Megatron training."""
 
 
+from ftmaster.recovery.cli import plan_command  # noqa: E402  (after main: commands register on it)
+
+main.add_command(plan_command)
+
 if __name__ == "__main__":
     main()
