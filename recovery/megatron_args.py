@@ -47,6 +47,9 @@ class ModelShape:
             _require_positive(name, getattr(self, name))
         if self.vocab_size is not None:
             _require_positive("vocab_size", self.vocab_size)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
+                             f"{self.num_attention_heads} attention heads")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_attention_heads} attention heads are not divisible "
                              f"by {self.num_query_groups} query groups")

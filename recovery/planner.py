@@ -6,7 +6,8 @@ A layout is valid when Megatron can run it and it keeps the optimisation unchang
 
 - TP divides the attention heads, the query groups, the hidden size and the FFN size;
 - TP stays within one node: it divides the GPUs per node, when the job spans nodes (TP groups
-  are consecutive ranks, so they then never straddle a node boundary);
+  are consecutive ranks, so they then never straddle a node boundary). Only counts are
+  known here: this assumes the GPUs used fill nodes of that size in rank order;
 - PP divides the layers;
 - DP divides the global batch, which never changes; the micro-batch is then the largest
   divisor of global batch / DP that is at most the original micro-batch (a larger one might
@@ -40,7 +41,7 @@ larger TP, then the larger PP.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
 from .megatron_args import ModelShape, OriginalLayout, read_script_args, rewrite_argv
@@ -92,13 +93,7 @@ class Plan:
 
     def as_json(self) -> dict:
         """The object ``ftmaster plan --json`` prints (DESIGN's contract)."""
-        return {"tensor_model_parallel_size": self.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-                "data_parallel_size": self.data_parallel_size,
-                "micro_batch_size": self.micro_batch_size,
-                "global_batch_size": self.global_batch_size,
-                "num_gpus_used": self.num_gpus_used,
-                "command": list(self.command)}
+        return {**asdict(self), "command": list(self.command)}
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,7 +121,8 @@ def estimate_bytes_per_gpu(shape: ModelShape, tp: int, pp: int, micro_batch: int
 
     - parameters: per layer ``2h^2 + 2h*kv + 2h*f`` (Q and output projections, K and V with
       ``kv = h * groups / heads``, the two MLP matrices), split by TP; ``L / PP`` layers; plus
-      the embedding ``V * h / TP`` and position embedding ``s * h``; times
+      the embedding ``V * h / TP`` (tied with the output layer, Megatron's default) and the
+      position embedding ``s * h``; times
       ``BYTES_PER_PARAMETER``.
     - activations: Korthikanti et al. (2022) without sequence parallelism or recomputation,
       ``s*b*h*(10 + 24/TP + 5*a*s/(h*TP))`` bytes per layer, for ``L / PP`` layers and the

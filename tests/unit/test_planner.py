@@ -169,6 +169,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
     (BASE + ["--hidden-size=abc"], "--hidden-size must be an integer, got 'abc'"),
     (BASE + ["--num-layers", "0"], "--num-layers must be a positive integer, got 0"),
     (BASE + ["--seq-length"], "--seq-length needs a value"),
+    (BASE + ["--hidden-size", "60"], "hidden size 60 is not divisible by 8 attention heads"),
     (BASE + ["--group-query-attention"], "--group-query-attention needs --num-query-groups N"),
     (BASE + ["--group-query-attention", "--num-query-groups", "3"],
      "8 attention heads are not divisible by 3 query groups"),
