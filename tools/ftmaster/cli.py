@@ -18,5 +18,9 @@ from ftmaster.recovery.cli import plan_command  # noqa: E402  (after main: comma
 
 main.add_command(plan_command)
 
+from ftmaster.goodput_cli import goodput_command  # noqa: E402
+
+main.add_command(goodput_command)
+
 if __name__ == "__main__":
     main()

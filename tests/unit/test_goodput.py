@@ -1,0 +1,119 @@
+"""The goodput model: Young/Daly, Monte Carlo agreement, the paper's Table III, the CLI."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster import goodput
+from ftmaster.cli import main
+from ftmaster.goodput import GoodputInputs
+
+BASE = GoodputInputs()
+
+
+@pytest.mark.parametrize("gpus, block_s", [(1024, 20.0), (8192, 20.0), (256, 60.0)])
+def test_periodic_optimum_matches_young_daly(gpus, block_s):
+    x = replace(BASE, gpus=gpus, save_block_s=block_s, save_persist_s=block_s).periodic_only()
+    assert block_s * x.failure_rate_s < 1e-3  # where Young's first-order formula applies
+    best = goodput.optimal_interval(x)["save_interval"] * x.iteration_s
+    young = goodput.young_daly_interval_s(x)
+    assert abs(best - young) / young < 0.05
+
+
+@pytest.mark.parametrize("case", [
+    {},  # the defaults: 1024 GPUs, recall 0.5, lead 120 s
+    {"gpus": 8192, "recall": 0.9, "lead_s": 600.0},  # a periodic save can fall in the lead
+    {"gpus": 8192, "recall": 0.9, "lead_s": 50.0},  # lead shorter than the persist time
+    {"gpus": 8192, "recall": 0.9, "gap_frac": 1.0},
+])
+@pytest.mark.parametrize("proactive", [False, True])
+def test_monte_carlo_agrees_with_analytic(case, proactive):
+    x = replace(BASE, run_hours=240.0, **case)
+    x = x if proactive else x.periodic_only()
+    model, sim = goodput.analytic(x), goodput.simulate(x, runs=100, seed=1)
+    assert abs(model["goodput"] - sim["goodput"]) < 0.005
+    assert sim["failures"] == pytest.approx(model["failures"], rel=0.1)
+
+
+@pytest.mark.parametrize("model", sorted(goodput.PAPER_TABLE_III))
+def test_reproduces_paper_table_iii(model):
+    checkpoint_s = goodput.paper_checkpoint_s(model)
+    got = (goodput.table_iii_overhead_s(checkpoint_s, None),
+           goodput.table_iii_overhead_s(checkpoint_s, 0.5),
+           goodput.table_iii_overhead_s(checkpoint_s, 0.25))
+    assert got == pytest.approx(goodput.PAPER_TABLE_III[model])
+
+
+def test_857m_is_476_952_1904():
+    assert goodput.paper_checkpoint_s("857M") == pytest.approx(9.52)
+    assert [goodput.table_iii_overhead_s(9.52, g) for g in (None, 0.5, 0.25)] == \
+        pytest.approx([476, 952, 1904])
+
+
+def test_proactive_pays_with_high_recall_and_enough_lead():
+    x = replace(BASE, gpus=4096, recall=0.9, lead_s=300.0)
+    assert x.lead_s > x.save_persist_s + x.iteration_s
+    proactive, periodic = goodput.analytic(x), goodput.analytic(x.periodic_only())
+    assert proactive["goodput"] > periodic["goodput"]
+    assert proactive["lost_hours"] < 0.5 * periodic["lost_hours"]
+    best_p = goodput.optimal_interval(x, tune_gap=True)["goodput"]
+    assert best_p >= goodput.optimal_interval(x.periodic_only())["goodput"]
+
+
+def test_no_lead_means_no_gain():
+    x = replace(BASE, recall=1.0, lead_s=0.0, false_alarm_rate=0.0)
+    assert goodput.analytic(x)["goodput"] == pytest.approx(
+        goodput.analytic(x.periodic_only())["goodput"])
+
+
+@pytest.mark.parametrize("bad", [
+    {"gpus": 0}, {"gpus": 2.5}, {"gpu_mtbf_hours": 0.0}, {"iteration_s": -1.0},
+    {"recall": 1.5}, {"gap_frac": -0.1}, {"save_block_s": 30.0, "save_persist_s": 10.0},
+    {"save_interval": 0}, {"lead_s": float("nan")}, {"run_hours": float("inf")},
+])
+def test_bad_inputs_are_rejected(bad):
+    with pytest.raises(ValueError):
+        replace(BASE, **bad)
+
+
+def _run_dir(tmp_path):
+    events = [{"event": "periodic_save", "time": 100.0, "iteration": 10, "seconds": 4.0},
+              {"event": "emergency_save", "time": 150.0, "iteration": 14, "seconds": 6.0,
+               "persist_seconds": 9.0},
+              {"event": "failure", "time": 200.0, "attempt": 0, "iteration": 16},
+              {"event": "resumed", "time": 290.5, "attempt": 1, "iteration": 15}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "logs").mkdir()
+    lines = [f"iteration {i}/20 | consumed samples: {i * 8} | elapsed time per iteration "
+             f"(ms): {ms} | learning rate: 1.0E-04 | global batch size: 8 | lm loss: 5.0E+00 |"
+             for i, ms in ((1, 400.0), (2, 500.0), (3, 600.0))]
+    (tmp_path / "logs" / "attempt0.log").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_cli_reads_measured_inputs(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    out = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--save-block-s",
+                                    "5", "--runs", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    body = json.loads(out.output)
+    assert body["measured"] == ["iteration_s", "restart_s", "save_persist_s"]
+    assert body["inputs"]["iteration_s"] == pytest.approx(0.5)
+    assert body["inputs"]["restart_s"] == pytest.approx(90.0)  # 90.5 s less one iteration
+    assert body["inputs"]["save_persist_s"] == pytest.approx(9.0)
+    assert body["inputs"]["save_block_s"] == 5.0  # the command line wins
+    assert body["proactive"]["optimum"]["save_interval"] >= 1
+
+
+def test_cli_table_and_one_line_errors():
+    runner = CliRunner()
+    out = runner.invoke(main, ["goodput", "--runs", "20", "--run-hours", "100"])
+    assert out.exit_code == 0, out.output
+    for text in ("periodic-only", "proactive", "goodput (Monte Carlo)", "Young/Daly"):
+        assert text in out.output
+    bad = runner.invoke(main, ["goodput", "--recall", "2"])
+    assert bad.exit_code != 0
+    assert "recall must be between 0 and 1" in bad.output
+    assert "Traceback" not in bad.output

@@ -1,0 +1,187 @@
+"""``ftmaster goodput``: the goodput model's command line and its run-directory measurements.
+
+Precedence of an input: a value given on the command line, else one measured in
+``--run-dir``, else the model's default. The output names the measured ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import statistics
+import textwrap
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import click
+
+from ftmaster import goodput, runfiles
+from ftmaster.goodput import GoodputInputs
+
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _iteration_s(run_dir: Path) -> float | None:
+    """Median ``elapsed time per iteration`` over every launch attempt's log."""
+    times = []
+    for log in sorted(runfiles.logs_dir(run_dir).glob("*.log")):
+        with open(log, errors="replace") as handle:
+            times += [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]
+    return _median(times)
+
+
+def _restart_s(events: list[dict], iteration_s: float | None) -> float | None:
+    """Median time from a failure to its first resumed iteration, less that iteration."""
+    gaps, failed_at = [], None
+    for event in events:
+        if event["event"] == "failure":
+            failed_at = event.get("time")
+        elif event["event"] == "resumed" and failed_at is not None:
+            gaps.append(event["time"] - failed_at - (iteration_s or 0.0))
+            failed_at = None
+    return _median([max(gap, 0.0) for gap in gaps])
+
+
+def _save_field(events: list[dict], key: str) -> float | None:
+    values = [e[key] for e in events if e["event"] in ("emergency_save", "periodic_save")
+              and isinstance(e.get(key), (int, float))]
+    return _median(values)
+
+
+def measure(run_dir: Path) -> dict[str, float]:
+    """Inputs found in a run directory: events.jsonl save and restart times, log iteration
+    times. Only what was found is returned."""
+    events = [e for e in runfiles.read_events(run_dir) if isinstance(e.get("time"), (int, float))]
+    iteration_s = _iteration_s(run_dir)
+    found = {"iteration_s": iteration_s,
+             "save_block_s": _save_field(events, "seconds"),
+             "save_persist_s": _save_field(events, "persist_seconds"),
+             "restart_s": _restart_s(events, iteration_s)}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _inputs(explicit: dict, measured: dict) -> GoodputInputs:
+    chosen = {**measured, **explicit}
+    block = chosen.get("save_block_s", GoodputInputs.save_block_s)
+    if "save_persist_s" not in chosen:  # the default persist may be below a measured block
+        chosen["save_persist_s"] = max(block, GoodputInputs.save_persist_s)
+    return GoodputInputs(**chosen)
+
+
+def _report(x: GoodputInputs, runs: int, seed: int) -> dict:
+    """Analytic and simulated outcome and the optimum, for periodic-only and proactive."""
+    result = {}
+    for name, case, tune_gap in (("periodic_only", x.periodic_only(), False),
+                                 ("proactive", x, True)):
+        result[name] = {"analytic": goodput.analytic(case),
+                        "optimum": goodput.optimal_interval(case, tune_gap=tune_gap)}
+        if runs:
+            result[name]["monte_carlo"] = goodput.simulate(case, runs=runs, seed=seed)
+    young_s = goodput.young_daly_interval_s(x)
+    result["young_daly"] = {"interval_s": young_s, "save_interval": young_s / x.iteration_s}
+    iters = round(x.run_hours * goodput.HOUR / x.iteration_s)
+    worst = goodput.table_iii_overhead_s(x.save_block_s, x.gap_frac, iters, x.save_interval)
+    result["worst_case_save_hours"] = worst / goodput.HOUR
+    return result
+
+
+def _row(label: str, values: list[str]) -> str:
+    return f"{label:<34}" + "".join(f"{v:>18}" for v in values)
+
+
+def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
+    cases = [result["periodic_only"], result["proactive"]]
+    lines = ["inputs: " + ", ".join(f"{k}={v:g}" for k, v in asdict(x).items()),
+             "measured in the run directory: " + (", ".join(sorted(measured)) or "none"), "",
+             _row("", ["periodic-only", "proactive"])]
+    rows = (("goodput (analytic)", "goodput", "{:.4f}"), ("failures (expected)", "failures",
+            "{:.1f}"), ("lost work (h)", "lost_hours", "{:.2f}"),
+            ("restart time (h)", "restart_hours", "{:.2f}"),
+            ("save overhead (h)", "save_hours", "{:.2f}"), ("wall time (h)", "wall_hours",
+            "{:.1f}"))
+    for label, key, fmt in rows:
+        lines.append(_row(label, [fmt.format(c["analytic"][key]) for c in cases]))
+    if "monte_carlo" in cases[0]:
+        lines.append(_row("goodput (Monte Carlo)", [
+            f"{c['monte_carlo']['goodput']:.4f} ± {c['monte_carlo']['goodput_stderr']:.4f}"
+            for c in cases]))
+        lines.append(_row("lost work (h, Monte Carlo)",
+                          [f"{c['monte_carlo']['lost_hours']:.2f}" for c in cases]))
+    best = [c["optimum"] for c in cases]
+    lines.append(_row("optimal save interval (iterations)",
+                      [str(best[0]["save_interval"]),
+                       f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})"]))
+    lines.append(_row("goodput at the optimum", [f"{b['goodput']:.4f}" for b in best]))
+    young = result["young_daly"]
+    lines += ["", f"Young/Daly sqrt(2 C MTBF_job): {young['save_interval']:.0f} iterations "
+              f"({young['interval_s']:.0f} s of compute between saves)",
+              f"paper-style worst case (an alert every gap, no failure): "
+              f"{result['worst_case_save_hours']:.2f} h of saves"]
+    return "\n".join(lines)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return float(value) if hasattr(value, "__float__") and not isinstance(value, int) else value
+
+
+def _field_docs() -> dict[str, str]:
+    """Each GoodputInputs field's docstring (the string after it), for the option help."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(GoodputInputs))).body[0].body
+    return {node.target.id: follower.value.value.split("\n")[0]
+            for node, follower in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(follower, ast.Expr)}
+
+
+def _input_options(command):
+    """One option per model input, default None so that an unset one can be measured."""
+    docs = _field_docs()
+    for field in reversed(fields(GoodputInputs)):
+        kind = int if field.type == "int" else float
+        option = click.option("--" + field.name.replace("_", "-"), field.name, type=kind,
+                              default=None,
+                              help=f"{docs[field.name]} [default: {field.default:g}]")
+        command = option(command)
+    return command
+
+
+@click.command("goodput")
+@click.option("--run-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Read measured save, iteration and restart times from this run directory.")
+@click.option("--gpu-failure-rate", type=float, default=None,
+              help="Failures per GPU-hour; the same as --gpu-mtbf-hours 1/RATE.")
+@click.option("--runs", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Monte Carlo runs (0: analytic model only).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@_input_options
+def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
+    """Expected goodput, lost work and the best save interval: periodic-only against
+    proactive checkpointing, analytic model and Monte Carlo, under Poisson GPU failures."""
+    explicit = {k: v for k, v in given.items() if v is not None}
+    if gpu_failure_rate is not None:
+        if "gpu_mtbf_hours" in explicit:
+            raise click.ClickException("give --gpu-mtbf-hours or --gpu-failure-rate, not both")
+        if gpu_failure_rate <= 0:
+            raise click.ClickException("--gpu-failure-rate must be > 0 failures per GPU-hour")
+        explicit["gpu_mtbf_hours"] = 1 / gpu_failure_rate
+    measured = measure(run_dir) if run_dir else {}
+    measured = {k: v for k, v in measured.items() if k not in explicit}
+    try:
+        x = _inputs(explicit, measured)
+        result = _report(x, runs, seed)
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        body = {"inputs": asdict(x), "measured": sorted(measured), **result}
+        click.echo(json.dumps(_jsonable(body), indent=2))
+    else:
+        click.echo(_table(x, measured, result))
+
