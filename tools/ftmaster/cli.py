@@ -22,5 +22,9 @@ from ftmaster.goodput_cli import goodput_command  # noqa: E402
 
 main.add_command(goodput_command)
 
+from ftmaster.monitor.cli import monitor_command  # noqa: E402
+
+main.add_command(monitor_command)
+
 if __name__ == "__main__":
     main()

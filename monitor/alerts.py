@@ -1,0 +1,65 @@
+"""When a score becomes an alert: threshold, hysteresis and cooldown, per GPU.
+
+A GPU alerts when its score reaches the threshold while it is armed and its cooldown has
+passed. Alerting disarms it; it re-arms once its score falls below ``threshold -
+rearm_margin``. A hard reason that this GPU has not alerted on since it last re-armed
+(a new XID, a double-bit error after a thermal alert, the device disappearing) alerts at
+once, whatever the cooldown: those are the alerts a checkpoint request cannot wait for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftmaster.monitor.scorers import Assessment
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    threshold: float = 0.95
+    """Score at or above which a GPU alerts (the paper's 0.95)."""
+    cooldown_s: float = 300.0
+    """Least time between two soft alerts of one GPU, in the samples' own clock."""
+    rearm_margin: float = 0.2
+    """How far below the threshold a score must fall before the GPU can alert again."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"risk threshold must be in (0, 1], got {self.threshold}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown must be >= 0 s, got {self.cooldown_s}")
+        if not 0.0 <= self.rearm_margin < 1.0:
+            raise ValueError(f"re-arm margin must be in [0, 1), got {self.rearm_margin}")
+
+
+@dataclass
+class _GpuAlertState:
+    armed: bool = True
+    last_alert: float | None = None
+    hard_reported: set[str] = field(default_factory=set)
+
+
+class AlertPolicy:
+    def __init__(self, config: AlertConfig | None = None) -> None:
+        self.config = config or AlertConfig()
+        self._gpus: dict[int, _GpuAlertState] = {}
+
+    def forget(self, gpu: int) -> None:
+        self._gpus.pop(gpu, None)
+
+    def decide(self, gpu: int, time_s: float, assessment: Assessment) -> bool:
+        """Whether this assessment is an alert; updates the GPU's arming state."""
+        cfg = self.config
+        state = self._gpus.setdefault(gpu, _GpuAlertState())
+        if not state.armed and assessment.score < cfg.threshold - cfg.rearm_margin:
+            state.armed = True
+            state.hard_reported.clear()
+        new_hard = set(assessment.hard_reasons) - state.hard_reported
+        cooled = state.last_alert is None or time_s - state.last_alert >= cfg.cooldown_s
+        soft_alert = assessment.score >= cfg.threshold and state.armed and cooled
+        if not (soft_alert or new_hard):
+            return False
+        state.armed = False
+        state.last_alert = time_s
+        state.hard_reported |= set(assessment.hard_reasons)
+        return True

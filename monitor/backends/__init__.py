@@ -1,0 +1,60 @@
+"""Telemetry backends: each ``sample()`` returns one :class:`GpuSample` per present GPU.
+
+The contract every backend keeps:
+
+- a GPU that is present but whose read failed comes back with ``None`` fields (unknown);
+- a GPU that is gone (NVML says lost, or a replayed GPU that never appears again) is left
+  out of the list, and the monitor reports it as lost;
+- a failure of the whole read (driver wedged, ``nvidia-smi`` hung) raises
+  :class:`BackendError`; the monitor retries with backoff;
+- a finite source (``replay:``) raises :class:`TraceEnded` when it has nothing left.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from ftmaster.monitor.sample import GpuSample
+
+BACKEND_NAMES = ("nvml", "smi", "sim", "replay:PATH")
+
+
+class BackendError(RuntimeError):
+    """The backend could not produce a sample this time; worth retrying."""
+
+
+class TraceEnded(Exception):
+    """A recorded trace has no more samples."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def sample(self) -> list[GpuSample]: ...
+
+    def close(self) -> None: ...
+
+
+def make_backend(spec: str, *, num_gpus: int = 8, seed: int = 0,
+                 gpu_ids: Sequence[int] | None = None) -> Backend:
+    """Build a backend from ``nvml``, ``smi``, ``sim`` or ``replay:PATH``; ValueError if unknown.
+
+    ``num_gpus`` and ``seed`` are for ``sim``; ``gpu_ids`` restricts ``nvml``/``sim`` to those ids.
+    """
+    if spec == "nvml":
+        from ftmaster.monitor.backends.nvml import NvmlBackend
+        return NvmlBackend(gpu_ids=gpu_ids)
+    if spec == "smi":
+        from ftmaster.monitor.backends.smi import SmiBackend
+        return SmiBackend()
+    if spec == "sim":
+        from ftmaster.monitor.backends.sim import SimBackend
+        return SimBackend(num_gpus=num_gpus, seed=seed, gpu_ids=gpu_ids)
+    if spec.startswith("replay:"):
+        from ftmaster.monitor.backends.replay import ReplayBackend
+        path = spec[len("replay:"):]
+        if not path:
+            raise ValueError("replay: needs a path, e.g. replay:runs/x/gpu_metrics.csv")
+        return ReplayBackend(Path(path))
+    raise ValueError(f"unknown backend {spec!r}; choose one of {', '.join(BACKEND_NAMES)}")

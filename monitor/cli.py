@@ -1,0 +1,94 @@
+"""``ftmaster monitor``: run the GPU risk monitor on its own."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import click
+
+from ftmaster import runfiles
+from ftmaster.faults import parse_injection
+from ftmaster.monitor.alerts import AlertConfig
+from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
+from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
+from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
+from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
+
+
+@click.command("monitor")
+@click.option("--backend", "backend_spec", required=True, metavar="|".join(BACKEND_NAMES),
+              help="Telemetry source; replay:PATH plays a recorded gpu_metrics.csv as fast as it can.")
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where gpu_metrics.csv, events.jsonl and flags/ go.")
+@click.option("--interval", default=10.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between samples (live backends).")
+@click.option("--scorer", default="adaptive", show_default=True, type=click.Choice(SCORER_NAMES))
+@click.option("--risk-threshold", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--num-gpus", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Virtual GPUs for the sim backend.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
+@click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
+              help="Fault to lay over the telemetry (repeatable); KIND: degrade, fail, hang, recover.")
+@click.option("--duration", default=None, type=click.FloatRange(min=0),
+              help="Stop after this many seconds (live backends; default: until interrupted).")
+def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: str,
+                    risk_threshold: float, num_gpus: int, seed: int, inject_specs: tuple[str, ...],
+                    duration: float | None) -> None:
+    """Sample GPUs, score their failure risk, and request checkpoints on alerts."""
+    try:
+        injections = [parse_injection(spec) for spec in inject_specs]
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    replaying = backend_spec.startswith("replay:")
+    if replaying and Path(backend_spec[len("replay:"):]).resolve() == \
+            runfiles.metrics_csv_path(run_dir).resolve():
+        raise click.UsageError("replay:PATH is this run dir's own gpu_metrics.csv; "
+                               "give another --run-dir")
+    try:
+        backend = make_backend(backend_spec, num_gpus=num_gpus, seed=seed)
+    except ValueError as exc:  # unknown backend name, or ReplayError for a bad file
+        raise (click.ClickException if isinstance(exc, ReplayError) else click.UsageError)(str(exc)) from None
+    except BackendError as exc:
+        raise click.ClickException(f"{backend_spec} backend unavailable: {exc}") from None
+    logging.basicConfig(level=logging.ERROR if replaying else logging.WARNING,
+                        format="%(asctime)s monitor %(levelname)s %(message)s")
+    try:
+        monitor = Monitor(backend, run_dir, scorer=make_scorer(scorer),
+                          alert_config=AlertConfig(threshold=risk_threshold),
+                          config=MonitorConfig(interval_s=0.0 if replaying else interval),
+                          injections=injections, seed=seed)
+    except (MetricsFileError, OSError) as exc:
+        backend.close()
+        raise click.ClickException(str(exc)) from None
+    if replaying:
+        monitor.run_to_end()
+        monitor.close()
+    else:
+        _run_live(monitor, duration)
+    click.echo(_summary(monitor, backend_spec, run_dir))
+
+
+def _run_live(monitor: Monitor, duration: float | None) -> None:
+    done = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
+    monitor.start()
+    try:
+        done.wait(duration)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monitor.stop()
+
+
+def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:
+    alerted = sorted({a.gpu for a in monitor.alerts})
+    text = (f"{backend_spec}: {monitor.samples_seen} GPU samples, {len(monitor.alerts)} alert(s)"
+            f" on GPU(s) {alerted}, lost GPU(s) {sorted(monitor.lost_gpus())}; wrote {run_dir}")
+    backend = monitor.backend
+    if isinstance(backend, ReplayBackend) and backend.skipped:
+        text += f"; skipped {backend.skipped} malformed row(s), first: {backend.problems[0]}"
+    return text

@@ -1,0 +1,284 @@
+"""The monitor loop: sample, lay injected faults over the samples, score, record, alert.
+
+Outputs in ``RUN_DIR`` (DESIGN's run-directory contract):
+
+- ``gpu_metrics.csv``: one row per GPU per sample, DESIGN's columns with ``failure_risk``.
+  The header is written once; each sample's rows go out in one ``O_APPEND`` write of whole
+  lines, so pandas can read the file while it grows.
+- ``events.jsonl``: a ``risk_alert`` event per alert with ``gpu``, ``score``, ``reasons`` and
+  ``timestamp`` (the sample's own time, as in the CSV). A ``monitor_error`` event (``error``,
+  ``retry_in_s``) marks the start of a run of backend failures.
+- ``flags/trigger_checkpoint.flag``: written atomically on every alert, JSON with ``gpu``,
+  ``score``, ``reasons`` and ``timestamp``.
+
+**Device lost.** A GPU that was sampled before and is missing from a later sample is lost
+(see the backends' contract). The monitor then
+
+- adds it to :meth:`Monitor.lost_gpus` (thread-safe; the launcher's API),
+- raises a ``risk_alert`` with score 1.0 and reasons ``["device_lost"]`` (event and flag),
+- calls ``on_lost(gpu)`` if given.
+
+A lost GPU that reports again is taken off the lost set and starts with fresh baselines.
+:meth:`Monitor.exclude_gpus` stops watching GPUs (a relaunch without them): they are neither
+scored nor reported lost from then on.
+
+**Robustness.** Run in a daemon thread (:meth:`Monitor.start`), a backend error or any
+exception in a step is logged and retried with exponential backoff (interval x 2^k, capped),
+never fatal. Intervals from 0.1 s to minutes work; all timing decisions (warm-up, cooldown,
+``at=Ns`` injections) use the samples' own clock, so a replay decides exactly as live.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ftmaster import runfiles
+from ftmaster.faults import Injection
+from ftmaster.monitor.alerts import AlertConfig, AlertPolicy
+from ftmaster.monitor.anomalies import AnomalyOverlay
+from ftmaster.monitor.backends import Backend, TraceEnded
+from ftmaster.monitor.sample import GpuSample, iso_time, to_row
+from ftmaster.monitor.schema import CSV_COLUMNS
+from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
+
+log = logging.getLogger("ftmaster.monitor")
+
+DEVICE_LOST = "device_lost"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    interval_s: float = 10.0
+    """Seconds between samples (the paper's 10 s); 0 runs back to back (replay)."""
+    max_backoff_s: float = 60.0
+    """Longest wait between retries after backend errors."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_s >= 0:
+            raise ValueError(f"interval must be >= 0 s, got {self.interval_s}")
+        if not self.max_backoff_s > 0:
+            raise ValueError(f"max backoff must be > 0 s, got {self.max_backoff_s}")
+
+
+@dataclass(frozen=True)
+class Alert:
+    gpu: int
+    score: float
+    reasons: tuple[str, ...]
+    time: float  # the sample's own time, unix seconds
+
+
+class MetricsFileError(ValueError):
+    """``gpu_metrics.csv`` exists with other columns; appending would corrupt it."""
+
+
+class MetricsWriter:
+    """Appends sample rows to ``gpu_metrics.csv``: header once, whole lines per write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if os.fstat(self._fd).st_size == 0:
+            os.write(self._fd, self._encode([CSV_COLUMNS]))
+        else:
+            self._check_header()
+
+    def _check_header(self) -> None:
+        with self.path.open(newline="") as handle:
+            header = next(csv.reader(handle), [])
+        if tuple(header) != CSV_COLUMNS:
+            os.close(self._fd)
+            raise MetricsFileError(f"{self.path} has other columns than gpu_metrics.csv's; "
+                                   f"move it away or use another --run-dir")
+
+    @staticmethod
+    def _encode(rows: Iterable[Iterable[str]]) -> bytes:
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(rows)
+        return buffer.getvalue().encode()
+
+    def write(self, samples: list[GpuSample]) -> None:
+        if samples:
+            os.write(self._fd, self._encode(to_row(s) for s in samples))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Monitor:
+    """Watches one backend's GPUs; see the module docstring for what it writes.
+
+    ``run_dir=None`` keeps everything in memory (``alerts``), for evaluation and tests.
+    """
+
+    def __init__(self, backend: Backend, run_dir: Path | None, *, scorer: Scorer | None = None,
+                 alert_config: AlertConfig | None = None, config: MonitorConfig | None = None,
+                 injections: Iterable[Injection] = (), seed: int = 0,
+                 on_alert: Callable[[Alert], None] | None = None,
+                 on_lost: Callable[[int], None] | None = None) -> None:
+        self.backend = backend
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.scorer = scorer or AdaptiveScorer()
+        self.policy = AlertPolicy(alert_config)
+        self.config = config or MonitorConfig()
+        self.overlay = AnomalyOverlay(seed=seed)
+        self.pending_injections = list(injections)
+        self.on_alert, self.on_lost = on_alert, on_lost
+        self.alerts: list[Alert] = []
+        self.samples_seen = 0
+        self._writer = None if self.run_dir is None else MetricsWriter(runfiles.metrics_csv_path(self.run_dir))
+        self._lock = threading.Lock()
+        self._known: set[int] = set()
+        self._lost: set[int] = set()
+        self._excluded: set[int] = set()
+        self._started_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the launcher's API ------------------------------------------------------------------
+    def lost_gpus(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._lost)
+
+    def exclude_gpus(self, gpus: Iterable[int]) -> None:
+        """Stop watching ``gpus``: no rows, no scores, no lost reports for them."""
+        with self._lock:
+            for gpu in gpus:
+                self._excluded.add(gpu)
+                self._known.discard(gpu)
+                self._lost.discard(gpu)
+                self.scorer.forget(gpu)
+                self.policy.forget(gpu)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ftmaster-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        if self._writer is not None and (self._thread is None or not self._thread.is_alive()):
+            self._writer.close()
+            self._writer = None
+        self.backend.close()
+
+    def run_to_end(self) -> None:
+        """Step until the backend's trace ends (replay), as fast as it goes."""
+        while True:
+            try:
+                self.step()
+            except TraceEnded:
+                return
+
+    # -- one sample ------------------------------------------------------------------------
+    def step(self) -> list[Alert]:
+        """Take, score and record one sample; returns its alerts. Backend errors propagate."""
+        samples = self.backend.sample()
+        now = max((s.timestamp for s in samples), default=time.time())
+        if self._started_at is None:
+            self._started_at = now
+        self._inject_due(now)
+        with self._lock:
+            samples = self.overlay.apply([s for s in samples if s.gpu_id not in self._excluded])
+            newly_lost = self._track_presence(samples)
+            assessments = self.scorer.update(samples)
+            alerts = []
+            for sample in samples:
+                assessment = assessments[sample.gpu_id]
+                sample.failure_risk = assessment.score
+                alerts += self._decide(sample.gpu_id, sample.timestamp, assessment)
+            for gpu in newly_lost:
+                alerts += self._decide(gpu, now, Assessment(1.0, (DEVICE_LOST,), (DEVICE_LOST,)))
+        self.samples_seen += len(samples)
+        if self._writer is not None:
+            self._writer.write(samples)
+        for alert in alerts:
+            self._announce(alert)
+        for gpu in newly_lost:
+            if self.on_lost is not None:
+                self.on_lost(gpu)
+        return alerts
+
+    def _inject_due(self, now: float) -> None:
+        if not self.pending_injections:
+            return
+        iteration = None
+        if self.run_dir is not None:
+            heartbeat = runfiles.read_heartbeat(self.run_dir)
+            iteration = None if heartbeat is None else heartbeat["iteration"]
+        elapsed = now - self._started_at
+        for injection in [i for i in self.pending_injections if i.due(iteration, elapsed)]:
+            log.info("injecting %s (iteration %s, %.1f s in)", injection, iteration, elapsed)
+            self.overlay.apply_fault(injection)
+            self.pending_injections.remove(injection)
+
+    def _track_presence(self, samples: list[GpuSample]) -> list[int]:
+        """Update the known/lost sets; returns the GPUs lost in this sample."""
+        present = {s.gpu_id for s in samples}
+        for gpu in present & self._lost:
+            log.info("GPU %d reports again", gpu)
+            self._lost.discard(gpu)
+            self.scorer.forget(gpu)
+            self.policy.forget(gpu)
+        newly_lost = sorted(self._known - present - self._lost)
+        self._lost.update(newly_lost)
+        self._known |= present
+        return newly_lost
+
+    def _decide(self, gpu: int, when: float, assessment: Assessment) -> list[Alert]:
+        if not self.policy.decide(gpu, when, assessment):
+            return []
+        alert = Alert(gpu, assessment.score, assessment.reasons, when)
+        self.alerts.append(alert)
+        return [alert]
+
+    def _announce(self, alert: Alert) -> None:
+        log.warning("risk alert: GPU %d score %.2f (%s)", alert.gpu, alert.score, ", ".join(alert.reasons))
+        if self.run_dir is not None:
+            body = {"gpu": alert.gpu, "score": alert.score, "reasons": list(alert.reasons),
+                    "timestamp": iso_time(alert.time)}
+            runfiles.append_event(self.run_dir, "risk_alert", **body)
+            runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), **body)
+        if self.on_alert is not None:
+            self.on_alert(alert)
+
+    # -- the thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                self.step()
+            except TraceEnded:
+                return
+            except Exception as exc:  # survive anything a backend or a disk throws at us
+                failures += 1
+                delay = min(self.config.max_backoff_s, max(self.config.interval_s, 0.1) * 2 ** failures)
+                log.error("monitor step failed (%s: %s); retrying in %.1f s",
+                          type(exc).__name__, exc, delay)
+                if failures == 1 and self.run_dir is not None:
+                    self._record_error(exc, delay)
+            else:
+                failures = 0
+                delay = max(0.0, self.config.interval_s - (time.monotonic() - began))
+            self._stop.wait(delay)
+
+    def _record_error(self, exc: Exception, delay: float) -> None:
+        try:
+            runfiles.append_event(self.run_dir, "monitor_error", error=f"{type(exc).__name__}: {exc}",
+                                  retry_in_s=round(delay, 3))
+        except OSError as write_error:
+            log.error("cannot record monitor_error: %s", write_error)

@@ -1,0 +1,492 @@
+"""Risk scorers: ``paper`` (the published six-factor sum) and ``adaptive`` (the default).
+
+A scorer sees one sample per present GPU at a time (``update``) and returns an
+:class:`Assessment` per GPU: a score in [0, 1], the reasons behind it, and the hard reasons
+among them. Whether a score becomes an alert is :mod:`ftmaster.monitor.alerts`' business.
+
+A sample whose temperature, power and utilisation are all unknown scores
+``UNKNOWN_SCORE`` (0.5) with reason ``telemetry_unknown``: visibly not healthy, yet no
+checkpoint request on missing data alone.
+
+**paper** reproduces section III.C: ``score = sum(w_i * r_i)`` with weights temperature .25,
+memory .15, errors .25, power .10, utilization_drop .15, temp_rise .10 over a rolling window
+of the last 60 samples per GPU. The paper does not give its normalisations; ours are:
+
+- temperature: ``(T - 50) / (90 - 50)``, clipped to [0, 1];
+- memory: ``memory_used / memory_total``;
+- errors: 1 when the cumulative uncorrectable-error count rose within the window, but only
+  with ``errors_term=True``. The published collector never filled that column, so the term
+  is 0 by default, which caps the score at 1 - 0.25 = 0.75: below the paper's 0.95
+  threshold, so as published it never alerts;
+- power: coefficient of variation of power over the window, ``/ 0.25``, clipped;
+- utilization_drop: ``(window mean - now) / window mean``, clipped;
+- temp_rise: temperature rise over the last 6 samples in C/min, ``/ 5``, clipped.
+
+**adaptive** treats hard signals (:func:`ftmaster.monitor.signals.hard_reasons`) as critical
+at once (score 1.0) and scores soft signals against each GPU's own history and its peers':
+
+- temperature: the GPU's temperature minus the median of the other GPUs (so warm-up,
+  checkpoints and evals, which move every GPU, cancel out), compared with that residual's own
+  slow baseline (so a hot but steady GPU is fine). A rising residual (C/min over a few
+  minutes) that is also well above its baseline scores; a very large excess alone scores up
+  to ``level_cap``, below the threshold;
+- throttling: the share of recent samples with hardware/thermal throttle bits, minus the
+  peers' share;
+- power instability: the spread (IQR) of power while utilisation is steady, minus the peers'
+  spread, as a fraction of the power limit;
+- utilisation collapse: the share of recent samples in which this GPU sat far below its
+  peers' median utilisation (needs at least one peer);
+- single-bit ECC acceleration: corrected errors in the last 10 minutes beyond twice the rate
+  of the 30 minutes before.
+
+Soft signals are off while a GPU warms up (its first ``warmup_s``), combine as
+``1 - prod(1 - s_i)``, and the score falls at most ``score_decay_per_min`` per minute, which
+with the alert policy's re-arm margin gives the hysteresis. Every detector is a pure function
+of features and config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Iterable, Protocol
+
+from ftmaster.monitor.sample import GpuSample
+from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons
+
+UNKNOWN_SCORE = 0.5
+SCORER_NAMES = ("adaptive", "paper")
+REASON_FLOOR = 0.25  # soft signals weaker than this are not named as reasons
+
+
+@dataclass(frozen=True)
+class Assessment:
+    score: float
+    reasons: tuple[str, ...] = ()
+    hard_reasons: tuple[str, ...] = ()
+
+
+class Scorer(Protocol):
+    name: str
+
+    def update(self, samples: list[GpuSample]) -> dict[int, Assessment]: ...
+
+    def forget(self, gpu: int) -> None: ...
+
+
+def ramp(x: float, lo: float, hi: float) -> float:
+    """0 at or below ``lo``, 1 at or above ``hi``, linear between."""
+    if x <= lo:
+        return 0.0
+    return 1.0 if x >= hi else (x - lo) / (hi - lo)
+
+
+def _no_telemetry(sample: GpuSample) -> bool:
+    return sample.temperature is None and sample.power_draw is None and sample.gpu_utilization is None
+
+
+# ---------------------------------------------------------------------------------------- #
+# paper
+# ---------------------------------------------------------------------------------------- #
+PAPER_WEIGHTS = {"temperature": 0.25, "memory": 0.15, "errors": 0.25, "power": 0.10,
+                 "utilization_drop": 0.15, "temp_rise": 0.10}
+
+
+@dataclass(frozen=True)
+class PaperConfig:
+    window_samples: int = 60
+    """Rolling window per GPU, in samples (the paper keeps the last 60)."""
+    temp_cool_c: float = 50.0
+    """Temperature at which the temperature factor is 0."""
+    temp_hot_c: float = 90.0
+    """Temperature at which the temperature factor is 1."""
+    power_cv_full: float = 0.25
+    """Coefficient of variation of power at which the power factor is 1."""
+    rise_samples: int = 6
+    """How many samples back the temperature rise rate is measured."""
+    temp_rise_full_c_per_min: float = 5.0
+    """Temperature rise rate at which the temp_rise factor is 1."""
+    errors_term: bool = False
+    """Fill the errors factor from the uncorrectable-error count (the paper left it at 0)."""
+
+    def __post_init__(self) -> None:
+        if self.window_samples < 2 or self.rise_samples < 1:
+            raise ValueError("paper scorer: window_samples must be >= 2 and rise_samples >= 1")
+        if self.temp_hot_c <= self.temp_cool_c:
+            raise ValueError("paper scorer: temp_hot_c must be above temp_cool_c")
+        if self.power_cv_full <= 0 or self.temp_rise_full_c_per_min <= 0:
+            raise ValueError("paper scorer: power_cv_full and temp_rise_full_c_per_min must be > 0")
+
+
+def paper_factors(history: list[GpuSample], cfg: PaperConfig) -> dict[str, float]:
+    """The six normalised factors for the newest sample in ``history`` (unknown -> 0)."""
+    now = history[-1]
+    factors = dict.fromkeys(PAPER_WEIGHTS, 0.0)
+    if now.temperature is not None:
+        factors["temperature"] = ramp(now.temperature, cfg.temp_cool_c, cfg.temp_hot_c)
+    if now.memory_used is not None and now.memory_total:
+        factors["memory"] = min(1.0, max(0.0, now.memory_used / now.memory_total))
+    if cfg.errors_term:
+        counts = [s.errors for s in history if s.errors is not None]
+        factors["errors"] = 1.0 if len(counts) > 1 and counts[-1] > counts[0] else 0.0
+    powers = [s.power_draw for s in history if s.power_draw is not None]
+    if len(powers) > 1:
+        mean = sum(powers) / len(powers)
+        if mean > 0:
+            std = math.sqrt(sum((p - mean) ** 2 for p in powers) / len(powers))
+            factors["power"] = ramp(std / mean, 0.0, cfg.power_cv_full)
+    utils = [s.gpu_utilization for s in history if s.gpu_utilization is not None]
+    if utils and now.gpu_utilization is not None:
+        mean = sum(utils) / len(utils)
+        if mean > 0:
+            factors["utilization_drop"] = ramp((mean - now.gpu_utilization) / mean, 0.0, 1.0)
+    back = history[-1 - cfg.rise_samples] if len(history) > cfg.rise_samples else history[0]
+    minutes = (now.timestamp - back.timestamp) / 60.0
+    if minutes > 0 and now.temperature is not None and back.temperature is not None:
+        rate = (now.temperature - back.temperature) / minutes
+        factors["temp_rise"] = ramp(rate, 0.0, cfg.temp_rise_full_c_per_min)
+    return factors
+
+
+class PaperScorer:
+    name = "paper"
+
+    def __init__(self, config: PaperConfig | None = None) -> None:
+        self.config = config or PaperConfig()
+        self._history: dict[int, deque[GpuSample]] = {}
+
+    def forget(self, gpu: int) -> None:
+        self._history.pop(gpu, None)
+
+    def update(self, samples: list[GpuSample]) -> dict[int, Assessment]:
+        out = {}
+        for sample in samples:
+            if _no_telemetry(sample):
+                out[sample.gpu_id] = Assessment(UNKNOWN_SCORE, ("telemetry_unknown",))
+                continue
+            history = self._history.setdefault(sample.gpu_id, deque(maxlen=self.config.window_samples))
+            history.append(sample)
+            factors = paper_factors(list(history), self.config)
+            score = sum(PAPER_WEIGHTS[k] * v for k, v in factors.items())
+            reasons = tuple(sorted((k for k, v in factors.items() if v >= 0.5),
+                                   key=lambda k: -factors[k]))
+            out[sample.gpu_id] = Assessment(round(score, 4), reasons)
+        return out
+
+
+# ---------------------------------------------------------------------------------------- #
+# adaptive
+# ---------------------------------------------------------------------------------------- #
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    warmup_s: float = 300.0
+    """Seconds of a GPU's history before its soft signals count (baselines are learnt)."""
+    baseline_tau_s: float = 1200.0
+    """Time constant of the per-GPU temperature baseline; it is frozen while suspicious."""
+    trend_window_s: float = 240.0
+    """Window over which the temperature trend (slope of the residual) is fitted."""
+    level_window_s: float = 60.0
+    """Window whose mean residual temperature is compared with the baseline."""
+    slope_c_per_min: tuple[float, float] = (0.6, 1.8)
+    """Residual temperature slope (C/min) at which the trend starts to count / counts fully."""
+    trend_excess_c: tuple[float, float] = (2.0, 6.0)
+    """Excess over baseline (C) that a rising trend needs: starts / full."""
+    level_excess_c: tuple[float, float] = (8.0, 20.0)
+    """Excess over baseline (C) that scores on its own, up to level_cap."""
+    level_cap: float = 0.85
+    """Most that a high but not rising temperature can score alone (below the threshold)."""
+    throttle_window_s: float = 180.0
+    """Window for the share of samples with hardware/thermal throttle bits."""
+    throttle_excess: tuple[float, float] = (0.25, 0.7)
+    """That share minus the peers' share: starts / full."""
+    power_window_s: float = 120.0
+    """Window for power spread and utilisation steadiness."""
+    power_spread: tuple[float, float] = (0.08, 0.2)
+    """Power IQR beyond the peers', as a fraction of the power limit: starts / full."""
+    steady_util_iqr: float = 15.0
+    """Utilisation IQR (points) above which power changes are load changes, not instability."""
+    collapse_gap: float = 50.0
+    """Points below the peers' median utilisation that count as collapsed."""
+    collapse_window_s: float = 120.0
+    """Window for the share of collapsed samples."""
+    collapse_share: tuple[float, float] = (0.6, 0.95)
+    """Share of collapsed samples: starts / full."""
+    sbe_window_s: float = 600.0
+    """Recent window for corrected-error counts; the reference is the 3 windows before."""
+    sbe_excess: tuple[float, float] = (3.0, 12.0)
+    """Recent corrected errors beyond twice the reference rate (+1): starts / full."""
+    min_coverage: float = 0.6
+    """Share of a window that samples must span before its feature is trusted."""
+    score_decay_per_min: float = 0.25
+    """Fastest fall of the score per minute (rises are immediate)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                if not (len(value) == 2 and 0 <= value[0] < value[1]):
+                    raise ValueError(f"adaptive scorer: {f.name} must be (lo, hi) with 0 <= lo < hi, "
+                                     f"got {value}")
+            elif not value > 0:
+                raise ValueError(f"adaptive scorer: {f.name} must be > 0, got {value}")
+        if self.level_cap >= 1 or self.min_coverage > 1:
+            raise ValueError("adaptive scorer: level_cap must be < 1 and min_coverage <= 1")
+
+
+class Window:
+    """(time, value) points within the last ``span_s`` seconds."""
+
+    __slots__ = ("span_s", "times", "values")
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.times: deque[float] = deque()
+        self.values: deque[float] = deque()
+
+    def push(self, t: float, value: float) -> None:
+        self.times.append(t)
+        self.values.append(value)
+        while self.times[0] < t - self.span_s:
+            self.times.popleft()
+            self.values.popleft()
+
+    def trusted(self, min_coverage: float, min_points: int = 4) -> bool:
+        return (len(self.times) >= min_points
+                and self.times[-1] - self.times[0] >= min_coverage * self.span_s)
+
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    def mean_since(self, t: float) -> float:
+        total, count = 0.0, 0
+        for when, value in zip(reversed(self.times), reversed(self.values)):
+            if when < t:
+                break
+            total += value
+            count += 1
+        return total / count
+
+    def slope_per_min(self) -> float:
+        n = len(self.times)
+        t0 = self.times[0]
+        mean_t = sum(t - t0 for t in self.times) / n
+        mean_v = self.mean()
+        sxx = sxy = 0.0
+        for t, v in zip(self.times, self.values):
+            dt = t - t0 - mean_t
+            sxx += dt * dt
+            sxy += dt * (v - mean_v)
+        return 60.0 * sxy / sxx if sxx > 0 else 0.0
+
+    def iqr(self) -> float:
+        ordered = sorted(self.values)
+        n = len(ordered)
+        return ordered[(3 * n) // 4] - ordered[n // 4]
+
+
+@dataclass
+class Features:
+    """What the detectors read about one GPU (None: not enough data)."""
+
+    slope: float | None = None  # residual temperature, C/min
+    excess: float | None = None  # residual temperature above its baseline, C
+    throttle_share: float | None = None
+    power_spread: float | None = None  # IQR / power limit
+    util_iqr: float | None = None
+    collapse_share: float | None = None
+    sbe_excess: float | None = None
+
+
+def temperature_severity(f: Features, cfg: AdaptiveConfig) -> float:
+    if f.excess is None:
+        return 0.0
+    level = cfg.level_cap * ramp(f.excess, *cfg.level_excess_c)
+    if f.slope is None:
+        return level
+    return max(level, ramp(f.slope, *cfg.slope_c_per_min) * ramp(f.excess, *cfg.trend_excess_c))
+
+
+def throttle_severity(f: Features, peer_share: float, cfg: AdaptiveConfig) -> float:
+    return 0.0 if f.throttle_share is None else ramp(f.throttle_share - peer_share, *cfg.throttle_excess)
+
+
+def power_severity(f: Features, peer_spread: float, cfg: AdaptiveConfig) -> float:
+    if f.power_spread is None or f.util_iqr is None or f.util_iqr > cfg.steady_util_iqr:
+        return 0.0
+    return ramp(f.power_spread - peer_spread, *cfg.power_spread)
+
+
+def collapse_severity(f: Features, cfg: AdaptiveConfig) -> float:
+    return 0.0 if f.collapse_share is None else ramp(f.collapse_share, *cfg.collapse_share)
+
+
+def sbe_severity(f: Features, cfg: AdaptiveConfig) -> float:
+    return 0.0 if f.sbe_excess is None else ramp(f.sbe_excess, *cfg.sbe_excess)
+
+
+def others_median(values: dict[int, float]) -> dict[int, float | None]:
+    """For each GPU, the median of the other GPUs' values (None when it has no peer)."""
+    out: dict[int, float | None] = {}
+    for gpu in values:
+        rest = sorted(v for g, v in values.items() if g != gpu)
+        n = len(rest)
+        out[gpu] = None if n == 0 else (rest[n // 2] if n % 2 else 0.5 * (rest[n // 2 - 1] + rest[n // 2]))
+    return out
+
+
+class _Track:
+    """One GPU's rolling state."""
+
+    def __init__(self, cfg: AdaptiveConfig, t: float) -> None:
+        self.first = self.last = t
+        self.previous: GpuSample | None = None
+        self.residual = Window(cfg.trend_window_s)
+        self.power = Window(cfg.power_window_s)
+        self.util = Window(cfg.power_window_s)
+        self.throttle = Window(cfg.throttle_window_s)
+        self.collapse = Window(cfg.collapse_window_s)
+        self.sbe_events: deque[tuple[float, int]] = deque()
+        self.baseline: float | None = None
+        self.with_peers: bool | None = None  # whether the residual is relative to peers
+        self.score = 0.0
+
+
+class AdaptiveScorer:
+    name = "adaptive"
+
+    def __init__(self, config: AdaptiveConfig | None = None) -> None:
+        self.config = config or AdaptiveConfig()
+        self._tracks: dict[int, _Track] = {}
+
+    def forget(self, gpu: int) -> None:
+        self._tracks.pop(gpu, None)
+
+    def update(self, samples: list[GpuSample]) -> dict[int, Assessment]:
+        cfg = self.config
+        temps = {s.gpu_id: s.temperature for s in samples if s.temperature is not None}
+        utils = {s.gpu_id: s.gpu_utilization for s in samples if s.gpu_utilization is not None}
+        peer_temp, peer_util = others_median(temps), others_median(utils)
+        features, hard, dts = {}, {}, {}
+        for s in samples:
+            track = self._tracks.get(s.gpu_id)
+            if track is None:
+                track = self._tracks[s.gpu_id] = _Track(cfg, s.timestamp)
+            hard[s.gpu_id] = hard_reasons(track.previous, s)
+            dts[s.gpu_id] = max(0.0, s.timestamp - track.last)
+            self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id))
+            features[s.gpu_id] = self._features(track, s.timestamp)
+        peer_throttle = others_median({g: f.throttle_share for g, f in features.items()
+                                       if f.throttle_share is not None})
+        peer_spread = others_median({g: f.power_spread for g, f in features.items()
+                                     if f.power_spread is not None and f.util_iqr is not None})
+        out = {}
+        for s in samples:
+            gpu, track = s.gpu_id, self._tracks[s.gpu_id]
+            severities = {}
+            if s.timestamp - track.first >= cfg.warmup_s:
+                f = features[gpu]
+                severities = {
+                    "temperature_trend": temperature_severity(f, cfg),
+                    "throttling": throttle_severity(f, peer_throttle.get(gpu) or 0.0, cfg),
+                    "power_instability": power_severity(f, peer_spread.get(gpu) or 0.0, cfg),
+                    "utilization_collapse": collapse_severity(f, cfg),
+                    "sbe_acceleration": sbe_severity(f, cfg),
+                }
+            self._update_baseline(track, s.timestamp, dts[gpu], severities.get("temperature_trend", 0.0))
+            out[gpu] = self._assess(track, s, severities, hard[gpu], dts[gpu])
+        return out
+
+    def _observe(self, track: _Track, s: GpuSample, peer_temp: float | None,
+                 peer_util: float | None) -> None:
+        t = s.timestamp
+        if s.temperature is not None:
+            with_peers = peer_temp is not None
+            if track.with_peers is not None and with_peers != track.with_peers:
+                # Relative to peers vs absolute are different scales: start the residual afresh.
+                track.residual = Window(self.config.trend_window_s)
+                track.baseline = None
+            track.with_peers = with_peers
+            track.residual.push(t, s.temperature - (peer_temp or 0.0))
+        if s.power_draw is not None:
+            track.power.push(t, s.power_draw / (s.power_limit or 700.0))
+        if s.gpu_utilization is not None:
+            track.util.push(t, s.gpu_utilization)
+            if peer_util is not None:
+                track.collapse.push(t, float(peer_util - s.gpu_utilization >= self.config.collapse_gap))
+        if s.throttle_reasons is not None:
+            track.throttle.push(t, float(bool(s.throttle_reasons & BAD_THROTTLE_MASK)))
+        previous = track.previous
+        if s.ecc_sbe is not None and previous is not None and previous.ecc_sbe is not None \
+                and s.ecc_sbe > previous.ecc_sbe:
+            track.sbe_events.append((t, s.ecc_sbe - previous.ecc_sbe))
+        while track.sbe_events and track.sbe_events[0][0] < t - 4 * self.config.sbe_window_s:
+            track.sbe_events.popleft()
+        if not _no_telemetry(s):
+            track.previous = s
+
+    def _features(self, track: _Track, t: float) -> Features:
+        cfg = self.config
+        f = Features()
+        if track.residual.times:
+            if track.baseline is not None:
+                f.excess = track.residual.mean_since(t - cfg.level_window_s) - track.baseline
+            if track.residual.trusted(cfg.min_coverage):
+                f.slope = track.residual.slope_per_min()
+        if track.throttle.trusted(cfg.min_coverage, 3):
+            f.throttle_share = track.throttle.mean()
+        if track.power.trusted(cfg.min_coverage) and track.util.trusted(cfg.min_coverage):
+            f.power_spread = track.power.iqr()
+            f.util_iqr = track.util.iqr()
+        if track.collapse.trusted(cfg.min_coverage, 3):
+            f.collapse_share = track.collapse.mean()
+        if track.previous is not None and track.previous.ecc_sbe is not None:
+            f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
+        return f
+
+    def _update_baseline(self, track: _Track, t: float, dt: float, temp_severity: float) -> None:
+        """Follow the residual level, quickly while warming up; frozen while suspicious so a
+        slow runaway is not learnt as normal."""
+        if not track.residual.times or temp_severity >= 0.3:
+            return
+        level = track.residual.mean_since(t - self.config.level_window_s)
+        if track.baseline is None:
+            track.baseline = level
+            return
+        tau = min(self.config.baseline_tau_s, max(self.config.level_window_s, t - track.first))
+        track.baseline += (level - track.baseline) * (1.0 - math.exp(-dt / tau))
+
+    def _assess(self, track: _Track, s: GpuSample, severities: dict[str, float],
+                hard: list[str], dt: float) -> Assessment:
+        track.last = s.timestamp
+        if hard:
+            track.score = 1.0
+            return Assessment(1.0, tuple(hard), tuple(hard))
+        if _no_telemetry(s):
+            return Assessment(UNKNOWN_SCORE, ("telemetry_unknown",))
+        raw = 1.0 - math.prod(1.0 - v for v in severities.values())
+        track.score = max(raw, track.score - self.config.score_decay_per_min * dt / 60.0)
+        reasons = tuple(k for k, v in sorted(severities.items(), key=lambda kv: -kv[1])
+                        if v >= REASON_FLOOR)
+        return Assessment(round(track.score, 4), reasons)
+
+
+def _sbe_excess(events: Iterable[tuple[float, int]], t: float, first: float, window_s: float) -> float:
+    """Recent corrected errors beyond twice the reference rate, minus one for noise."""
+    recent = earlier = 0
+    for when, count in events:
+        if when >= t - window_s:
+            recent += count
+        else:
+            earlier += count
+    reference_span = min(3 * window_s, max(window_s, t - window_s - first))
+    expected = earlier * window_s / reference_span
+    return recent - 2.0 * expected - 1.0
+
+
+def make_scorer(name: str) -> Scorer:
+    if name == "adaptive":
+        return AdaptiveScorer()
+    if name == "paper":
+        return PaperScorer()
+    raise ValueError(f"unknown scorer {name!r}; choose one of {', '.join(SCORER_NAMES)}")
