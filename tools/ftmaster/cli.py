@@ -22,6 +22,10 @@ from ftmaster.goodput_cli import goodput_command  # noqa: E402
 
 main.add_command(goodput_command)
 
+from ftmaster.analyze import analyze_command  # noqa: E402
+
+main.add_command(analyze_command)
+
 from ftmaster.monitor.cli import monitor_command  # noqa: E402
 
 main.add_command(monitor_command)

@@ -1,0 +1,93 @@
+"""ftmaster analyze on a generated run directory: summary values, plots, report, bad input."""
+
+import json
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from ftmaster.analyze_synth import SynthRun, write_run_dir
+from ftmaster.cli import main
+
+RUN = SynthRun(gpus=4, hours=0.5, interval_s=2.0, failing_gpu=2)
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    csv_path = write_run_dir(run_dir, RUN)
+    out = run_dir / "analysis"
+    result = CliRunner().invoke(main, ["analyze", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return pd.read_csv(csv_path), out
+
+
+def test_summary_matches_the_data(analysed):
+    data, out = analysed
+    summary = pd.read_csv(out / "summary.csv", index_col="gpu")
+    by_gpu = data.groupby("gpu_id")
+    assert list(summary.index) == [0, 1, 2, 3]
+    assert (summary["samples"] == by_gpu.size()).all()
+    assert summary["temperature_max"].to_numpy() == pytest.approx(
+        by_gpu["temperature"].max().to_numpy(), abs=0.01)
+    assert summary["power_draw_mean"].to_numpy() == pytest.approx(
+        by_gpu["power_draw"].mean().to_numpy(), abs=0.01)
+    headroom = (data["memory_total"] - data["memory_used"]).groupby(data["gpu_id"]).min()
+    assert summary["memory_headroom_min_mib"].to_numpy() == pytest.approx(headroom.to_numpy())
+    assert summary.loc[2, "samples"] < summary.loc[0, "samples"]  # lost at 60% of the trace
+    assert summary.loc[2, "ecc_sbe_max"] == data.loc[data.gpu_id == 2, "ecc_sbe"].max() > 0
+    assert summary["alerts"].to_dict() == {0: 0, 1: 0, 2: 1, 3: 0}  # the one risk_alert event
+    assert summary.loc[2, "failure_risk_max"] == pytest.approx(1.0, abs=0.01)
+    assert "| gpu | samples |" in (out / "summary.md").read_text()
+
+
+def test_plots_and_html_are_written(analysed):
+    _, out = analysed
+    for name in ("temperature", "power_draw", "gpu_utilization", "failure_risk"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 20_000  # lines, legend and labels, not an empty canvas
+    report = (out / "report.html").read_text()
+    assert report.count("data:image/png;base64,") >= 5
+    assert "<table" in report and "risk_alert events" in report
+
+
+def test_without_events_alerts_are_samples_over_threshold(tmp_path):
+    csv_path = write_run_dir(tmp_path, RUN)
+    (tmp_path / "events.jsonl").unlink()
+    data = pd.read_csv(csv_path)
+    out = tmp_path / "analysis"
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(out),
+                                       "--risk-threshold", "0.9"])
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(out / "summary.csv", index_col="gpu")
+    assert summary.loc[2, "alerts"] == (data.loc[data.gpu_id == 2, "failure_risk"] >= 0.9).sum()
+
+
+def test_missing_optional_columns_are_skipped(tmp_path):
+    frame = pd.read_csv(write_run_dir(tmp_path, RUN))
+    frame[["timestamp", "gpu_id", "temperature"]].to_csv(tmp_path / "gpu_metrics.csv",
+                                                         index=False)
+    result = CliRunner().invoke(main, ["analyze", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(tmp_path / "o" / "summary.csv")
+    assert "temperature_max" in summary and "power_draw_mean" not in summary
+    assert (tmp_path / "o" / "temperature.png").exists()
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", "is empty"),
+    ("timestamp,gpu_id,temperature\n", "no samples"),
+    ("time,gpu,temp\n1,0,50\n", "lacks required column"),
+    ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,0,hot\n", "malformed"),
+    ("timestamp,gpu_id\nyesterday,0\n", "no samples"),
+])
+def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_text(content)
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "launch", "time": 0}) + "\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0
+    assert expected in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output

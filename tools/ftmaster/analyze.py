@@ -1,0 +1,285 @@
+"""``ftmaster analyze CSV_OR_RUN_DIR --out DIR``: what the GPUs did, as tables and plots.
+
+Writes into DIR:
+
+* ``summary.csv`` and ``summary.md``: one row per GPU (samples, time span, mean/max
+  temperature, power and utilisation, smallest memory headroom, error counters, max risk,
+  alerts);
+* one PNG per metric with every GPU over time, and ``failure_risk.png`` with the alert
+  threshold; when ``events.jsonl`` is beside the CSV, vertical markers for emergency saves,
+  failures, plans and launches;
+* ``report.html``: the tables and the PNGs (base64), one self-contained file.
+
+Large traces (a week at 1 s for 8 GPUs is about 4.8 M rows) stay cheap: only the needed
+columns are read, with explicit dtypes and in chunks (so the timestamp strings of only one
+chunk are alive at a time), and plots are drawn from at most ``PLOT_BINS`` time bins per GPU,
+each keeping its min and max so that spikes stay visible.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on training nodes
+import matplotlib.dates as mdates  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ftmaster import runfiles  # noqa: E402
+from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
+from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
+
+REQUIRED = ("timestamp", "gpu_id")
+PLOT_BINS = 2000
+CHUNK_ROWS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A numeric column that is plotted."""
+
+    column: str
+    """Its name in gpu_metrics.csv."""
+    title: str
+    """Plot title and y-axis label."""
+    unit: str
+    """Unit for the y-axis label."""
+
+
+PLOTTED = (Metric("temperature", "Temperature", "°C"), Metric("power_draw", "Power draw", "W"),
+           Metric("gpu_utilization", "GPU utilisation", "%"),
+           Metric("memory_utilization", "Memory utilisation", "%"),
+           Metric("memory_used", "Memory used", "MiB"), Metric("sm_clock", "SM clock", "MHz"),
+           Metric(RISK_COLUMN, "Failure risk", "score 0-1"))
+COUNTERS = ("errors", "ecc_sbe", "ecc_dbe")  # cumulative: the largest value is the count
+NUMERIC = tuple(dict.fromkeys([m.column for m in PLOTTED] + ["memory_total", *COUNTERS]))
+EVENT_STYLES = {  # event -> (legend label, colour, line style, width); grey, so no GPU's colour
+    "emergency_save": ("emergency save", "black", "--", 1.4),
+    "failure": ("failure", "black", "-", 2.4),
+    "plan": ("plan", "dimgray", ":", 1.8),
+    "launch": ("launch / relaunch", "dimgray", "-.", 1.4),
+}
+
+
+def _fail(message: str) -> click.ClickException:
+    return click.ClickException(message)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def _header(csv_path: Path) -> list[str]:
+    try:
+        with open(csv_path, newline="", errors="replace") as handle:
+            header = next(csv.reader(handle), [])
+    except OSError as exc:
+        raise _fail(f"cannot read {csv_path}: {exc.strerror}") from None
+    if not header:
+        raise _fail(f"{csv_path} is empty: expected a gpu_metrics.csv header and samples")
+    missing = [c for c in REQUIRED if c not in header]
+    if missing:
+        raise _fail(f"{csv_path} lacks required column(s) {', '.join(missing)}; expected the "
+                    f"gpu_metrics.csv columns: {', '.join(CSV_COLUMNS[:4])}, ...")
+    return header
+
+
+def _parse_times(stamps: pd.Series) -> pd.Series:
+    """ISO 8601 (naive taken as UTC) or unix seconds -> float unix seconds; NaN if neither."""
+    parsed = pd.to_datetime(stamps, format="ISO8601", utc=True, errors="coerce")
+    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    return seconds.fillna(pd.to_numeric(stamps, errors="coerce"))
+
+
+def load_metrics(csv_path: Path) -> pd.DataFrame:
+    """The CSV's needed columns: ``time`` (unix s, float64), ``gpu_id`` and float32 metrics."""
+    header = _header(csv_path)
+    numeric = [c for c in NUMERIC if c in header]
+    dtypes = {"timestamp": str, "gpu_id": "float64", **{c: "float32" for c in numeric}}
+    chunks = []
+    try:
+        reader = pd.read_csv(csv_path, usecols=[*REQUIRED, *numeric], dtype=dtypes,
+                             chunksize=CHUNK_ROWS, keep_default_na=False,
+                             na_values=["", "nan", "NaN", "N/A", "[N/A]"])
+        for chunk in reader:
+            chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
+            chunks.append(chunk.dropna(subset=["time", "gpu_id"]))
+    except (ValueError, pd.errors.ParserError) as exc:
+        reason = str(exc).splitlines()[0]
+        raise _fail(f"{csv_path} is malformed ({reason}); expected gpu_metrics.csv rows") from None
+    frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
+    if frame.empty:
+        raise _fail(f"{csv_path} has no samples with a valid timestamp and gpu_id")
+    frame["gpu_id"] = frame["gpu_id"].astype("int32")
+    return frame
+
+
+def load_events(csv_path: Path) -> list[dict]:
+    """events.jsonl beside the CSV, if any, keeping events with a numeric time."""
+    events = runfiles.read_events(csv_path.parent)
+    return [e for e in events if isinstance(e.get("time"), (int, float))]
+
+
+# ---- summary ---------------------------------------------------------------------------------
+
+def _alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[pd.Series, str]:
+    """Per-GPU alert counts: risk_alert events when there are any, else samples over the
+    threshold (the monitor's alert rule is not replayed here)."""
+    if events:
+        gpus = [e.get("gpu") for e in events if e["event"] == "risk_alert"]
+        return pd.Series(gpus, dtype="float64").value_counts(), "risk_alert events"
+    if RISK_COLUMN not in frame:
+        return pd.Series(dtype="float64"), "none (no failure_risk column, no events.jsonl)"
+    over = frame[frame[RISK_COLUMN] >= threshold]
+    return over.groupby("gpu_id").size(), f"samples with failure_risk >= {threshold:g}"
+
+
+def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[pd.DataFrame,
+                                                                                  str]:
+    """One row per GPU; columns for missing optional metrics are left out."""
+    by_gpu = frame.groupby("gpu_id")
+    table = pd.DataFrame({"samples": by_gpu.size(),
+                          "first": pd.to_datetime(by_gpu["time"].min(), unit="s", utc=True),
+                          "last": pd.to_datetime(by_gpu["time"].max(), unit="s", utc=True)})
+    table["span_h"] = (table["last"] - table["first"]).dt.total_seconds() / 3600
+    for column in ("first", "last"):
+        table[column] = table[column].dt.strftime("%Y-%m-%dT%H:%M:%SZ")
+    for column in ("temperature", "power_draw", "gpu_utilization"):
+        if column in frame:
+            table[f"{column}_mean"] = by_gpu[column].mean()
+            table[f"{column}_max"] = by_gpu[column].max()
+    if {"memory_total", "memory_used"} <= set(frame):
+        headroom = frame["memory_total"] - frame["memory_used"]
+        table["memory_headroom_min_mib"] = headroom.groupby(frame["gpu_id"]).min()
+    for column in (*COUNTERS, RISK_COLUMN):
+        if column in frame:
+            table[f"{column}_max"] = by_gpu[column].max()
+    counts, source = _alerts(frame, events, threshold)
+    table["alerts"] = counts.reindex(table.index, fill_value=0).astype(int).to_numpy()
+    table.index.name = "gpu"
+    return table.round(2), source
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table (no extra dependency)."""
+    cells = table.reset_index().astype(str)
+    rows = [list(cells.columns), ["---"] * cells.shape[1], *cells.to_numpy().tolist()]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
+# ---- plots -----------------------------------------------------------------------------------
+
+def downsample(frame: pd.DataFrame, columns: list[str], bins: int = PLOT_BINS) -> pd.DataFrame:
+    """Per GPU and time bin: mean, min and max of each column (MultiIndex columns)."""
+    start, span = frame["time"].min(), max(frame["time"].max() - frame["time"].min(), 1e-9)
+    bin_index = np.minimum((frame["time"] - start) / span * bins, bins - 1).astype("int32")
+    grouped = frame[["time", *columns]].groupby([frame["gpu_id"], bin_index])
+    return grouped.agg({"time": ["mean"], **{c: ["mean", "min", "max"] for c in columns}})
+
+
+def _mark_events(ax, events: list[dict]) -> None:
+    for kind, (label, colour, style, width) in EVENT_STYLES.items():
+        times = [e["time"] for e in events if e["event"] == kind]
+        if times:
+            when = mdates.date2num(pd.to_datetime(times, unit="s", utc=True))
+            ax.vlines(when, 0, 1, transform=ax.get_xaxis_transform(), colors=colour,
+                      linestyles=style, linewidth=width, label=label, zorder=3)
+
+
+def plot_metric(binned: pd.DataFrame, metric: Metric, events: list[dict], path: Path,
+                threshold: float | None = None) -> None:
+    """Every GPU's mean line with its min-max band, event markers, threshold line."""
+    fig, ax = plt.subplots(figsize=(12, 5), dpi=100)
+    colours = plt.get_cmap("tab10" if binned.index.levels[0].size <= 10 else "tab20")
+    for n, (gpu, rows) in enumerate(binned.groupby(level=0)):
+        when = mdates.date2num(pd.to_datetime(rows[("time", "mean")], unit="s", utc=True))
+        colour = colours(n % colours.N)
+        ax.plot(when, rows[(metric.column, "mean")], color=colour, linewidth=1.0,
+                label=f"GPU {gpu}")
+        ax.fill_between(when, rows[(metric.column, "min")], rows[(metric.column, "max")],
+                        color=colour, alpha=0.18, linewidth=0)
+    if threshold is not None:
+        ax.axhline(threshold, color="crimson", linestyle="--", linewidth=1.4,
+                   label=f"alert threshold {threshold:g}")
+    _mark_events(ax, events)
+    ax.set_title(f"{metric.title} per GPU (line: mean per time bin; band: min to max)")
+    ax.set_xlabel("time (UTC)")
+    ax.set_ylabel(f"{metric.title} ({metric.unit})")
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_all(frame: pd.DataFrame, events: list[dict], out: Path,
+             threshold: float) -> list[Path]:
+    metrics = [m for m in PLOTTED if m.column in frame and frame[m.column].notna().any()]
+    binned = downsample(frame, [m.column for m in metrics])
+    paths = []
+    for metric in metrics:
+        path = out / f"{metric.column}.png"
+        line = threshold if metric.column == RISK_COLUMN else None
+        plot_metric(binned, metric, events, path, line)
+        paths.append(path)
+    return paths
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def write_html(path: Path, source: Path, table: pd.DataFrame, alert_source: str,
+               plots: list[Path]) -> None:
+    images = "\n".join(
+        f'<h2>{html.escape(p.stem)}</h2>\n<img alt="{html.escape(p.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        for p in plots)
+    body = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>ftmaster analyze: {html.escape(source.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:100%}}</style>
+</head><body>
+<h1>GPU metrics: {html.escape(str(source))}</h1>
+<h2>Per-GPU summary</h2>
+{table.to_html(border=0)}
+<p>alerts: {html.escape(alert_source)}</p>
+{images}
+</body></html>
+"""
+    path.write_text(body)
+
+
+def analyze(target: Path, out: Path, threshold: float) -> dict[str, Path]:
+    """Run the whole analysis; returns what was written."""
+    csv_path = runfiles.metrics_csv_path(target) if target.is_dir() else target
+    frame = load_metrics(csv_path)
+    events = load_events(csv_path)
+    out.mkdir(parents=True, exist_ok=True)
+    table, alert_source = summarize(frame, events, threshold)
+    table.to_csv(out / "summary.csv")
+    (out / "summary.md").write_text(to_markdown(table) + f"\nalerts: {alert_source}\n")
+    plots = plot_all(frame, events, out, threshold)
+    write_html(out / "report.html", csv_path, table, alert_source, plots)
+    return {"summary.csv": out / "summary.csv", "summary.md": out / "summary.md",
+            "report.html": out / "report.html", **{p.name: p for p in plots}}
+
+
+@click.command("analyze")
+@click.argument("target", metavar="CSV_OR_RUN_DIR",
+                type=click.Path(exists=True, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for summary.csv/.md, the PNGs and report.html.")
+@click.option("--risk-threshold", type=click.FloatRange(0, 1), default=AlertConfig().threshold,
+              show_default=True, help="Risk line on the plot; alerts counted without events.")
+def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
+    """Summarise and plot a gpu_metrics.csv (or a run directory holding one)."""
+    written = analyze(target, out, risk_threshold)
+    click.echo(f"wrote {len(written)} files to {out}: " + ", ".join(sorted(written)))
