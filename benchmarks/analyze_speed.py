@@ -10,6 +10,7 @@ RSS comes from that process alone (``os.wait4``).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -33,6 +34,16 @@ def run_once(run_dir: Path, out: Path) -> tuple[float, float]:
     return elapsed, usage.ru_maxrss / 1024  # Linux reports KiB
 
 
+def generate(run_dir: Path, run: SynthRun) -> None:
+    """Write the trace in a child process: the memory it takes must not count against the
+    analyze processes, which Linux would otherwise charge via fork (ru_maxrss is inherited)."""
+    child = multiprocessing.get_context("spawn").Process(target=write_run_dir, args=(run_dir, run))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit("generating the trace failed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--week", action="store_true", help="a 7-day trace instead of 3 hours")
@@ -42,7 +53,8 @@ def main() -> None:
     run = SynthRun(gpus=args.gpus, hours=24 * 7 if args.week else 3.0)
     with tempfile.TemporaryDirectory(prefix="analyze_speed.") as tmp:
         start = time.perf_counter()
-        csv_path = write_run_dir(Path(tmp) / "run", run)
+        csv_path = Path(tmp) / "run" / "gpu_metrics.csv"
+        generate(csv_path.parent, run)
         rows = sum(1 for _ in open(csv_path)) - 1
         print(f"generated {rows} rows ({csv_path.stat().st_size / 2**20:.0f} MiB) "
               f"in {time.perf_counter() - start:.1f} s")

@@ -94,7 +94,10 @@ def _parse_times(stamps: pd.Series) -> pd.Series:
     """ISO 8601 (naive taken as UTC) or unix seconds -> float unix seconds; NaN if neither."""
     parsed = pd.to_datetime(stamps, format="ISO8601", utc=True, errors="coerce")
     seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
-    return seconds.fillna(pd.to_numeric(stamps, errors="coerce"))
+    missing = seconds.isna()
+    if missing.any():  # parse as numbers only what ISO 8601 did not take
+        seconds[missing] = pd.to_numeric(stamps[missing], errors="coerce")
+    return seconds
 
 
 def load_metrics(csv_path: Path) -> pd.DataFrame:
