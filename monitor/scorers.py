@@ -32,8 +32,8 @@ at once (score 1.0) and scores soft signals against each GPU's own history and i
   to ``level_cap``, below the threshold;
 - throttling: the share of recent samples with hardware/thermal throttle bits, minus the
   peers' share;
-- power instability: the spread (IQR) of power while utilisation is steady, minus the peers'
-  spread, as a fraction of the power limit;
+- power instability: the spread (IQR) of power while utilisation is steady, beyond the
+  peers' spread and the GPU's own usual spread, as a fraction of the power limit;
 - utilisation collapse: the share of recent samples in which this GPU sat far below its
   peers' median utilisation (needs at least one peer);
 - single-bit ECC acceleration: corrected errors in the last 10 minutes beyond twice the rate
@@ -181,9 +181,12 @@ class PaperScorer:
 @dataclass(frozen=True)
 class AdaptiveConfig:
     warmup_s: float = 300.0
-    """Seconds of a GPU's history before its soft signals count (baselines are learnt)."""
+    """Seconds under load (or 3x that in all) before a GPU's soft signals count; meanwhile
+    its baselines simply follow it."""
     baseline_tau_s: float = 1200.0
-    """Time constant of the per-GPU temperature baseline; it is frozen while suspicious."""
+    """Time constant of the per-GPU temperature baselines; they are frozen while suspicious."""
+    loaded_util: float = 70.0
+    """Utilisation (%) from which a sample counts towards the GPU's loaded temperature."""
     trend_window_s: float = 240.0
     """Window over which the temperature trend (slope of the residual) is fitted."""
     level_window_s: float = 60.0
@@ -202,10 +205,13 @@ class AdaptiveConfig:
     """That share minus the peers' share: starts / full."""
     power_window_s: float = 120.0
     """Window for power spread and utilisation steadiness."""
-    power_spread: tuple[float, float] = (0.08, 0.2)
-    """Power IQR beyond the peers', as a fraction of the power limit: starts / full."""
-    steady_util_iqr: float = 15.0
-    """Utilisation IQR (points) above which power changes are load changes, not instability."""
+    power_spread: tuple[float, float] = (0.03, 0.08)
+    """Power IQR beyond the larger of the peers' and the GPU's own usual IQR, as a fraction
+    of the power limit: starts / full."""
+    spread_points: int = 16
+    """Fewest samples a spread (IQR) is taken over; the window grows at long intervals."""
+    steady_util_range: float = 15.0
+    """Utilisation range (points) above which power changes are load changes, not instability."""
     collapse_gap: float = 50.0
     """Points below the peers' median utilisation that count as collapsed."""
     collapse_window_s: float = 120.0
@@ -235,19 +241,21 @@ class AdaptiveConfig:
 
 
 class Window:
-    """(time, value) points within the last ``span_s`` seconds."""
+    """(time, value) points within the last ``span_s`` seconds, but never fewer than
+    ``keep`` points: at long sampling intervals a statistic needs the extra span."""
 
-    __slots__ = ("span_s", "times", "values")
+    __slots__ = ("span_s", "keep", "times", "values")
 
-    def __init__(self, span_s: float) -> None:
+    def __init__(self, span_s: float, keep: int = 0) -> None:
         self.span_s = span_s
+        self.keep = keep
         self.times: deque[float] = deque()
         self.values: deque[float] = deque()
 
     def push(self, t: float, value: float) -> None:
         self.times.append(t)
         self.values.append(value)
-        while self.times[0] < t - self.span_s:
+        while len(self.times) > self.keep and self.times[0] < t - self.span_s:
             self.times.popleft()
             self.values.popleft()
 
@@ -290,10 +298,10 @@ class Features:
     """What the detectors read about one GPU (None: not enough data)."""
 
     slope: float | None = None  # residual temperature, C/min
-    excess: float | None = None  # residual temperature above its baseline, C
+    excess: float | None = None  # temperature above both its baselines (peer-relative, loaded), C
     throttle_share: float | None = None
     power_spread: float | None = None  # IQR / power limit
-    util_iqr: float | None = None
+    util_range: float | None = None
     collapse_share: float | None = None
     sbe_excess: float | None = None
 
@@ -312,7 +320,7 @@ def throttle_severity(f: Features, peer_share: float, cfg: AdaptiveConfig) -> fl
 
 
 def power_severity(f: Features, peer_spread: float, cfg: AdaptiveConfig) -> float:
-    if f.power_spread is None or f.util_iqr is None or f.util_iqr > cfg.steady_util_iqr:
+    if f.power_spread is None or f.util_range is None or f.util_range > cfg.steady_util_range:
         return 0.0
     return ramp(f.power_spread - peer_spread, *cfg.power_spread)
 
@@ -340,14 +348,18 @@ class _Track:
 
     def __init__(self, cfg: AdaptiveConfig, t: float) -> None:
         self.first = self.last = t
+        self.loaded_s = 0.0  # time spent at or above loaded_util
         self.previous: GpuSample | None = None
         self.residual = Window(cfg.trend_window_s)
-        self.power = Window(cfg.power_window_s)
-        self.util = Window(cfg.power_window_s)
+        self.raw = Window(cfg.level_window_s)
+        self.power = Window(cfg.power_window_s, keep=cfg.spread_points)
+        self.util = Window(cfg.power_window_s, keep=cfg.spread_points)
         self.throttle = Window(cfg.throttle_window_s)
         self.collapse = Window(cfg.collapse_window_s)
         self.sbe_events: deque[tuple[float, int]] = deque()
-        self.baseline: float | None = None
+        self.baseline: float | None = None  # peer-relative temperature level
+        self.loaded_baseline: float | None = None  # own temperature level under load
+        self.spread_baseline: float | None = None  # own power IQR while utilisation is steady
         self.with_peers: bool | None = None  # whether the residual is relative to peers
         self.score = 0.0
 
@@ -379,23 +391,29 @@ class AdaptiveScorer:
         peer_throttle = others_median({g: f.throttle_share for g, f in features.items()
                                        if f.throttle_share is not None})
         peer_spread = others_median({g: f.power_spread for g, f in features.items()
-                                     if f.power_spread is not None and f.util_iqr is not None})
+                                     if f.power_spread is not None})
         out = {}
         for s in samples:
             gpu, track = s.gpu_id, self._tracks[s.gpu_id]
             severities = {}
-            if s.timestamp - track.first >= cfg.warmup_s:
+            if self._warm(track, s.timestamp):
                 f = features[gpu]
                 severities = {
                     "temperature_trend": temperature_severity(f, cfg),
                     "throttling": throttle_severity(f, peer_throttle.get(gpu) or 0.0, cfg),
-                    "power_instability": power_severity(f, peer_spread.get(gpu) or 0.0, cfg),
+                    "power_instability": power_severity(
+                        f, max(peer_spread.get(gpu) or 0.0, track.spread_baseline or 0.0), cfg),
                     "utilization_collapse": collapse_severity(f, cfg),
                     "sbe_acceleration": sbe_severity(f, cfg),
                 }
-            self._update_baseline(track, s.timestamp, dts[gpu], severities.get("temperature_trend", 0.0))
+            self._update_baselines(track, s, dts[gpu], severities.get("temperature_trend", 0.0))
+            self._update_spread_baseline(track, features[gpu], dts[gpu],
+                                         severities.get("power_instability", 0.0))
             out[gpu] = self._assess(track, s, severities, hard[gpu], dts[gpu])
         return out
+
+    def _warm(self, track: _Track, t: float) -> bool:
+        return track.loaded_s >= self.config.warmup_s or t - track.first >= 3 * self.config.warmup_s
 
     def _observe(self, track: _Track, s: GpuSample, peer_temp: float | None,
                  peer_util: float | None) -> None:
@@ -408,11 +426,13 @@ class AdaptiveScorer:
                 track.baseline = None
             track.with_peers = with_peers
             track.residual.push(t, s.temperature - (peer_temp or 0.0))
+            track.raw.push(t, s.temperature)
         if s.power_draw is not None:
             track.power.push(t, s.power_draw / (s.power_limit or 700.0))
         if s.gpu_utilization is not None:
             track.util.push(t, s.gpu_utilization)
-            if peer_util is not None:
+            # Only while the peers work: during a fleet-wide dip nobody can be told apart.
+            if peer_util is not None and peer_util >= self.config.loaded_util:
                 track.collapse.push(t, float(peer_util - s.gpu_utilization >= self.config.collapse_gap))
         if s.throttle_reasons is not None:
             track.throttle.push(t, float(bool(s.throttle_reasons & BAD_THROTTLE_MASK)))
@@ -429,32 +449,51 @@ class AdaptiveScorer:
         cfg = self.config
         f = Features()
         if track.residual.times:
-            if track.baseline is not None:
-                f.excess = track.residual.mean_since(t - cfg.level_window_s) - track.baseline
+            if track.baseline is not None and track.loaded_baseline is not None:
+                # Both must agree: hotter than its peers usually are, and hotter than it itself
+                # runs under load. Checkpoint and eval dips only cool, so they never pass the
+                # second; the first ignores warm rooms and every fleet-wide ramp.
+                f.excess = min(track.residual.mean_since(t - cfg.level_window_s) - track.baseline,
+                               track.raw.mean() - track.loaded_baseline)
             if track.residual.trusted(cfg.min_coverage):
                 f.slope = track.residual.slope_per_min()
         if track.throttle.trusted(cfg.min_coverage, 3):
             f.throttle_share = track.throttle.mean()
-        if track.power.trusted(cfg.min_coverage) and track.util.trusted(cfg.min_coverage):
+        if track.power.trusted(cfg.min_coverage, cfg.spread_points) and \
+                track.util.trusted(cfg.min_coverage, cfg.spread_points):
             f.power_spread = track.power.iqr()
-            f.util_iqr = track.util.iqr()
+            f.util_range = max(track.util.values) - min(track.util.values)
         if track.collapse.trusted(cfg.min_coverage, 3):
             f.collapse_share = track.collapse.mean()
         if track.previous is not None and track.previous.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
         return f
 
-    def _update_baseline(self, track: _Track, t: float, dt: float, temp_severity: float) -> None:
-        """Follow the residual level, quickly while warming up; frozen while suspicious so a
-        slow runaway is not learnt as normal."""
+    def _update_baselines(self, track: _Track, s: GpuSample, dt: float, temp_severity: float) -> None:
+        """Follow the temperature levels, quickly while warming up; frozen while suspicious so
+        a slow runaway is not learnt as normal. The loaded baseline learns only under load."""
         if not track.residual.times or temp_severity >= 0.3:
             return
-        level = track.residual.mean_since(t - self.config.level_window_s)
-        if track.baseline is None:
-            track.baseline = level
+        cfg, t = self.config, s.timestamp
+        if s.gpu_utilization is not None and s.gpu_utilization >= cfg.loaded_util:
+            track.loaded_s += dt
+        weight = 1.0 - math.exp(-dt / (cfg.baseline_tau_s if self._warm(track, t) else cfg.level_window_s))
+        level = track.residual.mean_since(t - cfg.level_window_s)
+        track.baseline = level if track.baseline is None else track.baseline + (level - track.baseline) * weight
+        if s.gpu_utilization is not None and s.gpu_utilization >= cfg.loaded_util:
+            raw = track.raw.mean()
+            track.loaded_baseline = raw if track.loaded_baseline is None else \
+                track.loaded_baseline + (raw - track.loaded_baseline) * weight
+
+    def _update_spread_baseline(self, track: _Track, f: Features, dt: float, severity: float) -> None:
+        cfg = self.config
+        if f.power_spread is None or f.util_range is None or f.util_range > cfg.steady_util_range \
+                or severity >= 0.3:
             return
-        tau = min(self.config.baseline_tau_s, max(self.config.level_window_s, t - track.first))
-        track.baseline += (level - track.baseline) * (1.0 - math.exp(-dt / tau))
+        if track.spread_baseline is None:
+            track.spread_baseline = f.power_spread
+        else:
+            track.spread_baseline += (f.power_spread - track.spread_baseline) * (1 - math.exp(-dt / cfg.baseline_tau_s))
 
     def _assess(self, track: _Track, s: GpuSample, severities: dict[str, float],
                 hard: list[str], dt: float) -> Assessment:

@@ -42,6 +42,15 @@ class ReplayBackend:
     def close(self) -> None:
         pass
 
+    def gpu_spans(self) -> dict[int, tuple[float, float]]:
+        """Each GPU's first and last recorded time (how long it was watched)."""
+        spans: dict[int, tuple[float, float]] = {}
+        for batch in self._batches:
+            for sample in batch:
+                first = spans.get(sample.gpu_id, (sample.timestamp,))[0]
+                spans[sample.gpu_id] = (first, sample.timestamp)
+        return spans
+
     def sample(self) -> list[GpuSample]:
         if self._next >= len(self._batches):
             raise TraceEnded(str(self.path))

@@ -1,7 +1,7 @@
 """Simulated GPUs: a small seeded physical model shared with the trace generator.
 
 Each virtual GPU draws power in proportion to its load, heats towards a temperature set by
-that power (first-order lag, 90 s time constant) plus a slow random wander, reports integer
+that power (first-order lag, about 90 s) plus a slow random wander, reports integer
 temperatures like NVML does, sometimes sits at the software power cap, and may collect
 benign single-bit ECC errors. Anomalies (thermal runaway, ECC bursts, ...) are not part of
 the healthy model: the monitor lays them over the samples (:mod:`ftmaster.monitor.anomalies`),
@@ -39,6 +39,7 @@ class GpuTraits:
     power_noise_frac: float = 0.03  # per-sample power noise, as a fraction of the draw
     power_cap_prob: float = 0.05  # chance a loaded sample shows the (benign) SW power-cap bit
     benign_sbe_per_hour: float = 0.0  # sporadic corrected errors on a healthy GPU
+    thermal_tau_s: float = THERMAL_TAU_S  # how fast it heats and cools (heatsink, airflow)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Fleet:
         keep = math.exp(-dt / WANDER_TAU_S)
         state.wander = state.wander * keep + rng.gauss(0.0, traits.wander_c * math.sqrt(1 - keep * keep))
         target = AMBIENT_C + 0.075 * power + traits.temp_offset_c + state.wander
-        state.temperature += (target - state.temperature) * (1.0 - math.exp(-dt / THERMAL_TAU_S))
+        state.temperature += (target - state.temperature) * (1.0 - math.exp(-dt / traits.thermal_tau_s))
         if load > 0.05:
             state.memory_used = 0.8 * self.memory_total_mib
         if traits.benign_sbe_per_hour and rng.random() < traits.benign_sbe_per_hour * dt / 3600.0:
