@@ -2,7 +2,7 @@
 
 A GPU alerts when its score reaches the threshold while it is armed and its cooldown has
 passed. Alerting disarms it; it re-arms once its score falls below ``threshold -
-rearm_margin``. A hard reason that this GPU has not alerted on since it last re-armed
+rearm_margin`` (or half the threshold, if lower). A hard reason that this GPU has not alerted on since it last re-armed
 (a new XID, a double-bit error after a thermal alert, the device disappearing) alerts at
 once, whatever the cooldown: those are the alerts a checkpoint request cannot wait for.
 """
@@ -51,7 +51,8 @@ class AlertPolicy:
         """Whether this assessment is an alert; updates the GPU's arming state."""
         cfg = self.config
         state = self._gpus.setdefault(gpu, _GpuAlertState())
-        if not state.armed and assessment.score < cfg.threshold - cfg.rearm_margin:
+        # The margin never takes the re-arm level below half the threshold (low thresholds).
+        if not state.armed and assessment.score < cfg.threshold - min(cfg.rearm_margin, cfg.threshold / 2):
             state.armed = True
             state.hard_reported.clear()
         new_hard = set(assessment.hard_reasons) - state.hard_reported

@@ -10,7 +10,9 @@ Definitions (per trace, then pooled):
   failures among failures with precursors.
 - False alerts on one GPU less than ``episode_gap_s`` apart form one false-alarm *episode*;
   the rate is per 100 GPU-hours of telemetry (each GPU from its first to its last row).
-- Precision = failures with a true alert / (those + false-alarm episodes).
+- Precision = failures (any kind) with a true alert before the failure time / (those +
+  false-alarm episodes). Alerts at the failure itself (device lost, fatal XID) are true but
+  predict nothing, so they count in neither.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class TraceResult:
     precursor_failures: int
     predicted: int
     leads_s: list[float]
-    alerted_failures: int  # failures (any kind) with at least one true alert
+    alerted_failures: int  # failures (any kind) with a true alert before they happened
     false_episodes: int
     gpu_hours: float
     samples: int
@@ -59,8 +61,8 @@ def judge(alerts: list[Alert], failures: list[dict], grace_s: float, episode_gap
             false.setdefault(alert.gpu, []).append(alert.time)
     for failure, (gpu, lo, hi) in zip(failures, windows):
         true_times = [a.time for a in alerts if a.gpu == gpu and lo <= a.time <= hi]
-        alerted += bool(true_times)
         early = [t for t in true_times if t < failure["failure_time"]]
+        alerted += bool(early)
         if failure["has_precursor"] and early:
             predicted += 1
             leads.append(failure["failure_time"] - min(early))
