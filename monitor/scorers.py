@@ -186,7 +186,10 @@ class AdaptiveConfig:
     baseline_tau_s: float = 1200.0
     """Time constant of the per-GPU temperature baselines; they are frozen while suspicious."""
     loaded_util: float = 70.0
-    """Utilisation (%) from which a sample counts towards the GPU's loaded temperature."""
+    """Utilisation (%) from which a GPU counts as loaded."""
+    settle_s: float = 300.0
+    """Seconds of unbroken load before temperatures count towards the loaded baseline (a GPU
+    still warming back up after a checkpoint dip would drag it down)."""
     trend_window_s: float = 240.0
     """Window over which the temperature trend (slope of the residual) is fitted."""
     level_window_s: float = 60.0
@@ -349,6 +352,7 @@ class _Track:
     def __init__(self, cfg: AdaptiveConfig, t: float) -> None:
         self.first = self.last = t
         self.loaded_s = 0.0  # time spent at or above loaded_util
+        self.loaded_since: float | None = None  # start of the current unbroken loaded stretch
         self.previous: GpuSample | None = None
         self.residual = Window(cfg.trend_window_s)
         self.raw = Window(cfg.level_window_s)
@@ -429,6 +433,11 @@ class AdaptiveScorer:
             track.raw.push(t, s.temperature)
         if s.power_draw is not None:
             track.power.push(t, s.power_draw / (s.power_limit or 700.0))
+        if s.gpu_utilization is not None and s.gpu_utilization >= self.config.loaded_util:
+            track.loaded_s += t - track.last
+            track.loaded_since = t if track.loaded_since is None else track.loaded_since
+        elif s.gpu_utilization is not None:
+            track.loaded_since = None
         if s.gpu_utilization is not None:
             track.util.push(t, s.gpu_utilization)
             # Only while the peers work: during a fleet-wide dip nobody can be told apart.
@@ -475,12 +484,10 @@ class AdaptiveScorer:
         if not track.residual.times or temp_severity >= 0.3:
             return
         cfg, t = self.config, s.timestamp
-        if s.gpu_utilization is not None and s.gpu_utilization >= cfg.loaded_util:
-            track.loaded_s += dt
         weight = 1.0 - math.exp(-dt / (cfg.baseline_tau_s if self._warm(track, t) else cfg.level_window_s))
         level = track.residual.mean_since(t - cfg.level_window_s)
         track.baseline = level if track.baseline is None else track.baseline + (level - track.baseline) * weight
-        if s.gpu_utilization is not None and s.gpu_utilization >= cfg.loaded_util:
+        if track.loaded_since is not None and t - track.loaded_since >= min(cfg.settle_s, track.loaded_s):
             raw = track.raw.mean()
             track.loaded_baseline = raw if track.loaded_baseline is None else \
                 track.loaded_baseline + (raw - track.loaded_baseline) * weight

@@ -65,16 +65,19 @@ class SmiBackend:
         if code != 0 and "not a valid field" in (out + err).lower() and self._fields != BASE_FIELDS:
             self._fields = BASE_FIELDS  # an older driver: fall back to the paper's fields for good
             code, out, err = self._query(self._fields)
-        samples = []
+        samples, lost = [], 0
         for line in out.splitlines():
             if not line.strip():
                 continue
             if "lost" in line.lower():
-                continue  # "Unable to determine the device handle ... GPU is lost": left out
+                lost += 1  # "Unable to determine the device handle ... GPU is lost": left out
+                continue
             samples.append(self._parse(line, now))
-        if not samples and code != 0:
+        if not samples and not lost:
+            # Silence is not "every GPU is gone": only an explicit lost line says that.
             detail = (err or out).strip().splitlines()
-            raise BackendError(f"nvidia-smi exited with {code}: {detail[0] if detail else 'no output'}")
+            raise BackendError(f"nvidia-smi exited with {code} and listed no GPU: "
+                               f"{detail[0] if detail else 'no output'}")
         return samples
 
     def _query(self, fields: tuple[tuple[str, str], ...]) -> tuple[int, str, str]:

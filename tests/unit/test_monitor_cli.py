@@ -1,0 +1,64 @@
+"""``ftmaster monitor`` end to end through click."""
+
+import json
+
+from click.testing import CliRunner
+
+from ftmaster.cli import main
+from ftmaster.monitor import tracegen
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["monitor", *args])
+
+
+def test_replay_writes_csv_events_and_flag(tmp_path):
+    spec = next(s for s in map(tracegen.random_spec, range(2000, 2100))
+                if s.failures and s.duration_s / s.interval_s * s.num_gpus <= 5000)
+    trace, _ = tracegen.write_trace(spec, tmp_path / "traces")
+    result = invoke("--backend", f"replay:{trace}", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "alert(s)" in result.output
+    run = tmp_path / "run"
+    rows = (run / "gpu_metrics.csv").read_text().splitlines()
+    assert len(rows) == len(trace.read_text().splitlines())
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert events and all(e["event"] == "risk_alert" and e["timestamp"].startswith("20") for e in events)
+    assert json.loads((run / "flags" / "trigger_checkpoint.flag").read_text())["gpu"] in {f.gpu for f in spec.failures}
+
+
+def test_sim_run_with_injection(tmp_path):
+    result = invoke("--backend", "sim", "--run-dir", str(tmp_path), "--interval", "0.1", "--num-gpus", "2",
+                    "--duration", "1.5", "--inject", "degrade:gpu=1,at=0.3s")
+    assert result.exit_code == 0, result.output
+    assert "on GPU(s) [1]" in result.output
+
+
+def one_line_error(result, words):
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert "Traceback" not in result.output and words in lines[-1], result.output
+
+
+def test_bad_backend_name(tmp_path):
+    one_line_error(invoke("--backend", "magic", "--run-dir", str(tmp_path)), "unknown backend 'magic'")
+
+
+def test_bad_injection(tmp_path):
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--inject", "degrade:gpu=1"),
+                   "missing at=")
+
+
+def test_missing_replay_file(tmp_path):
+    one_line_error(invoke("--backend", f"replay:{tmp_path}/nope.csv", "--run-dir", str(tmp_path / "r")),
+                   "cannot read")
+
+
+def test_replaying_into_its_own_file_is_refused(tmp_path):
+    one_line_error(invoke("--backend", f"replay:{tmp_path}/gpu_metrics.csv", "--run-dir", str(tmp_path)),
+                   "own gpu_metrics.csv")
+
+
+def test_foreign_csv_in_the_run_dir_is_refused(tmp_path):
+    (tmp_path / "gpu_metrics.csv").write_text("a,b\n1,2\n")
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"), "other columns")

@@ -1,0 +1,132 @@
+"""The monitor loop with the sim backend: injections, alerts, lost GPUs, backend errors."""
+
+import json
+import threading
+
+from ftmaster import runfiles
+from ftmaster.faults import parse_injection
+from ftmaster.monitor.anomalies import ThermalRunaway
+from ftmaster.monitor.backends import BackendError
+from ftmaster.monitor.backends.sim import SimBackend
+from ftmaster.monitor.daemon import Monitor, MonitorConfig
+from ftmaster.monitor.sample import GpuSample
+
+
+class Clock:
+    """Virtual time: each sample advances it by ``step`` seconds, so nothing sleeps."""
+
+    def __init__(self, step):
+        self.now, self.step = 1_750_000_000.0, step
+
+    def __call__(self):
+        self.now += self.step
+        return self.now
+
+
+def sim_monitor(tmp_path, step, injections=(), seed=0, num_gpus=4):
+    backend = SimBackend(num_gpus=num_gpus, seed=seed, clock=Clock(step))
+    return Monitor(backend, tmp_path, injections=[parse_injection(i) for i in injections], seed=seed)
+
+
+def run(monitor, steps):
+    for _ in range(steps):
+        monitor.step()
+
+
+def test_degrade_alerts_within_a_few_samples_at_half_a_second(tmp_path):
+    for seed in range(5):  # every degrade plan, not just one
+        monitor = sim_monitor(tmp_path / str(seed), 0.5, ["degrade:gpu=2,at=1s"], seed=seed)
+        run(monitor, 2)  # before the trigger
+        assert monitor.alerts == []
+        run(monitor, 6)
+        assert {a.gpu for a in monitor.alerts} == {2}, seed
+    events = runfiles.read_events(tmp_path / "4")
+    assert [e["gpu"] for e in events if e["event"] == "risk_alert"] == [2]
+    flag = runfiles.read_flag(runfiles.trigger_flag_path(tmp_path / "4"))
+    assert flag["gpu"] == 2 and flag["score"] == 1.0 and flag["reasons"]
+
+
+def test_fail_loses_the_gpu_and_recover_brings_it_back(tmp_path):
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=1,at=3s", "recover:gpu=1,at=6s"])
+    run(monitor, 5)
+    assert monitor.lost_gpus() == {1}
+    lost = [e for e in runfiles.read_events(tmp_path) if e["event"] == "risk_alert"]
+    assert [(e["gpu"], e["reasons"]) for e in lost] == [(1, ["device_lost"])]
+    run(monitor, 3)
+    assert monitor.lost_gpus() == set()
+
+
+def test_iteration_trigger_reads_the_heartbeat(tmp_path):
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=0,at=iter:10"])
+    run(monitor, 2)
+    (tmp_path / "heartbeat.json").write_text("{garbled")
+    run(monitor, 2)
+    runfiles.write_heartbeat(tmp_path, iteration=9, consumed_samples=0)
+    run(monitor, 2)
+    assert monitor.lost_gpus() == set()
+    runfiles.write_heartbeat(tmp_path, iteration=10, consumed_samples=0)
+    run(monitor, 2)
+    assert monitor.lost_gpus() == {0}
+
+
+def test_soft_thermal_runaway_and_hang_alert_on_the_right_gpu(tmp_path):
+    monitor = sim_monitor(tmp_path, 5.0, ["hang:gpu=3,at=900s"])
+    run(monitor, 120)  # 10 minutes: warm-up done, baselines learnt, nothing alerted
+    assert monitor.alerts == []
+    monitor.overlay.inject(1, ThermalRunaway(rate_c_per_min=3.0))
+    run(monitor, 96)  # 8 more minutes
+    reasons = {a.gpu: a.reasons for a in monitor.alerts}
+    assert set(reasons) == {1, 3}
+    assert "temperature_trend" in reasons[1] and "utilization_collapse" in reasons[3]
+
+
+def test_excluded_gpus_are_neither_scored_nor_lost(tmp_path):
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=2,at=2s"])
+    run(monitor, 4)
+    monitor.exclude_gpus([2])
+    run(monitor, 2)
+    assert monitor.lost_gpus() == set()
+    rows = (tmp_path / "gpu_metrics.csv").read_text().splitlines()
+    assert sum(1 for r in rows[1:] if r.split(",")[1] == "2") == 2  # only before it was lost
+
+
+def test_csv_has_the_header_once_and_a_risk_per_row(tmp_path):
+    import pandas as pd
+    monitor = sim_monitor(tmp_path, 0.1)
+    run(monitor, 3)
+    monitor.close()
+    again = sim_monitor(tmp_path, 0.1)  # a relaunch appends to the same file
+    run(again, 2)
+    frame = pd.read_csv(tmp_path / "gpu_metrics.csv")
+    assert len(frame) == 20 and frame["failure_risk"].notna().all()
+
+
+class FlakyBackend:
+    name = "flaky"
+
+    def __init__(self, failures):
+        self.failures, self.calls = failures, 0
+        self.done = threading.Event()
+
+    def sample(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise BackendError("driver busy")
+        if self.calls >= self.failures + 3:
+            self.done.set()
+        return [GpuSample(timestamp=1_750_000_000.0 + self.calls, gpu_id=0, temperature=60.0)]
+
+    def close(self):
+        pass
+
+
+def test_the_thread_survives_backend_errors_with_backoff(tmp_path):
+    backend = FlakyBackend(failures=3)
+    monitor = Monitor(backend, tmp_path, config=MonitorConfig(interval_s=0.01, max_backoff_s=0.05))
+    monitor.start()
+    assert backend.done.wait(30)
+    monitor.stop()
+    errors = [e for e in runfiles.read_events(tmp_path) if e["event"] == "monitor_error"]
+    assert len(errors) == 1 and "driver busy" in errors[0]["error"]  # one per run of failures
+    assert monitor.samples_seen >= 3
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "monitor_error"

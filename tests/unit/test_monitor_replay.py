@@ -1,0 +1,99 @@
+"""Replaying recorded CSVs: round trip, partial and malformed input, lost GPUs."""
+
+import pytest
+
+from ftmaster.monitor.backends import TraceEnded
+from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
+from ftmaster.monitor.daemon import Monitor, MonitorConfig
+from ftmaster.monitor.sample import GpuSample, iso_time, to_row
+from ftmaster.monitor.schema import CSV_COLUMNS
+
+T0 = 1_750_000_000.0
+
+
+def write_csv(path, header, rows):
+    path.write_text("\n".join([",".join(header)] + [",".join(r) for r in rows]) + "\n")
+    return path
+
+
+def full_sample(gpu, t, **values):
+    base = dict(gpu_name="H100", driver_version="570", temperature=65.0, power_draw=500.0,
+                gpu_utilization=95.0, memory_utilization=40.0, memory_used=60000.0, memory_total=81559.0,
+                errors=0, ecc_sbe=1, ecc_dbe=0, xid=None, throttle_reasons=4, power_limit=700.0,
+                sm_clock=1980.0, pcie_replay=0, retired_pages_pending=0, recovery_action=0)
+    return GpuSample(timestamp=t, gpu_id=gpu, **{**base, **values})
+
+
+def drain(backend):
+    batches = []
+    while True:
+        try:
+            batches.append(backend.sample())
+        except TraceEnded:
+            return batches
+
+
+def test_round_trip_of_every_column(tmp_path):
+    samples = [full_sample(g, T0 + 10 * k, xid=79 if (g, k) == (1, 1) else None) for k in range(2) for g in (0, 1)]
+    path = write_csv(tmp_path / "m.csv", CSV_COLUMNS, [to_row(s) for s in samples])
+    batches = drain(ReplayBackend(path))
+    assert [[s.gpu_id for s in b] for b in batches] == [[0, 1], [0, 1]]
+    assert batches[1][1] == samples[3]
+
+
+def test_missing_optional_columns_and_unknown_columns(tmp_path):
+    header = ["timestamp", "gpu_id", "temperature", "fan_speed"]
+    path = write_csv(tmp_path / "m.csv", header, [[iso_time(T0), "0", "70", "55"]])
+    (sample,) = ReplayBackend(path).sample()
+    assert sample.temperature == 70
+    assert sample.ecc_dbe is None and sample.xid is None and sample.retired_pages_pending is None
+
+
+def test_malformed_cells_are_unknown_and_bad_rows_are_skipped_and_counted(tmp_path):
+    rows = [[iso_time(T0), "0", "hot", "abc"],
+            ["yesterday", "1", "60", "0"],
+            [iso_time(T0), "x", "60", "0"],
+            [str(T0 + 10), "0", "71", "nan"],
+            [iso_time(T0 + 20), "0"]]  # torn last line
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature", "ecc_dbe"], rows))
+    batches = drain(backend)
+    assert [b[0].temperature for b in batches] == [None, 71, None]
+    assert all(b[0].ecc_dbe is None for b in batches)
+    assert backend.skipped == 2
+    assert "neither ISO 8601" in backend.problems[0] and ":3:" in backend.problems[0]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty"),
+    ("time,gpu\n1,0\n", "lacks the column"),
+    ("timestamp,gpu_id\nbad,0\n", "no usable rows"),
+])
+def test_unusable_files_are_clear_errors(tmp_path, text, words):
+    path = tmp_path / "m.csv"
+    path.write_text(text)
+    with pytest.raises(ReplayError, match=words):
+        ReplayBackend(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ReplayError, match="cannot read"):
+        ReplayBackend(tmp_path / "nope.csv")
+
+
+def test_gpu_gone_for_good_is_lost_and_a_gap_is_unknown(tmp_path):
+    rows = []
+    for k in range(6):
+        for gpu in (0, 1, 2):
+            if (gpu == 2 and k >= 3) or (gpu == 1 and k == 2):
+                continue  # GPU 2 vanishes at k=3; GPU 1 skips one sample only
+            rows.append(to_row(full_sample(gpu, T0 + 10 * k)))
+    monitor = Monitor(ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, rows)), tmp_path / "run",
+                      config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    monitor.close()
+    assert monitor.lost_gpus() == {2}
+    lost_alerts = [a for a in monitor.alerts if a.reasons == ("device_lost",)]
+    assert [(a.gpu, a.time) for a in lost_alerts] == [(2, T0 + 30)]
+    recorded = (tmp_path / "run" / "gpu_metrics.csv").read_text().splitlines()
+    gap_row = [r for r in recorded if r.startswith(iso_time(T0 + 20)) and r.split(",")[1] == "1"]
+    assert gap_row and gap_row[0].endswith(",0.5")  # unknown: scored as not healthy, not lost

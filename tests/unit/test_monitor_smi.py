@@ -1,0 +1,81 @@
+"""The smi backend against fake ``nvidia-smi`` scripts put first on PATH."""
+
+import os
+import stat
+
+import pytest
+
+from ftmaster.monitor.backends import BackendError
+from ftmaster.monitor.backends.smi import SmiBackend
+
+GOOD = """\
+0, NVIDIA H100 80GB HBM3, 570.1, 61, 312.55, 97, 41, 60000, 81559, 0, 7, 0, 0x0000000000000004, 700.00, 1980, No
+1, NVIDIA H100 80GB HBM3, 570.1, [N/A], [Unknown Error], 95, 40, 60000, 81559, [N/A], 0, 1, 0x0000000000000008, 700.00, 1755, Yes
+"""
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    def install(body: str) -> None:
+        script = tmp_path / "nvidia-smi"
+        script.write_text("#!/bin/sh\n" + body)
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return install
+
+
+def test_parses_rows_and_treats_bracketed_cells_as_unknown(fake_smi):
+    fake_smi(f"cat <<'EOF'\n{GOOD}EOF\n")
+    first, second = SmiBackend().sample()
+    assert (first.gpu_id, first.temperature, first.power_draw, first.ecc_sbe) == (0, 61, 312.55, 7)
+    assert (first.throttle_reasons, first.retired_pages_pending, first.errors) == (0x4, 0, 0)
+    assert second.temperature is None and second.power_draw is None and second.errors is None
+    assert (second.ecc_dbe, second.throttle_reasons, second.retired_pages_pending) == (1, 0x8, 1)
+
+
+def test_queries_with_an_argv_list(fake_smi, tmp_path):
+    fake_smi(f'printf "%s\\n" "$@" > {tmp_path}/argv\n')
+    with pytest.raises(BackendError, match="listed no GPU"):  # silence never means "all lost"
+        SmiBackend().sample()
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv[0].startswith("--query-gpu=index,name,driver_version,temperature.gpu")
+    assert argv[1] == "--format=csv,noheader,nounits"
+
+
+def test_garbage_output_is_an_error_not_a_healthy_gpu(fake_smi):
+    fake_smi("echo 'Segmentation fault (core dumped) something, odd'\n")
+    with pytest.raises(BackendError, match="unparseable nvidia-smi line"):
+        SmiBackend().sample()
+
+
+def test_a_failing_nvidia_smi_is_reported(fake_smi):
+    fake_smi("echo 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\nexit 9\n")
+    with pytest.raises(BackendError, match="exited with 9 and listed no GPU: NVIDIA-SMI has failed"):
+        SmiBackend().sample()
+
+
+def test_a_lost_gpu_is_left_out(fake_smi):
+    fake_smi("echo 'Unable to determine the device handle for GPU 0000:3B:00.0: GPU is lost.'\n"
+             f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    assert [s.gpu_id for s in SmiBackend().sample()] == [1]
+
+
+def test_old_driver_falls_back_to_the_paper_fields(fake_smi):
+    fake_smi('case "$1" in *clocks_throttle*) echo \'Field "x" is not a valid field to query.\'; exit 2;; esac\n'
+             "echo '0, GPU, 470.1, 55, 200, 90, 30, 1000, 40000, 0'\n")
+    (sample,) = SmiBackend().sample()
+    assert (sample.temperature, sample.memory_total) == (55, 40000)
+    assert sample.ecc_sbe is None and sample.throttle_reasons is None
+
+
+def test_a_hung_nvidia_smi_is_killed_and_reported(fake_smi):
+    # The sleep is a grandchild holding stdout: killing only the shell would still hang.
+    fake_smi("sleep 60\n")
+    with pytest.raises(BackendError, match="did not answer within 0.3 s; killed it"):
+        SmiBackend(timeout_s=0.3).sample()
+
+
+def test_missing_nvidia_smi_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BackendError, match="cannot run nvidia-smi"):
+        SmiBackend().sample()
