@@ -69,6 +69,9 @@ def _add_training_args(parser):
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="exit (after a checkpoint, with --save) when the iteration is a "
+                            "multiple of this")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--eval-iters", type=int, default=100)

@@ -82,6 +82,17 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+def _start_writer_results_queue() -> None:
+    """Start torch_dist's writer result queue now instead of inside the first save.
+
+    megatron-core creates it lazily through a spawn-context Manager, which costs a fresh
+    interpreter (seconds) and would otherwise land in the first, possibly emergency, save.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue()
+
+
 @dataclass
 class TrainingState:
     """What the loop needs to continue where a checkpoint left off."""
@@ -108,6 +119,8 @@ class Checkpointer:
         self.scheduler = scheduler
         self.async_queue = AsyncCallsQueue() if args.async_save else None
         self.last_saved_iteration: int | None = None
+        if args.save:
+            _start_writer_results_queue()
 
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool) -> dict:
@@ -198,7 +211,7 @@ class Checkpointer:
         if self.args.no_load_optim:
             template.pop("optimizer", None)
         loaded = dist_checkpointing.load(template, str(choice.path),
-                                         sharded_strategy=self._load_strategy())
+                                         sharded_strategy=self._load_strategy(choice.path))
         self._apply(loaded, state, with_rng)
         seconds = time.perf_counter() - start
         log_rank0(f"loaded checkpoint from {choice.path} at iteration {state.iteration} in "
@@ -215,8 +228,8 @@ class Checkpointer:
         torch.distributed.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _load_strategy(self):
-        strategy = get_default_load_sharded_strategy(None)
+    def _load_strategy(self, path: Path):
+        strategy = get_default_load_sharded_strategy(str(path))
         return FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 

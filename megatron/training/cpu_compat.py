@@ -29,6 +29,9 @@ Patch points (module: what it assumes -> what we do):
    embeddings across pipeline stages), ``dist_checkpointing.exchange_utils`` (fully parallel
    load) and the optimizer's offload path -> it returns the tensor itself. This one is
    process-wide, because it is a method; without CUDA every such call would raise anyway.
+8. ``CudaRNGStatesTracker.fork`` warns "CPU RNG state changed within GPU RNG context" when
+   the CPU generator moves inside a fork; on CPU the forked stream *is* the CPU generator, so
+   the warning is expected on every dropout -> that one message is filtered from its logger.
 
 Patches 1-4 are scoped: each patched module gets its own view of ``torch`` whose ``cuda``
 namespace and tensor factories are redirected, so code elsewhere (and torch itself) is
@@ -38,6 +41,7 @@ untouched.
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 
 import torch
@@ -67,6 +71,8 @@ _DEVICE_MODULES = tuple(f"megatron.core.{name}" for name in (
     "optimizer.grad_scaler",
     "optimizer.optimizer",
     "dist_checkpointing.exchange_utils",
+    "dist_checkpointing.strategies.fully_parallel",
+    "dist_checkpointing.tensor_aware_state_dict",
     "dist_checkpointing.strategies.async_utils",
     "dist_checkpointing.strategies.filesystem_async",
     "dist_checkpointing.strategies.state_dict_saver",
@@ -141,6 +147,11 @@ def _patch_rng_functions(random_module):
     random_module._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
+class _DropExpectedRngWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def apply() -> bool:
     """Adapt megatron-core for CPU when CUDA is absent. Returns True when patches applied."""
     global _applied
@@ -153,6 +164,7 @@ def apply() -> bool:
         importlib.import_module(name).torch = view
     _patch_rng_functions(importlib.import_module("megatron.core.tensor_parallel.random"))
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropExpectedRngWarning())
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         module = importlib.import_module(name)
         if hasattr(module, "clip_grad_by_total_norm_fp32"):

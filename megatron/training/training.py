@@ -174,7 +174,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the micro-batch count.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
@@ -298,7 +299,16 @@ class Trainer:
             self.save(decision)
         if decision.exit:
             log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
-        return decision.exit
+        return decision.exit or self._exit_interval_reached()
+
+    def _exit_interval_reached(self) -> bool:
+        interval = self.args.exit_interval
+        if not interval or self.state.iteration % interval:
+            return False
+        if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
+            self.save(Decision(save=True))
+        log_rank0(f"exiting at iteration {self.state.iteration} (--exit-interval {interval})")
+        return True
 
     def run(self) -> None:
         args = self.args

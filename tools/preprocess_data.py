@@ -1,0 +1,142 @@
+"""Turn a text or JSONL file into a Megatron indexed dataset (``PREFIX_text_document.bin/.idx``).
+
+    python tools/preprocess_data.py --input corpus.txt --output-prefix data/corpus \
+        --tokenizer-type ByteLevelTokenizer
+    python tools/preprocess_data.py --input docs.jsonl --json-keys text --output-prefix data/docs \
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
+
+A ``.txt`` input holds one document per blank-line-separated paragraph (``--split-on-lines``:
+one per line); a ``.jsonl`` input holds one JSON object per line. Each document ends with the
+tokenizer's end-of-document token (``--append-eod``, on by default), as Megatron-LM does.
+Train with ``--data-path PREFIX_text_document`` and the same ``--tokenizer-type``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy
+import torch
+
+
+class InputError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--input", required=True, help="a .txt or .jsonl file")
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                        choices=("ByteLevelTokenizer", "GPT2BPETokenizer"))
+    parser.add_argument("--vocab-file", default=None)
+    parser.add_argument("--merge-file", default=None)
+    parser.add_argument("--split-on-lines", action="store_true",
+                        help="plain text: one document per line instead of per paragraph")
+    parser.add_argument("--no-append-eod", dest="append_eod", action="store_false")
+    parser.add_argument("--log-interval", type=int, default=10000, help="documents per progress line")
+    return parser
+
+
+def text_documents(path: Path, split_on_lines: bool) -> Iterator[str]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    pieces = text.splitlines() if split_on_lines else text.split("\n\n")
+    return (piece.strip() for piece in pieces if piece.strip())
+
+
+def jsonl_documents(path: Path, keys: list[str]) -> Iterator[tuple[str, str]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise InputError(f"{path}:{number} is not valid JSON") from None
+            for key in keys:
+                if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                    raise InputError(f"{path}:{number} has no string field {key!r} "
+                                     f"(choose fields with --json-keys)")
+                yield key, record[key]
+
+
+def _dtype_for(vocab_size: int):
+    return numpy.uint16 if vocab_size < 65500 else numpy.int32
+
+
+def _make_tokenizer(args):
+    from megatron.training.tokenizer import build_tokenizer
+
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if not path or not Path(path).is_file():
+                raise InputError(f"GPT2BPETokenizer needs {flag} pointing to an existing file")
+    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file)
+
+
+def preprocess(args: argparse.Namespace) -> dict[str, str]:
+    """Write one dataset per JSON key (or one for text); returns key -> output prefix."""
+    source = Path(args.input)
+    if not source.is_file():
+        raise InputError(f"--input {source} does not exist")
+    tokenizer = _make_tokenizer(args)
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # slow import
+
+    if source.suffix == ".jsonl":
+        documents = jsonl_documents(source, args.json_keys)
+        keys = args.json_keys
+    else:
+        documents = (("text", doc) for doc in text_documents(source, args.split_on_lines))
+        keys = ["text"]
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in keys}
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=_dtype_for(tokenizer.vocab_size))
+                for key, prefix in prefixes.items()}
+    _fill(builders, documents, tokenizer, args)
+    for key, builder in builders.items():
+        builder.finalize(prefixes[key] + ".idx")
+    return prefixes
+
+
+def _fill(builders, documents, tokenizer, args) -> None:
+    start, count, tokens = time.perf_counter(), 0, 0
+    for key, text in documents:
+        ids = tokenizer.tokenize(text)
+        if args.append_eod:
+            ids.append(tokenizer.eod)
+        if not ids:
+            continue
+        builders[key].add_document(torch.tensor(ids), [len(ids)])
+        count += 1
+        tokens += len(ids)
+        if count % args.log_interval == 0:
+            rate = tokens / (time.perf_counter() - start) / 1e6
+            print(f"processed {count} documents, {tokens} tokens ({rate:.2f} M tokens/s)",
+                  file=sys.stderr, flush=True)
+    if count == 0:
+        raise InputError(f"{args.input} holds no documents")
+    print(f"done: {count} documents, {tokens} tokens in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        prefixes = preprocess(args)
+    except (InputError, OSError) as problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    for prefix in prefixes.values():
+        print(prefix)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
