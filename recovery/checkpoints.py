@@ -109,11 +109,11 @@ def find_loadable_checkpoint(save_dir: Path) -> CheckpointChoice:
     if tracked is None:
         return CheckpointChoice(save_dir, None)
     skipped = []
+    if not iteration_dir(save_dir, tracked).is_dir():
+        skipped.append((tracked, "folder is missing"))
     for iteration in (it for it in list_iterations(save_dir) if it <= tracked):
         problem = checkpoint_problem(iteration_dir(save_dir, iteration))
         if problem is None:
             return CheckpointChoice(save_dir, iteration, tuple(skipped), tracked)
         skipped.append((iteration, problem))
-    if tracked not in {it for it, _ in skipped}:
-        skipped.insert(0, (tracked, "folder is missing"))
     return CheckpointChoice(save_dir, None, tuple(skipped), tracked)

@@ -1,0 +1,43 @@
+"""A text file goes through tools/preprocess_data.py into training, and the loss falls."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.trainer import REPO, iterations, run_trainer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    sentences = ["the quick brown fox jumps over the lazy dog.",
+                 "pack my box with five dozen liquor jugs.",
+                 "how vexingly quick daft zebras jump!"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(sentences[i % 3] * 3 for i in range(300)))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(text),
+         "--output-prefix", str(tmp_path / "data" / "corpus")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    prefix = result.stdout.strip()
+    assert prefix.endswith("corpus_text_document")
+    return prefix
+
+
+def test_loss_falls_on_a_repetitive_corpus(corpus):
+    result = run_trainer(2, [
+        "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4",
+        "--global-batch-size", "8", "--train-iters", "40", "--lr", "3e-3",
+        "--lr-warmup-iters", "4", "--data-path", corpus, "--split", "98,2,0",
+        "--tokenizer-type", "ByteLevelTokenizer", "--log-interval", "1", "--eval-iters", "2",
+        "--eval-interval", "40"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    losses = [entry["loss"] for _, entry in sorted(iterations(result.stdout).items())]
+    assert len(losses) == 40
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.6 * first, f"loss {first:.3f} -> {last:.3f}"
+    assert "validation loss at iteration 40" in result.stdout

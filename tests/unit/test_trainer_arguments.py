@@ -1,0 +1,77 @@
+"""pretrain_gpt.py argument validation: every bad input is one line and a non-zero exit."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args
+
+from helpers.trainer import PRETRAIN, REPO
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+        "--mock-data", "--vocab-size", "100"]
+
+
+def with_args(*extra, drop=()):
+    argv = list(BASE)
+    for flag in drop:
+        index = argv.index(flag)
+        del argv[index:index + 2]
+    return argv + list(extra)
+
+
+@pytest.mark.parametrize("argv, world_size, message", [
+    (with_args("--tensor-model-parallel-size", "3"), 3,
+     "--num-attention-heads (4) is not divisible by --tensor-model-parallel-size (3)"),
+    (with_args("--pipeline-model-parallel-size", "3"), 3,
+     "--num-layers (4) is not divisible by --pipeline-model-parallel-size (3)"),
+    (with_args("--global-batch-size", "6"), 2,
+     "--global-batch-size (6) is not divisible by --micro-batch-size (2) x data-parallel size (2)"),
+    (with_args("--tensor-model-parallel-size", "2"), 3,
+     "world size 3 is not divisible by tensor (2) x pipeline (1) parallel size"),
+    (with_args("--group-query-attention", "--num-query-groups", "3"), 1,
+     "--num-attention-heads (4) is not divisible by --num-query-groups (3)"),
+    (with_args("--bogus-flag", "1"), 1, "unrecognized arguments: --bogus-flag 1"),
+    (with_args("--data-path", "/nonexistent/corpus", drop=()), 1,
+     "give exactly one of --mock-data or --data-path PREFIX"),
+    (with_args(drop=("--vocab-size",)), 1, "NullTokenizer needs --vocab-size"),
+    (with_args("--lr-warmup-iters", "5", "--train-iters", "3"), 1, "--lr-warmup-iters (5)"),
+])
+def test_invalid_combinations_are_rejected(argv, world_size, message):
+    with pytest.raises(ArgumentError) as caught:
+        parse_args(argv, world_size=world_size)
+    assert message in str(caught.value)
+
+
+def test_missing_data_path_names_the_file(tmp_path):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+    with pytest.raises(ArgumentError, match=r"corpus\.bin does not exist"):
+        parse_args(argv, world_size=1)
+
+
+def test_unwritable_save_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ArgumentError, match="is not writable"):
+        parse_args(with_args("--save", str(blocker / "ckpt")), world_size=1)
+
+
+def test_defaults_follow_megatron():
+    args = parse_args(with_args(), world_size=4)
+    assert args.data_parallel_size == 4
+    assert args.global_batch_size == 8
+    assert args.ffn_hidden_size == 256
+    assert args.num_query_groups == 4
+    assert args.max_position_embeddings == 32
+
+
+@pytest.mark.parametrize("extra", [["--unknown-thing"], ["--tensor-model-parallel-size", "3"]])
+def test_script_prints_one_line_and_exits_nonzero(extra):
+    result = subprocess.run([sys.executable, PRETRAIN, *BASE, *extra], capture_output=True,
+                            text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
