@@ -12,11 +12,14 @@ iteration is invalid, the newest valid older one is used, and the reason is repo
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+SAVE_KIND_FILE = "ftmaster_save.json"
+SAVE_KINDS = ("periodic", "emergency", "exit", "final")
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _REQUIRED_FILES = ("common.pt", "metadata.json", ".metadata")
 
@@ -117,3 +120,36 @@ def find_loadable_checkpoint(save_dir: Path) -> CheckpointChoice:
             return CheckpointChoice(save_dir, iteration, tuple(skipped), tracked)
         skipped.append((iteration, problem))
     return CheckpointChoice(save_dir, None, tuple(skipped), tracked)
+
+
+def write_save_kind(path: Path, kind: str) -> None:
+    """Record why a checkpoint was taken, so emergency ones can be pruned later."""
+    if kind not in SAVE_KINDS:
+        raise ValueError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
+    (Path(path) / SAVE_KIND_FILE).write_text(json.dumps({"kind": kind}) + "\n")
+
+
+def read_save_kind(path: Path) -> str | None:
+    """The recorded kind, or None for a checkpoint ftmaster did not write (never pruned)."""
+    try:
+        kind = json.loads((Path(path) / SAVE_KIND_FILE).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in SAVE_KINDS else None
+
+
+def prunable_emergency_checkpoints(save_dir: Path, keep: int) -> list[int]:
+    """Emergency checkpoints superseded by a newer regular one, beyond the newest ``keep``.
+
+    Emergency checkpoints newer than the newest regular checkpoint are the freshest state and
+    are never candidates, and neither is the one the tracker names.
+    """
+    save_dir = Path(save_dir)
+    kinds = {it: read_save_kind(iteration_dir(save_dir, it)) for it in list_iterations(save_dir)}
+    regular = [it for it, kind in kinds.items() if kind in ("periodic", "exit", "final")]
+    if not regular:
+        return []
+    superseded = sorted((it for it, kind in kinds.items()
+                         if kind == "emergency" and it < max(regular)), reverse=True)
+    tracked = read_tracker(save_dir)
+    return [it for it in superseded[keep:] if it != tracked]

@@ -103,6 +103,12 @@ def _add_checkpoint_args(parser):
     group.add_argument("--emergency-save-gap-frac", type=float, default=0.25,
                        help="ours: an emergency save needs at least ceil(frac x save interval) "
                             "iterations since the last checkpoint; 0 disables the filter")
+    group.add_argument("--emergency-save-flag-dir", default=None,
+                       help="ours: folder watched for save_now.flag (default: "
+                            "$FTMASTER_RUN_DIR/flags)")
+    group.add_argument("--keep-emergency", type=int, default=None,
+                       help="ours: keep only the newest N emergency checkpoints that a newer "
+                            "regular checkpoint supersedes (default: keep all)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +248,8 @@ def _validate_checkpointing(args):
                  f"--save directory {args.save} is not writable: choose a directory you can "
                  f"write to")
     _require(not args.async_save or args.save is not None, "--async-save needs --save DIR")
+    _require(args.keep_emergency is None or args.keep_emergency >= 0,
+             f"--keep-emergency must be >= 0, got {args.keep_emergency}")
     _require(args.emergency_save_gap_frac >= 0,
              f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
 

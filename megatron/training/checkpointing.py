@@ -38,6 +38,7 @@ from ftmaster.recovery.checkpoints import (
     find_loadable_checkpoint,
     iteration_dir,
     tracker_path,
+    write_save_kind,
 )
 from ftmaster.runfiles import atomic_write_text
 
@@ -102,11 +103,15 @@ class TrainingState:
 
 
 @dataclass(frozen=True)
-class SaveResult:
+class DurableSave:
+    """A checkpoint whose shards are all on disk and which the tracker now names."""
+
     iteration: int
     path: Path
-    blocking_seconds: float
-    bytes: int | None  # None until an async save is durable
+    kind: str  # periodic, emergency, exit or final: see ``SAVE_KINDS``
+    started_at: float  # unix time the save began
+    seconds_to_durable: float
+    bytes: int
 
 
 class Checkpointer:
@@ -141,48 +146,48 @@ class Checkpointer:
             )
         return sharded
 
-    def save(self, state: TrainingState,
-             on_durable: Callable[[SaveResult], None] | None = None) -> SaveResult:
-        """Save at ``state.iteration``; returns once training may continue.
+    def save(self, state: TrainingState, kind: str,
+             on_durable: Callable[[DurableSave], None] | None = None) -> float:
+        """Save at ``state.iteration``; returns the seconds training was blocked.
 
-        ``on_durable`` runs on rank 0 once every shard is on disk and the tracker moved.
+        ``on_durable`` runs on rank 0 once every shard is on disk and the tracker moved:
+        before this returns for a synchronous save, in a later ``finalize_async`` otherwise.
         """
         path = iteration_dir(Path(self.args.save), state.iteration)
         if torch.distributed.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         request = dist_checkpointing.save(
             self._state_dict(state, is_loading=False, with_rng=True), str(path),
             sharded_strategy=self._save_strategy(), async_sharded_save=self.async_queue is not None)
-        finalize = self._finalizer(state.iteration, path, start, on_durable)
+        finalize = self._finalizer(state.iteration, path, kind, started_at, start, on_durable)
         if request is None:
             torch.distributed.barrier()
-            result = finalize()
+            finalize()
         else:
             request.add_finalize_fn(finalize)
             self.async_queue.schedule_async_request(request)
-            result = SaveResult(state.iteration, path, time.perf_counter() - start, None)
         self.last_saved_iteration = state.iteration
-        return result
+        return time.perf_counter() - start
 
     def _save_strategy(self):
         strategy = get_default_save_sharded_strategy("torch_dist")
         return FullyParallelSaveStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
-    def _finalizer(self, iteration, path, start, on_durable):
-        def finalize() -> SaveResult:
-            seconds = time.perf_counter() - start
-            result = SaveResult(iteration, path, seconds, None)
-            if torch.distributed.get_rank() == 0:
-                atomic_write_text(tracker_path(Path(self.args.save)), f"{iteration}\n")
-                result = SaveResult(iteration, path, seconds, directory_bytes(path))
-                log_rank0(f"saved checkpoint at iteration {iteration} to {path} in "
-                          f"{seconds:.3f} s ({result.bytes} bytes)")
-                if on_durable is not None:
-                    on_durable(result)
-            return result
+    def _finalizer(self, iteration, path, kind, started_at, start, on_durable):
+        def finalize() -> None:
+            if torch.distributed.get_rank() != 0:
+                return
+            write_save_kind(path, kind)
+            atomic_write_text(tracker_path(Path(self.args.save)), f"{iteration}\n")
+            done = DurableSave(iteration, path, kind, started_at, time.perf_counter() - start,
+                               directory_bytes(path))
+            log_rank0(f"saved {kind} checkpoint at iteration {iteration} to {path} in "
+                      f"{done.seconds_to_durable:.3f} s ({done.bytes} bytes)")
+            if on_durable is not None:
+                on_durable(done)
 
         return finalize
 

@@ -3,18 +3,24 @@
 Triggers only set local state, as in Megatron's ``dist_signal_handler``:
 
 * SIGTERM (with ``--exit-signal-handler``): save at the next iteration, then exit 0;
-* ``RUN_DIR/flags/save_now.flag``: an emergency save request from the monitor.
+* ``FLAG_DIR/save_now.flag``: an emergency save request from the monitor.
 
-Every iteration all ranks combine their local state with one MAX all-reduce of a two-int
-tensor, so every rank reaches the same decision at the same iteration: a collective save
-started by some ranks only would hang. A flag that is empty, malformed or unreadable still
-counts: its existence is the request.
+All ranks combine their local state with one MAX all-reduce of a two-int tensor, so every
+rank reaches the same decision at the same iteration: a collective save started by some
+ranks only would hang. The all-reduce runs on a gloo group over CPU tensors, is issued when
+an iteration starts and is waited for when it ends, so it overlaps the iteration's compute
+and never synchronises a GPU stream. A flag seen during iteration ``k`` is therefore acted on
+at the end of ``k + 1`` at the latest.
+
+A flag that is empty, malformed or unreadable still counts: its existence is the request.
+Once a save answers it, that same file (same inode and mtime) is not a new request; a flag
+written while the save runs is, and is honoured next.
 
 The gap filter (the paper's rule) lets an emergency save happen only when
 ``iteration - last_checkpoint_iteration >= ceil(gap_frac x save_interval)``. A request that
 arrives too early stays pending and is honoured at the first eligible iteration; a periodic
 save satisfies it too. Without ``--save-interval`` the minimum gap is one iteration, counted
-from the last save or from the start.
+from the last save or from the start; ``gap_frac = 0`` disables the filter.
 """
 
 from __future__ import annotations
@@ -41,7 +47,15 @@ class Decision:
     save: bool = False
     emergency: bool = False  # the save answers a flag request
     exit: bool = False  # SIGTERM: save, then leave the loop
-    deferred_until: int | None = None  # a pending request waits for this iteration
+    deferred_until: int | None = None  # a pending request waits for this iteration, reported once
+
+
+@dataclass(frozen=True)
+class Triggers:
+    """The agreed state of every rank's triggers."""
+
+    sigterm: bool
+    flag: bool
 
 
 class SaveRequests:
@@ -50,68 +64,85 @@ class SaveRequests:
     def __init__(self, flag_path: Path | None, handle_sigterm: bool, gap_frac: float,
                  save_interval: int | None, can_save: bool):
         self.flag_path = flag_path
+        self.handle_sigterm = handle_sigterm
         self.gap = minimum_gap(gap_frac, save_interval)
         self.save_interval = save_interval
         self.can_save = can_save
         self._signal_received = False
-        self._flag_identity: tuple[int, int] | None = None
+        self._seen_identity: tuple[int, int] | None = None
+        self._answered_identity: tuple[int, int] | None = None
         self._deferral_reported = False
-        self._buffer = torch.zeros(2, dtype=torch.int32,
-                                   device="cuda" if torch.cuda.is_available() else "cpu")
+        self._buffer = torch.zeros(2, dtype=torch.int32)
+        self._pending_work = None
+        self._group = None
+        if self.active:
+            # A CPU group of its own: the agreement never waits on a GPU stream.
+            self._group = torch.distributed.new_group(backend="gloo")
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     @property
     def active(self) -> bool:
-        """False when no trigger can ever fire, so the per-iteration collective is skipped."""
-        return self.flag_path is not None or signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        """False when no trigger can ever fire; then no collective runs at all."""
+        return self.flag_path is not None or self.handle_sigterm
 
     def _on_sigterm(self, signum, frame) -> None:
         self._signal_received = True
 
-    def _flag_seen(self) -> bool:
+    def _flag_identity(self) -> tuple[int, int] | None:
         try:
             status = os.stat(self.flag_path)
         except OSError:
-            self._flag_identity = None
-            return False
-        self._flag_identity = (status.st_ino, status.st_mtime_ns)
-        return True
+            return None
+        return status.st_ino, status.st_mtime_ns
 
-    def _agree(self) -> tuple[bool, bool]:
+    def _new_request_seen(self) -> bool:
+        if self.flag_path is None:
+            return False
+        self._seen_identity = self._flag_identity()
+        return self._seen_identity is not None and self._seen_identity != self._answered_identity
+
+    def start_agreement(self) -> None:
+        """Sample local triggers and start the all-reduce; call when an iteration starts."""
+        if not self.active or self._pending_work is not None:
+            return
         self._buffer[0] = int(self._signal_received)
-        self._buffer[1] = int(self.flag_path is not None and self._flag_seen())
-        torch.distributed.all_reduce(self._buffer, op=torch.distributed.ReduceOp.MAX)
-        exit_now, flagged = self._buffer.tolist()
-        return bool(exit_now), bool(flagged)
+        self._buffer[1] = int(self._new_request_seen())
+        self._pending_work = torch.distributed.all_reduce(
+            self._buffer, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
+
+    def _finish_agreement(self) -> Triggers:
+        if self._pending_work is None:
+            return Triggers(False, False)
+        self._pending_work.wait()
+        self._pending_work = None
+        sigterm, flag = self._buffer.tolist()
+        return Triggers(bool(sigterm), bool(flag))
 
     def decide(self, iteration: int, last_checkpoint_iteration: int) -> Decision:
         """Called by every rank after each iteration; the answer is the same everywhere."""
         periodic = bool(self.can_save and self.save_interval
                         and iteration % self.save_interval == 0)
-        if not self.active:
-            return Decision(save=periodic)
-        exit_now, flagged = self._agree()
-        if exit_now:
+        triggers = self._finish_agreement()
+        if triggers.sigterm:
             return Decision(save=self.can_save, exit=True)
-        if not (flagged and self.can_save):
+        if not (triggers.flag and self.can_save):
             return Decision(save=periodic)
         eligible_at = last_checkpoint_iteration + self.gap
         if periodic or iteration >= eligible_at:
             self._deferral_reported = False
+            self._answered_identity = self._seen_identity
             return Decision(save=True, emergency=not periodic)
         report = not self._deferral_reported
         self._deferral_reported = True
         return Decision(deferred_until=eligible_at if report else None)
 
     def consume(self) -> None:
-        """After a successful save: remove the flag that was answered, not a newer one."""
-        if self.flag_path is None or self._flag_identity is None:
+        """After the answering save is durable (rank 0): remove that flag, not a newer one."""
+        if self._answered_identity is None:
             return
-        try:
-            status = os.stat(self.flag_path)
-            if (status.st_ino, status.st_mtime_ns) == self._flag_identity:
+        if self._flag_identity() == self._answered_identity:
+            try:
                 os.unlink(self.flag_path)
-        except OSError:
-            pass
-        self._flag_identity = None
+            except OSError:
+                pass

@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import random
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -28,10 +29,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from ftmaster import runfiles
+from ftmaster.recovery.checkpoints import iteration_dir, prunable_emergency_checkpoints
 
 from . import cpu_compat
 from .arguments import padded_vocab_size
-from .checkpointing import Checkpointer, SaveResult, TrainingState, checkpoint_args
+from .checkpointing import Checkpointer, DurableSave, TrainingState, checkpoint_args
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import MicroBatches, build_datasets, needs_data
 from .save_requests import Decision, SaveRequests
@@ -214,9 +216,15 @@ class Trainer:
             args.micro_batch_size * parallel_state.get_data_parallel_world_size())
         self.forward_backward = get_forward_backward_func()
         self.requests = SaveRequests(
-            flag_path=runfiles.save_now_flag_path(self.run_dir) if self.run_dir else None,
-            handle_sigterm=args.exit_signal_handler, gap_frac=args.emergency_save_gap_frac,
-            save_interval=args.save_interval, can_save=args.save is not None)
+            flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
+            gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
+            can_save=args.save is not None)
+        self._blocked_seconds: dict[int, float] = {}
+
+    def _flag_path(self) -> Path | None:
+        if self.args.emergency_save_flag_dir:
+            return Path(self.args.emergency_save_flag_dir) / runfiles.SAVE_NOW_FLAG
+        return runfiles.save_now_flag_path(self.run_dir) if self.run_dir else None
 
     def _connect_schedule_hooks(self):
         self.config.no_sync_func = self.model.no_sync
@@ -265,22 +273,28 @@ class Trainer:
         if self.run_dir is not None and torch.distributed.get_rank() == 0:
             runfiles.append_event(self.run_dir, name, **fields)
 
-    def save(self, decision: Decision) -> None:
-        kind = "emergency_save" if decision.emergency else "periodic_save"
+    def save(self, kind: str) -> None:
+        blocked = self.checkpointer.save(self.state, kind, on_durable=self._on_durable)
+        if self.checkpointer.async_queue is not None:
+            self._blocked_seconds[self.state.iteration] = blocked
+            log_rank0(f"async {kind} save at iteration {self.state.iteration} started; "
+                      f"training blocked {blocked:.3f} s")
 
-        def durable(result: SaveResult) -> None:
-            self._event(kind, iteration=result.iteration, seconds=round(blocked, 4),
-                        bytes=result.bytes, persist_seconds=round(result.blocking_seconds, 4))
-            if torch.distributed.get_rank() == 0:
-                self.requests.consume()
-
-        start = time.perf_counter()
-        blocked = 0.0
-        result = self.checkpointer.save(self.state, on_durable=durable)
-        blocked = time.perf_counter() - start
-        if result.bytes is None:
-            log_rank0(f"async save at iteration {result.iteration} started; training blocked "
-                      f"{blocked:.3f} s")
+    def _on_durable(self, done: DurableSave) -> None:
+        """Rank 0, once a checkpoint is complete on disk: event, flag, storage."""
+        blocked = self._blocked_seconds.pop(done.iteration, done.seconds_to_durable)
+        self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
+                    iteration=done.iteration, seconds=round(blocked, 4), bytes=done.bytes,
+                    persist_seconds=round(done.seconds_to_durable, 4),
+                    started_at=round(done.started_at, 4), kind=done.kind)
+        self.requests.consume()
+        if self.args.keep_emergency is not None:
+            for iteration in prunable_emergency_checkpoints(Path(self.args.save),
+                                                            self.args.keep_emergency):
+                shutil.rmtree(iteration_dir(Path(self.args.save), iteration), ignore_errors=True)
+                log_rank0(f"pruned emergency checkpoint iter_{iteration:07d}: a newer regular "
+                          f"checkpoint supersedes it (--keep-emergency "
+                          f"{self.args.keep_emergency})")
 
     def _heartbeat(self) -> None:
         if self.run_dir is not None and torch.distributed.get_rank() == 0:
@@ -296,7 +310,8 @@ class Trainer:
             self._event("save_deferred", iteration=self.state.iteration,
                         until_iteration=decision.deferred_until)
         if decision.save:
-            self.save(decision)
+            self.save("emergency" if decision.emergency else "exit" if decision.exit
+                      else "periodic")
         if decision.exit:
             log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
         return decision.exit or self._exit_interval_reached()
@@ -306,7 +321,7 @@ class Trainer:
         if not interval or self.state.iteration % interval:
             return False
         if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
-            self.save(Decision(save=True))
+            self.save("exit")
         log_rank0(f"exiting at iteration {self.state.iteration} (--exit-interval {interval})")
         return True
 
@@ -317,6 +332,7 @@ class Trainer:
         log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
         window_start, window_losses = time.perf_counter(), []
         while self.state.iteration < args.train_iters:
+            self.requests.start_agreement()
             loss = self.train_step()
             self.state.iteration += 1
             self.state.consumed_train_samples += args.global_batch_size
@@ -336,7 +352,7 @@ class Trainer:
 
     def _final_save(self) -> None:
         if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
-            self.save(Decision(save=True))
+            self.save("final")
 
     def _log(self, window_start: float, losses: list[float]) -> None:
         elapsed_ms = (time.perf_counter() - window_start) * 1000 / self.args.log_interval

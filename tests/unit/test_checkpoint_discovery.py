@@ -75,3 +75,29 @@ def test_tracker_pointing_at_deleted_folder_reports_it(save_dir):
     choice = find_loadable_checkpoint(save_dir)
     assert choice.iteration == 30
     assert (50, "folder is missing") in choice.skipped
+
+
+def make_kinds(save_dir, kinds, tracked):
+    from ftmaster.recovery.checkpoints import write_save_kind
+
+    for iteration, kind in kinds.items():
+        iteration_dir(save_dir, iteration).mkdir(parents=True)
+        if kind:
+            write_save_kind(iteration_dir(save_dir, iteration), kind)
+    tracker_path(save_dir).write_text(f"{tracked}\n")
+
+
+@pytest.mark.parametrize("kinds, tracked, keep, expected", [
+    # emergency 5 and 12 are superseded by periodic 20; 25 is newer than any periodic
+    ({5: "emergency", 12: "emergency", 20: "periodic", 25: "emergency"}, 25, 0, [12, 5]),
+    ({5: "emergency", 12: "emergency", 20: "periodic", 25: "emergency"}, 25, 1, [5]),
+    ({5: "emergency", 12: "emergency", 20: "periodic"}, 20, 5, []),
+    ({5: "emergency", 10: "emergency"}, 10, 0, []),  # no regular checkpoint yet
+    ({5: "emergency", 12: None, 20: "final"}, 20, 0, [5]),  # unmarked folders are never touched
+    ({5: "emergency", 20: "periodic"}, 5, 0, []),  # the tracker's checkpoint is never touched
+])
+def test_prunable_emergency_checkpoints(tmp_path, kinds, tracked, keep, expected):
+    from ftmaster.recovery.checkpoints import prunable_emergency_checkpoints
+
+    make_kinds(tmp_path, kinds, tracked)
+    assert prunable_emergency_checkpoints(tmp_path, keep) == expected

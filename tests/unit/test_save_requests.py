@@ -1,0 +1,117 @@
+"""The save decision: gap filter, deferral, periodic saves, flag identity, SIGTERM."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from ftmaster.runfiles import write_flag
+from megatron.training.save_requests import SaveRequests, minimum_gap
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group(tmp_path_factory):
+    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def flag(tmp_path):
+    return tmp_path / "flags" / "save_now.flag"
+
+
+def make(flag, save_interval=20, gap_frac=0.25, handle_sigterm=False):
+    return SaveRequests(flag, handle_sigterm, gap_frac, save_interval, can_save=True)
+
+
+def step(requests, iteration, last):
+    requests.start_agreement()
+    return requests.decide(iteration, last)
+
+
+@pytest.mark.parametrize("gap_frac, interval, expected", [
+    (0.25, 20, 5), (0.25, 100, 25), (0.5, 10, 5), (0.25, 3, 1), (0.0, 20, 1), (0.25, None, 1)])
+def test_minimum_gap(gap_frac, interval, expected):
+    assert minimum_gap(gap_frac, interval) == expected
+
+
+def test_no_flag_only_periodic_saves(flag):
+    requests = make(flag)
+    assert not step(requests, 19, 0).save
+    decision = step(requests, 20, 0)
+    assert decision.save and not decision.emergency
+
+
+def test_early_request_is_deferred_then_honoured(flag):
+    requests = make(flag)
+    write_flag(flag, gpu=1, score=0.99)
+    first = step(requests, 21, 20)
+    assert not first.save and first.deferred_until == 25
+    assert step(requests, 22, 20).deferred_until is None  # reported once
+    assert not step(requests, 24, 20).save
+    decision = step(requests, 25, 20)
+    assert decision.save and decision.emergency
+
+
+def test_periodic_save_satisfies_a_pending_request(flag):
+    requests = make(flag, save_interval=8)  # gap 2
+    write_flag(flag)
+    assert not step(requests, 7, 6).save
+    decision = step(requests, 8, 6)
+    assert decision.save and not decision.emergency
+    requests.consume()
+    assert not flag.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"\xff\xfe\x00"])
+def test_empty_or_malformed_flag_is_a_request(flag, content):
+    flag.parent.mkdir(parents=True)
+    flag.write_bytes(content)
+    decision = step(make(flag), 10, 0)
+    assert decision.save and decision.emergency
+
+
+def test_answered_flag_is_not_asked_twice_but_a_new_one_is(flag):
+    requests = make(flag)
+    write_flag(flag)
+    assert step(requests, 10, 0).emergency
+    # the async save is still in flight: the same file is not a second request
+    assert not step(requests, 16, 10).save
+    write_flag(flag, gpu=2)  # a new request written during the save
+    assert step(requests, 17, 10).emergency
+    requests.consume()
+    assert not flag.exists()
+
+
+def test_consume_keeps_a_flag_written_after_the_decision(flag):
+    requests = make(flag)
+    write_flag(flag)
+    assert step(requests, 10, 0).emergency
+    write_flag(flag, gpu=3)
+    requests.consume()
+    assert flag.exists()
+
+
+def test_gap_zero_saves_at_once(flag):
+    requests = make(flag, gap_frac=0.0)
+    write_flag(flag)
+    assert step(requests, 21, 20).emergency
+
+
+def test_sigterm_requests_save_and_exit(flag):
+    requests = make(None, handle_sigterm=True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        decision = step(requests, 7, 0)
+        assert decision.save and decision.exit
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_inactive_without_triggers_runs_no_collective():
+    requests = SaveRequests(None, False, 0.25, 20, can_save=True)
+    assert not requests.active
+    assert step(requests, 20, 0).save
