@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_gpt.py")
@@ -60,3 +64,41 @@ def iterations(log: str) -> dict[int, dict]:
             "consumed": int(match.group(3)), "elapsed_ms": float(match.group(4)),
             "lr": float(match.group(5)), "loss": float(match.group(7))}
     return found
+
+
+def start_trainer(nproc: int, args: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """Start in the background in its own session, stdout and stderr into ``log``.
+
+    A session of its own lets ``kill_session`` reach every process the run started, including
+    megatron-core's checkpoint-writer helpers, which outlive a SIGKILLed rank.
+    """
+    with open(log, "w") as handle:
+        return subprocess.Popen(torchrun_argv(nproc, args), stdout=handle,
+                                stderr=subprocess.STDOUT, env=trainer_env(**env), cwd=REPO,
+                                start_new_session=True)
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def worker_with_local_rank(torchrun: subprocess.Popen, local_rank: int) -> psutil.Process:
+    for child in psutil.Process(torchrun.pid).children():
+        if child.environ().get("LOCAL_RANK") == str(local_rank):
+            return child
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank}")
