@@ -1,0 +1,63 @@
+"""Run ``ftmaster launch`` end to end on CPU: the small GPT, its arguments, and run-dir reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ftmaster import runfiles
+from helpers.trainer import PRETRAIN, REPO, SMALL_GPT, iterations, trainer_env
+
+# Global batch 12 divides by DP 1, 2, 3 and 4 with micro-batch 2 or less.
+GLOBAL_BATCH = 12
+
+
+def train_args(save: Path, iters: int, tp: int = 1, pp: int = 1, save_interval: int = 100,
+               *extra: str) -> list[str]:
+    """SMALL_GPT with a short gloo timeout, so a lost rank never blocks a test for long."""
+    args = [*SMALL_GPT, "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "2",
+            "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters),
+            "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
+            "--lr-decay-style", "cosine", "--save", str(save), "--save-interval", str(save_interval),
+            *extra]
+    timeout_at = args.index("--distributed-timeout-minutes") + 1
+    args[timeout_at] = "0.5"
+    return args
+
+
+def launch_argv(run_dir: Path, nproc: int, args: list[str], *options: str) -> list[str]:
+    return [sys.executable, "-m", "ftmaster.cli", "launch", "--run-dir", str(run_dir),
+            "--nproc-per-node", str(nproc), "--monitor-backend", "sim", "--monitor-interval", "0.5",
+            *options, "--", PRETRAIN, *args]
+
+
+def start_launch(run_dir: Path, nproc: int, args: list[str], *options: str) -> subprocess.Popen:
+    """ftmaster in the background, its own output (not training's) in a text pipe."""
+    return subprocess.Popen(launch_argv(run_dir, nproc, args, *options), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=trainer_env(), cwd=REPO)
+
+
+def run_launch(run_dir: Path, nproc: int, args: list[str], *options: str,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_argv(run_dir, nproc, args, *options), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=trainer_env(), cwd=REPO,
+                          timeout=timeout)
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in runfiles.read_events(run_dir) if e["event"] == name]
+
+
+def attempt_log(run_dir: Path, attempt: int) -> str:
+    return (runfiles.logs_dir(run_dir) / f"attempt_{attempt}.log").read_text()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Iteration -> loss over all attempts; a later attempt overrides a repeated iteration."""
+    found: dict[int, float] = {}
+    for log in sorted(runfiles.logs_dir(run_dir).glob("attempt_*.log"),
+                      key=lambda p: int(p.stem.split("_")[1])):
+        found.update({it: rec["loss"] for it, rec in iterations(log.read_text()).items()})
+    return found

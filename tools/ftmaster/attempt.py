@@ -1,0 +1,175 @@
+"""One launch attempt: torchrun and its ranks as real processes, started and stopped safely.
+
+The attempt's argv (:func:`attempt_argv`) runs torchrun under ``ftmaster.guard exec`` and
+every rank under ``ftmaster.guard rank`` (see :mod:`ftmaster.guard`), so the whole tree
+dies when ftmaster does, and each rank reports its pid and exit status in the attempt's
+rank folder. Training output goes to ``RUN_DIR/logs/attempt_<N>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import psutil
+
+from ftmaster import runfiles
+from ftmaster.guard import RANK_DIR_ENV, rank_record_path
+from ftmaster.recovery.torchrun import torchrun_argv
+
+EXIT_SIGNAL_FLAG = "--exit-signal-handler"
+
+
+def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable) -> list[str]:
+    """``guard exec torchrun ... -m ftmaster.guard rank SCRIPT ARGS`` as one argv list."""
+    guarded = ["-m", "ftmaster.guard", "rank", *command]
+    return [python, "-m", "ftmaster.guard", "exec", *torchrun_argv(guarded, nproc, python=python)]
+
+
+def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
+    """``command`` with ``--exit-signal-handler`` appended when absent: SIGTERM then saves."""
+    return list(command) if EXIT_SIGNAL_FLAG in command else [*command, EXIT_SIGNAL_FLAG]
+
+
+def visible_devices_env(gpus: Sequence[int]) -> dict[str, str]:
+    """The environment entries that restrict an attempt to ``gpus`` (in rank order)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
+def gpu_of_local_rank(gpus: Sequence[int], local_rank: int) -> int:
+    """Local rank ``r`` uses the ``r``-th visible device, which is GPU ``gpus[r]``."""
+    if not 0 <= local_rank < len(gpus):
+        raise ValueError(f"local rank {local_rank} is outside the {len(gpus)} GPUs {list(gpus)}")
+    return gpus[local_rank]
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What a rank guard reported about its training process."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    guard_pid: int
+    exit_code: int | None = None
+    """None while it runs; negative when it died by that signal."""
+
+
+def read_rank_records(rank_dir: Path, nproc: int) -> dict[int, RankRecord]:
+    """The records written so far, by local rank; a missing or torn one is just absent."""
+    records = {}
+    for local_rank in range(nproc):
+        try:
+            body = json.loads(rank_record_path(rank_dir, local_rank).read_text())
+            records[local_rank] = RankRecord(**body)
+        except (OSError, ValueError, TypeError):
+            continue
+    return records
+
+
+class Attempt:
+    """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``."""
+
+    def __init__(self, run_dir: Path, number: int, command: Sequence[str],
+                 gpus: Sequence[int]) -> None:
+        self.number = number
+        self.gpus = tuple(gpus)
+        self.command = list(command)
+        self.argv = attempt_argv(self.command, len(self.gpus))
+        self.log_path = runfiles.logs_dir(run_dir) / f"attempt_{number}.log"
+        self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **visible_devices_env(self.gpus),
+               RANK_DIR_ENV: str(self.rank_dir), runfiles.RUN_DIR_ENV: str(run_dir)}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env,
+                                            start_new_session=True)
+        self.started_at = time.time()
+
+    def ranks(self) -> dict[int, RankRecord]:
+        return read_rank_records(self.rank_dir, len(self.gpus))
+
+    def failed_ranks(self) -> dict[int, RankRecord]:
+        """Ranks that ended with a non-zero status, by local rank."""
+        return {r: rec for r, rec in self.ranks().items() if rec.exit_code not in (None, 0)}
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def pid_on_gpu(self, gpu: int) -> int | None:
+        """The training process bound to ``gpu``, or None when it is not (yet) known."""
+        if gpu not in self.gpus:
+            return None
+        record = self.ranks().get(self.gpus.index(gpu))
+        return None if record is None or record.exit_code is not None else record.pid
+
+    def stopped_gpus(self) -> list[int]:
+        """GPUs whose training process is stopped (SIGSTOP): the likely cause of a hang."""
+        stopped = []
+        for local_rank, record in self.ranks().items():
+            try:
+                if psutil.Process(record.pid).status() == psutil.STATUS_STOPPED:
+                    stopped.append(self.gpus[local_rank])
+            except psutil.Error:
+                continue
+        return stopped
+
+    def _live_processes(self) -> list[psutil.Process]:
+        live = []
+        for record in self.ranks().values():
+            pids = (record.guard_pid,) if record.exit_code is not None else (record.pid, record.guard_pid)
+            for pid in pids:
+                try:
+                    live.append(psutil.Process(pid))
+                except psutil.Error:
+                    continue
+        return live
+
+    def signal_ranks(self, sig: int) -> None:
+        for record in self.ranks().values():
+            if record.exit_code is None:
+                send_signal(record.pid, sig)
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the whole tree (stopped processes included) and wait until it is gone."""
+        processes = self._live_processes()
+        for process in processes:
+            send_signal(process.pid, signal.SIGCONT)
+            send_signal(process.pid, signal.SIGKILL)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.process.wait()
+        psutil.wait_procs(processes + self._live_processes(), timeout=timeout)
+
+    def stop(self, deadline_s: float) -> int | None:
+        """SIGTERM every rank (they save and exit), wait up to ``deadline_s``, then SIGKILL.
+
+        Returns torchrun's exit status when it ended in time, else None.
+        """
+        self.signal_ranks(signal.SIGCONT)
+        self.signal_ranks(signal.SIGTERM)
+        try:
+            return self.process.wait(deadline_s)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            self.kill()
+
+
+def send_signal(pid: int, sig: int) -> None:
+    """``os.kill`` that ignores a process already gone."""
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass

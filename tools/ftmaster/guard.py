@@ -1,0 +1,94 @@
+"""Process guards that make "no orphan training process, ever" hold, even after a SIGKILL.
+
+torchrun starts every worker in a session of its own, so killing torchrun's process group
+misses the workers, and a torchrun that dies by SIGKILL leaves them training. ftmaster
+therefore starts each attempt as a chain in which every process dies with its parent::
+
+    ftmaster ─> guard exec ─exec─> torchrun ─> guard rank ─> pretrain_gpt.py (one per rank)
+
+Each link asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and
+checks afterwards that the parent is still the one it was started by, so a parent that died
+in between is not missed:
+
+- ``python -m ftmaster.guard exec CMD...`` sets the signal, then ``exec``s CMD. The setting
+  survives ``exec``, so torchrun dies when ftmaster does.
+- ``python -m ftmaster.guard rank SCRIPT ARGS...`` (torchrun's ``-m`` entry) sets it on
+  itself, starts ``python -u SCRIPT ARGS`` with the same setting, forwards SIGTERM and SIGINT
+  to it, and exits with its status (128 + N when it died by signal N).
+
+The rank guard also writes ``$FTMASTER_RANK_DIR/local_rank_<R>.json`` (when that variable is
+set): ``local_rank``, ``rank``, ``pid`` (the training process), ``guard_pid`` and, once the
+process has ended, ``exit_code`` (negative for a signal, as ``subprocess`` reports it). The
+supervisor uses it to map a dead rank to its GPU and to inject faults into the right process.
+
+This module is started once per rank, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ftmaster.runfiles import atomic_write_text
+
+PR_SET_PDEATHSIG = 1
+RANK_DIR_ENV = "FTMASTER_RANK_DIR"
+USAGE = "usage: python -m ftmaster.guard exec CMD... | rank SCRIPT ARGS..."
+
+
+def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
+    """Ask for ``sig`` when the parent dies; if it already died, take ``sig`` now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != expected_parent:
+        os.kill(os.getpid(), sig)
+
+
+def rank_record_path(rank_dir: Path, local_rank: int) -> Path:
+    return Path(rank_dir) / f"local_rank_{local_rank}.json"
+
+
+def _write_record(record: dict) -> None:
+    rank_dir = os.environ.get(RANK_DIR_ENV)
+    if rank_dir:
+        atomic_write_text(rank_record_path(Path(rank_dir), record["local_rank"]),
+                          json.dumps(record) + "\n", durable=False)
+
+
+def run_exec(command: list[str]) -> None:
+    die_with_parent(os.getppid())
+    os.execvp(command[0], command)
+
+
+def run_rank(script_args: list[str]) -> int:
+    die_with_parent(os.getppid())
+    guard_pid = os.getpid()
+    child = subprocess.Popen([sys.executable, "-u", *script_args],
+                             preexec_fn=lambda: die_with_parent(guard_pid))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    record = {"local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+              "rank": int(os.environ.get("RANK", "0")), "pid": child.pid, "guard_pid": guard_pid}
+    _write_record(record)
+    code = child.wait()
+    _write_record({**record, "exit_code": code})
+    return 128 - code if code < 0 else code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("exec", "rank"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] == "exec":
+        run_exec(argv[1:])
+    return run_rank(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,252 @@
+"""``ftmaster launch [OPTIONS] -- SCRIPT ARGS``: train under supervision, recover unattended.
+
+Everything the user can get wrong is checked before anything starts: the ``--``, the script,
+the injections, the GPU count, the layout (through the planner), the run directory, the
+lock and the monitor backend. Each problem ends in one line on stderr and a non-zero exit.
+
+Training gets ``--exit-signal-handler`` added when absent, so that SIGINT or SIGTERM to
+ftmaster (passed on as SIGTERM to every rank) makes training save and exit; SIGKILL follows
+after ``--stop-timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from ftmaster.faults import Injection, parse_injection
+from ftmaster.listener import Listener
+from ftmaster.lock import RunDirLock, RunDirLocked
+from ftmaster.monitor.alerts import AlertConfig
+from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
+from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
+from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
+from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
+from ftmaster.recovery.megatron_args import read_script_args
+from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
+from ftmaster.states import POLICIES
+from ftmaster.supervisor import Supervisor, SupervisorConfig
+
+NVIDIA_SMI_TIMEOUT_S = 10.0
+
+
+def parse_visible_devices(value: str | None) -> tuple[int, ...] | None:
+    """``CUDA_VISIBLE_DEVICES`` as GPU indices; None when unset."""
+    if value is None:
+        return None
+    entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+    if not all(entry.isdigit() for entry in entries):
+        raise InputError(f"CUDA_VISIBLE_DEVICES={value!r}: ftmaster needs GPU indices "
+                         "(e.g. 0,1,2,3), not UUIDs")
+    return tuple(int(entry) for entry in entries)
+
+
+def detected_gpu_count() -> int:
+    """GPUs NVML (or, without pynvml, ``nvidia-smi -L``) can see; 0 when neither works."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def choose_gpus(nproc: int | None, visible: tuple[int, ...] | None, detected: int) -> tuple[int, ...]:
+    """The GPU ids of the first attempt, in local-rank order.
+
+    Visible GPUs are ``CUDA_VISIBLE_DEVICES`` when set, else the ``detected`` count. Without
+    any, ``--nproc-per-node`` N gives virtual slots 0..N-1 (CPU training, ``sim`` backend).
+    """
+    ids = visible if visible is not None else tuple(range(detected))
+    if nproc is None:
+        if not ids:
+            raise InputError("no GPU is visible: give --nproc-per-node N "
+                             "(on a machine without GPUs, with --monitor-backend sim)")
+        return ids
+    if not ids:
+        return tuple(range(nproc))
+    if len(ids) < nproc:
+        raise InputError(f"--nproc-per-node {nproc} needs {nproc} GPUs, but only {len(ids)} "
+                         f"are visible ({','.join(map(str, ids))})")
+    return ids[:nproc]
+
+
+def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
+                 gpu_memory_gb: float | None) -> Plan:
+    """The planner's plan for all ``gpus``, which must be the script's own layout.
+
+    Mode ``closest`` picks the script's own layout whenever it is valid on ``gpus``.
+    """
+    try:
+        plan = plan_layout(command, gpus, gpus_per_node, mode="closest", gpu_memory_gb=gpu_memory_gb)
+        original = read_script_args(command[1:]).original
+    except (PlanError, ValueError) as error:
+        raise InputError(f"invalid layout: {error}") from None
+    own = (original.tensor_model_parallel_size, original.pipeline_model_parallel_size,
+           original.micro_batch_size, gpus)
+    if (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
+            plan.micro_batch_size, plan.num_gpus_used) != own:
+        raise InputError(
+            f"invalid layout: TP {own[0]} x PP {own[1]} with micro-batch {own[2]} and global "
+            f"batch {original.global_batch_size} does not fit {gpus} GPUs; the planner suggests "
+            f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} "
+            f"x DP {plan.data_parallel_size} with micro-batch {plan.micro_batch_size}")
+    return plan
+
+
+def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection, ...]:
+    try:
+        injections = tuple(parse_injection(spec) for spec in specs)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    for injection in injections:
+        if injection.gpu not in gpus:
+            raise InputError(f"--inject {injection}: GPU {injection.gpu} is not one of the "
+                             f"job's GPUs {','.join(map(str, gpus))}")
+    return injections
+
+
+def _lock_run_dir(run_dir: Path) -> RunDirLock:
+    lock = RunDirLock(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except RunDirLocked as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise InputError(f"run directory {run_dir} is not writable ({error.strerror}); "
+                         "give a writable --run-dir") from None
+    return lock
+
+
+def _backend(spec: str, gpus: tuple[int, ...], seed: int) -> Backend:
+    try:
+        return make_backend(spec, num_gpus=len(gpus), seed=seed, gpu_ids=gpus)
+    except BackendError as error:
+        raise click.ClickException(f"{spec} monitor backend unavailable ({error}); on a "
+                                   "machine without NVIDIA GPUs use --monitor-backend sim") from None
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def _monitor(backend: Backend, run_dir: Path, seed: int, interval: float, scorer: str,
+             threshold: float) -> Monitor:
+    try:
+        return Monitor(backend, run_dir, scorer=make_scorer(scorer),
+                       alert_config=AlertConfig(threshold=threshold),
+                       config=MonitorConfig(interval_s=interval), seed=seed)
+    except (MetricsFileError, OSError) as error:
+        backend.close()
+        raise click.ClickException(str(error)) from None
+
+
+def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> int:
+    previous = {sig: signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    monitor.start()
+    listener.start()
+    try:
+        return supervisor.run()
+    finally:
+        listener.stop()
+        monitor.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("ftmaster-%Y%m%d-%H%M%S", time.gmtime())
+
+
+@click.command("launch", cls=SeparatedCommand,
+               context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Ranks (GPUs) of the first attempt. Default: the visible GPU count.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+              help="GPUs per node for the planner (TP stays in a node). Default: one node.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Run directory (flags, events, metrics, logs). Default: runs/ftmaster-<UTC time>.")
+@click.option("--monitor-backend", default="nvml", show_default=True, metavar="|".join(BACKEND_NAMES),
+              help="GPU telemetry; sim simulates one GPU per rank (CPU rehearsals).")
+@click.option("--monitor-interval", default=10.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Seconds between monitor samples.")
+@click.option("--scorer", default="adaptive", show_default=True, type=click.Choice(SCORER_NAMES))
+@click.option("--risk-threshold", default=0.95, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True))
+@click.option("--policy", default="available", show_default=True, type=click.Choice(POLICIES),
+              help="available: relaunch on the GPUs left; wait: wait --wait-timeout for lost GPUs "
+                   "first; drain: on a GPU alert, wait for the emergency save, then relaunch "
+                   "without that GPU before it fails.")
+@click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(min=0))
+@click.option("--hang-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds without a new iteration that count as a hang.")
+@click.option("--startup-timeout", default=1800.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a launch may take to its first iteration (load included).")
+@click.option("--wait-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Policy wait: seconds to wait for lost GPUs before relaunching without them.")
+@click.option("--stop-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="On SIGINT/SIGTERM: seconds training may take to save and exit before SIGKILL.")
+@click.option("--plan-mode", default="closest", show_default=True, type=click.Choice(MODES),
+              help="The planner's ranking for relaunches.")
+@click.option("--gpu-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Per-GPU memory for the planner's estimate.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sim backend and degrade.")
+@click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
+              help="Fault to inject (repeatable); KIND: degrade, fail, hang, recover.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
+@click.pass_context
+def launch_command(ctx: click.Context, nproc_per_node: int | None, gpus_per_node: int | None,
+                   run_dir: Path | None, monitor_backend: str, monitor_interval: float, scorer: str,
+                   risk_threshold: float, policy: str, max_restarts: int, hang_timeout: float,
+                   startup_timeout: float, wait_timeout: float, stop_timeout: float,
+                   plan_mode: str, gpu_memory_gb: float | None, seed: int,
+                   inject_specs: tuple[str, ...], command: tuple[str, ...]) -> None:
+    """Train SCRIPT under torchrun; on a failure, replan TP/PP/DP and resume unattended."""
+    argv = script_command(ctx, command)
+    if not Path(argv[0]).is_file():
+        raise InputError(f"training script {argv[0]!r} not found")
+    visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = choose_gpus(nproc_per_node, visible, 0 if visible is not None else detected_gpu_count())
+    injections = _injections(inject_specs, gpus)
+    first_plan = check_layout(argv, len(gpus), gpus_per_node, gpu_memory_gb)
+    config = SupervisorConfig(
+        run_dir=run_dir or default_run_dir(), command=tuple(argv), first_plan=first_plan,
+        gpus=gpus, gpus_per_node=gpus_per_node, policy=policy, max_restarts=max_restarts,
+        hang_timeout_s=hang_timeout, startup_timeout_s=startup_timeout,
+        wait_timeout_s=wait_timeout, stop_timeout_s=stop_timeout, plan_mode=plan_mode,
+        gpu_memory_gb=gpu_memory_gb, injections=injections)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    backend = _backend(monitor_backend, gpus, seed)
+    try:
+        lock = _lock_run_dir(config.run_dir)
+    except click.ClickException:
+        backend.close()
+        raise
+    try:
+        monitor = _monitor(backend, config.run_dir, seed, monitor_interval, scorer, risk_threshold)
+        code = _supervise(Supervisor(config, monitor), monitor, Listener(config.run_dir))
+    finally:
+        lock.release()
+    sys.exit(code)

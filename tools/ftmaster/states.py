@@ -1,0 +1,121 @@
+"""The supervisor's state machine as data: states, triggers, the transition table, decisions.
+
+Pure: no processes, files or clocks, so every transition and decision is table-tested.
+
+::
+
+    STARTING ─launched─> RUNNING ─completed─> SUCCEEDED
+                           │  ├─failure─> FAILED ─retry─> PLANNING ─planned─> RELAUNCHING ─launched─> RUNNING
+                           │  │             ├─wait─> WAITING ─gpus_back / wait_timed_out─> PLANNING
+                           │  │             └─give_up─> GAVE_UP          PLANNING ─no_layout─> GAVE_UP
+                           │  └─critical_gpu─> DRAINING ─drained─> PLANNING   (policy drain)
+                           └─signalled─> STOPPING ─stopped─> INTERRUPTED
+
+DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
+or be signalled like RUNNING.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+POLICIES = ("available", "wait", "drain")
+EARLY_EXITS_TO_GIVE_UP = 2
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    FAILED = "failed"
+    WAITING = "waiting"
+    PLANNING = "planning"
+    RELAUNCHING = "relaunching"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    GAVE_UP = "gave_up"
+    INTERRUPTED = "interrupted"
+
+
+class Trigger(enum.Enum):
+    LAUNCHED = "launched"
+    COMPLETED = "completed"
+    FAILURE = "failure"
+    CRITICAL_GPU = "critical_gpu"
+    DRAINED = "drained"
+    SIGNALLED = "signalled"
+    STOPPED = "stopped"
+    RETRY = "retry"
+    WAIT = "wait"
+    GIVE_UP = "give_up"
+    GPUS_BACK = "gpus_back"
+    WAIT_TIMED_OUT = "wait_timed_out"
+    PLANNED = "planned"
+    NO_LAYOUT = "no_layout"
+
+
+S, T = State, Trigger
+_TRAINING_EXITS = {T.COMPLETED: S.SUCCEEDED, T.FAILURE: S.FAILED, T.SIGNALLED: S.STOPPING}
+TRANSITIONS: dict[tuple[State, Trigger], State] = {
+    (S.STARTING, T.LAUNCHED): S.RUNNING,
+    **{(S.RUNNING, trigger): state for trigger, state in _TRAINING_EXITS.items()},
+    (S.RUNNING, T.CRITICAL_GPU): S.DRAINING,
+    **{(S.DRAINING, trigger): state for trigger, state in _TRAINING_EXITS.items()},
+    (S.DRAINING, T.DRAINED): S.PLANNING,
+    (S.FAILED, T.RETRY): S.PLANNING,
+    (S.FAILED, T.WAIT): S.WAITING,
+    (S.FAILED, T.GIVE_UP): S.GAVE_UP,
+    (S.WAITING, T.GPUS_BACK): S.PLANNING,
+    (S.WAITING, T.WAIT_TIMED_OUT): S.PLANNING,
+    (S.WAITING, T.SIGNALLED): S.INTERRUPTED,
+    (S.PLANNING, T.PLANNED): S.RELAUNCHING,
+    (S.PLANNING, T.NO_LAYOUT): S.GAVE_UP,
+    (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
+    (S.STOPPING, T.STOPPED): S.INTERRUPTED,
+}
+TERMINAL = frozenset({S.SUCCEEDED, S.GAVE_UP, S.INTERRUPTED})
+
+
+class IllegalTransition(RuntimeError):
+    """A trigger that the current state does not accept: a supervisor bug, never input."""
+
+
+def advance(state: State, trigger: Trigger) -> State:
+    try:
+        return TRANSITIONS[(state, trigger)]
+    except KeyError:
+        raise IllegalTransition(f"{trigger.value} is not accepted in state {state.value}") from None
+
+
+@dataclass(frozen=True)
+class FailureOutcome:
+    """What to do after a failure, and why when giving up."""
+
+    trigger: Trigger
+    reason: str | None = None
+
+
+def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: int,
+                  policy: str, lost_gpus: frozenset[int]) -> FailureOutcome:
+    """Give up on a script that dies before its first iteration twice running, or when the
+    restart budget is spent; under ``wait`` wait for lost GPUs; else relaunch."""
+    if early_exits_in_row >= EARLY_EXITS_TO_GIVE_UP:
+        return FailureOutcome(Trigger.GIVE_UP, f"the script failed before its first iteration "
+                                               f"{early_exits_in_row} times in a row: fix the "
+                                               "script or its arguments (log tail above)")
+    if restarts_done >= max_restarts:
+        return FailureOutcome(Trigger.GIVE_UP, f"restart budget spent: {restarts_done} of "
+                                               f"--max-restarts {max_restarts}")
+    if policy == "wait" and lost_gpus:
+        return FailureOutcome(Trigger.WAIT)
+    return FailureOutcome(Trigger.RETRY)
+
+
+def exit_status(state: State, signum: int | None) -> int:
+    """ftmaster's exit status: 0 succeeded, 1 gave up, 128 + N when stopped by signal N."""
+    if state is State.SUCCEEDED:
+        return 0
+    if state is State.INTERRUPTED:
+        return 128 + (signum or 0)
+    return 1

@@ -1,0 +1,377 @@
+"""The supervisor: drives :mod:`ftmaster.states` with real processes, files and the monitor.
+
+Each state has one handler that does that state's work and returns a trigger; the table in
+:mod:`ftmaster.states` says where it leads. Handlers poll every ``poll_interval_s``.
+
+**GPUs.** ``gpus`` lists the GPU ids of the first attempt; local rank ``r`` of an attempt
+runs on that attempt's ``gpus[r]`` (``CUDA_VISIBLE_DEVICES`` lists them in that order). With
+the ``sim`` backend on a CPU machine a "GPU" is a virtual slot: the local rank index of the
+first attempt, 0..N-1.
+
+**Failures.** A rank that exits non-zero (``exit``, mapped to its GPU), no new heartbeat
+iteration for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attempt the
+limit is ``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a
+``fail`` injection marks lost (``device_lost``). The whole attempt is killed at once: gloo
+cannot abort a collective, so the survivors would otherwise wait out their timeout. A GPU
+lost at planning time is dropped for good (the monitor stops watching it); a hang or a plain
+exit relaunches on the same GPUs.
+
+**Injections** (``--inject``) are applied here, on the heartbeat's iteration or seconds since
+the supervisor started, and handed to the monitor's telemetry at the same moment:
+``fail`` SIGKILLs the rank on that GPU and marks the GPU lost, ``hang`` SIGSTOPs it,
+``degrade`` only changes telemetry, ``recover`` (which waits until its GPU is lost) brings a
+lost GPU back.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ftmaster import runfiles
+from ftmaster.attempt import Attempt, send_signal, with_exit_signal_handler
+from ftmaster.faults import Fault, Injection
+from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
+from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
+from ftmaster.states import (POLICIES, TERMINAL, State, Trigger, advance, after_failure,
+                             exit_status)
+
+log = logging.getLogger("ftmaster")
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    run_dir: Path
+    """The run directory (DESIGN's contract); attempt logs go to its ``logs/``."""
+    command: tuple[str, ...]
+    """``SCRIPT ARGS...`` as the user gave them; every relaunch is planned from these."""
+    first_plan: Plan
+    """The layout of the first attempt, checked against all of ``gpus``."""
+    gpus: tuple[int, ...]
+    """GPU ids of the first attempt, in local-rank order."""
+    gpus_per_node: int | None = None
+    """Passed to the planner: TP stays within one node. None: a single node."""
+    policy: str = "available"
+    """``available``, ``wait`` or ``drain`` (see ``ftmaster launch --help``)."""
+    max_restarts: int = 3
+    """Relaunches allowed before giving up."""
+    hang_timeout_s: float = 300.0
+    """No new iteration for this long is a hang."""
+    startup_timeout_s: float = 1800.0
+    """No first iteration for this long after a launch is a hang."""
+    wait_timeout_s: float = 600.0
+    """Policy ``wait``: how long to wait for lost GPUs before relaunching without them."""
+    stop_timeout_s: float = 120.0
+    """After SIGTERM, how long training may take to save and exit before SIGKILL."""
+    poll_interval_s: float = 0.1
+    """How often processes, heartbeat and monitor are checked."""
+    plan_mode: str = "closest"
+    """The planner's mode."""
+    gpu_memory_gb: float | None = None
+    """Per-GPU memory for the planner's estimate; None: not checked."""
+    injections: tuple[Injection, ...] = ()
+    """Faults to inject (rehearsals)."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("the training command is empty")
+        if not self.gpus or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"gpus must be distinct and non-empty, got {list(self.gpus)}")
+        if self.first_plan.num_gpus_used != len(self.gpus):
+            raise ValueError(f"the first plan uses {self.first_plan.num_gpus_used} GPUs, "
+                             f"not the {len(self.gpus)} given")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.plan_mode not in MODES:
+            raise ValueError(f"plan mode must be one of {', '.join(MODES)}, got {self.plan_mode!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
+        for name in ("hang_timeout_s", "startup_timeout_s", "wait_timeout_s", "stop_timeout_s",
+                     "poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class Injector:
+    """The injections not yet applied; ``recover`` waits until its GPU is lost."""
+
+    def __init__(self, injections: tuple[Injection, ...]) -> None:
+        self.pending = list(injections)
+
+    def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
+        due = [i for i in self.pending if i.due(iteration, elapsed_s)
+               and (i.kind is not Fault.RECOVER or i.gpu in lost)]
+        for injection in due:
+            self.pending.remove(injection)
+        return due
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig, monitor: Monitor) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.monitor = monitor
+        monitor.on_alert = self._on_alert
+        self.injector = Injector(config.injections)
+        self.attempt: Attempt | None = None
+        self.plan = config.first_plan
+        self.next_gpus = config.gpus
+        self.restarts = 0
+        self.early_exits_in_row = 0
+        self.retired: set[int] = set()
+        self.injected_lost: set[int] = set()
+        self.last_failure: dict | None = None
+        self.signum: int | None = None
+        self._stop_requested = threading.Event()
+        self._alerts: deque[Alert] = deque()
+        self._started = time.monotonic()
+        self._progress: tuple[int | None, float] = (None, 0.0)
+        self._drain_gpu: int | None = None
+        self._drain_since = 0.0
+        self._handlers: dict[State, Callable[[], Trigger]] = {
+            State.STARTING: self._launch, State.RELAUNCHING: self._launch,
+            State.RUNNING: self._watch, State.DRAINING: self._drain, State.FAILED: self._decide,
+            State.WAITING: self._wait, State.PLANNING: self._plan, State.STOPPING: self._stop,
+        }
+
+    # -- entry points --------------------------------------------------------------------------
+    def request_stop(self, signum: int) -> None:
+        """From a signal handler: stop training gracefully and end."""
+        self.signum = signum
+        self._stop_requested.set()
+
+    def run(self) -> int:
+        """Supervise until a terminal state; returns ftmaster's exit status."""
+        state = State.STARTING
+        try:
+            while state not in TERMINAL:
+                trigger = self._handlers[state]()
+                new_state = advance(state, trigger)
+                log.info("%s --%s--> %s", state.value, trigger.value, new_state.value)
+                state = new_state
+        finally:
+            if self.attempt is not None:
+                self.attempt.kill()
+        return exit_status(state, self.signum)
+
+    # -- shared checks --------------------------------------------------------------------------
+    def _on_alert(self, alert: Alert) -> None:
+        self._alerts.append(alert)
+
+    def lost_gpus(self) -> frozenset[int]:
+        return frozenset((self.monitor.lost_gpus() | self.injected_lost) - self.retired)
+
+    def _heartbeat_iteration(self) -> int | None:
+        heartbeat = runfiles.read_heartbeat(self.run_dir)
+        return None if heartbeat is None else heartbeat["iteration"]
+
+    def _event(self, name: str, **fields) -> dict:
+        return runfiles.append_event(self.run_dir, name, **fields)
+
+    def _apply_injections(self) -> None:
+        elapsed = time.monotonic() - self._started
+        for injection in self.injector.take_due(self._heartbeat_iteration(), elapsed,
+                                                self.lost_gpus()):
+            if not self._apply(injection):
+                self.injector.pending.append(injection)  # its rank has not started yet
+
+    def _apply(self, injection: Injection) -> bool:
+        gpu, kind = injection.gpu, injection.kind
+        if kind in (Fault.FAIL, Fault.HANG) and self.attempt is not None and gpu in self.attempt.gpus:
+            pid = self.attempt.pid_on_gpu(gpu)
+            if pid is None:
+                return False
+            send_signal(pid, signal.SIGKILL if kind is Fault.FAIL else signal.SIGSTOP)
+        if kind is Fault.FAIL:
+            self.injected_lost.add(gpu)
+        elif kind is Fault.RECOVER:
+            self.injected_lost.discard(gpu)
+        self.monitor.pending_injections.append(Injection(kind, gpu, at_seconds=0.0))
+        self._event("fault_injected", kind=kind.value, gpu=gpu, spec=str(injection),
+                    iteration=self._heartbeat_iteration())
+        log.warning("injected %s", injection)
+        return True
+
+    def _check_training(self) -> Trigger | None:
+        """One poll of a running attempt: completion, failure, or None to keep going."""
+        attempt = self.attempt
+        self._apply_injections()
+        iteration = self._track_progress()
+        failed = attempt.failed_ranks()
+        code = attempt.exit_code()
+        if failed or (code is not None and code != 0):
+            gpus = sorted(attempt.gpus[r] for r in failed)
+            codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
+            return self._failure("exit", iteration, gpus, codes or {"torchrun": code})
+        if code == 0:
+            self._event("complete", iteration=iteration)
+            return Trigger.COMPLETED
+        lost = sorted(self.lost_gpus() & set(attempt.gpus))
+        if lost:
+            return self._failure("device_lost", iteration, lost, {})
+        if self._hung():
+            return self._failure("hang", iteration, attempt.stopped_gpus(), {})
+        return None
+
+    def _track_progress(self) -> int | None:
+        """The attempt's last iteration; records progress time and the ``resumed`` event."""
+        iteration = self._heartbeat_iteration()
+        last, _ = self._progress
+        if iteration is not None and iteration != last:
+            self._progress = (iteration, time.monotonic())
+            if last is None and self.attempt.number > 1:
+                self._event("resumed", attempt=self.attempt.number, iteration=iteration)
+        return iteration
+
+    def _hung(self) -> bool:
+        last, since = self._progress
+        limit = self.config.startup_timeout_s if last is None else self.config.hang_timeout_s
+        return time.monotonic() - since > limit
+
+    def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
+        attempt = self.attempt
+        self.last_failure = self._event("failure", attempt=attempt.number, iteration=iteration,
+                                               cause=cause, gpus=gpus, exit_codes=codes)
+        log.error("attempt %d failed (%s) at iteration %s on GPU(s) %s", attempt.number, cause,
+                  iteration, gpus)
+        attempt.kill()
+        early = cause == "exit" and self._progress[0] is None
+        self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
+        return Trigger.FAILURE
+
+    def _sleep(self) -> None:
+        self._stop_requested.wait(self.config.poll_interval_s)
+
+    # -- state handlers ------------------------------------------------------------------------
+    def _launch(self) -> Trigger:
+        plan, gpus = self.plan, self.next_gpus
+        number = 1 if self.attempt is None else self.attempt.number + 1
+        command = with_exit_signal_handler(self.config.command if number == 1 else plan.command)
+        self._clear_previous_attempt()
+        self.attempt = Attempt(self.run_dir, number, command, gpus)
+        self._progress = (None, time.monotonic())
+        self._event("launch", attempt=number, gpus=list(gpus),
+                    tensor_model_parallel_size=plan.tensor_model_parallel_size,
+                    pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+                    data_parallel_size=plan.data_parallel_size, command=self.attempt.argv)
+        log.warning("attempt %d: TP %d x PP %d x DP %d on GPU(s) %s; log %s", number,
+                    plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
+                    plan.data_parallel_size, list(gpus), self.attempt.log_path)
+        return Trigger.LAUNCHED
+
+    def _clear_previous_attempt(self) -> None:
+        """A heartbeat or save request left by a killed attempt means nothing to the next one
+        (a request raised by the GPU just lost would only cost an extra save)."""
+        for path in (runfiles.heartbeat_path(self.run_dir), runfiles.trigger_flag_path(self.run_dir),
+                     runfiles.save_now_flag_path(self.run_dir)):
+            path.unlink(missing_ok=True)
+
+    def _watch(self) -> Trigger:
+        while True:
+            if self._stop_requested.is_set():
+                return Trigger.SIGNALLED
+            outcome = self._check_training()
+            if outcome is not None:
+                return outcome
+            if self._critical_gpu() is not None:
+                return Trigger.CRITICAL_GPU
+            self._sleep()
+
+    def _critical_gpu(self) -> int | None:
+        """Policy drain: a GPU of this attempt that alerted, while restarts remain."""
+        while self._alerts:
+            alert = self._alerts.popleft()
+            if (self.config.policy == "drain" and DEVICE_LOST not in alert.reasons
+                    and alert.gpu in self.attempt.gpus and len(self.attempt.gpus) > 1
+                    and self.restarts < self.config.max_restarts):
+                self._drain_gpu, self._drain_since = alert.gpu, time.time()
+                self._event("drain", gpu=alert.gpu, score=alert.score, reasons=list(alert.reasons))
+                return alert.gpu
+        return None
+
+    def _drain(self) -> Trigger:
+        """Train on until a checkpoint newer than the alert is durable, then stop."""
+        while True:
+            if self._stop_requested.is_set():
+                return Trigger.SIGNALLED
+            outcome = self._check_training()
+            if outcome is not None:
+                return outcome
+            if self._saved_since(self._drain_since):
+                self.attempt.kill()
+                self._retire({self._drain_gpu})
+                return Trigger.DRAINED
+            self._sleep()
+
+    def _saved_since(self, since: float) -> bool:
+        return any(e["event"] in ("emergency_save", "periodic_save") and e["time"] >= since
+                   for e in runfiles.read_events(self.run_dir))
+
+    def _decide(self) -> Trigger:
+        outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
+                                early_exits_in_row=self.early_exits_in_row,
+                                policy=self.config.policy, lost_gpus=self.lost_gpus())
+        if outcome.trigger is Trigger.GIVE_UP:
+            self._show_log_tail()
+            self._give_up(outcome.reason)
+        return outcome.trigger
+
+    def _show_log_tail(self) -> None:
+        if self.early_exits_in_row:
+            lines = self.attempt.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            log.error("last lines of %s:\n%s", self.attempt.log_path, "\n".join(lines))
+
+    def _give_up(self, reason: str) -> None:
+        self._event("gave_up", reason=reason)
+        log.error("giving up: %s", reason)
+
+    def _wait(self) -> Trigger:
+        waited_for = sorted(self.lost_gpus())
+        self._event("waiting", gpus=waited_for, timeout=self.config.wait_timeout_s)
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        while True:
+            if self._stop_requested.is_set():
+                return Trigger.SIGNALLED
+            self._apply_injections()
+            if not self.lost_gpus():
+                self._event("gpus_back", gpus=waited_for)
+                return Trigger.GPUS_BACK
+            if time.monotonic() >= deadline:
+                self._event("wait_timeout", gpus=sorted(self.lost_gpus()))
+                return Trigger.WAIT_TIMED_OUT
+            self._sleep()
+
+    def _retire(self, gpus: set[int]) -> None:
+        """Drop ``gpus`` for good: no more planning or monitoring for them."""
+        self.retired |= gpus
+        self.monitor.exclude_gpus(gpus)
+
+    def _plan(self) -> Trigger:
+        self._retire(set(self.lost_gpus()))
+        available = [g for g in self.config.gpus if g not in self.retired]
+        try:
+            plan = plan_layout(self.config.command, len(available), self.config.gpus_per_node,
+                               mode=self.config.plan_mode, gpu_memory_gb=self.config.gpu_memory_gb,
+                               original_world_size=len(self.config.gpus))
+        except PlanError as error:
+            self._give_up(f"no layout for GPU(s) {available}: {error}")
+            return Trigger.NO_LAYOUT
+        self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
+        self.restarts += 1
+        self._event("plan", gpus_available=available,
+                    **{k: v for k, v in plan.as_json().items() if k != "command"})
+        return Trigger.PLANNED
+
+    def _stop(self) -> Trigger:
+        log.warning("signal %s: asking training to save and exit", self.signum)
+        code = self.attempt.stop(self.config.stop_timeout_s)
+        self._event("stopped", signal=self.signum, exit_code=code,
+                    iteration=self._heartbeat_iteration())
+        return Trigger.STOPPED
