@@ -30,5 +30,9 @@ from ftmaster.monitor.cli import monitor_command  # noqa: E402
 
 main.add_command(monitor_command)
 
+from ftmaster.launch import launch_command  # noqa: E402
+
+main.add_command(launch_command)
+
 if __name__ == "__main__":
     main()
