@@ -1,0 +1,69 @@
+"""Bad input to ftmaster launch: one line on stderr, a non-zero exit, nothing launched."""
+
+from click.testing import CliRunner
+
+import pytest
+
+from ftmaster.cli import main
+from helpers.trainer import PRETRAIN
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "12",
+         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def launch(run_dir, *args, env=None):
+    """In-process, so the whole table costs one import of the CLI."""
+    result = CliRunner().invoke(main, ["launch", "--run-dir", str(run_dir), *args], env=env)
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    return result
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", PRETRAIN, *MODEL],
+     "put -- before the training script"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--"], "give the training script after --"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", "no_such_script.py", *MODEL],
+     "training script 'no_such_script.py' not found"),
+    (["--nproc-per-node", "6", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL],
+     "invalid layout: TP 2 x PP 2 with micro-batch 2 and global batch 12 does not fit 6 GPUs"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL[:-4]],
+     "invalid layout"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, "--hidden-size", "64"],
+     "invalid layout: the training arguments need --num-attention-heads N"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL[:-1], "3"],
+     "invalid layout: TP 2 x PP 3 with micro-batch 2 and global batch 12 does not fit 4 GPUs"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--gpu-memory-gb", "0.001", "--",
+      PRETRAIN, *MODEL], "invalid layout: no layout fits 4 GPUs in 0.001 GiB per GPU"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "explode:gpu=1,at=iter:3",
+      "--", PRETRAIN, *MODEL], "unknown kind 'explode'"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "fail:gpu=7,at=iter:3",
+      "--", PRETRAIN, *MODEL], "GPU 7 is not one of the job's GPUs 0,1,2,3"),
+    (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
+     "unknown backend 'bogus'"),
+])
+def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, *args)
+    assert result.exit_code != 0
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
+def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
+    result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
+                    env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.exit_code != 0
+    assert result.stderr == ("Error: no GPU is visible: give --nproc-per-node N (on a machine "
+                             "without GPUs, with --monitor-backend sim)\n")
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path):
+    parent = tmp_path / "a_file"  # a folder cannot be made inside a file, not even by root
+    parent.write_text("")
+    result = launch(parent / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL)
+    assert result.exit_code != 0
+    assert result.stderr == (f"Error: run directory {parent / 'run'} is not writable (Not a "
+                             "directory); give a writable --run-dir\n")

@@ -1,0 +1,212 @@
+"""Pieces of ftmaster launch: GPU choice and mapping, argv, injections, listener, lock, guards."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import click
+import psutil
+import pytest
+
+from ftmaster import runfiles
+from ftmaster.attempt import attempt_argv, gpu_of_local_rank, read_rank_records, \
+    visible_devices_env, with_exit_signal_handler
+from ftmaster.faults import parse_injection
+from ftmaster.guard import RANK_DIR_ENV
+from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
+from ftmaster.listener import Listener, move_request
+from ftmaster.lock import RunDirLock, RunDirLocked
+from ftmaster.supervisor import Injector
+from helpers.trainer import wait_until
+
+PY = sys.executable
+
+
+# -- GPUs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpus,local_rank,gpu", [
+    ((0, 1, 2, 3), 1, 1), ((0, 2, 3), 1, 2), ((0, 2, 3), 2, 3), ((4, 5), 0, 4)])
+def test_local_rank_r_runs_on_the_r_th_gpu_of_its_attempt(gpus, local_rank, gpu):
+    assert gpu_of_local_rank(gpus, local_rank) == gpu
+    assert visible_devices_env(gpus)["CUDA_VISIBLE_DEVICES"].split(",")[local_rank] == str(gpu)
+
+
+def test_a_rank_outside_the_attempt_has_no_gpu():
+    with pytest.raises(ValueError, match="local rank 3"):
+        gpu_of_local_rank((0, 2, 3), 3)
+
+
+@pytest.mark.parametrize("nproc,visible,detected,gpus", [
+    (4, None, 0, (0, 1, 2, 3)),  # CPU: virtual slots
+    (None, None, 2, (0, 1)),  # NVML count
+    (None, (4, 5, 6), 0, (4, 5, 6)),  # CUDA_VISIBLE_DEVICES
+    (2, (4, 5, 6), 0, (4, 5)),
+    (3, (), 0, (0, 1, 2)),  # nothing visible: virtual slots
+])
+def test_choose_gpus(nproc, visible, detected, gpus):
+    assert choose_gpus(nproc, visible, detected) == gpus
+
+
+@pytest.mark.parametrize("nproc,visible,detected,message", [
+    (None, None, 0, "give --nproc-per-node"),
+    (4, (0, 1), 0, "--nproc-per-node 4 needs 4 GPUs, but only 2 are visible (0,1)"),
+])
+def test_choose_gpus_refuses(nproc, visible, detected, message):
+    with pytest.raises(click.ClickException, match=re.escape(message)):
+        choose_gpus(nproc, visible, detected)
+
+
+@pytest.mark.parametrize("value,parsed", [(None, None), ("", ()), ("0,2, 3", (0, 2, 3))])
+def test_parse_visible_devices(value, parsed):
+    assert parse_visible_devices(value) == parsed
+
+
+def test_uuid_visible_devices_are_refused():
+    with pytest.raises(click.ClickException, match="UUIDs"):
+        parse_visible_devices("GPU-8e1c,GPU-22aa")
+
+
+# -- argv ------------------------------------------------------------------------------------
+def test_attempt_argv_guards_torchrun_and_every_rank():
+    assert attempt_argv(["train.py", "--lr", "1e-3"], 3, python="py") == [
+        "py", "-m", "ftmaster.guard", "exec",
+        "py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "--nproc-per-node", "3", "--max-restarts", "0",
+        "-m", "ftmaster.guard", "rank", "train.py", "--lr", "1e-3"]
+
+
+def test_exit_signal_handler_is_added_once():
+    assert with_exit_signal_handler(["t.py", "--lr", "1"]) == ["t.py", "--lr", "1", "--exit-signal-handler"]
+    assert with_exit_signal_handler(["t.py", "--exit-signal-handler", "--lr", "1"]) == \
+        ["t.py", "--exit-signal-handler", "--lr", "1"]
+
+
+MODEL = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "12",
+         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def test_check_layout_accepts_the_scripts_own_layout():
+    plan = check_layout(MODEL, 4, None, None)
+    assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
+            plan.data_parallel_size, plan.num_gpus_used) == (2, 2, 1, 4)
+
+
+@pytest.mark.parametrize("gpus,message", [
+    (6, "TP 2 x PP 2 with micro-batch 2 and global batch 12 does not fit 6 GPUs; the planner "
+        "suggests TP 2 x PP 1 x DP 3"),
+    (2, "does not fit 2 GPUs"),
+])
+def test_check_layout_refuses_a_layout_that_does_not_fit(gpus, message):
+    with pytest.raises(click.ClickException, match=message):
+        check_layout(MODEL, gpus, None, None)
+
+
+# -- injections ------------------------------------------------------------------------------
+def test_injections_fire_once_and_recover_waits_for_its_gpu_to_be_lost():
+    fail, recover, hang = (parse_injection(s) for s in
+                           ("fail:gpu=1,at=iter:5", "recover:gpu=1,at=2s", "hang:gpu=0,at=10s"))
+    injector = Injector((fail, recover, hang))
+    assert injector.take_due(None, 100.0, frozenset()) == [hang]  # no iteration yet: no iter:K
+    assert injector.take_due(4, 100.0, frozenset()) == []  # recover: GPU 1 is not lost
+    assert injector.take_due(5, 100.0, frozenset()) == [fail]
+    assert injector.take_due(5, 100.0, frozenset({1})) == [recover]
+    assert injector.pending == []
+
+
+# -- listener --------------------------------------------------------------------------------
+def test_move_request_moves_the_body_and_logs_the_request(tmp_path):
+    assert move_request(tmp_path) is None
+    runfiles.write_flag(runfiles.trigger_flag_path(tmp_path), gpu=3, score=0.97, reasons=["xid_79"])
+    event = move_request(tmp_path)
+    assert (event["source"], event["gpu"]) == ("monitor", 3)
+    assert not runfiles.trigger_flag_path(tmp_path).exists()
+    assert runfiles.read_flag(runfiles.save_now_flag_path(tmp_path))["reasons"] == ["xid_79"]
+    assert [e["event"] for e in runfiles.read_events(tmp_path)] == ["checkpoint_request"]
+
+
+def test_an_unreadable_trigger_is_a_request_too(tmp_path):
+    runfiles.flags_dir(tmp_path).mkdir()
+    runfiles.trigger_flag_path(tmp_path).write_text("{not json")
+    event = move_request(tmp_path)
+    assert (event["source"], event["gpu"]) == ("unknown", None)
+    assert runfiles.save_now_flag_path(tmp_path).exists()
+
+
+def test_listener_moves_a_trigger_within_one_second(tmp_path):
+    listener = Listener(tmp_path)
+    listener.start()
+    try:
+        for gpu in (1, 2):
+            written = time.monotonic()
+            runfiles.write_flag(runfiles.trigger_flag_path(tmp_path), gpu=gpu)
+            save_now = runfiles.save_now_flag_path(tmp_path)
+            wait_until(lambda: (runfiles.read_flag(save_now) or {}).get("gpu") == gpu, timeout=5,
+                       what=f"save_now.flag for GPU {gpu}")
+            assert time.monotonic() - written < 1.0
+    finally:
+        listener.stop()
+    assert [e["gpu"] for e in runfiles.read_events(tmp_path)] == [1, 2]
+
+
+# -- lock ------------------------------------------------------------------------------------
+def test_a_second_lock_on_the_same_run_dir_is_refused(tmp_path):
+    with RunDirLock(tmp_path):
+        with pytest.raises(RunDirLocked, match=f"another ftmaster \\(pid {os.getpid()}\\)"):
+            RunDirLock(tmp_path).acquire()
+    with RunDirLock(tmp_path):  # released: free again
+        pass
+
+
+def test_the_lock_of_a_killed_holder_is_free(tmp_path):
+    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import RunDirLock; "
+                               "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); "
+                               "time.sleep(60)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(RunDirLocked, match=f"pid {holder.pid}"):
+        RunDirLock(tmp_path).acquire()
+    holder.kill()
+    holder.wait()
+    with RunDirLock(tmp_path):
+        pass
+
+
+# -- guards: real processes ------------------------------------------------------------------
+def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    env = dict(os.environ, **{RANK_DIR_ENV: str(tmp_path), "LOCAL_RANK": "2", "RANK": "6"})
+    guard = subprocess.Popen([PY, "-m", "ftmaster.guard", "rank", str(script)], env=env)
+    record = wait_until(lambda: read_rank_records(tmp_path, 3).get(2), timeout=20, what="record")
+    assert (record.rank, record.guard_pid, record.exit_code) == (6, guard.pid, None)
+    assert psutil.Process(record.pid).ppid() == guard.pid
+    os.kill(record.pid, signal.SIGKILL)
+    assert guard.wait(timeout=20) == 128 + signal.SIGKILL
+    assert read_rank_records(tmp_path, 3)[2].exit_code == -signal.SIGKILL
+
+
+def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):
+    """ftmaster -> guard exec -> (stand-in torchrun) -> guard rank -> rank: SIGKILL the top."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    stand_in = (f"import subprocess, sys; subprocess.run([sys.executable, '-m', 'ftmaster.guard', "
+                f"'rank', {str(script)!r}])")
+    top = subprocess.Popen([PY, "-c", f"import os, sys; os.execv(sys.executable, [sys.executable, "
+                            f"'-m', 'ftmaster.guard', 'exec', sys.executable, '-c', {stand_in!r}])"],
+                           env=dict(os.environ, **{RANK_DIR_ENV: str(tmp_path)}),
+                           start_new_session=True)
+    rank_pid = wait_until(lambda: read_rank_records(tmp_path, 1).get(0), timeout=20,
+                          what="rank record").pid
+    rank = psutil.Process(rank_pid)
+    assert rank.is_running()
+    top.kill()
+    top.wait()
+    gone, alive = psutil.wait_procs([rank], timeout=20)
+    assert not alive, "the rank outlived its killed ancestors"
+
+
+def test_guard_without_a_command_is_a_usage_error():
+    result = subprocess.run([PY, "-m", "ftmaster.guard", "rank"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("usage:")

@@ -1,0 +1,75 @@
+"""The supervisor's state machine and its decisions, as tables."""
+
+import pytest
+
+from ftmaster.states import (TERMINAL, TRANSITIONS, IllegalTransition, State, Trigger, advance,
+                             after_failure, exit_status)
+
+S, T = State, Trigger
+
+LEGAL = [
+    (S.STARTING, T.LAUNCHED, S.RUNNING),
+    (S.RUNNING, T.COMPLETED, S.SUCCEEDED),
+    (S.RUNNING, T.FAILURE, S.FAILED),
+    (S.RUNNING, T.SIGNALLED, S.STOPPING),
+    (S.RUNNING, T.CRITICAL_GPU, S.DRAINING),
+    (S.DRAINING, T.DRAINED, S.PLANNING),
+    (S.DRAINING, T.COMPLETED, S.SUCCEEDED),
+    (S.DRAINING, T.FAILURE, S.FAILED),
+    (S.DRAINING, T.SIGNALLED, S.STOPPING),
+    (S.FAILED, T.RETRY, S.PLANNING),
+    (S.FAILED, T.WAIT, S.WAITING),
+    (S.FAILED, T.GIVE_UP, S.GAVE_UP),
+    (S.WAITING, T.GPUS_BACK, S.PLANNING),
+    (S.WAITING, T.WAIT_TIMED_OUT, S.PLANNING),
+    (S.WAITING, T.SIGNALLED, S.INTERRUPTED),
+    (S.PLANNING, T.PLANNED, S.RELAUNCHING),
+    (S.PLANNING, T.NO_LAYOUT, S.GAVE_UP),
+    (S.RELAUNCHING, T.LAUNCHED, S.RUNNING),
+    (S.STOPPING, T.STOPPED, S.INTERRUPTED),
+]
+
+
+@pytest.mark.parametrize("state,trigger,expected", LEGAL)
+def test_legal_transitions(state, trigger, expected):
+    assert advance(state, trigger) is expected
+
+
+def test_the_table_is_exactly_the_legal_list():
+    assert TRANSITIONS == {(s, t): n for s, t, n in LEGAL}
+
+
+@pytest.mark.parametrize("state,trigger", [
+    (s, t) for s in State for t in Trigger if (s, t) not in TRANSITIONS])
+def test_every_other_pair_is_illegal(state, trigger):
+    with pytest.raises(IllegalTransition, match=trigger.value):
+        advance(state, trigger)
+
+
+def test_terminal_states_lead_nowhere_and_every_other_state_leads_somewhere():
+    sources = {s for s, _ in TRANSITIONS}
+    assert sources.isdisjoint(TERMINAL)
+    assert sources | TERMINAL == set(State)
+
+
+@pytest.mark.parametrize("restarts,early,policy,lost,trigger,reason", [
+    (0, 0, "available", {1}, T.RETRY, None),
+    (0, 1, "available", set(), T.RETRY, None),  # one early exit is retried
+    (0, 2, "available", set(), T.GIVE_UP, "before its first iteration 2 times"),
+    (3, 0, "available", set(), T.GIVE_UP, "restart budget spent: 3 of --max-restarts 3"),
+    (2, 0, "wait", {1}, T.WAIT, None),
+    (2, 0, "wait", set(), T.RETRY, None),  # nothing lost: nothing to wait for
+    (3, 0, "wait", {1}, T.GIVE_UP, "restart budget"),
+    (0, 0, "drain", {2}, T.RETRY, None),
+])
+def test_after_failure(restarts, early, policy, lost, trigger, reason):
+    outcome = after_failure(restarts_done=restarts, max_restarts=3, early_exits_in_row=early,
+                            policy=policy, lost_gpus=frozenset(lost))
+    assert outcome.trigger is trigger
+    assert (outcome.reason is None) if reason is None else reason in outcome.reason
+
+
+@pytest.mark.parametrize("state,signum,status", [
+    (S.SUCCEEDED, None, 0), (S.GAVE_UP, None, 1), (S.INTERRUPTED, 15, 143), (S.INTERRUPTED, 2, 130)])
+def test_exit_status(state, signum, status):
+    assert exit_status(state, signum) == status
