@@ -25,9 +25,12 @@ from the last save or from the start; ``gap_frac = 0`` disables the filter.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import signal
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +78,8 @@ class SaveRequests:
         self._buffer = torch.zeros(2, dtype=torch.int32)
         self._pending_work = None
         self._group = None
+        # Seconds the loop spent on the check per iteration (sampling, issuing, waiting).
+        self.check_seconds: collections.deque[float] = collections.deque(maxlen=4096)
         if self.active:
             # A CPU group of its own: the agreement never waits on a GPU stream.
             self._group = torch.distributed.new_group(backend="gloo")
@@ -106,16 +111,20 @@ class SaveRequests:
         """Sample local triggers and start the all-reduce; call when an iteration starts."""
         if not self.active or self._pending_work is not None:
             return
+        start = time.perf_counter()
         self._buffer[0] = int(self._signal_received)
         self._buffer[1] = int(self._new_request_seen())
         self._pending_work = torch.distributed.all_reduce(
             self._buffer, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
+        self._issue_seconds = time.perf_counter() - start
 
     def _finish_agreement(self) -> Triggers:
         if self._pending_work is None:
             return Triggers(False, False)
+        start = time.perf_counter()
         self._pending_work.wait()
         self._pending_work = None
+        self.check_seconds.append(self._issue_seconds + time.perf_counter() - start)
         sigterm, flag = self._buffer.tolist()
         return Triggers(bool(sigterm), bool(flag))
 
@@ -146,3 +155,7 @@ class SaveRequests:
                 os.unlink(self.flag_path)
             except OSError:
                 pass
+
+
+def median_microseconds(seconds) -> float | None:
+    return statistics.median(seconds) * 1e6 if seconds else None

@@ -36,7 +36,7 @@ from .arguments import padded_vocab_size
 from .checkpointing import Checkpointer, DurableSave, TrainingState, checkpoint_args
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import MicroBatches, build_datasets, needs_data
-from .save_requests import Decision, SaveRequests
+from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
 
 
@@ -349,6 +349,13 @@ class Trainer:
         else:
             self._final_save()
         self.checkpointer.close()
+        self._report_check_cost()
+
+    def _report_check_cost(self) -> None:
+        cost = median_microseconds(self.requests.check_seconds)
+        if cost is not None:
+            log_rank0(f"save-request check: median {cost:.1f} us per iteration over "
+                      f"{len(self.requests.check_seconds)} iterations")
 
     def _final_save(self) -> None:
         if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
