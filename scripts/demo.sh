@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job on any machine, CPU only included: set up, train a small GPT at TP2 x PP2 on
-# 4 processes with a checkpoint at iteration 10, then resume it resharded at TP1 x PP2 on 2.
+# The main job on any machine, CPU only included: set up, then rehearse a GPU failure under
+# ftmaster. 4 ranks train a small GPT at TP2 x PP2 on simulated GPUs; GPU 1's telemetry degrades
+# at iteration 8 (the monitor alerts, training takes an emergency checkpoint) and its rank is
+# killed at iteration 16; ftmaster replans for the 3 GPUs left and resumes from that checkpoint.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
@@ -10,20 +12,29 @@ run_dir="${DEMO_RUN_DIR:-$root/demo_run}"
 rm -rf "$run_dir"
 mkdir -p "$run_dir"
 
-model=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
-       --mock-data --vocab-size 100 --make-vocab-size-divisible-by 64
-       --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-2 --min-lr 1e-4
-       --lr-warmup-iters 2 --lr-decay-style cosine --log-interval 2 --eval-iters 0
-       --save "$run_dir/checkpoints" --save-interval 10)
+model=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+       --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
+       --max-position-embeddings 32 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 64
+       --micro-batch-size 2 --global-batch-size 12 --train-iters 30 --lr 1e-2 --min-lr 1e-4
+       --lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1 --eval-iters 0
+       --save "$run_dir/checkpoints" --save-interval 100 --emergency-save-gap-frac 0.05
+       --distributed-timeout-minutes 0.5)
 
-echo "== training at TP2 x PP2 on 4 processes, saving at iteration 10 =="
-"$py" -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py "${model[@]}" \
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --exit-interval 10 \
-    2>&1 | tee "$run_dir/train_tp2pp2.log" | grep -E "^(iteration|saved|exiting|loaded|error)"
+echo "== ftmaster launch: 4 simulated GPUs, degrade GPU 1 at iteration 8, kill it at 16 =="
+"$py" -m ftmaster.cli launch --nproc-per-node 4 --monitor-backend sim --monitor-interval 0.5 \
+    --seed 2 --run-dir "$run_dir/run" \
+    --inject degrade:gpu=1,at=iter:8 --inject fail:gpu=1,at=iter:16 \
+    -- pretrain_gpt.py "${model[@]}" 2>&1 | grep -E "attempt|alert|checkpoint requested|injected|failed|giving up"
 
-echo "== resuming the same checkpoint at TP1 x PP2 on 2 processes =="
-"$py" -m torch.distributed.run --standalone --nproc-per-node 2 pretrain_gpt.py "${model[@]}" \
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --load "$run_dir/checkpoints" \
-    2>&1 | tee "$run_dir/resume_tp1pp2.log" | grep -E "^(iteration|saved|exiting|loaded|error)"
-
-echo "== done: logs and checkpoints in $run_dir =="
+echo "== what happened (events.jsonl) =="
+"$py" - "$run_dir/run" <<'PY'
+import sys
+from ftmaster import runfiles
+events = runfiles.read_events(sys.argv[1])
+start = events[0]["time"]
+skip = {"event", "time", "command", "timestamp"}
+for event in events:
+    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in skip)
+    print(f"{event['time'] - start:6.1f} s  {event['event']:18s} {details}")
+PY
+echo "== done: logs in $run_dir/run/logs, checkpoints in $run_dir/checkpoints =="

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from ftmaster import runfiles
 from helpers.trainer import PRETRAIN, REPO, SMALL_GPT, iterations, trainer_env
 
@@ -60,4 +62,13 @@ def losses(run_dir: Path) -> dict[int, float]:
     for log in sorted(runfiles.logs_dir(run_dir).glob("attempt_*.log"),
                       key=lambda p: int(p.stem.split("_")[1])):
         found.update({it: rec["loss"] for it, rec in iterations(log.read_text()).items()})
+    return found
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    """Live processes whose command line contains ``text`` (e.g. a test's checkpoint folder)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(process.info["cmdline"] or ()):
+            found.append(process)
     return found

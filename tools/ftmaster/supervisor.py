@@ -274,17 +274,23 @@ class Supervisor:
             path.unlink(missing_ok=True)
 
     def _watch(self) -> Trigger:
+        return self._train_until(self._critical_gpu)
+
+    def _drain(self) -> Trigger:
+        """Train on until a checkpoint newer than the alert is durable, then stop."""
+        return self._train_until(self._drained)
+
+    def _train_until(self, check: Callable[[], Trigger | None]) -> Trigger:
+        """Poll training until it ends, fails, is signalled, or ``check`` returns a trigger."""
         while True:
             if self._stop_requested.is_set():
                 return Trigger.SIGNALLED
-            outcome = self._check_training()
+            outcome = self._check_training() or check()
             if outcome is not None:
                 return outcome
-            if self._critical_gpu() is not None:
-                return Trigger.CRITICAL_GPU
             self._sleep()
 
-    def _critical_gpu(self) -> int | None:
+    def _critical_gpu(self) -> Trigger | None:
         """Policy drain: a GPU of this attempt that alerted, while restarts remain."""
         while self._alerts:
             alert = self._alerts.popleft()
@@ -293,22 +299,15 @@ class Supervisor:
                     and self.restarts < self.config.max_restarts):
                 self._drain_gpu, self._drain_since = alert.gpu, time.time()
                 self._event("drain", gpu=alert.gpu, score=alert.score, reasons=list(alert.reasons))
-                return alert.gpu
+                return Trigger.CRITICAL_GPU
         return None
 
-    def _drain(self) -> Trigger:
-        """Train on until a checkpoint newer than the alert is durable, then stop."""
-        while True:
-            if self._stop_requested.is_set():
-                return Trigger.SIGNALLED
-            outcome = self._check_training()
-            if outcome is not None:
-                return outcome
-            if self._saved_since(self._drain_since):
-                self.attempt.kill()
-                self._retire({self._drain_gpu})
-                return Trigger.DRAINED
-            self._sleep()
+    def _drained(self) -> Trigger | None:
+        if not self._saved_since(self._drain_since):
+            return None
+        self.attempt.kill()
+        self._retire({self._drain_gpu})
+        return Trigger.DRAINED
 
     def _saved_since(self, since: float) -> bool:
         return any(e["event"] in ("emergency_save", "periodic_save") and e["time"] >= since

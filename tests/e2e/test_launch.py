@@ -1,0 +1,137 @@
+"""ftmaster launch end to end on CPU: real torchrun, real ranks, real signals (sim monitor)."""
+
+import os
+import signal
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster import runfiles
+from ftmaster.cli import main
+from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
+from helpers.launch import (attempt_log, events, launch_argv, losses, processes_mentioning,
+                            run_launch, start_launch, train_args)
+from helpers.trainer import REPO, iterations, run_trainer, trainer_env, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def only(run_dir, name):
+    found = events(run_dir, name)
+    assert len(found) == 1, f"expected one {name} event, got {found}"
+    return found[0]
+
+
+def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_loss(tmp_path):
+    """The issue's main scenario: TP2 x PP2, degrade GPU 1 at 8, kill it at 16, 30 iterations."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 30, 2, 2, 100, "--emergency-save-gap-frac", "0.05")
+    result = run_launch(run_dir, 4, args, "--seed", "2", "--inject", "degrade:gpu=1,at=iter:8",
+                        "--inject", "fail:gpu=1,at=iter:16")
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    alert = next(e for e in events(run_dir, "risk_alert") if "device_lost" not in e["reasons"])
+    assert alert["gpu"] == 1
+    saved = only(run_dir, "emergency_save")["iteration"]
+    assert 8 <= saved < 16
+    failure = only(run_dir, "failure")
+    assert (failure["attempt"], failure["gpus"], failure["cause"] in ("exit", "device_lost")) == (1, [1], True)
+    plan = only(run_dir, "plan")
+    assert (plan["gpus_available"], plan["num_gpus_used"], plan["data_parallel_size"]) == ([0, 2, 3], 3, 3)
+    relaunch = events(run_dir, "launch")[1]
+    assert (relaunch["attempt"], relaunch["gpus"]) == (2, [0, 2, 3])
+    assert f"loaded checkpoint from {iteration_dir(save, saved)} at iteration {saved}" in attempt_log(run_dir, 2)
+    assert only(run_dir, "resumed")["iteration"] == saved + 1
+    assert only(run_dir, "complete")["iteration"] == 30
+    assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
+
+    reference = run_trainer(4, train_args(tmp_path / "ref_ckpt", 30, 2, 2, 100,
+                                          "--emergency-save-gap-frac", "0.05"))
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    expected = iterations(reference.stdout)
+    recovered = losses(run_dir)
+    for it in range(26, 31):
+        assert abs(recovered[it] - expected[it]["loss"]) <= 0.03 * expected[it]["loss"], (it, recovered[it])
+
+
+def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_path):
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    hang_timeout = 10  # above the longest periodic save: a save writes no heartbeat
+    ftmaster = start_launch(run_dir, 3, train_args(save, 200, 1, 1, 3), "--hang-timeout", str(hang_timeout),
+                            "--inject", "hang:gpu=0,at=iter:4", "--inject", "fail:gpu=2,at=iter:7",
+                            "--inject", "fail:gpu=1,at=iter:10")
+    try:
+        wait_until(lambda: len(events(run_dir, "resumed")) == 3, timeout=400, interval=0.5,
+                   what="three relaunches resuming")
+        wait_until(lambda: (runfiles.read_heartbeat(run_dir) or {}).get("iteration", 0) >= 12,
+                   timeout=120, interval=0.2, what="progress after the last relaunch")
+        ftmaster.send_signal(signal.SIGTERM)
+        output, _ = ftmaster.communicate(timeout=180)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 128 + signal.SIGTERM, output[-4000:]
+
+    injected = {e["kind"] + str(e["gpu"]): e for e in events(run_dir, "fault_injected")}
+    failures = events(run_dir, "failure")
+    assert [(f["attempt"], f["cause"]) for f in failures][0] == (1, "hang")
+    assert failures[0]["gpus"] == [0]  # the stopped rank
+    assert failures[0]["time"] - injected["hang0"]["time"] <= hang_timeout + 2
+    assert [(f["attempt"], f["gpus"]) for f in failures[1:]] == [(2, [2]), (3, [1])]
+    assert [p["gpus_available"] for p in events(run_dir, "plan")] == [[0, 1, 2], [0, 1], [0]]
+    assert [e["gpus"] for e in events(run_dir, "launch")] == [[0, 1, 2], [0, 1, 2], [0, 1], [0]]
+    assert [r["attempt"] for r in events(run_dir, "resumed")] == [2, 3, 4]
+
+    stopped = only(run_dir, "stopped")
+    assert stopped["exit_code"] == 0
+    last_log = attempt_log(run_dir, 4)
+    assert f"exiting on SIGTERM after iteration {read_tracker(save)}" in last_log
+    assert not processes_mentioning(str(save))
+
+
+def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_leaves_nothing(tmp_path):
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 200, 2, 2, 2)
+    ftmaster = subprocess.Popen(
+        launch_argv(run_dir, 4, args, "--policy", "wait", "--wait-timeout", "120",
+                    "--inject", "fail:gpu=1,at=iter:2", "--inject", "recover:gpu=1,at=1s"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=trainer_env(), cwd=REPO,
+        start_new_session=True)
+    try:
+        wait_until(lambda: events(run_dir, "resumed"), timeout=300, interval=0.5, what="relaunch")
+        second = CliRunner().invoke(main, ["launch", *launch_argv(run_dir, 4, args)[4:]])
+        assert second.exit_code != 0
+        assert second.stderr == (f"Error: another ftmaster (pid {ftmaster.pid}) is using {run_dir}; "
+                                 "wait for it to end or give another --run-dir\n")
+        assert processes_mentioning(str(save))
+        os.killpg(ftmaster.pid, signal.SIGKILL)
+        ftmaster.wait()
+        wait_until(lambda: not processes_mentioning(str(save)), timeout=30,
+                   what="every training process to die with ftmaster")
+    finally:
+        if ftmaster.poll() is None:
+            os.killpg(ftmaster.pid, signal.SIGKILL)
+
+    assert only(run_dir, "failure")["gpus"] == [1]
+    assert only(run_dir, "waiting")["gpus"] == [1]
+    assert only(run_dir, "gpus_back")["gpus"] == [1]
+    plan = only(run_dir, "plan")
+    assert (plan["gpus_available"], plan["num_gpus_used"]) == ([0, 1, 2, 3], 4)
+    assert events(run_dir, "launch")[1]["gpus"] == [0, 1, 2, 3]
+
+
+def test_a_script_that_fails_before_its_first_iteration_twice_is_a_user_error(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "broken.py"
+    script.write_text("import sys\nprint('boom: --lr is missing', file=sys.stderr)\nsys.exit(3)\n")
+    argv = launch_argv(run_dir, 1, train_args(tmp_path / "ckpt", 10))
+    argv[argv.index("--") + 1] = str(script)
+    result = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=trainer_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 1
+    assert "boom: --lr is missing" in result.stdout
+    failures = events(run_dir, "failure")
+    assert [(f["cause"], f["gpus"], f["exit_codes"]) for f in failures] == [("exit", [0], {"0": 3})] * 2
+    assert "before its first iteration 2 times" in only(run_dir, "gave_up")["reason"]
+    assert len(events(run_dir, "launch")) == 2
