@@ -196,6 +196,9 @@ def _validate_layout(args):
              f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
              f"--seq-length ({args.seq_length})")
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    _require(not (args.bf16 or args.fp16) or _cuda_available(),
+             "--bf16/--fp16 need CUDA (Megatron's mixed-precision optimizer keeps its master "
+             "weights on the GPU); drop the flag to train in fp32 on CPU")
 
 
 def _validate_batch(args):
@@ -252,6 +255,12 @@ def _validate_checkpointing(args):
              f"--keep-emergency must be >= 0, got {args.keep_emergency}")
     _require(args.emergency_save_gap_frac >= 0,
              f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _is_writable_dir(path: Path) -> bool:

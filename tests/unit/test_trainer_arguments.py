@@ -38,6 +38,7 @@ def with_args(*extra, drop=()):
      "give exactly one of --mock-data or --data-path PREFIX"),
     (with_args(drop=("--vocab-size",)), 1, "NullTokenizer needs --vocab-size"),
     (with_args("--lr-warmup-iters", "5", "--train-iters", "3"), 1, "--lr-warmup-iters (5)"),
+    (with_args("--bf16", "--fp16"), 1, "--bf16 and --fp16 are mutually exclusive"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:
@@ -75,3 +76,9 @@ def test_script_prints_one_line_and_exits_nonzero(extra):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rule")
+def test_mixed_precision_needs_cuda():
+    with pytest.raises(ArgumentError, match="need CUDA"):
+        parse_args(with_args("--bf16"), world_size=1)
