@@ -27,6 +27,24 @@ SMALL_GPT = [
     "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "1",
 ]
 
+# The resume-across-layouts scenario: train at TP2xPP2, resume under each of these.
+RESUME_SCHEDULE = ["--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", "12",
+                   "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
+                   "--lr-decay-style", "cosine", "--seed", "7"]
+RESUME_LAYOUTS = {  # name: (processes, TP, PP)
+    "tp2pp2": (4, 2, 2),
+    "tp1pp1": (1, 1, 1),
+    "tp1pp2": (2, 1, 2),
+    "tp1pp1dp3": (3, 1, 1),
+}
+SAVE_LINE = re.compile(r"saved \w+ checkpoint at iteration (\d+) to \S+ in ([\d.]+) s \((\d+) bytes\)")
+LOAD_LINE = re.compile(r"loaded checkpoint from \S+ at iteration (\d+) in ([\d.]+) s \((\d+) bytes\)")
+
+
+def layout_args(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
 ITERATION_LINE = re.compile(
     r"iteration (\d+)/(\d+) \| consumed samples: (\d+) \| elapsed time per iteration \(ms\): "
     r"([\d.]+) \| learning rate: ([\d.E+-]+) \| global batch size: (\d+) \| lm loss: ([\d.E+-]+) \|")

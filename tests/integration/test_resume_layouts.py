@@ -4,31 +4,23 @@ import shutil
 
 import pytest
 
-from helpers.trainer import SMALL_GPT, iterations, run_trainer
+from helpers.trainer import (
+    RESUME_LAYOUTS,
+    RESUME_SCHEDULE,
+    SMALL_GPT,
+    iterations,
+    layout_args,
+    run_trainer,
+)
 
 pytestmark = pytest.mark.slow
-
-SCHEDULE = ["--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", "12",
-            "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
-            "--lr-decay-style", "cosine", "--seed", "7"]
-
-LAYOUTS = {  # name: (processes, TP, PP)
-    "tp2pp2": (4, 2, 2),
-    "tp1pp1": (1, 1, 1),
-    "tp1pp2": (2, 1, 2),
-    "tp1pp1dp3": (3, 1, 1),
-}
-
-
-def layout_args(tp: int, pp: int) -> list[str]:
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Train at TP2xPP2 to iteration 6, saving at 3 and 6."""
     save = tmp_path_factory.mktemp("ckpt") / "save"
-    result = run_trainer(4, SMALL_GPT + SCHEDULE + layout_args(2, 2) + [
+    result = run_trainer(4, SMALL_GPT + RESUME_SCHEDULE + layout_args(2, 2) + [
         "--save", str(save), "--save-interval", "3", "--exit-interval", "6"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
@@ -39,8 +31,8 @@ def saved(tmp_path_factory):
 def resumed(saved):
     """Losses and consumed samples of iterations 7-12 for every layout."""
     runs = {}
-    for name, (nproc, tp, pp) in LAYOUTS.items():
-        result = run_trainer(nproc, SMALL_GPT + SCHEDULE + layout_args(tp, pp)
+    for name, (nproc, tp, pp) in RESUME_LAYOUTS.items():
+        result = run_trainer(nproc, SMALL_GPT + RESUME_SCHEDULE + layout_args(tp, pp)
                              + ["--load", str(saved)])
         assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}"
         runs[name] = (iterations(result.stdout), result.stdout)
@@ -69,7 +61,7 @@ def test_reference_resume_starts_at_seven(resumed):
 def test_tolerance_discriminates_a_fresh_start(resumed, saved):
     """Without the checkpoint the loss at iteration 7 is far outside the 2% band."""
     reference, _ = resumed["tp2pp2"]
-    fresh = iterations(run_trainer(1, SMALL_GPT + SCHEDULE + layout_args(1, 1)).stdout)
+    fresh = iterations(run_trainer(1, SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1)).stdout)
     assert abs(fresh[1]["loss"] - reference[7]["loss"]) / reference[7]["loss"] > 0.1
 
 
@@ -79,7 +71,7 @@ def test_truncated_newest_checkpoint_falls_back(saved, tmp_path):
     shard = max((save / "iter_0000006").glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as handle:
         handle.truncate(shard.stat().st_size // 2)
-    result = run_trainer(1, SMALL_GPT + SCHEDULE + layout_args(1, 1) + ["--load", str(save),
+    result = run_trainer(1, SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1) + ["--load", str(save),
                                                                        "--train-iters", "12"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"iter_0000006 skipped: shard {shard.name} is truncated" in result.stdout
