@@ -26,6 +26,10 @@ from ftmaster.analyze import analyze_command  # noqa: E402
 
 main.add_command(analyze_command)
 
+from ftmaster.report import report_command  # noqa: E402
+
+main.add_command(report_command)
+
 from ftmaster.monitor.cli import monitor_command  # noqa: E402
 
 main.add_command(monitor_command)

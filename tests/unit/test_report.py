@@ -1,0 +1,209 @@
+"""ftmaster report on generated run directories that follow DESIGN's events and log contract."""
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster.cli import main
+
+T0 = 1_780_000_000.0
+LAYOUT = {"micro_batch_size": 2, "global_batch_size": 12}
+
+
+def iteration_line(n: int, total: int, ms: float) -> str:
+    return (f"iteration {n}/{total} | consumed samples: {12 * n} | elapsed time per iteration "
+            f"(ms): {ms:.1f} | learning rate: 1.000000E-03 | global batch size: 12 | "
+            f"lm loss: 2.500000E+00 |")
+
+
+def loaded_line(iteration: int, seconds: float, size: int) -> str:
+    return (f"loaded checkpoint from /ckpt/iter_{iteration:07d} at iteration {iteration} in "
+            f"{seconds:.3f} s ({size} bytes); layout {{}} -> {{}}")
+
+
+def event(name: str, at: float, **fields) -> dict:
+    return {"event": name, "time": T0 + at, **fields}
+
+
+def launch(at, attempt, gpus, tp, pp, dp):
+    return event("launch", at, attempt=attempt, gpus=gpus, tensor_model_parallel_size=tp,
+                 pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                 command=["python", "pretrain_gpt.py"])
+
+
+def plan(at, available, tp, pp, dp):
+    return event("plan", at, gpus_available=available, tensor_model_parallel_size=tp,
+                 pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                 num_gpus_used=tp * pp * dp, **LAYOUT)
+
+
+def save(name, at, iteration, blocked, persist):
+    return event(name, at, iteration=iteration, seconds=blocked, bytes=1000, persist_seconds=persist,
+                 started_at=T0 + at - persist, kind=name.split("_")[0])
+
+
+def alert(at, gpu, reasons, sample_at=None):
+    stamp = datetime.fromtimestamp(T0 + (at if sample_at is None else sample_at), timezone.utc)
+    return event("risk_alert", at, gpu=gpu, score=0.9, reasons=reasons, timestamp=stamp.isoformat())
+
+
+def write_run(run_dir, events, logs):
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    for attempt, lines in logs.items():
+        (run_dir / "logs" / f"attempt_{attempt}.log").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def two_failures(run_dir):
+    """Attempt 1 (TP2 x PP2) loses GPU 1 to an injected fault after an alert and an emergency
+    save; attempt 2 (DP3) loses GPU 2, which the monitor reports gone; attempt 3 (DP2) ends.
+    Attempt 3 logs every 5 iterations."""
+    events = [
+        launch(0, 1, [0, 1, 2, 3], 2, 2, 1),
+        alert(40, 2, ["temperature"]),  # before failure 1: no lead time for failure 2
+        alert(50, 1, ["ecc_sbe_rate", "xid_92"]),
+        event("checkpoint_request", 50.1, source="monitor", gpu=1),
+        save("emergency_save", 55, 12, 0.5, 0.8),
+        event("save_deferred", 56, iteration=13, until_iteration=20),
+        event("fault_injected", 70, kind="fail", gpu=1, spec="fail:gpu=1,at=iter:16", iteration=16),
+        event("failure", 70.25, attempt=1, iteration=16, cause="device_lost", gpus=[1], exit_codes={}),
+        alert(70.3, 1, ["device_lost"]),
+        plan(71.75, [0, 2, 3], 1, 1, 3),
+        launch(72.75, 2, [0, 2, 3], 1, 1, 3),
+        event("resumed", 95.25, attempt=2, iteration=13),
+        save("periodic_save", 97, 20, 0.25, 1.0),
+        alert(110, 2, ["ecc_dbe"]),
+        event("failure", 120.5, attempt=2, iteration=25, cause="device_lost", gpus=[2], exit_codes={}),
+        alert(120.75, 2, ["device_lost"], sample_at=119.5),  # written after the failure, sampled before
+        plan(122.5, [0, 3], 1, 1, 2),
+        launch(123, 3, [0, 3], 1, 1, 2),
+        event("resumed", 150, attempt=3, iteration=21),
+        save("periodic_save", 158, 30, 0.25, 1.0),
+        event("complete", 160, iteration=30),
+    ]
+    logs = {1: [iteration_line(n, 30, 100) for n in range(1, 17)],
+            2: [loaded_line(12, 1.5, 4096), iteration_line(13, 30, 500),
+                *(iteration_line(n, 30, 200) for n in range(14, 26))],
+            3: [loaded_line(20, 2.0, 8192), iteration_line(25, 30, 300), iteration_line(30, 30, 250)]}
+    return write_run(run_dir, events, logs)
+
+
+def run_report(*args):
+    return CliRunner().invoke(main, ["report", *map(str, args)])
+
+
+@pytest.fixture
+def reported(tmp_path):
+    run_dir = two_failures(tmp_path / "run")
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    return result.stdout, json.loads((run_dir / "report.json").read_text())
+
+
+def test_first_failure_injected_fault_alert_lead_checkpoint_and_rto_phases(reported):
+    _, report = reported
+    first = report["failures"][0]
+    assert (first["attempt"], first["cause"], first["gpus"], first["iteration"]) == (1, "device_lost", [1], 16)
+    assert first["detection_latency"] == {"seconds": pytest.approx(0.25),
+                                          "since": "fault_injected fail on GPU 1"}
+    assert first["lead_time"]["seconds"] == pytest.approx(20.0)  # fault at 70, alert at 50
+    assert first["lead_time"]["gpu"] == 1
+    assert first["checkpoint"]["iteration"] == 12 and first["checkpoint"]["kind"] == "emergency"
+    assert (first["restarted_from_iteration"], first["lost_iterations"]) == (12, 4)
+    assert first["lost_seconds"] == pytest.approx(0.4)  # iterations 13..16 at 100 ms
+    assert first["rto_seconds"] == pytest.approx(25.0)
+    # loaded at 95.25 - 0.5 (iteration 13's logged time) = 94.75
+    assert first["phases"] == pytest.approx({"failure_to_plan": 1.5, "plan_to_launch": 1.0,
+                                             "launch_to_loaded": 22.0, "loaded_to_first_iteration": 0.5})
+    assert sum(first["phases"].values()) == pytest.approx(first["rto_seconds"])
+    assert (first["load_seconds"], first["load_bytes"]) == (1.5, 4096)
+    assert first["new_layout"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                   "data_parallel_size": 3, "num_gpus_used": 3, "gpus": [0, 2, 3], **LAYOUT}
+
+
+def test_second_failure_uses_the_device_lost_sample_time_and_only_its_own_window(reported):
+    _, report = reported
+    second = report["failures"][1]
+    assert second["detection_latency"]["seconds"] == pytest.approx(1.0)  # 120.5 - 119.5
+    assert second["detection_latency"]["since"] == "monitor: GPU 2 device_lost"
+    assert second["lead_time"]["seconds"] == pytest.approx(9.5)  # alert at 110, not the one at 40
+    assert second["checkpoint"]["iteration"] == 20
+    assert (second["restarted_from_iteration"], second["lost_iterations"]) == (20, 5)
+    assert second["lost_seconds"] == pytest.approx(1.0)
+    # Attempt 3 logs every 5 iterations: 300 ms stands for each of 21..25.
+    assert second["phases"]["loaded_to_first_iteration"] == pytest.approx(0.3)
+    assert second["rto_seconds"] == pytest.approx(29.5)
+    assert second["new_layout"]["gpus"] == [0, 3] and second["new_layout"]["data_parallel_size"] == 2
+    assert report["outcome"] == "complete: iteration 30"
+
+
+def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):
+    text, report = reported
+    timeline = [line for line in text.splitlines() if line.lstrip().startswith("+")]
+    assert len(timeline) == len(report["timeline"]) == 21
+    assert timeline[0].split()[:3] == ["+0.00", "s", "launch"]
+    assert "    +70.25 s  failure            attempt 1 device_lost on GPU(s) [1], last iteration 16" in text
+    assert "failure 2: attempt 2, device_lost on GPU(s) [2]" in text
+    assert "  lost iterations    4 (RPO; 0.400 s of training)" in text
+    assert "    launch to loaded            22.000 s" in text
+    assert "new layout         TP 1 x PP 1 x DP 2, micro-batch 2, global batch 12, GPU(s) [0, 3]" in text
+
+
+def test_last_progress_estimate_without_a_known_fault_time(tmp_path):
+    """No injection, no monitor: the last iteration's end comes from the newest event that
+    names an iteration plus the log's times (save started at 29.5 for 10; 11 and 12 at 200 ms)."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 30, 10, 0.25, 0.5),
+              event("failure", 40, attempt=1, iteration=12, cause="exit", gpus=[1],
+                    exit_codes={"1": -9}),
+              plan(41, [0, 1], 1, 1, 2), event("gave_up", 41.5, reason="no GPUs left")]
+    logs = {1: [iteration_line(n, 50, 200) for n in range(1, 13)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    result = run_report(run_dir, "--json-out", tmp_path / "out.json")
+    assert result.exit_code == 0, result.output
+    failure = json.loads((tmp_path / "out.json").read_text())["failures"][0]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(40 - 29.9),
+                                            "since": "last progress (estimated)"}
+    assert failure["lead_time"] is None and failure["lost_iterations"] == 2
+    assert failure["rto_seconds"] is None and failure["outcome"] == "gave up: no GPUs left"
+    assert "RTO                unknown: gave up: no GPUs left" in result.stdout
+    assert not (run_dir / "report.json").exists()
+
+
+def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
+    events = [launch(0, 1, [0], 1, 1, 1), save("periodic_save", 10, 5, 0.1, 0.2),
+              event("complete", 12, iteration=10)]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 10, 50) for n in range(1, 11)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "no failures in this run" in result.stdout
+    assert "periodic checkpoint of iteration 5 durable" in result.stdout
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["failures"] == [] and [r["event"] for r in report["timeline"]] == \
+        ["launch", "periodic_save", "complete"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "events.jsonl does not exist"),
+    ("", "has no events"),
+    ('{"event": "launch", "time": 1}\n{"event": "launch", "ti', "line 2 is not a JSON object"),
+    ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
+    ('[1, 2]\n', "line 1 is not a JSON object"),
+])
+def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
+    if content is not None:
+        (tmp_path / "events.jsonl").write_text(content)
+    result = run_report(tmp_path)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_run_dir_is_one_line(tmp_path):
+    result = run_report(tmp_path / "nowhere")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"Error: {tmp_path / 'nowhere'} is not a directory: give an " \
+                                    "ftmaster run directory"
