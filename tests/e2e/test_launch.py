@@ -26,7 +26,9 @@ def only(run_dir, name):
 def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_loss(tmp_path):
     """The issue's main scenario: TP2 x PP2, degrade GPU 1 at 8, kill it at 16, 30 iterations."""
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(save, 30, 2, 2, 100, "--emergency-save-gap-frac", "0.05")
+    # Global batch 24 (12 micro-batches) keeps an iteration long enough that the save the
+    # alert asks for (about 3 monitor samples after iteration 8) lands before iteration 16.
+    args = train_args(save, 30, 2, 2, 100, "--emergency-save-gap-frac", "0.05", global_batch=24)
     result = run_launch(run_dir, 4, args, "--seed", "2", "--inject", "degrade:gpu=1,at=iter:8",
                         "--inject", "fail:gpu=1,at=iter:16")
     assert result.returncode == 0, result.stdout[-4000:]
@@ -46,8 +48,7 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     assert only(run_dir, "complete")["iteration"] == 30
     assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
 
-    reference = run_trainer(4, train_args(tmp_path / "ref_ckpt", 30, 2, 2, 100,
-                                          "--emergency-save-gap-frac", "0.05"))
+    reference = run_trainer(4, [str(tmp_path / "ref_ckpt") if a == str(save) else a for a in args])
     assert reference.returncode == 0, reference.stdout[-3000:]
     expected = iterations(reference.stdout)
     recovered = losses(run_dir)
@@ -135,3 +136,19 @@ def test_a_script_that_fails_before_its_first_iteration_twice_is_a_user_error(tm
     assert [(f["cause"], f["gpus"], f["exit_codes"]) for f in failures] == [("exit", [0], {"0": 3})] * 2
     assert "before its first iteration 2 times" in only(run_dir, "gave_up")["reason"]
     assert len(events(run_dir, "launch")) == 2
+
+
+def test_drain_policy_restarts_without_the_alerting_gpu_after_its_emergency_save(tmp_path):
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 16, 1, 1, 100, "--emergency-save-gap-frac", "0.03")
+    result = run_launch(run_dir, 2, args, "--policy", "drain", "--inject", "degrade:gpu=1,at=iter:3")
+    assert result.returncode == 0, result.stdout[-4000:]
+    drain = only(run_dir, "drain")
+    saved = only(run_dir, "emergency_save")
+    assert drain["gpu"] == 1 and saved["time"] > drain["time"]
+    assert not events(run_dir, "failure")
+    plan = only(run_dir, "plan")
+    assert (plan["gpus_available"], plan["num_gpus_used"]) == ([0], 1)
+    assert events(run_dir, "launch")[1]["gpus"] == [0]
+    assert only(run_dir, "resumed")["iteration"] == saved["iteration"] + 1
+    assert only(run_dir, "complete")["iteration"] == 16

@@ -11,16 +11,16 @@ import psutil
 from ftmaster import runfiles
 from helpers.trainer import PRETRAIN, REPO, SMALL_GPT, iterations, trainer_env
 
-# Global batch 12 divides by DP 1, 2, 3 and 4 with micro-batch 2 or less.
+# Global batch 12 (and 24) divides by DP 1, 2, 3 and 4 with micro-batch 2 or less.
 GLOBAL_BATCH = 12
 
 
 def train_args(save: Path, iters: int, tp: int = 1, pp: int = 1, save_interval: int = 100,
-               *extra: str) -> list[str]:
+               *extra: str, global_batch: int = GLOBAL_BATCH) -> list[str]:
     """SMALL_GPT with a short gloo timeout, so a lost rank never blocks a test for long."""
     args = [*SMALL_GPT, "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "2",
-            "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(iters),
+            "--global-batch-size", str(global_batch), "--train-iters", str(iters),
             "--lr", "1e-2", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
             "--lr-decay-style", "cosine", "--save", str(save), "--save-interval", str(save_interval),
             *extra]

@@ -9,8 +9,8 @@ the ``sim`` backend on a CPU machine a "GPU" is a virtual slot: the local rank i
 first attempt, 0..N-1.
 
 **Failures.** A rank that exits non-zero (``exit``, mapped to its GPU), no new heartbeat
-iteration for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attempt the
-limit is ``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a
+iteration and no checkpoint file written for ``hang_timeout_s`` (``hang``; before the first
+heartbeat of an attempt the limit is ``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a
 ``fail`` injection marks lost (``device_lost``). The whole attempt is killed at once: gloo
 cannot abort a collective, so the survivors would otherwise wait out their timeout. A GPU
 lost at planning time is dropped for good (the monitor stops watching it); a hang or a plain
@@ -38,6 +38,8 @@ from ftmaster import runfiles
 from ftmaster.attempt import Attempt, send_signal, with_exit_signal_handler
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
+from ftmaster.recovery.checkpoints import iteration_dir, list_iterations
+from ftmaster.recovery.megatron_args import flag_value
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import (POLICIES, TERMINAL, State, Trigger, advance, after_failure,
                              exit_status)
@@ -233,7 +235,22 @@ class Supervisor:
     def _hung(self) -> bool:
         last, since = self._progress
         limit = self.config.startup_timeout_s if last is None else self.config.hang_timeout_s
-        return time.monotonic() - since > limit
+        idle = time.monotonic() - since
+        return idle > limit and not self._checkpoint_written_within(idle)
+
+    def _checkpoint_written_within(self, seconds: float) -> bool:
+        """Whether the newest checkpoint folder changed in the last ``seconds``: a save in
+        progress writes no heartbeat, yet it is progress, not a hang."""
+        save = flag_value(self.config.command[1:], "--save")
+        newest = list_iterations(Path(save))[:1] if save else []
+        if not newest:
+            return False
+        folder = iteration_dir(Path(save), newest[0])
+        try:
+            changed = max(entry.stat().st_mtime for entry in (folder, *folder.iterdir()))
+        except OSError:  # the save is renaming or pruning files right now
+            return True
+        return time.time() - changed < seconds
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
         attempt = self.attempt
