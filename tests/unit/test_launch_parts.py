@@ -19,7 +19,7 @@ from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
 from ftmaster.listener import Listener, move_request
 from ftmaster.lock import RunDirLock, RunDirLocked
-from ftmaster.supervisor import Injector
+from ftmaster.supervisor import Injector, last_checkpoint_write
 from helpers.trainer import wait_until
 
 PY = sys.executable
@@ -210,3 +210,16 @@ def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):
 def test_guard_without_a_command_is_a_usage_error():
     result = subprocess.run([PY, "-m", "ftmaster.guard", "rank"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("usage:")
+
+
+def test_last_checkpoint_write_is_the_newest_file_of_the_newest_checkpoint(tmp_path):
+    assert last_checkpoint_write(tmp_path) is None
+    for iteration, stamp in ((3, 1000.0), (6, 2000.0)):
+        folder = tmp_path / f"iter_{iteration:07d}"
+        folder.mkdir()
+        os.utime(folder, (stamp, stamp))
+    shard = tmp_path / "iter_0000006" / "__0_0.distcp"
+    shard.write_bytes(b"x")
+    os.utime(shard, (2500.0, 2500.0))
+    os.utime(shard.parent, (2000.0, 2000.0))
+    assert last_checkpoint_write(tmp_path) == 2500.0

@@ -239,18 +239,10 @@ class Supervisor:
         return idle > limit and not self._checkpoint_written_within(idle)
 
     def _checkpoint_written_within(self, seconds: float) -> bool:
-        """Whether the newest checkpoint folder changed in the last ``seconds``: a save in
-        progress writes no heartbeat, yet it is progress, not a hang."""
+        """A save in progress writes no heartbeat, yet it is progress, not a hang."""
         save = flag_value(self.config.command[1:], "--save")
-        newest = list_iterations(Path(save))[:1] if save else []
-        if not newest:
-            return False
-        folder = iteration_dir(Path(save), newest[0])
-        try:
-            changed = max(entry.stat().st_mtime for entry in (folder, *folder.iterdir()))
-        except OSError:  # the save is renaming or pruning files right now
-            return True
-        return time.time() - changed < seconds
+        written = None if save is None else last_checkpoint_write(Path(save))
+        return written is not None and time.time() - written < seconds
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
         attempt = self.attempt
@@ -391,3 +383,16 @@ class Supervisor:
         self._event("stopped", signal=self.signum, exit_code=code,
                     iteration=self._heartbeat_iteration())
         return Trigger.STOPPED
+
+
+def last_checkpoint_write(save_dir: Path) -> float | None:
+    """When the newest ``iter_*`` folder last changed (unix time); None without one. A folder
+    whose files change while it is read (a save renaming them) counts as written now."""
+    newest = list_iterations(save_dir)[:1]
+    if not newest:
+        return None
+    folder = iteration_dir(save_dir, newest[0])
+    try:
+        return max(entry.stat().st_mtime for entry in (folder, *folder.iterdir()))
+    except OSError:
+        return time.time()
