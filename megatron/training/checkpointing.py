@@ -86,12 +86,19 @@ def _restore_rng(state: dict) -> None:
 def _start_writer_results_queue() -> None:
     """Start torch_dist's writer result queue now instead of inside the first save.
 
-    megatron-core creates it lazily through a spawn-context Manager, which costs a fresh
-    interpreter (seconds) and would otherwise land in the first, possibly emergency, save.
+    megatron-core creates it lazily through a spawn-context Manager: a fresh interpreter that
+    imports torch's checkpoint classes only when it first unpickles a write result. Both would
+    otherwise land in the first, possibly emergency, save (seconds to tens of seconds on a
+    busy host). A round trip of a real ``WriteResult`` pays them at start-up instead.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
 
-    filesystem_async._get_write_results_queue()
+    queue = filesystem_async._get_write_results_queue()
+    queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
+    queue.get()
 
 
 @dataclass

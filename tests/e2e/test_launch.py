@@ -140,7 +140,9 @@ def test_a_script_that_fails_before_its_first_iteration_twice_is_a_user_error(tm
 
 def test_drain_policy_restarts_without_the_alerting_gpu_after_its_emergency_save(tmp_path):
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(save, 16, 1, 1, 100, "--emergency-save-gap-frac", "0.03")
+    # A TP1 iteration takes tens of milliseconds while the alert needs a few monitor samples
+    # (about 2 s), so the run must be long enough for the drain to happen before it ends.
+    args = train_args(save, 150, 1, 1, 1000, "--emergency-save-gap-frac", "0.03")
     result = run_launch(run_dir, 2, args, "--policy", "drain", "--inject", "degrade:gpu=1,at=iter:3")
     assert result.returncode == 0, result.stdout[-4000:]
     drain = only(run_dir, "drain")
@@ -151,4 +153,4 @@ def test_drain_policy_restarts_without_the_alerting_gpu_after_its_emergency_save
     assert (plan["gpus_available"], plan["num_gpus_used"]) == ([0], 1)
     assert events(run_dir, "launch")[1]["gpus"] == [0]
     assert only(run_dir, "resumed")["iteration"] == saved["iteration"] + 1
-    assert only(run_dir, "complete")["iteration"] == 16
+    assert only(run_dir, "complete")["iteration"] == 150

@@ -129,7 +129,6 @@ class Supervisor:
         self.early_exits_in_row = 0
         self.retired: set[int] = set()
         self.injected_lost: set[int] = set()
-        self.last_failure: dict | None = None
         self.signum: int | None = None
         self._stop_requested = threading.Event()
         self._alerts: deque[Alert] = deque()
@@ -246,8 +245,8 @@ class Supervisor:
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
         attempt = self.attempt
-        self.last_failure = self._event("failure", attempt=attempt.number, iteration=iteration,
-                                               cause=cause, gpus=gpus, exit_codes=codes)
+        self._event("failure", attempt=attempt.number, iteration=iteration,
+                    cause=cause, gpus=gpus, exit_codes=codes)
         log.error("attempt %d failed (%s) at iteration %s on GPU(s) %s", attempt.number, cause,
                   iteration, gpus)
         attempt.kill()
