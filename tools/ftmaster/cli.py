@@ -6,6 +6,12 @@ Each subcommand lives in the module that owns its work and is registered here.
 import click
 
 from ftmaster import __version__
+from ftmaster.analyze import analyze_command
+from ftmaster.goodput_cli import goodput_command
+from ftmaster.launch import launch_command
+from ftmaster.monitor.cli import monitor_command
+from ftmaster.recovery.cli import plan_command
+from ftmaster.report import report_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,29 +20,9 @@ def main() -> None:
     """Proactive fault tolerance for Megatron training."""
 
 
-from ftmaster.recovery.cli import plan_command  # noqa: E402  (after main: commands register on it)
-
-main.add_command(plan_command)
-
-from ftmaster.goodput_cli import goodput_command  # noqa: E402
-
-main.add_command(goodput_command)
-
-from ftmaster.analyze import analyze_command  # noqa: E402
-
-main.add_command(analyze_command)
-
-from ftmaster.report import report_command  # noqa: E402
-
-main.add_command(report_command)
-
-from ftmaster.monitor.cli import monitor_command  # noqa: E402
-
-main.add_command(monitor_command)
-
-from ftmaster.launch import launch_command  # noqa: E402
-
-main.add_command(launch_command)
+for command in (launch_command, monitor_command, plan_command, analyze_command, report_command,
+                goodput_command):
+    main.add_command(command)
 
 if __name__ == "__main__":
     main()
