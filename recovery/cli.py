@@ -67,13 +67,17 @@ def _summary(plan: Plan, gpus: int) -> str:
 @click.option("--original-gpus", type=click.IntRange(min=1), default=None,
               help="GPUs of the original launch; needed only without --global-batch-size, "
                    "which Megatron then derives from the layout.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print only the JSON object, without the summary on stderr.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
 def plan_command(ctx: click.Context, gpus: int, gpus_per_node: int | None, mode: str,
                  gpu_memory_gb: float | None, original_gpus: int | None, as_json: bool,
                  command: tuple[str, ...]) -> None:
-    """Plan TP/PP/DP and the micro-batch for the GPUs available; print the rewritten command."""
+    """Plan TP/PP/DP and the micro-batch for the GPUs available; print the rewritten command.
+
+    The plan goes to stdout as one JSON object (DESIGN's contract), a summary to stderr.
+    """
     argv = script_command(ctx, command)
     try:
         plan = plan_layout(argv, gpus, gpus_per_node, mode=mode, gpu_memory_gb=gpu_memory_gb,
@@ -82,4 +86,6 @@ def plan_command(ctx: click.Context, gpus: int, gpus_per_node: int | None, mode:
         raise click.ClickException(str(error)) from None
     except ValueError as error:
         raise InputError(str(error)) from None
-    click.echo(json.dumps(plan.as_json()) if as_json else _summary(plan, gpus))
+    if not as_json:
+        click.echo(_summary(plan, gpus), err=True)
+    click.echo(json.dumps(plan.as_json()))

@@ -106,3 +106,12 @@ def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
     assert expected in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert "Traceback" not in result.output
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(generated, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(main, ["analyze", str(generated), "--out", str(blocker / "o")])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        f"Error: cannot create --out {blocker / 'o'}: Not a directory"]

@@ -33,6 +33,10 @@ def test_local_rank_r_runs_on_the_r_th_gpu_of_its_attempt(gpus, local_rank, gpu)
     assert visible_devices_env(gpus)["CUDA_VISIBLE_DEVICES"].split(",")[local_rank] == str(gpu)
 
 
+def test_cuda_numbers_gpus_as_nvml_does():
+    assert visible_devices_env((0, 2, 3))["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
 def test_a_rank_outside_the_attempt_has_no_gpu():
     with pytest.raises(ValueError, match="local rank 3"):
         gpu_of_local_rank((0, 2, 3), 3)

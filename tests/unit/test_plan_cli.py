@@ -28,16 +28,18 @@ def run_plan(*args):
 def test_json_contract():
     result = run_plan("--gpus", "3", "--json", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
+    assert result.stderr == ""
     assert json.loads(result.stdout) == {
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 3,
         "data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 8,
         "num_gpus_used": 3, "command": REWRITTEN}
 
 
-def test_human_summary():
+def test_without_json_flag_stdout_is_still_the_json_and_stderr_the_summary():
     result = run_plan("--gpus", "5", "--gpus-per-node", "4", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == [
+    assert json.loads(result.stdout)["num_gpus_used"] == 4
+    assert result.stderr.splitlines() == [
         "TP 2 x PP 2 x DP 1 on 4 of 5 GPUs, micro-batch 2, global batch 8",
         "command: " + " ".join(SCRIPT_ARGS + ["--load", "/ckpt"])]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,12 +261,21 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:10
     path.write_text(body)
 
 
+def _make_output_folder(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _fail(f"cannot create --out {out}: {error.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise _fail(f"cannot write to --out {out}: permission denied")
+
+
 def analyze(target: Path, out: Path, threshold: float) -> dict[str, Path]:
     """Run the whole analysis; returns what was written."""
     csv_path = runfiles.metrics_csv_path(target) if target.is_dir() else target
     frame = load_metrics(csv_path)
     events = load_events(csv_path)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_output_folder(out)
     table, alert_source = summarize(frame, events, threshold)
     table.to_csv(out / "summary.csv")
     (out / "summary.md").write_text(to_markdown(table) + f"\nalerts: {alert_source}\n")

@@ -39,8 +39,12 @@ def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
 
 
 def visible_devices_env(gpus: Sequence[int]) -> dict[str, str]:
-    """The environment entries that restrict an attempt to ``gpus`` (in rank order)."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    """The environment entries that restrict an attempt to ``gpus`` (in rank order).
+
+    The monitor names GPUs by NVML index, which follows the PCI bus; CUDA's default order
+    (fastest first) can differ, so CUDA is told to number devices the same way.
+    """
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def gpu_of_local_rank(gpus: Sequence[int], local_rank: int) -> int:
