@@ -3,6 +3,7 @@
 # ftmaster. 4 ranks train a small GPT at TP2 x PP2 on simulated GPUs; GPU 1's telemetry degrades
 # at iteration 8 (the monitor alerts, training takes an emergency checkpoint) and its rank is
 # killed at iteration 16; ftmaster replans for the 3 GPUs left and resumes from that checkpoint.
+# Then the recovery report (RTO/RPO) and the monitoring analysis of the same run directory.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
@@ -26,15 +27,9 @@ echo "== ftmaster launch: 4 simulated GPUs, degrade GPU 1 at iteration 8, kill i
     --inject degrade:gpu=1,at=iter:8 --inject fail:gpu=1,at=iter:16 \
     -- pretrain_gpt.py "${model[@]}" 2>&1 | grep -E "attempt|alert|checkpoint requested|injected|failed|giving up"
 
-echo "== what happened (events.jsonl) =="
-"$py" - "$run_dir/run" <<'PY'
-import sys
-from ftmaster import runfiles
-events = runfiles.read_events(sys.argv[1])
-start = events[0]["time"]
-skip = {"event", "time", "command", "timestamp"}
-for event in events:
-    details = ", ".join(f"{k}={v}" for k, v in event.items() if k not in skip)
-    print(f"{event['time'] - start:6.1f} s  {event['event']:18s} {details}")
-PY
-echo "== done: logs in $run_dir/run/logs, checkpoints in $run_dir/checkpoints =="
+echo "== what it cost: ftmaster report =="
+"$py" -m ftmaster.cli report "$run_dir/run"
+
+echo "== what the GPUs did: ftmaster analyze =="
+"$py" -m ftmaster.cli analyze "$run_dir/run" --out "$run_dir/analysis"
+echo "== done: logs in $run_dir/run/logs, checkpoints in $run_dir/checkpoints, plots in $run_dir/analysis/report.html =="

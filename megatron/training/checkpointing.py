@@ -13,9 +13,12 @@ megatron-core runs only once all ranks agree their writers finished) for an asyn
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import random
 import time
 from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +36,7 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_save_sharded_strategy,
 )
 
+from ftmaster.guard import die_with_parent
 from ftmaster.recovery.checkpoints import (
     CheckpointChoice,
     find_loadable_checkpoint,
@@ -83,22 +87,34 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _start_writer_results_queue() -> None:
-    """Start torch_dist's writer result queue now instead of inside the first save.
+_writer_results_manager: SyncManager | None = None
 
-    megatron-core creates it lazily through a spawn-context Manager: a fresh interpreter that
-    imports torch's checkpoint classes only when it first unpickles a write result. Both would
-    otherwise land in the first, possibly emergency, save (seconds to tens of seconds on a
-    busy host). A round trip of a real ``WriteResult`` pays them at start-up instead.
+
+def _start_writer_results_queue() -> None:
+    """Start torch_dist's writer result queue now, in a server that dies with this rank.
+
+    megatron-core creates the queue lazily through a spawn-context Manager: a fresh interpreter
+    that imports torch's checkpoint classes only when it first unpickles a write result. Both
+    would otherwise land in the first, possibly emergency, save (seconds to tens of seconds on
+    a busy host), so a round trip of a real ``WriteResult`` pays them at start-up instead.
+
+    Its Manager server also outlives a rank killed by a signal (about 270 MB each, and a lost
+    rank is exactly what ftmaster recovers from), so ours asks for SIGKILL when its rank dies.
     """
+    global _writer_results_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
-    queue = filesystem_async._get_write_results_queue()
+    if filesystem_async._results_queue is not None:
+        return
+    _writer_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _writer_results_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    queue = _writer_results_manager.Queue()
     queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
     queue.get()
+    filesystem_async._results_queue = queue
 
 
 @dataclass

@@ -29,6 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from ftmaster import runfiles
+from ftmaster.guard import forked_children_die_with_this_process
 from ftmaster.recovery.checkpoints import iteration_dir, prunable_emergency_checkpoints
 
 from . import cpu_compat
@@ -43,6 +44,7 @@ from .tokenizer import build_tokenizer
 # ---- initialisation -----------------------------------------------------------------------
 def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds."""
+    forked_children_die_with_this_process()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -10,8 +10,8 @@
 - ``NVML_ERROR_GPU_IS_LOST`` on any call leaves that GPU out of the sample: the monitor
   reports it lost.
 - XIDs come from an event set polled with ``nvmlEventSetWait(set, 0)``, which never blocks.
-- GPU ids are NVML indices (PCI bus order); run CUDA with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so
-  that ``CUDA_VISIBLE_DEVICES`` uses the same numbers.
+- GPU ids are NVML indices (PCI bus order); ``ftmaster launch`` runs training with
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that ``CUDA_VISIBLE_DEVICES`` uses the same numbers.
 """
 
 from __future__ import annotations

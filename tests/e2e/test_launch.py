@@ -1,5 +1,7 @@
 """ftmaster launch end to end on CPU: real torchrun, real ranks, real signals (sim monitor)."""
 
+import csv
+import json
 import os
 import signal
 import subprocess
@@ -48,12 +50,41 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     assert only(run_dir, "complete")["iteration"] == 30
     assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
 
+    assert_report_and_analysis_tell_the_story(run_dir, tmp_path / "analysis", saved, failure)
+
     reference = run_trainer(4, [str(tmp_path / "ref_ckpt") if a == str(save) else a for a in args])
     assert reference.returncode == 0, reference.stdout[-3000:]
     expected = iterations(reference.stdout)
     recovered = losses(run_dir)
     for it in range(26, 31):
         assert abs(recovered[it] - expected[it]["loss"]) <= 0.03 * expected[it]["loss"], (it, recovered[it])
+
+
+def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
+    """ftmaster report, analyze and goodput on the launch's own run directory."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    (reported,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert reported["checkpoint"]["iteration"] == reported["restarted_from_iteration"] == saved
+    assert reported["lost_iterations"] == failure["iteration"] - saved
+    assert reported["lead_time"]["gpu"] == 1 and reported["lead_time"]["seconds"] > 0
+    assert reported["new_layout"]["gpus"] == [0, 2, 3]
+    assert sum(reported["phases"].values()) == pytest.approx(reported["rto_seconds"], rel=1e-6)
+    assert f"lost iterations    {failure['iteration'] - saved} (RPO" in result.output
+
+    result = runner.invoke(main, ["analyze", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = {row["gpu"]: row for row in csv.DictReader((out / "summary.csv").open())}
+    assert float(summary["1"]["failure_risk_max"]) >= 0.95 and int(summary["1"]["alerts"]) >= 1
+    assert all(float(summary[g]["failure_risk_max"]) < 0.95 for g in ("0", "2", "3"))
+    assert (out / "failure_risk.png").stat().st_size > 10_000
+
+    result = runner.invoke(main, ["goodput", "--run-dir", str(run_dir), "--runs", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    goodput = json.loads(result.stdout)
+    assert {"iteration_s", "restart_s", "save_block_s"} <= set(goodput["measured"])
+    assert 0 < goodput["inputs"]["restart_s"] <= reported["rto_seconds"]
 
 
 def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_path):
@@ -88,7 +119,7 @@ def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_pa
     assert stopped["exit_code"] == 0
     last_log = attempt_log(run_dir, 4)
     assert f"exiting on SIGTERM after iteration {read_tracker(save)}" in last_log
-    assert not processes_mentioning(str(save))
+    assert not processes_mentioning(str(run_dir))
 
 
 def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_leaves_nothing(tmp_path):
@@ -108,7 +139,7 @@ def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_l
         assert processes_mentioning(str(save))
         os.killpg(ftmaster.pid, signal.SIGKILL)
         ftmaster.wait()
-        wait_until(lambda: not processes_mentioning(str(save)), timeout=30,
+        wait_until(lambda: not processes_mentioning(str(run_dir)), timeout=30,
                    what="every training process to die with ftmaster")
     finally:
         if ftmaster.poll() is None:

@@ -66,9 +66,17 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
-    """Live processes whose command line contains ``text`` (e.g. a test's checkpoint folder)."""
+    """Live processes whose command line or environment contains ``text`` (e.g. a test's
+    checkpoint folder or run directory); helpers such as multiprocessing servers show it only
+    in the environment they inherit."""
     found = []
     for process in psutil.process_iter(["cmdline", "status"]):
-        if process.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(process.info["cmdline"] or ()):
+        if process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            environment = " ".join(process.environ().values())
+        except psutil.Error:
+            environment = ""
+        if text in " ".join(process.info["cmdline"] or ()) or text in environment:
             found.append(process)
     return found

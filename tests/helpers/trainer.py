@@ -97,6 +97,16 @@ def start_trainer(nproc: int, args: list[str], log: Path, **env: str) -> subproc
 
 
 def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every descendant: its workers run in process groups of their own."""
+    try:
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    for descendant in descendants:
+        try:
+            descendant.kill()
+        except psutil.NoSuchProcess:
+            pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -30,3 +30,22 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
     assert saved_at is not None and saved_at >= 3
     assert f"exiting on SIGTERM after iteration {saved_at}" in output
     assert checkpoint_problem(iteration_dir(save, saved_at)) is None
+
+
+def test_a_rank_killed_by_sigkill_leaves_no_helper_process(tmp_path):
+    """torch_dist's write-result server is a spawned interpreter per rank; it must not outlive
+    a rank that dies without cleaning up, as every rank on a lost GPU does."""
+    log = tmp_path / "train.log"
+    process = start_trainer(1, SMALL_GPT + [
+        "--micro-batch-size", "2", "--train-iters", "10000", "--lr", "1e-3",
+        "--save", str(tmp_path / "save")], log)
+    try:
+        wait_until(lambda: "iteration 2/10000" in log.read_text(), 180, what="iteration 2")
+        (worker,) = psutil.Process(process.pid).children()
+        helpers = worker.children(recursive=True)
+        assert helpers, "expected the write-result server among the rank's children"
+        worker.kill()
+        gone, alive = psutil.wait_procs(helpers, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        kill_session(process)

@@ -211,6 +211,33 @@ def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):
     assert not alive, "the rank outlived its killed ancestors"
 
 
+FORKING_PARENT = """
+import multiprocessing, os, sys, time
+from ftmaster.guard import forked_children_die_with_this_process
+if sys.argv[1] == "guarded":
+    forked_children_die_with_this_process()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_forked_children_die_with_their_parent_only_when_guarded(guarded):
+    parent = subprocess.Popen([PY, "-c", FORKING_PARENT, "guarded" if guarded else "plain"],
+                              stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    try:
+        parent.kill()  # SIGKILL: no atexit, no multiprocessing clean-up
+        parent.wait()
+        gone, _ = psutil.wait_procs([child], timeout=5 if guarded else 0.5)
+        assert bool(gone) is guarded
+    finally:
+        if child.is_running():
+            child.kill()
+
+
 def test_guard_without_a_command_is_a_usage_error():
     result = subprocess.run([PY, "-m", "ftmaster.guard", "rank"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("usage:")

@@ -50,6 +50,29 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+_forking_pid: int | None = None
+
+
+def _remember_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def forked_children_die_with_this_process() -> None:
+    """Make every child this process later forks (``os.fork``, multiprocessing's fork context)
+    ask for SIGKILL when its parent dies.
+
+    The training process is the last link of the chain above, but torch_dist's checkpoint
+    writers are forked from it, and a fork clears ``PR_SET_PDEATHSIG``: a rank killed during a
+    save would leave its writers behind, blocked forever. ``subprocess`` children are not
+    covered (the hooks run only in forks that return to Python); they are started with a
+    ``preexec_fn`` where it matters. The signal follows the forking *thread*, so this is for
+    processes that fork from threads that live as long as they do, as the trainer's do.
+    """
+    os.register_at_fork(before=_remember_forking_pid,
+                        after_in_child=lambda: die_with_parent(_forking_pid))
+
+
 def rank_record_path(rank_dir: Path, local_rank: int) -> Path:
     return Path(rank_dir) / f"local_rank_{local_rank}.json"
 
