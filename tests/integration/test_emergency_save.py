@@ -37,12 +37,15 @@ def events_named(run_dir, name):
 
 
 def drop_flag_at(run_dir, iteration, content):
-    """Write the flag once training reaches ``iteration``; returns the iteration then seen."""
+    """Write the flag once training reaches ``iteration``; returns the last completed iteration
+    just before and just after the write, which bracket the iteration the flag appeared at
+    (on a busy host training can move on between the two reads)."""
     wait_until(lambda: heartbeat_iteration(run_dir) >= iteration, 180, what=f"iteration {iteration}")
     flag = runfiles.save_now_flag_path(run_dir)
     flag.parent.mkdir(parents=True, exist_ok=True)
+    before = heartbeat_iteration(run_dir)
     flag.write_bytes(content)
-    return heartbeat_iteration(run_dir)
+    return before, heartbeat_iteration(run_dir)
 
 
 def emergency_after(run_dir, iteration):
@@ -78,15 +81,17 @@ def flagged_run(tmp_path_factory):
 
 def test_flags_become_checkpoints_within_two_iterations(flagged_run):
     _, save, seen, _ = flagged_run
-    assert seen["empty"] < seen["empty_saved"] <= seen["empty"] + 2
-    assert seen["malformed"] < seen["malformed_saved"] <= seen["malformed"] + 2
+    for flag in ("empty", "malformed"):
+        before, after = seen[flag]
+        assert before < seen[f"{flag}_saved"] <= after + 2, (flag, seen)
     for iteration in (seen["empty_saved"], seen["malformed_saved"]):
         assert (iteration_dir(save, iteration) / "ftmaster_save.json").exists()
 
 
 def test_request_after_periodic_save_waits_for_the_gap(flagged_run):
     run_dir, save, seen, _ = flagged_run
-    assert 20 <= seen["after_periodic"] < 25
+    before, after = seen["after_periodic"]
+    assert 20 <= before and after < 25
     deferred = [e for e in events_named(run_dir, "save_deferred") if e["iteration"] > 20]
     assert deferred and deferred[0]["until_iteration"] == 25
     assert [e["iteration"] for e in events_named(run_dir, "emergency_save")][-1] == 25
@@ -119,7 +124,7 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(tmp_path):
         FTMASTER_RUN_DIR=str(run_dir))
     try:
         wait_until(lambda: read_tracker(save) == 4, 180, what="periodic checkpoint 4")
-        dropped_at = drop_flag_at(run_dir, 6, b"")
+        before, after = drop_flag_at(run_dir, 6, b"")
         victim = worker_with_local_rank(process, 1)
         started = wait_until(lambda: [it for it in list_iterations(save) if it > 4], 60,
                              interval=0.002, what="the emergency save to start")
@@ -128,7 +133,7 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(tmp_path):
     finally:
         kill_session(process)
     assert returncode != 0
-    assert dropped_at <= started[0] <= dropped_at + 2
+    assert before < started[0] <= after + 2
     assert read_tracker(save) == 4
     assert find_loadable_checkpoint(save).iteration == 4
     result = run_trainer(1, wider + BATCH + ["--train-iters", "5", "--load", str(save)])
