@@ -87,9 +87,6 @@ def _restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-_writer_results_manager: SyncManager | None = None
-
-
 def _start_writer_results_queue() -> None:
     """Start torch_dist's writer result queue now, in a server that dies with this rank.
 
@@ -101,7 +98,6 @@ def _start_writer_results_queue() -> None:
     Its Manager server also outlives a rank killed by a signal (about 270 MB each, and a lost
     rank is exactly what ftmaster recovers from), so ours asks for SIGKILL when its rank dies.
     """
-    global _writer_results_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -109,9 +105,9 @@ def _start_writer_results_queue() -> None:
 
     if filesystem_async._results_queue is not None:
         return
-    _writer_results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    _writer_results_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    queue = _writer_results_manager.Queue()
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    queue = manager.Queue()  # the proxy keeps the manager, and so its server, alive
     queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
     queue.get()
     filesystem_async._results_queue = queue
