@@ -13,7 +13,7 @@ import pytest
 
 from ftmaster import runfiles
 from ftmaster.attempt import attempt_argv, gpu_of_local_rank, read_rank_records, \
-    visible_devices_env, with_exit_signal_handler
+    training_output_tail, visible_devices_env, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
@@ -85,6 +85,20 @@ def test_exit_signal_handler_is_added_once():
     assert with_exit_signal_handler(["t.py", "--lr", "1"]) == ["t.py", "--lr", "1", "--exit-signal-handler"]
     assert with_exit_signal_handler(["t.py", "--exit-signal-handler", "--lr", "1"]) == \
         ["t.py", "--exit-signal-handler", "--lr", "1"]
+
+
+TORCHRUN_REPORT = """\
+E1122 12:29:39.075000 2314 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 3) local_rank: 0 (pid: 2319) of binary: /work/main/.venv/bin/python
+Traceback (most recent call last):
+""" + "  frame\n" * 30 + "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+
+
+def test_the_tail_shown_on_a_user_error_is_the_scripts_not_torchruns():
+    script_output = "".join(f"line {i}\n" for i in range(40)) + "boom: --lr is missing\n"
+    assert training_output_tail(script_output + TORCHRUN_REPORT, 3) == \
+        ["line 38", "line 39", "boom: --lr is missing"]
+    assert training_output_tail(script_output, 2) == ["line 39", "boom: --lr is missing"]
+    assert training_output_tail(TORCHRUN_REPORT, 5) == []
 
 
 MODEL = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

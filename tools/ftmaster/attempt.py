@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from ftmaster.guard import RANK_DIR_ENV, rank_record_path
 from ftmaster.recovery.torchrun import torchrun_argv
 
 EXIT_SIGNAL_FLAG = "--exit-signal-handler"
+# The first line of the report torchrun's agent prints when a worker fails.
+TORCHRUN_FAILURE_REPORT = re.compile(r"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
 
 
 def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable) -> list[str]:
@@ -52,6 +55,18 @@ def gpu_of_local_rank(gpus: Sequence[int], local_rank: int) -> int:
     if not 0 <= local_rank < len(gpus):
         raise ValueError(f"local rank {local_rank} is outside the {len(gpus)} GPUs {list(gpus)}")
     return gpus[local_rank]
+
+
+def training_output_tail(log_text: str, max_lines: int) -> list[str]:
+    """The last ``max_lines`` lines the ranks wrote, without torchrun's failure report.
+
+    torchrun answers a failed worker with a traceback and summary of about 35 lines. Whether
+    it gets them out before ftmaster kills it is a race, and when it does they push the
+    script's own error out of a short tail; the exit code they carry is in the failure event.
+    """
+    lines = log_text.splitlines()
+    report = next((i for i, line in enumerate(lines) if TORCHRUN_FAILURE_REPORT.search(line)), None)
+    return lines[:report][-max_lines:]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 from ftmaster import runfiles
-from ftmaster.attempt import Attempt, send_signal, with_exit_signal_handler
+from ftmaster.attempt import (Attempt, send_signal, training_output_tail,
+                              with_exit_signal_handler)
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.recovery.checkpoints import iteration_dir, list_iterations
@@ -332,7 +333,8 @@ class Supervisor:
 
     def _show_log_tail(self) -> None:
         if self.early_exits_in_row:
-            lines = self.attempt.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            lines = training_output_tail(self.attempt.log_path.read_text(errors="replace"),
+                                         LOG_TAIL_LINES)
             log.error("last lines of %s:\n%s", self.attempt.log_path, "\n".join(lines))
 
     def _give_up(self, reason: str) -> None:
