@@ -13,8 +13,9 @@ and never synchronises a GPU stream. A flag seen during iteration ``k`` is there
 at the end of ``k + 1`` at the latest.
 
 A flag that is empty, malformed or unreadable still counts: its existence is the request.
-Once a save answers it, that same file (same inode and mtime) is not a new request; a flag
-written while the save runs is, and is honoured next.
+The save answers the flag file as it is when the ranks decide (a rank that sampled before
+the flag appeared still knows which file it answered); that same file (same inode and mtime)
+is not a new request, while a flag written after the decision is, and is honoured next.
 
 The gap filter (the paper's rule) lets an emergency save happen only when
 ``iteration - last_checkpoint_iteration >= ceil(gap_frac x save_interval)``. A request that
@@ -72,7 +73,6 @@ class SaveRequests:
         self.save_interval = save_interval
         self.can_save = can_save
         self._signal_received = False
-        self._seen_identity: tuple[int, int] | None = None
         self._answered_identity: tuple[int, int] | None = None
         self._deferral_reported = False
         self._buffer = torch.zeros(2, dtype=torch.int32)
@@ -95,6 +95,8 @@ class SaveRequests:
         self._signal_received = True
 
     def _flag_identity(self) -> tuple[int, int] | None:
+        if self.flag_path is None:
+            return None
         try:
             status = os.stat(self.flag_path)
         except OSError:
@@ -102,10 +104,8 @@ class SaveRequests:
         return status.st_ino, status.st_mtime_ns
 
     def _new_request_seen(self) -> bool:
-        if self.flag_path is None:
-            return False
-        self._seen_identity = self._flag_identity()
-        return self._seen_identity is not None and self._seen_identity != self._answered_identity
+        seen = self._flag_identity()
+        return seen is not None and seen != self._answered_identity
 
     def start_agreement(self) -> None:
         """Sample local triggers and start the all-reduce; call when an iteration starts."""
@@ -140,7 +140,9 @@ class SaveRequests:
         eligible_at = last_checkpoint_iteration + self.gap
         if periodic or iteration >= eligible_at:
             self._deferral_reported = False
-            self._answered_identity = self._seen_identity
+            # The flag as it is now, not as this rank sampled it: another rank may have seen
+            # it first, and the save that starts now answers whatever was written before it.
+            self._answered_identity = self._flag_identity()
             return Decision(save=True, emergency=not periodic)
         report = not self._deferral_reported
         self._deferral_reported = True

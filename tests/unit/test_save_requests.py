@@ -86,6 +86,18 @@ def test_answered_flag_is_not_asked_twice_but_a_new_one_is(flag):
     assert not flag.exists()
 
 
+def test_a_flag_another_rank_saw_first_is_answered_once(flag):
+    requests = make(flag)
+    requests.start_agreement()  # this rank samples before the flag appears
+    write_flag(flag)
+    requests._pending_work.wait()
+    requests._buffer[1] = 1  # what the MAX all-reduce gives when another rank saw the flag
+    assert requests.decide(10, 0).emergency
+    requests.consume()
+    assert not flag.exists()
+    assert not step(requests, 15, 10).save  # no second save for the same request
+
+
 def test_consume_keeps_a_flag_written_after_the_decision(flag):
     requests = make(flag)
     write_flag(flag)
