@@ -7,7 +7,10 @@ Outputs in ``RUN_DIR`` (DESIGN's run-directory contract):
   lines, so pandas can read the file while it grows.
 - ``events.jsonl``: a ``risk_alert`` event per alert with ``gpu``, ``score``, ``reasons`` and
   ``timestamp`` (the sample's own time, as in the CSV). A ``monitor_error`` event (``error``,
-  ``retry_in_s``) marks the start of a run of backend failures.
+  ``retry_in_s``) marks the start of a run of backend failures. A ``monitor_coverage`` event
+  (``unavailable``: hard signals) says, once at the first sample, which hard signals the
+  backend cannot show on any GPU; the risk then rests on soft signals for them, so a low
+  score is not the all-clear it looks like. A warning says the same.
 - ``flags/trigger_checkpoint.flag``: written atomically on every alert, JSON with ``gpu``,
   ``score``, ``reasons`` and ``timestamp``.
 
@@ -48,10 +51,18 @@ from ftmaster.monitor.backends import Backend, TraceEnded
 from ftmaster.monitor.sample import GpuSample, iso_time, to_row
 from ftmaster.monitor.schema import CSV_COLUMNS
 from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
+from ftmaster.monitor.signals import unavailable_hard_signals
 
 log = logging.getLogger("ftmaster.monitor")
 
 DEVICE_LOST = "device_lost"
+# Past this many doublings every realistic backoff is at its cap; 2 ** 1024 overflows a float.
+MAX_DOUBLINGS = 64
+
+
+def backoff_delay(failures: int, interval_s: float, max_backoff_s: float) -> float:
+    """Seconds to wait after ``failures`` consecutive failed steps: interval x 2^failures, capped."""
+    return min(max_backoff_s, max(interval_s, 0.1) * 2 ** min(failures, MAX_DOUBLINGS))
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,7 @@ class Monitor:
         self._lost: set[int] = set()
         self._excluded: set[int] = set()
         self._started_at: float | None = None
+        self._coverage_checked = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -205,6 +217,9 @@ class Monitor:
         self.samples_seen += len(samples)
         if self._writer is not None:
             self._writer.write(samples)
+        if samples and not self._coverage_checked:
+            self._coverage_checked = True
+            self._report_coverage(samples)
         for alert in alerts:
             self._announce(alert)
         for gpu in newly_lost:
@@ -238,6 +253,15 @@ class Monitor:
         self._known |= present
         return newly_lost
 
+    def _report_coverage(self, samples: list[GpuSample]) -> None:
+        unavailable = unavailable_hard_signals(samples, getattr(self.backend, "reported_fields", None))
+        if not unavailable:
+            return
+        log.warning("hard signals unavailable (%s): risk uses soft signals only for them",
+                    ", ".join(unavailable))
+        if self.run_dir is not None:
+            self._append_event("monitor_coverage", unavailable=unavailable)
+
     def _decide(self, gpu: int, when: float, assessment: Assessment) -> list[Alert]:
         if not self.policy.decide(gpu, when, assessment):
             return []
@@ -266,19 +290,20 @@ class Monitor:
                 return
             except Exception as exc:  # survive anything a backend or a disk throws at us
                 failures += 1
-                delay = min(self.config.max_backoff_s, max(self.config.interval_s, 0.1) * 2 ** failures)
+                delay = backoff_delay(failures, self.config.interval_s, self.config.max_backoff_s)
                 log.error("monitor step failed (%s: %s); retrying in %.1f s",
                           type(exc).__name__, exc, delay)
                 if failures == 1 and self.run_dir is not None:
-                    self._record_error(exc, delay)
+                    self._append_event("monitor_error", error=f"{type(exc).__name__}: {exc}",
+                                       retry_in_s=round(delay, 3))
             else:
                 failures = 0
                 delay = max(0.0, self.config.interval_s - (time.monotonic() - began))
             self._stop.wait(delay)
 
-    def _record_error(self, exc: Exception, delay: float) -> None:
+    def _append_event(self, event: str, **fields: object) -> None:
+        # A disk problem must neither stop the monitor nor cost it a sample.
         try:
-            runfiles.append_event(self.run_dir, "monitor_error", error=f"{type(exc).__name__}: {exc}",
-                                  retry_in_s=round(delay, 3))
+            runfiles.append_event(self.run_dir, event, **fields)
         except OSError as write_error:
-            log.error("cannot record monitor_error: %s", write_error)
+            log.error("cannot record %s: %s", event, write_error)

@@ -60,8 +60,18 @@ def iso_time(unix_seconds: float) -> str:
 
 
 def parse_time(text: str) -> float:
-    """ISO 8601 (a naive time is taken as UTC) or plain unix seconds; RowError if neither."""
+    """ISO 8601 (a naive time is taken as UTC) or plain unix seconds; RowError if neither,
+    or if the time is one the CSV's ISO 8601 form cannot hold (a millisecond epoch, say)."""
     text = text.strip()
+    value = _unix_seconds(text)
+    try:
+        datetime.fromtimestamp(value, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        raise RowError(f"timestamp {text!r} is out of range (unix seconds, not milliseconds?)") from None
+    return value
+
+
+def _unix_seconds(text: str) -> float:
     try:
         stamp = datetime.fromisoformat(text)
     except ValueError:

@@ -53,7 +53,7 @@ from dataclasses import dataclass, fields
 from typing import Iterable, Protocol
 
 from ftmaster.monitor.sample import GpuSample
-from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons
+from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons, remember_counters
 
 UNKNOWN_SCORE = 0.5
 SCORER_NAMES = ("adaptive", "paper")
@@ -353,7 +353,9 @@ class _Track:
         self.first = self.last = t
         self.loaded_s = 0.0  # time spent at or above loaded_util
         self.loaded_since: float | None = None  # start of the current unbroken loaded stretch
-        self.previous: GpuSample | None = None
+        # Cumulative counters at their last known values: a failed read must not hide a rise.
+        self.error_counters: dict[str, int] = {}
+        self.last_sbe: int | None = None
         self.residual = Window(cfg.trend_window_s)
         self.raw = Window(cfg.level_window_s)
         self.power = Window(cfg.power_window_s, keep=cfg.spread_points)
@@ -388,10 +390,11 @@ class AdaptiveScorer:
             track = self._tracks.get(s.gpu_id)
             if track is None:
                 track = self._tracks[s.gpu_id] = _Track(cfg, s.timestamp)
-            hard[s.gpu_id] = hard_reasons(track.previous, s)
+            hard[s.gpu_id] = hard_reasons(track.error_counters, s)
+            remember_counters(track.error_counters, s)
             dts[s.gpu_id] = max(0.0, s.timestamp - track.last)
             self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id))
-            features[s.gpu_id] = self._features(track, s.timestamp)
+            features[s.gpu_id] = self._features(track, s)
         peer_throttle = others_median({g: f.throttle_share for g, f in features.items()
                                        if f.throttle_share is not None})
         peer_spread = others_median({g: f.power_spread for g, f in features.items()
@@ -445,17 +448,15 @@ class AdaptiveScorer:
                 track.collapse.push(t, float(peer_util - s.gpu_utilization >= self.config.collapse_gap))
         if s.throttle_reasons is not None:
             track.throttle.push(t, float(bool(s.throttle_reasons & BAD_THROTTLE_MASK)))
-        previous = track.previous
-        if s.ecc_sbe is not None and previous is not None and previous.ecc_sbe is not None \
-                and s.ecc_sbe > previous.ecc_sbe:
-            track.sbe_events.append((t, s.ecc_sbe - previous.ecc_sbe))
+        if s.ecc_sbe is not None:
+            if track.last_sbe is not None and s.ecc_sbe > track.last_sbe:
+                track.sbe_events.append((t, s.ecc_sbe - track.last_sbe))
+            track.last_sbe = s.ecc_sbe
         while track.sbe_events and track.sbe_events[0][0] < t - 4 * self.config.sbe_window_s:
             track.sbe_events.popleft()
-        if not _no_telemetry(s):
-            track.previous = s
 
-    def _features(self, track: _Track, t: float) -> Features:
-        cfg = self.config
+    def _features(self, track: _Track, s: GpuSample) -> Features:
+        cfg, t = self.config, s.timestamp
         f = Features()
         if track.residual.times:
             if track.baseline is not None and track.loaded_baseline is not None:
@@ -474,7 +475,7 @@ class AdaptiveScorer:
             f.util_range = max(track.util.values) - min(track.util.values)
         if track.collapse.trusted(cfg.min_coverage, 3):
             f.collapse_share = track.collapse.mean()
-        if track.previous is not None and track.previous.ecc_sbe is not None:
+        if s.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
         return f
 

@@ -1,13 +1,14 @@
 """What the telemetry means: hard-signal tables and the pure hard-signal check.
 
 Hard signals say the hardware is failing now; any one of them makes a GPU critical (score
-1.0) at once. They are compared between a GPU's previous and current sample, so a counter
-that was already non-zero when the monitor started does not alert forever.
+1.0) at once. Cumulative error counters are compared with their last known value for the
+GPU, so a counter that was already non-zero when the monitor started does not alert
+forever, and a rise across a failed read (0, unknown, 1) is still a rise.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from ftmaster.monitor.sample import GpuSample
 
@@ -41,6 +42,19 @@ BAD_THROTTLE_MASK = HW_SLOWDOWN | SW_THERMAL | HW_THERMAL | HW_POWER_BRAKE
 
 RECOVERY_ACTION_NONE = 0
 
+# Counters whose rise means an uncorrectable (double-bit) ECC error.
+CUMULATIVE_ERROR_COUNTERS = ("ecc_dbe", "errors")
+
+# Each hard signal and the sample fields that can show it.
+HARD_SIGNAL_FIELDS = {
+    "ecc_dbe/errors": CUMULATIVE_ERROR_COUNTERS,
+    "xid": ("xid",),
+    "retired_pages_pending": ("retired_pages_pending",),
+    "recovery_action": ("recovery_action",),
+}
+# Empty whenever nothing happened, so an empty value cannot tell that it is unavailable.
+EVENT_FIELDS = frozenset({"xid"})
+
 
 def worst_xid(codes: Iterable[int]) -> int | None:
     """The code to record for an interval: the most severe hard XID, else the first seen."""
@@ -56,11 +70,19 @@ def _increased(before: int | None, after: int | None) -> bool:
     return before is not None and after is not None and after > before
 
 
-def hard_reasons(previous: GpuSample | None, current: GpuSample) -> list[str]:
-    """The hard signals ``current`` shows; ``previous`` is the GPU's last sample, if any."""
+def remember_counters(known: dict[str, int], current: GpuSample) -> None:
+    """Keep ``current``'s known error counters in ``known``; an unknown read keeps the old value."""
+    for name in CUMULATIVE_ERROR_COUNTERS:
+        value = getattr(current, name)
+        if value is not None:
+            known[name] = value
+
+
+def hard_reasons(known: Mapping[str, int], current: GpuSample) -> list[str]:
+    """The hard signals ``current`` shows; ``known`` holds the GPU's error counters at their
+    last known values before it (see :func:`remember_counters`), empty at first."""
     reasons = []
-    if previous is not None and (_increased(previous.ecc_dbe, current.ecc_dbe)
-                                 or _increased(previous.errors, current.errors)):
+    if any(_increased(known.get(name), getattr(current, name)) for name in CUMULATIVE_ERROR_COUNTERS):
         reasons.append("ecc_dbe")
     if current.xid in _XID_RANK:
         reasons.append(f"xid_{current.xid}")
@@ -69,3 +91,20 @@ def hard_reasons(previous: GpuSample | None, current: GpuSample) -> list[str]:
     if current.retired_pages_pending:
         reasons.append("retired_pages_pending")
     return reasons
+
+
+def unavailable_hard_signals(samples: list[GpuSample],
+                             reported_fields: frozenset[str] | None = None) -> list[str]:
+    """The hard signals (keys of HARD_SIGNAL_FIELDS) that no GPU in ``samples`` can show.
+
+    ``reported_fields`` are the fields the backend can fill at all (None: it does not say). An
+    event field counts as available when the backend has it; any other field when some GPU
+    reported it.
+    """
+    def available(name: str) -> bool:
+        if reported_fields is not None and name not in reported_fields:
+            return False
+        return name in EVENT_FIELDS or any(getattr(s, name) is not None for s in samples)
+
+    return [signal for signal, names in HARD_SIGNAL_FIELDS.items()
+            if not any(available(name) for name in names)]

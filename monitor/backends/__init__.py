@@ -7,7 +7,9 @@ The contract every backend keeps:
   out of the list, and the monitor reports it as lost;
 - a failure of the whole read (driver wedged, ``nvidia-smi`` hung) raises
   :class:`BackendError`; the monitor retries with backoff;
-- a finite source (``replay:``) raises :class:`TraceEnded` when it has nothing left.
+- a finite source (``replay:``) raises :class:`TraceEnded` when it has nothing left;
+- a backend may name the sample fields it can fill at all (``reported_fields``), so the
+  monitor can say which hard signals it cannot see.
 """
 
 from __future__ import annotations

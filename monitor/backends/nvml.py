@@ -3,8 +3,10 @@
 - ``nvmlInit`` runs once per process (NVML reference-counts inits, but one is all we need and
   it keeps a wedged driver from being hit again by every new backend).
 - Every NVML call runs on one worker thread with a deadline (:class:`BoundedCaller`). A call
-  that overruns gives "unknown" and, while it stays stuck, later calls give "unknown" at once
-  instead of piling up threads behind it.
+  that overruns gives "unknown" and, while it stays stuck, later calls in that sample give
+  "unknown" at once instead of piling up threads behind it. A later sample that finds the
+  call still stuck fails with a BackendError naming it: a wedged driver is an error the
+  monitor reports, not GPUs that stay "unknown" in silence.
 - A call that fails gives ``None`` (unknown), never a healthy default. ``NOT_SUPPORTED`` is
   remembered per GPU and field so unsupported reads are not retried every sample.
 - ``NVML_ERROR_GPU_IS_LOST`` on any call leaves that GPU out of the sample: the monitor
@@ -24,7 +26,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from ftmaster.monitor.backends import BackendError
-from ftmaster.monitor.sample import GpuSample
+from ftmaster.monitor.sample import FIELD_NAMES, GpuSample
 from ftmaster.monitor.signals import worst_xid
 
 MIB = 1024 * 1024
@@ -48,7 +50,7 @@ class BoundedCaller:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._stuck: tuple[str, threading.Event] | None = None
+        self._stuck: tuple[str, float, threading.Event] | None = None  # name, since, done
         threading.Thread(target=self._serve, name="nvml-calls", daemon=True).start()
 
     def _serve(self) -> None:
@@ -60,18 +62,27 @@ class BoundedCaller:
                 box.append((False, exc))
             done.set()
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._stuck is not None:
-            name, done = self._stuck
-            if not done.is_set():
-                raise CallTimeout(f"{name} is still stuck; skipping")
+    def stuck_call(self) -> tuple[str, float] | None:
+        """The call that overran and has still not returned, and for how many seconds."""
+        if self._stuck is None:
+            return None
+        name, since, done = self._stuck
+        if done.is_set():
             self._stuck = None
+            return None
+        return name, time.monotonic() - since
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        stuck = self.stuck_call()
+        if stuck is not None:
+            raise CallTimeout(f"{stuck[0]} is still stuck; skipping")
         box: list[tuple[bool, Any]] = []
         done = threading.Event()
+        since = time.monotonic()
         self._requests.put((fn, args, box, done))
         if not done.wait(self.timeout_s):
             name = getattr(fn, "__name__", repr(fn))
-            self._stuck = (name, done)
+            self._stuck = (name, since, done)
             raise CallTimeout(f"{name} did not return within {self.timeout_s:g} s")
         ok, value = box[0]
         if ok:
@@ -160,6 +171,12 @@ class NvmlBackend:
                 pass
             self._events = None
 
+    @property
+    def reported_fields(self) -> frozenset[str]:
+        """The sample fields this backend can fill at all; XIDs need the event set."""
+        every = frozenset(FIELD_NAMES)
+        return every if self._events is not None else every - {"xid"}
+
     # -- reads ----------------------------------------------------------------------------
     def _read(self, gpu: int, field: str, fn: Callable[..., Any], *args: Any) -> Any:
         """One bounded call; None when it fails or overruns; _GpuLost when the GPU is gone."""
@@ -180,6 +197,11 @@ class NvmlBackend:
             return None
 
     def sample(self) -> list[GpuSample]:
+        stuck = self._calls.stuck_call()
+        if stuck is not None:
+            name, seconds = stuck
+            raise BackendError(f"NVML call {name} has not returned for {seconds:.1f} s; "
+                               f"the driver may be wedged")
         xids = self._drain_xids()
         if self._driver is None:
             self._driver = self._read(-1, "driver", self._nvml.nvmlSystemGetDriverVersion)

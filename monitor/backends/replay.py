@@ -1,15 +1,21 @@
 """``replay:PATH``: plays back a recorded ``gpu_metrics.csv`` (or a generated trace).
 
-- Rows are grouped into samples the way the monitor writes them: one row per GPU, a new
-  sample begins when a GPU id repeats.
+- Rows are put in time order (a stable sort, so a file sorted by ``gpu_id`` plays like one
+  the monitor wrote), then grouped into samples: one row per GPU, a new sample begins when
+  a GPU id repeats.
 - A GPU absent from every sample after some point was lost there: it is left out from then
   on, and the monitor reports it lost. A GPU missing from one sample but back later is
-  "unknown" in that sample (all metrics None), not lost and not healthy.
+  "unknown" in that sample (all metrics None), not lost and not healthy. When the file ends
+  in rows that had to be skipped (a torn last line), its last sample is incomplete: a GPU
+  missing only from it is unknown there too, not lost.
 - Unknown columns are ignored; a missing optional column, an empty cell or a malformed
   number is unknown.
 - A row without a usable ``timestamp`` or ``gpu_id`` cannot be placed; it is skipped and
   counted (``skipped``, with the first few reasons in ``problems``). A file without those
   columns, or with no usable row at all, is an error (:class:`ReplayError`).
+- ``reported_fields`` names the sample fields the file has columns for, so the monitor can
+  say which signals it cannot see.
+- The file is read as UTF-8; a leading byte-order mark is dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import csv
 from pathlib import Path
 
 from ftmaster.monitor.backends import TraceEnded
-from ftmaster.monitor.sample import GpuSample, RowError, from_row
+from ftmaster.monitor.sample import FIELD_NAMES, GpuSample, RowError, from_row
 
 REQUIRED = ("timestamp", "gpu_id")
 MAX_PROBLEMS_KEPT = 5
@@ -35,6 +41,8 @@ class ReplayBackend:
         self.path = Path(path)
         self.skipped = 0
         self.problems: list[str] = []
+        self.reported_fields: frozenset[str] = frozenset()
+        self._ends_in_skipped_rows = False
         self._batches = self._load()
         self._next = 0
         self.rows = sum(len(batch) for batch in self._batches)
@@ -60,15 +68,15 @@ class ReplayBackend:
 
     def _load(self) -> list[list[GpuSample]]:
         try:
-            handle = self.path.open(newline="", errors="replace")
+            handle = self.path.open(newline="", encoding="utf-8-sig", errors="replace")
         except OSError as exc:
             raise ReplayError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         with handle:
-            batches = self._group(self._rows(handle))
-        if not batches:
+            samples = sorted(self._rows(handle), key=lambda s: s.timestamp)
+        if not samples:
             raise ReplayError(f"{self.path} has no usable rows"
                               + (f" ({self.problems[0]})" if self.problems else ""))
-        return _fill_gaps(batches)
+        return _fill_gaps(_group(samples), last_is_complete=not self._ends_in_skipped_rows)
 
     def _rows(self, handle):
         reader = csv.reader(handle)
@@ -81,6 +89,7 @@ class ReplayBackend:
         if missing:
             raise ReplayError(f"{self.path} lacks the column(s) {', '.join(missing)}; "
                               f"is it a gpu_metrics.csv?")
+        self.reported_fields = frozenset(header) & frozenset(FIELD_NAMES)
         while True:
             try:
                 cells = next(reader)
@@ -92,36 +101,50 @@ class ReplayBackend:
             if not cells:
                 continue
             try:
-                yield from_row(dict(zip(header, cells)))
+                sample = from_row(dict(zip(header, cells)))
             except RowError as exc:
                 self._skip(reader.line_num, str(exc))
+                continue
+            self._ends_in_skipped_rows = False
+            yield sample
 
     def _skip(self, line: int, reason: str) -> None:
+        self._ends_in_skipped_rows = True
         self.skipped += 1
         if len(self.problems) < MAX_PROBLEMS_KEPT:
             self.problems.append(f"{self.path}:{line}: {reason}")
 
-    @staticmethod
-    def _group(samples) -> list[list[GpuSample]]:
-        batches: list[list[GpuSample]] = []
-        seen: set[int] = set()
-        for sample in samples:
-            if not batches or sample.gpu_id in seen:
-                batches.append([])
-                seen = set()
-            batches[-1].append(sample)
-            seen.add(sample.gpu_id)
-        return batches
+
+def _group(samples: list[GpuSample]) -> list[list[GpuSample]]:
+    """Time-ordered rows into samples: a new one begins when a GPU id repeats."""
+    batches: list[list[GpuSample]] = []
+    seen: set[int] = set()
+    for sample in samples:
+        if not batches or sample.gpu_id in seen:
+            batches.append([])
+            seen = set()
+        batches[-1].append(sample)
+        seen.add(sample.gpu_id)
+    return batches
 
 
-def _fill_gaps(batches: list[list[GpuSample]]) -> list[list[GpuSample]]:
-    """Give a GPU missing from a sample, but present later, an all-unknown row there."""
+def _fill_gaps(batches: list[list[GpuSample]], last_is_complete: bool) -> list[list[GpuSample]]:
+    """Give a GPU missing from a sample, but present later, an all-unknown row there.
+
+    When the last sample is incomplete, a GPU in the sample before it counts as present
+    later, so it is unknown in the last sample rather than lost.
+    """
     last_seen: dict[int, int] = {}
     first_seen: dict[int, int] = {}
     for index, batch in enumerate(batches):
         for sample in batch:
             last_seen[sample.gpu_id] = index
             first_seen.setdefault(sample.gpu_id, index)
+    final = len(batches) - 1
+    if not last_is_complete:
+        for gpu, last in last_seen.items():
+            if last == final - 1:
+                last_seen[gpu] = final + 1
     for index, batch in enumerate(batches):
         present = {s.gpu_id for s in batch}
         for gpu, last in last_seen.items():

@@ -3,7 +3,9 @@
 ``nvidia-smi`` can hang on a wedged driver. It runs in its own process group and the whole
 group is killed when the timeout passes (killing only the direct child could leave a
 grandchild holding the output pipe open), and the sample fails with a BackendError that says
-so. The monitor records that and retries with backoff.
+so. The monitor records that and retries with backoff. A killed process stuck in the driver
+(uninterruptible sleep) may not die at once; it is given a moment, then left to a daemon
+thread to reap, so it never blocks the monitor.
 
 Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` are unknown (None). A
 line that reports a lost GPU leaves that GPU out, so the monitor reports it lost. Drivers that
@@ -12,9 +14,11 @@ reject one of the extra fields get the paper's Table I fields only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from ftmaster.monitor.backends import BackendError
@@ -44,6 +48,7 @@ EXTRA_FIELDS = (
 _TEXT = {"gpu_name", "driver_version"}
 _INTEGER = {"errors", "ecc_sbe", "ecc_dbe", "throttle_reasons"}
 _YES_NO = {"yes": 1, "no": 0}
+KILL_GRACE_S = 1.0  # how long a killed nvidia-smi gets to exit before it is left behind
 
 
 class SmiBackend:
@@ -58,6 +63,11 @@ class SmiBackend:
 
     def close(self) -> None:
         pass
+
+    @property
+    def reported_fields(self) -> frozenset[str]:
+        """The sample fields this backend can fill at all (no XIDs, no recovery action)."""
+        return frozenset(name for _, name in self._fields)
 
     def sample(self) -> list[GpuSample]:
         now = time.time()
@@ -91,8 +101,9 @@ class SmiBackend:
         try:
             out, err = proc.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            with contextlib.suppress(ProcessLookupError):  # it may have exited just now
+                os.killpg(proc.pid, signal.SIGKILL)
+            _reap_killed(proc)
             raise BackendError(f"{self.executable} did not answer within {self.timeout_s:g} s; "
                                f"killed it (pid {proc.pid})") from None
         return proc.returncode, out, err
@@ -107,6 +118,16 @@ class SmiBackend:
             raise BackendError(f"unparseable nvidia-smi line (bad GPU index): {line[:120]!r}")
         parsed = {name: _cell(name, text) for name, text in values.items()}
         return GpuSample(timestamp=now, **parsed)
+
+
+def _reap_killed(proc: subprocess.Popen) -> None:
+    """Collect a killed process, or leave one that will not die to a daemon thread."""
+    try:
+        proc.communicate(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.stdout.close()
+        proc.stderr.close()
+        threading.Thread(target=proc.wait, name="nvidia-smi-reaper", daemon=True).start()
 
 
 def _cell(name: str, text: str) -> object:

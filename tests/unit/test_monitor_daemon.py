@@ -8,7 +8,7 @@ from ftmaster.faults import parse_injection
 from ftmaster.monitor.anomalies import ThermalRunaway
 from ftmaster.monitor.backends import BackendError
 from ftmaster.monitor.backends.sim import SimBackend
-from ftmaster.monitor.daemon import Monitor, MonitorConfig
+from ftmaster.monitor.daemon import Monitor, MonitorConfig, backoff_delay
 from ftmaster.monitor.sample import GpuSample
 
 
@@ -130,3 +130,41 @@ def test_the_thread_survives_backend_errors_with_backoff(tmp_path):
     assert len(errors) == 1 and "driver busy" in errors[0]["error"]  # one per run of failures
     assert monitor.samples_seen >= 3
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "monitor_error"
+
+
+def test_backoff_is_capped_however_long_the_outage():
+    assert backoff_delay(1, 10.0, 60.0) == 20.0
+    assert backoff_delay(5000, 10.0, 60.0) == 60.0  # 2 ** 5000 would overflow a float
+
+
+class SoftOnlyBackend:
+    """Temperature, power and utilisation only: no hard signal can show."""
+
+    name = "soft"
+    reported_fields = frozenset({"timestamp", "gpu_id", "temperature", "power_draw", "gpu_utilization"})
+
+    def __init__(self):
+        self.now = 1_750_000_000.0
+
+    def sample(self):
+        self.now += 1
+        return [GpuSample(timestamp=self.now, gpu_id=g, temperature=60.0, power_draw=300.0,
+                          gpu_utilization=95.0) for g in range(2)]
+
+    def close(self):
+        pass
+
+
+def test_missing_hard_signals_are_reported_once(tmp_path, caplog):
+    monitor = Monitor(SoftOnlyBackend(), tmp_path)
+    run(monitor, 3)
+    coverage = [e for e in runfiles.read_events(tmp_path) if e["event"] == "monitor_coverage"]
+    assert [e["unavailable"] for e in coverage] == \
+        [["ecc_dbe/errors", "xid", "retired_pages_pending", "recovery_action"]]
+    warnings = [r.getMessage() for r in caplog.records if "hard signals unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "xid" in warnings[0]
+
+
+def test_full_telemetry_reports_no_coverage_gap(tmp_path):
+    run(sim_monitor(tmp_path, 1.0), 3)
+    assert not any(e["event"] == "monitor_coverage" for e in runfiles.read_events(tmp_path))

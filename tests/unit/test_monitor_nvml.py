@@ -1,6 +1,7 @@
 """The NVML backend against a fake ``pynvml``, function by function."""
 
 import threading
+import time
 import types
 from types import SimpleNamespace
 
@@ -156,13 +157,48 @@ def test_a_hanging_call_is_bounded_and_unknown():
     backend = NvmlBackend(nvml=nvml, call_timeout_s=0.2)
     try:
         first = backend.sample()
-        # While the call stays stuck, later reads answer "unknown" at once instead of queueing.
-        second = backend.sample()
     finally:
         nvml.release.set()
     assert [s.power_draw for s in first] == [None, None]
-    assert all(s.temperature is None and s.power_draw is None for s in second)
     assert first[0].temperature == 60  # reads before the hang went through
+    # While the call stayed stuck, later reads answered "unknown" at once instead of queueing.
+    assert first[1].temperature is None
+
+
+def test_a_call_still_stuck_at_the_next_sample_is_a_backend_error():
+    release = threading.Event()
+
+    def hangs(h, sensor):
+        release.wait(30)
+        return 60
+    nvml = fake_nvml(nvmlDeviceGetTemperature=hangs)
+    backend = NvmlBackend(nvml=nvml, call_timeout_s=0.2)
+    try:
+        backend.sample()
+        with pytest.raises(BackendError, match="nvmlDeviceGetTemperature has not returned for .* wedged"):
+            backend.sample()
+    finally:
+        release.set()
+    nvml.nvmlDeviceGetTemperature = lambda h, sensor: 60
+    assert wait_until_sampled(backend)[0].temperature == 60  # the driver came back
+
+
+def wait_until_sampled(backend, attempts=50):
+    """The first sample once the stuck call has returned (its worker needs a moment)."""
+    for _ in range(attempts):
+        try:
+            return backend.sample()
+        except BackendError:
+            time.sleep(0.05)
+    raise AssertionError("the backend never recovered")
+
+
+def test_xids_are_reported_only_with_an_event_set():
+    assert "xid" in NvmlBackend(nvml=fake_nvml()).reported_fields
+
+    def no_event_set():
+        raise FakeError(NOT_SUPPORTED)
+    assert "xid" not in NvmlBackend(nvml=fake_nvml(nvmlEventSetCreate=no_event_set)).reported_fields
 
 
 def test_bad_gpu_ids_are_refused():

@@ -2,6 +2,7 @@
 
 import pytest
 
+from ftmaster import runfiles
 from ftmaster.monitor.backends import TraceEnded
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import Monitor, MonitorConfig
@@ -97,3 +98,75 @@ def test_gpu_gone_for_good_is_lost_and_a_gap_is_unknown(tmp_path):
     recorded = (tmp_path / "run" / "gpu_metrics.csv").read_text().splitlines()
     gap_row = [r for r in recorded if r.startswith(iso_time(T0 + 20)) and r.split(",")[1] == "1"]
     assert gap_row and gap_row[0].endswith(",0.5")  # unknown: scored as not healthy, not lost
+
+
+@pytest.mark.parametrize("stamp", ["1750000000000", "-1e15", "0001-01-01T00:00:00+05:00"])
+def test_a_time_the_csv_cannot_write_is_a_skipped_row(tmp_path, stamp):
+    rows = [[str(T0), "0", "60"], [stamp, "0", "61"], [str(T0 + 10), "0", "62"]]
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature"], rows))
+    monitor = Monitor(backend, tmp_path / "run", config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()  # writes every sample back as ISO 8601
+    monitor.close()
+    assert backend.skipped == 1 and "out of range" in backend.problems[0]
+    assert len((tmp_path / "run" / "gpu_metrics.csv").read_text().splitlines()) == 3
+
+
+def two_gpu_rows(samples):
+    return [to_row(full_sample(gpu, T0 + 10 * k)) for k in range(samples) for gpu in (0, 1)]
+
+
+def test_a_torn_last_row_is_unknown_not_a_lost_gpu(tmp_path):
+    rows = two_gpu_rows(3)[:-1]  # the last sample's GPU 1 row was cut off
+    path = write_csv(tmp_path / "m.csv", CSV_COLUMNS, rows)
+    path.write_text(path.read_text() + f"{T0 + 20},")
+    backend = ReplayBackend(path)
+    monitor = Monitor(backend, None, config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    assert backend.skipped == 1
+    assert monitor.lost_gpus() == set() and monitor.alerts == []
+    last = drain(ReplayBackend(path))[-1]
+    assert [(s.gpu_id, s.temperature) for s in last] == [(0, 65.0), (1, None)]
+
+
+def test_a_gpu_missing_from_a_clean_files_last_sample_is_lost(tmp_path):
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, two_gpu_rows(3)[:-1]))
+    monitor = Monitor(backend, None, config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    assert monitor.lost_gpus() == {1}
+
+
+def test_rows_sorted_by_gpu_play_in_time_order(tmp_path):
+    rows = sorted(two_gpu_rows(3), key=lambda row: row[1])  # all GPU 0 rows, then all GPU 1 rows
+    batches = drain(ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, rows)))
+    assert [[(s.gpu_id, s.timestamp) for s in b] for b in batches] == \
+        [[(0, T0 + 10 * k), (1, T0 + 10 * k)] for k in range(3)]
+
+
+def test_a_byte_order_mark_is_ignored(tmp_path):
+    path = tmp_path / "m.csv"
+    path.write_bytes("\ufefftimestamp,gpu_id,temperature\n1750000000,0,60\n".encode())
+    (sample,) = ReplayBackend(path).sample()
+    assert sample.temperature == 60
+
+
+def coverage_events(run_dir):
+    return [e["unavailable"] for e in runfiles.read_events(run_dir) if e["event"] == "monitor_coverage"]
+
+
+def test_a_trace_without_hard_signal_columns_says_so(tmp_path):
+    soft = ["timestamp", "gpu_id", "temperature", "power_draw", "gpu_utilization", "errors"]
+    rows = [[str(T0 + 10 * k), str(gpu), "65", "500", "95", ""] for k in range(3) for gpu in (0, 1)]
+    monitor = Monitor(ReplayBackend(write_csv(tmp_path / "m.csv", soft, rows)), tmp_path / "run",
+                      config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    monitor.close()
+    assert coverage_events(tmp_path / "run") == \
+        [["ecc_dbe/errors", "xid", "retired_pages_pending", "recovery_action"]]
+
+
+def test_a_full_trace_has_every_hard_signal_even_without_xids(tmp_path):
+    monitor = Monitor(ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, two_gpu_rows(3))),
+                      tmp_path / "run", config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    monitor.close()
+    assert coverage_events(tmp_path / "run") == []

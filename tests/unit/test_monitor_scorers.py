@@ -34,10 +34,28 @@ def test_hard_signals_are_critical_at_once(change, reason):
 
 
 def test_soft_or_unknown_values_are_not_hard():
-    assert hard_reasons(sample(T0), sample(T0 + 1, xid=13)) == []  # an application XID
-    assert hard_reasons(sample(T0, ecc_dbe=None), sample(T0 + 1, ecc_dbe=4)) == []  # no reference yet
-    assert hard_reasons(sample(T0, ecc_dbe=5), sample(T0 + 1, ecc_dbe=0)) == []  # counter reset
+    assert hard_reasons({"ecc_dbe": 0}, sample(T0, xid=13)) == []  # an application XID
+    assert hard_reasons({}, sample(T0, ecc_dbe=4)) == []  # no reference yet
+    assert hard_reasons({"ecc_dbe": 5}, sample(T0, ecc_dbe=0)) == []  # counter reset
     assert worst_xid([13, 94, 79]) == 79 and worst_xid([13, 31]) == 13 and worst_xid([]) is None
+
+
+@pytest.mark.parametrize("counter", ["ecc_dbe", "errors"])
+def test_a_counter_rise_across_a_failed_read_is_still_hard(counter):
+    scorer = AdaptiveScorer()
+    scorer.update([sample(T0, **{counter: 0})])
+    assert scorer.update([sample(T0 + 1, **{counter: None})])[0].score < 1.0
+    (assessment,) = scorer.update([sample(T0 + 2, **{counter: 1})]).values()
+    assert assessment.score == 1.0 and assessment.hard_reasons == ("ecc_dbe",)
+
+
+def test_corrected_errors_across_a_failed_read_still_count():
+    scorer = AdaptiveScorer()
+    for k in range(120):  # 20 minutes at 10 s: warm, no corrected errors
+        scorer.update([sample(T0 + 10 * k)])
+    scorer.update([sample(T0 + 1200, ecc_sbe=None)])
+    (assessment,) = scorer.update([sample(T0 + 1210, ecc_sbe=20)]).values()
+    assert "sbe_acceleration" in assessment.reasons
 
 
 def test_unknown_telemetry_is_not_healthy():

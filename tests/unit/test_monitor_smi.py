@@ -1,7 +1,9 @@
 """The smi backend against fake ``nvidia-smi`` scripts put first on PATH."""
 
 import os
+import signal
 import stat
+import time
 
 import pytest
 
@@ -73,6 +75,22 @@ def test_a_hung_nvidia_smi_is_killed_and_reported(fake_smi):
     fake_smi("sleep 60\n")
     with pytest.raises(BackendError, match="did not answer within 0.3 s; killed it"):
         SmiBackend(timeout_s=0.3).sample()
+
+
+def test_a_killed_nvidia_smi_that_will_not_die_is_not_waited_on(fake_smi, monkeypatch):
+    # A process in uninterruptible sleep ignores SIGKILL; a kill that does nothing stands in.
+    kill = os.killpg
+    survivors = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: survivors.append(pgid))
+    fake_smi("sleep 20\n")
+    began = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match="did not answer within 0.3 s; killed it"):
+            SmiBackend(timeout_s=0.3).sample()
+        assert time.monotonic() - began < 5
+    finally:
+        for pgid in survivors:
+            kill(pgid, signal.SIGKILL)
 
 
 def test_missing_nvidia_smi_is_reported(monkeypatch, tmp_path):
