@@ -215,3 +215,13 @@ def rewrite_argv(script_args: Sequence[str], plan: LayoutFlags) -> list[str]:
     if save is not None and flag_value(args, "--load") is None:
         args += ["--load", save]
     return args
+
+
+def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str]:
+    """The arguments of a relaunch: ``--load`` is the ``--save`` folder once that holds a
+    checkpoint, even where ``--load`` named another folder (the weights the run started
+    from), which would otherwise be reloaded and everything trained since thrown away."""
+    save = flag_value(args, "--save")
+    if save is None or not save_has_checkpoint:
+        return list(args)
+    return _set_flag(list(args), "--load", save)

@@ -19,7 +19,7 @@ from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
 from ftmaster.listener import Listener, move_request
 from ftmaster.lock import RunDirLock, RunDirLocked
-from ftmaster.supervisor import Injector, last_checkpoint_write
+from ftmaster.supervisor import Injector, is_hung, last_checkpoint_write
 from helpers.trainer import wait_until
 
 PY = sys.executable
@@ -110,6 +110,12 @@ def test_check_layout_accepts_the_scripts_own_layout():
     plan = check_layout(MODEL, 4, None, None)
     assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
             plan.data_parallel_size, plan.num_gpus_used) == (2, 2, 1, 4)
+
+
+def test_check_layout_derives_a_missing_global_batch_as_megatron_does():
+    at = MODEL.index("--global-batch-size")
+    plan = check_layout(MODEL[:at] + MODEL[at + 2:], 8, None, None)
+    assert (plan.data_parallel_size, plan.micro_batch_size, plan.global_batch_size) == (2, 2, 4)
 
 
 @pytest.mark.parametrize("gpus,message", [
@@ -255,6 +261,17 @@ def test_forked_children_die_with_their_parent_only_when_guarded(guarded):
 def test_guard_without_a_command_is_a_usage_error():
     result = subprocess.run([PY, "-m", "ftmaster.guard", "rank"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("usage:")
+
+
+@pytest.mark.parametrize("idle, since_write, hung", [
+    (5, None, False),     # within the limit
+    (11, None, True),     # no progress, nothing written
+    (11, 3, False),       # a save is writing its files
+    (100, 50, True),      # wedged during or after a save: written long ago, still hung
+    (11, 10, True),       # the last write is exactly one limit old
+])
+def test_is_hung(idle, since_write, hung):
+    assert is_hung(idle, 10, since_write) is hung
 
 
 def test_last_checkpoint_write_is_the_newest_file_of_the_newest_checkpoint(tmp_path):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ftmaster.recovery.megatron_args import (ModelShape, OriginalLayout, read_script_args,
-                                             rewrite_argv)
+                                             resume_from_save, rewrite_argv)
 from ftmaster.recovery.planner import (Layout, PlanError, choose_layout,
                                        estimate_bytes_per_gpu, plan_layout)
 from ftmaster.recovery.torchrun import torchrun_argv
@@ -142,6 +142,17 @@ def test_bad_planner_options(kwargs, message):
 ])
 def test_rewrite_argv_exact(args, expected):
     assert rewrite_argv(args, Layout(1, 3, 1, 3, 12)) == expected
+
+
+@pytest.mark.parametrize("args, has_checkpoint, expected", [
+    (["--load", "/base", "--save", "/run"], True, ["--load", "/run", "--save", "/run"]),
+    (["--load=/base", "--save", "/run"], True, ["--load=/run", "--save", "/run"]),
+    (["--load", "/base", "--save", "/run"], False, ["--load", "/base", "--save", "/run"]),
+    (["--save", "/run"], True, ["--save", "/run", "--load", "/run"]),
+    (["--load", "/base"], True, ["--load", "/base"]),  # nothing saved, nothing to resume
+])
+def test_a_relaunch_resumes_from_save_once_it_holds_a_checkpoint(args, has_checkpoint, expected):
+    assert resume_from_save(args, has_checkpoint) == expected
 
 
 def test_rewrite_argv_refuses_flag_without_value():

@@ -176,14 +176,24 @@ class Attempt:
 
         Returns torchrun's exit status when it ended in time, else None.
         """
+        deadline = time.monotonic() + deadline_s
+        self._wait_for_every_rank(deadline)
         self.signal_ranks(signal.SIGCONT)
         self.signal_ranks(signal.SIGTERM)
         try:
-            return self.process.wait(deadline_s)
+            return self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None
         finally:
             self.kill()
+
+    def _wait_for_every_rank(self, deadline: float) -> None:
+        """Right after a launch torchrun may not have started every rank yet; one started after
+        the SIGTERM would train on until the deadline. (Signalling torchrun instead is no
+        better: it SIGKILLs its workers 30 s later, in the middle of their save.)"""
+        while (len(self.ranks()) < len(self.gpus) and self.process.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
 
 
 def send_signal(pid: int, sig: int) -> None:

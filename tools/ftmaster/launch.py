@@ -99,8 +99,9 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
     Mode ``closest`` picks the script's own layout whenever it is valid on ``gpus``.
     """
     try:
-        plan = plan_layout(command, gpus, gpus_per_node, mode="closest", gpu_memory_gb=gpu_memory_gb)
-        original = read_script_args(command[1:]).original
+        plan = plan_layout(command, gpus, gpus_per_node, mode="closest", gpu_memory_gb=gpu_memory_gb,
+                           original_world_size=gpus)
+        original = read_script_args(command[1:], original_world_size=gpus).original
     except (PlanError, ValueError) as error:
         raise InputError(f"invalid layout: {error}") from None
     own = (original.tensor_model_parallel_size, original.pipeline_model_parallel_size,

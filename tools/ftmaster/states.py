@@ -12,7 +12,8 @@ Pure: no processes, files or clocks, so every transition and decision is table-t
                            └─signalled─> STOPPING ─stopped─> INTERRUPTED
 
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
-or be signalled like RUNNING.
+or be signalled like RUNNING. In the states where no training runs (STARTING and RELAUNCHING
+before their launch, FAILED, WAITING, PLANNING) a signal leads straight to INTERRUPTED.
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.FAILED, T.GIVE_UP): S.GAVE_UP,
     (S.WAITING, T.GPUS_BACK): S.PLANNING,
     (S.WAITING, T.WAIT_TIMED_OUT): S.PLANNING,
-    (S.WAITING, T.SIGNALLED): S.INTERRUPTED,
     (S.PLANNING, T.PLANNED): S.RELAUNCHING,
     (S.PLANNING, T.NO_LAYOUT): S.GAVE_UP,
     (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
     (S.STOPPING, T.STOPPED): S.INTERRUPTED,
+    **{(state, T.SIGNALLED): S.INTERRUPTED
+       for state in (S.STARTING, S.RELAUNCHING, S.FAILED, S.WAITING, S.PLANNING)},
 }
 TERMINAL = frozenset({S.SUCCEEDED, S.GAVE_UP, S.INTERRUPTED})
 

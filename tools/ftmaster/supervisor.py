@@ -32,15 +32,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.attempt import (Attempt, send_signal, training_output_tail,
                               with_exit_signal_handler)
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
-from ftmaster.recovery.checkpoints import iteration_dir, list_iterations
-from ftmaster.recovery.megatron_args import flag_value
+from ftmaster.recovery.checkpoints import find_loadable_checkpoint, iteration_dir, list_iterations
+from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import (POLICIES, TERMINAL, State, Trigger, advance, after_failure,
                              exit_status)
@@ -235,14 +235,12 @@ class Supervisor:
     def _hung(self) -> bool:
         last, since = self._progress
         limit = self.config.startup_timeout_s if last is None else self.config.hang_timeout_s
-        idle = time.monotonic() - since
-        return idle > limit and not self._checkpoint_written_within(idle)
+        return is_hung(time.monotonic() - since, limit, self._seconds_since_checkpoint_write())
 
-    def _checkpoint_written_within(self, seconds: float) -> bool:
-        """A save in progress writes no heartbeat, yet it is progress, not a hang."""
+    def _seconds_since_checkpoint_write(self) -> float | None:
         save = flag_value(self.config.command[1:], "--save")
         written = None if save is None else last_checkpoint_write(Path(save))
-        return written is not None and time.time() - written < seconds
+        return None if written is None else time.time() - written
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
         attempt = self.attempt
@@ -260,9 +258,11 @@ class Supervisor:
 
     # -- state handlers ------------------------------------------------------------------------
     def _launch(self) -> Trigger:
+        if self._stop_requested.is_set():
+            return Trigger.SIGNALLED
         plan, gpus = self.plan, self.next_gpus
         number = 1 if self.attempt is None else self.attempt.number + 1
-        command = with_exit_signal_handler(self.config.command if number == 1 else plan.command)
+        command = with_exit_signal_handler(self.config.command if number == 1 else self._resuming(plan.command))
         self._clear_previous_attempt()
         self.attempt = Attempt(self.run_dir, number, command, gpus)
         self._progress = (None, time.monotonic())
@@ -274,6 +274,14 @@ class Supervisor:
                     plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
                     plan.data_parallel_size, list(gpus), self.attempt.log_path)
         return Trigger.LAUNCHED
+
+    def _resuming(self, command: Sequence[str]) -> list[str]:
+        save = flag_value(command[1:], "--save")
+        has_checkpoint = save is not None and find_loadable_checkpoint(Path(save)).iteration is not None
+        resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
+        if resumed != list(command):
+            log.warning("relaunching with --load %s: the newest checkpoint is there", save)
+        return resumed
 
     def _clear_previous_attempt(self) -> None:
         """A heartbeat or save request left by a killed attempt means nothing to the next one
@@ -323,6 +331,8 @@ class Supervisor:
                    for e in runfiles.read_events(self.run_dir))
 
     def _decide(self) -> Trigger:
+        if self._stop_requested.is_set():
+            return Trigger.SIGNALLED
         outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
                                 early_exits_in_row=self.early_exits_in_row,
                                 policy=self.config.policy, lost_gpus=self.lost_gpus())
@@ -363,6 +373,8 @@ class Supervisor:
         self.monitor.exclude_gpus(gpus)
 
     def _plan(self) -> Trigger:
+        if self._stop_requested.is_set():
+            return Trigger.SIGNALLED
         self._retire(set(self.lost_gpus()))
         available = [g for g in self.config.gpus if g not in self.retired]
         try:
@@ -384,6 +396,15 @@ class Supervisor:
         self._event("stopped", signal=self.signum, exit_code=code,
                     iteration=self._heartbeat_iteration())
         return Trigger.STOPPED
+
+
+def is_hung(idle_s: float, limit_s: float, since_checkpoint_write_s: float | None) -> bool:
+    """No new iteration for more than ``limit_s`` and no checkpoint file written within it.
+
+    A save writes no heartbeat while its files are being written, yet it is progress; a rank
+    that wedges during or after a save stops writing, and is a hang ``limit_s`` later.
+    """
+    return idle_s > limit_s and (since_checkpoint_write_s is None or since_checkpoint_write_s >= limit_s)
 
 
 def last_checkpoint_write(save_dir: Path) -> float | None:
