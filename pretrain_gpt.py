@@ -3,13 +3,15 @@
     python -m torch.distributed.run --nproc-per-node 4 pretrain_gpt.py \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ...
 
-Bad arguments end with one line on stderr and exit status 2, before any process group exists.
+Bad arguments end with one line on stderr and exit status 2, before any process group exists;
+so does a checkpoint that cannot continue under them. Without torchrun it trains as a single
+process.
 """
 
 import sys
 
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.console import error
+from megatron.training.console import error, error_rank0
 
 
 def main(argv: list[str]) -> int:
@@ -18,9 +20,14 @@ def main(argv: list[str]) -> int:
     except ArgumentError as problem:
         error(str(problem))
         return 2
+    from megatron.training.checkpointing import CheckpointMismatch
     from megatron.training.training import pretrain  # heavy: imports the model stack
 
-    pretrain(args)
+    try:
+        pretrain(args)
+    except CheckpointMismatch as problem:
+        error_rank0(str(problem))
+        return 2
     return 0
 
 

@@ -64,6 +64,10 @@ def _add_training_args(parser):
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--override-opt-param-scheduler", action="store_true",
+                       help="on resume, follow the LR/WD schedule of these arguments")
+    group.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                       help="on resume, keep the checkpoint's LR/WD schedule")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -143,8 +147,8 @@ def _fill_defaults(args):
     args.data_parallel_size = args.world_size // model_parallel if model_parallel > 0 else 0
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer" if args.mock_data else "ByteLevelTokenizer"
+    if args.tokenizer_type is None and args.mock_data:
+        args.tokenizer_type = "NullTokenizer"
 
 
 def _require(condition: bool, message: str) -> None:
@@ -155,6 +159,7 @@ def _require(condition: bool, message: str) -> None:
 def validate_args(args: argparse.Namespace) -> None:
     """Reject impossible combinations with one line each, before any process group exists."""
     _validate_positive(args)
+    _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)
     _validate_schedule(args)
@@ -166,18 +171,24 @@ def _validate_positive(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "ffn_hidden_size", "num_query_groups",
-                 "global_batch_size", "log_interval"):
+                 "log_interval"):
         value = getattr(args, name)
         _require(value is not None and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     _require(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
 
 
-def _validate_layout(args):
+def _validate_world_size(args):
+    """First of the layout checks: the data-parallel size and the default global batch
+    derive from it, and would otherwise fail with a misleading message."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _require(args.world_size % (tp * pp) == 0,
              f"world size {args.world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
              f"parallel size: launch a multiple of {tp * pp} processes")
+
+
+def _validate_layout(args):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size"):
         value = getattr(args, name)
         _require(value % tp == 0,
@@ -202,6 +213,8 @@ def _validate_layout(args):
 
 
 def _validate_batch(args):
+    _require(args.global_batch_size > 0,
+             f"--global-batch-size must be a positive integer, got {args.global_batch_size}")
     per_step = args.micro_batch_size * args.data_parallel_size
     _require(args.global_batch_size % per_step == 0,
              f"--global-batch-size ({args.global_batch_size}) is not divisible by "
@@ -217,11 +230,22 @@ def _validate_schedule(args):
     if args.save_interval is not None:
         _require(args.save_interval > 0,
                  f"--save-interval must be a positive integer, got {args.save_interval}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _require(args.eval_iters == 0 or args.eval_interval > 0,
+             f"--eval-interval must be a positive integer, got {args.eval_interval} "
+             f"(or pass --eval-iters 0)")
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+             "mutually exclusive")
 
 
 def _validate_data(args):
     _require(args.mock_data != bool(args.data_path),
              "give exactly one of --mock-data or --data-path PREFIX")
+    _require(args.tokenizer_type is not None,
+             f"--data-path needs --tokenizer-type, the one tools/preprocess_data.py used "
+             f"({', '.join(TOKENIZER_TYPES[1:])})")
+    _validate_split(args)
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None and args.vocab_size > 1,
                  "--tokenizer-type NullTokenizer needs --vocab-size N (N > 1)")
@@ -236,12 +260,37 @@ def _validate_data(args):
                      f"tools/preprocess_data.py")
 
 
+def _validate_split(args):
+    """Megatron's ``--split``: up to three non-negative weights (train, valid, test) separated
+    by commas or slashes; training needs a train part, evaluation a validation part."""
+    parts = args.split.replace("/", ",").split(",")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    _require(0 < len(weights) <= 3 and all(math.isfinite(w) and w >= 0 for w in weights),
+             f"--split must be up to three non-negative numbers such as 969,30,1, got {args.split!r}")
+    weights += [0.0] * (3 - len(weights))
+    _require(weights[0] > 0, f"--split {args.split!r} leaves no training data")
+    _require(args.eval_iters == 0 or weights[1] > 0,
+             f"--split {args.split!r} leaves no validation data for --eval-iters "
+             f"{args.eval_iters}: give it a validation part or pass --eval-iters 0")
+
+
 def _data_prefixes(data_path: list[str]) -> list[str]:
     """Megatron's --data-path is either ``PREFIX...`` or ``WEIGHT PREFIX WEIGHT PREFIX...``."""
     try:
         float(data_path[0])
     except (ValueError, IndexError):
         return list(data_path)
+    _require(len(data_path) % 2 == 0,
+             f"a weighted --data-path needs WEIGHT PREFIX pairs, got {len(data_path)} values")
+    for weight in data_path[0::2]:
+        try:
+            _require(float(weight) >= 0, f"--data-path weight {weight} is negative")
+        except ValueError:
+            raise ArgumentError(f"--data-path: {weight!r} is not a weight; a weighted list "
+                                f"alternates WEIGHT PREFIX") from None
     return list(data_path[1::2])
 
 

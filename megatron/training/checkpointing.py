@@ -113,6 +113,17 @@ def _start_writer_results_queue() -> None:
     filesystem_async._results_queue = queue
 
 
+class CheckpointMismatch(Exception):
+    """The checkpoint cannot continue under these arguments; the message says what to pass."""
+
+
+def schedule_differences(saved: dict, current: dict) -> list[str]:
+    """The LR/WD schedule settings in which a checkpoint and the arguments differ (the step
+    count is progress, not a setting)."""
+    return [f"{key} {saved[key]} in the checkpoint, {value} now" for key, value in current.items()
+            if key != "num_steps" and key in saved and saved[key] != value]
+
+
 @dataclass
 class TrainingState:
     """What the loop needs to continue where a checkpoint left off."""
@@ -147,10 +158,13 @@ class Checkpointer:
             _start_writer_results_queue()
 
     # ---- saving -------------------------------------------------------------------------
-    def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool) -> dict:
+    def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
+                    with_optimizer: bool = True) -> dict:
         model_sd = self.model.sharded_state_dict()
         sharded = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION}
-        if self.optimizer is not None:
+        if with_optimizer:
+            # Not even built when not loaded: for loading it initialises the optimizer's
+            # state, which a fresh Adam must not find half made (no "step").
             sharded["optimizer"] = self.optimizer.sharded_state_dict(model_sd,
                                                                      is_loading=is_loading)
         if with_rng:
@@ -229,11 +243,12 @@ class Checkpointer:
             return False
         start = time.perf_counter()
         common = dist_checkpointing.load_common_state_dict(str(choice.path))
+        if not self.args.no_load_optim:
+            self._check_schedule(common.get("opt_param_scheduler", {}))
         same_layout = common.get("layout") == layout_of(self.args)
         with_rng = same_layout and not self.args.no_load_rng
-        template = self._state_dict(state, is_loading=True, with_rng=with_rng)
-        if self.args.no_load_optim:
-            template.pop("optimizer", None)
+        template = self._state_dict(state, is_loading=True, with_rng=with_rng,
+                                    with_optimizer=not self.args.no_load_optim)
         loaded = dist_checkpointing.load(template, str(choice.path),
                                          sharded_strategy=self._load_strategy(choice.path))
         self._apply(loaded, state, with_rng)
@@ -244,6 +259,18 @@ class Checkpointer:
                   + ("" if with_rng else "; RNG state not restored"))
         self.last_saved_iteration = state.iteration
         return True
+
+    def _check_schedule(self, saved: dict) -> None:
+        """Megatron-LM's rule: a resume keeps the schedule unless told which one to follow,
+        so that a changed --train-iters or --lr never silently keeps the old decay."""
+        if self.args.override_opt_param_scheduler or self.args.use_checkpoint_opt_param_scheduler:
+            return
+        differences = schedule_differences(saved, self.scheduler.state_dict())
+        if differences:
+            raise CheckpointMismatch(
+                f"the learning-rate schedule differs from the checkpoint's ({'; '.join(differences)}): "
+                f"pass --override-opt-param-scheduler to follow the arguments, or "
+                f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
     def _agreed_choice(self) -> CheckpointChoice:
         """Rank 0 looks on disk once; every rank loads the same iteration."""
@@ -259,14 +286,18 @@ class Checkpointer:
 
     def _apply(self, loaded: dict, state: TrainingState, with_rng: bool) -> None:
         self.model.load_state_dict(loaded["model"])
-        if "optimizer" in loaded and self.optimizer is not None:
-            self.optimizer.load_state_dict(loaded["optimizer"])
         if not self.args.no_load_optim:
+            # dist_checkpointing hands back the common part of "optimizer" even when the
+            # template left it out, so the flag, not the key, decides.
+            self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if with_rng:
             _restore_rng(loaded["rng_state"])
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
+        if self.args.no_load_optim:
+            # A fresh optimizer, but the schedule (counted in samples) goes on where it was.
+            self.scheduler.step(increment=state.consumed_train_samples)
 
 
 def checkpoint_args(load_dir: str | None) -> dict | None:

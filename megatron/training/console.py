@@ -26,6 +26,12 @@ def error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def error_rank0(message: str) -> None:
+    """An error every rank found alike: said once."""
+    if _rank() == 0:
+        error(message)
+
+
 def format_iteration_line(iteration: int, train_iters: int, consumed: int, elapsed_ms: float,
                           learning_rate: float, global_batch_size: int,
                           lm_loss: float | None) -> str:

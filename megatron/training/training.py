@@ -53,7 +53,8 @@ def initialize(args: argparse.Namespace) -> None:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            **_single_process_rendezvous())
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
                                              args.pipeline_model_parallel_size)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -61,6 +62,14 @@ def initialize(args: argparse.Namespace) -> None:
     numpy.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _single_process_rendezvous() -> dict:
+    """Without torchrun (no ``RANK`` in the environment) train as the only process, with an
+    in-memory store, rather than fail on the missing rendezvous variables."""
+    if "RANK" in os.environ:
+        return {}
+    return {"store": torch.distributed.HashStore(), "rank": 0, "world_size": 1}
 
 
 def _params_dtype(args) -> torch.dtype:
@@ -149,7 +158,9 @@ def build_optimizer(args, ddp_model):
         min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * samples,
         lr_decay_steps=args.lr_decay_iters * samples, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return optimizer, scheduler
 
 
@@ -248,8 +259,9 @@ class Trainer:
             model=[self.model], num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
-        self.optimizer.step()
-        self.scheduler.step(increment=self.args.global_batch_size)
+        update_successful, _, _ = self.optimizer.step()
+        if update_successful:  # fp16 skips a step whose gradients overflowed; so does the LR
+            self.scheduler.step(increment=self.args.global_batch_size)
         return _average_loss(losses)
 
     def evaluate(self) -> None:

@@ -39,6 +39,16 @@ def with_args(*extra, drop=()):
     (with_args(drop=("--vocab-size",)), 1, "NullTokenizer needs --vocab-size"),
     (with_args("--lr-warmup-iters", "5", "--train-iters", "3"), 1, "--lr-warmup-iters (5)"),
     (with_args("--bf16", "--fp16"), 1, "--bf16 and --fp16 are mutually exclusive"),
+    # the world size is checked before the data-parallel size and batch derived from it
+    (with_args("--tensor-model-parallel-size", "2"), 1,
+     "world size 1 is not divisible by tensor (2) x pipeline (1) parallel size"),
+    (with_args("--split", "abc"), 1, "--split must be up to three non-negative numbers"),
+    (with_args("--split", "1,2,3,4"), 1, "--split must be up to three non-negative numbers"),
+    (with_args("--split", "0,100,0"), 1, "leaves no training data"),
+    (with_args("--split", "100,0,0", "--eval-iters", "2"), 1, "leaves no validation data"),
+    (with_args("--eval-iters", "2", "--eval-interval", "0"), 1, "--eval-interval must be a positive"),
+    (with_args("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"), 1,
+     "mutually exclusive"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:
@@ -47,9 +57,31 @@ def test_invalid_combinations_are_rejected(argv, world_size, message):
 
 
 def test_missing_data_path_names_the_file(tmp_path):
-    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
+                                                      "--tokenizer-type", "ByteLevelTokenizer"]
     with pytest.raises(ArgumentError, match=r"corpus\.bin does not exist"):
         parse_args(argv, world_size=1)
+
+
+def test_real_data_names_its_tokenizer(tmp_path):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+    with pytest.raises(ArgumentError, match="--data-path needs --tokenizer-type"):
+        parse_args(argv, world_size=1)
+
+
+@pytest.mark.parametrize("data_path, message", [
+    (["1.0", "a", "2.0"], "needs WEIGHT PREFIX pairs, got 3 values"),
+    (["1.0", "a", "b", "c"], "'b' is not a weight"),
+])
+def test_weighted_data_path_must_pair_weights_and_prefixes(data_path, message):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--tokenizer-type", "ByteLevelTokenizer",
+                                                      "--data-path", *data_path]
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(argv, world_size=1)
+
+
+def test_split_takes_slashes_and_fewer_parts():
+    assert parse_args(with_args("--split", "90/10", "--eval-iters", "1"), world_size=1).split == "90/10"
 
 
 def test_unwritable_save_directory(tmp_path):
@@ -68,13 +100,16 @@ def test_defaults_follow_megatron():
     assert args.max_position_embeddings == 32
 
 
-@pytest.mark.parametrize("extra", [["--unknown-thing"], ["--tensor-model-parallel-size", "3"]])
-def test_script_prints_one_line_and_exits_nonzero(extra):
+@pytest.mark.parametrize("extra, message", [
+    (["--unknown-thing"], "unrecognized arguments: --unknown-thing"),
+    (["--tensor-model-parallel-size", "3"], "world size 1 is not divisible by tensor (3)"),
+])
+def test_script_prints_one_line_and_exits_nonzero(extra, message):
     result = subprocess.run([sys.executable, PRETRAIN, *BASE, *extra], capture_output=True,
                             text=True, cwd=REPO, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
 
 
