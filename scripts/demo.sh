@@ -10,8 +10,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py=.venv/bin/python
 run_dir="${DEMO_RUN_DIR:-$root/demo_run}"
+marker="$run_dir/.ftmaster-demo"
+# Only a folder an earlier demo made (it holds the marker) is cleared; never a user's folder.
+if [ -e "$run_dir" ] && [ ! -e "$marker" ]; then
+    echo "demo: $run_dir exists and is not an earlier demo run; set DEMO_RUN_DIR to a new folder" >&2
+    exit 2
+fi
 rm -rf "$run_dir"
 mkdir -p "$run_dir"
+touch "$marker"
 
 model=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32

@@ -62,7 +62,8 @@ def logs_dir(run_dir: Path) -> Path:
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     """Write ``text`` to ``path`` through a temp file in the same folder and a rename.
 
-    ``durable=False`` skips the fsync: still never torn, but may be lost in a power cut.
+    ``durable=False`` skips the fsyncs: still never torn, but may be lost in a power cut.
+    A durable write also syncs the folder, which holds the rename itself.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,16 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_flag(path: Path, **reason: Any) -> None:
