@@ -47,6 +47,11 @@ class AlertPolicy:
     def forget(self, gpu: int) -> None:
         self._gpus.pop(gpu, None)
 
+    def still_alerting(self, gpu: int) -> bool:
+        """Whether ``gpu`` alerted and its score has not yet fallen to the re-arm level."""
+        state = self._gpus.get(gpu)
+        return state is not None and not state.armed
+
     def decide(self, gpu: int, time_s: float, assessment: Assessment) -> bool:
         """Whether this assessment is an alert; updates the GPU's arming state."""
         cfg = self.config

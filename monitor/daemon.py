@@ -161,6 +161,11 @@ class Monitor:
         with self._lock:
             return frozenset(self._lost)
 
+    def still_critical(self, gpu: int) -> bool:
+        """Lost, or alerted and not yet back below the re-arm level (hysteresis)."""
+        with self._lock:
+            return gpu in self._lost or self.policy.still_alerting(gpu)
+
     def exclude_gpus(self, gpus: Iterable[int]) -> None:
         """Stop watching ``gpus``: no rows, no scores, no lost reports for them."""
         with self._lock:

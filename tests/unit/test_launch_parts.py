@@ -19,7 +19,9 @@ from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
 from ftmaster.listener import Listener, move_request
 from ftmaster.lock import RunDirLock, RunDirLocked
-from ftmaster.supervisor import Injector, is_hung, last_checkpoint_write
+from ftmaster.states import Trigger
+from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
+                                 last_checkpoint_write)
 from helpers.trainer import wait_until
 
 PY = sys.executable
@@ -110,6 +112,42 @@ def test_check_layout_accepts_the_scripts_own_layout():
     plan = check_layout(MODEL, 4, None, None)
     assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
             plan.data_parallel_size, plan.num_gpus_used) == (2, 2, 1, 4)
+
+
+class StubMonitor:
+    """The monitor's side of a drain: whether the GPU is still critical."""
+
+    on_alert = None
+
+    def __init__(self, critical):
+        self.critical, self.excluded = critical, set()
+
+    def still_critical(self, gpu):
+        return self.critical
+
+    def exclude_gpus(self, gpus):
+        self.excluded |= set(gpus)
+
+
+class StubAttempt:
+    killed = False
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("critical, trigger", [(True, Trigger.DRAINED), (False, Trigger.RISK_CLEARED)])
+def test_a_drain_restarts_without_the_gpu_only_while_its_risk_stays_critical(tmp_path, critical, trigger):
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), policy="drain")
+    monitor = StubMonitor(critical)
+    supervisor = Supervisor(config, monitor)
+    supervisor.attempt = StubAttempt()
+    supervisor._drain_gpu, supervisor._drain_since = 1, runfiles.append_event(tmp_path, "drain")["time"]
+    assert supervisor._drained() is None  # no save yet: keep training
+    runfiles.append_event(tmp_path, "emergency_save", iteration=9)
+    assert supervisor._drained() is trigger
+    assert (supervisor.attempt.killed, monitor.excluded) == ((True, {1}) if critical else (False, set()))
 
 
 def test_check_layout_derives_a_missing_global_batch_as_megatron_does():

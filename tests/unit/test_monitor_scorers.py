@@ -98,6 +98,16 @@ def test_alert_policy_cooldown_rearm_and_new_hard_reasons():
     assert not policy.decide(0, 242, Assessment(1.0, ("xid_79",), ("xid_79",)))  # but only once
 
 
+def test_a_gpu_stays_alerting_until_its_score_falls_to_the_rearm_level():
+    policy = AlertPolicy(AlertConfig(threshold=0.9, rearm_margin=0.3))
+    assert not policy.still_alerting(0)
+    policy.decide(0, 0, Assessment(0.95, ("temperature_trend",)))
+    policy.decide(0, 10, Assessment(0.7))  # below the threshold, above the re-arm level 0.6
+    assert policy.still_alerting(0)
+    policy.decide(0, 20, Assessment(0.5))
+    assert not policy.still_alerting(0) and not policy.still_alerting(1)
+
+
 def test_hot_but_steady_gpu_with_noise_never_alerts():
     rng = random.Random(7)
     scorer, policy = AdaptiveScorer(), AlertPolicy()

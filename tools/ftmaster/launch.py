@@ -197,8 +197,8 @@ def default_run_dir() -> Path:
               type=click.FloatRange(0, 1, min_open=True))
 @click.option("--policy", default="available", show_default=True, type=click.Choice(POLICIES),
               help="available: relaunch on the GPUs left; wait: wait --wait-timeout for lost GPUs "
-                   "first; drain: on a GPU alert, wait for the emergency save, then relaunch "
-                   "without that GPU before it fails.")
+                   "first; drain: on a GPU alert, wait for the emergency save, then, if the GPU's "
+                   "risk is still critical, relaunch without it before it fails.")
 @click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(min=0))
 @click.option("--hang-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds without a new iteration that count as a hang.")

@@ -9,10 +9,12 @@ Pure: no processes, files or clocks, so every transition and decision is table-t
                            │  │             ├─wait─> WAITING ─gpus_back / wait_timed_out─> PLANNING
                            │  │             └─give_up─> GAVE_UP          PLANNING ─no_layout─> GAVE_UP
                            │  └─critical_gpu─> DRAINING ─drained─> PLANNING   (policy drain)
+                           │                        └─risk_cleared─> RUNNING
                            └─signalled─> STOPPING ─stopped─> INTERRUPTED
 
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
-or be signalled like RUNNING. In the states where no training runs (STARTING and RELAUNCHING
+or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if that
+GPU's risk is still critical; a risk that fell back (a false alarm) leaves training running. In the states where no training runs (STARTING and RELAUNCHING
 before their launch, FAILED, WAITING, PLANNING) a signal leads straight to INTERRUPTED.
 """
 
@@ -45,6 +47,7 @@ class Trigger(enum.Enum):
     FAILURE = "failure"
     CRITICAL_GPU = "critical_gpu"
     DRAINED = "drained"
+    RISK_CLEARED = "risk_cleared"
     SIGNALLED = "signalled"
     STOPPED = "stopped"
     RETRY = "retry"
@@ -64,6 +67,7 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.RUNNING, T.CRITICAL_GPU): S.DRAINING,
     **{(S.DRAINING, trigger): state for trigger, state in _TRAINING_EXITS.items()},
     (S.DRAINING, T.DRAINED): S.PLANNING,
+    (S.DRAINING, T.RISK_CLEARED): S.RUNNING,
     (S.FAILED, T.RETRY): S.PLANNING,
     (S.FAILED, T.WAIT): S.WAITING,
     (S.FAILED, T.GIVE_UP): S.GAVE_UP,

@@ -322,6 +322,10 @@ class Supervisor:
     def _drained(self) -> Trigger | None:
         if not self._saved_since(self._drain_since):
             return None
+        if not self.monitor.still_critical(self._drain_gpu):
+            self._event("drain_cancelled", gpu=self._drain_gpu,
+                        reason="risk fell below the re-arm level before the restart")
+            return Trigger.RISK_CLEARED
         self.attempt.kill()
         self._retire({self._drain_gpu})
         return Trigger.DRAINED
