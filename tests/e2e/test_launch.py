@@ -84,7 +84,7 @@ def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     assert result.exit_code == 0, result.output
     goodput = json.loads(result.stdout)
     assert {"iteration_s", "restart_s", "save_block_s"} <= set(goodput["measured"])
-    assert 0 < goodput["inputs"]["restart_s"] <= reported["rto_seconds"]
+    assert 0 < goodput["inputs"]["restart_s"] <= reported["rto_from_fault_seconds"]
 
 
 def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_path):

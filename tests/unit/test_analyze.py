@@ -1,5 +1,6 @@
 """ftmaster analyze on a generated run directory: summary values, plots, report, bad input."""
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -49,7 +50,8 @@ def test_summary_matches_the_data(analysed):
     headroom = (data["memory_total"] - data["memory_used"]).groupby(data["gpu_id"]).min()
     assert summary["memory_headroom_min_mib"].to_numpy() == pytest.approx(headroom.to_numpy())
     assert summary.loc[2, "samples"] < summary.loc[0, "samples"]  # lost at 60% of the trace
-    assert summary.loc[2, "ecc_sbe_max"] == data.loc[data.gpu_id == 2, "ecc_sbe"].max() > 0
+    sbe = data.loc[data.gpu_id == 2, "ecc_sbe"]
+    assert summary.loc[2, "ecc_sbe_new"] == sbe.iloc[-1] - sbe.iloc[0] > 0
     alerts = pd.Series([e["gpu"] for e in events if e["event"] == "risk_alert"]).value_counts()
     assert alerts[2] >= 2  # the ECC burst's warning, then the lost device
     assert summary["alerts"].to_dict() == alerts.reindex(range(4), fill_value=0).to_dict()
@@ -96,6 +98,7 @@ def test_missing_optional_columns_are_skipped(run_copy, tmp_path):
     ("time,gpu,temp\n1,0,50\n", "lacks required column"),
     ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,0,hot\n", "malformed"),
     ("timestamp,gpu_id\nyesterday,0\n", "no samples"),
+    ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,1.5,50\n", "not a whole number (1.5)"),
 ])
 def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
     csv_path = tmp_path / "gpu_metrics.csv"
@@ -115,3 +118,46 @@ def test_an_out_folder_that_cannot_be_made_is_one_line(generated, tmp_path):
     assert result.exit_code != 0
     assert result.output.strip().splitlines() == [
         f"Error: cannot create --out {blocker / 'o'}: Not a directory"]
+
+
+def analyze_csv(tmp_path, lines):
+    """ftmaster analyze on a CSV of ``lines``; (summary.csv as text, summary.md)."""
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    return (tmp_path / "o" / "summary.csv").read_text(), (tmp_path / "o" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("gpu0_power", ["[N/A]", ""])
+def test_a_metric_one_gpu_never_knew_is_n_a_and_an_empty_csv_cell(tmp_path, gpu0_power):
+    summary_csv, summary_md = analyze_csv(tmp_path, [
+        "timestamp,gpu_id,power_draw",
+        f"2026-01-01T00:00:00Z,0,{gpu0_power}", f"2026-01-01T00:00:01Z,0,{gpu0_power}",
+        "2026-01-01T00:00:00Z,1,100", "2026-01-01T00:00:01Z,1,110"])
+    assert "| 0 | 2 | 2026-01-01T00:00:00Z | 2026-01-01T00:00:01Z | 0.0 | n/a | n/a | 0 |" \
+        in summary_md
+    assert "\n0,2,2026-01-01T00:00:00Z,2026-01-01T00:00:01Z,0.0,,,0\n" in summary_csv
+
+
+def test_an_entirely_empty_column_is_n_a_for_every_gpu(tmp_path):
+    summary_csv, summary_md = analyze_csv(tmp_path, [
+        "timestamp,gpu_id,temperature,power_draw",
+        "2026-01-01T00:00:00Z,0,50,", "2026-01-01T00:00:00Z,1,51,"])
+    assert summary_md.count("| n/a | n/a |") == 2
+    rows = pd.read_csv(io.StringIO(summary_csv), index_col="gpu")
+    assert rows[["power_draw_mean", "power_draw_max"]].isna().all().all()
+
+
+def test_error_counters_count_only_errors_during_the_trace(tmp_path):
+    """The counters start at their totals since driver load; a reset (driver reload) does not
+    subtract; a GPU that never reports one has no count."""
+    summary_csv, _ = analyze_csv(tmp_path, [
+        "timestamp,gpu_id,ecc_dbe",
+        "2026-01-01T00:00:00Z,0,40", "2026-01-01T00:00:00Z,1,[N/A]",
+        "2026-01-01T00:00:01Z,0,41", "2026-01-01T00:00:01Z,1,[N/A]",
+        "2026-01-01T00:00:03Z,0,2",  # reloaded, then 2 more: 1 + 2 new
+        "2026-01-01T00:00:02Z,0,0"])  # rows out of time order still count in time order
+    rows = pd.read_csv(io.StringIO(summary_csv), index_col="gpu")
+    assert rows.loc[0, "ecc_dbe_new"] == 3
+    assert pd.isna(rows.loc[1, "ecc_dbe_new"])

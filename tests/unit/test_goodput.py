@@ -37,6 +37,23 @@ def test_monte_carlo_agrees_with_analytic(case, proactive):
     assert sim["failures"] == pytest.approx(model["failures"], rel=0.1)
 
 
+@pytest.mark.parametrize("false_alarm_rate", [0.01, 0.05])
+def test_false_alarms_during_a_save_take_no_extra_saves(false_alarm_rate):
+    """Without failures every save is counted analytically; an alarm that arrives while a
+    save blocks training must not roll progress back and take that save again."""
+    x = replace(BASE, gpu_mtbf_hours=1e12, recall=0.0, false_alarm_rate=false_alarm_rate,
+                run_hours=240.0)
+    model, sim = goodput.analytic(x), goodput.simulate(x, runs=20, seed=1)
+    assert sim["failures"] == 0
+    assert sim["save_hours"] == pytest.approx(model["save_hours"], rel=0.01)
+
+
+def test_a_simulation_of_millions_of_events_is_refused_up_front():
+    x = replace(BASE, iteration_s=0.001, save_interval=1)
+    with pytest.raises(ValueError, match=r"about 2\.6e\+09 events per run"):
+        goodput.simulate(x, runs=2, max_events=1000)
+
+
 @pytest.mark.parametrize("model", sorted(goodput.PAPER_TABLE_III))
 def test_reproduces_paper_table_iii(model):
     checkpoint_s = goodput.paper_checkpoint_s(model)
@@ -50,6 +67,15 @@ def test_857m_is_476_952_1904():
     assert goodput.paper_checkpoint_s("857M") == pytest.approx(9.52)
     assert [goodput.table_iii_overhead_s(9.52, g) for g in (None, 0.5, 0.25)] == \
         pytest.approx([476, 952, 1904])
+
+
+def test_gap_frac_zero_leaves_one_iteration_as_the_trainer_does():
+    assert goodput.table_iii_overhead_s(9.52, 0.0) == pytest.approx(500_000 * 9.52)
+    assert replace(BASE, gap_frac=0.0).gap_s == BASE.iteration_s
+    out = CliRunner().invoke(main, ["goodput", "--gap-frac", "0", "--runs", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["worst_case_save_hours"] == pytest.approx(
+        720 * 3600 / BASE.iteration_s * BASE.save_block_s / 3600)
 
 
 def test_proactive_pays_with_high_recall_and_enough_lead():
@@ -79,17 +105,22 @@ def test_bad_inputs_are_rejected(bad):
 
 
 def _run_dir(tmp_path):
-    events = [{"event": "periodic_save", "time": 100.0, "iteration": 10, "seconds": 4.0},
+    """GPU 1 fails at 195 s, detected at 200 s; iteration 15 completes again at 290.5 s."""
+    events = [{"event": "launch", "time": 0.0, "attempt": 0, "gpus": [0, 1]},
+              {"event": "periodic_save", "time": 100.0, "iteration": 10, "seconds": 4.0},
               {"event": "emergency_save", "time": 150.0, "iteration": 14, "seconds": 6.0,
                "persist_seconds": 9.0},
-              {"event": "failure", "time": 200.0, "attempt": 0, "iteration": 16},
+              {"event": "fault_injected", "time": 195.0, "kind": "fail", "gpu": 1},
+              {"event": "failure", "time": 200.0, "attempt": 0, "iteration": 16, "gpus": [1]},
+              {"event": "plan", "time": 201.0, "gpus_available": [0]},
+              {"event": "launch", "time": 202.0, "attempt": 1, "gpus": [0]},
               {"event": "resumed", "time": 290.5, "attempt": 1, "iteration": 15}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (tmp_path / "logs").mkdir()
     lines = [f"iteration {i}/20 | consumed samples: {i * 8} | elapsed time per iteration "
              f"(ms): {ms} | learning rate: 1.0E-04 | global batch size: 8 | lm loss: 5.0E+00 |"
              for i, ms in ((1, 400.0), (2, 500.0), (3, 600.0))]
-    (tmp_path / "logs" / "attempt0.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "logs" / "attempt_0.log").write_text("\n".join(lines) + "\n")
     return tmp_path
 
 
@@ -101,7 +132,7 @@ def test_cli_reads_measured_inputs(tmp_path):
     body = json.loads(out.output)
     assert body["measured"] == ["iteration_s", "restart_s", "save_persist_s"]
     assert body["inputs"]["iteration_s"] == pytest.approx(0.5)
-    assert body["inputs"]["restart_s"] == pytest.approx(90.0)  # 90.5 s less one iteration
+    assert body["inputs"]["restart_s"] == pytest.approx(95.0)  # fault to resumed less one iteration
     assert body["inputs"]["save_persist_s"] == pytest.approx(9.0)
     assert body["inputs"]["save_block_s"] == 5.0  # the command line wins
     assert body["proactive"]["optimum"]["save_interval"] >= 1
@@ -111,9 +142,12 @@ def test_cli_table_and_one_line_errors():
     runner = CliRunner()
     out = runner.invoke(main, ["goodput", "--runs", "20", "--run-hours", "100"])
     assert out.exit_code == 0, out.output
-    for text in ("periodic-only", "proactive", "goodput (Monte Carlo)", "Young/Daly"):
+    for text in ("periodic-only", "proactive", "goodput (Monte Carlo)",
+                 "Young/Daly sqrt(2 C MTBF_job), the periodic-only reference:"):
         assert text in out.output
-    bad = runner.invoke(main, ["goodput", "--recall", "2"])
-    assert bad.exit_code != 0
-    assert "recall must be between 0 and 1" in bad.output
-    assert "Traceback" not in bad.output
+    for args, message in ((["--recall", "2"], "recall must be between 0 and 1"),
+                          (["--runs", "1"], "--runs must be 0 (analytic model only) or at least 2"),
+                          (["--runs", "-3"], "not -3")):
+        bad = runner.invoke(main, ["goodput", *args])
+        assert bad.exit_code != 0
+        assert message in bad.output and len(bad.output.strip().splitlines()) == 1

@@ -119,6 +119,8 @@ def test_first_failure_injected_fault_alert_lead_checkpoint_and_rto_phases(repor
     assert first["phases"] == pytest.approx({"failure_to_plan": 1.5, "plan_to_launch": 1.0,
                                              "launch_to_loaded": 22.0, "loaded_to_first_iteration": 0.5})
     assert sum(first["phases"].values()) == pytest.approx(first["rto_seconds"])
+    assert first["fault_to_failure_seconds"] == pytest.approx(0.25)  # injected at 70
+    assert first["rto_from_fault_seconds"] == pytest.approx(25.25)
     assert (first["load_seconds"], first["load_bytes"]) == (1.5, 4096)
     assert first["new_layout"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                                    "data_parallel_size": 3, "num_gpus_used": 3, "gpus": [0, 2, 3], **LAYOUT}
@@ -136,6 +138,7 @@ def test_second_failure_uses_the_device_lost_sample_time_and_only_its_own_window
     # Attempt 3 logs every 5 iterations: 300 ms stands for each of 21..25.
     assert second["phases"]["loaded_to_first_iteration"] == pytest.approx(0.3)
     assert second["rto_seconds"] == pytest.approx(29.5)
+    assert second["rto_from_fault_seconds"] == pytest.approx(30.5)  # the GPU vanished at 119.5
     assert second["new_layout"]["gpus"] == [0, 3] and second["new_layout"]["data_parallel_size"] == 2
     assert report["outcome"] == "complete: iteration 30"
 
@@ -149,6 +152,8 @@ def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):
     assert "failure 2: attempt 2, device_lost on GPU(s) [2]" in text
     assert "  lost iterations    4 (RPO; 0.400 s of training)" in text
     assert "    launch to loaded            22.000 s" in text
+    assert ("  RTO from fault     25.250 s (detection: fault to failure 0.250 s, then the RTO "
+            "above)") in text
     assert "new layout         TP 1 x PP 1 x DP 2, micro-batch 2, global batch 12, GPU(s) [0, 3]" in text
 
 
@@ -168,6 +173,7 @@ def test_last_progress_estimate_without_a_known_fault_time(tmp_path):
                                             "since": "last progress (estimated)"}
     assert failure["lead_time"] is None and failure["lost_iterations"] == 2
     assert failure["rto_seconds"] is None and failure["outcome"] == "gave up: no GPUs left"
+    assert failure["fault_to_failure_seconds"] is None and failure["rto_from_fault_seconds"] is None
     assert "RTO                unknown: gave up: no GPUs left" in result.stdout
     assert not (run_dir / "report.json").exists()
 
@@ -191,6 +197,13 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "launch", "time": 1}\n{"event": "launch", "ti', "line 2 is not a JSON object"),
     ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
     ('[1, 2]\n', "line 1 is not a JSON object"),
+    ('{"event": "launch", "time": 1}\n{"event": "failure", "time": 2, "gpus": 3}\n',
+     'line 2: "gpus" of a failure event must be a list of integers, not 3'),
+    ('{"event": "failure", "time": 2, "gpus": "13"}\n', 'must be a list of integers, not "13"'),
+    ('{"event": "failure", "time": 2, "iteration": "16"}\n', '"iteration" of a failure event'),
+    ('{"event": "risk_alert", "time": 2, "gpu": [1]}\n', '"gpu" of a risk_alert event'),
+    ('{"event": "risk_alert", "time": 2, "reasons": "device_lost"}\n', "a list of strings"),
+    ('{"event": "periodic_save", "time": 2, "started_at": "noon"}\n', "a finite number"),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:

@@ -3,8 +3,9 @@
 Writes into DIR:
 
 * ``summary.csv`` and ``summary.md``: one row per GPU (samples, time span, mean/max
-  temperature, power and utilisation, smallest memory headroom, error counters, max risk,
-  alerts);
+  temperature, power and utilisation, smallest memory headroom, errors new during the trace,
+  max risk, alerts); a value the trace never knew (``[N/A]`` throughout) is an empty CSV
+  cell and ``n/a`` in Markdown and HTML;
 * one PNG per metric with every GPU over time, and ``failure_risk.png`` with the alert
   threshold; when ``events.jsonl`` is beside the CSV, vertical markers for emergency saves,
   failures, plans and launches;
@@ -60,7 +61,8 @@ PLOTTED = (Metric("temperature", "Temperature", "°C"), Metric("power_draw", "Po
            Metric("memory_utilization", "Memory utilisation", "%"),
            Metric("memory_used", "Memory used", "MiB"), Metric("sm_clock", "SM clock", "MHz"),
            Metric(RISK_COLUMN, "Failure risk", "score 0-1"))
-COUNTERS = ("errors", "ecc_sbe", "ecc_dbe")  # cumulative: the largest value is the count
+COUNTERS = ("errors", "ecc_sbe", "ecc_dbe")  # cumulative since the driver loaded
+MISSING = "n/a"  # how a value the trace never knew reads in Markdown and HTML
 NUMERIC = tuple(dict.fromkeys([m.column for m in PLOTTED] + ["memory_total", *COUNTERS]))
 EVENT_STYLES = {  # event -> (legend label, colour, line style, width); grey, so no GPU's colour
     "emergency_save": ("emergency save", "black", "--", 1.4),
@@ -120,6 +122,10 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     if frame.empty:
         raise _fail(f"{csv_path} has no samples with a valid timestamp and gpu_id")
+    fractional = frame["gpu_id"][frame["gpu_id"] % 1 != 0]
+    if not fractional.empty:  # truncating would merge it into another GPU's samples
+        raise _fail(f"{csv_path} has a gpu_id that is not a whole number ({fractional.iloc[0]:g}); "
+                    "expected GPU indices 0, 1, ...")
     frame["gpu_id"] = frame["gpu_id"].astype("int32")
     return frame
 
@@ -161,18 +167,31 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
     if {"memory_total", "memory_used"} <= set(frame):
         headroom = frame["memory_total"] - frame["memory_used"]
         table["memory_headroom_min_mib"] = headroom.groupby(frame["gpu_id"]).min()
-    for column in (*COUNTERS, RISK_COLUMN):
+    for column in COUNTERS:
         if column in frame:
-            table[f"{column}_max"] = by_gpu[column].max()
+            table[f"{column}_new"] = _increase(frame, column)
+    if RISK_COLUMN in frame:
+        table[f"{RISK_COLUMN}_max"] = by_gpu[RISK_COLUMN].max()
     counts, source = _alerts(frame, events, threshold)
     table["alerts"] = counts.reindex(table.index, fill_value=0).astype(int).to_numpy()
     table.index.name = "gpu"
     return table.round(2), source
 
 
+def _increase(frame: pd.DataFrame, counter: str) -> pd.Series:
+    """Per GPU, how much a cumulative counter grew during the trace: its value at the first
+    sample also counts errors from before the trace. Only rises add up, so that a counter
+    reset by a driver reload does not subtract. NaN for a GPU that never reported it."""
+    known = frame.loc[frame[counter].notna(), ["gpu_id", "time", counter]]
+    known = known.sort_values("time", kind="stable")
+    rises = known.groupby("gpu_id")[counter].diff().clip(lower=0)
+    return rises.groupby(known["gpu_id"]).sum().astype("Int64")
+
+
 def to_markdown(table: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table (no extra dependency)."""
-    cells = table.reset_index().astype(str)
+    values = table.reset_index()
+    cells = values.astype(str).mask(values.isna(), MISSING)
     rows = [list(cells.columns), ["---"] * cells.shape[1], *cells.to_numpy().tolist()]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
 
@@ -253,7 +272,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:10
 </head><body>
 <h1>GPU metrics: {html.escape(str(source))}</h1>
 <h2>Per-GPU summary</h2>
-{table.to_html(border=0)}
+{table.to_html(border=0, na_rep=MISSING)}
 <p>alerts: {html.escape(alert_source)}</p>
 {images}
 </body></html>

@@ -25,7 +25,8 @@ which :func:`young_daly_interval_s` gives and the tests check.
 Proactive. A fraction ``recall`` of failures is announced ``lead_s`` before it happens;
 false alarms arrive at ``false_alarm_rate`` per GPU-hour. An alert requests an emergency save,
 which the trainer takes at the next iteration boundary, but not before
-``gap = ceil(gap_frac * save_interval)`` iterations since the last save: an early request is
+``gap = max(1, ceil(gap_frac * save_interval))`` iterations since the last save (gap_frac 0:
+no filter beyond the next iteration): an early request is
 deferred to that point (``save_deferred``), and a periodic save answers it too.
 
 * False alarms cost extra saves. After a save, the next emergency save comes ``max(g, X)``
@@ -87,7 +88,7 @@ class GoodputInputs:
     save_interval: int = 1000
     """Iterations between periodic saves (Megatron's --save-interval)."""
     gap_frac: float = 0.25
-    """Emergency saves wait until ceil(gap_frac * save_interval) iterations since the last save."""
+    """Emergency saves wait max(1, ceil(gap_frac * save_interval)) iterations after a save."""
     run_hours: float = 720.0
     """Failure-free, save-free compute time of the whole run."""
 
@@ -121,11 +122,18 @@ class GoodputInputs:
     @property
     def gap_s(self) -> float:
         """Compute seconds an emergency save waits after the last save (the trainer's rule)."""
-        return max(1, math.ceil(self.gap_frac * self.save_interval)) * self.iteration_s
+        return float(gap_iterations(self.gap_frac, self.save_interval)) * self.iteration_s
 
     def periodic_only(self) -> GoodputInputs:
         """The same run with no predictor: no alerts, no false alarms."""
         return replace(self, recall=0.0, false_alarm_rate=0.0)
+
+
+def gap_iterations(gap_frac, save_interval):
+    """The trainer's gap filter (``minimum_gap`` in megatron/training/save_requests.py): an
+    emergency save waits this many iterations after the last save; at least the next one, so
+    gap_frac 0 turns the filter off. Broadcasts over arrays."""
+    return np.maximum(1, np.ceil(np.multiply(gap_frac, save_interval)))
 
 
 def _finite(value) -> bool:
@@ -219,7 +227,7 @@ def analytic(x: GoodputInputs, save_interval=None, gap_frac=None) -> dict:
     k = np.asarray(x.save_interval if save_interval is None else save_interval, dtype=float)
     frac = np.asarray(x.gap_frac if gap_frac is None else gap_frac, dtype=float)
     cycle = k * x.iteration_s
-    gap = np.maximum(1, np.ceil(frac * k)) * x.iteration_s
+    gap = gap_iterations(frac, k) * x.iteration_s
     block, rate = x.save_block_s, x.failure_rate_s
     extra = false_alarm_saves_per_cycle(*np.broadcast_arrays(cycle, gap), x.false_alarm_rate_s)
     lost = (1 - x.recall) * _expected_loss(x, cycle, gap, extra, announced=False)
@@ -304,7 +312,10 @@ class _Runs:
         cycle = x.save_interval * x.iteration_s
         boundary = (np.floor(p / cycle + 1e-9) + 1) * cycle
         alert = np.where(self.announced, np.maximum(self.next_fail - x.lead_s, t), np.inf)
-        times = np.stack([self.next_fail, alert, self.next_false,
+        # An alarm that came while a save blocked training is heard once training runs again;
+        # taken at its own time it would move progress backwards.
+        false_alarm = np.maximum(self.next_false, t)
+        times = np.stack([self.next_fail, alert, false_alarm,
                           t + boundary - p, t + self.request_at - p,
                           t + x.run_hours * HOUR - p])
         kind = np.argmin(times, axis=0)
@@ -367,10 +378,27 @@ class _Runs:
         self.done |= on[END]
 
 
+MAX_EVENTS_PER_RUN = 1_000_000  # a step costs about 80 us for 200 runs: over a minute
+
+
+def expected_events_per_run(x: GoodputInputs) -> float:
+    """About how many events one simulated run plays: periodic saves, failures, alarms."""
+    cycle_s = x.save_interval * x.iteration_s
+    return x.run_hours * HOUR * (1 / cycle_s + x.failure_rate_s + x.false_alarm_rate_s)
+
+
 def simulate(x: GoodputInputs, runs: int = 200, seed: int = 0,
              max_events: int = 10_000_000) -> dict:
     """Monte Carlo of ``runs`` independent runs; means and the standard error of goodput."""
-    _require(isinstance(runs, int) and runs >= 2, "runs must be an integer >= 2")
+    _require(isinstance(runs, int) and runs >= 2,
+             "runs must be an integer >= 2 (the standard error needs two)")
+    events = expected_events_per_run(x)
+    _require(events <= MAX_EVENTS_PER_RUN,
+             f"the Monte Carlo would play about {events:.2g} events per run, over its limit "
+             f"of {MAX_EVENTS_PER_RUN:.0e} (a periodic save per save_interval x iteration_s "
+             f"= {x.save_interval * x.iteration_s:g} s over {x.run_hours:g} h, plus failures "
+             "and false alarms); lengthen the save interval, shorten run_hours, or skip the "
+             "simulation (--runs 0)")
     state = _Runs(x, runs, np.random.default_rng(seed))
     for _ in range(max_events):
         if state.done.all():
@@ -404,10 +432,9 @@ def table_iii_overhead_s(checkpoint_s: float, gap_frac: float | None,
                          train_iters: int = PAPER_TRAIN_ITERS,
                          save_interval: int = PAPER_SAVE_INTERVAL) -> float:
     """The paper's worst case: alerts never stop and no failure happens, so a save is taken
-    every ``gap_frac * save_interval`` iterations (every ``save_interval`` without a predictor,
+    every gap (:func:`gap_iterations`; every ``save_interval`` without a predictor,
     ``gap_frac=None``); overhead = checkpoints x average checkpoint time."""
-    spacing = save_interval if gap_frac is None else gap_frac * save_interval
-    _require(spacing > 0, "gap_frac * save_interval must be > 0")
+    spacing = save_interval if gap_frac is None else gap_iterations(gap_frac, save_interval)
     return round(train_iters / spacing) * checkpoint_s
 
 

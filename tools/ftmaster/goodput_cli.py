@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from ftmaster import goodput, runfiles
+from ftmaster import goodput, report, runfiles
 from ftmaster.goodput import GoodputInputs
 
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -36,15 +36,12 @@ def _iteration_s(run_dir: Path) -> float | None:
     return _median(times)
 
 
-def _restart_s(events: list[dict], iteration_s: float | None) -> float | None:
-    """Median time from a failure to its first resumed iteration, less that iteration."""
-    gaps, failed_at = [], None
-    for event in events:
-        if event["event"] == "failure":
-            failed_at = event.get("time")
-        elif event["event"] == "resumed" and failed_at is not None:
-            gaps.append(event["time"] - failed_at - (iteration_s or 0.0))
-            failed_at = None
+def _restart_s(failures: list[dict], iteration_s: float | None) -> float | None:
+    """Median time from a fault to its first resumed iteration, less that iteration: the
+    report's RTO plus its detection latency where that is known or estimated, since the
+    model's restart cost runs from the fault."""
+    gaps = [f["rto_seconds"] + (f["detection_latency"]["seconds"] or 0.0) - (iteration_s or 0.0)
+            for f in failures if f["rto_seconds"] is not None]
     return _median([max(gap, 0.0) for gap in gaps])
 
 
@@ -55,14 +52,14 @@ def _save_field(events: list[dict], key: str) -> float | None:
 
 
 def measure(run_dir: Path) -> dict[str, float]:
-    """Inputs found in a run directory: events.jsonl save and restart times, log iteration
-    times. Only what was found is returned."""
-    events = [e for e in runfiles.read_events(run_dir) if isinstance(e.get("time"), (int, float))]
+    """Inputs found in a run directory: events.jsonl save and restart times (read as strictly
+    as ``ftmaster report`` does), log iteration times. Only what was found is returned."""
+    events = report.load_events(run_dir)
     iteration_s = _iteration_s(run_dir)
     found = {"iteration_s": iteration_s,
              "save_block_s": _save_field(events, "seconds"),
              "save_persist_s": _save_field(events, "persist_seconds"),
-             "restart_s": _restart_s(events, iteration_s)}
+             "restart_s": _restart_s(report.failure_reports(run_dir, events), iteration_s)}
     return {name: value for name, value in found.items() if value is not None}
 
 
@@ -119,8 +116,9 @@ def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
                        f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})"]))
     lines.append(_row("goodput at the optimum", [f"{b['goodput']:.4f}" for b in best]))
     young = result["young_daly"]
-    lines += ["", f"Young/Daly sqrt(2 C MTBF_job): {young['save_interval']:.0f} iterations "
-              f"({young['interval_s']:.0f} s of compute between saves)",
+    lines += ["", f"Young/Daly sqrt(2 C MTBF_job), the periodic-only reference: "
+              f"{young['save_interval']:.0f} iterations ({young['interval_s']:.0f} s of compute "
+              "between saves)",
               f"paper-style worst case (an alert every gap, no failure): "
               f"{result['worst_case_save_hours']:.2f} h of saves"]
     return "\n".join(lines)
@@ -157,14 +155,17 @@ def _input_options(command):
               help="Read measured save, iteration and restart times from this run directory.")
 @click.option("--gpu-failure-rate", type=float, default=None,
               help="Failures per GPU-hour; the same as --gpu-mtbf-hours 1/RATE.")
-@click.option("--runs", type=click.IntRange(min=0), default=200, show_default=True,
-              help="Monte Carlo runs (0: analytic model only).")
+@click.option("--runs", type=int, default=200, show_default=True,
+              help="Monte Carlo runs: 0 for the analytic model only, else at least 2.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_input_options
 def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     """Expected goodput, lost work and the best save interval: periodic-only against
     proactive checkpointing, analytic model and Monte Carlo, under Poisson GPU failures."""
+    if runs < 0 or runs == 1:
+        raise click.ClickException(f"--runs must be 0 (analytic model only) or at least 2 (the "
+                                   f"Monte Carlo's standard error needs two runs), not {runs}")
     explicit = {k: v for k, v in given.items() if v is not None}
     if gpu_failure_rate is not None:
         if "gpu_mtbf_hours" in explicit:

@@ -23,13 +23,16 @@ event (``fault_at`` is the moment the fault happened, where it is known):
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
   training restarted from (else the checkpoint's, else 0); ``lost_seconds`` adds up the failed
   attempt's logged iteration times for them.
-* **RTO**: the first ``resumed`` event after the failure minus the failure, in phases
-  failure -> ``plan`` (this includes any ``waiting`` for GPUs), plan -> ``launch``, launch ->
-  checkpoint loaded, loaded -> first resumed iteration. The trainer's log lines carry no clock
-  time, so the loaded moment is estimated as the ``resumed`` time minus the relaunch log's
-  per-iteration times for the iterations after the loaded one (the ``loaded checkpoint``
-  line's own load duration is given as ``load_seconds``). Without those times both of these
-  phases are null.
+* **RTO** (``rto_seconds``): from detection, i.e. the first ``resumed`` event after the
+  failure minus the failure event, in phases failure -> ``plan`` (this includes any
+  ``waiting`` for GPUs), plan -> ``launch``, launch -> checkpoint loaded, loaded -> first
+  resumed iteration. The trainer's log lines carry no clock time, so the loaded moment is
+  estimated as the ``resumed`` time minus the relaunch log's per-iteration times for the
+  iterations after the loaded one (the ``loaded checkpoint`` line's own load duration is
+  given as ``load_seconds``). Without those times both of these phases are null.
+* **RTO from the fault** (``rto_from_fault_seconds``): where ``fault_at`` is known, the RTO
+  plus the detection phase ``fault_to_failure_seconds`` (failure event minus ``fault_at``),
+  the recovery time as FlashRecovery measures it. Null when the fault's time is unknown.
 * **new layout**: the ``plan`` event's fields, with the relaunch's GPUs.
 """
 
@@ -38,10 +41,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -57,6 +61,40 @@ class ReportError(click.ClickException):
 
 
 # ---- inputs ----------------------------------------------------------------------------------
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+class FieldType(NamedTuple):
+    """What an event field must hold: as the error message says it, and as a test."""
+
+    wording: str
+    test: Callable[[Any], bool]
+
+
+INT_OR_NULL = FieldType("an integer or null", lambda v: v is None or _is_int(v))
+NUMBER = FieldType("a finite number", _is_number)
+INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v)))
+STR_LIST = FieldType("a list of strings",
+                     lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
+SAVE_FIELDS = {"iteration": INT_OR_NULL, "started_at": NUMBER}
+# The fields the report computes with, per event: a wrong type would crash it or, worse,
+# silently mislead (a string of GPU digits iterates as characters). Absent is fine.
+FIELD_TYPES = {
+    "launch": {"attempt": INT_OR_NULL},
+    "failure": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL, "gpus": INT_LIST},
+    "resumed": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL},
+    "fault_injected": {"gpu": INT_OR_NULL, "iteration": INT_OR_NULL},
+    "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
+    "save_deferred": {"iteration": INT_OR_NULL},
+    "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
+}
+
 
 def load_events(run_dir: Path) -> list[dict]:
     """Every event, strictly: a report built on a skipped line would silently mislead."""
@@ -83,9 +121,14 @@ def _parse_event(path: Path, number: int, line: str) -> dict:
     except ValueError:
         record = None
     if not (isinstance(record, dict) and isinstance(record.get("event"), str)
-            and isinstance(record.get("time"), (int, float)) and math.isfinite(record["time"])):
+            and _is_number(record.get("time"))):
         raise ReportError(f"{path} line {number} is not a JSON object with a string \"event\" "
                           "and a numeric \"time\"; fix or remove that line")
+    for name, expected in FIELD_TYPES.get(record["event"], {}).items():
+        if name in record and not expected.test(record[name]):
+            raise ReportError(f"{path} line {number}: \"{name}\" of a {record['event']} event "
+                              f"must be {expected.wording}, not {json.dumps(record[name])}; fix "
+                              "or remove that line")
     return record
 
 
@@ -267,6 +310,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, failures: list
     base = restart_from if restart_from is not None else (checkpoint or {}).get("iteration", 0)
     last = failure.get("iteration")
     lost = last - base if isinstance(last, int) else None
+    fault_to_failure = None if fault_at is None else failure["time"] - fault_at
+    rto = recovery["rto_seconds"]
     return {
         "attempt": attempt, "time": failure["time"], "cause": failure.get("cause"),
         "gpus": failure.get("gpus"), "iteration": last, "fault_at": fault_at,
@@ -275,7 +320,10 @@ def failure_report(run_dir: Path, events: list[dict], index: int, failures: list
         "checkpoint": checkpoint, "restarted_from_iteration": restart_from,
         "lost_iterations": lost,
         "lost_seconds": failed_log.seconds_between(base, last) if lost is not None else None,
-        "rto_seconds": recovery["rto_seconds"], "phases": recovery["phases"],
+        "rto_seconds": rto, "phases": recovery["phases"],
+        "fault_to_failure_seconds": fault_to_failure,
+        "rto_from_fault_seconds": (rto + fault_to_failure
+                                   if rto is not None and fault_to_failure is not None else None),
         "load_seconds": relaunch_log.load_seconds, "load_bytes": relaunch_log.load_bytes,
         "resumed": ({k: recovery["resumed"].get(k) for k in ("attempt", "iteration")}
                     if recovery["resumed"] else None),
@@ -329,15 +377,20 @@ def _run_outcome(events: list[dict]) -> str:
     return "no end event (still running, or ftmaster itself was killed)"
 
 
+def failure_reports(run_dir: Path, events: list[dict]) -> list[dict]:
+    """:func:`failure_report` for every failure of ``events`` (from :func:`load_events`)."""
+    failures = [e for e in events if e["event"] == "failure"]
+    return [failure_report(run_dir, events, i, failures) for i in range(len(failures))]
+
+
 def build_report(run_dir: Path) -> dict:
     events = load_events(run_dir)
     start = events[0]["time"]
-    failures = [e for e in events if e["event"] == "failure"]
     return {
         "run_dir": str(run_dir), "start_time": start,
         "timeline": [{"t": e["time"] - start, "event": e["event"], "text": describe(e)}
                      for e in events],
-        "failures": [failure_report(run_dir, events, i, failures) for i in range(len(failures))],
+        "failures": failure_reports(run_dir, events),
         "outcome": _run_outcome(events),
     }
 
@@ -368,6 +421,9 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
     lines.append(f"  RTO                {_s(f['rto_seconds'])} to iteration "
                  f"{f['resumed']['iteration']} (attempt {f['resumed']['attempt']})")
     lines += [f"    {name.replace('_', ' '):<28}{_s(value)}" for name, value in f["phases"].items()]
+    if f["rto_from_fault_seconds"] is not None:
+        lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
+                     f"failure {_s(f['fault_to_failure_seconds'])}, then the RTO above)")
     layout = f["new_layout"]
     if layout is not None:
         lines.append(f"  new layout         TP {layout['tensor_model_parallel_size']} x PP "
