@@ -109,7 +109,8 @@ def test_events_carry_blocking_time_and_bytes(flagged_run):
 def test_emergency_checkpoint_reloads_at_tp1pp1(flagged_run):
     _, save, _, _ = flagged_run
     assert read_tracker(save) == 25
-    result = run_trainer(1, SMALL_GPT + BATCH + ["--train-iters", "26", "--load", str(save)])
+    result = run_trainer(1, SMALL_GPT + BATCH + ["--train-iters", "26", "--load", str(save),
+                                                 "--override-opt-param-scheduler"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert "at iteration 25" in result.stdout and "'tensor_model_parallel_size': 1" in result.stdout
     assert min(iterations(result.stdout)) == 26
@@ -136,5 +137,6 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(tmp_path):
     assert before < started[0] <= after + 2
     assert read_tracker(save) == 4
     assert find_loadable_checkpoint(save).iteration == 4
-    result = run_trainer(1, wider + BATCH + ["--train-iters", "5", "--load", str(save)])
+    result = run_trainer(1, wider + BATCH + ["--train-iters", "5", "--load", str(save),
+                                             "--override-opt-param-scheduler"])
     assert result.returncode == 0 and min(iterations(result.stdout)) == 5, result.stdout[-3000:]

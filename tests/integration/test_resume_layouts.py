@@ -65,6 +65,16 @@ def test_tolerance_discriminates_a_fresh_start(resumed, saved):
     assert abs(fresh[1]["loss"] - reference[7]["loss"]) / reference[7]["loss"] > 0.1
 
 
+def test_tolerance_discriminates_a_resume_without_optimizer_state(resumed, saved):
+    """Adam's moments matter: a model-only resume leaves the 2% band within a few iterations."""
+    reference, _ = resumed["tp2pp2"]
+    bare = iterations(run_trainer(1, SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1)
+                                  + ["--load", str(saved), "--no-load-optim"]).stdout)
+    worst = max(abs(bare[it]["loss"] - reference[it]["loss"]) / reference[it]["loss"]
+                for it in range(7, 13))
+    assert worst > 0.02, worst
+
+
 def test_truncated_newest_checkpoint_falls_back(saved, tmp_path):
     save = tmp_path / "save"
     shutil.copytree(saved, save)
