@@ -33,6 +33,11 @@ Patch points (module: what it assumes -> what we do):
    the CPU generator moves inside a fork; on CPU the forked stream *is* the CPU generator, so
    the warning is expected on every dropout -> that one message is filtered from its logger.
 
+CPU choices made elsewhere, as settings rather than patches: ``training.transformer_config``
+turns off the fused bias/dropout/activation kernels and batched p2p without CUDA, and
+``arguments`` refuses ``--bf16``/``--fp16`` without CUDA (Megatron's mixed-precision
+optimizer keeps its master weights on the GPU).
+
 Patches 1-4 are scoped: each patched module gets its own view of ``torch`` whose ``cuda``
 namespace and tensor factories are redirected, so code elsewhere (and torch itself) is
 untouched.
