@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/emergency_save.py [--nproc 2] [--hidden 256] [--repeats 3]
 
 Prints medians for:
-1. step time with the save-request check enabled (run directory set, no flag) against the
-   check disabled (no run directory, no signal handler), in alternating runs;
+1. step time with nothing watched (no run directory, no signal handler), with the
+   save-request check alone (a flag folder), and with the check plus the run directory's
+   heartbeat, as under ftmaster, in alternating runs (no request is made);
 2. iterations and seconds from writing ``save_now.flag`` to the start of the save;
 3. seconds training is blocked by a sync and by an async save, and the write throughput
    (bytes / seconds until durable) against this disk's sequential fsync'd write speed.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import statistics
 import sys
@@ -40,23 +42,45 @@ def median_step_ms(log: str, skip: int) -> float:
     return statistics.median(entry["elapsed_ms"] for it, entry in logged.items() if it > skip)
 
 
+def overhead_modes(work: Path, repeat: int) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Per mode, the extra arguments and environment: nothing watched; the save-request check
+    alone (a flag folder, no run directory); the check plus the run directory's per-iteration
+    heartbeat, as under ftmaster."""
+    return {
+        "disabled": ([], {}),
+        "check": (["--emergency-save-flag-dir", str(work / f"flags_{repeat}")], {}),
+        "check+heartbeat": ([], {"FTMASTER_RUN_DIR": str(work / f"run_{repeat}")}),
+    }
+
+
 def check_overhead(args, work: Path) -> None:
+    """Each repeat runs every mode once, in a shuffled order; the ratio to the unwatched run of
+    the same repeat pairs away the slow drift of a shared machine, and the spread of those
+    ratios shows how far this machine can resolve a difference at all."""
     base = model_args(args) + ["--train-iters", str(args.iters)]
-    timings, check_us = {"disabled": [], "enabled": []}, []
+    order, timings, check_us = random.Random(0), [], []
     for repeat in range(args.repeats):
-        for mode in ("disabled", "enabled"):
-            env = {"FTMASTER_RUN_DIR": str(work / f"run_{mode}_{repeat}")} if mode == "enabled" else {}
-            result = run_trainer(args.nproc, base, timeout=900, **env)
+        modes = list(overhead_modes(work, repeat).items())
+        order.shuffle(modes)
+        steps = {}
+        for mode, (extra, env) in modes:
+            result = run_trainer(args.nproc, base + extra, timeout=900, **env)
             assert result.returncode == 0, result.stdout[-2000:]
-            timings[mode].append(median_step_ms(result.stdout, skip=5))
+            steps[mode] = median_step_ms(result.stdout, skip=5)
             measured = re.search(r"save-request check: median ([\d.]+) us", result.stdout)
             if measured:
                 check_us.append(float(measured.group(1)))
-            print(f"  {mode:8s} run {repeat}: median step {timings[mode][-1]:.2f} ms", flush=True)
-    disabled, enabled = (statistics.median(timings[m]) for m in ("disabled", "enabled"))
+        timings.append(steps)
+        print(f"  repeat {repeat}: " + ", ".join(f"{m} {steps[m]:.1f} ms" for m, _ in modes), flush=True)
+    disabled = statistics.median(t["disabled"] for t in timings)
+    print(f"step time, nothing watched: median {disabled:.2f} ms over {args.repeats} runs")
+    for mode in [m for m in timings[0] if m != "disabled"]:
+        ratios = sorted(t[mode] / t["disabled"] for t in timings)
+        quartiles = statistics.quantiles(ratios, n=4)
+        print(f"  {mode}: median paired ratio {statistics.median(ratios):.4f} "
+              f"({(statistics.median(ratios) - 1) * 100:+.2f}%), quartiles "
+              f"{(quartiles[0] - 1) * 100:+.2f}% .. {(quartiles[2] - 1) * 100:+.2f}%")
     check = statistics.median(check_us)
-    print(f"step time, check disabled: {disabled:.2f} ms; enabled (no request): {enabled:.2f} ms;"
-          f" ratio {enabled / disabled:.4f} ({(enabled / disabled - 1) * 100:+.2f}%)")
     print(f"the check itself (stat + overlapped gloo all-reduce, timed in the loop): median "
           f"{check:.1f} us per iteration = {check / 1000 / disabled * 100:.3f}% of a step")
 
@@ -90,8 +114,9 @@ def one_request(run_dir: Path, request: int, at_iteration: int) -> dict:
             "bytes": event["bytes"]}
 
 
-def disk_write_speed(directory: Path, size: int) -> float:
+def disk_write_speed(directory: Path, size: float) -> float:
     """Sequential write of ``size`` bytes with fsync, in bytes per second (median of 3)."""
+    size = int(size)  # a median of an even count of byte sizes is a float
     block = os.urandom(1 << 20)
     speeds = []
     for _ in range(3):
@@ -121,7 +146,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--iters", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="overhead repeats (each runs every mode) and emergency saves per mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ftmaster-bench-") as tmp:
         work = Path(tmp)
