@@ -13,7 +13,7 @@ import pytest
 
 from ftmaster import runfiles
 from ftmaster.attempt import attempt_argv, gpu_of_local_rank, read_rank_records, \
-    training_output_tail, visible_devices_env, with_exit_signal_handler
+    training_output_tail, visible_devices_env, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
@@ -247,6 +247,23 @@ def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path
     os.kill(record.pid, signal.SIGKILL)
     assert guard.wait(timeout=20) == 128 + signal.SIGKILL
     assert read_rank_records(tmp_path, 3)[2].exit_code == -signal.SIGKILL
+
+
+def test_a_killed_process_left_a_zombie_is_dead_at_once_a_live_one_is_waited_for():
+    zombie = subprocess.Popen([PY, "-c", "pass"])
+    wait_until(lambda: psutil.Process(zombie.pid).status() == psutil.STATUS_ZOMBIE, 20, what="zombie")
+    sleeper = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    try:
+        started = time.monotonic()
+        wait_until_dead([psutil.Process(zombie.pid)], timeout=10)
+        assert time.monotonic() - started < 1
+        started = time.monotonic()
+        wait_until_dead([psutil.Process(sleeper.pid)], timeout=0.5)
+        assert time.monotonic() - started >= 0.5
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        zombie.wait()
 
 
 def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):

@@ -169,7 +169,7 @@ class Attempt:
         except OSError:
             pass
         self.process.wait()
-        psutil.wait_procs(processes + self._live_processes(), timeout=timeout)
+        wait_until_dead(processes + self._live_processes(), timeout)
 
     def stop(self, deadline_s: float) -> int | None:
         """SIGTERM every rank (they save and exit), wait up to ``deadline_s``, then SIGKILL.
@@ -194,6 +194,25 @@ class Attempt:
         while (len(self.ranks()) < len(self.gpus) and self.process.poll() is None
                and time.monotonic() < deadline):
             time.sleep(0.05)
+
+
+def wait_until_dead(processes: list[psutil.Process], timeout: float, poll_s: float = 0.01) -> None:
+    """Wait until every process has ended; a zombie counts as ended.
+
+    The ranks are not ftmaster's children, so a killed one stays a zombie until init reaps it,
+    and ``psutil.wait_procs`` waits that out (about 2 s, on every recovery). A zombie holds no
+    memory, GPU context or port any more: the next attempt can start.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in processes):
+        time.sleep(poll_s)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:  # is_running() is False for a pid another process reuses; True for a zombie
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def send_signal(pid: int, sig: int) -> None:

@@ -39,7 +39,7 @@ from ftmaster.attempt import (Attempt, send_signal, training_output_tail,
                               with_exit_signal_handler)
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
-from ftmaster.recovery.checkpoints import find_loadable_checkpoint, iteration_dir, list_iterations
+from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import (POLICIES, TERMINAL, State, Trigger, advance, after_failure,
@@ -276,8 +276,10 @@ class Supervisor:
         return Trigger.LAUNCHED
 
     def _resuming(self, command: Sequence[str]) -> list[str]:
+        # The tracker alone, not a validation of the shards: that would import torch here and
+        # add a second to every recovery, and the trainer validates and falls back itself.
         save = flag_value(command[1:], "--save")
-        has_checkpoint = save is not None and find_loadable_checkpoint(Path(save)).iteration is not None
+        has_checkpoint = save is not None and read_tracker(Path(save)) is not None
         resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
         if resumed != list(command):
             log.warning("relaunching with --load %s: the newest checkpoint is there", save)
