@@ -23,13 +23,15 @@ touch "$marker"
 model=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
        --max-position-embeddings 32 --mock-data --vocab-size 100 --make-vocab-size-divisible-by 64
-       --micro-batch-size 2 --global-batch-size 12 --train-iters 30 --lr 1e-2 --min-lr 1e-4
+       --micro-batch-size 2 --global-batch-size 24 --train-iters 30 --lr 1e-2 --min-lr 1e-4
        --lr-warmup-iters 2 --lr-decay-style cosine --log-interval 1 --eval-iters 0
        --save "$run_dir/checkpoints" --save-interval 100 --emergency-save-gap-frac 0.05
        --distributed-timeout-minutes 0.5)
 
+# Iterations 8 to 16 must outlast the alert (a few monitor samples) and the save (two
+# iterations): global batch 24 and a 0.2 s sim interval leave room on fast machines too.
 echo "== ftmaster launch: 4 simulated GPUs, degrade GPU 1 at iteration 8, kill it at 16 =="
-"$py" -m ftmaster.cli launch --nproc-per-node 4 --monitor-backend sim --monitor-interval 0.5 \
+"$py" -m ftmaster.cli launch --nproc-per-node 4 --monitor-backend sim --monitor-interval 0.2 \
     --seed 2 --run-dir "$run_dir/run" \
     --inject degrade:gpu=1,at=iter:8 --inject fail:gpu=1,at=iter:16 \
     -- pretrain_gpt.py "${model[@]}" 2>&1 | grep -E "attempt|alert|checkpoint requested|injected|failed|giving up"
