@@ -287,10 +287,11 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
              f"a weighted --data-path needs WEIGHT PREFIX pairs, got {len(data_path)} values")
     for weight in data_path[0::2]:
         try:
-            _require(float(weight) >= 0, f"--data-path weight {weight} is negative")
+            value = float(weight)
         except ValueError:
             raise ArgumentError(f"--data-path: {weight!r} is not a weight; a weighted list "
                                 f"alternates WEIGHT PREFIX") from None
+        _require(value >= 0, f"--data-path weight {weight} is negative")
     return list(data_path[1::2])
 
 

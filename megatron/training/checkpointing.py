@@ -286,18 +286,18 @@ class Checkpointer:
 
     def _apply(self, loaded: dict, state: TrainingState, with_rng: bool) -> None:
         self.model.load_state_dict(loaded["model"])
-        if not self.args.no_load_optim:
-            # dist_checkpointing hands back the common part of "optimizer" even when the
-            # template left it out, so the flag, not the key, decides.
-            self.optimizer.load_state_dict(loaded["optimizer"])
-            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if with_rng:
             _restore_rng(loaded["rng_state"])
         state.iteration = int(loaded["iteration"])
         state.consumed_train_samples = int(loaded["consumed_train_samples"])
         if self.args.no_load_optim:
             # A fresh optimizer, but the schedule (counted in samples) goes on where it was.
+            # (dist_checkpointing hands back the common part of "optimizer" even when the
+            # template left it out, so the flag, not the key, decides.)
             self.scheduler.step(increment=state.consumed_train_samples)
+        else:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
 def checkpoint_args(load_dir: str | None) -> dict | None:

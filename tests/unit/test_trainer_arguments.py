@@ -72,6 +72,7 @@ def test_real_data_names_its_tokenizer(tmp_path):
 @pytest.mark.parametrize("data_path, message", [
     (["1.0", "a", "2.0"], "needs WEIGHT PREFIX pairs, got 3 values"),
     (["1.0", "a", "b", "c"], "'b' is not a weight"),
+    (["1.0", "a", "-2", "c"], "--data-path weight -2 is negative"),
 ])
 def test_weighted_data_path_must_pair_weights_and_prefixes(data_path, message):
     argv = [a for a in BASE if a != "--mock-data"] + ["--tokenizer-type", "ByteLevelTokenizer",

@@ -13,8 +13,9 @@ Pure: no processes, files or clocks, so every transition and decision is table-t
                            └─signalled─> STOPPING ─stopped─> INTERRUPTED
 
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
-or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if that
-GPU's risk is still critical; a risk that fell back (a false alarm) leaves training running. In the states where no training runs (STARTING and RELAUNCHING
+or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if
+that GPU's risk is still critical; a risk that fell back (a false alarm) leaves training
+running. In the states where no training runs (``IDLE_STATES``: STARTING and RELAUNCHING
 before their launch, FAILED, WAITING, PLANNING) a signal leads straight to INTERRUPTED.
 """
 
@@ -60,6 +61,7 @@ class Trigger(enum.Enum):
 
 
 S, T = State, Trigger
+IDLE_STATES = frozenset({S.STARTING, S.RELAUNCHING, S.FAILED, S.WAITING, S.PLANNING})
 _TRAINING_EXITS = {T.COMPLETED: S.SUCCEEDED, T.FAILURE: S.FAILED, T.SIGNALLED: S.STOPPING}
 TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.STARTING, T.LAUNCHED): S.RUNNING,
@@ -77,8 +79,7 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.PLANNING, T.NO_LAYOUT): S.GAVE_UP,
     (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
     (S.STOPPING, T.STOPPED): S.INTERRUPTED,
-    **{(state, T.SIGNALLED): S.INTERRUPTED
-       for state in (S.STARTING, S.RELAUNCHING, S.FAILED, S.WAITING, S.PLANNING)},
+    **{(state, T.SIGNALLED): S.INTERRUPTED for state in IDLE_STATES},
 }
 TERMINAL = frozenset({S.SUCCEEDED, S.GAVE_UP, S.INTERRUPTED})
 

@@ -42,8 +42,8 @@ from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
-from ftmaster.states import (POLICIES, TERMINAL, State, Trigger, advance, after_failure,
-                             exit_status)
+from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
+                             after_failure, exit_status)
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -154,7 +154,9 @@ class Supervisor:
         state = State.STARTING
         try:
             while state not in TERMINAL:
-                trigger = self._handlers[state]()
+                # A signal where nothing trains needs no handler: nothing to save or stop.
+                idle_stop = state in IDLE_STATES and self._stop_requested.is_set()
+                trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
                 new_state = advance(state, trigger)
                 log.info("%s --%s--> %s", state.value, trigger.value, new_state.value)
                 state = new_state
@@ -258,11 +260,10 @@ class Supervisor:
 
     # -- state handlers ------------------------------------------------------------------------
     def _launch(self) -> Trigger:
-        if self._stop_requested.is_set():
-            return Trigger.SIGNALLED
         plan, gpus = self.plan, self.next_gpus
         number = 1 if self.attempt is None else self.attempt.number + 1
-        command = with_exit_signal_handler(self.config.command if number == 1 else self._resuming(plan.command))
+        command = self.config.command if number == 1 else self._resuming(plan.command)
+        command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
         self.attempt = Attempt(self.run_dir, number, command, gpus)
         self._progress = (None, time.monotonic())
@@ -337,8 +338,6 @@ class Supervisor:
                    for e in runfiles.read_events(self.run_dir))
 
     def _decide(self) -> Trigger:
-        if self._stop_requested.is_set():
-            return Trigger.SIGNALLED
         outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
                                 early_exits_in_row=self.early_exits_in_row,
                                 policy=self.config.policy, lost_gpus=self.lost_gpus())
@@ -379,8 +378,6 @@ class Supervisor:
         self.monitor.exclude_gpus(gpus)
 
     def _plan(self) -> Trigger:
-        if self._stop_requested.is_set():
-            return Trigger.SIGNALLED
         self._retire(set(self.lost_gpus()))
         available = [g for g in self.config.gpus if g not in self.retired]
         try:
