@@ -233,6 +233,7 @@ class Trainer:
             gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
             can_save=args.save is not None)
         self._blocked_seconds: dict[int, float] = {}
+        self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:
@@ -313,7 +314,7 @@ class Trainer:
     def _heartbeat(self) -> None:
         if self.run_dir is not None and torch.distributed.get_rank() == 0:
             runfiles.write_heartbeat(self.run_dir, self.state.iteration,
-                                     self.state.consumed_train_samples)
+                                     self.state.consumed_train_samples, self._first_iteration)
 
     def _after_iteration(self) -> bool:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""
@@ -343,6 +344,7 @@ class Trainer:
         args = self.args
         if args.load:
             self.checkpointer.load(self.state)
+        self._first_iteration = self.state.iteration + 1
         log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
         window_start, window_losses = time.perf_counter(), []
         while self.state.iteration < args.train_iters:

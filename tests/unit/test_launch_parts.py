@@ -150,6 +150,18 @@ def test_a_drain_restarts_without_the_gpu_only_while_its_risk_stays_critical(tmp
     assert (supervisor.attempt.killed, monitor.excluded) == ((True, {1}) if critical else (False, set()))
 
 
+def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tmp_path):
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = StubAttempt()
+    supervisor.attempt.number = 2
+    runfiles.write_heartbeat(tmp_path, iteration=53, consumed_samples=0, first_iteration=52)
+    assert supervisor._track_progress() == 53
+    (resumed,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "resumed"]
+    assert (resumed["attempt"], resumed["iteration"]) == (2, 52)
+
+
 def test_check_layout_derives_a_missing_global_batch_as_megatron_does():
     at = MODEL.index("--global-batch-size")
     plan = check_layout(MODEL[:at] + MODEL[at + 2:], 8, None, None)

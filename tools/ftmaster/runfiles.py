@@ -115,10 +115,15 @@ def read_flag(path: Path) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else {"unreadable": True}
 
 
-def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int) -> None:
-    """Training progress for hang detection; cheap enough to write every iteration."""
+def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
+                    first_iteration: int | None = None) -> None:
+    """Training progress for hang detection; cheap enough to write every iteration.
+
+    ``first_iteration`` is the first iteration this process completed: a reader that polls
+    may first see a later one, and a relaunch's ``resumed`` event needs the first.
+    """
     body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "first_iteration": first_iteration}
     atomic_write_text(heartbeat_path(run_dir), json.dumps(body) + "\n", durable=False)
 
 

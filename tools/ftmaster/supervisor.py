@@ -226,12 +226,15 @@ class Supervisor:
 
     def _track_progress(self) -> int | None:
         """The attempt's last iteration; records progress time and the ``resumed`` event."""
-        iteration = self._heartbeat_iteration()
+        heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
+        iteration = heartbeat.get("iteration")
         last, _ = self._progress
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
             if last is None and self.attempt.number > 1:
-                self._event("resumed", attempt=self.attempt.number, iteration=iteration)
+                # The poll may first see a later iteration than the first one completed.
+                first = heartbeat.get("first_iteration") or iteration
+                self._event("resumed", attempt=self.attempt.number, iteration=first)
         return iteration
 
     def _hung(self) -> bool:
