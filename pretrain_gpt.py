@@ -3,13 +3,22 @@
     python -m torch.distributed.run --nproc-per-node 4 pretrain_gpt.py \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ...
 
-Bad arguments end with one line on stderr and exit status 2, before any process group exists;
-so does a checkpoint that cannot continue under them. Without torchrun it trains as a single
-process.
+Without torchrun it trains as a single process. Expected failures end with one line on
+stderr and an exit status that tells ftmaster what happened (``ftmaster.exit_codes``):
+
+- 2: bad arguments (before any process group exists), or a checkpoint that cannot continue
+  under them;
+- 65: a NaN/Inf loss or gradient norm; nothing was updated or saved;
+- 66: the load folder holds checkpoints and none can be loaded; nothing was changed;
+- 74: the final (or SIGTERM) checkpoint could not be written.
+
+Anything else is recorded in ``$TORCHELASTIC_ERROR_FILE`` (torch elastic's error file, which
+ftmaster reads for the root cause) and raised.
 """
 
 import sys
 
+from ftmaster import exit_codes
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.console import error, error_rank0
 
@@ -19,15 +28,23 @@ def main(argv: list[str]) -> int:
         args = parse_args(argv)
     except ArgumentError as problem:
         error(str(problem))
-        return 2
-    from megatron.training.checkpointing import CheckpointMismatch
-    from megatron.training.training import pretrain  # heavy: imports the model stack
+        return exit_codes.USAGE
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+    from megatron.training.checkpointing import CheckpointMismatch, NoLoadableCheckpoint
+    from megatron.training.nonfinite import NonFiniteLoss
+    from megatron.training.training import FinalSaveFailed, pretrain  # heavy: the model stack
+
+    expected = {CheckpointMismatch: exit_codes.USAGE, NoLoadableCheckpoint: exit_codes.NO_CHECKPOINT,
+                NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE}
     try:
         pretrain(args)
-    except CheckpointMismatch as problem:
+    except tuple(expected) as problem:
         error_rank0(str(problem))
-        return 2
+        return expected[type(problem)]
+    except Exception as unexpected:
+        get_error_handler().record_exception(unexpected)
+        raise
     return 0
 
 

@@ -33,6 +33,7 @@ setup(
         "matplotlib",
         "nvidia-ml-py",
         "regex",
+        "xxhash",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},

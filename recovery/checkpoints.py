@@ -1,25 +1,28 @@
 """Find the newest checkpoint that can really be loaded, in Megatron's layout.
 
-    SAVE/iter_0000010/{*.distcp, .metadata, common.pt, metadata.json}
+    SAVE/iter_0000010/{*.distcp, .metadata, common.pt, metadata.json, ftmaster_save.json}
     SAVE/latest_checkpointed_iteration.txt      written last, by atomic rename
 
-A save that did not finish never moved the tracker, so only iterations at or below the
-tracker's are candidates. A candidate is valid when its files are all there and every shard
-byte range recorded in the torch_dist ``.metadata`` lies inside its file, so a truncated
-shard is caught by a few ``stat`` calls instead of a failed load. When the tracker's
-iteration is invalid, the newest valid older one is used, and the reason is reported.
+A save that did not finish never moved the tracker, so while the tracker is readable only
+iterations at or below it are candidates. An unreadable tracker (garbage, a torn write of an
+older tool) or a missing one beside ``iter_*`` folders is never a fresh start: every folder is
+a candidate, newest first, and the reason is reported.
+
+A candidate is valid when its files are all there, every shard byte range recorded in the
+torch_dist ``.metadata`` lies inside its file, and every file has the size its manifest
+(:mod:`ftmaster.recovery.manifest`) records: a few ``stat`` calls. Comparing checksums reads
+every byte, so the trainer does that itself, spread over its ranks.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from .manifest import read_manifest, size_problem
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
-SAVE_KIND_FILE = "ftmaster_save.json"
-SAVE_KINDS = ("periodic", "emergency", "exit", "final")
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _REQUIRED_FILES = ("common.pt", "metadata.json", ".metadata")
 
@@ -32,12 +35,34 @@ def tracker_path(save_dir: Path) -> Path:
     return Path(save_dir) / TRACKER_NAME
 
 
+@dataclass(frozen=True)
+class TrackerReading:
+    """What the tracker file says: an iteration, nothing (absent), or why it is unusable."""
+
+    iteration: int | None
+    problem: str | None = None
+
+
+def read_tracker_state(save_dir: Path) -> TrackerReading:
+    path = tracker_path(save_dir)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return TrackerReading(None)
+    except (OSError, UnicodeDecodeError) as error:
+        return TrackerReading(None, f"{path} cannot be read ({error})")
+    try:
+        iteration = int(text.strip())
+    except ValueError:
+        iteration = -1
+    if iteration < 0:
+        return TrackerReading(None, f"{path} holds {text.strip()[:40]!r}, not an iteration")
+    return TrackerReading(iteration)
+
+
 def read_tracker(save_dir: Path) -> int | None:
     """The tracker's iteration, or None when it is missing or unreadable."""
-    try:
-        return int(tracker_path(save_dir).read_text().strip())
-    except (OSError, ValueError):
-        return None
+    return read_tracker_state(save_dir).iteration
 
 
 def list_iterations(save_dir: Path) -> list[int]:
@@ -49,6 +74,40 @@ def list_iterations(save_dir: Path) -> list[int]:
     return sorted((int(match.group(1)) for match in found if match), reverse=True)
 
 
+def holds_checkpoints(save_dir: Path) -> bool:
+    """Whether the folder has a tracker or any ``iter_*`` folder: never to be written over."""
+    return tracker_path(save_dir).exists() or bool(list_iterations(save_dir))
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The iterations to try loading, newest first, and what was noticed finding them."""
+
+    save_dir: Path
+    iterations: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+    tracker_iteration: int | None = None
+
+
+def loading_candidates(save_dir: Path) -> Candidates:
+    """Iterations at or below a readable tracker; every folder when the tracker is unusable."""
+    save_dir = Path(save_dir)
+    tracker = read_tracker_state(save_dir)
+    folders = list_iterations(save_dir)
+    if tracker.iteration is None:
+        if not folders:
+            notes = (f"{tracker.problem}; no iter_* folder to fall back on",) if tracker.problem else ()
+            return Candidates(save_dir, (), notes)
+        why = tracker.problem or f"{tracker_path(save_dir)} is missing"
+        return Candidates(save_dir, tuple(folders),
+                          (f"{why}: trying every iter_* folder, newest first",))
+    notes = ()
+    if tracker.iteration not in folders:
+        notes = (f"the tracker names iteration {tracker.iteration}, whose folder is missing",)
+    return Candidates(save_dir, tuple(it for it in folders if it <= tracker.iteration), notes,
+                      tracker.iteration)
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint folder cannot be loaded, or None when it looks complete."""
     path = Path(path)
@@ -57,6 +116,11 @@ def checkpoint_problem(path: Path) -> str | None:
     for name in _REQUIRED_FILES:
         if not (path / name).is_file():
             return f"{name} is missing"
+    manifest = read_manifest(path)
+    if manifest is not None and manifest.files:
+        problem = size_problem(path, manifest)
+        if problem is not None:
+            return problem
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -87,8 +151,8 @@ class CheckpointChoice:
 
     save_dir: Path
     iteration: int | None
-    skipped: tuple[tuple[int, str], ...] = field(default_factory=tuple)
-    tracker_iteration: int | None = None
+    skipped: tuple[tuple[int, str], ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def path(self) -> Path | None:
@@ -96,46 +160,29 @@ class CheckpointChoice:
 
     def describe(self) -> str:
         """One line for the log saying what will be loaded and why."""
-        skipped = "; ".join(f"iter_{it:07d} skipped: {why}" for it, why in self.skipped)
-        prefix = f"{skipped}; " if skipped else ""
+        said = [*self.notes, *(f"iter_{it:07d} skipped: {why}" for it, why in self.skipped)]
+        prefix = "; ".join(said) + "; " if said else ""
         if self.iteration is None:
-            reason = ("no checkpoint tracker" if self.tracker_iteration is None
-                      else "no valid checkpoint")
-            return f"{prefix}{reason} in {self.save_dir}; starting from scratch"
+            return f"{prefix}no loadable checkpoint in {self.save_dir}"
         return f"{prefix}loading iteration {self.iteration} from {self.path}"
 
 
 def find_loadable_checkpoint(save_dir: Path) -> CheckpointChoice:
-    """The newest valid checkpoint at or below the tracker's iteration."""
-    save_dir = Path(save_dir)
-    tracked = read_tracker(save_dir)
-    if tracked is None:
-        return CheckpointChoice(save_dir, None)
+    """The newest candidate whose structure is valid (checksums are not compared here)."""
+    candidates = loading_candidates(save_dir)
     skipped = []
-    if not iteration_dir(save_dir, tracked).is_dir():
-        skipped.append((tracked, "folder is missing"))
-    for iteration in (it for it in list_iterations(save_dir) if it <= tracked):
-        problem = checkpoint_problem(iteration_dir(save_dir, iteration))
+    for iteration in candidates.iterations:
+        problem = checkpoint_problem(iteration_dir(candidates.save_dir, iteration))
         if problem is None:
-            return CheckpointChoice(save_dir, iteration, tuple(skipped), tracked)
+            return CheckpointChoice(candidates.save_dir, iteration, tuple(skipped), candidates.notes)
         skipped.append((iteration, problem))
-    return CheckpointChoice(save_dir, None, tuple(skipped), tracked)
-
-
-def write_save_kind(path: Path, kind: str) -> None:
-    """Record why a checkpoint was taken, so emergency ones can be pruned later."""
-    if kind not in SAVE_KINDS:
-        raise ValueError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
-    (Path(path) / SAVE_KIND_FILE).write_text(json.dumps({"kind": kind}) + "\n")
+    return CheckpointChoice(candidates.save_dir, None, tuple(skipped), candidates.notes)
 
 
 def read_save_kind(path: Path) -> str | None:
     """The recorded kind, or None for a checkpoint ftmaster did not write (never pruned)."""
-    try:
-        kind = json.loads((Path(path) / SAVE_KIND_FILE).read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return kind if kind in SAVE_KINDS else None
+    manifest = read_manifest(path)
+    return None if manifest is None else manifest.kind
 
 
 def prunable_emergency_checkpoints(save_dir: Path, keep: int) -> list[int]:

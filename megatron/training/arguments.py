@@ -73,6 +73,10 @@ def _add_training_args(parser):
     group.add_argument("--adam-beta1", type=float, default=0.9)
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="do not stop an iteration whose loss or gradient norm is NaN/Inf "
+                            "before its update (the check is on by default, as in Megatron-LM)")
     group.add_argument("--exit-interval", type=int, default=None,
                        help="exit (after a checkpoint, with --save) when the iteration is a "
                             "multiple of this")

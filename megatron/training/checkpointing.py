@@ -5,19 +5,41 @@ A checkpoint holds the model and optimizer as sharded tensors (resharded on load
 args and layout. RNG states are per (PP, TP) rank; they are restored only when the layout is
 unchanged, because a new layout has different ranks and a stale stream would be wrong.
 
-The tracker ``latest_checkpointed_iteration.txt`` is written by rank 0 after every rank's
-shards are on disk: after a barrier for a synchronous save, and in the finalize step (which
-megatron-core runs only once all ranks agree their writers finished) for an async save.
+**Saving never kills training.** A save follows ``dist_checkpointing.save`` step by step
+(preprocess, ``common.pt`` on rank 0, the sharded async request, ``metadata.json``) so that
+no step raises on one rank while the others wait in a collective: each rank records its own
+problem, every rank goes through the same collectives, and one agreement at the end decides.
+When every rank succeeded, rank 0 writes the manifest (``ftmaster_save.json``: a checksum
+per file, each taken as its bytes were written, see :mod:`checksums`) and then moves the
+tracker ``latest_checkpointed_iteration.txt``; otherwise the partial folder is removed and
+the failure is reported (``save_failed``) while training goes on. For an async save the same
+happens in the finalize step, which megatron-core runs once every rank's writer is done.
+
+**Loading falls back.** Candidates come newest first (an unreadable tracker means every
+``iter_*`` folder is one). Each is checked for structure (rank 0, a few ``stat`` calls), then
+for checksums (the files spread over the ranks), then loaded; a candidate that fails any of
+these on any rank is skipped by all ranks, with one line and a ``checkpoint_skipped`` event,
+and the next older one is tried. When none can be loaded, the run stops and nothing on disk
+is touched. Checkpoints above the one loaded are a discarded timeline: they are moved aside
+before any new save could mix with them.
+
+The agreements run on a gloo group of their own (CPU tensors, never a GPU stream).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import io
+import json
 import multiprocessing
 import os
 import random
+import re
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from functools import partial
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Callable
@@ -25,41 +47,96 @@ from typing import Callable
 import numpy
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
-from megatron.core.dist_checkpointing.serialization import (
-    get_default_load_sharded_strategy,
-    get_default_save_sharded_strategy,
-)
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster.guard import die_with_parent
 from ftmaster.recovery.checkpoints import (
-    CheckpointChoice,
+    checkpoint_problem,
     find_loadable_checkpoint,
+    holds_checkpoints,
     iteration_dir,
+    list_iterations,
+    loading_candidates,
+    read_tracker,
     tracker_path,
-    write_save_kind,
+)
+from ftmaster.recovery.manifest import (
+    FileDigest,
+    Manifest,
+    digest_bytes,
+    digest_file,
+    digest_problem,
+    read_manifest,
+    write_manifest,
 )
 from ftmaster.runfiles import atomic_write_text
 
+from . import checksums
 from .console import log_rank0
 
 CHECKPOINT_VERSION = 3.0
+COMMON_FILE = "common.pt"
+CONFIG_FILE = "metadata.json"
+DCP_METADATA_FILE = ".metadata"
 _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+_OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^\n']+?)(?:: '([^']+)')?(?:$|\n|')")
 
+# torch's CheckpointException (a write or read failure gathered from any rank) derives from
+# BaseException, not Exception.
+CHECKPOINT_ERRORS = (Exception, CheckpointException)
 
-def directory_bytes(path: Path) -> int:
-    return sum(entry.stat().st_size for entry in Path(path).rglob("*") if entry.is_file())
+EventSink = Callable[..., None]
+"""``event(name, **fields)``: appends to the run's events (rank 0 only; may be a no-op)."""
 
 
 def layout_of(args: argparse.Namespace) -> dict[str, int]:
     return {key: getattr(args, key) for key in _LAYOUT_KEYS}
 
 
+def describe_error(error: BaseException) -> str:
+    """One line for a failed read or write; an OS error by its errno name, e.g.
+    ``ENOSPC (No space left on device)``, wherever in the exception it is buried (writer
+    failures reach rank 0 as text inside a CheckpointException)."""
+    text = f"{type(error).__name__}: {error}"
+    found = _OS_ERROR.search(text)
+    if found:
+        number, message, filename = int(found.group(1)), found.group(2).strip(), found.group(3)
+        name = errno.errorcode.get(number, f"errno {number}")
+        return f"{name} ({message})" + (f" on {filename}" if filename else "")
+    return text.strip().splitlines()[0][:300]
+
+
+# ---- agreement on the control group ---------------------------------------------------------
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def broadcast_from_rank0(value, group):
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def first_problem(problem: str | None, group) -> str | None:
+    """Every rank's problem (None: fine) in; the lowest rank's problem out, on every rank."""
+    every = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(every, problem, group=group)
+    return next((p for p in every if p is not None), None)
+
+
+# ---- RNG ------------------------------------------------------------------------------------
 def _rng_sharded_object() -> ShardedObject:
     state = {
         "random_rng_state": random.getstate(),
@@ -117,6 +194,10 @@ class CheckpointMismatch(Exception):
     """The checkpoint cannot continue under these arguments; the message says what to pass."""
 
 
+class NoLoadableCheckpoint(Exception):
+    """The load folder holds checkpoints and none of them can be loaded; nothing was touched."""
+
+
 def schedule_differences(saved: dict, current: dict) -> list[str]:
     """The LR/WD schedule settings in which a checkpoint and the arguments differ (the step
     count is progress, not a setting)."""
@@ -134,28 +215,185 @@ class TrainingState:
 
 @dataclass(frozen=True)
 class DurableSave:
-    """A checkpoint whose shards are all on disk and which the tracker now names."""
+    """A checkpoint whose files are all on disk and which the tracker now names."""
 
     iteration: int
     path: Path
-    kind: str  # periodic, emergency, exit or final: see ``SAVE_KINDS``
+    kind: str  # periodic, emergency, exit or final: see manifest.SAVE_KINDS
     started_at: float  # unix time the save began
     seconds_to_durable: float
     bytes: int
+    hash_seconds: float  # summed over the ranks' writers
+    write_seconds: float  # the same writers' time from open to close, summed
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """A save that did not complete: the previous checkpoint stays the newest."""
+
+    iteration: int
+    path: Path
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _RankReport:
+    """What one rank sends to rank 0 when a save ends."""
+
+    problem: str | None
+    shards: dict[str, checksums.ShardDigest]
+
+
+def _write_durably(path: Path, data: bytes | memoryview) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+class _Save:
+    """One checkpoint being written; see the module docstring for the protocol."""
+
+    def __init__(self, checkpointer: "Checkpointer", iteration: int, kind: str,
+                 on_durable: Callable[[DurableSave], None] | None) -> None:
+        self.checkpointer = checkpointer
+        self.group = checkpointer.group
+        self.iteration, self.kind, self.on_durable = iteration, kind, on_durable
+        self.path = iteration_dir(Path(checkpointer.args.save), iteration)
+        self.started_at, self.start = time.time(), time.perf_counter()
+        self.problem: str | None = None
+        self.own_shards: list[str] = []
+        self.small_files: dict[str, FileDigest] = {}  # written by rank 0 from memory
+
+    def note(self, what: str, error: BaseException) -> None:
+        if self.problem is None:
+            self.problem = f"{what}: {describe_error(error)}"
+
+    # -- preparation (all ranks, in the training thread) --
+    def request(self, sharded_state_dict: dict):
+        """The async request that writes the shards, with our finalize steps; None if even
+        the folder could not be made (already reported)."""
+        made = broadcast_from_rank0(self._make_folder() if _rank() == 0 else None, self.group)
+        if made is not None:
+            self.problem = made
+            self.commit()
+            return None
+        strategy = self.checkpointer.save_strategy()
+        sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)
+        if _rank() == 0:
+            self._write_small_file(COMMON_FILE, self._serialized(common))
+        request = strategy.async_save(sharded_part, self.path)
+        if request.async_fn is not None:
+            self.own_shards = [name for _, name, _ in request.async_fn_args[1]]
+        return request._replace(
+            async_fn=None if request.async_fn is None else partial(checksums.write_with_digests,
+                                                                    request.async_fn),
+            finalize_fns=[*(partial(self._guarded, fn) for fn in request.finalize_fns),
+                          partial(self._write_config, strategy), self.commit])
+
+    def _make_folder(self) -> str | None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            return f"creating {self.path}: {describe_error(error)}"
+        return None
+
+    @staticmethod
+    def _serialized(common: dict) -> memoryview:
+        buffer = io.BytesIO()
+        torch.save(common, buffer)
+        return buffer.getbuffer()
+
+    def _write_small_file(self, name: str, data: bytes | memoryview) -> None:
+        try:
+            _write_durably(self.path / name, data)
+            self.small_files[name] = digest_bytes(data)
+        except OSError as error:
+            self.note(f"writing {name}", error)
+
+    # -- finalization (all ranks, once every writer is done) --
+    def _guarded(self, finalize: Callable[[], None]) -> None:
+        try:
+            finalize()
+        except CHECKPOINT_ERRORS as error:  # recorded; the agreement in commit() decides for all
+            self.note("finishing the shards", error)
+
+    def _write_config(self, strategy) -> None:
+        if _rank() == 0:
+            config = CheckpointingConfig(strategy.backend, strategy.version)
+            self._write_small_file(CONFIG_FILE, json.dumps(asdict(config)).encode())
+
+    def _own_report(self) -> _RankReport:
+        shards = {}
+        for name in self.own_shards:
+            try:
+                shards[name] = checksums.read_shard_digest(self.path / name)
+            except (OSError, ValueError, KeyError) as error:
+                self.note(f"reading the digest of {name}", error)
+        return _RankReport(self.problem, shards)
+
+    def commit(self) -> None:
+        """The agreement: rank 0 gathers every rank's outcome, commits or cleans up, and tells
+        every rank, so that all of them count the same checkpoints."""
+        report = self._own_report()
+        reports = [None] * torch.distributed.get_world_size() if _rank() == 0 else None
+        torch.distributed.gather_object(report, reports, dst=0, group=self.group)
+        outcome = self._decide(reports) if _rank() == 0 else None
+        outcome = broadcast_from_rank0(outcome, self.group)
+        self.checkpointer.saved(self, outcome)
+
+    def _decide(self, reports: list[_RankReport]):
+        """Rank 0: the durable save, or the failure's reason."""
+        problem = next((f"rank {rank}: {r.problem}" for rank, r in enumerate(reports)
+                        if r.problem), None)
+        if problem is None:
+            try:
+                return self._write_manifest_and_tracker(reports)
+            except OSError as error:
+                problem = f"rank 0: committing: {describe_error(error)}"
+        self._remove_partial_folder()
+        return SaveFailure(self.iteration, self.path, self.kind, problem)
+
+    def _write_manifest_and_tracker(self, reports: list[_RankReport]) -> DurableSave:
+        shards = {name: shard for r in reports for name, shard in r.shards.items()}
+        files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
+                 DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
+        write_manifest(self.path, self.kind, self.iteration, files)
+        atomic_write_text(tracker_path(self.path.parent), f"{self.iteration}\n")
+        return DurableSave(self.iteration, self.path, self.kind, self.started_at,
+                           time.perf_counter() - self.start,
+                           sum(d.bytes for d in files.values()),
+                           sum(s.hash_seconds for s in shards.values()),
+                           sum(s.write_seconds for s in shards.values()))
+
+    def _remove_partial_folder(self) -> None:
+        # Never one the tracker names: that is a complete checkpoint.
+        if read_tracker(self.path.parent) != self.iteration:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 class Checkpointer:
-    """Saves and loads checkpoints for one model chunk, its optimizer and its scheduler."""
+    """Saves and loads checkpoints for one model chunk, its optimizer and its scheduler.
 
-    def __init__(self, args, model, optimizer, scheduler):
+    ``group`` is the gloo group the agreements run on; ``event`` records run events (rank 0).
+    """
+
+    def __init__(self, args, model, optimizer, scheduler, group, event: EventSink) -> None:
         self.args = args
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.group = group
+        self.event = event
         self.async_queue = AsyncCallsQueue() if args.async_save else None
         self.last_saved_iteration: int | None = None
+        """The newest checkpoint, counting a save in flight (what the gap filter counts from)."""
+        self.last_durable_iteration: int | None = None
+        self._on_failed: Callable[[SaveFailure], None] | None = None
         if args.save:
             _start_writer_results_queue()
+            checksums.install()
 
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
@@ -180,49 +418,52 @@ class Checkpointer:
         return sharded
 
     def save(self, state: TrainingState, kind: str,
-             on_durable: Callable[[DurableSave], None] | None = None) -> float:
+             on_durable: Callable[[DurableSave], None] | None = None,
+             on_failed: Callable[[SaveFailure], None] | None = None) -> float:
         """Save at ``state.iteration``; returns the seconds training was blocked.
 
-        ``on_durable`` runs on rank 0 once every shard is on disk and the tracker moved:
-        before this returns for a synchronous save, in a later ``finalize_async`` otherwise.
+        ``on_durable`` runs on rank 0 once every file is written and the tracker moved;
+        ``on_failed`` on every rank when the save did not complete. Either runs before this
+        returns for a synchronous save, in a later ``finalize_async`` otherwise.
         """
-        path = iteration_dir(Path(self.args.save), state.iteration)
-        if torch.distributed.get_rank() == 0:
-            path.mkdir(parents=True, exist_ok=True)
-        torch.distributed.barrier()
-        started_at, start = time.time(), time.perf_counter()
-        request = dist_checkpointing.save(
-            self._state_dict(state, is_loading=False, with_rng=True), str(path),
-            sharded_strategy=self._save_strategy(), async_sharded_save=self.async_queue is not None)
-        finalize = self._finalizer(state.iteration, path, kind, started_at, start, on_durable)
-        if request is None:
-            torch.distributed.barrier()
-            finalize()
-        else:
-            request.add_finalize_fn(finalize)
-            self.async_queue.schedule_async_request(request)
+        start = time.perf_counter()
+        self._on_failed = on_failed
+        save = _Save(self, state.iteration, kind, on_durable)
         self.last_saved_iteration = state.iteration
+        request = save.request(self._state_dict(state, is_loading=False, with_rng=True))
+        if request is not None:
+            if self.async_queue is None:
+                request.execute_sync()
+            else:
+                self.async_queue.schedule_async_request(request)
         return time.perf_counter() - start
 
-    def _save_strategy(self):
+    def save_strategy(self):
         strategy = get_default_save_sharded_strategy("torch_dist")
         return FullyParallelSaveStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
-    def _finalizer(self, iteration, path, kind, started_at, start, on_durable):
-        def finalize() -> None:
-            if torch.distributed.get_rank() != 0:
-                return
-            write_save_kind(path, kind)
-            atomic_write_text(tracker_path(Path(self.args.save)), f"{iteration}\n")
-            done = DurableSave(iteration, path, kind, started_at, time.perf_counter() - start,
-                               directory_bytes(path))
-            log_rank0(f"saved {kind} checkpoint at iteration {iteration} to {path} in "
-                      f"{done.seconds_to_durable:.3f} s ({done.bytes} bytes)")
-            if on_durable is not None:
-                on_durable(done)
-
-        return finalize
+    def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:
+        """Every rank, when a save ends: count it, or forget it and say why."""
+        if isinstance(outcome, DurableSave):
+            self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
+            if _rank() == 0:
+                log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
+                          f"{outcome.path} in {outcome.seconds_to_durable:.3f} s "
+                          f"({outcome.bytes} bytes)")
+                if save.on_durable is not None:
+                    save.on_durable(outcome)
+            return
+        if self.last_saved_iteration == outcome.iteration:
+            self.last_saved_iteration = self.last_durable_iteration
+        log_rank0(f"error: {outcome.kind} checkpoint at iteration {outcome.iteration} not saved "
+                  f"to {outcome.path}: {outcome.reason}; the newest checkpoint is still "
+                  + (f"iteration {self.last_durable_iteration}" if self.last_durable_iteration
+                     else "none"))
+        self.event("save_failed", iteration=outcome.iteration, kind=outcome.kind, tier="disk",
+                   path=str(outcome.path), reason=outcome.reason)
+        if self._on_failed is not None:
+            self._on_failed(outcome)
 
     def finalize_async(self, blocking: bool = False) -> None:
         """Finish async saves whose writers are done on every rank (all ranks call this)."""
@@ -236,29 +477,90 @@ class Checkpointer:
 
     # ---- loading ------------------------------------------------------------------------
     def load(self, state: TrainingState) -> bool:
-        """Load the newest valid checkpoint under ``--load``; False when starting fresh."""
-        choice = self._agreed_choice()
-        log_rank0(choice.describe())
-        if choice.iteration is None:
+        """Load the newest checkpoint under ``--load`` that loads on every rank; False when
+        there is none at all (a fresh start). NoLoadableCheckpoint when some exist and every
+        one fails."""
+        candidates = broadcast_from_rank0(
+            loading_candidates(Path(self.args.load)) if _rank() == 0 else None, self.group)
+        for note in candidates.notes:
+            log_rank0(f"warning: {note}")
+        skipped = []
+        for iteration in candidates.iterations:
+            path = iteration_dir(candidates.save_dir, iteration)
+            problem = self._load_from(path, state)
+            if problem is None:
+                self._set_aside_newer(state.iteration)
+                return True
+            skipped.append(f"iter_{iteration:07d}: {problem}")
+            log_rank0(f"warning: skipping checkpoint {path}: {problem}")
+            self.event("checkpoint_skipped", iteration=iteration, path=str(path), reason=problem)
+        if not skipped:
+            log_rank0(f"no checkpoint in {candidates.save_dir}; starting from scratch")
             return False
+        message = (f"no checkpoint in {candidates.save_dir} can be loaded ({'; '.join(skipped)}); "
+                   f"nothing was changed: repair or move them, or give another --load")
+        self.event("load_failed", path=str(candidates.save_dir), reason=message)
+        raise NoLoadableCheckpoint(message)
+
+    def _load_from(self, path: Path, state: TrainingState) -> str | None:
+        """Load ``path`` on every rank, or the reason it cannot be (the same on every rank)."""
+        checked = broadcast_from_rank0(
+            (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
+        problem, manifest = checked
+        if problem is None and manifest is not None and manifest.files:
+            problem = self._checksum_problem(path, manifest)
+        if problem is not None:
+            return problem
         start = time.perf_counter()
-        common = dist_checkpointing.load_common_state_dict(str(choice.path))
+        common = None
+        try:
+            common = dist_checkpointing.load_common_state_dict(str(path))
+        except CHECKPOINT_ERRORS as error:
+            problem = f"{COMMON_FILE}: {describe_error(error)}"
+        problem = first_problem(problem, self.group)
+        if problem is not None:
+            return problem
         if not self.args.no_load_optim:
             self._check_schedule(common.get("opt_param_scheduler", {}))
         same_layout = common.get("layout") == layout_of(self.args)
         with_rng = same_layout and not self.args.no_load_rng
-        template = self._state_dict(state, is_loading=True, with_rng=with_rng,
-                                    with_optimizer=not self.args.no_load_optim)
-        loaded = dist_checkpointing.load(template, str(choice.path),
-                                         sharded_strategy=self._load_strategy(choice.path))
-        self._apply(loaded, state, with_rng)
-        seconds = time.perf_counter() - start
-        log_rank0(f"loaded checkpoint from {choice.path} at iteration {state.iteration} in "
-                  f"{seconds:.3f} s ({directory_bytes(choice.path)} bytes); layout "
+        try:
+            template = self._state_dict(state, is_loading=True, with_rng=with_rng,
+                                        with_optimizer=not self.args.no_load_optim)
+            loaded = dist_checkpointing.load(template, str(path),
+                                             sharded_strategy=self._load_strategy(path))
+            self._apply(loaded, state, with_rng)
+        except CHECKPOINT_ERRORS as error:
+            problem = describe_error(error)
+        problem = first_problem(problem, self.group)
+        if problem is None:
+            self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start)
+        return problem
+
+    def _checksum_problem(self, path: Path, manifest: Manifest) -> str | None:
+        """Every file's checksum, the files spread over the ranks so each reads a share."""
+        names = sorted(manifest.files)
+        mine = names[_rank()::torch.distributed.get_world_size()]
+        return first_problem(digest_problem(path, manifest, mine), self.group)
+
+    def _loaded(self, path: Path, state: TrainingState, common: dict, with_rng: bool,
+                manifest: Manifest | None, seconds: float) -> None:
+        size = manifest.total_bytes if manifest and manifest.files else None
+        log_rank0(f"loaded checkpoint from {path} at iteration {state.iteration} in "
+                  f"{seconds:.3f} s ({size if size is not None else 'unknown'} bytes); layout "
                   f"{common.get('layout')} -> {layout_of(self.args)}"
                   + ("" if with_rng else "; RNG state not restored"))
-        self.last_saved_iteration = state.iteration
-        return True
+        self.event("checkpoint_loaded", iteration=state.iteration, path=str(path),
+                   seconds=round(seconds, 4), bytes=size)
+        self.last_saved_iteration = self.last_durable_iteration = state.iteration
+
+    def _set_aside_newer(self, iteration: int) -> None:
+        """Rank 0: checkpoints above the one resumed from belong to a discarded timeline; a
+        new save at the same iteration must not mix with their files, nor a later load pick
+        them. They are renamed, not deleted, and the tracker comes back to ``iteration``."""
+        if _rank() == 0 and self.args.save:
+            set_aside_newer(Path(self.args.save), iteration)
+        torch.distributed.barrier(group=self.group)
 
     def _check_schedule(self, saved: dict) -> None:
         """Megatron-LM's rule: a resume keeps the schedule unless told which one to follow,
@@ -271,13 +573,6 @@ class Checkpointer:
                 f"the learning-rate schedule differs from the checkpoint's ({'; '.join(differences)}): "
                 f"pass --override-opt-param-scheduler to follow the arguments, or "
                 f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
-
-    def _agreed_choice(self) -> CheckpointChoice:
-        """Rank 0 looks on disk once; every rank loads the same iteration."""
-        choice = [find_loadable_checkpoint(Path(self.args.load))
-                  if torch.distributed.get_rank() == 0 else None]
-        torch.distributed.broadcast_object_list(choice, src=0)
-        return choice[0]
 
     def _load_strategy(self, path: Path):
         strategy = get_default_load_sharded_strategy(str(path))
@@ -294,10 +589,39 @@ class Checkpointer:
             # A fresh optimizer, but the schedule (counted in samples) goes on where it was.
             # (dist_checkpointing hands back the common part of "optimizer" even when the
             # template left it out, so the flag, not the key, decides.)
+            self.scheduler.num_steps = 0
             self.scheduler.step(increment=state.consumed_train_samples)
         else:
             self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
+    """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` and
+    bring the tracker back to ``iteration``; returns the new names."""
+    moved = []
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    for newer in (it for it in list_iterations(save_dir) if it > iteration):
+        old = iteration_dir(save_dir, newer)
+        new = old.with_name(f"{old.name}.discarded-{stamp}")
+        old.rename(new)
+        moved.append(new)
+        log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration {iteration}, "
+                  f"from a discarded timeline")
+    tracked = read_tracker(save_dir)
+    if tracked is not None and tracked > iteration:
+        atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+    return moved
+
+
+def refuse_fresh_start_over(save_dir: str | None) -> None:
+    """A run that starts from scratch must never write over a folder holding checkpoints."""
+    if save_dir and holds_checkpoints(Path(save_dir)):
+        newest = list_iterations(Path(save_dir))[:3]
+        held = ", ".join(f"iter_{it:07d}" for it in newest) or "a tracker"
+        raise CheckpointMismatch(
+            f"--save {save_dir} already holds checkpoints ({held}) and none was loaded: pass "
+            f"--load {save_dir} to resume from them, or give an empty --save folder")
 
 
 def checkpoint_args(load_dir: str | None) -> dict | None:
@@ -307,4 +631,7 @@ def checkpoint_args(load_dir: str | None) -> dict | None:
     choice = find_loadable_checkpoint(Path(load_dir))
     if choice.iteration is None:
         return None
-    return dist_checkpointing.load_common_state_dict(str(choice.path)).get("args")
+    try:
+        return dist_checkpointing.load_common_state_dict(str(choice.path)).get("args")
+    except Exception:  # a broken common.pt is the load's to report, with its fallback
+        return None

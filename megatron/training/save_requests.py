@@ -66,7 +66,7 @@ class SaveRequests:
     """Local triggers plus the collective that turns them into one decision on every rank."""
 
     def __init__(self, flag_path: Path | None, handle_sigterm: bool, gap_frac: float,
-                 save_interval: int | None, can_save: bool):
+                 save_interval: int | None, can_save: bool, group=None):
         self.flag_path = flag_path
         self.handle_sigterm = handle_sigterm
         self.gap = minimum_gap(gap_frac, save_interval)
@@ -77,11 +77,11 @@ class SaveRequests:
         self._deferral_reported = False
         self._buffer = torch.zeros(2, dtype=torch.int32)
         self._pending_work = None
-        self._group = None
+        self._group = group
         # Seconds the loop spent on the check per iteration (sampling, issuing, waiting).
         self.check_seconds: collections.deque[float] = collections.deque(maxlen=4096)
-        if self.active:
-            # A CPU group of its own: the agreement never waits on a GPU stream.
+        if self.active and group is None:
+            # A CPU group: the agreement never waits on a GPU stream.
             self._group = torch.distributed.new_group(backend="gloo")
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)

@@ -34,11 +34,23 @@ from ftmaster.recovery.checkpoints import iteration_dir, prunable_emergency_chec
 
 from . import cpu_compat
 from .arguments import padded_vocab_size
-from .checkpointing import Checkpointer, DurableSave, TrainingState, checkpoint_args
+from .checkpointing import (
+    Checkpointer,
+    DurableSave,
+    SaveFailure,
+    TrainingState,
+    checkpoint_args,
+    refuse_fresh_start_over,
+)
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import MicroBatches, build_datasets, needs_data
+from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step, nan_injection_iterations
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
+
+
+class FinalSaveFailed(Exception):
+    """The checkpoint at the end of training (or on SIGTERM) could not be written."""
 
 
 # ---- initialisation -----------------------------------------------------------------------
@@ -224,16 +236,23 @@ class Trainer:
         self._connect_schedule_hooks()
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
         self.state = TrainingState()
-        self.checkpointer = Checkpointer(args, self.module, self.optimizer, self.scheduler)
+        # One CPU group for every agreement the loop makes (save requests, the NaN guard,
+        # the outcome of each save and load): none of them ever waits on a GPU stream.
+        self.control_group = torch.distributed.new_group(backend="gloo")
+        self.checkpointer = Checkpointer(args, self.module, self.optimizer, self.scheduler,
+                                         self.control_group, self._event)
         self.num_micro_batches = args.global_batch_size // (
             args.micro_batch_size * parallel_state.get_data_parallel_world_size())
         self.forward_backward = get_forward_backward_func()
         self.requests = SaveRequests(
             flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
             gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
-            can_save=args.save is not None)
+            can_save=args.save is not None, group=self.control_group)
+        self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
+        self.poison_at = nan_injection_iterations(int(os.environ.get("LOCAL_RANK", "0")))
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
+        self._final_save_failure: SaveFailure | None = None
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:
@@ -252,6 +271,8 @@ class Trainer:
                             self.num_micro_batches)
 
     def train_step(self) -> float | None:
+        """One iteration; NonFiniteLoss (on every rank, before any update) when the guard
+        finds a NaN or Inf."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self.forward_backward(
@@ -260,10 +281,13 @@ class Trainer:
             model=[self.model], num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
-        update_successful, _, _ = self.optimizer.step()
-        if update_successful:  # fp16 skips a step whose gradients overflowed; so does the LR
+        loss = _average_loss(losses)
+        iteration = self.state.iteration + 1
+        if guarded_step(self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
+                        poison=iteration in self.poison_at):
+            # fp16 skips a step whose gradients overflowed; so does the LR
             self.scheduler.step(increment=self.args.global_batch_size)
-        return _average_loss(losses)
+        return loss
 
     def evaluate(self) -> None:
         consumed = self.state.iteration // self.args.eval_interval * self.args.eval_iters
@@ -289,11 +313,21 @@ class Trainer:
             runfiles.append_event(self.run_dir, name, **fields)
 
     def save(self, kind: str) -> None:
-        blocked = self.checkpointer.save(self.state, kind, on_durable=self._on_durable)
+        blocked = self.checkpointer.save(self.state, kind, on_durable=self._on_durable,
+                                         on_failed=self._on_save_failed)
         if self.checkpointer.async_queue is not None:
             self._blocked_seconds[self.state.iteration] = blocked
             log_rank0(f"async {kind} save at iteration {self.state.iteration} started; "
                       f"training blocked {blocked:.3f} s")
+
+    def _on_save_failed(self, failure: SaveFailure) -> None:
+        """Every rank: training goes on; an answered request is not asked again (the
+        monitor asks anew if the GPU stays critical); the end of training must say so."""
+        self._blocked_seconds.pop(failure.iteration, None)
+        if torch.distributed.get_rank() == 0:
+            self.requests.consume()
+        if failure.kind in ("final", "exit") or failure.iteration == self.args.train_iters:
+            self._final_save_failure = failure  # no second try at the same iteration
 
     def _on_durable(self, done: DurableSave) -> None:
         """Rank 0, once a checkpoint is complete on disk: event, flag, storage."""
@@ -301,7 +335,9 @@ class Trainer:
         self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
                     iteration=done.iteration, seconds=round(blocked, 4), bytes=done.bytes,
                     persist_seconds=round(done.seconds_to_durable, 4),
-                    started_at=round(done.started_at, 4), kind=done.kind)
+                    started_at=round(done.started_at, 4), kind=done.kind, tier="disk",
+                    checksum_seconds=round(done.hash_seconds, 4),
+                    writer_seconds=round(done.write_seconds, 4))
         self.requests.consume()
         if self.args.keep_emergency is not None:
             for iteration in prunable_emergency_checkpoints(Path(self.args.save),
@@ -311,10 +347,11 @@ class Trainer:
                           f"checkpoint supersedes it (--keep-emergency "
                           f"{self.args.keep_emergency})")
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, finished: bool = False) -> None:
         if self.run_dir is not None and torch.distributed.get_rank() == 0:
             runfiles.write_heartbeat(self.run_dir, self.state.iteration,
-                                     self.state.consumed_train_samples, self._first_iteration)
+                                     self.state.consumed_train_samples, self._first_iteration,
+                                     finished=finished)
 
     def _after_iteration(self) -> bool:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""
@@ -341,9 +378,12 @@ class Trainer:
         return True
 
     def run(self) -> None:
+        """Train to ``--train-iters`` (or an exit request). NonFiniteLoss leaves it with
+        nothing updated; FinalSaveFailed once training ended without its last checkpoint."""
         args = self.args
-        if args.load:
-            self.checkpointer.load(self.state)
+        loaded = bool(args.load) and self.checkpointer.load(self.state)
+        if not loaded:
+            refuse_fresh_start_over(args.save)
         self._first_iteration = self.state.iteration + 1
         log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
         window_start, window_losses = time.perf_counter(), []
@@ -366,6 +406,18 @@ class Trainer:
             self._final_save()
         self.checkpointer.close()
         self._report_check_cost()
+        if self._final_save_failure is not None:
+            failure = self._final_save_failure
+            raise FinalSaveFailed(f"the {failure.kind} checkpoint at iteration "
+                                  f"{failure.iteration} could not be written to {failure.path}: "
+                                  f"{failure.reason}")
+        self._heartbeat(finished=True)
+
+    def stop_after_nonfinite(self, problem: NonFiniteLoss) -> None:
+        """Every rank, at the same point: earlier saves still complete; the bad one is not
+        saved."""
+        self._event("nonfinite", iteration=problem.iteration, what=problem.what)
+        self.checkpointer.close()
 
     def _report_check_cost(self) -> None:
         cost = median_microseconds(self.requests.check_seconds)
@@ -374,7 +426,8 @@ class Trainer:
                       f"{len(self.requests.check_seconds)} iterations")
 
     def _final_save(self) -> None:
-        if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
+        if (self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration
+                and self._final_save_failure is None):
             self.save("final")
 
     def _log(self, window_start: float, losses: list[float]) -> None:
@@ -388,7 +441,11 @@ class Trainer:
 def pretrain(args: argparse.Namespace) -> None:
     initialize(args)
     trainer = Trainer(args)
-    trainer.run()
+    try:
+        trainer.run()
+    except NonFiniteLoss as problem:
+        trainer.stop_after_nonfinite(problem)
+        raise
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -1,4 +1,5 @@
-"""Finding the newest loadable checkpoint: tracker rule, truncation, missing files."""
+"""Finding the newest loadable checkpoint: tracker rule, bad trackers, truncation, missing
+files, manifests and checksums."""
 
 import json
 
@@ -7,10 +8,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ftmaster.recovery.checkpoints import (
+    Candidates,
     checkpoint_problem,
     find_loadable_checkpoint,
+    holds_checkpoints,
     iteration_dir,
+    loading_candidates,
     tracker_path,
+)
+from ftmaster.recovery.manifest import (
+    MANIFEST_NAME,
+    DigestingWriter,
+    digest_bytes,
+    digest_file,
+    digest_problem,
+    read_manifest,
+    write_manifest,
 )
 
 
@@ -63,27 +76,93 @@ def test_garbled_metadata_is_unreadable_not_fatal(save_dir):
     assert "unreadable" in checkpoint_problem(iteration_dir(save_dir, 30))
 
 
-def test_no_tracker_means_fresh_start(tmp_path):
-    write_checkpoint(tmp_path, 10)
-    choice = find_loadable_checkpoint(tmp_path)
-    assert choice.iteration is None
-    assert "no checkpoint tracker" in choice.describe()
+@pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n", None])
+def test_an_unusable_tracker_is_never_a_fresh_start(save_dir, tracker):
+    if tracker is None:
+        tracker_path(save_dir).unlink()
+    else:
+        tracker_path(save_dir).write_text(tracker)
+    choice = find_loadable_checkpoint(save_dir)
+    assert choice.iteration == 30
+    assert "trying every iter_* folder, newest first" in choice.describe()
+
+
+def test_an_unusable_tracker_scans_past_a_newer_broken_folder(save_dir):
+    tracker_path(save_dir).write_text("garbage")
+    write_checkpoint(save_dir, 40)
+    (iteration_dir(save_dir, 40) / ".metadata").unlink()  # an unfinished save
+    assert loading_candidates(save_dir).iterations == (40, 30, 20, 10)
+    choice = find_loadable_checkpoint(save_dir)
+    assert choice.iteration == 30 and choice.skipped == ((40, ".metadata is missing"),)
+
+
+def test_nothing_at_all_is_a_fresh_start(tmp_path):
+    assert loading_candidates(tmp_path) == Candidates(tmp_path, ())
+    assert loading_candidates(tmp_path / "absent").iterations == ()
+    assert not holds_checkpoints(tmp_path)
+    assert find_loadable_checkpoint(tmp_path).iteration is None
+
+
+def test_a_tracker_alone_or_a_folder_alone_holds_checkpoints(tmp_path):
+    tracker_path(tmp_path).write_text("7\n")
+    assert holds_checkpoints(tmp_path)
+    tracker_path(tmp_path).unlink()
+    iteration_dir(tmp_path, 3).mkdir()
+    assert holds_checkpoints(tmp_path)
 
 
 def test_tracker_pointing_at_deleted_folder_reports_it(save_dir):
     tracker_path(save_dir).write_text("50\n")
     choice = find_loadable_checkpoint(save_dir)
     assert choice.iteration == 30
-    assert (50, "folder is missing") in choice.skipped
+    assert "the tracker names iteration 50, whose folder is missing" in choice.describe()
+
+
+def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_digests(save_dir):
+    path = iteration_dir(save_dir, 30)
+    files = {entry.name: digest_file(entry) for entry in path.iterdir()}
+    write_manifest(path, "periodic", 30, files)
+    manifest = read_manifest(path)
+    assert (manifest.kind, manifest.iteration, dict(manifest.files)) == ("periodic", 30, files)
+    assert checkpoint_problem(path) is None
+    assert digest_problem(path, manifest, sorted(files)) is None
+
+    shard = next(path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    assert checkpoint_problem(path) is None  # the structure cannot tell
+    problem = digest_problem(path, manifest, sorted(files))
+    assert problem.startswith(f"{shard.name} checksum mismatch (xxh3_64 ")
+
+    shard.write_bytes(bytes(data) + b"x")
+    assert checkpoint_problem(path) == f"{shard.name} has {len(data) + 1} bytes, the manifest says {len(data)}"
+
+
+def test_a_digesting_writer_hashes_what_reaches_the_file(tmp_path):
+    target = tmp_path / "out.bin"
+    with DigestingWriter(target) as writer:
+        writer.write(b"abc")
+        writer.write(memoryview(b"defgh"))
+        assert writer.tell() == 8
+    assert writer.digest() == digest_file(target) == digest_bytes(b"abcdefgh")
+    assert writer.open_seconds >= writer.hash_seconds >= 0
+    assert not hasattr(writer, "seek")  # a seek would make the digest describe other bytes
+
+
+def test_a_manifest_without_checksums_still_gives_the_kind(tmp_path):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"kind": "emergency"}))
+    manifest = read_manifest(tmp_path)
+    assert (manifest.kind, manifest.files) == ("emergency", {})
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    assert read_manifest(tmp_path) is None
 
 
 def make_kinds(save_dir, kinds, tracked):
-    from ftmaster.recovery.checkpoints import write_save_kind
-
     for iteration, kind in kinds.items():
         iteration_dir(save_dir, iteration).mkdir(parents=True)
         if kind:
-            write_save_kind(iteration_dir(save_dir, iteration), kind)
+            write_manifest(iteration_dir(save_dir, iteration), kind, iteration, {})
     tracker_path(save_dir).write_text(f"{tracked}\n")
 
 

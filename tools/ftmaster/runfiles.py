@@ -116,14 +116,16 @@ def read_flag(path: Path) -> dict[str, Any] | None:
 
 
 def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
-                    first_iteration: int | None = None) -> None:
+                    first_iteration: int | None = None, finished: bool = False) -> None:
     """Training progress for hang detection; cheap enough to write every iteration.
 
     ``first_iteration`` is the first iteration this process completed: a reader that polls
     may first see a later one, and a relaunch's ``resumed`` event needs the first.
+    ``finished``: training ended and its last checkpoint is durable; only the exit remains,
+    which is never a hang.
     """
     body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
-            "pid": os.getpid(), "first_iteration": first_iteration}
+            "pid": os.getpid(), "first_iteration": first_iteration, "finished": finished}
     atomic_write_text(heartbeat_path(run_dir), json.dumps(body) + "\n", durable=False)
 
 

@@ -1,0 +1,104 @@
+"""The NaN/Inf guard (Megatron-LM's ``--check-for-nan-in-loss-and-grad``, on by default).
+
+An optimizer step is split where Megatron's own ``step()`` would run it: gradients prepared
+(an fp16 overflow still skips the step, as the loss scaler wants), the gradient norm taken,
+then **every rank agrees**, in one MAX all-reduce of two flags on the control group, whether
+any rank saw a non-finite loss or gradient norm. Only then are gradients clipped and the
+update applied. A non-finite iteration raises :class:`NonFiniteLoss` on every rank at the same
+point, before anything was updated, so no NaN ever reaches the weights or a checkpoint;
+``pretrain_gpt.py`` exits with its own status, which ftmaster answers by relaunching from the
+newest valid checkpoint.
+
+For rehearsals, ``FTMASTER_INJECT_NAN=LOCAL_RANK:ITERATION[,...]`` poisons the gradients (and
+the loss, on a last pipeline stage) of that local rank at that iteration, as silent data
+corruption on its GPU would. ``ftmaster launch --inject nan:gpu=G,at=iter:K`` sets it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from megatron.core.optimizer import clip_grads
+
+NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
+
+
+class NonFiniteLoss(Exception):
+    """A NaN or Inf loss or gradient norm at ``iteration``; nothing was updated."""
+
+    def __init__(self, iteration: int, what: str) -> None:
+        super().__init__(f"non-finite {what} at iteration {iteration}: the iteration was "
+                         f"stopped before the optimizer step; nothing was updated or saved")
+        self.iteration = iteration
+        self.what = what
+
+
+def nan_injection_iterations(local_rank: int, spec: str | None = None) -> frozenset[int]:
+    """The iterations at which this local rank poisons its gradients (rehearsals only)."""
+    spec = os.environ.get(NAN_INJECTION_ENV, "") if spec is None else spec
+    chosen = set()
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        rank_text, _, iteration_text = entry.partition(":")
+        try:
+            if int(rank_text) == local_rank:
+                chosen.add(int(iteration_text))
+        except ValueError:
+            raise ValueError(f"{NAN_INJECTION_ENV}={spec!r}: expected LOCAL_RANK:ITERATION[,...]") from None
+    return frozenset(chosen)
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def poison_gradients(optimizer) -> None:
+    """Put a NaN into the first gradient this rank holds, as a corrupted GPU would."""
+    for sub in _sub_optimizers(optimizer):
+        for param in sub.get_parameters():
+            if param.grad is not None:
+                param.grad.view(-1)[0] = float("nan")
+                return
+
+
+class NonFiniteGuard:
+    """Agrees, on every rank, whether an iteration's loss and gradients are finite."""
+
+    def __init__(self, group, enabled: bool) -> None:
+        self.group = group
+        self.enabled = enabled
+        self._flags = torch.zeros(2, dtype=torch.int32)
+
+    def check(self, iteration: int, loss: float | None, grad_norm: float | None) -> None:
+        if not self.enabled:
+            return
+        self._flags[0] = int(loss is not None and not math.isfinite(loss))
+        self._flags[1] = int(grad_norm is not None and not math.isfinite(grad_norm))
+        torch.distributed.all_reduce(self._flags, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.group)
+        loss_bad, norm_bad = self._flags.tolist()
+        if loss_bad or norm_bad:
+            raise NonFiniteLoss(iteration, "loss" if loss_bad else "gradient norm")
+
+
+def guarded_step(optimizer, clip_grad: float, iteration: int, loss: float | None,
+                 guard: NonFiniteGuard, poison: bool = False) -> bool:
+    """Megatron's optimizer step with the guard between the gradient norm and the update.
+
+    Returns whether the update was applied (an fp16 overflow skips it, as in Megatron).
+    """
+    if optimizer.prepare_grads():
+        return False
+    if poison:
+        poison_gradients(optimizer)
+        loss = float("nan") if loss is not None else None
+    grad_norm = optimizer.get_grad_norm() if (guard.enabled or clip_grad > 0) else None
+    guard.check(iteration, loss, grad_norm)
+    if clip_grad > 0:
+        for sub in _sub_optimizers(optimizer):
+            params = sub.get_parameters()
+            if params:
+                # Through the module, so that cpu_compat's CPU version is the one called.
+                clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
+    return optimizer.step_with_ready_grads()

@@ -1,0 +1,20 @@
+"""Exit statuses by which the trainer tells the supervisor what went wrong.
+
+The numbers follow ``sysexits.h`` where one fits. Each has a meaning the supervisor acts on,
+so that a full disk or a broken checkpoint is never retried as if a GPU had failed.
+"""
+
+USAGE = 2
+"""Bad arguments, or a checkpoint that cannot continue under them: the user must fix them."""
+NONFINITE = 65
+"""EX_DATAERR: a NaN or Inf loss or gradient norm; that iteration updated and saved nothing."""
+NO_CHECKPOINT = 66
+"""EX_NOINPUT: the load folder holds checkpoints and none of them can be loaded."""
+STORAGE = 74
+"""EX_IOERR: the final (or exit) checkpoint could not be written."""
+REQUEUE = 75
+"""EX_TEMPFAIL: the job's rendezvous store is gone; requeue the job."""
+
+TRAINER_CAUSES = {NONFINITE: "nonfinite", NO_CHECKPOINT: "no_checkpoint", STORAGE: "storage",
+                  USAGE: "usage"}
+"""The failure cause the supervisor reports for each trainer exit status."""
