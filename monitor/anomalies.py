@@ -210,15 +210,18 @@ class AnomalyOverlay:
 
     def apply_fault(self, injection: Injection) -> None:
         """``degrade``: :func:`degrade_plan`; ``fail``: device lost; ``hang``: the stopped
-        rank leaves its GPU idle; ``recover``: clear the GPU."""
-        gpu = injection.gpu
-        if injection.kind is Fault.DEGRADE:
+        rank leaves its GPU idle; ``xid``: the XID in the next sample; ``recover``: clear the
+        GPU. ``wedge`` is the backend's (its reads block) and ``nan`` training's: no change."""
+        gpu, kind = injection.gpu, injection.kind
+        if kind is Fault.DEGRADE:
             self.inject(gpu, *degrade_plan(self.seed, gpu))
-        elif injection.kind is Fault.FAIL:
+        elif kind is Fault.FAIL:
             self.inject(gpu, DeviceLost())
-        elif injection.kind is Fault.HANG:
+        elif kind is Fault.HANG:
             self.inject(gpu, UtilizationCollapse(level=0.0))
-        else:
+        elif kind is Fault.XID:
+            self.inject(gpu, Xid(code=injection.code))
+        elif kind is Fault.RECOVER:
             self.recover(gpu)
 
     def apply(self, samples: list[GpuSample]) -> list[GpuSample]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ftmaster import runfiles
-from ftmaster.faults import parse_injection
+from ftmaster.faults import KINDS, parse_injection
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
@@ -31,7 +31,8 @@ from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
               help="Virtual GPUs for the sim backend.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
-              help="Fault to lay over the telemetry (repeatable); KIND: degrade, fail, hang, recover.")
+              help=f"Fault to lay over the telemetry (repeatable); KIND: {KINDS} "
+                   f"(xid also takes code=N: xid:gpu=G,code=N,at=...).")
 @click.option("--duration", default=None, type=click.FloatRange(min=0),
               help="Stop after this many seconds (live backends; default: until interrupted).")
 def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: str,
@@ -87,7 +88,11 @@ def _run_live(monitor: Monitor, duration: float | None) -> None:
 def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:
     alerted = sorted({a.gpu for a in monitor.alerts})
     text = (f"{backend_spec}: {monitor.samples_seen} GPU samples, {len(monitor.alerts)} alert(s)"
-            f" on GPU(s) {alerted}, lost GPU(s) {sorted(monitor.lost_gpus())}; wrote {run_dir}")
+            f" on GPU(s) {alerted}, lost GPU(s) {sorted(monitor.lost_gpus())}")
+    unschedulable = monitor.unschedulable_gpus()
+    if unschedulable:
+        text += ", unschedulable " + ", ".join(f"GPU {gpu} ({reason})" for gpu, reason in unschedulable.items())
+    text += f"; wrote {run_dir}"
     backend = monitor.backend
     if isinstance(backend, ReplayBackend) and backend.skipped:
         text += f"; skipped {backend.skipped} malformed row(s), first: {backend.problems[0]}"

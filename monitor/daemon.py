@@ -15,15 +15,30 @@ Outputs in ``RUN_DIR`` (DESIGN's run-directory contract):
   ``score``, ``reasons`` and ``timestamp``.
 
 **Device lost.** A GPU that was sampled before and is missing from a later sample is lost
-(see the backends' contract). The monitor then
+(see the backends' contract), and so is one the backend names gone (``conditions``:
+``gpu_is_lost``, ``wedged``). The monitor then
 
-- adds it to :meth:`Monitor.lost_gpus` (thread-safe; the launcher's API),
-- raises a ``risk_alert`` with score 1.0 and reasons ``["device_lost"]`` (event and flag),
+- adds it to :meth:`Monitor.lost_gpus` and :meth:`Monitor.lost_reasons` (thread-safe; the
+  launcher's API): the backend's condition, or ``device_lost`` when it only went missing,
+- raises a ``risk_alert`` with score 1.0 and reasons ``["device_lost"]``, plus the condition
+  when there is one (``["device_lost", "wedged"]``), as event and flag,
 - calls ``on_lost(gpu)`` if given.
 
 A lost GPU that reports again is taken off the lost set and starts with fresh baselines.
-:meth:`Monitor.exclude_gpus` stops watching GPUs (a relaunch without them): they are neither
-scored nor reported lost from then on.
+
+**Which GPUs.** :meth:`Monitor.watch` samples only the GPUs the current attempt uses (spares
+left unused after a replan are neither read nor scored, so they raise no utilisation
+alert); :meth:`Monitor.exclude_gpus` stops watching GPUs for good (a relaunch without them).
+Backends that can (``nvml``, ``sim``, ``smi``) stop reading those GPUs at all
+(``select_gpus``); for the others the samples are filtered.
+
+**Health evidence.** Every sample and driver condition updates the GPU's
+:class:`~ftmaster.monitor.health.GpuEvidence`; :meth:`Monitor.unschedulable_gpus` gives the
+GPUs that need a reset or replacement and why. An alert asks for a save; unschedulable tells
+the supervisor never to plan on the GPU again. The monitor reports, the supervisor decides.
+
+**Injections** reach the anomaly overlay (telemetry) and, when it has ``inject``, the backend
+(``wedge`` blocks the GPU's reads); ``recover`` also clears the GPU's evidence, as a reset would.
 
 **Robustness.** Run in a daemon thread (:meth:`Monitor.start`), a backend error or any
 exception in a step is logged and retried with exponential backoff (interval x 2^k, capped),
@@ -44,10 +59,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ftmaster import runfiles
-from ftmaster.faults import Injection
+from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.alerts import AlertConfig, AlertPolicy
 from ftmaster.monitor.anomalies import AnomalyOverlay
 from ftmaster.monitor.backends import Backend, TraceEnded
+from ftmaster.monitor.health import (GpuEvidence, HealthConfig, observe_conditions, observe_sample,
+                                     unschedulable_reason)
 from ftmaster.monitor.sample import GpuSample, iso_time, to_row
 from ftmaster.monitor.schema import CSV_COLUMNS
 from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
@@ -135,12 +152,14 @@ class Monitor:
                  alert_config: AlertConfig | None = None, config: MonitorConfig | None = None,
                  injections: Iterable[Injection] = (), seed: int = 0,
                  on_alert: Callable[[Alert], None] | None = None,
-                 on_lost: Callable[[int], None] | None = None) -> None:
+                 on_lost: Callable[[int], None] | None = None,
+                 health: HealthConfig | None = None) -> None:
         self.backend = backend
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.scorer = scorer or AdaptiveScorer()
         self.policy = AlertPolicy(alert_config)
         self.config = config or MonitorConfig()
+        self.health = health or HealthConfig()
         self.overlay = AnomalyOverlay(seed=seed)
         self.pending_injections = list(injections)
         self.on_alert, self.on_lost = on_alert, on_lost
@@ -149,8 +168,11 @@ class Monitor:
         self._writer = None if self.run_dir is None else MetricsWriter(runfiles.metrics_csv_path(self.run_dir))
         self._lock = threading.Lock()
         self._known: set[int] = set()
-        self._lost: set[int] = set()
+        self._lost: dict[int, str] = {}  # lost GPU -> why
         self._excluded: set[int] = set()
+        self._watched: frozenset[int] | None = None  # None: every GPU the backend has
+        self._evidence: dict[int, GpuEvidence] = {}
+        self._unschedulable_logged: set[int] = set()
         self._started_at: float | None = None
         self._coverage_checked = False
         self._stop = threading.Event()
@@ -161,20 +183,58 @@ class Monitor:
         with self._lock:
             return frozenset(self._lost)
 
+    def lost_reasons(self) -> dict[int, str]:
+        """Why each lost GPU is lost: ``wedged``, ``gpu_is_lost`` (the backend said so) or
+        ``device_lost`` (it only went missing)."""
+        with self._lock:
+            return dict(self._lost)
+
+    def unschedulable_gpus(self) -> dict[int, str]:
+        """GPUs whose evidence says they need a reset or replacement, with the reason
+        (:func:`~ftmaster.monitor.health.unschedulable_reason`). Excluded or unwatched GPUs
+        keep the evidence they had; a ``recover`` injection clears a GPU's."""
+        with self._lock:
+            reasons = {gpu: unschedulable_reason(evidence, self.health)
+                       for gpu, evidence in self._evidence.items()}
+        return {gpu: reason for gpu, reason in sorted(reasons.items()) if reason is not None}
+
     def still_critical(self, gpu: int) -> bool:
         """Lost, or alerted and not yet back below the re-arm level (hysteresis)."""
         with self._lock:
             return gpu in self._lost or self.policy.still_alerting(gpu)
 
+    def watch(self, gpus: Iterable[int] | None) -> None:
+        """Sample only ``gpus`` (None: every GPU of the backend) from the next sample on: the
+        GPUs the current attempt uses, plus any lost GPU still waited for. The others are
+        neither read, scored nor reported lost; their evidence is kept. Excluded GPUs stay out."""
+        with self._lock:
+            self._watched = None if gpus is None else frozenset(gpus)
+            for gpu in list(self._known) + list(self._lost):
+                if not self._wanted(gpu):
+                    self._forget(gpu)
+            self._select_backend_gpus()
+
     def exclude_gpus(self, gpus: Iterable[int]) -> None:
-        """Stop watching ``gpus``: no rows, no scores, no lost reports for them."""
+        """Stop watching ``gpus`` for good: no reads, rows, scores or lost reports for them."""
         with self._lock:
             for gpu in gpus:
                 self._excluded.add(gpu)
-                self._known.discard(gpu)
-                self._lost.discard(gpu)
-                self.scorer.forget(gpu)
-                self.policy.forget(gpu)
+                self._forget(gpu)
+            self._select_backend_gpus()
+
+    def _wanted(self, gpu: int) -> bool:
+        return gpu not in self._excluded and (self._watched is None or gpu in self._watched)
+
+    def _forget(self, gpu: int) -> None:
+        self._known.discard(gpu)
+        self._lost.pop(gpu, None)
+        self.scorer.forget(gpu)
+        self.policy.forget(gpu)
+
+    def _select_backend_gpus(self) -> None:
+        select = getattr(self.backend, "select_gpus", None)
+        if select is not None:
+            select(self._watched, frozenset(self._excluded))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ftmaster-monitor", daemon=True)
@@ -204,13 +264,19 @@ class Monitor:
     def step(self) -> list[Alert]:
         """Take, score and record one sample; returns its alerts. Backend errors propagate."""
         samples = self.backend.sample()
+        conditions = dict(getattr(self.backend, "conditions", None) or {})
         now = max((s.timestamp for s in samples), default=time.time())
         if self._started_at is None:
             self._started_at = now
-        self._inject_due(now)
+        recovered = self._inject_due(now)
         with self._lock:
-            samples = self.overlay.apply([s for s in samples if s.gpu_id not in self._excluded])
-            newly_lost = self._track_presence(samples)
+            samples = self.overlay.apply([s for s in samples if self._wanted(s.gpu_id)])
+            conditions = {gpu: names for gpu, names in conditions.items() if self._wanted(gpu)}
+            newly_lost = self._track_presence(samples, conditions)
+            self._gather_evidence(samples, conditions)
+            for gpu in recovered:  # the rehearsal's reset: what was seen before no longer holds
+                self._evidence.pop(gpu, None)
+                self._unschedulable_logged.discard(gpu)
             assessments = self.scorer.update(samples)
             alerts = []
             for sample in samples:
@@ -218,7 +284,8 @@ class Monitor:
                 sample.failure_risk = assessment.score
                 alerts += self._decide(sample.gpu_id, sample.timestamp, assessment)
             for gpu in newly_lost:
-                alerts += self._decide(gpu, now, Assessment(1.0, (DEVICE_LOST,), (DEVICE_LOST,)))
+                reasons = (DEVICE_LOST,) + ((self._lost[gpu],) if self._lost[gpu] != DEVICE_LOST else ())
+                alerts += self._decide(gpu, now, Assessment(1.0, reasons, reasons))
         self.samples_seen += len(samples)
         if self._writer is not None:
             self._writer.write(samples)
@@ -232,31 +299,58 @@ class Monitor:
                 self.on_lost(gpu)
         return alerts
 
-    def _inject_due(self, now: float) -> None:
+    def _inject_due(self, now: float) -> list[int]:
+        """Apply the injections now due; returns the GPUs they recovered."""
         if not self.pending_injections:
-            return
+            return []
         iteration = None
         if self.run_dir is not None:
             heartbeat = runfiles.read_heartbeat(self.run_dir)
             iteration = None if heartbeat is None else heartbeat["iteration"]
         elapsed = now - self._started_at
+        recovered = []
         for injection in [i for i in self.pending_injections if i.due(iteration, elapsed)]:
             log.info("injecting %s (iteration %s, %.1f s in)", injection, iteration, elapsed)
-            self.overlay.apply_fault(injection)
+            self._inject(injection)
             self.pending_injections.remove(injection)
+            if injection.kind is Fault.RECOVER:
+                recovered.append(injection.gpu)
+        return recovered
 
-    def _track_presence(self, samples: list[GpuSample]) -> list[int]:
+    def _inject(self, injection: Injection) -> None:
+        self.overlay.apply_fault(injection)
+        backend_inject = getattr(self.backend, "inject", None)
+        if backend_inject is not None:
+            backend_inject(injection)
+        elif injection.kind is Fault.WEDGE:
+            log.warning("the %s backend cannot wedge its reads: %s changes nothing", self.backend.name, injection)
+
+    def _track_presence(self, samples: list[GpuSample], conditions: dict[int, tuple[str, ...]]) -> list[int]:
         """Update the known/lost sets; returns the GPUs lost in this sample."""
         present = {s.gpu_id for s in samples}
-        for gpu in present & self._lost:
+        for gpu in present & set(self._lost):
             log.info("GPU %d reports again", gpu)
-            self._lost.discard(gpu)
+            del self._lost[gpu]
             self.scorer.forget(gpu)
             self.policy.forget(gpu)
-        newly_lost = sorted(self._known - present - self._lost)
-        self._lost.update(newly_lost)
+        gone = {gpu for gpu in conditions if gpu not in present}  # named gone, even if never sampled
+        newly_lost = sorted(((self._known - present) | gone) - set(self._lost))
+        for gpu in newly_lost:
+            self._lost[gpu] = conditions[gpu][0] if gpu in gone else DEVICE_LOST
         self._known |= present
         return newly_lost
+
+    def _gather_evidence(self, samples: list[GpuSample], conditions: dict[int, tuple[str, ...]]) -> None:
+        for sample in samples:
+            self._evidence[sample.gpu_id] = observe_sample(self._evidence.get(sample.gpu_id, GpuEvidence()),
+                                                           sample)
+        for gpu, names in conditions.items():
+            self._evidence[gpu] = observe_conditions(self._evidence.get(gpu, GpuEvidence()), names)
+        for gpu in {s.gpu_id for s in samples} | set(conditions):
+            reason = unschedulable_reason(self._evidence[gpu], self.health)
+            if reason is not None and gpu not in self._unschedulable_logged:
+                self._unschedulable_logged.add(gpu)
+                log.warning("GPU %d needs a reset or replacement (%s): unschedulable", gpu, reason)
 
     def _report_coverage(self, samples: list[GpuSample]) -> None:
         unavailable = unavailable_hard_signals(samples, getattr(self.backend, "reported_fields", None))

@@ -4,6 +4,12 @@ Hard signals say the hardware is failing now; any one of them makes a GPU critic
 1.0) at once. Cumulative error counters are compared with their last known value for the
 GPU, so a counter that was already non-zero when the monitor started does not alert
 forever, and a rise across a failed read (0, unknown, 1) is still a rise.
+
+The pending page-retirement / row-remap flag is treated the same way: it stays set until the
+GPU is reset, so only its change from clear to set is news. A flag already set when the
+monitor starts alerts neither at every start nor forever (which kept the GPU from ever
+re-arming); a failed remap, the part of it that needs the GPU replaced, is a persistent state
+the supervisor sees through :mod:`ftmaster.monitor.health` instead.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ RECOVERY_ACTION_NONE = 0
 
 # Counters whose rise means an uncorrectable (double-bit) ECC error.
 CUMULATIVE_ERROR_COUNTERS = ("ecc_dbe", "errors")
+# Levels remembered per GPU, whose rise is the signal (the pending flag is sticky until reset).
+RISING_LEVELS = CUMULATIVE_ERROR_COUNTERS + ("retired_pages_pending",)
 
 # Each hard signal and the sample fields that can show it.
 HARD_SIGNAL_FIELDS = {
@@ -71,26 +79,36 @@ def _increased(before: int | None, after: int | None) -> bool:
 
 
 def remember_counters(known: dict[str, int], current: GpuSample) -> None:
-    """Keep ``current``'s known error counters in ``known``; an unknown read keeps the old value."""
-    for name in CUMULATIVE_ERROR_COUNTERS:
+    """Keep ``current``'s known :data:`RISING_LEVELS` in ``known``; an unknown read keeps the old value."""
+    for name in RISING_LEVELS:
         value = getattr(current, name)
         if value is not None:
             known[name] = value
 
 
+def double_bit_error(known: Mapping[str, int], current: GpuSample) -> bool:
+    """Whether an uncorrectable-error counter rose since its last known value in ``known``."""
+    return any(_increased(known.get(name), getattr(current, name)) for name in CUMULATIVE_ERROR_COUNTERS)
+
+
 def hard_reasons(known: Mapping[str, int], current: GpuSample) -> list[str]:
-    """The hard signals ``current`` shows; ``known`` holds the GPU's error counters at their
-    last known values before it (see :func:`remember_counters`), empty at first."""
+    """The hard signals ``current`` shows; ``known`` holds the GPU's :data:`RISING_LEVELS` at
+    their last known values before it (see :func:`remember_counters`), empty at first."""
     reasons = []
-    if any(_increased(known.get(name), getattr(current, name)) for name in CUMULATIVE_ERROR_COUNTERS):
+    if double_bit_error(known, current):
         reasons.append("ecc_dbe")
     if current.xid in _XID_RANK:
         reasons.append(f"xid_{current.xid}")
     if current.recovery_action is not None and current.recovery_action != RECOVERY_ACTION_NONE:
         reasons.append(f"recovery_action_{current.recovery_action}")
-    if current.retired_pages_pending:
+    if _increased(known.get("retired_pages_pending"), current.retired_pages_pending):
         reasons.append("retired_pages_pending")
     return reasons
+
+
+def xid_severity(code: int) -> int:
+    """Sort key: most severe hard XID first, then any other code."""
+    return _XID_RANK.get(code, len(_XID_RANK))
 
 
 def unavailable_hard_signals(samples: list[GpuSample],

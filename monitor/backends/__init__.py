@@ -3,21 +3,35 @@
 The contract every backend keeps:
 
 - a GPU that is present but whose read failed comes back with ``None`` fields (unknown);
-- a GPU that is gone (NVML says lost, or a replayed GPU that never appears again) is left
-  out of the list, and the monitor reports it as lost;
+- a GPU that is gone (NVML says lost, a read stuck past a few deadlines, or a replayed GPU
+  that never appears again) is left out of the list, and the monitor reports it as lost;
 - a failure of the whole read (driver wedged, ``nvidia-smi`` hung) raises
   :class:`BackendError`; the monitor retries with backoff;
 - a finite source (``replay:``) raises :class:`TraceEnded` when it has nothing left;
 - a backend may name the sample fields it can fill at all (``reported_fields``), so the
-  monitor can say which hard signals it cannot see.
+  monitor can say which hard signals it cannot see;
+- a backend may report driver states the CSV cannot hold (``conditions``: GPU id -> names,
+  for the latest sample): ``gpu_is_lost`` or ``wedged`` for a GPU it left out,
+  ``reset_required`` or ``row_remap_failure`` for one it kept. The monitor keeps them as
+  health evidence (:mod:`ftmaster.monitor.health`);
+- a backend may read only some GPUs (``select_gpus(watched, excluded)``, ``watched`` None for
+  all of its own): an excluded GPU then gets no call at all;
+- a backend may fake a fault in its own reads (``inject(injection)``: ``wedge`` blocks a GPU's
+  reads until ``recover``).
+
+``nvml`` and ``sim`` read each GPU on its own bounded worker
+(:mod:`ftmaster.monitor.backends.bounded`), so a wedged GPU blinds only itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from ftmaster.monitor.sample import GpuSample
+
+if TYPE_CHECKING:
+    from ftmaster.monitor.backends.bounded import ReadBounds
 
 BACKEND_NAMES = ("nvml", "smi", "sim", "replay:PATH")
 
@@ -39,20 +53,21 @@ class Backend(Protocol):
 
 
 def make_backend(spec: str, *, num_gpus: int = 8, seed: int = 0,
-                 gpu_ids: Sequence[int] | None = None) -> Backend:
+                 gpu_ids: Sequence[int] | None = None, bounds: ReadBounds | None = None) -> Backend:
     """Build a backend from ``nvml``, ``smi``, ``sim`` or ``replay:PATH``; ValueError if unknown.
 
-    ``num_gpus`` and ``seed`` are for ``sim``; ``gpu_ids`` restricts ``nvml``/``sim`` to those ids.
+    ``num_gpus`` and ``seed`` are for ``sim``; ``gpu_ids`` restricts ``nvml``/``smi``/``sim``
+    to those ids; ``bounds`` sets the read and set-up deadlines of ``nvml`` and ``sim``.
     """
     if spec == "nvml":
         from ftmaster.monitor.backends.nvml import NvmlBackend
-        return NvmlBackend(gpu_ids=gpu_ids)
+        return NvmlBackend(gpu_ids=gpu_ids, bounds=bounds)
     if spec == "smi":
         from ftmaster.monitor.backends.smi import SmiBackend
-        return SmiBackend()
+        return SmiBackend(gpu_ids=gpu_ids)
     if spec == "sim":
         from ftmaster.monitor.backends.sim import SimBackend
-        return SimBackend(num_gpus=num_gpus, seed=seed, gpu_ids=gpu_ids)
+        return SimBackend(num_gpus=num_gpus, seed=seed, gpu_ids=gpu_ids, bounds=bounds)
     if spec.startswith("replay:"):
         from ftmaster.monitor.backends.replay import ReplayBackend
         path = spec[len("replay:"):]

@@ -1,308 +1,444 @@
-"""NVML backend (nvidia-ml-py's ``pynvml``): every call bounded, a failed read is unknown.
+"""NVML backend (nvidia-ml-py's ``pynvml``): bounded per GPU, a failed read is unknown.
 
-- ``nvmlInit`` runs once per process (NVML reference-counts inits, but one is all we need and
-  it keeps a wedged driver from being hit again by every new backend).
-- Every NVML call runs on one worker thread with a deadline (:class:`BoundedCaller`). A call
-  that overruns gives "unknown" and, while it stays stuck, later calls in that sample give
-  "unknown" at once instead of piling up threads behind it. A later sample that finds the
-  call still stuck fails with a BackendError naming it: a wedged driver is an error the
-  monitor reports, not GPUs that stay "unknown" in silence.
+- Set-up calls get the longer set-up deadline: ``nvmlInit`` (once per process: NVML counts
+  inits, but one is all we need, and it keeps a wedged driver from being hit again by every
+  new backend), the GPU count and the XID event set. Each GPU's handle is opened by its own
+  first read, on its own worker, so one GPU that hangs there blinds only itself.
+- Each GPU is read on its own worker (:mod:`ftmaster.monitor.backends.bounded`): a GPU stuck
+  in the driver reads as unknown, then is left out as ``wedged`` (the monitor reports it
+  lost), while the others are sampled as usual; every GPU stuck at once is a wedged driver,
+  a BackendError. A GPU that is not selected gets no call.
 - A call that fails gives ``None`` (unknown), never a healthy default. ``NOT_SUPPORTED`` is
-  remembered per GPU and field so unsupported reads are not retried every sample.
-- ``NVML_ERROR_GPU_IS_LOST`` on any call leaves that GPU out of the sample: the monitor
-  reports it lost.
-- XIDs come from an event set polled with ``nvmlEventSetWait(set, 0)``, which never blocks.
+  remembered per GPU and field, so unsupported reads are not retried every sample. A function
+  the driver lacks (``FUNCTION_NOT_FOUND``) is remembered and its older equivalent used: the
+  binding may know a function the installed driver does not.
+- Driver states the CSV cannot hold reach the monitor as ``conditions``:
+  ``NVML_ERROR_GPU_IS_LOST`` on any call leaves the GPU out (``gpu_is_lost``);
+  ``NVML_ERROR_RESET_REQUIRED`` keeps it in with unknown fields (``reset_required``); a failed
+  row remap is ``row_remap_failure``.
+- XIDs come from an event set polled with ``nvmlEventSetWait(set, 0)``, which never blocks,
+  on a worker of its own. An event is placed by its device handle, else by
+  ``nvmlDeviceGetIndex``, else by UUID; one that none of them places is logged, not dropped.
 - GPU ids are NVML indices (PCI bus order); ``ftmaster launch`` runs training with
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that ``CUDA_VISIBLE_DEVICES`` uses the same numbers.
+  :func:`probe_gpus` gives the launcher each GPU's UUID and MIG mode, bounded;
+  :func:`index_for_uuid` maps a UUID back to its index.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
-import queue
+import logging
 import threading
 import time
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from ftmaster.monitor.backends import BackendError
+from ftmaster.monitor.backends.bounded import (CallTimeout, GpuGone, PerGpuBackend, PerGpuReads, ReadBounds,
+                                               Reading, Worker, call_once_bounded)
 from ftmaster.monitor.sample import FIELD_NAMES, GpuSample
 from ftmaster.monitor.signals import worst_xid
 
+log = logging.getLogger("ftmaster.monitor")
+
 MIB = 1024 * 1024
 # nvmlFieldValue_t.valueType -> the union member that holds the value
-_FIELD_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
+_FIELD_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 # A storm of XID events must not stall one sample; the rest are read next time.
 MAX_EVENTS_PER_SAMPLE = 64
+GPU_IS_LOST, RESET_REQUIRED, ROW_REMAP_FAILURE = "gpu_is_lost", "reset_required", "row_remap_failure"
+# Newest first: the binding may have a function the installed driver lacks.
+TEMPERATURE_FUNCTIONS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+THROTTLE_FUNCTIONS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
 
 
-class CallTimeout(Exception):
-    """An NVML call did not return within its deadline (or an earlier one is still stuck)."""
+class NvmlUnavailable(BackendError):
+    """NVML cannot be used here: no binding, no library, no driver, or a driver that does not answer."""
 
 
-class BoundedCaller:
-    """Runs calls one at a time on a daemon worker thread, each with a deadline.
-
-    A daemon thread (not a ThreadPoolExecutor, whose workers are joined at exit) so that a
-    call stuck in the driver can never keep the process from exiting.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._stuck: tuple[str, float, threading.Event] | None = None  # name, since, done
-        threading.Thread(target=self._serve, name="nvml-calls", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, args, box, done = self._requests.get()
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed back to the caller, who decides
-                box.append((False, exc))
-            done.set()
-
-    def stuck_call(self) -> tuple[str, float] | None:
-        """The call that overran and has still not returned, and for how many seconds."""
-        if self._stuck is None:
-            return None
-        name, since, done = self._stuck
-        if done.is_set():
-            self._stuck = None
-            return None
-        return name, time.monotonic() - since
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        stuck = self.stuck_call()
-        if stuck is not None:
-            raise CallTimeout(f"{stuck[0]} is still stuck; skipping")
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-        since = time.monotonic()
-        self._requests.put((fn, args, box, done))
-        if not done.wait(self.timeout_s):
-            name = getattr(fn, "__name__", repr(fn))
-            self._stuck = (name, since, done)
-            raise CallTimeout(f"{name} did not return within {self.timeout_s:g} s")
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
+def _load(nvml: ModuleType | None) -> ModuleType:
+    if nvml is not None:
+        return nvml
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        raise NvmlUnavailable("the nvml backend needs nvidia-ml-py (pip install nvidia-ml-py)") from None
 
 
 _INIT_LOCK = threading.Lock()
 _INITIALISED: set[ModuleType] = set()
 
 
-def _init_once(nvml: ModuleType, calls: BoundedCaller) -> None:
+def _init_once(nvml: ModuleType, timeout_s: float) -> None:
     with _INIT_LOCK:
         if nvml in _INITIALISED:
             return
         try:
-            calls.call(nvml.nvmlInit)
+            call_once_bounded("nvml-init", timeout_s, nvml.nvmlInit)
+        except CallTimeout:
+            raise NvmlUnavailable(f"NVML could not start: nvmlInit did not return within {timeout_s:g} s "
+                                  f"(the driver may be wedged)") from None
         except Exception as exc:
-            raise BackendError(f"NVML could not start: {exc}") from None
+            raise NvmlUnavailable(f"NVML could not start: {exc}") from None
         _INITIALISED.add(nvml)
 
 
-class _GpuLost(Exception):
-    pass
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-class NvmlBackend:
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dict key: its address (pynvml handles are ctypes pointers, which
+    compare by object, not by address); a fake binding's own value otherwise."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (ctypes.ArgumentError, TypeError):
+        return handle
+
+
+class NvmlBackend(PerGpuBackend):
     """Samples every (or the chosen) GPU through NVML."""
 
     name = "nvml"
 
-    def __init__(self, gpu_ids: Sequence[int] | None = None, call_timeout_s: float = 1.0,
+    def __init__(self, gpu_ids: Sequence[int] | None = None, bounds: ReadBounds | None = None,
                  nvml: ModuleType | None = None) -> None:
-        try:
-            self._nvml = nvml or importlib.import_module("pynvml")
-        except ImportError:
-            raise BackendError("the nvml backend needs nvidia-ml-py (pip install nvidia-ml-py)") from None
-        self._calls = BoundedCaller(call_timeout_s)
-        _init_once(self._nvml, self._calls)
-        self._handles = self._open_handles(gpu_ids)
+        self._nvml = _load(nvml)
+        self.bounds = bounds or ReadBounds()
+        _init_once(self._nvml, self.bounds.setup_timeout_s)
+        self._system = Worker("nvml-system")
+        self._reads = PerGpuReads(self._wanted_gpus(gpu_ids), self.bounds, "nvml")
+        self._handles: dict[int, Any] = {}
+        self._gpu_by_handle: dict[Any, int] = {}
+        self._gpu_by_uuid: dict[str, int] = {}
+        self._xid_gpus: set[int] = set()  # GPUs registered for XID events
         self._unsupported: set[tuple[int, str]] = set()
+        self._missing_functions: set[str] = set()
         self._names: dict[int, str] = {}
         self._driver: str | None = None
+        self._drain = None  # an XID read that overran its deadline, until its codes are taken
         self._events = self._open_event_set()
 
     # -- set-up ---------------------------------------------------------------------------
-    def _open_handles(self, gpu_ids: Sequence[int] | None) -> dict[int, Any]:
-        n = self._nvml
+    def _setup_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            count = self._calls.call(n.nvmlDeviceGetCount)
+            return self._system.call(self.bounds.setup_timeout_s, fn, *args)
         except Exception as exc:
-            raise BackendError(f"NVML could not count GPUs: {exc}") from None
-        wanted = range(count) if gpu_ids is None else gpu_ids
+            raise BackendError(f"NVML could not {what}: {exc}") from None
+
+    def _wanted_gpus(self, gpu_ids: Sequence[int] | None) -> list[int]:
+        count = self._setup_call("count GPUs", self._nvml.nvmlDeviceGetCount)
+        wanted = list(range(count)) if gpu_ids is None else list(gpu_ids)
         missing = [g for g in wanted if not 0 <= g < count]
         if missing:
             raise BackendError(f"NVML sees {count} GPU(s); no GPU with index {missing}")
-        handles = {}
-        for gpu in wanted:
-            try:
-                handles[gpu] = self._calls.call(n.nvmlDeviceGetHandleByIndex, gpu)
-            except Exception as exc:
-                raise BackendError(f"NVML could not open GPU {gpu}: {exc}") from None
-        return handles
+        return wanted
 
     def _open_event_set(self) -> Any:
-        """An XID event set; a GPU that cannot register simply reports no XIDs."""
-        n = self._nvml
+        """An XID event set, or None: then no GPU reports XIDs (and the monitor says so)."""
         try:
-            events = self._calls.call(n.nvmlEventSetCreate)
-        except Exception:
+            return self._system.call(self.bounds.setup_timeout_s, self._nvml.nvmlEventSetCreate)
+        except Exception as exc:
+            log.warning("nvml: no XID event set (%s): XIDs are not monitored", exc)
             return None
-        for handle in self._handles.values():
-            try:
-                self._calls.call(n.nvmlDeviceRegisterEvents, handle, n.nvmlEventTypeXidCriticalError,
-                                 events)
-            except Exception:
-                continue
-        return events
+
+    def _open(self, gpu: int, reading: Reading) -> Any:
+        """The GPU's handle, opened on its own worker with its UUID and XID registration."""
+        n = self._nvml
+        handle = self._read(reading, gpu, "handle", n.nvmlDeviceGetHandleByIndex, gpu)
+        if handle is None:
+            return None
+        self._gpu_by_handle[_handle_key(handle)] = gpu
+        uuid = self._read(reading, gpu, "uuid", n.nvmlDeviceGetUUID, handle)
+        if uuid is not None:
+            self._gpu_by_uuid[_text(uuid)] = gpu
+        if self._events is not None:
+            registered, _ = self._call(reading, gpu, "xid_events", n.nvmlDeviceRegisterEvents, handle,
+                                       n.nvmlEventTypeXidCriticalError, self._events)
+            if registered:
+                self._xid_gpus.add(gpu)
+            else:
+                log.warning("nvml: GPU %d cannot report XIDs (event registration failed)", gpu)
+        self._handles[gpu] = handle
+        return handle
 
     def close(self) -> None:
         # NVML stays initialised: the init is per process and other backends may share it.
         if self._events is not None:
             try:
-                self._calls.call(self._nvml.nvmlEventSetFree, self._events)
+                self._system.call(self.bounds.read_timeout_s, self._nvml.nvmlEventSetFree, self._events)
             except Exception:
                 pass
             self._events = None
+        self._reads.close()
+        self._system.stop()
 
     @property
     def reported_fields(self) -> frozenset[str]:
-        """The sample fields this backend can fill at all; XIDs need the event set."""
+        """The sample fields this backend can fill at all; XIDs need a GPU registered for them."""
         every = frozenset(FIELD_NAMES)
-        return every if self._events is not None else every - {"xid"}
+        return every if self._events is not None and self._xid_gpus else every - {"xid"}
 
     # -- reads ----------------------------------------------------------------------------
-    def _read(self, gpu: int, field: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """One bounded call; None when it fails or overruns; _GpuLost when the GPU is gone."""
+    def _call(self, reading: Reading, gpu: int, field: str, fn: Callable[..., Any],
+              *args: Any) -> tuple[bool, Any]:
+        """One call on the GPU's worker: (True, value), or (False, None) when it failed.
+
+        GpuGone when the GPU is lost; RESET_REQUIRED is noted on the reading."""
         if (gpu, field) in self._unsupported:
-            return None
+            return False, None
         n = self._nvml
+        reading.calling = getattr(fn, "__name__", field)
         try:
-            return self._calls.call(fn, *args)
-        except CallTimeout:
-            return None
+            return True, fn(*args)
         except n.NVMLError as exc:
             if exc.value == n.NVML_ERROR_GPU_IS_LOST:
-                raise _GpuLost() from None
-            if exc.value == n.NVML_ERROR_NOT_SUPPORTED:
+                raise GpuGone(GPU_IS_LOST) from None
+            if exc.value == n.NVML_ERROR_RESET_REQUIRED:
+                reading.note(RESET_REQUIRED)
+            elif exc.value == n.NVML_ERROR_NOT_SUPPORTED:
                 self._unsupported.add((gpu, field))
-            return None
+            elif exc.value == n.NVML_ERROR_FUNCTION_NOT_FOUND:
+                self._missing_functions.add(reading.calling)
+            return False, None
         except Exception:
-            return None
+            return False, None
+
+    def _read(self, reading: Reading, gpu: int, field: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._call(reading, gpu, field, fn, *args)[1]
+
+    def _read_newest(self, reading: Reading, gpu: int, field: str, names: Sequence[str], *args: Any) -> Any:
+        """The first of ``names`` that both the binding and the driver have."""
+        for name in names:
+            fn = getattr(self._nvml, name, None)
+            if fn is None or name in self._missing_functions:
+                continue
+            value = self._read(reading, gpu, field, fn, *args)
+            if name not in self._missing_functions:
+                return value
+        return None
 
     def sample(self) -> list[GpuSample]:
-        stuck = self._calls.stuck_call()
-        if stuck is not None:
-            name, seconds = stuck
-            raise BackendError(f"NVML call {name} has not returned for {seconds:.1f} s; "
-                               f"the driver may be wedged")
-        xids = self._drain_xids()
-        if self._driver is None:
-            self._driver = self._read(-1, "driver", self._nvml.nvmlSystemGetDriverVersion)
-        samples = []
-        for gpu, handle in self._handles.items():
-            try:
-                samples.append(self._sample_gpu(gpu, handle, xids))
-            except _GpuLost:
-                continue
+        now = time.time()
+        samples = self._reads.read(self._read_gpu, now, set_up=self._handles)
+        # After the reads: a GPU's first read registers it for events and names its handle.
+        xids = self._read_xids()
+        for sample in samples:
+            sample.driver_version = self._driver
+            sample.xid = worst_xid(xids.get(sample.gpu_id, ()))
         return samples
 
-    def _sample_gpu(self, gpu: int, handle: Any, xids: dict[int, list[int]]) -> GpuSample:
+    def _read_gpu(self, gpu: int, reading: Reading) -> None:
         n = self._nvml
-        now = time.time()
+        handle = self._handles.get(gpu)
+        if handle is None:
+            handle = self._open(gpu, reading)
+            if handle is None:
+                return  # unknown this time; opened again next sample
+        s = reading.sample
         if gpu not in self._names:
-            name = self._read(gpu, "name", n.nvmlDeviceGetName, handle)
+            name = self._read(reading, gpu, "name", n.nvmlDeviceGetName, handle)
             if name is not None:
-                self._names[gpu] = name
-        util = self._read(gpu, "utilization", n.nvmlDeviceGetUtilizationRates, handle)
-        memory = self._read(gpu, "memory", n.nvmlDeviceGetMemoryInfo, handle)
-        return GpuSample(
-            timestamp=now,
-            gpu_id=gpu,
-            gpu_name=self._names.get(gpu),
-            driver_version=self._driver,
-            temperature=self._read(gpu, "temperature", n.nvmlDeviceGetTemperature, handle,
-                                   n.NVML_TEMPERATURE_GPU),
-            power_draw=_scaled(self._read(gpu, "power", n.nvmlDeviceGetPowerUsage, handle), 1e-3),
-            gpu_utilization=None if util is None else float(util.gpu),
-            memory_utilization=None if util is None else float(util.memory),
-            memory_used=None if memory is None else memory.used / MIB,
-            memory_total=None if memory is None else memory.total / MIB,
-            errors=self._read(gpu, "ecc_aggregate", n.nvmlDeviceGetTotalEccErrors, handle,
-                              n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_AGGREGATE_ECC),
-            ecc_sbe=self._read(gpu, "ecc_sbe", n.nvmlDeviceGetTotalEccErrors, handle,
-                               n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC),
-            ecc_dbe=self._read(gpu, "ecc_dbe", n.nvmlDeviceGetTotalEccErrors, handle,
-                               n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC),
-            xid=worst_xid(xids.get(gpu, ())),
-            throttle_reasons=self._read(gpu, "throttle", self._throttle_fn(), handle),
-            power_limit=_scaled(self._read(gpu, "power_limit", n.nvmlDeviceGetEnforcedPowerLimit,
-                                           handle), 1e-3),
-            sm_clock=self._read(gpu, "sm_clock", n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_SM),
-            pcie_replay=self._read(gpu, "pcie_replay", n.nvmlDeviceGetPcieReplayCounter, handle),
-            retired_pages_pending=self._pending(gpu, handle),
-            recovery_action=self._recovery_action(gpu, handle),
-        )
+                self._names[gpu] = _text(name)
+        s.gpu_name = self._names.get(gpu)
+        s.temperature = self._read_newest(reading, gpu, "temperature", TEMPERATURE_FUNCTIONS, handle,
+                                          n.NVML_TEMPERATURE_GPU)
+        s.power_draw = _scaled(self._read(reading, gpu, "power", n.nvmlDeviceGetPowerUsage, handle), 1e-3)
+        util = self._read(reading, gpu, "utilization", n.nvmlDeviceGetUtilizationRates, handle)
+        if util is not None:
+            s.gpu_utilization, s.memory_utilization = float(util.gpu), float(util.memory)
+        memory = self._read(reading, gpu, "memory", n.nvmlDeviceGetMemoryInfo, handle)
+        if memory is not None:
+            s.memory_used, s.memory_total = memory.used / MIB, memory.total / MIB
+        s.errors = self._read(reading, gpu, "ecc_aggregate", n.nvmlDeviceGetTotalEccErrors, handle,
+                              n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_AGGREGATE_ECC)
+        s.ecc_sbe = self._read(reading, gpu, "ecc_sbe", n.nvmlDeviceGetTotalEccErrors, handle,
+                               n.NVML_MEMORY_ERROR_TYPE_CORRECTED, n.NVML_VOLATILE_ECC)
+        s.ecc_dbe = self._read(reading, gpu, "ecc_dbe", n.nvmlDeviceGetTotalEccErrors, handle,
+                               n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)
+        s.throttle_reasons = self._read_newest(reading, gpu, "throttle", THROTTLE_FUNCTIONS, handle)
+        s.power_limit = _scaled(self._read(reading, gpu, "power_limit", n.nvmlDeviceGetEnforcedPowerLimit,
+                                           handle), 1e-3)
+        s.sm_clock = self._read(reading, gpu, "sm_clock", n.nvmlDeviceGetClockInfo, handle, n.NVML_CLOCK_SM)
+        s.pcie_replay = self._read(reading, gpu, "pcie_replay", n.nvmlDeviceGetPcieReplayCounter, handle)
+        s.retired_pages_pending = self._pending(reading, gpu, handle)
+        s.recovery_action = self._recovery_action(reading, gpu, handle)
 
-    def _throttle_fn(self) -> Callable[..., Any]:
-        # Renamed "clocks event reasons" in newer drivers; older pynvml has only the old name.
-        n = self._nvml
-        return getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            n.nvmlDeviceGetCurrentClocksThrottleReasons
-
-    def _pending(self, gpu: int, handle: Any) -> int | None:
+    def _pending(self, reading: Reading, gpu: int, handle: Any) -> int | None:
         """1 when retired pages or remapped rows are pending (or a remap failed), else 0.
 
         Pre-Ampere GPUs retire pages, Ampere and later remap rows: whichever the GPU supports
-        answers. None only when neither could be read.
+        answers. None only when neither could be read. A failed remap is also noted as the
+        condition ``row_remap_failure``: the GPU needs replacing.
         """
         n = self._nvml
-        retired = self._read(gpu, "retired_pending", n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
-        remapped = self._read(gpu, "remapped_rows", n.nvmlDeviceGetRemappedRows, handle)
+        retired = self._read(reading, gpu, "retired_pending", n.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+        remapped = self._read(reading, gpu, "remapped_rows", n.nvmlDeviceGetRemappedRows, handle)
         answers = []
         if retired is not None:
             answers.append(bool(retired))
         if remapped is not None:
             _corrected, _uncorrected, pending, failure = remapped
+            if failure:
+                reading.note(ROW_REMAP_FAILURE)
             answers.append(bool(pending) or bool(failure))
         return None if not answers else int(any(answers))
 
-    def _recovery_action(self, gpu: int, handle: Any) -> int | None:
+    def _recovery_action(self, reading: Reading, gpu: int, handle: Any) -> int | None:
         """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (driver >= 570); None where it is missing."""
         n = self._nvml
         field_id = getattr(n, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
         if field_id is None:
             return None
-        values = self._read(gpu, "recovery_action", n.nvmlDeviceGetFieldValues, handle, [field_id])
+        values = self._read(reading, gpu, "recovery_action", n.nvmlDeviceGetFieldValues, handle, [field_id])
         if not values or values[0].nvmlReturn != n.NVML_SUCCESS:
             return None
         member = _FIELD_MEMBERS.get(values[0].valueType)
         return None if member is None else int(getattr(values[0].value, member))
 
-    def _drain_xids(self) -> dict[int, list[int]]:
-        """XID codes per GPU since the last sample, without waiting (timeout 0)."""
-        n = self._nvml
-        seen: dict[int, list[int]] = {}
+    # -- XIDs -----------------------------------------------------------------------------
+    def _read_xids(self) -> dict[int, list[int]]:
+        """XID codes per GPU since the last sample, read on the system worker within the read
+        deadline; a read that overran hands its codes over once it returns."""
         if self._events is None:
+            return {}
+        seen: dict[int, list[int]] = {}
+        if self._drain is not None:
+            if not self._drain.done.is_set():
+                return seen  # still stuck: no XIDs until it returns
+            seen, self._drain = self._drain.value or {}, None
+        drain = self._system.submit(self._drain_xids)
+        if not drain.done.wait(self.bounds.read_timeout_s):
+            log.warning("nvml: reading XID events is stuck; XIDs are unknown until it returns")
+            self._drain = drain
             return seen
+        for gpu, codes in (drain.value or {}).items():
+            seen.setdefault(gpu, []).extend(codes)
+        return seen
+
+    def _drain_xids(self) -> dict[int, list[int]]:
+        """XID codes per GPU since the last sample, without waiting (timeout 0); on the system worker."""
+        n = self._nvml
+        if self._driver is None:
+            try:
+                self._driver = _text(n.nvmlSystemGetDriverVersion())
+            except Exception:
+                pass
+        seen: dict[int, list[int]] = {}
         for _ in range(MAX_EVENTS_PER_SAMPLE):
             try:
-                event = self._calls.call(n.nvmlEventSetWait, self._events, 0)
+                event = n.nvmlEventSetWait(self._events, 0)
             except Exception:
                 break  # NVML_ERROR_TIMEOUT: nothing pending; anything else: try next sample
-            try:
-                gpu = self._calls.call(n.nvmlDeviceGetIndex, event.device)
-            except Exception:
+            code = int(event.eventData)
+            gpu = self._gpu_of(event.device)
+            if gpu is None:
+                log.warning("nvml: XID %d on a GPU that NVML could not name", code)
                 continue
-            seen.setdefault(gpu, []).append(int(event.eventData))
+            seen.setdefault(gpu, []).append(code)
         return seen
+
+    def _gpu_of(self, device: Any) -> int | None:
+        """The index of an event's device: by handle (no call), else index, else UUID."""
+        gpu = self._gpu_by_handle.get(_handle_key(device))
+        if gpu is not None:
+            return gpu
+        n = self._nvml
+        try:
+            return int(n.nvmlDeviceGetIndex(device))
+        except Exception:
+            pass
+        try:
+            return self._gpu_by_uuid.get(_text(n.nvmlDeviceGetUUID(device)))
+        except Exception:
+            return None
 
 
 def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
+
+
+# -- the launcher's probe -----------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuIdentity:
+    """One GPU as NVML names it, for ``CUDA_VISIBLE_DEVICES`` by UUID."""
+
+    index: int
+    """NVML index: PCI bus order, the order CUDA uses with CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    uuid: str | None
+    """``GPU-...``; None when the GPU did not answer."""
+    mig_enabled: bool | None
+    """MIG mode is on (CUDA then sees MIG instances, not the GPU); False where MIG is not
+    supported; None when unknown."""
+    problem: str | None = None
+    """Why the GPU cannot be used: ``wedged`` (no answer in time), ``gpu_is_lost``,
+    ``reset_required``, or NVML's error text; None when it answered."""
+
+
+def probe_gpus(timeout_s: float = 30.0, nvml: ModuleType | None = None) -> list[GpuIdentity]:
+    """Every GPU NVML sees, with UUID and MIG mode, each GPU probed on its own thread.
+
+    Bounded: the whole probe takes at most about ``timeout_s`` per step (start, count, GPUs),
+    however the driver behaves; a GPU that does not answer in time has ``problem="wedged"``.
+    Raises :class:`NvmlUnavailable` (one line) when NVML cannot be used at all.
+    """
+    n = _load(nvml)
+    _init_once(n, timeout_s)
+    try:
+        count = call_once_bounded("nvml-probe", timeout_s, n.nvmlDeviceGetCount)
+    except CallTimeout:
+        raise NvmlUnavailable(f"NVML could not count GPUs within {timeout_s:g} s "
+                              f"(the driver may be wedged)") from None
+    except Exception as exc:
+        raise NvmlUnavailable(f"NVML could not count GPUs: {exc}") from None
+    workers = [Worker(f"nvml-probe-gpu{gpu}") for gpu in range(count)]
+    jobs = [worker.submit(_identify, n, gpu) for gpu, worker in enumerate(workers)]
+    began = time.monotonic()
+    identities = []
+    for gpu, (worker, job) in enumerate(zip(workers, jobs)):
+        job.done.wait(max(0.0, began + timeout_s - time.monotonic()))
+        worker.stop()
+        identities.append(_identity(n, gpu, job))
+    return identities
+
+
+def _identify(n: ModuleType, gpu: int) -> GpuIdentity:
+    handle = n.nvmlDeviceGetHandleByIndex(gpu)
+    uuid = _text(n.nvmlDeviceGetUUID(handle))
+    try:
+        mig = n.nvmlDeviceGetMigMode(handle)[0] == n.NVML_DEVICE_MIG_ENABLE
+    except n.NVMLError as exc:
+        mig = False if exc.value == n.NVML_ERROR_NOT_SUPPORTED else None
+    return GpuIdentity(gpu, uuid, mig)
+
+
+def _identity(n: ModuleType, gpu: int, job: Any) -> GpuIdentity:
+    if not job.done.is_set():
+        return GpuIdentity(gpu, None, None, "wedged")
+    if job.error is None:
+        return job.value
+    problem = str(job.error)
+    if isinstance(job.error, n.NVMLError):
+        problem = {n.NVML_ERROR_GPU_IS_LOST: GPU_IS_LOST,
+                   n.NVML_ERROR_RESET_REQUIRED: RESET_REQUIRED}.get(job.error.value, problem)
+    return GpuIdentity(gpu, None, None, problem)
+
+
+def index_for_uuid(entry: str, identities: Sequence[GpuIdentity]) -> int:
+    """The NVML index of the GPU a ``CUDA_VISIBLE_DEVICES`` entry names: a full ``GPU-`` UUID
+    or, as CUDA accepts, a unique prefix of one. ValueError (one line) otherwise."""
+    text = entry.strip()
+    if text.upper().startswith("MIG-"):
+        raise ValueError(f"{text} is a MIG instance: ftmaster needs whole GPUs (turn MIG mode off)")
+    if not text.upper().startswith("GPU-"):
+        raise ValueError(f"{text!r} is not a GPU UUID (GPU-...)")
+    matches = [g for g in identities if g.uuid is not None and g.uuid.lower().startswith(text.lower())]
+    if not matches:
+        raise ValueError(f"no GPU has UUID {text}")
+    if len(matches) > 1:
+        raise ValueError(f"{text} matches {len(matches)} GPUs "
+                         f"({', '.join(str(g.index) for g in matches)}); give more of the UUID")
+    return matches[0].index

@@ -7,8 +7,15 @@ benign single-bit ECC errors. Anomalies (thermal runaway, ECC bursts, ...) are n
 the healthy model: the monitor lays them over the samples (:mod:`ftmaster.monitor.anomalies`),
 which is how ``--inject`` reaches this backend.
 
+Each GPU is read through the same per-GPU bounded machinery as NVML
+(:mod:`ftmaster.monitor.backends.bounded`): ``--inject wedge`` makes a simulated GPU's read
+block until a ``recover``, and the monitor sees exactly what a wedged driver shows it (the
+GPU unknown, then lost as ``wedged``, the others sampled throughout). The physics is stepped
+for every GPU on the sampling thread, so a seed gives the same telemetry whatever is read.
+
 To drop GPUs from the virtual set after a relaunch, build a new ``SimBackend`` with
-``gpu_ids`` listing the ones left (or call :meth:`ftmaster.monitor.daemon.Monitor.exclude_gpus`).
+``gpu_ids`` listing the ones left, or select the GPUs to read (``select_gpus``, which
+:class:`ftmaster.monitor.daemon.Monitor` calls).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from ftmaster.monitor.backends.bounded import PerGpuBackend, PerGpuReads, ReadBounds, Reading
 from ftmaster.monitor.sample import GpuSample
 
 AMBIENT_C = 28.0
@@ -98,25 +106,26 @@ class Fleet:
         )
 
 
-class SimBackend:
+class SimBackend(PerGpuBackend):
     """Virtual GPUs that warm up over ``warmup_s`` and then train at a steady load."""
 
     name = "sim"
 
     def __init__(self, num_gpus: int = 8, seed: int = 0, gpu_ids: Sequence[int] | None = None,
                  clock: Callable[[], float] = time.time, warmup_s: float = 60.0,
-                 traits: Mapping[int, GpuTraits] | None = None) -> None:
+                 traits: Mapping[int, GpuTraits] | None = None, bounds: ReadBounds | None = None) -> None:
         ids = list(range(num_gpus)) if gpu_ids is None else list(gpu_ids)
         if not ids:
             raise ValueError("the sim backend needs at least one GPU")
         self.fleet = Fleet(ids, seed, traits)
         self.clock = clock
         self.warmup_s = warmup_s
+        self._reads = PerGpuReads(ids, bounds or ReadBounds(), "sim")
         self._start: float | None = None
         self._last: float | None = None
 
     def close(self) -> None:
-        pass
+        self._reads.close()
 
     def sample(self) -> list[GpuSample]:
         now = self.clock()
@@ -126,4 +135,10 @@ class SimBackend:
         self._last = now
         ramp = 1.0 if self.warmup_s <= 0 else min(1.0, (now - self._start) / self.warmup_s)
         load = 0.1 + 0.86 * ramp
-        return self.fleet.step(now, dt, {gpu: load for gpu in self.fleet.states})
+        stepped = {s.gpu_id: s for s in self.fleet.step(now, dt, {gpu: load for gpu in self.fleet.states})}
+
+        def read_one(gpu: int, reading: Reading) -> None:
+            reading.calling = "the simulated driver"
+            reading.sample = stepped[gpu]
+
+        return self._reads.read(read_one, now)

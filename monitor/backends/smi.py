@@ -7,19 +7,28 @@ so. The monitor records that and retries with backoff. A killed process stuck in
 (uninterruptible sleep) may not die at once; it is given a moment, then left to a daemon
 thread to reap, so it never blocks the monitor.
 
-Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` are unknown (None). A
-line that reports a lost GPU leaves that GPU out, so the monitor reports it lost. Drivers that
-reject one of the extra fields get the paper's Table I fields only.
+Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` (``retired_pages.pending``
+on H100, say) are unknown (None). A line that reports a lost GPU leaves that GPU out, so the
+monitor reports it lost. A driver that rejects an extra field by name loses that field only
+(for good); one that rejects a field without naming it gets the paper's Table I fields.
+
+With ``gpu_ids`` (or :meth:`SmiBackend.select_gpus`) only those GPUs are queried
+(``nvidia-smi -i``): other jobs' GPUs on the node never reach the monitor. One process reads
+every GPU, so a wedged driver still blinds all of them until the timeout: per-GPU bounds need
+the ``nvml`` backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
+
+from typing import Iterable, Sequence
 
 from ftmaster.monitor.backends import BackendError
 from ftmaster.monitor.sample import GpuSample
@@ -49,17 +58,23 @@ _TEXT = {"gpu_name", "driver_version"}
 _INTEGER = {"errors", "ecc_sbe", "ecc_dbe", "throttle_reasons"}
 _YES_NO = {"yes": 1, "no": 0}
 KILL_GRACE_S = 1.0  # how long a killed nvidia-smi gets to exit before it is left behind
+# nvidia-smi's words for a field the driver does not know: Field "x" is not a valid field to query.
+_REJECTED_FIELD = re.compile(r'field "([^"]+)" is not a valid field', re.IGNORECASE)
 
 
 class SmiBackend:
-    """Runs ``nvidia-smi`` once per sample."""
+    """Runs ``nvidia-smi`` once per sample, for ``gpu_ids`` (None: every GPU)."""
 
     name = "smi"
 
-    def __init__(self, executable: str = "nvidia-smi", timeout_s: float = 5.0) -> None:
+    def __init__(self, executable: str = "nvidia-smi", timeout_s: float = 5.0,
+                 gpu_ids: Sequence[int] | None = None) -> None:
         self.executable = executable
         self.timeout_s = timeout_s
         self._fields = BASE_FIELDS + EXTRA_FIELDS
+        self._gpu_ids = None if gpu_ids is None else frozenset(gpu_ids)
+        self._selected = self._gpu_ids
+        self._excluded: frozenset[int] = frozenset()
 
     def close(self) -> None:
         pass
@@ -69,30 +84,48 @@ class SmiBackend:
         """The sample fields this backend can fill at all (no XIDs, no recovery action)."""
         return frozenset(name for _, name in self._fields)
 
+    def select_gpus(self, watched: Iterable[int] | None, excluded: Iterable[int]) -> None:
+        """Query only ``watched`` (None: this backend's GPUs) minus ``excluded``."""
+        self._selected = self._gpu_ids if watched is None else frozenset(watched)
+        self._excluded = frozenset(excluded)
+
     def sample(self) -> list[GpuSample]:
         now = time.time()
-        code, out, err = self._query(self._fields)
-        if code != 0 and "not a valid field" in (out + err).lower() and self._fields != BASE_FIELDS:
-            self._fields = BASE_FIELDS  # an older driver: fall back to the paper's fields for good
-            code, out, err = self._query(self._fields)
-        samples, lost = [], 0
+        selected, excluded = self._selected, self._excluded
+        ids = None if selected is None else sorted(selected - excluded)
+        if ids == []:
+            return []
+        code, out, err = self._query_known_fields(ids)
+        listed, samples = 0, []
         for line in out.splitlines():
             if not line.strip():
                 continue
+            listed += 1
             if "lost" in line.lower():
-                lost += 1  # "Unable to determine the device handle ... GPU is lost": left out
-                continue
-            samples.append(self._parse(line, now))
-        if not samples and not lost:
+                continue  # "Unable to determine the device handle ... GPU is lost": left out
+            sample = self._parse(line, now)
+            if sample.gpu_id not in excluded:  # without --id, every GPU answers
+                samples.append(sample)
+        if not listed:
             # Silence is not "every GPU is gone": only an explicit lost line says that.
             detail = (err or out).strip().splitlines()
             raise BackendError(f"nvidia-smi exited with {code} and listed no GPU: "
                                f"{detail[0] if detail else 'no output'}")
         return samples
 
-    def _query(self, fields: tuple[tuple[str, str], ...]) -> tuple[int, str, str]:
+    def _query_known_fields(self, ids: list[int] | None) -> tuple[int, str, str]:
+        """Query, dropping each extra field the driver rejects (one at a time, remembered)."""
+        while True:
+            code, out, err = self._query(self._fields, ids)
+            if code == 0 or "not a valid field" not in (out + err).lower() or self._fields == BASE_FIELDS:
+                return code, out, err
+            self._fields = _without_rejected(self._fields, out + err)
+
+    def _query(self, fields: tuple[tuple[str, str], ...], ids: list[int] | None) -> tuple[int, str, str]:
         argv = [self.executable, "--query-gpu=" + ",".join(f for f, _ in fields),
                 "--format=csv,noheader,nounits"]
+        if ids is not None:
+            argv.append("--id=" + ",".join(map(str, ids)))
         try:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -118,6 +151,13 @@ class SmiBackend:
             raise BackendError(f"unparseable nvidia-smi line (bad GPU index): {line[:120]!r}")
         parsed = {name: _cell(name, text) for name, text in values.items()}
         return GpuSample(timestamp=now, **parsed)
+
+
+def _without_rejected(fields: tuple[tuple[str, str], ...], message: str) -> tuple[tuple[str, str], ...]:
+    """``fields`` without the extra field ``message`` names; Table I alone when it names none."""
+    named = {match.lower() for match in _REJECTED_FIELD.findall(message)}
+    kept = tuple(f for f in fields if f in BASE_FIELDS or f[0].lower() not in named)
+    return kept if len(kept) < len(fields) else BASE_FIELDS
 
 
 def _reap_killed(proc: subprocess.Popen) -> None:

@@ -2,11 +2,13 @@
 
 import json
 import threading
+import time
 
 from ftmaster import runfiles
 from ftmaster.faults import parse_injection
-from ftmaster.monitor.anomalies import ThermalRunaway
+from ftmaster.monitor.anomalies import PagesPending, ThermalRunaway
 from ftmaster.monitor.backends import BackendError
+from ftmaster.monitor.backends.bounded import ReadBounds
 from ftmaster.monitor.backends.sim import SimBackend
 from ftmaster.monitor.daemon import Monitor, MonitorConfig, backoff_delay
 from ftmaster.monitor.sample import GpuSample
@@ -168,3 +170,151 @@ def test_missing_hard_signals_are_reported_once(tmp_path, caplog):
 def test_full_telemetry_reports_no_coverage_gap(tmp_path):
     run(sim_monitor(tmp_path, 1.0), 3)
     assert not any(e["event"] == "monitor_coverage" for e in runfiles.read_events(tmp_path))
+
+
+# -- issue 10: xid and wedge injections, watched GPUs, lost reasons, health evidence ---------
+QUICK = ReadBounds(read_timeout_s=0.1, setup_timeout_s=0.5, wedged_after=3)  # generous for busy CI
+
+
+def quick_sim_monitor(tmp_path, injections=(), num_gpus=4):
+    backend = SimBackend(num_gpus=num_gpus, clock=Clock(1.0), bounds=QUICK)
+    return Monitor(backend, tmp_path, injections=[parse_injection(i) for i in injections])
+
+
+def rows_per_gpu(tmp_path):
+    rows = (tmp_path / "gpu_metrics.csv").read_text().splitlines()[1:]
+    counts = {}
+    for row in rows:
+        gpu = int(row.split(",")[1])
+        counts[gpu] = counts.get(gpu, 0) + 1
+    return counts
+
+
+def test_an_injected_xid_alerts_with_a_hard_reason_and_makes_the_gpu_unschedulable(tmp_path):
+    monitor = quick_sim_monitor(tmp_path, ["xid:gpu=1,code=95,at=3s", "recover:gpu=1,at=8s"])
+    run(monitor, 5)
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(1, ("xid_95",))]
+    assert monitor.unschedulable_gpus() == {1: "xid_95"}
+    xids = [r.split(",")[13] for r in (tmp_path / "gpu_metrics.csv").read_text().splitlines()[1:]]
+    assert xids.count("95") == 1  # an XID is an event: one sample shows it
+    run(monitor, 4)
+    assert monitor.unschedulable_gpus() == {}  # recover: the rehearsal's reset
+
+
+def test_a_wedged_sim_gpu_is_reported_lost_while_the_others_are_sampled(tmp_path):
+    monitor = quick_sim_monitor(tmp_path, ["wedge:gpu=2,at=2s"])
+    steps = 0
+    while 2 not in monitor.lost_gpus():
+        steps += 1
+        assert steps < 500, "the wedged GPU was never reported lost"
+        monitor.step()
+        time.sleep(0.01)
+    assert monitor.lost_reasons() == {2: "wedged"}
+    assert monitor.unschedulable_gpus() == {2: "wedged"}
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(2, ("device_lost", "wedged"))]
+    counts = rows_per_gpu(tmp_path)
+    assert counts[0] == counts[1] == counts[3] == steps
+    assert steps - counts[2] >= 1 and counts[2] >= 2  # unknown rows while stuck, then left out
+    events = runfiles.read_events(tmp_path)
+    assert [e["reasons"] for e in events if e["event"] == "risk_alert"] == [["device_lost", "wedged"]]
+
+
+def test_recover_releases_a_wedged_sim_gpu(tmp_path):
+    monitor = quick_sim_monitor(tmp_path, ["wedge:gpu=0,at=1s"])
+    while 0 not in monitor.lost_gpus():
+        monitor.step()
+        time.sleep(0.01)
+    monitor.pending_injections.append(parse_injection("recover:gpu=0,at=0s"))
+    for _ in range(500):
+        monitor.step()
+        if 0 not in monitor.lost_gpus():
+            break
+        time.sleep(0.01)
+    assert monitor.lost_gpus() == set() and monitor.unschedulable_gpus() == {}
+
+
+def test_a_wedge_on_an_excluded_gpu_is_never_seen(tmp_path):
+    monitor = quick_sim_monitor(tmp_path, ["wedge:gpu=3,at=1s"])
+    monitor.exclude_gpus([3])
+    for _ in range(20):
+        monitor.step()
+    assert monitor.lost_gpus() == set() and 3 not in rows_per_gpu(tmp_path)
+
+
+def test_unwatched_spares_are_not_sampled_and_raise_no_alert(tmp_path):
+    monitor = sim_monitor(tmp_path, 5.0, ["hang:gpu=3,at=900s"])
+    monitor.watch([0, 1, 2])  # GPU 3 is a spare the replanned attempt does not use
+    run(monitor, 216)  # 18 minutes: long enough for an idle watched GPU to alert
+    assert monitor.alerts == [] and monitor.lost_gpus() == set()
+    assert set(rows_per_gpu(tmp_path)) == {0, 1, 2}
+    monitor.watch(None)  # every GPU again
+    run(monitor, 2)
+    assert set(rows_per_gpu(tmp_path)) == {0, 1, 2, 3}
+
+
+def test_a_pending_flag_set_before_the_monitor_started_never_alerts(tmp_path):
+    # Review point 9: the flag stays set until a reset. At start it is old news; it must
+    # neither alert at every start nor keep the GPU critical forever.
+    monitor = sim_monitor(tmp_path, 1.0)
+    monitor.overlay.inject(0, PagesPending())
+    run(monitor, 3)
+    assert monitor.alerts == []
+    monitor.overlay.inject(1, PagesPending())  # set while watched: news
+    run(monitor, 120)
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(1, ("retired_pages_pending",))]
+    assert not monitor.still_critical(1)  # re-armed although the flag is still set
+
+
+class ScriptedBackend:
+    """Samples and driver conditions given step by step."""
+
+    name = "scripted"
+
+    def __init__(self, script):
+        self.script, self.conditions, self.now = list(script), {}, 1_750_000_000.0
+
+    def sample(self):
+        present, self.conditions = self.script.pop(0)
+        self.now += 1
+        return [GpuSample(timestamp=self.now, gpu_id=g, temperature=60.0, power_draw=300.0,
+                          gpu_utilization=95.0) for g in present]
+
+    def close(self):
+        pass
+
+
+def test_driver_conditions_become_lost_reasons_and_evidence(tmp_path):
+    monitor = Monitor(ScriptedBackend([
+        ([0, 1, 2], {}),
+        ([0, 2], {1: ("gpu_is_lost",), 2: ("reset_required",), 3: ("wedged",)}),
+        ([0, 2], {}),
+    ]), tmp_path)
+    run(monitor, 3)
+    assert monitor.lost_reasons() == {1: "gpu_is_lost", 3: "wedged"}  # 3 was never sampled: still lost
+    assert monitor.unschedulable_gpus() == {1: "gpu_is_lost", 2: "reset_required", 3: "wedged"}
+    # reset_required is evidence for the supervisor, not an alert: it would alert at every start.
+    assert sorted((a.gpu, a.reasons) for a in monitor.alerts) == [
+        (1, ("device_lost", "gpu_is_lost")), (3, ("device_lost", "wedged"))]
+
+
+def test_a_gpu_that_only_goes_missing_is_lost_but_schedulable(tmp_path):
+    monitor = Monitor(ScriptedBackend([([0, 1], {}), ([0], {})]), tmp_path)
+    run(monitor, 2)
+    assert monitor.lost_reasons() == {1: "device_lost"}
+    assert monitor.unschedulable_gpus() == {}  # the wait policy may still wait for it
+
+
+def test_a_wedge_of_every_gpu_is_a_monitor_error_not_a_lost_node(tmp_path):
+    monitor = quick_sim_monitor(tmp_path, ["wedge:gpu=0,at=1s", "wedge:gpu=1,at=1s"], num_gpus=2)
+    monitor.config = MonitorConfig(interval_s=0.01, max_backoff_s=0.02)
+    monitor.start()
+    try:
+        for _ in range(500):
+            if any(e["event"] == "monitor_error" for e in runfiles.read_events(tmp_path)):
+                break
+            time.sleep(0.01)
+    finally:
+        monitor.stop()
+    (error,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "monitor_error"]
+    assert "the driver looks wedged" in error["error"]
+    assert monitor.lost_gpus() == set() and monitor.unschedulable_gpus() == {}

@@ -9,6 +9,22 @@ def test_parses_iteration_and_seconds_triggers():
     assert str(parse_injection("recover:gpu=3,at=30s")) == "recover:gpu=3,at=30s"
 
 
+@pytest.mark.parametrize("spec, injection", [
+    ("xid:gpu=1,code=95,at=iter:8", Injection(Fault.XID, 1, at_iteration=8, code=95)),
+    ("XID:at=3s,code=79,gpu=2", Injection(Fault.XID, 2, at_seconds=3.0, code=79)),
+    ("wedge:gpu=3,at=iter:5", Injection(Fault.WEDGE, 3, at_iteration=5)),
+    ("nan:gpu=0,at=iter:12", Injection(Fault.NAN, 0, at_iteration=12)),
+])
+def test_parses_the_new_kinds_and_prints_them_back(spec, injection):
+    assert parse_injection(spec) == injection
+    assert parse_injection(str(injection)) == injection
+
+
+def test_at_once_keeps_the_fault_and_fires_now():
+    fired = parse_injection("xid:gpu=1,code=95,at=iter:8").at_once()
+    assert fired == Injection(Fault.XID, 1, at_seconds=0.0, code=95) and fired.due(None, 0.0)
+
+
 @pytest.mark.parametrize("spec, words", [
     ("explode:gpu=1,at=10s", "unknown kind"),
     ("degrade", "expected"),
@@ -20,6 +36,16 @@ def test_parses_iteration_and_seconds_triggers():
     ("degrade:gpu=1,at=infs", "at= must be"),
     ("degrade:gpu=1,at=1s,when=2", "unknown field"),
     ("degrade:gpu=1,gpu=2,at=1s", "given twice"),
+    ("xid:gpu=1,at=iter:8", r"missing code= \(the XID number"),
+    ("xid:gpu=1,code=abc,at=1s", "code must be an XID number"),
+    ("xid:gpu=1,code=0,at=1s", "code must be an XID number"),
+    ("xid:gpu=1,code=-5,at=1s", "code must be an XID number"),
+    ("xid:gpu=1,code=79,code=48,at=1s", "given twice"),
+    ("wedge:gpu=1,code=79,at=1s", "code= is only for xid"),
+    ("nan:gpu=1,code=1,at=iter:3", "code= is only for xid"),
+    ("wedge:gpu=1", "missing at="),
+    ("nan:at=iter:3", "missing gpu="),
+    ("wedged:gpu=1,at=1s", "unknown kind 'wedged'.*wedge, nan"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, words):
     with pytest.raises(ValueError, match=words):
@@ -34,3 +60,13 @@ def test_due_waits_for_the_trigger_and_never_fires_on_unknown_iteration():
     by_time = parse_injection("hang:gpu=0,at=5s")
     assert not by_time.due(100, 4.9)
     assert by_time.due(None, 5.0)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"kind": Fault.XID}, "needs code=N"),
+    ({"kind": Fault.XID, "code": 0}, "needs code=N"),
+    ({"kind": Fault.WEDGE, "code": 79}, "only for xid"),
+])
+def test_injections_built_in_code_are_checked_too(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Injection(gpu=0, at_seconds=1.0, **kwargs)

@@ -1,4 +1,8 @@
-"""The NVML backend against a fake ``pynvml``, function by function."""
+"""The NVML backend against a fake ``pynvml``, function by function.
+
+The same backend behind the real pynvml and a fake ``libnvidia-ml`` is in
+``test_monitor_nvml_lib.py``.
+"""
 
 import threading
 import time
@@ -7,10 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from ftmaster.faults import parse_injection
 from ftmaster.monitor.backends import BackendError
-from ftmaster.monitor.backends.nvml import NvmlBackend
+from ftmaster.monitor.backends.bounded import ReadBounds
+from ftmaster.monitor.backends.nvml import (GpuIdentity, NvmlBackend, NvmlUnavailable, index_for_uuid,
+                                            probe_gpus)
 
-LOST, NOT_SUPPORTED, UNKNOWN, TIMEOUT = 15, 3, 999, 10
+NOT_SUPPORTED, TIMEOUT, FUNCTION_NOT_FOUND, LOST, RESET_REQUIRED, UNKNOWN = 3, 10, 13, 15, 16, 999
+QUICK = ReadBounds(read_timeout_s=0.2, setup_timeout_s=0.4, wedged_after=3)  # generous for busy CI
 
 
 class FakeError(Exception):
@@ -19,15 +27,21 @@ class FakeError(Exception):
         self.value = value
 
 
+def raises(code):
+    def fn(*_):
+        raise FakeError(code)
+    return fn
+
+
 def fake_nvml(count=2, **overrides):
     """A pynvml stand-in with two healthy GPUs; ``overrides`` replace single functions."""
     calls = {}
     events = [SimpleNamespace(device=1, eventData=79)]
-    release = threading.Event()
 
     def counted(name, fn):
         def wrapper(*args):
             calls[name] = calls.get(name, 0) + 1
+            calls[(name, args[0] if args else None)] = calls.get((name, args[0] if args else None), 0) + 1
             return fn(*args)
         wrapper.__name__ = name
         return wrapper
@@ -44,6 +58,8 @@ def fake_nvml(count=2, **overrides):
         "nvmlDeviceGetCount": lambda: count,
         "nvmlDeviceGetHandleByIndex": lambda i: i,
         "nvmlDeviceGetIndex": lambda h: h,
+        "nvmlDeviceGetUUID": lambda h: f"GPU-{h:08d}-aaaa",
+        "nvmlDeviceGetMigMode": lambda h: [0, 0],
         "nvmlSystemGetDriverVersion": lambda: "570.1",
         "nvmlDeviceGetName": lambda h: "FakeGPU",
         "nvmlDeviceGetTemperature": lambda h, sensor: 60 + h,
@@ -55,7 +71,7 @@ def fake_nvml(count=2, **overrides):
         "nvmlDeviceGetEnforcedPowerLimit": lambda h: 700_000,
         "nvmlDeviceGetClockInfo": lambda h, clock: 1980,
         "nvmlDeviceGetPcieReplayCounter": lambda h: 3,
-        "nvmlDeviceGetRetiredPagesPendingStatus": lambda h: (_ for _ in ()).throw(FakeError(NOT_SUPPORTED)),
+        "nvmlDeviceGetRetiredPagesPendingStatus": raises(NOT_SUPPORTED),
         "nvmlDeviceGetRemappedRows": lambda h: (0, 0, 1 if h == 1 else 0, 0),
         "nvmlDeviceGetFieldValues": lambda h, ids: [field],
         "nvmlEventSetCreate": lambda: "set",
@@ -66,13 +82,15 @@ def fake_nvml(count=2, **overrides):
     functions.update(overrides)
     module = types.ModuleType("fake_pynvml")
     for name, fn in functions.items():
-        setattr(module, name, counted(name, fn))
+        if fn is not None:
+            setattr(module, name, counted(name, fn))
     module.__dict__.update(
         NVMLError=FakeError, NVML_ERROR_GPU_IS_LOST=LOST, NVML_ERROR_NOT_SUPPORTED=NOT_SUPPORTED,
+        NVML_ERROR_RESET_REQUIRED=RESET_REQUIRED, NVML_ERROR_FUNCTION_NOT_FOUND=FUNCTION_NOT_FOUND,
         NVML_SUCCESS=0, NVML_TEMPERATURE_GPU=0, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1,
         NVML_CLOCK_SM=1, nvmlEventTypeXidCriticalError=8, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230,
-        calls=calls, release=release)
+        NVML_DEVICE_MIG_ENABLE=1, calls=calls, events=events)
     return module
 
 
@@ -147,60 +165,314 @@ def test_lost_gpu_is_left_out():
     assert [s.gpu_id for s in samples] == [0]
 
 
-def test_a_hanging_call_is_bounded_and_unknown():
-    nvml = fake_nvml()
-
-    def hangs(h):
-        nvml.release.wait(30)  # stuck in the "driver" until the test lets it go
-        return 123_000
-    nvml.nvmlDeviceGetPowerUsage = hangs
-    backend = NvmlBackend(nvml=nvml, call_timeout_s=0.2)
-    try:
-        first = backend.sample()
-    finally:
-        nvml.release.set()
-    assert [s.power_draw for s in first] == [None, None]
-    assert first[0].temperature == 60  # reads before the hang went through
-    # While the call stayed stuck, later reads answered "unknown" at once instead of queueing.
-    assert first[1].temperature is None
+def sampled(backend):
+    backend.sample()
+    return backend
 
 
-def test_a_call_still_stuck_at_the_next_sample_is_a_backend_error():
-    release = threading.Event()
-
-    def hangs(h, sensor):
-        release.wait(30)
-        return 60
-    nvml = fake_nvml(nvmlDeviceGetTemperature=hangs)
-    backend = NvmlBackend(nvml=nvml, call_timeout_s=0.2)
-    try:
-        backend.sample()
-        with pytest.raises(BackendError, match="nvmlDeviceGetTemperature has not returned for .* wedged"):
-            backend.sample()
-    finally:
-        release.set()
-    nvml.nvmlDeviceGetTemperature = lambda h, sensor: 60
-    assert wait_until_sampled(backend)[0].temperature == 60  # the driver came back
+def test_xids_are_reported_only_when_some_gpu_registered_for_them():
+    assert "xid" in sampled(NvmlBackend(nvml=fake_nvml())).reported_fields
+    assert "xid" not in sampled(NvmlBackend(nvml=fake_nvml(nvmlEventSetCreate=raises(NOT_SUPPORTED)))).reported_fields
+    # Review point 10: an event set on which every registration failed covers nothing.
+    unregistered = NvmlBackend(nvml=fake_nvml(nvmlDeviceRegisterEvents=raises(NOT_SUPPORTED)))
+    assert "xid" not in sampled(unregistered).reported_fields
+    one_registered = NvmlBackend(nvml=fake_nvml(
+        nvmlDeviceRegisterEvents=lambda h, t, s: (_ for _ in ()).throw(FakeError(UNKNOWN)) if h else None))
+    assert "xid" in sampled(one_registered).reported_fields
 
 
-def wait_until_sampled(backend, attempts=50):
-    """The first sample once the stuck call has returned (its worker needs a moment)."""
-    for _ in range(attempts):
-        try:
-            return backend.sample()
-        except BackendError:
-            time.sleep(0.05)
-    raise AssertionError("the backend never recovered")
+def test_an_xid_whose_index_lookup_fails_is_kept():
+    nvml = fake_nvml(nvmlDeviceGetIndex=raises(UNKNOWN))
+    assert by_gpu(NvmlBackend(nvml=nvml).sample())[1].xid == 79  # placed by its handle
+    assert "nvmlDeviceGetIndex" not in nvml.calls
 
 
-def test_xids_are_reported_only_with_an_event_set():
-    assert "xid" in NvmlBackend(nvml=fake_nvml()).reported_fields
-
-    def no_event_set():
-        raise FakeError(NOT_SUPPORTED)
-    assert "xid" not in NvmlBackend(nvml=fake_nvml(nvmlEventSetCreate=no_event_set)).reported_fields
+def test_an_xid_from_an_unknown_handle_is_placed_by_uuid():
+    nvml = fake_nvml(nvmlDeviceGetIndex=raises(UNKNOWN),
+                     nvmlDeviceGetUUID=lambda h: "GPU-00000001-aaaa" if h in (1, "other") else f"GPU-{h:08d}-aaaa")
+    nvml.events[:] = [SimpleNamespace(device="other", eventData=48)]
+    assert by_gpu(NvmlBackend(nvml=nvml).sample())[1].xid == 48
 
 
 def test_bad_gpu_ids_are_refused():
     with pytest.raises(BackendError, match="no GPU with index"):
         NvmlBackend(gpu_ids=[5], nvml=fake_nvml())
+
+
+def test_temperature_uses_the_current_call_and_falls_back_when_the_driver_lacks_it():
+    current = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetTemperatureV=lambda h, sensor: 70))
+    assert {s.temperature for s in current.sample()} == {70}
+    nvml = fake_nvml(nvmlDeviceGetTemperatureV=raises(FUNCTION_NOT_FOUND))  # binding newer than driver
+    old = NvmlBackend(nvml=nvml)
+    old.sample()
+    assert [s.temperature for s in old.sample()] == [60, 61]
+    assert nvml.calls["nvmlDeviceGetTemperatureV"] == 1  # remembered, not asked every read
+
+
+def test_throttle_reasons_fall_back_when_the_driver_lacks_the_new_call():
+    nvml = fake_nvml(nvmlDeviceGetCurrentClocksEventReasons=raises(FUNCTION_NOT_FOUND),
+                     nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x8)
+    assert [s.throttle_reasons for s in NvmlBackend(nvml=nvml).sample()] == [0x8, 0x8]
+    binding_without_it = fake_nvml(nvmlDeviceGetCurrentClocksEventReasons=None,
+                                   nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x20)
+    assert [s.throttle_reasons for s in NvmlBackend(nvml=binding_without_it).sample()] == [0x20, 0x20]
+
+
+def test_recovery_action_of_value_type_unsigned_short():
+    field = SimpleNamespace(nvmlReturn=0, valueType=6, value=SimpleNamespace(usVal=4))
+    samples = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetFieldValues=lambda h, ids: [field])).sample()
+    assert [s.recovery_action for s in samples] == [4, 4]
+
+
+def test_reset_required_is_evidence_not_just_unknown():
+    backend = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetPowerUsage=lambda h: (_ for _ in ()).throw(
+        FakeError(RESET_REQUIRED)) if h == 1 else 300_000))
+    samples = by_gpu(backend.sample())
+    assert samples[1].power_draw is None and samples[1].temperature == 61  # kept, that read unknown
+    assert backend.conditions == {1: ("reset_required",)}
+
+
+def test_lost_gpu_is_left_out_with_its_condition():
+    backend = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetPowerUsage=lambda h: (_ for _ in ()).throw(
+        FakeError(LOST)) if h == 0 else 300_000))
+    assert [s.gpu_id for s in backend.sample()] == [1]
+    assert backend.conditions == {0: ("gpu_is_lost",)}
+
+
+def test_a_failed_row_remap_is_a_condition():
+    backend = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetRemappedRows=lambda h: (0, 1, 0, h)))
+    samples = by_gpu(backend.sample())
+    assert (samples[0].retired_pages_pending, samples[1].retired_pages_pending) == (0, 1)
+    assert backend.conditions == {1: ("row_remap_failure",)}
+
+
+def stuck_on(gpu, release, value):
+    """A read that blocks on ``gpu`` (as a wedged driver) until ``release`` is set."""
+    def read(h, *_):
+        if h == gpu:
+            release.wait(60)
+        return value
+    return read
+
+
+def test_a_call_stuck_on_one_gpu_blinds_only_that_gpu():
+    release = threading.Event()
+    nvml = fake_nvml(count=3, nvmlDeviceGetPowerUsage=stuck_on(1, release, 300_000))
+    backend = NvmlBackend(nvml=nvml, bounds=QUICK)
+    try:
+        first = by_gpu(backend.sample())
+        assert [first[g].power_draw for g in (0, 1, 2)] == [300.0, None, 300.0]
+        assert first[1].temperature == 61  # read before the stuck call: kept
+        assert first[1].pcie_replay is None  # after it: unknown
+        second = by_gpu(backend.sample())
+        assert second[1].temperature is None  # no new call queued behind the stuck one
+        assert second[0].temperature == 60 and second[2].temperature == 62
+    finally:
+        release.set()
+
+
+def test_a_wedged_gpu_is_left_out_as_wedged_while_the_others_are_sampled():
+    release = threading.Event()
+    nvml = fake_nvml(count=3, nvmlDeviceGetPowerUsage=stuck_on(2, release, 300_000))
+    backend = NvmlBackend(nvml=nvml, bounds=QUICK)
+    try:
+        history = wedge_history(backend)
+    finally:
+        release.set()
+    assert all(ids[:2] == [0, 1] for ids, _ in history)  # the others, every sample
+    assert len(history) >= QUICK.wedged_after  # unknown for a few deadlines first
+    assert all(ids == [0, 1, 2] for ids, _ in history[:-1])
+    assert history[-1] == ([0, 1], {2: ("wedged",)})
+    nvml.nvmlDeviceGetPowerUsage = lambda h: 300_000
+    assert wait_for_gpu(backend, 2).power_draw == 300.0  # the driver came back
+
+
+def wedge_history(backend, most=500):
+    """(GPU ids, conditions) of each sample until one reports a GPU wedged."""
+    history = []
+    for _ in range(most):
+        ids = [s.gpu_id for s in backend.sample()]
+        history.append((ids, dict(backend.conditions)))
+        if any("wedged" in c for c in backend.conditions.values()):
+            return history
+        time.sleep(0.01)
+    raise AssertionError("no GPU was reported wedged")
+
+
+def wait_for_gpu(backend, gpu, most=500):
+    for _ in range(most):
+        try:
+            samples = by_gpu(backend.sample())
+        except BackendError:  # the stuck calls have not returned yet
+            samples = {}
+        if gpu in samples and samples[gpu].temperature is not None:
+            return samples[gpu]
+        time.sleep(0.01)
+    raise AssertionError(f"GPU {gpu} never answered again")
+
+
+def test_an_injected_wedge_takes_the_same_path_until_recover():
+    backend = NvmlBackend(nvml=fake_nvml(count=2), bounds=QUICK)
+    backend.inject(parse_injection("wedge:gpu=0,at=0s"))
+    history = wedge_history(backend)
+    assert history[-1] == ([1], {0: ("wedged",)})
+    backend.inject(parse_injection("recover:gpu=0,at=0s"))
+    assert wait_for_gpu(backend, 0).temperature == 60
+
+
+def test_unselected_gpus_get_no_call():
+    nvml = fake_nvml(count=3)
+    nvml.events.clear()  # GPU 1 never registers for events, so none can come from it
+    backend = NvmlBackend(nvml=nvml)
+    backend.select_gpus(None, excluded={1})
+    backend.sample()
+    backend.select_gpus({0, 1}, excluded={1})
+    assert [s.gpu_id for s in backend.sample()] == [0]
+    assert ("nvmlDeviceGetHandleByIndex", 1) not in nvml.calls
+    assert not any(key[1] == 1 for key in nvml.calls if isinstance(key, tuple))
+    assert nvml.calls[("nvmlDeviceGetHandleByIndex", 2)] == 1
+
+
+def test_a_hanging_init_fails_within_the_set_up_bound():
+    release = threading.Event()
+    try:
+        with pytest.raises(NvmlUnavailable, match="nvmlInit did not return within 0.2 s"):
+            NvmlBackend(nvml=fake_nvml(nvmlInit=lambda: release.wait(60)),
+                        bounds=ReadBounds(setup_timeout_s=0.2))
+    finally:
+        release.set()
+
+
+def test_a_hanging_gpu_count_fails_within_the_set_up_bound():
+    release = threading.Event()
+    try:
+        with pytest.raises(BackendError, match="could not count GPUs: nvmlDeviceGetCount did not return"):
+            NvmlBackend(nvml=fake_nvml(nvmlDeviceGetCount=lambda: release.wait(60)),
+                        bounds=ReadBounds(setup_timeout_s=0.2))
+    finally:
+        release.set()
+
+
+def test_opening_a_handle_gets_the_set_up_bound_not_the_read_deadline():
+    def slow_open(i):
+        time.sleep(0.3)  # a GPU initialising without persistence mode
+        return i
+    backend = NvmlBackend(nvml=fake_nvml(nvmlDeviceGetHandleByIndex=slow_open),
+                          bounds=ReadBounds(read_timeout_s=0.05, setup_timeout_s=5.0))
+    assert [s.temperature for s in backend.sample()] == [60, 61]
+
+
+def test_an_opening_that_hangs_blinds_only_its_gpu():
+    release = threading.Event()
+
+    def open_handle(i):
+        if i == 0:
+            release.wait(60)
+        return i
+    backend = NvmlBackend(nvml=fake_nvml(count=2, nvmlDeviceGetHandleByIndex=open_handle),
+                          bounds=ReadBounds(read_timeout_s=0.1, setup_timeout_s=0.3))
+    try:
+        history = wedge_history(backend)
+    finally:
+        release.set()
+    assert history[-1] == ([1], {0: ("wedged",)})
+
+
+# -- the launcher's probe --------------------------------------------------------------------
+def test_probe_gives_uuids_and_mig_mode():
+    nvml = fake_nvml(count=3, nvmlDeviceGetMigMode=lambda h: [1, 1] if h == 2 else [0, 0])
+    assert probe_gpus(nvml=nvml) == [GpuIdentity(0, "GPU-00000000-aaaa", False),
+                                      GpuIdentity(1, "GPU-00000001-aaaa", False),
+                                      GpuIdentity(2, "GPU-00000002-aaaa", True)]
+
+
+def test_probe_marks_gpus_that_cannot_be_used():
+    release = threading.Event()
+
+    def uuid(h):
+        if h == 0:
+            release.wait(60)
+        if h == 1:
+            raise FakeError(LOST)
+        if h == 2:
+            raise FakeError(RESET_REQUIRED)
+        return "GPU-3"
+    try:
+        probed = probe_gpus(timeout_s=0.2, nvml=fake_nvml(count=5, nvmlDeviceGetUUID=uuid,
+                                                          nvmlDeviceGetMigMode=raises(NOT_SUPPORTED)))
+    finally:
+        release.set()
+    assert [(g.index, g.problem) for g in probed] == \
+        [(0, "wedged"), (1, "gpu_is_lost"), (2, "reset_required"), (3, None), (4, None)]
+    assert (probed[3].uuid, probed[3].mig_enabled) == ("GPU-3", False)  # MIG not supported: off
+
+
+def test_probe_without_nvml_is_one_clear_error():
+    with pytest.raises(NvmlUnavailable, match="NVML could not start: NVML error 999"):
+        probe_gpus(nvml=fake_nvml(nvmlInit=raises(UNKNOWN)))
+
+
+IDENTITIES = [GpuIdentity(0, "GPU-8932f937-aaaa", False), GpuIdentity(1, "GPU-8932f999-bbbb", False),
+              GpuIdentity(2, None, None, "wedged")]
+
+
+@pytest.mark.parametrize("entry, index", [
+    ("GPU-8932f937-aaaa", 0), (" gpu-8932F999-BBBB ", 1), ("GPU-8932f93", 0),
+])
+def test_index_for_uuid(entry, index):
+    assert index_for_uuid(entry, IDENTITIES) == index
+
+
+@pytest.mark.parametrize("entry, words", [
+    ("GPU-8932f9", "matches 2 GPUs"), ("GPU-0000", "no GPU has UUID"), ("3", "not a GPU UUID"),
+    ("MIG-4a1b2c", "MIG instance"),
+])
+def test_index_for_uuid_refuses_with_one_line(entry, words):
+    with pytest.raises(ValueError, match=words):
+        index_for_uuid(entry, IDENTITIES)
+
+
+def test_a_stuck_xid_read_delays_only_the_xids_and_loses_none():
+    release, waits = threading.Event(), []
+
+    def event_wait(_set, timeout_ms):
+        waits.append(timeout_ms)
+        if len(waits) == 1:
+            release.wait(60)  # the driver sits on the first event
+            return SimpleNamespace(device=1, eventData=95)
+        raise FakeError(TIMEOUT)
+    backend = NvmlBackend(nvml=fake_nvml(nvmlEventSetWait=event_wait), bounds=QUICK)
+    try:
+        first = by_gpu(backend.sample())
+    finally:
+        release.set()
+    assert first[1].xid is None and first[1].temperature == 61  # sampled all the same
+    seen = []
+    for _ in range(100):
+        seen += [s.xid for s in backend.sample() if s.xid is not None]
+        time.sleep(0.01)
+    assert seen == [95]  # handed over once it returned, once
+
+
+def test_every_gpu_stuck_is_a_wedged_driver_not_every_gpu_lost():
+    release = threading.Event()
+
+    def power(h):
+        release.wait(60)
+        return 300_000
+    backend = NvmlBackend(nvml=fake_nvml(count=2, nvmlDeviceGetPowerUsage=power), bounds=QUICK)
+    try:
+        for _ in range(500):
+            try:
+                backend.sample()
+            except BackendError as error:
+                assert "all 2 GPUs have been stuck in the driver" in str(error)
+                break
+            assert backend.conditions == {}  # never one GPU named wedged on the way
+            time.sleep(0.01)
+        else:
+            raise AssertionError("a wedged driver was never reported")
+    finally:
+        release.set()
+    backend._nvml.nvmlDeviceGetPowerUsage = lambda h: 300_000
+    assert wait_for_gpu(backend, 1).power_draw == 300.0

@@ -40,6 +40,16 @@ def test_soft_or_unknown_values_are_not_hard():
     assert worst_xid([13, 94, 79]) == 79 and worst_xid([13, 31]) == 13 and worst_xid([]) is None
 
 
+@pytest.mark.parametrize("known, pending, hard", [
+    ({}, 1, False),  # set before the monitor started: old news (review point 9)
+    ({"retired_pages_pending": 1}, 1, False),  # still set: already reported
+    ({"retired_pages_pending": 0}, 1, True),  # set while watched
+    ({"retired_pages_pending": 0}, None, False),
+])
+def test_the_sticky_pending_flag_is_hard_only_when_it_rises(known, pending, hard):
+    assert ("retired_pages_pending" in hard_reasons(known, sample(T0, retired_pages_pending=pending))) == hard
+
+
 @pytest.mark.parametrize("counter", ["ecc_dbe", "errors"])
 def test_a_counter_rise_across_a_failed_read_is_still_hard(counter):
     scorer = AdaptiveScorer()

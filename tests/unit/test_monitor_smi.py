@@ -97,3 +97,39 @@ def test_missing_nvidia_smi_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(BackendError, match="cannot run nvidia-smi"):
         SmiBackend().sample()
+
+
+def test_queries_only_the_jobs_gpus(fake_smi, tmp_path):
+    fake_smi(f'printf "%s\\n" "$@" > {tmp_path}/argv\ncat <<\'EOF\'\n{GOOD.splitlines()[1]}\nEOF\n')
+    backend = SmiBackend(gpu_ids=[3, 1])
+    backend.sample()
+    assert (tmp_path / "argv").read_text().splitlines()[2] == "--id=1,3"
+    backend.select_gpus({1, 3, 5}, excluded={3})
+    backend.sample()
+    assert (tmp_path / "argv").read_text().splitlines()[2] == "--id=1,5"
+    backend.select_gpus(None, excluded={1, 3})
+    (tmp_path / "argv").unlink()
+    assert backend.sample() == [] and not (tmp_path / "argv").exists()  # nothing to ask: no call
+
+
+def test_make_backend_honours_gpu_ids_for_smi(fake_smi, tmp_path):
+    from ftmaster.monitor.backends import make_backend
+    fake_smi(f'printf "%s\\n" "$@" > {tmp_path}/argv\ncat <<\'EOF\'\n{GOOD.splitlines()[0]}\nEOF\n')
+    make_backend("smi", gpu_ids=[0, 2]).sample()
+    assert "--id=0,2" in (tmp_path / "argv").read_text().splitlines()
+
+
+def test_a_rejected_extra_field_is_dropped_alone(fake_smi, tmp_path):
+    # Review point 14: one field the driver does not know must not cost every other extra.
+    fake_smi(f'echo x >> {tmp_path}/runs\n'
+             'case "$1" in *clocks_throttle_reasons*) '
+             'echo \'Field "clocks_throttle_reasons.active" is not a valid field to query.\'; exit 2;; esac\n'
+             "echo '0, GPU, 570.1, 55, 200, 90, 30, 1000, 40000, 0, 7, 1, 700.00, 1980, [N/A]'\n")
+    backend = SmiBackend()
+    (sample,) = backend.sample()
+    assert (sample.ecc_sbe, sample.ecc_dbe, sample.power_limit, sample.sm_clock) == (7, 1, 700.0, 1980)
+    assert sample.throttle_reasons is None
+    assert sample.retired_pages_pending is None  # [N/A], as on H100: unknown
+    assert "throttle_reasons" not in backend.reported_fields
+    backend.sample()
+    assert len((tmp_path / "runs").read_text().split()) == 3  # rejected once, then never asked

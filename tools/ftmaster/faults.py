@@ -1,12 +1,19 @@
 """Fault injection specs: ``KIND:gpu=G,at=iter:K`` or ``KIND:gpu=G,at=Ns``.
 
-The same spec drives the simulated telemetry (the monitor's anomaly overlay) and the
-launcher (which kills or stops the rank on that GPU):
+The same spec drives the simulated telemetry (the monitor's anomaly overlay and backends) and
+the launcher (which kills or stops the rank on that GPU):
 
 - ``degrade``: the GPU's telemetry worsens until the monitor alerts;
 - ``fail``: the rank on that GPU is killed and the GPU is marked lost;
 - ``hang``: the rank on that GPU is stopped (its GPU goes idle);
-- ``recover``: a lost GPU comes back.
+- ``recover``: a lost, wedged or failed GPU comes back (as after a reset);
+- ``xid`` (``xid:gpu=G,code=N,at=...``, the only kind with ``code``): the telemetry shows XID
+  N on the GPU; the launcher kills its rank as a CUDA error would, and ranks started on it
+  fail at start-up until a ``recover``;
+- ``wedge``: every telemetry read of the GPU blocks, as in a wedged driver, until a
+  ``recover``; the monitor reports it lost (``wedged``) while it keeps sampling the others;
+- ``nan``: the loss and gradients of the rank on that GPU become NaN at that iteration
+  (training's business: the telemetry is unaffected).
 
 ``at=iter:K`` fires once the training iteration (from the heartbeat) reaches K;
 ``at=Ns`` fires N seconds after the monitor (or launcher) started.
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class Fault(enum.Enum):
@@ -24,19 +31,26 @@ class Fault(enum.Enum):
     FAIL = "fail"
     HANG = "hang"
     RECOVER = "recover"
+    XID = "xid"
+    WEDGE = "wedge"
+    NAN = "nan"
 
 
-GRAMMAR = "KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns (KIND: degrade, fail, hang, recover)"
+KINDS = ", ".join(kind.value for kind in Fault)
+GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns (KIND: {KINDS}; "
+           f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8)")
 
 
 @dataclass(frozen=True)
 class Injection:
-    """One scheduled fault; exactly one of ``at_iteration`` and ``at_seconds`` is set."""
+    """One scheduled fault; exactly one of ``at_iteration`` and ``at_seconds`` is set, and
+    ``code`` (the XID number) is set exactly for ``xid``."""
 
     kind: Fault
     gpu: int
     at_iteration: int | None = None
     at_seconds: float | None = None
+    code: int | None = None
 
     def __post_init__(self) -> None:
         if self.gpu < 0:
@@ -47,6 +61,10 @@ class Injection:
             raise ValueError(f"at=iter:K needs K >= 0, got {self.at_iteration}")
         if self.at_seconds is not None and not (self.at_seconds >= 0 and math.isfinite(self.at_seconds)):
             raise ValueError(f"at=Ns needs a finite N >= 0, got {self.at_seconds}")
+        if self.kind is Fault.XID and (self.code is None or self.code < 1):
+            raise ValueError(f"an xid injection needs code=N with an XID number N >= 1, got {self.code}")
+        if self.kind is not Fault.XID and self.code is not None:
+            raise ValueError(f"code= is only for xid, not {self.kind.value}")
 
     def due(self, iteration: int | None, elapsed_s: float) -> bool:
         """Whether the trigger has been reached; an unknown iteration never triggers iter:K."""
@@ -54,9 +72,14 @@ class Injection:
             return iteration is not None and iteration >= self.at_iteration
         return elapsed_s >= self.at_seconds
 
+    def at_once(self) -> Injection:
+        """The same fault, due at once: how the launcher hands a fired fault to the monitor."""
+        return replace(self, at_iteration=None, at_seconds=0.0)
+
     def __str__(self) -> str:
         at = f"iter:{self.at_iteration}" if self.at_iteration is not None else f"{self.at_seconds:g}s"
-        return f"{self.kind.value}:gpu={self.gpu},at={at}"
+        code = "" if self.code is None else f",code={self.code}"
+        return f"{self.kind.value}:gpu={self.gpu}{code},at={at}"
 
 
 def parse_injection(spec: str) -> Injection:
@@ -68,28 +91,39 @@ def parse_injection(spec: str) -> Injection:
         kind = Fault(kind_text.strip().lower())
     except ValueError:
         raise ValueError(f"bad --inject {spec!r}: unknown kind {kind_text!r}; expected {GRAMMAR}") from None
-    fields = _parse_fields(spec, rest)
-    gpu = _parse_gpu(spec, fields.get("gpu"))
-    at_iteration, at_seconds = _parse_at(spec, fields.get("at"))
-    return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds)
+    fields = _parse_fields(spec, rest, kind)
+    gpu = _parse_gpu(spec, fields["gpu"])
+    at_iteration, at_seconds = _parse_at(spec, fields["at"])
+    code = _parse_code(spec, fields["code"]) if kind is Fault.XID else None
+    return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds, code=code)
 
 
-def _parse_fields(spec: str, rest: str) -> dict[str, str]:
+def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
+    allowed = ("gpu", "code", "at") if kind is Fault.XID else ("gpu", "at")
     fields: dict[str, str] = {}
     for part in rest.split(","):
         key, eq, value = part.partition("=")
         key = key.strip().lower()
         if not eq or not value.strip():
             raise ValueError(f"bad --inject {spec!r}: {part!r} is not key=value; expected {GRAMMAR}")
-        if key not in ("gpu", "at"):
+        if key == "code" and kind is not Fault.XID:
+            raise ValueError(f"bad --inject {spec!r}: code= is only for xid")
+        if key not in allowed:
             raise ValueError(f"bad --inject {spec!r}: unknown field {key!r}; expected {GRAMMAR}")
         if key in fields:
             raise ValueError(f"bad --inject {spec!r}: {key!r} given twice")
         fields[key] = value.strip()
-    for required in ("gpu", "at"):
+    for required in allowed:
         if required not in fields:
-            raise ValueError(f"bad --inject {spec!r}: missing {required}=; expected {GRAMMAR}")
+            example = " (the XID number, e.g. code=79)" if required == "code" else ""
+            raise ValueError(f"bad --inject {spec!r}: missing {required}={example}; expected {GRAMMAR}")
     return fields
+
+
+def _parse_code(spec: str, text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"bad --inject {spec!r}: code must be an XID number like code=79, got {text!r}")
+    return int(text)
 
 
 def _parse_gpu(spec: str, text: str) -> int:
