@@ -5,8 +5,10 @@
 
 A save that did not finish never moved the tracker, so while the tracker is readable only
 iterations at or below it are candidates. An unreadable tracker (garbage, a torn write of an
-older tool) or a missing one beside ``iter_*`` folders is never a fresh start: every folder is
-a candidate, newest first, and the reason is reported.
+older tool) is never a fresh start: every folder is a candidate, newest first, and the reason
+is reported. Without a tracker, a folder is a candidate only if it is complete (it has its
+manifest, written just before the tracker would have been): the others are unfinished saves,
+and a run that finds nothing else starts fresh.
 
 A candidate is valid when its files are all there, every shard byte range recorded in the
 torch_dist ``.metadata`` lies inside its file, and every file has the size its manifest
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifest import read_manifest, size_problem
+from .manifest import MANIFEST_NAME, read_manifest, size_problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
@@ -74,9 +76,23 @@ def list_iterations(save_dir: Path) -> list[int]:
     return sorted((int(match.group(1)) for match in found if match), reverse=True)
 
 
+def is_complete(folder: Path) -> bool:
+    """Whether the save that wrote ``folder`` finished (its manifest is written last)."""
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
 def holds_checkpoints(save_dir: Path) -> bool:
-    """Whether the folder has a tracker or any ``iter_*`` folder: never to be written over."""
-    return tracker_path(save_dir).exists() or bool(list_iterations(save_dir))
+    """Whether the folder has a tracker (readable or not) or a complete ``iter_*`` folder:
+    then it is never to be written over by a run that starts fresh."""
+    return tracker_path(save_dir).exists() or any(
+        is_complete(iteration_dir(save_dir, it)) for it in list_iterations(save_dir))
+
+
+def unfinished_saves(save_dir: Path) -> list[int]:
+    """``iter_*`` folders of saves that never finished, in a folder without a tracker."""
+    if tracker_path(save_dir).exists():
+        return []
+    return [it for it in list_iterations(save_dir) if not is_complete(iteration_dir(save_dir, it))]
 
 
 @dataclass(frozen=True)
@@ -94,13 +110,17 @@ def loading_candidates(save_dir: Path) -> Candidates:
     save_dir = Path(save_dir)
     tracker = read_tracker_state(save_dir)
     folders = list_iterations(save_dir)
-    if tracker.iteration is None:
+    if tracker.problem is not None:
         if not folders:
-            notes = (f"{tracker.problem}; no iter_* folder to fall back on",) if tracker.problem else ()
-            return Candidates(save_dir, (), notes)
-        why = tracker.problem or f"{tracker_path(save_dir)} is missing"
+            return Candidates(save_dir, (), (f"{tracker.problem}; no iter_* folder to fall back on",))
         return Candidates(save_dir, tuple(folders),
-                          (f"{why}: trying every iter_* folder, newest first",))
+                          (f"{tracker.problem}: trying every iter_* folder, newest first",))
+    if tracker.iteration is None:
+        complete = tuple(it for it in folders if is_complete(iteration_dir(save_dir, it)))
+        if not complete:
+            return Candidates(save_dir, ())
+        return Candidates(save_dir, complete, (
+            f"{tracker_path(save_dir)} is missing: trying the complete iter_* folders, newest first",))
     notes = ()
     if tracker.iteration not in folders:
         notes = (f"the tracker names iteration {tracker.iteration}, whose folder is missing",)

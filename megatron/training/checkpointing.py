@@ -71,6 +71,7 @@ from ftmaster.recovery.checkpoints import (
     loading_candidates,
     read_tracker,
     tracker_path,
+    unfinished_saves,
 )
 from ftmaster.recovery.manifest import (
     FileDigest,
@@ -317,7 +318,7 @@ class _Save:
         try:
             finalize()
         except CHECKPOINT_ERRORS as error:  # recorded; the agreement in commit() decides for all
-            self.note("finishing the shards", error)
+            self.note("writing the shards", error)
 
     def _write_config(self, strategy) -> None:
         if _rank() == 0:
@@ -345,13 +346,12 @@ class _Save:
 
     def _decide(self, reports: list[_RankReport]):
         """Rank 0: the durable save, or the failure's reason."""
-        problem = next((f"rank {rank}: {r.problem}" for rank, r in enumerate(reports)
-                        if r.problem), None)
+        problem = next((r.problem for r in reports if r.problem), None)
         if problem is None:
             try:
                 return self._write_manifest_and_tracker(reports)
             except OSError as error:
-                problem = f"rank 0: committing: {describe_error(error)}"
+                problem = f"writing the manifest or the tracker: {describe_error(error)}"
         self._remove_partial_folder()
         return SaveFailure(self.iteration, self.path, self.kind, problem)
 
@@ -554,6 +554,19 @@ class Checkpointer:
                    seconds=round(seconds, 4), bytes=size)
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
 
+    def prepare_fresh_start(self) -> None:
+        """Every rank, when nothing was loaded: rank 0 checks and cleans the save folder (see
+        :func:`prepare_fresh_start`), and every rank refuses alike."""
+        refusal = None
+        if _rank() == 0:
+            try:
+                prepare_fresh_start(self.args.save)
+            except CheckpointMismatch as problem:
+                refusal = str(problem)
+        refusal = broadcast_from_rank0(refusal, self.group)
+        if refusal is not None:
+            raise CheckpointMismatch(refusal)
+
     def _set_aside_newer(self, iteration: int) -> None:
         """Rank 0: checkpoints above the one resumed from belong to a discarded timeline; a
         new save at the same iteration must not mix with their files, nor a later load pick
@@ -597,8 +610,9 @@ class Checkpointer:
 
 
 def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
-    """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` and
-    bring the tracker back to ``iteration``; returns the new names."""
+    """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
+    since any of them may be complete) and bring the tracker back to ``iteration``; returns
+    the new names."""
     moved = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
@@ -614,14 +628,22 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
     return moved
 
 
-def refuse_fresh_start_over(save_dir: str | None) -> None:
-    """A run that starts from scratch must never write over a folder holding checkpoints."""
-    if save_dir and holds_checkpoints(Path(save_dir)):
-        newest = list_iterations(Path(save_dir))[:3]
+def prepare_fresh_start(save_dir: str | None) -> None:
+    """Rank 0, for a run that starts from scratch: refuse to write over a folder holding
+    checkpoints; remove the folders of saves that never finished (no tracker was ever
+    written), whose stale shards would otherwise mix with new ones of the same iteration."""
+    if not save_dir:
+        return
+    save_dir = Path(save_dir)
+    if holds_checkpoints(save_dir):
+        newest = list_iterations(save_dir)[:3]
         held = ", ".join(f"iter_{it:07d}" for it in newest) or "a tracker"
         raise CheckpointMismatch(
             f"--save {save_dir} already holds checkpoints ({held}) and none was loaded: pass "
             f"--load {save_dir} to resume from them, or give an empty --save folder")
+    for iteration in unfinished_saves(save_dir):
+        shutil.rmtree(iteration_dir(save_dir, iteration), ignore_errors=True)
+        log_rank0(f"removed {iteration_dir(save_dir, iteration)}: a save that never finished")
 
 
 def checkpoint_args(load_dir: str | None) -> dict | None:

@@ -40,7 +40,6 @@ from .checkpointing import (
     SaveFailure,
     TrainingState,
     checkpoint_args,
-    refuse_fresh_start_over,
 )
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import MicroBatches, build_datasets, needs_data
@@ -383,7 +382,7 @@ class Trainer:
         args = self.args
         loaded = bool(args.load) and self.checkpointer.load(self.state)
         if not loaded:
-            refuse_fresh_start_over(args.save)
+            self.checkpointer.prepare_fresh_start()
         self._first_iteration = self.state.iteration + 1
         log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
         window_start, window_losses = time.perf_counter(), []
@@ -408,9 +407,9 @@ class Trainer:
         self._report_check_cost()
         if self._final_save_failure is not None:
             failure = self._final_save_failure
-            raise FinalSaveFailed(f"the {failure.kind} checkpoint at iteration "
-                                  f"{failure.iteration} could not be written to {failure.path}: "
-                                  f"{failure.reason}")
+            raise FinalSaveFailed(f"training ended at iteration {self.state.iteration} without "
+                                  f"its last checkpoint: the {failure.kind} save to "
+                                  f"{failure.path} failed: {failure.reason}")
         self._heartbeat(finished=True)
 
     def stop_after_nonfinite(self, problem: NonFiniteLoss) -> None:

@@ -15,6 +15,7 @@ from ftmaster.recovery.checkpoints import (
     iteration_dir,
     loading_candidates,
     tracker_path,
+    unfinished_saves,
 )
 from ftmaster.recovery.manifest import (
     MANIFEST_NAME,
@@ -76,15 +77,24 @@ def test_garbled_metadata_is_unreadable_not_fatal(save_dir):
     assert "unreadable" in checkpoint_problem(iteration_dir(save_dir, 30))
 
 
-@pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n", None])
+@pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n"])
 def test_an_unusable_tracker_is_never_a_fresh_start(save_dir, tracker):
-    if tracker is None:
-        tracker_path(save_dir).unlink()
-    else:
-        tracker_path(save_dir).write_text(tracker)
+    tracker_path(save_dir).write_text(tracker)
     choice = find_loadable_checkpoint(save_dir)
     assert choice.iteration == 30
     assert "trying every iter_* folder, newest first" in choice.describe()
+    assert holds_checkpoints(save_dir)
+
+
+def test_without_a_tracker_only_complete_folders_are_checkpoints(save_dir):
+    tracker_path(save_dir).unlink()
+    assert loading_candidates(save_dir).iterations == ()  # no manifest: unfinished saves
+    assert not holds_checkpoints(save_dir)
+    assert unfinished_saves(save_dir) == [30, 20, 10]
+    write_manifest(iteration_dir(save_dir, 20), "periodic", 20, {})
+    candidates = loading_candidates(save_dir)
+    assert candidates.iterations == (20,) and "is missing: trying the complete" in candidates.notes[0]
+    assert holds_checkpoints(save_dir) and unfinished_saves(save_dir) == [30, 10]
 
 
 def test_an_unusable_tracker_scans_past_a_newer_broken_folder(save_dir):
@@ -103,11 +113,13 @@ def test_nothing_at_all_is_a_fresh_start(tmp_path):
     assert find_loadable_checkpoint(tmp_path).iteration is None
 
 
-def test_a_tracker_alone_or_a_folder_alone_holds_checkpoints(tmp_path):
+def test_a_tracker_alone_or_a_complete_folder_alone_holds_checkpoints(tmp_path):
     tracker_path(tmp_path).write_text("7\n")
-    assert holds_checkpoints(tmp_path)
+    assert holds_checkpoints(tmp_path) and unfinished_saves(tmp_path) == []
     tracker_path(tmp_path).unlink()
     iteration_dir(tmp_path, 3).mkdir()
+    assert not holds_checkpoints(tmp_path)
+    write_manifest(iteration_dir(tmp_path, 3), "emergency", 3, {})
     assert holds_checkpoints(tmp_path)
 
 

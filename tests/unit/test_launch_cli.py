@@ -9,6 +9,7 @@ from helpers.trainer import PRETRAIN
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "12",
+         "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "100",
          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
 
@@ -41,6 +42,10 @@ def launch(run_dir, *args, env=None):
       "--", PRETRAIN, *MODEL], "GPU 7 is not one of the job's GPUs 0,1,2,3"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],
+     "training arguments: unrecognized arguments: --bogus-flag"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--lr-decay-style",
+      "sideways"], "training arguments: argument --lr-decay-style: invalid choice: 'sideways'"),
 ])
 def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"

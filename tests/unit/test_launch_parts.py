@@ -157,7 +157,7 @@ def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tm
     supervisor.attempt = StubAttempt()
     supervisor.attempt.number = 2
     runfiles.write_heartbeat(tmp_path, iteration=53, consumed_samples=0, first_iteration=52)
-    assert supervisor._track_progress() == 53
+    assert supervisor._track_progress(runfiles.read_heartbeat(tmp_path)) == 53
     (resumed,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "resumed"]
     assert (resumed["attempt"], resumed["iteration"]) == (2, 52)
 

@@ -75,6 +75,23 @@ def test_after_failure(restarts, early, policy, lost, trigger, reason):
     assert (outcome.reason is None) if reason is None else reason in outcome.reason
 
 
+@pytest.mark.parametrize("cause,again,trigger,reason", [
+    ("storage", False, T.GIVE_UP, "storage error"),  # a relaunch would hit the same full disk
+    ("no_checkpoint", False, T.GIVE_UP, "no checkpoint can be loaded"),
+    ("usage", False, T.GIVE_UP, "arguments"),
+    ("nonfinite", False, T.RETRY, None),  # once: from the newest valid checkpoint
+    ("nonfinite", True, T.GIVE_UP, "non-finite loss again after resuming from the same"),
+    ("exit", False, T.RETRY, None),
+    ("hang", False, T.RETRY, None),
+])
+def test_what_a_relaunch_cannot_cure_ends_the_run_at_once(cause, again, trigger, reason):
+    outcome = after_failure(restarts_done=0, max_restarts=3, early_exits_in_row=0,
+                            policy="available", lost_gpus=frozenset(), cause=cause,
+                            nonfinite_again=again)
+    assert outcome.trigger is trigger
+    assert (outcome.reason is None) if reason is None else reason in outcome.reason
+
+
 @pytest.mark.parametrize("state,signum,status", [
     (S.SUCCEEDED, None, 0), (S.GAVE_UP, None, 1), (S.INTERRUPTED, 15, 143), (S.INTERRUPTED, 2, 130)])
 def test_exit_status(state, signum, status):

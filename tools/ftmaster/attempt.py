@@ -22,10 +22,13 @@ from typing import Sequence
 import psutil
 
 from ftmaster import runfiles
-from ftmaster.guard import RANK_DIR_ENV, rank_record_path
+from ftmaster.exit_codes import TRAINER_CAUSES
+from ftmaster.guard import RANK_DIR_ENV, error_file_path, rank_record_path
 from ftmaster.recovery.torchrun import torchrun_argv
 
 EXIT_SIGNAL_FLAG = "--exit-signal-handler"
+# How the trainer states an error it diagnosed itself (megatron.training.console.error).
+TRAINER_ERROR_PREFIX = "error: "
 # The first line of the report torchrun's agent prints when a worker fails.
 TORCHRUN_FAILURE_REPORT = re.compile(r"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
 
@@ -79,6 +82,51 @@ class RankRecord:
     guard_pid: int
     exit_code: int | None = None
     """None while it runs; negative when it died by that signal."""
+    ended_at: float | None = None
+    """Unix time it ended."""
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    """Why an attempt's ranks ended: the first failed rank decides the cause."""
+
+    cause: str
+    """``exit`` (the process died: a GPU, the script or a signal), or what the trainer's exit
+    status says (``nonfinite``, ``storage``, ``no_checkpoint``, ``usage``): those are never
+    put on a GPU."""
+    gpus: tuple[int, ...]
+    exit_codes: dict[str, int]
+    """Exit status by global rank (negative: the signal that killed it)."""
+    first_local_rank: int | None
+    """The local rank that failed first, whose error is the root cause; None if unknown."""
+
+
+def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int]) -> ExitReport:
+    """The cause of failed ranks (by local rank); GPUs only for a plain ``exit``.
+
+    When one rank fails, its peers fail after it (a reset connection, torchrun's SIGTERM), so
+    the first to end is the root cause.
+    """
+    codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
+    if not failed:
+        return ExitReport("exit", (), codes, None)
+    first = min(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
+    cause = TRAINER_CAUSES.get(failed[first].exit_code, "exit")
+    involved = tuple(sorted(gpus[r] for r in failed)) if cause == "exit" else ()
+    return ExitReport(cause, involved, codes, first)
+
+
+def error_summary(error_file: Path, traceback_lines: int = 4) -> str | None:
+    """The exception a rank recorded (torch elastic's error file), with the innermost frames
+    of its traceback; None when it left no readable file."""
+    try:
+        message = json.loads(Path(error_file).read_text())["message"]
+        text, stack = message["message"], message.get("extraInfo", {}).get("py_callstack", "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    frames = [line for line in stack.splitlines() if line.startswith('  File "')]
+    where = "\n".join(frames[-traceback_lines:])
+    return f"{text}\n{where}" if where else text
 
 
 def read_rank_records(rank_dir: Path, nproc: int) -> dict[int, RankRecord]:
@@ -97,7 +145,7 @@ class Attempt:
     """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``."""
 
     def __init__(self, run_dir: Path, number: int, command: Sequence[str],
-                 gpus: Sequence[int]) -> None:
+                 gpus: Sequence[int], extra_env: dict[str, str] | None = None) -> None:
         self.number = number
         self.gpus = tuple(gpus)
         self.command = list(command)
@@ -106,7 +154,7 @@ class Attempt:
         self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **visible_devices_env(self.gpus),
+        env = {**os.environ, **visible_devices_env(self.gpus), **(extra_env or {}),
                RANK_DIR_ENV: str(self.rank_dir), runfiles.RUN_DIR_ENV: str(run_dir)}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -123,6 +171,20 @@ class Attempt:
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    def root_cause(self, local_rank: int | None, tail_lines: int) -> str:
+        """What to show for a failure: the first failed rank's recorded exception, else the
+        errors the trainer stated itself, else the end of the training output."""
+        if local_rank is not None:
+            recorded = error_summary(error_file_path(self.rank_dir, local_rank))
+            if recorded is not None:
+                return f"local rank {local_rank} (GPU {self.gpus[local_rank]}) raised {recorded}"
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return f"(no training output in {self.log_path})"
+        said = [line for line in text.splitlines() if line.startswith(TRAINER_ERROR_PREFIX)]
+        return "\n".join(said[:3] or training_output_tail(text, tail_lines))
 
     def pid_on_gpu(self, gpu: int) -> int | None:
         """The training process bound to ``gpu``, or None when it is not (yet) known."""

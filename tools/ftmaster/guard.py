@@ -18,8 +18,12 @@ in between is not missed:
 
 The rank guard also writes ``$FTMASTER_RANK_DIR/local_rank_<R>.json`` (when that variable is
 set): ``local_rank``, ``rank``, ``pid`` (the training process), ``guard_pid`` and, once the
-process has ended, ``exit_code`` (negative for a signal, as ``subprocess`` reports it). The
-supervisor uses it to map a dead rank to its GPU and to inject faults into the right process.
+process has ended, ``exit_code`` (negative for a signal, as ``subprocess`` reports it) and
+``ended_at`` (unix time). The supervisor uses it to map a dead rank to its GPU, to find the
+rank that failed first, and to inject faults into the right process. The training process
+writes an uncaught exception to ``$FTMASTER_RANK_DIR/error_<R>.json`` (torch elastic's error
+file format, through ``TORCHELASTIC_ERROR_FILE``), which the guard then also copies to where
+torchrun expects it, so both report the root cause.
 
 This module is started once per rank, so it imports nothing heavy.
 """
@@ -29,15 +33,18 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ftmaster.runfiles import atomic_write_text
 
 PR_SET_PDEATHSIG = 1
 RANK_DIR_ENV = "FTMASTER_RANK_DIR"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 USAGE = "usage: python -m ftmaster.guard exec CMD... | rank SCRIPT ARGS..."
 
 
@@ -77,6 +84,10 @@ def rank_record_path(rank_dir: Path, local_rank: int) -> Path:
     return Path(rank_dir) / f"local_rank_{local_rank}.json"
 
 
+def error_file_path(rank_dir: Path, local_rank: int) -> Path:
+    return Path(rank_dir) / f"error_{local_rank}.json"
+
+
 def _write_record(record: dict) -> None:
     rank_dir = os.environ.get(RANK_DIR_ENV)
     if rank_dir:
@@ -89,18 +100,34 @@ def run_exec(command: list[str]) -> None:
     os.execvp(command[0], command)
 
 
+def _error_file_env(local_rank: int) -> tuple[dict[str, str], Path | None, str | None]:
+    """The child's environment with its error file in the rank folder, that file, and the
+    one torchrun expects (to copy it to)."""
+    rank_dir = os.environ.get(RANK_DIR_ENV)
+    torchrun_file = os.environ.get(ERROR_FILE_ENV)
+    if not rank_dir:
+        return dict(os.environ), None, torchrun_file
+    ours = error_file_path(Path(rank_dir), local_rank)
+    ours.unlink(missing_ok=True)
+    return {**os.environ, ERROR_FILE_ENV: str(ours)}, ours, torchrun_file
+
+
 def run_rank(script_args: list[str]) -> int:
     die_with_parent(os.getppid())
     guard_pid = os.getpid()
-    child = subprocess.Popen([sys.executable, "-u", *script_args],
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    env, error_file, torchrun_error_file = _error_file_env(local_rank)
+    child = subprocess.Popen([sys.executable, "-u", *script_args], env=env,
                              preexec_fn=lambda: die_with_parent(guard_pid))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    record = {"local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-              "rank": int(os.environ.get("RANK", "0")), "pid": child.pid, "guard_pid": guard_pid}
+    record = {"local_rank": local_rank, "rank": int(os.environ.get("RANK", "0")),
+              "pid": child.pid, "guard_pid": guard_pid}
     _write_record(record)
     code = child.wait()
-    _write_record({**record, "exit_code": code})
+    _write_record({**record, "exit_code": code, "ended_at": time.time()})
+    if error_file is not None and torchrun_error_file and error_file.exists():
+        shutil.copyfile(error_file, torchrun_error_file)
     return 128 - code if code < 0 else code
 
 

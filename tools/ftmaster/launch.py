@@ -1,8 +1,10 @@
 """``ftmaster launch [OPTIONS] -- SCRIPT ARGS``: train under supervision, recover unattended.
 
 Everything the user can get wrong is checked before anything starts: the ``--``, the script,
-the injections, the GPU count, the layout (through the planner), the run directory, the
-lock and the monitor backend. Each problem ends in one line on stderr and a non-zero exit.
+the injections, the GPU count, the layout (through the planner), the script's own arguments
+(when it is ftmaster's trainer, with its own parser, which imports nothing heavy), the run
+directory, the lock and the monitor backend. Each problem ends in one line on stderr and a
+non-zero exit, in seconds rather than after two failed launches.
 
 Training gets ``--exit-signal-handler`` added when absent, so that SIGINT or SIGTERM to
 ftmaster (passed on as SIGTERM to every rank) makes training save and exit; SIGKILL follows
@@ -11,6 +13,7 @@ after ``--stop-timeout`` seconds.
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import shutil
@@ -116,6 +119,31 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
     return plan
 
 
+def uses_trainer_parser(script: Path) -> bool:
+    """Whether ``script`` parses its arguments with ftmaster's trainer parser
+    (``megatron.training.arguments.parse_args``), as the bundled ``pretrain_gpt.py`` does; a
+    script with a parser of its own (upstream Megatron-LM's) is left to check itself."""
+    try:
+        tree = ast.parse(Path(script).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.ImportFrom) and node.module == "megatron.training.arguments"
+               and any(alias.name == "parse_args" for alias in node.names)
+               for node in ast.walk(tree))
+
+
+def check_trainer_arguments(command: Sequence[str], world_size: int) -> None:
+    """The trainer's own validation of its arguments, once, before the first launch."""
+    if not uses_trainer_parser(Path(command[0])):
+        return
+    from megatron.training.arguments import ArgumentError, parse_args
+
+    try:
+        parse_args(list(command[1:]), world_size=world_size)
+    except ArgumentError as error:
+        raise InputError(f"training arguments: {error}") from None
+
+
 def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection, ...]:
     try:
         injections = tuple(parse_injection(spec) for spec in specs)
@@ -180,6 +208,33 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("ftmaster-%Y%m%d-%H%M%S", time.gmtime())
 
 
+def needs_gpu_probe(nproc: int | None, visible: tuple[int, ...] | None, backend: str) -> bool:
+    """Only a count the user did not give, on a backend that watches real GPUs, asks the
+    driver (which can hang on a wedged one)."""
+    if visible is not None:
+        return False
+    return nproc is None or not (backend == "sim" or backend.startswith("replay:"))
+
+
+class ConsoleFormatter(logging.Formatter):
+    """``12:00:01 ftmaster: message``, with ``warning:``/``error:`` where they apply."""
+
+    PREFIXES = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s ftmaster: %(prefix)s%(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.prefix = self.PREFIXES.get(record.levelno, "")
+        return super().format(record)
+
+
+def _console_logging() -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(ConsoleFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
 @click.command("launch", cls=SeparatedCommand,
                context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
@@ -213,6 +268,9 @@ def default_run_dir() -> Path:
               help="The planner's ranking for relaunches.")
 @click.option("--gpu-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Per-GPU memory for the planner's estimate.")
+@click.option("--progress-interval", default=10.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds between progress lines (iteration, loss, speed, last checkpoint, ETA).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sim backend and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
               help="Fault to inject (repeatable); KIND: degrade, fail, hang, recover.")
@@ -222,23 +280,25 @@ def launch_command(ctx: click.Context, nproc_per_node: int | None, gpus_per_node
                    run_dir: Path | None, monitor_backend: str, monitor_interval: float, scorer: str,
                    risk_threshold: float, policy: str, max_restarts: int, hang_timeout: float,
                    startup_timeout: float, wait_timeout: float, stop_timeout: float,
-                   plan_mode: str, gpu_memory_gb: float | None, seed: int,
-                   inject_specs: tuple[str, ...], command: tuple[str, ...]) -> None:
+                   plan_mode: str, gpu_memory_gb: float | None, progress_interval: float,
+                   seed: int, inject_specs: tuple[str, ...], command: tuple[str, ...]) -> None:
     """Train SCRIPT under torchrun; on a failure, replan TP/PP/DP and resume unattended."""
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
     visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    gpus = choose_gpus(nproc_per_node, visible, 0 if visible is not None else detected_gpu_count())
+    probe = needs_gpu_probe(nproc_per_node, visible, monitor_backend)
+    gpus = choose_gpus(nproc_per_node, visible, detected_gpu_count() if probe else 0)
     injections = _injections(inject_specs, gpus)
     first_plan = check_layout(argv, len(gpus), gpus_per_node, gpu_memory_gb)
+    check_trainer_arguments(argv, len(gpus))
     config = SupervisorConfig(
         run_dir=run_dir or default_run_dir(), command=tuple(argv), first_plan=first_plan,
         gpus=gpus, gpus_per_node=gpus_per_node, policy=policy, max_restarts=max_restarts,
         hang_timeout_s=hang_timeout, startup_timeout_s=startup_timeout,
         wait_timeout_s=wait_timeout, stop_timeout_s=stop_timeout, plan_mode=plan_mode,
-        gpu_memory_gb=gpu_memory_gb, injections=injections)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        gpu_memory_gb=gpu_memory_gb, injections=injections, progress_interval_s=progress_interval)
+    _console_logging()
     backend = _backend(monitor_backend, gpus, seed)
     try:
         lock = _lock_run_dir(config.run_dir)

@@ -103,10 +103,29 @@ class FailureOutcome:
     reason: str | None = None
 
 
+GIVE_UP_AT_ONCE = {
+    "storage": "storage error: a checkpoint could not be written; a relaunch would hit the "
+               "same error, so free space or fix the storage first (the error is above)",
+    "no_checkpoint": "no checkpoint can be loaded and starting over would throw the run "
+                     "away; repair or move them (the reasons are above)",
+    "usage": "the training arguments, or the checkpoint under them, need fixing (above)",
+}
+"""Causes the trainer reports that a relaunch cannot cure, with what to do."""
+
+
 def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: int,
-                  policy: str, lost_gpus: frozenset[int]) -> FailureOutcome:
-    """Give up on a script that dies before its first iteration twice running, or when the
-    restart budget is spent; under ``wait`` wait for lost GPUs; else relaunch."""
+                  policy: str, lost_gpus: frozenset[int], cause: str = "exit",
+                  nonfinite_again: bool = False) -> FailureOutcome:
+    """Give up on what a relaunch cannot cure (a storage error, no loadable checkpoint, bad
+    arguments, a NaN loss again from the checkpoint that gave one before), on a script that
+    dies before its first iteration twice running, or when the restart budget is spent;
+    under ``wait`` wait for lost GPUs; else relaunch."""
+    if cause in GIVE_UP_AT_ONCE:
+        return FailureOutcome(Trigger.GIVE_UP, GIVE_UP_AT_ONCE[cause])
+    if nonfinite_again:
+        return FailureOutcome(Trigger.GIVE_UP, "non-finite loss again after resuming from the "
+                                               "same checkpoint: the checkpoint, the data or "
+                                               "the learning rate is at fault, not a GPU")
     if early_exits_in_row >= EARLY_EXITS_TO_GIVE_UP:
         return FailureOutcome(Trigger.GIVE_UP, f"the script failed before its first iteration "
                                                f"{early_exits_in_row} times in a row: fix the "

@@ -8,19 +8,31 @@ runs on that attempt's ``gpus[r]`` (``CUDA_VISIBLE_DEVICES`` lists them in that 
 the ``sim`` backend on a CPU machine a "GPU" is a virtual slot: the local rank index of the
 first attempt, 0..N-1.
 
-**Failures.** A rank that exits non-zero (``exit``, mapped to its GPU), no new heartbeat
-iteration and no checkpoint file written for ``hang_timeout_s`` (``hang``; before the first
-heartbeat of an attempt the limit is ``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a
-``fail`` injection marks lost (``device_lost``). The whole attempt is killed at once: gloo
-cannot abort a collective, so the survivors would otherwise wait out their timeout. A GPU
-lost at planning time is dropped for good (the monitor stops watching it); a hang or a plain
-exit relaunches on the same GPUs.
+**Failures.** A rank that exits non-zero, no new heartbeat iteration and no checkpoint file
+written for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attempt the limit is
+``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a ``fail``
+injection marks lost (``device_lost``). The rank that failed first names the cause: its exit
+status says whether the trainer stopped on a NaN loss (``nonfinite``), a storage error
+(``storage``), no loadable checkpoint (``no_checkpoint``) or its arguments (``usage``), none of
+which is put on a GPU; anything else is an ``exit`` on that rank's GPU. The whole attempt is
+killed at once: gloo cannot abort a collective, so the survivors would otherwise wait out
+their timeout. A GPU lost at planning time is dropped for good (the monitor stops watching
+it); a hang or a plain exit relaunches on the same GPUs. A relaunch cannot cure a storage
+error, a missing checkpoint or bad arguments, nor a NaN loss that came back from the same
+checkpoint: those end the run at once, with the root cause (the first failed rank's
+exception) on the console. Training that has finished and made its last checkpoint durable is
+never a hang, however long its exit takes.
+
+**Continuity.** Attempt numbers continue those already in the run directory: a supervisor
+started again on it (after its predecessor was killed) records the attempt that died with it
+as a ``supervisor_lost`` failure and resumes from ``--save``.
 
 **Injections** (``--inject``) are applied here, on the heartbeat's iteration or seconds since
 the supervisor started, and handed to the monitor's telemetry at the same moment:
 ``fail`` SIGKILLs the rank on that GPU and marks the GPU lost, ``hang`` SIGSTOPs it,
 ``degrade`` only changes telemetry, ``recover`` (which waits until its GPU is lost) brings a
-lost GPU back.
+lost GPU back. ``nan`` is handed to the next attempt that runs on its GPU, whose rank poisons
+its gradients at that iteration (``FTMASTER_INJECT_NAN``).
 """
 
 from __future__ import annotations
@@ -35,15 +47,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftmaster import runfiles
-from ftmaster.attempt import (Attempt, send_signal, training_output_tail,
-                              with_exit_signal_handler)
+from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_signal_handler
+from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, new_events
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
-from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
+from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
+                                           read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status)
+
+NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"  # read by megatron.training.nonfinite
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -81,6 +96,8 @@ class SupervisorConfig:
     """Per-GPU memory for the planner's estimate; None: not checked."""
     injections: tuple[Injection, ...] = ()
     """Faults to inject (rehearsals)."""
+    progress_interval_s: float = 10.0
+    """Seconds between progress lines on the console."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -97,7 +114,7 @@ class SupervisorConfig:
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
         for name in ("hang_timeout_s", "startup_timeout_s", "wait_timeout_s", "stop_timeout_s",
-                     "poll_interval_s"):
+                     "poll_interval_s", "progress_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -109,11 +126,18 @@ class Injector:
         self.pending = list(injections)
 
     def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
-        due = [i for i in self.pending if i.due(iteration, elapsed_s)
+        due = [i for i in self.pending if i.due(iteration, elapsed_s) and i.kind is not Fault.NAN
                and (i.kind is not Fault.RECOVER or i.gpu in lost)]
         for injection in due:
             self.pending.remove(injection)
         return due
+
+    def take_nan(self, gpus: Sequence[int]) -> list[Injection]:
+        """``nan`` injections on these GPUs, handed to the attempt that runs on them (once)."""
+        taken = [i for i in self.pending if i.kind is Fault.NAN and i.gpu in gpus]
+        for injection in taken:
+            self.pending.remove(injection)
+        return taken
 
 
 class Supervisor:
@@ -135,6 +159,16 @@ class Supervisor:
         self._alerts: deque[Alert] = deque()
         self._started = time.monotonic()
         self._progress: tuple[int | None, float] = (None, 0.0)
+        self._finished_at: float | None = None
+        self._resume_point = 0  # the iteration the current attempt starts from
+        self._loaded_iteration: int | None = None  # the checkpoint it loaded, once it says so
+        self._nonfinite_from: set[int] = set()  # checkpoints a NaN loss came back from
+        self._nonfinite_again = False
+        self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
+        self._last_checkpoint: dict | None = None
+        self.progress: Progress | None = None
+        self.events_tail = FileTail(runfiles.events_path(self.run_dir))
+        self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
         self._handlers: dict[State, Callable[[], Trigger]] = {
@@ -158,7 +192,7 @@ class Supervisor:
                 idle_stop = state in IDLE_STATES and self._stop_requested.is_set()
                 trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
                 new_state = advance(state, trigger)
-                log.info("%s --%s--> %s", state.value, trigger.value, new_state.value)
+                log.info("state: %s -> %s (%s)", state.value, new_state.value, trigger.value)
                 state = new_state
         finally:
             if self.attempt is not None:
@@ -176,8 +210,35 @@ class Supervisor:
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         return None if heartbeat is None else heartbeat["iteration"]
 
+    def _state_iteration(self) -> int:
+        """The iteration training's state is at: the last one the attempt completed, else the
+        one it resumed from (never unknown)."""
+        completed = self._progress[0]
+        return self._resume_point if completed is None else completed
+
     def _event(self, name: str, **fields) -> dict:
         return runfiles.append_event(self.run_dir, name, **fields)
+
+    def _take_over_previous_attempts(self) -> int:
+        """How many attempts this run directory has seen; the last one, if it never ended,
+        died with the supervisor that ran it and is recorded as such."""
+        self.events_tail.skip_to_end()
+        events = runfiles.read_events(self.run_dir)
+        launches = [e for e in events if e["event"] == "launch" and isinstance(e.get("attempt"), int)]
+        if not launches:
+            return 0
+        last = max(launches, key=lambda e: e["attempt"])
+        ended = any(e["event"] in ("failure", "complete", "stopped") and e.get("attempt", last["attempt"])
+                    == last["attempt"] and e["time"] >= last["time"] for e in events)
+        if not ended:
+            heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
+            iteration = heartbeat.get("iteration", 0)
+            self._event("failure", attempt=last["attempt"], iteration=iteration,
+                        cause="supervisor_lost", gpus=[], exit_codes={})
+            log.warning("attempt %d of %s ended with the ftmaster that ran it, after iteration "
+                        "%d; continuing as attempt %d", last["attempt"], self.run_dir, iteration,
+                        last["attempt"] + 1)
+        return last["attempt"]
 
     def _apply_injections(self) -> None:
         elapsed = time.monotonic() - self._started
@@ -197,9 +258,9 @@ class Supervisor:
             self.injected_lost.add(gpu)
         elif kind is Fault.RECOVER:
             self.injected_lost.discard(gpu)
-        self.monitor.pending_injections.append(Injection(kind, gpu, at_seconds=0.0))
+        self.monitor.pending_injections.append(injection.at_once())
         self._event("fault_injected", kind=kind.value, gpu=gpu, spec=str(injection),
-                    iteration=self._heartbeat_iteration())
+                    iteration=self._state_iteration())
         log.warning("injected %s", injection)
         return True
 
@@ -207,27 +268,48 @@ class Supervisor:
         """One poll of a running attempt: completion, failure, or None to keep going."""
         attempt = self.attempt
         self._apply_injections()
-        iteration = self._track_progress()
+        heartbeat = runfiles.read_heartbeat(self.run_dir)
+        iteration = self._track_progress(heartbeat)
+        self._follow_events()
+        self._show_progress(heartbeat)
         failed = attempt.failed_ranks()
         code = attempt.exit_code()
         if failed or (code is not None and code != 0):
-            gpus = sorted(attempt.gpus[r] for r in failed)
-            codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
-            return self._failure("exit", iteration, gpus, codes or {"torchrun": code})
+            report = classify_exits(failed, attempt.gpus)
+            return self._failure(report.cause, iteration, list(report.gpus),
+                                 report.exit_codes or {"torchrun": code}, report.first_local_rank)
         if code == 0:
-            self._event("complete", iteration=iteration)
-            return Trigger.COMPLETED
+            return self._complete()
         lost = sorted(self.lost_gpus() & set(attempt.gpus))
         if lost:
             return self._failure("device_lost", iteration, lost, {})
+        if (heartbeat or {}).get("finished"):
+            return self._wait_for_exit_after_finishing()
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
         return None
 
-    def _track_progress(self) -> int | None:
+    def _complete(self) -> Trigger:
+        self._follow_events()
+        self._event("complete", iteration=self._state_iteration())
+        log.info("training complete at iteration %d", self._state_iteration())
+        return Trigger.COMPLETED
+
+    def _wait_for_exit_after_finishing(self) -> Trigger | None:
+        """Training ended with its last checkpoint durable: only its exit remains. One that
+        does not come within the stop timeout (a rank stuck in teardown) is cut short."""
+        now = time.monotonic()
+        self._finished_at = self._finished_at or now
+        if now - self._finished_at < self.config.stop_timeout_s:
+            return None
+        log.warning("training finished at iteration %d but its processes did not exit within "
+                    "%g s; stopping them", self._state_iteration(), self.config.stop_timeout_s)
+        self.attempt.kill()
+        return self._complete()
+
+    def _track_progress(self, heartbeat: dict | None) -> int | None:
         """The attempt's last iteration; records progress time and the ``resumed`` event."""
-        heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
-        iteration = heartbeat.get("iteration")
+        iteration = (heartbeat or {}).get("iteration")
         last, _ = self._progress
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
@@ -236,6 +318,24 @@ class Supervisor:
                 first = heartbeat.get("first_iteration") or iteration
                 self._event("resumed", attempt=self.attempt.number, iteration=first)
         return iteration
+
+    def _follow_events(self) -> None:
+        """Show the trainer's new events and keep what the decisions need."""
+        for event in new_events(self.events_tail):
+            described = describe_event(event)
+            if described is not None:
+                log.log(*described)
+            if event["event"] == "checkpoint_loaded":
+                self._loaded_iteration = event.get("iteration")
+            elif event["event"] in SAVE_EVENTS:
+                self._last_checkpoint = event
+                if self.progress is not None:
+                    self.progress.last_checkpoint = event
+
+    def _show_progress(self, heartbeat: dict | None) -> None:
+        line = self.progress.line(heartbeat, time.time()) if self.progress else None
+        if line is not None:
+            log.info(line)
 
     def _hung(self) -> bool:
         last, since = self._progress
@@ -247,15 +347,24 @@ class Supervisor:
         written = None if save is None else last_checkpoint_write(Path(save))
         return None if written is None else time.time() - written
 
-    def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict) -> Trigger:
+    def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
+                 first_local_rank: int | None = None) -> Trigger:
         attempt = self.attempt
-        self._event("failure", attempt=attempt.number, iteration=iteration,
-                    cause=cause, gpus=gpus, exit_codes=codes)
-        log.error("attempt %d failed (%s) at iteration %s on GPU(s) %s", attempt.number, cause,
-                  iteration, gpus)
+        self._last_failure = (cause, first_local_rank)
+        self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
+        self._event("failure", attempt=attempt.number, iteration=self._state_iteration(),
+                    cause=cause, gpus=gpus, exit_codes=codes,
+                    before_first_iteration=iteration is None)
+        when = ("before its first iteration" if iteration is None
+                else f"after iteration {iteration}")
+        where = f" on GPU(s) {gpus}" if gpus else ""
+        log.error("attempt %d failed (%s) %s%s", attempt.number, cause, when, where)
         attempt.kill()
         early = cause == "exit" and self._progress[0] is None
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
+        if cause == "nonfinite":
+            self._nonfinite_again = self._loaded_iteration in self._nonfinite_from
+            self._nonfinite_from.add(self._loaded_iteration)
         return Trigger.FAILURE
 
     def _sleep(self) -> None:
@@ -264,26 +373,51 @@ class Supervisor:
     # -- state handlers ------------------------------------------------------------------------
     def _launch(self) -> Trigger:
         plan, gpus = self.plan, self.next_gpus
-        number = 1 if self.attempt is None else self.attempt.number + 1
+        number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
+        self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
         command = self.config.command if number == 1 else self._resuming(plan.command)
         command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
-        self.attempt = Attempt(self.run_dir, number, command, gpus)
-        self._progress = (None, time.monotonic())
+        self.attempt = Attempt(self.run_dir, number, command, gpus, self._armed_injections(gpus))
+        self._progress, self._finished_at = (None, time.monotonic()), None
+        self.progress = Progress(self.attempt.log_path, self._train_iters(),
+                                 self.config.progress_interval_s, time.time())
+        self.progress.last_checkpoint = self._last_checkpoint
         self._event("launch", attempt=number, gpus=list(gpus),
                     tensor_model_parallel_size=plan.tensor_model_parallel_size,
                     pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                     data_parallel_size=plan.data_parallel_size, command=self.attempt.argv)
-        log.warning("attempt %d: TP %d x PP %d x DP %d on GPU(s) %s; log %s", number,
+        log.info("attempt %d: TP %d x PP %d x DP %d on GPU(s) %s; log %s", number,
                     plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
                     plan.data_parallel_size, list(gpus), self.attempt.log_path)
         return Trigger.LAUNCHED
 
+    def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
+        """The attempt's environment for ``nan`` injections on its GPUs."""
+        armed = self.injector.take_nan(gpus)
+        for injection in armed:
+            self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
+                        spec=str(injection), iteration=injection.at_iteration)
+        if not armed:
+            return {}
+        return {NAN_INJECTION_ENV: ",".join(f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
+                                            for i in armed)}
+
+    def _train_iters(self) -> int | None:
+        try:
+            value = flag_value(self.config.command[1:], "--train-iters")
+            return None if value is None else int(value)
+        except ValueError:
+            return None
+
     def _resuming(self, command: Sequence[str]) -> list[str]:
-        # The tracker alone, not a validation of the shards: that would import torch here and
-        # add a second to every recovery, and the trainer validates and falls back itself.
+        # The folder's contents, not a validation of the shards: that would import torch here
+        # and add a second to every recovery, and the trainer validates and falls back itself.
+        # Any tracker or iter_* folder counts: an unreadable tracker is never a fresh start.
         save = flag_value(command[1:], "--save")
-        has_checkpoint = save is not None and read_tracker(Path(save)) is not None
+        has_checkpoint = save is not None and holds_checkpoints(Path(save))
+        if has_checkpoint:
+            self._resume_point = read_tracker(Path(save)) or 0
         resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
         if resumed != list(command):
             log.warning("relaunching with --load %s: the newest checkpoint is there", save)
@@ -341,19 +475,16 @@ class Supervisor:
                    for e in runfiles.read_events(self.run_dir))
 
     def _decide(self) -> Trigger:
+        cause, first_rank = self._last_failure
         outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
                                 early_exits_in_row=self.early_exits_in_row,
-                                policy=self.config.policy, lost_gpus=self.lost_gpus())
+                                policy=self.config.policy, lost_gpus=self.lost_gpus(),
+                                cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
-            self._show_log_tail()
+            log.error("root cause, from %s:\n%s", self.attempt.log_path,
+                      self.attempt.root_cause(first_rank, LOG_TAIL_LINES))
             self._give_up(outcome.reason)
         return outcome.trigger
-
-    def _show_log_tail(self) -> None:
-        if self.early_exits_in_row:
-            lines = training_output_tail(self.attempt.log_path.read_text(errors="replace"),
-                                         LOG_TAIL_LINES)
-            log.error("last lines of %s:\n%s", self.attempt.log_path, "\n".join(lines))
 
     def _give_up(self, reason: str) -> None:
         self._event("gave_up", reason=reason)
@@ -399,8 +530,10 @@ class Supervisor:
     def _stop(self) -> Trigger:
         log.warning("signal %s: asking training to save and exit", self.signum)
         code = self.attempt.stop(self.config.stop_timeout_s)
+        self._track_progress(runfiles.read_heartbeat(self.run_dir))
+        self._follow_events()
         self._event("stopped", signal=self.signum, exit_code=code,
-                    iteration=self._heartbeat_iteration())
+                    iteration=self._state_iteration())
         return Trigger.STOPPED
 
 

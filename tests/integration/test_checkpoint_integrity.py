@@ -1,0 +1,187 @@
+"""No checkpoint is lost, corrupted or silently wrong: the real trainer (CPU + gloo) against a
+garbage tracker, same-size corruption, a load that raises, a NaN loss and a full disk."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ftmaster import exit_codes, runfiles
+from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker, tracker_path
+from ftmaster.recovery.manifest import MANIFEST_NAME, digest_problem, read_manifest
+from helpers.trainer import SMALL_GPT, iterations, layout_args, run_trainer
+
+pytestmark = pytest.mark.slow
+
+SCHEDULE = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
+            "--min-lr", "1e-4", "--lr-decay-style", "linear", "--seed", "5",
+            "--override-opt-param-scheduler"]
+
+
+def train(nproc, save, iters, *extra, run_dir=None, **env):
+    args = SMALL_GPT + SCHEDULE + layout_args(1, nproc) + [
+        "--train-iters", str(iters), "--save", str(save), "--save-interval", "2", *extra]
+    if run_dir is not None:
+        env["FTMASTER_RUN_DIR"] = str(run_dir)
+    return run_trainer(nproc, args, **env)
+
+
+def snapshot(save: Path) -> dict[str, bytes]:
+    """Every file under ``save`` by relative path, with its bytes."""
+    return {str(p.relative_to(save)): p.read_bytes() for p in sorted(save.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Six iterations at TP1 x PP2 with checkpoints at 2, 4 and 6, and the loss of each."""
+    root = tmp_path_factory.mktemp("trained")
+    result = train(2, root / "save", 6)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert list_iterations(root / "save") == [6, 4, 2] and read_tracker(root / "save") == 6
+    return root / "save", iterations(result.stdout)
+
+
+@pytest.fixture
+def save(trained, tmp_path):
+    copy = tmp_path / "save"
+    shutil.copytree(trained[0], copy)
+    return copy
+
+
+def events(run_dir, name):
+    return [e for e in runfiles.read_events(run_dir) if e["event"] == name]
+
+
+def test_every_file_has_a_checksum_that_matches(trained):
+    for iteration in (2, 4, 6):
+        folder = iteration_dir(trained[0], iteration)
+        manifest = read_manifest(folder)
+        written = {p.name for p in folder.iterdir() if p.name != MANIFEST_NAME
+                   and not p.name.endswith(".digest")}
+        assert (manifest.kind, manifest.iteration) == ("periodic", iteration)
+        assert set(manifest.files) == written
+        assert digest_problem(folder, manifest, sorted(manifest.files)) is None
+
+
+def test_a_garbage_tracker_loads_the_newest_valid_checkpoint_and_changes_none(save, tmp_path):
+    tracker_path(save).write_text("garbage")
+    before = snapshot(save)
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "holds 'garbage', not an iteration: trying every iter_* folder" in result.stdout
+    assert f"loaded checkpoint from {iteration_dir(save, 6)} at iteration 6" in result.stdout
+    after = snapshot(save)
+    assert {name: data for name, data in after.items() if name in before and
+            name.startswith("iter_")} == {n: d for n, d in before.items() if n.startswith("iter_")}
+    assert read_tracker(save) == 8 and list_iterations(save) == [8, 6, 4, 2]
+    assert [e["iteration"] for e in events(tmp_path / "run", "checkpoint_loaded")] == [6]
+
+
+def test_no_valid_checkpoint_stops_the_run_and_touches_nothing(save, tmp_path):
+    tracker_path(save).write_text("garbage")
+    for iteration in (2, 4, 6):
+        (iteration_dir(save, iteration) / ".metadata").write_bytes(b"\x00broken")
+    before = snapshot(save)
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode != 0
+    assert f"error: no checkpoint in {save} can be loaded (iter_0000006: " in result.stdout
+    assert snapshot(save) == before
+    (failed,) = events(tmp_path / "run", "load_failed")
+    assert failed["path"] == str(save)
+
+
+def test_a_fresh_start_never_writes_over_checkpoints(save):
+    before = snapshot(save)
+    result = train(1, save, 8)
+    assert result.returncode != 0
+    assert (f"error: --save {save} already holds checkpoints (iter_0000006, iter_0000004, "
+            f"iter_0000002) and none was loaded: pass --load {save}") in result.stdout
+    assert snapshot(save) == before
+
+
+def test_same_size_corruption_falls_back_to_the_previous_checkpoint(save, trained, tmp_path):
+    shard = sorted(iteration_dir(save, 6).glob("*.distcp"))[1]
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = os.urandom(4096)
+    shard.write_bytes(bytes(data))
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (skipped,) = events(tmp_path / "run", "checkpoint_skipped")
+    assert skipped["iteration"] == 6 and f"{shard.name} checksum mismatch" in skipped["reason"]
+    assert f"loaded checkpoint from {iteration_dir(save, 4)} at iteration 4" in result.stdout
+    resumed = iterations(result.stdout)
+    reference = trained[1]
+    for it in (5, 6):  # the same trajectory as the run that wrote it, no NaN
+        assert abs(resumed[it]["loss"] - reference[it]["loss"]) <= 0.02 * reference[it]["loss"]
+    discarded = [p.name for p in save.iterdir() if p.name.startswith("iter_0000006.discarded-")]
+    assert len(discarded) == 1  # the corrupt one is kept aside, not deleted
+
+
+def test_a_load_that_raises_falls_back_even_without_checksums(save, tmp_path):
+    folder = iteration_dir(save, 6)
+    (folder / MANIFEST_NAME).write_text(json.dumps({"kind": "periodic"}))  # as before checksums
+    common = folder / "common.pt"
+    common.write_bytes(os.urandom(common.stat().st_size))
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (skipped,) = events(tmp_path / "run", "checkpoint_skipped")
+    assert skipped["iteration"] == 6 and skipped["reason"].startswith("common.pt: ")
+    assert f"loaded checkpoint from {iteration_dir(save, 4)} at iteration 4" in result.stdout
+    assert "Traceback" not in result.stdout
+
+
+def test_a_nan_loss_stops_before_the_update_and_nothing_after_it_is_saved(tmp_path):
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    result = train(2, save, 8, run_dir=run_dir, FTMASTER_INJECT_NAN="1:5")
+    assert result.returncode != 0
+    assert "error: non-finite loss at iteration 5: the iteration was stopped before the " \
+           "optimizer step; nothing was updated or saved" in result.stdout
+    assert list_iterations(save) == [4, 2] and read_tracker(save) == 4
+    assert [(e["iteration"], e["what"]) for e in events(run_dir, "nonfinite")] == [(5, "loss")]
+
+
+def test_a_nan_gradient_on_a_first_stage_is_caught_too(tmp_path):
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    result = train(2, save, 6, run_dir=run_dir, FTMASTER_INJECT_NAN="0:3")
+    assert result.returncode != 0
+    assert [(e["iteration"], e["what"]) for e in events(run_dir, "nonfinite")] == [(3, "gradient norm")]
+    assert read_tracker(save) == 2
+
+
+def test_the_check_can_be_turned_off_as_in_megatron(tmp_path):
+    result = train(1, tmp_path / "save", 4, "--no-check-for-nan-in-loss-and-grad",
+                   FTMASTER_INJECT_NAN="0:3")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "iteration 4/4" in result.stdout and "lm loss: NAN |" in result.stdout
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A tmpfs that holds two of these checkpoints and no more (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_save_not_training_and_keeps_the_older_checkpoints(tiny_disk, tmp_path):
+    save, run_dir = tiny_disk / "save", tmp_path / "run"
+    result = train(2, save, 8, run_dir=run_dir)
+    assert result.returncode != 0
+    assert max(iterations(result.stdout)) == 8  # training went on past the failed saves
+    failed = events(run_dir, "save_failed")
+    assert failed and all("ENOSPC (No space left on device)" in e["reason"] for e in failed)
+    assert {e["tier"] for e in failed} == {"disk"}
+    assert "error: training ended at iteration 8 without its last checkpoint" in result.stdout
+    tracked = read_tracker(save)
+    assert tracked in (2, 4) and tracked == max(list_iterations(save))
+    for iteration in list_iterations(save):  # what is left is whole
+        manifest = read_manifest(iteration_dir(save, iteration))
+        assert digest_problem(iteration_dir(save, iteration), manifest, sorted(manifest.files)) is None

@@ -1,0 +1,200 @@
+"""The supervisor's reading of an attempt: causes from exit statuses, the root cause, the
+console (events echoed, progress lines), attempt numbers across a restart, and the checks made
+before the first launch."""
+
+import json
+import logging
+
+import pytest
+
+from ftmaster import exit_codes, runfiles
+from ftmaster.attempt import RankRecord, classify_exits, error_summary
+from ftmaster.console import FileTail, Progress, describe_event, duration, new_events
+from ftmaster.launch import needs_gpu_probe, uses_trainer_parser
+from ftmaster.supervisor import Supervisor, SupervisorConfig
+from helpers.trainer import PRETRAIN
+
+
+def record(local_rank, code, ended_at):
+    return RankRecord(local_rank=local_rank, rank=local_rank, pid=100 + local_rank,
+                      guard_pid=200 + local_rank, exit_code=code, ended_at=ended_at)
+
+
+@pytest.mark.parametrize("failed, cause, gpus, first", [
+    # a CUDA-style crash on GPU 3 first, then its peer's connection reset
+    ({1: record(1, 1, 10.0), 0: record(0, 1, 10.2)}, "exit", (3, 5), 1),
+    ({0: record(0, -9, 5.0)}, "exit", (5,), 0),
+    # the trainer's own statuses are never put on a GPU, whoever else failed after
+    ({0: record(0, exit_codes.NONFINITE, 1.0), 1: record(1, -15, 1.1)}, "nonfinite", (), 0),
+    ({1: record(1, exit_codes.STORAGE, 2.0)}, "storage", (), 1),
+    ({0: record(0, exit_codes.NO_CHECKPOINT, 2.0)}, "no_checkpoint", (), 0),
+    ({0: record(0, exit_codes.USAGE, 2.0)}, "usage", (), 0),
+    # a SIGTERMed peer that ended first does not hide the real cause... it is the first
+    ({0: record(0, -15, 1.0), 1: record(1, exit_codes.STORAGE, 2.0)}, "exit", (5, 3), 0),
+])
+def test_the_first_failed_rank_names_the_cause(failed, cause, gpus, first):
+    report = classify_exits(failed, gpus=(5, 3))
+    assert (report.cause, report.first_local_rank) == (cause, first)
+    assert report.gpus == tuple(sorted(gpus))
+    assert report.exit_codes == {str(r.rank): r.exit_code for r in failed.values()}
+
+
+def test_error_summary_is_the_exception_and_its_innermost_frames(tmp_path):
+    stack = "Traceback (most recent call last):\n" + "".join(
+        f'  File "/x/f{i}.py", line {i}, in g{i}\n    call()\n' for i in range(8)) + \
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered\n"
+    error_file = tmp_path / "error_0.json"
+    error_file.write_text(json.dumps({"message": {
+        "message": "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        "extraInfo": {"py_callstack": stack, "timestamp": "1"}}}))
+    summary = error_summary(error_file, traceback_lines=2).splitlines()
+    assert summary[0] == "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    assert summary[1:] == ['  File "/x/f6.py", line 6, in g6', '  File "/x/f7.py", line 7, in g7']
+    assert error_summary(tmp_path / "absent.json") is None
+    (tmp_path / "torn.json").write_text('{"message": ')
+    assert error_summary(tmp_path / "torn.json") is None
+
+
+def test_a_file_tail_returns_whole_new_lines_and_starts_over_on_a_new_file(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail = FileTail(path)
+    assert tail.new_lines() == []
+    path.write_text('{"event": "a", "time": 1}\n{"event": "b"')
+    assert [e["event"] for e in new_events(tail)] == ["a"]
+    with path.open("a") as handle:
+        handle.write(', "time": 2}\nnot json\n')
+    assert [e["event"] for e in new_events(tail)] == ["b"]
+    path.write_text('{"event": "c", "time": 3}\n')  # replaced by a shorter file
+    assert [e["event"] for e in new_events(tail)] == ["c"]
+    tail.skip_to_end()
+    assert tail.new_lines() == []
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0 s"), (59.4, "59 s"), (250, "4 min 10 s"),
+                                           (3 * 3600 + 125, "3 h 02 min")])
+def test_duration(seconds, text):
+    assert duration(seconds) == text
+
+
+def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path):
+    log_path = tmp_path / "attempt_1.log"
+    log_path.write_text("iteration 10/30 | consumed samples: 240 | elapsed time per iteration "
+                        "(ms): 250.0 | learning rate: 1.0E-03 | global batch size: 24 | "
+                        "lm loss: 3.912345E+00 |\n")
+    progress = Progress(log_path, train_iters=30, interval_s=5, started_at=0.0)
+    assert progress.line({"iteration": 8, "time": 100.0}, now=1.0) is None  # not due yet
+    assert progress.line({"iteration": 8, "time": 100.0}, now=6.0) is None  # one point only
+    progress.last_checkpoint = {"iteration": 5, "time": 101.0}
+    line = progress.line({"iteration": 10, "time": 100.5}, now=111.0)
+    assert line == ("progress: iteration 10/30 | lm loss 3.912 (iteration 10) | "
+                    "0.25 s/iteration | last checkpoint 5 (10 s ago) | ETA 5 s")
+
+
+@pytest.mark.parametrize("event, level, text", [
+    ({"event": "save_failed", "iteration": 20, "kind": "periodic", "path": "/c/iter_0000020",
+      "reason": "ENOSPC (No space left on device)"}, logging.ERROR,
+     "periodic checkpoint at iteration 20 failed: ENOSPC (No space left on device) "
+     "(/c/iter_0000020); the checkpoints before it are untouched"),
+    ({"event": "checkpoint_skipped", "iteration": 30, "path": "/c/iter_0000030",
+      "reason": "__1_0.distcp checksum mismatch"}, logging.WARNING,
+     "skipped checkpoint /c/iter_0000030: __1_0.distcp checksum mismatch"),
+    ({"event": "nonfinite", "iteration": 12, "what": "loss"}, logging.ERROR,
+     "non-finite loss at iteration 12: stopped before the update, nothing saved"),
+    ({"event": "emergency_save", "iteration": 11, "kind": "emergency", "bytes": 3_100_000,
+      "seconds": 0.2, "persist_seconds": 0.5}, logging.INFO,
+     "checkpoint at iteration 11 (emergency, 3.1 MB): training blocked 0.20 s, durable after 0.50 s"),
+])
+def test_trainer_events_become_one_console_line(event, level, text):
+    assert describe_event(event) == (level, text)
+    assert describe_event({"event": "launch", "attempt": 1}) is None  # the supervisor's own
+
+
+@pytest.mark.parametrize("nproc, visible, backend, probe", [
+    (4, None, "sim", False), (4, None, "replay:x.csv", False), (4, None, "nvml", True),
+    (None, None, "sim", True), (None, (0, 1), "nvml", False)])
+def test_the_gpu_probe_runs_only_when_a_count_is_needed(nproc, visible, backend, probe):
+    assert needs_gpu_probe(nproc, visible, backend) is probe
+
+
+def test_the_trainer_parser_is_used_only_for_scripts_that_use_it(tmp_path):
+    assert uses_trainer_parser(PRETRAIN)
+    foreign = tmp_path / "pretrain_gpt.py"
+    foreign.write_text("from megatron.training import get_args, pretrain\n")
+    assert not uses_trainer_parser(foreign)
+    assert not uses_trainer_parser(tmp_path / "absent.py")
+
+
+class QuietMonitor:
+    on_alert = None
+
+    def lost_gpus(self):
+        return frozenset()
+
+
+def test_a_new_supervisor_continues_the_attempt_numbers_and_records_the_lost_attempt(tmp_path):
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    runfiles.append_event(tmp_path, "launch", attempt=1)
+    runfiles.append_event(tmp_path, "failure", attempt=1, iteration=4, cause="exit")
+    runfiles.append_event(tmp_path, "launch", attempt=2)
+    runfiles.write_heartbeat(tmp_path, iteration=17, consumed_samples=0)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    assert supervisor.attempts_before == 2
+    lost = runfiles.read_events(tmp_path)[-1]
+    assert (lost["event"], lost["attempt"], lost["iteration"], lost["cause"]) == \
+        ("failure", 2, 17, "supervisor_lost")
+    assert Supervisor(config, QuietMonitor()).attempts_before == 2  # recorded once
+
+
+class FinishedAttempt:
+    """An attempt whose ranks finished training but have not exited yet."""
+
+    number, gpus, killed = 1, (0, 1, 2, 3), False
+
+    def failed_ranks(self):
+        return {}
+
+    def exit_code(self):
+        return None
+
+    def kill(self):
+        self.killed = True
+
+
+def test_finished_training_is_never_a_hang_however_slow_its_exit(tmp_path):
+    import time
+
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None),
+                              hang_timeout_s=0.01, startup_timeout_s=0.01, stop_timeout_s=0.2)
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = FinishedAttempt()
+    runfiles.write_heartbeat(tmp_path, 30, 0, finished=True)
+    supervisor._progress = (30, time.monotonic() - 100)  # far past the hang timeout
+    assert supervisor._check_training() is None
+    time.sleep(0.25)  # past the stop timeout: its processes are stopped, the run is complete
+    assert supervisor._check_training() is Trigger.COMPLETED and supervisor.attempt.killed
+    assert runfiles.read_events(tmp_path)[-1]["event"] == "complete"
+
+
+def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
+    from ftmaster.faults import parse_injection
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None),
+                              injections=(parse_injection("nan:gpu=2,at=iter:7"),
+                                          parse_injection("fail:gpu=1,at=iter:9")))
+    supervisor = Supervisor(config, QuietMonitor())
+    assert supervisor._armed_injections((0, 1, 3)) == {}  # not on these GPUs
+    assert supervisor._armed_injections((0, 2, 3)) == {"FTMASTER_INJECT_NAN": "1:7"}
+    assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once
+    assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]

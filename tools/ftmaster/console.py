@@ -1,0 +1,160 @@
+"""What ftmaster prints while training runs: the trainer's events as they happen, and a
+progress line every so often.
+
+Everything comes from files the run already writes, read incrementally (no rescans): the
+trainer's events from ``events.jsonl``, the iteration from the heartbeat, the loss from the
+attempt log's Megatron iteration lines (DESIGN's log-line contract). Nothing here decides
+anything; the supervisor reads the same events for its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ftmaster")
+
+_ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+|nan|inf) \|")
+SAVE_EVENTS = ("emergency_save", "periodic_save")
+ECHOED = ("checkpoint_loaded", *SAVE_EVENTS, "save_failed", "checkpoint_skipped", "load_failed",
+          "nonfinite", "save_deferred")
+
+
+class FileTail:
+    """Complete lines appended to a file since the last call; a file that shrank (replaced or
+    truncated) is read again from its start."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def skip_to_end(self) -> None:
+        """Ignore what the file holds now: only what is appended from here on is new."""
+        try:
+            self._offset = self.path.stat().st_size
+        except OSError:
+            self._offset = 0
+        self._partial = b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as handle:
+                size = handle.seek(0, 2)
+                if size < self._offset:
+                    self._offset, self._partial = 0, b""
+                handle.seek(self._offset)
+                data = self._partial + handle.read()
+                self._offset = handle.tell()
+        except OSError:
+            return []
+        *lines, self._partial = data.split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
+def new_events(tail: FileTail) -> list[dict[str, Any]]:
+    """Events appended since the last call; a torn or foreign line is skipped."""
+    found = []
+    for line in tail.new_lines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("event"), str):
+            found.append(record)
+    return found
+
+
+def duration(seconds: float) -> str:
+    """``12 s``, ``4 min 10 s``, ``3 h 02 min``: as a person reads an ETA."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
+    """The console line (log level, text) for a trainer event, or None for others."""
+    name, it = event["event"], event.get("iteration")
+    if name == "checkpoint_loaded":
+        return logging.INFO, (f"loaded checkpoint iteration {it} from {event.get('path')} "
+                              f"in {event.get('seconds', 0):.2f} s")
+    if name in SAVE_EVENTS:
+        size = event.get("bytes") or 0
+        return logging.INFO, (f"checkpoint at iteration {it} ({event.get('kind', 'periodic')}, "
+                              f"{size / 1e6:.1f} MB): training blocked "
+                              f"{event.get('seconds', 0):.2f} s, durable after "
+                              f"{event.get('persist_seconds', event.get('seconds', 0)):.2f} s")
+    if name == "save_failed":
+        return logging.ERROR, (f"{event.get('kind', 'a')} checkpoint at iteration {it} failed: "
+                               f"{event.get('reason')} ({event.get('path')}); the checkpoints "
+                               f"before it are untouched")
+    if name == "checkpoint_skipped":
+        return logging.WARNING, f"skipped checkpoint {event.get('path')}: {event.get('reason')}"
+    if name == "load_failed":
+        return logging.ERROR, str(event.get("reason"))
+    if name == "nonfinite":
+        return logging.ERROR, (f"non-finite {event.get('what', 'loss')} at iteration {it}: "
+                               f"stopped before the update, nothing saved")
+    if name == "save_deferred":
+        return logging.INFO, (f"emergency checkpoint deferred to iteration "
+                              f"{event.get('until_iteration')} (gap filter)")
+    return None
+
+
+@dataclass
+class _Point:
+    iteration: int
+    time: float
+
+
+class Progress:
+    """One attempt's progress line: iteration, loss, speed, last checkpoint, ETA."""
+
+    def __init__(self, log_path: Path, train_iters: int | None, interval_s: float,
+                 started_at: float) -> None:
+        self.log_tail = FileTail(log_path)
+        self.train_iters = train_iters
+        self.interval_s = interval_s
+        self._last_print = started_at
+        self._previous: _Point | None = None
+        self._loss: tuple[int, str] | None = None
+        self.last_checkpoint: dict[str, Any] | None = None
+
+    def line(self, heartbeat: dict[str, Any] | None, now: float) -> str | None:
+        """The progress line when one is due, else None."""
+        for text in self.log_tail.new_lines():
+            found = _ITERATION_LINE.search(text)
+            if found:
+                self._loss = (int(found.group(1)), found.group(2))
+        if now - self._last_print < self.interval_s or not heartbeat:
+            return None
+        point = _Point(heartbeat["iteration"], heartbeat.get("time", now))
+        previous, self._previous = self._previous, point
+        self._last_print = now
+        if previous is None or point.iteration <= previous.iteration:
+            return None  # a speed needs two points
+        per_iteration = (point.time - previous.time) / (point.iteration - previous.iteration)
+        return self._format(point.iteration, per_iteration, now)
+
+    def _format(self, iteration: int, per_iteration: float, now: float) -> str:
+        parts = [f"iteration {iteration}" + (f"/{self.train_iters}" if self.train_iters else "")]
+        if self._loss is not None:
+            parts.append(f"lm loss {float(self._loss[1]):.4g} (iteration {self._loss[0]})")
+        parts.append(f"{per_iteration:.3g} s/iteration")
+        if self.last_checkpoint is not None:
+            age = duration(now - self.last_checkpoint["time"])
+            parts.append(f"last checkpoint {self.last_checkpoint['iteration']} ({age} ago)")
+        else:
+            parts.append("no checkpoint yet")
+        if self.train_iters:
+            parts.append(f"ETA {duration((self.train_iters - iteration) * per_iteration)}")
+        return "progress: " + " | ".join(parts)
