@@ -1,12 +1,13 @@
-"""``ftmaster plan``: show the layout and command a relaunch on N GPUs would use."""
+"""``ftmaster plan``: show the layout and command a relaunch on the GPUs left would use."""
 
 from __future__ import annotations
 
 import json
+from itertools import groupby
 
 import click
 
-from .planner import MODES, Plan, PlanError, plan_layout
+from .planner import MODES, Plan, PlanError, plan_nodes, uniform_nodes
 
 SEPARATOR_KEY = "ftmaster.after_separator"
 
@@ -46,46 +47,115 @@ def script_command(ctx: click.Context, command: tuple[str, ...]) -> list[str]:
     return list(command)
 
 
-def _summary(plan: Plan, gpus: int) -> str:
-    return (f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} "
-            f"x DP {plan.data_parallel_size} on {plan.num_gpus_used} of {gpus} GPUs, "
-            f"micro-batch {plan.micro_batch_size}, global batch {plan.global_batch_size}\n"
-            f"command: {' '.join(plan.command)}")
+def parse_node_gpus(text: str) -> tuple[int, ...]:
+    """``8,8,7`` -> (8, 8, 7): schedulable GPUs per node, in node-rank order."""
+    try:
+        nodes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InputError(f"--node-gpus takes GPU counts separated by commas, got {text!r}") from None
+    if not nodes or any(gpus < 0 for gpus in nodes):
+        raise InputError(f"--node-gpus counts must be 0 or more, got {text!r}")
+    return nodes
+
+
+def _ranks_per_node(ranks: tuple[int, ...]) -> str:
+    """In node-rank order; runs of equal nodes compressed (``8 x 2046``)."""
+    runs = [(value, len(list(group))) for value, group in groupby(ranks)]
+    return ", ".join(str(value) if count == 1 else f"{value} x {count}" for value, count in runs)
+
+
+def _throughput_line(plan: Plan) -> str:
+    if plan.throughput_vs_original is None:
+        ratio = "unknown against the original layout (give --original-gpus)"
+    else:
+        ratio = f"{plan.throughput_vs_original:.1%} of the original layout's"
+    return (f"estimated throughput: {ratio}; step {plan.estimated_step_seconds:.4g} s, "
+            f"peak memory {plan.estimated_memory_gib:g} GiB; why: {plan.reason}")
+
+
+def summary(plan: Plan) -> str:
+    """The human summary ``ftmaster plan`` prints on stderr."""
+    gpus = plan.num_gpus_used + plan.idle_gpus
+    layout = (f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
+              + (f" x CP {plan.context_parallel_size}" if plan.context_parallel_size > 1 else "")
+              + f" x DP {plan.data_parallel_size}"
+              + (f" (EP {plan.expert_model_parallel_size})" if plan.expert_model_parallel_size > 1 else "")
+              + (f", VPP {plan.virtual_pipeline_model_parallel_size}"
+                 if plan.virtual_pipeline_model_parallel_size else ""))
+    batch = f"global batch {plan.global_batch_size}"
+    original_batch = plan.original_global_batch_size
+    if original_batch and original_batch != plan.global_batch_size:
+        batch += f" (was {original_batch}, {plan.global_batch_size / original_batch - 1:+.2%})"
+    lines = [f"{layout} on {plan.num_gpus_used} of {gpus} GPUs ({plan.idle_gpus} idle), "
+             f"micro-batch {plan.micro_batch_size}, {batch}",
+             f"ranks per node: {_ranks_per_node(plan.ranks_per_node)}",
+             _throughput_line(plan),
+             *(f"warning: {warning}" for warning in plan.warnings),
+             f"command: {' '.join(plan.command)}"]
+    return "\n".join(lines)
+
+
+def _nodes(gpus: int | None, gpus_per_node: int | None, node_gpus: str | None) -> tuple[int, ...]:
+    if node_gpus is not None:
+        if gpus is not None or gpus_per_node is not None:
+            raise InputError("give either --node-gpus or --gpus [--gpus-per-node], not both")
+        return parse_node_gpus(node_gpus)
+    if gpus is None:
+        raise InputError("give --gpus N (with --gpus-per-node M across nodes) or --node-gpus")
+    return uniform_nodes(gpus, gpus_per_node)
 
 
 @click.command(
     "plan", cls=SeparatedCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs available.")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
               help="GPUs per node, when the job spans nodes: TP stays within one node. "
                    "Default: a single node.")
+@click.option("--node-gpus", default=None, metavar="N,N,...",
+              help="Schedulable GPUs of each node, in node-rank order (instead of --gpus).")
 @click.option("--mode", type=click.Choice(MODES), default="closest", show_default=True,
-              help="closest: the layout nearest the original; paper: the paper's max-TP rule.")
+              help="closest: the fastest estimate, ties to the layout nearest the original; "
+                   "paper: the paper's max-TP rule.")
 @click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Per-GPU memory in GiB: drop layouts whose rough estimate does not fit.")
+              help="Per-GPU memory in GiB: drop layouts whose memory estimate does not fit.")
 @click.option("--original-gpus", type=click.IntRange(min=1), default=None,
-              help="GPUs of the original launch; needed only without --global-batch-size, "
-                   "which Megatron then derives from the layout.")
+              help="GPUs of the original launch: keeps the original layout when it still fits, "
+                   "compares throughput with it, and derives an absent --global-batch-size.")
+@click.option("--global-batch-tolerance", "tolerance_pct", type=click.FloatRange(min=0, max=50),
+              default=0.0, show_default=True, metavar="PCT",
+              help="Allow a global batch within PCT percent of the original when that buys a "
+                   "better layout (the run still ends at the same sample count).")
+@click.option("--consumed-samples", type=click.IntRange(min=0), default=None,
+              help="Samples consumed at the resume point (places a --step-batch-size-schedule).")
+@click.option("--measured-step-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Measured step time of the original layout: calibrates the cost model "
+                   "(needs --original-gpus).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print only the JSON object, without the summary on stderr.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
-def plan_command(ctx: click.Context, gpus: int, gpus_per_node: int | None, mode: str,
-                 gpu_memory_gb: float | None, original_gpus: int | None, as_json: bool,
-                 command: tuple[str, ...]) -> None:
-    """Plan TP/PP/DP and the micro-batch for the GPUs available; print the rewritten command.
+def plan_command(ctx: click.Context, gpus: int | None, gpus_per_node: int | None,
+                 node_gpus: str | None, mode: str, gpu_memory_gb: float | None,
+                 original_gpus: int | None, tolerance_pct: float, consumed_samples: int | None,
+                 measured_step_s: float | None, as_json: bool, command: tuple[str, ...]) -> None:
+    """Plan TP/PP/CP/DP, the micro-batch and the ranks per node for the GPUs available;
+    print the rewritten command.
 
     The plan goes to stdout as one JSON object (DESIGN's contract), a summary to stderr.
     """
     argv = script_command(ctx, command)
+    nodes = _nodes(gpus, gpus_per_node, node_gpus)
     try:
-        plan = plan_layout(argv, gpus, gpus_per_node, mode=mode, gpu_memory_gb=gpu_memory_gb,
-                           original_world_size=original_gpus)
+        plan = plan_nodes(argv, nodes, mode=mode, gpu_memory_gb=gpu_memory_gb,
+                          original_world_size=original_gpus,
+                          global_batch_tolerance_pct=tolerance_pct,
+                          consumed_samples=consumed_samples, measured_step_s=measured_step_s)
     except PlanError as error:
         raise click.ClickException(str(error)) from None
     except ValueError as error:
         raise InputError(str(error)) from None
     if not as_json:
-        click.echo(_summary(plan, gpus), err=True)
+        click.echo(summary(plan), err=True)
     click.echo(json.dumps(plan.as_json()))
+

@@ -1,6 +1,7 @@
-"""``ftmaster plan``: the JSON contract, the summary, and one-line errors."""
+"""``ftmaster plan``: the JSON contract, the summary, nodes, the tolerance, one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
+from test_planner_megatron_check import LLAMA3_70B, command, megatron_problems
 
 SCRIPT_ARGS = ["pretrain_gpt.py", "--num-layers", "12", "--hidden-size", "64",
                "--num-attention-heads", "4", "--seq-length", "32",
@@ -19,6 +21,12 @@ REWRITTEN = ["pretrain_gpt.py", "--num-layers", "12", "--hidden-size", "64",
              "--tensor-model-parallel-size=1", "--pipeline-model-parallel-size", "3",
              "--micro-batch-size", "2", "--global-batch-size", "8", "--save", "/ckpt",
              "--load", "/ckpt"]
+DESIGN_KEYS = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "data_parallel_size", "micro_batch_size", "global_batch_size", "num_gpus_used",
+               "command"}
+# The issue's Llama-3-70B: 80 layers, TP8 x PP8, global batch 2048, micro-batch 1.
+LLAMA3_70B_TP8_PP8 = command(**LLAMA3_70B, tp=8, pp=8, mbs=1, gbs=2048,
+                             extra=("--sequence-parallel", "--save", "/ckpt"))
 
 
 def run_plan(*args):
@@ -26,33 +34,66 @@ def run_plan(*args):
 
 
 def test_json_contract():
-    result = run_plan("--gpus", "3", "--json", "--", *SCRIPT_ARGS)
+    result = run_plan("--gpus", "3", "--mode", "paper", "--json", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
-    assert json.loads(result.stdout) == {
+    plan = json.loads(result.stdout)
+    assert {key: plan[key] for key in DESIGN_KEYS} == {
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 3,
         "data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 8,
         "num_gpus_used": 3, "command": REWRITTEN}
+    assert set(plan) - DESIGN_KEYS == {
+        "context_parallel_size", "expert_model_parallel_size",
+        "virtual_pipeline_model_parallel_size", "ranks_per_node", "idle_gpus",
+        "original_global_batch_size", "estimated_step_seconds", "throughput_vs_original",
+        "estimated_memory_gib", "reason", "warnings"}
+    assert (plan["ranks_per_node"], plan["idle_gpus"], plan["warnings"]) == ([3], 0, [])
 
 
 def test_without_json_flag_stdout_is_still_the_json_and_stderr_the_summary():
-    result = run_plan("--gpus", "5", "--gpus-per-node", "4", "--", *SCRIPT_ARGS)
+    result = run_plan("--gpus", "5", "--gpus-per-node", "4", "--original-gpus", "4", "--",
+                      *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["num_gpus_used"] == 4
-    assert result.stderr.splitlines() == [
-        "TP 2 x PP 2 x DP 1 on 4 of 5 GPUs, micro-batch 2, global batch 8",
-        "command: " + " ".join(SCRIPT_ARGS + ["--load", "/ckpt"])]
+    lines = result.stderr.splitlines()
+    assert lines[:2] == ["TP 2 x PP 2 x DP 1 on 4 of 5 GPUs (1 idle), micro-batch 2, global batch 8",
+                         "ranks per node: 4, 0"]
+    assert re.fullmatch(r"estimated throughput: 100\.0% of the original layout's; step \S+ s, "
+                        r"peak memory \S+ GiB; why: the original layout fits \(hot spare\)",
+                        lines[2])
+    assert lines[3:] == ["command: " + " ".join(SCRIPT_ARGS + ["--load", "/ckpt"])]
 
 
-def test_paper_mode_and_original_gpus():
-    args = [arg for arg in SCRIPT_ARGS if arg not in ("--global-batch-size", "8")]
-    result = run_plan("--gpus", "4", "--mode", "paper", "--original-gpus", "8", "--json",
-                      "--", *args)
+def test_node_gpus_places_whole_tp_groups_and_keeps_spares():
+    result = run_plan("--node-gpus", "2,1,2", "--mode", "paper", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
-    assert (plan["tensor_model_parallel_size"], plan["pipeline_model_parallel_size"],
-            plan["global_batch_size"]) == (4, 1, 4)  # global batch 2 x DP 2 of the 8 GPUs
-    assert plan["command"][-4:] == ["--global-batch-size", "4", "--load", "/ckpt"]
+    assert (plan["tensor_model_parallel_size"], plan["ranks_per_node"]) == (2, [2, 0, 2])
+    assert "ranks per node: 2, 0, 2" in result.stderr.splitlines()
+
+
+def test_the_issues_llama3_70b_one_node_lost_with_a_1_percent_tolerance():
+    result = run_plan("--gpus", "16376", "--gpus-per-node", "8", "--global-batch-tolerance", "1",
+                      "--", *LLAMA3_70B_TP8_PP8)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["num_gpus_used"] >= 0.99 * 16376
+    assert abs(plan["global_batch_size"] - 2048) <= 0.01 * 2048
+    assert megatron_problems(plan["command"][1:], plan["num_gpus_used"], plan["ranks_per_node"]) == []
+    assert "--train-samples" in plan["command"] and "--train-iters" not in plan["command"]
+
+
+def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
+    result = run_plan("--gpus", "16376", "--gpus-per-node", "8", "--", *LLAMA3_70B_TP8_PP8)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["global_batch_size"] == 2048 and 2048 % plan["data_parallel_size"] == 0
+    assert plan["num_gpus_used"] == 10240
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1
+    assert re.fullmatch(r"warning: the exact global batch 2048 leaves 6136 of 16376 GPUs \(37\.5%\) "
+                        r"idle; --global-batch-tolerance \S+ would use \d+ with global batch \d+",
+                        warnings[0])
 
 
 @pytest.mark.parametrize("args, exit_code, message", [
@@ -61,7 +102,16 @@ def test_paper_mode_and_original_gpus():
     (["--gpus", "3", "--bogus", "--", *SCRIPT_ARGS], 2, "unexpected '--bogus' before --"),
     (["--gpus", "0", "--", *SCRIPT_ARGS], 2, "Invalid value for '--gpus'"),
     (["--gpus", "three", "--", *SCRIPT_ARGS], 2, "Invalid value for '--gpus'"),
-    (["--", *SCRIPT_ARGS], 2, "Missing option '--gpus'"),
+    (["--", *SCRIPT_ARGS], 2, "give --gpus N (with --gpus-per-node M across nodes) or --node-gpus"),
+    (["--gpus", "3", "--node-gpus", "4", "--", *SCRIPT_ARGS], 2,
+     "give either --node-gpus or --gpus [--gpus-per-node], not both"),
+    (["--node-gpus", "8,x", "--", *SCRIPT_ARGS], 2,
+     "--node-gpus takes GPU counts separated by commas, got '8,x'"),
+    (["--node-gpus", "8,-1", "--", *SCRIPT_ARGS], 2, "--node-gpus counts must be 0 or more"),
+    (["--gpus", "3", "--global-batch-tolerance", "51", "--", *SCRIPT_ARGS], 2,
+     "Invalid value for '--global-batch-tolerance'"),
+    (["--gpus", "3", "--measured-step-s", "1", "--", *SCRIPT_ARGS], 2,
+     "a measured step time needs the original GPU count"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers=x"], 2,
      "--num-layers must be an integer, got 'x'"),
     (["--gpus", "3", "--", *SCRIPT_ARGS[:1], *SCRIPT_ARGS[3:]], 2,

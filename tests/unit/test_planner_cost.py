@@ -1,0 +1,104 @@
+"""The cost model's ranking (issue 15, item 1): compute share, bubble, TP and DP traffic."""
+
+import math
+
+import pytest
+
+from ftmaster.recovery.cost_model import Hardware, StepEstimate, calibrated
+from ftmaster.recovery.planner import plan_layout
+
+# A 10B-class model (48 layers, hidden 4096) on 16k-token sequences: compute dominates.
+MODEL = ["t.py", "--num-layers", "48", "--hidden-size", "4096", "--num-attention-heads", "32",
+         "--ffn-hidden-size", "11008", "--swiglu", "--seq-length", "16384", "--vocab-size", "32000",
+         "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--micro-batch-size", "1"]
+
+
+def layout(tp=1, pp=1, gbs=16, extra=()):
+    return [*MODEL, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+            str(pp), "--global-batch-size", str(gbs), *extra]
+
+
+def samples_per_second(args, gpus, gpus_per_node=8, **options):
+    """The cost model's throughput of the command's own layout on ``gpus`` GPUs."""
+    plan = plan_layout(args, gpus, gpus_per_node, original_world_size=gpus, **options)
+    assert plan.reason == "the original layout fits (hot spare)"
+    return plan.global_batch_size / plan.estimated_step_seconds
+
+
+@pytest.mark.parametrize("faster, slower, why", [
+    # 1F1B bubble: (PP - 1) / (M + PP - 1): 64 micro-batches amortise it better than 8.
+    ((layout(pp=8, gbs=128), 16), (layout(pp=8, gbs=16), 16), "more micro-batches, smaller bubble"),
+    # Interleaving divides the bubble by VPP.
+    ((layout(pp=4, gbs=32, extra=("--num-layers-per-virtual-pipeline-stage", "3")), 32),
+     (layout(pp=4, gbs=32), 32), "interleaved 1F1B"),
+    # Per-GPU compute share: twice the GPUs at the same bubble.
+    ((layout(pp=2, gbs=64), 32), (layout(pp=2, gbs=64), 16), "more data parallelism"),
+    # Gradient reduction inside a node (NVLink) beats one across nodes (InfiniBand).
+    ((layout(gbs=8, extra=("--seq-length", "1024")), 8, 8),
+     (layout(gbs=8, extra=("--seq-length", "1024")), 8, 2), "DP group inside a node"),
+])
+def test_cost_model_ranking(faster, slower, why):
+    assert samples_per_second(*faster) > samples_per_second(*slower), why
+
+
+def test_overlapping_the_gradient_reduction_hides_it():
+    plain = [token for token in layout(gbs=8, extra=("--seq-length", "1024"))
+             if token != "--overlap-grad-reduce"]
+    overlapped = layout(gbs=8, extra=("--seq-length", "1024"))
+    assert samples_per_second(overlapped, 8, 2) > samples_per_second(plain, 8, 2)
+
+
+def test_tensor_parallelism_costs_communication_inside_the_node():
+    # Same GPUs, same per-GPU compute: TP8 pays 8 collectives per layer and micro-batch
+    # that DP8 with a hidden gradient reduction does not.
+    assert samples_per_second(layout(gbs=8), 8) > samples_per_second(layout(tp=8, gbs=8), 8)
+
+
+def test_fewer_gpus_are_faster_than_a_deeper_pipeline_with_few_micro_batches():
+    """24 single-GPU nodes, global batch 16: PP3 x DP8 uses all 24 but each replica runs only
+    2 micro-batches through 3 stages (bubble 2/4); PP1 x DP16 uses 16, with no bubble."""
+    deeper = samples_per_second(layout(pp=3), 24, 1)
+    shallow = samples_per_second(layout(pp=1), 16, 1)
+    assert shallow > deeper * 1.1
+    plan = plan_layout(layout(pp=2), 24, 1)
+    assert (plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.num_gpus_used) == (1, 16, 16)
+    assert plan.idle_gpus == 8 and plan.reason == "the highest estimated throughput"
+    assert plan_layout(layout(pp=2), 24, 1, mode="paper").num_gpus_used == 24
+
+
+def test_ties_go_to_the_layout_closest_to_the_original():
+    # TP1 x DP8 and TP8 x DP1 on a tiny model: compute share only (see cost_model), equal;
+    # the original TP wins either way.
+    tiny = ["t.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "32", "--vocab-size", "1024", "--micro-batch-size", "1",
+            "--global-batch-size", "8"]
+    for tp in (1, 8):
+        plan = plan_layout([*tiny, "--tensor-model-parallel-size", str(tp)], 8)
+        assert plan.tensor_model_parallel_size == tp
+
+
+@pytest.mark.parametrize("measured, expected_flops", [
+    # Measured 2x the modelled compute + communication: the compute rate halves
+    # (the communication keeps its bandwidth).
+    (2 * 10.0 + 1.0, 200e12),
+    # Measured below the modelled communication alone: every rate scales.
+    (0.5, 400e12 * 11 / 0.5),
+])
+def test_calibration_from_a_measured_step(measured, expected_flops):
+    predicted = StepEstimate(compute_seconds=10.0, communication_seconds=1.0, bubble_fraction=0.1)
+    hardware = calibrated(Hardware(), predicted, measured)
+    assert math.isclose(hardware.flops, expected_flops, rel_tol=1e-9)
+
+
+def test_a_measured_step_time_calibrates_the_plan():
+    args = layout(pp=4, gbs=32)
+    plan = plan_layout(args, 32, 8, original_world_size=32, measured_step_s=123.0)
+    assert math.isclose(plan.estimated_step_seconds, 123.0, rel_tol=1e-4)
+    replanned = plan_layout(args, 31, 8, original_world_size=32, measured_step_s=123.0)
+    speed = replanned.global_batch_size / replanned.estimated_step_seconds
+    assert math.isclose(replanned.throughput_vs_original, speed / (32 / 123.0), rel_tol=1e-3)
+
+
+def test_a_measured_step_time_needs_a_layout_megatron_would_run():
+    with pytest.raises(ValueError, match="the measured step time is for the original layout"):
+        plan_layout(layout(pp=5), 32, 8, original_world_size=30, measured_step_s=1.0)
