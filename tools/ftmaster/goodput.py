@@ -49,6 +49,39 @@ first-order approximations, for many runs at once (numpy arrays across runs), so
 checks them. A save still persisting when the next one starts is superseded by it (one save
 in flight, as Megatron's async queue finalises one before the next).
 
+Two tiers. With ``memory_interval`` >= 1 every save goes first to a memory tier (host RAM,
+``/dev/shm``), as ftmaster's design A does: one every ``memory_interval`` iterations
+(Megatron-LM's ``--non-persistent-save-interval``, a divisor of ``save_interval`` here so
+that every disk interval looks alike) blocks training ``C_mem = memory_save_s`` and is
+complete when the block ends. The supervisor copies the save at each multiple of
+``save_interval`` to disk in the background, durable ``P = persist_s`` after its block
+ends; a copy due while the previous one still runs is skipped, so one disk interval in
+``m = ceil((C_mem + P) / T)`` gets one (T: a disk interval's running time). A failure that
+leaves host RAM (a GPU or process failure: the copy in ``/dev/shm`` outlives the rank)
+restores the newest memory save; a node crash, a share ``s = node_failure_share`` of the
+failures, loses host RAM and restores the newest durable disk copy. After the former the
+supervisor persists the restored copy while the job relaunches (taken as durable when
+training resumes: ``persist_s`` <= ``restart_s``). With W_m the compute between memory
+saves, N = m save_interval / memory_interval saves between two disk copies and D = N W_m,
+first order in the failure rate as above::
+
+    E[lost | memory survives] = W_m / 2 + C_mem
+    E[lost | node crash]      = D / 2 + C_mem (N + 1) / 2 + (W_m + C_mem) y0 / W_m
+
+The middle term is the memory saves' blocks since the copied snapshot (running time a node
+crash throws away too); y0 is the compute phase before which that copy is not yet durable
+(it is ``P`` after its block, while each later save adds ``W_m + C_mem``). The saves cost
+``C_mem / W_m``. Minimising gives, while C_mem and W_m are small against the job's MTBF,
+Young's form with the MTBF of the failures the memory tier survives
+(:func:`memory_young_daly_interval_s`)::
+
+    W_m* ~ sqrt(2 C_mem MTBF_job / (1 - s) * (1 + s m W / (2 MTBF_job)))
+
+With s = 1 no memory save between disk copies pays; with s = 0 and free memory saves a
+failure loses half a memory interval on average and at most one. The two-tier model has no
+predictor (recall and false alarms 0): how the gap filter and emergency saves combine with
+memory saves is the trainer's choice, not modelled yet.
+
 The paper (reference 002, Table III) gives only a worst-case overhead: every allowed
 emergency save is taken and no failure happens; :func:`table_iii_overhead_s` reproduces it.
 """
@@ -91,19 +124,47 @@ class GoodputInputs:
     """Emergency saves wait max(1, ceil(gap_frac * save_interval)) iterations after a save."""
     run_hours: float = 720.0
     """Failure-free, save-free compute time of the whole run."""
+    memory_interval: int = 0
+    """Iterations between memory-tier saves (--non-persistent-save-interval); 0: the optimum.
+
+    0 leaves it unset: the model has a single tier, and ``ftmaster goodput`` shows the two
+    tiers at the optimal interval."""
+    memory_save_s: float = 5.0
+    """How long training is blocked by one save into the memory tier (host RAM, /dev/shm).
+
+    Default: a quarter of save_block_s's default, the ratio of /dev/shm to disk write
+    bandwidth measured on the project's VM (1.5 GB/s against 371 MB/s)."""
+    persist_s: float = 60.0
+    """Time the background copy of a memory checkpoint to disk takes until durable.
+
+    Default: the default disk save's time until durable, since the copy writes the same bytes
+    to the same disk."""
+    node_failure_share: float = 0.12
+    """Share of failures that lose the memory tier, node crashes (Llama 3: 50 of 419).
+
+    Default: the rows of Llama 3's Table 5 (arXiv:2407.21783; 419 unexpected interruptions on
+    16,384 H100s in 54 days) that take a host down or off the network: unplanned host
+    maintenance 32, NIC 7, power supply 3, server chassis 2, IO expansion board 2, CPU 2,
+    system memory 2, i.e. 50 of 419. GPU, software and switch failures leave host RAM."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.gpus, int) and self.gpus >= 1, "gpus must be an integer >= 1")
         _require(isinstance(self.save_interval, int) and self.save_interval >= 1,
                  "save_interval must be an integer >= 1")
+        _require(isinstance(self.memory_interval, int) and self.memory_interval >= 0,
+                 "memory_interval must be an integer >= 0 (0: no memory tier)")
+        _require(self.memory_interval == 0 or self.save_interval % self.memory_interval == 0,
+                 f"memory_interval ({self.memory_interval}) must divide save_interval "
+                 f"({self.save_interval}), as every disk copy is of a memory save: "
+                 f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
         for name in ("gpu_mtbf_hours", "iteration_s", "run_hours"):
             _require(_finite(getattr(self, name)) and getattr(self, name) > 0,
                      f"{name} must be a finite number > 0")
         for name in ("save_block_s", "save_persist_s", "restart_s", "lead_s",
-                     "false_alarm_rate"):
+                     "false_alarm_rate", "memory_save_s", "persist_s"):
             _require(_finite(getattr(self, name)) and getattr(self, name) >= 0,
                      f"{name} must be a finite number >= 0")
-        for name in ("recall", "gap_frac"):
+        for name in ("recall", "gap_frac", "node_failure_share"):
             _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1,
                      f"{name} must be between 0 and 1")
         _require(self.save_persist_s >= self.save_block_s,
@@ -124,9 +185,22 @@ class GoodputInputs:
         """Compute seconds an emergency save waits after the last save (the trainer's rule)."""
         return float(gap_iterations(self.gap_frac, self.save_interval)) * self.iteration_s
 
+    @property
+    def tiered(self) -> bool:
+        """Whether saves go to the memory tier first (see the module docstring)."""
+        return self.memory_interval >= 1
+
     def periodic_only(self) -> GoodputInputs:
         """The same run with no predictor: no alerts, no false alarms."""
         return replace(self, recall=0.0, false_alarm_rate=0.0)
+
+    def single_tier(self) -> GoodputInputs:
+        """The same run saving straight to disk, as without the memory tier."""
+        return replace(self, memory_interval=0)
+
+    def two_tier(self, memory_interval: int) -> GoodputInputs:
+        """The same run with no predictor, saving to memory every ``memory_interval``."""
+        return replace(self.periodic_only(), memory_interval=memory_interval)
 
 
 def gap_iterations(gap_frac, save_interval):
@@ -134,6 +208,10 @@ def gap_iterations(gap_frac, save_interval):
     emergency save waits this many iterations after the last save; at least the next one, so
     gap_frac 0 turns the filter off. Broadcasts over arrays."""
     return np.maximum(1, np.ceil(np.multiply(gap_frac, save_interval)))
+
+
+def _nearest_divisor(number: int, near: int) -> int:
+    return min(divisors(number), key=lambda d: (abs(d - near), d))
 
 
 def _finite(value) -> bool:
@@ -221,30 +299,45 @@ def analytic(x: GoodputInputs, save_interval=None, gap_frac=None) -> dict:
     """Expected outcome; ``save_interval`` / ``gap_frac`` may be arrays to sweep (broadcast).
 
     Returns goodput (useful compute / wall), wall_hours, failures (expected count),
-    lost_hours (running time thrown away since restored snapshots), restart_hours and
-    save_hours (blocked by saves that were kept), as floats or arrays.
+    lost_hours (running time thrown away since restored snapshots), lost_per_failure_s,
+    restart_hours and save_hours (blocked by saves that were kept), as floats or arrays.
+    With the memory tier on (:func:`two_tier_analytic`) there is nothing to sweep.
     """
+    if x.tiered:
+        _require(save_interval is None and gap_frac is None,
+                 "the two-tier model sweeps the memory interval only: see "
+                 "optimal_memory_interval")
+        return two_tier_analytic(x)
     k = np.asarray(x.save_interval if save_interval is None else save_interval, dtype=float)
     frac = np.asarray(x.gap_frac if gap_frac is None else gap_frac, dtype=float)
     cycle = k * x.iteration_s
     gap = gap_iterations(frac, k) * x.iteration_s
-    block, rate = x.save_block_s, x.failure_rate_s
+    block = x.save_block_s
     extra = false_alarm_saves_per_cycle(*np.broadcast_arrays(cycle, gap), x.false_alarm_rate_s)
     lost = (1 - x.recall) * _expected_loss(x, cycle, gap, extra, announced=False)
     if x.recall > 0:
         lost = lost + x.recall * _expected_loss(x, cycle, gap, extra, announced=True)
     committed = 1 + (1 + extra) * block / cycle  # running time per unit of useful compute
+    return _squeeze(_outcome(x, lost, committed))
+
+
+def _outcome(x: GoodputInputs, lost, committed) -> dict:
+    """The run's totals from the expected loss of a failure (running seconds) and the running
+    time per unit of useful compute (1 + the saves' blocked share)."""
+    rate = x.failure_rate_s
     survive = 1 - rate * lost
     goodput = np.where(survive > 0, survive / (committed * (1 + rate * x.restart_s)), 0.0)
     work = x.run_hours * HOUR
-    running = np.where(survive > 0, work * committed / np.maximum(survive, 1e-300), np.inf)
+    with np.errstate(over="ignore"):  # the branch np.where discards where survive <= 0
+        running = np.where(survive > 0, work * committed / np.maximum(survive, 1e-300), np.inf)
     failures = rate * running
-    return _squeeze({
+    return {
         "goodput": goodput, "wall_hours": (running + failures * x.restart_s) / HOUR,
         "failures": failures, "lost_hours": failures * lost / HOUR,
+        "lost_per_failure_s": lost,
         "restart_hours": failures * x.restart_s / HOUR,
         "save_hours": work * (committed - 1) / HOUR,
-    })
+    }
 
 
 def _squeeze(values: dict) -> dict:
@@ -277,10 +370,91 @@ def _best(x: GoodputInputs, intervals: np.ndarray, fracs: np.ndarray) -> tuple[i
     return int(intervals[row]), float(fracs[col])
 
 
+# ---- two tiers -------------------------------------------------------------------------------
+
+def divisors(number: int) -> list[int]:
+    """The divisors of ``number``, ascending: the memory intervals a save interval allows."""
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    return sorted(set(small + [number // d for d in small]))
+
+
+def _require_no_predictor(x: GoodputInputs) -> None:
+    _require(x.recall == 0 and x.false_alarm_rate == 0,
+             "the two-tier model has no predictor: give recall 0 and false_alarm_rate 0 "
+             "(GoodputInputs.two_tier does)")
+
+
+def disk_copy_stride(x: GoodputInputs, memory_interval):
+    """Disk intervals per durable copy: a copy due while the previous one still runs is
+    skipped, so one interval in this many gets one (1 when the copier keeps up)."""
+    saves = x.save_interval / np.asarray(memory_interval)  # per disk interval
+    running = x.save_interval * x.iteration_s + saves * x.memory_save_s
+    return np.maximum(1, np.ceil((x.memory_save_s + x.persist_s) / running)).astype(int)
+
+
+def _two_tier_outcome(x: GoodputInputs, memory_interval) -> dict:
+    """The module docstring's two-tier expectations; ``memory_interval`` (divisors of the
+    save interval) may be an array to sweep."""
+    block, persist = x.memory_save_s, x.persist_s
+    step = np.asarray(memory_interval) * x.iteration_s  # W_m, compute between memory saves
+    stride = disk_copy_stride(x, memory_interval)
+    saves = stride * x.save_interval / np.asarray(memory_interval)  # N, between disk copies
+    span = saves * step  # D
+    # The copy is durable persist_s after its save's block ends; the save l later ends its
+    # block l (W_m + C_mem) after that, so the copy becomes durable in the gap after save
+    # ``first - 1``, or as save ``first`` begins.
+    first = np.ceil(persist / (step + block))
+    undurable = np.where(first > 0, np.minimum(persist - (first - 1) * block, first * step), 0.0)
+    rank_loss = step / 2 + block
+    node_loss = span / 2 + block * (saves + 1) / 2 + (step + block) * undurable / step
+    share = x.node_failure_share
+    lost = (1 - share) * rank_loss + share * node_loss
+    result = _squeeze({**_outcome(x, lost, 1 + block / step),
+                       "lost_per_rank_failure_s": rank_loss, "lost_per_node_crash_s": node_loss})
+    result["disk_copy_interval"] = (stride if np.ndim(stride) else int(stride)) * x.save_interval
+    return result
+
+
+def two_tier_analytic(x: GoodputInputs) -> dict:
+    """Expected outcome with the memory tier on (``x.memory_interval`` >= 1): the keys of
+    :func:`analytic`, plus the lost work of a failure the memory tier survives
+    (lost_per_rank_failure_s) and of a node crash (lost_per_node_crash_s), and the iterations
+    between durable disk copies (disk_copy_interval)."""
+    _require(x.tiered, "memory_interval must be >= 1 for the two-tier model")
+    _require_no_predictor(x)
+    return _two_tier_outcome(x, x.memory_interval)
+
+
+def optimal_memory_interval(x: GoodputInputs) -> dict:
+    """The memory interval of highest analytic goodput among the divisors of save_interval
+    (save_interval itself: no memory save between disk copies), the disk interval as given."""
+    _require_no_predictor(x)
+    candidates = np.array(divisors(x.save_interval))
+    best = int(candidates[np.argmax(_two_tier_outcome(x, candidates)["goodput"])])
+    outcome = _two_tier_outcome(x, best)
+    return {"memory_interval": best, "goodput": outcome["goodput"],
+            "lost_per_failure_s": outcome["lost_per_failure_s"]}
+
+
+def memory_young_daly_interval_s(x: GoodputInputs) -> float:
+    """First-order optimal compute time between memory saves: Young's form with the MTBF of
+    the failures the memory tier survives, corrected for node crashes (module docstring; m
+    taken without memory saves between disk copies). Infinite when every failure is a node
+    crash: then no memory save between disk copies pays."""
+    share = x.node_failure_share
+    if share >= 1:
+        return math.inf
+    mtbf = 1 / x.failure_rate_s
+    between_copies = int(disk_copy_stride(x, x.save_interval)) * x.save_interval * x.iteration_s
+    correction = 1 + share * between_copies / (2 * mtbf)
+    return math.sqrt(2 * x.memory_save_s * mtbf / (1 - share) * correction)
+
+
 # ---- Monte Carlo -----------------------------------------------------------------------------
 
-# Event kinds, in the order ties are broken: a failure wins over anything at the same instant.
-FAIL, ALERT, FALSE_ALARM, PERIODIC, EMERGENCY, END = range(6)
+# Event kinds, in the order ties are broken: a failure wins over anything at the same instant,
+# and a disk interval's save over a memory-only one.
+FAIL, ALERT, FALSE_ALARM, PERIODIC, EMERGENCY, MEMORY, END = range(7)
 
 
 class _Runs:
@@ -295,12 +469,26 @@ class _Runs:
         self.durable_p, self.durable_t = zeros.copy(), zeros.copy()  # restore point
         self.pend_p, self.pend_t = zeros.copy(), zeros.copy()  # save in flight: snapshot
         self.pend_at = np.full(runs, np.inf)  # ... and when it becomes durable
+        # The memory tier: its newest complete save, and the one being written.
+        self.mem_p, self.mem_t = zeros.copy(), zeros.copy()
+        self.mem_pend_p, self.mem_pend_t = zeros.copy(), zeros.copy()
+        self.mem_pend_at = np.full(runs, np.inf)
         self.request_at = np.full(runs, np.inf)  # progress of a pending emergency save
         self.next_fail = self._exp(x.failure_rate_s, zeros)
         self.announced = rng.random(runs) < x.recall
         self.next_false = self._exp(x.false_alarm_rate_s, zeros)
+        self.from_disk = self._restores_from_disk()
         self.done = np.zeros(runs, dtype=bool)
         self.failures, self.lost, self.saves = zeros.copy(), zeros.copy(), zeros.copy()
+        self.crashes, self.crash_lost, self.worst_lost = zeros.copy(), zeros.copy(), zeros.copy()
+
+    def _restores_from_disk(self) -> np.ndarray:
+        """Whether each run's next failure restores from disk: always with one tier, on a
+        node crash with two. Drawn only with two, so that single-tier runs replay the random
+        numbers they did before the memory tier existed."""
+        if not self.x.tiered:
+            return np.ones(self.n, dtype=bool)
+        return self.rng.random(self.n) < self.x.node_failure_share
 
     def _exp(self, rate: float, start: np.ndarray) -> np.ndarray:
         if rate <= 0:
@@ -315,8 +503,12 @@ class _Runs:
         # An alarm that came while a save blocked training is heard once training runs again;
         # taken at its own time it would move progress backwards.
         false_alarm = np.maximum(self.next_false, t)
+        memory = np.full(self.n, np.inf)
+        if x.tiered:
+            step = x.memory_interval * x.iteration_s
+            memory = t + (np.floor(p / step + 1e-9) + 1) * step - p
         times = np.stack([self.next_fail, alert, false_alarm,
-                          t + boundary - p, t + self.request_at - p,
+                          t + boundary - p, t + self.request_at - p, memory,
                           t + x.run_hours * HOUR - p])
         kind = np.argmin(times, axis=0)
         return kind, times[kind, np.arange(self.n)]
@@ -327,24 +519,46 @@ class _Runs:
         self.t = np.where(mask, when, self.t)
 
     def promote(self, mask: np.ndarray, when: np.ndarray) -> None:
-        """A save in flight that is durable by ``when`` becomes the restore point."""
+        """A save in flight that is durable (disk) or complete (memory) by ``when`` becomes a
+        restore point."""
         ready = mask & (self.pend_at <= when)
         self.durable_p = np.where(ready, self.pend_p, self.durable_p)
         self.durable_t = np.where(ready, self.pend_t, self.durable_t)
         self.pend_at = np.where(ready, np.inf, self.pend_at)
+        if not self.x.tiered:
+            return
+        ready = mask & (self.mem_pend_at <= when)
+        self.mem_p = np.where(ready, self.mem_pend_p, self.mem_p)
+        self.mem_t = np.where(ready, self.mem_pend_t, self.mem_t)
+        self.mem_pend_at = np.where(ready, np.inf, self.mem_pend_at)
 
     def fail(self, mask: np.ndarray, when: np.ndarray) -> None:
+        """A node crash restores the newest durable disk copy, any other failure the newest
+        complete memory save, which the supervisor persists while the job relaunches."""
         self.promote(mask, when)
+        from_disk = mask & self.from_disk
+        restore_p = np.where(from_disk, self.durable_p, self.mem_p)
+        lost = np.where(mask, when - np.where(from_disk, self.durable_t, self.mem_t), 0.0)
+        crash = from_disk & self.x.tiered
         self.failures += mask
-        self.lost += np.where(mask, when - self.durable_t, 0.0)
+        self.lost += lost
+        self.crashes += crash
+        self.crash_lost += np.where(crash, lost, 0.0)
+        self.worst_lost = np.maximum(self.worst_lost, lost)
         self.t = np.where(mask, when, self.t)
-        self.p = np.where(mask, self.durable_p, self.p)
-        self.last_save = np.where(mask, self.durable_p, self.last_save)
+        self.p = np.where(mask, restore_p, self.p)
+        self.last_save = np.where(mask, restore_p, self.last_save)
+        self.durable_p = np.where(mask, restore_p, self.durable_p)
+        self.mem_p = np.where(mask, restore_p, self.mem_p)
         self.durable_t = np.where(mask, when, self.durable_t)  # lost time counts from here
+        self.mem_t = np.where(mask, when, self.mem_t)
         self.pend_at = np.where(mask, np.inf, self.pend_at)
+        self.mem_pend_at = np.where(mask, np.inf, self.mem_pend_at)
         self.request_at = np.where(mask, np.inf, self.request_at)
         self.next_fail = np.where(mask, self._exp(self.x.failure_rate_s, when), self.next_fail)
         self.announced = np.where(mask, self.rng.random(self.n) < self.x.recall, self.announced)
+        if self.x.tiered:
+            self.from_disk = np.where(mask, self._restores_from_disk(), self.from_disk)
 
     def request(self, mask: np.ndarray) -> None:
         """An emergency request: the next iteration boundary, deferred by the gap filter."""
@@ -352,13 +566,25 @@ class _Runs:
         at = np.maximum(np.ceil(self.p / it - 1e-9) * it, self.last_save + self.x.gap_s)
         self.request_at = np.where(mask & np.isinf(self.request_at), at, self.request_at)
 
-    def save(self, mask: np.ndarray, when: np.ndarray) -> None:
+    def save(self, mask: np.ndarray, when: np.ndarray, to_disk: np.ndarray) -> None:
+        """A save on the masked runs; ``to_disk`` marks those a disk copy is due for. Single
+        tier: straight to disk, superseding a save still persisting. Two tiers: to memory,
+        copied to disk when due and the copier is idle."""
+        x = self.x
         self.advance(mask, when)
         self.promote(mask, when)
-        self.pend_p = np.where(mask, self.p, self.pend_p)
-        self.pend_t = np.where(mask, when, self.pend_t)
-        self.pend_at = np.where(mask, when + self.x.save_persist_s, self.pend_at)
-        self.t = np.where(mask, when + self.x.save_block_s, self.t)
+        if x.tiered:
+            block, durable_in = x.memory_save_s, x.memory_save_s + x.persist_s
+            self.mem_pend_p = np.where(mask, self.p, self.mem_pend_p)
+            self.mem_pend_t = np.where(mask, when, self.mem_pend_t)
+            self.mem_pend_at = np.where(mask, when + block, self.mem_pend_at)
+            copy = mask & to_disk & np.isinf(self.pend_at)
+        else:
+            block, durable_in, copy = x.save_block_s, x.save_persist_s, mask
+        self.pend_p = np.where(copy, self.p, self.pend_p)
+        self.pend_t = np.where(copy, when, self.pend_t)
+        self.pend_at = np.where(copy, when + durable_in, self.pend_at)
+        self.t = np.where(mask, when + block, self.t)
         self.last_save = np.where(mask, self.p, self.last_save)
         self.request_at = np.where(mask, np.inf, self.request_at)
         self.saves += mask
@@ -366,14 +592,14 @@ class _Runs:
     def step(self) -> None:
         kind, when = self.next_events()
         live = ~self.done
-        on = {k: live & (kind == k) for k in range(6)}
+        on = {k: live & (kind == k) for k in range(END + 1)}
         self.fail(on[FAIL], when)
         self.advance(on[ALERT] | on[FALSE_ALARM], when)
         self.announced = np.where(on[ALERT], False, self.announced)  # one alert per failure
         self.next_false = np.where(on[FALSE_ALARM],
                                    self._exp(self.x.false_alarm_rate_s, when), self.next_false)
         self.request(on[ALERT] | on[FALSE_ALARM])
-        self.save(on[PERIODIC] | on[EMERGENCY], when)
+        self.save(on[PERIODIC] | on[EMERGENCY] | on[MEMORY], when, on[PERIODIC] | on[EMERGENCY])
         self.advance(on[END], when)
         self.done |= on[END]
 
@@ -382,23 +608,27 @@ MAX_EVENTS_PER_RUN = 1_000_000  # a step costs about 80 us for 200 runs: over a 
 
 
 def expected_events_per_run(x: GoodputInputs) -> float:
-    """About how many events one simulated run plays: periodic saves, failures, alarms."""
+    """About how many events one simulated run plays: saves, failures, alarms."""
     cycle_s = x.save_interval * x.iteration_s
-    return x.run_hours * HOUR * (1 / cycle_s + x.failure_rate_s + x.false_alarm_rate_s)
+    memory = 1 / (x.memory_interval * x.iteration_s) if x.tiered else 0.0
+    return x.run_hours * HOUR * (1 / cycle_s + memory + x.failure_rate_s + x.false_alarm_rate_s)
 
 
 def simulate(x: GoodputInputs, runs: int = 200, seed: int = 0,
              max_events: int = 10_000_000) -> dict:
-    """Monte Carlo of ``runs`` independent runs; means and the standard error of goodput."""
+    """Monte Carlo of ``runs`` independent runs: means, the standard error of goodput, the
+    lost work per failure (over every failure of every run) and the worst one."""
     _require(isinstance(runs, int) and runs >= 2,
              "runs must be an integer >= 2 (the standard error needs two)")
+    if x.tiered:
+        _require_no_predictor(x)
     events = expected_events_per_run(x)
     _require(events <= MAX_EVENTS_PER_RUN,
              f"the Monte Carlo would play about {events:.2g} events per run, over its limit "
              f"of {MAX_EVENTS_PER_RUN:.0e} (a periodic save per save_interval x iteration_s "
-             f"= {x.save_interval * x.iteration_s:g} s over {x.run_hours:g} h, plus failures "
-             "and false alarms); lengthen the save interval, shorten run_hours, or skip the "
-             "simulation (--runs 0)")
+             f"= {x.save_interval * x.iteration_s:g} s over {x.run_hours:g} h, plus memory "
+             "saves, failures and false alarms); lengthen the save or memory interval, shorten "
+             "run_hours, or skip the simulation (--runs 0)")
     state = _Runs(x, runs, np.random.default_rng(seed))
     for _ in range(max_events):
         if state.done.all():
@@ -410,12 +640,24 @@ def simulate(x: GoodputInputs, runs: int = 200, seed: int = 0,
     wall = state.t + state.failures * x.restart_s
     goodput = work / wall
     saved = state.t - work - state.lost  # running time neither computing nor thrown away
-    return {"goodput": float(goodput.mean()),
-            "goodput_stderr": float(goodput.std(ddof=1) / math.sqrt(runs)),
-            "wall_hours": float(wall.mean() / HOUR), "failures": float(state.failures.mean()),
-            "lost_hours": float(state.lost.mean() / HOUR),
-            "restart_hours": float(state.failures.mean() * x.restart_s / HOUR),
-            "save_hours": float(saved.mean() / HOUR)}
+    result = {"goodput": float(goodput.mean()),
+              "goodput_stderr": float(goodput.std(ddof=1) / math.sqrt(runs)),
+              "wall_hours": float(wall.mean() / HOUR), "failures": float(state.failures.mean()),
+              "lost_hours": float(state.lost.mean() / HOUR),
+              "lost_per_failure_s": _per(state.lost.sum(), state.failures.sum()),
+              "worst_lost_s": float(state.worst_lost.max()),
+              "restart_hours": float(state.failures.mean() * x.restart_s / HOUR),
+              "save_hours": float(saved.mean() / HOUR)}
+    if x.tiered:
+        result["lost_per_rank_failure_s"] = _per(state.lost.sum() - state.crash_lost.sum(),
+                                                 state.failures.sum() - state.crashes.sum())
+        result["lost_per_node_crash_s"] = _per(state.crash_lost.sum(), state.crashes.sum())
+    return result
+
+
+def _per(total: float, count: float) -> float | None:
+    """A mean over events; None (unknown) when there were none."""
+    return float(total / count) if count else None
 
 
 # ---- the paper's worst case ------------------------------------------------------------------

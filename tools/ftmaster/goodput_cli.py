@@ -2,6 +2,9 @@
 
 Precedence of an input: a value given on the command line, else one measured in
 ``--run-dir``, else the model's default. The output names the measured ones.
+
+Beside today's single tier (periodic-only and proactive) it shows the two tiers of
+:mod:`ftmaster.goodput` at ``--memory-interval``, or at the optimal one when that is unset.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import math
 import re
 import statistics
 import textwrap
@@ -45,20 +49,30 @@ def _restart_s(failures: list[dict], iteration_s: float | None) -> float | None:
     return _median([max(gap, 0.0) for gap in gaps])
 
 
-def _save_field(events: list[dict], key: str) -> float | None:
-    values = [e[key] for e in events if e["event"] in ("emergency_save", "periodic_save")
+SAVES = ("emergency_save", "periodic_save")
+
+
+def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
+                 tier: str | None = None) -> float | None:
+    """Median numeric ``key`` of the events of ``kinds``; with ``tier``, of the saves that went
+    there (a save without a ``tier`` field predates the memory tier: it went to disk)."""
+    values = [e[key] for e in events if e["event"] in kinds
+              and (tier is None or e.get("tier", "disk") == tier)
               and isinstance(e.get(key), (int, float))]
     return _median(values)
 
 
 def measure(run_dir: Path) -> dict[str, float]:
-    """Inputs found in a run directory: events.jsonl save and restart times (read as strictly
-    as ``ftmaster report`` does), log iteration times. Only what was found is returned."""
+    """Inputs found in a run directory: events.jsonl save, persist and restart times (read as
+    strictly as ``ftmaster report`` does), log iteration times. Only what was found is
+    returned."""
     events = report.load_events(run_dir)
     iteration_s = _iteration_s(run_dir)
     found = {"iteration_s": iteration_s,
-             "save_block_s": _save_field(events, "seconds"),
-             "save_persist_s": _save_field(events, "persist_seconds"),
+             "save_block_s": _event_field(events, SAVES, "seconds", "disk"),
+             "save_persist_s": _event_field(events, SAVES, "persist_seconds", "disk"),
+             "memory_save_s": _event_field(events, SAVES, "seconds", "memory"),
+             "persist_s": _event_field(events, ("persisted",), "seconds"),
              "restart_s": _restart_s(report.failure_reports(run_dir, events), iteration_s)}
     return {name: value for name, value in found.items() if value is not None}
 
@@ -72,14 +86,17 @@ def _inputs(explicit: dict, measured: dict) -> GoodputInputs:
 
 
 def _report(x: GoodputInputs, runs: int, seed: int) -> dict:
-    """Analytic and simulated outcome and the optimum, for periodic-only and proactive."""
+    """Analytic and simulated outcome and the optimum: periodic-only and proactive on one
+    tier, and the two tiers."""
     result = {}
-    for name, case, tune_gap in (("periodic_only", x.periodic_only(), False),
-                                 ("proactive", x, True)):
+    single = x.single_tier()
+    for name, case, tune_gap in (("periodic_only", single.periodic_only(), False),
+                                 ("proactive", single, True)):
         result[name] = {"analytic": goodput.analytic(case),
                         "optimum": goodput.optimal_interval(case, tune_gap=tune_gap)}
         if runs:
             result[name]["monte_carlo"] = goodput.simulate(case, runs=runs, seed=seed)
+    result["two_tier"] = _two_tier_report(x, runs, seed)
     young_s = goodput.young_daly_interval_s(x)
     result["young_daly"] = {"interval_s": young_s, "save_interval": young_s / x.iteration_s}
     iters = round(x.run_hours * goodput.HOUR / x.iteration_s)
@@ -88,40 +105,88 @@ def _report(x: GoodputInputs, runs: int, seed: int) -> dict:
     return result
 
 
+def _two_tier_report(x: GoodputInputs, runs: int, seed: int) -> dict:
+    """The two tiers at the given memory interval, else at the optimal one. Its Monte Carlo
+    is left out, with the reason, when the chosen interval makes it too long: the user may
+    not have chosen it."""
+    best = goodput.optimal_memory_interval(x.periodic_only())
+    case = x.two_tier(x.memory_interval or best["memory_interval"])
+    result = {"memory_interval": case.memory_interval, "given": x.tiered,
+              "analytic": goodput.analytic(case), "optimum": best}
+    events = goodput.expected_events_per_run(case)
+    if runs and events > goodput.MAX_EVENTS_PER_RUN:
+        result["monte_carlo_skipped"] = (f"about {events:.2g} events per run, over the limit "
+                                         f"of {goodput.MAX_EVENTS_PER_RUN:.0e}")
+    elif runs:
+        result["monte_carlo"] = goodput.simulate(case, runs=runs, seed=seed)
+    young_s = goodput.memory_young_daly_interval_s(x)
+    finite = math.isfinite(young_s)
+    result["young_daly"] = {"interval_s": young_s if finite else None,
+                            "memory_interval": young_s / x.iteration_s if finite else None}
+    return result
+
+
 def _row(label: str, values: list[str]) -> str:
     return f"{label:<34}" + "".join(f"{v:>18}" for v in values)
 
 
 def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
-    cases = [result["periodic_only"], result["proactive"]]
+    tiers = result["two_tier"]
+    cases = [result["periodic_only"], result["proactive"], tiers]
     lines = ["inputs: " + ", ".join(f"{k}={v:g}" for k, v in asdict(x).items()),
              "measured in the run directory: " + (", ".join(sorted(measured)) or "none"), "",
-             _row("", ["periodic-only", "proactive"])]
+             _row("", ["periodic-only", "proactive", "two-tier"])]
     rows = (("goodput (analytic)", "goodput", "{:.4f}"), ("failures (expected)", "failures",
             "{:.1f}"), ("lost work (h)", "lost_hours", "{:.2f}"),
+            ("lost work per failure (s)", "lost_per_failure_s", "{:.0f}"),
             ("restart time (h)", "restart_hours", "{:.2f}"),
             ("save overhead (h)", "save_hours", "{:.2f}"), ("wall time (h)", "wall_hours",
             "{:.1f}"))
     for label, key, fmt in rows:
         lines.append(_row(label, [fmt.format(c["analytic"][key]) for c in cases]))
     if "monte_carlo" in cases[0]:
+        simulated = [c.get("monte_carlo") for c in cases]
         lines.append(_row("goodput (Monte Carlo)", [
-            f"{c['monte_carlo']['goodput']:.4f} ± {c['monte_carlo']['goodput_stderr']:.4f}"
-            for c in cases]))
+            f"{m['goodput']:.4f} ± {m['goodput_stderr']:.4f}" if m else "-" for m in simulated]))
         lines.append(_row("lost work (h, Monte Carlo)",
-                          [f"{c['monte_carlo']['lost_hours']:.2f}" for c in cases]))
+                          [f"{m['lost_hours']:.2f}" if m else "-" for m in simulated]))
     best = [c["optimum"] for c in cases]
     lines.append(_row("optimal save interval (iterations)",
                       [str(best[0]["save_interval"]),
-                       f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})"]))
+                       f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})",
+                       f"memory {best[2]['memory_interval']}"]))
     lines.append(_row("goodput at the optimum", [f"{b['goodput']:.4f}" for b in best]))
     young = result["young_daly"]
-    lines += ["", f"Young/Daly sqrt(2 C MTBF_job), the periodic-only reference: "
+    lines += ["", *_two_tier_lines(x, tiers), "",
+              f"Young/Daly sqrt(2 C MTBF_job), the periodic-only reference: "
               f"{young['save_interval']:.0f} iterations ({young['interval_s']:.0f} s of compute "
               "between saves)",
               f"paper-style worst case (an alert every gap, no failure): "
               f"{result['worst_case_save_hours']:.2f} h of saves"]
     return "\n".join(lines)
+
+
+def _two_tier_lines(x: GoodputInputs, tiers: dict) -> list[str]:
+    model, young = tiers["analytic"], tiers["young_daly"]
+    chosen = "--memory-interval" if tiers["given"] else "the optimum"
+    if tiers["memory_interval"] == x.save_interval:
+        chosen += "; none between disk copies"
+    lines = [f"two-tier, no predictor: a memory save every {tiers['memory_interval']} iterations "
+             f"({chosen}), {x.memory_save_s:g} s blocked;",
+             f"  the one every {model['disk_copy_interval']} iterations is copied to disk in the "
+             f"background ({x.persist_s:g} s)",
+             f"  lost work per failure: {model['lost_per_rank_failure_s']:.0f} s when host RAM "
+             "survives (GPU or process failure),",
+             f"  {model['lost_per_node_crash_s']:.0f} s after a node crash "
+             f"({x.node_failure_share:.0%} of failures: --node-failure-share)",
+             "Young/Daly for the memory tier, sqrt(2 C_mem MTBF_job / (1 - node share)) with the",
+             "  node-crash correction: " + (
+                 f"{young['memory_interval']:.0f} iterations ({young['interval_s']:.0f} s of "
+                 "compute between memory saves)" if young["interval_s"] is not None
+                 else "none, every failure loses host RAM")]
+    if "monte_carlo_skipped" in tiers:
+        lines.append(f"  two-tier Monte Carlo left out: {tiers['monte_carlo_skipped']}")
+    return lines
 
 
 def _jsonable(value):
