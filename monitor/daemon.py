@@ -310,7 +310,7 @@ class Monitor:
         elapsed = now - self._started_at
         recovered = []
         for injection in [i for i in self.pending_injections if i.due(iteration, elapsed)]:
-            log.info("injecting %s (iteration %s, %.1f s in)", injection, iteration, elapsed)
+            log.debug("injecting %s (iteration %s, %.1f s in)", injection, iteration, elapsed)
             self._inject(injection)
             self.pending_injections.remove(injection)
             if injection.kind is Fault.RECOVER:

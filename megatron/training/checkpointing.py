@@ -507,11 +507,12 @@ class Checkpointer:
         checked = broadcast_from_rank0(
             (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
         problem, manifest = checked
+        start = time.perf_counter()
         if problem is None and manifest is not None and manifest.files:
             problem = self._checksum_problem(path, manifest)
+        verify_seconds = time.perf_counter() - start
         if problem is not None:
             return problem
-        start = time.perf_counter()
         common = None
         try:
             common = dist_checkpointing.load_common_state_dict(str(path))
@@ -534,7 +535,8 @@ class Checkpointer:
             problem = describe_error(error)
         problem = first_problem(problem, self.group)
         if problem is None:
-            self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start)
+            self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start,
+                         verify_seconds)
         return problem
 
     def _checksum_problem(self, path: Path, manifest: Manifest) -> str | None:
@@ -544,14 +546,14 @@ class Checkpointer:
         return first_problem(digest_problem(path, manifest, mine), self.group)
 
     def _loaded(self, path: Path, state: TrainingState, common: dict, with_rng: bool,
-                manifest: Manifest | None, seconds: float) -> None:
+                manifest: Manifest | None, seconds: float, verify_seconds: float) -> None:
         size = manifest.total_bytes if manifest and manifest.files else None
         log_rank0(f"loaded checkpoint from {path} at iteration {state.iteration} in "
                   f"{seconds:.3f} s ({size if size is not None else 'unknown'} bytes); layout "
                   f"{common.get('layout')} -> {layout_of(self.args)}"
                   + ("" if with_rng else "; RNG state not restored"))
         self.event("checkpoint_loaded", iteration=state.iteration, path=str(path),
-                   seconds=round(seconds, 4), bytes=size)
+                   seconds=round(seconds, 4), bytes=size, verify_seconds=round(verify_seconds, 4))
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
 
     def prepare_fresh_start(self) -> None:

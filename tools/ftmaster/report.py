@@ -344,12 +344,19 @@ TEMPLATES = {
                       "{seconds} s, {persist_seconds} s to disk, {bytes} bytes",
     "save_deferred": "iteration {iteration}: emergency save deferred to iteration {until_iteration}",
     "failure": "attempt {attempt} {cause} on GPU(s) {gpus}, last iteration {iteration}",
+    "stopped": "signal {signal}, exit status {exit_code}, at iteration {iteration}",
     "plan": "TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x DP "
             "{data_parallel_size}, micro-batch {micro_batch_size}, global batch "
             "{global_batch_size} on {num_gpus_used} of GPU(s) {gpus_available}",
     "resumed": "attempt {attempt} completed iteration {iteration}",
     "complete": "iteration {iteration}",
     "gave_up": "{reason}",
+    "checkpoint_loaded": "iteration {iteration} from {path} in {seconds} s ({bytes} bytes, "
+                         "checksums verified in {verify_seconds} s)",
+    "checkpoint_skipped": "iteration {iteration} ({path}): {reason}",
+    "save_failed": "{kind} checkpoint of iteration {iteration} not saved ({tier}): {reason}",
+    "load_failed": "{reason}",
+    "nonfinite": "non-finite {what} at iteration {iteration}, nothing updated or saved",
 }
 TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 

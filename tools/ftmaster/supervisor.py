@@ -261,15 +261,15 @@ class Supervisor:
         self.monitor.pending_injections.append(injection.at_once())
         self._event("fault_injected", kind=kind.value, gpu=gpu, spec=str(injection),
                     iteration=self._state_iteration())
-        log.warning("injected %s", injection)
+        log.info("injected %s", injection)
         return True
 
     def _check_training(self) -> Trigger | None:
         """One poll of a running attempt: completion, failure, or None to keep going."""
         attempt = self.attempt
-        self._apply_injections()
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         iteration = self._track_progress(heartbeat)
+        self._apply_injections()
         self._follow_events()
         self._show_progress(heartbeat)
         failed = attempt.failed_ranks()
