@@ -176,6 +176,9 @@ class Monitor:
         self._started_at: float | None = None
         self._coverage_checked = False
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._steps = threading.Condition()
+        self._steps_started = self._steps_finished = 0
         self._thread: threading.Thread | None = None
 
     # -- the launcher's API ------------------------------------------------------------------
@@ -236,12 +239,26 @@ class Monitor:
         if select is not None:
             select(self._watched, frozenset(self._excluded))
 
+    def refresh(self, timeout_s: float) -> bool:
+        """Have the monitor thread sample now, without waiting for its interval, and wait
+        until a sample that began after this call is done: the freshest evidence, for a
+        decision such as the plan right after a failure (a GPU's XID and its rank's CUDA
+        error arrive together, and the next regular sample can be many seconds away).
+        False when none was done within ``timeout_s`` (or no thread runs)."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        with self._steps:
+            wanted = self._steps_started + 1
+            self._wake.set()
+            return self._steps.wait_for(lambda: self._steps_finished >= wanted, timeout_s)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ftmaster-monitor", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         self.close()
@@ -383,8 +400,11 @@ class Monitor:
         failures = 0
         while not self._stop.is_set():
             began = time.monotonic()
+            with self._steps:
+                self._steps_started += 1
+                number = self._steps_started
             try:
-                self.step()
+                self._step_and_count(number)
             except TraceEnded:
                 return
             except Exception as exc:  # survive anything a backend or a disk throws at us
@@ -398,7 +418,17 @@ class Monitor:
             else:
                 failures = 0
                 delay = max(0.0, self.config.interval_s - (time.monotonic() - began))
-            self._stop.wait(delay)
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def _step_and_count(self, number: int) -> None:
+        """One step; whatever its outcome, it counts as done for :meth:`refresh`."""
+        try:
+            self.step()
+        finally:
+            with self._steps:
+                self._steps_finished = number
+                self._steps.notify_all()
 
     def _append_event(self, event: str, **fields: object) -> None:
         # A disk problem must neither stop the monitor nor cost it a sample.

@@ -9,20 +9,18 @@ point, before anything was updated, so no NaN ever reaches the weights or a chec
 ``pretrain_gpt.py`` exits with its own status, which ftmaster answers by relaunching from the
 newest valid checkpoint.
 
-For rehearsals, ``FTMASTER_INJECT_NAN=LOCAL_RANK:ITERATION[,...]`` poisons the gradients (and
-the loss, on a last pipeline stage) of that local rank at that iteration, as silent data
-corruption on its GPU would. ``ftmaster launch --inject nan:gpu=G,at=iter:K`` sets it.
+For rehearsals (:mod:`rehearsal`), a rank can poison its own gradients at a given iteration,
+right where corrupted values from a failing GPU would show up.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from megatron.core.optimizer import clip_grads
 
-NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
+from .rehearsal import poison_gradients
 
 
 class NonFiniteLoss(Exception):
@@ -35,31 +33,8 @@ class NonFiniteLoss(Exception):
         self.what = what
 
 
-def nan_injection_iterations(local_rank: int, spec: str | None = None) -> frozenset[int]:
-    """The iterations at which this local rank poisons its gradients (rehearsals only)."""
-    spec = os.environ.get(NAN_INJECTION_ENV, "") if spec is None else spec
-    chosen = set()
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        rank_text, _, iteration_text = entry.partition(":")
-        try:
-            if int(rank_text) == local_rank:
-                chosen.add(int(iteration_text))
-        except ValueError:
-            raise ValueError(f"{NAN_INJECTION_ENV}={spec!r}: expected LOCAL_RANK:ITERATION[,...]") from None
-    return frozenset(chosen)
-
-
 def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def poison_gradients(optimizer) -> None:
-    """Put a NaN into the first gradient this rank holds, as a corrupted GPU would."""
-    for sub in _sub_optimizers(optimizer):
-        for param in sub.get_parameters():
-            if param.grad is not None:
-                param.grad.view(-1)[0] = float("nan")
-                return
 
 
 class NonFiniteGuard:
@@ -91,7 +66,7 @@ def guarded_step(optimizer, clip_grad: float, iteration: int, loss: float | None
     if optimizer.prepare_grads():
         return False
     if poison:
-        poison_gradients(optimizer)
+        poison_gradients(p for sub in _sub_optimizers(optimizer) for p in sub.get_parameters())
         loss = float("nan") if loss is not None else None
     grad_norm = optimizer.get_grad_norm() if (guard.enabled or clip_grad > 0) else None
     guard.check(iteration, loss, grad_norm)

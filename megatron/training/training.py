@@ -43,7 +43,8 @@ from .checkpointing import (
 )
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import MicroBatches, build_datasets, needs_data
-from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step, nan_injection_iterations
+from . import rehearsal
+from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
 
@@ -53,21 +54,41 @@ class FinalSaveFailed(Exception):
 
 
 # ---- initialisation -----------------------------------------------------------------------
+def local_rank() -> int:
+    """This process's GPU on its node: torchrun's ``LOCAL_RANK``, else ``SLURM_LOCALID`` (one
+    process per GPU started by ``srun`` itself), else 0 (a single process)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def distributed_timeout(args) -> datetime.timedelta:
+    return datetime.timedelta(minutes=args.distributed_timeout_minutes)
+
+
 def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds."""
     forked_children_die_with_this_process()
+    rehearsal.arm_cuda_errors(local_rank())
     use_cuda = torch.cuda.is_available()
+    device = {}
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
+        # Eager NCCL initialisation on this device, and no guessing of it later.
+        device = {"device_id": torch.device("cuda", local_rank())}
     else:
         cpu_compat.apply()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-            **_single_process_rendezvous())
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size)
+            backend="nccl" if use_cuda else "gloo", timeout=distributed_timeout(args),
+            **device, **_single_process_rendezvous())
+    # The timeout reaches the TP, PP and DP groups too (megatron-core's default is 30 min,
+    # longer than any --hang-timeout ftmaster would use).
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
@@ -237,7 +258,8 @@ class Trainer:
         self.state = TrainingState()
         # One CPU group for every agreement the loop makes (save requests, the NaN guard,
         # the outcome of each save and load): none of them ever waits on a GPU stream.
-        self.control_group = torch.distributed.new_group(backend="gloo")
+        self.control_group = torch.distributed.new_group(backend="gloo",
+                                                         timeout=distributed_timeout(args))
         self.checkpointer = Checkpointer(args, self.module, self.optimizer, self.scheduler,
                                          self.control_group, self._event)
         self.num_micro_batches = args.global_batch_size // (
@@ -248,7 +270,7 @@ class Trainer:
             gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
             can_save=args.save is not None, group=self.control_group)
         self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
-        self.poison_at = nan_injection_iterations(int(os.environ.get("LOCAL_RANK", "0")))
+        self.poison_at = rehearsal.nan_iterations(local_rank())
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None

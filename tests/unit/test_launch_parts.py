@@ -13,10 +13,10 @@ import pytest
 
 from ftmaster import runfiles
 from ftmaster.attempt import attempt_argv, gpu_of_local_rank, read_rank_records, \
-    training_output_tail, visible_devices_env, wait_until_dead, with_exit_signal_handler
+    training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import check_layout, choose_gpus, parse_visible_devices
+from ftmaster.launch import check_layout
 from ftmaster.listener import Listener, move_request
 from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.states import Trigger
@@ -32,46 +32,11 @@ PY = sys.executable
     ((0, 1, 2, 3), 1, 1), ((0, 2, 3), 1, 2), ((0, 2, 3), 2, 3), ((4, 5), 0, 4)])
 def test_local_rank_r_runs_on_the_r_th_gpu_of_its_attempt(gpus, local_rank, gpu):
     assert gpu_of_local_rank(gpus, local_rank) == gpu
-    assert visible_devices_env(gpus)["CUDA_VISIBLE_DEVICES"].split(",")[local_rank] == str(gpu)
-
-
-def test_cuda_numbers_gpus_as_nvml_does():
-    assert visible_devices_env((0, 2, 3))["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_a_rank_outside_the_attempt_has_no_gpu():
     with pytest.raises(ValueError, match="local rank 3"):
         gpu_of_local_rank((0, 2, 3), 3)
-
-
-@pytest.mark.parametrize("nproc,visible,detected,gpus", [
-    (4, None, 0, (0, 1, 2, 3)),  # CPU: virtual slots
-    (None, None, 2, (0, 1)),  # NVML count
-    (None, (4, 5, 6), 0, (4, 5, 6)),  # CUDA_VISIBLE_DEVICES
-    (2, (4, 5, 6), 0, (4, 5)),
-    (3, (), 0, (0, 1, 2)),  # nothing visible: virtual slots
-])
-def test_choose_gpus(nproc, visible, detected, gpus):
-    assert choose_gpus(nproc, visible, detected) == gpus
-
-
-@pytest.mark.parametrize("nproc,visible,detected,message", [
-    (None, None, 0, "give --nproc-per-node"),
-    (4, (0, 1), 0, "--nproc-per-node 4 needs 4 GPUs, but only 2 are visible (0,1)"),
-])
-def test_choose_gpus_refuses(nproc, visible, detected, message):
-    with pytest.raises(click.ClickException, match=re.escape(message)):
-        choose_gpus(nproc, visible, detected)
-
-
-@pytest.mark.parametrize("value,parsed", [(None, None), ("", ()), ("0,2, 3", (0, 2, 3))])
-def test_parse_visible_devices(value, parsed):
-    assert parse_visible_devices(value) == parsed
-
-
-def test_uuid_visible_devices_are_refused():
-    with pytest.raises(click.ClickException, match="UUIDs"):
-        parse_visible_devices("GPU-8e1c,GPU-22aa")
 
 
 # -- argv ------------------------------------------------------------------------------------

@@ -318,3 +318,19 @@ def test_a_wedge_of_every_gpu_is_a_monitor_error_not_a_lost_node(tmp_path):
     (error,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "monitor_error"]
     assert "the driver looks wedged" in error["error"]
     assert monitor.lost_gpus() == set() and monitor.unschedulable_gpus() == {}
+
+
+def test_refresh_takes_a_sample_now_instead_of_after_the_interval(tmp_path):
+    from ftmaster.monitor.backends.sim import SimBackend
+    from ftmaster.monitor.daemon import Monitor, MonitorConfig
+
+    monitor = Monitor(SimBackend(num_gpus=2, seed=1), None, config=MonitorConfig(interval_s=3600))
+    assert monitor.refresh(0.1) is False  # no thread yet
+    monitor.start()
+    try:
+        assert monitor.refresh(10)  # the first sample, then an hour's wait...
+        before = monitor.samples_seen
+        assert monitor.refresh(10)  # ...cut short: one more sample of both GPUs
+        assert monitor.samples_seen == before + 2
+    finally:
+        monitor.stop()

@@ -111,7 +111,8 @@ def test_trainer_events_become_one_console_line(event, level, text):
 
 @pytest.mark.parametrize("nproc, visible, backend, probe", [
     (4, None, "sim", False), (4, None, "replay:x.csv", False), (4, None, "nvml", True),
-    (None, None, "sim", True), (None, (0, 1), "nvml", False)])
+    (None, None, "sim", True), (None, ("0", "1"), "nvml", True),  # UUIDs and MIG modes
+    (4, (), "nvml", False)])  # every GPU hidden: nothing to ask
 def test_the_gpu_probe_runs_only_when_a_count_is_needed(nproc, visible, backend, probe):
     assert needs_gpu_probe(nproc, visible, backend) is probe
 

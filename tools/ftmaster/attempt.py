@@ -44,15 +44,6 @@ def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
     return list(command) if EXIT_SIGNAL_FLAG in command else [*command, EXIT_SIGNAL_FLAG]
 
 
-def visible_devices_env(gpus: Sequence[int]) -> dict[str, str]:
-    """The environment entries that restrict an attempt to ``gpus`` (in rank order).
-
-    The monitor names GPUs by NVML index, which follows the PCI bus; CUDA's default order
-    (fastest first) can differ, so CUDA is told to number devices the same way.
-    """
-    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-
-
 def gpu_of_local_rank(gpus: Sequence[int], local_rank: int) -> int:
     """Local rank ``r`` uses the ``r``-th visible device, which is GPU ``gpus[r]``."""
     if not 0 <= local_rank < len(gpus):
@@ -142,10 +133,11 @@ def read_rank_records(rank_dir: Path, nproc: int) -> dict[int, RankRecord]:
 
 
 class Attempt:
-    """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``."""
+    """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``, as ``env`` (with
+    ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA."""
 
     def __init__(self, run_dir: Path, number: int, command: Sequence[str],
-                 gpus: Sequence[int], extra_env: dict[str, str] | None = None) -> None:
+                 gpus: Sequence[int], env: dict[str, str]) -> None:
         self.number = number
         self.gpus = tuple(gpus)
         self.command = list(command)
@@ -154,8 +146,8 @@ class Attempt:
         self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **visible_devices_env(self.gpus), **(extra_env or {}),
-               RANK_DIR_ENV: str(self.rank_dir), runfiles.RUN_DIR_ENV: str(run_dir)}
+        env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
+               runfiles.RUN_DIR_ENV: str(run_dir)}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env,

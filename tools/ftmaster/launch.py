@@ -16,9 +16,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,8 @@ from typing import Sequence
 
 import click
 
-from ftmaster.faults import Injection, parse_injection
+from ftmaster.faults import GRAMMAR, Injection, parse_injection
+from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.monitor.alerts import AlertConfig
@@ -39,60 +38,18 @@ from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import Supervisor, SupervisorConfig
 
-NVIDIA_SMI_TIMEOUT_S = 10.0
-
-
-def parse_visible_devices(value: str | None) -> tuple[int, ...] | None:
-    """``CUDA_VISIBLE_DEVICES`` as GPU indices; None when unset."""
-    if value is None:
-        return None
-    entries = [entry.strip() for entry in value.split(",") if entry.strip()]
-    if not all(entry.isdigit() for entry in entries):
-        raise InputError(f"CUDA_VISIBLE_DEVICES={value!r}: ftmaster needs GPU indices "
-                         "(e.g. 0,1,2,3), not UUIDs")
-    return tuple(int(entry) for entry in entries)
-
-
-def detected_gpu_count() -> int:
-    """GPUs NVML (or, without pynvml, ``nvidia-smi -L``) can see; 0 when neither works."""
+def job_gpus(nproc: int | None, backend: str) -> JobGpus:
+    """The job's GPUs from ``CUDA_VISIBLE_DEVICES``, the driver (probed only when needed, and
+    bounded) and ``--nproc-per-node``; one line on stderr when that fails."""
+    entries = visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    identities = probe() if needs_gpu_probe(nproc, entries, backend) else None
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        pass
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                                 timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.splitlines())
-
-
-def choose_gpus(nproc: int | None, visible: tuple[int, ...] | None, detected: int) -> tuple[int, ...]:
-    """The GPU ids of the first attempt, in local-rank order.
-
-    Visible GPUs are ``CUDA_VISIBLE_DEVICES`` when set, else the ``detected`` count. Without
-    any, ``--nproc-per-node`` N gives virtual slots 0..N-1 (CPU training, ``sim`` backend).
-    """
-    ids = visible if visible is not None else tuple(range(detected))
-    if nproc is None:
-        if not ids:
-            raise InputError("no GPU is visible: give --nproc-per-node N "
-                             "(on a machine without GPUs, with --monitor-backend sim)")
-        return ids
-    if not ids:
-        return tuple(range(nproc))
-    if len(ids) < nproc:
-        raise InputError(f"--nproc-per-node {nproc} needs {nproc} GPUs, but only {len(ids)} "
-                         f"are visible ({','.join(map(str, ids))})")
-    return ids[:nproc]
+        chosen = choose_job_gpus(nproc, entries, identities)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    for gpu, problem in chosen.left_out.items():
+        logging.getLogger("ftmaster").warning("GPU %d left out: %s", gpu, problem)
+    return chosen
 
 
 def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
@@ -208,10 +165,11 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("ftmaster-%Y%m%d-%H%M%S", time.gmtime())
 
 
-def needs_gpu_probe(nproc: int | None, visible: tuple[int, ...] | None, backend: str) -> bool:
-    """Only a count the user did not give, on a backend that watches real GPUs, asks the
-    driver (which can hang on a wedged one)."""
-    if visible is not None:
+def needs_gpu_probe(nproc: int | None, visible: tuple[str, ...] | None, backend: str) -> bool:
+    """The driver is asked (which, bounded, can take seconds on a wedged one) unless
+    ``--nproc-per-node`` is given on a backend that watches no real GPU, or the user hid
+    every GPU."""
+    if visible == ():
         return False
     return nproc is None or not (backend == "sim" or backend.startswith("replay:"))
 
@@ -273,7 +231,13 @@ def _console_logging() -> None:
               help="Seconds between progress lines (iteration, loss, speed, last checkpoint, ETA).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sim backend and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
-              help="Fault to inject (repeatable); KIND: degrade, fail, hang, recover.")
+              help=f"Fault to inject (repeatable): {GRAMMAR}. degrade: the GPU's telemetry "
+                   "worsens until the monitor alerts; fail: its rank is killed and the GPU is "
+                   "lost; hang: its rank stops; xid: the telemetry shows XID N, the rank dies "
+                   "of the CUDA error it brings, and ranks started on the GPU fail at start-up "
+                   "until a recover; wedge: every telemetry read of the GPU blocks, as a wedged "
+                   "driver does; nan: the rank's loss and gradients become NaN at that "
+                   "iteration; recover: the GPU comes back (and forgets its XID and wedge).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
 def launch_command(ctx: click.Context, nproc_per_node: int | None, gpus_per_node: int | None,
@@ -286,15 +250,14 @@ def launch_command(ctx: click.Context, nproc_per_node: int | None, gpus_per_node
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
-    visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    probe = needs_gpu_probe(nproc_per_node, visible, monitor_backend)
-    gpus = choose_gpus(nproc_per_node, visible, detected_gpu_count() if probe else 0)
+    devices = job_gpus(nproc_per_node, monitor_backend)
+    gpus = devices.ids
     injections = _injections(inject_specs, gpus)
     first_plan = check_layout(argv, len(gpus), gpus_per_node, gpu_memory_gb)
     check_trainer_arguments(argv, len(gpus))
     config = SupervisorConfig(
         run_dir=run_dir or default_run_dir(), command=tuple(argv), first_plan=first_plan,
-        gpus=gpus, gpus_per_node=gpus_per_node, policy=policy, max_restarts=max_restarts,
+        gpus=gpus, devices=devices, gpus_per_node=gpus_per_node, policy=policy, max_restarts=max_restarts,
         hang_timeout_s=hang_timeout, startup_timeout_s=startup_timeout,
         wait_timeout_s=wait_timeout, stop_timeout_s=stop_timeout, plan_mode=plan_mode,
         gpu_memory_gb=gpu_memory_gb, injections=injections, progress_interval_s=progress_interval)

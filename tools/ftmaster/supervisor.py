@@ -3,10 +3,20 @@
 Each state has one handler that does that state's work and returns a trigger; the table in
 :mod:`ftmaster.states` says where it leads. Handlers poll every ``poll_interval_s``.
 
-**GPUs.** ``gpus`` lists the GPU ids of the first attempt; local rank ``r`` of an attempt
-runs on that attempt's ``gpus[r]`` (``CUDA_VISIBLE_DEVICES`` lists them in that order). With
-the ``sim`` backend on a CPU machine a "GPU" is a virtual slot: the local rank index of the
-first attempt, 0..N-1.
+**GPUs.** ``gpus`` lists the GPU ids (NVML indices) of the first attempt; local rank ``r``
+of an attempt runs on that attempt's ``gpus[r]`` (``CUDA_VISIBLE_DEVICES`` lists them in that
+order, by UUID where NVML gave them: see :mod:`ftmaster.gpus`). With the ``sim`` backend on a
+CPU machine a "GPU" is a virtual slot: the local rank index of the first attempt, 0..N-1. The
+monitor watches the GPUs of the current attempt only.
+
+**Health.** The monitor reports evidence; the supervisor decides. A GPU the monitor reports
+lost, or whose evidence says it needs a reset or replacement (a critical XID, a double-bit
+ECC error, a recovery action, a failed row remap, ``RESET_REQUIRED``, a wedged driver), is
+retired at the next plan, which names it and why (``gpus_retired``), and never planned on
+again. Before deciding, the supervisor has the monitor sample at once (an XID and the CUDA
+error it causes arrive together; the next regular sample can be seconds away). A failure
+while such a GPU was in the attempt is a hardware failure: never counted as the script's
+early exit.
 
 **Failures.** A rank that exits non-zero, no new heartbeat iteration and no checkpoint file
 written for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attempt the limit is
@@ -31,8 +41,12 @@ as a ``supervisor_lost`` failure and resumes from ``--save``.
 the supervisor started, and handed to the monitor's telemetry at the same moment:
 ``fail`` SIGKILLs the rank on that GPU and marks the GPU lost, ``hang`` SIGSTOPs it,
 ``degrade`` only changes telemetry, ``recover`` (which waits until its GPU is lost) brings a
-lost GPU back. ``nan`` is handed to the next attempt that runs on its GPU, whose rank poisons
-its gradients at that iteration (``FTMASTER_INJECT_NAN``).
+lost GPU back (and clears its injected XID and wedge). ``nan`` is handed to the next attempt
+that runs on its GPU, whose rank poisons its gradients at that iteration. ``xid`` shows the
+XID in the telemetry and makes the rank on that GPU raise the CUDA error it brings (SIGUSR2,
+armed only in rehearsals); until a ``recover``, a rank started on that GPU fails at start-up
+the same way (see ``megatron.training.rehearsal``). ``wedge`` makes the monitor's reads of the
+GPU block.
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ from ftmaster import runfiles
 from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_signal_handler
 from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, new_events
 from ftmaster.faults import Fault, Injection
+from ftmaster.gpus import JobGpus
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_tracker)
@@ -58,7 +73,12 @@ from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status)
 
-NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"  # read by megatron.training.nonfinite
+# Read by megatron.training.rehearsal (the trainer side of injected faults).
+NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
+CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
+CUDA_ERROR_SIGNAL = signal.SIGUSR2
+# How long a decision waits for the monitor's fresh sample (reads are bounded well below).
+EVIDENCE_TIMEOUT_S = 5.0
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -74,6 +94,8 @@ class SupervisorConfig:
     """The layout of the first attempt, checked against all of ``gpus``."""
     gpus: tuple[int, ...]
     """GPU ids of the first attempt, in local-rank order."""
+    devices: JobGpus | None = None
+    """How attempts tell CUDA their GPUs (UUIDs, hidden GPUs); None: by index."""
     gpus_per_node: int | None = None
     """Passed to the planner: TP stays within one node. None: a single node."""
     policy: str = "available"
@@ -152,8 +174,10 @@ class Supervisor:
         self.next_gpus = config.gpus
         self.restarts = 0
         self.early_exits_in_row = 0
-        self.retired: set[int] = set()
+        self.retired: dict[int, str] = {}  # GPU -> why it is never planned on again
         self.injected_lost: set[int] = set()
+        self.injected_xids: dict[int, int] = {}  # GPU -> XID, until a recover
+        self._rehearses_xids = any(i.kind is Fault.XID for i in config.injections)
         self.signum: int | None = None
         self._stop_requested = threading.Event()
         self._alerts: deque[Alert] = deque()
@@ -204,7 +228,18 @@ class Supervisor:
         self._alerts.append(alert)
 
     def lost_gpus(self) -> frozenset[int]:
-        return frozenset((self.monitor.lost_gpus() | self.injected_lost) - self.retired)
+        return frozenset((self.monitor.lost_gpus() | self.injected_lost) - set(self.retired))
+
+    def _waitable_gpus(self) -> frozenset[int]:
+        """Lost GPUs that may come back: one that needs a reset or replacement never does."""
+        return self.lost_gpus() - set(self.monitor.unschedulable_gpus())
+
+    def _unfit_gpus(self) -> dict[int, str]:
+        """GPUs not to plan on, with the reason: lost (how, where the monitor knows) or
+        unschedulable by the monitor's evidence."""
+        reasons = self.monitor.lost_reasons()
+        unfit = {gpu: reasons.get(gpu, "lost") for gpu in self.lost_gpus()}
+        return {**unfit, **self.monitor.unschedulable_gpus()}
 
     def _heartbeat_iteration(self) -> int | None:
         heartbeat = runfiles.read_heartbeat(self.run_dir)
@@ -249,15 +284,23 @@ class Supervisor:
 
     def _apply(self, injection: Injection) -> bool:
         gpu, kind = injection.gpu, injection.kind
-        if kind in (Fault.FAIL, Fault.HANG) and self.attempt is not None and gpu in self.attempt.gpus:
+        if kind in (Fault.FAIL, Fault.HANG, Fault.XID) and self.attempt is not None \
+                and gpu in self.attempt.gpus:
             pid = self.attempt.pid_on_gpu(gpu)
             if pid is None:
                 return False
-            send_signal(pid, signal.SIGKILL if kind is Fault.FAIL else signal.SIGSTOP)
+            if kind is Fault.XID:
+                local_rank = self.attempt.gpus.index(gpu)
+                (self.attempt.rank_dir / f"cuda_error_{local_rank}").write_text(str(injection.code))
+            send_signal(pid, {Fault.FAIL: signal.SIGKILL, Fault.HANG: signal.SIGSTOP,
+                              Fault.XID: CUDA_ERROR_SIGNAL}[kind])
         if kind is Fault.FAIL:
             self.injected_lost.add(gpu)
+        elif kind is Fault.XID:
+            self.injected_xids[gpu] = injection.code
         elif kind is Fault.RECOVER:
             self.injected_lost.discard(gpu)
+            self.injected_xids.pop(gpu, None)
         self.monitor.pending_injections.append(injection.at_once())
         self._event("fault_injected", kind=kind.value, gpu=gpu, spec=str(injection),
                     iteration=self._state_iteration())
@@ -352,15 +395,20 @@ class Supervisor:
         attempt = self.attempt
         self._last_failure = (cause, first_local_rank)
         self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
+        self.monitor.refresh(EVIDENCE_TIMEOUT_S)
+        unfit = {g: why for g, why in self._unfit_gpus().items() if g in attempt.gpus}
         self._event("failure", attempt=attempt.number, iteration=self._state_iteration(),
                     cause=cause, gpus=gpus, exit_codes=codes,
-                    before_first_iteration=iteration is None)
+                    before_first_iteration=iteration is None,
+                    unfit_gpus=[{"gpu": g, "reason": why} for g, why in sorted(unfit.items())])
         when = ("before its first iteration" if iteration is None
                 else f"after iteration {iteration}")
         where = f" on GPU(s) {gpus}" if gpus else ""
-        log.error("attempt %d failed (%s) %s%s", attempt.number, cause, when, where)
+        hardware = "; hardware: " + ", ".join(f"GPU {g} {why}" for g, why in sorted(unfit.items()))
+        log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
+                  hardware if unfit else "")
         attempt.kill()
-        early = cause == "exit" and self._progress[0] is None
+        early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
         if cause == "nonfinite":
             self._nonfinite_again = self._loaded_iteration in self._nonfinite_from
@@ -378,7 +426,10 @@ class Supervisor:
         command = self.config.command if number == 1 else self._resuming(plan.command)
         command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
-        self.attempt = Attempt(self.run_dir, number, command, gpus, self._armed_injections(gpus))
+        devices = self.config.devices or JobGpus(self.config.gpus)
+        self.monitor.watch(gpus)
+        self.attempt = Attempt(self.run_dir, number, command, gpus,
+                               {**devices.cuda_env(gpus), **self._armed_injections(gpus)})
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.progress = Progress(self.attempt.log_path, self._train_iters(),
                                  self.config.progress_interval_s, time.time())
@@ -393,15 +444,20 @@ class Supervisor:
         return Trigger.LAUNCHED
 
     def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
-        """The attempt's environment for ``nan`` injections on its GPUs."""
+        """The attempt's environment for injected faults on its GPUs: ``nan`` injections
+        (handed over once) and, in a rehearsal with XIDs, the GPUs still carrying one."""
+        env = {}
         armed = self.injector.take_nan(gpus)
         for injection in armed:
             self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
                         spec=str(injection), iteration=injection.at_iteration)
-        if not armed:
-            return {}
-        return {NAN_INJECTION_ENV: ",".join(f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
-                                            for i in armed)}
+        if armed:
+            env[NAN_INJECTION_ENV] = ",".join(f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
+                                              for i in armed)
+        if self._rehearses_xids:
+            env[CUDA_ERROR_ENV] = ",".join(f"{list(gpus).index(gpu)}:{code}" for gpu, code
+                                           in self.injected_xids.items() if gpu in gpus)
+        return env
 
     def _train_iters(self) -> int | None:
         try:
@@ -467,7 +523,7 @@ class Supervisor:
                         reason="risk fell below the re-arm level before the restart")
             return Trigger.RISK_CLEARED
         self.attempt.kill()
-        self._retire({self._drain_gpu})
+        self._retire({self._drain_gpu: "drained: its risk stayed critical after the emergency save"})
         return Trigger.DRAINED
 
     def _saved_since(self, since: float) -> bool:
@@ -478,7 +534,7 @@ class Supervisor:
         cause, first_rank = self._last_failure
         outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
                                 early_exits_in_row=self.early_exits_in_row,
-                                policy=self.config.policy, lost_gpus=self.lost_gpus(),
+                                policy=self.config.policy, lost_gpus=self._waitable_gpus(),
                                 cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
             log.error("root cause, from %s:\n%s", self.attempt.log_path,
@@ -491,28 +547,32 @@ class Supervisor:
         log.error("giving up: %s", reason)
 
     def _wait(self) -> Trigger:
-        waited_for = sorted(self.lost_gpus())
+        waited_for = sorted(self._waitable_gpus())
         self._event("waiting", gpus=waited_for, timeout=self.config.wait_timeout_s)
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
             if self._stop_requested.is_set():
                 return Trigger.SIGNALLED
             self._apply_injections()
-            if not self.lost_gpus():
+            if not self._waitable_gpus():
                 self._event("gpus_back", gpus=waited_for)
                 return Trigger.GPUS_BACK
             if time.monotonic() >= deadline:
-                self._event("wait_timeout", gpus=sorted(self.lost_gpus()))
+                self._event("wait_timeout", gpus=sorted(self._waitable_gpus()))
                 return Trigger.WAIT_TIMED_OUT
             self._sleep()
 
-    def _retire(self, gpus: set[int]) -> None:
+    def _retire(self, gpus: dict[int, str]) -> None:
         """Drop ``gpus`` for good: no more planning or monitoring for them."""
-        self.retired |= gpus
+        for gpu, why in gpus.items():
+            if gpu not in self.retired:
+                log.warning("retiring GPU %d: %s", gpu, why)
+                self.retired[gpu] = why
         self.monitor.exclude_gpus(gpus)
 
     def _plan(self) -> Trigger:
-        self._retire(set(self.lost_gpus()))
+        self.monitor.refresh(EVIDENCE_TIMEOUT_S)
+        self._retire(self._unfit_gpus())
         available = [g for g in self.config.gpus if g not in self.retired]
         try:
             plan = plan_layout(self.config.command, len(available), self.config.gpus_per_node,
@@ -524,6 +584,7 @@ class Supervisor:
         self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
         self.restarts += 1
         self._event("plan", gpus_available=available,
+                    gpus_retired=[{"gpu": g, "reason": why} for g, why in sorted(self.retired.items())],
                     **{k: v for k, v in plan.as_json().items() if k != "command"})
         return Trigger.PLANNED
 

@@ -1,0 +1,86 @@
+"""Faults injected into a rank, for rehearsing GPU failures on any machine (CPU included).
+
+``ftmaster launch --inject`` (see ``ftmaster.faults``) sets these for an attempt; without
+them nothing here does anything. Each fault is what the rank would see on a failing GPU:
+
+- ``FTMASTER_INJECT_NAN=LOCAL_RANK:ITERATION[,...]``: the gradients (and the loss, on a last
+  pipeline stage) of that local rank become NaN at that iteration, as silent data corruption
+  would make them;
+- ``FTMASTER_INJECT_CUDA_ERROR=LOCAL_RANK:XID[,...]``: that local rank fails at start-up with
+  the CUDA error the XID brings (its GPU still needs a reset); set, even empty, it also arms
+  ``SIGUSR2``: a rank that receives it raises that CUDA error where it is, the XID read from
+  ``$FTMASTER_RANK_DIR/cuda_error_<LOCAL_RANK>``. The signal is armed only in rehearsals, so
+  a job that uses it for something else is never affected.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+NAN_ENV = "FTMASTER_INJECT_NAN"
+CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
+CUDA_ERROR_SIGNAL = signal.SIGUSR2
+
+# What the CUDA runtime reports when the XID's fault hits a running context.
+_ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95, 140})
+_CUDA_MESSAGES = {79: "unspecified launch failure (the GPU has fallen off the bus)",
+                  119: "unspecified launch failure", 120: "unspecified launch failure",
+                  74: "an illegal memory access was encountered"}
+
+
+def cuda_error_message(xid: int | None) -> str:
+    if xid in _ECC_XIDS:
+        text = "uncorrectable ECC error encountered"
+    else:
+        text = _CUDA_MESSAGES.get(xid, "unknown error")
+    return f"CUDA error: {text} (rehearsal: XID {xid if xid is not None else '?'} on this GPU)"
+
+
+def per_local_rank(variable: str, local_rank: int) -> frozenset[int]:
+    """The values ``variable`` (``LOCAL_RANK:VALUE[,...]``) gives this local rank."""
+    spec = os.environ.get(variable, "")
+    chosen = set()
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        rank_text, _, value_text = entry.partition(":")
+        try:
+            if int(rank_text) == local_rank:
+                chosen.add(int(value_text))
+        except ValueError:
+            raise ValueError(f"{variable}={spec!r}: expected LOCAL_RANK:VALUE[,...]") from None
+    return frozenset(chosen)
+
+
+def nan_iterations(local_rank: int) -> frozenset[int]:
+    """The iterations at which this local rank poisons its gradients."""
+    return per_local_rank(NAN_ENV, local_rank)
+
+
+def poison_gradients(parameters) -> None:
+    """Put a NaN into the first gradient among ``parameters``, as a corrupted GPU would."""
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.view(-1)[0] = float("nan")
+            return
+
+
+def _raise_cuda_error(signum, frame) -> None:
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    try:
+        xid = int((Path(os.environ.get("FTMASTER_RANK_DIR", ".")) /
+                   f"cuda_error_{local_rank}").read_text())
+    except (OSError, ValueError):
+        xid = None
+    raise RuntimeError(cuda_error_message(xid))
+
+
+def arm_cuda_errors(local_rank: int) -> None:
+    """At start-up: fail now if this rank's GPU still carries an injected XID, and in a
+    rehearsal, let ``SIGUSR2`` bring the CUDA error of one injected while training."""
+    if CUDA_ERROR_ENV not in os.environ:
+        return
+    broken = per_local_rank(CUDA_ERROR_ENV, local_rank)
+    if broken:
+        raise RuntimeError(cuda_error_message(min(broken)))
+    signal.signal(CUDA_ERROR_SIGNAL, _raise_cuda_error)

@@ -1,0 +1,55 @@
+"""The trainer's side of injected faults: what a rank on a GPU with an XID sees."""
+
+import os
+import signal
+
+import pytest
+
+from megatron.training import rehearsal
+
+
+@pytest.mark.parametrize("xid, text", [
+    (95, "CUDA error: uncorrectable ECC error encountered (rehearsal: XID 95 on this GPU)"),
+    (79, "CUDA error: unspecified launch failure (the GPU has fallen off the bus)"),
+    (13, "CUDA error: unknown error (rehearsal: XID 13 on this GPU)"),
+])
+def test_cuda_error_message(xid, text):
+    assert rehearsal.cuda_error_message(xid).startswith(text.split(" (rehearsal")[0])
+    assert f"XID {xid}" in rehearsal.cuda_error_message(xid)
+
+
+def test_per_local_rank_reads_only_this_ranks_entries(monkeypatch):
+    monkeypatch.setenv(rehearsal.NAN_ENV, "1:7, 0:3,1:9")
+    assert rehearsal.nan_iterations(1) == {7, 9}
+    assert rehearsal.nan_iterations(2) == frozenset()
+    monkeypatch.setenv(rehearsal.NAN_ENV, "one:7")
+    with pytest.raises(ValueError, match="expected LOCAL_RANK:VALUE"):
+        rehearsal.nan_iterations(1)
+
+
+def test_nothing_is_armed_outside_a_rehearsal(monkeypatch):
+    monkeypatch.delenv(rehearsal.CUDA_ERROR_ENV, raising=False)
+    before = signal.getsignal(rehearsal.CUDA_ERROR_SIGNAL)
+    rehearsal.arm_cuda_errors(0)
+    assert signal.getsignal(rehearsal.CUDA_ERROR_SIGNAL) is before
+
+
+def test_a_rank_on_a_gpu_with_an_xid_fails_at_start_up(monkeypatch):
+    monkeypatch.setenv(rehearsal.CUDA_ERROR_ENV, "0:95,2:79")
+    with pytest.raises(RuntimeError, match="uncorrectable ECC error"):
+        rehearsal.arm_cuda_errors(0)
+
+
+def test_an_xid_while_training_raises_the_cuda_error_where_the_rank_is(monkeypatch, tmp_path):
+    monkeypatch.setenv(rehearsal.CUDA_ERROR_ENV, "")
+    monkeypatch.setenv("FTMASTER_RANK_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    (tmp_path / "cuda_error_1").write_text("48")
+    before = signal.getsignal(rehearsal.CUDA_ERROR_SIGNAL)
+    try:
+        rehearsal.arm_cuda_errors(1)
+        with pytest.raises(RuntimeError, match=r"uncorrectable ECC error .*XID 48"):
+            os.kill(os.getpid(), rehearsal.CUDA_ERROR_SIGNAL)
+            signal.sigtimedwait([], 0.5)  # give the handler a chance to run
+    finally:
+        signal.signal(rehearsal.CUDA_ERROR_SIGNAL, before)
