@@ -34,9 +34,11 @@ import io
 import json
 import multiprocessing
 import os
+import queue
 import random
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -69,6 +71,7 @@ from ftmaster.recovery.checkpoints import (
     iteration_dir,
     list_iterations,
     loading_candidates,
+    prunable_emergency_checkpoints,
     read_tracker,
     tracker_path,
     unfinished_saves,
@@ -138,12 +141,19 @@ def first_problem(problem: str | None, group) -> str | None:
 
 
 # ---- RNG ------------------------------------------------------------------------------------
+def _rng_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _rng_sharded_object() -> ShardedObject:
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": numpy.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        # On CPU the tracker's streams are CPU generator states (cpu_compat); a CUDA
+        # generator cannot take them, so they are restored on the same kind of device only.
+        "rng_device": _rng_device(),
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -157,9 +167,15 @@ def _rng_sharded_object() -> ShardedObject:
 
 
 def _restore_rng(state: dict) -> None:
+    """The saved streams; the device's own ones only when saved on the same kind of device
+    (checkpoints from before the field was written were all made on CPU)."""
     random.setstate(state["random_rng_state"])
     numpy.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
+    if state.get("rng_device", "cpu") != _rng_device():
+        log_rank0(f"device RNG streams not restored: saved on {state.get('rng_device', 'cpu')}, "
+                  f"resumed on {_rng_device()}")
+        return
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
@@ -189,6 +205,46 @@ def _start_writer_results_queue() -> None:
     queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
     queue.get()
     filesystem_async._results_queue = queue
+
+
+class Janitor:
+    """A background thread, in order, for file work that must not block training: removing
+    a failed save's folder, pruning superseded emergency checkpoints (a deletion or a scan
+    of the save folder can take seconds on a parallel file system)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable, *args) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="checkpoint-janitor",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((job, args))
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, args = item
+            try:
+                job(*args)
+            except Exception as error:  # a failed clean-up must not end training
+                log_rank0(f"warning: {getattr(job, '__name__', job)} failed: {describe_error(error)}")
+
+    def finish(self, timeout_s: float = 300.0) -> None:
+        """Let the queued work finish (at the end of training)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+
+def prune_emergency_checkpoints(save_dir: Path, keep: int) -> None:
+    """Remove emergency checkpoints a newer regular one supersedes, beyond the newest ``keep``."""
+    for iteration in prunable_emergency_checkpoints(save_dir, keep):
+        shutil.rmtree(iteration_dir(save_dir, iteration), ignore_errors=True)
+        log_rank0(f"pruned emergency checkpoint iter_{iteration:07d}: a newer regular "
+                  f"checkpoint supersedes it (--keep-emergency {keep})")
 
 
 class CheckpointMismatch(Exception):
@@ -370,7 +426,7 @@ class _Save:
     def _remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
         if read_tracker(self.path.parent) != self.iteration:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self.checkpointer.janitor.submit(shutil.rmtree, self.path, True)
 
 
 class Checkpointer:
@@ -386,7 +442,12 @@ class Checkpointer:
         self.scheduler = scheduler
         self.group = group
         self.event = event
-        self.async_queue = AsyncCallsQueue() if args.async_save else None
+        # On CUDA a persistent writer process: forking a rank with a CUDA context for every
+        # save costs a device sync and a fork of its whole address space. On CPU a fork is
+        # cheap, and a spawned worker would pay a fresh torch import at the first save.
+        self.async_queue = (AsyncCallsQueue(persistent=torch.cuda.is_available())
+                            if args.async_save else None)
+        self.janitor = Janitor()
         self.last_saved_iteration: int | None = None
         """The newest checkpoint, counting a save in flight (what the gap filter counts from)."""
         self.last_durable_iteration: int | None = None
@@ -474,6 +535,7 @@ class Checkpointer:
         if self.async_queue is not None:
             self.finalize_async(blocking=True)
             self.async_queue.close()
+        self.janitor.finish()
 
     # ---- loading ------------------------------------------------------------------------
     def load(self, state: TrainingState) -> bool:
@@ -606,6 +668,10 @@ class Checkpointer:
             # template left it out, so the flag, not the key, decides.)
             self.scheduler.num_steps = 0
             self.scheduler.step(increment=state.consumed_train_samples)
+            # Megatron's mixed-precision optimizer copied the fp32 master weights when it was
+            # built; without this its first step would write those random weights back over
+            # the loaded ones (optimizer.py: reload_model_params).
+            self.optimizer.reload_model_params()
         else:
             self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])

@@ -16,10 +16,12 @@ or in a spawned worker that unpickles it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ftmaster.guard import die_with_parent
 from ftmaster.recovery.manifest import DigestingWriter, FileDigest
 
 SIDECAR_SUFFIX = ".digest"
@@ -55,8 +57,13 @@ def install() -> None:
 
 
 def write_with_digests(write: Callable, *args, **kwargs):
-    """Run a save request's write function with the hook installed in this process."""
+    """Run a save request's write function with the hook installed in this process.
+
+    In megatron-core's persistent writer (spawned, so no fork hook reaches it) this is also
+    where it learns to die with its rank: a writer outliving a killed rank would hold its
+    memory, and its files open, for good."""
     install()
+    die_with_parent(os.getppid())
     return write(*args, **kwargs)
 
 

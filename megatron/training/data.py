@@ -10,6 +10,7 @@ any DP therefore continues at sample ``consumed_samples``, with nothing repeated
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -81,3 +82,42 @@ class MicroBatches:
     def __next__(self) -> dict[str, torch.Tensor]:
         size = len(self.dataset)
         return default_collate([self.dataset[index % size] for index in next(self.indices)])
+
+
+class BatchPrefetcher:
+    """This iteration's micro-batches, with the next iteration's built on a background thread
+    while this one trains, and pinned on CUDA so their copy to the GPU overlaps compute.
+
+    The batches of an iteration depend only on its consumed-samples count, so the next one is
+    known (``consumed + global_batch_size``); any other request (the first, after a resume)
+    is built on the spot. The dataset's reads are index-based, so a second thread is safe.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, num_micro_batches: int,
+                 global_batch_size: int, pin_memory: bool) -> None:
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.num_micro_batches = num_micro_batches
+        self.global_batch_size = global_batch_size
+        self.pin_memory = pin_memory
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
+        self._ahead: tuple[int, Future] | None = None
+
+    def _build(self, consumed: int) -> list[dict[str, torch.Tensor]]:
+        batches = list(MicroBatches(self.dataset, consumed, self.micro_batch_size,
+                                    self.num_micro_batches))
+        if self.pin_memory:
+            batches = [{key: value.pin_memory() for key, value in batch.items()}
+                       for batch in batches]
+        return batches
+
+    def iteration(self, consumed: int) -> Iterator[dict[str, torch.Tensor]]:
+        ahead, self._ahead = self._ahead, None
+        batches = (ahead[1].result() if ahead is not None and ahead[0] == consumed
+                   else self._build(consumed))
+        following = consumed + self.global_batch_size
+        self._ahead = (following, self._pool.submit(self._build, following))
+        return iter(batches)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -10,7 +10,6 @@ import argparse
 import datetime
 import os
 import random
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -30,7 +29,6 @@ from megatron.core.transformer.module import Float16Module
 
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
-from ftmaster.recovery.checkpoints import iteration_dir, prunable_emergency_checkpoints
 
 from . import cpu_compat
 from .arguments import padded_vocab_size
@@ -40,9 +38,10 @@ from .checkpointing import (
     SaveFailure,
     TrainingState,
     checkpoint_args,
+    prune_emergency_checkpoints,
 )
 from .console import format_iteration_line, log_last_rank, log_rank0
-from .data import MicroBatches, build_datasets, needs_data
+from .data import BatchPrefetcher, MicroBatches, build_datasets, needs_data
 from . import rehearsal
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step
 from .save_requests import SaveRequests, median_microseconds
@@ -137,6 +136,9 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def _layer_spec():
+    """Transformer Engine's layers on CUDA when it imports; megatron-core's local ones
+    otherwise. A broken install (a missing shared library raises OSError, a version clash
+    anything) falls back too, with one warning, rather than end the run."""
     if torch.cuda.is_available():
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
@@ -147,6 +149,9 @@ def _layer_spec():
             return get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
+        except Exception as error:
+            log_rank0(f"warning: Transformer Engine does not import ({type(error).__name__}: "
+                      f"{error}); using megatron-core's local layers")
     return get_gpt_layer_local_spec()
 
 
@@ -264,6 +269,9 @@ class Trainer:
                                          self.control_group, self._event)
         self.num_micro_batches = args.global_batch_size // (
             args.micro_batch_size * parallel_state.get_data_parallel_world_size())
+        self.train_batches = BatchPrefetcher(
+            self.train_ds, args.micro_batch_size, self.num_micro_batches,
+            args.global_batch_size, pin_memory=torch.cuda.is_available()) if needs_data() else None
         self.forward_backward = get_forward_backward_func()
         self.requests = SaveRequests(
             flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
@@ -296,9 +304,10 @@ class Trainer:
         finds a NaN or Inf."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        data = (None if self.train_batches is None
+                else self.train_batches.iteration(self.state.consumed_train_samples))
         losses = self.forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=self._data(self.train_ds, self.state.consumed_train_samples),
+            forward_step_func=forward_step, data_iterator=data,
             model=[self.model], num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
@@ -361,12 +370,8 @@ class Trainer:
                     writer_seconds=round(done.write_seconds, 4))
         self.requests.consume()
         if self.args.keep_emergency is not None:
-            for iteration in prunable_emergency_checkpoints(Path(self.args.save),
-                                                            self.args.keep_emergency):
-                shutil.rmtree(iteration_dir(Path(self.args.save), iteration), ignore_errors=True)
-                log_rank0(f"pruned emergency checkpoint iter_{iteration:07d}: a newer regular "
-                          f"checkpoint supersedes it (--keep-emergency "
-                          f"{self.args.keep_emergency})")
+            self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
+                                             self.args.keep_emergency)
 
     def _heartbeat(self, finished: bool = False) -> None:
         if self.run_dir is not None and torch.distributed.get_rank() == 0:
@@ -426,6 +431,8 @@ class Trainer:
         else:
             self._final_save()
         self.checkpointer.close()
+        if self.train_batches is not None:
+            self.train_batches.close()
         self._report_check_cost()
         if self._final_save_failure is not None:
             failure = self._final_save_failure

@@ -84,6 +84,7 @@ def test_truncated_newest_checkpoint_falls_back(saved, tmp_path):
     result = run_trainer(1, SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1) + ["--load", str(save),
                                                                        "--train-iters", "12"])
     assert result.returncode == 0, result.stdout[-3000:]
-    assert f"iter_0000006 skipped: shard {shard.name} is truncated" in result.stdout
+    assert (f"skipping checkpoint {save / 'iter_0000006'}: {shard.name} has "
+            f"{shard.stat().st_size} bytes, the manifest says") in result.stdout
     logged = iterations(result.stdout)
     assert min(logged) == 4 and logged[4]["consumed"] == 48
