@@ -1,17 +1,37 @@
-"""The torchrun argv that starts one training attempt on a single node."""
+"""The torchrun argv that starts one training attempt on this node."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 
+@dataclass(frozen=True)
+class StaticWorld:
+    """A generation of a multi-node job, as every node's static torchrun sees it."""
+
+    nnodes: int
+    """Nodes that run ranks in this generation (standby spares are not counted)."""
+    node_rank: int
+    """This node's place among them; ranks are contiguous per node, in this order."""
+    master_addr: str
+    master_port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is outside {self.nnodes} nodes")
+
+
 def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
-                  python: str = sys.executable) -> list[str]:
+                  python: str = sys.executable, world: StaticWorld | None = None) -> list[str]:
     """``[python, -m, torch.distributed.run, ..., SCRIPT, *args]`` as an argv list.
 
-    ``--standalone`` lets the rendezvous bind a free local port itself (``localhost:0``), so
-    two attempts, or two jobs, on one machine never race for a fixed master port.
+    On one node, ``--standalone`` lets the rendezvous bind a free local port itself
+    (``localhost:0``), so two attempts, or two jobs, on one machine never race for a fixed
+    master port. Across nodes, a plain static torchrun for the generation ftmaster agreed on:
+    its node count, this node's rank among them and the master its plan chose; each node may
+    run another ``--nproc-per-node`` (torch assigns contiguous ranks by node rank).
     ``--max-restarts 0`` because the supervisor, not torchrun, decides what a restart is: a
     torchrun restart would reuse the layout of the GPU that was just lost.
     """
@@ -19,5 +39,10 @@ def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
         raise ValueError(f"--nproc-per-node must be a positive integer, got {nproc_per_node}")
     if not command:
         raise ValueError("the training command is empty: give SCRIPT and its arguments")
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", *command]
+    if world is None:
+        nodes = ["--standalone", "--nnodes", "1"]
+    else:
+        nodes = ["--nnodes", str(world.nnodes), "--node-rank", str(world.node_rank),
+                 "--master-addr", world.master_addr, "--master-port", str(world.master_port)]
+    return [python, "-m", "torch.distributed.run", *nodes, "--nproc-per-node",
+            str(nproc_per_node), "--max-restarts", "0", *command]

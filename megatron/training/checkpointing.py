@@ -483,7 +483,7 @@ class Checkpointer:
              on_failed: Callable[[SaveFailure], None] | None = None) -> float:
         """Save at ``state.iteration``; returns the seconds training was blocked.
 
-        ``on_durable`` runs on rank 0 once every file is written and the tracker moved;
+        ``on_durable`` runs on every rank once every file is written and the tracker moved;
         ``on_failed`` on every rank when the save did not complete. Either runs before this
         returns for a synchronous save, in a later ``finalize_async`` otherwise.
         """
@@ -508,12 +508,10 @@ class Checkpointer:
         """Every rank, when a save ends: count it, or forget it and say why."""
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
-            if _rank() == 0:
-                log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
-                          f"{outcome.path} in {outcome.seconds_to_durable:.3f} s "
-                          f"({outcome.bytes} bytes)")
-                if save.on_durable is not None:
-                    save.on_durable(outcome)
+            log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
+                      f"{outcome.path} in {outcome.seconds_to_durable:.3f} s ({outcome.bytes} bytes)")
+            if save.on_durable is not None:
+                save.on_durable(outcome)
             return
         if self.last_saved_iteration == outcome.iteration:
             self.last_saved_iteration = self.last_durable_iteration

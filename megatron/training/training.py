@@ -338,8 +338,14 @@ class Trainer:
                           f"lm loss value: {loss:.6E} |")
 
     # ---- checkpoint events ------------------------------------------------------------------
+    @property
+    def writes_run_files(self) -> bool:
+        """Each node's local rank 0 writes its node's heartbeat and events (the run folder of
+        that node's ftmaster), so every node's supervisor sees the progress of its ranks."""
+        return self.run_dir is not None and local_rank() == 0
+
     def _event(self, name: str, **fields) -> None:
-        if self.run_dir is not None and torch.distributed.get_rank() == 0:
+        if self.writes_run_files:
             runfiles.append_event(self.run_dir, name, **fields)
 
     def save(self, kind: str) -> None:
@@ -354,13 +360,14 @@ class Trainer:
         """Every rank: training goes on; an answered request is not asked again (the
         monitor asks anew if the GPU stays critical); the end of training must say so."""
         self._blocked_seconds.pop(failure.iteration, None)
-        if torch.distributed.get_rank() == 0:
+        if self.writes_run_files:
             self.requests.consume()
         if failure.kind in ("final", "exit") or failure.iteration == self.args.train_iters:
             self._final_save_failure = failure  # no second try at the same iteration
 
     def _on_durable(self, done: DurableSave) -> None:
-        """Rank 0, once a checkpoint is complete on disk: event, flag, storage."""
+        """Every rank, once a checkpoint is complete on disk: each node's event and flag,
+        and on rank 0 the pruning of older emergency checkpoints."""
         blocked = self._blocked_seconds.pop(done.iteration, done.seconds_to_durable)
         self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
                     iteration=done.iteration, seconds=round(blocked, 4), bytes=done.bytes,
@@ -368,13 +375,14 @@ class Trainer:
                     started_at=round(done.started_at, 4), kind=done.kind, tier="disk",
                     checksum_seconds=round(done.hash_seconds, 4),
                     writer_seconds=round(done.write_seconds, 4))
-        self.requests.consume()
-        if self.args.keep_emergency is not None:
+        if self.writes_run_files:
+            self.requests.consume()
+        if self.args.keep_emergency is not None and torch.distributed.get_rank() == 0:
             self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
                                              self.args.keep_emergency)
 
     def _heartbeat(self, finished: bool = False) -> None:
-        if self.run_dir is not None and torch.distributed.get_rank() == 0:
+        if self.writes_run_files:
             runfiles.write_heartbeat(self.run_dir, self.state.iteration,
                                      self.state.consumed_train_samples, self._first_iteration,
                                      finished=finished)

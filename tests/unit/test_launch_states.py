@@ -33,6 +33,18 @@ LEGAL = [
     (S.RELAUNCHING, T.SIGNALLED, S.INTERRUPTED),
     (S.FAILED, T.SIGNALLED, S.INTERRUPTED),
     (S.PLANNING, T.SIGNALLED, S.INTERRUPTED),
+    # across nodes: a round agreed with the other nodes
+    (S.RUNNING, T.PEERS_WAITING, S.PLANNING),
+    (S.DRAINING, T.PEERS_WAITING, S.PLANNING),
+    (S.PLANNING, T.STANDBY, S.STANDBY),
+    (S.PLANNING, T.GIVE_UP, S.GAVE_UP),
+    (S.PLANNING, T.COMPLETED, S.SUCCEEDED),
+    (S.STANDBY, T.PEERS_WAITING, S.PLANNING),
+    (S.STANDBY, T.COMPLETED, S.SUCCEEDED),
+    (S.STANDBY, T.GIVE_UP, S.GAVE_UP),
+    (S.STANDBY, T.SIGNALLED, S.INTERRUPTED),
+    # the store is gone: requeue, from wherever the supervisor is
+    *((s, T.STORE_LOST, S.REQUEUED) for s in State if s not in TERMINAL),
 ]
 
 
@@ -93,6 +105,7 @@ def test_what_a_relaunch_cannot_cure_ends_the_run_at_once(cause, again, trigger,
 
 
 @pytest.mark.parametrize("state,signum,status", [
-    (S.SUCCEEDED, None, 0), (S.GAVE_UP, None, 1), (S.INTERRUPTED, 15, 143), (S.INTERRUPTED, 2, 130)])
+    (S.SUCCEEDED, None, 0), (S.GAVE_UP, None, 1), (S.INTERRUPTED, 15, 143), (S.INTERRUPTED, 2, 130),
+    (S.REQUEUED, None, 75)])
 def test_exit_status(state, signum, status):
     assert exit_status(state, signum) == status

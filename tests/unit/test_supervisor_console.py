@@ -39,6 +39,15 @@ def test_the_first_failed_rank_names_the_cause(failed, cause, gpus, first):
     assert report.exit_codes == {str(r.rank): r.exit_code for r in failed.values()}
 
 
+def test_a_rank_that_lost_a_peer_points_elsewhere():
+    failed = {0: record(0, 1, 1.0), 1: record(1, 1, 1.1)}
+    errors = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21395: "
+                 "Connection reset by peer. This is typically caused by a remote worker hanging"}
+    report = classify_exits(failed, gpus=(0, 1), errors=errors)
+    assert (report.cause, report.gpus) == ("peer", ())
+    assert classify_exits(failed, gpus=(0, 1), errors={0: "RuntimeError: CUDA error"}).cause == "exit"
+
+
 def test_error_summary_is_the_exception_and_its_innermost_frames(tmp_path):
     stack = "Traceback (most recent call last):\n" + "".join(
         f'  File "/x/f{i}.py", line {i}, in g{i}\n    call()\n' for i in range(8)) + \

@@ -24,7 +24,7 @@ import psutil
 from ftmaster import runfiles
 from ftmaster.exit_codes import TRAINER_CAUSES
 from ftmaster.guard import RANK_DIR_ENV, error_file_path, rank_record_path
-from ftmaster.recovery.torchrun import torchrun_argv
+from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 
 EXIT_SIGNAL_FLAG = "--exit-signal-handler"
 # How the trainer states an error it diagnosed itself (megatron.training.console.error).
@@ -33,10 +33,12 @@ TRAINER_ERROR_PREFIX = "error: "
 TORCHRUN_FAILURE_REPORT = re.compile(r"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
 
 
-def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable) -> list[str]:
+def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable,
+                 world: StaticWorld | None = None) -> list[str]:
     """``guard exec torchrun ... -m ftmaster.guard rank SCRIPT ARGS`` as one argv list."""
     guarded = ["-m", "ftmaster.guard", "rank", *command]
-    return [python, "-m", "ftmaster.guard", "exec", *torchrun_argv(guarded, nproc, python=python)]
+    return [python, "-m", "ftmaster.guard", "exec",
+            *torchrun_argv(guarded, nproc, python=python, world=world)]
 
 
 def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
@@ -82,8 +84,9 @@ class ExitReport:
     """Why an attempt's ranks ended: the first failed rank decides the cause."""
 
     cause: str
-    """``exit`` (the process died: a GPU, the script or a signal), or what the trainer's exit
-    status says (``nonfinite``, ``storage``, ``no_checkpoint``, ``usage``): those are never
+    """``exit`` (the process died: a GPU, the script or a signal), ``peer`` (it raised because
+    a collective lost another process: the failure is elsewhere), or what the trainer's exit
+    status says (``nonfinite``, ``storage``, ``no_checkpoint``, ``usage``). Only ``exit`` is
     put on a GPU."""
     gpus: tuple[int, ...]
     exit_codes: dict[str, int]
@@ -92,17 +95,27 @@ class ExitReport:
     """The local rank that failed first, whose error is the root cause; None if unknown."""
 
 
-def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int]) -> ExitReport:
-    """The cause of failed ranks (by local rank); GPUs only for a plain ``exit``.
+# What a rank raises when a collective loses the process at its other end (gloo, NCCL).
+PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|NCCL communicator was "
+                       r"aborted|DistNetworkError|remote process exited", re.IGNORECASE)
+
+
+def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int],
+                   errors: dict[int, str] | None = None) -> ExitReport:
+    """The cause of failed ranks (by local rank, with the errors they recorded); GPUs only
+    for a plain ``exit``.
 
     When one rank fails, its peers fail after it (a reset connection, torchrun's SIGTERM), so
-    the first to end is the root cause.
+    the first to end is the root cause; when even that one lost a peer, the root cause is on
+    another node.
     """
     codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
     if not failed:
         return ExitReport("exit", (), codes, None)
     first = min(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
     cause = TRAINER_CAUSES.get(failed[first].exit_code, "exit")
+    if cause == "exit" and PEER_LOST.search((errors or {}).get(first, "")):
+        cause = "peer"
     involved = tuple(sorted(gpus[r] for r in failed)) if cause == "exit" else ()
     return ExitReport(cause, involved, codes, first)
 
@@ -137,11 +150,11 @@ class Attempt:
     ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA."""
 
     def __init__(self, run_dir: Path, number: int, command: Sequence[str],
-                 gpus: Sequence[int], env: dict[str, str]) -> None:
+                 gpus: Sequence[int], env: dict[str, str], world: StaticWorld | None = None) -> None:
         self.number = number
         self.gpus = tuple(gpus)
         self.command = list(command)
-        self.argv = attempt_argv(self.command, len(self.gpus))
+        self.argv = attempt_argv(self.command, len(self.gpus), world=world)
         self.log_path = runfiles.logs_dir(run_dir) / f"attempt_{number}.log"
         self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +176,17 @@ class Attempt:
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    def recorded_errors(self, local_ranks) -> dict[int, str]:
+        """The exception message each of these ranks recorded, where it left one."""
+        found = {}
+        for local_rank in local_ranks:
+            try:
+                body = json.loads(error_file_path(self.rank_dir, local_rank).read_text())
+                found[local_rank] = str(body["message"]["message"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
 
     def root_cause(self, local_rank: int | None, tail_lines: int) -> str:
         """What to show for a failure: the first failed rank's recorded exception, else the

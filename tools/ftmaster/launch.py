@@ -24,10 +24,13 @@ from typing import Sequence
 
 import click
 
+from ftmaster import exit_codes
 from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.lock import RunDirLock, RunDirLocked
+from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
+                                 StoreLost, parse_conf, parse_nnodes)
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
@@ -36,7 +39,7 @@ from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
-from ftmaster.supervisor import Supervisor, SupervisorConfig
+from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
     """The job's GPUs from ``CUDA_VISIBLE_DEVICES``, the driver (probed only when needed, and
@@ -238,39 +241,108 @@ def _console_logging() -> None:
                    "until a recover; wedge: every telemetry read of the GPU blocks, as a wedged "
                    "driver does; nan: the rank's loss and gradients become NaN at that "
                    "iteration; recover: the GPU comes back (and forgets its XID and wedge).")
+@click.option("--nnodes", default=None, metavar="N|MIN:MAX",
+              help="Nodes of the job, as torchrun takes them; each node runs one ftmaster. "
+                   "Default (or 1): this node alone.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST[:PORT]",
+              help=f"The rendezvous store (port {DEFAULT_PORT} by default); with c10d, the ftmaster "
+                   "on that host serves it.")
+@click.option("--rdzv-backend", default="c10d", show_default=True, type=click.Choice(BACKENDS))
+@click.option("--rdzv-id", default=None,
+              help="The job's id, the same on every node. Default: the --run-dir's name.")
+@click.option("--rdzv-conf", default=None, metavar="K=V,...",
+              help="torch elastic's rendezvous settings: join_timeout, last_call_timeout, "
+                   "keep_alive_interval, keep_alive_max_attempt, read_timeout, is_host...")
+@click.option("--node-rank", default=None, type=click.IntRange(min=0),
+              help="This node's stable identity: plans order nodes by it, never by hostname.")
+@click.option("--local-addr", default=None,
+              help="The address other nodes reach this node at. Default: its FQDN.")
+@click.option("--scale-up", default="at-save", show_default=True,
+              type=click.Choice(SCALE_UP_POLICIES),
+              help="When a node joins a running job: re-form now, or after an agreed save.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
-def launch_command(ctx: click.Context, nproc_per_node: int | None, gpus_per_node: int | None,
-                   run_dir: Path | None, monitor_backend: str, monitor_interval: float, scorer: str,
-                   risk_threshold: float, policy: str, max_restarts: int, hang_timeout: float,
-                   startup_timeout: float, wait_timeout: float, stop_timeout: float,
-                   plan_mode: str, gpu_memory_gb: float | None, progress_interval: float,
-                   seed: int, inject_specs: tuple[str, ...], command: tuple[str, ...]) -> None:
+def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> None:
     """Train SCRIPT under torchrun; on a failure, replan TP/PP/DP and resume unattended."""
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
-    devices = job_gpus(nproc_per_node, monitor_backend)
-    gpus = devices.ids
-    injections = _injections(inject_specs, gpus)
-    first_plan = check_layout(argv, len(gpus), gpus_per_node, gpu_memory_gb)
-    check_trainer_arguments(argv, len(gpus))
-    config = SupervisorConfig(
-        run_dir=run_dir or default_run_dir(), command=tuple(argv), first_plan=first_plan,
-        gpus=gpus, devices=devices, gpus_per_node=gpus_per_node, policy=policy, max_restarts=max_restarts,
-        hang_timeout_s=hang_timeout, startup_timeout_s=startup_timeout,
-        wait_timeout_s=wait_timeout, stop_timeout_s=stop_timeout, plan_mode=plan_mode,
-        gpu_memory_gb=gpu_memory_gb, injections=injections, progress_interval_s=progress_interval)
+    rendezvous = rendezvous_config(options)
+    devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
+    config = supervisor_config(argv, devices, rendezvous, options)
     _console_logging()
-    backend = _backend(monitor_backend, gpus, seed)
+    backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
         lock = _lock_run_dir(config.run_dir)
     except click.ClickException:
         backend.close()
         raise
     try:
-        monitor = _monitor(backend, config.run_dir, seed, monitor_interval, scorer, risk_threshold)
-        code = _supervise(Supervisor(config, monitor), monitor, Listener(config.run_dir))
+        monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
+                           options["scorer"], options["risk_threshold"])
+        membership = _membership(rendezvous)
+        code = _supervise(Supervisor(config, monitor, membership), monitor,
+                          Listener(config.run_dir))
     finally:
         lock.release()
     sys.exit(code)
+
+
+def rendezvous_config(options: dict) -> RendezvousConfig | None:
+    """The rendezvous of a multi-node job; None for one node (``--nnodes`` absent or 1)."""
+    if options["nnodes"] is None:
+        return None
+    try:
+        min_nodes, max_nodes = parse_nnodes(options["nnodes"])
+        if max_nodes == 1:
+            return None
+        for name in ("rdzv_endpoint", "node_rank", "run_dir"):
+            if options[name] is None:
+                raise ValueError(f"--nnodes {options['nnodes']} needs --{name.replace('_', '-')}"
+                                 + (" (a folder every node can write, shared)" if name == "run_dir"
+                                    else ""))
+        return RendezvousConfig(
+            endpoint=options["rdzv_endpoint"], run_id=options["rdzv_id"] or options["run_dir"].name,
+            min_nodes=min_nodes, max_nodes=max_nodes, node_rank=options["node_rank"],
+            backend=options["rdzv_backend"], local_addr=options["local_addr"],
+            conf=parse_conf(options["rdzv_conf"]))
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousConfig | None,
+                      options: dict) -> SupervisorConfig:
+    """Everything checked, as the supervisor's configuration. Across nodes each node keeps its
+    files in ``RUN_DIR/node_<R>``, and the first rendezvous round plans the layout."""
+    gpus = devices.ids
+    injections = _injections(options["inject_specs"], gpus)
+    run_dir = options["run_dir"] or default_run_dir()
+    world = len(gpus) if rendezvous is None else len(gpus) * rendezvous.max_nodes
+    first_plan = None
+    if rendezvous is None:
+        first_plan = check_layout(argv, len(gpus), options["gpus_per_node"],
+                                  options["gpu_memory_gb"])
+    else:
+        run_dir = run_dir / f"node_{rendezvous.node_rank}"
+    check_trainer_arguments(argv, world)
+    return SupervisorConfig(
+        run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
+        gpus_per_node=options["gpus_per_node"], policy=options["policy"],
+        max_restarts=options["max_restarts"], hang_timeout_s=options["hang_timeout"],
+        startup_timeout_s=options["startup_timeout"], wait_timeout_s=options["wait_timeout"],
+        stop_timeout_s=options["stop_timeout"], plan_mode=options["plan_mode"],
+        gpu_memory_gb=options["gpu_memory_gb"], injections=injections,
+        progress_interval_s=options["progress_interval"], scale_up=options["scale_up"],
+        original_world_size=world)
+
+
+def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:
+    if rendezvous is None:
+        return None
+    try:
+        return NodeMembership(rendezvous)
+    except StoreLost as lost:
+        logging.getLogger("ftmaster").error("%s; requeue the job (exit status 75)", lost)
+        sys.exit(exit_codes.REQUEUE)
+    except ValueError as error:
+        raise InputError(str(error)) from None

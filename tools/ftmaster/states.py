@@ -12,6 +12,14 @@ Pure: no processes, files or clocks, so every transition and decision is table-t
                            │                        └─risk_cleared─> RUNNING
                            └─signalled─> STOPPING ─stopped─> INTERRUPTED
 
+Across nodes (``--nnodes``) the supervisor starts in PLANNING, whose plan is agreed in a
+rendezvous round with the other nodes, and three more paths exist::
+
+    RUNNING / DRAINING ─peers_waiting─> PLANNING        (a peer failed, or a node joined)
+    PLANNING ─standby─> STANDBY ─peers_waiting─> PLANNING   (this node got no ranks: a spare)
+                           ├─completed─> SUCCEEDED  ├─give_up─> GAVE_UP   (the job ended elsewhere)
+    any live state ─store_lost─> REQUEUED             (exit 75: the rendezvous store is gone)
+
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
 or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if
 that GPU's risk is still critical; a risk that fell back (a false alarm) leaves training
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from ftmaster import exit_codes
 
 POLICIES = ("available", "wait", "drain")
 EARLY_EXITS_TO_GIVE_UP = 2
@@ -37,9 +47,11 @@ class State(enum.Enum):
     PLANNING = "planning"
     RELAUNCHING = "relaunching"
     STOPPING = "stopping"
+    STANDBY = "standby"
     SUCCEEDED = "succeeded"
     GAVE_UP = "gave_up"
     INTERRUPTED = "interrupted"
+    REQUEUED = "requeued"
 
 
 class Trigger(enum.Enum):
@@ -58,10 +70,13 @@ class Trigger(enum.Enum):
     WAIT_TIMED_OUT = "wait_timed_out"
     PLANNED = "planned"
     NO_LAYOUT = "no_layout"
+    STANDBY = "standby"
+    PEERS_WAITING = "peers_waiting"
+    STORE_LOST = "store_lost"
 
 
 S, T = State, Trigger
-IDLE_STATES = frozenset({S.STARTING, S.RELAUNCHING, S.FAILED, S.WAITING, S.PLANNING})
+IDLE_STATES = frozenset({S.STARTING, S.RELAUNCHING, S.FAILED, S.WAITING, S.PLANNING, S.STANDBY})
 _TRAINING_EXITS = {T.COMPLETED: S.SUCCEEDED, T.FAILURE: S.FAILED, T.SIGNALLED: S.STOPPING}
 TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.STARTING, T.LAUNCHED): S.RUNNING,
@@ -80,8 +95,17 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
     (S.STOPPING, T.STOPPED): S.INTERRUPTED,
     **{(state, T.SIGNALLED): S.INTERRUPTED for state in IDLE_STATES},
+    (S.RUNNING, T.PEERS_WAITING): S.PLANNING,
+    (S.DRAINING, T.PEERS_WAITING): S.PLANNING,
+    (S.PLANNING, T.STANDBY): S.STANDBY,
+    (S.PLANNING, T.GIVE_UP): S.GAVE_UP,
+    (S.PLANNING, T.COMPLETED): S.SUCCEEDED,
+    (S.STANDBY, T.PEERS_WAITING): S.PLANNING,
+    (S.STANDBY, T.COMPLETED): S.SUCCEEDED,
+    (S.STANDBY, T.GIVE_UP): S.GAVE_UP,
 }
-TERMINAL = frozenset({S.SUCCEEDED, S.GAVE_UP, S.INTERRUPTED})
+TERMINAL = frozenset({S.SUCCEEDED, S.GAVE_UP, S.INTERRUPTED, S.REQUEUED})
+TRANSITIONS.update({(state, T.STORE_LOST): S.REQUEUED for state in State if state not in TERMINAL})
 
 
 class IllegalTransition(RuntimeError):
@@ -139,9 +163,12 @@ def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: 
 
 
 def exit_status(state: State, signum: int | None) -> int:
-    """ftmaster's exit status: 0 succeeded, 1 gave up, 128 + N when stopped by signal N."""
+    """ftmaster's exit status: 0 succeeded, 1 gave up, 75 (EX_TEMPFAIL) when the rendezvous
+    store is gone and the job must be requeued, 128 + N when stopped by signal N."""
     if state is State.SUCCEEDED:
         return 0
     if state is State.INTERRUPTED:
         return 128 + (signum or 0)
+    if state is State.REQUEUED:
+        return exit_codes.REQUEUE
     return 1

@@ -33,6 +33,16 @@ checkpoint: those end the run at once, with the root cause (the first failed ran
 exception) on the console. Training that has finished and made its last checkpoint durable is
 never a hang, however long its exit takes.
 
+**Across nodes** (a :class:`~ftmaster.membership.NodeMembership`), every plan is agreed in a
+rendezvous round: this node publishes the GPUs it can schedule, every node runs the same
+planner on the same per-node list (``plan_nodes``), and each starts a static torchrun for
+that generation with its share of the ranks; a node given none stands by. A failure here
+joins the next round; a peer waiting for one (a failure elsewhere, or a node that joined)
+stops the local attempt and joins too: at once with ``scale_up="now"``, after an agreed save
+with ``"at-save"``. The restart budget counts rounds, job-wide. When the rendezvous store is
+gone, the local attempt is killed and the supervisor ends with exit status 75: requeue the
+job. Only the end of the whole job closes the rendezvous.
+
 **Continuity.** Attempt numbers continue those already in the run directory: a supervisor
 started again on it (after its predecessor was killed) records the attempt that died with it
 as a ``supervisor_lost`` failure and resumes from ``--save``.
@@ -65,11 +75,13 @@ from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_sig
 from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, new_events
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
+from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
-from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
+from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout, plan_nodes
+from ftmaster.recovery.torchrun import StaticWorld
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status)
 
@@ -79,6 +91,7 @@ CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
 CUDA_ERROR_SIGNAL = signal.SIGUSR2
 # How long a decision waits for the monitor's fresh sample (reads are bounded well below).
 EVIDENCE_TIMEOUT_S = 5.0
+SCALE_UP_POLICIES = ("now", "at-save")
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -90,8 +103,9 @@ class SupervisorConfig:
     """The run directory (DESIGN's contract); attempt logs go to its ``logs/``."""
     command: tuple[str, ...]
     """``SCRIPT ARGS...`` as the user gave them; every relaunch is planned from these."""
-    first_plan: Plan
-    """The layout of the first attempt, checked against all of ``gpus``."""
+    first_plan: Plan | None
+    """The layout of the first attempt, checked against all of ``gpus``; None across nodes,
+    where the first rendezvous round plans it."""
     gpus: tuple[int, ...]
     """GPU ids of the first attempt, in local-rank order."""
     devices: JobGpus | None = None
@@ -116,19 +130,28 @@ class SupervisorConfig:
     """The planner's mode."""
     gpu_memory_gb: float | None = None
     """Per-GPU memory for the planner's estimate; None: not checked."""
+    original_world_size: int | None = None
+    """GPUs of the whole job as launched, for a command without ``--global-batch-size``
+    (Megatron derives it from the layout); None: this node's ``gpus``."""
     injections: tuple[Injection, ...] = ()
     """Faults to inject (rehearsals)."""
     progress_interval_s: float = 10.0
     """Seconds between progress lines on the console."""
+    scale_up: str = "at-save"
+    """Across nodes, when a peer waits for a new round: ``now`` stops training at once;
+    ``at-save`` first asks for an agreed save, and stops once it is durable."""
 
     def __post_init__(self) -> None:
         if not self.command:
             raise ValueError("the training command is empty")
         if not self.gpus or len(set(self.gpus)) != len(self.gpus):
             raise ValueError(f"gpus must be distinct and non-empty, got {list(self.gpus)}")
-        if self.first_plan.num_gpus_used != len(self.gpus):
+        if self.first_plan is not None and self.first_plan.num_gpus_used != len(self.gpus):
             raise ValueError(f"the first plan uses {self.first_plan.num_gpus_used} GPUs, "
                              f"not the {len(self.gpus)} given")
+        if self.scale_up not in SCALE_UP_POLICIES:
+            raise ValueError(f"scale-up must be one of {', '.join(SCALE_UP_POLICIES)}, got "
+                             f"{self.scale_up!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.plan_mode not in MODES:
@@ -163,10 +186,15 @@ class Injector:
 
 
 class Supervisor:
-    def __init__(self, config: SupervisorConfig, monitor: Monitor) -> None:
+    def __init__(self, config: SupervisorConfig, monitor: Monitor,
+                 membership: NodeMembership | None = None) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.monitor = monitor
+        self.membership = membership
+        self.round: Round | None = None
+        self.world: StaticWorld | None = None
+        self._rejoin_requested_at: float | None = None
         monitor.on_alert = self._on_alert
         self.injector = Injector(config.injections)
         self.attempt: Attempt | None = None
@@ -199,6 +227,7 @@ class Supervisor:
             State.STARTING: self._launch, State.RELAUNCHING: self._launch,
             State.RUNNING: self._watch, State.DRAINING: self._drain, State.FAILED: self._decide,
             State.WAITING: self._wait, State.PLANNING: self._plan, State.STOPPING: self._stop,
+            State.STANDBY: self._standby,
         }
 
     # -- entry points --------------------------------------------------------------------------
@@ -209,12 +238,16 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until a terminal state; returns ftmaster's exit status."""
-        state = State.STARTING
+        # Across nodes even the first layout is agreed in a rendezvous round.
+        state = State.STARTING if self.membership is None else State.PLANNING
         try:
             while state not in TERMINAL:
                 # A signal where nothing trains needs no handler: nothing to save or stop.
                 idle_stop = state in IDLE_STATES and self._stop_requested.is_set()
-                trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
+                try:
+                    trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
+                except StoreLost as lost:
+                    trigger = self._store_lost(lost)
                 new_state = advance(state, trigger)
                 log.info("state: %s -> %s (%s)", state.value, new_state.value, trigger.value)
                 state = new_state
@@ -318,7 +351,7 @@ class Supervisor:
         failed = attempt.failed_ranks()
         code = attempt.exit_code()
         if failed or (code is not None and code != 0):
-            report = classify_exits(failed, attempt.gpus)
+            report = classify_exits(failed, attempt.gpus, attempt.recorded_errors(failed))
             return self._failure(report.cause, iteration, list(report.gpus),
                                  report.exit_codes or {"torchrun": code}, report.first_local_rank)
         if code == 0:
@@ -330,13 +363,44 @@ class Supervisor:
             return self._wait_for_exit_after_finishing()
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
+        if self.membership is not None and self.membership.peers_waiting():
+            return self._rejoin(iteration)
         return None
+
+    def _rejoin(self, iteration: int | None) -> Trigger | None:
+        """A peer waits for a new round: stop here and join it, at once (``scale_up`` now)
+        or once a save asked for now is durable (``at-save``). A peer that failed makes
+        this attempt's collectives fail first anyway, which joins the round as a failure."""
+        if self.config.scale_up == "at-save":
+            if self._rejoin_requested_at is None:
+                self._rejoin_requested_at = time.time()
+                runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), source="rendezvous",
+                                    reason="a node waits for a new round")
+                log.info("a node waits for a new round: asking for a save first")
+            if not self._saved_since(self._rejoin_requested_at):
+                return None
+        self._rejoin_requested_at = None
+        self._event("failure", attempt=self.attempt.number, iteration=self._state_iteration(),
+                    cause="peer", gpus=[], exit_codes={},
+                    before_first_iteration=iteration is None, unfit_gpus=[])
+        log.warning("attempt %d stopped: a node waits for a new round", self.attempt.number)
+        self.attempt.kill()
+        return Trigger.PEERS_WAITING
 
     def _complete(self) -> Trigger:
         self._follow_events()
         self._event("complete", iteration=self._state_iteration())
         log.info("training complete at iteration %d", self._state_iteration())
+        if self.membership is not None:
+            self.membership.end_job("complete")
         return Trigger.COMPLETED
+
+    def _store_lost(self, lost: StoreLost) -> Trigger:
+        if self.attempt is not None:
+            self.attempt.kill()
+        self._event("store_lost", reason=str(lost))
+        log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
+        return Trigger.STORE_LOST
 
     def _wait_for_exit_after_finishing(self) -> Trigger | None:
         """Training ended with its last checkpoint durable: only its exit remains. One that
@@ -429,7 +493,8 @@ class Supervisor:
         devices = self.config.devices or JobGpus(self.config.gpus)
         self.monitor.watch(gpus)
         self.attempt = Attempt(self.run_dir, number, command, gpus,
-                               {**devices.cuda_env(gpus), **self._armed_injections(gpus)})
+                               {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
+                               world=self.world)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.progress = Progress(self.attempt.log_path, self._train_iters(),
                                  self.config.progress_interval_s, time.time())
@@ -545,6 +610,8 @@ class Supervisor:
     def _give_up(self, reason: str) -> None:
         self._event("gave_up", reason=reason)
         log.error("giving up: %s", reason)
+        if self.membership is not None:
+            self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: {reason}")
 
     def _wait(self) -> Trigger:
         waited_for = sorted(self._waitable_gpus())
@@ -574,6 +641,8 @@ class Supervisor:
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         self._retire(self._unfit_gpus())
         available = [g for g in self.config.gpus if g not in self.retired]
+        if self.membership is not None:
+            return self._plan_round(available)
         try:
             plan = plan_layout(self.config.command, len(available), self.config.gpus_per_node,
                                mode=self.config.plan_mode, gpu_memory_gb=self.config.gpu_memory_gb,
@@ -583,10 +652,89 @@ class Supervisor:
             return Trigger.NO_LAYOUT
         self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
         self.restarts += 1
+        self._plan_event(available)
+        return Trigger.PLANNED
+
+    def _plan_event(self, available: list[int], **fields) -> None:
         self._event("plan", gpus_available=available,
                     gpus_retired=[{"gpu": g, "reason": why} for g, why in sorted(self.retired.items())],
-                    **{k: v for k, v in plan.as_json().items() if k != "command"})
+                    **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
+
+    def _plan_round(self, available: list[int]) -> Trigger:
+        """Join a rendezvous round, plan on every node's GPUs, and take this node's share."""
+        try:
+            joined = self._join(available)
+        except JobEnded as ended:
+            return self._job_ended(ended.outcome)
+        except JoinTimedOut as error:
+            self._give_up(f"too few nodes joined the rendezvous: {error}")
+            return Trigger.NO_LAYOUT
+        if joined is None:
+            return Trigger.SIGNALLED
+        self.round = joined
+        self.restarts = joined.number - 1
+        try:
+            plan = plan_nodes(self.config.command, joined.node_gpus, mode=self.config.plan_mode,
+                              gpu_memory_gb=self.config.gpu_memory_gb,
+                              original_world_size=self.config.original_world_size)
+        except PlanError as error:
+            self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
+            return Trigger.NO_LAYOUT
+        mine = plan.ranks_per_node[joined.me]
+        active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
+        self.plan, self.next_gpus = plan, tuple(available[:mine])
+        self._plan_event(available, round=joined.number,
+                         nodes=[node.node_rank for node in joined.nodes])
+        if not mine:
+            log.info("round %d: no ranks for this node; standing by", joined.number)
+            return Trigger.STANDBY
+        master = joined.nodes[active[0]]
+        self.world = StaticWorld(len(active), active.index(joined.me), master.addr, master.port)
+        log.info("round %d: %d node(s), ranks per node %s; this node runs %d as node %d, master "
+                 "%s:%d", joined.number, len(active), list(plan.ranks_per_node), mine,
+                 self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
+
+    def _join(self, available: list[int]) -> Round | None:
+        """Join the next round on a thread (it blocks until the round completes), so that a
+        signal still ends the run at once; None when one did."""
+        outcome: list = []
+
+        def join() -> None:
+            try:
+                outcome.append(self.membership.join(available))
+            except BaseException as error:  # handed to the supervisor's thread
+                outcome.append(error)
+
+        log.info("joining a rendezvous round with GPU(s) %s", available)
+        thread = threading.Thread(target=join, name="ftmaster-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if self._stop_requested.wait(self.config.poll_interval_s):
+                return None
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _job_ended(self, outcome: str) -> Trigger:
+        """The job ended on other nodes while this one waited."""
+        self.membership.acknowledge()
+        if outcome == "complete":
+            log.info("the job completed on the other nodes")
+            return Trigger.COMPLETED
+        self._event("gave_up", reason=outcome)
+        log.error("the job ended: %s", outcome)
+        return Trigger.GIVE_UP
+
+    def _standby(self) -> Trigger:
+        """No ranks here this round: a spare, until a new round or the end of the job."""
+        while not self._stop_requested.wait(self.config.poll_interval_s):
+            outcome = self.membership.outcome()
+            if outcome is not None:
+                return self._job_ended(outcome)
+            if self.membership.peers_waiting():
+                return Trigger.PEERS_WAITING
+        return Trigger.SIGNALLED
 
     def _stop(self) -> Trigger:
         log.warning("signal %s: asking training to save and exit", self.signum)

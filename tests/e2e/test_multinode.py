@@ -1,0 +1,139 @@
+"""Multi-node ftmaster on one machine: 2 real ftmaster processes (node ranks 0 and 1, 2 CPU
+ranks each) joined through torch elastic's c10d rendezvous on loopback, sim GPUs, gloo."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
+from helpers.launch import processes_mentioning, train_args
+from helpers.multinode import Nodes
+from helpers.trainer import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def plans(nodes, node_rank):
+    return [(p["round"], p["nodes"], p["ranks_per_node"], p["tensor_model_parallel_size"],
+             p["data_parallel_size"]) for p in nodes.events(node_rank, "plan")]
+
+
+def test_a_lost_node_is_replanned_around_on_the_gpus_left(tmp_path):
+    """The issue's node loss: TP2 x PP1 x DP2 over 2 nodes, node 1's ftmaster SIGKILLed."""
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5))
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(0) >= 10, timeout=300, interval=0.1,
+                   what="iteration 10 on node 0")
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.processes[1].wait() == -signal.SIGKILL
+    finally:
+        nodes.kill_all()
+    assert plans(nodes, 0) == [(1, [0, 1], [2, 2], 2, 2), (2, [0], [2], 2, 1)]
+    failures = nodes.events(0, "failure")
+    assert [(f["attempt"], f["cause"], f["gpus"]) for f in failures] == [(1, "peer", [])]
+    (loaded,) = nodes.events(0, "checkpoint_loaded")
+    assert loaded["iteration"] >= 5 and loaded["iteration"] % 5 == 0
+    assert nodes.events(0, "complete")[0]["iteration"] == 30
+    assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
+    assert not processes_mentioning(str(nodes.run_dir))
+
+
+def test_uneven_nodes_after_a_gpu_loss_and_an_emergency_save_on_every_node(tmp_path):
+    """Node 1 loses GPU 1: both replan to TP1 x PP1 x DP3, node 0 running 2 ranks, node 1 one.
+    Before that, an alert on node 1's GPU 1 asks for an emergency save, which every node takes."""
+    save = tmp_path / "ckpt"
+    args = train_args(save, 40, 2, 1, 100, "--emergency-save-gap-frac", "0.02")
+    nodes = Nodes(tmp_path, 2, args, "--seed", "2")
+    try:
+        nodes.start_all(2, (), ("--inject", "degrade:gpu=1,at=iter:3",
+                                "--inject", "fail:gpu=1,at=iter:12"))
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    for node_rank in (0, 1):
+        assert plans(nodes, node_rank)[-1] == (2, [0, 1], [2, 1], 1, 3)
+        assert nodes.events(node_rank, "complete")[0]["iteration"] == 40
+    alerts = [e for e in nodes.events(1, "risk_alert") if "device_lost" not in e["reasons"]]
+    assert alerts and alerts[0]["gpu"] == 1 and not nodes.events(0, "risk_alert")
+    saved = [e["iteration"] for e in nodes.events(1, "emergency_save")]
+    assert saved and saved == [e["iteration"] for e in nodes.events(0, "emergency_save")]
+    (lost,) = [f for f in nodes.events(1, "failure") if f["cause"] != "peer"]
+    assert lost["gpus"] == [1]
+    assert [r["gpu"] for r in nodes.events(1, "plan")[-1]["gpus_retired"]] == [1]
+    assert read_tracker(save) == 40
+
+
+def test_losing_the_node_that_hosts_the_store_makes_every_other_node_exit_75(tmp_path):
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 500, 2, 1, 50))
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(1) >= 3, timeout=300, interval=0.1,
+                   what="training on node 1")
+        killed_at = time.monotonic()
+        os.kill(nodes.processes[0].pid, signal.SIGKILL)  # node 0 started first: the store host
+        assert nodes.wait(1, timeout=120) == 75, nodes.output(1)[-4000:]
+        exited_after = time.monotonic() - killed_at
+        print(f"node 1 exited {exited_after:.1f} s after the store host was killed")
+    finally:
+        nodes.kill_all()
+    assert exited_after < 60, exited_after  # the default read_timeout; it notices far sooner
+    assert "requeue the job (exit status 75)" in nodes.output(1)
+    assert nodes.events(1, "store_lost")
+    wait_until(lambda: not processes_mentioning(str(nodes.run_dir)), timeout=30,
+               what="no process of the job left")
+
+
+def test_a_node_that_comes_back_rejoins_after_an_agreed_save(tmp_path):
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 1, 10))
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(0) >= 5, timeout=300, interval=0.1, what="training")
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)
+        nodes.processes[1].wait()
+        wait_until(lambda: len(nodes.events(0, "plan")) == 2, timeout=120, interval=0.2,
+                   what="node 0 planning alone")
+        nodes.start(1)  # the node is back
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    assert [p[:3] for p in plans(nodes, 0)] == [(1, [0, 1], [2, 2]), (2, [0], [2]),
+                                                (3, [0, 1], [2, 2])]
+    rejoined = [f for f in nodes.events(0, "failure") if f["attempt"] == 2]
+    assert [f["cause"] for f in rejoined] == ["peer"]
+    # at-save: the save asked for when node 1 came back is durable before the new round
+    asked = next(e for e in nodes.events(0, "checkpoint_request") if e["source"] == "rendezvous")
+    saved = [e for e in nodes.events(0, "emergency_save") if e["time"] > asked["time"]]
+    assert saved and saved[0]["time"] < rejoined[0]["time"]
+    back = nodes.events(1, "failure")
+    assert back[0]["cause"] == "supervisor_lost"  # the killed node's own record, continued
+    assert nodes.events(1, "checkpoint_loaded")[-1]["iteration"] == saved[0]["iteration"]
+    assert read_tracker(save) == 40
+
+
+def test_a_hang_on_one_node_makes_every_node_replan(tmp_path):
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5), "--hang-timeout", "8")
+    try:
+        nodes.start_all(2, (), ("--inject", "hang:gpu=0,at=iter:6"))
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    hang = nodes.events(1, "failure")[0]
+    assert (hang["cause"], hang["gpus"]) == ("hang", [0])
+    # node 0's ranks wait on the stopped one: they lose it (peer) or stop too (hang), never on
+    # a GPU of their own
+    first = nodes.events(0, "failure")[0]
+    assert first["cause"] in ("peer", "hang") and first["gpus"] == []
+    for node_rank in (0, 1):  # a hang retires nothing: the same layout again
+        assert [p[:3] for p in plans(nodes, node_rank)] == [(1, [0, 1], [2, 2]), (2, [0, 1], [2, 2])]
+        assert nodes.events(node_rank, "complete")[0]["iteration"] == 30

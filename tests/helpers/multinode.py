@@ -1,0 +1,75 @@
+"""Several ftmaster nodes on one machine: real processes joined through torch elastic's c10d
+rendezvous on loopback, each with its own node rank and folder in one shared run dir."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ftmaster import runfiles
+from helpers.trainer import PRETRAIN, REPO, free_port, trainer_env
+
+# Short enough for tests: a dead node is dropped 3 s after its last keep-alive, a round with
+# fewer than the most nodes closes 2 s after the least joined.
+FAST_RENDEZVOUS = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+
+
+class Nodes:
+    """The ftmaster processes of one multi-node job; each node's output in ``node<R>.out``."""
+
+    def __init__(self, root: Path, nproc: int, args: list[str], *options: str,
+                 nnodes: str = "1:2") -> None:
+        self.root, self.nproc, self.args, self.options = Path(root), nproc, args, options
+        self.run_dir = self.root / "run"
+        self.port = free_port()
+        self.nnodes = nnodes
+        self.processes: dict[int, subprocess.Popen] = {}
+
+    def argv(self, node_rank: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", self.nnodes,
+                "--nproc-per-node", str(self.nproc), "--node-rank", str(node_rank),
+                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--local-addr", "127.0.0.1",
+                "--rdzv-conf", FAST_RENDEZVOUS, "--run-dir", str(self.run_dir),
+                "--monitor-backend", "sim", "--monitor-interval", "0.5", *self.options, *extra,
+                "--", PRETRAIN, *self.args]
+
+    def start(self, node_rank: int, *extra: str) -> subprocess.Popen:
+        """Start one node's ftmaster in a session of its own (so it can be killed whole)."""
+        out = open(self.output_path(node_rank), "a")
+        process = subprocess.Popen(self.argv(node_rank, *extra), stdout=out,
+                                   stderr=subprocess.STDOUT, env=trainer_env(), cwd=REPO,
+                                   start_new_session=True)
+        self.processes[node_rank] = process
+        return process
+
+    def start_all(self, count: int = 2, *extra_for: tuple[str, ...]) -> None:
+        """Node 0 first, so that it hosts the rendezvous store."""
+        for node_rank in range(count):
+            self.start(node_rank, *(extra_for[node_rank] if node_rank < len(extra_for) else ()))
+            time.sleep(1.0)
+
+    def output_path(self, node_rank: int) -> Path:
+        return self.root / f"node{node_rank}.out"
+
+    def output(self, node_rank: int) -> str:
+        return self.output_path(node_rank).read_text()
+
+    def node_dir(self, node_rank: int) -> Path:
+        return self.run_dir / f"node_{node_rank}"
+
+    def events(self, node_rank: int, name: str) -> list[dict]:
+        return [e for e in runfiles.read_events(self.node_dir(node_rank)) if e["event"] == name]
+
+    def iteration(self, node_rank: int) -> int:
+        return (runfiles.read_heartbeat(self.node_dir(node_rank)) or {}).get("iteration", 0)
+
+    def wait(self, node_rank: int, timeout: float = 600) -> int:
+        return self.processes[node_rank].wait(timeout=timeout)
+
+    def kill_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -1,0 +1,287 @@
+"""Which nodes train together, agreed through torch elastic's own rendezvous.
+
+Each node's ftmaster is one participant of torch's ``DynamicRendezvousHandler`` (c10d by
+default, etcd-v2 optional), created through torch's public registry. A **round** is:
+
+1. join: ``handler.next_rendezvous()`` returns once the round is complete (MAX nodes, or at
+   least MIN after ``last_call_timeout``), with the round's store;
+2. every node publishes its record in that store: node rank (``--node-rank``, its stable
+   identity), address, the GPUs it can schedule, and a free port it offers as master port;
+3. every node reads every record and orders them by node rank, never by hostname (torch's
+   own rendezvous ranks sort node descriptors as strings);
+4. the round number is a job-wide counter in the store, so the restart budget is the job's,
+   not one node's.
+
+Every node then runs the same pure planner on the same list (see ``plan_nodes``).
+
+A node that fails locally joins the next round; that puts it on the rendezvous wait list,
+which its peers see at their next poll (:meth:`NodeMembership.peers_waiting`), so they stop
+and join too. A node that died is dropped when its keep-alive expires (``keep_alive_interval``
+x ``keep_alive_max_attempt``, 5 s x 3 by default). Only the end of the whole job shuts the
+rendezvous down (:meth:`NodeMembership.end_job`): a node that exits otherwise never closes it
+for the others, unlike torchrun's agent.
+
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set: with torch 2.13's store sharing a joining
+node can hang waiting for a master address, and rank 0 moving to another node leaves a stale
+one (``research/multi-node-design.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+log = logging.getLogger("ftmaster")
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+BACKENDS = ("c10d", "etcd-v2")
+DEFAULT_PORT = 29400
+RECORD_TIMEOUT_S = 60.0
+ACK_TIMEOUT_S = 30.0
+
+
+class StoreLost(Exception):
+    """The rendezvous store cannot be reached: the job must be requeued."""
+
+
+class JobEnded(Exception):
+    """The rendezvous was closed: the job ended on another node, with ``outcome``."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+class JoinTimedOut(Exception):
+    """Too few nodes joined within ``join_timeout``."""
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` as torchrun takes them; ValueError (one line) otherwise."""
+    low, _, high = text.partition(":")
+    try:
+        min_nodes, max_nodes = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 1:4") from None
+    if not 1 <= min_nodes <= max_nodes:
+        raise ValueError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return min_nodes, max_nodes
+
+
+def parse_conf(text: str | None) -> dict[str, str]:
+    """``--rdzv-conf K=V,K=V`` as a dict; ValueError (one line) for a malformed entry."""
+    conf = {}
+    for entry in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = entry.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf entry {entry!r}: expected KEY=VALUE")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Where and how nodes meet (torchrun's option names)."""
+
+    endpoint: str
+    """``HOST:PORT`` of the rendezvous store (``--rdzv-endpoint``)."""
+    run_id: str
+    """The job's id, the same on every node (``--rdzv-id``)."""
+    min_nodes: int
+    """Fewest nodes a round may train with (``--nnodes MIN:MAX``)."""
+    max_nodes: int
+    """Most nodes a round takes; a round closes at once when this many joined."""
+    node_rank: int
+    """This node's stable identity (``--node-rank``): plans order nodes by it."""
+    backend: str = "c10d"
+    """``c10d`` (a TCPStore in one node's ftmaster) or ``etcd-v2`` (an etcd server, v2 API)."""
+    local_addr: str | None = None
+    """The address other nodes reach this one at (``--local-addr``); default its FQDN."""
+    conf: Mapping[str, str] = field(default_factory=dict)
+    """``--rdzv-conf``: join_timeout, last_call_timeout, keep_alive_interval, read_timeout..."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--rdzv-backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"need 1 <= min nodes <= max nodes, got {self.min_nodes}:{self.max_nodes}")
+        if self.node_rank < 0:
+            raise ValueError(f"--node-rank must be >= 0, got {self.node_rank}")
+        if not self.endpoint or not self.run_id:
+            raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
+
+    @property
+    def address(self) -> str:
+        return self.local_addr or socket.getfqdn()
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node tells the others in a round."""
+
+    node_rank: int
+    addr: str
+    gpus: tuple[int, ...]
+    """The GPUs it can schedule (its own NVML indices)."""
+    port: int
+    """A free port on ``addr``, the master port if this node hosts plan rank 0."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One agreed membership: the same on every node of the round."""
+
+    number: int
+    """Job-wide count of rounds so far (1 for the first)."""
+    nodes: tuple[NodeRecord, ...]
+    """Every node of the round, in node-rank order."""
+    me: int
+    """This node's index in ``nodes``."""
+
+    @property
+    def node_gpus(self) -> tuple[int, ...]:
+        return tuple(len(node.gpus) for node in self.nodes)
+
+
+def parse_record(data: bytes) -> NodeRecord:
+    body = json.loads(data)
+    return NodeRecord(int(body["node_rank"]), str(body["addr"]), tuple(body["gpus"]),
+                      int(body["port"]))
+
+
+def free_port(addr: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def order_records(records: Sequence[NodeRecord]) -> tuple[NodeRecord, ...]:
+    """The round's nodes by node rank; ValueError when two claim the same one."""
+    ordered = tuple(sorted(records, key=lambda r: r.node_rank))
+    for first, second in zip(ordered, ordered[1:]):
+        if first.node_rank == second.node_rank:
+            raise ValueError(f"two nodes ({first.addr} and {second.addr}) use --node-rank "
+                             f"{first.node_rank}: give each node its own")
+    return ordered
+
+
+class NodeMembership:
+    """This node's seat in the job's rendezvous."""
+
+    def __init__(self, config: RendezvousConfig, poll_s: float = 1.0) -> None:
+        self.config = config
+        self.poll_s = poll_s
+        self._checked_at = float("-inf")
+        self._waiting = False
+        self._round: Round | None = None
+        self._round_store = None
+        os.environ[SHARE_STORE_ENV] = "1"
+        self.handler = self._create_handler()
+
+    def _create_handler(self):
+        from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
+                                                          RendezvousParameters,
+                                                          rendezvous_handler_registry)
+
+        c = self.config
+        params = RendezvousParameters(c.backend, c.endpoint, c.run_id, c.min_nodes, c.max_nodes,
+                                      c.local_addr, **dict(c.conf))
+        try:
+            return rendezvous_handler_registry.create_handler(params)
+        except RendezvousConnectionError as error:
+            raise StoreLost(f"cannot reach the rendezvous store at {c.endpoint} ({error})") from None
+        except ImportError as error:  # etcd-v2 needs python-etcd
+            raise ValueError(f"the {c.backend} rendezvous backend needs {error.name} "
+                             f"(pip install python-etcd)") from None
+
+    # -- rounds ---------------------------------------------------------------------------
+    def join(self, gpus: Sequence[int]) -> Round:
+        """Join the next round with these schedulable GPUs; blocks until it completes."""
+        info = self._call(self.handler.next_rendezvous)
+        store = info.store
+        me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
+                        free_port(self.config.address))
+        keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
+        self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
+        self._call(store.wait, keys, timedelta(seconds=RECORD_TIMEOUT_S))
+        records = [parse_record(self._call(store.get, key)) for key in keys]
+        if info.rank == 0:
+            rounds = self._call(store.underlying_store.add, self._job_key("rounds"), 1)
+            self._call(store.set, "ftmaster/round", str(rounds))
+        number = int(self._call(store.get, "ftmaster/round"))
+        nodes = order_records(records)
+        self._round, self._round_store = Round(number, nodes, nodes.index(me)), store
+        self._checked_at, self._waiting = time.monotonic(), False
+        return self._round
+
+    def peers_waiting(self) -> bool:
+        """Whether a node waits to form a new round (a peer failed, or one joined); polled at
+        most every ``poll_s`` seconds, since every poll reads the rendezvous state."""
+        now = time.monotonic()
+        if now - self._checked_at >= self.poll_s:
+            self._checked_at = now
+            self._waiting = self._call(self.handler.num_nodes_waiting) > 0
+        return self._waiting
+
+    # -- the end of the job ---------------------------------------------------------------
+    def _job_key(self, name: str) -> str:
+        return f"ftmaster.{self.config.run_id}.{name}"
+
+    def outcome(self) -> str | None:
+        """How the job ended, once a node said so (see :meth:`end_job`)."""
+        base = self._round_store.underlying_store
+        key = self._job_key("outcome")
+        if not self._call(base.check, [key]):
+            return None
+        return self._call(base.get, key).decode()
+
+    def end_job(self, outcome: str) -> None:
+        """Say how the job ended, wait (bounded) until every node of the round has read it,
+        then close the rendezvous. The node hosting the store waits here too, so it does not
+        take the store away while a peer still needs it."""
+        if self._round_store is None:
+            return
+        base = self._round_store.underlying_store
+        try:
+            if not base.check([self._job_key("outcome")]):
+                base.set(self._job_key("outcome"), outcome)
+            self.acknowledge()
+            acks = [self._job_key(f"ack/{node.node_rank}") for node in self._round.nodes]
+            base.wait(acks, timedelta(seconds=ACK_TIMEOUT_S))
+            if self._round.me == 0:
+                self.handler.shutdown()
+        except Exception as error:  # the job is over; a store gone now changes nothing
+            log.info("rendezvous at the end of the job: %s", error)
+
+    def acknowledge(self) -> None:
+        self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+
+    def _call(self, fn, *args):
+        from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
+                                                          RendezvousConnectionError,
+                                                          RendezvousError,
+                                                          RendezvousTimeoutError)
+
+        try:
+            return fn(*args)
+        except RendezvousClosedError:
+            raise JobEnded(self.outcome_after_close()) from None
+        except RendezvousTimeoutError as error:
+            raise JoinTimedOut(str(error)) from None
+        except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
+                ConnectionError) as error:
+            raise StoreLost(f"the rendezvous store at {self.config.endpoint} is unreachable "
+                            f"({type(error).__name__}: {error})") from None
+
+    def outcome_after_close(self) -> str:
+        try:
+            found = self.outcome() if self._round_store is not None else None
+        except StoreLost:
+            found = None
+        return found or "ended"
