@@ -9,7 +9,8 @@ import pytest
 
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from helpers.launch import processes_mentioning, train_args
-from helpers.multinode import Nodes
+from helpers.multinode import FAST_RENDEZVOUS, Nodes
+from helpers.netns import can_make_hosts, make_two_hosts, remove_hosts
 from helpers.trainer import wait_until
 
 pytestmark = pytest.mark.slow
@@ -137,3 +138,36 @@ def test_a_hang_on_one_node_makes_every_node_replan(tmp_path):
     for node_rank in (0, 1):  # a hang retires nothing: the same layout again
         assert [p[:3] for p in plans(nodes, node_rank)] == [(1, [0, 1], [2, 2]), (2, [0, 1], [2, 2])]
         assert nodes.events(node_rank, "complete")[0]["iteration"] == 30
+
+
+@pytest.fixture
+def two_hosts():
+    problem = can_make_hosts()
+    if problem is not None:
+        pytest.skip(problem)
+    hosts = make_two_hosts(str(os.getpid() % 100000))
+    yield hosts
+    remove_hosts(*hosts)
+
+
+def test_a_silent_partition_is_caught_by_the_hang_timeout_then_the_keep_alive(tmp_path, two_hosts):
+    """Node 1's link goes down: no TCP reset, so node 0's collectives just block until its
+    hang timeout; the rendezvous drops node 1 once its keep-alive expires; node 1, cut off
+    from the store, exits 75 once its read times out."""
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 1, 5), "--hang-timeout", "8",
+                  hosts=two_hosts, conf=FAST_RENDEZVOUS + ",read_timeout=10")
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(0) >= 8, timeout=300, interval=0.1, what="training")
+        cut_at = time.time()
+        two_hosts[1].link("down")
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1, timeout=120) == 75, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    failure = nodes.events(0, "failure")[0]
+    assert (failure["cause"], failure["gpus"]) == ("hang", [])
+    assert failure["time"] - cut_at >= 8  # no reset: only the hang timeout can tell
+    assert plans(nodes, 0)[-1][:3] == (2, [0], [2])
+    assert nodes.events(0, "complete")[0]["iteration"] == 40

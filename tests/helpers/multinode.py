@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 
 from ftmaster import runfiles
+from helpers.netns import Host
 from helpers.trainer import PRETRAIN, REPO, free_port, trainer_env
+
+LOOPBACK = Host("", "127.0.0.1")
 
 # Short enough for tests: a dead node is dropped 3 s after its last keep-alive, a round with
 # fewer than the most nodes closes 2 s after the least joined.
@@ -20,26 +23,34 @@ class Nodes:
     """The ftmaster processes of one multi-node job; each node's output in ``node<R>.out``."""
 
     def __init__(self, root: Path, nproc: int, args: list[str], *options: str,
-                 nnodes: str = "1:2") -> None:
+                 nnodes: str = "1:2", hosts: tuple[Host, ...] = (), conf: str = FAST_RENDEZVOUS) -> None:
         self.root, self.nproc, self.args, self.options = Path(root), nproc, args, options
         self.run_dir = self.root / "run"
         self.port = free_port()
-        self.nnodes = nnodes
+        self.nnodes, self.hosts, self.conf = nnodes, hosts, conf
         self.processes: dict[int, subprocess.Popen] = {}
 
+    def host(self, node_rank: int) -> Host:
+        """Node R's host: its network namespace, or loopback when there are none."""
+        return self.hosts[node_rank] if self.hosts else LOOPBACK
+
     def argv(self, node_rank: int, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", self.nnodes,
+        host = self.host(node_rank)
+        prefix = host.prefix if host.name else []
+        return [*prefix, sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", self.nnodes,
                 "--nproc-per-node", str(self.nproc), "--node-rank", str(node_rank),
-                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--local-addr", "127.0.0.1",
-                "--rdzv-conf", FAST_RENDEZVOUS, "--run-dir", str(self.run_dir),
+                "--rdzv-endpoint", f"{self.host(0).addr}:{self.port}", "--local-addr", host.addr,
+                "--rdzv-conf", self.conf, "--run-dir", str(self.run_dir),
                 "--monitor-backend", "sim", "--monitor-interval", "0.5", *self.options, *extra,
                 "--", PRETRAIN, *self.args]
 
     def start(self, node_rank: int, *extra: str) -> subprocess.Popen:
         """Start one node's ftmaster in a session of its own (so it can be killed whole)."""
         out = open(self.output_path(node_rank), "a")
+        # In a namespace of its own a node has one interface for gloo: eth0.
+        env = trainer_env(GLOO_SOCKET_IFNAME="eth0") if self.hosts else trainer_env()
         process = subprocess.Popen(self.argv(node_rank, *extra), stdout=out,
-                                   stderr=subprocess.STDOUT, env=trainer_env(), cwd=REPO,
+                                   stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                    start_new_session=True)
         self.processes[node_rank] = process
         return process

@@ -28,6 +28,7 @@ one (``research/multi-node-design.md``).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
+
+from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
 
 log = logging.getLogger("ftmaster")
 
@@ -64,9 +67,9 @@ class JoinTimedOut(Exception):
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """``N`` or ``MIN:MAX`` as torchrun takes them; ValueError (one line) otherwise."""
-    low, _, high = text.partition(":")
+    low, sep, high = text.partition(":")
     try:
-        min_nodes, max_nodes = int(low), int(high or low)
+        min_nodes, max_nodes = int(low), int(high if sep else low)
     except ValueError:
         raise ValueError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 1:4") from None
     if not 1 <= min_nodes <= max_nodes:
@@ -120,6 +123,24 @@ class RendezvousConfig:
     def address(self) -> str:
         return self.local_addr or socket.getfqdn()
 
+    def seconds(self, key: str, default: float) -> float:
+        """A ``--rdzv-conf`` duration (torch's keys and defaults)."""
+        try:
+            return float(self.conf.get(key, default))
+        except ValueError:
+            raise ValueError(f"--rdzv-conf {key}={self.conf[key]!r}: expected seconds") from None
+
+    @property
+    def store_timeout_s(self) -> float:
+        """How long one store call may take before the store counts as lost: torch's
+        ``read_timeout`` plus a margin for its own retry."""
+        return self.seconds("read_timeout", 60) + 5
+
+    @property
+    def join_timeout_s(self) -> float:
+        """The longest a join may take, store trouble included."""
+        return self.seconds("join_timeout", 600) + self.store_timeout_s
+
 
 @dataclass(frozen=True)
 class NodeRecord:
@@ -147,6 +168,26 @@ class Round:
     @property
     def node_gpus(self) -> tuple[int, ...]:
         return tuple(len(node.gpus) for node in self.nodes)
+
+
+def store_conf(config: RendezvousConfig) -> dict[str, str]:
+    """``--rdzv-conf``, plus ``is_host`` for the node whose ``--local-addr`` is the endpoint's
+    host. torch otherwise decides by comparing the endpoint with the machine's own names and
+    addresses, which misses an address that only a container or network namespace has; left
+    to torch on loopback, where every node matches and the first one to bind hosts."""
+    conf = dict(config.conf)
+    host = config.endpoint.rsplit(":", 1)[0] if ":" in config.endpoint else config.endpoint
+    if ("is_host" not in conf and config.backend == "c10d" and config.local_addr == host
+            and not ipaddress_is_loopback(host)):
+        conf["is_host"] = "1"
+    return conf
+
+
+def ipaddress_is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def parse_record(data: bytes) -> NodeRecord:
@@ -191,7 +232,7 @@ class NodeMembership:
 
         c = self.config
         params = RendezvousParameters(c.backend, c.endpoint, c.run_id, c.min_nodes, c.max_nodes,
-                                      c.local_addr, **dict(c.conf))
+                                      c.local_addr, **store_conf(c))
         try:
             return rendezvous_handler_registry.create_handler(params)
         except RendezvousConnectionError as error:
@@ -222,11 +263,17 @@ class NodeMembership:
 
     def peers_waiting(self) -> bool:
         """Whether a node waits to form a new round (a peer failed, or one joined); polled at
-        most every ``poll_s`` seconds, since every poll reads the rendezvous state."""
+        most every ``poll_s`` seconds, since every poll reads the rendezvous state.
+
+        Bounded: the handler's keep-alive thread holds the same lock while it retries a store
+        that no packet reaches (a cut link sends no reset), which would block the caller for
+        good; past the store's timeout the store counts as lost."""
         now = time.monotonic()
         if now - self._checked_at >= self.poll_s:
             self._checked_at = now
-            self._waiting = self._call(self.handler.num_nodes_waiting) > 0
+            waiting = self._call(call_once_bounded, "rendezvous-poll",
+                                 self.config.store_timeout_s, self.handler.num_nodes_waiting)
+            self._waiting = waiting > 0
         return self._waiting
 
     # -- the end of the job ---------------------------------------------------------------
@@ -275,7 +322,7 @@ class NodeMembership:
         except RendezvousTimeoutError as error:
             raise JoinTimedOut(str(error)) from None
         except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
-                ConnectionError) as error:
+                ConnectionError, CallTimeout) as error:
             raise StoreLost(f"the rendezvous store at {self.config.endpoint} is unreachable "
                             f"({type(error).__name__}: {error})") from None
 

@@ -1,0 +1,96 @@
+"""Multi-node settings and the parts of a rendezvous round that are pure: torchrun's option
+forms, node order by node rank, and one-line refusals."""
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster.cli import main
+from ftmaster.membership import (NodeRecord, RendezvousConfig, Round, order_records, parse_conf,
+                                 parse_nnodes)
+from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
+from helpers.trainer import PRETRAIN
+from test_launch_cli import MODEL
+
+
+@pytest.mark.parametrize("text, parsed", [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4))])
+def test_parse_nnodes(text, parsed):
+    assert parse_nnodes(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["0", "3:2", "a:b", "1:", ""])
+def test_parse_nnodes_refuses(text):
+    with pytest.raises(ValueError, match="--nnodes"):
+        parse_nnodes(text)
+
+
+def test_parse_conf():
+    assert parse_conf("last_call_timeout=2, keep_alive_interval=1") == {
+        "last_call_timeout": "2", "keep_alive_interval": "1"}
+    assert parse_conf(None) == {}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_conf("join_timeout")
+
+
+def record(rank, addr="n"):
+    return NodeRecord(rank, f"{addr}{rank}", (0, 1), 1000 + rank)
+
+
+def test_nodes_are_ordered_by_node_rank_never_by_hostname():
+    # torch's own rendezvous ranks sort descriptors as text: node10 before node2
+    joined = [NodeRecord(10, "node10", (0,), 1), NodeRecord(2, "node2", (0, 1), 2),
+              NodeRecord(0, "zeta", (0, 1), 3)]
+    assert [r.node_rank for r in order_records(joined)] == [0, 2, 10]
+    assert Round(1, order_records(joined), 0).node_gpus == (2, 2, 1)
+
+
+def test_two_nodes_with_one_node_rank_are_refused():
+    with pytest.raises(ValueError, match="two nodes .* use --node-rank 1"):
+        order_records([record(1, "a"), record(1, "b")])
+
+
+def test_rendezvous_config_validates():
+    with pytest.raises(ValueError, match="--rdzv-backend"):
+        RendezvousConfig("h:1", "job", 1, 2, 0, backend="etcd")
+    with pytest.raises(ValueError, match="--node-rank"):
+        RendezvousConfig("h:1", "job", 1, 2, -1)
+
+
+def test_each_node_runs_a_static_torchrun_for_its_generation():
+    world = StaticWorld(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29555)
+    assert torchrun_argv(["train.py"], 1, python="py", world=world) == [
+        "py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+        "--master-addr", "10.0.0.1", "--master-port", "29555", "--nproc-per-node", "1",
+        "--max-restarts", "0", "train.py"]
+    with pytest.raises(ValueError, match="node rank 2 is outside 2 nodes"):
+        StaticWorld(2, 2, "a", 1)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "--nnodes 1:2 needs --run-dir"),
+    (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29400", "--run-dir", "R"],
+     "--nnodes 1:2 needs --node-rank"),
+    (["--nnodes", "2", "--node-rank", "0", "--run-dir", "R"], "--nnodes 2 needs --rdzv-endpoint"),
+    (["--nnodes", "2:1", "--node-rank", "0", "--run-dir", "R"], "--nnodes '2:1': need 1 <= MIN <= MAX"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
+      "--rdzv-conf", "oops"], "--rdzv-conf entry 'oops': expected KEY=VALUE"),
+])
+def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
+    options = [str(tmp_path / o) if o == "R" else o for o in options]
+    result = CliRunner().invoke(main, ["launch", "--nproc-per-node", "2", "--monitor-backend", "sim",
+                                       *options, "--", PRETRAIN, *MODEL])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("local_addr, endpoint, conf, is_host", [
+    ("10.0.0.1", "10.0.0.1:29400", {}, "1"),  # this node's own address: it serves the store
+    ("10.0.0.2", "10.0.0.1:29400", {}, None),  # another node's: torch decides (a client)
+    ("127.0.0.1", "127.0.0.1:29400", {}, None),  # loopback: the first to bind hosts
+    ("10.0.0.1", "10.0.0.1:29400", {"is_host": "0"}, "0"),  # the user's word stands
+])
+def test_the_node_at_the_endpoint_hosts_the_store(local_addr, endpoint, conf, is_host):
+    from ftmaster.membership import store_conf
+
+    config = RendezvousConfig(endpoint, "job", 1, 2, 0, local_addr=local_addr, conf=conf)
+    assert store_conf(config).get("is_host") == is_host
