@@ -62,7 +62,10 @@ def torchrun_argv(nproc: int, args: list[str]) -> list[str]:
 
 
 def trainer_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """The environment of a test's training or ftmaster process: one thread per rank, and no
+    SLURM variables (a CI job run under SLURM would otherwise hand them its rendezvous)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 

@@ -1,60 +1,13 @@
 """ftmaster report on generated run directories that follow DESIGN's events and log contract."""
 
 import json
-from datetime import datetime, timezone
 
 import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
-
-T0 = 1_780_000_000.0
-LAYOUT = {"micro_batch_size": 2, "global_batch_size": 12}
-
-
-def iteration_line(n: int, total: int, ms: float) -> str:
-    return (f"iteration {n}/{total} | consumed samples: {12 * n} | elapsed time per iteration "
-            f"(ms): {ms:.1f} | learning rate: 1.000000E-03 | global batch size: 12 | "
-            f"lm loss: 2.500000E+00 |")
-
-
-def loaded_line(iteration: int, seconds: float, size: int) -> str:
-    return (f"loaded checkpoint from /ckpt/iter_{iteration:07d} at iteration {iteration} in "
-            f"{seconds:.3f} s ({size} bytes); layout {{}} -> {{}}")
-
-
-def event(name: str, at: float, **fields) -> dict:
-    return {"event": name, "time": T0 + at, **fields}
-
-
-def launch(at, attempt, gpus, tp, pp, dp):
-    return event("launch", at, attempt=attempt, gpus=gpus, tensor_model_parallel_size=tp,
-                 pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                 command=["python", "pretrain_gpt.py"])
-
-
-def plan(at, available, tp, pp, dp):
-    return event("plan", at, gpus_available=available, tensor_model_parallel_size=tp,
-                 pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                 num_gpus_used=tp * pp * dp, **LAYOUT)
-
-
-def save(name, at, iteration, blocked, persist):
-    return event(name, at, iteration=iteration, seconds=blocked, bytes=1000, persist_seconds=persist,
-                 started_at=T0 + at - persist, kind=name.split("_")[0])
-
-
-def alert(at, gpu, reasons, sample_at=None):
-    stamp = datetime.fromtimestamp(T0 + (at if sample_at is None else sample_at), timezone.utc)
-    return event("risk_alert", at, gpu=gpu, score=0.9, reasons=reasons, timestamp=stamp.isoformat())
-
-
-def write_run(run_dir, events, logs):
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    for attempt, lines in logs.items():
-        (run_dir / "logs" / f"attempt_{attempt}.log").write_text("\n".join(lines) + "\n")
-    return run_dir
+from helpers.synth_run import (LAYOUT, alert, event, iteration_line, launch, loaded_line, plan, save,
+                               write_run)
 
 
 def two_failures(run_dir):

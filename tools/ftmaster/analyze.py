@@ -15,6 +15,19 @@ Large traces (a week at 1 s for 8 GPUs is about 4.8 M rows) stay cheap: only the
 columns are read, with explicit dtypes and in chunks (so the timestamp strings of only one
 chunk are alive at a time), and plots are drawn from at most ``PLOT_BINS`` time bins per GPU,
 each keeping its min and max so that spikes stay visible.
+
+**Several nodes.** A run directory with ``node_<R>`` folders (``ftmaster launch --nnodes``) is
+analysed as one run. GPU ids are per node (NVML indices), so each node's samples gain a
+``node`` column and a GPU is ``(node, gpu)`` throughout: the summary has ``node`` and ``gpu``
+columns, one row per pair; the plots have a line per pair, labelled ``node R GPU g`` (its own
+colour; one line style per node, so that colours that repeat past 20 lines stay apart); the
+event markers come from every node's ``events.jsonl``. Alerts are counted per node: its
+``risk_alert`` events where it has events, else its samples over the threshold, and the
+summary says which nodes used which. A node whose ``gpu_metrics.csv`` is missing or holds no
+sample (a node that died before its first one) is left out, and a note says so in
+``summary.md``, ``report.html`` and on stderr; a malformed CSV on any node is an error, and so
+is a run where no node has a sample. ``RUN_DIR/node_<R>`` analyses that node alone; a CSV or a
+run directory without node folders gives the single-node output, unchanged.
 """
 
 from __future__ import annotations
@@ -38,8 +51,11 @@ import pandas as pd  # noqa: E402
 from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
+from ftmaster.report import node_folders  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
+INDEX_NAMES = {"node": "node", "gpu_id": "gpu"}  # series key column -> summary column
+NODE_LINE_STYLES = ("-", "--", "-.", ":")
 PLOT_BINS = 2000
 CHUNK_ROWS = 1_000_000
 
@@ -76,16 +92,42 @@ def _fail(message: str) -> click.ClickException:
     return click.ClickException(message)
 
 
+class NoSamples(click.ClickException):
+    """A CSV that holds no sample: bad input on its own; among nodes, a node that recorded
+    nothing."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What is analysed."""
+
+    frame: pd.DataFrame
+    """Samples: ``time``, ``gpu_id``, the metrics, and ``node`` for a multi-node run."""
+    events: list[dict]
+    """Events with a numeric time, each with its ``node`` for a multi-node run."""
+    source: Path
+    """The CSV, or the run directory of a multi-node run."""
+    notes: tuple[str, ...] = ()
+    """Nodes left out, and why."""
+
+
+def series_keys(frame: pd.DataFrame) -> list[str]:
+    """The columns that name one GPU's series: GPU ids repeat across nodes."""
+    return ["node", "gpu_id"] if "node" in frame else ["gpu_id"]
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 def _header(csv_path: Path) -> list[str]:
     try:
         with open(csv_path, newline="", errors="replace") as handle:
             header = next(csv.reader(handle), [])
+    except FileNotFoundError as exc:
+        raise NoSamples(f"cannot read {csv_path}: {exc.strerror}") from None
     except OSError as exc:
         raise _fail(f"cannot read {csv_path}: {exc.strerror}") from None
     if not header:
-        raise _fail(f"{csv_path} is empty: expected a gpu_metrics.csv header and samples")
+        raise NoSamples(f"{csv_path} is empty: expected a gpu_metrics.csv header and samples")
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise _fail(f"{csv_path} lacks required column(s) {', '.join(missing)}; expected the "
@@ -121,7 +163,7 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
         raise _fail(f"{csv_path} is malformed ({reason}); expected gpu_metrics.csv rows") from None
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     if frame.empty:
-        raise _fail(f"{csv_path} has no samples with a valid timestamp and gpu_id")
+        raise NoSamples(f"{csv_path} has no samples with a valid timestamp and gpu_id")
     fractional = frame["gpu_id"][frame["gpu_id"] % 1 != 0]
     if not fractional.empty:  # truncating would merge it into another GPU's samples
         raise _fail(f"{csv_path} has a gpu_id that is not a whole number ({fractional.iloc[0]:g}); "
@@ -136,11 +178,47 @@ def load_events(csv_path: Path) -> list[dict]:
     return [e for e in events if isinstance(e.get("time"), (int, float))]
 
 
+def load_trace(target: Path) -> Trace:
+    """A CSV, a run directory, or a multi-node run directory's nodes merged."""
+    if not target.is_dir():
+        return Trace(load_metrics(target), load_events(target), target)
+    folders = node_folders(target, runfiles.metrics_csv_path(target).name)
+    if None in folders:
+        csv_path = runfiles.metrics_csv_path(target)
+        return Trace(load_metrics(csv_path), load_events(csv_path), csv_path)
+    frames, events, notes = [], [], []
+    for node, folder in folders.items():
+        csv_path = runfiles.metrics_csv_path(folder)
+        events += [{**e, "node": node} for e in load_events(csv_path)]
+        try:
+            frames.append(load_metrics(csv_path).assign(node=np.int32(node)))
+        except NoSamples as exc:
+            notes.append(f"node {node} left out: {exc.message}")
+    if not frames:
+        raise _fail(f"{target} has node folders ({', '.join(f.name for f in folders.values())}) "
+                    "but none holds a GPU sample: nothing to analyse")
+    return Trace(pd.concat(frames, ignore_index=True), sorted(events, key=lambda e: e["time"]),
+                 target, tuple(notes))
+
+
 # ---- summary ---------------------------------------------------------------------------------
 
 def _alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[pd.Series, str]:
-    """Per-GPU alert counts: risk_alert events when there are any, else samples over the
-    threshold (the monitor's alert rule is not replayed here)."""
+    """Per-GPU alert counts and where they come from; per node in a multi-node run."""
+    if "node" not in frame:
+        return _node_alerts(frame, events, threshold)
+    counts, nodes_by_source = {}, {}
+    for node, rows in frame.groupby("node"):
+        node_events = [e for e in events if e.get("node") == node]
+        counts[node], source = _node_alerts(rows, node_events, threshold)
+        nodes_by_source.setdefault(source, []).append(str(node))
+    text = "; ".join(f"{source} (node {', '.join(nodes)})" for source, nodes in nodes_by_source.items())
+    return pd.concat(counts, names=["node", "gpu_id"]), text
+
+
+def _node_alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[pd.Series, str]:
+    """One node's per-GPU alert counts: risk_alert events when it has any events, else
+    samples over the threshold (the monitor's alert rule is not replayed here)."""
     if events:
         gpus = [e.get("gpu") for e in events if e["event"] == "risk_alert"]
         return pd.Series(gpus, dtype="float64").value_counts(), "risk_alert events"
@@ -153,7 +231,8 @@ def _alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[
 def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tuple[pd.DataFrame,
                                                                                   str]:
     """One row per GPU; columns for missing optional metrics are left out."""
-    by_gpu = frame.groupby("gpu_id")
+    keys = series_keys(frame)
+    by_gpu = frame.groupby(keys)
     table = pd.DataFrame({"samples": by_gpu.size(),
                           "first": pd.to_datetime(by_gpu["time"].min(), unit="s", utc=True),
                           "last": pd.to_datetime(by_gpu["time"].max(), unit="s", utc=True)})
@@ -166,7 +245,7 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
             table[f"{column}_max"] = by_gpu[column].max()
     if {"memory_total", "memory_used"} <= set(frame):
         headroom = frame["memory_total"] - frame["memory_used"]
-        table["memory_headroom_min_mib"] = headroom.groupby(frame["gpu_id"]).min()
+        table["memory_headroom_min_mib"] = headroom.groupby([frame[k] for k in keys]).min()
     for column in COUNTERS:
         if column in frame:
             table[f"{column}_new"] = _increase(frame, column)
@@ -174,7 +253,7 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
         table[f"{RISK_COLUMN}_max"] = by_gpu[RISK_COLUMN].max()
     counts, source = _alerts(frame, events, threshold)
     table["alerts"] = counts.reindex(table.index, fill_value=0).astype(int).to_numpy()
-    table.index.name = "gpu"
+    table.index.names = [INDEX_NAMES[k] for k in keys]
     return table.round(2), source
 
 
@@ -182,10 +261,11 @@ def _increase(frame: pd.DataFrame, counter: str) -> pd.Series:
     """Per GPU, how much a cumulative counter grew during the trace: its value at the first
     sample also counts errors from before the trace. Only rises add up, so that a counter
     reset by a driver reload does not subtract. NaN for a GPU that never reported it."""
-    known = frame.loc[frame[counter].notna(), ["gpu_id", "time", counter]]
+    keys = series_keys(frame)
+    known = frame.loc[frame[counter].notna(), [*keys, "time", counter]]
     known = known.sort_values("time", kind="stable")
-    rises = known.groupby("gpu_id")[counter].diff().clip(lower=0)
-    return rises.groupby(known["gpu_id"]).sum().astype("Int64")
+    rises = known.groupby(keys)[counter].diff().clip(lower=0)
+    return rises.groupby([known[k] for k in keys]).sum().astype("Int64")
 
 
 def to_markdown(table: pd.DataFrame) -> str:
@@ -199,10 +279,11 @@ def to_markdown(table: pd.DataFrame) -> str:
 # ---- plots -----------------------------------------------------------------------------------
 
 def downsample(frame: pd.DataFrame, columns: list[str], bins: int = PLOT_BINS) -> pd.DataFrame:
-    """Per GPU and time bin: mean, min and max of each column (MultiIndex columns)."""
+    """Per GPU (its series keys) and time bin: mean, min and max of each column (MultiIndex
+    columns)."""
     start, span = frame["time"].min(), max(frame["time"].max() - frame["time"].min(), 1e-9)
     bin_index = np.minimum((frame["time"] - start) / span * bins, bins - 1).astype("int32")
-    grouped = frame[["time", *columns]].groupby([frame["gpu_id"], bin_index])
+    grouped = frame[["time", *columns]].groupby([*(frame[k] for k in series_keys(frame)), bin_index])
     return grouped.agg({"time": ["mean"], **{c: ["mean", "min", "max"] for c in columns}})
 
 
@@ -219,12 +300,16 @@ def plot_metric(binned: pd.DataFrame, metric: Metric, events: list[dict], path: 
                 threshold: float | None = None) -> None:
     """Every GPU's mean line with its min-max band, event markers, threshold line."""
     fig, ax = plt.subplots(figsize=(12, 5), dpi=100)
-    colours = plt.get_cmap("tab10" if binned.index.levels[0].size <= 10 else "tab20")
-    for n, (gpu, rows) in enumerate(binned.groupby(level=0)):
+    series = binned.groupby(level=list(range(binned.index.nlevels - 1)))  # all but the bin
+    colours = plt.get_cmap("tab10" if series.ngroups <= 10 else "tab20")
+    nodes = list(binned.index.unique(level="node")) if "node" in binned.index.names else []
+    for n, (key, rows) in enumerate(series):
         when = mdates.date2num(pd.to_datetime(rows[("time", "mean")], unit="s", utc=True))
         colour = colours(n % colours.N)
+        style = NODE_LINE_STYLES[nodes.index(key[0]) % len(NODE_LINE_STYLES)] if nodes else "-"
+        label = f"node {key[0]} GPU {key[1]}" if nodes else f"GPU {key[0]}"
         ax.plot(when, rows[(metric.column, "mean")], color=colour, linewidth=1.0,
-                label=f"GPU {gpu}")
+                linestyle=style, label=label)
         ax.fill_between(when, rows[(metric.column, "min")], rows[(metric.column, "max")],
                         color=colour, alpha=0.18, linewidth=0)
     if threshold is not None:
@@ -260,7 +345,8 @@ def plot_all(frame: pd.DataFrame, events: list[dict], out: Path,
 # ---- report ----------------------------------------------------------------------------------
 
 def write_html(path: Path, source: Path, table: pd.DataFrame, alert_source: str,
-               plots: list[Path]) -> None:
+               plots: list[Path], notes: tuple[str, ...] = ()) -> None:
+    notes_html = "".join(f"<p>note: {html.escape(note)}</p>\n" for note in notes)
     images = "\n".join(
         f'<h2>{html.escape(p.stem)}</h2>\n<img alt="{html.escape(p.stem)}" '
         f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
@@ -274,7 +360,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:10
 <h2>Per-GPU summary</h2>
 {table.to_html(border=0, na_rep=MISSING)}
 <p>alerts: {html.escape(alert_source)}</p>
-{images}
+{notes_html}{images}
 </body></html>
 """
     path.write_text(body)
@@ -289,17 +375,15 @@ def _make_output_folder(out: Path) -> None:
         raise _fail(f"cannot write to --out {out}: permission denied")
 
 
-def analyze(target: Path, out: Path, threshold: float) -> dict[str, Path]:
-    """Run the whole analysis; returns what was written."""
-    csv_path = runfiles.metrics_csv_path(target) if target.is_dir() else target
-    frame = load_metrics(csv_path)
-    events = load_events(csv_path)
+def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
+    """Run the whole analysis of a :func:`load_trace`; returns what was written."""
     _make_output_folder(out)
-    table, alert_source = summarize(frame, events, threshold)
+    table, alert_source = summarize(trace.frame, trace.events, threshold)
     table.to_csv(out / "summary.csv")
-    (out / "summary.md").write_text(to_markdown(table) + f"\nalerts: {alert_source}\n")
-    plots = plot_all(frame, events, out, threshold)
-    write_html(out / "report.html", csv_path, table, alert_source, plots)
+    notes = "".join(f"note: {note}\n" for note in trace.notes)
+    (out / "summary.md").write_text(to_markdown(table) + f"\nalerts: {alert_source}\n{notes}")
+    plots = plot_all(trace.frame, trace.events, out, threshold)
+    write_html(out / "report.html", trace.source, table, alert_source, plots, trace.notes)
     return {"summary.csv": out / "summary.csv", "summary.md": out / "summary.md",
             "report.html": out / "report.html", **{p.name: p for p in plots}}
 
@@ -312,6 +396,10 @@ def analyze(target: Path, out: Path, threshold: float) -> dict[str, Path]:
 @click.option("--risk-threshold", type=click.FloatRange(0, 1), default=AlertConfig().threshold,
               show_default=True, help="Risk line on the plot; alerts counted without events.")
 def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
-    """Summarise and plot a gpu_metrics.csv (or a run directory holding one)."""
-    written = analyze(target, out, risk_threshold)
+    """Summarise and plot a gpu_metrics.csv (or a run directory holding one, or the
+    node_<R> folders of a multi-node run, merged)."""
+    trace = load_trace(target)
+    for note in trace.notes:
+        click.echo(f"warning: {note}", err=True)
+    written = analyze(trace, out, risk_threshold)
     click.echo(f"wrote {len(written)} files to {out}: " + ", ".join(sorted(written)))

@@ -32,9 +32,11 @@ def _median(values: list[float]) -> float | None:
 
 
 def _iteration_s(run_dir: Path) -> float | None:
-    """Median ``elapsed time per iteration`` over every launch attempt's log."""
+    """Median ``elapsed time per iteration`` over every launch attempt's log (every node's)."""
     times = []
-    for log in sorted(runfiles.logs_dir(run_dir).glob("*.log")):
+    folders = [runfiles.node_dir(run_dir, r) for r in runfiles.node_ranks(run_dir)] or [run_dir]
+    logs = [log for folder in folders for log in sorted(runfiles.logs_dir(folder).glob("*.log"))]
+    for log in logs:
         with open(log, errors="replace") as handle:
             times += [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]
     return _median(times)

@@ -34,6 +34,52 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   plus the detection phase ``fault_to_failure_seconds`` (failure event minus ``fault_at``),
   the recovery time as FlashRecovery measures it. Null when the fault's time is unknown.
 * **new layout**: the ``plan`` event's fields, with the relaunch's GPUs.
+
+**Several nodes.** When RUN_DIR holds ``node_<R>`` folders (``ftmaster launch --nnodes``), each
+with the single-node layout, the report merges them into one timeline and one recovery per
+round; without node folders nothing below applies and the output is as above.
+
+* **Which node.** Every event read from ``node_<R>/events.jsonl`` gets ``"node": R`` (the
+  folder's rank, replacing any ``node`` field of the line); timeline rows carry it and the
+  text prints it as a column. Events of all nodes are sorted by time, ties in node order;
+  clocks are taken as synchronised (NTP), so a skew shows up as-is in cross-node intervals.
+  GPU ids stay the node's local ones: a failure is matched only with its own node's
+  ``fault_injected`` and ``risk_alert`` events.
+* **Nodes without events.** A node folder whose ``events.jsonl`` is missing or empty (a node
+  that died before writing) is listed under ``nodes`` with that, and is otherwise absent.
+  Only when no node has an event is the input bad; a malformed line is bad on any node.
+* **One recovery per round.** Each node's ftmaster records its own ``failure``. A failure
+  joins the current round when its node has none in it yet and no ``launch`` (on any node)
+  came after the round's first failure: a rendezvous relaunches only once every live node has
+  stopped, so launches separate rounds. The **root** is the failure whose fault came first, by
+  ``fault_at`` where known, else by its own time (so a hang that the faulty node detects late
+  still beats its peers' earlier collective errors), among the failures whose cause is not
+  ``peer`` (a node that stopped because a peer was waiting) and the ``peer`` ones whose own
+  node shows a fault (an injected fault or a lost device on any of its GPUs: the faulty node
+  may see its peers waiting before its own hang check fires). With no such candidate (the
+  faulty node recorded nothing), the earliest failure is the root and the text says the cause
+  is unknown. The others are the root's ``consequences``; ``silent_nodes`` launched the
+  generation that failed but recorded no failure in the round (a spare, or a node that died
+  without writing).
+* **RTO and RPO** are computed as above from the root's event, attempt and GPUs, over the
+  events of all nodes: the ``plan`` is the first after the root on any node (every node plans
+  from the same rendezvous round); the relaunch is each node's first ``launch`` after it, and
+  the **launch moment is the latest** of these, since no rank trains before every node's ranks
+  have started; ``resumed`` is the **earliest after that, on any node**: iterations are
+  collective, so the first node to record one proves the job trains again, and the root's node
+  may have no ``resumed`` at all (it left the layout, or died).
+* **Logs.** Rank 0 logs the ``loaded checkpoint`` line and the last rank the iteration lines,
+  often on different nodes, so an attempt's log is the merge of its nodes' logs (earlier ones
+  win on overlap): for the failed generation the root's attempt first, then per other node in
+  rank order the attempt of its failure in the round, else of its latest launch before the
+  root; for the relaunch, each relaunching node's attempt in rank order. A log without a
+  ``loaded checkpoint`` line has its first iteration line stand for the iterations after the
+  merged load, as the log interval means.
+* **new layout** lists ``gpus_by_node`` (``{"node", "gpus"}`` per relaunching node) instead of
+  ``gpus``.
+
+A RUN_DIR with both its own ``events.jsonl`` and node folders is refused, since which one is
+meant is unknown; give ``RUN_DIR/node_<R>`` to report one node alone.
 """
 
 from __future__ import annotations
@@ -52,12 +98,41 @@ import click
 from ftmaster import runfiles
 
 SAVES = ("emergency_save", "periodic_save")
+PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
+END_EVENTS = ("complete", "gave_up", "stopped")
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 _LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d+) in ([0-9.]+) s \((\d+) bytes\)")
 
 
 class ReportError(click.ClickException):
     """Bad input: one line on stderr and exit status 1."""
+
+
+# ---- where the files are ---------------------------------------------------------------------
+
+def node_folder(run_dir: Path, node: int | None) -> Path:
+    """A node's folder; the run directory itself for a single-node run (node None)."""
+    return run_dir if node is None else runfiles.node_dir(run_dir, node)
+
+
+def node_folders(run_dir: Path, own_file: str) -> dict[int | None, Path]:
+    """Each node's folder by node rank: ``{None: run_dir}`` without ``node_<R>`` folders.
+    ``own_file`` (the file the caller reads) in RUN_DIR itself beside node folders is refused:
+    which of them is meant is unknown."""
+    try:
+        nodes = runfiles.node_ranks(run_dir)
+    except OSError as exc:
+        raise ReportError(f"cannot read {run_dir}: {exc.strerror}") from None
+    if not nodes:
+        return {None: run_dir}
+    if (run_dir / own_file).exists():
+        raise ReportError(f"{run_dir} holds both {own_file} and node folders ({_folder_names(nodes)}): "
+                          f"give one node's folder, e.g. {node_folder(run_dir, nodes[0])}")
+    return {node: node_folder(run_dir, node) for node in nodes}
+
+
+def _folder_names(nodes: list) -> str:
+    return ", ".join(f"node_{node}" for node in nodes)
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -97,22 +172,43 @@ FIELD_TYPES = {
 
 
 def load_events(run_dir: Path) -> list[dict]:
-    """Every event, strictly: a report built on a skipped line would silently mislead."""
-    path = runfiles.events_path(run_dir)
+    """Every event of every node, strictly: a report built on a skipped line would silently
+    mislead."""
+    return _load_run(run_dir)[0]
+
+
+def _load_run(run_dir: Path) -> tuple[list[dict], list[dict] | None]:
+    """(all events in time order, per node what it recorded; None for a single-node run)."""
+    folders = node_folders(run_dir, runfiles.events_path(run_dir).name)
+    if None in folders:
+        path = runfiles.events_path(run_dir)
+        events = _read_events_file(path)
+        if events is None:
+            raise ReportError(f"{path} does not exist: give a run directory written by ftmaster "
+                              "launch")
+        if not events:
+            raise ReportError(f"{path} has no events: nothing to report")
+        return sorted(events, key=lambda e: e["time"]), None
+    merged, nodes = [], []
+    for node, folder in folders.items():
+        events = _read_events_file(runfiles.events_path(folder))
+        nodes.append({"node": node, "events": len(events or ()), "outcome": _node_outcome(events)})
+        merged += [{**e, "node": node} for e in events or ()]
+    if not merged:
+        raise ReportError(f"{run_dir} has node folders ({_folder_names(list(folders))}) but none "
+                          "holds an event: nothing to report")
+    return sorted(merged, key=lambda e: e["time"]), nodes
+
+
+def _read_events_file(path: Path) -> list[dict] | None:
+    """One events.jsonl's events, in file order; None when the file does not exist."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        raise ReportError(f"{path} does not exist: give a run directory written by ftmaster "
-                          "launch") from None
+        return None
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"cannot read {path}: {exc}") from None
-    events = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            events.append(_parse_event(path, number, line))
-    if not events:
-        raise ReportError(f"{path} has no events: nothing to report")
-    return sorted(events, key=lambda e: e["time"])
+    return [_parse_event(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
 
 
 def _parse_event(path: Path, number: int, line: str) -> dict:
@@ -141,6 +237,10 @@ class AttemptLog:
     load_bytes: int | None = None
     iteration_s: dict[int, float] = field(default_factory=dict)
     """Seconds per iteration; a line logged every k iterations stands for all k of them."""
+    unanchored_first: tuple[int, float] | None = None
+    """The first iteration line (iteration, seconds) when no ``loaded checkpoint`` line came
+    before it: after a load that another node's log holds, it stands for the iterations
+    since."""
 
     def seconds_between(self, after: int, upto: int) -> float | None:
         """Time of iterations ``after+1 .. upto``; None when one of them is not logged."""
@@ -150,9 +250,10 @@ class AttemptLog:
         return sum(self.iteration_s[i] for i in wanted)
 
 
-def read_attempt_log(run_dir: Path, attempt: Any) -> AttemptLog:
+def read_attempt_log(folder: Path, attempt: Any) -> AttemptLog:
+    """``folder/logs/attempt_<attempt>.log``; ``folder`` is the run directory or a node's."""
     log = AttemptLog()
-    path = runfiles.logs_dir(run_dir) / f"attempt_{attempt}.log"
+    path = runfiles.logs_dir(folder) / f"attempt_{attempt}.log"
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -164,13 +265,54 @@ def read_attempt_log(run_dir: Path, attempt: Any) -> AttemptLog:
             log.load_seconds, log.load_bytes = float(loaded.group(2)), int(loaded.group(3))
         elif logged := _ITERATION.search(line):
             iteration, seconds = int(logged.group(1)), float(logged.group(2)) / 1000
+            if previous is None:
+                log.unanchored_first = (iteration, seconds)
             first = iteration if previous is None else previous + 1
             log.iteration_s.update(dict.fromkeys(range(first, iteration + 1), seconds))
             previous = iteration
     return log
 
 
+def merge_logs(logs: list[AttemptLog]) -> AttemptLog:
+    """One attempt's logs from several nodes as one; earlier logs win where they overlap."""
+    loaded = next((log for log in logs if log.loaded_iteration is not None), AttemptLog())
+    merged = AttemptLog(loaded.loaded_iteration, loaded.load_seconds, loaded.load_bytes)
+    for log in logs:
+        for iteration, seconds in log.iteration_s.items():
+            merged.iteration_s.setdefault(iteration, seconds)
+    if merged.loaded_iteration is not None:
+        for log in logs:
+            if log.unanchored_first is not None:
+                iteration, seconds = log.unanchored_first
+                for since_load in range(merged.loaded_iteration + 1, iteration):
+                    merged.iteration_s.setdefault(since_load, seconds)
+    return merged
+
+
+def _read_logs(run_dir: Path, attempts: list[tuple[int | None, Any]]) -> AttemptLog:
+    """The merged log of ``(node, attempt)`` pairs."""
+    return merge_logs([read_attempt_log(node_folder(run_dir, node), attempt)
+                       for node, attempt in attempts])
+
+
 # ---- per failure -----------------------------------------------------------------------------
+
+def _gpu_name(event: dict, gpu: Any) -> str:
+    """``GPU g``, with its node where the run has several: GPU ids are per node."""
+    return f"GPU {gpu}" if event.get("node") is None else f"node {event['node']} GPU {gpu}"
+
+
+def _node_of(event: dict) -> dict:
+    """``{"node": R}`` for an event of a multi-node run, else nothing: JSON stays as before."""
+    return {"node": event["node"]} if "node" in event else {}
+
+
+def _on_failed_gpu(event: dict, failure: dict, gpu: Any) -> bool:
+    """Whether ``gpu`` of ``event`` is one of the failure's; a node that stopped for its
+    peers names no GPU of its own, so any of its node's counts."""
+    return event.get("node") == failure.get("node") and (
+        failure.get("cause") == PEER or gpu in set(failure.get("gpus") or ()))
+
 
 def _sample_time(alert: dict) -> float:
     """A risk_alert's sample time (its ISO ``timestamp``), else the event's own time."""
@@ -182,17 +324,16 @@ def _sample_time(alert: dict) -> float:
 
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
     """Where the fault's own time is known: injected, or the monitor saw the GPU vanish."""
-    gpus = set(failure.get("gpus") or ())
     for event in window:
         if event["event"] == "fault_injected" and event.get("kind") in ("fail", "hang") \
-                and event.get("gpu") in gpus:
-            return event["time"], f"fault_injected {event['kind']} on GPU {event['gpu']}"
-    lost = [(_sample_time(e), e["gpu"]) for e in window if e["event"] == "risk_alert"
-            and "device_lost" in (e.get("reasons") or ()) and e.get("gpu") in gpus]
-    lost = [(t, gpu) for t, gpu in lost if t <= failure["time"]]
+                and _on_failed_gpu(event, failure, event.get("gpu")):
+            return event["time"], f"fault_injected {event['kind']} on {_gpu_name(event, event['gpu'])}"
+    lost = [(_sample_time(e), e["gpu"], e) for e in window if e["event"] == "risk_alert"
+            and "device_lost" in (e.get("reasons") or ()) and _on_failed_gpu(e, failure, e.get("gpu"))]
+    lost = [(t, gpu, e) for t, gpu, e in lost if t <= failure["time"]]
     if lost:
-        when, gpu = min(lost)
-        return when, f"monitor: GPU {gpu} device_lost"
+        when, gpu, alert = min(lost, key=lambda found: found[:2])
+        return when, f"monitor: {_gpu_name(alert, gpu)} device_lost"
     return None
 
 
@@ -225,14 +366,14 @@ def _detection(window: list[dict], attempt_events: list[dict], failure: dict,
 
 
 def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | None:
-    gpus = set(failure.get("gpus") or ())
-    alerts = [e for e in window if e["event"] == "risk_alert" and e.get("gpu") in gpus
+    alerts = [e for e in window
+              if e["event"] == "risk_alert" and _on_failed_gpu(e, failure, e.get("gpu"))
               and "device_lost" not in (e.get("reasons") or ()) and e["time"] < fault_at]
     if not alerts:
         return None
     first = alerts[0]
-    return {"seconds": fault_at - first["time"], "gpu": first["gpu"], "score": first.get("score"),
-            "reasons": first.get("reasons"), "time": first["time"]}
+    return {"seconds": fault_at - first["time"], **_node_of(first), "gpu": first["gpu"],
+            "score": first.get("score"), "reasons": first.get("reasons"), "time": first["time"]}
 
 
 def _checkpoint(events: list[dict], failure: dict) -> dict | None:
@@ -247,6 +388,19 @@ def _checkpoint(events: list[dict], failure: dict) -> dict | None:
 
 def _first(events: list[dict], name: str, after: float) -> dict | None:
     return next((e for e in events if e["event"] == name and e["time"] >= after), None)
+
+
+def _relaunches(after: list[dict], plan: dict | None) -> list[dict]:
+    """Each node's first launch after the plan and before the first resumed, in node order."""
+    if plan is None:
+        return []
+    resumed = _first(after, "resumed", plan["time"])
+    until = resumed["time"] if resumed else math.inf
+    firsts: dict[Any, dict] = {}
+    for event in after:
+        if event["event"] == "launch" and plan["time"] <= event["time"] <= until:
+            firsts.setdefault(event.get("node"), event)
+    return sorted(firsts.values(), key=lambda e: e.get("node", -1))
 
 
 def _recovery(after: list[dict], failure: dict, plan: dict | None, launch: dict | None,
@@ -266,13 +420,16 @@ def _recovery(after: list[dict], failure: dict, plan: dict | None, launch: dict 
             "phases": phases, "resumed": resumed}
 
 
-def _layout(plan: dict | None, launch: dict | None) -> dict | None:
+def _layout(plan: dict | None, relaunches: list[dict]) -> dict | None:
     if plan is None:
         return None
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
             "micro_batch_size", "global_batch_size", "num_gpus_used")
     layout = {key: plan.get(key) for key in keys}
-    layout["gpus"] = launch.get("gpus") if launch else plan.get("gpus_available")
+    if "node" in plan:
+        layout["gpus_by_node"] = [{"node": e["node"], "gpus": e.get("gpus")} for e in relaunches]
+    else:
+        layout["gpus"] = relaunches[0].get("gpus") if relaunches else plan.get("gpus_available")
     return layout
 
 
@@ -286,23 +443,72 @@ def _outcome_after(after: list[dict]) -> str:
     return "not resumed (the run ended or is still recovering)"
 
 
-def failure_report(run_dir: Path, events: list[dict], index: int, failures: list[dict]) -> dict:
-    """Everything the report says about ``failures[index]``."""
-    failure = failures[index]
-    since = failures[index - 1]["time"] if index else -math.inf
-    until = failures[index + 1]["time"] if index + 1 < len(failures) else math.inf
+def recovery_rounds(events: list[dict]) -> list[list[dict]]:
+    """The failures grouped by recovery round, each in time order (see the module docstring).
+    In a single-node run every failure is its own round."""
+    launches = [e["time"] for e in events if e["event"] == "launch"]
+    rounds: list[list[dict]] = []
+    for failure in (e for e in events if e["event"] == "failure"):
+        current = rounds[-1] if rounds else []
+        if current and failure.get("node") not in {f.get("node") for f in current} \
+                and not any(current[0]["time"] < t <= failure["time"] for t in launches):
+            current.append(failure)
+        else:
+            rounds.append([failure])
+    return rounds
+
+
+def _root(failures: list[dict], window: list[dict]) -> dict:
+    """The round's failure that started it (see the module docstring)."""
+    found = [(failure, _fault_moment(window, failure)) for failure in failures]
+    candidates = [(f, known) for f, known in found if f.get("cause") != PEER or known] or found
+    return min(candidates, key=lambda c: (c[0]["time"] if c[1] is None else c[1][0], c[0]["time"]))[0]
+
+
+def _failed_attempts(failures: list[dict], root: dict, before: list[dict]) -> list[tuple]:
+    """(node, attempt) of the failed generation's logs: the root's first, then by node."""
+    attempts = {f.get("node"): f.get("attempt") for f in failures}
+    for event in before:  # in time order: a node's latest launch wins
+        if event["event"] == "launch" and event.get("node") not in {f.get("node") for f in failures}:
+            attempts[event.get("node")] = event.get("attempt")
+    others = sorted(((node, attempt) for node, attempt in attempts.items()
+                     if node != root.get("node")), key=lambda pair: pair[0])
+    return [(root.get("node"), root.get("attempt")), *others]
+
+
+def _round_nodes(failures: list[dict], root: dict, before: list[dict]) -> dict:
+    """For a multi-node run: the root's node, the other failures, the silent nodes."""
+    if "node" not in root:
+        return {}
+    failed = {f["node"] for f in failures}
+    launched = {e["node"] for e in before if e["event"] == "launch"}
+    return {"node": root["node"],
+            "consequences": [{"node": f["node"], "attempt": f.get("attempt"), "cause": f.get("cause"),
+                              "gpus": f.get("gpus"), "iteration": f.get("iteration"),
+                              "time": f["time"], "after_root_seconds": f["time"] - root["time"]}
+                             for f in failures if f is not root],
+            "silent_nodes": sorted(launched - failed)}
+
+
+def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[list[dict]]) -> dict:
+    """Everything the report says about ``rounds[index]`` (see :func:`recovery_rounds`)."""
+    since = rounds[index - 1][-1]["time"] if index else -math.inf
+    until = rounds[index + 1][0]["time"] if index + 1 < len(rounds) else math.inf
     window = [e for e in events if since < e["time"] <= until]
+    failure = _root(rounds[index], window)
     before = [e for e in window if e["time"] <= failure["time"]]
     after = [e for e in window if e["time"] >= failure["time"] and e is not failure]
     attempt = failure.get("attempt")
-    launched = [e for e in events if e["event"] == "launch" and e.get("attempt") == attempt]
+    launched = [e for e in events if e["event"] == "launch" and e.get("attempt") == attempt
+                and e.get("node") == failure.get("node")]
     attempt_events = [e for e in before if not launched or e["time"] >= launched[0]["time"]]
-    failed_log = read_attempt_log(run_dir, attempt)
+    failed_log = _read_logs(run_dir, _failed_attempts(rounds[index], failure, before))
     fault_at, detection = _detection(window, attempt_events, failure, failed_log)
 
     plan = _first(after, "plan", failure["time"])
-    relaunch = _first(after, "launch", plan["time"]) if plan else None
-    relaunch_log = read_attempt_log(run_dir, relaunch.get("attempt")) if relaunch else AttemptLog()
+    relaunches = _relaunches(after, plan)
+    relaunch = max(relaunches, key=lambda e: e["time"]) if relaunches else None
+    relaunch_log = _read_logs(run_dir, [(e.get("node"), e.get("attempt")) for e in relaunches])
     recovery = _recovery(after, failure, plan, relaunch, relaunch_log)
 
     checkpoint = _checkpoint(events, failure)
@@ -312,9 +518,11 @@ def failure_report(run_dir: Path, events: list[dict], index: int, failures: list
     lost = last - base if isinstance(last, int) else None
     fault_to_failure = None if fault_at is None else failure["time"] - fault_at
     rto = recovery["rto_seconds"]
+    resumed = recovery["resumed"]
     return {
         "attempt": attempt, "time": failure["time"], "cause": failure.get("cause"),
         "gpus": failure.get("gpus"), "iteration": last, "fault_at": fault_at,
+        **_round_nodes(rounds[index], failure, before),
         "detection_latency": detection,
         "lead_time": _lead_time(window, failure, fault_at if fault_at is not None else failure["time"]),
         "checkpoint": checkpoint, "restarted_from_iteration": restart_from,
@@ -325,10 +533,10 @@ def failure_report(run_dir: Path, events: list[dict], index: int, failures: list
         "rto_from_fault_seconds": (rto + fault_to_failure
                                    if rto is not None and fault_to_failure is not None else None),
         "load_seconds": relaunch_log.load_seconds, "load_bytes": relaunch_log.load_bytes,
-        "resumed": ({k: recovery["resumed"].get(k) for k in ("attempt", "iteration")}
-                    if recovery["resumed"] else None),
-        "outcome": "resumed" if recovery["resumed"] else _outcome_after(after),
-        "new_layout": _layout(plan, relaunch),
+        "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
+                    if resumed else None),
+        "outcome": "resumed" if resumed else _outcome_after(after),
+        "new_layout": _layout(plan, relaunches),
     }
 
 
@@ -367,35 +575,46 @@ class _Fields(dict):
 
 
 def describe(event: dict) -> str:
-    """One event as text: its template, or its fields as key=value."""
+    """One event as text: its template, or its fields as key=value (the node has a column)."""
     fields = _Fields({k: f"{v:g}" if isinstance(v, float) else
                       ", ".join(map(str, v)) if isinstance(v, list) and k == "reasons" else v
                       for k, v in event.items()})
     template = TEMPLATES.get(event["event"])
     if template is not None:
         return template.format_map(fields)
-    return " ".join(f"{k}={fields[k]}" for k in event if k not in ("event", "time", "command"))
+    return " ".join(f"{k}={fields[k]}" for k in event if k not in ("event", "time", "command", "node"))
 
 
 def _run_outcome(events: list[dict]) -> str:
     for event in reversed(events):
-        if event["event"] in ("complete", "gave_up", "stopped"):
-            return f"{event['event']}: {describe(event)}"
+        if event["event"] in END_EVENTS:
+            where = f" (node {event['node']})" if "node" in event else ""
+            return f"{event['event']}: {describe(event)}{where}"
     return "no end event (still running, or ftmaster itself was killed)"
 
 
+def _node_outcome(events: list[dict] | None) -> str:
+    if events is None:
+        return "no events.jsonl: this node recorded nothing"
+    if not events:
+        return "events.jsonl is empty: this node recorded nothing"
+    return _run_outcome(sorted(events, key=lambda e: e["time"]))
+
+
 def failure_reports(run_dir: Path, events: list[dict]) -> list[dict]:
-    """:func:`failure_report` for every failure of ``events`` (from :func:`load_events`)."""
-    failures = [e for e in events if e["event"] == "failure"]
-    return [failure_report(run_dir, events, i, failures) for i in range(len(failures))]
+    """:func:`failure_report` for every recovery round of ``events`` (from
+    :func:`load_events`): one per failure on a single node."""
+    rounds = recovery_rounds(events)
+    return [failure_report(run_dir, events, i, rounds) for i in range(len(rounds))]
 
 
 def build_report(run_dir: Path) -> dict:
-    events = load_events(run_dir)
+    events, nodes = _load_run(run_dir)
     start = events[0]["time"]
     return {
         "run_dir": str(run_dir), "start_time": start,
-        "timeline": [{"t": e["time"] - start, "event": e["event"], "text": describe(e)}
+        **({} if nodes is None else {"nodes": nodes}),
+        "timeline": [{"t": e["time"] - start, **_node_of(e), "event": e["event"], "text": describe(e)}
                      for e in events],
         "failures": failure_reports(run_dir, events),
         "outcome": _run_outcome(events),
@@ -408,14 +627,38 @@ def _s(seconds: float | None) -> str:
     return "unknown" if seconds is None else f"{seconds:.3f} s"
 
 
+def _round_text(f: dict, start: float) -> list[str]:
+    """The lines a multi-node round adds: its other failures and its silent nodes."""
+    lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, GPU(s) "
+             f"{c['gpus']}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
+             + ("after" if c["after_root_seconds"] >= 0 else "before") for c in f["consequences"]]
+    if f["cause"] == PEER and f["fault_at"] is None:
+        lines.append("  root cause         unknown: every node that recorded this failure says "
+                     f"{PEER}")
+    if f["silent_nodes"]:
+        lines.append(f"  silent nodes       {', '.join(map(str, f['silent_nodes']))} (launched, "
+                     "recorded no failure: a spare, or a node that died without writing)")
+    return lines
+
+
+def _gpus_text(layout: dict) -> str:
+    if "gpus" in layout:
+        return f"GPU(s) {layout['gpus']}"
+    return "GPU(s) " + (", ".join(f"node {n['node']} {n['gpus']}" for n in layout["gpus_by_node"])
+                        or "none launched")
+
+
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
-    lines = [f"failure {number}: attempt {f['attempt']}, {f['cause']} on GPU(s) {f['gpus']} at "
+    node = f"node {f['node']}, " if "node" in f else ""
+    lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']} on GPU(s) {f['gpus']} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
+             *(_round_text(f, start) if node else ()),
              f"  detection latency  {_s(detection['seconds'])} (since {detection['since']})",
              "  lead time          " + ("no alert before the failure" if lead is None else
-                                        f"{_s(lead['seconds'])} (first risk_alert: GPU {lead['gpu']} "
-                                        f"score {lead['score']} at +{lead['time'] - start:.2f} s)"),
+                                        f"{_s(lead['seconds'])} (first risk_alert: "
+                                        f"{_gpu_name(lead, lead['gpu'])} score {lead['score']} "
+                                        f"at +{lead['time'] - start:.2f} s)"),
              "  last checkpoint    " + ("none" if ckpt is None else
                                         f"iteration {ckpt['iteration']} ({ckpt['kind'] or ckpt['event']}, "
                                         f"durable at +{ckpt['durable_at'] - start:.2f} s)"),
@@ -425,8 +668,10 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
              f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)"]
     if f["outcome"] != "resumed":
         return [*lines, f"  RTO                unknown: {f['outcome']}"]
+    resumed = f["resumed"]
+    where = f"node {resumed['node']} " if "node" in resumed else ""
     lines.append(f"  RTO                {_s(f['rto_seconds'])} to iteration "
-                 f"{f['resumed']['iteration']} (attempt {f['resumed']['attempt']})")
+                 f"{resumed['iteration']} ({where}attempt {resumed['attempt']})")
     lines += [f"    {name.replace('_', ' '):<28}{_s(value)}" for name, value in f["phases"].items()]
     if f["rto_from_fault_seconds"] is not None:
         lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
@@ -436,16 +681,22 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
         lines.append(f"  new layout         TP {layout['tensor_model_parallel_size']} x PP "
                      f"{layout['pipeline_model_parallel_size']} x DP {layout['data_parallel_size']}, "
                      f"micro-batch {layout['micro_batch_size']}, global batch "
-                     f"{layout['global_batch_size']}, GPU(s) {layout['gpus']}")
+                     f"{layout['global_batch_size']}, {_gpus_text(layout)}")
     return lines
+
+
+def _timeline_line(row: dict) -> str:
+    node = f"node {row['node']:<3} " if "node" in row else ""
+    return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['event']:<18} {row['text']}"
 
 
 def format_report(report: dict) -> str:
     lines = [f"run {report['run_dir']}: {len(report['timeline'])} events, "
-             f"{len(report['failures'])} failure(s); outcome {report['outcome']}", "", "timeline:"]
-    lines += [f"  {'+' + format(row['t'], '.2f'):>10} s  {row['event']:<18} {row['text']}"
-              for row in report["timeline"]]
-    lines.append("")
+             f"{len(report['failures'])} failure(s); outcome {report['outcome']}"]
+    if "nodes" in report:
+        lines += ["", "nodes:"] + [f"  node {n['node']:<3} {n['events']:>6} events; {n['outcome']}"
+                                   for n in report["nodes"]]
+    lines += ["", "timeline:", *map(_timeline_line, report["timeline"]), ""]
     if not report["failures"]:
         lines.append("no failures in this run")
     for number, failure in enumerate(report["failures"], 1):
@@ -459,7 +710,8 @@ def format_report(report: dict) -> str:
               help="Where to write the report as JSON [default: RUN_DIR/report.json].")
 def report_command(run_dir: Path, json_out: Path | None) -> None:
     """Print RUN_DIR's timeline and, per failure, detection latency, alert lead time, lost
-    iterations (RPO) and time to resume (RTO) in phases; write the same as JSON."""
+    iterations (RPO) and time to resume (RTO) in phases; write the same as JSON. A RUN_DIR
+    with node_<R> folders (ftmaster launch --nnodes) is merged into one report."""
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory: give an ftmaster run directory")
     report = build_report(run_dir)

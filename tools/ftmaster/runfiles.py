@@ -6,8 +6,10 @@ Layout (``FTMASTER_RUN_DIR``)::
     flags/save_now.flag             read by the trainer
     gpu_metrics.csv                 monitor samples
     events.jsonl                    one JSON object per line, each with "event" and "time"
-    heartbeat.json                  training progress, written by rank 0 every iteration
+    heartbeat.json                  training progress, written by local rank 0 every iteration
     logs/                           one training log per launch attempt
+
+With ``ftmaster launch --nnodes``, each node keeps this layout in ``RUN_DIR/node_<R>/``.
 
 Every writer here is atomic or append-only, so a reader never sees half a record.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +60,23 @@ def heartbeat_path(run_dir: Path) -> Path:
 
 def logs_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "logs"
+
+
+_NODE_DIR = re.compile(r"node_(0|[1-9][0-9]*)")
+
+
+def node_dir(run_dir: Path, node_rank: int) -> Path:
+    """A node's folder in a multi-node run directory: the single-node layout inside."""
+    return Path(run_dir) / f"node_{node_rank}"
+
+
+def node_ranks(run_dir: Path) -> list[int]:
+    """The node ranks with a folder in ``run_dir``, in order; [] for a single-node run."""
+    try:
+        names = [entry.name for entry in Path(run_dir).iterdir() if entry.is_dir()]
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_NODE_DIR.fullmatch, names) if m)
 
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
