@@ -14,6 +14,7 @@ after ``--stop-timeout`` seconds.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import os
 import signal
@@ -24,10 +25,11 @@ from typing import Sequence
 
 import click
 
-from ftmaster import exit_codes
+from ftmaster import exit_codes, runfiles
 from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
+from ftmaster.slurm import slurm_defaults, with_explicit_options
 from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, parse_conf, parse_nnodes)
@@ -267,10 +269,13 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
+    slurm_notes = apply_slurm_defaults(options)
     rendezvous = rendezvous_config(options)
     devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
     config = supervisor_config(argv, devices, rendezvous, options)
     _console_logging()
+    for note in slurm_notes:
+        logging.getLogger("ftmaster").info(note)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
         lock = _lock_run_dir(config.run_dir)
@@ -286,6 +291,21 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     finally:
         lock.release()
     sys.exit(code)
+
+
+def apply_slurm_defaults(options: dict) -> tuple[str, ...]:
+    """Under ``srun``, the rendezvous options SLURM's environment gives (``--rdzv-id``,
+    ``--node-rank``, ``--rdzv-endpoint``, ``--nnodes``) where none was given on the command
+    line; returns the lines to log where a given one replaced SLURM's."""
+    try:
+        chosen, notes = with_explicit_options(
+            slurm_defaults(os.environ), rdzv_id=options["rdzv_id"],
+            node_rank=options["node_rank"], rdzv_endpoint=options["rdzv_endpoint"],
+            nnodes=options["nnodes"])
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    options.update(dataclasses.asdict(chosen))
+    return notes
 
 
 def rendezvous_config(options: dict) -> RendezvousConfig | None:
@@ -323,7 +343,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         first_plan = check_layout(argv, len(gpus), options["gpus_per_node"],
                                   options["gpu_memory_gb"])
     else:
-        run_dir = run_dir / f"node_{rendezvous.node_rank}"
+        run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
