@@ -35,6 +35,10 @@ setup(
         "regex",
         "xxhash",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={
+        # torch elastic's etcd-v2 rendezvous backend imports python-etcd
+        "etcd": ["python-etcd"],
+        "test": ["pytest", "pytest-timeout", "python-etcd"],
+    },
     entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},
 )

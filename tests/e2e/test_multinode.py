@@ -2,7 +2,9 @@
 ranks each) joined through torch elastic's c10d rendezvous on loopback, sim GPUs, gloo."""
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -11,7 +13,7 @@ from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, rea
 from helpers.launch import processes_mentioning, train_args
 from helpers.multinode import FAST_RENDEZVOUS, Nodes
 from helpers.netns import can_make_hosts, make_two_hosts, remove_hosts
-from helpers.trainer import wait_until
+from helpers.trainer import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +173,51 @@ def test_a_silent_partition_is_caught_by_the_hang_timeout_then_the_keep_alive(tm
     assert failure["time"] - cut_at >= 8  # no reset: only the hang timeout can tell
     assert plans(nodes, 0)[-1][:3] == (2, [0], [2])
     assert nodes.events(0, "complete")[0]["iteration"] == 40
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd with the v2 API on loopback (Debian's etcd-server), or a skip."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian: etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd is not installed")
+    client, peer = free_port(), free_port()
+    server = subprocess.Popen(
+        ["etcd", "--enable-v2", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        import etcd
+
+        wait_until(lambda: _answers(etcd.Client(host="127.0.0.1", port=client)), timeout=30,
+                   interval=0.2, what="etcd to answer")
+        yield f"127.0.0.1:{client}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _answers(client) -> bool:
+    try:
+        client.read("/")
+        return True
+    except Exception:
+        return False
+
+
+def test_with_the_store_in_etcd_losing_any_node_leaves_the_job_running(tmp_path, etcd_server):
+    """With c10d the store dies with its host (node 0); with etcd-v2 it lives elsewhere."""
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5), "--rdzv-backend", "etcd-v2",
+                  endpoint=etcd_server)
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(1) >= 8, timeout=300, interval=0.1, what="training")
+        os.kill(nodes.processes[0].pid, signal.SIGKILL)
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    assert plans(nodes, 1)[-1][:3] == (2, [1], [2])
+    assert nodes.events(1, "complete")[0]["iteration"] == 30

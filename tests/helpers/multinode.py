@@ -23,10 +23,12 @@ class Nodes:
     """The ftmaster processes of one multi-node job; each node's output in ``node<R>.out``."""
 
     def __init__(self, root: Path, nproc: int, args: list[str], *options: str,
-                 nnodes: str = "1:2", hosts: tuple[Host, ...] = (), conf: str = FAST_RENDEZVOUS) -> None:
+                 nnodes: str = "1:2", hosts: tuple[Host, ...] = (), conf: str = FAST_RENDEZVOUS,
+                 endpoint: str | None = None) -> None:
         self.root, self.nproc, self.args, self.options = Path(root), nproc, args, options
         self.run_dir = self.root / "run"
         self.port = free_port()
+        self.endpoint = endpoint
         self.nnodes, self.hosts, self.conf = nnodes, hosts, conf
         self.processes: dict[int, subprocess.Popen] = {}
 
@@ -39,7 +41,8 @@ class Nodes:
         prefix = host.prefix if host.name else []
         return [*prefix, sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", self.nnodes,
                 "--nproc-per-node", str(self.nproc), "--node-rank", str(node_rank),
-                "--rdzv-endpoint", f"{self.host(0).addr}:{self.port}", "--local-addr", host.addr,
+                "--rdzv-endpoint", self.endpoint or f"{self.host(0).addr}:{self.port}",
+                "--local-addr", host.addr,
                 "--rdzv-conf", self.conf, "--run-dir", str(self.run_dir),
                 "--monitor-backend", "sim", "--monitor-interval", "0.5", *self.options, *extra,
                 "--", PRETRAIN, *self.args]

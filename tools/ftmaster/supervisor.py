@@ -662,6 +662,7 @@ class Supervisor:
 
     def _plan_round(self, available: list[int]) -> Trigger:
         """Join a rendezvous round, plan on every node's GPUs, and take this node's share."""
+        started = time.monotonic()
         try:
             joined = self._join(available)
         except JobEnded as ended:
@@ -673,6 +674,8 @@ class Supervisor:
             return Trigger.SIGNALLED
         self.round = joined
         self.restarts = joined.number - 1
+        self._event("round", number=joined.number, nodes=[n.node_rank for n in joined.nodes],
+                    node_gpus=list(joined.node_gpus), seconds=round(time.monotonic() - started, 3))
         try:
             plan = plan_nodes(self.config.command, joined.node_gpus, mode=self.config.plan_mode,
                               gpu_memory_gb=self.config.gpu_memory_gb,
