@@ -93,6 +93,6 @@ def test_a_supervisor_started_again_continues_the_attempts_of_a_killed_one(tmp_p
     assert lost["iteration"] >= resumed_from
     assert [e["iteration"] for e in events(run_dir, "checkpoint_loaded")] == [resumed_from]
     assert f"loaded checkpoint from {iteration_dir(save, resumed_from)}" in attempt_log(run_dir, 2)
-    assert f"loaded checkpoint" not in attempt_log(run_dir, 1)  # logs are not mixed
+    assert "loaded checkpoint" not in attempt_log(run_dir, 1)  # logs are not mixed
     assert only(run_dir, "complete")["iteration"] == 40
     assert runfiles.read_heartbeat(run_dir)["finished"]

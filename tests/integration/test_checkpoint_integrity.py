@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ftmaster import exit_codes, runfiles
+from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker, tracker_path
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_problem, read_manifest
 from helpers.trainer import SMALL_GPT, iterations, layout_args, run_trainer

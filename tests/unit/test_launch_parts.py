@@ -1,7 +1,6 @@
 """Pieces of ftmaster launch: GPU choice and mapping, argv, injections, listener, lock, guards."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
