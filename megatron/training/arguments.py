@@ -1,8 +1,17 @@
 """Megatron-LM-compatible command-line arguments, validated before anything starts.
 
-Names and meanings follow Megatron-LM. Arguments that are ours are marked so in their help.
-Any problem raises ``ArgumentError`` with one line naming what is wrong and what to do;
-``pretrain_gpt.py`` prints it and exits with status 2.
+Names and meanings follow Megatron-LM, including the flags of its Llama and GPT recipes.
+Arguments that are ours are marked so in their help. Any problem raises ``ArgumentError``
+with one line naming what is wrong and what to do; ``pretrain_gpt.py`` prints it and exits
+with status 2.
+
+Schedules run on samples, as Megatron-LM's do internally: iteration arguments
+(``--train-iters``, ``--lr-decay-iters``, ``--lr-warmup-iters``) are multiplied by the global
+batch, sample arguments (``--train-samples``, ``--lr-decay-samples``,
+``--lr-warmup-samples``) are taken as they are. With ``--train-samples`` training runs until
+the consumed samples reach it, whatever the global batch was before a resume: that is how a
+relaunch at another global batch (``ftmaster plan --global-batch-tolerance``) ends the run at
+the same sample count.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ import math
 import os
 import tempfile
 from pathlib import Path
+
+from ftmaster.recovery.model_facts import default_ffn_hidden_size
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -30,10 +41,30 @@ def _add_model_args(parser):
     group = parser.add_argument_group("model")
     group.add_argument("--num-layers", type=int, required=True)
     group.add_argument("--hidden-size", type=int, required=True)
-    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="default: 4 x hidden; with --swiglu int(8 x hidden / 3 / 64) x 64")
     group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--kv-channels", type=int, default=None,
+                       help="projection size per head; default: hidden / heads")
     group.add_argument("--group-query-attention", action="store_true")
     group.add_argument("--num-query-groups", type=int, default=None)
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                       default="learned_absolute")
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true")
+    group.add_argument("--transformer-impl", choices=("transformer_engine", "local"),
+                       default="transformer_engine",
+                       help="Transformer Engine's layers on CUDA when it is installed, else local")
+    for fusion in ("masked-softmax", "bias-swiglu", "bias-gelu", "bias-dropout", "rope",
+                   "gradient-accumulation"):
+        group.add_argument(f"--no-{fusion}-fusion", action="store_false",
+                           dest=f"{fusion.replace('-', '_')}_fusion",
+                           help="(fused kernels run on CUDA only)")
     group.add_argument("--seq-length", type=int, required=True)
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="default: --seq-length")
@@ -50,7 +81,28 @@ def _add_parallel_args(parser):
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    group.add_argument("--use-distributed-optimizer", action="store_true", default=None,
+                       help="shard optimizer state over data-parallel ranks (ZeRO-1); default on "
+                            "with CUDA")
+    group.add_argument("--no-use-distributed-optimizer", action="store_false",
+                       dest="use_distributed_optimizer", help="ours: the opt-out")
+    group.add_argument("--overlap-grad-reduce", action="store_true", default=None,
+                       help="default on with CUDA and the distributed optimizer")
+    group.add_argument("--overlap-param-gather", action="store_true", default=None,
+                       help="default on with CUDA and the distributed optimizer")
+    group.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                       help="accepted: ftmaster always saves the distributed optimizer fully "
+                            "reshardable, so a checkpoint resumes under any TP/PP/DP")
+    group.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                       help="gather the optimizer state to DP rank 0 over gloo to save, rather "
+                            "than on every DP rank")
+    group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    group.add_argument("--recompute-num-layers", type=int, default=None)
 
 
 def _add_training_args(parser):
@@ -58,12 +110,16 @@ def _add_training_args(parser):
     group.add_argument("--micro-batch-size", type=int, required=True)
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="default: micro-batch size x data-parallel size")
-    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--train-iters", type=int, default=None)
+    group.add_argument("--train-samples", type=int, default=None)
     group.add_argument("--lr", type=float, required=True)
     group.add_argument("--min-lr", type=float, default=0.0)
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="default: --train-samples")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-samples", type=int, default=0)
     group.add_argument("--override-opt-param-scheduler", action="store_true",
                        help="on resume, follow the LR/WD schedule of these arguments")
     group.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
@@ -142,9 +198,9 @@ def parse_args(argv: list[str], world_size: int | None = None) -> argparse.Names
 
 
 def _fill_defaults(args):
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.ffn_hidden_size is None and args.hidden_size:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
@@ -153,6 +209,54 @@ def _fill_defaults(args):
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # Megatron-LM's validate_args: nothing to split
+    _samples_from_iterations(args)
+
+
+def _virtual_stages(args) -> int | None:
+    """Model chunks per pipeline rank (Megatron-LM's two ways to ask for them); None: 1."""
+    if args.num_virtual_stages_per_pipeline_rank:
+        return args.num_virtual_stages_per_pipeline_rank
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    pp = args.pipeline_model_parallel_size
+    if per_stage and pp and args.num_layers and args.num_layers % (pp * per_stage) == 0:
+        return args.num_layers // pp // per_stage
+    return None
+
+
+def _samples_from_iterations(args) -> None:
+    """The schedule in samples: iteration arguments times the global batch. As in Megatron-LM's
+    validate_args, the schedule is in the unit of the training length."""
+    _require((args.train_iters is None) != (args.train_samples is None),
+             "give exactly one of --train-iters and --train-samples")
+    by_samples = args.train_iters is None
+    iteration_forms = args.lr_decay_iters is not None or bool(args.lr_warmup_iters)
+    sample_forms = args.lr_decay_samples is not None or bool(args.lr_warmup_samples)
+    if by_samples and iteration_forms:
+        raise ArgumentError("with --train-samples give --lr-decay-samples/--lr-warmup-samples, "
+                            "not the iteration forms")
+    if not by_samples and sample_forms:
+        raise ArgumentError("with --train-iters give --lr-decay-iters/--lr-warmup-iters, not "
+                            "the sample forms")
+    batch = args.global_batch_size or 0
+    if args.train_samples is None and args.train_iters is not None:
+        args.train_samples = args.train_iters * batch
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = (args.lr_decay_iters * batch if args.lr_decay_iters
+                                 else args.train_samples)
+    if not args.lr_warmup_samples:
+        args.lr_warmup_samples = args.lr_warmup_iters * batch
+
+
+def _as_given(args, name: str) -> str:
+    """A schedule length as the user gave it, e.g. ``--lr-warmup-iters (5)``."""
+    for flag in (f"{name}_iters", f"{name}_samples", "train_iters", "train_samples"):
+        value = getattr(args, flag)
+        if value:
+            return f"--{flag.replace('_', '-')} ({value})"
+    return "0"
 
 
 def _require(condition: bool, message: str) -> None:
@@ -179,7 +283,14 @@ def _validate_positive(args):
         value = getattr(args, name)
         _require(value is not None and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    _require(args.train_iters >= 0, f"--train-iters must be >= 0, got {args.train_iters}")
+    for name in ("kv_channels", "num_layers_per_virtual_pipeline_stage",
+                 "num_virtual_stages_per_pipeline_rank", "recompute_num_layers"):
+        value = getattr(args, name)
+        _require(value is None or value > 0,
+                 f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    for name in ("train_iters", "train_samples"):
+        value = getattr(args, name)
+        _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
 
 def _validate_world_size(args):
@@ -192,28 +303,56 @@ def _validate_world_size(args):
 
 
 def _validate_layout(args):
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    for name in ("num_attention_heads", "num_query_groups", "hidden_size", "ffn_hidden_size"):
+    """Megatron-LM's own rules for the flags this trainer builds (the planner's
+    ``ftmaster.recovery.layout_rules`` cites where Megatron-LM checks each)."""
+    tp = args.tensor_model_parallel_size
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    for name in ("num_attention_heads", "ffn_hidden_size"):
         value = getattr(args, name)
         _require(value % tp == 0,
                  f"--{name.replace('_', '-')} ({value}) is not divisible by "
                  f"--tensor-model-parallel-size ({tp})")
-    _require(args.num_attention_heads % args.num_query_groups == 0,
-             f"--num-attention-heads ({args.num_attention_heads}) is not divisible by "
-             f"--num-query-groups ({args.num_query_groups})")
-    _require(args.hidden_size % args.num_attention_heads == 0,
-             f"--hidden-size ({args.hidden_size}) is not divisible by "
-             f"--num-attention-heads ({args.num_attention_heads})")
-    _require(args.num_layers % pp == 0,
-             f"--num-layers ({args.num_layers}) is not divisible by "
-             f"--pipeline-model-parallel-size ({pp})")
+    _require(heads % groups == 0,
+             f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})")
+    _require(groups % tp == 0 or tp % groups == 0,
+             f"--num-query-groups ({groups}) must be a multiple or a divisor of "
+             f"--tensor-model-parallel-size ({tp})")
+    if args.kv_channels is None:
+        _require(args.hidden_size % heads == 0,
+                 f"--hidden-size ({args.hidden_size}) is not divisible by --num-attention-heads "
+                 f"({heads}); give --kv-channels for another head size")
+        args.kv_channels = args.hidden_size // heads
+    _validate_pipeline(args)
     _require(args.max_position_embeddings >= args.seq_length,
              f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
              f"--seq-length ({args.seq_length})")
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits the sequence over TP: --seq-length ({args.seq_length}) "
+             f"is not divisible by --tensor-model-parallel-size ({tp})")
+    _require(args.recompute_method is None or args.recompute_granularity == "full",
+             "--recompute-method needs --recompute-granularity full")
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
-    _require(not (args.bf16 or args.fp16) or _cuda_available(),
-             "--bf16/--fp16 need CUDA (Megatron's mixed-precision optimizer keeps its master "
-             "weights on the GPU); drop the flag to train in fp32 on CPU")
+    _require(not args.fp16 or _cuda_available(),
+             "--fp16 needs CUDA (its loss scaling is not tried on CPU); use --bf16 or fp32 on CPU")
+
+
+def _validate_pipeline(args):
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    _require(not (per_stage and args.num_virtual_stages_per_pipeline_rank),
+             "give one of --num-layers-per-virtual-pipeline-stage and "
+             "--num-virtual-stages-per-pipeline-rank")
+    _require(not per_stage or vpp is not None,
+             f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size "
+             f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_stage})")
+    chunks = pp * (vpp or 1)
+    split = (f"--pipeline-model-parallel-size ({pp})" if not vpp or vpp == 1 else
+             f"the {chunks} pipeline chunks (--pipeline-model-parallel-size {pp} x {vpp} "
+             f"virtual stages)")
+    _require(args.num_layers % chunks == 0,
+             f"--num-layers ({args.num_layers}) is not divisible by {split}")
+    _require(not vpp or vpp == 1 or pp > 1,
+             "a virtual pipeline (interleaved schedule) needs --pipeline-model-parallel-size > 1")
 
 
 def _validate_batch(args):
@@ -224,13 +363,19 @@ def _validate_batch(args):
              f"--global-batch-size ({args.global_batch_size}) is not divisible by "
              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
              f"({args.data_parallel_size})")
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    micro_batches = args.global_batch_size // per_step
+    # megatron-core's forward_backward_pipelining_with_interleaving (groups of PP micro-batches)
+    _require(not vpp or vpp == 1 or (micro_batches >= pp and micro_batches % pp == 0),
+             f"the interleaved schedule needs the {micro_batches} micro-batches per step to be a "
+             f"multiple of --pipeline-model-parallel-size ({pp})")
 
 
 def _validate_schedule(args):
     _require(args.lr >= args.min_lr >= 0, f"need --lr ({args.lr}) >= --min-lr ({args.min_lr}) >= 0")
-    _require(args.lr_decay_iters > args.lr_warmup_iters or args.train_iters == 0,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than the decay "
-             f"iterations ({args.lr_decay_iters})")
+    _require(args.lr_decay_samples > args.lr_warmup_samples or args.train_samples == 0,
+             f"the warm-up {_as_given(args, 'lr_warmup')} must be shorter than the decay "
+             f"{_as_given(args, 'lr_decay')}")
     if args.save_interval is not None:
         _require(args.save_interval > 0,
                  f"--save-interval must be a positive integer, got {args.save_interval}")

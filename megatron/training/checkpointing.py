@@ -1,9 +1,15 @@
 """Distributed checkpoints in Megatron's torch_dist layout, reloadable under any TP/PP/DP.
 
 A checkpoint holds the model and optimizer as sharded tensors (resharded on load by
-``dist_checkpointing``), and in ``common.pt`` the scheduler, iteration, consumed samples,
-args and layout. RNG states are per (PP, TP) rank; they are restored only when the layout is
-unchanged, because a new layout has different ranks and a stale stream would be wrong.
+``dist_checkpointing``), and in ``common.pt`` what Megatron-LM's ``load_checkpoint`` reads:
+``args`` as an ``argparse.Namespace`` with Megatron-LM's attribute names (the consumed samples
+in ``args.consumed_train_samples``), ``iteration``, ``checkpoint_version`` 3.0,
+``opt_param_scheduler``, ``num_floating_point_operations_so_far``, and ``content_metadata``
+(how the optimizer state is sharded). The model is ``model``, or ``model0``, ``model1``... with
+virtual pipeline stages, as Megatron-LM names them. RNG states are a list per (PP, TP) rank;
+they are restored only when the layout is unchanged, because a new layout has different ranks
+and a stale stream would be wrong. Checkpoints written before (``args`` a dict, consumed
+samples at the top level, RNG state a dict) still load.
 
 **Saving never kills training.** A save follows ``dist_checkpointing.save`` step by step
 (preprocess, ``common.pt`` on rank 0, the sharded async request, ``metadata.json``) so that
@@ -52,6 +58,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
+    _CONTENT_METADATA_KEY,
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
@@ -89,6 +96,7 @@ from ftmaster.runfiles import atomic_write_text
 
 from . import checksums
 from .console import log_rank0
+from .model import optimizer_metadata
 
 CHECKPOINT_VERSION = 3.0
 COMMON_FILE = "common.pt"
@@ -146,6 +154,8 @@ def _rng_device() -> str:
 
 
 def _rng_sharded_object() -> ShardedObject:
+    """Megatron-LM's ``get_rng_state``: a list with this rank's state (one per DP rank only
+    with ``--data-parallel-random-init``), sharded over (PP, TP)."""
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": numpy.random.get_state(),
@@ -160,15 +170,17 @@ def _rng_sharded_object() -> ShardedObject:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return ShardedObject(
-        "rng_state", state,
+        "rng_state", [state],
         (parallel_state.get_pipeline_model_parallel_world_size(),
          parallel_state.get_tensor_model_parallel_world_size()),
         (pp_rank, tp_rank), replica_id=parallel_state.get_data_parallel_rank())
 
 
-def _restore_rng(state: dict) -> None:
+def _restore_rng(saved: list | dict) -> None:
     """The saved streams; the device's own ones only when saved on the same kind of device
-    (checkpoints from before the field was written were all made on CPU)."""
+    (checkpoints from before the field was written were all made on CPU). Older checkpoints
+    hold the state itself rather than a list of one."""
+    state = saved[0] if isinstance(saved, list) else saved
     random.setstate(state["random_rng_state"])
     numpy.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -459,23 +471,21 @@ class Checkpointer:
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
                     with_optimizer: bool = True) -> dict:
-        model_sd = self.model.sharded_state_dict()
-        sharded = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION}
+        metadata = optimizer_metadata(self.args)
+        sharded = {**self.model.sharded_state_dict(metadata), "checkpoint_version": CHECKPOINT_VERSION}
         if with_optimizer:
             # Not even built when not loaded: for loading it initialises the optimizer's
             # state, which a fresh Adam must not find half made (no "step").
-            sharded["optimizer"] = self.optimizer.sharded_state_dict(model_sd,
-                                                                     is_loading=is_loading)
+            sharded["optimizer"] = self.optimizer.sharded_state_dict(
+                sharded, is_loading=is_loading, metadata=metadata)
         if with_rng:
             sharded["rng_state"] = _rng_sharded_object()
         if not is_loading:
             sharded.update(
-                iteration=state.iteration,
-                consumed_train_samples=state.consumed_train_samples,
-                opt_param_scheduler=self.scheduler.state_dict(),
-                args=vars(self.args).copy(),
-                layout=layout_of(self.args),
-            )
+                iteration=state.iteration, opt_param_scheduler=self.scheduler.state_dict(),
+                args=megatron_args(self.args, state), layout=layout_of(self.args),
+                num_floating_point_operations_so_far=0,
+                **{_CONTENT_METADATA_KEY: metadata})
         return sharded
 
     def save(self, state: TrainingState, kind: str,
@@ -583,6 +593,7 @@ class Checkpointer:
             return problem
         if not self.args.no_load_optim:
             self._check_schedule(common.get("opt_param_scheduler", {}))
+            self._check_optimizer(saved_args(common))
         same_layout = common.get("layout") == layout_of(self.args)
         with_rng = same_layout and not self.args.no_load_rng
         try:
@@ -637,6 +648,16 @@ class Checkpointer:
             set_aside_newer(Path(self.args.save), iteration)
         torch.distributed.barrier(group=self.group)
 
+    def _check_optimizer(self, saved: dict) -> None:
+        """The distributed optimizer's state and the plain one's are not interchangeable
+        (their parameter groups differ: megatron-core raises KeyError 'pre_wd_mult')."""
+        was = bool(saved.get("use_distributed_optimizer"))
+        if was != bool(self.args.use_distributed_optimizer):
+            raise CheckpointMismatch(
+                f"the checkpoint's optimizer state was saved {'with' if was else 'without'} the "
+                f"distributed optimizer: resume {'with' if was else 'without'} "
+                f"--use-distributed-optimizer, or pass --no-load-optim to start its state afresh")
+
     def _check_schedule(self, saved: dict) -> None:
         """Megatron-LM's rule: a resume keeps the schedule unless told which one to follow,
         so that a changed --train-iters or --lr never silently keeps the old decay."""
@@ -655,11 +676,11 @@ class Checkpointer:
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
     def _apply(self, loaded: dict, state: TrainingState, with_rng: bool) -> None:
-        self.model.load_state_dict(loaded["model"])
+        self.model.load_state_dict(loaded)
         if with_rng:
             _restore_rng(loaded["rng_state"])
         state.iteration = int(loaded["iteration"])
-        state.consumed_train_samples = int(loaded["consumed_train_samples"])
+        state.consumed_train_samples = consumed_samples(loaded)
         if self.args.no_load_optim:
             # A fresh optimizer, but the schedule (counted in samples) goes on where it was.
             # (dist_checkpointing hands back the common part of "optimizer" even when the
@@ -712,6 +733,33 @@ def prepare_fresh_start(save_dir: str | None) -> None:
         log_rank0(f"removed {iteration_dir(save_dir, iteration)}: a save that never finished")
 
 
+def megatron_args(args: argparse.Namespace, state: TrainingState) -> argparse.Namespace:
+    """The ``args`` Megatron-LM's ``load_checkpoint`` reads, by attribute: these arguments
+    (Megatron-LM's names) and the progress it keeps in them."""
+    saved = argparse.Namespace(**vars(args))
+    saved.consumed_train_samples = state.consumed_train_samples
+    saved.consumed_valid_samples = 0
+    saved.skipped_train_samples = 0
+    saved.no_save_optim = saved.no_save_rng = False
+    saved.ckpt_fully_parallel_save = True
+    saved.add_position_embedding = args.position_embedding_type == "learned_absolute"
+    saved.use_rotary_position_embeddings = args.position_embedding_type == "rope"
+    return saved
+
+
+def saved_args(common: dict) -> dict:
+    """A checkpoint's args as a dict, whether saved as a Namespace or (before) as a dict."""
+    found = common.get("args") or {}
+    return vars(found) if isinstance(found, argparse.Namespace) else dict(found)
+
+
+def consumed_samples(loaded: dict) -> int:
+    """Where Megatron-LM keeps them (``args.consumed_train_samples``), else where ftmaster
+    kept them before."""
+    found = saved_args(loaded).get("consumed_train_samples")
+    return int(found if found is not None else loaded["consumed_train_samples"])
+
+
 def checkpoint_args(load_dir: str | None) -> dict | None:
     """The args saved with the checkpoint that ``--load`` would pick, without loading it."""
     if not load_dir:
@@ -720,6 +768,6 @@ def checkpoint_args(load_dir: str | None) -> dict | None:
     if choice.iteration is None:
         return None
     try:
-        return dist_checkpointing.load_common_state_dict(str(choice.path)).get("args")
+        return saved_args(dist_checkpointing.load_common_state_dict(str(choice.path)))
     except Exception:  # a broken common.pt is the load's to report, with its fallback
         return None

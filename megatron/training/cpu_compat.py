@@ -23,8 +23,11 @@ Patch points (module: what it assumes -> what we do):
    stream for dropout and initialisation.
 5. ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor``
    grads -> replaced by the same scaling without the assertion, so ``--clip-grad`` works.
-6. The distributed optimizer needs CUDA buffers; on CPU the trainer uses the
-   non-distributed Megatron optimizer (decided in ``training.py``, not patched here).
+6. ``DistributedOptimizer.__init__`` and ``Float16OptimizerWithFloat16Params.__init__``
+   accept only parameters whose ``Tensor.type()`` is ``torch.cuda.*Tensor`` -> while they run,
+   ``Tensor.type()`` (without arguments) reports a CPU float tensor under its CUDA name. The
+   buffers they wrap are Megatron DDP's, already on the CPU through patch 1; with this the
+   distributed optimizer and bf16 train on CPU (fp16 is not tried and stays refused).
 7. ``Tensor.cuda()`` is called by ``LanguageModule.setup_embeddings_and_output_layer`` (tied
    embeddings across pipeline stages), ``dist_checkpointing.exchange_utils`` (fully parallel
    load) and the optimizer's offload path -> it returns the tensor itself. This one is
@@ -32,11 +35,16 @@ Patch points (module: what it assumes -> what we do):
 8. ``CudaRNGStatesTracker.fork`` warns "CPU RNG state changed within GPU RNG context" when
    the CPU generator moves inside a fork; on CPU the forked stream *is* the CPU generator, so
    the warning is expected on every dropout -> that one message is filtered from its logger.
+9. ``transformer.torch_norm.WrappedTorchNorm`` (the local spec's norm without Apex) refuses
+   ``sequence_parallel`` -> it is built per token from a copy of the config without it (a
+   norm is correct on a sequence shard), and its weights are marked ``sequence_parallel`` as
+   Apex's ``FusedLayerNorm`` marks its own, so ``finalize_model_grads`` all-reduces their
+   gradients over TP. (Without the marking the TP ranks' norms drift apart.)
 
-CPU choices made elsewhere, as settings rather than patches: ``training.transformer_config``
-turns off the fused bias/dropout/activation kernels and batched p2p without CUDA, and
-``arguments`` refuses ``--bf16``/``--fp16`` without CUDA (Megatron's mixed-precision
-optimizer keeps its master weights on the GPU).
+CPU choices made elsewhere, as settings rather than patches: ``model.transformer_config``
+turns off the fused bias/dropout/activation/RoPE kernels and batched p2p without CUDA, and
+``arguments`` refuses ``--fp16`` without CUDA. Bugs of megatron-core that hit GPUs as well
+are fixed in :mod:`mcore_fixes`, not here.
 
 Patches 1-4 are scoped: each patched module gets its own view of ``torch`` whose ``cuda``
 namespace and tensor factories are redirected, so code elsewhere (and torch itself) is
@@ -45,6 +53,7 @@ untouched.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import types
@@ -65,6 +74,8 @@ _DEVICE_MODULES = tuple(f"megatron.core.{name}" for name in (
     "transformer.transformer_layer",
     "transformer.utils",
     "models.gpt.gpt_model",
+    "models.common.embeddings.rotary_pos_embedding",
+    "optimizer.distrib_optimizer",
     "tensor_parallel.data",
     "tensor_parallel.layers",
     "tensor_parallel.mappings",
@@ -86,6 +97,9 @@ _DEVICE_MODULES = tuple(f"megatron.core.{name}" for name in (
 ))
 
 _applied = False
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
 def _cpu_device(device):
@@ -152,6 +166,51 @@ def _patch_rng_functions(random_module):
     random_module._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
+def _reporting_cuda_type_names(init):
+    """``init`` run with ``Tensor.type()`` naming CPU float tensors as CUDA ones (patch 6)."""
+    def wrapped(self, *args, **kwargs):
+        original = torch.Tensor.type
+
+        def type_(tensor, dtype=None, non_blocking=False, **more):
+            if dtype is None and not more:
+                name = original(tensor)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            return original(tensor, dtype, non_blocking, **more)
+
+        torch.Tensor.type = type_
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+    return wrapped
+
+
+def _sequence_parallel_norm(original_new):
+    """Patch 9: a per-token norm on a sequence shard, its weights synchronised over TP."""
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        per_token = copy.copy(config)
+        per_token.sequence_parallel = False
+        norm = original_new(cls, per_token, hidden_size, eps, persist_layer_norm,
+                            zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+    return staticmethod(new)
+
+
+def _patch_classes() -> None:
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+    from megatron.core.transformer import torch_norm
+
+    for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
+        cls.__init__ = _reporting_cuda_type_names(cls.__init__)
+    torch_norm.WrappedTorchNorm.__new__ = _sequence_parallel_norm(torch_norm.WrappedTorchNorm.__new__)
+
+
 class _DropExpectedRngWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
@@ -174,5 +233,6 @@ def apply() -> bool:
         module = importlib.import_module(name)
         if hasattr(module, "clip_grad_by_total_norm_fp32"):
             module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _patch_classes()
     _applied = True
     return True

@@ -23,8 +23,9 @@ from torch.utils.data import default_collate
 
 def dataset_sizes(args: argparse.Namespace) -> list[int]:
     """Samples needed per split (train, valid, test), as Megatron-LM computes them."""
-    train = args.train_iters * args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    train = args.train_samples
+    iterations = -(-args.train_samples // args.global_batch_size)
+    evaluations = iterations // args.eval_interval + 1 if args.eval_iters else 0
     valid = args.eval_iters * evaluations * args.global_batch_size
     test = args.eval_iters * args.global_batch_size
     return [max(train, 1), max(valid, 1), max(test, 1)]

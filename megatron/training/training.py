@@ -17,20 +17,12 @@ from pathlib import Path
 import numpy
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.module import Float16Module
 
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
 
-from . import cpu_compat
+from . import cpu_compat, mcore_fixes, rehearsal
 from .arguments import padded_vocab_size
 from .checkpointing import (
     Checkpointer,
@@ -41,8 +33,9 @@ from .checkpointing import (
     prune_emergency_checkpoints,
 )
 from .console import format_iteration_line, log_last_rank, log_rank0
-from .data import BatchPrefetcher, MicroBatches, build_datasets, needs_data
-from . import rehearsal
+from .data import BatchPrefetcher, MicroBatches, build_datasets
+from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
+                    transformer_config, uses_distributed_optimizer)
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
@@ -79,6 +72,7 @@ def initialize(args: argparse.Namespace) -> None:
         device = {"device_id": torch.device("cuda", local_rank())}
     else:
         cpu_compat.apply()
+    mcore_fixes.apply()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend="nccl" if use_cuda else "gloo", timeout=distributed_timeout(args),
@@ -87,6 +81,7 @@ def initialize(args: argparse.Namespace) -> None:
     # longer than any --hang-timeout ftmaster would use).
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -101,104 +96,6 @@ def _single_process_rendezvous() -> dict:
     if "RANK" in os.environ:
         return {}
     return {"store": torch.distributed.HashStore(), "rank": 0, "world_size": 1}
-
-
-def _params_dtype(args) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def transformer_config(args) -> TransformerConfig:
-    use_cuda = torch.cuda.is_available()
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        params_dtype=_params_dtype(args),
-        pipeline_dtype=_params_dtype(args),
-        bf16=args.bf16,
-        fp16=args.fp16,
-        use_cpu_initialization=not use_cuda,
-        # The fused kernels are CUDA-only; their unfused forms compute the same thing.
-        bias_activation_fusion=use_cuda,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=use_cuda,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        batch_p2p_comm=use_cuda,
-    )
-
-
-def _layer_spec():
-    """Transformer Engine's layers on CUDA when it imports; megatron-core's local ones
-    otherwise. A broken install (a missing shared library raises OSError, a version clash
-    anything) falls back too, with one warning, rather than end the run."""
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
-            import transformer_engine  # noqa: F401  (only its presence matters)
-
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
-        except Exception as error:
-            log_rank0(f"warning: Transformer Engine does not import ({type(error).__name__}: "
-                      f"{error}); using megatron-core's local layers")
-    return get_gpt_layer_local_spec()
-
-
-def build_model(args, config: TransformerConfig, vocab_size: int):
-    """GPTModel for this pipeline stage, wrapped for mixed precision and Megatron DDP."""
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(),
-        vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-    )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    wrapped = Float16Module(config, model) if (args.bf16 or args.fp16) else model
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped), model
-
-
-def build_optimizer(args, ddp_model):
-    config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=_params_dtype(args),
-        # Megatron's distributed optimizer needs CUDA buffers, and its default checkpoint
-        # format cannot change TP/PP; the plain optimizer reshards under any layout.
-        use_distributed_optimizer=False,
-    )
-    optimizer = get_megatron_optimizer(config, [ddp_model])
-    # Megatron-LM counts scheduler steps in samples, so the schedule survives a change of
-    # global batch size; the loop steps it by the global batch size.
-    samples = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
-        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
-    return optimizer, scheduler
 
 
 def vocab_size_for_layout(args, tokenizer) -> int:
@@ -241,37 +138,56 @@ def forward_step(data_iterator, model):
 
 def _average_loss(losses: list[dict]) -> float | None:
     """Mean over micro-batches and data-parallel ranks, on the last pipeline stage."""
-    if not parallel_state.is_pipeline_last_stage() or not losses:
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not losses:
         return None
     value = torch.stack([entry["lm loss"] for entry in losses]).mean().float().reshape(1)
     torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
     return value.item() / parallel_state.get_data_parallel_world_size()
 
 
+def describe_layout(args) -> str:
+    """One start-up line: where the job trains and how it is split."""
+    device = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    virtual = (f" x {args.virtual_pipeline_model_parallel_size} virtual stages"
+               if args.virtual_pipeline_model_parallel_size else "")
+    optimizer = "distributed" if args.use_distributed_optimizer else "replicated"
+    return (f"training on {args.world_size} {device} ranks: TP {args.tensor_model_parallel_size} "
+            f"x PP {args.pipeline_model_parallel_size}{virtual} x DP {args.data_parallel_size}, "
+            f"{precision}, {optimizer} optimizer state"
+            f"{', sequence parallel' if args.sequence_parallel else ''}")
+
+
 class Trainer:
     def __init__(self, args):
         self.args = args
+        # Resolved once, where CUDA is known, and saved so that a resume can tell.
+        args.use_distributed_optimizer = uses_distributed_optimizer(args)
         self.run_dir = runfiles.run_dir_from_env()
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file,
                                     args.merge_file)
         args.padded_vocab_size = vocab_size_for_layout(args, tokenizer)
         self.config = transformer_config(args)
-        self.model, self.module = build_model(args, self.config, args.padded_vocab_size)
+        self.model = build_model(args, self.config, args.padded_vocab_size)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
-        self._connect_schedule_hooks()
+        connect_schedule_hooks(self.config, self.model, self.optimizer)
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
         self.state = TrainingState()
         # One CPU group for every agreement the loop makes (save requests, the NaN guard,
         # the outcome of each save and load): none of them ever waits on a GPU stream.
         self.control_group = torch.distributed.new_group(backend="gloo",
                                                          timeout=distributed_timeout(args))
-        self.checkpointer = Checkpointer(args, self.module, self.optimizer, self.scheduler,
+        self.checkpointer = Checkpointer(args, self.model, self.optimizer, self.scheduler,
                                          self.control_group, self._event)
         self.num_micro_batches = args.global_batch_size // (
             args.micro_batch_size * parallel_state.get_data_parallel_world_size())
         self.train_batches = BatchPrefetcher(
             self.train_ds, args.micro_batch_size, self.num_micro_batches,
             args.global_batch_size, pin_memory=torch.cuda.is_available()) if needs_data() else None
+        # The interleaved schedule takes one iterator per chunk; chunks that read no data get
+        # None (the first stage's first chunk reads tokens, the last stage's last labels).
+        stages = args.virtual_pipeline_model_parallel_size
+        self.chunk_reads = [needs_data(stage) for stage in range(stages)] if stages else None
         self.forward_backward = get_forward_backward_func()
         self.requests = SaveRequests(
             flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
@@ -282,22 +198,24 @@ class Trainer:
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
+        log_rank0(describe_layout(args))
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:
             return Path(self.args.emergency_save_flag_dir) / runfiles.SAVE_NOW_FLAG
         return runfiles.save_now_flag_path(self.run_dir) if self.run_dir else None
 
-    def _connect_schedule_hooks(self):
-        self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
+    def _per_chunk(self, batches):
+        """One iterator per model chunk that reads data (a list under virtual stages)."""
+        if self.chunk_reads is None:
+            return None if batches is None else iter(batches)
+        return [iter(batches) if reads else None for reads in self.chunk_reads]
 
     def _data(self, dataset, consumed):
         if not needs_data():
-            return None
-        return MicroBatches(dataset, consumed, self.args.micro_batch_size,
-                            self.num_micro_batches)
+            return self._per_chunk(None)
+        return self._per_chunk(list(MicroBatches(dataset, consumed, self.args.micro_batch_size,
+                                                 self.num_micro_batches)))
 
     def train_step(self) -> float | None:
         """One iteration; NonFiniteLoss (on every rank, before any update) when the guard
@@ -305,10 +223,10 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         data = (None if self.train_batches is None
-                else self.train_batches.iteration(self.state.consumed_train_samples))
+                else list(self.train_batches.iteration(self.state.consumed_train_samples)))
         losses = self.forward_backward(
-            forward_step_func=forward_step, data_iterator=data,
-            model=[self.model], num_microbatches=self.num_micro_batches,
+            forward_step_func=forward_step, data_iterator=self._per_chunk(data),
+            model=self.model.chunks, num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
         loss = _average_loss(losses)
@@ -322,13 +240,14 @@ class Trainer:
     def evaluate(self) -> None:
         consumed = self.state.iteration // self.args.eval_interval * self.args.eval_iters
         losses = []
-        self.model.eval()
+        self.model.sync_params()
+        self.model.train(False)
         with torch.no_grad():
             for step in range(self.args.eval_iters):
                 batch_start = (consumed + step) * self.args.global_batch_size
                 losses += self.forward_backward(
                     forward_step_func=forward_step,
-                    data_iterator=self._data(self.valid_ds, batch_start), model=[self.model],
+                    data_iterator=self._data(self.valid_ds, batch_start), model=self.model.chunks,
                     num_microbatches=self.num_micro_batches, seq_length=self.args.seq_length,
                     micro_batch_size=self.args.micro_batch_size, forward_only=True)
         self.model.train()
@@ -349,6 +268,7 @@ class Trainer:
             runfiles.append_event(self.run_dir, name, **fields)
 
     def save(self, kind: str) -> None:
+        self.model.sync_params()
         blocked = self.checkpointer.save(self.state, kind, on_durable=self._on_durable,
                                          on_failed=self._on_save_failed)
         if self.checkpointer.async_queue is not None:
@@ -362,7 +282,7 @@ class Trainer:
         self._blocked_seconds.pop(failure.iteration, None)
         if self.writes_run_files:
             self.requests.consume()
-        if failure.kind in ("final", "exit") or failure.iteration == self.args.train_iters:
+        if failure.kind in ("final", "exit") or self._training_done():
             self._final_save_failure = failure  # no second try at the same iteration
 
     def _on_durable(self, done: DurableSave) -> None:
@@ -411,17 +331,24 @@ class Trainer:
         log_rank0(f"exiting at iteration {self.state.iteration} (--exit-interval {interval})")
         return True
 
+    def _training_done(self) -> bool:
+        """The run ends once the consumed samples reach ``--train-samples`` (``--train-iters``
+        times the global batch), whatever the batch was before a resume."""
+        return self.state.consumed_train_samples >= self.args.train_samples
+
     def run(self) -> None:
-        """Train to ``--train-iters`` (or an exit request). NonFiniteLoss leaves it with
+        """Train to the end of the schedule (or an exit request). NonFiniteLoss leaves it with
         nothing updated; FinalSaveFailed once training ended without its last checkpoint."""
         args = self.args
         loaded = bool(args.load) and self.checkpointer.load(self.state)
         if not loaded:
             self.checkpointer.prepare_fresh_start()
         self._first_iteration = self.state.iteration + 1
-        log_rank0(f"training from iteration {self.state.iteration} to {args.train_iters}")
+        remaining = max(0, args.train_samples - self.state.consumed_train_samples)
+        self.total_iterations = self.state.iteration + -(-remaining // args.global_batch_size)
+        log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
         window_start, window_losses = time.perf_counter(), []
-        while self.state.iteration < args.train_iters:
+        while not self._training_done():
             self.requests.start_agreement()
             loss = self.train_step()
             self.state.iteration += 1
@@ -469,7 +396,7 @@ class Trainer:
     def _log(self, window_start: float, losses: list[float]) -> None:
         elapsed_ms = (time.perf_counter() - window_start) * 1000 / self.args.log_interval
         log_last_rank(format_iteration_line(
-            self.state.iteration, self.args.train_iters, self.state.consumed_train_samples,
+            self.state.iteration, self.total_iterations, self.state.consumed_train_samples,
             elapsed_ms, self.optimizer.param_groups[0]["lr"], self.args.global_batch_size,
             sum(losses) / len(losses) if losses else None))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from ftmaster.recovery.checkpoints import iteration_dir, tracker_path
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_gpt.py")
@@ -25,6 +28,23 @@ SMALL_GPT = [
     "--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
     "--hidden-dropout", "0", "--attention-dropout", "0",
     "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "1",
+]
+
+# Megatron-LM's Llama recipe in miniature: GQA, SwiGLU, RMSNorm, RoPE, no biases, untied
+# output, selective recompute; the distributed optimizer, as Megatron-LM users run it.
+TINY_LLAMA = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-base", "500000",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--init-method-std", "0.02",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--recompute-granularity", "selective",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--weight-decay", "0.1", "--clip-grad", "1.0",
+    "--mock-data", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", "6", "--lr", "1e-2",
+    "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--seed", "3",
+    "--log-interval", "1", "--eval-iters", "0", "--distributed-timeout-minutes", "0.5",
+    "--use-distributed-optimizer",
 ]
 
 # The resume-across-layouts scenario: train at TP2xPP2, resume under each of these.
@@ -133,3 +153,25 @@ def worker_with_local_rank(torchrun: subprocess.Popen, local_rank: int) -> psuti
         if child.environ().get("LOCAL_RANK") == str(local_rank):
             return child
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank}")
+
+
+def train(nproc, args, save, *extra):
+    """Train to the end, saving every 3 iterations; the iteration lines by number."""
+    result = run_trainer(nproc, [*args, "--save", str(save), "--save-interval", "3", *extra])
+    assert result.returncode == 0, result.stdout[-3000:]
+    return iterations(result.stdout)
+
+
+def from_iteration_3(trained, tmp_path):
+    """A copy of the run's checkpoints as they were at iteration 3."""
+    save = tmp_path / "resume"
+    shutil.copytree(trained, save)
+    shutil.rmtree(iteration_dir(save, 6))
+    tracker_path(save).write_text("3\n")
+    return save
+
+
+def assert_follows(resumed, reference, band=0.02):
+    assert sorted(resumed) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert abs(resumed[it]["loss"] - reference[it]["loss"]) <= band * reference[it]["loss"], it

@@ -49,6 +49,30 @@ def with_args(*extra, drop=()):
     (with_args("--eval-iters", "2", "--eval-interval", "0"), 1, "--eval-interval must be a positive"),
     (with_args("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"), 1,
      "mutually exclusive"),
+    # Megatron-LM's recipe flags
+    (with_args("--num-attention-heads", "12", "--hidden-size", "96", "--group-query-attention",
+               "--num-query-groups", "3", "--tensor-model-parallel-size", "2"), 2,
+     "--num-query-groups (3) must be a multiple or a divisor of --tensor-model-parallel-size (2)"),
+    (with_args("--hidden-size", "66"), 1,
+     "--hidden-size (66) is not divisible by --num-attention-heads (4); give --kv-channels"),
+    (with_args("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+               "3"), 2, "--num-layers (4) is not divisible by --pipeline-model-parallel-size (2) x "
+                        "--num-layers-per-virtual-pipeline-stage (3)"),
+    (with_args("--num-layers-per-virtual-pipeline-stage", "2"), 1,
+     "a virtual pipeline (interleaved schedule) needs --pipeline-model-parallel-size > 1"),
+    (with_args("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+               "2", "--global-batch-size", "6"), 2,
+     "the interleaved schedule needs the 3 micro-batches per step to be a multiple of "
+     "--pipeline-model-parallel-size (2)"),
+    (with_args("--sequence-parallel", "--seq-length", "33", "--max-position-embeddings", "64",
+               "--tensor-model-parallel-size", "2"), 2, "--sequence-parallel splits the sequence"),
+    (with_args("--recompute-method", "uniform"), 1,
+     "--recompute-method needs --recompute-granularity full"),
+    (with_args("--train-samples", "40"), 1, "give exactly one of --train-iters and --train-samples"),
+    (with_args("--train-samples", "40", "--lr-warmup-iters", "2", drop=("--train-iters",)), 1,
+     "with --train-samples give --lr-decay-samples/--lr-warmup-samples"),
+    (with_args("--lr-decay-samples", "8"), 1,
+     "with --train-iters give --lr-decay-iters/--lr-warmup-iters"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:
@@ -115,6 +139,7 @@ def test_script_prints_one_line_and_exits_nonzero(extra, message):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only rule")
-def test_mixed_precision_needs_cuda():
-    with pytest.raises(ArgumentError, match="need CUDA"):
-        parse_args(with_args("--bf16"), world_size=1)
+def test_fp16_needs_cuda_and_bf16_runs_on_cpu():
+    with pytest.raises(ArgumentError, match="--fp16 needs CUDA"):
+        parse_args(with_args("--fp16"), world_size=1)
+    assert parse_args(with_args("--bf16"), world_size=1).bf16
