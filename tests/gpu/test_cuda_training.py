@@ -1,14 +1,22 @@
-"""On CUDA: a short bf16 run with one save and one load (skipped without a GPU)."""
+"""The trainer on CUDA as Megatron-LM users run it: bf16, the distributed optimizer and its
+resharded checkpoint, --no-load-optim refreshing the master weights, the asynchronous save,
+overlapped gradient reduce and parameter gather, and a checkpoint saved on CPU resumed on a
+GPU. Each test skips without the GPUs it needs."""
 
 import pytest
-import torch
 
-from helpers.trainer import SMALL_GPT, iterations, run_trainer
+from ftmaster.recovery.checkpoints import read_tracker
+from helpers.gpu import needs_gpus
+from helpers.trainer import (SMALL_GPT, TINY_LLAMA, assert_follows, from_iteration_3, iterations,
+                             layout_args, run_trainer, train)
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
+
+BF16_LLAMA = TINY_LLAMA + ["--bf16"]
+PLAIN_OPTIMIZER = [a for a in BF16_LLAMA if a != "--use-distributed-optimizer"]
 
 
+@needs_gpus(1)
 def test_bf16_training_saves_and_resumes_on_cuda(tmp_path):
     save = tmp_path / "save"
     common = SMALL_GPT + ["--micro-batch-size", "2", "--lr", "1e-3", "--bf16"]
@@ -20,3 +28,65 @@ def test_bf16_training_saves_and_resumes_on_cuda(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:]
     assert "loaded checkpoint from" in second.stdout
     assert min(iterations(second.stdout)) == 6
+
+
+@needs_gpus(4)
+@pytest.mark.parametrize("nproc", [1, 3], ids=["tp1pp1", "dp3"])
+def test_distributed_optimizer_state_reshards_from_tp2pp2(tmp_path, nproc):
+    save = tmp_path / "save"
+    reference = train(4, BF16_LLAMA + layout_args(2, 2) + ["--sequence-parallel"], save)
+    resume = from_iteration_3(save, tmp_path)
+    assert_follows(train(nproc, BF16_LLAMA + layout_args(1, 1), resume, "--load", str(resume)),
+                   reference)
+
+
+@needs_gpus(2)
+def test_distributed_optimizer_state_reshards_from_tp2_on_two_gpus(tmp_path):
+    """The reshard for a GPU owner with two GPUs: TP2 to DP2."""
+    save = tmp_path / "save"
+    reference = train(2, BF16_LLAMA + layout_args(2, 1) + ["--sequence-parallel"], save)
+    resume = from_iteration_3(save, tmp_path)
+    assert_follows(train(2, BF16_LLAMA + layout_args(1, 1), resume, "--load", str(resume)),
+                   reference)
+
+
+@needs_gpus(2)
+def test_overlapped_grad_reduce_and_param_gather_follow_the_plain_run(tmp_path):
+    plain = train(2, BF16_LLAMA + layout_args(1, 1), tmp_path / "plain")
+    overlapped = train(2, BF16_LLAMA + layout_args(1, 1) + ["--overlap-grad-reduce",
+                                                            "--overlap-param-gather"],
+                       tmp_path / "overlapped")
+    for it in plain:
+        assert abs(overlapped[it]["loss"] - plain[it]["loss"]) <= 0.02 * plain[it]["loss"], it
+
+
+@needs_gpus(1)
+def test_no_load_optim_in_bf16_keeps_the_loaded_weights(tmp_path):
+    save = tmp_path / "save"
+    reference = train(1, PLAIN_OPTIMIZER + layout_args(1, 1), save)
+    resume = from_iteration_3(save, tmp_path)
+    resumed = train(1, PLAIN_OPTIMIZER + layout_args(1, 1), resume, "--load", str(resume),
+                    "--no-load-optim")
+    assert abs(resumed[4]["loss"] - reference[4]["loss"]) <= 0.05 * reference[4]["loss"]
+
+
+@needs_gpus(1)
+def test_async_save_is_complete_and_resumes(tmp_path):
+    save = tmp_path / "save"
+    reference = train(1, BF16_LLAMA + layout_args(1, 1), save, "--async-save")
+    assert read_tracker(save) == 6
+    resume = from_iteration_3(save, tmp_path)
+    assert_follows(train(1, BF16_LLAMA + layout_args(1, 1), resume, "--load", str(resume),
+                         "--async-save"), reference)
+
+
+@needs_gpus(1)
+def test_a_checkpoint_saved_on_cpu_resumes_on_a_gpu(tmp_path):
+    args = [a for a in TINY_LLAMA if a != "--use-distributed-optimizer"] + layout_args(1, 1)
+    save = tmp_path / "save"
+    reference = run_trainer(1, [*args, "--save", str(save), "--save-interval", "3"],
+                            CUDA_VISIBLE_DEVICES="")
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    resume = from_iteration_3(save, tmp_path)
+    assert_follows(train(1, args, resume, "--load", str(resume)), iterations(reference.stdout),
+                   band=0.05)

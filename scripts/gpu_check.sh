@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Every CUDA and NVML check ftmaster has, in one command, for a GPU owner:
+#   tests/gpu: bf16 save and resume, the distributed optimizer and its resharded checkpoint
+#   (TP2xPP2 -> TP1xPP1 and DP3 on 4 GPUs, TP2 -> DP2 on 2), overlapped gradient reduce and
+#   parameter gather, --no-load-optim keeping bf16 weights, the asynchronous save, a CPU
+#   checkpoint resumed on a GPU, an XID-free health read, NVML against nvidia-smi (GPUs,
+#   UUIDs, memory), and ftmaster launch relaunching a killed rank on GPUs named by UUID;
+#   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
+# Ends with a summary table. Without CUDA it says so and exits 0 (nothing to check).
+#   scripts/gpu_check.sh [pytest options]     e.g. -k distributed_optimizer
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup.sh" || exit 1
+cd "$root"
+py=.venv/bin/python
+
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: skipped: torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+         "sees no CUDA device (a CPU build, no driver, or CUDA_VISIBLE_DEVICES hides them all)"
+    exit 0
+fi
+
+work="$(mktemp -d -t ftmaster-gpu-check.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+"$py" -m pytest tests/gpu -m gpu -p no:cacheprovider -q --junitxml "$work/junit.xml" "$@"
+tests_status=$?
+
+bench_status=skipped
+if command -v nvidia-smi >/dev/null; then
+    if "$py" benchmarks/nvml_vs_smi.py --seconds 20 --repeats 20 | tee "$work/bench.txt"; then
+        bench_status=passed
+    else
+        bench_status=failed
+    fi
+fi
+
+"$py" - "$work/junit.xml" "$work/bench.txt" "$bench_status" <<'EOF'
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import torch
+
+junit, bench, bench_status = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+print(f"\n== gpu_check: {torch.cuda.device_count()} GPU(s): {names}; torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda} ==")
+rows = []  # (check, outcome, seconds or None, why skipped)
+if junit.exists():
+    for case in ElementTree.parse(junit).iter("testcase"):
+        outcome, why = "passed", ""
+        for tag, label in (("failure", "FAILED"), ("error", "ERROR"), ("skipped", "skipped")):
+            found = case.find(tag)
+            if found is not None:
+                outcome, why = label, found.get("message", "") if tag == "skipped" else ""
+        rows.append((case.get("name"), outcome, float(case.get("time", 0)), why))
+rows.append(("benchmarks/nvml_vs_smi.py", bench_status, None, ""))
+width = max(len(row[0]) for row in rows)
+for name, outcome, seconds, why in rows:
+    took = "" if seconds is None else f"{seconds:.1f} s"
+    print(f"{name:{width}s}  {outcome:8s} {took:>8s}  {why}".rstrip())
+if bench.exists():
+    timing = [line for line in bench.read_text().splitlines() if line.startswith("nvml ")]
+    print("\n".join(timing))
+EOF
+
+[ "$tests_status" -eq 0 ] && [ "$bench_status" != failed ]

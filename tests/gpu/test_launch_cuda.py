@@ -1,0 +1,43 @@
+"""ftmaster launch on real GPUs with the NVML monitor: every attempt's CUDA_VISIBLE_DEVICES
+names GPUs by UUID, a killed rank is relaunched from the newest checkpoint, and the run
+finishes with its last checkpoint. Skips with fewer than 2 GPUs or without a driver."""
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from ftmaster import runfiles
+from ftmaster.recovery.checkpoints import read_tracker
+from helpers.gpu import gpu_count, needs_driver, needs_gpus
+from helpers.launch import attempt_log, events, start_launch, train_args
+from helpers.trainer import wait_until, worker_with_local_rank
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2), needs_driver()]
+
+
+def test_a_killed_rank_on_a_gpu_is_relaunched_from_the_checkpoint(tmp_path):
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    nproc = min(gpu_count(), 4)
+    ftmaster = start_launch(run_dir, nproc, train_args(save, 40, 1, 1, 10, "--bf16"),
+                            "--monitor-backend", "nvml", "--monitor-interval", "1")
+    try:
+        wait_until(lambda: (runfiles.read_heartbeat(run_dir) or {}).get("iteration", 0) >= 15,
+                   timeout=600, interval=0.2, what="iteration 15")
+        torchrun = next(p for p in psutil.Process(ftmaster.pid).children()
+                        if "torch.distributed.run" in " ".join(p.cmdline()))
+        victim = worker_with_local_rank(torchrun, 1)
+        visible = victim.environ()["CUDA_VISIBLE_DEVICES"].split(",")
+        os.kill(victim.pid, signal.SIGKILL)
+        output, _ = ftmaster.communicate(timeout=900)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
+    assert read_tracker(save) == 40
+    assert len(events(run_dir, "launch")) == 2
+    assert events(run_dir, "resumed")[0]["iteration"] > 10
+    first_log = attempt_log(run_dir, 1)
+    assert f"training on {nproc} cuda" in first_log
+    assert len(visible) == nproc and all(entry.startswith("GPU-") for entry in visible), visible
