@@ -10,8 +10,9 @@ import click
 import psutil
 import pytest
 
+from ftmaster import attempt as attempt_module
 from ftmaster import runfiles
-from ftmaster.attempt import attempt_argv, gpu_of_local_rank, read_rank_records, \
+from ftmaster.attempt import Attempt, attempt_argv, gpu_of_local_rank, read_rank_records, \
     training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
@@ -92,9 +93,19 @@ class StubMonitor:
     def exclude_gpus(self, gpus):
         self.excluded |= set(gpus)
 
+    def lost_gpus(self):
+        return frozenset()
+
+    def lost_reasons(self):
+        return {}
+
+    def unschedulable_gpus(self):
+        return {}
+
 
 class StubAttempt:
     killed = False
+    stuck_gpus = {}
 
     def kill(self):
         self.killed = True
@@ -124,6 +135,15 @@ def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tm
     assert supervisor._track_progress(runfiles.read_heartbeat(tmp_path)) == 53
     (resumed,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "resumed"]
     assert (resumed["attempt"], resumed["iteration"]) == (2, 52)
+
+
+def test_a_gpu_a_stuck_rank_still_holds_is_not_planned_on(tmp_path):
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = StubAttempt()
+    supervisor.attempt.stuck_gpus = {2: "process_stuck"}
+    assert supervisor._unfit_gpus() == {2: "process_stuck"}
 
 
 def test_check_layout_derives_a_missing_global_batch_as_megatron_does():
@@ -231,15 +251,31 @@ def test_a_killed_process_left_a_zombie_is_dead_at_once_a_live_one_is_waited_for
     sleeper = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
     try:
         started = time.monotonic()
-        wait_until_dead([psutil.Process(zombie.pid)], timeout=10)
+        assert wait_until_dead([psutil.Process(zombie.pid)], timeout=10) == []
         assert time.monotonic() - started < 1
         started = time.monotonic()
-        wait_until_dead([psutil.Process(sleeper.pid)], timeout=0.5)
+        survivors = wait_until_dead([psutil.Process(sleeper.pid)], timeout=0.5)
         assert time.monotonic() - started >= 0.5
+        assert [p.pid for p in survivors] == [sleeper.pid]
     finally:
         sleeper.kill()
         sleeper.wait()
         zombie.wait()
+
+
+def test_a_rank_that_outlives_its_kill_marks_its_gpu_stuck(tmp_path, monkeypatch):
+    """A rank in uninterruptible sleep (the kernel's D state, which SIGKILL waits out) is the
+    edge here: it is played by treating one real rank's pid as alive after its kill."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    attempt = Attempt(tmp_path / "run", 1, [str(script)], gpus=(4, 6), env={})
+    wait_until(lambda: len(attempt.ranks()) == 2, timeout=60, what="both ranks")
+    stuck_pid = attempt.ranks()[1].pid
+    real_alive = attempt_module._alive
+    monkeypatch.setattr(attempt_module, "_alive",
+                        lambda p: p.pid == stuck_pid or real_alive(p))
+    attempt.kill(timeout=0.5)
+    assert attempt.stuck_gpus == {6: "process_stuck"}
 
 
 def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):

@@ -9,6 +9,7 @@ rank folder. Training output goes to ``RUN_DIR/logs/attempt_<N>.log``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -31,6 +32,8 @@ EXIT_SIGNAL_FLAG = "--exit-signal-handler"
 TRAINER_ERROR_PREFIX = "error: "
 # The first line of the report torchrun's agent prints when a worker fails.
 TORCHRUN_FAILURE_REPORT = re.compile(r"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode")
+
+log = logging.getLogger("ftmaster")
 
 
 def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable,
@@ -166,6 +169,8 @@ class Attempt:
                                             stdin=subprocess.DEVNULL, env=env,
                                             start_new_session=True)
         self.started_at = time.time()
+        self.stuck_gpus: dict[int, str] = {}
+        """GPUs whose training process outlived a kill: they may hold memory and a context."""
 
     def ranks(self) -> dict[int, RankRecord]:
         return read_rank_records(self.rank_dir, len(self.gpus))
@@ -247,7 +252,18 @@ class Attempt:
         except OSError:
             pass
         self.process.wait()
-        wait_until_dead(processes + self._live_processes(), timeout)
+        survivors = wait_until_dead(processes + self._live_processes(), timeout)
+        self.stuck_gpus = self._gpus_of(survivors)
+        if survivors:
+            log.warning("attempt %d: process(es) %s survived SIGKILL for %g s (uninterruptible "
+                        "sleep, usually in the GPU driver); their GPU(s) %s are not used again",
+                        self.number, sorted(p.pid for p in survivors), timeout, sorted(self.stuck_gpus))
+
+    def _gpus_of(self, processes: list[psutil.Process]) -> dict[int, str]:
+        """The GPUs of training processes among ``processes``, with the reason to retire them."""
+        pids = {p.pid for p in processes}
+        return {self.gpus[local_rank]: "process_stuck" for local_rank, record in self.ranks().items()
+                if record.pid in pids}
 
     def stop(self, deadline_s: float) -> int | None:
         """SIGTERM every rank (they save and exit), wait up to ``deadline_s``, then SIGKILL.
@@ -274,8 +290,10 @@ class Attempt:
             time.sleep(0.05)
 
 
-def wait_until_dead(processes: list[psutil.Process], timeout: float, poll_s: float = 0.01) -> None:
-    """Wait until every process has ended; a zombie counts as ended.
+def wait_until_dead(processes: list[psutil.Process], timeout: float,
+                    poll_s: float = 0.01) -> list[psutil.Process]:
+    """Wait until every process has ended; a zombie counts as ended. Returns those still alive
+    at the deadline (stuck in uninterruptible sleep: even SIGKILL waits for the kernel).
 
     The ranks are not ftmaster's children, so a killed one stays a zombie until init reaps it,
     and ``psutil.wait_procs`` waits that out (about 2 s, on every recovery). A zombie holds no
@@ -284,6 +302,7 @@ def wait_until_dead(processes: list[psutil.Process], timeout: float, poll_s: flo
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(_alive(p) for p in processes):
         time.sleep(poll_s)
+    return [p for p in processes if _alive(p)]
 
 
 def _alive(process: psutil.Process) -> bool:
