@@ -92,8 +92,12 @@ def _add_parallel_args(parser):
                        dest="use_distributed_optimizer", help="ours: the opt-out")
     group.add_argument("--overlap-grad-reduce", action="store_true", default=None,
                        help="default on with CUDA and the distributed optimizer")
+    group.add_argument("--no-overlap-grad-reduce", action="store_false",
+                       dest="overlap_grad_reduce", help="ours: the opt-out")
     group.add_argument("--overlap-param-gather", action="store_true", default=None,
-                       help="default on with CUDA and the distributed optimizer")
+                       help="needs the distributed optimizer; default on with it on CUDA")
+    group.add_argument("--no-overlap-param-gather", action="store_false",
+                       dest="overlap_param_gather", help="ours: the opt-out")
     group.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                        help="accepted: ftmaster always saves the distributed optimizer fully "
                             "reshardable, so a checkpoint resumes under any TP/PP/DP")
@@ -210,6 +214,8 @@ def _fill_defaults(args):
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.use_distributed_optimizer is None:  # as Megatron-LM users run on GPUs
+        args.use_distributed_optimizer = _cuda_available()
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM's validate_args: nothing to split
     _samples_from_iterations(args)
@@ -332,6 +338,9 @@ def _validate_layout(args):
     _require(args.recompute_method is None or args.recompute_granularity == "full",
              "--recompute-method needs --recompute-granularity full")
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    # Megatron-LM's validate_args asserts the same.
+    _require(not args.overlap_param_gather or args.use_distributed_optimizer,
+             "--overlap-param-gather needs the distributed optimizer (it gathers its shards)")
     _require(not args.fp16 or _cuda_available(),
              "--fp16 needs CUDA (its loss scaling is not tried on CPU); use --bf16 or fp32 on CPU")
 

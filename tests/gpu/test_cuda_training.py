@@ -82,7 +82,9 @@ def test_async_save_is_complete_and_resumes(tmp_path):
 
 @needs_gpus(1)
 def test_a_checkpoint_saved_on_cpu_resumes_on_a_gpu(tmp_path):
-    args = [a for a in TINY_LLAMA if a != "--use-distributed-optimizer"] + layout_args(1, 1)
+    # Explicit: the optimizer's default differs between CPU (replicated) and CUDA (distributed).
+    args = [a for a in TINY_LLAMA if a != "--use-distributed-optimizer"] + layout_args(1, 1) + [
+        "--no-use-distributed-optimizer"]
     save = tmp_path / "save"
     reference = run_trainer(1, [*args, "--save", str(save), "--save-interval", "3"],
                             CUDA_VISIBLE_DEVICES="")

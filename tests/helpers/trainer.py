@@ -98,12 +98,14 @@ def run_trainer(nproc: int, args: list[str], timeout: float = 300, **env: str):
 
 
 def iterations(log: str) -> dict[int, dict]:
-    """Iteration number -> {consumed, loss, elapsed_ms, lr} from Megatron log lines."""
+    """Iteration number -> {consumed, loss, elapsed_ms, lr, global_batch} from Megatron log
+    lines."""
     found = {}
     for match in ITERATION_LINE.finditer(log):
         found[int(match.group(1))] = {
             "consumed": int(match.group(3)), "elapsed_ms": float(match.group(4)),
-            "lr": float(match.group(5)), "loss": float(match.group(7))}
+            "lr": float(match.group(5)), "global_batch": int(match.group(6)),
+            "loss": float(match.group(7))}
     return found
 
 

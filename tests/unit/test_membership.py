@@ -74,6 +74,9 @@ def test_each_node_runs_a_static_torchrun_for_its_generation():
     (["--nnodes", "2:1", "--node-rank", "0", "--run-dir", "R"], "--nnodes '2:1': need 1 <= MIN <= MAX"),
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
       "--rdzv-conf", "oops"], "--rdzv-conf entry 'oops': expected KEY=VALUE"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
+      "--rdzv-conf", "keep_alive_interval=0.5"],
+     "--rdzv-conf keep_alive_interval='0.5': expected whole seconds"),
 ])
 def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
     options = [str(tmp_path / o) if o == "R" else o for o in options]

@@ -90,7 +90,7 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
     log_path.write_text("iteration 10/30 | consumed samples: 240 | elapsed time per iteration "
                         "(ms): 250.0 | learning rate: 1.0E-03 | global batch size: 24 | "
                         "lm loss: 3.912345E+00 |\n")
-    progress = Progress(log_path, train_iters=30, interval_s=5, started_at=0.0)
+    progress = Progress(log_path, interval_s=5, started_at=0.0)
     assert progress.line({"iteration": 8, "time": 100.0}, now=1.0) is None  # not due yet
     assert progress.line({"iteration": 8, "time": 100.0}, now=6.0) is None  # one point only
     progress.last_checkpoint = {"iteration": 5, "time": 101.0}

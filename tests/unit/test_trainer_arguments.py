@@ -71,6 +71,8 @@ def with_args(*extra, drop=()):
     (with_args("--train-samples", "40"), 1, "give exactly one of --train-iters and --train-samples"),
     (with_args("--train-samples", "40", "--lr-warmup-iters", "2", drop=("--train-iters",)), 1,
      "with --train-samples give --lr-decay-samples/--lr-warmup-samples"),
+    (with_args("--overlap-param-gather", "--no-use-distributed-optimizer"), 1,
+     "--overlap-param-gather needs the distributed optimizer"),
     (with_args("--lr-decay-samples", "8"), 1,
      "with --train-iters give --lr-decay-iters/--lr-warmup-iters"),
 ])

@@ -18,7 +18,9 @@ from typing import Any
 
 log = logging.getLogger("ftmaster")
 
-_ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.eE+-]+|nan|inf) \|")
+_ITERATION_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
+    r".*?lm loss: ([0-9.eE+-]+|nan|inf) \|")
 SAVE_EVENTS = ("emergency_save", "periodic_save")
 ECHOED = ("checkpoint_loaded", *SAVE_EVENTS, "save_failed", "checkpoint_skipped", "load_failed",
           "nonfinite", "save_deferred")
@@ -119,10 +121,13 @@ class _Point:
 class Progress:
     """One attempt's progress line: iteration, loss, speed, last checkpoint, ETA."""
 
-    def __init__(self, log_path: Path, train_iters: int | None, interval_s: float,
-                 started_at: float) -> None:
+    def __init__(self, log_path: Path, interval_s: float, started_at: float) -> None:
         self.log_tail = FileTail(log_path)
-        self.train_iters = train_iters
+        self.train_iters: int | None = None
+        """The attempt's last iteration, as the trainer counts it (a planned change of global
+        batch changes it)."""
+        self.step_ms: list[float] = []
+        """Each logged iteration's time, as the trainer measured it."""
         self.interval_s = interval_s
         self._last_print = started_at
         self._previous: _Point | None = None
@@ -134,7 +139,9 @@ class Progress:
         for text in self.log_tail.new_lines():
             found = _ITERATION_LINE.search(text)
             if found:
-                self._loss = (int(found.group(1)), found.group(2))
+                self.train_iters = int(found.group(2))
+                self.step_ms.append(float(found.group(3)))
+                self._loss = (int(found.group(1)), found.group(4))
         if now - self._last_print < self.interval_s or not heartbeat:
             return None
         point = _Point(heartbeat["iteration"], heartbeat.get("time", now))

@@ -6,14 +6,16 @@ the launcher (which kills or stops the rank on that GPU):
 - ``degrade``: the GPU's telemetry worsens until the monitor alerts;
 - ``fail``: the rank on that GPU is killed and the GPU is marked lost;
 - ``hang``: the rank on that GPU is stopped (its GPU goes idle);
-- ``recover``: a lost, wedged or failed GPU comes back (as after a reset);
+- ``recover``: a lost or wedged GPU comes back, its XIDs and wedge forgotten (as after a
+  reset), under ``--policy wait`` where lost GPUs are waited for; a GPU already retired as
+  unschedulable stays retired;
 - ``xid`` (``xid:gpu=G,code=N,at=...``, the only kind with ``code``): the telemetry shows XID
   N on the GPU; the launcher kills its rank as a CUDA error would, and ranks started on it
   fail at start-up until a ``recover``;
 - ``wedge``: every telemetry read of the GPU blocks, as in a wedged driver, until a
   ``recover``; the monitor reports it lost (``wedged``) while it keeps sampling the others;
-- ``nan``: the loss and gradients of the rank on that GPU become NaN at that iteration
-  (training's business: the telemetry is unaffected).
+- ``nan`` (``at=iter:K`` only): the loss and gradients of the rank on that GPU become NaN at
+  that iteration (training's business: the telemetry is unaffected).
 
 ``at=iter:K`` fires once the training iteration (from the heartbeat) reaches K;
 ``at=Ns`` fires N seconds after the monitor (or launcher) started.
@@ -94,6 +96,8 @@ def parse_injection(spec: str) -> Injection:
     fields = _parse_fields(spec, rest, kind)
     gpu = _parse_gpu(spec, fields["gpu"])
     at_iteration, at_seconds = _parse_at(spec, fields["at"])
+    if kind is Fault.NAN and at_iteration is None:  # the trainer poisons a given iteration
+        raise ValueError(f"bad --inject {spec!r}: nan needs at=iter:K (an iteration, not a time)")
     code = _parse_code(spec, fields["code"]) if kind is Fault.XID else None
     return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds, code=code)
 

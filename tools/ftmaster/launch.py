@@ -39,7 +39,7 @@ from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
 from ftmaster.recovery.megatron_args import read_script_args
-from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout
+from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
 
@@ -231,6 +231,11 @@ def _console_logging() -> None:
               help="The planner's ranking for relaunches.")
 @click.option("--gpu-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Per-GPU memory for the planner's estimate.")
+@click.option("--global-batch-tolerance", default=0.0, show_default=True, metavar="PCT",
+              type=click.FloatRange(min=0, max=MAX_TOLERANCE_PCT),
+              help="Let a relaunch use a global batch within PCT percent of the original when "
+                   "that uses more GPUs or trains faster; the schedule is then rewritten in "
+                   "samples, so the run ends at the same sample count. 0: the batch is kept.")
 @click.option("--progress-interval", default=10.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="Seconds between progress lines (iteration, loss, speed, last checkpoint, ETA).")
@@ -241,8 +246,9 @@ def _console_logging() -> None:
                    "lost; hang: its rank stops; xid: the telemetry shows XID N, the rank dies "
                    "of the CUDA error it brings, and ranks started on the GPU fail at start-up "
                    "until a recover; wedge: every telemetry read of the GPU blocks, as a wedged "
-                   "driver does; nan: the rank's loss and gradients become NaN at that "
-                   "iteration; recover: the GPU comes back (and forgets its XID and wedge).")
+                   "driver does; nan (at=iter:K): the rank's loss and gradients become NaN at "
+                   "that iteration; recover: a lost GPU comes back under --policy wait and "
+                   "forgets its XID and wedge (a retired GPU stays retired).")
 @click.option("--nnodes", default=None, metavar="N|MIN:MAX",
               help="Nodes of the job, as torchrun takes them; each node runs one ftmaster. "
                    "Default (or 1): this node alone.")
@@ -253,15 +259,17 @@ def _console_logging() -> None:
 @click.option("--rdzv-id", default=None,
               help="The job's id, the same on every node. Default: the --run-dir's name.")
 @click.option("--rdzv-conf", default=None, metavar="K=V,...",
-              help="torch elastic's rendezvous settings: join_timeout, last_call_timeout, "
-                   "keep_alive_interval, keep_alive_max_attempt, read_timeout, is_host...")
+              help="torch elastic's rendezvous settings, durations in whole seconds: "
+                   "join_timeout, last_call_timeout, keep_alive_interval, "
+                   "keep_alive_max_attempt, read_timeout, is_host...")
 @click.option("--node-rank", default=None, type=click.IntRange(min=0),
               help="This node's stable identity: plans order nodes by it, never by hostname.")
 @click.option("--local-addr", default=None,
               help="The address other nodes reach this node at. Default: its FQDN.")
 @click.option("--scale-up", default="at-save", show_default=True,
               type=click.Choice(SCALE_UP_POLICIES),
-              help="When a node joins a running job: re-form now, or after an agreed save.")
+              help="When another node waits for a new round (it joined, came back or lost a "
+                   "GPU): stop training now, or after an agreed save.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
 def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> None:
@@ -353,7 +361,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         stop_timeout_s=options["stop_timeout"], plan_mode=options["plan_mode"],
         gpu_memory_gb=options["gpu_memory_gb"], injections=injections,
         progress_interval_s=options["progress_interval"], scale_up=options["scale_up"],
-        original_world_size=world)
+        original_world_size=world, global_batch_tolerance_pct=options["global_batch_tolerance"])
 
 
 def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:

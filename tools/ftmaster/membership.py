@@ -23,7 +23,8 @@ for the others, unlike torchrun's agent.
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set: with torch 2.13's store sharing a joining
 node can hang waiting for a master address, and rank 0 moving to another node leaves a stale
-one (``research/multi-node-design.md``).
+one (reproduced on torch 2.13; see ``torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py``
+and ``torch/distributed/run.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return min_nodes, max_nodes
 
 
+# --rdzv-conf keys torch reads with get_as_int (dynamic_rendezvous.py, c10d_rendezvous_backend.py)
+WHOLE_SECONDS_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                      "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
+
+
 def parse_conf(text: str | None) -> dict[str, str]:
     """``--rdzv-conf K=V,K=V`` as a dict; ValueError (one line) for a malformed entry."""
     conf = {}
@@ -118,17 +124,25 @@ class RendezvousConfig:
             raise ValueError(f"--node-rank must be >= 0, got {self.node_rank}")
         if not self.endpoint or not self.run_id:
             raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
+        for key in WHOLE_SECONDS_KEYS:
+            if key in self.conf:
+                self.seconds(key, 0)
+
+    def seconds(self, key: str, default: int) -> int:
+        """A ``--rdzv-conf`` duration (torch's keys and defaults; torch reads whole seconds)."""
+        value = self.conf.get(key, default)
+        try:
+            number = int(str(value))
+        except ValueError:
+            number = -1
+        if number < 0:
+            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole seconds (torch "
+                             f"reads an integer)")
+        return number
 
     @property
     def address(self) -> str:
         return self.local_addr or socket.getfqdn()
-
-    def seconds(self, key: str, default: float) -> float:
-        """A ``--rdzv-conf`` duration (torch's keys and defaults)."""
-        try:
-            return float(self.conf.get(key, default))
-        except ValueError:
-            raise ValueError(f"--rdzv-conf {key}={self.conf[key]!r}: expected seconds") from None
 
     @property
     def store_timeout_s(self) -> float:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import statistics
 import threading
 import time
 from collections import deque
@@ -80,7 +81,8 @@ from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
-from ftmaster.recovery.planner import MODES, Plan, PlanError, plan_layout, plan_nodes
+from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
+                                       plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status)
@@ -140,6 +142,9 @@ class SupervisorConfig:
     scale_up: str = "at-save"
     """Across nodes, when a peer waits for a new round: ``now`` stops training at once;
     ``at-save`` first asks for an agreed save, and stops once it is durable."""
+    global_batch_tolerance_pct: float = 0.0
+    """How far (percent) a relaunch may move the global batch for a better layout; the
+    schedule is then rewritten in samples (see ``ftmaster.recovery.batch_schedule``)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -158,6 +163,9 @@ class SupervisorConfig:
             raise ValueError(f"plan mode must be one of {', '.join(MODES)}, got {self.plan_mode!r}")
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.global_batch_tolerance_pct <= MAX_TOLERANCE_PCT:
+            raise ValueError(f"the global batch tolerance must be within 0 and "
+                             f"{MAX_TOLERANCE_PCT:g} percent, got {self.global_batch_tolerance_pct:g}")
         for name in ("hang_timeout_s", "startup_timeout_s", "wait_timeout_s", "stop_timeout_s",
                      "poll_interval_s", "progress_interval_s"):
             if not getattr(self, name) > 0:
@@ -218,6 +226,7 @@ class Supervisor:
         self._nonfinite_again = False
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
         self._last_checkpoint: dict | None = None
+        self._original_step_s: float | None = None  # measured on the original layout
         self.progress: Progress | None = None
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
         self.attempts_before = self._take_over_previous_attempts()
@@ -268,11 +277,12 @@ class Supervisor:
         return self.lost_gpus() - set(self.monitor.unschedulable_gpus())
 
     def _unfit_gpus(self) -> dict[int, str]:
-        """GPUs not to plan on, with the reason: lost (how, where the monitor knows) or
-        unschedulable by the monitor's evidence."""
+        """GPUs not to plan on, with the reason: lost (how, where the monitor knows),
+        unschedulable by the monitor's evidence, or still held by a rank that outlived its kill."""
         reasons = self.monitor.lost_reasons()
         unfit = {gpu: reasons.get(gpu, "lost") for gpu in self.lost_gpus()}
-        return {**unfit, **self.monitor.unschedulable_gpus()}
+        stuck = self.attempt.stuck_gpus if self.attempt is not None else {}
+        return {**unfit, **stuck, **self.monitor.unschedulable_gpus()}
 
     def _heartbeat_iteration(self) -> int | None:
         heartbeat = runfiles.read_heartbeat(self.run_dir)
@@ -496,8 +506,8 @@ class Supervisor:
                                {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
                                world=self.world)
         self._progress, self._finished_at = (None, time.monotonic()), None
-        self.progress = Progress(self.attempt.log_path, self._train_iters(),
-                                 self.config.progress_interval_s, time.time())
+        self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
+                                 time.time())
         self.progress.last_checkpoint = self._last_checkpoint
         self._event("launch", attempt=number, gpus=list(gpus),
                     tensor_model_parallel_size=plan.tensor_model_parallel_size,
@@ -523,13 +533,6 @@ class Supervisor:
             env[CUDA_ERROR_ENV] = ",".join(f"{list(gpus).index(gpu)}:{code}" for gpu, code
                                            in self.injected_xids.items() if gpu in gpus)
         return env
-
-    def _train_iters(self) -> int | None:
-        try:
-            value = flag_value(self.config.command[1:], "--train-iters")
-            return None if value is None else int(value)
-        except ValueError:
-            return None
 
     def _resuming(self, command: Sequence[str]) -> list[str]:
         # The folder's contents, not a validation of the shards: that would import torch here
@@ -638,6 +641,7 @@ class Supervisor:
         self.monitor.exclude_gpus(gpus)
 
     def _plan(self) -> Trigger:
+        self._measure_original_layout()
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         self._retire(self._unfit_gpus())
         available = [g for g in self.config.gpus if g not in self.retired]
@@ -645,9 +649,9 @@ class Supervisor:
             return self._plan_round(available)
         try:
             plan = plan_layout(self.config.command, len(available), self.config.gpus_per_node,
-                               mode=self.config.plan_mode, gpu_memory_gb=self.config.gpu_memory_gb,
-                               original_world_size=len(self.config.gpus))
-        except PlanError as error:
+                               original_world_size=len(self.config.gpus),
+                               measured_step_s=self._original_step_s, **self._planner_options())
+        except (PlanError, ValueError) as error:
             self._give_up(f"no layout for GPU(s) {available}: {error}")
             return Trigger.NO_LAYOUT
         self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
@@ -655,7 +659,24 @@ class Supervisor:
         self._plan_event(available)
         return Trigger.PLANNED
 
+    def _planner_options(self) -> dict:
+        return {"mode": self.config.plan_mode, "gpu_memory_gb": self.config.gpu_memory_gb,
+                "global_batch_tolerance_pct": self.config.global_batch_tolerance_pct}
+
+    def _measure_original_layout(self) -> None:
+        """The step time of an attempt on the original layout (median of its logged
+        iterations after the first two), which calibrates the planner's cost model."""
+        original = self.config.first_plan
+        if (self.attempt is None or original is None or self.plan is None
+                or self.plan.as_json() != original.as_json()):
+            return
+        steps = self.progress.step_ms[2:]
+        if steps:
+            self._original_step_s = statistics.median(steps) / 1000
+
     def _plan_event(self, available: list[int], **fields) -> None:
+        for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
+            log.warning("plan: %s", warning)
         self._event("plan", gpus_available=available,
                     gpus_retired=[{"gpu": g, "reason": why} for g, why in sorted(self.retired.items())],
                     **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
@@ -670,6 +691,9 @@ class Supervisor:
         except JoinTimedOut as error:
             self._give_up(f"too few nodes joined the rendezvous: {error}")
             return Trigger.NO_LAYOUT
+        except ValueError as error:  # e.g. two nodes with the same --node-rank
+            self._give_up(str(error))
+            return Trigger.NO_LAYOUT
         if joined is None:
             return Trigger.SIGNALLED
         self.round = joined
@@ -677,9 +701,10 @@ class Supervisor:
         self._event("round", number=joined.number, nodes=[n.node_rank for n in joined.nodes],
                     node_gpus=list(joined.node_gpus), seconds=round(time.monotonic() - started, 3))
         try:
-            plan = plan_nodes(self.config.command, joined.node_gpus, mode=self.config.plan_mode,
-                              gpu_memory_gb=self.config.gpu_memory_gb,
-                              original_world_size=self.config.original_world_size)
+            # No measured step time here: every node must plan on the same inputs.
+            plan = plan_nodes(self.config.command, joined.node_gpus,
+                              original_world_size=self.config.original_world_size,
+                              **self._planner_options())
         except PlanError as error:
             self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
             return Trigger.NO_LAYOUT
