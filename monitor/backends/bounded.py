@@ -229,28 +229,32 @@ class PerGpuReads:
                 jobs[gpu] = self._start(gpu, read_one, now) + (deadline,)
         for job, _, deadline in jobs.values():
             job.done.wait(max(0.0, job.started + deadline - time.monotonic()))
-        samples: list[GpuSample] = []
+        samples: dict[int, GpuSample | None] = {}
         conditions: dict[int, tuple[str, ...]] = {}
-        wedged = []
+        overran = []
         for gpu in selected:
             job, reading, deadline = jobs.get(gpu) or self._stuck[gpu]
             if job.done.is_set():
-                sample = self._finished(gpu, job, reading)
+                samples[gpu] = self._finished(gpu, job, reading)
             else:
-                sample = self._overran(gpu, (job, reading, deadline), fresh=gpu in jobs, now=now)
-                if sample is None:
-                    wedged.append(gpu)
-                    reading = Reading(reading.sample, [WEDGED])
+                overran.append(gpu)
+                samples[gpu] = self._overran(gpu, (job, reading, deadline), fresh=gpu in jobs, now=now)
             if reading.conditions:
                 conditions[gpu] = tuple(reading.conditions)
-            if sample is not None:
-                samples.append(sample)
-        if len(selected) >= 2 and len(wedged) == len(selected):
-            raise BackendError(f"all {len(selected)} GPUs have been stuck in the driver for several "
-                               f"deadlines: the driver looks wedged, not one GPU")
+        wedged = [gpu for gpu in overran if samples[gpu] is None]
+        if wedged and len(selected) >= 2 and len(overran) == len(selected):
+            if len(wedged) == len(selected):
+                raise BackendError(f"all {len(selected)} GPUs have been stuck in the driver for "
+                                   f"several deadlines: the driver looks wedged, not one GPU")
+            # Every GPU is stuck, some only a little less long: the driver, not one GPU, until
+            # the others answer; naming the first one wedged would retire a healthy GPU.
+            samples.update({gpu: GpuSample(timestamp=now, gpu_id=gpu) for gpu in wedged})
+            wedged = []
+        for gpu in wedged:
+            conditions[gpu] = (WEDGED,)
         self._report_wedged(wedged)
         self.conditions = conditions
-        return samples
+        return [sample for sample in samples.values() if sample is not None]
 
     def _report_wedged(self, wedged: list[int]) -> None:
         for gpu in wedged:
