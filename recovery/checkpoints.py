@@ -10,6 +10,14 @@ is reported. Without a tracker, a folder is a candidate only if it is complete (
 manifest, written just before the tracker would have been): the others are unfinished saves,
 and a run that finds nothing else starts fresh.
 
+**Two tiers.** With Megatron-LM's ``--non-persistent-ckpt-type global`` a second folder (the
+memory tier, ``--non-persistent-global-ckpt-dir``, by default ``SAVE/non_persistent`` as in
+Megatron-LM, under ``ftmaster launch`` a folder in ``/dev/shm``) holds checkpoints in the same
+layout with its own tracker. Loading tries both tiers' candidates, highest iteration first,
+memory first on a tie (:func:`tier_candidates`). The disk tracker has two writers, the
+trainer's rank 0 and ftmaster's persist copy, so it moves under a lock and never backwards
+(:func:`advance_tracker`), except when a resume discards a timeline.
+
 A candidate is valid when its files are all there, every shard byte range recorded in the
 torch_dist ``.metadata`` lies inside its file, and every file has the size its manifest
 (:mod:`ftmaster.recovery.manifest`) records: a few ``stat`` calls. Comparing checksums reads
@@ -18,13 +26,23 @@ every byte, so the trainer does that itself, spread over its ranks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+from ftmaster.runfiles import atomic_write_text
 
 from .manifest import MANIFEST_NAME, read_manifest, size_problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
+TIERS = ("memory", "disk")
+_LOCK_NAME = ".ftmaster_tracker.lock"
+_PIN_NAME = ".ftmaster_persisting"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _REQUIRED_FILES = ("common.pt", "metadata.json", ".metadata")
 
@@ -220,3 +238,83 @@ def prunable_emergency_checkpoints(save_dir: Path, keep: int) -> list[int]:
                          if kind == "emergency" and it < max(regular)), reverse=True)
     tracked = read_tracker(save_dir)
     return [it for it in superseded[keep:] if it != tracked]
+
+
+# -- two tiers --------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tracker_lock(save_dir: Path) -> Iterator[None]:
+    """Exclusive, across processes, while a tracker is read and moved (an advisory lock file
+    in the folder; released when its holder dies)."""
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(save_dir) / _LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def advance_tracker(save_dir: Path, iteration: int) -> bool:
+    """Name ``iteration`` in the tracker unless it names a later one already; True if moved."""
+    with tracker_lock(save_dir):
+        current = read_tracker(save_dir)
+        if current is not None and current >= iteration:
+            return False
+        atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+        return True
+
+
+def pin(memory_dir: Path, iteration: int | None) -> None:
+    """Mark the memory checkpoint a persist copy reads (None: none), so that pruning spares it."""
+    path = Path(memory_dir) / _PIN_NAME
+    if iteration is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write_text(path, f"{iteration}\n", durable=False)
+
+
+def pinned(memory_dir: Path) -> int | None:
+    try:
+        return int((Path(memory_dir) / _PIN_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def prunable_memory_checkpoints(memory_dir: Path, newest: int) -> list[int]:
+    """Memory checkpoints older than ``newest`` (just completed), except the one a persist
+    copy reads and the one the tracker names."""
+    keep = {newest, pinned(memory_dir), read_tracker(memory_dir)}
+    return [it for it in list_iterations(memory_dir) if it < newest and it not in keep]
+
+
+@dataclass(frozen=True)
+class TierCandidate:
+    iteration: int
+    path: Path
+    tier: str
+
+
+@dataclass(frozen=True)
+class TierCandidates:
+    """Both tiers' candidates, in the order to try them, and what was noticed."""
+
+    candidates: tuple[TierCandidate, ...]
+    notes: tuple[str, ...]
+    folders: tuple[Path, ...]
+    """The folders searched (for messages)."""
+
+
+def tier_candidates(save_dir: Path, memory_dir: Path | None) -> TierCandidates:
+    """Candidates of the disk tier and, when on, the memory tier: highest iteration first,
+    memory first on a tie (the same checkpoint, read at memory speed)."""
+    found, notes, folders = [], [], []
+    for tier, folder in (("memory", memory_dir), ("disk", save_dir)):
+        if folder is None:
+            continue
+        candidates = loading_candidates(Path(folder))
+        folders.append(Path(folder))
+        notes += candidates.notes
+        found += [TierCandidate(it, iteration_dir(folder, it), tier) for it in candidates.iterations]
+    found.sort(key=lambda c: (-c.iteration, TIERS.index(c.tier)))
+    return TierCandidates(tuple(found), tuple(notes), tuple(folders))

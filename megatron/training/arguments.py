@@ -22,6 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
@@ -174,6 +175,14 @@ def _add_checkpoint_args(parser):
     group.add_argument("--emergency-save-flag-dir", default=None,
                        help="ours: folder watched for save_now.flag (default: "
                             "$FTMASTER_RUN_DIR/flags)")
+    group.add_argument("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"),
+                       default=None, help="global: a memory tier of checkpoints in the same "
+                                          "layout, its own tracker (local, in_memory: refused)")
+    group.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                       help="the memory tier's folder (default: SAVE/non_persistent, as in "
+                            "Megatron-LM; ftmaster launch picks one in /dev/shm)")
+    group.add_argument("--non-persistent-save-interval", type=int, default=None,
+                       help="a save into the memory tier every N iterations")
     group.add_argument("--keep-emergency", type=int, default=None,
                        help="ours: keep only the newest N emergency checkpoints that a newer "
                             "regular checkpoint supersedes (default: keep all)")
@@ -463,6 +472,33 @@ def _validate_checkpointing(args):
              f"--keep-emergency must be >= 0, got {args.keep_emergency}")
     _require(args.emergency_save_gap_frac >= 0,
              f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
+    _validate_memory_tier(args)
+
+
+def _validate_memory_tier(args):
+    """Megatron-LM's non-persistent checkpoint flags; only ``global`` keeps the layout free
+    (``local`` checkpoints cannot be resharded, ``in_memory`` is refused by Megatron-LM too)."""
+    kind = args.non_persistent_ckpt_type
+    _require(kind in (None, "global"),
+             f"--non-persistent-ckpt-type {kind} is not supported: its checkpoints cannot change "
+             f"the layout on a relaunch; use global (a torch_dist memory tier)")
+    interval = args.non_persistent_save_interval
+    _require(interval is None or interval > 0,
+             f"--non-persistent-save-interval must be a positive integer, got {interval}")
+    if kind is None:
+        _require(interval is None and args.non_persistent_global_ckpt_dir is None,
+                 "--non-persistent-save-interval and --non-persistent-global-ckpt-dir need "
+                 "--non-persistent-ckpt-type global")
+        return
+    _require(args.save is not None, "--non-persistent-ckpt-type global needs --save DIR "
+                                    "(the memory tier is persisted there)")
+    if args.non_persistent_global_ckpt_dir is None:
+        args.non_persistent_global_ckpt_dir = str(Path(args.save) / NON_PERSISTENT_SUBDIR)
+    folder = Path(args.non_persistent_global_ckpt_dir)
+    _require(folder.resolve() != Path(args.save).resolve(),
+             "--non-persistent-global-ckpt-dir must not be the --save folder")
+    _require(_is_writable_dir(folder), f"--non-persistent-global-ckpt-dir {folder} is not "
+                                       f"writable: choose a directory you can write to")
 
 
 def _cuda_available() -> bool:

@@ -72,14 +72,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster.guard import die_with_parent
 from ftmaster.recovery.checkpoints import (
+    advance_tracker,
     checkpoint_problem,
-    find_loadable_checkpoint,
     holds_checkpoints,
     iteration_dir,
     list_iterations,
-    loading_candidates,
     prunable_emergency_checkpoints,
+    prunable_memory_checkpoints,
     read_tracker,
+    tier_candidates,
+    tracker_lock,
     tracker_path,
     unfinished_saves,
 )
@@ -99,6 +101,7 @@ from .console import log_rank0
 from .model import optimizer_metadata
 
 CHECKPOINT_VERSION = 3.0
+MEMORY_HEADROOM = 1.1  # free space a memory save wants, in units of the last checkpoint
 COMMON_FILE = "common.pt"
 CONFIG_FILE = "metadata.json"
 DCP_METADATA_FILE = ".metadata"
@@ -251,6 +254,13 @@ class Janitor:
             self._thread = None
 
 
+def prune_memory_checkpoints(memory_dir: Path, newest: int) -> None:
+    """Keep the newest complete memory checkpoint and the one a persist copy reads: the tier
+    holds at most two (plus one being written)."""
+    for iteration in prunable_memory_checkpoints(memory_dir, newest):
+        shutil.rmtree(iteration_dir(memory_dir, iteration), ignore_errors=True)
+
+
 def prune_emergency_checkpoints(save_dir: Path, keep: int) -> None:
     """Remove emergency checkpoints a newer regular one supersedes, beyond the newest ``keep``."""
     for iteration in prunable_emergency_checkpoints(save_dir, keep):
@@ -289,6 +299,7 @@ class DurableSave:
     iteration: int
     path: Path
     kind: str  # periodic, emergency, exit or final: see manifest.SAVE_KINDS
+    tier: str  # memory or disk
     started_at: float  # unix time the save began
     seconds_to_durable: float
     bytes: int
@@ -303,6 +314,7 @@ class SaveFailure:
     iteration: int
     path: Path
     kind: str
+    tier: str
     reason: str
 
 
@@ -324,12 +336,12 @@ def _write_durably(path: Path, data: bytes | memoryview) -> None:
 class _Save:
     """One checkpoint being written; see the module docstring for the protocol."""
 
-    def __init__(self, checkpointer: "Checkpointer", iteration: int, kind: str,
+    def __init__(self, checkpointer: "Checkpointer", iteration: int, kind: str, tier: str,
                  on_durable: Callable[[DurableSave], None] | None) -> None:
         self.checkpointer = checkpointer
         self.group = checkpointer.group
-        self.iteration, self.kind, self.on_durable = iteration, kind, on_durable
-        self.path = iteration_dir(Path(checkpointer.args.save), iteration)
+        self.iteration, self.kind, self.tier, self.on_durable = iteration, kind, tier, on_durable
+        self.path = iteration_dir(checkpointer.folder_of(tier), iteration)
         self.started_at, self.start = time.time(), time.perf_counter()
         self.problem: str | None = None
         self.own_shards: list[str] = []
@@ -366,6 +378,16 @@ class _Save:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             return f"creating {self.path}: {describe_error(error)}"
+        return self._room_problem() if self.tier == "memory" else None
+
+    def _room_problem(self) -> str | None:
+        """A memory save that would not fit is not even started (a full tmpfs also squeezes
+        everything else in the node's memory); the size of the last checkpoint is the guess."""
+        needed = self.checkpointer.last_bytes
+        free = shutil.disk_usage(self.path).free
+        if needed and free < needed * MEMORY_HEADROOM:
+            return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "
+                    f"needs about {needed}")
         return None
 
     @staticmethod
@@ -421,15 +443,16 @@ class _Save:
             except OSError as error:
                 problem = f"writing the manifest or the tracker: {describe_error(error)}"
         self._remove_partial_folder()
-        return SaveFailure(self.iteration, self.path, self.kind, problem)
+        return SaveFailure(self.iteration, self.path, self.kind, self.tier, problem)
 
     def _write_manifest_and_tracker(self, reports: list[_RankReport]) -> DurableSave:
         shards = {name: shard for r in reports for name, shard in r.shards.items()}
         files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
                  DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
         write_manifest(self.path, self.kind, self.iteration, files)
-        atomic_write_text(tracker_path(self.path.parent), f"{self.iteration}\n")
-        return DurableSave(self.iteration, self.path, self.kind, self.started_at,
+        # Never backwards: a persisted memory checkpoint may be newer than this one.
+        advance_tracker(self.path.parent, self.iteration)
+        return DurableSave(self.iteration, self.path, self.kind, self.tier, self.started_at,
                            time.perf_counter() - self.start,
                            sum(d.bytes for d in files.values()),
                            sum(s.hash_seconds for s in shards.values()),
@@ -460,7 +483,12 @@ class Checkpointer:
         self.async_queue = (AsyncCallsQueue(persistent=torch.cuda.is_available())
                             if args.async_save else None)
         self.janitor = Janitor()
+        self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
+                           if args.non_persistent_ckpt_type == "global" else None)
+        self.last_bytes: int | None = None
+        """The size of the last complete checkpoint (a memory save's room check)."""
         self.last_saved_iteration: int | None = None
+        self._last_saved_tier: str | None = None
         """The newest checkpoint, counting a save in flight (what the gap filter counts from)."""
         self.last_durable_iteration: int | None = None
         self._on_failed: Callable[[SaveFailure], None] | None = None
@@ -488,10 +516,17 @@ class Checkpointer:
                 **{_CONTENT_METADATA_KEY: metadata})
         return sharded
 
-    def save(self, state: TrainingState, kind: str,
+    def on_disk_at(self, iteration: int) -> bool:
+        """Whether the newest save (durable or in flight) is of ``iteration`` on disk."""
+        return self.last_saved_iteration == iteration and self._last_saved_tier == "disk"
+
+    def folder_of(self, tier: str) -> Path:
+        return self.memory_dir if tier == "memory" else Path(self.args.save)
+
+    def save(self, state: TrainingState, kind: str, tier: str = "disk",
              on_durable: Callable[[DurableSave], None] | None = None,
              on_failed: Callable[[SaveFailure], None] | None = None) -> float:
-        """Save at ``state.iteration``; returns the seconds training was blocked.
+        """Save at ``state.iteration`` into ``tier``; returns the seconds training was blocked.
 
         ``on_durable`` runs on every rank once every file is written and the tracker moved;
         ``on_failed`` on every rank when the save did not complete. Either runs before this
@@ -499,8 +534,8 @@ class Checkpointer:
         """
         start = time.perf_counter()
         self._on_failed = on_failed
-        save = _Save(self, state.iteration, kind, on_durable)
-        self.last_saved_iteration = state.iteration
+        save = _Save(self, state.iteration, kind, tier, on_durable)
+        self.last_saved_iteration, self._last_saved_tier = state.iteration, tier
         request = save.request(self._state_dict(state, is_loading=False, with_rng=True))
         if request is not None:
             if self.async_queue is None:
@@ -518,18 +553,21 @@ class Checkpointer:
         """Every rank, when a save ends: count it, or forget it and say why."""
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
+            self.last_bytes = outcome.bytes
             log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
                       f"{outcome.path} in {outcome.seconds_to_durable:.3f} s ({outcome.bytes} bytes)")
+            if outcome.tier == "memory" and _rank() == 0:
+                self.janitor.submit(prune_memory_checkpoints, self.memory_dir, outcome.iteration)
             if save.on_durable is not None:
                 save.on_durable(outcome)
             return
         if self.last_saved_iteration == outcome.iteration:
-            self.last_saved_iteration = self.last_durable_iteration
+            self.last_saved_iteration, self._last_saved_tier = self.last_durable_iteration, None
         log_rank0(f"error: {outcome.kind} checkpoint at iteration {outcome.iteration} not saved "
                   f"to {outcome.path}: {outcome.reason}; the newest checkpoint is still "
                   + (f"iteration {self.last_durable_iteration}" if self.last_durable_iteration
                      else "none"))
-        self.event("save_failed", iteration=outcome.iteration, kind=outcome.kind, tier="disk",
+        self.event("save_failed", iteration=outcome.iteration, kind=outcome.kind, tier=outcome.tier,
                    path=str(outcome.path), reason=outcome.reason)
         if self._on_failed is not None:
             self._on_failed(outcome)
@@ -550,29 +588,34 @@ class Checkpointer:
         """Load the newest checkpoint under ``--load`` that loads on every rank; False when
         there is none at all (a fresh start). NoLoadableCheckpoint when some exist and every
         one fails."""
-        candidates = broadcast_from_rank0(
-            loading_candidates(Path(self.args.load)) if _rank() == 0 else None, self.group)
-        for note in candidates.notes:
+        found = broadcast_from_rank0(
+            tier_candidates(Path(self.args.load), self.memory_dir) if _rank() == 0 else None,
+            self.group)
+        for note in found.notes:
             log_rank0(f"warning: {note}")
         skipped = []
-        for iteration in candidates.iterations:
-            path = iteration_dir(candidates.save_dir, iteration)
-            problem = self._load_from(path, state)
+        for candidate in found.candidates:
+            problem = self._load_from(candidate.path, state, candidate.tier)
             if problem is None:
                 self._set_aside_newer(state.iteration)
                 return True
-            skipped.append(f"iter_{iteration:07d}: {problem}")
-            log_rank0(f"warning: skipping checkpoint {path}: {problem}")
-            self.event("checkpoint_skipped", iteration=iteration, path=str(path), reason=problem)
+            where = "" if candidate.tier == "disk" else f"{candidate.tier} "
+            skipped.append(f"{where}{candidate.path.name}: {problem}")
+            log_rank0(f"warning: skipping checkpoint {candidate.path}: {problem}"
+                      + ("; trying the next one (the disk tier has the persisted copies)"
+                         if candidate.tier == "memory" else ""))
+            self.event("checkpoint_skipped", iteration=candidate.iteration, tier=candidate.tier,
+                       path=str(candidate.path), reason=problem)
+        folders = " or ".join(str(folder) for folder in found.folders)
         if not skipped:
-            log_rank0(f"no checkpoint in {candidates.save_dir}; starting from scratch")
+            log_rank0(f"no checkpoint in {folders}; starting from scratch")
             return False
-        message = (f"no checkpoint in {candidates.save_dir} can be loaded ({'; '.join(skipped)}); "
-                   f"nothing was changed: repair or move them, or give another --load")
-        self.event("load_failed", path=str(candidates.save_dir), reason=message)
+        message = (f"no checkpoint in {folders} can be loaded ({'; '.join(skipped)}); nothing "
+                   f"was changed: repair or move them, or give another --load")
+        self.event("load_failed", path=str(self.args.load), reason=message)
         raise NoLoadableCheckpoint(message)
 
-    def _load_from(self, path: Path, state: TrainingState) -> str | None:
+    def _load_from(self, path: Path, state: TrainingState, tier: str) -> str | None:
         """Load ``path`` on every rank, or the reason it cannot be (the same on every rank)."""
         checked = broadcast_from_rank0(
             (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
@@ -607,7 +650,7 @@ class Checkpointer:
         problem = first_problem(problem, self.group)
         if problem is None:
             self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start,
-                         verify_seconds)
+                         verify_seconds, tier)
         return problem
 
     def _checksum_problem(self, path: Path, manifest: Manifest) -> str | None:
@@ -617,15 +660,17 @@ class Checkpointer:
         return first_problem(digest_problem(path, manifest, mine), self.group)
 
     def _loaded(self, path: Path, state: TrainingState, common: dict, with_rng: bool,
-                manifest: Manifest | None, seconds: float, verify_seconds: float) -> None:
+                manifest: Manifest | None, seconds: float, verify_seconds: float,
+                tier: str) -> None:
         size = manifest.total_bytes if manifest and manifest.files else None
         log_rank0(f"loaded checkpoint from {path} at iteration {state.iteration} in "
                   f"{seconds:.3f} s ({size if size is not None else 'unknown'} bytes); layout "
                   f"{common.get('layout')} -> {layout_of(self.args)}"
                   + ("" if with_rng else "; RNG state not restored"))
-        self.event("checkpoint_loaded", iteration=state.iteration, path=str(path),
+        self.event("checkpoint_loaded", iteration=state.iteration, path=str(path), tier=tier,
                    seconds=round(seconds, 4), bytes=size, verify_seconds=round(verify_seconds, 4))
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
+        self._last_saved_tier, self.last_bytes = tier, size
 
     def prepare_fresh_start(self) -> None:
         """Every rank, when nothing was loaded: rank 0 checks and cleans the save folder (see
@@ -633,7 +678,8 @@ class Checkpointer:
         refusal = None
         if _rank() == 0:
             try:
-                prepare_fresh_start(self.args.save)
+                for folder in (self.args.save, self.memory_dir):
+                    prepare_fresh_start(folder)
             except CheckpointMismatch as problem:
                 refusal = str(problem)
         refusal = broadcast_from_rank0(refusal, self.group)
@@ -644,8 +690,10 @@ class Checkpointer:
         """Rank 0: checkpoints above the one resumed from belong to a discarded timeline; a
         new save at the same iteration must not mix with their files, nor a later load pick
         them. They are renamed, not deleted, and the tracker comes back to ``iteration``."""
-        if _rank() == 0 and self.args.save:
-            set_aside_newer(Path(self.args.save), iteration)
+        if _rank() == 0:
+            for folder in (self.args.save, self.memory_dir):
+                if folder:
+                    set_aside_newer(Path(folder), iteration)
         torch.distributed.barrier(group=self.group)
 
     def _check_optimizer(self, saved: dict) -> None:
@@ -698,20 +746,27 @@ class Checkpointer:
 
 def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
     """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
-    since any of them may be complete) and bring the tracker back to ``iteration``; returns
-    the new names."""
+    since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
+    it when this tier has no such folder: the resume came from the other tier); returns the
+    new names."""
     moved = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    for newer in (it for it in list_iterations(save_dir) if it > iteration):
-        old = iteration_dir(save_dir, newer)
-        new = old.with_name(f"{old.name}.discarded-{stamp}")
-        old.rename(new)
-        moved.append(new)
-        log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration {iteration}, "
-                  f"from a discarded timeline")
-    tracked = read_tracker(save_dir)
-    if tracked is not None and tracked > iteration:
-        atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+    if not Path(save_dir).is_dir():
+        return moved
+    with tracker_lock(save_dir):  # a persist copy does not rename a discarded one into place
+        for newer in (it for it in list_iterations(save_dir) if it > iteration):
+            old = iteration_dir(save_dir, newer)
+            new = old.with_name(f"{old.name}.discarded-{stamp}")
+            old.rename(new)
+            moved.append(new)
+            log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration "
+                      f"{iteration}, from a discarded timeline")
+        tracked = read_tracker(save_dir)
+        if tracked is not None and tracked > iteration:
+            if iteration_dir(save_dir, iteration).is_dir():
+                atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+            else:  # resumed from the other tier: this one's complete folders are its candidates
+                tracker_path(save_dir).unlink()
     return moved
 
 
@@ -760,14 +815,15 @@ def consumed_samples(loaded: dict) -> int:
     return int(found if found is not None else loaded["consumed_train_samples"])
 
 
-def checkpoint_args(load_dir: str | None) -> dict | None:
-    """The args saved with the checkpoint that ``--load`` would pick, without loading it."""
+def checkpoint_args(load_dir: str | None, memory_dir: Path | None = None) -> dict | None:
+    """The args saved with the checkpoint a load would pick first (either tier), without
+    loading it."""
     if not load_dir:
         return None
-    choice = find_loadable_checkpoint(Path(load_dir))
-    if choice.iteration is None:
-        return None
-    try:
-        return saved_args(dist_checkpointing.load_common_state_dict(str(choice.path)))
-    except Exception:  # a broken common.pt is the load's to report, with its fallback
-        return None
+    for candidate in tier_candidates(Path(load_dir), memory_dir).candidates:
+        if checkpoint_problem(candidate.path) is None:
+            try:
+                return saved_args(dist_checkpointing.load_common_state_dict(str(candidate.path)))
+            except Exception:  # a broken common.pt is the load's to report, with its fallback
+                return None
+    return None

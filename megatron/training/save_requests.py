@@ -20,8 +20,9 @@ is not a new request, while a flag written after the decision is, and is honoure
 The gap filter (the paper's rule) lets an emergency save happen only when
 ``iteration - last_checkpoint_iteration >= ceil(gap_frac x save_interval)``. A request that
 arrives too early stays pending and is honoured at the first eligible iteration; a periodic
-save satisfies it too. Without ``--save-interval`` the minimum gap is one iteration, counted
-from the last save or from the start; ``gap_frac = 0`` disables the filter.
+save, or an interval save into the memory tier, satisfies it too. Without ``--save-interval``
+the minimum gap is one iteration, counted from the last save or from the start;
+``gap_frac = 0`` disables the filter.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Decision:
     save: bool = False
     emergency: bool = False  # the save answers a flag request
     exit: bool = False  # SIGTERM: save, then leave the loop
+    memory: bool = False  # the memory tier's interval save (--non-persistent-save-interval)
     deferred_until: int | None = None  # a pending request waits for this iteration, reported once
 
 
@@ -66,11 +68,13 @@ class SaveRequests:
     """Local triggers plus the collective that turns them into one decision on every rank."""
 
     def __init__(self, flag_path: Path | None, handle_sigterm: bool, gap_frac: float,
-                 save_interval: int | None, can_save: bool, group=None):
+                 save_interval: int | None, can_save: bool, group=None,
+                 memory_interval: int | None = None):
         self.flag_path = flag_path
         self.handle_sigterm = handle_sigterm
         self.gap = minimum_gap(gap_frac, save_interval)
         self.save_interval = save_interval
+        self.memory_interval = memory_interval
         self.can_save = can_save
         self._signal_received = False
         self._answered_identity: tuple[int, int] | None = None
@@ -130,23 +134,26 @@ class SaveRequests:
 
     def decide(self, iteration: int, last_checkpoint_iteration: int) -> Decision:
         """Called by every rank after each iteration; the answer is the same everywhere."""
-        periodic = bool(self.can_save and self.save_interval
-                        and iteration % self.save_interval == 0)
+        periodic = self._due(self.save_interval, iteration)
+        memory = self._due(self.memory_interval, iteration) and not periodic
         triggers = self._finish_agreement()
         if triggers.sigterm:
             return Decision(save=self.can_save, exit=True)
         if not (triggers.flag and self.can_save):
-            return Decision(save=periodic)
+            return Decision(save=periodic or memory, memory=memory)
         eligible_at = last_checkpoint_iteration + self.gap
-        if periodic or iteration >= eligible_at:
+        if periodic or memory or iteration >= eligible_at:
             self._deferral_reported = False
             # The flag as it is now, not as this rank sampled it: another rank may have seen
             # it first, and the save that starts now answers whatever was written before it.
             self._answered_identity = self._flag_identity()
-            return Decision(save=True, emergency=not periodic)
+            return Decision(save=True, emergency=not (periodic or memory), memory=memory)
         report = not self._deferral_reported
         self._deferral_reported = True
         return Decision(deferred_until=eligible_at if report else None)
+
+    def _due(self, interval: int | None, iteration: int) -> bool:
+        return bool(self.can_save and interval and iteration % interval == 0)
 
     def consume(self) -> None:
         """After the answering save is durable (rank 0): remove that flag, not a newer one."""

@@ -104,7 +104,10 @@ def vocab_size_for_layout(args, tokenizer) -> int:
     The padding depends on TP, so a resharded resume would otherwise build an embedding of
     another shape than the checkpoint's.
     """
-    saved = checkpoint_args(args.load) if torch.distributed.get_rank() == 0 else None
+    memory = (args.non_persistent_global_ckpt_dir if args.non_persistent_ckpt_type == "global"
+              else None)
+    saved = (checkpoint_args(args.load, memory and Path(memory))
+             if torch.distributed.get_rank() == 0 else None)
     box = [saved.get("padded_vocab_size") if saved else None]
     torch.distributed.broadcast_object_list(box, src=0)
     if box[0] and box[0] % args.tensor_model_parallel_size == 0 and box[0] >= tokenizer.vocab_size:
@@ -192,12 +195,14 @@ class Trainer:
         self.requests = SaveRequests(
             flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
             gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
-            can_save=args.save is not None, group=self.control_group)
+            can_save=args.save is not None, group=self.control_group,
+            memory_interval=args.non_persistent_save_interval)
         self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
         self.poison_at = rehearsal.nan_iterations(local_rank())
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
+        self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
         log_rank0(describe_layout(args))
 
     def _flag_path(self) -> Path | None:
@@ -267,19 +272,23 @@ class Trainer:
         if self.writes_run_files:
             runfiles.append_event(self.run_dir, name, **fields)
 
-    def save(self, kind: str) -> None:
+    def save(self, kind: str, tier: str = "disk") -> None:
         self.model.sync_params()
-        blocked = self.checkpointer.save(self.state, kind, on_durable=self._on_durable,
+        blocked = self.checkpointer.save(self.state, kind, tier, on_durable=self._on_durable,
                                          on_failed=self._on_save_failed)
         if self.checkpointer.async_queue is not None:
             self._blocked_seconds[self.state.iteration] = blocked
-            log_rank0(f"async {kind} save at iteration {self.state.iteration} started; "
+            where = " in memory" if tier == "memory" else ""
+            log_rank0(f"async {kind} save at iteration {self.state.iteration}{where} started; "
                       f"training blocked {blocked:.3f} s")
 
     def _on_save_failed(self, failure: SaveFailure) -> None:
         """Every rank: training goes on; an answered request is not asked again (the
         monitor asks anew if the GPU stays critical); the end of training must say so."""
         self._blocked_seconds.pop(failure.iteration, None)
+        if failure.tier == "memory":  # the request goes to disk instead
+            self._retry_on_disk = failure.kind
+            return
         if self.writes_run_files:
             self.requests.consume()
         if failure.kind in ("final", "exit") or self._training_done():
@@ -292,7 +301,7 @@ class Trainer:
         self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
                     iteration=done.iteration, seconds=round(blocked, 4), bytes=done.bytes,
                     persist_seconds=round(done.seconds_to_durable, 4),
-                    started_at=round(done.started_at, 4), kind=done.kind, tier="disk",
+                    started_at=round(done.started_at, 4), kind=done.kind, tier=done.tier,
                     checksum_seconds=round(done.hash_seconds, 4),
                     writer_seconds=round(done.write_seconds, 4))
         if self.writes_run_files:
@@ -315,18 +324,34 @@ class Trainer:
         if decision.deferred_until is not None:
             self._event("save_deferred", iteration=self.state.iteration,
                         until_iteration=decision.deferred_until)
-        if decision.save:
+        # The last iteration's checkpoint is the final one, on disk, not a memory copy.
+        if decision.save and not (decision.memory and self._training_done()):
             self.save("emergency" if decision.emergency else "exit" if decision.exit
-                      else "periodic")
+                      else "periodic", self._tier(decision))
+        self._save_on_disk_after_memory_failure()
         if decision.exit:
             log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
         return decision.exit or self._exit_interval_reached()
+
+    def _tier(self, decision) -> str:
+        """Emergency and interval saves go to the memory tier when it is on; periodic, exit
+        and final saves to disk."""
+        to_memory = (decision.memory or decision.emergency) and not decision.exit
+        return "memory" if to_memory and self.checkpointer.memory_dir is not None else "disk"
+
+    def _save_on_disk_after_memory_failure(self) -> None:
+        """Every rank alike (the failure was agreed): a memory save that failed (the tier is
+        full) is made again on disk, with the state as it is now."""
+        if self._retry_on_disk is not None:
+            kind, self._retry_on_disk = self._retry_on_disk, None
+            if self.checkpointer.last_saved_iteration != self.state.iteration:
+                self.save(kind, "disk")
 
     def _exit_interval_reached(self) -> bool:
         interval = self.args.exit_interval
         if not interval or self.state.iteration % interval:
             return False
-        if self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration:
+        if self.args.save and not self.checkpointer.on_disk_at(self.state.iteration):
             self.save("exit")
         log_rank0(f"exiting at iteration {self.state.iteration} (--exit-interval {interval})")
         return True
@@ -389,7 +414,7 @@ class Trainer:
                       f"{len(self.requests.check_seconds)} iterations")
 
     def _final_save(self) -> None:
-        if (self.args.save and self.checkpointer.last_saved_iteration != self.state.iteration
+        if (self.args.save and not self.checkpointer.on_disk_at(self.state.iteration)
                 and self._final_save_failure is None):
             self.save("final")
 

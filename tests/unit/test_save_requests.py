@@ -127,3 +127,19 @@ def test_inactive_without_triggers_runs_no_collective():
     requests = SaveRequests(None, False, 0.25, 20, can_save=True)
     assert not requests.active
     assert step(requests, 20, 0).save
+
+
+def test_memory_interval_saves_go_between_periodic_ones(flag):
+    requests = SaveRequests(flag, False, 0.25, 20, can_save=True, memory_interval=4)
+    decisions = {it: step(requests, it, 0) for it in (3, 4, 8, 20)}
+    assert not decisions[3].save
+    assert decisions[4].save and decisions[4].memory and decisions[8].memory
+    assert decisions[20].save and not decisions[20].memory  # the periodic one, on disk
+
+
+def test_a_memory_interval_save_answers_a_pending_request(flag):
+    requests = SaveRequests(flag, False, 0.25, 100, can_save=True, memory_interval=2)
+    write_flag(flag, gpu=1, score=0.99)
+    assert step(requests, 11, 10).deferred_until == 35  # gap 25 from the memory save at 10
+    decision = step(requests, 12, 10)
+    assert decision.save and decision.memory and not decision.emergency

@@ -91,14 +91,17 @@ def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
                               f"in {event.get('seconds', 0):.2f} s")
     if name in SAVE_EVENTS:
         size = event.get("bytes") or 0
+        memory = event.get("tier") == "memory"
         return logging.INFO, (f"checkpoint at iteration {it} ({event.get('kind', 'periodic')}, "
-                              f"{size / 1e6:.1f} MB): training blocked "
-                              f"{event.get('seconds', 0):.2f} s, durable after "
+                              f"{'in memory, ' if memory else ''}{size / 1e6:.1f} MB): training "
+                              f"blocked {event.get('seconds', 0):.2f} s, "
+                              f"{'complete' if memory else 'durable'} after "
                               f"{event.get('persist_seconds', event.get('seconds', 0)):.2f} s")
     if name == "save_failed":
+        then = ("saving on disk instead" if event.get("tier") == "memory"
+                else "the checkpoints before it are untouched")
         return logging.ERROR, (f"{event.get('kind', 'a')} checkpoint at iteration {it} failed: "
-                               f"{event.get('reason')} ({event.get('path')}); the checkpoints "
-                               f"before it are untouched")
+                               f"{event.get('reason')} ({event.get('path')}); {then}")
     if name == "checkpoint_skipped":
         return logging.WARNING, f"skipped checkpoint {event.get('path')}: {event.get('reason')}"
     if name == "load_failed":

@@ -38,6 +38,8 @@ from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
+from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
+from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
@@ -279,9 +281,9 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         raise InputError(f"training script {argv[0]!r} not found")
     slurm_notes = apply_slurm_defaults(options)
     rendezvous = rendezvous_config(options)
+    _console_logging()
     devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
     config = supervisor_config(argv, devices, rendezvous, options)
-    _console_logging()
     for note in slurm_notes:
         logging.getLogger("ftmaster").info(note)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
@@ -346,6 +348,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     injections = _injections(options["inject_specs"], gpus)
     run_dir = options["run_dir"] or default_run_dir()
     world = len(gpus) if rendezvous is None else len(gpus) * rendezvous.max_nodes
+    argv, scratch = _with_memory_tier(argv, run_dir, rendezvous)
     first_plan = None
     if rendezvous is None:
         first_plan = check_layout(argv, len(gpus), options["gpus_per_node"],
@@ -361,7 +364,26 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         stop_timeout_s=options["stop_timeout"], plan_mode=options["plan_mode"],
         gpu_memory_gb=options["gpu_memory_gb"], injections=injections,
         progress_interval_s=options["progress_interval"], scale_up=options["scale_up"],
-        original_world_size=world, global_batch_tolerance_pct=options["global_batch_tolerance"])
+        original_world_size=world, global_batch_tolerance_pct=options["global_batch_tolerance"],
+        scratch_memory_dir=scratch)
+
+
+def _with_memory_tier(argv: list[str], run_dir: Path,
+                      rendezvous: RendezvousConfig | None) -> tuple[list[str], Path | None]:
+    """The memory tier's folder: one in ``/dev/shm`` per run unless given (returned as the
+    second value when ftmaster picked it). Across nodes it must be given: a checkpoint's shards
+    are written by every node's ranks, so its folder must be one every node sees."""
+    args = argv[1:]
+    if rendezvous is not None:
+        if flag_value(args, TYPE_FLAG) == "global" and flag_value(args, DIR_FLAG) is None:
+            raise InputError(f"across nodes the memory tier needs {DIR_FLAG}: a folder every "
+                             f"node sees (each rank writes its own shards there)")
+        return argv, None
+    chosen, note = with_memory_dir(args, run_dir)
+    if note is not None:
+        logging.getLogger("ftmaster").info(note)
+    picked = flag_value(chosen, DIR_FLAG) if chosen != args else None
+    return [argv[0], *chosen], None if picked is None else Path(picked)
 
 
 def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:

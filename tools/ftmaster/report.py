@@ -548,8 +548,11 @@ TEMPLATES = {
     "fault_injected": "{kind} on GPU {gpu} at iteration {iteration}",
     "risk_alert": "GPU {gpu} score {score} ({reasons})",
     "checkpoint_request": "from {source}, GPU {gpu}",
-    "emergency_save": "{kind} checkpoint of iteration {iteration} durable: training blocked "
-                      "{seconds} s, {persist_seconds} s to disk, {bytes} bytes",
+    "emergency_save": "{kind} checkpoint of iteration {iteration} durable ({tier}): training "
+                      "blocked {seconds} s, {persist_seconds} s to complete, {bytes} bytes",
+    "persisted": "memory checkpoint of iteration {iteration} copied to {path} in {seconds} s "
+                 "({bytes} bytes)",
+    "persist_failed": "a memory checkpoint was not copied to disk: {reason}",
     "save_deferred": "iteration {iteration}: emergency save deferred to iteration {until_iteration}",
     "failure": "attempt {attempt} {cause} on GPU(s) {gpus}, last iteration {iteration}",
     "stopped": "signal {signal}, exit status {exit_code}, at iteration {iteration}",
@@ -571,7 +574,7 @@ TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 
 class _Fields(dict):
     def __missing__(self, key: str) -> str:
-        return "?"
+        return "disk" if key == "tier" else "?"  # saves before the memory tier went to disk
 
 
 def describe(event: dict) -> str:

@@ -62,6 +62,7 @@ GPU block.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import statistics
 import threading
@@ -78,8 +79,9 @@ from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
+from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
-                                           read_tracker)
+                                           read_save_kind, read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -142,6 +144,9 @@ class SupervisorConfig:
     scale_up: str = "at-save"
     """Across nodes, when a peer waits for a new round: ``now`` stops training at once;
     ``at-save`` first asks for an agreed save, and stops once it is durable."""
+    scratch_memory_dir: Path | None = None
+    """A memory-tier folder ftmaster picked for this run (in ``/dev/shm``): removed once the
+    run succeeded and everything in it is on disk, since it holds node memory."""
     global_batch_tolerance_pct: float = 0.0
     """How far (percent) a relaunch may move the global batch for a better layout; the
     schedule is then rewritten in samples (see ``ftmaster.recovery.batch_schedule``)."""
@@ -227,6 +232,12 @@ class Supervisor:
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
         self._last_checkpoint: dict | None = None
         self._original_step_s: float | None = None  # measured on the original layout
+        tiers = tiers_of(config.command[1:])
+        # Across nodes the memory folder is shared: one node's ftmaster copies it.
+        copies = membership is None or membership.config.node_rank == 0
+        self.persister = None if tiers is None or not copies else Persister(tiers.memory, tiers.disk)
+        self._memory_kinds: dict[int, str | None] = {}
+        self._last_persist_start = time.monotonic()
         self.progress: Progress | None = None
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
         self.attempts_before = self._take_over_previous_attempts()
@@ -263,6 +274,9 @@ class Supervisor:
         finally:
             if self.attempt is not None:
                 self.attempt.kill()
+            self._finish_persisting()
+        if state is State.SUCCEEDED:
+            self._remove_scratch_memory()
         return exit_status(state, self.signum)
 
     # -- shared checks --------------------------------------------------------------------------
@@ -358,6 +372,7 @@ class Supervisor:
         self._apply_injections()
         self._follow_events()
         self._show_progress(heartbeat)
+        self._persist_when_due()
         failed = attempt.failed_ranks()
         code = attempt.exit_code()
         if failed or (code is not None and code != 0):
@@ -461,8 +476,68 @@ class Supervisor:
 
     def _seconds_since_checkpoint_write(self) -> float | None:
         save = flag_value(self.config.command[1:], "--save")
-        written = None if save is None else last_checkpoint_write(Path(save))
-        return None if written is None else time.time() - written
+        folders = ([Path(save)] if save is not None else []) + (
+            [self.persister.memory_dir] if self.persister is not None else [])
+        written = [t for t in map(last_checkpoint_write, folders) if t is not None]
+        return time.time() - max(written) if written else None
+
+    # -- the memory tier ------------------------------------------------------------------------
+    def _persist_when_due(self, now: bool = False) -> None:
+        """Copy the newest memory checkpoint to disk in the background: after an emergency
+        save, at once when ``now`` (an attempt failed), otherwise at most once per
+        ``--save-interval`` iterations' worth of time."""
+        if self.persister is None:
+            return
+        self._report_persisted()
+        newest = self.persister.newest_memory_checkpoint()
+        if not self.persister.needs_copy(newest):
+            return
+        if newest not in self._memory_kinds:
+            self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
+        due = (now or self._memory_kinds[newest] == "emergency"
+               or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
+        if due and self.persister.start(newest):
+            self._last_persist_start = time.monotonic()
+
+    def _persist_interval_s(self) -> float:
+        """``--save-interval`` iterations at the measured speed; 0 (every memory checkpoint)
+        without one, or before a speed is known."""
+        interval = flag_value(self.config.command[1:], "--save-interval")
+        steps = self.progress.step_ms if self.progress is not None else []
+        if interval is None or not steps:
+            return 0.0
+        return int(interval) * statistics.median(steps[-20:]) / 1000
+
+    def _report_persisted(self) -> None:
+        for result in self.persister.take_results():
+            if isinstance(result, Persisted):
+                self._event("persisted", iteration=result.iteration, path=str(result.path),
+                            seconds=round(result.seconds, 4), bytes=result.bytes)
+                log.info("persisted the memory checkpoint of iteration %d to %s in %.2f s "
+                         "(%.1f MB)", result.iteration, result.path, result.seconds,
+                         result.bytes / 1e6)
+            elif isinstance(result, PersistError):
+                self._event("persist_failed", reason=str(result))
+                log.warning("persisting a memory checkpoint failed: %s", result)
+
+    def _remove_scratch_memory(self) -> None:
+        folder = self.config.scratch_memory_dir
+        if folder is None or self.persister is None or not folder.is_dir():
+            return
+        newest, disk = self.persister.newest_memory_checkpoint(), read_tracker(self.persister.save_dir)
+        if newest is None or (disk is not None and disk >= newest):
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
+
+    def _finish_persisting(self) -> None:
+        """The end of the run waits for its last copy; the newest memory checkpoint is made
+        durable if the disk tier lacks it."""
+        if self.persister is None:
+            return
+        self.persister.wait()
+        self._persist_when_due(now=True)
+        self.persister.wait()
+        self._report_persisted()
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
                  first_local_rank: int | None = None) -> Trigger:
@@ -482,6 +557,7 @@ class Supervisor:
         log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
                   hardware if unfit else "")
         attempt.kill()
+        self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
         if cause == "nonfinite":
@@ -539,9 +615,13 @@ class Supervisor:
         # and add a second to every recovery, and the trainer validates and falls back itself.
         # Any tracker or iter_* folder counts: an unreadable tracker is never a fresh start.
         save = flag_value(command[1:], "--save")
-        has_checkpoint = save is not None and holds_checkpoints(Path(save))
+        folders = [Path(save)] if save is not None else []
+        if self.persister is not None:
+            folders.append(self.persister.memory_dir)
+        held = [folder for folder in folders if holds_checkpoints(folder)]
+        has_checkpoint = bool(held)
         if has_checkpoint:
-            self._resume_point = read_tracker(Path(save)) or 0
+            self._resume_point = max(read_tracker(folder) or 0 for folder in held)
         resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
         if resumed != list(command):
             log.warning("relaunching with --load %s: the newest checkpoint is there", save)

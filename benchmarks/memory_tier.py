@@ -1,0 +1,167 @@
+"""The memory tier against disk, on the real trainer (2 ranks, TP1 x PP2, CPU + gloo).
+
+    .venv/bin/python benchmarks/memory_tier.py [--hidden 256 512 1024] [--saves 3]
+
+For each model width (8 layers; hidden 1024 gives a checkpoint above 1 GB) the trainer saves
+every other iteration into one tier, synchronously and with ``--async-save``: the trainer's
+own events give the seconds training was blocked and the seconds until the checkpoint was
+complete. Then a relaunch loads the newest checkpoint of each tier, and ftmaster's persister
+copies the newest memory checkpoint to disk as the supervisor does. Printed: medians, and
+each save's and copy's throughput as a share of what this machine measures on its own for
+a memory copy (memcpy), a write into /dev/shm and an fsync'd write to the save disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from emergency_save import disk_write_speed  # noqa: E402
+from ftmaster import runfiles  # noqa: E402
+from ftmaster.persist import persist  # noqa: E402
+from ftmaster.recovery.checkpoints import read_tracker  # noqa: E402
+from helpers.trainer import SMALL_GPT, layout_args, run_trainer  # noqa: E402
+
+RANKS = 2
+SHM = Path("/dev/shm")
+SCHEDULE = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+            "--override-opt-param-scheduler"]
+MODES = [("disk", False), ("disk", True), ("memory", False), ("memory", True)]
+
+
+def model_args(hidden: int) -> list[str]:
+    args = list(SMALL_GPT)
+    args[args.index("--hidden-size") + 1] = str(hidden)
+    return args + ["--num-layers", "8", "--ffn-hidden-size", str(4 * hidden)] + layout_args(1, RANKS)
+
+
+def tier_args(tier: str, save: Path, memory: Path) -> list[str]:
+    if tier == "disk":
+        return ["--save", str(save), "--save-interval", "2"]
+    return ["--save", str(save), "--save-interval", "100000", "--non-persistent-ckpt-type",
+            "global", "--non-persistent-global-ckpt-dir", str(memory),
+            "--non-persistent-save-interval", "2"]
+
+
+def saves_of(hidden: int, tier: str, async_save: bool, saves: int, root: Path,
+             memory: Path) -> list[dict]:
+    """The saves into ``tier`` of one run; the last iteration's (final, on disk) is left out."""
+    tag = f"h{hidden}-{tier}-{'async' if async_save else 'sync'}"
+    save, run_dir = root / tag, root / f"run-{tag}"
+    schedule = SCHEDULE + ["--train-iters", str(2 * saves + 1)]
+    result = run_trainer(RANKS, model_args(hidden) + schedule + tier_args(tier, save, memory)
+                         + (["--async-save"] if async_save else []), timeout=3600,
+                         FTMASTER_RUN_DIR=str(run_dir))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return [e for e in runfiles.read_events(run_dir)
+            if e["event"] in ("periodic_save", "emergency_save") and e.get("tier") == tier
+            and e["kind"] != "final"]
+
+
+def load_seconds(hidden: int, disk: Path, memory: Path | None, root: Path) -> tuple[str, float]:
+    """A relaunch that trains one more iteration: the tier it loaded from and its seconds. A
+    memory load gets an empty disk folder (the run's final checkpoint is on disk, newer)."""
+    run_dir = root / f"load-{uuid.uuid4().hex[:6]}"
+    if memory is not None:
+        disk = root / f"empty-{uuid.uuid4().hex[:6]}"
+    newest = read_tracker(memory if memory is not None else disk)
+    tier = ([] if memory is None else
+            ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", str(memory)])
+    result = run_trainer(RANKS, model_args(hidden) + tier + SCHEDULE + [
+        "--train-iters", str(newest + 1), "--load", str(disk), "--save", str(disk)],
+        timeout=3600, FTMASTER_RUN_DIR=str(run_dir))
+    assert result.returncode == 0, result.stdout[-3000:]
+    (loaded,) = [e for e in runfiles.read_events(run_dir) if e["event"] == "checkpoint_loaded"]
+    return loaded["tier"], loaded["seconds"]
+
+
+def memcpy_speed(size: int) -> float:
+    source = numpy.ones(size, dtype=numpy.uint8)
+    target = numpy.empty_like(source)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        numpy.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times)
+
+
+def measure(hidden: int, saves: int, root: Path) -> dict:
+    memory = SHM / f"ftmaster-bench-{uuid.uuid4().hex[:8]}"
+    found = {}
+    try:
+        for tier, async_save in MODES:
+            done = saves_of(hidden, tier, async_save, saves, root, memory / f"{async_save}")
+            found[(tier, async_save)] = {
+                "blocked_s": statistics.median(e["seconds"] for e in done),
+                "complete_s": statistics.median(e["persist_seconds"] for e in done),
+                "bytes": statistics.median(e["bytes"] for e in done)}
+            print(f"  hidden {hidden} {tier} {'async' if async_save else 'sync'}: "
+                  f"{len(done)} saves", flush=True)
+        save = root / f"h{hidden}-memory-sync"
+        found["load_memory"] = load_seconds(hidden, save, memory / "False", root)
+        found["load_disk"] = load_seconds(hidden, root / f"h{hidden}-disk-sync", None, root)
+        target = root / f"persist-{hidden}"
+        copied = persist(memory / "False", target, read_tracker(memory / "False"))
+        found["persist"] = (copied.seconds, copied.bytes)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    return found
+
+
+def report(hidden: int, found: dict, speeds: dict[str, float]) -> None:
+    print(f"hidden {hidden}:")
+    for tier, async_save in MODES:
+        entry = found[(tier, async_save)]
+        rate = entry["bytes"] / entry["complete_s"]
+        reference = speeds["shm"] if tier == "memory" else speeds["disk"]
+        print(f"  {tier:6} {'async' if async_save else 'sync ':5}: {entry['bytes'] / 1e6:8.1f} MB "
+              f"blocked {entry['blocked_s']:7.3f} s, complete after {entry['complete_s']:7.3f} s "
+              f"= {rate / 1e6:7.1f} MB/s ({rate / reference:.2f} of {tier} write, "
+              f"{rate / speeds['memcpy']:.3f} of memcpy)")
+    for tier in ("disk", "memory"):
+        sync, asynchronous = found[(tier, False)], found[(tier, True)]
+        print(f"  {tier}: async blocks {asynchronous['blocked_s'] / sync['blocked_s']:.2f}x of sync")
+    for sync in (False, True):
+        disk, memory = found[("disk", sync)], found[("memory", sync)]
+        print(f"  {'async' if sync else 'sync'}: memory/disk blocked "
+              f"{memory['blocked_s'] / disk['blocked_s']:.2f}x, complete "
+              f"{memory['complete_s'] / disk['complete_s']:.2f}x")
+    (memory_tier, memory_s), (disk_tier, disk_s) = found["load_memory"], found["load_disk"]
+    print(f"  load: {memory_s:.3f} s from {memory_tier}, {disk_s:.3f} s from {disk_tier} "
+          f"(memory/disk {memory_s / disk_s:.2f}x)")
+    seconds, size = found["persist"]
+    print(f"  persist copy: {size / 1e6:.1f} MB in {seconds:.3f} s = {size / seconds / 1e6:.1f} MB/s "
+          f"({size / seconds / speeds['disk']:.2f} of the disk's fsync'd write)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--saves", type=int, default=3, help="saves per tier and mode")
+    args = parser.parse_args()
+    size = 512 << 20
+    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1]) as work:
+        root = Path(work)
+        with tempfile.TemporaryDirectory(dir=SHM) as shm:
+            speeds = {"memcpy": memcpy_speed(size), "shm": disk_write_speed(Path(shm), size),
+                      "disk": disk_write_speed(root, size)}
+        print("this machine: " + ", ".join(f"{name} {speed / 1e6:.0f} MB/s"
+                                           for name, speed in speeds.items()), flush=True)
+        for hidden in args.hidden:
+            report(hidden, measure(hidden, args.saves, root), speeds)
+
+
+if __name__ == "__main__":
+    main()

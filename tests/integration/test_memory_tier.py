@@ -1,0 +1,84 @@
+"""The memory tier on the real trainer (CPU + gloo): cheap saves into /dev/shm every few
+iterations bound what a killed rank loses, and resume resharded; a memory tier too small for
+a checkpoint sends its saves to disk and training goes on."""
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from ftmaster import runfiles
+from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
+from helpers.trainer import (RESUME_SCHEDULE, SMALL_GPT, iterations, kill_session, layout_args,
+                             run_trainer, start_trainer, wait_until, worker_with_local_rank)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh folder in /dev/shm (node memory), removed afterwards."""
+    folder = f"/dev/shm/ftmaster-test-{uuid.uuid4().hex[:8]}"
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def memory_tier(folder: str, interval: int = 2) -> list[str]:
+    return ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", folder,
+            "--non-persistent-save-interval", str(interval)]
+
+
+def test_a_killed_rank_loses_at_most_the_memory_interval_and_resumes_resharded(tmp_path, shm_dir):
+    args = SMALL_GPT + RESUME_SCHEDULE + ["--save-interval", "100"]
+    reference = iterations(run_trainer(4, args + layout_args(2, 2)).stdout)
+    args += ["--save", str(tmp_path / "save"), "--load", str(tmp_path / "save")]  # as Megatron-LM users do
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    process = start_trainer(4, args + layout_args(2, 2) + memory_tier(shm_dir), log,
+                            FTMASTER_RUN_DIR=str(run_dir))
+    try:
+        wait_until(lambda: (runfiles.read_heartbeat(run_dir) or {}).get("iteration", 0) >= 9,
+                   timeout=300, interval=0.05, what="iteration 9")
+        worker_with_local_rank(process, 3).kill()
+        killed_after = runfiles.read_heartbeat(run_dir)["iteration"]
+        process.wait(timeout=120)
+    finally:
+        kill_session(process)
+    assert read_tracker(tmp_path / "save") is None  # nothing reached the disk tier
+    resumed = run_trainer(1, args + layout_args(1, 1) + memory_tier(shm_dir))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    loaded = int(resumed.stdout.split("loaded checkpoint from ")[1].split(" at iteration ")[1].split()[0])
+    assert f"loaded checkpoint from {iteration_dir(shm_dir, loaded)}" in resumed.stdout
+    assert killed_after - loaded <= 2
+    after = iterations(resumed.stdout)
+    for it in range(loaded + 1, 13):
+        assert abs(after[it]["loss"] - reference[it]["loss"]) <= 0.02 * reference[it]["loss"], it
+    assert read_tracker(tmp_path / "save") == 12  # the final save is on disk
+
+
+@pytest.fixture
+def tiny_memory_tier(tmp_path):
+    """A 1 MB tmpfs: a real full memory tier (mounting needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_memory_tier_too_small_sends_its_saves_to_disk(tmp_path, tiny_memory_tier):
+    folder = tiny_memory_tier
+    run_dir, save = tmp_path / "run", tmp_path / "save"
+    result = run_trainer(2, SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 2) + memory_tier(str(folder), 4)
+                         + ["--save", str(save), "--save-interval", "100", "--train-iters", "9"],
+                         FTMASTER_RUN_DIR=str(run_dir))
+    assert result.returncode == 0, result.stdout[-3000:]
+    failed = [e for e in runfiles.read_events(run_dir) if e["event"] == "save_failed"]
+    assert [(e["iteration"], e["tier"]) for e in failed] == [(4, "memory"), (8, "memory")]
+    assert "No space left on device" in failed[0]["reason"]
+    assert "needs about" in failed[1]["reason"]  # known too small: not even started
+    assert list_iterations(save) == [9, 8, 4] and read_tracker(save) == 9
+    assert list_iterations(folder) == []

@@ -1,0 +1,194 @@
+"""The memory tier's persist copy, the two tiers' candidates and trackers, and the folder
+ftmaster picks for the memory tier (real files; no torch)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ftmaster.persist import (PersistError, Persister, Tiers, persist, remove_partial_copies,
+                              tiers_of, with_memory_dir)
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
+                                           prunable_memory_checkpoints, read_tracker,
+                                           tier_candidates, tracker_lock, tracker_path)
+from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
+from helpers.trainer import wait_until
+
+
+def fake_checkpoint(folder: Path, iteration: int, shard_bytes: int = 1000, kind="emergency") -> Path:
+    """A complete checkpoint as far as the copy can tell: files, manifest, tracker."""
+    path = iteration_dir(folder, iteration)
+    path.mkdir(parents=True)
+    files = {}
+    for name, size in (("__0_0.distcp", shard_bytes), ("common.pt", 100), (".metadata", 50),
+                       ("metadata.json", 20)):
+        data = os.urandom(size)
+        (path / name).write_bytes(data)
+        files[name] = digest_bytes(data)
+    write_manifest(path, kind, iteration, files)
+    advance_tracker(folder, iteration)
+    return path
+
+
+def test_a_persisted_copy_is_complete_verified_and_named_by_the_disk_tracker(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 8)
+    done = persist(memory, disk, 8)
+    assert (done.iteration, done.bytes) == (8, read_manifest(source).total_bytes)
+    target = iteration_dir(disk, 8)
+    for name in os.listdir(source):
+        assert (target / name).read_bytes() == (source / name).read_bytes()
+    assert read_tracker(disk) == 8
+    assert persist(memory, disk, 8) is None  # the disk tier has it already
+
+
+def test_a_damaged_memory_copy_is_never_persisted(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 8)
+    with open(source / "__0_0.distcp", "r+b") as shard:
+        shard.write(b"XX")
+    with pytest.raises(PersistError, match="__0_0.distcp does not match its checksum"):
+        persist(memory, disk, 8)
+    assert list_iterations(disk) == [] and read_tracker(disk) is None
+    assert not list(disk.glob(".iter_*"))  # the partial copy is removed
+
+
+def test_a_copy_without_a_manifest_is_refused(tmp_path):
+    memory = tmp_path / "memory"
+    iteration_dir(memory, 4).mkdir(parents=True)
+    with pytest.raises(PersistError, match="no checksummed manifest"):
+        persist(memory, tmp_path / "disk", 4)
+
+
+def test_the_disk_tracker_never_moves_backwards(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(disk, 10, kind="periodic")
+    fake_checkpoint(memory, 8)
+    persist(memory, disk, 8)
+    assert read_tracker(disk) == 10 and list_iterations(disk) == [10, 8]
+
+
+def test_a_memory_copy_set_aside_during_the_copy_is_not_put_in_place(tmp_path):
+    """A resume that discarded the memory copy's timeline renames it under the tracker lock;
+    the copy then finds it gone when it takes the lock to move into place."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 8)
+    lock_held, release = threading.Event(), threading.Event()
+
+    def set_aside():
+        with tracker_lock(disk):
+            lock_held.set()
+            release.wait(10)
+            source.rename(source.with_name(source.name + ".discarded-x"))
+
+    thread = threading.Thread(target=set_aside)
+    thread.start()
+    lock_held.wait(10)
+    threading.Timer(0.3, release.set).start()
+    with pytest.raises(PersistError, match="was set aside while it was copied"):
+        persist(memory, disk, 8)
+    thread.join()
+    assert list_iterations(disk) == [] and read_tracker(disk) is None
+
+
+def test_a_persist_killed_mid_copy_leaves_the_tracker_on_the_previous_checkpoint(tmp_path):
+    """SIGKILL of the process copying (ftmaster's supervisor) half way through a large shard."""
+    memory, disk = Path("/dev/shm") / f"ftmaster-test-{os.getpid()}", tmp_path / "disk"
+    try:
+        fake_checkpoint(disk, 4, kind="periodic")
+        fake_checkpoint(memory, 8, shard_bytes=1 << 30)
+        copier = subprocess.Popen([sys.executable, "-c",
+                                   "import sys; from ftmaster.persist import persist; "
+                                   "persist(sys.argv[1], sys.argv[2], 8)", str(memory), str(disk)])
+        partial = wait_until(lambda: next(disk.glob(".iter_0000008.partial-*/__0_0.distcp"), None),
+                             timeout=60, interval=0.005, what="the copy to start")
+        wait_until(lambda: partial.stat().st_size > 0, timeout=60, interval=0.001,
+                   what="the copy to write")
+        os.kill(copier.pid, signal.SIGKILL)
+        copier.wait()
+        assert partial.stat().st_size < 1 << 30  # killed mid-copy, not after
+        assert read_tracker(disk) == 4 and list_iterations(disk) == [4]
+        remove_partial_copies(disk)
+        assert not list(disk.glob(".iter_*"))
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 6)
+    persister = Persister(memory, disk)
+    assert persister.newest_memory_checkpoint() == 6 and persister.needs_copy(6)
+    assert persister.start(6)
+    persister.wait(30)
+    (result,) = persister.take_results()
+    assert result.iteration == 6 and read_tracker(disk) == 6
+    assert not persister.needs_copy(6)
+    assert not (memory / ".ftmaster_persisting").exists()  # unpinned when done
+
+
+def test_pruning_keeps_the_newest_the_pinned_and_the_tracked(tmp_path):
+    memory = tmp_path / "memory"
+    for iteration in (2, 4, 6, 8):
+        fake_checkpoint(memory, iteration)
+    pin(memory, 4)
+    tracker_path(memory).write_text("6\n")
+    assert prunable_memory_checkpoints(memory, 8) == [2]
+
+
+def test_candidates_come_from_both_tiers_newest_first_memory_on_a_tie(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    for iteration in (4, 8):
+        fake_checkpoint(disk, iteration, kind="periodic")
+    for iteration in (8, 10):
+        fake_checkpoint(memory, iteration)
+    found = tier_candidates(disk, memory)
+    assert [(c.iteration, c.tier) for c in found.candidates] == [
+        (10, "memory"), (8, "memory"), (8, "disk"), (4, "disk")]
+    assert [(c.iteration, c.tier) for c in tier_candidates(disk, None).candidates] == [
+        (8, "disk"), (4, "disk")]
+
+
+@pytest.mark.parametrize("args, tiers", [
+    (["--save", "S", "--non-persistent-ckpt-type", "global"], Tiers(Path("S/non_persistent"), Path("S"))),
+    (["--save", "S", "--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", "M"],
+     Tiers(Path("M"), Path("S"))),
+    (["--save", "S"], None),
+])
+def test_the_tiers_of_a_command_are_the_trainers(args, tiers):
+    assert tiers_of(args) == tiers
+
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "100", "--micro-batch-size", "1",
+         "--non-persistent-ckpt-type", "global"]
+
+
+def test_ftmaster_puts_the_memory_tier_in_dev_shm_when_two_checkpoints_fit(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args, note = with_memory_dir(MODEL + ["--save", str(tmp_path / "save")], tmp_path / "run", shm)
+    folder = args[args.index("--non-persistent-global-ckpt-dir") + 1]
+    assert folder.startswith(str(shm / "ftmaster-run-")) and note == f"memory tier in {folder}"
+    again, _ = with_memory_dir(MODEL + ["--save", str(tmp_path / "save")], tmp_path / "run", shm)
+    assert again == args  # the same folder for the same run directory (a restarted ftmaster)
+
+
+def test_without_room_the_memory_tier_stays_under_save(tmp_path, monkeypatch):
+    """The free space is the edge here (a container's /dev/shm is 64 MB by default)."""
+    save = tmp_path / "save"
+    fake_checkpoint(save, 3, shard_bytes=40_000_000, kind="periodic")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 64_000_000))
+    args, note = with_memory_dir(MODEL + ["--save", str(save)], tmp_path / "run", tmp_path)
+    assert "--non-persistent-global-ckpt-dir" not in args
+    assert "0.06 GB free, two checkpoints need about 0.08 GB" in note
+
+
+def test_a_given_memory_folder_is_kept(tmp_path):
+    args = MODEL + ["--save", "S", "--non-persistent-global-ckpt-dir", "M"]
+    assert with_memory_dir(args, tmp_path, tmp_path) == (args, None)

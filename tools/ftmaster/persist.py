@@ -1,0 +1,228 @@
+"""Copy memory-tier checkpoints to ``--save``, so that what survives only in node memory
+becomes durable (ftmaster's supervisor, which imports no torch and outlives every rank).
+
+A copy goes into ``SAVE/.iter_XXXXXXX.partial-<id>/``: every file the checkpoint's manifest
+lists, each hashed as it is copied and compared with the manifest's digest (a memory copy
+that was torn or corrupted is never persisted), then fsynced; the folder is fsynced and,
+under the tracker lock, renamed into place as ``iter_XXXXXXX`` (only while the memory copy
+still exists under its name: a resume that discarded that timeline renames it first), the
+save folder is fsynced, and the disk tracker moves to it unless it names a later checkpoint
+already. A copy that is killed leaves at most a ``.partial`` folder, which no loader reads
+and the next persister removes. While a copy reads a memory checkpoint it is pinned, so the
+trainer's pruning spares it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from typing import Sequence
+
+from ftmaster.recovery.argv_flags import flag_value, set_flag
+from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker, is_complete,
+                                           iteration_dir, list_iterations, pin, read_tracker,
+                                           tracker_lock)
+from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, read_manifest
+
+_CHUNK = 16 << 20
+_PARTIAL = ".iter_{:07d}.partial-"
+TYPE_FLAG, DIR_FLAG = "--non-persistent-ckpt-type", "--non-persistent-global-ckpt-dir"
+SHM = Path("/dev/shm")
+CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights and Adam's two moments, plus fp32 masters
+MEMORY_COPIES = 2  # the newest complete memory checkpoint and the one being written
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """The folders of a command with a memory tier."""
+
+    memory: Path
+    disk: Path
+
+
+def tiers_of(args: Sequence[str]) -> Tiers | None:
+    """The memory and disk folders of training arguments, as the trainer resolves them
+    (Megatron-LM's default memory folder is ``SAVE/non_persistent``); None without a tier."""
+    save = flag_value(args, "--save")
+    if flag_value(args, TYPE_FLAG) != "global" or save is None:
+        return None
+    memory = flag_value(args, DIR_FLAG)
+    return Tiers(Path(memory) if memory else Path(save) / NON_PERSISTENT_SUBDIR, Path(save))
+
+
+def checkpoint_bytes_guess(args: Sequence[str]) -> int | None:
+    """The size of one checkpoint: the newest one on disk, else from the model's shape."""
+    save = flag_value(args, "--save")
+    for folder in (save, flag_value(args, "--load")):
+        newest = list_iterations(Path(folder))[:1] if folder else []
+        manifest = read_manifest(iteration_dir(Path(folder), newest[0])) if newest else None
+        if manifest is not None and manifest.files:
+            return manifest.total_bytes
+    from ftmaster.recovery.cost_model import total_parameters
+    from ftmaster.recovery.megatron_args import read_script_args
+
+    try:
+        shape = read_script_args(args).shape
+    except ValueError:
+        return None
+    if shape.vocab_size is None:
+        return None
+    return int(total_parameters(shape, shape.vocab_size) * CHECKPOINT_BYTES_PER_PARAMETER)
+
+
+def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM) -> tuple[list[str], str | None]:
+    """``args`` with a per-run memory folder in ``/dev/shm`` when the memory tier is on, its
+    folder not given, and ``/dev/shm`` has room for two checkpoints; and a line to log."""
+    args = list(args)
+    if flag_value(args, TYPE_FLAG) != "global" or flag_value(args, DIR_FLAG) is not None:
+        return args, None
+    needed = checkpoint_bytes_guess(args)
+    free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    if needed is not None and free < MEMORY_COPIES * needed:
+        return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: {shm} has "
+                      f"{free / 1e9:.2f} GB free, two checkpoints need about "
+                      f"{MEMORY_COPIES * needed / 1e9:.2f} GB")
+    run = Path(run_dir).resolve()  # one folder per run directory, the same on a restart
+    folder = shm / f"ftmaster-{run.name}-{uuid.uuid5(uuid.NAMESPACE_URL, str(run)).hex[:8]}"
+    return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
+
+
+class PersistError(Exception):
+    """A copy that did not complete; the disk tier is unchanged (one line)."""
+
+
+@dataclass(frozen=True)
+class Persisted:
+    iteration: int
+    path: Path
+    seconds: float
+    bytes: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_verified(source: Path, target: Path, expected) -> None:
+    with open(source, "rb") as reader, DigestingWriter(target) as writer:
+        while chunk := reader.read(_CHUNK):
+            writer.write(chunk)
+        writer.flush()
+        os.fsync(writer.fileno())
+        copied = writer.digest()
+    if expected is not None and copied != expected:
+        raise PersistError(f"{source.name} does not match its checksum (memory copy damaged)")
+
+
+def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | None:
+    """Copy memory checkpoint ``iteration`` into ``save_dir`` durably; None when the disk
+    tier has it already. Raises PersistError (the disk tier unchanged)."""
+    source, target = iteration_dir(memory_dir, iteration), iteration_dir(save_dir, iteration)
+    if is_complete(target):
+        return None
+    manifest = read_manifest(source)
+    if manifest is None or not manifest.files:
+        raise PersistError(f"{source} has no checksummed manifest: not a complete checkpoint")
+    start = time.perf_counter()
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    partial = Path(save_dir) / f"{_PARTIAL.format(iteration)}{uuid.uuid4().hex[:8]}"
+    try:
+        partial.mkdir()
+        for name, digest in sorted(manifest.files.items()):
+            _copy_verified(source / name, partial / name, digest)
+        _copy_verified(source / MANIFEST_NAME, partial / MANIFEST_NAME, None)  # written last
+        _fsync_dir(partial)
+        _move_into_place(source, partial, target)
+    except OSError as error:
+        raise PersistError(f"copying {source} to {save_dir}: {error}") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    advance_tracker(save_dir, iteration)
+    return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes)
+
+
+def _move_into_place(source: Path, partial: Path, target: Path) -> None:
+    with tracker_lock(target.parent):
+        if not source.is_dir():
+            raise PersistError(f"{source} was set aside while it was copied (a resume discarded "
+                               f"its timeline)")
+        if target.exists():
+            raise PersistError(f"{target} appeared while the copy was made")
+        os.rename(partial, target)
+        _fsync_dir(target.parent)
+
+
+def remove_partial_copies(save_dir: Path) -> None:
+    """The leftovers of copies that were killed (never loaded: not named ``iter_*``)."""
+    if Path(save_dir).is_dir():
+        for leftover in Path(save_dir).glob(".iter_*.partial-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+class Persister:
+    """One background copy at a time; results are collected with :meth:`take_results`."""
+
+    def __init__(self, memory_dir: Path, save_dir: Path) -> None:
+        self.memory_dir, self.save_dir = Path(memory_dir), Path(save_dir)
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.last_requested: int | None = None
+        remove_partial_copies(self.save_dir)
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def newest_memory_checkpoint(self) -> int | None:
+        """The memory tracker's iteration when its folder is complete."""
+        newest = read_tracker(self.memory_dir)
+        return newest if newest is not None and is_complete(iteration_dir(self.memory_dir, newest)) else None
+
+    def needs_copy(self, iteration: int | None) -> bool:
+        disk = read_tracker(self.save_dir)
+        return (iteration is not None and iteration != self.last_requested
+                and (disk is None or iteration > disk))
+
+    def start(self, iteration: int) -> bool:
+        """Copy ``iteration`` in the background unless a copy is running; True if started."""
+        if self.busy:
+            return False
+        self.last_requested = iteration
+        self._thread = threading.Thread(target=self._copy, args=(iteration,),
+                                        name="ftmaster-persist", daemon=True)
+        self._thread.start()
+        return True
+
+    def _copy(self, iteration: int) -> None:
+        pin(self.memory_dir, iteration)
+        try:
+            self._results.put(persist(self.memory_dir, self.save_dir, iteration))
+        except PersistError as error:
+            self._results.put(error)
+        except Exception as error:  # a copier that dies must still say why
+            self._results.put(PersistError(f"{type(error).__name__}: {error}"))
+        finally:
+            pin(self.memory_dir, None)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def take_results(self) -> list[Persisted | PersistError | None]:
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
