@@ -3,7 +3,6 @@ loss, a full disk, and its own SIGKILL."""
 
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -13,6 +12,7 @@ from ftmaster.recovery.manifest import digest_problem, read_manifest
 from helpers.launch import (attempt_log, events, processes_mentioning, run_launch, start_launch,
                             train_args)
 from helpers.trainer import wait_until
+from helpers.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +44,8 @@ def test_a_nan_loss_relaunches_from_the_newest_valid_checkpoint_on_the_same_gpus
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A tmpfs that holds two of these checkpoints and no more (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "tiny", "7m") as folder:
+        yield folder
 
 
 def test_a_full_disk_is_named_on_the_console_never_blamed_on_a_gpu_nor_retried(tiny_disk, tmp_path):

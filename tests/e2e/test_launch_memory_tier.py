@@ -9,7 +9,7 @@ import pytest
 
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.checkpoints import iteration_dir, read_tracker
-from helpers.launch import events, run_launch, start_launch, train_args
+from helpers.launch import events, start_launch, train_args
 from helpers.trainer import wait_until
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,8 @@ def demo_args(save):
                       "--non-persistent-ckpt-type", "global", global_batch=24)
 
 
-INJECT = ("--seed", "2", "--inject", "degrade:gpu=1,at=iter:8", "--inject", "fail:gpu=1,at=iter:16")
+INJECT = ("--seed", "2", "--inject", "degrade:gpu=1,at=iter:8", "--inject", "fail:gpu=1,at=iter:16",
+          "--inject", "fail:gpu=2,at=iter:22")
 
 
 def memory_folder(run_dir) -> Path:
@@ -30,34 +31,19 @@ def memory_folder(run_dir) -> Path:
     return Path(flag_value(command, "--non-persistent-global-ckpt-dir"))
 
 
-def test_the_emergency_save_lands_in_memory_is_persisted_and_resumed_from(tmp_path):
-    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
-    result = run_launch(run_dir, 4, demo_args(save), *INJECT)
-    folder = memory_folder(run_dir)
-    shutil.rmtree(folder, ignore_errors=True)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert str(folder).startswith("/dev/shm/ftmaster-run-")
-    (saved,) = events(run_dir, "emergency_save")
-    assert saved["tier"] == "memory" and 8 <= saved["iteration"] < 16
-    persisted = events(run_dir, "persisted")[0]
-    assert persisted["iteration"] == saved["iteration"] and persisted["time"] > saved["time"]
-    assert persisted["bytes"] == saved["bytes"]
-    (failure,) = events(run_dir, "failure")
-    assert persisted["time"] < failure["time"]
-    (loaded,) = events(run_dir, "checkpoint_loaded")
-    assert (loaded["iteration"], loaded["tier"]) == (saved["iteration"], "memory")  # memory on a tie
-    assert read_tracker(save) == 30
-    assert f"removed the memory tier {folder}" in result.stdout  # everything in it is on disk
-
-
-def test_with_the_memory_tier_gone_the_relaunch_resumes_from_the_persisted_copy(tmp_path):
+def test_the_newest_copy_is_resumed_from_memory_then_from_disk_once_memory_is_gone(tmp_path):
+    """The emergency save lands in memory and is persisted before GPU 1 fails; the relaunch
+    resumes from memory. Then the memory folder is deleted (a node reboot, or a container
+    restart, loses /dev/shm) before GPU 2 fails: the next relaunch resumes from the persisted
+    copy of the same checkpoint."""
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
     ftmaster = start_launch(run_dir, 4, demo_args(save), *INJECT)
     try:
-        wait_until(lambda: events(run_dir, "failure"), timeout=600, interval=0.05,
-                   what="the failure")
+        wait_until(lambda: events(run_dir, "checkpoint_loaded"), timeout=600, interval=0.05,
+                   what="the first relaunch's load")
         folder = memory_folder(run_dir)
-        shutil.rmtree(folder)  # a node reboot, or a container restart, loses /dev/shm
+        assert str(folder).startswith("/dev/shm/ftmaster-run-")
+        shutil.rmtree(folder)
         output, _ = ftmaster.communicate(timeout=600)
     finally:
         if ftmaster.poll() is None:
@@ -65,7 +51,14 @@ def test_with_the_memory_tier_gone_the_relaunch_resumes_from_the_persisted_copy(
         shutil.rmtree(memory_folder(run_dir), ignore_errors=True)
     assert ftmaster.returncode == 0, output[-4000:]
     (saved,) = events(run_dir, "emergency_save")
-    (loaded,) = events(run_dir, "checkpoint_loaded")
-    assert (loaded["iteration"], loaded["tier"]) == (saved["iteration"], "disk")
-    assert loaded["path"] == str(iteration_dir(save, saved["iteration"]))
+    assert saved["tier"] == "memory" and 8 <= saved["iteration"] < 16
+    persisted = events(run_dir, "persisted")[0]
+    assert persisted["iteration"] == saved["iteration"] and persisted["time"] > saved["time"]
+    assert persisted["bytes"] == saved["bytes"]
+    first_failure, second_failure = events(run_dir, "failure")
+    assert persisted["time"] < first_failure["time"] and second_failure["gpus"] == [2]
+    from_memory, from_disk = events(run_dir, "checkpoint_loaded")
+    assert (from_memory["iteration"], from_memory["tier"]) == (saved["iteration"], "memory")
+    assert (from_disk["iteration"], from_disk["tier"]) == (saved["iteration"], "disk")
+    assert from_disk["path"] == str(iteration_dir(save, saved["iteration"]))
     assert read_tracker(save) == 30

@@ -4,7 +4,6 @@ garbage tracker, same-size corruption, a load that raises, a NaN loss and a full
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker, tracker_path
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_problem, read_manifest
 from helpers.trainer import SMALL_GPT, iterations, layout_args, run_trainer
+from helpers.tmpfs import small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -162,13 +162,8 @@ def test_the_check_can_be_turned_off_as_in_megatron(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A tmpfs that holds two of these checkpoints and no more (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with small_tmpfs(tmp_path / "tiny", "7m") as folder:
+        yield folder
 
 
 def test_a_full_disk_fails_the_save_not_training_and_keeps_the_older_checkpoints(tiny_disk, tmp_path):

@@ -2,15 +2,14 @@
 iterations bound what a killed rank loses, and resume resharded; a memory tier too small for
 a checkpoint sends its saves to disk and training goes on."""
 
-import os
 import shutil
-import subprocess
 import uuid
 
 import pytest
 
 from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
+from helpers.tmpfs import small_tmpfs
 from helpers.trainer import (RESUME_SCHEDULE, SMALL_GPT, iterations, kill_session, layout_args,
                              run_trainer, start_trainer, wait_until, worker_with_local_rank)
 
@@ -60,13 +59,8 @@ def test_a_killed_rank_loses_at_most_the_memory_interval_and_resumes_resharded(t
 @pytest.fixture
 def tiny_memory_tier(tmp_path):
     """A 1 MB tmpfs: a real full memory tier (mounting needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    folder = tmp_path / "tiny"
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
+    with small_tmpfs(tmp_path / "tiny", "1m") as folder:
+        yield folder
 
 
 def test_a_memory_tier_too_small_sends_its_saves_to_disk(tmp_path, tiny_memory_tier):

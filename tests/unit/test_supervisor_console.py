@@ -208,3 +208,22 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     assert supervisor._armed_injections((0, 2, 3)) == {"FTMASTER_INJECT_NAN": "1:7"}
     assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]
+
+
+@pytest.mark.parametrize("on_disk, removed", [(8, True), (6, False)])
+def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it_all(
+        tmp_path, on_disk, removed):
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 8)
+    fake_checkpoint(disk, on_disk)
+    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
+                       "--non-persistent-global-ckpt-dir", str(memory)]
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None),
+                              scratch_memory_dir=memory)
+    Supervisor(config, QuietMonitor())._remove_scratch_memory()
+    assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept

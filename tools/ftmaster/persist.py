@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
+from ftmaster.runfiles import fsync_folder
 from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker, is_complete,
                                            iteration_dir, list_iterations, pin, read_tracker,
                                            tracker_lock)
@@ -106,14 +107,6 @@ class Persisted:
     bytes: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _copy_verified(source: Path, target: Path, expected) -> None:
     with open(source, "rb") as reader, DigestingWriter(target) as writer:
         while chunk := reader.read(_CHUNK):
@@ -142,7 +135,7 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | Non
         for name, digest in sorted(manifest.files.items()):
             _copy_verified(source / name, partial / name, digest)
         _copy_verified(source / MANIFEST_NAME, partial / MANIFEST_NAME, None)  # written last
-        _fsync_dir(partial)
+        fsync_folder(partial)
         _move_into_place(source, partial, target)
     except OSError as error:
         raise PersistError(f"copying {source} to {save_dir}: {error}") from None
@@ -160,7 +153,7 @@ def _move_into_place(source: Path, partial: Path, target: Path) -> None:
         if target.exists():
             raise PersistError(f"{target} appeared while the copy was made")
         os.rename(partial, target)
-        _fsync_dir(target.parent)
+        fsync_folder(target.parent)
 
 
 def remove_partial_copies(save_dir: Path) -> None:

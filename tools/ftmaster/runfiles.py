@@ -100,10 +100,10 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     if durable:
-        _fsync_folder(path.parent)
+        fsync_folder(path.parent)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,0 +1,22 @@
+"""A real, small tmpfs: a full disk or a full memory tier without a mock."""
+
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str):
+    """Mount a tmpfs of ``size`` (mount's syntax: ``7m``) on a new ``folder``; skips the test
+    unless root, since mounting needs it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
