@@ -1,0 +1,54 @@
+"""The trainer's process set-up: which GPU a process takes, and the collective timeout on every
+group it makes (review points 7 and 11)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers.trainer import SMALL_GPT, trainer_env
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LOCAL_RANK": "3", "SLURM_LOCALID": "1"}, 3),  # torchrun's wins
+    ({"SLURM_LOCALID": "1"}, 1),  # srun started each process itself
+    ({"LOCAL_RANK": "", "SLURM_LOCALID": "x"}, 0),
+    ({}, 0),
+])
+def test_a_process_takes_the_gpu_its_launcher_gave_it(monkeypatch, env, expected):
+    from megatron.training.training import local_rank
+
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert local_rank() == expected
+
+
+CHECK_TIMEOUTS = """
+import sys, torch
+from megatron.core import parallel_state
+from megatron.training.arguments import parse_args
+from megatron.training.training import initialize
+
+args = parse_args(sys.argv[1:])
+initialize(args)
+groups = {"world": torch.distributed.group.WORLD,
+          "tensor": parallel_state.get_tensor_model_parallel_group(),
+          "pipeline": parallel_state.get_pipeline_model_parallel_group(),
+          "data": parallel_state.get_data_parallel_group()}
+for name, group in groups.items():
+    print(name, group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+"""
+
+
+def test_the_distributed_timeout_reaches_every_group():
+    """megatron-core's own default for the model-parallel groups is 30 minutes."""
+    result = subprocess.run([sys.executable, "-c", CHECK_TIMEOUTS, *SMALL_GPT,
+                             "--micro-batch-size", "2", "--global-batch-size", "4",
+                             "--train-iters", "1", "--lr", "1e-3",
+                             "--distributed-timeout-minutes", "0.25"],
+                            capture_output=True, text=True, env=trainer_env(), timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seconds = dict(line.split() for line in result.stdout.splitlines() if line)
+    assert seconds == {name: "15.0" for name in ("world", "tensor", "pipeline", "data")}
