@@ -25,12 +25,19 @@ def llama(tmp_path_factory):
     return save, train(4, TINY_LLAMA + layout_args(2, 2) + ["--sequence-parallel"], save)
 
 
-@pytest.mark.parametrize("nproc", [1, 3], ids=["tp1pp1", "dp3"])
-def test_the_llama_recipe_resumes_resharded_with_its_distributed_optimizer_state(llama, tmp_path, nproc):
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+
+
+@pytest.mark.parametrize("nproc, recompute", [(1, []), (3, FULL_RECOMPUTE)],
+                         ids=["tp1pp1", "dp3-full-recompute"])
+def test_the_llama_recipe_resumes_resharded_with_its_distributed_optimizer_state(llama, tmp_path,
+                                                                                 nproc, recompute):
+    """Recomputation changes memory, not values: the full-recompute resume follows too."""
     save, reference = llama
     resume = from_iteration_3(save, tmp_path)
-    assert_follows(train(nproc, TINY_LLAMA + layout_args(1, 1), resume, "--load", str(resume)),
-                   reference)
+    assert_follows(train(nproc, TINY_LLAMA + layout_args(1, 1) + recompute, resume,
+                         "--load", str(resume)), reference)
 
 
 def test_megatron_lm_reads_the_checkpoint_as_it_reads_its_own(llama):
