@@ -27,6 +27,7 @@ every byte, so the trainer does that itself, spread over its ranks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -242,14 +243,23 @@ def prunable_emergency_checkpoints(save_dir: Path, keep: int) -> list[int]:
 
 # -- two tiers --------------------------------------------------------------------------------
 
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
 @contextlib.contextmanager
 def tracker_lock(save_dir: Path) -> Iterator[None]:
     """Exclusive, across processes, while a tracker is read and moved (an advisory lock file
-    in the folder; released when its holder dies)."""
+    in the folder; released when its holder dies). Not re-entrant. On a filesystem without
+    locks (Lustre's noflock, NFS without lockd) it locks nothing rather than fail every save:
+    there the memory tier's copies must not share a --save with a running trainer."""
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     fd = os.open(Path(save_dir) / _LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in _NO_LOCKS:
+                raise
         yield
     finally:
         os.close(fd)
@@ -258,20 +268,31 @@ def tracker_lock(save_dir: Path) -> Iterator[None]:
 def advance_tracker(save_dir: Path, iteration: int) -> bool:
     """Name ``iteration`` in the tracker unless it names a later one already; True if moved."""
     with tracker_lock(save_dir):
-        current = read_tracker(save_dir)
-        if current is not None and current >= iteration:
+        return advance_tracker_locked(save_dir, iteration)
+
+
+def advance_tracker_locked(save_dir: Path, iteration: int) -> bool:
+    """:func:`advance_tracker` for a caller that holds ``tracker_lock(save_dir)``."""
+    current = read_tracker(save_dir)
+    if current is not None and current >= iteration:
+        return False
+    atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+    return True
+
+
+def pin(memory_dir: Path, iteration: int) -> bool:
+    """Mark memory checkpoint ``iteration`` as read by a persist copy, so that pruning spares
+    it; False (nothing pinned) when it is no longer complete. Under the tier's lock, as
+    pruning is, so that it cannot be removed between the check and the mark."""
+    with tracker_lock(memory_dir):
+        if not is_complete(iteration_dir(memory_dir, iteration)):
             return False
-        atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+        atomic_write_text(Path(memory_dir) / _PIN_NAME, f"{iteration}\n", durable=False)
         return True
 
 
-def pin(memory_dir: Path, iteration: int | None) -> None:
-    """Mark the memory checkpoint a persist copy reads (None: none), so that pruning spares it."""
-    path = Path(memory_dir) / _PIN_NAME
-    if iteration is None:
-        path.unlink(missing_ok=True)
-    else:
-        atomic_write_text(path, f"{iteration}\n", durable=False)
+def unpin(memory_dir: Path) -> None:
+    (Path(memory_dir) / _PIN_NAME).unlink(missing_ok=True)
 
 
 def pinned(memory_dir: Path) -> int | None:

@@ -35,6 +35,7 @@ The agreements run on a gloo group of their own (CPU tensors, never a GPU stream
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import io
 import json
@@ -255,10 +256,14 @@ class Janitor:
 
 
 def prune_memory_checkpoints(memory_dir: Path, newest: int) -> None:
-    """Keep the newest complete memory checkpoint and the one a persist copy reads: the tier
-    holds at most two (plus one being written)."""
-    for iteration in prunable_memory_checkpoints(memory_dir, newest):
-        shutil.rmtree(iteration_dir(memory_dir, iteration), ignore_errors=True)
+    """Keep the newest complete memory checkpoint, the tracked one and the one a persist copy
+    reads (the tier holds at most three, one being written); remove the rest, and what a
+    resume set aside (node memory is scarce: the disk tier keeps its discarded timelines)."""
+    with tracker_lock(memory_dir):  # as pin() marks: never between its check and its mark
+        doomed = [iteration_dir(memory_dir, it)
+                  for it in prunable_memory_checkpoints(memory_dir, newest)]
+        for folder in doomed + list(Path(memory_dir).glob("iter_*.discarded-*")):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def prune_emergency_checkpoints(save_dir: Path, keep: int) -> None:
@@ -691,9 +696,14 @@ class Checkpointer:
         new save at the same iteration must not mix with their files, nor a later load pick
         them. They are renamed, not deleted, and the tracker comes back to ``iteration``."""
         if _rank() == 0:
-            for folder in (self.args.save, self.memory_dir):
-                if folder:
-                    set_aside_newer(Path(folder), iteration)
+            # The disk tier's lock across both: a persist copy checks that its memory
+            # checkpoint still stands and moves it into place under that lock.
+            with tracker_lock(Path(self.args.save)) if self.args.save else contextlib.nullcontext():
+                if self.memory_dir is not None:
+                    with tracker_lock(self.memory_dir):
+                        set_aside_newer(self.memory_dir, iteration)
+                if self.args.save:
+                    set_aside_newer(Path(self.args.save), iteration)
         torch.distributed.barrier(group=self.group)
 
     def _check_optimizer(self, saved: dict) -> None:
@@ -748,25 +758,24 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
     """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
     it when this tier has no such folder: the resume came from the other tier); returns the
-    new names."""
+    new names. The caller holds ``tracker_lock(save_dir)``."""
     moved = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     if not Path(save_dir).is_dir():
         return moved
-    with tracker_lock(save_dir):  # a persist copy does not rename a discarded one into place
-        for newer in (it for it in list_iterations(save_dir) if it > iteration):
-            old = iteration_dir(save_dir, newer)
-            new = old.with_name(f"{old.name}.discarded-{stamp}")
-            old.rename(new)
-            moved.append(new)
-            log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration "
-                      f"{iteration}, from a discarded timeline")
-        tracked = read_tracker(save_dir)
-        if tracked is not None and tracked > iteration:
-            if iteration_dir(save_dir, iteration).is_dir():
-                atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
-            else:  # resumed from the other tier: this one's complete folders are its candidates
-                tracker_path(save_dir).unlink()
+    for newer in (it for it in list_iterations(save_dir) if it > iteration):
+        old = iteration_dir(save_dir, newer)
+        new = old.with_name(f"{old.name}.discarded-{stamp}")
+        old.rename(new)
+        moved.append(new)
+        log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration "
+                  f"{iteration}, from a discarded timeline")
+    tracked = read_tracker(save_dir)
+    if tracked is not None and tracked > iteration:
+        if iteration_dir(save_dir, iteration).is_dir():
+            atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+        else:  # resumed from the other tier: this one's complete folders are its candidates
+            tracker_path(save_dir).unlink()
     return moved
 
 

@@ -65,13 +65,17 @@ def _transformer_engine_spec(args):
         return None
 
 
+def uses_transformer_engine(args) -> bool:
+    return _transformer_engine_spec(args) is not None
+
+
 def layer_spec(args):
     return _transformer_engine_spec(args) or get_gpt_layer_local_spec(normalization=args.normalization)
 
 
 def transformer_config(args) -> TransformerConfig:
     cuda = torch.cuda.is_available()
-    te = _transformer_engine_spec(args) is not None
+    te = uses_transformer_engine(args)
     recompute_layers = args.recompute_num_layers or (1 if args.recompute_method else None)
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,

@@ -35,7 +35,7 @@ from .checkpointing import (
 from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import BatchPrefetcher, MicroBatches, build_datasets
 from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
-                    transformer_config, uses_distributed_optimizer)
+                    transformer_config, uses_distributed_optimizer, uses_transformer_engine)
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
@@ -98,21 +98,43 @@ def _single_process_rendezvous() -> dict:
     return {"store": torch.distributed.HashStore(), "rank": 0, "world_size": 1}
 
 
-def vocab_size_for_layout(args, tokenizer) -> int:
+def resumed_checkpoint_args(args) -> dict:
+    """The args saved with the checkpoint a load would pick (read on rank 0, given to every
+    rank); empty without one."""
+    memory = (args.non_persistent_global_ckpt_dir if args.non_persistent_ckpt_type == "global"
+              else None)
+    saved = (checkpoint_args(args.load, memory and Path(memory))
+             if torch.distributed.get_rank() == 0 else None)
+    box = [saved or {}]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def vocab_size_for_layout(args, tokenizer, saved: dict) -> int:
     """Megatron's padded vocabulary, kept from the checkpoint when it fits the new TP.
 
     The padding depends on TP, so a resharded resume would otherwise build an embedding of
     another shape than the checkpoint's.
     """
-    memory = (args.non_persistent_global_ckpt_dir if args.non_persistent_ckpt_type == "global"
-              else None)
-    saved = (checkpoint_args(args.load, memory and Path(memory))
-             if torch.distributed.get_rank() == 0 else None)
-    box = [saved.get("padded_vocab_size") if saved else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    if box[0] and box[0] % args.tensor_model_parallel_size == 0 and box[0] >= tokenizer.vocab_size:
-        return box[0]
+    kept = saved.get("padded_vocab_size")
+    if kept and kept % args.tensor_model_parallel_size == 0 and kept >= tokenizer.vocab_size:
+        return kept
     return padded_vocab_size(tokenizer.vocab_size, args)
+
+
+def layer_implementation(args, saved: dict) -> str:
+    """The layers this run builds, saved with its checkpoints: Transformer Engine's where it
+    is used, else megatron-core's local ones. A checkpoint of local layers (saved on CPU,
+    say) holds no Transformer Engine state (``_extra_state``) to load into its layers, so a
+    resume from one keeps the local layers, saying so."""
+    if not uses_transformer_engine(args):
+        return "local"
+    if saved.get("transformer_impl") == "local":
+        log_rank0("warning: the checkpoint was saved from megatron-core's local layers (no "
+                  "Transformer Engine state): resuming with the local layers; start a new run "
+                  "from its weights to use Transformer Engine")
+        return "local"
+    return "transformer_engine"
 
 
 # ---- one iteration ------------------------------------------------------------------------
@@ -169,7 +191,9 @@ class Trainer:
         self.run_dir = runfiles.run_dir_from_env()
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file,
                                     args.merge_file)
-        args.padded_vocab_size = vocab_size_for_layout(args, tokenizer)
+        saved = resumed_checkpoint_args(args)
+        args.padded_vocab_size = vocab_size_for_layout(args, tokenizer, saved)
+        args.transformer_impl = layer_implementation(args, saved)
         self.config = transformer_config(args)
         self.model = build_model(args, self.config, args.padded_vocab_size)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
@@ -306,7 +330,8 @@ class Trainer:
                     writer_seconds=round(done.write_seconds, 4))
         if self.writes_run_files:
             self.requests.consume()
-        if self.args.keep_emergency is not None and torch.distributed.get_rank() == 0:
+        if (self.args.keep_emergency is not None and done.tier == "disk"
+                and torch.distributed.get_rank() == 0):
             self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
                                              self.args.keep_emergency)
 
@@ -336,7 +361,10 @@ class Trainer:
     def _tier(self, decision) -> str:
         """Emergency and interval saves go to the memory tier when it is on; periodic, exit
         and final saves to disk."""
-        to_memory = (decision.memory or decision.emergency) and not decision.exit
+        # The last iteration's save is the run's final one: on disk, never a memory copy that
+        # a persist would race the final save with.
+        to_memory = ((decision.memory or decision.emergency) and not decision.exit
+                     and not self._training_done())
         return "memory" if to_memory and self.checkpointer.memory_dir is not None else "disk"
 
     def _save_on_disk_after_memory_failure(self) -> None:

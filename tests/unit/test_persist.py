@@ -1,6 +1,8 @@
 """The memory tier's persist copy, the two tiers' candidates and trackers, and the folder
 ftmaster picks for the memory tier (real files; no torch)."""
 
+import errno
+import fcntl
 import os
 import shutil
 import signal
@@ -11,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ftmaster.persist import (PersistError, Persister, Tiers, persist, remove_partial_copies,
-                              tiers_of, with_memory_dir)
+from ftmaster.persist import (PersistError, Persister, Tiers, checkpoint_bytes_guess, persist,
+                              remove_partial_copies, tiers_of, with_memory_dir)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
+from megatron.training.checkpointing import prune_memory_checkpoints
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
 from helpers.trainer import wait_until
 
@@ -74,8 +77,9 @@ def test_the_disk_tracker_never_moves_backwards(tmp_path):
 
 
 def test_a_memory_copy_set_aside_during_the_copy_is_not_put_in_place(tmp_path):
-    """A resume that discarded the memory copy's timeline renames it under the tracker lock;
-    the copy then finds it gone when it takes the lock to move into place."""
+    """A resume that discarded the memory copy's timeline sets it aside holding the disk
+    tier's lock (as the trainer's Checkpointer does across both tiers); the copy then finds
+    it gone when it takes that lock to move into place."""
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     source = fake_checkpoint(memory, 8)
     lock_held, release = threading.Event(), threading.Event()
@@ -132,6 +136,64 @@ def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path)
     assert not (memory / ".ftmaster_persisting").exists()  # unpinned when done
 
 
+def test_a_checkpoint_pruned_before_it_is_pinned_is_not_copied(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 6)
+    persister = Persister(memory, disk)
+    shutil.rmtree(iteration_dir(memory, 6))  # the trainer's pruning got there first
+    assert not persister.start(6) and persister.last_requested is None
+    assert not (memory / ".ftmaster_persisting").exists()
+
+
+def test_a_failed_copy_is_tried_again(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 6)
+    good = (source / "common.pt").read_bytes()
+    (source / "common.pt").write_bytes(b"x" * len(good))
+    persister = Persister(memory, disk)
+    assert persister.start(6)
+    persister.wait(30)
+    assert isinstance(persister.take_results()[0], PersistError)
+    assert persister.needs_copy(6)  # not given up on: the end of the run tries again
+    (source / "common.pt").write_bytes(good)
+    assert persister.start(6)
+    persister.wait(30)
+    assert persister.take_results()[0].iteration == 6 and read_tracker(disk) == 6
+
+
+def test_a_copy_killed_after_its_rename_moves_the_tracker_on_the_next_try(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 8)
+    fake_checkpoint(disk, 4, kind="periodic")
+    fake_checkpoint(disk, 8)
+    tracker_path(disk).write_text("4\n")  # the rename happened, the tracker move did not
+    assert persist(memory, disk, 8) is None and read_tracker(disk) == 8
+
+
+@pytest.mark.parametrize("code, locks", [(errno.ENOLCK, False), (errno.ENOSYS, False),
+                                         (errno.EIO, True)])
+def test_a_filesystem_without_locks_still_moves_trackers(tmp_path, monkeypatch, code, locks):
+    """Lustre's noflock and NFS without lockd refuse flock; that must not fail every save."""
+    def refuse(fd, operation):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    if locks:
+        with pytest.raises(OSError):
+            advance_tracker(tmp_path, 4)
+    else:
+        assert advance_tracker(tmp_path, 4) and read_tracker(tmp_path) == 4
+
+
+def test_memory_pruning_removes_what_a_resume_set_aside(tmp_path):
+    memory = tmp_path / "memory"
+    for iteration in (2, 4, 6):
+        fake_checkpoint(memory, iteration)
+    discarded = iteration_dir(memory, 8).with_name("iter_0000008.discarded-x")
+    discarded.mkdir()
+    prune_memory_checkpoints(memory, 6)
+    assert list_iterations(memory) == [6] and not discarded.exists()
+
+
 def test_pruning_keeps_the_newest_the_pinned_and_the_tracked(tmp_path):
     memory = tmp_path / "memory"
     for iteration in (2, 4, 6, 8):
@@ -169,7 +231,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--non-persistent-ckpt-type", "global"]
 
 
-def test_ftmaster_puts_the_memory_tier_in_dev_shm_when_two_checkpoints_fit(tmp_path):
+def test_ftmaster_puts_the_memory_tier_in_dev_shm_when_three_checkpoints_fit(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     args, note = with_memory_dir(MODEL + ["--save", str(tmp_path / "save")], tmp_path / "run", shm)
@@ -186,9 +248,18 @@ def test_without_room_the_memory_tier_stays_under_save(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 64_000_000))
     args, note = with_memory_dir(MODEL + ["--save", str(save)], tmp_path / "run", tmp_path)
     assert "--non-persistent-global-ckpt-dir" not in args
-    assert "0.06 GB free, two checkpoints need about 0.08 GB" in note
+    assert "0.06 GB free, 3 checkpoints need about 0.12 GB" in note
 
 
 def test_a_given_memory_folder_is_kept(tmp_path):
     args = MODEL + ["--save", "S", "--non-persistent-global-ckpt-dir", "M"]
     assert with_memory_dir(args, tmp_path, tmp_path) == (args, None)
+
+
+def test_a_tokenizer_files_vocabulary_is_assumed_and_an_unknown_size_keeps_dev_shm_out(tmp_path):
+    from_tokenizer = [a for a in MODEL if a not in ("--vocab-size", "100")] + ["--save", "S"]
+    assert checkpoint_bytes_guess(from_tokenizer) > checkpoint_bytes_guess(MODEL + ["--save", "S"])
+    args, note = with_memory_dir(["--non-persistent-ckpt-type", "global", "--save", "S"],
+                                 tmp_path / "run", tmp_path)
+    assert "--non-persistent-global-ckpt-dir" not in args
+    assert "the size of a checkpoint is unknown" in note

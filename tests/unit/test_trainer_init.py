@@ -52,3 +52,19 @@ def test_the_distributed_timeout_reaches_every_group():
     assert result.returncode == 0, result.stderr[-2000:]
     seconds = dict(line.split() for line in result.stdout.splitlines() if line)
     assert seconds == {name: "15.0" for name in ("world", "tensor", "pipeline", "data")}
+
+
+@pytest.mark.parametrize("engine, saved, expected", [
+    (False, {}, "local"),  # CPU, or no Transformer Engine: what the checkpoint will say
+    (True, {}, "transformer_engine"),
+    (True, {"transformer_impl": "transformer_engine"}, "transformer_engine"),
+    (True, {"transformer_impl": "local"}, "local"),  # saved on CPU: no TE state to load
+])
+def test_a_resume_keeps_the_layers_its_checkpoint_has_state_for(monkeypatch, engine, saved,
+                                                                 expected):
+    from argparse import Namespace
+
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "uses_transformer_engine", lambda args: engine)
+    assert training.layer_implementation(Namespace(), saved) == expected

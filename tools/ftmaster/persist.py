@@ -27,9 +27,10 @@ from typing import Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.runfiles import fsync_folder
-from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker, is_complete,
-                                           iteration_dir, list_iterations, pin, read_tracker,
-                                           tracker_lock)
+from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker,
+                                           advance_tracker_locked, is_complete, iteration_dir,
+                                           list_iterations, pin, read_tracker, tracker_lock,
+                                           unpin)
 from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, read_manifest
 
 _CHUNK = 16 << 20
@@ -37,7 +38,7 @@ _PARTIAL = ".iter_{:07d}.partial-"
 TYPE_FLAG, DIR_FLAG = "--non-persistent-ckpt-type", "--non-persistent-global-ckpt-dir"
 SHM = Path("/dev/shm")
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights and Adam's two moments, plus fp32 masters
-MEMORY_COPIES = 2  # the newest complete memory checkpoint and the one being written
+MEMORY_COPIES = 3  # the newest complete one, the one being written, the one being copied
 
 
 @dataclass(frozen=True)
@@ -67,28 +68,32 @@ def checkpoint_bytes_guess(args: Sequence[str]) -> int | None:
         if manifest is not None and manifest.files:
             return manifest.total_bytes
     from ftmaster.recovery.cost_model import total_parameters
-    from ftmaster.recovery.megatron_args import read_script_args
+    from ftmaster.recovery.megatron_args import read_model_shape
+    from ftmaster.recovery.memory_estimate import ASSUMED_VOCAB_SIZE
 
     try:
-        shape = read_script_args(args).shape
+        shape = read_model_shape(args)
     except ValueError:
         return None
-    if shape.vocab_size is None:
-        return None
-    return int(total_parameters(shape, shape.vocab_size) * CHECKPOINT_BYTES_PER_PARAMETER)
+    vocab = shape.vocab_size or ASSUMED_VOCAB_SIZE  # a tokenizer file's size, as the planner
+    return int(total_parameters(shape, vocab) * CHECKPOINT_BYTES_PER_PARAMETER)
 
 
 def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM) -> tuple[list[str], str | None]:
     """``args`` with a per-run memory folder in ``/dev/shm`` when the memory tier is on, its
-    folder not given, and ``/dev/shm`` has room for two checkpoints; and a line to log."""
+    folder not given, and ``/dev/shm`` has room for three checkpoints (the newest, the one
+    being written and the one being copied to disk); and a line to log."""
     args = list(args)
     if flag_value(args, TYPE_FLAG) != "global" or flag_value(args, DIR_FLAG) is not None:
         return args, None
     needed = checkpoint_bytes_guess(args)
     free = shutil.disk_usage(shm).free if shm.is_dir() else 0
-    if needed is not None and free < MEMORY_COPIES * needed:
+    if needed is None:
+        return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: the size "
+                      f"of a checkpoint is unknown, so {shm} cannot be checked for room")
+    if free < MEMORY_COPIES * needed:
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: {shm} has "
-                      f"{free / 1e9:.2f} GB free, two checkpoints need about "
+                      f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints need about "
                       f"{MEMORY_COPIES * needed / 1e9:.2f} GB")
     run = Path(run_dir).resolve()  # one folder per run directory, the same on a restart
     folder = shm / f"ftmaster-{run.name}-{uuid.uuid5(uuid.NAMESPACE_URL, str(run)).hex[:8]}"
@@ -122,7 +127,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | Non
     """Copy memory checkpoint ``iteration`` into ``save_dir`` durably; None when the disk
     tier has it already. Raises PersistError (the disk tier unchanged)."""
     source, target = iteration_dir(memory_dir, iteration), iteration_dir(save_dir, iteration)
-    if is_complete(target):
+    if is_complete(target):  # a copy killed after its rename, or the trainer's own save
+        advance_tracker(save_dir, iteration)
         return None
     manifest = read_manifest(source)
     if manifest is None or not manifest.files:
@@ -141,11 +147,13 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | Non
         raise PersistError(f"copying {source} to {save_dir}: {error}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    advance_tracker(save_dir, iteration)
     return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes)
 
 
 def _move_into_place(source: Path, partial: Path, target: Path) -> None:
+    """Rename and tracker in one hold of the disk tier's lock, which a resume holds while it
+    sets both tiers' discarded timelines aside: a copy of a discarded checkpoint never lands,
+    and a tracker never names a folder set aside in between."""
     with tracker_lock(target.parent):
         if not source.is_dir():
             raise PersistError(f"{source} was set aside while it was copied (a resume discarded "
@@ -154,6 +162,7 @@ def _move_into_place(source: Path, partial: Path, target: Path) -> None:
             raise PersistError(f"{target} appeared while the copy was made")
         os.rename(partial, target)
         fsync_folder(target.parent)
+        advance_tracker_locked(target.parent, int(target.name.removeprefix("iter_")))
 
 
 def remove_partial_copies(save_dir: Path) -> None:
@@ -188,8 +197,9 @@ class Persister:
                 and (disk is None or iteration > disk))
 
     def start(self, iteration: int) -> bool:
-        """Copy ``iteration`` in the background unless a copy is running; True if started."""
-        if self.busy:
+        """Copy ``iteration`` in the background unless a copy is running or it was pruned
+        meanwhile; True if started. It is pinned before this returns, so pruning spares it."""
+        if self.busy or not pin(self.memory_dir, iteration):
             return False
         self.last_requested = iteration
         self._thread = threading.Thread(target=self._copy, args=(iteration,),
@@ -198,15 +208,15 @@ class Persister:
         return True
 
     def _copy(self, iteration: int) -> None:
-        pin(self.memory_dir, iteration)
         try:
             self._results.put(persist(self.memory_dir, self.save_dir, iteration))
-        except PersistError as error:
-            self._results.put(error)
         except Exception as error:  # a copier that dies must still say why
-            self._results.put(PersistError(f"{type(error).__name__}: {error}"))
+            failure = error if isinstance(error, PersistError) else PersistError(
+                f"{type(error).__name__}: {error}")
+            self.last_requested = None  # try again (at the end of the run at the latest)
+            self._results.put(failure)
         finally:
-            pin(self.memory_dir, None)
+            unpin(self.memory_dir)
 
     def wait(self, timeout_s: float | None = None) -> None:
         if self._thread is not None:

@@ -232,10 +232,12 @@ class Supervisor:
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
         self._last_checkpoint: dict | None = None
         self._original_step_s: float | None = None  # measured on the original layout
-        tiers = tiers_of(config.command[1:])
-        # Across nodes the memory folder is shared: one node's ftmaster copies it.
+        self.tiers = tiers_of(config.command[1:])
+        # Across nodes the memory folder is shared: one node's ftmaster copies it; every node
+        # looks into it when it decides whether to resume.
         copies = membership is None or membership.config.node_rank == 0
-        self.persister = None if tiers is None or not copies else Persister(tiers.memory, tiers.disk)
+        self.persister = (Persister(self.tiers.memory, self.tiers.disk)
+                          if self.tiers is not None and copies else None)
         self._memory_kinds: dict[int, str | None] = {}
         self._last_persist_start = time.monotonic()
         self.progress: Progress | None = None
@@ -477,7 +479,7 @@ class Supervisor:
     def _seconds_since_checkpoint_write(self) -> float | None:
         save = flag_value(self.config.command[1:], "--save")
         folders = ([Path(save)] if save is not None else []) + (
-            [self.persister.memory_dir] if self.persister is not None else [])
+            [self.tiers.memory] if self.tiers is not None else [])
         written = [t for t in map(last_checkpoint_write, folders) if t is not None]
         return time.time() - max(written) if written else None
 
@@ -616,8 +618,8 @@ class Supervisor:
         # Any tracker or iter_* folder counts: an unreadable tracker is never a fresh start.
         save = flag_value(command[1:], "--save")
         folders = [Path(save)] if save is not None else []
-        if self.persister is not None:
-            folders.append(self.persister.memory_dir)
+        if self.tiers is not None:
+            folders.append(self.tiers.memory)
         held = [folder for folder in folders if holds_checkpoints(folder)]
         has_checkpoint = bool(held)
         if has_checkpoint:
