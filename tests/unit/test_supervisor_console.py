@@ -227,3 +227,24 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
                               scratch_memory_dir=memory)
     Supervisor(config, QuietMonitor())._remove_scratch_memory()
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
+
+
+@pytest.mark.parametrize("same_layout, expected", [(True, 0.2), (False, None)])
+def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_that_layout(
+        tmp_path, same_layout, expected):
+    """The median after the first two logged iterations (start-up and the first save are slow)."""
+    import dataclasses
+
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = object()
+    supervisor.plan = (config.first_plan if same_layout
+                       else dataclasses.replace(config.first_plan, micro_batch_size=1))
+    supervisor.progress = Progress(tmp_path / "log", 10, 0)
+    supervisor.progress.step_ms = [5000.0, 900.0, 210.0, 190.0, 200.0]
+    supervisor._measure_original_layout()
+    assert supervisor._original_step_s == expected
