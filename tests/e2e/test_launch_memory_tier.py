@@ -62,3 +62,28 @@ def test_the_newest_copy_is_resumed_from_memory_then_from_disk_once_memory_is_go
     assert (from_disk["iteration"], from_disk["tier"]) == (saved["iteration"], "disk")
     assert from_disk["path"] == str(iteration_dir(save, saved["iteration"]))
     assert read_tracker(save) == 30
+
+
+def test_a_supervisor_killed_while_it_persists_leaves_the_disk_tracker_as_it_was(tmp_path):
+    """SIGKILL of ftmaster itself half way through a copy (77 MB checkpoints): no iteration
+    folder appears in --save and its tracker names only what was there before."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 40, 1, 2, 5, "--non-persistent-ckpt-type", "global",
+                      "--non-persistent-save-interval", "2")
+    args[args.index("--hidden-size") + 1] = "256"
+    args[args.index("--num-layers") + 1] = "8"
+    ftmaster = start_launch(run_dir, 2, args)
+    try:
+        partial = wait_until(lambda: next((f for f in save.glob(".iter_*.partial-*/*") if
+                                           f.stat().st_size > 0), None),
+                             timeout=300, interval=0.002, what="a copy under way").parent
+        tracker_before = read_tracker(save)
+        ftmaster.kill()
+        ftmaster.wait(30)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+        shutil.rmtree(memory_folder(run_dir), ignore_errors=True)
+    copied = int(partial.name[len(".iter_"):].split(".")[0])
+    assert partial.exists() and not iteration_dir(save, copied).exists()  # never put in place
+    assert read_tracker(save) == tracker_before and (tracker_before or 0) < copied
