@@ -248,3 +248,34 @@ def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_tha
     supervisor.progress.step_ms = [5000.0, 900.0, 210.0, 190.0, 200.0]
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == expected
+
+
+class FakeAttempt:
+    number = 3
+    killed = False
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("policy", ["now", "at-save"])
+def test_a_waiting_peer_stops_the_attempt_at_once_or_after_an_agreed_save(tmp_path, policy):
+    """--scale-up: ``now`` stops at once; ``at-save`` asks for a save and stops once one is
+    durable (a failure with cause peer either way, no GPU blamed)."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), scale_up=policy)
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = attempt = FakeAttempt()
+    if policy == "at-save":
+        assert supervisor._rejoin(7) is None and not attempt.killed
+        assert runfiles.trigger_flag_path(tmp_path).exists()  # the save asked for
+        assert supervisor._rejoin(8) is None  # not saved yet
+        runfiles.append_event(tmp_path, "emergency_save", iteration=8)
+    assert supervisor._rejoin(8) is Trigger.PEERS_WAITING and attempt.killed
+    failure = runfiles.read_events(tmp_path)[-1]
+    assert (failure["event"], failure["cause"], failure["gpus"]) == ("failure", "peer", [])
+    assert runfiles.trigger_flag_path(tmp_path).exists() == (policy == "at-save")
