@@ -192,9 +192,10 @@ class Persister:
         return newest if newest is not None and is_complete(iteration_dir(self.memory_dir, newest)) else None
 
     def needs_copy(self, iteration: int | None) -> bool:
+        if iteration is None or iteration == self.last_requested:
+            return False  # the common case, every poll: no read of --save
         disk = read_tracker(self.save_dir)
-        return (iteration is not None and iteration != self.last_requested
-                and (disk is None or iteration > disk))
+        return disk is None or iteration > disk
 
     def start(self, iteration: int) -> bool:
         """Copy ``iteration`` in the background unless a copy is running or it was pruned

@@ -474,7 +474,9 @@ class Supervisor:
     def _hung(self) -> bool:
         last, since = self._progress
         limit = self.config.startup_timeout_s if last is None else self.config.hang_timeout_s
-        return is_hung(time.monotonic() - since, limit, self._seconds_since_checkpoint_write())
+        idle = time.monotonic() - since
+        # The folders are listed only once training is idle: --save may be a shared filesystem.
+        return idle > limit and is_hung(idle, limit, self._seconds_since_checkpoint_write())
 
     def _seconds_since_checkpoint_write(self) -> float | None:
         save = flag_value(self.config.command[1:], "--save")
