@@ -184,40 +184,6 @@ def _shard_problem(path: Path, storage_infos) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class CheckpointChoice:
-    """The outcome of a search: what to load, and what was passed over and why."""
-
-    save_dir: Path
-    iteration: int | None
-    skipped: tuple[tuple[int, str], ...] = ()
-    notes: tuple[str, ...] = ()
-
-    @property
-    def path(self) -> Path | None:
-        return None if self.iteration is None else iteration_dir(self.save_dir, self.iteration)
-
-    def describe(self) -> str:
-        """One line for the log saying what will be loaded and why."""
-        said = [*self.notes, *(f"iter_{it:07d} skipped: {why}" for it, why in self.skipped)]
-        prefix = "; ".join(said) + "; " if said else ""
-        if self.iteration is None:
-            return f"{prefix}no loadable checkpoint in {self.save_dir}"
-        return f"{prefix}loading iteration {self.iteration} from {self.path}"
-
-
-def find_loadable_checkpoint(save_dir: Path) -> CheckpointChoice:
-    """The newest candidate whose structure is valid (checksums are not compared here)."""
-    candidates = loading_candidates(save_dir)
-    skipped = []
-    for iteration in candidates.iterations:
-        problem = checkpoint_problem(iteration_dir(candidates.save_dir, iteration))
-        if problem is None:
-            return CheckpointChoice(candidates.save_dir, iteration, tuple(skipped), candidates.notes)
-        skipped.append((iteration, problem))
-    return CheckpointChoice(candidates.save_dir, None, tuple(skipped), candidates.notes)
-
-
 def read_save_kind(path: Path) -> str | None:
     """The recorded kind, or None for a checkpoint ftmaster did not write (never pruned)."""
     manifest = read_manifest(path)
@@ -339,3 +305,42 @@ def tier_candidates(save_dir: Path, memory_dir: Path | None) -> TierCandidates:
         found += [TierCandidate(it, iteration_dir(folder, it), tier) for it in candidates.iterations]
     found.sort(key=lambda c: (-c.iteration, TIERS.index(c.tier)))
     return TierCandidates(tuple(found), tuple(notes), tuple(folders))
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """The outcome of a search: what to load, and what was passed over and why."""
+
+    folders: tuple[Path, ...]
+    chosen: TierCandidate | None
+    skipped: tuple[tuple[int, str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def iteration(self) -> int | None:
+        return None if self.chosen is None else self.chosen.iteration
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.chosen is None else self.chosen.path
+
+    def describe(self) -> str:
+        """One line for the log saying what will be loaded and why."""
+        said = [*self.notes, *(f"iter_{it:07d} skipped: {why}" for it, why in self.skipped)]
+        prefix = "; ".join(said) + "; " if said else ""
+        if self.chosen is None:
+            return f"{prefix}no loadable checkpoint in {' or '.join(map(str, self.folders))}"
+        return f"{prefix}loading iteration {self.iteration} from {self.path}"
+
+
+def find_loadable_checkpoint(save_dir: Path, memory_dir: Path | None = None) -> CheckpointChoice:
+    """The first candidate of either tier whose structure is valid (checksums are not
+    compared here)."""
+    found = tier_candidates(Path(save_dir), memory_dir)
+    skipped = []
+    for candidate in found.candidates:
+        problem = checkpoint_problem(candidate.path)
+        if problem is None:
+            return CheckpointChoice(found.folders, candidate, tuple(skipped), found.notes)
+        skipped.append((candidate.iteration, problem))
+    return CheckpointChoice(found.folders, None, tuple(skipped), found.notes)

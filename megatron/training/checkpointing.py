@@ -75,6 +75,7 @@ from ftmaster.guard import die_with_parent
 from ftmaster.recovery.checkpoints import (
     advance_tracker,
     checkpoint_problem,
+    find_loadable_checkpoint,
     holds_checkpoints,
     iteration_dir,
     list_iterations,
@@ -827,12 +828,10 @@ def consumed_samples(loaded: dict) -> int:
 def checkpoint_args(load_dir: str | None, memory_dir: Path | None = None) -> dict | None:
     """The args saved with the checkpoint a load would pick first (either tier), without
     loading it."""
-    if not load_dir:
+    chosen = find_loadable_checkpoint(Path(load_dir), memory_dir).path if load_dir else None
+    if chosen is None:
         return None
-    for candidate in tier_candidates(Path(load_dir), memory_dir).candidates:
-        if checkpoint_problem(candidate.path) is None:
-            try:
-                return saved_args(dist_checkpointing.load_common_state_dict(str(candidate.path)))
-            except Exception:  # a broken common.pt is the load's to report, with its fallback
-                return None
-    return None
+    try:
+        return saved_args(dist_checkpointing.load_common_state_dict(str(chosen)))
+    except Exception:  # a broken common.pt is the load's to report, with its fallback
+        return None
