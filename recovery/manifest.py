@@ -33,7 +33,7 @@ from ftmaster.runfiles import atomic_write_text
 
 MANIFEST_NAME = "ftmaster_save.json"
 CHECKSUM = "xxh3_64"
-SAVE_KINDS = ("periodic", "emergency", "exit", "final")
+SAVE_KINDS = ("periodic", "emergency", "exit", "final", "replica")
 _READ_CHUNK = 8 << 20
 
 

@@ -183,6 +183,11 @@ def _add_checkpoint_args(parser):
                             "Megatron-LM; ftmaster launch picks one in /dev/shm)")
     group.add_argument("--non-persistent-save-interval", type=int, default=None,
                        help="a save into the memory tier every N iterations")
+    group.add_argument("--replica-recovery", action="store_true",
+                       help="ours: when a rank dies, its surviving data-parallel replicas dump "
+                            "their state and ftmaster merges a checkpoint of the last completed "
+                            "iteration (needs the memory tier; DP >= 2 and the non-distributed "
+                            "optimizer to have replicas)")
     group.add_argument("--keep-emergency", type=int, default=None,
                        help="ours: keep only the newest N emergency checkpoints that a newer "
                             "regular checkpoint supersedes (default: keep all)")
@@ -485,6 +490,9 @@ def _validate_memory_tier(args):
     interval = args.non_persistent_save_interval
     _require(interval is None or interval > 0,
              f"--non-persistent-save-interval must be a positive integer, got {interval}")
+    _require(not args.replica_recovery or kind == "global",
+             "--replica-recovery needs --non-persistent-ckpt-type global: the survivors' dumps "
+             "and the checkpoint merged from them go to the memory tier")
     if kind is None:
         _require(interval is None and args.non_persistent_global_ckpt_dir is None,
                  "--non-persistent-save-interval and --non-persistent-global-ckpt-dir need "

@@ -158,9 +158,8 @@ def _rng_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _rng_sharded_object() -> ShardedObject:
-    """Megatron-LM's ``get_rng_state``: a list with this rank's state (one per DP rank only
-    with ``--data-parallel-random-init``), sharded over (PP, TP)."""
+def rng_state() -> dict:
+    """Every RNG stream training draws from, as Megatron-LM's ``get_rng_state`` keeps them."""
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": numpy.random.get_state(),
@@ -172,10 +171,17 @@ def _rng_sharded_object() -> ShardedObject:
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rng_sharded_object(state: dict | None = None) -> ShardedObject:
+    """Megatron-LM's ``get_rng_state``: a list with this rank's state (one per DP rank only
+    with ``--data-parallel-random-init``), sharded over (PP, TP); the streams as they are now
+    unless ``state`` gives them."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return ShardedObject(
-        "rng_state", [state],
+        "rng_state", [state or rng_state()],
         (parallel_state.get_pipeline_model_parallel_world_size(),
          parallel_state.get_tensor_model_parallel_world_size()),
         (pp_rank, tp_rank), replica_id=parallel_state.get_data_parallel_rank())
@@ -504,7 +510,7 @@ class Checkpointer:
 
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
-                    with_optimizer: bool = True) -> dict:
+                    with_optimizer: bool = True, rng: dict | None = None) -> dict:
         metadata = optimizer_metadata(self.args)
         sharded = {**self.model.sharded_state_dict(metadata), "checkpoint_version": CHECKPOINT_VERSION}
         if with_optimizer:
@@ -513,7 +519,7 @@ class Checkpointer:
             sharded["optimizer"] = self.optimizer.sharded_state_dict(
                 sharded, is_loading=is_loading, metadata=metadata)
         if with_rng:
-            sharded["rng_state"] = _rng_sharded_object()
+            sharded["rng_state"] = _rng_sharded_object(rng)
         if not is_loading:
             sharded.update(
                 iteration=state.iteration, opt_param_scheduler=self.scheduler.state_dict(),
@@ -521,6 +527,12 @@ class Checkpointer:
                 num_floating_point_operations_so_far=0,
                 **{_CONTENT_METADATA_KEY: metadata})
         return sharded
+
+    def state_dict_at(self, iteration: int, consumed_samples: int, rng: dict | None) -> dict:
+        """What a save at this point would write, the RNG streams as given (a replica dump
+        runs on a side thread while the training thread may already draw from them)."""
+        return self._state_dict(TrainingState(iteration, consumed_samples), is_loading=False,
+                                with_rng=True, rng=rng)
 
     def on_disk_at(self, iteration: int) -> bool:
         """Whether the newest save (durable or in flight) is of ``iteration`` on disk."""

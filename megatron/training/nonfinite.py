@@ -20,7 +20,7 @@ import math
 import torch
 from megatron.core.optimizer import clip_grads
 
-from .rehearsal import poison_gradients
+from .rehearsal import kill_point, poison_gradients
 
 
 class NonFiniteLoss(Exception):
@@ -57,11 +57,13 @@ class NonFiniteGuard:
             raise NonFiniteLoss(iteration, "loss" if loss_bad else "gradient norm")
 
 
-def guarded_step(optimizer, clip_grad: float, iteration: int, loss: float | None,
-                 guard: NonFiniteGuard, poison: bool = False) -> bool:
-    """Megatron's optimizer step with the guard between the gradient norm and the update.
+def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | None,
+                   guard: NonFiniteGuard, poison: bool = False) -> bool:
+    """Megatron's optimizer step up to the update, with the guard between the gradient norm
+    and the clipping; the caller applies the update (``step_with_ready_grads``), so that it
+    can do so under the lock a replica dump takes (see :mod:`replicas`).
 
-    Returns whether the update was applied (an fp16 overflow skips it, as in Megatron).
+    Returns whether the update is to be applied (an fp16 overflow skips it, as in Megatron).
     """
     if optimizer.prepare_grads():
         return False
@@ -69,6 +71,7 @@ def guarded_step(optimizer, clip_grad: float, iteration: int, loss: float | None
         poison_gradients(p for sub in _sub_optimizers(optimizer) for p in sub.get_parameters())
         loss = float("nan") if loss is not None else None
     grad_norm = optimizer.get_grad_norm() if (guard.enabled or clip_grad > 0) else None
+    kill_point("grad-norm", iteration)
     guard.check(iteration, loss, grad_norm)
     if clip_grad > 0:
         for sub in _sub_optimizers(optimizer):
@@ -76,4 +79,4 @@ def guarded_step(optimizer, clip_grad: float, iteration: int, loss: float | None
             if params:
                 # Through the module, so that cpu_compat's CPU version is the one called.
                 clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
-    return optimizer.step_with_ready_grads()
+    return True

@@ -10,7 +10,13 @@ them nothing here does anything. Each fault is what the rank would see on a fail
   the CUDA error the XID brings (its GPU still needs a reset); set, even empty, it also arms
   ``SIGUSR2``: a rank that receives it raises that CUDA error where it is, the XID read from
   ``$FTMASTER_RANK_DIR/cuda_error_<LOCAL_RANK>``. The signal is armed only in rehearsals, so
-  a job that uses it for something else is never affected.
+  a job that uses it for something else is never affected;
+- ``FTMASTER_INJECT_KILL=LOCAL_RANK:ITERATION:POINT[,...]``: that local rank SIGKILLs itself
+  at that point of that iteration, where a GPU falling off the bus would stop it: ``forward``
+  (the schedule starts), ``grad-allreduce`` (the data-parallel gradient all-reduce starts),
+  ``grad-norm`` (the norm is taken, the agreement not yet), ``update`` (just applied) or
+  ``save-agreement`` (the iteration's save agreement is being waited for). The replica
+  recovery tests use it to kill a rank between any two collectives.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from pathlib import Path
 NAN_ENV = "FTMASTER_INJECT_NAN"
 CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
 CUDA_ERROR_SIGNAL = signal.SIGUSR2
+KILL_ENV = "FTMASTER_INJECT_KILL"
+KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement")
+_armed_kills: set[tuple[int, str]] = set()
 
 # What the CUDA runtime reports when the XID's fault hits a running context.
 _ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95, 140})
@@ -84,3 +93,22 @@ def arm_cuda_errors(local_rank: int) -> None:
     if broken:
         raise RuntimeError(cuda_error_message(min(broken)))
     signal.signal(CUDA_ERROR_SIGNAL, _raise_cuda_error)
+
+
+def arm_kill_points(local_rank: int) -> None:
+    """At start-up: the (iteration, point) pairs at which this local rank kills itself."""
+    spec = os.environ.get(KILL_ENV, "")
+    _armed_kills.clear()
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        fields = entry.split(":")
+        if len(fields) != 3 or not all(f.isdigit() for f in fields[:2]) or fields[2] not in KILL_POINTS:
+            raise ValueError(f"{KILL_ENV}={spec!r}: expected LOCAL_RANK:ITERATION:POINT[,...] "
+                             f"with POINT one of {', '.join(KILL_POINTS)}")
+        if int(fields[0]) == local_rank:
+            _armed_kills.add((int(fields[1]), fields[2]))
+
+
+def kill_point(point: str, iteration: int) -> None:
+    """SIGKILL this process when the rehearsal armed ``point`` at ``iteration``."""
+    if (iteration, point) in _armed_kills:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -36,7 +36,9 @@ from .console import format_iteration_line, log_last_rank, log_rank0
 from .data import BatchPrefetcher, MicroBatches, build_datasets
 from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
                     transformer_config, uses_distributed_optimizer, uses_transformer_engine)
-from .nonfinite import NonFiniteGuard, NonFiniteLoss, guarded_step
+from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
+from .rehearsal import kill_point
+from .replicas import Cut, ReplicaDumper
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
 
@@ -64,6 +66,7 @@ def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds."""
     forked_children_die_with_this_process()
     rehearsal.arm_cuda_errors(local_rank())
+    rehearsal.arm_kill_points(local_rank())
     use_cuda = torch.cuda.is_available()
     device = {}
     if use_cuda:
@@ -198,6 +201,7 @@ class Trainer:
         self.model = build_model(args, self.config, args.padded_vocab_size)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
         connect_schedule_hooks(self.config, self.model, self.optimizer)
+        self._kill_in_grad_allreduce()
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
         self.state = TrainingState()
         # One CPU group for every agreement the loop makes (save requests, the NaN guard,
@@ -222,12 +226,38 @@ class Trainer:
             can_save=args.save is not None, group=self.control_group,
             memory_interval=args.non_persistent_save_interval)
         self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
+        self.cut = Cut(enabled=args.replica_recovery)
+        self.replicas = self._replica_dumper()
         self.poison_at = rehearsal.nan_iterations(local_rank())
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
         log_rank0(describe_layout(args))
+
+    def _replica_dumper(self) -> ReplicaDumper | None:
+        """The dump thread of ``--replica-recovery`` (under ftmaster: it asks for the dump)."""
+        if not self.args.replica_recovery or self.run_dir is None:
+            return None
+        refusal = ("the distributed optimizer shards the optimizer state over DP: no rank holds "
+                   "a replica of another's" if self.args.use_distributed_optimizer else None)
+        return ReplicaDumper(self.run_dir, self.cut, self.state, self.checkpointer.state_dict_at,
+                             refusal)
+
+    def park(self, error: BaseException) -> None:
+        """Training ends on ``error``: a peer's death keeps this rank until its dump is out."""
+        if self.replicas is not None:
+            self.replicas.park(error)
+
+    def _kill_in_grad_allreduce(self) -> None:
+        """Rehearsals: the kill point as the data-parallel gradient all-reduce starts."""
+        finalize = self.config.finalize_model_grads_func
+
+        def finalize_or_die(*args, **kwargs):
+            kill_point("grad-allreduce", self.state.iteration + 1)
+            return finalize(*args, **kwargs)
+
+        self.config.finalize_model_grads_func = finalize_or_die
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:
@@ -247,23 +277,29 @@ class Trainer:
                                                  self.num_micro_batches)))
 
     def train_step(self) -> float | None:
-        """One iteration; NonFiniteLoss (on every rank, before any update) when the guard
-        finds a NaN or Inf."""
+        """One iteration, the counters advanced with the update (see ``replicas.Cut``);
+        NonFiniteLoss (on every rank, before any update) when the guard finds a NaN or Inf."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         data = (None if self.train_batches is None
                 else list(self.train_batches.iteration(self.state.consumed_train_samples)))
+        iteration = self.state.iteration + 1
+        kill_point("forward", iteration)
         losses = self.forward_backward(
             forward_step_func=forward_step, data_iterator=self._per_chunk(data),
             model=self.model.chunks, num_microbatches=self.num_micro_batches,
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
         loss = _average_loss(losses)
-        iteration = self.state.iteration + 1
-        if guarded_step(self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
-                        poison=iteration in self.poison_at):
+        ready = prepare_update(self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
+                               poison=iteration in self.poison_at)
+        with self.cut.commit():
             # fp16 skips a step whose gradients overflowed; so does the LR
-            self.scheduler.step(increment=self.args.global_batch_size)
+            if ready and self.optimizer.step_with_ready_grads():
+                self.scheduler.step(increment=self.args.global_batch_size)
+            self.state.iteration = iteration
+            self.state.consumed_train_samples += self.args.global_batch_size
+        kill_point("update", iteration)
         return loss
 
     def evaluate(self) -> None:
@@ -345,6 +381,7 @@ class Trainer:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""
         self.checkpointer.finalize_async()
         last = self.checkpointer.last_saved_iteration or 0
+        kill_point("save-agreement", self.state.iteration)
         decision = self.requests.decide(self.state.iteration, last)
         if decision.deferred_until is not None:
             self._event("save_deferred", iteration=self.state.iteration,
@@ -404,8 +441,6 @@ class Trainer:
         while not self._training_done():
             self.requests.start_agreement()
             loss = self.train_step()
-            self.state.iteration += 1
-            self.state.consumed_train_samples += args.global_batch_size
             self._heartbeat()
             if loss is not None:
                 window_losses.append(loss)
@@ -461,6 +496,9 @@ def pretrain(args: argparse.Namespace) -> None:
         trainer.run()
     except NonFiniteLoss as problem:
         trainer.stop_after_nonfinite(problem)
+        raise
+    except Exception as error:
+        trainer.park(error)
         raise
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()

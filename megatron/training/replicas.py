@@ -1,0 +1,199 @@
+"""Recovery from surviving data-parallel replicas, the trainer's side (``--replica-recovery``).
+
+When a rank dies, its data-parallel replicas still hold the same model and optimizer state.
+Three things let the supervisor build a checkpoint from them (see
+:mod:`megatron.training.replica_merge` for the merge):
+
+- **A consistent cut.** The local update, the scheduler step and the iteration and sample
+  counters change only under :class:`Cut`'s lock, which a dump takes: a dump sees the state
+  before an update or after it, never half of one. The RNG streams are copied at the same
+  moment (the next forward draws from them). Every update follows the NaN guard's agreement
+  on every rank, so survivors hold the same iteration: either nobody passed the agreement
+  (the victim died before it) or everybody did, and the update needs no collective.
+- **Parking.** A rank whose collective fails (a peer died) does not exit: it waits, its state
+  in memory, until its dump is written or :data:`PARK_TIMEOUT_S` has passed, then raises the
+  error as before. A rank blocked in a collective needs nothing: its dump thread runs anyway.
+- **The dump.** A thread per rank polls ``flags/replica_dump.json`` in the run directory. On
+  a request it takes the lock and writes, with no collective, its own shards as a one-rank
+  ``torch_dist`` checkpoint (``DUMP/rank_<R>/``: the shards, ``.metadata``, its local save
+  plan, and ``common.pt``), then a report ``DUMP/rank_<R>.json``: its layout coordinates, the
+  iteration and consumed samples its state holds, and an xxh3 checksum per file and per item.
+
+torchrun SIGTERMs the survivors as soon as one rank fails and SIGKILLs them 30 s later; the
+supervisor asks for the dump and waits well within that window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import xxhash
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.serialization import _CONTENT_METADATA_KEY
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+from torch.distributed import checkpoint as dcp
+
+from ftmaster import runfiles
+from ftmaster.recovery.manifest import digest_bytes
+from ftmaster.recovery.replicas import REQUEST_FLAG, item_key, rank_dump_dir, report_path
+
+from .checkpointing import rng_state
+from .console import log_rank0
+
+POLL_INTERVAL_S = 0.05
+PARK_TIMEOUT_S = 25.0  # below torchrun's 30 s from SIGTERM to SIGKILL
+LOCK_TIMEOUT_S = 10.0  # an update is local work: seconds at most, even on a large model
+# What gloo and NCCL say when a peer is gone (torch raises DistError subclasses for some).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "NCCL", "gloo", "ProcessGroup")
+
+
+class Cut:
+    """The training state a dump may see; ``commit`` is the only place it changes."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.lock = threading.Lock()
+        self.rng: dict | None = None  # the streams as of the last commit
+        self.torn: str | None = None  # why the state in memory is not a whole iteration
+
+    @contextlib.contextmanager
+    def commit(self):
+        """Apply an update and advance the counters inside; an error there tears the state."""
+        if not self.enabled:
+            yield
+            return
+        with self.lock:
+            try:
+                yield
+            except BaseException as error:
+                self.torn = f"an error during the update left it half applied: {error}"
+                raise
+            self.rng = rng_state()
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A collective that failed because a peer went away (its data may be fine)."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(error, dist_error) or (
+        isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE))
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where this rank's state sits in the layout (the merge groups replicas by tp, pp)."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    @classmethod
+    def of_this_rank(cls) -> "Coordinates":
+        return cls(torch.distributed.get_rank(),
+                   parallel_state.get_tensor_model_parallel_rank(),
+                   parallel_state.get_pipeline_model_parallel_rank(),
+                   parallel_state.get_data_parallel_rank(),
+                   parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_data_parallel_world_size())
+
+
+class ReplicaDumper:
+    """The side thread that dumps this rank's state when the supervisor asks.
+
+    ``state_dict(iteration, consumed, rng)`` builds the sharded state dict of a save at the
+    cut; ``refusal`` is set when this rank's state can never make a replica (the distributed
+    optimizer shards the optimizer state over DP), and is reported instead of a dump.
+    """
+
+    def __init__(self, run_dir: Path, cut: Cut, state, state_dict: Callable[..., dict],
+                 refusal: str | None = None) -> None:
+        self.flag = runfiles.flags_dir(run_dir) / REQUEST_FLAG
+        self.cut, self.state, self.state_dict, self.refusal = cut, state, state_dict, refusal
+        self.coordinates = Coordinates.of_this_rank()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="replica-dump", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            request = runfiles.read_flag(self.flag)
+            if request is not None and "folder" in request:
+                break
+            time.sleep(POLL_INTERVAL_S)
+        folder = Path(request["folder"])
+        report = self._dump(folder)
+        runfiles.atomic_write_text(report_path(folder, self.coordinates.rank),
+                                   json.dumps(report) + "\n", durable=False)
+        self.done.set()
+
+    def _dump(self, folder: Path) -> dict:
+        start = time.perf_counter()
+        report = {**self.coordinates.__dict__, "pid": os.getpid()}
+        if self.refusal is not None:
+            return {**report, "refused": self.refusal}
+        if not self.cut.lock.acquire(timeout=LOCK_TIMEOUT_S):
+            return {**report, "refused": f"the update did not end within {LOCK_TIMEOUT_S:g} s"}
+        try:
+            if self.cut.torn is not None:
+                return {**report, "refused": self.cut.torn}
+            iteration, consumed = self.state.iteration, self.state.consumed_train_samples
+            written = write_dump(rank_dump_dir(folder, self.coordinates.rank),
+                                 self.state_dict(iteration, consumed, self.cut.rng))
+        except Exception as error:  # reported: the merge then falls back
+            return {**report, "refused": f"the dump failed: {type(error).__name__}: {error}"}
+        finally:
+            self.cut.lock.release()
+        return {**report, "iteration": iteration, "consumed_samples": consumed, **written,
+                "seconds": round(time.perf_counter() - start, 4)}
+
+    def park(self, error: BaseException) -> None:
+        """Called with the error that ends training: after a peer's death, stay alive until
+        this rank's dump is written (or the park timeout), so that its state is not lost."""
+        if not is_collective_failure(error) or self.done.is_set():
+            return
+        log_rank0(f"replica recovery: a collective failed ({str(error).splitlines()[0][:200]}); "
+                  f"waiting up to {PARK_TIMEOUT_S:g} s for the supervisor to ask for a dump")
+        self.done.wait(PARK_TIMEOUT_S)
+
+
+def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
+    """Write one rank's shards as a one-rank torch_dist checkpoint, with no collective: every
+    shard this rank holds (replicas included: the merge picks one per shard), its save plan
+    (``.metadata``), and ``common.pt``. Returns the report's files and items."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+    if _CONTENT_METADATA_KEY in common:  # as the validated path leaves it for common.pt
+        common[_CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(common[_CONTENT_METADATA_KEY])
+    renamed, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=False)
+    metadata = dcp.save(mcore_to_pyt_state_dict(renamed, False),
+                        storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
+                        planner=MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
+    torch.save(common, folder / "common.pt")
+    files, items = {}, {}
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        data = path.read_bytes()
+        files[path.name] = digest_bytes(data).as_json()
+        for index, info in metadata.storage_data.items():
+            if info.relative_path == path.name:
+                chunk = memoryview(data)[info.offset:info.offset + info.length]
+                items[item_key(index.fqn, index.offset)] = xxhash.xxh3_64_hexdigest(chunk)
+    return {"files": files, "items": items, "bytes": sum(f["bytes"] for f in files.values())}

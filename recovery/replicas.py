@@ -1,0 +1,151 @@
+"""Which surviving replicas make a checkpoint: the pure part of replica recovery.
+
+The survivors of a failed attempt dump their state (``megatron.training.replicas``), each
+with a report. :func:`choose_cut` picks, from the reports alone, the largest iteration at
+which every (TP, PP) shard of the old layout has a survivor, all of them with the same
+consumed samples, and one survivor per shard (the lowest rank). Replicas of one shard at that
+iteration must hold equal bytes, item by item; if they do not, one of them is corrupted and
+there is no cut at all (a merge must never guess which one is right).
+
+No torch here: the supervisor imports it. The merge (``megatron.training.replica_merge``)
+then checks what the reports cannot: that the chosen plans cover every tensor exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+REQUEST_FLAG = "replica_dump.json"
+"""In the run directory's ``flags/``: ``{"folder": DUMP}`` asks every rank for a dump."""
+DUMPS_SUBDIR = "replicas"
+"""In the memory tier: ``replicas/attempt_<N>/`` holds one attempt's dumps."""
+
+
+def dump_folder(memory_dir: Path, attempt: int) -> Path:
+    return Path(memory_dir) / DUMPS_SUBDIR / f"attempt_{attempt}"
+
+
+def rank_dump_dir(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"rank_{rank}"
+
+
+def report_path(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"rank_{rank}.json"
+
+
+def item_key(fqn: str, offset: Iterable[int] | None) -> str:
+    """One stored item: a tensor chunk by its global offset, or a whole object."""
+    return fqn if offset is None else f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+class NoCut(Exception):
+    """No complete, consistent set of replicas; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's dump report; ``refused`` instead of a state when it could not dump."""
+
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    iteration: int | None = None
+    consumed_samples: int | None = None
+    items: Mapping[str, str] | None = None
+    files: Mapping[str, dict] | None = None
+    bytes: int = 0
+    seconds: float = 0.0
+    refused: str | None = None
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.tp, self.pp
+
+    @classmethod
+    def from_json(cls, body: dict) -> "Report":
+        known = {name: body[name] for name in cls.__dataclass_fields__ if name in body}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class ReplicaCut:
+    """The survivors whose dumps make the checkpoint of ``iteration``: one per (TP, PP)."""
+
+    iteration: int
+    consumed_samples: int
+    ranks: tuple[int, ...]
+    """In (PP, TP) order."""
+
+
+def read_reports(folder: Path) -> list[Report]:
+    """Every complete report in a dump folder (a torn or foreign file is skipped)."""
+    reports = []
+    for path in sorted(Path(folder).glob("rank_*.json")):
+        try:
+            reports.append(Report.from_json(json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return reports
+
+
+def choose_cut(reports: list[Report]) -> ReplicaCut:
+    """The newest complete cut; NoCut with the reason when there is none."""
+    dumped = [r for r in reports if r.refused is None and r.iteration is not None]
+    layout = _old_layout(reports)
+    if not dumped:
+        refused = "; ".join(f"rank {r.rank}: {r.refused}" for r in reports if r.refused)
+        raise NoCut("no survivor dumped its state" + (f" ({refused})" if refused else ""))
+    missing = None
+    for iteration in sorted({r.iteration for r in dumped}, reverse=True):
+        at = [r for r in dumped if r.iteration == iteration]
+        if len({r.consumed_samples for r in at}) > 1:
+            continue  # a mixed cut: the data position would be wrong
+        chosen, missing = _one_per_shard(at, layout)
+        if missing is None:
+            _check_replicas_agree(at, iteration)
+            return ReplicaCut(iteration, at[0].consumed_samples, tuple(r.rank for r in chosen))
+    tp, pp = missing
+    why = " (DP 1: no shard has a replica)" if layout[2] == 1 else ""
+    raise NoCut(f"shard (TP {tp}, PP {pp}) has no survivor at any iteration another shard "
+                f"reached{why}")
+
+
+def _old_layout(reports: list[Report]) -> tuple[int, int, int]:
+    layouts = {(r.tp_size, r.pp_size, r.dp_size) for r in reports}
+    if len(layouts) != 1:
+        raise NoCut(f"the reports disagree on the layout: {sorted(layouts)}" if layouts
+                    else "no survivor reported")
+    return layouts.pop()
+
+
+def _one_per_shard(at: list[Report], layout: tuple[int, int, int]):
+    tp_size, pp_size, _ = layout
+    chosen = []
+    for pp in range(pp_size):
+        for tp in range(tp_size):
+            holders = sorted((r for r in at if r.shard == (tp, pp)), key=lambda r: r.rank)
+            if not holders:
+                return [], (tp, pp)
+            chosen.append(holders[0])
+    return chosen, None
+
+
+def _check_replicas_agree(at: list[Report], iteration: int) -> None:
+    by_shard: dict[tuple[int, int], list[Report]] = {}
+    for report in at:
+        by_shard.setdefault(report.shard, []).append(report)
+    for (tp, pp), holders in by_shard.items():
+        first = holders[0]
+        for other in holders[1:]:
+            for key in sorted(set(first.items or {}) & set(other.items or {})):
+                if first.items[key] != other.items[key]:
+                    raise NoCut(f"the replicas of shard (TP {tp}, PP {pp}) at iteration "
+                                f"{iteration} differ (ranks {first.rank} and {other.rank}, "
+                                f"{key}): one of them is corrupted")
