@@ -120,6 +120,10 @@ def merged_metadata(plans: dict[int, Metadata], reports: dict[int, Report]):
     name -> source path). Each item is taken from the first rank holding it; a later copy
     must have the same checksum."""
     state_dict_metadata, storage_data, sources, first_holder = {}, {}, {}, {}
+    for plan in plans.values():  # every tensor a plan declares, even with no chunk stored
+        for fqn, entry in plan.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata) and fqn not in state_dict_metadata:
+                state_dict_metadata[fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
     for rank, plan in plans.items():
         items = reports[rank].items or {}
         for index, info in plan.storage_data.items():
@@ -145,10 +149,9 @@ def _add_item(merged: dict, entry, index: MetadataIndex) -> None:
     if not isinstance(entry, TensorStorageMetadata):
         merged[index.fqn] = entry
         return
-    chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset))
-    if index.fqn not in merged:
-        merged[index.fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
-    merged[index.fqn].chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
+    chunk = next((c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset)), None)
+    if chunk is not None:  # else stored but undeclared: the coverage check finds the hole
+        merged[index.fqn].chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
 
 
 def coverage_problem(metadata: Metadata) -> str | None:

@@ -39,6 +39,7 @@ from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
 from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
+from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
@@ -375,6 +376,9 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
     are written by every node's ranks, so its folder must be one every node sees."""
     args = argv[1:]
     if rendezvous is not None:
+        if REPLICA_FLAG in args:
+            raise InputError(f"{REPLICA_FLAG} works on one node: across nodes the survivors' "
+                             f"dumps would sit in different nodes' memory")
         if flag_value(args, TYPE_FLAG) == "global" and flag_value(args, DIR_FLAG) is None:
             raise InputError(f"across nodes the memory tier needs {DIR_FLAG}: a folder every "
                              f"node sees (each rank writes its own shards there)")

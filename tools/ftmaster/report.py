@@ -420,6 +420,21 @@ def _recovery(after: list[dict], failure: dict, plan: dict | None, launch: dict 
             "phases": phases, "resumed": resumed}
 
 
+def _replica_recovery(after: list[dict], failure: dict, plan: dict | None) -> dict | None:
+    """The survivors' dump and merge between the failure and its plan (part of
+    ``failure_to_plan``), or the reason it fell back; None without replica recovery."""
+    until = plan["time"] if plan else math.inf
+    found = {e["event"]: e for e in after if e["time"] <= until
+             and e["event"] in ("replica_dump", "replica_merge", "replica_fallback")}
+    if not found:
+        return None
+    dump, merge = found.get("replica_dump"), found.get("replica_merge")
+    return {"dump_seconds": dump and dump.get("seconds"), "ranks": dump and dump.get("ranks"),
+            "bytes": dump and dump.get("bytes"), "merge_seconds": merge and merge.get("seconds"),
+            "iteration": merge and merge.get("iteration"),
+            "fallback": found.get("replica_fallback", {}).get("reason")}
+
+
 def _layout(plan: dict | None, relaunches: list[dict]) -> dict | None:
     if plan is None:
         return None
@@ -515,7 +530,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     restart_from = relaunch_log.loaded_iteration
     base = restart_from if restart_from is not None else (checkpoint or {}).get("iteration", 0)
     last = failure.get("iteration")
-    lost = last - base if isinstance(last, int) else None
+    # Survivors may have completed one more iteration than the last heartbeat said.
+    lost = max(0, last - base) if isinstance(last, int) else None
     fault_to_failure = None if fault_at is None else failure["time"] - fault_at
     rto = recovery["rto_seconds"]
     resumed = recovery["resumed"]
@@ -533,6 +549,7 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
         "rto_from_fault_seconds": (rto + fault_to_failure
                                    if rto is not None and fault_to_failure is not None else None),
         "load_seconds": relaunch_log.load_seconds, "load_bytes": relaunch_log.load_bytes,
+        "replica": _replica_recovery(after, failure, plan),
         "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
                     if resumed else None),
         "outcome": "resumed" if resumed else _outcome_after(after),
@@ -553,6 +570,10 @@ TEMPLATES = {
     "persisted": "memory checkpoint of iteration {iteration} copied to {path} in {seconds} s "
                  "({bytes} bytes)",
     "persist_failed": "a memory checkpoint was not copied to disk: {reason}",
+    "replica_dump": "rank(s) {ranks} dumped their state in {seconds} s ({bytes} bytes)",
+    "replica_merge": "checkpoint of iteration {iteration} merged from {shards} shard(s) in "
+                     "{seconds} s",
+    "replica_fallback": "no replica cut ({reason}): the newest checkpoint is used",
     "save_deferred": "iteration {iteration}: emergency save deferred to iteration {until_iteration}",
     "failure": "attempt {attempt} {cause} on GPU(s) {gpus}, last iteration {iteration}",
     "stopped": "signal {signal}, exit status {exit_code}, at iteration {iteration}",
@@ -651,6 +672,16 @@ def _gpus_text(layout: dict) -> str:
                         or "none launched")
 
 
+def _replica_text(replica: dict | None) -> list[str]:
+    if replica is None:
+        return []
+    if replica["iteration"] is None:
+        return [f"  replica recovery   fell back: {replica['fallback'] or 'no merge'}"]
+    return [f"  replica recovery   iteration {replica['iteration']} from the survivors: dump "
+            f"{_s(replica['dump_seconds'])} ({len(replica['ranks'] or [])} rank(s), "
+            f"{(replica['bytes'] or 0) / 1e6:.1f} MB), merge {_s(replica['merge_seconds'])}"]
+
+
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
@@ -668,7 +699,8 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
              "  restarted from     " + ("no checkpoint loaded" if f["load_seconds"] is None else
                                         f"iteration {f['restarted_from_iteration']} (load "
                                         f"{f['load_seconds']:.3f} s, {f['load_bytes']} bytes)"),
-             f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)"]
+             f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)",
+             *_replica_text(f["replica"])]
     if f["outcome"] != "resumed":
         return [*lines, f"  RTO                unknown: {f['outcome']}"]
     resumed = f["resumed"]

@@ -86,6 +86,8 @@ from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
+from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status)
 
@@ -239,6 +241,8 @@ class Supervisor:
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
                           if self.tiers is not None and copies else None)
         self._memory_kinds: dict[int, str | None] = {}
+        self.replicas = (ReplicaRecovery(self.run_dir, self.tiers.memory, self.tiers.disk, self._event)
+                         if REPLICA_FLAG in config.command and self.tiers is not None else None)
         self._last_persist_start = time.monotonic()
         self.progress: Progress | None = None
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
@@ -560,7 +564,10 @@ class Supervisor:
         hardware = "; hardware: " + ", ".join(f"GPU {g} {why}" for g, why in sorted(unfit.items()))
         log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
                   hardware if unfit else "")
+        dump = self._dump_replicas(cause, gpus, iteration)
         attempt.kill()
+        if dump is not None:
+            self.replicas.merge(dump)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
@@ -568,6 +575,17 @@ class Supervisor:
             self._nonfinite_again = self._loaded_iteration in self._nonfinite_from
             self._nonfinite_from.add(self._loaded_iteration)
         return Trigger.FAILURE
+
+    def _dump_replicas(self, cause: str, culprits: list[int], iteration: int | None) -> Path | None:
+        """Before the kill: the survivors' dumps (``--replica-recovery``), or None."""
+        if self.replicas is None:
+            return None
+        skip = self.replicas.skip_reason(cause, culprits, iteration, self.plan.data_parallel_size)
+        if skip is not None:
+            if skip:
+                self.replicas.fall_back(skip)
+            return None
+        return self.replicas.dump(self.attempt)
 
     def _sleep(self) -> None:
         self._stop_requested.wait(self.config.poll_interval_s)
@@ -635,7 +653,7 @@ class Supervisor:
         """A heartbeat or save request left by a killed attempt means nothing to the next one
         (a request raised by the GPU just lost would only cost an extra save)."""
         for path in (runfiles.heartbeat_path(self.run_dir), runfiles.trigger_flag_path(self.run_dir),
-                     runfiles.save_now_flag_path(self.run_dir)):
+                     runfiles.save_now_flag_path(self.run_dir), request_flag_path(self.run_dir)):
             path.unlink(missing_ok=True)
 
     def _watch(self) -> Trigger:

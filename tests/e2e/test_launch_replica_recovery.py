@@ -1,0 +1,46 @@
+"""ftmaster launch --replica-recovery: GPU 1 fails at iteration 16 with no checkpoint since
+the start (--save-interval 100, no emergency save); the survivors dump, ftmaster merges, and
+the relaunch on the 3 GPUs left resumes at iteration 16 or 17, from a checkpoint whose every
+tensor equals the same iteration's checkpoint of an uninterrupted run."""
+
+import pytest
+
+from ftmaster.recovery.checkpoints import iteration_dir
+from helpers.launch import events, run_launch, train_args
+from helpers.replicas import unequal_tensors
+from helpers.trainer import run_trainer
+
+pytestmark = pytest.mark.slow
+
+ITERS = 20
+
+
+def schedule(save, tp, pp, save_interval):
+    return train_args(save, ITERS, tp, pp, save_interval, "--seed", "4", global_batch=8)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
+def test_a_failed_gpu_costs_no_iteration(tp, pp, tmp_path):
+    run_dir, save, memory = tmp_path / "run", tmp_path / "ckpt", tmp_path / "memory"
+    args = [*schedule(save, tp, pp, 100), "--non-persistent-ckpt-type", "global",
+            "--non-persistent-global-ckpt-dir", str(memory), "--replica-recovery"]
+    result = run_launch(run_dir, 4, args, "--inject", "fail:gpu=1,at=iter:16")
+    assert result.returncode == 0, result.stdout[-4000:]
+    (failure,) = events(run_dir, "failure")
+    (dumped,) = events(run_dir, "replica_dump")
+    (merged,) = events(run_dir, "replica_merge")
+    assert dumped["ranks"] == [0, 2, 3] and dumped["bytes"] > 0
+    assert merged["iteration"] in (16, 17) and merged["shards"] == 2
+    assert failure["time"] < dumped["time"] < merged["time"]
+    (loaded,) = events(run_dir, "checkpoint_loaded")
+    assert (loaded["iteration"], loaded["tier"]) == (merged["iteration"], "memory")
+    saves = events(run_dir, "emergency_save") + events(run_dir, "periodic_save")
+    assert [s["iteration"] for s in saves] == [ITERS]  # only the final one, after the relaunch
+    assert "replica recovery: merged the checkpoint of iteration" in result.stdout
+
+    reference = tmp_path / "reference"
+    done = run_trainer(4, [*schedule(reference, tp, pp, 1), "--exit-interval",
+                           str(merged["iteration"])])
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert unequal_tensors(iteration_dir(memory, merged["iteration"]),
+                           iteration_dir(reference, merged["iteration"])) == []

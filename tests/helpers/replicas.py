@@ -1,0 +1,58 @@
+"""Replica recovery in tests: every tensor of a torch_dist checkpoint, read in one process,
+and a torchrun run whose rank dies at a kill point, its survivors asked for their dumps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ftmaster import runfiles
+from ftmaster.recovery.replicas import REQUEST_FLAG, read_reports
+from helpers.trainer import kill_session, start_trainer, wait_until, worker_with_local_rank
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole (its chunks put together), by key."""
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    tensors = {fqn: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for fqn, entry in metadata.state_dict_metadata.items()
+               if isinstance(entry, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def unequal_tensors(path: Path, reference: Path) -> list[str]:
+    """Keys whose tensors differ (or exist in one checkpoint only); [] when all are equal."""
+    ours, theirs = checkpoint_tensors(path), checkpoint_tensors(reference)
+    assert ours, f"no tensor in {path}"
+    return sorted(set(ours) ^ set(theirs)) + sorted(
+        key for key in set(ours) & set(theirs) if not torch.equal(ours[key], theirs[key]))
+
+
+def _victim(torchrun, local_rank: int):
+    try:
+        return worker_with_local_rank(torchrun, local_rank)
+    except (AssertionError, psutil.Error):
+        return None
+
+
+def dump_after_a_kill(nproc: int, args: list[str], log: Path, run_dir: Path, folder: Path,
+                      victim: int, kill: str, **env: str) -> list:
+    """Train until local rank ``victim`` kills itself at ``kill`` (ITERATION:POINT), then do
+    what ftmaster does: ask for the dumps, wait for every survivor's report, kill the rest.
+    Returns the reports."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torchrun = start_trainer(nproc, args, log, FTMASTER_RUN_DIR=str(run_dir),
+                             FTMASTER_INJECT_KILL=f"{victim}:{kill}", **env)
+    try:
+        wait_until(lambda: _victim(torchrun, victim), 120, what="the ranks").wait(300)
+        runfiles.write_flag(runfiles.flags_dir(run_dir) / REQUEST_FLAG, folder=str(folder))
+        wait_until(lambda: len(read_reports(folder)) >= nproc - 1, 25, what="the survivors' reports")
+    finally:
+        kill_session(torchrun)
+    return read_reports(folder)

@@ -1,0 +1,120 @@
+"""Recovery from surviving replicas, the supervisor's side (training's ``--replica-recovery``).
+
+When an attempt fails, and before it is killed, the supervisor asks every rank for a dump
+(``flags/replica_dump.json`` naming ``MEMORY/replicas/attempt_<N>``) and waits until each
+rank has reported or ended, at most :data:`DUMP_TIMEOUT_S` (torchrun SIGKILLs the survivors
+30 s after the failure). After the kill it runs the merge
+(``python -m megatron.training.replica_merge``, which imports torch: the supervisor does
+not) and the relaunch loads the merged checkpoint like any other. Whenever there is no
+complete cut (DP 1, a hang with no known culprit, a survivor that refused or was lost), one
+line says why and the relaunch falls back to the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from ftmaster import runfiles
+from ftmaster.attempt import Attempt
+from ftmaster.recovery.checkpoints import read_tracker
+from ftmaster.recovery.replicas import REQUEST_FLAG, dump_folder, read_reports, report_path
+
+FLAG = "--replica-recovery"
+DUMP_TIMEOUT_S = 20.0
+MERGE_TIMEOUT_S = 300.0
+# Causes whose state is worth dumping: a rank or GPU that died, or a hang whose culprit is
+# known (its own dump never comes). The others end the run, or would repeat from any state.
+DUMPED_CAUSES = ("exit", "device_lost", "hang")
+
+log = logging.getLogger("ftmaster")
+
+
+def request_flag_path(run_dir: Path) -> Path:
+    return runfiles.flags_dir(run_dir) / REQUEST_FLAG
+
+
+class ReplicaRecovery:
+    """Dump, then merge, for one failed attempt at a time."""
+
+    def __init__(self, run_dir: Path, memory_dir: Path, save_dir: Path,
+                 event: Callable[..., dict]) -> None:
+        self.run_dir, self.memory_dir, self.save_dir = Path(run_dir), memory_dir, save_dir
+        self.event = event
+
+    def skip_reason(self, cause: str, culprits: list[int], iteration: int | None,
+                    data_parallel_size: int) -> str | None:
+        """Why this failure gets no dump (None: ask for one); ``""``: say nothing."""
+        if cause not in DUMPED_CAUSES or iteration is None:
+            return ""  # nothing trained since the load, or a cause a relaunch will not cure
+        if data_parallel_size < 2:
+            return f"DP {data_parallel_size}: no shard has a replica"
+        if cause == "hang" and not culprits:
+            return "a hang with no known culprit: any rank may hold a half-done iteration"
+        return None
+
+    def dump(self, attempt: Attempt) -> Path:
+        """Ask every rank of ``attempt`` for its dump; returns the dump folder."""
+        folder = dump_folder(self.memory_dir, attempt.number)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        start = time.monotonic()
+        runfiles.write_flag(request_flag_path(self.run_dir), folder=str(folder),
+                            attempt=attempt.number)
+        deadline = start + DUMP_TIMEOUT_S
+        while time.monotonic() < deadline and not self._all_answered(attempt, folder):
+            time.sleep(0.02)
+        reports = read_reports(folder)
+        dumped = [r for r in reports if r.refused is None]
+        self.event("replica_dump", ranks=sorted(r.rank for r in dumped),
+                   seconds=round(time.monotonic() - start, 4), bytes=sum(r.bytes for r in dumped),
+                   refused={str(r.rank): r.refused for r in reports if r.refused})
+        log.info("replica recovery: %d rank(s) dumped their state in %.2f s (%.1f MB)",
+                 len(dumped), time.monotonic() - start, sum(r.bytes for r in dumped) / 1e6)
+        return folder
+
+    @staticmethod
+    def _all_answered(attempt: Attempt, folder: Path) -> bool:
+        """Every rank has reported or ended (a dead one never will)."""
+        records = attempt.ranks()
+        return all(report_path(folder, rank).exists()
+                   or (rank in records and records[rank].exit_code is not None)
+                   for rank in range(len(attempt.gpus)))
+
+    def merge(self, folder: Path) -> int | None:
+        """The merged checkpoint's iteration, or None after saying why there is none."""
+        newest = max((t for t in (read_tracker(self.save_dir), read_tracker(self.memory_dir))
+                      if t is not None), default=None)
+        argv = [sys.executable, "-m", "megatron.training.replica_merge", str(folder),
+                str(self.memory_dir), *(["--newest", str(newest)] if newest is not None else [])]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as error:
+            result = {"refused": f"the merge did not finish: {error}"}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # the merged files are hard links
+        if "refused" in result:
+            self.fall_back(result["refused"])
+            return None
+        # seconds: the whole merge as recovery waits for it (a fresh interpreter importing
+        # torch, most of it); merge_seconds: the merge's own work.
+        seconds = time.monotonic() - start
+        self.event("replica_merge", iteration=result["iteration"], shards=result["shards"],
+                   seconds=round(seconds, 4), merge_seconds=result["seconds"],
+                   path=result["path"], bytes=result["bytes"])
+        log.info("replica recovery: merged the checkpoint of iteration %d from %d shard(s) in "
+                 "%.2f s: %s", result["iteration"], result["shards"], seconds, result["path"])
+        return result["iteration"]
+
+    def fall_back(self, reason: str) -> None:
+        self.event("replica_fallback", reason=reason)
+        log.warning("replica recovery: no complete cut (%s); falling back to the newest "
+                    "checkpoint", reason)
