@@ -102,19 +102,20 @@ def choose_cut(reports: list[Report]) -> ReplicaCut:
     if not dumped:
         refused = "; ".join(f"rank {r.rank}: {r.refused}" for r in reports if r.refused)
         raise NoCut("no survivor dumped its state" + (f" ({refused})" if refused else ""))
-    missing = None
+    newest_gap = None
     for iteration in sorted({r.iteration for r in dumped}, reverse=True):
         at = [r for r in dumped if r.iteration == iteration]
         if len({r.consumed_samples for r in at}) > 1:
+            newest_gap = newest_gap or f"the survivors at iteration {iteration} disagree on the samples consumed"
             continue  # a mixed cut: the data position would be wrong
         chosen, missing = _one_per_shard(at, layout)
         if missing is None:
             _check_replicas_agree(at, iteration)
             return ReplicaCut(iteration, at[0].consumed_samples, tuple(r.rank for r in chosen))
-    tp, pp = missing
+        newest_gap = newest_gap or (f"shard (TP {missing[0]}, PP {missing[1]}) has no survivor "
+                                    f"at iteration {iteration}")
     why = " (DP 1: no shard has a replica)" if layout[2] == 1 else ""
-    raise NoCut(f"shard (TP {tp}, PP {pp}) has no survivor at any iteration another shard "
-                f"reached{why}")
+    raise NoCut(f"{newest_gap}, nor a complete cut at an earlier one{why}")
 
 
 def _old_layout(reports: list[Report]) -> tuple[int, int, int]:

@@ -352,3 +352,16 @@ def test_last_checkpoint_write_is_the_newest_file_of_the_newest_checkpoint(tmp_p
     os.utime(shard, (2500.0, 2500.0))
     os.utime(shard.parent, (2000.0, 2000.0))
     assert last_checkpoint_write(tmp_path) == 2500.0
+
+
+def test_replica_recovery_is_refused_across_nodes(tmp_path):
+    """The survivors' dumps sit in each node's memory: one node cannot merge them."""
+    from ftmaster.launch import _with_memory_tier
+    from ftmaster.membership import RendezvousConfig
+    from ftmaster.recovery.cli import InputError
+
+    rendezvous = RendezvousConfig("127.0.0.1:29400", "job", 1, 2, 0)
+    argv = ["pretrain_gpt.py", "--save", str(tmp_path), "--non-persistent-ckpt-type", "global",
+            "--non-persistent-global-ckpt-dir", str(tmp_path / "m"), "--replica-recovery"]
+    with pytest.raises(InputError, match="--replica-recovery works on one node"):
+        _with_memory_tier(argv, tmp_path, rendezvous)

@@ -75,6 +75,8 @@ def with_args(*extra, drop=()):
      "--overlap-param-gather needs the distributed optimizer"),
     (with_args("--lr-decay-samples", "8"), 1,
      "with --train-iters give --lr-decay-iters/--lr-warmup-iters"),
+    (with_args("--replica-recovery"), 1,
+     "--replica-recovery needs --non-persistent-ckpt-type global"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:

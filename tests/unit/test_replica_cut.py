@@ -1,0 +1,126 @@
+"""Which survivors make a checkpoint (the pure cut choice), the merge's coverage check on
+hand-made plans, and when the supervisor asks for a dump at all."""
+
+import re
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ftmaster.recovery.replicas import NoCut, Report, choose_cut
+from ftmaster.replica_recovery import ReplicaRecovery
+from megatron.training import rehearsal
+from megatron.training.replica_merge import coverage_problem
+
+
+def report(rank, tp, pp, iteration, consumed=None, tp_size=1, pp_size=2, dp_size=2, items=None,
+           refused=None):
+    return Report(rank, tp, pp, rank % dp_size, tp_size, pp_size, dp_size, iteration,
+                  consumed if consumed is not None else 8 * (iteration or 0),
+                  items or {"w@0": "aa"}, refused=refused)
+
+
+@pytest.mark.parametrize("reports, iteration, ranks", [
+    # every survivor at 16: one per shard, the lowest rank
+    ([report(0, 0, 0, 16), report(2, 0, 1, 16), report(3, 0, 1, 16)], 16, (0, 2)),
+    # PP 1's survivors at 17 and 16: only 16 is complete for both shards
+    ([report(0, 0, 0, 16), report(2, 0, 1, 17), report(3, 0, 1, 16)], 16, (0, 3)),
+    # both shards reached 17 somewhere: the newest complete cut wins
+    ([report(0, 0, 0, 17), report(1, 0, 0, 16), report(2, 0, 1, 16), report(3, 0, 1, 17)],
+     17, (0, 3)),
+    # a refusal is no survivor, but another replica covers its shard
+    ([report(0, 0, 0, 16), report(1, 0, 0, None, refused="torn"), report(2, 0, 1, 16)], 16, (0, 2)),
+])
+def test_the_newest_complete_cut_one_survivor_per_shard(reports, iteration, ranks):
+    cut = choose_cut(reports)
+    assert (cut.iteration, cut.ranks, cut.consumed_samples) == (iteration, ranks, 8 * iteration)
+
+
+@pytest.mark.parametrize("reports, message", [
+    ([report(0, 0, 0, 16), report(1, 0, 0, 16)], r"shard \(TP 0, PP 1\) has no survivor"),
+    ([report(0, 0, 0, 17), report(2, 0, 1, 16)], r"shard \(TP 0, PP 1\) has no survivor"),
+    ([report(0, 0, 0, 16, dp_size=1), report(1, 1, 0, 16, tp_size=2, dp_size=1)],
+     "the reports disagree on the layout"),
+    ([report(0, 0, 0, 16, tp_size=2, dp_size=1), report(2, 0, 1, 16, tp_size=2, dp_size=1),
+      report(3, 1, 1, 16, tp_size=2, dp_size=1)], r"DP 1: no shard has a replica"),
+    # the same iteration, another data position: never mixed
+    ([report(0, 0, 0, 16, consumed=128), report(2, 0, 1, 16, consumed=120)],
+     "the survivors at iteration 16 disagree on the samples consumed"),
+    ([report(0, 0, 0, 16), report(2, 0, 1, 16, items={"w@0": "aa"}),
+      report(3, 0, 1, 16, items={"w@0": "bb"})], "differ .* one of them is corrupted"),
+    ([report(0, 0, 0, None, refused="the dump failed: ENOSPC")], "no survivor dumped.*ENOSPC"),
+    ([], "no survivor reported"),
+])
+def test_no_cut_says_why(reports, message):
+    with pytest.raises(NoCut, match=message):
+        choose_cut(reports)
+
+
+def _tensor(size, *chunks):
+    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+
+def _metadata(entries: dict) -> Metadata:
+    storage = {}
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            storage.update({MetadataIndex(fqn, c.offsets): object() for c in entry.chunks})
+        else:
+            storage[MetadataIndex(fqn)] = object()
+    return Metadata(entries, storage_data=storage)
+
+
+@pytest.mark.parametrize("entries, problem", [
+    ({"w": _tensor((4, 2), ((0, 0), (2, 2)), ((2, 0), (2, 2)))}, None),
+    ({"w": _tensor((4, 2), ((0, 0), (2, 2)))}, "w: 4 of its 8 elements are covered"),
+    ({"w": _tensor((4, 2), ((0, 0), (3, 2)), ((2, 0), (2, 2)))}, "overlap"),
+    ({"w": _tensor((4, 2), ((0, 0), (2, 2)), ((3, 0), (2, 2)))}, "lies outside"),
+    ({"w": _tensor((4, 2))}, "w: 0 of its 8 elements are covered"),
+    ({"rng_state/shard_0.0_2.1": BytesStorageMetadata(),
+      "rng_state/shard_1.0_2.1": BytesStorageMetadata()}, None),
+    ({"rng_state/shard_0.0_2.1": BytesStorageMetadata()}, r"rng_state lacks its piece \(1, 0\)"),
+])
+def test_coverage_every_tensor_exactly_once_every_object_whole(entries, problem):
+    found = coverage_problem(_metadata(entries))
+    assert (found is None) == (problem is None), found
+    assert problem is None or re.search(problem, found), found
+
+
+def test_a_chunk_without_stored_bytes_is_a_hole():
+    metadata = _metadata({"w": _tensor((2,), ((0,), (2,)))})
+    metadata.storage_data.clear()
+    assert coverage_problem(metadata) == "w: chunk at [0] has no stored bytes"
+
+
+@pytest.mark.parametrize("cause, culprits, iteration, dp, expected", [
+    ("device_lost", [1], 16, 2, None),
+    ("exit", [1], 16, 2, None),
+    ("hang", [1], 16, 2, None),  # a stopped rank: the others dump
+    ("hang", [], 16, 2, "a hang with no known culprit"),
+    ("device_lost", [1], 16, 1, "DP 1: no shard has a replica"),
+    ("device_lost", [1], None, 2, ""),  # before the first iteration: nothing new to save
+    ("nonfinite", [], 16, 2, ""),
+    ("storage", [], 16, 2, ""),
+])
+def test_when_the_supervisor_asks_for_a_dump(tmp_path, cause, culprits, iteration, dp, expected):
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save", lambda *a, **k: {})
+    reason = recovery.skip_reason(cause, culprits, iteration, dp)
+    assert reason == expected if not expected else expected in (reason or "")
+
+
+def test_kill_points_arm_only_this_local_rank(monkeypatch):
+    monkeypatch.setenv(rehearsal.KILL_ENV, "1:4:forward,0:5:update")
+    rehearsal.arm_kill_points(1)
+    assert rehearsal._armed_kills == {(4, "forward")}
+    monkeypatch.setenv(rehearsal.KILL_ENV, "1:4:backward")
+    with pytest.raises(ValueError, match="POINT one of forward, grad-allreduce"):
+        rehearsal.arm_kill_points(1)
+    rehearsal._armed_kills.clear()
