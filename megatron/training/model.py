@@ -36,9 +36,12 @@ def params_dtype(args) -> torch.dtype:
 
 
 def uses_distributed_optimizer(args) -> bool:
-    """``--use-distributed-optimizer``; unless told, on with CUDA, as Megatron-LM users run."""
+    """``--use-distributed-optimizer``; unless told, on with CUDA, as Megatron-LM users run,
+    except under ``--replica-recovery`` (its state, sharded over DP, has no replicas)."""
     flag = args.use_distributed_optimizer
-    return torch.cuda.is_available() if flag is None else flag
+    if flag is None:
+        return torch.cuda.is_available() and not getattr(args, "replica_recovery", False)
+    return flag
 
 
 def _overlap(args, flag: bool | None) -> bool:

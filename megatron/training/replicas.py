@@ -30,7 +30,6 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -93,27 +92,16 @@ def is_collective_failure(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE))
 
 
-@dataclass(frozen=True)
-class Coordinates:
-    """Where this rank's state sits in the layout (the merge groups replicas by tp, pp)."""
-
-    rank: int
-    tp: int
-    pp: int
-    dp: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-
-    @classmethod
-    def of_this_rank(cls) -> "Coordinates":
-        return cls(torch.distributed.get_rank(),
-                   parallel_state.get_tensor_model_parallel_rank(),
-                   parallel_state.get_pipeline_model_parallel_rank(),
-                   parallel_state.get_data_parallel_rank(),
-                   parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_data_parallel_world_size())
+def layout_coordinates() -> dict[str, int]:
+    """Where this rank's state sits in the layout: a report's rank, tp, pp, dp and sizes
+    (see ``ftmaster.recovery.replicas.Report``; the merge groups replicas by tp, pp)."""
+    return {"rank": torch.distributed.get_rank(),
+            "tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp_size": parallel_state.get_data_parallel_world_size()}
 
 
 class ReplicaDumper:
@@ -128,7 +116,7 @@ class ReplicaDumper:
                  refusal: str | None = None) -> None:
         self.flag = runfiles.flags_dir(run_dir) / REQUEST_FLAG
         self.cut, self.state, self.state_dict, self.refusal = cut, state, state_dict, refusal
-        self.coordinates = Coordinates.of_this_rank()
+        self.coordinates = layout_coordinates()
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="replica-dump", daemon=True)
         self._thread.start()
@@ -141,13 +129,13 @@ class ReplicaDumper:
             time.sleep(POLL_INTERVAL_S)
         folder = Path(request["folder"])
         report = self._dump(folder)
-        runfiles.atomic_write_text(report_path(folder, self.coordinates.rank),
+        runfiles.atomic_write_text(report_path(folder, self.coordinates["rank"]),
                                    json.dumps(report) + "\n", durable=False)
         self.done.set()
 
     def _dump(self, folder: Path) -> dict:
         start = time.perf_counter()
-        report = {**self.coordinates.__dict__, "pid": os.getpid()}
+        report = {**self.coordinates, "pid": os.getpid()}
         if self.refusal is not None:
             return {**report, "refused": self.refusal}
         if not self.cut.lock.acquire(timeout=LOCK_TIMEOUT_S):
@@ -156,7 +144,7 @@ class ReplicaDumper:
             if self.cut.torn is not None:
                 return {**report, "refused": self.cut.torn}
             iteration, consumed = self.state.iteration, self.state.consumed_train_samples
-            written = write_dump(rank_dump_dir(folder, self.coordinates.rank),
+            written = write_dump(rank_dump_dir(folder, self.coordinates["rank"]),
                                  self.state_dict(iteration, consumed, self.cut.rng))
         except Exception as error:  # reported: the merge then falls back
             return {**report, "refused": f"the dump failed: {type(error).__name__}: {error}"}

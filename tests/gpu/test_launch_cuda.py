@@ -41,3 +41,25 @@ def test_a_killed_rank_on_a_gpu_is_relaunched_from_the_checkpoint(tmp_path):
     first_log = attempt_log(run_dir, 1)
     assert f"training on {nproc} cuda" in first_log
     assert len(visible) == nproc and all(entry.startswith("GPU-") for entry in visible), visible
+
+
+@needs_gpus(4)
+def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path):
+    """NCCL, unlike gloo, may leave the survivors blocked in a collective (no error) and a
+    dump's device-to-host copies queued behind it: this is the check that the dump still
+    comes within the window and the relaunch resumes from the merged checkpoint."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 20, 1, 2, 100, "--bf16", "--non-persistent-ckpt-type", "global",
+                      "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
+                      "--replica-recovery", global_batch=8)
+    ftmaster = start_launch(run_dir, 4, args, "--monitor-backend", "nvml", "--monitor-interval",
+                            "1", "--inject", "fail:gpu=1,at=iter:16")
+    try:
+        output, _ = ftmaster.communicate(timeout=900)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
+    (merged,) = events(run_dir, "replica_merge")
+    assert merged["iteration"] in (16, 17)
+    assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]

@@ -3,10 +3,10 @@
 When an attempt fails, and before it is killed, the supervisor asks every rank for a dump
 (``flags/replica_dump.json`` naming ``MEMORY/replicas/attempt_<N>``) and waits until each
 rank has reported or ended, at most :data:`DUMP_TIMEOUT_S` (torchrun SIGKILLs the survivors
-30 s after the failure). After the kill it runs the merge
+30 s after the failure). Then it starts the merge
 (``python -m megatron.training.replica_merge``, which imports torch: the supervisor does
-not) and the relaunch loads the merged checkpoint like any other. Whenever there is no
-complete cut (DP 1, a hang with no known culprit, a survivor that refused or was lost), one
+not), kills the attempt while the merge runs, and the relaunch loads the merged checkpoint
+like any other. Whenever there is no complete cut (DP 1, a hang with no known culprit, a survivor that refused or was lost), one
 line says why and the relaunch falls back to the newest checkpoint.
 """
 
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,15 @@ MERGE_TIMEOUT_S = 300.0
 DUMPED_CAUSES = ("exit", "device_lost", "hang")
 
 log = logging.getLogger("ftmaster")
+
+
+@dataclass(frozen=True)
+class Merging:
+    """A merge under way."""
+
+    folder: Path
+    process: subprocess.Popen
+    started: float
 
 
 def request_flag_path(run_dir: Path) -> Path:
@@ -87,26 +97,36 @@ class ReplicaRecovery:
                    or (rank in records and records[rank].exit_code is not None)
                    for rank in range(len(attempt.gpus)))
 
-    def merge(self, folder: Path) -> int | None:
-        """The merged checkpoint's iteration, or None after saying why there is none."""
+    def start_merge(self, folder: Path) -> "Merging":
+        """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
+        imports torch) while the old attempt is killed."""
         newest = max((t for t in (read_tracker(self.save_dir), read_tracker(self.memory_dir))
                       if t is not None), default=None)
         argv = [sys.executable, "-m", "megatron.training.replica_merge", str(folder),
                 str(self.memory_dir), *(["--newest", str(newest)] if newest is not None else [])]
-        start = time.monotonic()
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return Merging(folder, process, time.monotonic())
+
+    def finish_merge(self, merging: "Merging") -> int | None:
+        """The merged checkpoint's iteration, or None after saying why there is none."""
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S)
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-        except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as error:
+            stdout, _ = merging.process.communicate(timeout=MERGE_TIMEOUT_S)
+            result = json.loads(stdout.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired as error:
+            merging.process.kill()
+            merging.process.communicate()
             result = {"refused": f"the merge did not finish: {error}"}
+        except (ValueError, IndexError) as error:
+            result = {"refused": f"the merge said nothing readable ({error}); exit status "
+                                 f"{merging.process.returncode}"}
         finally:
-            shutil.rmtree(folder, ignore_errors=True)  # the merged files are hard links
+            shutil.rmtree(merging.folder, ignore_errors=True)  # the merged files are hard links
         if "refused" in result:
             self.fall_back(result["refused"])
             return None
         # seconds: the whole merge as recovery waits for it (a fresh interpreter importing
-        # torch, most of it); merge_seconds: the merge's own work.
-        seconds = time.monotonic() - start
+        # torch, most of it, beside the kill of the old attempt); merge_seconds: its own work.
+        seconds = time.monotonic() - merging.started
         self.event("replica_merge", iteration=result["iteration"], shards=result["shards"],
                    seconds=round(seconds, 4), merge_seconds=result["seconds"],
                    path=result["path"], bytes=result["bytes"])

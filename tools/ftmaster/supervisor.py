@@ -565,9 +565,10 @@ class Supervisor:
         log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
                   hardware if unfit else "")
         dump = self._dump_replicas(cause, gpus, iteration)
+        merging = self.replicas.start_merge(dump) if dump is not None else None
         attempt.kill()
-        if dump is not None:
-            self.replicas.merge(dump)
+        if merging is not None:
+            self.replicas.finish_merge(merging)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
