@@ -34,10 +34,9 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -64,6 +63,10 @@ from ftmaster.recovery.replicas import (
 
 REFUSED = 3
 COMMON_FILE, CONFIG_FILE, PLAN_FILE = "common.pt", "metadata.json", ".metadata"
+# megatron-core's CheckpointingConfig as dist_checkpointing.save writes it (kept literal: the
+# merge runs in a fresh interpreter during recovery, and megatron-core's import takes ~2 s).
+CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                        "common_backend": "torch", "common_backend_version": 1}
 _OBJECT_SHARD = re.compile(r"^(?P<key>.*)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
@@ -227,7 +230,7 @@ def _stage_files(folder: Path, staging: Path, metadata: Metadata, sources: dict,
     _link_or_copy(rank_dump_dir(folder, first) / COMMON_FILE, staging / COMMON_FILE)
     files[COMMON_FILE] = _report_digest(reports[first], COMMON_FILE)
     for name, data in ((PLAN_FILE, pickle.dumps(metadata)),
-                       (CONFIG_FILE, json.dumps(asdict(CheckpointingConfig("torch_dist", 1))).encode())):
+                       (CONFIG_FILE, json.dumps(CHECKPOINTING_CONFIG).encode())):
         (staging / name).write_bytes(data)
         files[name] = digest_bytes(data)
     return files

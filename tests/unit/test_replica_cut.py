@@ -124,3 +124,15 @@ def test_kill_points_arm_only_this_local_rank(monkeypatch):
     with pytest.raises(ValueError, match="POINT one of forward, grad-allreduce"):
         rehearsal.arm_kill_points(1)
     rehearsal._armed_kills.clear()
+
+
+def test_the_merged_metadata_json_is_megatron_cores_own():
+    from dataclasses import asdict
+
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from megatron.training.replica_merge import CHECKPOINTING_CONFIG
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    assert CHECKPOINTING_CONFIG == asdict(CheckpointingConfig(strategy.backend, strategy.version))

@@ -6,8 +6,9 @@ rank has reported or ended, at most :data:`DUMP_TIMEOUT_S` (torchrun SIGKILLs th
 30 s after the failure). Then it starts the merge
 (``python -m megatron.training.replica_merge``, which imports torch: the supervisor does
 not), kills the attempt while the merge runs, and the relaunch loads the merged checkpoint
-like any other. Whenever there is no complete cut (DP 1, a hang with no known culprit, a survivor that refused or was lost), one
-line says why and the relaunch falls back to the newest checkpoint.
+like any other. Whenever there is no complete cut (DP 1, a hang with no known culprit, a
+survivor that refused or was lost), one line says why and the relaunch falls back to the
+newest checkpoint.
 """
 
 from __future__ import annotations
