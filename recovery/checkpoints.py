@@ -45,7 +45,10 @@ TIERS = ("memory", "disk")
 _LOCK_NAME = ".ftmaster_tracker.lock"
 _PIN_NAME = ".ftmaster_persisting"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
-_REQUIRED_FILES = ("common.pt", "metadata.json", ".metadata")
+COMMON_FILE = "common.pt"  # the non-sharded state, torch.save'd by rank 0
+CONFIG_FILE = "metadata.json"  # megatron-core's CheckpointingConfig
+DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's global plan
+_REQUIRED_FILES = (COMMON_FILE, CONFIG_FILE, DCP_METADATA_FILE)
 
 
 def iteration_dir(save_dir: Path, iteration: int) -> Path:

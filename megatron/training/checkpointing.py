@@ -73,6 +73,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster.guard import die_with_parent
 from ftmaster.recovery.checkpoints import (
+    COMMON_FILE,
+    CONFIG_FILE,
+    DCP_METADATA_FILE,
     advance_tracker,
     checkpoint_problem,
     find_loadable_checkpoint,
@@ -104,9 +107,6 @@ from .model import optimizer_metadata
 
 CHECKPOINT_VERSION = 3.0
 MEMORY_HEADROOM = 1.1  # free space a memory save wants, in units of the last checkpoint
-COMMON_FILE = "common.pt"
-CONFIG_FILE = "metadata.json"
-DCP_METADATA_FILE = ".metadata"
 _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 _OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^\n']+?)(?:: '([^']+)')?(?:$|\n|')")
 

@@ -108,6 +108,11 @@ def arm_kill_points(local_rank: int) -> None:
             _armed_kills.add((int(fields[1]), fields[2]))
 
 
+def kill_armed(point: str) -> bool:
+    """Whether this rank kills itself at ``point`` at some iteration."""
+    return any(armed == point for _, armed in _armed_kills)
+
+
 def kill_point(point: str, iteration: int) -> None:
     """SIGKILL this process when the rehearsal armed ``point`` at ``iteration``."""
     if (iteration, point) in _armed_kills:

@@ -46,6 +46,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ftmaster.recovery.checkpoints import (
+    COMMON_FILE,
+    CONFIG_FILE,
+    DCP_METADATA_FILE,
     advance_tracker_locked,
     iteration_dir,
     read_tracker,
@@ -62,7 +65,6 @@ from ftmaster.recovery.replicas import (
 )
 
 REFUSED = 3
-COMMON_FILE, CONFIG_FILE, PLAN_FILE = "common.pt", "metadata.json", ".metadata"
 # megatron-core's CheckpointingConfig as dist_checkpointing.save writes it (kept literal: the
 # merge runs in a fresh interpreter during recovery, and megatron-core's import takes ~2 s).
 CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -109,8 +111,8 @@ def _checked_plan(folder: Path, report: Report) -> Metadata:
             raise NoCut(f"rank {report.rank}'s dump lacks {name}: {error.strerror}") from None
         if found.digest != entry["digest"] or found.bytes != entry["bytes"]:
             raise NoCut(f"rank {report.rank}'s {name} does not match its report: damaged")
-    if PLAN_FILE not in (report.files or {}):
-        raise NoCut(f"rank {report.rank}'s report lists no plan ({PLAN_FILE})")
+    if DCP_METADATA_FILE not in (report.files or {}):
+        raise NoCut(f"rank {report.rank}'s report lists no plan ({DCP_METADATA_FILE})")
     return FileSystemReader(dump).read_metadata()
 
 
@@ -229,7 +231,7 @@ def _stage_files(folder: Path, staging: Path, metadata: Metadata, sources: dict,
         files[name] = _report_digest(reports[rank], source_name)
     _link_or_copy(rank_dump_dir(folder, first) / COMMON_FILE, staging / COMMON_FILE)
     files[COMMON_FILE] = _report_digest(reports[first], COMMON_FILE)
-    for name, data in ((PLAN_FILE, pickle.dumps(metadata)),
+    for name, data in ((DCP_METADATA_FILE, pickle.dumps(metadata)),
                        (CONFIG_FILE, json.dumps(CHECKPOINTING_CONFIG).encode())):
         (staging / name).write_bytes(data)
         files[name] = digest_bytes(data)

@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serializa
 from torch.distributed import checkpoint as dcp
 
 from ftmaster import runfiles
+from ftmaster.recovery.checkpoints import COMMON_FILE
 from ftmaster.recovery.manifest import digest_bytes
 from ftmaster.recovery.replicas import REQUEST_FLAG, item_key, rank_dump_dir, report_path
 
@@ -175,7 +176,7 @@ def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
     metadata = dcp.save(mcore_to_pyt_state_dict(renamed, False),
                         storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
                         planner=MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
-    torch.save(common, folder / "common.pt")
+    torch.save(common, folder / COMMON_FILE)
     files, items = {}, {}
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         data = path.read_bytes()

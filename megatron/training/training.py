@@ -250,7 +250,10 @@ class Trainer:
             self.replicas.park(error)
 
     def _kill_in_grad_allreduce(self) -> None:
-        """Rehearsals: the kill point as the data-parallel gradient all-reduce starts."""
+        """Rehearsals: the kill point as the data-parallel gradient all-reduce starts (the
+        schedule's hook is wrapped only when that point is armed)."""
+        if not rehearsal.kill_armed("grad-allreduce"):
+            return
         finalize = self.config.finalize_model_grads_func
 
         def finalize_or_die(*args, **kwargs):

@@ -111,9 +111,14 @@ def test_a_chunk_without_stored_bytes_is_a_hole():
     ("storage", [], 16, 2, ""),
 ])
 def test_when_the_supervisor_asks_for_a_dump(tmp_path, cause, culprits, iteration, dp, expected):
-    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save", lambda *a, **k: {})
-    reason = recovery.skip_reason(cause, culprits, iteration, dp)
-    assert reason == expected if not expected else expected in (reason or "")
+    """None: it asks; "": no dump and nothing said; else the fallback line's reason."""
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append(fields["reason"]))
+    recovery.dump = lambda attempt: "asked"
+    asked = recovery.dump_if_useful(None, cause, culprits, iteration, dp)
+    assert (asked == "asked") == (expected is None)
+    assert said == [] if not expected else expected in said[0]
 
 
 def test_kill_points_arm_only_this_local_rank(monkeypatch):

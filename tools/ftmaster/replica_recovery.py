@@ -59,15 +59,18 @@ class ReplicaRecovery:
         self.run_dir, self.memory_dir, self.save_dir = Path(run_dir), memory_dir, save_dir
         self.event = event
 
-    def skip_reason(self, cause: str, culprits: list[int], iteration: int | None,
-                    data_parallel_size: int) -> str | None:
-        """Why this failure gets no dump (None: ask for one); ``""``: say nothing."""
+    def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
+                       iteration: int | None, data_parallel_size: int) -> Path | None:
+        """Before the kill: the dump folder, or None (with one line when the failure could
+        have had one but has no replicas to give it)."""
         if cause not in DUMPED_CAUSES or iteration is None:
-            return ""  # nothing trained since the load, or a cause a relaunch will not cure
+            return None  # nothing trained since the load, or a cause a relaunch will not cure
         if data_parallel_size < 2:
-            return f"DP {data_parallel_size}: no shard has a replica"
-        if cause == "hang" and not culprits:
-            return "a hang with no known culprit: any rank may hold a half-done iteration"
+            self.fall_back(f"DP {data_parallel_size}: no shard has a replica")
+        elif cause == "hang" and not culprits:
+            self.fall_back("a hang with no known culprit: any rank may hold a half-done iteration")
+        else:
+            return self.dump(attempt)
         return None
 
     def dump(self, attempt: Attempt) -> Path:
@@ -81,18 +84,19 @@ class ReplicaRecovery:
         deadline = start + DUMP_TIMEOUT_S
         while time.monotonic() < deadline and not self._all_answered(attempt, folder):
             time.sleep(0.02)
-        reports = read_reports(folder)
+        seconds, reports = time.monotonic() - start, read_reports(folder)
         dumped = [r for r in reports if r.refused is None]
-        self.event("replica_dump", ranks=sorted(r.rank for r in dumped),
-                   seconds=round(time.monotonic() - start, 4), bytes=sum(r.bytes for r in dumped),
-                   refused={str(r.rank): r.refused for r in reports if r.refused})
+        size = sum(r.bytes for r in dumped)
+        self.event("replica_dump", ranks=sorted(r.rank for r in dumped), seconds=round(seconds, 4),
+                   bytes=size, refused={str(r.rank): r.refused for r in reports if r.refused})
         log.info("replica recovery: %d rank(s) dumped their state in %.2f s (%.1f MB)",
-                 len(dumped), time.monotonic() - start, sum(r.bytes for r in dumped) / 1e6)
+                 len(dumped), seconds, size / 1e6)
         return folder
 
     @staticmethod
     def _all_answered(attempt: Attempt, folder: Path) -> bool:
-        """Every rank has reported or ended (a dead one never will)."""
+        """Every rank has reported or ended (a dead one never will). One node: a local rank
+        is the global rank its report is named after."""
         records = attempt.ranks()
         return all(report_path(folder, rank).exists()
                    or (rank in records and records[rank].exit_code is not None)

@@ -581,12 +581,8 @@ class Supervisor:
         """Before the kill: the survivors' dumps (``--replica-recovery``), or None."""
         if self.replicas is None:
             return None
-        skip = self.replicas.skip_reason(cause, culprits, iteration, self.plan.data_parallel_size)
-        if skip is not None:
-            if skip:
-                self.replicas.fall_back(skip)
-            return None
-        return self.replicas.dump(self.attempt)
+        return self.replicas.dump_if_useful(self.attempt, cause, culprits, iteration,
+                                            self.plan.data_parallel_size)
 
     def _sleep(self) -> None:
         self._stop_requested.wait(self.config.poll_interval_s)
