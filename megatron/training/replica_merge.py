@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dump", type=Path, help="the attempt's dump folder (rank_<R>.json ...)")
     parser.add_argument("memory_dir", type=Path, help="the memory tier: the checkpoint goes there")
     parser.add_argument("--newest", type=int, default=None,
-                        help="the newest checkpoint's iteration (either tier): merge only a newer one")
+                        help="the newest checkpoint's iteration elsewhere (e.g. --save's): merge "
+                             "only a newer one (the memory tier's tracker is read here)")
     args = parser.parse_args(argv)
     if not args.dump.is_dir():
         parser.error(f"{args.dump} is not a folder")

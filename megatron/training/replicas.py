@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -136,7 +135,7 @@ class ReplicaDumper:
 
     def _dump(self, folder: Path) -> dict:
         start = time.perf_counter()
-        report = {**self.coordinates, "pid": os.getpid()}
+        report = dict(self.coordinates)
         if self.refusal is not None:
             return {**report, "refused": self.refusal}
         if not self.cut.lock.acquire(timeout=LOCK_TIMEOUT_S):
@@ -177,12 +176,9 @@ def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
                         storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
                         planner=MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
     torch.save(common, folder / COMMON_FILE)
-    files, items = {}, {}
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        data = path.read_bytes()
-        files[path.name] = digest_bytes(data).as_json()
-        for index, info in metadata.storage_data.items():
-            if info.relative_path == path.name:
-                chunk = memoryview(data)[info.offset:info.offset + info.length]
-                items[item_key(index.fqn, index.offset)] = xxhash.xxh3_64_hexdigest(chunk)
+    data = {path.name: memoryview(path.read_bytes()) for path in folder.iterdir() if path.is_file()}
+    files = {name: digest_bytes(content).as_json() for name, content in sorted(data.items())}
+    items = {item_key(index.fqn, index.offset): xxhash.xxh3_64_hexdigest(
+                 data[info.relative_path][info.offset:info.offset + info.length])
+             for index, info in metadata.storage_data.items()}
     return {"files": files, "items": items, "bytes": sum(f["bytes"] for f in files.values())}

@@ -105,8 +105,7 @@ class ReplicaRecovery:
     def start_merge(self, folder: Path) -> "Merging":
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
         imports torch) while the old attempt is killed."""
-        newest = max((t for t in (read_tracker(self.save_dir), read_tracker(self.memory_dir))
-                      if t is not None), default=None)
+        newest = read_tracker(self.save_dir)  # the merge reads the memory tier's itself
         argv = [sys.executable, "-m", "megatron.training.replica_merge", str(folder),
                 str(self.memory_dir), *(["--newest", str(newest)] if newest is not None else [])]
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
