@@ -43,6 +43,10 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
         injections = [parse_injection(spec) for spec in inject_specs]
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    waiting = [i for i in injections if i.after is not None]
+    if waiting:
+        raise click.UsageError(f"--inject {waiting[0]}: after= needs ftmaster launch, which "
+                               f"follows the run's events; the monitor alone does not")
     replaying = backend_spec.startswith("replay:")
     if replaying and Path(backend_spec[len("replay:"):]).resolve() == \
             runfiles.metrics_csv_path(run_dir).resolve():

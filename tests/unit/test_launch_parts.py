@@ -174,6 +174,15 @@ def test_injections_fire_once_and_recover_waits_for_its_gpu_to_be_lost():
     assert injector.pending == []
 
 
+def test_an_injection_after_an_event_waits_until_the_supervisor_saw_it():
+    fail = parse_injection("fail:gpu=1,at=iter:12,after=emergency_save")
+    injector = Injector((fail,))
+    injector.saw("risk_alert")
+    assert injector.take_due(30, 100.0, frozenset()) == []
+    injector.saw("emergency_save")
+    assert injector.take_due(30, 100.0, frozenset()) == [fail]
+
+
 # -- listener --------------------------------------------------------------------------------
 def test_move_request_moves_the_body_and_logs_the_request(tmp_path):
     assert move_request(tmp_path) is None

@@ -49,6 +49,11 @@ def test_bad_injection(tmp_path):
                    "missing at=")
 
 
+def test_an_injection_waiting_for_an_event_needs_the_launcher(tmp_path):
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--inject",
+                          "degrade:gpu=1,at=1s,after=emergency_save"), "after= needs ftmaster launch")
+
+
 def test_missing_replay_file(tmp_path):
     one_line_error(invoke("--backend", f"replay:{tmp_path}/nope.csv", "--run-dir", str(tmp_path / "r")),
                    "cannot read")

@@ -14,6 +14,10 @@ def test_parses_iteration_and_seconds_triggers():
     ("XID:at=3s,code=79,gpu=2", Injection(Fault.XID, 2, at_seconds=3.0, code=79)),
     ("wedge:gpu=3,at=iter:5", Injection(Fault.WEDGE, 3, at_iteration=5)),
     ("nan:gpu=0,at=iter:12", Injection(Fault.NAN, 0, at_iteration=12)),
+    ("fail:gpu=1,at=iter:12,after=emergency_save",
+     Injection(Fault.FAIL, 1, at_iteration=12, after="emergency_save")),
+    ("xid:after=Risk_Alert,gpu=2,code=79,at=0s",
+     Injection(Fault.XID, 2, at_seconds=0.0, code=79, after="risk_alert")),
 ])
 def test_parses_the_new_kinds_and_prints_them_back(spec, injection):
     assert parse_injection(spec) == injection
@@ -47,6 +51,9 @@ def test_at_once_keeps_the_fault_and_fires_now():
     ("wedge:gpu=1", "missing at="),
     ("nan:at=iter:3", "missing gpu="),
     ("wedged:gpu=1,at=1s", "unknown kind 'wedged'.*wedge, nan"),
+    ("fail:gpu=1,at=iter:3,after=saved", "after= takes an event, one of .*emergency_save"),
+    ("fail:gpu=1,at=iter:3,after=", "is not key=value"),
+    ("nan:gpu=1,at=iter:3,after=risk_alert", "nan cannot take after="),
 ])
 def test_bad_specs_say_what_is_wrong(spec, words):
     with pytest.raises(ValueError, match=words):
@@ -63,10 +70,22 @@ def test_due_waits_for_the_trigger_and_never_fires_on_unknown_iteration():
     assert by_time.due(None, 5.0)
 
 
+def test_after_waits_for_its_event_as_well_as_its_trigger():
+    waiting = parse_injection("fail:gpu=1,at=iter:12,after=emergency_save")
+    assert not waiting.due(40, 0.0)  # however far training got
+    assert not waiting.due(40, 0.0, frozenset({"periodic_save", "risk_alert"}))
+    assert not waiting.due(11, 0.0, frozenset({"emergency_save"}))  # the save came first
+    assert waiting.due(12, 0.0, frozenset({"emergency_save"}))
+    fired = waiting.at_once()  # the monitor gets it once it fired: nothing left to wait for
+    assert fired.after is None and fired.due(None, 0.0)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"kind": Fault.XID}, "needs code=N"),
     ({"kind": Fault.XID, "code": 0}, "needs code=N"),
     ({"kind": Fault.WEDGE, "code": 79}, "only for xid"),
+    ({"kind": Fault.FAIL, "after": "saved"}, "after= takes one of"),
+    ({"kind": Fault.NAN, "after": "risk_alert"}, "cannot wait for an event"),
 ])
 def test_injections_built_in_code_are_checked_too(kwargs, words):
     with pytest.raises(ValueError, match=words):

@@ -18,7 +18,12 @@ the launcher (which kills or stops the rank on that GPU):
   that iteration (training's business: the telemetry is unaffected).
 
 ``at=iter:K`` fires once the training iteration (from the heartbeat) reaches K;
-``at=Ns`` fires N seconds after the monitor (or launcher) started.
+``at=Ns`` fires N seconds after the monitor (or launcher) started. Under ``ftmaster launch``
+an injection may also wait for an event, ``after=EVENT`` (e.g.
+``fail:gpu=1,at=iter:12,after=emergency_save``): it fires once its ``at=`` is reached *and*
+the run has recorded that event since ftmaster started. A rehearsal then tests the chain it
+means to test (alert, emergency save, failure) whatever the machine's speed, instead of racing
+the monitor against training.
 """
 
 from __future__ import annotations
@@ -39,8 +44,13 @@ class Fault(enum.Enum):
 
 
 KINDS = ", ".join(kind.value for kind in Fault)
-GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns (KIND: {KINDS}; "
-           f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8)")
+# The events an injection may wait for: what a rehearsal's chain of cause and effect passes
+# through (DESIGN's event contract).
+AFTER_EVENTS = ("risk_alert", "checkpoint_request", "emergency_save", "periodic_save",
+                "persisted", "checkpoint_loaded", "resumed")
+GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns, optionally ,after=EVENT (KIND: {KINDS}; "
+           f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; EVENT: "
+           f"{', '.join(AFTER_EVENTS)})")
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class Injection:
     at_iteration: int | None = None
     at_seconds: float | None = None
     code: int | None = None
+    after: str | None = None
+    """An event (one of ``AFTER_EVENTS``) the run must have recorded before the fault fires."""
 
     def __post_init__(self) -> None:
         if self.gpu < 0:
@@ -67,21 +79,30 @@ class Injection:
             raise ValueError(f"an xid injection needs code=N with an XID number N >= 1, got {self.code}")
         if self.kind is not Fault.XID and self.code is not None:
             raise ValueError(f"code= is only for xid, not {self.kind.value}")
+        if self.after is not None and self.after not in AFTER_EVENTS:
+            raise ValueError(f"after= takes one of {', '.join(AFTER_EVENTS)}, got {self.after!r}")
+        if self.after is not None and self.kind is Fault.NAN:
+            raise ValueError("nan cannot wait for an event: it is handed to the next attempt")
 
-    def due(self, iteration: int | None, elapsed_s: float) -> bool:
-        """Whether the trigger has been reached; an unknown iteration never triggers iter:K."""
+    def due(self, iteration: int | None, elapsed_s: float,
+            seen_events: frozenset[str] = frozenset()) -> bool:
+        """Whether the trigger has been reached (and the awaited event seen); an unknown
+        iteration never triggers iter:K."""
+        if self.after is not None and self.after not in seen_events:
+            return False
         if self.at_iteration is not None:
             return iteration is not None and iteration >= self.at_iteration
         return elapsed_s >= self.at_seconds
 
     def at_once(self) -> Injection:
         """The same fault, due at once: how the launcher hands a fired fault to the monitor."""
-        return replace(self, at_iteration=None, at_seconds=0.0)
+        return replace(self, at_iteration=None, at_seconds=0.0, after=None)
 
     def __str__(self) -> str:
         at = f"iter:{self.at_iteration}" if self.at_iteration is not None else f"{self.at_seconds:g}s"
         code = "" if self.code is None else f",code={self.code}"
-        return f"{self.kind.value}:gpu={self.gpu}{code},at={at}"
+        after = "" if self.after is None else f",after={self.after}"
+        return f"{self.kind.value}:gpu={self.gpu}{code},at={at}{after}"
 
 
 def parse_injection(spec: str) -> Injection:
@@ -99,11 +120,20 @@ def parse_injection(spec: str) -> Injection:
     if kind is Fault.NAN and at_iteration is None:  # the trainer poisons a given iteration
         raise ValueError(f"bad --inject {spec!r}: nan needs at=iter:K (an iteration, not a time)")
     code = _parse_code(spec, fields["code"]) if kind is Fault.XID else None
-    return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds, code=code)
+    after = fields.get("after")
+    if after is not None and after.lower() not in AFTER_EVENTS:
+        raise ValueError(f"bad --inject {spec!r}: after= takes an event, one of "
+                         f"{', '.join(AFTER_EVENTS)}; got {after!r}")
+    if after is not None and kind is Fault.NAN:
+        raise ValueError(f"bad --inject {spec!r}: nan cannot take after= (it is handed to the "
+                         f"next attempt at its launch)")
+    return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds, code=code,
+                     after=None if after is None else after.lower())
 
 
 def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
-    allowed = ("gpu", "code", "at") if kind is Fault.XID else ("gpu", "at")
+    required = ("gpu", "code", "at") if kind is Fault.XID else ("gpu", "at")
+    allowed = (*required, "after")
     fields: dict[str, str] = {}
     for part in rest.split(","):
         key, eq, value = part.partition("=")
@@ -117,10 +147,10 @@ def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
         if key in fields:
             raise ValueError(f"bad --inject {spec!r}: {key!r} given twice")
         fields[key] = value.strip()
-    for required in allowed:
-        if required not in fields:
-            example = " (the XID number, e.g. code=79)" if required == "code" else ""
-            raise ValueError(f"bad --inject {spec!r}: missing {required}={example}; expected {GRAMMAR}")
+    for name in required:
+        if name not in fields:
+            example = " (the XID number, e.g. code=79)" if name == "code" else ""
+            raise ValueError(f"bad --inject {spec!r}: missing {name}={example}; expected {GRAMMAR}")
     return fields
 
 
