@@ -20,7 +20,7 @@ import sys
 
 from ftmaster import exit_codes
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.console import error, error_rank0
+from megatron.training.console import error, error_once_per_node
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         pretrain(args)
     except tuple(expected) as problem:
-        error_rank0(str(problem))
+        error_once_per_node(str(problem))
         return expected[type(problem)]
     except Exception as unexpected:
         get_error_handler().record_exception(unexpected)

@@ -391,7 +391,8 @@ class Monitor:
             body = {"gpu": alert.gpu, "score": alert.score, "reasons": list(alert.reasons),
                     "timestamp": iso_time(alert.time)}
             runfiles.append_event(self.run_dir, "risk_alert", **body)
-            runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), **body)
+            if DEVICE_LOST not in alert.reasons:  # a lost GPU's rank can take part in no save
+                runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), **body)
         if self.on_alert is not None:
             self.on_alert(alert)
 

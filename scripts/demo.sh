@@ -28,12 +28,12 @@ model=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
        --save "$run_dir/checkpoints" --save-interval 100 --emergency-save-gap-frac 0.05
        --distributed-timeout-minutes 0.5)
 
-# Iterations 8 to 16 must outlast the alert (a few monitor samples) and the save (two
-# iterations): global batch 24 and a 0.2 s sim interval leave room on fast machines too.
-echo "== ftmaster launch: 4 simulated GPUs, degrade GPU 1 at iteration 8, kill it at 16 =="
+# The kill waits for the emergency save the alert asks for (after=emergency_save), so the
+# rehearsal shows the whole chain on a machine of any speed.
+echo "== ftmaster launch: 4 simulated GPUs, degrade GPU 1 at iteration 8, kill it at 16 once saved =="
 "$py" -m ftmaster.cli launch --nproc-per-node 4 --monitor-backend sim --monitor-interval 0.2 \
     --seed 2 --run-dir "$run_dir/run" --progress-interval 3 \
-    --inject degrade:gpu=1,at=iter:8 --inject fail:gpu=1,at=iter:16 \
+    --inject degrade:gpu=1,at=iter:8 --inject fail:gpu=1,at=iter:16,after=emergency_save \
     -- pretrain_gpt.py "${model[@]}"
 
 echo "== what it cost: ftmaster report =="

@@ -468,6 +468,7 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
 
 
 def _validate_checkpointing(args):
+    _validate_load(args)
     if args.save is not None:
         _require(_is_writable_dir(Path(args.save)),
                  f"--save directory {args.save} is not writable: choose a directory you can "
@@ -478,6 +479,21 @@ def _validate_checkpointing(args):
     _require(args.emergency_save_gap_frac >= 0,
              f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
     _validate_memory_tier(args)
+
+
+def _validate_load(args):
+    """A ``--load`` that cannot hold checkpoints is a mistake, never a silent fresh start; a
+    first run's ``--save X --load X`` names a folder that does not exist yet, as in Megatron-LM."""
+    if args.load is None:
+        return
+    load = Path(args.load)
+    _require(not load.exists() or load.is_dir(),
+             f"--load {load} is a file: give the checkpoint folder (the one holding "
+             f"latest_checkpointed_iteration.txt and iter_*)")
+    first_run = args.save is not None and load.resolve() == Path(args.save).resolve()
+    _require(load.is_dir() or first_run,
+             f"--load {load} does not exist: give the folder to resume from, or the --save "
+             f"folder (which may not exist yet on a first run)")
 
 
 def _validate_memory_tier(args):

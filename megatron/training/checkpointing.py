@@ -611,6 +611,7 @@ class Checkpointer:
             self.group)
         for note in found.notes:
             log_rank0(f"warning: {note}")
+            self.event("tracker_problem", reason=note)
         skipped = []
         for candidate in found.candidates:
             problem = self._load_from(candidate.path, state, candidate.tier)
@@ -627,6 +628,7 @@ class Checkpointer:
         folders = " or ".join(str(folder) for folder in found.folders)
         if not skipped:
             log_rank0(f"no checkpoint in {folders}; starting from scratch")
+            self.event("fresh_start", folders=[str(folder) for folder in found.folders])
             return False
         message = (f"no checkpoint in {folders} can be loaded ({'; '.join(skipped)}); nothing "
                    f"was changed: repair or move them, or give another --load")
@@ -712,11 +714,15 @@ class Checkpointer:
             # The disk tier's lock across both: a persist copy checks that its memory
             # checkpoint still stands and moves it into place under that lock.
             with tracker_lock(Path(self.args.save)) if self.args.save else contextlib.nullcontext():
+                moved = []
                 if self.memory_dir is not None:
                     with tracker_lock(self.memory_dir):
-                        set_aside_newer(self.memory_dir, iteration)
+                        moved += set_aside_newer(self.memory_dir, iteration)
                 if self.args.save:
-                    set_aside_newer(Path(self.args.save), iteration)
+                    moved += set_aside_newer(Path(self.args.save), iteration)
+            for old, new in moved:
+                self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
+                           moved_to=None if new is None else str(new))
         torch.distributed.barrier(group=self.group)
 
     def _check_optimizer(self, saved: dict) -> None:
@@ -767,20 +773,27 @@ class Checkpointer:
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
-def set_aside_newer(save_dir: Path, iteration: int) -> list[Path]:
+def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | None]]:
     """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
-    it when this tier has no such folder: the resume came from the other tier); returns the
-    new names. The caller holds ``tracker_lock(save_dir)``."""
-    moved = []
+    it when this tier has no such folder: the resume came from the other tier). A folder
+    without a single file (a save killed at its ``mkdir``) holds nothing to keep and is
+    removed. Returns (folder, new name or None when removed). The caller holds
+    ``tracker_lock(save_dir)``."""
+    moved: list[tuple[Path, Path | None]] = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     if not Path(save_dir).is_dir():
         return moved
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
         old = iteration_dir(save_dir, newer)
+        if not any(path.is_file() for path in old.rglob("*")):
+            shutil.rmtree(old, ignore_errors=True)
+            moved.append((old, None))
+            log_rank0(f"removed {old}: an empty folder left by a save that wrote nothing")
+            continue
         new = old.with_name(f"{old.name}.discarded-{stamp}")
         old.rename(new)
-        moved.append(new)
+        moved.append((old, new))
         log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration "
                   f"{iteration}, from a discarded timeline")
     tracked = read_tracker(save_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -26,9 +27,10 @@ def error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def error_rank0(message: str) -> None:
-    """An error every rank found alike: said once."""
-    if _rank() == 0:
+def error_once_per_node(message: str) -> None:
+    """An error every rank found alike: said once on each node (by its local rank 0), since
+    each node's ftmaster reads only its own ranks' output."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         error(message)
 
 

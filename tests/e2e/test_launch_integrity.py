@@ -51,7 +51,8 @@ def tiny_disk(tmp_path):
 def test_a_full_disk_is_named_on_the_console_never_blamed_on_a_gpu_nor_retried(tiny_disk, tmp_path):
     run_dir, save = tmp_path / "run", tiny_disk / "ckpt"
     result = run_launch(run_dir, 2, train_args(save, 8, 1, 1, 2))
-    assert result.returncode == 1, result.stdout[-4000:]
+    assert result.returncode == 93, result.stdout[-4000:]  # NVIDIA's "do not requeue"
+    assert "do not requeue: a requeue would fail the same way (exit status 93)" in result.stdout
     assert "ENOSPC (No space left on device)" in result.stdout
     assert str(iteration_dir(save, 8)) in result.stdout
     failure = only(run_dir, "failure")

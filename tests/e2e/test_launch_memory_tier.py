@@ -21,8 +21,9 @@ def demo_args(save):
                       "--non-persistent-ckpt-type", "global", global_batch=24)
 
 
-INJECT = ("--seed", "2", "--inject", "degrade:gpu=1,at=iter:8", "--inject", "fail:gpu=1,at=iter:16",
-          "--inject", "fail:gpu=2,at=iter:22")
+# GPU 1 fails once the emergency save is on disk too, however fast the machine trains.
+INJECT = ("--seed", "2", "--inject", "degrade:gpu=1,at=iter:8",
+          "--inject", "fail:gpu=1,at=iter:16,after=persisted", "--inject", "fail:gpu=2,at=iter:22")
 
 
 def memory_folder(run_dir) -> Path:
@@ -51,7 +52,7 @@ def test_the_newest_copy_is_resumed_from_memory_then_from_disk_once_memory_is_go
         shutil.rmtree(memory_folder(run_dir), ignore_errors=True)
     assert ftmaster.returncode == 0, output[-4000:]
     (saved,) = events(run_dir, "emergency_save")
-    assert saved["tier"] == "memory" and 8 <= saved["iteration"] < 16
+    assert saved["tier"] == "memory" and 8 <= saved["iteration"]
     persisted = events(run_dir, "persisted")[0]
     assert persisted["iteration"] == saved["iteration"] and persisted["time"] > saved["time"]
     assert persisted["bytes"] == saved["bytes"]
@@ -61,6 +62,8 @@ def test_the_newest_copy_is_resumed_from_memory_then_from_disk_once_memory_is_go
     assert (from_memory["iteration"], from_memory["tier"]) == (saved["iteration"], "memory")
     assert (from_disk["iteration"], from_disk["tier"]) == (saved["iteration"], "disk")
     assert from_disk["path"] == str(iteration_dir(save, saved["iteration"]))
+    (lost,) = events(run_dir, "memory_tier_lost")  # said on the console, not silent
+    assert (lost["iteration"], lost["path"]) == (saved["iteration"], str(folder))
     assert read_tracker(save) == 30
 
 

@@ -55,8 +55,10 @@ def test_uneven_nodes_after_a_gpu_loss_and_an_emergency_save_on_every_node(tmp_p
     args = train_args(save, 40, 2, 1, 100, "--emergency-save-gap-frac", "0.02")
     nodes = Nodes(tmp_path, 2, args, "--seed", "2")
     try:
+        # The failure waits for the save the alert asks for: the monitor's alert (a few
+        # samples) and training's speed no longer race (issue 19).
         nodes.start_all(2, (), ("--inject", "degrade:gpu=1,at=iter:3",
-                                "--inject", "fail:gpu=1,at=iter:12"))
+                                "--inject", "fail:gpu=1,at=iter:12,after=emergency_save"))
         assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
         assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
     finally:
@@ -69,9 +71,60 @@ def test_uneven_nodes_after_a_gpu_loss_and_an_emergency_save_on_every_node(tmp_p
     saved = [e["iteration"] for e in nodes.events(1, "emergency_save")]
     assert saved and saved == [e["iteration"] for e in nodes.events(0, "emergency_save")]
     (lost,) = [f for f in nodes.events(1, "failure") if f["cause"] != "peer"]
-    assert lost["gpus"] == [1]
+    assert lost["gpus"] == [1] and lost["iteration"] >= max(12, saved[0])
+    assert nodes.events(1, "checkpoint_loaded")[0]["iteration"] == saved[0]
     assert [r["gpu"] for r in nodes.events(1, "plan")[-1]["gpus_retired"]] == [1]
     assert read_tracker(save) == 40
+
+
+def test_a_node_that_joins_after_the_first_round_trains_in_the_next_one(tmp_path):
+    """The README's procedure with node 1 started 5 s after node 0, once node 0's first round
+    has closed without it: node 1's first attempt is built from the round's plan like node 0's
+    relaunch (its layout and --load), not from the raw command, whose missing --load made its
+    ranks refuse the checkpoints already in --save (exit 2) and left the job on half its GPUs."""
+    save = tmp_path / "ckpt"
+    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5))
+    try:
+        started = time.monotonic()
+        nodes.start(0)
+        wait_until(lambda: nodes.events(0, "round"), timeout=120, interval=0.1,
+                   what="node 0's first round")
+        time.sleep(max(0.0, 5 - (time.monotonic() - started)))
+        nodes.start(1)
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+    assert plans(nodes, 0)[0][:3] == (1, [0], [2])  # node 0 alone first
+    for node_rank in (0, 1):
+        last_round = plans(nodes, node_rank)[-1]
+        assert last_round[0] >= 2 and last_round[1:3] == ([0, 1], [2, 2]), plans(nodes, node_rank)
+        assert nodes.events(node_rank, "complete")[0]["iteration"] == 30
+        codes = [code for f in nodes.events(node_rank, "failure") for code in f["exit_codes"].values()]
+        assert 2 not in codes and not nodes.events(node_rank, "gave_up")
+    first = nodes.events(1, "launch")[0]["command"]
+    assert first[first.index("--load") + 1] == str(save)
+    assert read_tracker(save) == 30
+
+
+def test_every_node_shows_the_error_of_its_own_ranks_when_it_gives_up(tmp_path):
+    """The trainer states an error every rank shares (here: a fresh start over a --save that
+    holds checkpoints) once per node, so node 1's give-up shows it too, not an empty root cause
+    (it used to come from global rank 0 alone, on node 0). It is no requeue's to cure."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("5\n")
+    nodes = Nodes(tmp_path, 2, train_args(save, 10, 2, 1, 5))
+    try:
+        nodes.start_all(2)
+        codes = [nodes.wait(0), nodes.wait(1)]
+    finally:
+        nodes.kill_all()
+    for node_rank in (0, 1):
+        output = nodes.output(node_rank)
+        assert f"error: --save {save} already holds checkpoints" in output.split("root cause")[1], output[-3000:]
+    assert codes == [93, 93]
+    assert "do not requeue" in nodes.output(0) + nodes.output(1)
 
 
 def test_losing_the_node_that_hosts_the_store_makes_every_other_node_exit_75(tmp_path):

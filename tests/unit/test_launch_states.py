@@ -3,7 +3,7 @@
 import pytest
 
 from ftmaster.states import (TERMINAL, TRANSITIONS, IllegalTransition, State, Trigger, advance,
-                             after_failure, exit_status)
+                             after_failure, exit_status, requeue_advice)
 
 S, T = State, Trigger
 
@@ -102,10 +102,24 @@ def test_what_a_relaunch_cannot_cure_ends_the_run_at_once(cause, again, trigger,
                             nonfinite_again=again)
     assert outcome.trigger is trigger
     assert (outcome.reason is None) if reason is None else reason in outcome.reason
+    assert outcome.requeue_helps is (trigger is not T.GIVE_UP)  # neither would a requeue
 
 
-@pytest.mark.parametrize("state,signum,status", [
-    (S.SUCCEEDED, None, 0), (S.GAVE_UP, None, 1), (S.INTERRUPTED, 15, 143), (S.INTERRUPTED, 2, 130),
-    (S.REQUEUED, None, 75)])
-def test_exit_status(state, signum, status):
-    assert exit_status(state, signum) == status
+@pytest.mark.parametrize("early,restarts,requeue_helps", [
+    (2, 0, False),  # a crash loop: a requeue loops again
+    (0, 3, True),  # the budget spent on failing hardware: fresh nodes may do
+])
+def test_a_give_up_says_whether_a_requeue_may_help(early, restarts, requeue_helps):
+    outcome = after_failure(restarts_done=restarts, max_restarts=3, early_exits_in_row=early,
+                            policy="available", lost_gpus=frozenset())
+    assert (outcome.trigger, outcome.requeue_helps) == (T.GIVE_UP, requeue_helps)
+    advice = requeue_advice(requeue_helps)
+    assert advice.endswith(f"(exit status {exit_status(S.GAVE_UP, None, requeue_helps)})")
+    assert advice.startswith("requeueing may help" if requeue_helps else "do not requeue")
+
+
+@pytest.mark.parametrize("state,signum,requeue_helps,status", [
+    (S.SUCCEEDED, None, True, 0), (S.GAVE_UP, None, True, 1), (S.GAVE_UP, None, False, 93),
+    (S.INTERRUPTED, 15, True, 143), (S.INTERRUPTED, 2, True, 130), (S.REQUEUED, None, True, 75)])
+def test_exit_status(state, signum, requeue_helps, status):
+    assert exit_status(state, signum, requeue_helps) == status

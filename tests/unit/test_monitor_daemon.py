@@ -54,6 +54,8 @@ def test_fail_loses_the_gpu_and_recover_brings_it_back(tmp_path):
     assert monitor.lost_gpus() == {1}
     lost = [e for e in runfiles.read_events(tmp_path) if e["event"] == "risk_alert"]
     assert [(e["gpu"], e["reasons"]) for e in lost] == [(1, ["device_lost"])]
+    # its rank is gone, so no save can be agreed: the alert asks for none
+    assert not runfiles.trigger_flag_path(tmp_path).exists()
     run(monitor, 3)
     assert monitor.lost_gpus() == set()
 

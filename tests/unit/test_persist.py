@@ -18,7 +18,7 @@ from ftmaster.persist import (PersistError, Persister, Tiers, checkpoint_bytes_g
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
-from megatron.training.checkpointing import prune_memory_checkpoints
+from megatron.training.checkpointing import prune_memory_checkpoints, set_aside_newer
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
 from helpers.trainer import wait_until
 
@@ -263,3 +263,19 @@ def test_a_tokenizer_files_vocabulary_is_assumed_and_an_unknown_size_keeps_dev_s
                                  tmp_path / "run", tmp_path)
     assert "--non-persistent-global-ckpt-dir" not in args
     assert "the size of a checkpoint is unknown" in note
+
+
+def test_a_resume_sets_aside_newer_checkpoints_but_removes_a_save_killed_at_its_mkdir(tmp_path):
+    """A save killed right after its mkdir leaves an empty iter_* folder: nothing to keep, so
+    it is removed rather than kept forever as iter_*.discarded-<time>."""
+    save = tmp_path / "save"
+    fake_checkpoint(save, 6)
+    newer = fake_checkpoint(save, 9)
+    iteration_dir(save, 12).mkdir()  # killed at its mkdir
+    (iteration_dir(save, 15) / "sub").mkdir(parents=True)  # or with its first subfolder
+    moved = dict(set_aside_newer(save, 6))
+    assert moved[iteration_dir(save, 12)] is None and moved[iteration_dir(save, 15)] is None
+    assert moved[newer].name.startswith("iter_0000009.discarded-") and moved[newer].is_dir()
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000006", moved[newer].name]
+    assert read_tracker(save) == 6

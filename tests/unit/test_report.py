@@ -105,8 +105,8 @@ def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):
     assert "failure 2: attempt 2, device_lost on GPU(s) [2]" in text
     assert "  lost iterations    4 (RPO; 0.400 s of training)" in text
     assert "    launch to loaded            22.000 s" in text
-    assert ("  RTO from fault     25.250 s (detection: fault to failure 0.250 s, then the RTO "
-            "above)") in text
+    assert ("  RTO from fault     25.250 s (detection: fault to failure 0.250 s, since "
+            "fault_injected fail on GPU 1; then the RTO above)") in text
     assert "new layout         TP 1 x PP 1 x DP 2, micro-batch 2, global batch 12, GPU(s) [0, 3]" in text
 
 
@@ -126,7 +126,9 @@ def test_last_progress_estimate_without_a_known_fault_time(tmp_path):
                                             "since": "last progress (estimated)"}
     assert failure["lead_time"] is None and failure["lost_iterations"] == 2
     assert failure["rto_seconds"] is None and failure["outcome"] == "gave up: no GPUs left"
-    assert failure["fault_to_failure_seconds"] is None and failure["rto_from_fault_seconds"] is None
+    # the fault came no earlier than the last progress: detection is measured from there
+    assert failure["fault_to_failure_seconds"] == pytest.approx(40 - 29.9)
+    assert failure["rto_from_fault_seconds"] is None  # not resumed
     assert "RTO                unknown: gave up: no GPUs left" in result.stdout
     assert not (run_dir / "report.json").exists()
 
@@ -173,3 +175,62 @@ def test_a_missing_run_dir_is_one_line(tmp_path):
     assert result.exit_code == 1
     assert result.stderr.strip() == f"Error: {tmp_path / 'nowhere'} is not a directory: give an " \
                                     "ftmaster run directory"
+
+
+def test_a_supervisor_started_again_on_the_run_reports_its_resume(tmp_path):
+    """ftmaster SIGKILLed after iteration 14 and started again 60 s later: the new one records
+    the lost attempt and relaunches at once (no plan). The report says where it restarted from
+    and its RTO, and measures detection from the last progress."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 30, 10, 0.25, 0.5),
+              event("failure", 100, attempt=1, iteration=14, cause="supervisor_lost", gpus=[],
+                    exit_codes={}),
+              launch(100.5, 2, [0, 1], 1, 1, 2),
+              event("checkpoint_loaded", 108, iteration=10, path="ckpt/iter_0000010", seconds=0.2),
+              event("resumed", 109, attempt=2, iteration=11), event("complete", 120, iteration=20)]
+    logs = {1: [iteration_line(n, 20, 200) for n in range(1, 15)],
+            2: [loaded_line(10, 0.2, 4096), *(iteration_line(n, 20, 500) for n in range(11, 21))]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (failure["restarted_from_iteration"], failure["outcome"]) == (10, "resumed")
+    assert failure["rto_seconds"] == pytest.approx(9.0)
+    assert failure["phases"]["failure_to_plan"] == pytest.approx(0.5)  # to the launch: no plan
+    assert failure["detection_latency"]["since"] == "last progress (estimated)"
+    progress = 29.5 + 4 * 0.2  # the save of 10 started at 29.5, then 11..14 at 200 ms
+    assert failure["fault_to_failure_seconds"] == pytest.approx(100 - progress)
+    assert failure["rto_from_fault_seconds"] == pytest.approx(109 - progress)
+    assert "restarted from     iteration 10 (load 0.200 s" in result.stdout
+    assert "failure 1: attempt 1, supervisor_lost at +100.00 s" in result.stdout  # no "on GPU(s) []"
+
+
+@pytest.mark.parametrize("kind, alert_reasons", [
+    ("wedge", ["device_lost", "wedged"]),  # the alert came 3.85 s after the wedge
+    ("xid", ["xid_79"]),
+])
+def test_detection_runs_from_the_injection_whatever_the_fault(tmp_path, kind, alert_reasons):
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("fault_injected", 50, kind=kind, gpu=1, spec=f"{kind}:gpu=1,at=iter:5", iteration=5),
+              alert(53.85, 1, alert_reasons),
+              event("failure", 53.9, attempt=1, iteration=5, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(54, [0], 1, 1, 1), launch(54.5, 2, [0], 1, 1, 1),
+              event("resumed", 64, attempt=2, iteration=1), event("complete", 70, iteration=5)]
+    logs = {1: [iteration_line(n, 5, 200) for n in range(1, 6)], 2: [iteration_line(1, 5, 300)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(3.9),
+                                            "since": f"fault_injected {kind} on GPU 1"}
+    assert failure["rto_from_fault_seconds"] == pytest.approx(14.0)
+    assert "RTO from fault     14.000 s (detection: fault to failure 3.900 s" in result.stdout
+
+
+def test_an_alert_that_shows_the_fault_itself_is_its_earliest_evidence(tmp_path):
+    """No injection (a real XID): detection runs from the XID's sample, not the last progress."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), alert(51, 1, ["xid_79"], sample_at=50.5),
+              event("failure", 52, attempt=1, iteration=5, cause="exit", gpus=[1], exit_codes={"1": 1})]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 5, 200) for n in range(1, 6)]})
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(1.5), "since": "monitor: GPU 1 xid_79"}

@@ -97,6 +97,9 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
     line = progress.line({"iteration": 10, "time": 100.5}, now=111.0)
     assert line == ("progress: iteration 10/30 | lm loss 3.912 (iteration 10) | "
                     "0.25 s/iteration | last checkpoint 5 (10 s ago) | ETA 5 s")
+    progress.last_checkpoint = {"event": "checkpoint_loaded", "iteration": 4, "time": 110.0}
+    line = progress.line({"iteration": 12, "time": 101.0}, now=117.0)
+    assert "| resumed from checkpoint 4 |" in line  # a resume's, until its first save
 
 
 @pytest.mark.parametrize("event, level, text", [
@@ -112,6 +115,15 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
     ({"event": "emergency_save", "iteration": 11, "kind": "emergency", "bytes": 3_100_000,
       "seconds": 0.2, "persist_seconds": 0.5}, logging.INFO,
      "checkpoint at iteration 11 (emergency, 3.1 MB): training blocked 0.20 s, durable after 0.50 s"),
+    ({"event": "fresh_start", "folders": ["/c"]}, logging.INFO,
+     "no checkpoint in /c; starting from scratch"),
+    ({"event": "tracker_problem", "reason": "/c/latest_checkpointed_iteration.txt holds 'x?': "
+      "trying every iter_* folder, newest first"}, logging.WARNING,
+     "checkpoint tracker: /c/latest_checkpointed_iteration.txt holds 'x?': trying every iter_* "
+     "folder, newest first"),
+    ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/c/iter_0000012",
+      "moved_to": None}, logging.WARNING,
+     "/c/iter_0000012 removed (it held no file): newer than the resumed iteration 9"),
 ])
 def test_trainer_events_become_one_console_line(event, level, text):
     assert describe_event(event) == (level, text)

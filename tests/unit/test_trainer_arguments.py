@@ -120,6 +120,19 @@ def test_unwritable_save_directory(tmp_path):
         parse_args(with_args("--save", str(blocker / "ckpt")), world_size=1)
 
 
+def test_a_load_folder_that_cannot_hold_checkpoints_is_refused(tmp_path):
+    (tmp_path / "weights.pt").write_text("a file, not a checkpoint folder")
+    with pytest.raises(ArgumentError, match="--load .*weights.pt is a file: give the checkpoint folder"):
+        parse_args(with_args("--load", str(tmp_path / "weights.pt")), world_size=1)
+    with pytest.raises(ArgumentError, match="--load .*typo does not exist"):
+        parse_args(with_args("--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "typo")),
+                   world_size=1)
+    # Megatron-LM's first run: --save X --load X where X does not exist yet
+    first = tmp_path / "new"
+    assert parse_args(with_args("--save", str(first), "--load", str(first)), world_size=1).load == str(first)
+    assert parse_args(with_args("--load", str(tmp_path)), world_size=1).load == str(tmp_path)
+
+
 def test_defaults_follow_megatron():
     args = parse_args(with_args(), world_size=4)
     assert args.data_parallel_size == 4

@@ -22,8 +22,6 @@ _ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
     r".*?lm loss: ([0-9.eE+-]+|nan|inf) \|")
 SAVE_EVENTS = ("emergency_save", "periodic_save")
-ECHOED = ("checkpoint_loaded", *SAVE_EVENTS, "save_failed", "checkpoint_skipped", "load_failed",
-          "nonfinite", "save_deferred")
 
 
 class FileTail:
@@ -109,6 +107,16 @@ def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
     if name == "nonfinite":
         return logging.ERROR, (f"non-finite {event.get('what', 'loss')} at iteration {it}: "
                                f"stopped before the update, nothing saved")
+    if name == "fresh_start":
+        return logging.INFO, (f"no checkpoint in {' or '.join(event.get('folders') or ['--load'])}; "
+                              f"starting from scratch")
+    if name == "tracker_problem":
+        return logging.WARNING, f"checkpoint tracker: {event.get('reason')}"
+    if name == "checkpoint_set_aside":
+        moved = event.get("moved_to")
+        done = f"set aside as {moved}" if moved else "removed (it held no file)"
+        return logging.WARNING, (f"{event.get('path')} {done}: newer than the resumed iteration "
+                                 f"{it}")
     if name == "save_deferred":
         return logging.INFO, (f"emergency checkpoint deferred to iteration "
                               f"{event.get('until_iteration')} (gap filter)")
@@ -136,6 +144,7 @@ class Progress:
         self._previous: _Point | None = None
         self._loss: tuple[int, str] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
+        """The newest save event seen, else the ``checkpoint_loaded`` the attempt resumed from."""
 
     def line(self, heartbeat: dict[str, Any] | None, now: float) -> str | None:
         """The progress line when one is due, else None."""
@@ -160,7 +169,9 @@ class Progress:
         if self._loss is not None:
             parts.append(f"lm loss {float(self._loss[1]):.4g} (iteration {self._loss[0]})")
         parts.append(f"{per_iteration:.3g} s/iteration")
-        if self.last_checkpoint is not None:
+        if self.last_checkpoint is not None and self.last_checkpoint.get("event") == "checkpoint_loaded":
+            parts.append(f"resumed from checkpoint {self.last_checkpoint['iteration']}")
+        elif self.last_checkpoint is not None:
             age = duration(now - self.last_checkpoint["time"])
             parts.append(f"last checkpoint {self.last_checkpoint['iteration']} ({age} ago)")
         else:

@@ -14,6 +14,12 @@ STORAGE = 74
 """EX_IOERR: the final (or exit) checkpoint could not be written."""
 REQUEUE = 75
 """EX_TEMPFAIL: the job's rendezvous store is gone; requeue the job."""
+GAVE_UP = 1
+"""ftmaster gave up on something a requeue may cure (the restart budget spent, too few GPUs or
+nodes for any layout): fresh nodes may do."""
+DO_NOT_REQUEUE = 93
+"""ftmaster gave up on something a requeue cannot cure (bad arguments, a storage error, no
+loadable checkpoint, a crash loop): NVIDIA's resiliency launcher's "do not requeue" status."""
 
 TRAINER_CAUSES = {NONFINITE: "nonfinite", NO_CHECKPOINT: "no_checkpoint", STORAGE: "storage",
                   USAGE: "usage"}

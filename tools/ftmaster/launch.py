@@ -297,8 +297,12 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         membership = _membership(rendezvous)
-        code = _supervise(Supervisor(config, monitor, membership), monitor,
-                          Listener(config.run_dir))
+        try:
+            code = _supervise(Supervisor(config, monitor, membership), monitor,
+                              Listener(config.run_dir))
+        finally:
+            if membership is not None:
+                membership.stop_keep_alive()
     finally:
         lock.release()
     sys.exit(code)

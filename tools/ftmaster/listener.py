@@ -67,5 +67,6 @@ class Listener:
                 log.error("cannot move the checkpoint trigger: %s", error)
                 event = None
             if event is not None:
-                log.warning("checkpoint requested by %s (GPU %s)", event["source"], event["gpu"])
+                gpu = "" if event["gpu"] is None else f" (GPU {event['gpu']})"
+                log.warning("checkpoint requested by %s%s", event["source"], gpu)
             self._stop.wait(self.interval_s)

@@ -48,6 +48,7 @@ BACKENDS = ("c10d", "etcd-v2")
 DEFAULT_PORT = 29400
 RECORD_TIMEOUT_S = 60.0
 ACK_TIMEOUT_S = 30.0
+KEEP_ALIVE_STOP_TIMEOUT_S = 10.0
 
 
 class StoreLost(Exception):
@@ -319,6 +320,20 @@ class NodeMembership:
                 self.handler.shutdown()
         except Exception as error:  # the job is over; a store gone now changes nothing
             log.info("rendezvous at the end of the job: %s", error)
+
+    def stop_keep_alive(self) -> None:
+        """Stop the handler's keep-alive thread and wait for it, before the interpreter exits.
+        The thread calls torch's C++ store with the GIL released; CPython (before 3.14) ends a
+        daemon thread that comes back for the GIL during finalization with pthread_exit, which
+        aborts the process from inside that C++ frame ("terminate called without an active
+        exception", SIGABRT) after the job ended well. torch elastic's own ``shutdown`` stops
+        it the same way, but also closes the rendezvous, which only the end of the job may.
+        Bounded: a keep-alive blocked on a store no packet reaches is left to it."""
+        try:
+            call_once_bounded("rendezvous-keep-alive-stop", KEEP_ALIVE_STOP_TIMEOUT_S,
+                              self.handler._stop_heartbeats)
+        except CallTimeout:
+            log.info("the rendezvous keep-alive did not stop within %g s", KEEP_ALIVE_STOP_TIMEOUT_S)
 
     def acknowledge(self) -> None:
         self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")

@@ -98,6 +98,7 @@ import click
 from ftmaster import runfiles
 
 SAVES = ("emergency_save", "periodic_save")
+FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
 END_EVENTS = ("complete", "gave_up", "stopped")
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -322,18 +323,26 @@ def _sample_time(alert: dict) -> float:
         return alert["time"]
 
 
+def _is_fault_evidence(alert: dict) -> bool:
+    """An alert that shows the fault itself (the GPU gone, wedged, or an XID), not a
+    prediction of it."""
+    return any(reason in ("device_lost", "wedged") or reason.startswith("xid_")
+               for reason in alert.get("reasons") or ())
+
+
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
-    """Where the fault's own time is known: injected, or the monitor saw the GPU vanish."""
+    """Where the fault's own time is known: injected, or the monitor saw it (the GPU gone or
+    wedged, an XID)."""
     for event in window:
-        if event["event"] == "fault_injected" and event.get("kind") in ("fail", "hang") \
+        if event["event"] == "fault_injected" and event.get("kind") in FAULT_KINDS \
                 and _on_failed_gpu(event, failure, event.get("gpu")):
             return event["time"], f"fault_injected {event['kind']} on {_gpu_name(event, event['gpu'])}"
-    lost = [(_sample_time(e), e["gpu"], e) for e in window if e["event"] == "risk_alert"
-            and "device_lost" in (e.get("reasons") or ()) and _on_failed_gpu(e, failure, e.get("gpu"))]
-    lost = [(t, gpu, e) for t, gpu, e in lost if t <= failure["time"]]
-    if lost:
-        when, gpu, alert = min(lost, key=lambda found: found[:2])
-        return when, f"monitor: {_gpu_name(alert, gpu)} device_lost"
+    seen = [(_sample_time(e), e["gpu"], e) for e in window if e["event"] == "risk_alert"
+            and _is_fault_evidence(e) and _on_failed_gpu(e, failure, e.get("gpu"))]
+    seen = [(t, gpu, e) for t, gpu, e in seen if t <= failure["time"]]
+    if seen:
+        when, gpu, alert = min(seen, key=lambda found: found[:2])
+        return when, f"monitor: {_gpu_name(alert, gpu)} {', '.join(alert['reasons'])}"
     return None
 
 
@@ -356,13 +365,14 @@ def _last_progress(attempt_events: list[dict], failure: dict, log: AttemptLog) -
 
 def _detection(window: list[dict], attempt_events: list[dict], failure: dict,
                log: AttemptLog) -> tuple[float | None, dict]:
-    """(fault_at or None, the detection record)."""
+    """(fault_at or None, the detection record): from the earliest evidence of the fault,
+    else from the last progress (a fault can have come no earlier)."""
     known = _fault_moment(window, failure)
     if known is not None:
         return known[0], {"seconds": failure["time"] - known[0], "since": known[1]}
     progress = _last_progress(attempt_events, failure, log)
     seconds = None if progress is None else failure["time"] - progress
-    return None, {"seconds": seconds, "since": "last progress (estimated)"}
+    return progress, {"seconds": seconds, "since": "last progress (estimated)"}
 
 
 def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | None:
@@ -390,15 +400,14 @@ def _first(events: list[dict], name: str, after: float) -> dict | None:
     return next((e for e in events if e["event"] == name and e["time"] >= after), None)
 
 
-def _relaunches(after: list[dict], plan: dict | None) -> list[dict]:
-    """Each node's first launch after the plan and before the first resumed, in node order."""
-    if plan is None:
-        return []
-    resumed = _first(after, "resumed", plan["time"])
+def _relaunches(after: list[dict], since: float) -> list[dict]:
+    """Each node's first launch after ``since`` (the plan) and before the first resumed, in
+    node order."""
+    resumed = _first(after, "resumed", since)
     until = resumed["time"] if resumed else math.inf
     firsts: dict[Any, dict] = {}
     for event in after:
-        if event["event"] == "launch" and plan["time"] <= event["time"] <= until:
+        if event["event"] == "launch" and since <= event["time"] <= until:
             firsts.setdefault(event.get("node"), event)
     return sorted(firsts.values(), key=lambda e: e.get("node", -1))
 
@@ -412,7 +421,9 @@ def _recovery(after: list[dict], failure: dict, plan: dict | None, launch: dict 
         first_iterations = relaunch_log.seconds_between(relaunch_log.loaded_iteration,
                                                         resumed["iteration"])
         loaded = None if first_iterations is None else {"time": resumed["time"] - first_iterations}
-    marks = [failure, plan, launch, loaded, resumed]
+    # Without a plan (a supervisor started again on the run directory relaunches at once)
+    # the time to the launch is all failure_to_plan.
+    marks = [failure, plan or launch, launch, loaded, resumed]
     names = ("failure_to_plan", "plan_to_launch", "launch_to_loaded", "loaded_to_first_iteration")
     phases = {name: (b["time"] - a["time"] if a and b else None)
               for name, a, b in zip(names, marks, marks[1:])}
@@ -521,7 +532,7 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     fault_at, detection = _detection(window, attempt_events, failure, failed_log)
 
     plan = _first(after, "plan", failure["time"])
-    relaunches = _relaunches(after, plan)
+    relaunches = _relaunches(after, plan["time"] if plan else failure["time"])
     relaunch = max(relaunches, key=lambda e: e["time"]) if relaunches else None
     relaunch_log = _read_logs(run_dir, [(e.get("node"), e.get("attempt")) for e in relaunches])
     recovery = _recovery(after, failure, plan, relaunch, relaunch_log)
@@ -565,7 +576,7 @@ TEMPLATES = {
     "fault_injected": "{kind} on GPU {gpu} at iteration {iteration}",
     "risk_alert": "GPU {gpu} score {score} ({reasons})",
     "checkpoint_request": "from {source}, GPU {gpu}",
-    "emergency_save": "{kind} checkpoint of iteration {iteration} durable ({tier}): training "
+    "emergency_save": "{kind} checkpoint of iteration {iteration} {state} ({tier}): training "
                       "blocked {seconds} s, {persist_seconds} s to complete, {bytes} bytes",
     "persisted": "memory checkpoint of iteration {iteration} copied to {path} in {seconds} s "
                  "({bytes} bytes)",
@@ -575,7 +586,7 @@ TEMPLATES = {
                      "{seconds} s",
     "replica_fallback": "no replica cut ({reason}): the newest checkpoint is used",
     "save_deferred": "iteration {iteration}: emergency save deferred to iteration {until_iteration}",
-    "failure": "attempt {attempt} {cause} on GPU(s) {gpus}, last iteration {iteration}",
+    "failure": "attempt {attempt} {cause}{on_gpus}, last iteration {iteration}",
     "stopped": "signal {signal}, exit status {exit_code}, at iteration {iteration}",
     "plan": "TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x DP "
             "{data_parallel_size}, micro-batch {micro_batch_size}, global batch "
@@ -593,9 +604,33 @@ TEMPLATES = {
 TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 
 
+TEMPLATES["armed"] = "{kind} armed on GPU {gpu} for iteration {iteration} (at the launch)"
+
+
 class _Fields(dict):
     def __missing__(self, key: str) -> str:
         return "disk" if key == "tier" else "?"  # saves before the memory tier went to disk
+
+
+def _derived(event: dict) -> dict:
+    """Words that depend on several fields: a memory save is complete, not durable; a failure
+    on no GPU (storage, a NaN) names none."""
+    if event["event"] in SAVES:
+        return {"state": "complete" if event.get("tier") == "memory" else "durable"}
+    if event["event"] == "failure":
+        gpus = event.get("gpus")
+        return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
+    return {}
+
+
+def _label(event: dict) -> str:
+    """The timeline's name of an event: a save by its kind (an exit or final save is no
+    periodic one), a fault armed at a launch as such."""
+    if event["event"] in SAVES and isinstance(event.get("kind"), str):
+        return f"{event['kind']}_save"
+    if event["event"] == "fault_injected" and event.get("armed"):
+        return "fault_armed"
+    return event["event"]
 
 
 def describe(event: dict) -> str:
@@ -603,7 +638,8 @@ def describe(event: dict) -> str:
     fields = _Fields({k: f"{v:g}" if isinstance(v, float) else
                       ", ".join(map(str, v)) if isinstance(v, list) and k == "reasons" else v
                       for k, v in event.items()})
-    template = TEMPLATES.get(event["event"])
+    fields.update(_derived(event))
+    template = TEMPLATES.get("armed" if event.get("armed") else event["event"])
     if template is not None:
         return template.format_map(fields)
     return " ".join(f"{k}={fields[k]}" for k in event if k not in ("event", "time", "command", "node"))
@@ -638,8 +674,8 @@ def build_report(run_dir: Path) -> dict:
     return {
         "run_dir": str(run_dir), "start_time": start,
         **({} if nodes is None else {"nodes": nodes}),
-        "timeline": [{"t": e["time"] - start, **_node_of(e), "event": e["event"], "text": describe(e)}
-                     for e in events],
+        "timeline": [{"t": e["time"] - start, **_node_of(e), "event": e["event"],
+                      "label": _label(e), "text": describe(e)} for e in events],
         "failures": failure_reports(run_dir, events),
         "outcome": _run_outcome(events),
     }
@@ -685,7 +721,8 @@ def _replica_text(replica: dict | None) -> list[str]:
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
-    lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']} on GPU(s) {f['gpus']} at "
+    where = f" on GPU(s) {f['gpus']}" if f["gpus"] else ""
+    lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']}{where} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
              *(_round_text(f, start) if node else ()),
              f"  detection latency  {_s(detection['seconds'])} (since {detection['since']})",
@@ -708,9 +745,9 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
     lines.append(f"  RTO                {_s(f['rto_seconds'])} to iteration "
                  f"{resumed['iteration']} ({where}attempt {resumed['attempt']})")
     lines += [f"    {name.replace('_', ' '):<28}{_s(value)}" for name, value in f["phases"].items()]
-    if f["rto_from_fault_seconds"] is not None:
-        lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
-                     f"failure {_s(f['fault_to_failure_seconds'])}, then the RTO above)")
+    lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
+                 f"failure {_s(f['fault_to_failure_seconds'])}, since "
+                 f"{f['detection_latency']['since']}; then the RTO above)")
     layout = f["new_layout"]
     if layout is not None:
         lines.append(f"  new layout         TP {layout['tensor_model_parallel_size']} x PP "
@@ -722,7 +759,7 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
 
 def _timeline_line(row: dict) -> str:
     node = f"node {row['node']:<3} " if "node" in row else ""
-    return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['event']:<18} {row['text']}"
+    return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['label']:<18} {row['text']}"
 
 
 def format_report(report: dict) -> str:

@@ -125,6 +125,8 @@ class FailureOutcome:
 
     trigger: Trigger
     reason: str | None = None
+    requeue_helps: bool = True
+    """When giving up: whether a requeue (fresh processes, maybe fresh nodes) may cure it."""
 
 
 GIVE_UP_AT_ONCE = {
@@ -145,15 +147,17 @@ def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: 
     dies before its first iteration twice running, or when the restart budget is spent;
     under ``wait`` wait for lost GPUs; else relaunch."""
     if cause in GIVE_UP_AT_ONCE:
-        return FailureOutcome(Trigger.GIVE_UP, GIVE_UP_AT_ONCE[cause])
+        return FailureOutcome(Trigger.GIVE_UP, GIVE_UP_AT_ONCE[cause], requeue_helps=False)
     if nonfinite_again:
         return FailureOutcome(Trigger.GIVE_UP, "non-finite loss again after resuming from the "
                                                "same checkpoint: the checkpoint, the data or "
-                                               "the learning rate is at fault, not a GPU")
+                                               "the learning rate is at fault, not a GPU",
+                              requeue_helps=False)
     if early_exits_in_row >= EARLY_EXITS_TO_GIVE_UP:
         return FailureOutcome(Trigger.GIVE_UP, f"the script failed before its first iteration "
                                                f"{early_exits_in_row} times in a row: fix the "
-                                               "script or its arguments (log tail above)")
+                                               "script or its arguments (log tail above)",
+                              requeue_helps=False)
     if restarts_done >= max_restarts:
         return FailureOutcome(Trigger.GIVE_UP, f"restart budget spent: {restarts_done} of "
                                                f"--max-restarts {max_restarts}")
@@ -162,13 +166,21 @@ def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: 
     return FailureOutcome(Trigger.RETRY)
 
 
-def exit_status(state: State, signum: int | None) -> int:
-    """ftmaster's exit status: 0 succeeded, 1 gave up, 75 (EX_TEMPFAIL) when the rendezvous
-    store is gone and the job must be requeued, 128 + N when stopped by signal N."""
+def exit_status(state: State, signum: int | None, requeue_helps: bool = True) -> int:
+    """ftmaster's exit status: 0 succeeded; on giving up 1 when a requeue may help, 93 when
+    it cannot; 75 (EX_TEMPFAIL) when the rendezvous store is gone and the job must be
+    requeued; 128 + N when stopped by signal N."""
     if state is State.SUCCEEDED:
         return 0
     if state is State.INTERRUPTED:
         return 128 + (signum or 0)
     if state is State.REQUEUED:
         return exit_codes.REQUEUE
-    return 1
+    return exit_codes.GAVE_UP if requeue_helps else exit_codes.DO_NOT_REQUEUE
+
+
+def requeue_advice(requeue_helps: bool) -> str:
+    """The end of every give-up line: whether to requeue, and the exit status that says so."""
+    if requeue_helps:
+        return f"requeueing may help (exit status {exit_codes.GAVE_UP})"
+    return f"do not requeue: a requeue would fail the same way (exit status {exit_codes.DO_NOT_REQUEUE})"

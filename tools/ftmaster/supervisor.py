@@ -89,7 +89,7 @@ from ftmaster.recovery.torchrun import StaticWorld
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
-                             after_failure, exit_status)
+                             after_failure, exit_status, requeue_advice)
 
 # Read by megatron.training.rehearsal (the trainer side of injected faults).
 NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
@@ -180,13 +180,19 @@ class SupervisorConfig:
 
 
 class Injector:
-    """The injections not yet applied; ``recover`` waits until its GPU is lost."""
+    """The injections not yet applied; ``recover`` waits until its GPU is lost, ``after=EVENT``
+    until the run recorded that event."""
 
     def __init__(self, injections: tuple[Injection, ...]) -> None:
         self.pending = list(injections)
+        self.seen_events: set[str] = set()
+
+    def saw(self, event: str) -> None:
+        self.seen_events.add(event)
 
     def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
-        due = [i for i in self.pending if i.due(iteration, elapsed_s) and i.kind is not Fault.NAN
+        seen = frozenset(self.seen_events)
+        due = [i for i in self.pending if i.due(iteration, elapsed_s, seen) and i.kind is not Fault.NAN
                and (i.kind is not Fault.RECOVER or i.gpu in lost)]
         for injection in due:
             self.pending.remove(injection)
@@ -249,6 +255,7 @@ class Supervisor:
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
+        self._requeue_helps = True  # on giving up: whether a requeue may cure it
         self._handlers: dict[State, Callable[[], Trigger]] = {
             State.STARTING: self._launch, State.RELAUNCHING: self._launch,
             State.RUNNING: self._watch, State.DRAINING: self._drain, State.FAILED: self._decide,
@@ -283,7 +290,7 @@ class Supervisor:
             self._finish_persisting()
         if state is State.SUCCEEDED:
             self._remove_scratch_memory()
-        return exit_status(state, self.signum)
+        return exit_status(state, self.signum, self._requeue_helps)
 
     # -- shared checks --------------------------------------------------------------------------
     def _on_alert(self, alert: Alert) -> None:
@@ -460,11 +467,15 @@ class Supervisor:
     def _follow_events(self) -> None:
         """Show the trainer's new events and keep what the decisions need."""
         for event in new_events(self.events_tail):
+            self.injector.saw(event["event"])
             described = describe_event(event)
             if described is not None:
                 log.log(*described)
             if event["event"] == "checkpoint_loaded":
                 self._loaded_iteration = event.get("iteration")
+                known = (self._last_checkpoint or {}).get("iteration")
+                if self.progress is not None and known != self._loaded_iteration:
+                    self.progress.last_checkpoint = event
             elif event["event"] in SAVE_EVENTS:
                 self._last_checkpoint = event
                 if self.progress is not None:
@@ -592,7 +603,7 @@ class Supervisor:
         plan, gpus = self.plan, self.next_gpus
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
-        command = self.config.command if number == 1 else self._resuming(plan.command)
+        command = self._command_for(number, plan)
         command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
         devices = self.config.devices or JobGpus(self.config.gpus)
@@ -613,6 +624,16 @@ class Supervisor:
                     plan.data_parallel_size, list(gpus), self.attempt.log_path)
         return Trigger.LAUNCHED
 
+    def _command_for(self, number: int, plan: Plan) -> list[str]:
+        """The job's very first launch runs as the user gave it (across nodes, in the first
+        round's layout). Every later one resumes in its round's layout: a node joining a
+        later round included, since its peers load the job's newest checkpoint."""
+        if number == 1 and self.membership is None:
+            return list(self.config.command)
+        if number == 1 and self.round is not None and self.round.number == 1:
+            return list(plan.command)
+        return self._resuming(plan.command)
+
     def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
         """The attempt's environment for injected faults on its GPUs: ``nan`` injections
         (handed over once) and, in a rehearsal with XIDs, the GPUs still carrying one."""
@@ -620,7 +641,7 @@ class Supervisor:
         armed = self.injector.take_nan(gpus)
         for injection in armed:
             self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
-                        spec=str(injection), iteration=injection.at_iteration)
+                        spec=str(injection), iteration=injection.at_iteration, armed=True)
         if armed:
             env[NAN_INJECTION_ENV] = ",".join(f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
                                               for i in armed)
@@ -638,6 +659,7 @@ class Supervisor:
         if self.tiers is not None:
             folders.append(self.tiers.memory)
         held = [folder for folder in folders if holds_checkpoints(folder)]
+        self._warn_if_memory_tier_lost(held)
         has_checkpoint = bool(held)
         if has_checkpoint:
             self._resume_point = max(read_tracker(folder) or 0 for folder in held)
@@ -645,6 +667,16 @@ class Supervisor:
         if resumed != list(command):
             log.warning("relaunching with --load %s: the newest checkpoint is there", save)
         return resumed
+
+    def _warn_if_memory_tier_lost(self, held: list[Path]) -> None:
+        """The newest checkpoint went to the memory tier, which now holds none (a node reboot
+        or a container restart empties /dev/shm): the resume falls back to disk, and says so."""
+        last = self._last_checkpoint or {}
+        if self.tiers is None or last.get("tier") != "memory" or self.tiers.memory in held:
+            return
+        self._event("memory_tier_lost", path=str(self.tiers.memory), iteration=last["iteration"])
+        log.warning("the memory tier %s no longer holds checkpoints (the newest was iteration %d): "
+                    "resuming from the disk tier's newest", self.tiers.memory, last["iteration"])
 
     def _clear_previous_attempt(self) -> None:
         """A heartbeat or save request left by a killed attempt means nothing to the next one
@@ -706,14 +738,17 @@ class Supervisor:
         if outcome.trigger is Trigger.GIVE_UP:
             log.error("root cause, from %s:\n%s", self.attempt.log_path,
                       self.attempt.root_cause(first_rank, LOG_TAIL_LINES))
-            self._give_up(outcome.reason)
+            self._give_up(outcome.reason, outcome.requeue_helps)
         return outcome.trigger
 
-    def _give_up(self, reason: str) -> None:
-        self._event("gave_up", reason=reason)
-        log.error("giving up: %s", reason)
+    def _give_up(self, reason: str, requeue_helps: bool = True) -> None:
+        self._requeue_helps = requeue_helps
+        advice = requeue_advice(requeue_helps)
+        self._event("gave_up", reason=reason, requeue=requeue_helps)
+        log.error("giving up: %s; %s", reason, advice)
         if self.membership is not None:
-            self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: {reason}")
+            self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: "
+                                    f"{reason}; {advice}")
 
     def _wait(self) -> Trigger:
         waited_for = sorted(self._waitable_gpus())
@@ -791,7 +826,7 @@ class Supervisor:
             self._give_up(f"too few nodes joined the rendezvous: {error}")
             return Trigger.NO_LAYOUT
         except ValueError as error:  # e.g. two nodes with the same --node-rank
-            self._give_up(str(error))
+            self._give_up(str(error), requeue_helps=False)
             return Trigger.NO_LAYOUT
         if joined is None:
             return Trigger.SIGNALLED
@@ -853,7 +888,9 @@ class Supervisor:
         if outcome == "complete":
             log.info("the job completed on the other nodes")
             return Trigger.COMPLETED
-        self._event("gave_up", reason=outcome)
+        # The node that gave up said whether a requeue helps; every node exits alike.
+        self._requeue_helps = requeue_advice(False) not in outcome
+        self._event("gave_up", reason=outcome, requeue=self._requeue_helps)
         log.error("the job ended: %s", outcome)
         return Trigger.GIVE_UP
 
