@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ftmaster import runfiles
@@ -39,11 +38,14 @@ class Nodes:
     def argv(self, node_rank: int, *extra: str) -> list[str]:
         host = self.host(node_rank)
         prefix = host.prefix if host.name else []
+        # Node 0 hosts the c10d store whichever node starts first (on loopback every node
+        # matches the endpoint, and torch lets the first one to bind host it).
+        conf = self.conf if self.endpoint else f"{self.conf},is_host={int(node_rank == 0)}"
         return [*prefix, sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", self.nnodes,
                 "--nproc-per-node", str(self.nproc), "--node-rank", str(node_rank),
                 "--rdzv-endpoint", self.endpoint or f"{self.host(0).addr}:{self.port}",
                 "--local-addr", host.addr,
-                "--rdzv-conf", self.conf, "--run-dir", str(self.run_dir),
+                "--rdzv-conf", conf, "--run-dir", str(self.run_dir),
                 "--monitor-backend", "sim", "--monitor-interval", "0.5", *self.options, *extra,
                 "--", PRETRAIN, *self.args]
 
@@ -59,10 +61,12 @@ class Nodes:
         return process
 
     def start_all(self, count: int = 2, *extra_for: tuple[str, ...]) -> None:
-        """Node 0 first, so that it hosts the rendezvous store."""
-        for node_rank in range(count):
+        """Node 0 last: the others wait for the store it hosts (up to ``read_timeout``) and
+        join as soon as it is up, so every node is in the first round however long each
+        one's start-up takes. Started the other way round, a node slower to start than
+        node 0 by ``last_call_timeout`` misses it and joins the next round."""
+        for node_rank in (*range(1, count), 0):
             self.start(node_rank, *(extra_for[node_rank] if node_rank < len(extra_for) else ()))
-            time.sleep(1.0)
 
     def output_path(self, node_rank: int) -> Path:
         return self.root / f"node{node_rank}.out"

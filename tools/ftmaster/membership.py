@@ -336,7 +336,10 @@ class NodeMembership:
             log.info("the rendezvous keep-alive did not stop within %g s", KEEP_ALIVE_STOP_TIMEOUT_S)
 
     def acknowledge(self) -> None:
-        self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+        """Say this node read the job's outcome; a node that never completed a round (the job
+        ended while it waited for its first) is not waited for, so has nothing to say."""
+        if self._round_store is not None:
+            self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
 
     def _call(self, fn, *args):
         from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
