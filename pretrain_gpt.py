@@ -10,7 +10,8 @@ stderr and an exit status that tells ftmaster what happened (``ftmaster.exit_cod
   under them;
 - 65: a NaN/Inf loss or gradient norm; nothing was updated or saved;
 - 66: the load folder holds checkpoints and none can be loaded; nothing was changed;
-- 74: the final (or SIGTERM) checkpoint could not be written.
+- 74: the final (or SIGTERM) checkpoint could not be written;
+- 79: the training data cannot be read (a corrupt corpus, or one made with another tokenizer).
 
 Anything else is recorded in ``$TORCHELASTIC_ERROR_FILE`` (torch elastic's error file, which
 ftmaster reads for the root cause) and raised.
@@ -32,15 +33,19 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from megatron.training.checkpointing import CheckpointMismatch, NoLoadableCheckpoint
+    from megatron.training.data import DataError
     from megatron.training.nonfinite import NonFiniteLoss
     from megatron.training.training import FinalSaveFailed, pretrain  # heavy: the model stack
 
     expected = {CheckpointMismatch: exit_codes.USAGE, NoLoadableCheckpoint: exit_codes.NO_CHECKPOINT,
-                NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE}
+                NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE,
+                DataError: exit_codes.DATA}
     try:
         pretrain(args)
     except tuple(expected) as problem:
-        error_once_per_node(str(problem))
+        # Every rank meets the others alike (they are agreed); bad data only the rank that
+        # read it, which must say so itself.
+        (error if isinstance(problem, DataError) else error_once_per_node)(str(problem))
         return expected[type(problem)]
     except Exception as unexpected:
         get_error_handler().record_exception(unexpected)

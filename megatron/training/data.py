@@ -10,6 +10,7 @@ any DP therefore continues at sample ``consumed_samples``, with nothing repeated
 from __future__ import annotations
 
 import argparse
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
@@ -31,8 +32,14 @@ def dataset_sizes(args: argparse.Namespace) -> list[int]:
     return [max(train, 1), max(valid, 1), max(test, 1)]
 
 
+class DataError(Exception):
+    """The training data cannot be used: a missing, truncated or corrupt corpus, or one made
+    with another tokenizer. No relaunch, on any GPU, reads other bytes."""
+
+
 def build_datasets(args: argparse.Namespace, tokenizer):
-    """Build (train, valid, test) on every rank; megatron-core lets rank 0 build caches first."""
+    """Build (train, valid, test) on every rank; megatron-core lets rank 0 build caches first.
+    A corpus whose index cannot be read is a DataError."""
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -47,8 +54,29 @@ def build_datasets(args: argparse.Namespace, tokenizer):
         create_attention_mask=False,
     )
     dataset_cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(dataset_cls, dataset_sizes(args), lambda: True,
-                                         config).build()
+    builder = BlendedMegatronDatasetBuilder(dataset_cls, dataset_sizes(args), lambda: True, config)
+    if args.mock_data:
+        return builder.build()
+    try:
+        return builder.build()
+    except (OSError, ValueError, AssertionError, IndexError, struct.error) as error:
+        raise DataError(f"cannot read the training data {' '.join(args.data_path)}: "
+                        f"{type(error).__name__}: {error}") from error
+
+
+def check_tokens(batch: dict[str, torch.Tensor], vocab_size: int) -> None:
+    """A DataError when a batch holds a token id outside the tokenizer's vocabulary, which the
+    embedding would otherwise meet as an index error on whichever rank reads it."""
+    for key in ("tokens", "labels"):
+        ids = batch.get(key)
+        if ids is None or not ids.numel():
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = high if high >= vocab_size else low
+            raise DataError(f"the training data holds token id {bad}, outside the tokenizer's "
+                            f"vocabulary of {vocab_size}: the corpus is corrupt, or was made "
+                            f"with another tokenizer")
 
 
 def needs_data() -> bool:
@@ -71,8 +99,11 @@ class MicroBatches:
     Index arithmetic wraps modulo the dataset size, so evaluation can cycle the validation split.
     """
 
-    def __init__(self, dataset, consumed: int, micro_batch_size: int, num_micro_batches: int):
+    def __init__(self, dataset, consumed: int, micro_batch_size: int, num_micro_batches: int,
+                 vocab_size: int | None = None):
         self.dataset = dataset
+        self.vocab_size = vocab_size
+        """Token ids are checked against it (real data); None: not checked (mock data)."""
         self.indices = micro_batch_indices(
             consumed, micro_batch_size, parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(), num_micro_batches)
@@ -82,7 +113,10 @@ class MicroBatches:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         size = len(self.dataset)
-        return default_collate([self.dataset[index % size] for index in next(self.indices)])
+        batch = default_collate([self.dataset[index % size] for index in next(self.indices)])
+        if self.vocab_size is not None:
+            check_tokens(batch, self.vocab_size)
+        return batch
 
 
 class BatchPrefetcher:
@@ -95,8 +129,9 @@ class BatchPrefetcher:
     """
 
     def __init__(self, dataset, micro_batch_size: int, num_micro_batches: int,
-                 global_batch_size: int, pin_memory: bool) -> None:
+                 global_batch_size: int, pin_memory: bool, vocab_size: int | None = None) -> None:
         self.dataset = dataset
+        self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
         self.num_micro_batches = num_micro_batches
         self.global_batch_size = global_batch_size
@@ -106,7 +141,7 @@ class BatchPrefetcher:
 
     def _build(self, consumed: int) -> list[dict[str, torch.Tensor]]:
         batches = list(MicroBatches(self.dataset, consumed, self.micro_batch_size,
-                                    self.num_micro_batches))
+                                    self.num_micro_batches, self.vocab_size))
         if self.pin_memory:
             batches = [{key: value.pin_memory() for key, value in batch.items()}
                        for batch in batches]

@@ -203,6 +203,7 @@ class Trainer:
         connect_schedule_hooks(self.config, self.model, self.optimizer)
         self._kill_in_grad_allreduce()
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
+        self.vocab_limit = None if args.mock_data else tokenizer.vocab_size
         self.state = TrainingState()
         # One CPU group for every agreement the loop makes (save requests, the NaN guard,
         # the outcome of each save and load): none of them ever waits on a GPU stream.
@@ -214,7 +215,8 @@ class Trainer:
             args.micro_batch_size * parallel_state.get_data_parallel_world_size())
         self.train_batches = BatchPrefetcher(
             self.train_ds, args.micro_batch_size, self.num_micro_batches,
-            args.global_batch_size, pin_memory=torch.cuda.is_available()) if needs_data() else None
+            args.global_batch_size, pin_memory=torch.cuda.is_available(),
+            vocab_size=self.vocab_limit) if needs_data() else None
         # The interleaved schedule takes one iterator per chunk; chunks that read no data get
         # None (the first stage's first chunk reads tokens, the last stage's last labels).
         stages = args.virtual_pipeline_model_parallel_size
@@ -277,7 +279,7 @@ class Trainer:
         if not needs_data():
             return self._per_chunk(None)
         return self._per_chunk(list(MicroBatches(dataset, consumed, self.args.micro_batch_size,
-                                                 self.num_micro_batches)))
+                                                 self.num_micro_batches, self.vocab_limit)))
 
     def train_step(self) -> float | None:
         """One iteration, the counters advanced with the update (see ``replicas.Cut``);

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,27 @@ def test_loss_falls_on_a_repetitive_corpus(corpus):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.6 * first, f"loss {first:.3f} -> {last:.3f}"
     assert "validation loss at iteration 40" in result.stdout
+
+
+def test_a_corrupt_corpus_is_a_data_error_named_once_never_a_gpu(corpus, tmp_path):
+    """Random bytes over the corpus: token ids beyond the vocabulary, which the embedding would
+    meet as an index error; a truncated index: the dataset cannot be built. Both exit 79
+    (ftmaster's cause ``data``: no relaunch on any GPU reads other bytes), in one line."""
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+            "--train-iters", "4", "--lr", "3e-3", "--data-path", corpus,
+            "--split", "100,0,0", "--tokenizer-type", "ByteLevelTokenizer", "--log-interval", "1",
+            "--eval-iters", "0"]
+    data = Path(corpus + ".bin")
+    data.write_bytes(b"\xff" * data.stat().st_size)
+    result = run_trainer(1, args)
+    assert result.returncode != 0 and "exitcode  : 79" in result.stdout, result.stdout[-3000:]
+    said = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert said == ["error: the training data holds token id 65535, outside the tokenizer's "
+                    "vocabulary of 257: the corpus is corrupt, or was made with another tokenizer"]
+
+    index = Path(corpus + ".idx")
+    index.write_bytes(index.read_bytes()[:20])
+    result = run_trainer(1, args)
+    assert result.returncode != 0 and "exitcode  : 79" in result.stdout, result.stdout[-3000:]
+    assert f"error: cannot read the training data {corpus}: " in result.stdout

@@ -91,6 +91,7 @@ def test_after_failure(restarts, early, policy, lost, trigger, reason):
     ("storage", False, T.GIVE_UP, "storage error"),  # a relaunch would hit the same full disk
     ("no_checkpoint", False, T.GIVE_UP, "no checkpoint can be loaded"),
     ("usage", False, T.GIVE_UP, "arguments"),
+    ("data", False, T.GIVE_UP, "training data cannot be read"),  # on any GPU, on any node
     ("nonfinite", False, T.RETRY, None),  # once: from the newest valid checkpoint
     ("nonfinite", True, T.GIVE_UP, "non-finite loss again after resuming from the same"),
     ("exit", False, T.RETRY, None),

@@ -234,3 +234,24 @@ def test_an_alert_that_shows_the_fault_itself_is_its_earliest_evidence(tmp_path)
     assert run_report(run_dir).exit_code == 0
     (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
     assert failure["detection_latency"] == {"seconds": pytest.approx(1.5), "since": "monitor: GPU 1 xid_79"}
+
+
+def test_timeline_labels_say_what_happened(tmp_path):
+    """A final save is no periodic one, a memory save is complete (not durable), a failure on
+    no GPU names none, and a nan fault armed at a launch says so (it fires later)."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("fault_injected", 0.01, kind="nan", gpu=1, spec="nan:gpu=1,at=iter:7",
+                    iteration=7, armed=True),
+              {**save("periodic_save", 5, 4, 0.1, 0.2), "tier": "memory"},
+              event("failure", 8, attempt=1, iteration=7, cause="nonfinite", gpus=[], exit_codes={"1": 65}),
+              plan(9, [0, 1], 1, 1, 2), launch(9.5, 2, [0, 1], 1, 1, 2),
+              event("resumed", 15, attempt=2, iteration=5),
+              {**save("periodic_save", 20, 10, 0.1, 0.2), "kind": "final"},
+              event("complete", 21, iteration=10)]
+    run_dir = write_run(tmp_path / "run", events, {1: [], 2: []})
+    text = run_report(run_dir).stdout
+    assert "fault_armed        nan armed on GPU 1 for iteration 7 (at the launch)" in text
+    assert "periodic_save      periodic checkpoint of iteration 4 complete (memory)" in text
+    assert "final_save         final checkpoint of iteration 10 durable (disk)" in text
+    assert "failure            attempt 1 nonfinite, last iteration 7" in text
+    assert "failure 1: attempt 1, nonfinite at +8.00 s" in text

@@ -29,6 +29,8 @@ def record(local_rank, code, ended_at):
     ({1: record(1, exit_codes.STORAGE, 2.0)}, "storage", (), 1),
     ({0: record(0, exit_codes.NO_CHECKPOINT, 2.0)}, "no_checkpoint", (), 0),
     ({0: record(0, exit_codes.USAGE, 2.0)}, "usage", (), 0),
+    # a corrupt corpus, then the peers it left in a collective: no GPU named (issue 20's D10)
+    ({1: record(1, exit_codes.DATA, 2.0), 0: record(0, 1, 2.3)}, "data", (), 1),
     # a SIGTERMed peer that ended first does not hide the real cause... it is the first
     ({0: record(0, -15, 1.0), 1: record(1, exit_codes.STORAGE, 2.0)}, "exit", (5, 3), 0),
 ])

@@ -10,6 +10,9 @@ NONFINITE = 65
 """EX_DATAERR: a NaN or Inf loss or gradient norm; that iteration updated and saved nothing."""
 NO_CHECKPOINT = 66
 """EX_NOINPUT: the load folder holds checkpoints and none of them can be loaded."""
+DATA = 79
+"""Outside sysexits.h (65, EX_DATAERR, is the NaN's): the training data cannot be read (a
+corrupt corpus, one made with another tokenizer); no GPU is at fault."""
 STORAGE = 74
 """EX_IOERR: the final (or exit) checkpoint could not be written."""
 REQUEUE = 75
@@ -22,5 +25,5 @@ DO_NOT_REQUEUE = 93
 loadable checkpoint, a crash loop): NVIDIA's resiliency launcher's "do not requeue" status."""
 
 TRAINER_CAUSES = {NONFINITE: "nonfinite", NO_CHECKPOINT: "no_checkpoint", STORAGE: "storage",
-                  USAGE: "usage"}
+                  USAGE: "usage", DATA: "data"}
 """The failure cause the supervisor reports for each trainer exit status."""

@@ -135,6 +135,8 @@ GIVE_UP_AT_ONCE = {
     "no_checkpoint": "no checkpoint can be loaded and starting over would throw the run "
                      "away; repair or move them (the reasons are above)",
     "usage": "the training arguments, or the checkpoint under them, need fixing (above)",
+    "data": "the training data cannot be read (above): fix or rebuild the corpus; no GPU is "
+            "at fault",
 }
 """Causes the trainer reports that a relaunch cannot cure, with what to do."""
 
