@@ -91,10 +91,19 @@ def trainer_env(**extra: str) -> dict[str, str]:
 
 
 def run_trainer(nproc: int, args: list[str], timeout: float = 300, **env: str):
-    """Run to completion; returns the CompletedProcess with stdout and stderr merged."""
-    return subprocess.run(torchrun_argv(nproc, args), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                          env=trainer_env(**env), cwd=REPO)
+    """Run to completion; returns the CompletedProcess with stdout and stderr merged. A run
+    past ``timeout`` is killed whole before the test fails: torchrun's workers, in process
+    groups of their own, outlived the SIGKILL ``subprocess.run`` gives torchrun alone, and one
+    stuck in a loop kept a core busy for the rest of the suite."""
+    process = subprocess.Popen(torchrun_argv(nproc, args), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=trainer_env(**env),
+                               cwd=REPO, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
 def iterations(log: str) -> dict[int, dict]:
