@@ -34,6 +34,7 @@ setup(
         "nvidia-ml-py",
         "regex",
         "xxhash",
+        "setproctitle",  # a warm worker shows its rank's command in ps
     ],
     extras_require={
         # torch elastic's etcd-v2 rendezvous backend imports python-etcd

@@ -17,6 +17,11 @@ class StaticWorld:
     """This node's place among them; ranks are contiguous per node, in this order."""
     master_addr: str
     master_port: int
+    rank_offset: int = 0
+    """Ranks on the nodes before this one (torchrun learns it in its rendezvous; a launch on
+    warm workers has no agent to ask)."""
+    world_size: int = 0
+    """Ranks on every node; 0 when only torchrun's agents know it."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:

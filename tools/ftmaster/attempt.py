@@ -26,6 +26,10 @@ from ftmaster import runfiles
 from ftmaster.exit_codes import TRAINER_CAUSES
 from ftmaster.guard import RANK_DIR_ENV, error_file_path, rank_record_path
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
+from ftmaster.warm import WarmStarter
+
+LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"
+"""Unix time ftmaster launched the attempt: where every rank's start-up phases begin."""
 
 EXIT_SIGNAL_FLAG = "--exit-signal-handler"
 # How the trainer states an error it diagnosed itself (megatron.training.console.error).
@@ -148,27 +152,49 @@ def read_rank_records(rank_dir: Path, nproc: int) -> dict[int, RankRecord]:
     return records
 
 
+class SessionProcess(subprocess.Popen):
+    """torchrun in a session of its own."""
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.wait()
+
+
 class Attempt:
     """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``, as ``env`` (with
-    ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA."""
+    ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA. With a
+    ``starter``, every attempt after the first runs its ranks on warm workers when a set is
+    ready (``warm`` says whether they did); the others run under torchrun."""
 
     def __init__(self, run_dir: Path, number: int, command: Sequence[str],
-                 gpus: Sequence[int], env: dict[str, str], world: StaticWorld | None = None) -> None:
+                 gpus: Sequence[int], env: dict[str, str], world: StaticWorld | None = None,
+                 starter: WarmStarter | None = None) -> None:
         self.number = number
         self.gpus = tuple(gpus)
         self.command = list(command)
-        self.argv = attempt_argv(self.command, len(self.gpus), world=world)
         self.log_path = runfiles.logs_dir(run_dir) / f"attempt_{number}.log"
         self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
-               runfiles.RUN_DIR_ENV: str(run_dir)}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env,
-                                            start_new_session=True)
         self.started_at = time.time()
+        env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
+               runfiles.RUN_DIR_ENV: str(run_dir), LAUNCHED_AT_ENV: repr(self.started_at)}
+        # The first launch is cold (DESIGN): the pool starts importing beside it.
+        warm = (starter.start(self.command, len(self.gpus), env, self.rank_dir, self.log_path, world)
+                if starter is not None and number > 1 else None)
+        self.warm = warm is not None
+        self.argv = (["warm", *self.command] if self.warm
+                     else attempt_argv(self.command, len(self.gpus), world=world))
+        if warm is not None:
+            self.process = warm
+            return
+        with open(self.log_path, "ab") as log:
+            self.process = SessionProcess(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env,
+                                          start_new_session=True)
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
 
@@ -247,11 +273,7 @@ class Attempt:
         for process in processes:
             send_signal(process.pid, signal.SIGCONT)
             send_signal(process.pid, signal.SIGKILL)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        self.process.wait()
+        self.process.kill_group()
         survivors = wait_until_dead(processes + self._live_processes(), timeout)
         self.stuck_gpus = self._gpus_of(survivors)
         if survivors:

@@ -44,6 +44,7 @@ from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
+from ftmaster.warm import WarmStarter
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
@@ -273,6 +274,10 @@ def _console_logging() -> None:
               type=click.Choice(SCALE_UP_POLICIES),
               help="When another node waits for a new round (it joined, came back or lost a "
                    "GPU): stop training now, or after an agreed save.")
+@click.option("--cold-restart", is_flag=True,
+              help="Start every attempt as a new torchrun, its ranks as new interpreters. "
+                   "Default: ranks go to warm workers that imported torch, megatron-core and "
+                   "the trainer ahead of time.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- SCRIPT ARGS")
 @click.pass_context
 def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> None:
@@ -297,10 +302,14 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         membership = _membership(rendezvous)
+        starter = None if options["cold_restart"] else WarmStarter(len(devices.ids),
+                                                                   config.run_dir)
         try:
-            code = _supervise(Supervisor(config, monitor, membership), monitor,
+            code = _supervise(Supervisor(config, monitor, membership, starter), monitor,
                               Listener(config.run_dir))
         finally:
+            if starter is not None:
+                starter.close()
             if membership is not None:
                 membership.stop_keep_alive()
     finally:

@@ -86,6 +86,7 @@ from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster.warm import WarmStarter
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
@@ -208,8 +209,10 @@ class Injector:
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig, monitor: Monitor,
-                 membership: NodeMembership | None = None) -> None:
+                 membership: NodeMembership | None = None,
+                 starter: WarmStarter | None = None) -> None:
         self.config = config
+        self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
         self.monitor = monitor
         self.membership = membership
@@ -610,7 +613,7 @@ class Supervisor:
         self.monitor.watch(gpus)
         self.attempt = Attempt(self.run_dir, number, command, gpus,
                                {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
-                               world=self.world)
+                               world=self.world, starter=self.starter)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -851,7 +854,9 @@ class Supervisor:
             log.info("round %d: no ranks for this node; standing by", joined.number)
             return Trigger.STANDBY
         master = joined.nodes[active[0]]
-        self.world = StaticWorld(len(active), active.index(joined.me), master.addr, master.port)
+        self.world = StaticWorld(len(active), active.index(joined.me), master.addr, master.port,
+                                 rank_offset=sum(plan.ranks_per_node[:joined.me]),
+                                 world_size=sum(plan.ranks_per_node))
         log.info("round %d: %d node(s), ranks per node %s; this node runs %d as node %d, master "
                  "%s:%d", joined.number, len(active), list(plan.ranks_per_node), mine,
                  self.world.node_rank, master.addr, master.port)

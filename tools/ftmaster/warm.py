@@ -1,0 +1,392 @@
+"""Warm workers: interpreters that imported torch, megatron-core and the trainer before they
+are needed, so a relaunch hands each rank to one instead of starting a new interpreter.
+
+A cold launch runs ``torchrun``, which imports torch (2-4 s here) before it starts the
+ranks, and each rank imports torch, megatron-core and the trainer again (5-8 s): most of a
+recovery's time. A warm worker is ``python -u -m ftmaster.warm`` started by ftmaster ahead of
+time. It imports the model stack, says ``ready`` on its stdout and blocks on its stdin. A launch
+writes it one assignment (the rank's environment exactly as torchrun sets it, the argv, the
+working folder and the attempt's log), and the worker runs the script as ``__main__`` in the
+same process: the imports are already in ``sys.modules``.
+
+Why pre-spawned interpreters rather than torch elastic's ``start_processes`` with the
+``forkserver`` start method and ``set_forkserver_preload``: importing torch starts a native
+thread (measured: 2 threads in ``/proc/self/task`` after ``import torch``), so a forkserver
+that preloads torch forks a multi-threaded process, which POSIX only makes safe for
+async-signal-safe calls until ``exec``. An assignment written to a pipe costs as little as a
+fork, and every worker here was started by ``exec``.
+
+What a worker holds before its assignment: no CUDA context (``torch.cuda`` is never touched,
+CUDA_VISIBLE_DEVICES is only set with the assignment), no process group, no GPU. It says so in
+its ready line, which the pool checks. While it waits it runs under ``SCHED_IDLE`` when it can
+leave that policy afterwards (root, or ``RLIMIT_NICE`` allows), so that a fresh set importing
+beside a training attempt takes no CPU from it.
+
+Everything the supervisor relies on holds as in a cold launch: each worker dies with ftmaster
+(``PR_SET_PDEATHSIG``), runs in its own session, has its rank record written (pid, then exit
+status and the time it ended, by a thread that waits for it) and writes its uncaught exception
+to the rank's error file; :class:`WarmRanks` answers ``poll``/``wait`` as torchrun would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
+                            rank_record_path)
+from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster.runfiles import atomic_write_text
+
+PRELOAD = ("torch", "megatron.core", "megatron.training.training", "megatron.training.checkpointing")
+"""What a worker imports before it is ready; a module that does not import is skipped (a
+script other than ``pretrain_gpt.py`` still gets torch)."""
+READY_TIMEOUT_S = 120.0
+"""How long a launch waits for a set still importing before it starts cold instead."""
+MAX_DEATHS_BEFORE_READY = 3
+"""Workers that may die before their ready line until the pool gives up on warm starts."""
+ASSIGNED_AT_ENV = "FTMASTER_ASSIGNED_AT"
+"""Unix time a warm worker received its rank: where its start-up begins (see
+``megatron.training.startup``)."""
+
+log = logging.getLogger("ftmaster")
+try:  # imported before the environment is replaced: it finds argv's memory through it
+    from setproctitle import setproctitle as _setproctitle
+except ImportError:
+    _setproctitle = None
+
+
+# ---- the worker -------------------------------------------------------------------------------
+def _idle_priority_reversibly() -> bool:
+    """SCHED_IDLE while importing and waiting, when the worker may leave it later."""
+    import resource
+    if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_NICE)[0] < 20:
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except OSError:
+        return False
+
+
+def _preload() -> dict:
+    """Import the model stack; what the worker holds afterwards."""
+    start = time.perf_counter()
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            continue
+    torch = sys.modules.get("torch")
+    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    group = bool(torch is not None and torch.distributed.is_available()
+                 and torch.distributed.is_initialized())
+    return {"pid": os.getpid(), "import_s": round(time.perf_counter() - start, 3),
+            "cuda_initialized": cuda, "process_group": group}
+
+
+def _take_assignment(assignment: dict, idle: bool) -> None:
+    """Become the rank: its environment, folder, output, priority and argv."""
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    os.environ[ASSIGNED_AT_ENV] = repr(time.time())
+    os.chdir(assignment["cwd"])
+    if idle:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and "torch" in sys.modules:  # OpenMP read it at import: too early
+        sys.modules["torch"].set_num_threads(int(threads))
+    log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    os.close(null_fd)
+    sys.argv = list(assignment["argv"])
+    _show_command(assignment["argv"])
+
+
+def _show_command(argv: Sequence[str]) -> None:
+    """In ps, the command a cold rank runs (``python -u SCRIPT ARGS``), so that whoever
+    looks for the training processes, or kills them by name, finds these too."""
+    if _setproctitle is not None:
+        _setproctitle(" ".join([sys.executable, "-u", *argv]))
+
+
+def _run_script(argv: Sequence[str]) -> None:
+    """What ``python -u ARGV...`` runs: a script, or ``-m MODULE``."""
+    import runpy
+    if argv[0] == "-m":
+        sys.argv = list(argv[1:])
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def serve() -> None:
+    """``python -u -m ftmaster.warm RUN_DIR``: import, say ready, run the one rank given. The
+    run folder is only shown (in ps: whose worker this is)."""
+    die_with_parent(os.getppid())
+    _show_command(["-m", "ftmaster.warm", *sys.argv[1:]])  # now: it reads the environment once
+    idle = _idle_priority_reversibly()
+    ready = _preload()
+    print(json.dumps(ready), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return  # the pool closed: never handed a rank
+    assignment = json.loads(line)
+    _take_assignment(assignment, idle)
+    _run_script(assignment["argv"])
+
+
+# ---- the pool ---------------------------------------------------------------------------------
+@dataclass
+class WarmWorker:
+    """One waiting interpreter, as the pool sees it."""
+
+    process: subprocess.Popen
+    ready: dict | None = None
+    """Its ready line once it came: pid, import seconds, whether it holds CUDA or a group."""
+    _reader: threading.Thread | None = field(default=None, repr=False)
+
+    def start_reading(self) -> None:
+        def read() -> None:
+            line = self.process.stdout.readline()
+            try:
+                self.ready = json.loads(line) if line else None
+            except ValueError:
+                self.ready = None
+        self._reader = threading.Thread(target=read, daemon=True, name="warm-ready")
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def usable(self) -> bool:
+        """Ready, alive and clean: never handed a rank otherwise."""
+        return (self.alive and self.ready is not None and not self.ready["cuda_initialized"]
+                and not self.ready["process_group"])
+
+
+class WarmPool:
+    """``size`` warm workers kept ready; :meth:`take` hands out a set, and a fresh set starts
+    importing at once, so every recovery finds one."""
+
+    def __init__(self, size: int, run_dir: Path, python: str = sys.executable) -> None:
+        if size < 1:
+            raise ValueError(f"a warm pool needs at least one worker, got {size}")
+        self.size = size
+        self.run_dir = Path(run_dir)
+        self.python = python
+        self.workers: list[WarmWorker] = []
+        self.replaced = 0
+        self.deaths_before_ready = 0
+        self.fill()
+
+    @property
+    def broken(self) -> bool:
+        """Workers keep dying before they are ready (an import that crashes): stop starting
+        them; launches go cold."""
+        return self.deaths_before_ready >= MAX_DEATHS_BEFORE_READY
+
+    def fill(self) -> None:
+        """Replace the dead, and start workers until there are ``size``. Started from the
+        thread that lives as long as ftmaster (the death signal follows the parent thread)."""
+        dead = [w for w in self.workers if not w.alive]
+        for worker in dead:
+            log.warning("warm worker %d died while waiting (exit status %s); replacing it",
+                        worker.process.pid, worker.process.returncode)
+            self.workers.remove(worker)
+            self.replaced += 1
+            self.deaths_before_ready += worker.ready is None
+        if self.broken:
+            return
+        while len(self.workers) < self.size:
+            self.workers.append(self._spawn())
+
+    def _spawn(self) -> WarmWorker:
+        process = subprocess.Popen([self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        worker = WarmWorker(process)
+        worker.start_reading()
+        return worker
+
+    def take(self, count: int, timeout_s: float = READY_TIMEOUT_S) -> list[WarmWorker] | None:
+        """``count`` usable workers (waiting for a set still importing), or None when they do
+        not come within ``timeout_s``. The pool is filled again at once either way."""
+        if count > self.size:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.fill()
+            usable = [w for w in self.workers if w.usable]
+            if len(usable) >= count:
+                taken = usable[:count]
+                for worker in taken:
+                    self.workers.remove(worker)
+                    worker.process.stdout.close()  # its ready line is read; it writes no more
+                self.fill()
+                return taken
+            if self.broken or time.monotonic() >= deadline:
+                self.fill()
+                return None
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """SIGKILL every waiting worker: none holds anything to clean up."""
+        for worker in self.workers:
+            try:
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for worker in self.workers:
+            worker.process.wait()
+        self.workers = []
+
+
+# ---- one attempt on warm workers --------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(base: dict[str, str], local_rank: int, nproc: int, rank_dir: Path, run_id: str,
+             world: StaticWorld | None, master_port: int) -> dict[str, str]:
+    """A rank's environment as torchrun's agent sets it (``LocalElasticAgent._start_workers``),
+    with rank 0 hosting the store (``TORCHELASTIC_USE_AGENT_STORE=False``: there is no agent)
+    and the error file in the rank folder."""
+    if world is None:
+        world = StaticWorld(1, 0, "127.0.0.1", master_port, rank_offset=0, world_size=nproc)
+    if world.world_size < world.rank_offset + nproc:
+        raise ValueError(f"a warm launch needs the world's size and this node's rank offset, "
+                         f"got {world}")
+    rank = world.rank_offset + local_rank
+    env = {**base,
+           "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(world.node_rank),
+           "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
+           "WORLD_SIZE": str(world.world_size), "GROUP_WORLD_SIZE": str(world.nnodes),
+           "ROLE_WORLD_SIZE": str(world.world_size), "MASTER_ADDR": world.master_addr,
+           "MASTER_PORT": str(world.master_port), "TORCHELASTIC_RESTART_COUNT": "0",
+           "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id,
+           "TORCHELASTIC_USE_AGENT_STORE": "False",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+           ERROR_FILE_ENV: str(error_file_path(rank_dir, local_rank))}
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class WarmRanks:
+    """An attempt's ranks on warm workers, answering as the torchrun process would: ``poll``
+    is None while a rank runs, then 0 when every rank succeeded, else 1."""
+
+    def __init__(self, workers: list[WarmWorker], rank_dir: Path, envs: list[dict[str, str]],
+                 command: Sequence[str], log_path: Path) -> None:
+        """Hand every worker its rank; OSError (and every worker killed) when one could not
+        take it: a worker that died after it was picked."""
+        self.workers = workers
+        for env in envs:
+            Path(env[ERROR_FILE_ENV]).unlink(missing_ok=True)
+        try:
+            for worker, env in zip(workers, envs):
+                worker.process.stdin.write(json.dumps({"env": env, "argv": list(command),
+                                                       "cwd": os.getcwd(), "log": str(log_path)}) + "\n")
+                worker.process.stdin.close()
+        except OSError:
+            self.kill_group()
+            raise
+        self._waiters = []
+        for local_rank, (worker, env) in enumerate(zip(workers, envs)):
+            record = {"local_rank": local_rank, "rank": int(env["RANK"]),
+                      "pid": worker.process.pid, "guard_pid": worker.process.pid}
+            _write_record(rank_dir, record)
+            waiter = threading.Thread(target=_record_exit, args=(worker.process, rank_dir, record),
+                                      daemon=True, name=f"warm-rank-{local_rank}")
+            waiter.start()
+            self._waiters.append(waiter)
+
+    def poll(self) -> int | None:
+        codes = [w.process.poll() for w in self.workers]
+        if any(code is None for code in codes):
+            return None
+        for waiter in self._waiters:  # the records are written before the end is told
+            waiter.join()
+        return 0 if all(code == 0 for code in codes) else 1
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("warm ranks", timeout)
+            time.sleep(0.01)
+        return code
+
+    def kill_group(self) -> None:
+        """SIGKILL every rank's session (its forked checkpoint writers included)."""
+        for worker in self.workers:
+            try:
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for worker in self.workers:
+            worker.process.wait()
+
+
+def _write_record(rank_dir: Path, record: dict) -> None:
+    atomic_write_text(rank_record_path(rank_dir, record["local_rank"]), json.dumps(record) + "\n",
+                      durable=False)
+
+
+def _record_exit(process: subprocess.Popen, rank_dir: Path, record: dict) -> None:
+    code = process.wait()
+    _write_record(rank_dir, {**record, "exit_code": code, "ended_at": time.time()})
+
+
+class WarmStarter:
+    """Hands attempts to a :class:`WarmPool` of one worker per GPU of this node; cold (torchrun)
+    when no set is ready in time, saying so in one line."""
+
+    def __init__(self, gpus_on_node: int, run_dir: Path) -> None:
+        self.pool = WarmPool(gpus_on_node, run_dir)
+        self.run_id = Path(run_dir).name
+
+    def start(self, command: Sequence[str], nproc: int, env: dict[str, str], rank_dir: Path,
+              log_path: Path, world: StaticWorld | None) -> WarmRanks | None:
+        workers = self.pool.take(nproc)
+        if workers is None:
+            why = (f"{self.pool.deaths_before_ready} warm workers died before they were ready"
+                   if self.pool.broken else f"no {nproc} warm workers ready within "
+                   f"{READY_TIMEOUT_S:g} s")
+            log.warning("%s: attempt starts cold, under torchrun", why)
+            return None
+        port = free_port() if world is None else world.master_port
+        envs = [rank_env(env, r, nproc, rank_dir, self.run_id, world, port) for r in range(nproc)]
+        try:
+            return WarmRanks(workers, rank_dir, envs, command, log_path)
+        except OSError as error:
+            log.warning("a warm worker died as it was handed its rank (%s): attempt starts cold, "
+                        "under torchrun", error)
+            return None
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+if __name__ == "__main__":
+    serve()
