@@ -19,7 +19,11 @@ ftmaster reads for the root cause) and raised.
 
 import sys
 
-from ftmaster import exit_codes
+from megatron.training import startup
+
+startup.mark("interpreter")
+
+from ftmaster import exit_codes  # noqa: E402 (after the mark: the script's start is measured)
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.console import error, error_once_per_node
 
@@ -36,6 +40,7 @@ def main(argv: list[str]) -> int:
     from megatron.training.data import DataError
     from megatron.training.nonfinite import NonFiniteLoss
     from megatron.training.training import FinalSaveFailed, pretrain  # heavy: the model stack
+    startup.mark("imports")
 
     expected = {CheckpointMismatch: exit_codes.USAGE, NoLoadableCheckpoint: exit_codes.NO_CHECKPOINT,
                 NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE,

@@ -101,7 +101,7 @@ from ftmaster.recovery.manifest import (
 )
 from ftmaster.runfiles import atomic_write_text
 
-from . import checksums
+from . import checksums, startup
 from .console import log_rank0
 from .model import optimizer_metadata
 
@@ -609,6 +609,7 @@ class Checkpointer:
         found = broadcast_from_rank0(
             tier_candidates(Path(self.args.load), self.memory_dir) if _rank() == 0 else None,
             self.group)
+        startup.mark("checkpoint-search")
         for note in found.notes:
             log_rank0(f"warning: {note}")
             self.event("tracker_problem", reason=note)
@@ -646,6 +647,7 @@ class Checkpointer:
         verify_seconds = time.perf_counter() - start
         if problem is not None:
             return problem
+        startup.mark("checkpoint-verify")
         common = None
         try:
             common = dist_checkpointing.load_common_state_dict(str(path))
@@ -669,6 +671,7 @@ class Checkpointer:
             problem = describe_error(error)
         problem = first_problem(problem, self.group)
         if problem is None:
+            startup.mark("checkpoint-read")
             self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start,
                          verify_seconds, tier)
         return problem

@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
 
-from . import cpu_compat, mcore_fixes, rehearsal
+from . import cpu_compat, mcore_fixes, rehearsal, startup
 from .arguments import padded_vocab_size
 from .checkpointing import (
     Checkpointer,
@@ -91,6 +91,7 @@ def initialize(args: argparse.Namespace) -> None:
     numpy.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    startup.mark("process-group")
 
 
 def _single_process_rendezvous() -> dict:
@@ -200,6 +201,7 @@ class Trainer:
         self.config = transformer_config(args)
         self.model = build_model(args, self.config, args.padded_vocab_size)
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        startup.mark("model-and-optimizer-setup")
         connect_schedule_hooks(self.config, self.model, self.optimizer)
         self._kill_in_grad_allreduce()
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
@@ -236,6 +238,9 @@ class Trainer:
         self._final_save_failure: SaveFailure | None = None
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
         log_rank0(describe_layout(args))
+        if torch.cuda.is_available():  # which GPUs, as ftmaster named them (UUIDs)
+            log_rank0(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset: all)')}")
+        startup.mark("train/valid/test-data-iterators-setup")
 
     def _replica_dumper(self) -> ReplicaDumper | None:
         """The dump thread of ``--replica-recovery`` (under ftmaster: it asks for the dump)."""
@@ -447,6 +452,9 @@ class Trainer:
             self.requests.start_agreement()
             loss = self.train_step()
             self._heartbeat()
+            if self.state.iteration == self._first_iteration:
+                startup.mark("first-iteration")
+                self._event("startup", **startup.agree(self.control_group))
             if loss is not None:
                 window_losses.append(loss)
             if self.state.iteration % args.log_interval == 0:

@@ -10,6 +10,12 @@ from helpers.synth_run import (LAYOUT, alert, event, iteration_line, launch, loa
                                write_run)
 
 
+STARTUP_PHASES = {"launch": 0.05, "interpreter": 0.0, "imports": 0.02, "process-group": 1.0,
+                  "model-and-optimizer-setup": 2.0, "train/valid/test-data-iterators-setup": 0.3,
+                  "checkpoint-search": 0.03, "checkpoint-verify": 0.5, "checkpoint-read": 1.0,
+                  "first-iteration": 0.5}
+
+
 def two_failures(run_dir):
     """Attempt 1 (TP2 x PP2) loses GPU 1 to an injected fault after an alert and an emergency
     save; attempt 2 (DP3) loses GPU 2, which the monitor reports gone; attempt 3 (DP2) ends.
@@ -27,6 +33,8 @@ def two_failures(run_dir):
         plan(71.75, [0, 2, 3], 1, 1, 3),
         launch(72.75, 2, [0, 2, 3], 1, 1, 3),
         event("resumed", 95.25, attempt=2, iteration=13),
+        event("startup", 95.3, phases=STARTUP_PHASES, seconds=22.4, warm=True, ranks=3,
+              slowest_rank=2),
         save("periodic_save", 97, 20, 0.25, 1.0),
         alert(110, 2, ["ecc_dbe"]),
         event("failure", 120.5, attempt=2, iteration=25, cause="device_lost", gpus=[2], exit_codes={}),
@@ -99,12 +107,18 @@ def test_second_failure_uses_the_device_lost_sample_time_and_only_its_own_window
 def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):
     text, report = reported
     timeline = [line for line in text.splitlines() if line.lstrip().startswith("+")]
-    assert len(timeline) == len(report["timeline"]) == 21
+    assert len(timeline) == len(report["timeline"]) == 22
     assert timeline[0].split()[:3] == ["+0.00", "s", "launch"]
     assert "    +70.25 s  failure            attempt 1 device_lost on GPU(s) [1], last iteration 16" in text
     assert "failure 2: attempt 2, device_lost on GPU(s) [2]" in text
     assert "  lost iterations    4 (RPO; 0.400 s of training)" in text
     assert "    launch to loaded            22.000 s" in text
+    assert ("  start-up           22.400 s launch to first iteration (warm workers; each phase the "
+            "slowest of 3 ranks)\n    launch                                  0.050 s\n") in text
+    assert "    train/valid/test-data-iterators-setup   0.300 s\n" in text
+    assert report["failures"][0]["startup"] == {"phases": STARTUP_PHASES, "seconds": 22.4,
+                                                "warm": True, "ranks": 3, "slowest_rank": 2}
+    assert report["failures"][1]["startup"] is None  # its relaunch recorded none
     assert ("  RTO from fault     25.250 s (detection: fault to failure 0.250 s, since "
             "fault_injected fail on GPU 1; then the RTO above)") in text
     assert "new layout         TP 1 x PP 1 x DP 2, micro-batch 2, global batch 12, GPU(s) [0, 3]" in text

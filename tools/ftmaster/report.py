@@ -30,6 +30,11 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   estimated as the ``resumed`` time minus the relaunch log's per-iteration times for the
   iterations after the loaded one (the ``loaded checkpoint`` line's own load duration is
   given as ``load_seconds``). Without those times both of these phases are null.
+* **start-up** (``startup``): the relaunch's ``startup`` event (the first after its launch):
+  each start-up phase's maximum over ranks, from the launch to the end of the first
+  iteration (``megatron.training.startup``), whether its ranks ran on warm workers, and the
+  slowest rank's total. Null when the relaunch recorded none (it never completed an iteration,
+  or a trainer that does not measure its start-up).
 * **RTO from the fault** (``rto_from_fault_seconds``): where ``fault_at`` is known, the RTO
   plus the detection phase ``fault_to_failure_seconds`` (failure event minus ``fault_at``),
   the recovery time as FlashRecovery measures it. Null when the fault's time is unknown.
@@ -446,6 +451,23 @@ def _replica_recovery(after: list[dict], failure: dict, plan: dict | None) -> di
             "fallback": found.get("replica_fallback", {}).get("reason")}
 
 
+def _startup(after: list[dict], relaunch: dict | None) -> dict | None:
+    found = _first(after, "startup", relaunch["time"]) if relaunch else None
+    if found is None:
+        return None
+    return {k: found.get(k) for k in ("phases", "seconds", "warm", "ranks", "slowest_rank")}
+
+
+def _startup_text(startup: dict | None) -> list[str]:
+    if not startup or not isinstance(startup.get("phases"), dict):
+        return []
+    how = "warm workers" if startup.get("warm") else "cold start"
+    lines = [f"  start-up           {_s(startup.get('seconds'))} launch to first iteration "
+             f"({how}; each phase the slowest of {startup.get('ranks')} ranks)"]
+    return lines + [f"    {name:<40}{_s(value if _is_number(value) else None)}"
+                    for name, value in startup["phases"].items()]
+
+
 def _layout(plan: dict | None, relaunches: list[dict]) -> dict | None:
     if plan is None:
         return None
@@ -561,6 +583,7 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
                                    if rto is not None and fault_to_failure is not None else None),
         "load_seconds": relaunch_log.load_seconds, "load_bytes": relaunch_log.load_bytes,
         "replica": _replica_recovery(after, failure, plan),
+        "startup": _startup(after, relaunch),
         "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
                     if resumed else None),
         "outcome": "resumed" if resumed else _outcome_after(after),
@@ -600,6 +623,7 @@ TEMPLATES = {
     "save_failed": "{kind} checkpoint of iteration {iteration} not saved ({tier}): {reason}",
     "load_failed": "{reason}",
     "nonfinite": "non-finite {what} at iteration {iteration}, nothing updated or saved",
+    "startup": "{seconds} s from the launch to the first iteration (warm: {warm})",
 }
 TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 
@@ -745,6 +769,7 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
     lines.append(f"  RTO                {_s(f['rto_seconds'])} to iteration "
                  f"{resumed['iteration']} ({where}attempt {resumed['attempt']})")
     lines += [f"    {name.replace('_', ' '):<28}{_s(value)}" for name, value in f["phases"].items()]
+    lines += _startup_text(f.get("startup"))
     lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
                  f"failure {_s(f['fault_to_failure_seconds'])}, since "
                  f"{f['detection_latency']['since']}; then the RTO above)")
