@@ -63,3 +63,33 @@ def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path):
     (merged,) = events(run_dir, "replica_merge")
     assert merged["iteration"] in (16, 17)
     assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]
+
+
+def test_warm_workers_relaunch_on_gpus_named_by_uuid_and_ftmaster_never_touches_cuda(tmp_path):
+    """The relaunch after a killed rank runs on warm workers: they imported torch before any
+    CUDA context existed, get CUDA_VISIBLE_DEVICES (GPU UUIDs) with their rank, and train on
+    CUDA; neither ftmaster nor a waiting worker ever loads the CUDA driver library."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    nproc = min(gpu_count(), 4)
+    ftmaster = start_launch(run_dir, nproc, train_args(save, 30, 1, 1, 5, "--bf16"),
+                            "--monitor-backend", "nvml", "--monitor-interval", "1",
+                            "--inject", "fail:gpu=1,at=iter:12")
+    try:
+        wait_until(lambda: events(run_dir, "startup"), timeout=600, interval=0.2,
+                   what="the first attempt's first iteration")
+        waiting = [p for p in psutil.Process(ftmaster.pid).children()
+                   if "ftmaster.warm" in " ".join(p.cmdline())]
+        assert waiting, "no warm worker waits beside the first attempt"
+        for process in [psutil.Process(ftmaster.pid), *waiting]:
+            assert "libcuda.so" not in open(f"/proc/{process.pid}/maps").read(), process
+        output, _ = ftmaster.communicate(timeout=900)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
+    assert read_tracker(save) == 30
+    first, relaunch = events(run_dir, "startup")[:2]
+    assert first["warm"] is False and relaunch["warm"] is True
+    assert f"training on {nproc - 1} cuda" in attempt_log(run_dir, 2)
+    visible = [line for line in attempt_log(run_dir, 2).splitlines() if "CUDA_VISIBLE_DEVICES" in line]
+    assert visible and all("GPU-" in line for line in visible), visible

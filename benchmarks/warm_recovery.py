@@ -1,0 +1,134 @@
+"""Warm workers against cold starts: RTO from the fault to the first resumed iteration, phase by
+phase, on the real trainer (CPU + gloo).
+
+    .venv/bin/python benchmarks/warm_recovery.py [--scenario gpu|replica|node ...] [--repeats 3]
+
+Each repeat runs the same job twice, ``--cold-restart`` and warm (the default), one after the
+other, so both see the same machine:
+
+- **gpu**: the demo's failure: 4 ranks at TP2 x PP2, a checkpoint every 5 iterations, GPU 1
+  killed at iteration 12 (``--inject fail:gpu=1,at=iter:12``), the relaunch on 3 ranks;
+- **replica**: 4 ranks at TP1 x PP2 x DP2 with ``--replica-recovery`` (no checkpoint before
+  the fault), GPU 1 killed at iteration 16, the relaunch on 3 from the survivors' merge;
+- **node**: two ftmaster nodes on loopback (tuned rendezvous: keep-alive 1 s, last call 2 s),
+  2 ranks each at TP2, node 1 SIGKILLed after iteration 10, the relaunch on node 0 alone.
+
+Phases, from ftmaster's events: detection (fault -> ``failure``), to plan (-> ``plan``: the
+dump and merge of replica recovery, a rendezvous round), plan -> ``launch``, and the
+relaunch's ``startup`` event (launch -> first iteration, in the trainer's start-up phases,
+each the slowest rank's), then the supervisor seeing it (-> ``resumed``). Medians over the
+repeats; the last column is warm / cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from ftmaster import runfiles  # noqa: E402
+from helpers.launch import run_launch, train_args  # noqa: E402
+from helpers.multinode import Nodes  # noqa: E402
+from helpers.trainer import wait_until  # noqa: E402
+
+STARTUP_PHASES = ("launch", "interpreter", "imports", "process-group", "model-and-optimizer-setup",
+                  "train/valid/test-data-iterators-setup", "checkpoint-search",
+                  "checkpoint-verify", "checkpoint-read", "first-iteration")
+COLD = "--cold-restart"
+
+
+def first_after(events: list[dict], name: str, after: float) -> dict:
+    found = next((e for e in events if e["event"] == name and e["time"] >= after), None)
+    if found is None:
+        raise SystemExit(f"no {name} event after {after}: the run did not recover as expected")
+    return found
+
+
+def phases(events: list[dict], fault_at: float) -> dict[str, float]:
+    failure = first_after(events, "failure", fault_at)
+    plan = first_after(events, "plan", failure["time"])
+    launch = first_after(events, "launch", plan["time"])
+    startup = first_after(events, "startup", launch["time"])
+    resumed = first_after(events, "resumed", launch["time"])
+    timings = {"detection": failure["time"] - fault_at, "to plan": plan["time"] - failure["time"],
+               "plan -> launch": launch["time"] - plan["time"]}
+    timings.update({f"  {name}": startup["phases"][name] for name in STARTUP_PHASES})
+    timings["launch -> first iteration"] = startup["seconds"]
+    timings["RTO from the fault"] = resumed["time"] - fault_at
+    timings["warm"] = float(bool(startup.get("warm")))
+    return timings
+
+
+def gpu_loss(root: Path, *options: str) -> dict[str, float]:
+    run_dir = root / "run"
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", 20, 2, 2, 5), *options,
+                        "--inject", "fail:gpu=1,at=iter:12")
+    assert result.returncode == 0, result.stdout[-3000:]
+    events = runfiles.read_events(run_dir)
+    return phases(events, first_after(events, "fault_injected", 0)["time"])
+
+
+def replica_loss(root: Path, *options: str) -> dict[str, float]:
+    extra = ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir",
+             str(root / "memory"), "--replica-recovery", "--seed", "4"]
+    run_dir = root / "run"
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", 20, 1, 2, 100, *extra, global_batch=8),
+                        *options, "--inject", "fail:gpu=1,at=iter:16")
+    assert result.returncode == 0, result.stdout[-3000:]
+    events = runfiles.read_events(run_dir)
+    return phases(events, first_after(events, "fault_injected", 0)["time"])
+
+
+def node_loss(root: Path, *options: str) -> dict[str, float]:
+    nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), *options, nnodes="1:2")
+    try:
+        nodes.start_all(2)
+        wait_until(lambda: nodes.iteration(0) >= 10, timeout=600, interval=0.05, what="iteration 10")
+        fault_at = time.time()
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)
+        assert nodes.wait(0) == 0, nodes.output(0)[-3000:]
+    finally:
+        nodes.kill_all()
+    return phases(runfiles.read_events(nodes.node_dir(0)), fault_at)
+
+
+SCENARIOS = {"gpu": gpu_loss, "replica": replica_loss, "node": node_loss}
+
+
+def report(name: str, cold: list[dict], warm: list[dict]) -> None:
+    print(f"\n== {name}: medians of {len(cold)} (warm attempts: "
+          f"{sum(r['warm'] for r in warm):.0f}/{len(warm)}, cold: {sum(r['warm'] for r in cold):.0f} warm)")
+    print(f"{'phase (s)':40s} {'cold':>8s} {'warm':>8s} {'warm/cold':>10s}")
+    for phase in cold[0]:
+        if phase == "warm":
+            continue
+        c, w = statistics.median(r[phase] for r in cold), statistics.median(r[phase] for r in warm)
+        ratio = f"{w / c:10.2f}" if c > 0.005 else f"{'-':>10s}"
+        print(f"{phase:40s} {c:8.2f} {w:8.2f} {ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append")
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args()
+    for name in options.scenario or ["gpu", "replica", "node"]:
+        runs: dict[str, list] = {"cold": [], "warm": []}
+        with tempfile.TemporaryDirectory(prefix="ftmaster-warm-") as tmp:
+            for repeat in range(options.repeats):
+                for how, extra in (("cold", (COLD,)), ("warm", ())):
+                    runs[how].append(SCENARIOS[name](Path(tmp) / f"{how}{repeat}", *extra))
+                    print(f"{name} repeat {repeat + 1} {how}: RTO from the fault "
+                          f"{runs[how][-1]['RTO from the fault']:.2f} s", flush=True)
+        report(name, runs["cold"], runs["warm"])
+
+
+if __name__ == "__main__":
+    main()
