@@ -4,7 +4,8 @@
 #   (TP2xPP2 -> TP1xPP1 and DP3 on 4 GPUs, TP2 -> DP2 on 2), overlapped gradient reduce and
 #   parameter gather, --no-load-optim keeping bf16 weights, the asynchronous save, a CPU
 #   checkpoint resumed on a GPU, an XID-free health read, NVML against nvidia-smi (GPUs,
-#   UUIDs, memory), ftmaster launch relaunching a killed rank on GPUs named by UUID, and
+#   UUIDs, memory), ftmaster launch relaunching a killed rank on GPUs named by UUID, the same
+#   relaunch on warm workers (neither ftmaster nor a waiting worker loads libcuda), and
 #   replica recovery on 4 GPUs (NCCL survivors dump, the relaunch loads the merge);
 #   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
 # Ends with a summary table. Without CUDA it says so and exits 0 (nothing to check).

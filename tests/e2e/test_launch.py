@@ -15,6 +15,7 @@ from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, rea
 from helpers.launch import (attempt_log, events, launch_argv, losses, processes_mentioning,
                             run_launch, start_launch, train_args)
 from helpers.trainer import REPO, iterations, run_trainer, trainer_env, wait_until
+from megatron.training.startup import PHASES as STARTUP_PHASES
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,7 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     assert f"loaded checkpoint from {iteration_dir(save, saved)} at iteration {saved}" in attempt_log(run_dir, 2)
     assert only(run_dir, "resumed")["iteration"] == saved + 1
     assert only(run_dir, "complete")["iteration"] == 30
+    assert_startup_phases(run_dir, [False, True])  # the relaunch ran on warm workers
     assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
 
     assert_report_and_analysis_tell_the_story(run_dir, tmp_path / "analysis", saved, failure)
@@ -60,6 +62,19 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
         assert abs(recovered[it] - expected[it]["loss"]) <= 0.03 * expected[it]["loss"], (it, recovered[it])
 
 
+def assert_startup_phases(run_dir, warm):
+    """One startup event per attempt, warm as given; a relaunch's phases add up to the time
+    from its launch to its first iteration (as the supervisor saw it, polling every 0.1 s)."""
+    startups = events(run_dir, "startup")
+    assert [s["warm"] for s in startups] == warm
+    for launch, startup, resumed in zip(events(run_dir, "launch")[1:], startups[1:],
+                                        events(run_dir, "resumed")):
+        assert list(startup["phases"]) == list(STARTUP_PHASES)
+        assert startup["phases"]["checkpoint-read"] > 0
+        took = resumed["time"] - launch["time"]
+        assert sum(startup["phases"].values()) == pytest.approx(took, rel=0.1), startup
+
+
 def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     """ftmaster report, analyze and goodput on the launch's own run directory."""
     runner = CliRunner()
@@ -70,6 +85,7 @@ def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     assert reported["lost_iterations"] == failure["iteration"] - saved
     assert reported["lead_time"]["gpu"] == 1 and reported["lead_time"]["seconds"] > 0
     assert reported["new_layout"]["gpus"] == [0, 2, 3]
+    assert reported["startup"]["warm"] is True
     assert sum(reported["phases"].values()) == pytest.approx(reported["rto_seconds"], rel=1e-6)
     assert f"lost iterations    {failure['iteration'] - saved} (RPO" in result.output
 
@@ -87,10 +103,11 @@ def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     assert 0 < goodput["inputs"]["restart_s"] <= reported["rto_from_fault_seconds"]
 
 
-def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_path):
+def test_hang_and_two_failures_are_recovered_cold_then_sigterm_saves_and_exits(tmp_path):
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
     hang_timeout = 10  # above the longest periodic save: a save writes no heartbeat
-    ftmaster = start_launch(run_dir, 3, train_args(save, 200, 1, 1, 3), "--hang-timeout", str(hang_timeout),
+    ftmaster = start_launch(run_dir, 3, train_args(save, 200, 1, 1, 3), "--cold-restart",
+                            "--hang-timeout", str(hang_timeout),
                             "--inject", "hang:gpu=0,at=iter:4", "--inject", "fail:gpu=2,at=iter:7",
                             "--inject", "fail:gpu=1,at=iter:10")
     try:
@@ -114,12 +131,13 @@ def test_hang_and_two_failures_are_recovered_then_sigterm_saves_and_exits(tmp_pa
     assert [p["gpus_available"] for p in events(run_dir, "plan")] == [[0, 1, 2], [0, 1], [0]]
     assert [e["gpus"] for e in events(run_dir, "launch")] == [[0, 1, 2], [0, 1, 2], [0, 1], [0]]
     assert [r["attempt"] for r in events(run_dir, "resumed")] == [2, 3, 4]
+    assert_startup_phases(run_dir, [False] * 4)  # --cold-restart: torchrun every time
 
     stopped = only(run_dir, "stopped")
     assert stopped["exit_code"] == 0
     last_log = attempt_log(run_dir, 4)
     assert f"exiting on SIGTERM after iteration {read_tracker(save)}" in last_log
-    assert not processes_mentioning(str(run_dir))
+    assert not processes_mentioning(f"{tmp_path}/")  # the run's and its checkpoints' folder
 
 
 def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_leaves_nothing(tmp_path):
@@ -137,10 +155,12 @@ def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_l
         assert second.stderr == (f"Error: another ftmaster (pid {ftmaster.pid}) is using {run_dir}; "
                                  "wait for it to end or give another --run-dir\n")
         assert processes_mentioning(str(save))
+        wait_until(lambda: len(events(run_dir, "startup")) == 2, timeout=60, what="startup 2")
+        assert [e["warm"] for e in events(run_dir, "startup")] == [False, True]
         os.killpg(ftmaster.pid, signal.SIGKILL)
         ftmaster.wait()
-        wait_until(lambda: not processes_mentioning(str(run_dir)), timeout=30,
-                   what="every training process to die with ftmaster")
+        wait_until(lambda: not processes_mentioning(f"{tmp_path}/"), timeout=30,
+                   what="every training process and warm worker to die with ftmaster")
     finally:
         if ftmaster.poll() is None:
             os.killpg(ftmaster.pid, signal.SIGKILL)

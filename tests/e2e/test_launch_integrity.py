@@ -75,7 +75,7 @@ def test_a_supervisor_started_again_continues_the_attempts_of_a_killed_one(tmp_p
                    what="a checkpoint at 10")
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-        wait_until(lambda: not processes_mentioning(str(run_dir)), timeout=30,
+        wait_until(lambda: not processes_mentioning(f"{tmp_path}/"), timeout=30,
                    what="the killed ftmaster's trainers to die with it")
     finally:
         if first.poll() is None:

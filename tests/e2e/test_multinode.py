@@ -45,7 +45,7 @@ def test_a_lost_node_is_replanned_around_on_the_gpus_left(tmp_path):
     assert loaded["iteration"] == max(durable) >= 5  # the newest before the kill
     assert nodes.events(0, "complete")[0]["iteration"] == 30
     assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
-    assert not processes_mentioning(str(nodes.run_dir))
+    assert not processes_mentioning(f"{nodes.root}/")
 
 
 def test_uneven_nodes_after_a_gpu_loss_and_an_emergency_save_on_every_node(tmp_path):
@@ -145,7 +145,7 @@ def test_losing_the_node_that_hosts_the_store_makes_every_other_node_exit_75(tmp
     assert exited_after < 60, exited_after  # the default read_timeout; it notices far sooner
     assert "requeue the job (exit status 75)" in nodes.output(1)
     assert nodes.events(1, "store_lost")
-    wait_until(lambda: not processes_mentioning(str(nodes.run_dir)), timeout=30,
+    wait_until(lambda: not processes_mentioning(f"{nodes.root}/"), timeout=30,
                what="no process of the job left")
 
 
