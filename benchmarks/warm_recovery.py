@@ -16,7 +16,7 @@ other, so both see the same machine:
 Phases, from ftmaster's events: detection (fault -> ``failure``), to plan (-> ``plan``: the
 dump and merge of replica recovery, a rendezvous round), plan -> ``launch``, and the
 relaunch's ``startup`` event (launch -> first iteration, in the trainer's start-up phases,
-each the slowest rank's), then the supervisor seeing it (-> ``resumed``). Medians over the
+each ending when its last rank ends it), then the supervisor seeing it (-> ``resumed``). Medians over the
 repeats; the last column is warm / cold.
 """
 

@@ -7,8 +7,9 @@ Megatron-LM's timers where it has one (``model-and-optimizer-setup``,
 ``train/valid/test-data-iterators-setup``); the three ``checkpoint-*`` phases together are its
 ``load-checkpoint``.
 
-After the first iteration every rank hands its phases to :func:`agree` (one collective); the
-``startup`` event then gives each phase's maximum over ranks.
+After the first iteration every rank hands its marks to :func:`agree` (one collective); in the
+``startup`` event a phase ends when its last rank ends it, so the event's phases add up to the
+time from the launch to the job's first iteration.
 
 This module is imported by the script's first line, so it imports nothing heavy.
 """
@@ -52,35 +53,38 @@ def _process_started_at() -> float:
     return psutil.Process().create_time()
 
 
-def phases() -> dict[str, float]:
-    """Seconds per phase so far, in order; without ftmaster's launch time, from this
-    process's start (and no ``launch`` phase)."""
-    launched = os.environ.get(LAUNCHED_AT_ENV)
+def ends() -> dict[str, float]:
+    """This rank's start (``start``: ftmaster's launch, else the process's own) and the unix
+    time each phase ended; a phase never marked ends where the one before it did."""
     started = _process_started_at()
-    ends = {"launch": started, **_marks}
-    last = float(launched) if launched else started
-    seconds = {}
+    launched = os.environ.get(LAUNCHED_AT_ENV)
+    marked = {"launch": started, **_marks}
+    times = {"start": float(launched) if launched else started}
+    last = times["start"]
     for phase in PHASES:
-        end = ends.get(phase)
-        seconds[phase] = round(max(0.0, end - last), 4) if end is not None else 0.0
-        last = end if end is not None else last
-    return seconds
+        last = max(last, marked.get(phase, last))
+        times[phase] = last
+    return times
 
 
 def summary(per_rank: list[dict[str, float]]) -> dict:
-    """The ``startup`` event's fields from every rank's phases: each phase's maximum, the
-    slowest rank's total, and which rank that was."""
-    totals = [sum(p.values()) for p in per_rank]
-    slowest = max(range(len(per_rank)), key=totals.__getitem__)
-    return {"phases": {name: max(p[name] for p in per_rank) for name in PHASES},
-            "seconds": round(totals[slowest], 4), "slowest_rank": slowest,
+    """The ``startup`` event's fields from every rank's :func:`ends`. A phase ends when the
+    last rank ends it (the view Megatron-LM's timers take with ``barrier=True``), so the phases
+    tile the time from the launch to the job's first iteration; ``seconds`` is that time,
+    ``slowest_rank`` the rank that finished its first iteration last."""
+    start = min(ends["start"] for ends in per_rank)
+    phases, last = {}, start
+    for phase in PHASES:
+        end = max(ends[phase] for ends in per_rank)
+        phases[phase], last = round(end - last, 4), end
+    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r]["first-iteration"])
+    return {"phases": phases, "seconds": round(last - start, 4), "slowest_rank": slowest,
             "warm": bool(os.environ.get(ASSIGNED_AT_ENV)), "ranks": len(per_rank)}
 
 
 def agree(group) -> dict:
-    """Every rank's phases, gathered over ``group`` (one collective): the event's fields."""
+    """Every rank's phase ends, gathered over ``group`` (one collective): the event's fields."""
     import torch
-    mine = phases()
     every: list = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(every, mine, group=group)
+    torch.distributed.all_gather_object(every, ends(), group=group)
     return summary(every)

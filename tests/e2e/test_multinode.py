@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from helpers.launch import processes_mentioning, train_args
 from helpers.multinode import FAST_RENDEZVOUS, Nodes
@@ -222,17 +223,34 @@ def test_a_silent_partition_is_caught_by_the_hang_timeout_then_the_keep_alive(tm
         nodes.start_all(2)
         wait_until(lambda: nodes.iteration(1) >= 8, timeout=300, interval=0.1,
                    what="training on both nodes")
-        cut_at = time.time()
         two_hosts[1].link("down")
+        last_progress = progress_until_the_failure(nodes, 0)
         assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
         assert nodes.wait(1, timeout=120) == 75, nodes.output(1)[-4000:]
     finally:
         nodes.kill_all()
     failure = nodes.events(0, "failure")[0]
     assert (failure["cause"], failure["gpus"]) == ("hang", [])
-    assert failure["time"] - cut_at >= 8  # no reset: only the hang timeout can tell
+    # No reset: only the hang timeout can tell, counted from the last progress (which may
+    # come just before the cut, or just after it when the iteration had no collective left).
+    assert failure["time"] - last_progress >= 8
     assert plans(nodes, 0)[-1][1:3] == ([0], [2])
     assert nodes.events(0, "complete")[0]["iteration"] == 40
+
+
+def progress_until_the_failure(nodes, node_rank: int) -> float:
+    """The time of the node's last heartbeat before its first failure event."""
+    last = 0.0
+
+    def failed() -> bool:
+        nonlocal last
+        heartbeat = runfiles.read_heartbeat(nodes.node_dir(node_rank)) or {}
+        failure = nodes.events(node_rank, "failure")
+        if not failure:
+            last = heartbeat.get("time", last)
+        return bool(failure)
+    wait_until(failed, timeout=120, interval=0.05, what=f"a failure on node {node_rank}")
+    return last
 
 
 @pytest.fixture

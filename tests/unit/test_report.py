@@ -113,8 +113,8 @@ def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):
     assert "failure 2: attempt 2, device_lost on GPU(s) [2]" in text
     assert "  lost iterations    4 (RPO; 0.400 s of training)" in text
     assert "    launch to loaded            22.000 s" in text
-    assert ("  start-up           22.400 s launch to first iteration (warm workers; each phase the "
-            "slowest of 3 ranks)\n    launch                                  0.050 s\n") in text
+    assert ("  start-up           22.400 s launch to first iteration (warm workers; a phase ends when "
+            "the last of 3 ranks ends it)\n    launch                                  0.050 s\n") in text
     assert "    train/valid/test-data-iterators-setup   0.300 s\n" in text
     assert report["failures"][0]["startup"] == {"phases": STARTUP_PHASES, "seconds": 22.4,
                                                 "warm": True, "ranks": 3, "slowest_rank": 2}

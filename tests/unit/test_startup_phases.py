@@ -22,6 +22,11 @@ def clock(monkeypatch):
     return at
 
 
+def durations(ends):
+    names = ("start",) + startup.PHASES
+    return {b: pytest.approx(ends[b] - ends[a]) for a, b in zip(names, names[1:])}
+
+
 def test_phases_tile_the_launch_to_the_first_iteration_and_a_missing_mark_lasts_nothing(clock):
     for t, phase in [(100.1, "interpreter"), (106.0, "imports"), (107.0, "process-group"),
                      (108.0, "model-and-optimizer-setup"),
@@ -29,33 +34,36 @@ def test_phases_tile_the_launch_to_the_first_iteration_and_a_missing_mark_lasts_
                      (109.6, "checkpoint-read"), (110.0, "first-iteration")]:
         clock(t, phase)
     clock(120.0, "imports")  # a later mark of the same phase does not move it
-    got = startup.phases()
-    assert got == {"launch": 2.5, "interpreter": pytest.approx(0.1), "imports": pytest.approx(5.9),
-                   "process-group": 1.0, "model-and-optimizer-setup": 1.0,
-                   "train/valid/test-data-iterators-setup": 0.5,
-                   "checkpoint-search": pytest.approx(0.1), "checkpoint-verify": 0.0,
-                   "checkpoint-read": 1.0, "first-iteration": pytest.approx(0.4)}
-    assert sum(got.values()) == pytest.approx(110.0 - 97.5)
+    ends = startup.ends()
+    assert ends["start"] == 97.5 and ends["first-iteration"] == 110.0
+    assert durations(ends) == {"launch": 2.5, "interpreter": 0.1, "imports": 5.9,
+                               "process-group": 1.0, "model-and-optimizer-setup": 1.0,
+                               "train/valid/test-data-iterators-setup": 0.5,
+                               "checkpoint-search": 0.1, "checkpoint-verify": 0.0,
+                               "checkpoint-read": 1.0, "first-iteration": 0.4}
 
 
 def test_a_warm_rank_starts_at_its_assignment(clock, monkeypatch):
     monkeypatch.setenv(startup.ASSIGNED_AT_ENV, "97.6")
     clock(97.61, "interpreter")
     clock(97.62, "imports")
-    got = startup.phases()
-    assert got["launch"] == pytest.approx(0.1) and got["imports"] == pytest.approx(0.01)
-    assert startup.summary([got])["warm"] is True
+    ends = startup.ends()
+    assert durations(ends)["launch"] == pytest.approx(0.1)
+    assert durations(ends)["imports"] == pytest.approx(0.01)
+    assert startup.summary([ends])["warm"] is True
 
 
-def test_the_event_takes_each_phases_slowest_rank_and_the_slowest_total(clock):
-    fast = dict.fromkeys(startup.PHASES, 1.0)
-    slow = {**fast, "imports": 3.0, "checkpoint-read": 0.5}
-    summary = startup.summary([fast, slow])
-    assert summary["phases"]["imports"] == 3.0 and summary["phases"]["checkpoint-read"] == 1.0
-    assert (summary["seconds"], summary["slowest_rank"], summary["ranks"]) == (11.5, 1, 2)
-    assert summary["warm"] is False
-
-
+def test_a_phase_ends_when_its_last_rank_ends_it_so_the_phases_add_up(clock):
+    names = ("start",) + startup.PHASES
+    # Rank 1 imports slowly, rank 0 then waits for it in the process group.
+    rank0 = dict(zip(names, (10, 10.1, 10.1, 12, 15, 16, 16.5, 16.5, 16.5, 17, 18)))
+    rank1 = dict(zip(names, (10, 10.1, 10.1, 14.5, 15, 16.2, 16.5, 16.5, 16.5, 17, 18.5)))
+    summary = startup.summary([rank0, rank1])
+    assert summary["phases"]["imports"] == pytest.approx(4.4)
+    assert summary["phases"]["process-group"] == pytest.approx(0.5)
+    assert summary["phases"]["first-iteration"] == pytest.approx(1.5)
+    assert sum(summary["phases"].values()) == pytest.approx(summary["seconds"]) == 8.5
+    assert (summary["slowest_rank"], summary["ranks"], summary["warm"]) == (1, 2, False)
 def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="unknown start-up phase"):
         startup.mark("lunch")

@@ -180,6 +180,8 @@ class Attempt:
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started_at = time.time()
+        self.stuck_gpus: dict[int, str] = {}
+        """GPUs whose training process outlived a kill: they may hold memory and a context."""
         env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
                runfiles.RUN_DIR_ENV: str(run_dir), LAUNCHED_AT_ENV: repr(self.started_at)}
         # The first launch is cold (DESIGN): the pool starts importing beside it.
@@ -188,15 +190,12 @@ class Attempt:
         self.warm = warm is not None
         self.argv = (["warm", *self.command] if self.warm
                      else attempt_argv(self.command, len(self.gpus), world=world))
-        if warm is not None:
-            self.process = warm
-            return
+        self.process = warm if warm is not None else self._start_torchrun(env)
+
+    def _start_torchrun(self, env: dict[str, str]) -> "SessionProcess":
         with open(self.log_path, "ab") as log:
-            self.process = SessionProcess(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True)
-        self.stuck_gpus: dict[int, str] = {}
-        """GPUs whose training process outlived a kill: they may hold memory and a context."""
+            return SessionProcess(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def ranks(self) -> dict[int, RankRecord]:
         return read_rank_records(self.rank_dir, len(self.gpus))

@@ -31,9 +31,9 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   iterations after the loaded one (the ``loaded checkpoint`` line's own load duration is
   given as ``load_seconds``). Without those times both of these phases are null.
 * **start-up** (``startup``): the relaunch's ``startup`` event (the first after its launch):
-  each start-up phase's maximum over ranks, from the launch to the end of the first
-  iteration (``megatron.training.startup``), whether its ranks ran on warm workers, and the
-  slowest rank's total. Null when the relaunch recorded none (it never completed an iteration,
+  the start-up phases from the launch to the end of the job's first iteration, each ending
+  when its last rank ends it (``megatron.training.startup``), whether its ranks ran on warm
+  workers, and the rank that finished its first iteration last. Null when the relaunch recorded none (it never completed an iteration,
   or a trainer that does not measure its start-up).
 * **RTO from the fault** (``rto_from_fault_seconds``): where ``fault_at`` is known, the RTO
   plus the detection phase ``fault_to_failure_seconds`` (failure event minus ``fault_at``),
@@ -463,7 +463,7 @@ def _startup_text(startup: dict | None) -> list[str]:
         return []
     how = "warm workers" if startup.get("warm") else "cold start"
     lines = [f"  start-up           {_s(startup.get('seconds'))} launch to first iteration "
-             f"({how}; each phase the slowest of {startup.get('ranks')} ranks)"]
+             f"({how}; a phase ends when the last of {startup.get('ranks')} ranks ends it)"]
     return lines + [f"    {name:<40}{_s(value if _is_number(value) else None)}"
                     for name, value in startup["phases"].items()]
 
