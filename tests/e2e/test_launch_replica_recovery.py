@@ -19,18 +19,25 @@ def schedule(save, tp, pp, save_interval):
     return train_args(save, ITERS, tp, pp, save_interval, "--seed", "4", global_batch=8)
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)])
-def test_a_failed_gpu_costs_no_iteration(tp, pp, tmp_path):
+@pytest.mark.parametrize("tp, pp, warm", [(1, 2, True), (2, 1, False)])
+def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, tmp_path):
+    """Warm: the failure waits until the warm workers are ready, and the merge runs on one."""
     run_dir, save, memory = tmp_path / "run", tmp_path / "ckpt", tmp_path / "memory"
     args = [*schedule(save, tp, pp, 100), "--non-persistent-ckpt-type", "global",
             "--non-persistent-global-ckpt-dir", str(memory), "--replica-recovery"]
-    result = run_launch(run_dir, 4, args, "--inject", "fail:gpu=1,at=iter:16")
+    how = ("--inject", "fail:gpu=1,at=iter:16,after=warm_ready") if warm else (
+        "--cold-restart", "--inject", "fail:gpu=1,at=iter:16")
+    result = run_launch(run_dir, 4, args, *how)
     assert result.returncode == 0, result.stdout[-4000:]
     (failure,) = events(run_dir, "failure")
     (dumped,) = events(run_dir, "replica_dump")
     (merged,) = events(run_dir, "replica_merge")
     assert dumped["ranks"] == [0, 2, 3] and dumped["bytes"] > 0
-    assert merged["iteration"] in (16, 17) and merged["shards"] == 2
+    # The survivors stop at the failed iteration or complete the one under way.
+    assert failure["iteration"] >= 16 and merged["shards"] == 2
+    assert merged["iteration"] in (failure["iteration"], failure["iteration"] + 1)
+    assert merged["warm"] is warm
+    assert [s["warm"] for s in events(run_dir, "startup")] == [False, warm]
     assert failure["time"] < dumped["time"] < merged["time"]
     (loaded,) = events(run_dir, "checkpoint_loaded")
     assert (loaded["iteration"], loaded["tier"]) == (merged["iteration"], "memory")

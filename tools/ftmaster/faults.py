@@ -47,7 +47,7 @@ KINDS = ", ".join(kind.value for kind in Fault)
 # The events an injection may wait for: what a rehearsal's chain of cause and effect passes
 # through (DESIGN's event contract).
 AFTER_EVENTS = ("risk_alert", "checkpoint_request", "emergency_save", "periodic_save",
-                "persisted", "checkpoint_loaded", "resumed")
+                "persisted", "checkpoint_loaded", "resumed", "warm_ready")
 GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns, optionally ,after=EVENT (KIND: {KINDS}; "
            f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; EVENT: "
            f"{', '.join(AFTER_EVENTS)})")

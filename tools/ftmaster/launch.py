@@ -302,8 +302,9 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         membership = _membership(rendezvous)
-        starter = None if options["cold_restart"] else WarmStarter(len(devices.ids),
-                                                                   config.run_dir)
+        starter = None if options["cold_restart"] else WarmStarter(
+            len(devices.ids), config.run_dir,
+            on_ready=lambda fields: runfiles.append_event(config.run_dir, "warm_ready", **fields))
         try:
             code = _supervise(Supervisor(config, monitor, membership, starter), monitor,
                               Listener(config.run_dir))

@@ -5,7 +5,8 @@ When an attempt fails, and before it is killed, the supervisor asks every rank f
 rank has reported or ended, at most :data:`DUMP_TIMEOUT_S` (torchrun SIGKILLs the survivors
 30 s after the failure). Then it starts the merge
 (``python -m megatron.training.replica_merge``, which imports torch: the supervisor does
-not), kills the attempt while the merge runs, and the relaunch loads the merged checkpoint
+not; on a warm worker when one is ready, see :mod:`ftmaster.warm`), kills the attempt while
+the merge runs, and the relaunch loads the merged checkpoint
 like any other. Whenever there is no complete cut (DP 1, a hang with no known culprit, a
 survivor that refused or was lost), one line says why and the relaunch falls back to the
 newest checkpoint.
@@ -27,6 +28,7 @@ from ftmaster import runfiles
 from ftmaster.attempt import Attempt
 from ftmaster.recovery.checkpoints import read_tracker
 from ftmaster.recovery.replicas import REQUEST_FLAG, dump_folder, read_reports, report_path
+from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
 DUMP_TIMEOUT_S = 20.0
@@ -43,8 +45,19 @@ class Merging:
     """A merge under way."""
 
     folder: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | WarmRanks
     started: float
+    output: Path | None = None
+    """Where a warm worker writes the merge's output; None: the process's stdout pipe."""
+
+
+def merge_output(merging: Merging) -> str:
+    """What the merge printed, once it ended (subprocess.TimeoutExpired past the timeout)."""
+    if merging.output is None:
+        stdout, _ = merging.process.communicate(timeout=MERGE_TIMEOUT_S)
+        return stdout
+    merging.process.wait(MERGE_TIMEOUT_S)
+    return merging.output.read_text(errors="replace")
 
 
 def request_flag_path(run_dir: Path) -> Path:
@@ -55,9 +68,10 @@ class ReplicaRecovery:
     """Dump, then merge, for one failed attempt at a time."""
 
     def __init__(self, run_dir: Path, memory_dir: Path, save_dir: Path,
-                 event: Callable[..., dict]) -> None:
+                 event: Callable[..., dict], starter: WarmStarter | None = None) -> None:
         self.run_dir, self.memory_dir, self.save_dir = Path(run_dir), memory_dir, save_dir
         self.event = event
+        self.starter = starter
 
     def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
                        iteration: int | None, data_parallel_size: int) -> Path | None:
@@ -106,19 +120,24 @@ class ReplicaRecovery:
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
         imports torch) while the old attempt is killed."""
         newest = read_tracker(self.save_dir)  # the merge reads the memory tier's itself
-        argv = [sys.executable, "-m", "megatron.training.replica_merge", str(folder),
-                str(self.memory_dir), *(["--newest", str(newest)] if newest is not None else [])]
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        return Merging(folder, process, time.monotonic())
+        module = ["-m", "megatron.training.replica_merge", str(folder), str(self.memory_dir),
+                  *(["--newest", str(newest)] if newest is not None else [])]
+        started = time.monotonic()
+        helper = self.run_dir / "ranks" / f"merge_{folder.name}"
+        warm = self.starter.run_module(module, helper) if self.starter is not None else None
+        if warm is not None:
+            return Merging(folder, warm, started, helper / "output.log")
+        process = subprocess.Popen([sys.executable, *module], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        return Merging(folder, process, started)
 
     def finish_merge(self, merging: "Merging") -> int | None:
         """The merged checkpoint's iteration, or None after saying why there is none."""
         try:
-            stdout, _ = merging.process.communicate(timeout=MERGE_TIMEOUT_S)
-            result = json.loads(stdout.strip().splitlines()[-1])
+            result = json.loads(merge_output(merging).strip().splitlines()[-1])
         except subprocess.TimeoutExpired as error:
             merging.process.kill()
-            merging.process.communicate()
+            merging.process.wait()
             result = {"refused": f"the merge did not finish: {error}"}
         except (ValueError, IndexError) as error:
             result = {"refused": f"the merge said nothing readable ({error}); exit status "
@@ -128,11 +147,12 @@ class ReplicaRecovery:
         if "refused" in result:
             self.fall_back(result["refused"])
             return None
-        # seconds: the whole merge as recovery waits for it (a fresh interpreter importing
+        # seconds: the whole merge as recovery waits for it (cold: a fresh interpreter importing
         # torch, most of it, beside the kill of the old attempt); merge_seconds: its own work.
         seconds = time.monotonic() - merging.started
         self.event("replica_merge", iteration=result["iteration"], shards=result["shards"],
                    seconds=round(seconds, 4), merge_seconds=result["seconds"],
+                   warm=merging.output is not None,
                    path=result["path"], bytes=result["bytes"])
         log.info("replica recovery: merged the checkpoint of iteration %d from %d shard(s) in "
                  "%.2f s: %s", result["iteration"], result["shards"], seconds, result["path"])

@@ -250,7 +250,8 @@ class Supervisor:
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
                           if self.tiers is not None and copies else None)
         self._memory_kinds: dict[int, str | None] = {}
-        self.replicas = (ReplicaRecovery(self.run_dir, self.tiers.memory, self.tiers.disk, self._event)
+        self.replicas = (ReplicaRecovery(self.run_dir, self.tiers.memory, self.tiers.disk,
+                                         self._event, starter)
                          if REPLICA_FLAG in config.command and self.tiers is not None else None)
         self._last_persist_start = time.monotonic()
         self.progress: Progress | None = None

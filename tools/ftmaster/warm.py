@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
                             rank_record_path)
@@ -161,13 +161,14 @@ class WarmWorker:
     """Its ready line once it came: pid, import seconds, whether it holds CUDA or a group."""
     _reader: threading.Thread | None = field(default=None, repr=False)
 
-    def start_reading(self) -> None:
+    def start_reading(self, then: Callable[[], None]) -> None:
         def read() -> None:
             line = self.process.stdout.readline()
             try:
                 self.ready = json.loads(line) if line else None
             except ValueError:
                 self.ready = None
+            then()
         self._reader = threading.Thread(target=read, daemon=True, name="warm-ready")
         self._reader.start()
 
@@ -186,11 +187,17 @@ class WarmPool:
     """``size`` warm workers kept ready; :meth:`take` hands out a set, and a fresh set starts
     importing at once, so every recovery finds one."""
 
-    def __init__(self, size: int, run_dir: Path, python: str = sys.executable) -> None:
+    def __init__(self, size: int, run_dir: Path, python: str = sys.executable,
+                 on_ready: Callable[[dict], None] | None = None) -> None:
         if size < 1:
             raise ValueError(f"a warm pool needs at least one worker, got {size}")
         self.size = size
         self.run_dir = Path(run_dir)
+        self.on_ready = on_ready
+        """Called (from a reader thread) each time the pool holds ``size`` usable workers
+        again: the ``warm_ready`` event."""
+        self._lock = threading.Lock()
+        self._told_ready = False
         self.python = python
         self.workers: list[WarmWorker] = []
         self.replaced = 0
@@ -216,15 +223,38 @@ class WarmPool:
         if self.broken:
             return
         while len(self.workers) < self.size:
-            self.workers.append(self._spawn())
+            worker = self._spawn()
+            with self._lock:
+                self.workers.append(worker)
 
     def _spawn(self) -> WarmWorker:
         process = subprocess.Popen([self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         worker = WarmWorker(process)
-        worker.start_reading()
+        self._told_ready = False
+        worker.start_reading(self._check_ready)
         return worker
+
+    def _check_ready(self) -> None:
+        with self._lock:
+            workers = list(self.workers)
+            if self._told_ready or len(workers) < self.size or not all(w.usable for w in workers):
+                return
+            self._told_ready = True
+        if self.on_ready is not None:
+            self.on_ready({"workers": len(workers),
+                           "import_s": max(w.ready["import_s"] for w in workers)})
+
+    def _hurry(self) -> None:
+        """A launch waits for workers still importing: they leave SCHED_IDLE (a CPU hog would
+        otherwise starve them for as long as it runs)."""
+        for worker in self.workers:
+            if worker.alive and worker.ready is None:
+                try:
+                    os.sched_setscheduler(worker.process.pid, os.SCHED_OTHER, os.sched_param(0))
+                except OSError:
+                    pass
 
     def take(self, count: int, timeout_s: float = READY_TIMEOUT_S) -> list[WarmWorker] | None:
         """``count`` usable workers (waiting for a set still importing), or None when they do
@@ -245,6 +275,7 @@ class WarmPool:
             if self.broken or time.monotonic() >= deadline:
                 self.fill()
                 return None
+            self._hurry()
             time.sleep(0.02)
 
     def close(self) -> None:
@@ -337,6 +368,13 @@ class WarmRanks:
             time.sleep(0.01)
         return code
 
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def kill(self) -> None:
+        self.kill_group()
+
     def kill_group(self) -> None:
         """SIGKILL every rank's session (its forked checkpoint writers included)."""
         for worker in self.workers:
@@ -362,8 +400,9 @@ class WarmStarter:
     """Hands attempts to a :class:`WarmPool` of one worker per GPU of this node; cold (torchrun)
     when no set is ready in time, saying so in one line."""
 
-    def __init__(self, gpus_on_node: int, run_dir: Path) -> None:
-        self.pool = WarmPool(gpus_on_node, run_dir)
+    def __init__(self, gpus_on_node: int, run_dir: Path,
+                 on_ready: Callable[[dict], None] | None = None) -> None:
+        self.pool = WarmPool(gpus_on_node, run_dir, on_ready=on_ready)
         self.run_id = Path(run_dir).name
 
     def start(self, command: Sequence[str], nproc: int, env: dict[str, str], rank_dir: Path,
@@ -382,6 +421,19 @@ class WarmStarter:
         except OSError as error:
             log.warning("a warm worker died as it was handed its rank (%s): attempt starts cold, "
                         "under torchrun", error)
+            return None
+
+    def run_module(self, argv: Sequence[str], folder: Path) -> WarmRanks | None:
+        """``python -m ...`` on a worker ready now (None if there is none), its output in
+        ``folder/output.log``: for a helper on the recovery path, such as the replica merge."""
+        workers = self.pool.take(1, timeout_s=0)
+        if workers is None:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "RANK": "0", ERROR_FILE_ENV: str(error_file_path(folder, 0))}
+        try:
+            return WarmRanks(workers, folder, [env], argv, folder / "output.log")
+        except OSError:
             return None
 
     def close(self) -> None:
