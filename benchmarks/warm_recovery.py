@@ -87,6 +87,7 @@ def replica_loss(root: Path, *options: str) -> dict[str, float]:
 
 
 def node_loss(root: Path, *options: str) -> dict[str, float]:
+    root.mkdir(parents=True)
     nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), *options, nnodes="1:2")
     try:
         nodes.start_all(2)

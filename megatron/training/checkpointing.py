@@ -204,7 +204,7 @@ def _restore_rng(saved: list | dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _start_writer_results_queue() -> None:
+def start_writer_results_queue() -> None:
     """Start torch_dist's writer result queue now, in a server that dies with this rank.
 
     megatron-core creates the queue lazily through a spawn-context Manager: a fresh interpreter
@@ -214,6 +214,8 @@ def _start_writer_results_queue() -> None:
 
     Its Manager server also outlives a rank killed by a signal (about 270 MB each, and a lost
     rank is exactly what ftmaster recovers from), so ours asks for SIGKILL when its rank dies.
+    It holds nothing of a rank, so a warm worker starts it before it is given one
+    (``ftmaster.warm.WARM_UP``).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -505,7 +507,7 @@ class Checkpointer:
         self.last_durable_iteration: int | None = None
         self._on_failed: Callable[[SaveFailure], None] | None = None
         if args.save:
-            _start_writer_results_queue()
+            start_writer_results_queue()
             checksums.install()
 
     # ---- saving -------------------------------------------------------------------------
