@@ -67,3 +67,18 @@ def test_a_phase_ends_when_its_last_rank_ends_it_so_the_phases_add_up(clock):
 def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="unknown start-up phase"):
         startup.mark("lunch")
+
+
+def test_a_cold_process_start_is_read_exactly_not_from_the_drifting_boot_time(monkeypatch):
+    """psutil's create_time put a process started now 0.9 s in the past on these VMs."""
+    import subprocess
+    import sys
+    import time
+    before = time.time()
+    child = subprocess.run([sys.executable, "-c", "import time; from megatron.training import "
+                            "startup; print(startup._process_started_at(), time.time())"],
+                           capture_output=True, text=True, check=True,
+                           env={k: v for k, v in startup.os.environ.items()
+                                if k != startup.ASSIGNED_AT_ENV})
+    started, now = map(float, child.stdout.split())
+    assert before - 0.02 <= started <= now  # one clock tick of slack
