@@ -69,7 +69,7 @@ def test_an_unknown_phase_is_refused():
         startup.mark("lunch")
 
 
-def test_a_cold_process_start_is_read_exactly_not_from_the_drifting_boot_time(monkeypatch):
+def test_a_cold_process_start_is_read_exactly_not_from_the_drifting_boot_time():
     """psutil's create_time put a process started now 0.9 s in the past on these VMs."""
     import subprocess
     import sys
