@@ -56,8 +56,24 @@ def merge_output(merging: Merging) -> str:
     if merging.output is None:
         stdout, _ = merging.process.communicate(timeout=MERGE_TIMEOUT_S)
         return stdout
-    merging.process.wait(MERGE_TIMEOUT_S)
+    deadline = time.monotonic() + MERGE_TIMEOUT_S
+    while not _said_it(merging.output) and merging.process.poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("replica merge", MERGE_TIMEOUT_S)
+        time.sleep(0.01)
+    # Its answer is its last act: the worker's own exit (the async writers' Manager it started
+    # shutting down) would add a second to the recovery.
+    merging.process.kill()
     return merging.output.read_text(errors="replace")
+
+
+def _said_it(output: Path) -> bool:
+    """The merge printed its one JSON line, whole."""
+    try:
+        text = output.read_text(errors="replace")
+    except OSError:
+        return False
+    return text.endswith("\n") and text.splitlines()[-1].startswith("{")
 
 
 def request_flag_path(run_dir: Path) -> Path:
