@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -73,8 +74,9 @@ class StoreTraffic:
         return counted
 
 
-def join_all(members, gpus) -> float:
-    """Every member joins one round, each on its thread; the slowest one's seconds."""
+def join_all(members, gpus, limit_s: float) -> float | None:
+    """Every member joins one round, each on its thread; the slowest one's seconds, or None
+    when not every member had joined within ``limit_s`` (the count joined is printed)."""
     ended, errors = [], []
     start = time.monotonic()
 
@@ -88,13 +90,17 @@ def join_all(members, gpus) -> float:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(max(0.0, start + limit_s - time.monotonic()))
     if errors:
         raise SystemExit(f"{len(errors)} node(s) failed to join: {errors[0]}")
+    if len(ended) < len(members):
+        print(f"{len(ended)} of {len(members)} nodes joined within {limit_s:g} s", file=sys.stderr,
+              flush=True)
+        return None
     return max(ended)
 
 
-def measure(nodes: int, keep_alive: int) -> dict:
+def measure(nodes: int, keep_alive: int, limit_s: float) -> dict:
     """One node count, in this process."""
     from ftmaster.membership import NodeMembership, RendezvousConfig, free_port
     from ftmaster.recovery.planner import plan_nodes
@@ -113,10 +119,13 @@ def measure(nodes: int, keep_alive: int) -> dict:
     members = [member(0)] + [member(rank) for rank in range(1, nodes)]
     connect_s = time.monotonic() - start
     gpus = list(range(GPUS_PER_NODE))
-    first_s = join_all(members, gpus)
+    first_s = join_all(members, gpus, limit_s)
     first_ops, first_bytes = traffic.take()
+    if first_s is None:
+        return {"nodes": nodes, "connect_s": connect_s, "round1_s": None, "round1_ops": first_ops,
+                "round1_bytes": first_bytes}
     members[-1].stop_keep_alive()  # the node dies
-    second_s = join_all(members[:-1], gpus) if nodes > 1 else 0.0
+    second_s = join_all(members[:-1], gpus, limit_s) if nodes > 1 else 0.0
     second_ops, second_bytes = traffic.take()
     plan_start = time.perf_counter()
     plan_nodes(MODEL, [GPUS_PER_NODE] * (nodes - 1), original_world_size=GPUS_PER_NODE * nodes)
@@ -130,21 +139,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 16, 128, 512])
     parser.add_argument("--keep-alive", type=int, default=1)
+    parser.add_argument("--limit", type=float, default=300.0,
+                        help="seconds a round may take before the count is stopped")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child's node count
     options = parser.parse_args()
     if options.one:
-        print(json.dumps(measure(options.one, options.keep_alive)), flush=True)
-        return
+        print(json.dumps(measure(options.one, options.keep_alive, options.limit)), flush=True)
+        os._exit(0)  # the rendezvous threads of a round that never completed still block
     print(f"{'nodes':>6s} {'connect s':>10s} {'round 1 s':>10s} {'ops':>8s} {'MB':>8s} "
           f"{'round 2 s':>10s} {'ops':>8s} {'MB':>8s} {'plan ms':>8s}")
     for nodes in options.nodes:
         child = subprocess.run([sys.executable, __file__, "--one", str(nodes), "--keep-alive",
-                                str(options.keep_alive)], capture_output=True, text=True,
+                                str(options.keep_alive), "--limit", str(options.limit)],
+                               capture_output=True, text=True,
                                cwd=Path(__file__).resolve().parents[1])
         if child.returncode != 0:
             print(f"{nodes:6d} failed: {child.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(child.stdout.strip().splitlines()[-1])
+        if r["round1_s"] is None:
+            print(f"{nodes:6d} {r['connect_s']:10.2f} {child.stderr.strip().splitlines()[-1]}; "
+                  f"{r['round1_ops']} ops, {r['round1_bytes'] / 1e6:.2f} MB so far", flush=True)
+            continue
         print(f"{nodes:6d} {r['connect_s']:10.2f} {r['round1_s']:10.2f} {r['round1_ops']:8d} "
               f"{r['round1_bytes'] / 1e6:8.2f} {r['round2_s']:10.2f} {r['round2_ops']:8d} "
               f"{r['round2_bytes'] / 1e6:8.2f} {r['plan_s'] * 1e3:8.1f}", flush=True)
