@@ -46,6 +46,7 @@ from typing import Callable, Sequence
 from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
                             rank_record_path)
 from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster import runfiles
 from ftmaster.runfiles import atomic_write_text
 
 PRELOAD = ("torch", "megatron.core", "megatron.training.training", "megatron.training.checkpointing")
@@ -236,6 +237,7 @@ class WarmPool:
             raise ValueError(f"a warm pool needs at least one worker, got {size}")
         self.size = size
         self.run_dir = Path(run_dir)
+        self.log_path = runfiles.logs_dir(self.run_dir) / "warm_workers.log"
         self.on_ready = on_ready
         """Called (from a reader thread) each time the pool holds ``size`` usable workers
         again: the ``warm_ready`` event."""
@@ -258,8 +260,8 @@ class WarmPool:
         thread that lives as long as ftmaster (the death signal follows the parent thread)."""
         dead = [w for w in self.workers if not w.alive]
         for worker in dead:
-            log.warning("warm worker %d died while waiting (exit status %s); replacing it",
-                        worker.process.pid, worker.process.returncode)
+            log.warning("warm worker %d died while waiting (exit status %s; see %s); replacing it",
+                        worker.process.pid, worker.process.returncode, self.log_path)
             self.workers.remove(worker)
             self.replaced += 1
             self.deaths_before_ready += worker.ready is None
@@ -271,9 +273,14 @@ class WarmPool:
                 self.workers.append(worker)
 
     def _spawn(self) -> WarmWorker:
-        process = subprocess.Popen([self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        """A new worker; what it says before its rank (an import that fails) goes to
+        ``RUN_DIR/logs/warm_workers.log``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as errors:
+            process = subprocess.Popen(
+                [self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
+                start_new_session=True)
         worker = WarmWorker(process)
         self._told_ready = False
         worker.start_reading(self._check_ready)
