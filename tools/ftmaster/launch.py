@@ -44,8 +44,8 @@ from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
-from ftmaster.warm import WarmStarter
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
+from ftmaster.warm import WarmStarter
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
     """The job's GPUs from ``CUDA_VISIBLE_DEVICES``, the driver (probed only when needed, and

@@ -91,6 +91,7 @@ from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status, requeue_advice)
+from ftmaster.warm import WarmStarter
 
 # Read by megatron.training.rehearsal (the trainer side of injected faults).
 NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
