@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -47,20 +48,28 @@ def phases(events: list[dict], fault_at: float) -> dict[str, float]:
     return dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:]))))
 
 
-def node_loss(root: Path, keep_alive: int) -> dict[str, float]:
+def kill_node_1(root: Path, keep_alive: int, *options: str,
+                ready: Callable[[Nodes], bool] = lambda nodes: True) -> tuple[list[dict], float]:
+    """2 nodes x 2 ranks at TP2; node 1 SIGKILLed after iteration 10 (and once ``ready``);
+    node 0's events once it finished alone, and the kill's time."""
     root.mkdir(parents=True)
     conf = (f"last_call_timeout=2,keep_alive_interval={keep_alive},keep_alive_max_attempt=3,"
             "join_timeout=120")
-    nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), conf=conf)
+    nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), *options, conf=conf)
     try:
         nodes.start_all(2)
-        wait_until(lambda: nodes.iteration(0) >= 10, timeout=600, interval=0.05, what="iteration 10")
+        wait_until(lambda: nodes.iteration(0) >= 10 and ready(nodes), timeout=600, interval=0.05,
+                   what="iteration 10")
         fault_at = time.time()
         os.kill(nodes.processes[1].pid, signal.SIGKILL)
         assert nodes.wait(0) == 0, nodes.output(0)[-3000:]
     finally:
         nodes.kill_all()
-    return phases(runfiles.read_events(nodes.node_dir(0)), fault_at)
+    return runfiles.read_events(nodes.node_dir(0)), fault_at
+
+
+def node_loss(root: Path, keep_alive: int) -> dict[str, float]:
+    return phases(*kill_node_1(root, keep_alive))
 
 
 def gpu_loss(root: Path) -> dict[str, float]:

@@ -23,20 +23,17 @@ repeats; the last column is warm / cold.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ftmaster import runfiles  # noqa: E402
 from helpers.launch import run_launch, train_args  # noqa: E402
-from helpers.multinode import Nodes  # noqa: E402
-from helpers.trainer import wait_until  # noqa: E402
+from multinode_recovery import kill_node_1  # noqa: E402
 
 STARTUP_PHASES = ("launch", "interpreter", "imports", "process-group", "model-and-optimizer-setup",
                   "train/valid/test-data-iterators-setup", "checkpoint-search",
@@ -97,19 +94,10 @@ def replica_loss(root: Path, *options: str) -> dict[str, float]:
 
 
 def node_loss(root: Path, *options: str) -> dict[str, float]:
-    root.mkdir(parents=True)
-    nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), *options, nnodes="1:2")
-    try:
-        nodes.start_all(2)
-        wait_until(lambda: nodes.iteration(0) >= 10, timeout=600, interval=0.05, what="iteration 10")
-        if after_warm_ready(options):
-            wait_until(lambda: nodes.events(0, "warm_ready"), timeout=600, what="warm workers")
-        fault_at = time.time()
-        os.kill(nodes.processes[1].pid, signal.SIGKILL)
-        assert nodes.wait(0) == 0, nodes.output(0)[-3000:]
-    finally:
-        nodes.kill_all()
-    return phases(runfiles.read_events(nodes.node_dir(0)), fault_at)
+    warm = bool(after_warm_ready(options))
+    events, fault_at = kill_node_1(root, 1, *options,
+                                   ready=lambda nodes: not warm or nodes.events(0, "warm_ready"))
+    return phases(events, fault_at)
 
 
 SCENARIOS = {"gpu": gpu_loss, "replica": replica_loss, "node": node_loss}

@@ -330,14 +330,19 @@ class WarmPool:
 
     def close(self) -> None:
         """SIGKILL every waiting worker: none holds anything to clean up."""
-        for worker in self.workers:
-            try:
-                os.killpg(worker.process.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for worker in self.workers:
-            worker.process.wait()
+        kill_sessions(self.workers)
         self.workers = []
+
+
+def kill_sessions(workers: Sequence[WarmWorker]) -> None:
+    """SIGKILL each worker's session (what it started too) and reap the worker."""
+    for worker in workers:
+        try:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for worker in workers:
+        worker.process.wait()
 
 
 # ---- one attempt on warm workers --------------------------------------------------------------
@@ -427,13 +432,7 @@ class WarmRanks:
 
     def kill_group(self) -> None:
         """SIGKILL every rank's session (its forked checkpoint writers included)."""
-        for worker in self.workers:
-            try:
-                os.killpg(worker.process.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for worker in self.workers:
-            worker.process.wait()
+        kill_sessions(self.workers)
 
 
 def _write_record(rank_dir: Path, record: dict) -> None:
