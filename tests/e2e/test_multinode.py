@@ -107,6 +107,10 @@ def test_a_node_that_joins_after_the_first_round_trains_in_the_next_one(tmp_path
     first = nodes.events(1, "launch")[0]["command"]
     assert first[first.index("--load") + 1] == str(save)
     assert read_tracker(save) == 30
+    # Node 1's first launch is cold, so the whole round is: warm ranks and torchrun's in one
+    # world never met (they waited out the gloo timeout, and the round was lost).
+    assert [s["warm"] for s in nodes.events(0, "startup")][:2] == [False, False]
+    assert not [f for n in (0, 1) for f in nodes.events(n, "failure") if f["cause"] == "exit"]
 
 
 def test_every_node_shows_the_error_of_its_own_ranks_when_it_gives_up(tmp_path):

@@ -1,12 +1,15 @@
 """Multi-node settings and the parts of a rendezvous round that are pure: torchrun's option
 forms, node order by node rank, and one-line refusals."""
 
+import json
+from dataclasses import asdict, replace
+
 import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
 from ftmaster.membership import (NodeRecord, RendezvousConfig, Round, order_records, parse_conf,
-                                 parse_nnodes)
+                                 parse_nnodes, parse_record)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
@@ -41,6 +44,14 @@ def test_nodes_are_ordered_by_node_rank_never_by_hostname():
               NodeRecord(0, "zeta", (0, 1), 3)]
     assert [r.node_rank for r in order_records(joined)] == [0, 2, 10]
     assert Round(1, order_records(joined), 0).node_gpus == (2, 2, 1)
+
+
+def test_a_round_starts_warm_only_when_every_node_can_and_old_records_read_as_cold():
+    warm, cold = NodeRecord(0, "a", (0,), 1, warm=True), NodeRecord(1, "b", (0,), 2)
+    assert Round(2, (warm, replace(warm, node_rank=1)), 0).warm
+    assert not Round(2, (warm, cold), 0).warm  # e.g. a node on its first, cold, launch
+    assert parse_record(b'{"node_rank": 1, "addr": "b", "gpus": [0], "port": 2}') == cold
+    assert parse_record(json.dumps(asdict(warm)).encode()) == warm
 
 
 def test_two_nodes_with_one_node_rank_are_refused():

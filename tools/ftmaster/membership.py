@@ -167,6 +167,9 @@ class NodeRecord:
     """The GPUs it can schedule (its own NVML indices)."""
     port: int
     """A free port on ``addr``, the master port if this node hosts plan rank 0."""
+    warm: bool = False
+    """Whether this node can start its ranks on warm workers in this round (see
+    :attr:`Round.warm`)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,14 @@ class Round:
     @property
     def node_gpus(self) -> tuple[int, ...]:
         return tuple(len(node.gpus) for node in self.nodes)
+
+    @property
+    def warm(self) -> bool:
+        """Whether the round starts on warm workers: only when every node can. Warm ranks meet
+        through a store their rank 0 hosts, torchrun's through its agents' store: a round that
+        mixed them would wait out its timeout (seen: a node's first, cold, launch beside a
+        warm relaunch)."""
+        return all(node.warm for node in self.nodes)
 
 
 def store_conf(config: RendezvousConfig) -> dict[str, str]:
@@ -208,7 +219,7 @@ def ipaddress_is_loopback(host: str) -> bool:
 def parse_record(data: bytes) -> NodeRecord:
     body = json.loads(data)
     return NodeRecord(int(body["node_rank"]), str(body["addr"]), tuple(body["gpus"]),
-                      int(body["port"]))
+                      int(body["port"]), bool(body.get("warm", False)))
 
 
 def free_port(addr: str) -> int:
@@ -257,12 +268,13 @@ class NodeMembership:
                              f"(pip install python-etcd)") from None
 
     # -- rounds ---------------------------------------------------------------------------
-    def join(self, gpus: Sequence[int]) -> Round:
-        """Join the next round with these schedulable GPUs; blocks until it completes."""
+    def join(self, gpus: Sequence[int], warm: bool = False) -> Round:
+        """Join the next round with these schedulable GPUs, saying whether this node could
+        start warm; blocks until the round completes."""
         info = self._call(self.handler.next_rendezvous)
         store = info.store
         me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
-                        free_port(self.config.address))
+                        free_port(self.config.address), warm)
         keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
         self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
         self._call(store.wait, keys, timedelta(seconds=RECORD_TIMEOUT_S))

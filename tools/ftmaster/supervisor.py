@@ -613,9 +613,11 @@ class Supervisor:
         self._clear_previous_attempt()
         devices = self.config.devices or JobGpus(self.config.gpus)
         self.monitor.watch(gpus)
+        # Across nodes, warm only when every node of the round starts warm (Round.warm).
+        warm = self.starter if self.round is None or self.round.warm else None
         self.attempt = Attempt(self.run_dir, number, command, gpus,
                                {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
-                               world=self.world, starter=self.starter)
+                               world=self.world, starter=warm)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -864,6 +866,11 @@ class Supervisor:
                  self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
 
+    def _can_start_warm(self) -> bool:
+        """Whether this node's next launch could be warm: not its first (DESIGN)."""
+        started = self.attempt is not None or self.attempts_before > 0
+        return started and self.starter is not None and self.starter.ready_to_start
+
     def _join(self, available: list[int]) -> Round | None:
         """Join the next round on a thread (it blocks until the round completes), so that a
         signal still ends the run at once; None when one did."""
@@ -871,7 +878,7 @@ class Supervisor:
 
         def join() -> None:
             try:
-                outcome.append(self.membership.join(available))
+                outcome.append(self.membership.join(available, self._can_start_warm()))
             except BaseException as error:  # handed to the supervisor's thread
                 outcome.append(error)
 

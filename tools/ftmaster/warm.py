@@ -472,6 +472,11 @@ class WarmStarter:
                         "under torchrun", error)
             return None
 
+    @property
+    def ready_to_start(self) -> bool:
+        """False once the pool gave up (workers kept dying before they were ready)."""
+        return not self.pool.broken
+
     def run_module(self, argv: Sequence[str], folder: Path) -> WarmRanks | None:
         """``python -m ...`` on a worker ready now (None if there is none), its output in
         ``folder/output.log``: for a helper on the recovery path, such as the replica merge."""
