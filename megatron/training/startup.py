@@ -20,8 +20,7 @@ import os
 import time
 from pathlib import Path
 
-LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"  # ftmaster.attempt sets it
-ASSIGNED_AT_ENV = "FTMASTER_ASSIGNED_AT"  # ftmaster.warm sets it in a warm worker
+from ftmaster.runfiles import ASSIGNED_AT_ENV, LAUNCHED_AT_ENV
 
 PHASES = (
     "launch",            # ftmaster's launch -> this process runs (torchrun and its guard; or a

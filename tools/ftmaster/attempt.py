@@ -28,9 +28,6 @@ from ftmaster.guard import RANK_DIR_ENV, error_file_path, rank_record_path
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from ftmaster.warm import WarmStarter
 
-LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"
-"""Unix time ftmaster launched the attempt: where every rank's start-up phases begin."""
-
 EXIT_SIGNAL_FLAG = "--exit-signal-handler"
 # How the trainer states an error it diagnosed itself (megatron.training.console.error).
 TRAINER_ERROR_PREFIX = "error: "
@@ -183,7 +180,7 @@ class Attempt:
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
         env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
-               runfiles.RUN_DIR_ENV: str(run_dir), LAUNCHED_AT_ENV: repr(self.started_at)}
+               runfiles.RUN_DIR_ENV: str(run_dir), runfiles.LAUNCHED_AT_ENV: repr(self.started_at)}
         # The first launch is cold (DESIGN): the pool starts importing beside it.
         warm = (starter.start(self.command, len(self.gpus), env, self.rank_dir, self.log_path, world)
                 if starter is not None and number > 1 else None)

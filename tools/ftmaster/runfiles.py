@@ -25,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 RUN_DIR_ENV = "FTMASTER_RUN_DIR"
+LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"
+"""Unix time ftmaster launched the attempt: where every rank's start-up phases begin."""
+ASSIGNED_AT_ENV = "FTMASTER_ASSIGNED_AT"
+"""Unix time a warm worker received its rank: where its own start-up begins."""
 TRIGGER_FLAG = "trigger_checkpoint.flag"
 SAVE_NOW_FLAG = "save_now.flag"
 

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ftmaster import runfiles
 from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
                             rank_record_path)
+from ftmaster.membership import free_port
 from ftmaster.recovery.torchrun import StaticWorld
-from ftmaster import runfiles
 from ftmaster.runfiles import atomic_write_text
 
 PRELOAD = ("torch", "megatron.core", "megatron.training.training", "megatron.training.checkpointing")
@@ -60,9 +60,6 @@ READY_TIMEOUT_S = 120.0
 """How long a launch waits for a set still importing before it starts cold instead."""
 MAX_DEATHS_BEFORE_READY = 3
 """Workers that may die before their ready line until the pool gives up on warm starts."""
-ASSIGNED_AT_ENV = "FTMASTER_ASSIGNED_AT"
-"""Unix time a warm worker received its rank: where its start-up begins (see
-``megatron.training.startup``)."""
 
 log = logging.getLogger("ftmaster")
 try:  # imported before the environment is replaced: it finds argv's memory through it
@@ -125,7 +122,7 @@ def _take_assignment(assignment: dict, idle: bool) -> None:
     """Become the rank: its environment, folder, output, priority and argv."""
     os.environ.clear()
     os.environ.update(assignment["env"])
-    os.environ[ASSIGNED_AT_ENV] = repr(time.time())
+    os.environ[runfiles.ASSIGNED_AT_ENV] = repr(time.time())
     os.chdir(assignment["cwd"])
     if idle:  # the worker and what WARM_UP started
         import psutil
@@ -346,12 +343,6 @@ def kill_sessions(workers: Sequence[WarmWorker]) -> None:
 
 
 # ---- one attempt on warm workers --------------------------------------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def rank_env(base: dict[str, str], local_rank: int, nproc: int, rank_dir: Path, run_id: str,
              world: StaticWorld | None, master_port: int) -> dict[str, str]:
     """A rank's environment as torchrun's agent sets it (``LocalElasticAgent._start_workers``),
@@ -463,7 +454,7 @@ class WarmStarter:
                    f"{READY_TIMEOUT_S:g} s")
             log.warning("%s: attempt starts cold, under torchrun", why)
             return None
-        port = free_port() if world is None else world.master_port
+        port = free_port("127.0.0.1") if world is None else world.master_port
         envs = [rank_env(env, r, nproc, rank_dir, self.run_id, world, port) for r in range(nproc)]
         try:
             return WarmRanks(workers, rank_dir, envs, command, log_path)
