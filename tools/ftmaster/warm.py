@@ -174,9 +174,11 @@ def _private_channel():
 
 
 def serve() -> None:
-    """``python -u -m ftmaster.warm RUN_DIR``: import, say ready, run the one rank given. The
-    run folder is only shown (in ps: whose worker this is)."""
-    die_with_parent(os.getppid())
+    """``python -u -m ftmaster.warm RUN_DIR POOL_PID``: import, say ready, run the one rank
+    given. The run folder is only shown (in ps: whose worker this is)."""
+    # The pool's pid, not getppid(): a pool that died while this interpreter started would
+    # leave it reparented, and getppid() would then name the new parent.
+    die_with_parent(int(sys.argv[2]))
     _show_command(["-m", "ftmaster.warm", *sys.argv[1:]])  # now: it reads the environment once
     idle = _idle_priority_reversibly()
     assignments, answers = _private_channel()
@@ -275,7 +277,7 @@ class WarmPool:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as errors:
             process = subprocess.Popen(
-                [self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir)],
+                [self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir), str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
                 start_new_session=True)
         worker = WarmWorker(process)
