@@ -1,5 +1,5 @@
 """ftmaster launch --replica-recovery: GPU 1 fails at iteration 16 with no checkpoint since
-the start (--save-interval 100, no emergency save); the survivors dump, ftmaster merges, and
+the start (--save-interval 1000, no emergency save); the survivors dump, ftmaster merges, and
 the relaunch on the 3 GPUs left resumes at iteration 16 or 17, from a checkpoint whose every
 tensor equals the same iteration's checkpoint of an uninterrupted run."""
 
@@ -15,15 +15,18 @@ pytestmark = pytest.mark.slow
 ITERS = 20
 
 
-def schedule(save, tp, pp, save_interval):
-    return train_args(save, ITERS, tp, pp, save_interval, "--seed", "4", global_batch=8)
+def schedule(save, tp, pp, save_interval, iters=ITERS):
+    return train_args(save, iters, tp, pp, save_interval, "--seed", "4", global_batch=8)
 
 
 @pytest.mark.parametrize("tp, pp, warm", [(1, 2, True), (2, 1, False)])
 def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, tmp_path):
-    """Warm: the failure waits until the warm workers are ready, and the merge runs on one."""
+    """Warm: the failure waits until the warm workers are ready, and the merge runs on one. They
+    import at SCHED_IDLE beside training, so that run is long enough for them to be ready
+    before it ends (in one suite run they were ready only after iteration 20)."""
     run_dir, save, memory = tmp_path / "run", tmp_path / "ckpt", tmp_path / "memory"
-    args = [*schedule(save, tp, pp, 100), "--non-persistent-ckpt-type", "global",
+    iters = 400 if warm else ITERS
+    args = [*schedule(save, tp, pp, 1000, iters), "--non-persistent-ckpt-type", "global",
             "--non-persistent-global-ckpt-dir", str(memory), "--replica-recovery"]
     how = ("--inject", "fail:gpu=1,at=iter:16,after=warm_ready") if warm else (
         "--cold-restart", "--inject", "fail:gpu=1,at=iter:16")
@@ -42,12 +45,12 @@ def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, tmp_path):
     (loaded,) = events(run_dir, "checkpoint_loaded")
     assert (loaded["iteration"], loaded["tier"]) == (merged["iteration"], "memory")
     saves = events(run_dir, "emergency_save") + events(run_dir, "periodic_save")
-    assert [s["iteration"] for s in saves] == [ITERS]  # only the final one, after the relaunch
+    assert [s["iteration"] for s in saves] == [iters]  # only the final one, after the relaunch
     assert "replica recovery: merged the checkpoint of iteration" in result.stdout
 
     reference = tmp_path / "reference"
-    done = run_trainer(4, [*schedule(reference, tp, pp, 1), "--exit-interval",
-                           str(merged["iteration"])])
+    done = run_trainer(4, [*schedule(reference, tp, pp, merged["iteration"], iters),
+                           "--exit-interval", str(merged["iteration"])])
     assert done.returncode == 0, done.stdout[-3000:]
     assert unequal_tensors(iteration_dir(memory, merged["iteration"]),
                            iteration_dir(reference, merged["iteration"])) == []
