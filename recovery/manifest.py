@@ -4,7 +4,8 @@
 
     {"kind": "periodic", "iteration": 20, "checksum": "xxh3_64",
      "files": {"common.pt": {"bytes": 5120, "digest": "9f0c..."},
-               "__0_0.distcp": {"bytes": 3145728, "digest": "41aa..."}, ...}}
+               "__0_0.distcp": {"bytes": 3145728, "digest": "41aa..."}, ...},
+     "items": {"__0_0.distcp": [[0, 1512, "77e1..."], [1512, 3144216, "c3d0..."]], ...}}
 
 The manifest is written after every other file of the checkpoint and before the tracker
 moves, so a checkpoint that has one is complete. Each digest is computed where the bytes
@@ -13,6 +14,12 @@ file back. Validation re-reads the files and compares: a checkpoint whose bytes 
 (a flipped bit, 4 KB of garbage in the middle of a shard) fails it, whatever its size.
 Checkpoints written before manifests existed, or by other tools, have none and are validated
 by their structure alone.
+
+``items`` gives, for each torch_dist shard, the checksum of every item in it (``[offset,
+bytes, digest]``, the byte ranges torch's ``.metadata`` points at). A load then checks each
+item as it reads it (:func:`item_problem`), so every byte of a shard is read once, and bytes
+the load does not need are not read at all. Manifests without ``items`` are checked file by
+file before the load, as before.
 
 xxh3_64 hashes at about 20 GB/s on one core, so hashing costs a few per cent of a save that
 writes at disk or memory speed; crc32 would cost ten times more.
@@ -23,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -75,6 +82,9 @@ class DigestingWriter:
         self.path = Path(path)
         self._file = open(path, mode)
         self._hasher = xxhash.xxh3_64()
+        self._item: tuple[int, xxhash.xxh3_64] | None = None
+        self.items: dict[int, FileDigest] = {}
+        """Offset -> digest of each item written between :meth:`begin_item` and :meth:`end_item`."""
         self.bytes = 0
         self.hash_seconds = 0.0
         self._opened = time.perf_counter()
@@ -83,10 +93,20 @@ class DigestingWriter:
     def write(self, data) -> int:
         start = time.perf_counter()
         self._hasher.update(data)
+        if self._item is not None:
+            self._item[1].update(data)
         self.hash_seconds += time.perf_counter() - start
         written = self._file.write(data)
         self.bytes += written
         return written
+
+    def begin_item(self) -> None:
+        self._item = (self.bytes, xxhash.xxh3_64())
+
+    def end_item(self) -> None:
+        offset, hasher = self._item
+        self.items[offset] = FileDigest(self.bytes - offset, hasher.hexdigest())
+        self._item = None
 
     def tell(self) -> int:
         return self._file.tell()
@@ -124,18 +144,34 @@ class Manifest:
     iteration: int | None
     files: Mapping[str, FileDigest]
     """Empty for a manifest written before checksums existed (``{"kind": ...}`` only)."""
+    items: Mapping[str, Mapping[int, FileDigest]] = field(default_factory=dict)
+    """Shard name -> item offset -> digest; empty when the writer recorded none."""
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files.values())
 
+    def items_cover(self, name: str) -> bool:
+        """Whether ``name``'s items tile the whole file, so checking them checks every byte."""
+        end = 0
+        for offset, entry in sorted(self.items.get(name, {}).items()):
+            if offset != end:
+                return False
+            end += entry.bytes
+        return name in self.files and end == self.files[name].bytes
 
-def write_manifest(folder: Path, kind: str, iteration: int, files: Mapping[str, FileDigest]) -> None:
+
+def write_manifest(folder: Path, kind: str, iteration: int, files: Mapping[str, FileDigest],
+                   items: Mapping[str, Mapping[int, FileDigest]] | None = None) -> None:
     """Write the manifest durably (temp file, fsync, rename, fsync of the folder)."""
     if kind not in SAVE_KINDS:
         raise ValueError(f"unknown save kind {kind!r}; expected one of {SAVE_KINDS}")
     body = {"kind": kind, "iteration": iteration, "checksum": CHECKSUM,
             "files": {name: files[name].as_json() for name in sorted(files)}}
+    if items:
+        body["items"] = {name: [[offset, entry.bytes, entry.digest]
+                                for offset, entry in sorted(items[name].items())]
+                         for name in sorted(items)}
     atomic_write_text(Path(folder) / MANIFEST_NAME, json.dumps(body, indent=1) + "\n")
 
 
@@ -145,6 +181,9 @@ def read_manifest(folder: Path) -> Manifest | None:
         body = json.loads((Path(folder) / MANIFEST_NAME).read_text())
         files = {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
                  for name, entry in (body.get("files") or {}).items()}
+        items = {name: {int(offset): FileDigest(int(size), str(digest))
+                        for offset, size, digest in entries}
+                 for name, entries in (body.get("items") or {}).items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     if body.get("checksum", CHECKSUM) != CHECKSUM:
@@ -152,7 +191,7 @@ def read_manifest(folder: Path) -> Manifest | None:
     kind = body.get("kind")
     iteration = body.get("iteration")
     return Manifest(kind if kind in SAVE_KINDS else None,
-                    iteration if isinstance(iteration, int) else None, files)
+                    iteration if isinstance(iteration, int) else None, files, items)
 
 
 def size_problem(folder: Path, manifest: Manifest) -> str | None:
@@ -176,6 +215,24 @@ def digest_problem(folder: Path, manifest: Manifest, names: Iterable[str]) -> st
         except OSError as error:
             return f"{name} cannot be read ({error.strerror or error})"
         if found != expected:
-            return (f"{name} checksum mismatch ({CHECKSUM} {found.digest}, the manifest says "
-                    f"{expected.digest})")
+            return _mismatch(name, found, expected)
     return None
+
+
+def item_problem(manifest: Manifest, name: str, offset: int, data: bytes) -> str | None:
+    """Whether the ``data`` read at ``offset`` of shard ``name`` is the item the writer wrote."""
+    expected = manifest.items.get(name, {}).get(offset)
+    if expected is None:
+        return f"{name} has no item at byte {offset} in the manifest"
+    found = digest_bytes(data)
+    if found == expected:
+        return None
+    return _mismatch(name, found, expected, f" in the item at byte {offset}")
+
+
+def _mismatch(name: str, found: FileDigest, expected: FileDigest, where: str = "") -> str:
+    if found.bytes != expected.bytes:
+        return (f"{name} checksum mismatch{where} ({found.bytes} bytes, the manifest says "
+                f"{expected.bytes})")
+    return (f"{name} checksum mismatch{where} ({CHECKSUM} {found.digest}, the manifest says "
+            f"{expected.digest})")

@@ -126,6 +126,10 @@ def describe_error(error: BaseException) -> str:
     """One line for a failed read or write; an OS error by its errno name, e.g.
     ``ENOSPC (No space left on device)``, wherever in the exception it is buried (writer
     failures reach rank 0 as text inside a CheckpointException)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return describe_error(error.failures[min(error.failures)][0])
+    if isinstance(error, checksums.ChecksumMismatch):
+        return str(error)
     text = f"{type(error).__name__}: {error}"
     found = _OS_ERROR.search(text)
     if found:
@@ -133,6 +137,23 @@ def describe_error(error: BaseException) -> str:
         name = errno.errorcode.get(number, f"errno {number}")
         return f"{name} ({message})" + (f" on {filename}" if filename else "")
     return text.strip().splitlines()[0][:300]
+
+
+def _bytes_read_by_this_process() -> int:
+    """``rchar`` of /proc/self/io: every byte read(2) returned, from the medium or the cache."""
+    try:
+        with open("/proc/self/io") as counters:
+            return next(int(line.split()[1]) for line in counters if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _reads_checked_against(manifest: Manifest | None):
+    """Each item checked as it is read when the manifest has item checksums (see
+    :func:`checksums.verifying_reads`); else a plain load, its files checked beforehand."""
+    if manifest is not None and manifest.items:
+        return checksums.verifying_reads(manifest)
+    return contextlib.nullcontext([0])
 
 
 # ---- agreement on the control group ---------------------------------------------------------
@@ -463,7 +484,8 @@ class _Save:
         shards = {name: shard for r in reports for name, shard in r.shards.items()}
         files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
                  DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
-        write_manifest(self.path, self.kind, self.iteration, files)
+        items = {name: shard.items for name, shard in shards.items() if shard.items}
+        write_manifest(self.path, self.kind, self.iteration, files, items)
         # Never backwards: a persisted memory checkpoint may be newer than this one.
         advance_tracker(self.path.parent, self.iteration)
         return DurableSave(self.iteration, self.path, self.kind, self.tier, self.started_at,
@@ -643,7 +665,7 @@ class Checkpointer:
         checked = broadcast_from_rank0(
             (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
         problem, manifest = checked
-        start = time.perf_counter()
+        start, read_before = time.perf_counter(), _bytes_read_by_this_process()
         if problem is None and manifest is not None and manifest.files:
             problem = self._checksum_problem(path, manifest)
         verify_seconds = time.perf_counter() - start
@@ -666,34 +688,46 @@ class Checkpointer:
         try:
             template = self._state_dict(state, is_loading=True, with_rng=with_rng,
                                         with_optimizer=not self.args.no_load_optim)
-            loaded = dist_checkpointing.load(template, str(path),
-                                             sharded_strategy=self._load_strategy(path))
+            with _reads_checked_against(manifest) as verified_on_read:
+                loaded = dist_checkpointing.load(template, str(path),
+                                                 sharded_strategy=self._load_strategy(path))
             self._apply(loaded, state, with_rng)
         except CHECKPOINT_ERRORS as error:
             problem = describe_error(error)
         problem = first_problem(problem, self.group)
         if problem is None:
             startup.mark("checkpoint-read")
+            read = _bytes_read_by_this_process() - read_before
             self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start,
-                         verify_seconds, tier)
+                         verify_seconds, self._sum_over_ranks([verified_on_read[0], read]), tier)
         return problem
 
     def _checksum_problem(self, path: Path, manifest: Manifest) -> str | None:
-        """Every file's checksum, the files spread over the ranks so each reads a share."""
-        names = sorted(manifest.files)
+        """The checksum of every file the load will not check item by item as it reads it,
+        the files spread over the ranks so each reads a share."""
+        names = [name for name in sorted(manifest.files) if not manifest.items_cover(name)]
         mine = names[_rank()::torch.distributed.get_world_size()]
         return first_problem(digest_problem(path, manifest, mine), self.group)
 
+    def _sum_over_ranks(self, values: list[int]) -> list[int]:
+        total = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(total, group=self.group)
+        return total.tolist()
+
     def _loaded(self, path: Path, state: TrainingState, common: dict, with_rng: bool,
                 manifest: Manifest | None, seconds: float, verify_seconds: float,
-                tier: str) -> None:
+                read_counts: list[int], tier: str) -> None:
+        """``read_counts``: the bytes checked item by item as they were read, and the bytes the
+        ranks read in all from the start of verification to the end of the load, as the kernel
+        counts them (``rchar``); both summed over ranks."""
         size = manifest.total_bytes if manifest and manifest.files else None
         log_rank0(f"loaded checkpoint from {path} at iteration {state.iteration} in "
                   f"{seconds:.3f} s ({size if size is not None else 'unknown'} bytes); layout "
                   f"{common.get('layout')} -> {layout_of(self.args)}"
                   + ("" if with_rng else "; RNG state not restored"))
         self.event("checkpoint_loaded", iteration=state.iteration, path=str(path), tier=tier,
-                   seconds=round(seconds, 4), bytes=size, verify_seconds=round(verify_seconds, 4))
+                   seconds=round(seconds, 4), bytes=size, verify_seconds=round(verify_seconds, 4),
+                   verified_on_read=read_counts[0], read_bytes=read_counts[1])
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         self._last_saved_tier, self.last_bytes = tier, size
 

@@ -8,6 +8,10 @@ processes (or a spawned persistent worker), so the digest comes back the way the
 a small sidecar file ``<shard>.digest`` written when the shard is closed, which the rank reads
 at finalize time and sends to rank 0 for the manifest.
 
+The sidecar also holds each item's digest: :func:`_write_item_with_digest`, installed as the
+module's ``_write_item``, brackets every item the writer writes, so a load can check each
+item as it reads it instead of reading every shard twice (:mod:`ftmaster.recovery.manifest`).
+
 The save request's write function is wrapped by :func:`write_with_digests`, a module-level
 function, so the hook is installed wherever the request runs: in the rank, in a fork of it,
 or in a spawned worker that unpickles it.
@@ -15,6 +19,9 @@ or in a spawned worker that unpickles it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +29,13 @@ from pathlib import Path
 from typing import Callable
 
 from ftmaster.guard import die_with_parent
-from ftmaster.recovery.manifest import DigestingWriter, FileDigest
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+    CachedMetadataFileSystemReader,
+)
+from torch.distributed.checkpoint.filesystem import _write_item as write_item
+
+from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, item_problem
 
 SIDECAR_SUFFIX = ".digest"
 
@@ -35,7 +48,8 @@ class _SidecarWriter(DigestingWriter):
             return
         super().close()
         body = {**self.digest().as_json(), "hash_seconds": self.hash_seconds,
-                "write_seconds": self.open_seconds}
+                "write_seconds": self.open_seconds,
+                "items": [[offset, item.bytes, item.digest] for offset, item in self.items.items()]}
         sidecar_path(self.path).write_text(json.dumps(body))
 
 
@@ -49,11 +63,25 @@ def _digesting_open(path, mode="r", *args, **kwargs):
     return open(path, mode, *args, **kwargs)
 
 
+@functools.wraps(write_item)  # megatron-core inspects its signature for serialization_format
+def _write_item_with_digest(transforms, stream, *args, **kwargs):
+    """torch's ``_write_item(transforms, stream, data, write_item, storage_key, ...)``, whose
+    item is the bytes it adds to ``stream`` (it records ``stream.tell()`` before and after)."""
+    if not isinstance(stream, DigestingWriter):
+        return write_item(transforms, stream, *args, **kwargs)
+    stream.begin_item()
+    result = write_item(transforms, stream, *args, **kwargs)
+    stream.end_item()
+    return result
+
+
 def install() -> None:
-    """Make torch_dist's shard writer hash what it writes (idempotent, module-scoped)."""
+    """Make torch_dist's shard writer hash what it writes, file by file and item by item
+    (idempotent, module-scoped)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.open = _digesting_open
+    filesystem_async._write_item = _write_item_with_digest
 
 
 def write_with_digests(write: Callable, *args, **kwargs):
@@ -74,10 +102,57 @@ class ShardDigest:
     digest: FileDigest
     hash_seconds: float
     write_seconds: float
+    items: dict[int, FileDigest]
 
 
 def read_shard_digest(shard: Path) -> ShardDigest:
     """The digest a writer left beside ``shard``; OSError or ValueError when it left none."""
     body = json.loads(sidecar_path(shard).read_text())
+    items = {int(offset): FileDigest(int(size), str(digest))
+             for offset, size, digest in body.get("items", ())}
     return ShardDigest(FileDigest(int(body["bytes"]), str(body["digest"])),
-                       float(body["hash_seconds"]), float(body["write_seconds"]))
+                       float(body["hash_seconds"]), float(body["write_seconds"]), items)
+
+
+class ChecksumMismatch(ValueError):
+    """An item read from a shard is not what its writer wrote: its message says which."""
+
+
+class VerifyingReader(CachedMetadataFileSystemReader):
+    """megatron-core's caching reader, checking each item against the manifest as it reads it.
+
+    torch's ``FileSystemReader.read_data`` asks ``_slice_file`` for each item's bytes. Reading
+    them into memory here costs one memory copy before ``torch.load``; it lets the digest be
+    checked before anything is unpickled, and the bytes come off the medium once."""
+
+    def __init__(self, path, manifest: Manifest, counter: list[int]) -> None:
+        super().__init__(path)
+        self.manifest = manifest
+        self.counter = counter
+
+    def _slice_file(self, file, sinfo):
+        if sinfo.relative_path not in self.manifest.items:  # checked in full before the load
+            return super()._slice_file(file, sinfo)
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        problem = item_problem(self.manifest, sinfo.relative_path, sinfo.offset, data)
+        if problem is not None:
+            raise ChecksumMismatch(problem)
+        self.counter[0] += len(data)
+        return io.BytesIO(data)
+
+
+@contextlib.contextmanager
+def verifying_reads(manifest: Manifest):
+    """Within it, megatron-core's torch_dist loads read through a :class:`VerifyingReader`;
+    yields a one-element list counting the bytes checked. megatron-core builds its reader
+    inside ``TorchDistLoadShardedStrategy.load`` with the module function
+    ``_get_filesystem_reader``, so that name is the one seam (module-scoped, undone on exit)."""
+    counter = [0]
+    original = torch_strategy._get_filesystem_reader
+    torch_strategy._get_filesystem_reader = (
+        lambda path, cache_metadata=False: VerifyingReader(path, manifest, counter))
+    try:
+        yield counter
+    finally:
+        torch_strategy._get_filesystem_reader = original

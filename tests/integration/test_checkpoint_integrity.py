@@ -63,6 +63,8 @@ def test_every_file_has_a_checksum_that_matches(trained):
                    and not p.name.endswith(".digest")}
         assert (manifest.kind, manifest.iteration) == ("periodic", iteration)
         assert set(manifest.files) == written
+        shards = {name for name in written if name.endswith(".distcp")}
+        assert set(manifest.items) == shards and all(manifest.items_cover(n) for n in shards)
         assert digest_problem(folder, manifest, sorted(manifest.files)) is None
 
 

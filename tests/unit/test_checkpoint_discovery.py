@@ -20,9 +20,11 @@ from ftmaster.recovery.checkpoints import (
 from ftmaster.recovery.manifest import (
     MANIFEST_NAME,
     DigestingWriter,
+    FileDigest,
     digest_bytes,
     digest_file,
     digest_problem,
+    item_problem,
     read_manifest,
     write_manifest,
 )
@@ -160,6 +162,43 @@ def test_a_digesting_writer_hashes_what_reaches_the_file(tmp_path):
     assert writer.digest() == digest_file(target) == digest_bytes(b"abcdefgh")
     assert writer.open_seconds >= writer.hash_seconds >= 0
     assert not hasattr(writer, "seek")  # a seek would make the digest describe other bytes
+
+
+def test_a_digesting_writer_hashes_each_item_and_the_manifest_keeps_them(tmp_path):
+    target = tmp_path / "__0_0.distcp"
+    with DigestingWriter(target) as writer:
+        for item in (b"header", b"tensor bytes", b"x"):
+            writer.begin_item()
+            writer.write(item[:3])
+            writer.write(item[3:])
+            writer.end_item()
+    items = {0: digest_bytes(b"header"), 6: digest_bytes(b"tensor bytes"), 18: digest_bytes(b"x")}
+    assert writer.items == items
+    write_manifest(tmp_path, "periodic", 7, {target.name: writer.digest()}, {target.name: items})
+    manifest = read_manifest(tmp_path)
+    assert manifest.items == {target.name: items}
+    assert manifest.items_cover(target.name)
+    assert item_problem(manifest, target.name, 6, b"tensor bytes") is None
+    assert item_problem(manifest, target.name, 6, b"tensor bytez") == (
+        f"{target.name} checksum mismatch in the item at byte 6 (xxh3_64 "
+        f"{digest_bytes(b'tensor bytez').digest}, the manifest says {items[6].digest})")
+    assert item_problem(manifest, target.name, 6, b"tensor") == (
+        f"{target.name} checksum mismatch in the item at byte 6 (6 bytes, the manifest says 12)")
+    assert item_problem(manifest, target.name, 5, b"x") == (
+        f"{target.name} has no item at byte 5 in the manifest")
+
+
+@pytest.mark.parametrize("items, covers", [
+    ({0: (4, "a"), 4: (6, "b")}, True),
+    ({0: (4, "a")}, False),              # the file's tail is in no item
+    ({0: (4, "a"), 5: (5, "b")}, False),  # a gap
+    ({}, False),
+])
+def test_items_cover_a_file_only_when_they_tile_it(tmp_path, items, covers):
+    items = {offset: FileDigest(size, digest) for offset, (size, digest) in items.items()}
+    write_manifest(tmp_path, "periodic", 1, {"f.distcp": digest_bytes(b"0123456789")},
+                   {"f.distcp": items} if items else None)
+    assert read_manifest(tmp_path).items_cover("f.distcp") is covers
 
 
 def test_a_manifest_without_checksums_still_gives_the_kind(tmp_path):
