@@ -75,18 +75,20 @@ class DigestingWriter:
     It offers what torch_dist's writer uses (``write``, ``tell``, ``flush``, ``fileno``,
     ``close``, a context manager) and nothing that would move the position: a ``seek`` would
     make the digest describe other bytes than the file's. ``hash_seconds`` and
-    ``open_seconds`` tell what hashing cost against the whole write.
+    ``open_seconds`` tell what hashing cost against the whole write; ``io_seconds`` is the
+    time in the file's own ``write``, and ``item_seconds`` the time between the
+    :meth:`begin_item` and :meth:`end_item` of each item (its serialisation included).
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "wb") -> None:
         self.path = Path(path)
         self._file = open(path, mode)
         self._hasher = xxhash.xxh3_64()
-        self._item: tuple[int, xxhash.xxh3_64] | None = None
+        self._item: tuple[int, xxhash.xxh3_64, float] | None = None
         self.items: dict[int, FileDigest] = {}
         """Offset -> digest of each item written between :meth:`begin_item` and :meth:`end_item`."""
         self.bytes = 0
-        self.hash_seconds = 0.0
+        self.hash_seconds = self.io_seconds = self.item_seconds = 0.0
         self._opened = time.perf_counter()
         self.open_seconds = 0.0
 
@@ -95,17 +97,20 @@ class DigestingWriter:
         self._hasher.update(data)
         if self._item is not None:
             self._item[1].update(data)
-        self.hash_seconds += time.perf_counter() - start
+        hashed = time.perf_counter()
+        self.hash_seconds += hashed - start
         written = self._file.write(data)
+        self.io_seconds += time.perf_counter() - hashed
         self.bytes += written
         return written
 
     def begin_item(self) -> None:
-        self._item = (self.bytes, xxhash.xxh3_64())
+        self._item = (self.bytes, xxhash.xxh3_64(), time.perf_counter())
 
     def end_item(self) -> None:
-        offset, hasher = self._item
+        offset, hasher, started = self._item
         self.items[offset] = FileDigest(self.bytes - offset, hasher.hexdigest())
+        self.item_seconds += time.perf_counter() - started
         self._item = None
 
     def tell(self) -> int:

@@ -340,6 +340,10 @@ class DurableSave:
     bytes: int
     hash_seconds: float  # summed over the ranks' writers
     write_seconds: float  # the same writers' time from open to close, summed
+    phases: dict[str, float]
+    """Rank 0's wall time in each step of the save (see :class:`_Save`)."""
+    writer_phases: dict[str, float]
+    """The writers' time by kind (:meth:`checksums.ShardDigest.phases`), summed over writers."""
 
 
 @dataclass(frozen=True)
@@ -368,8 +372,30 @@ def _write_durably(path: Path, data: bytes | memoryview) -> None:
         os.fsync(handle.fileno())
 
 
+class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
+    """megatron-core's fully parallel save, timing its exchange of shard metadata."""
+
+    distribution_seconds = 0.0
+
+    def apply_saving_parallelization(self, sharded_state_dict) -> None:
+        start = time.perf_counter()
+        try:
+            super().apply_saving_parallelization(sharded_state_dict)
+        finally:
+            self.distribution_seconds += time.perf_counter() - start
+
+
 class _Save:
-    """One checkpoint being written; see the module docstring for the protocol."""
+    """One checkpoint being written; see the module docstring for the protocol.
+
+    ``phases`` times each step on this rank: ``state-dict`` (the sharded state dict),
+    ``preprocess`` (megatron-core's save_preprocess, and common.pt on rank 0),
+    ``metadata-exchange`` (the fully parallel wrapper's exchange of shard metadata, which
+    decides who writes each replicated shard), ``planning`` (torch DCP's local and global
+    plans, their exchange included, and the write buckets), ``write`` (a synchronous save's
+    writers, from fork to the last one done), ``finalize`` (megatron-core's: the write results'
+    exchange and ``.metadata``), ``agreement`` (every rank's outcome to rank 0) and
+    ``manifest-and-tracker``."""
 
     def __init__(self, checkpointer: "Checkpointer", iteration: int, kind: str, tier: str,
                  on_durable: Callable[[DurableSave], None] | None) -> None:
@@ -381,6 +407,16 @@ class _Save:
         self.problem: str | None = None
         self.own_shards: list[str] = []
         self.small_files: dict[str, FileDigest] = {}  # written by rank 0 from memory
+        self.phases: dict[str, float] = {}
+        self.planned_at = self.start
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
 
     def note(self, what: str, error: BaseException) -> None:
         if self.problem is None:
@@ -396,10 +432,15 @@ class _Save:
             self.commit()
             return None
         strategy = self.checkpointer.save_strategy()
-        sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)
-        if _rank() == 0:
-            self._write_small_file(COMMON_FILE, self._serialized(common))
-        request = strategy.async_save(sharded_part, self.path)
+        with self.timed("preprocess"):
+            sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)
+            if _rank() == 0:
+                self._write_small_file(COMMON_FILE, self._serialized(common))
+        with self.timed("planning"):
+            request = strategy.async_save(sharded_part, self.path)
+        self.phases["metadata-exchange"] = strategy.distribution_seconds
+        self.phases["planning"] -= strategy.distribution_seconds
+        self.planned_at = time.perf_counter()
         if request.async_fn is not None:
             self.own_shards = [name for _, name, _ in request.async_fn_args[1]]
         return request._replace(
@@ -440,8 +481,12 @@ class _Save:
 
     # -- finalization (all ranks, once every writer is done) --
     def _guarded(self, finalize: Callable[[], None]) -> None:
+        if "write" not in self.phases and self.checkpointer.async_queue is None:
+            # A synchronous save's writers ran between its planning and its first finalize.
+            self.phases["write"] = time.perf_counter() - self.planned_at
         try:
-            finalize()
+            with self.timed("finalize"):
+                finalize()
         except CHECKPOINT_ERRORS as error:  # recorded; the agreement in commit() decides for all
             self.note("writing the shards", error)
 
@@ -464,7 +509,8 @@ class _Save:
         every rank, so that all of them count the same checkpoints."""
         report = self._own_report()
         reports = [None] * torch.distributed.get_world_size() if _rank() == 0 else None
-        torch.distributed.gather_object(report, reports, dst=0, group=self.group)
+        with self.timed("agreement"):
+            torch.distributed.gather_object(report, reports, dst=0, group=self.group)
         outcome = self._decide(reports) if _rank() == 0 else None
         outcome = broadcast_from_rank0(outcome, self.group)
         self.checkpointer.saved(self, outcome)
@@ -482,17 +528,23 @@ class _Save:
 
     def _write_manifest_and_tracker(self, reports: list[_RankReport]) -> DurableSave:
         shards = {name: shard for r in reports for name, shard in r.shards.items()}
-        files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
-                 DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
-        items = {name: shard.items for name, shard in shards.items() if shard.items}
-        write_manifest(self.path, self.kind, self.iteration, files, items)
-        # Never backwards: a persisted memory checkpoint may be newer than this one.
-        advance_tracker(self.path.parent, self.iteration)
+        with self.timed("manifest-and-tracker"):
+            files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
+                     DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
+            items = {name: shard.items for name, shard in shards.items() if shard.items}
+            write_manifest(self.path, self.kind, self.iteration, files, items)
+            # Never backwards: a persisted memory checkpoint may be newer than this one.
+            advance_tracker(self.path.parent, self.iteration)
+        writer_phases = {}
+        for shard in shards.values():
+            for phase, seconds in shard.phases().items():
+                writer_phases[phase] = writer_phases.get(phase, 0.0) + seconds
         return DurableSave(self.iteration, self.path, self.kind, self.tier, self.started_at,
                            time.perf_counter() - self.start,
                            sum(d.bytes for d in files.values()),
                            sum(s.hash_seconds for s in shards.values()),
-                           sum(s.write_seconds for s in shards.values()))
+                           sum(s.write_seconds for s in shards.values()),
+                           dict(self.phases), {**writer_phases, "writers": len(shards)})
 
     def _remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
@@ -578,7 +630,9 @@ class Checkpointer:
         self._on_failed = on_failed
         save = _Save(self, state.iteration, kind, tier, on_durable)
         self.last_saved_iteration, self._last_saved_tier = state.iteration, tier
-        request = save.request(self._state_dict(state, is_loading=False, with_rng=True))
+        with save.timed("state-dict"):
+            sharded_state_dict = self._state_dict(state, is_loading=False, with_rng=True)
+        request = save.request(sharded_state_dict)
         if request is not None:
             if self.async_queue is None:
                 request.execute_sync()
@@ -586,9 +640,9 @@ class Checkpointer:
                 self.async_queue.schedule_async_request(request)
         return time.perf_counter() - start
 
-    def save_strategy(self):
+    def save_strategy(self) -> "_TimedParallelSave":
         strategy = get_default_save_sharded_strategy("torch_dist")
-        return FullyParallelSaveStrategyWrapper(
+        return _TimedParallelSave(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
     def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:

@@ -48,7 +48,8 @@ class _SidecarWriter(DigestingWriter):
             return
         super().close()
         body = {**self.digest().as_json(), "hash_seconds": self.hash_seconds,
-                "write_seconds": self.open_seconds,
+                "write_seconds": self.open_seconds, "io_seconds": self.io_seconds,
+                "item_seconds": self.item_seconds,
                 "items": [[offset, item.bytes, item.digest] for offset, item in self.items.items()]}
         sidecar_path(self.path).write_text(json.dumps(body))
 
@@ -102,7 +103,18 @@ class ShardDigest:
     digest: FileDigest
     hash_seconds: float
     write_seconds: float
+    """From open to close."""
     items: dict[int, FileDigest]
+    io_seconds: float = 0.0
+    item_seconds: float = 0.0
+
+    def phases(self) -> dict[str, float]:
+        """Where the writer's time went: ``serialisation`` (torch.save of each item),
+        ``writing`` (the file's write calls), ``hashing``, and ``fsync`` (after the last item
+        until closed: megatron-core's fsync, then close)."""
+        return {"serialisation": self.item_seconds - self.io_seconds - self.hash_seconds,
+                "writing": self.io_seconds, "hashing": self.hash_seconds,
+                "fsync": self.write_seconds - self.item_seconds}
 
 
 def read_shard_digest(shard: Path) -> ShardDigest:
@@ -111,7 +123,8 @@ def read_shard_digest(shard: Path) -> ShardDigest:
     items = {int(offset): FileDigest(int(size), str(digest))
              for offset, size, digest in body.get("items", ())}
     return ShardDigest(FileDigest(int(body["bytes"]), str(body["digest"])),
-                       float(body["hash_seconds"]), float(body["write_seconds"]), items)
+                       float(body["hash_seconds"]), float(body["write_seconds"]), items,
+                       float(body.get("io_seconds", 0.0)), float(body.get("item_seconds", 0.0)))
 
 
 class ChecksumMismatch(ValueError):

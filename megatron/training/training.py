@@ -373,7 +373,10 @@ class Trainer:
                     persist_seconds=round(done.seconds_to_durable, 4),
                     started_at=round(done.started_at, 4), kind=done.kind, tier=done.tier,
                     checksum_seconds=round(done.hash_seconds, 4),
-                    writer_seconds=round(done.write_seconds, 4))
+                    writer_seconds=round(done.write_seconds, 4),
+                    phases={name: round(value, 4) for name, value in done.phases.items()},
+                    writer_phases={name: round(value, 4)
+                                   for name, value in done.writer_phases.items()})
         if self.writes_run_files:
             self.requests.consume()
         if (self.args.keep_emergency is not None and done.tier == "disk"
