@@ -166,6 +166,10 @@ def _add_checkpoint_args(parser):
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--async-save", action="store_true")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    group.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                       help="Megatron-LM's: keep the save plan from save to save without checking "
+                            "(by default it is kept only while every rank's state keeps its "
+                            "structure)")
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
     group.add_argument("--exit-signal-handler", action="store_true")

@@ -69,6 +69,11 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
+from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+from megatron.core.dist_checkpointing.validation import (
+    determine_global_metadata,
+    validate_sharding_integrity,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster.guard import die_with_parent
@@ -102,6 +107,7 @@ from ftmaster.recovery.manifest import (
 from ftmaster.runfiles import atomic_write_text
 
 from . import checksums, startup
+from .save_structure import SaveStructure
 from .console import log_rank0
 from .model import optimizer_metadata
 
@@ -146,6 +152,13 @@ def _bytes_read_by_this_process() -> int:
             return next(int(line.split()[1]) for line in counters if line.startswith("rchar:"))
     except (OSError, StopIteration, ValueError):
         return 0
+
+
+def clean_content_metadata(common: dict) -> None:
+    """What megatron-core's validated save_preprocess does to common.pt's content metadata;
+    a save that skips the validation must do it too."""
+    if _CONTENT_METADATA_KEY in common:
+        common[_CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(common[_CONTENT_METADATA_KEY])
 
 
 def _reads_checked_against(manifest: Manifest | None):
@@ -344,6 +357,8 @@ class DurableSave:
     """Rank 0's wall time in each step of the save (see :class:`_Save`)."""
     writer_phases: dict[str, float]
     """The writers' time by kind (:meth:`checksums.ShardDigest.phases`), summed over writers."""
+    structure_kept: bool
+    """Whether the save kept the previous save's strategy (see :mod:`save_structure`)."""
 
 
 @dataclass(frozen=True)
@@ -376,13 +391,14 @@ class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
     """megatron-core's fully parallel save, timing its exchange of shard metadata."""
 
     distribution_seconds = 0.0
+    """The last save's."""
 
     def apply_saving_parallelization(self, sharded_state_dict) -> None:
         start = time.perf_counter()
         try:
             super().apply_saving_parallelization(sharded_state_dict)
         finally:
-            self.distribution_seconds += time.perf_counter() - start
+            self.distribution_seconds = time.perf_counter() - start
 
 
 class _Save:
@@ -409,6 +425,7 @@ class _Save:
         self.small_files: dict[str, FileDigest] = {}  # written by rank 0 from memory
         self.phases: dict[str, float] = {}
         self.planned_at = self.start
+        self.structure_kept = False
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -431,9 +448,13 @@ class _Save:
             self.problem = made
             self.commit()
             return None
-        strategy = self.checkpointer.save_strategy()
         with self.timed("preprocess"):
-            sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)
+            sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+            clean_content_metadata(common)
+            strategy, self.structure_kept = self.checkpointer.structure.strategy_for(sharded_part)
+            if not self.structure_kept:
+                validate_sharding_integrity(determine_global_metadata(sharded_part)[1],
+                                            common_state_dict=common)
             if _rank() == 0:
                 self._write_small_file(COMMON_FILE, self._serialized(common))
         with self.timed("planning"):
@@ -544,7 +565,8 @@ class _Save:
                            sum(d.bytes for d in files.values()),
                            sum(s.hash_seconds for s in shards.values()),
                            sum(s.write_seconds for s in shards.values()),
-                           dict(self.phases), {**writer_phases, "writers": len(shards)})
+                           dict(self.phases), {**writer_phases, "writers": len(shards)},
+                           self.structure_kept)
 
     def _remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
@@ -580,6 +602,8 @@ class Checkpointer:
         """The newest checkpoint, counting a save in flight (what the gap filter counts from)."""
         self.last_durable_iteration: int | None = None
         self._on_failed: Callable[[SaveFailure], None] | None = None
+        self.structure = SaveStructure(self._new_save_strategy, self.group,
+                                       args.ckpt_assume_constant_structure)
         if args.save:
             start_writer_results_queue()
             checksums.install()
@@ -640,10 +664,14 @@ class Checkpointer:
                 self.async_queue.schedule_async_request(request)
         return time.perf_counter() - start
 
-    def save_strategy(self) -> "_TimedParallelSave":
+    def _new_save_strategy(self) -> "_TimedParallelSave":
+        """megatron-core's torch_dist strategy with its plan caches on, kept by
+        :class:`SaveStructure` for as long as the state's structure stays the same."""
         strategy = get_default_save_sharded_strategy("torch_dist")
+        strategy.use_cached_ckpt_structure = True
         return _TimedParallelSave(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=True)
 
     def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:
         """Every rank, when a save ends: count it, or forget it and say why."""

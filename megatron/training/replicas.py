@@ -35,14 +35,12 @@ from typing import Callable
 import torch
 import xxhash
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.serialization import _CONTENT_METADATA_KEY
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
-from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 from torch.distributed import checkpoint as dcp
 
 from ftmaster import runfiles
@@ -50,7 +48,7 @@ from ftmaster.recovery.checkpoints import COMMON_FILE
 from ftmaster.recovery.manifest import digest_bytes
 from ftmaster.recovery.replicas import REQUEST_FLAG, item_key, rank_dump_dir, report_path
 
-from .checkpointing import rng_state
+from .checkpointing import clean_content_metadata, rng_state
 from .console import log_rank0
 
 POLL_INTERVAL_S = 0.05
@@ -169,8 +167,7 @@ def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
     (``.metadata``), and ``common.pt``. Returns the report's files and items."""
     folder.mkdir(parents=True, exist_ok=True)
     sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
-    if _CONTENT_METADATA_KEY in common:  # as the validated path leaves it for common.pt
-        common[_CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(common[_CONTENT_METADATA_KEY])
+    clean_content_metadata(common)
     renamed, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=False)
     metadata = dcp.save(mcore_to_pyt_state_dict(renamed, False),
                         storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),

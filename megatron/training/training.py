@@ -374,6 +374,7 @@ class Trainer:
                     started_at=round(done.started_at, 4), kind=done.kind, tier=done.tier,
                     checksum_seconds=round(done.hash_seconds, 4),
                     writer_seconds=round(done.write_seconds, 4),
+                    structure="same" if done.structure_kept else "new",
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})

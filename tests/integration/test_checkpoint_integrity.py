@@ -36,11 +36,14 @@ def snapshot(save: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Six iterations at TP1 x PP2 with checkpoints at 2, 4 and 6, and the loss of each."""
+    """Six iterations at TP1 x PP2 with checkpoints at 2, 4 and 6, and the loss of each. The
+    structure stays the same, so 4 and 6 keep the save plan of 2 (the tests below load them)."""
     root = tmp_path_factory.mktemp("trained")
-    result = train(2, root / "save", 6)
+    result = train(2, root / "save", 6, run_dir=root / "run")
     assert result.returncode == 0, result.stdout[-3000:]
     assert list_iterations(root / "save") == [6, 4, 2] and read_tracker(root / "save") == 6
+    saves = events(root / "run", "periodic_save")
+    assert [(e["iteration"], e["structure"]) for e in saves] == [(2, "new"), (4, "same"), (6, "same")]
     return root / "save", iterations(result.stdout)
 
 

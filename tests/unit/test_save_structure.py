@@ -1,0 +1,46 @@
+"""When a save may keep the previous save's plan: the structure fingerprint, and the
+strategy kept or made anew (one rank; the agreement between ranks is in
+tests/integration/test_save_structure_ranks.py)."""
+
+import pytest
+import torch
+
+from helpers.structure import sharded_state
+from megatron.training.save_structure import SaveStructure, structure_fingerprint
+
+
+@pytest.mark.parametrize("changed", [
+    {"shape": (4, 7)}, {"dtype": torch.bfloat16}, {"key": "decoder.bias"}, {"replica": 1},
+    {"extra": True},
+])
+def test_the_fingerprint_changes_with_the_structure(changed):
+    assert structure_fingerprint(sharded_state(**changed)) != structure_fingerprint(sharded_state())
+
+
+def test_the_fingerprint_ignores_the_values():
+    assert structure_fingerprint(sharded_state(fill=2.0)) == structure_fingerprint(sharded_state(fill=1.0))
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+def test_a_strategy_is_kept_while_the_structure_is(group):
+    structure = SaveStructure(object, group, assume_constant=False)
+    first, kept = structure.strategy_for(sharded_state())
+    assert not kept
+    assert structure.strategy_for(sharded_state(fill=3.0)) == (first, True)
+    changed, kept = structure.strategy_for(sharded_state(extra=True))
+    assert not kept and changed is not first
+    assert structure.strategy_for(sharded_state(extra=True)) == (changed, True)
+
+
+def test_assume_constant_structure_keeps_it_without_looking(group):
+    structure = SaveStructure(object, group, assume_constant=True)
+    first, kept = structure.strategy_for(sharded_state())
+    assert not kept
+    assert structure.strategy_for(sharded_state(shape=(9, 9))) == (first, True)  # trusted: the flag's contract
