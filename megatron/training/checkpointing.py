@@ -107,9 +107,9 @@ from ftmaster.recovery.manifest import (
 from ftmaster.runfiles import atomic_write_text
 
 from . import checksums, startup
-from .save_structure import SaveStructure
 from .console import log_rank0
 from .model import optimizer_metadata
+from .save_structure import SaveStructure
 
 CHECKPOINT_VERSION = 3.0
 MEMORY_HEADROOM = 1.1  # free space a memory save wants, in units of the last checkpoint
