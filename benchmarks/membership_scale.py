@@ -122,18 +122,22 @@ def worker(options) -> None:
         ops, size = traffic.take()
         tell(sync / f"round{round_number}.{options.first}",
              {"ended": ended, "ops": ops, "bytes": size})
+    # Node 0 hosts the store: every worker stays until the orchestrator is done and kills it.
+    wait_for(sync / "done", options.limit + 600)
     os._exit(0)  # the rendezvous threads of a round that never completed still block
 
 
 def tell(path: Path, body: dict) -> None:
-    path.with_suffix(".tmp").write_text(json.dumps(body))
-    path.with_suffix(".tmp").rename(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(body))
+    partial.rename(path)
 
 
-def wait_for(path: Path, limit_s: float) -> dict | None:
+def wait_for(path: Path, limit_s: float, workers=()) -> dict | None:
+    """The file's content once it exists; None after ``limit_s`` or once a worker has died."""
     deadline = time.monotonic() + limit_s
     while not path.exists():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
             return None
         time.sleep(0.05)
     return json.loads(path.read_text())
@@ -159,12 +163,14 @@ def measure(nodes: int, keep_alive: int, limit_s: float, processes: int) -> dict
                      "--keep-alive", str(keep_alive), "--limit", str(limit_s)]))
                 if index == 0 and wait_for(sync / "ready.0", 120) is None:
                     raise SystemExit("node 0 did not start its store within 120 s")
-            ready = [wait_for(sync / f"ready.{first}", 300) for first, _ in chunks]
+            ready = [wait_for(sync / f"ready.{first}", 300, workers) for first, _ in chunks]
+            if None in ready:
+                raise SystemExit(f"{ready.count(None)} worker(s) did not start their nodes")
             result = {"nodes": nodes, "processes": len(chunks),
                       "connect_s": max(r["connect_s"] for r in ready)}
             for round_number, expected in ((1, nodes), (2, nodes - 1)):
                 tell(sync / f"go{round_number}", {"at": time.time() + 1.0})
-                reports = [wait_for(sync / f"round{round_number}.{first}", limit_s + 120)
+                reports = [wait_for(sync / f"round{round_number}.{first}", limit_s + 60, workers)
                            for first, _ in chunks]
                 ended = [s for r in reports if r for s in r["ended"]]
                 result.update({f"round{round_number}_joined": len(ended),
