@@ -50,6 +50,21 @@ def test_a_rank_that_lost_a_peer_points_elsewhere():
     assert classify_exits(failed, gpus=(0, 1), errors={0: "RuntimeError: CUDA error"}).cause == "exit"
 
 
+def test_peers_that_failed_close_behind_the_first_are_not_blamed():
+    """An XID on rank 1's GPU under a busy machine: its exit took seconds, and the peers it
+    left in collectives (one lost its connection, one was SIGTERMed) ended within the same
+    poll. Only rank 1's GPU is named; a rank that failed on its own is named too."""
+    failed = {1: record(1, 1, 5.25), 0: record(0, 1, 5.31), 3: record(3, -15, 5.41)}
+    errors = {1: "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+              0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+              3: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"}
+    gpus = (10, 11, 12, 13)
+    report = classify_exits(failed, gpus=gpus, errors=errors)
+    assert (report.cause, report.gpus, report.first_local_rank) == ("exit", (11,), 1)
+    failed[2] = record(2, -9, 5.3)  # killed on its own, with no error of a lost peer
+    assert classify_exits(failed, gpus=gpus, errors=errors).gpus == (11, 12)
+
+
 def test_error_summary_is_the_exception_and_its_innermost_frames(tmp_path):
     stack = "Traceback (most recent call last):\n" + "".join(
         f'  File "/x/f{i}.py", line {i}, in g{i}\n    call()\n' for i in range(8)) + \

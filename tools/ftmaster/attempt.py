@@ -111,17 +111,25 @@ def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int],
 
     When one rank fails, its peers fail after it (a reset connection, torchrun's SIGTERM), so
     the first to end is the root cause; when even that one lost a peer, the root cause is on
-    another node.
+    another node. The GPUs named are the first rank's and those of any other rank that failed
+    on its own: a rank that lost a peer, or was stopped by SIGTERM, failed because of another,
+    however close behind it ended (a slow machine brings their ends within one poll).
     """
+    errors = errors or {}
     codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
     if not failed:
         return ExitReport("exit", (), codes, None)
     first = min(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
     cause = TRAINER_CAUSES.get(failed[first].exit_code, "exit")
-    if cause == "exit" and PEER_LOST.search((errors or {}).get(first, "")):
+    if cause == "exit" and PEER_LOST.search(errors.get(first, "")):
         cause = "peer"
-    involved = tuple(sorted(gpus[r] for r in failed)) if cause == "exit" else ()
+    involved = tuple(sorted(gpus[r] for r in failed if r == first or not _failed_because_of_another(
+        failed[r], errors.get(r)))) if cause == "exit" else ()
     return ExitReport(cause, involved, codes, first)
+
+
+def _failed_because_of_another(record: RankRecord, error: str | None) -> bool:
+    return bool(PEER_LOST.search(error or "")) or record.exit_code == -signal.SIGTERM
 
 
 def error_summary(error_file: Path, traceback_lines: int = 4) -> str | None:
