@@ -108,6 +108,7 @@ from ftmaster.runfiles import atomic_write_text
 
 from . import checksums, startup
 from .console import log_rank0
+from .memory_slots import MemorySlots
 from .model import optimizer_metadata
 from .save_structure import SaveStructure
 
@@ -298,13 +299,14 @@ class Janitor:
             self._thread = None
 
 
-def prune_memory_checkpoints(memory_dir: Path, newest: int) -> None:
-    """Keep the newest complete memory checkpoint, the tracked one and the one a persist copy
-    reads (the tier holds at most three, one being written); remove the rest, and what a
-    resume set aside (node memory is scarce: the disk tier keeps its discarded timelines)."""
+def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int]) -> None:
+    """Keep the newest complete memory checkpoint, the tracked one, the one a persist copy
+    reads and the other slot's (the tier holds at most two, and one being written: a pinned
+    slot is not refilled); remove the rest, and what a resume set aside (node memory is scarce:
+    the disk tier keeps its discarded timelines)."""
     with tracker_lock(memory_dir):  # as pin() marks: never between its check and its mark
         doomed = [iteration_dir(memory_dir, it)
-                  for it in prunable_memory_checkpoints(memory_dir, newest)]
+                  for it in prunable_memory_checkpoints(memory_dir, newest) if it not in slots]
         for folder in doomed + list(Path(memory_dir).glob("iter_*.discarded-*")):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -359,6 +361,8 @@ class DurableSave:
     """The writers' time by kind (:meth:`checksums.ShardDigest.phases`), summed over writers."""
     structure_kept: bool
     """Whether the save kept the previous save's strategy (see :mod:`save_structure`)."""
+    slot: str | None = None
+    """A memory save's: ``refilled`` (a slot's files written in place) or ``new`` (set up)."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +430,9 @@ class _Save:
         self.phases: dict[str, float] = {}
         self.planned_at = self.start
         self.structure_kept = False
+        self.slot: str | None = None
+        self.slots = checkpointer.slots if tier == "memory" else None
+        self.synchronous = checkpointer.async_queue is None or self.slots is not None
 
     @contextlib.contextmanager
     def timed(self, phase: str):
@@ -443,11 +450,6 @@ class _Save:
     def request(self, sharded_state_dict: dict):
         """The async request that writes the shards, with our finalize steps; None if even
         the folder could not be made (already reported)."""
-        made = broadcast_from_rank0(self._make_folder() if _rank() == 0 else None, self.group)
-        if made is not None:
-            self.problem = made
-            self.commit()
-            return None
         with self.timed("preprocess"):
             sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
             clean_content_metadata(common)
@@ -455,6 +457,9 @@ class _Save:
             if not self.structure_kept:
                 validate_sharding_integrity(determine_global_metadata(sharded_part)[1],
                                             common_state_dict=common)
+            if not self._folder_made():
+                self.commit()
+                return None
             if _rank() == 0:
                 self._write_small_file(COMMON_FILE, self._serialized(common))
         with self.timed("planning"):
@@ -462,20 +467,42 @@ class _Save:
         self.phases["metadata-exchange"] = strategy.distribution_seconds
         self.phases["planning"] -= strategy.distribution_seconds
         self.planned_at = time.perf_counter()
-        if request.async_fn is not None:
-            self.own_shards = [name for _, name, _ in request.async_fn_args[1]]
-        return request._replace(
-            async_fn=None if request.async_fn is None else partial(checksums.write_with_digests,
-                                                                    request.async_fn),
+        return self._with_digests(request)._replace(
             finalize_fns=[*(partial(self._guarded, fn) for fn in request.finalize_fns),
                           partial(self._write_config, strategy), self.commit])
 
-    def _make_folder(self) -> str | None:
+    def _with_digests(self, request):
+        """The request writing through our digesting writers, or into the memory tier's slots."""
+        if request.async_fn is None:  # nothing for this rank to write
+            return request
+        rank, buckets, _ = request.async_fn_args
+        if self.slots is None:
+            self.own_shards = [name for _, name, _ in buckets]
+            return request._replace(async_fn=partial(checksums.write_with_digests, request.async_fn))
+        self.own_shards = self.slots.files(rank, buckets)
+        # The copy reads the tensors where they are (device memory included): no staging.
+        return request._replace(async_fn=partial(self.slots.write, self.path, self.iteration),
+                                preload_fn=None)
+
+    def _folder_made(self) -> bool:
+        """The save's folder, made (or a slot's renamed to it) by rank 0, on every rank."""
+        previous = self.slots.begin(self.structure_kept) if self.slots is not None else None
+        self.problem, refilled = broadcast_from_rank0(
+            self._make_folder(previous) if _rank() == 0 else None, self.group)
+        if self.slots is not None:
+            self.slots.use(refilled)
+            self.slot = "refilled" if refilled else "new"
+        return self.problem is None
+
+    def _make_folder(self, previous: Path | None) -> tuple[str | None, bool]:
+        """Rank 0: the problem, if any, and whether a slot's files are refilled."""
         try:
+            if self.slots is not None and self.slots.claim(previous, self.path):
+                return None, True
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            return f"creating {self.path}: {describe_error(error)}"
-        return self._room_problem() if self.tier == "memory" else None
+            return f"creating {self.path}: {describe_error(error)}", False
+        return (self._room_problem() if self.tier == "memory" else None), False
 
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes
@@ -502,7 +529,7 @@ class _Save:
 
     # -- finalization (all ranks, once every writer is done) --
     def _guarded(self, finalize: Callable[[], None]) -> None:
-        if "write" not in self.phases and self.checkpointer.async_queue is None:
+        if "write" not in self.phases and self.synchronous:
             # A synchronous save's writers ran between its planning and its first finalize.
             self.phases["write"] = time.perf_counter() - self.planned_at
         try:
@@ -566,7 +593,7 @@ class _Save:
                            sum(s.hash_seconds for s in shards.values()),
                            sum(s.write_seconds for s in shards.values()),
                            dict(self.phases), {**writer_phases, "writers": len(shards)},
-                           self.structure_kept)
+                           self.structure_kept, self.slot)
 
     def _remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
@@ -595,6 +622,7 @@ class Checkpointer:
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
                            if args.non_persistent_ckpt_type == "global" else None)
+        self.slots = MemorySlots(self.memory_dir) if self.memory_dir is not None else None
         self.last_bytes: int | None = None
         """The size of the last complete checkpoint (a memory save's room check)."""
         self.last_saved_iteration: int | None = None
@@ -658,7 +686,7 @@ class Checkpointer:
             sharded_state_dict = self._state_dict(state, is_loading=False, with_rng=True)
         request = save.request(sharded_state_dict)
         if request is not None:
-            if self.async_queue is None:
+            if save.synchronous:
                 request.execute_sync()
             else:
                 self.async_queue.schedule_async_request(request)
@@ -675,13 +703,16 @@ class Checkpointer:
 
     def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:
         """Every rank, when a save ends: count it, or forget it and say why."""
+        if save.slots is not None:
+            save.slots.ended(save.path, isinstance(outcome, DurableSave))
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes
             log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
                       f"{outcome.path} in {outcome.seconds_to_durable:.3f} s ({outcome.bytes} bytes)")
             if outcome.tier == "memory" and _rank() == 0:
-                self.janitor.submit(prune_memory_checkpoints, self.memory_dir, outcome.iteration)
+                self.janitor.submit(prune_memory_checkpoints, self.memory_dir, outcome.iteration,
+                                    self.slots.kept_iterations())
             if save.on_durable is not None:
                 save.on_durable(outcome)
             return
@@ -706,6 +737,8 @@ class Checkpointer:
             self.finalize_async(blocking=True)
             self.async_queue.close()
         self.janitor.finish()
+        if self.slots is not None:
+            self.slots.close()
 
     # ---- loading ------------------------------------------------------------------------
     def load(self, state: TrainingState) -> bool:

@@ -47,11 +47,28 @@ class _SidecarWriter(DigestingWriter):
         if self.closed:
             return
         super().close()
-        body = {**self.digest().as_json(), "hash_seconds": self.hash_seconds,
-                "write_seconds": self.open_seconds, "io_seconds": self.io_seconds,
-                "item_seconds": self.item_seconds,
-                "items": [[offset, item.bytes, item.digest] for offset, item in self.items.items()]}
-        sidecar_path(self.path).write_text(json.dumps(body))
+        write_sidecar(self.path, ShardDigest(self.digest(), self.hash_seconds, self.open_seconds,
+                                             dict(self.items), self.io_seconds, self.item_seconds))
+
+
+def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
+    """What a writer leaves beside ``shard`` for its rank (see :func:`read_shard_digest`)."""
+    body = {**digest.digest.as_json(), "hash_seconds": digest.hash_seconds,
+            "write_seconds": digest.write_seconds, "io_seconds": digest.io_seconds,
+            "item_seconds": digest.item_seconds,
+            "items": [[offset, item.bytes, item.digest] for offset, item in digest.items.items()]}
+    sidecar_path(shard).write_text(json.dumps(body))
+
+
+def write_items(path: Path, items: list, storage_key: str, transforms) -> list:
+    """Write ``(write_item, data)`` pairs into a new file as torch_dist's writer does, with
+    the file's and every item's digest left in its sidecar; torch's write results."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    with _SidecarWriter(path, "wb") as stream:
+        return [_write_item_with_digest(transforms, stream, data, item, storage_key,
+                                        serialization_format=SerializationFormat.TORCH_SAVE)
+                for item, data in items]
 
 
 def sidecar_path(shard: Path) -> Path:

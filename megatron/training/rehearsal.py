@@ -15,8 +15,9 @@ them nothing here does anything. Each fault is what the rank would see on a fail
   at that point of that iteration, where a GPU falling off the bus would stop it: ``forward``
   (the schedule starts), ``grad-allreduce`` (the data-parallel gradient all-reduce starts),
   ``grad-norm`` (the norm is taken, the agreement not yet), ``update`` (just applied) or
-  ``save-agreement`` (the iteration's save agreement is being waited for). The replica
-  recovery tests use it to kill a rank between any two collectives.
+  ``save-agreement`` (the iteration's save agreement is being waited for) or ``slot-copy``
+  (halfway through refilling a memory-tier slot). The replica recovery tests use it to kill
+  a rank between any two collectives.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ NAN_ENV = "FTMASTER_INJECT_NAN"
 CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
 CUDA_ERROR_SIGNAL = signal.SIGUSR2
 KILL_ENV = "FTMASTER_INJECT_KILL"
-KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement")
+KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement", "slot-copy")
 _armed_kills: set[tuple[int, str]] = set()
 
 # What the CUDA runtime reports when the XID's fault hits a running context.

@@ -375,6 +375,7 @@ class Trainer:
                     checksum_seconds=round(done.hash_seconds, 4),
                     writer_seconds=round(done.write_seconds, 4),
                     structure="same" if done.structure_kept else "new",
+                    **({"slot": done.slot} if done.slot else {}),
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})

@@ -190,7 +190,7 @@ def test_memory_pruning_removes_what_a_resume_set_aside(tmp_path):
         fake_checkpoint(memory, iteration)
     discarded = iteration_dir(memory, 8).with_name("iter_0000008.discarded-x")
     discarded.mkdir()
-    prune_memory_checkpoints(memory, 6)
+    prune_memory_checkpoints(memory, 6, set())
     assert list_iterations(memory) == [6] and not discarded.exists()
 
 

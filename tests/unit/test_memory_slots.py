@@ -1,0 +1,128 @@
+"""The memory tier's slots in one process: records set up once and refilled in place, their
+digests taken from the copied bytes, and the rules that keep a complete checkpoint safe."""
+
+import io
+import queue
+
+import pytest
+import torch
+import xxhash
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
+from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file
+from megatron.training.checksums import read_shard_digest
+from megatron.training.memory_slots import MemorySlots, objects_file
+
+SHARD = "__0_0.distcp"
+
+
+def buckets(tensors: dict, blob: bytes) -> list:
+    tensor_data = [(_create_write_items(name, tensor)[0], tensor) for name, tensor in tensors.items()]
+    byte_data = [(_create_write_items("rng", io.BytesIO(blob))[0], io.BytesIO(blob))]
+    return [("", SHARD, (byte_data, tensor_data))]
+
+
+def save(slots: MemorySlots, memory, iteration: int, tensors: dict, blob: bytes = b"rng",
+         kept: bool = True):
+    """One save as the checkpointer drives it; whether the slot was refilled, and the results."""
+    target = iteration_dir(memory, iteration)
+    refilled = slots.claim(slots.begin(kept), target)
+    slots.use(refilled)
+    results = queue.Queue()
+    slots.write(target, iteration, 0, buckets(tensors, blob), results)
+    written = results.get_nowait()
+    assert not isinstance(written, Exception), written
+    (target / MANIFEST_NAME).write_text("{}")  # complete, as rank 0 would make it
+    slots.ended(target, True)
+    return refilled, [result for results in written.values() for result in results]
+
+
+def read_back(folder, result):
+    info = result.storage_data
+    with open(folder / info.relative_path, "rb") as handle:
+        handle.seek(info.offset)
+        data = handle.read(info.length)
+    if result.index.fqn == "rng":
+        return data
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def state(seed: int, rows: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(rows, 6, generator=generator),
+            "steps": torch.randint(0, 100, (10,), generator=generator),
+            "half": torch.randn(3, 5, generator=generator).to(torch.bfloat16)}
+
+
+@pytest.fixture
+def slots(tmp_path):
+    slots = MemorySlots(tmp_path)
+    yield slots
+    slots.close()
+
+
+def test_the_third_save_refills_the_first_slot_in_place_with_the_new_bytes(tmp_path, slots):
+    first_refilled, first = save(slots, tmp_path, 1, state(1))
+    second_refilled, _ = save(slots, tmp_path, 2, state(2))
+    refilled, third = save(slots, tmp_path, 3, state(3), blob=b"a longer rng state")
+    assert (first_refilled, second_refilled, refilled) == (False, False, True)
+    assert not iteration_dir(tmp_path, 1).exists()  # renamed: the slot now holds iteration 3
+    assert [r.storage_data for r in third if r.index.fqn != "rng"] == \
+        [r.storage_data for r in first if r.index.fqn != "rng"]
+    folder = iteration_dir(tmp_path, 3)
+    for result in third:
+        expected = b"a longer rng state" if result.index.fqn == "rng" else state(3)[result.index.fqn]
+        got = read_back(folder, result)
+        assert got == expected if isinstance(got, bytes) else torch.equal(got, expected)
+    assert slots.kept_iterations() == {2, 3}
+
+
+def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots):
+    for iteration in (1, 2, 3):
+        save(slots, tmp_path, iteration, state(iteration))
+    folder = iteration_dir(tmp_path, 3)
+    reported = read_shard_digest(folder / SHARD)
+    assert reported.digest == digest_file(folder / SHARD)
+    data = (folder / SHARD).read_bytes()
+    assert sum(item.bytes for item in reported.items.values()) == len(data)  # items tile the file
+    for offset, item in reported.items.items():
+        assert xxhash.xxh3_64(data[offset:offset + item.bytes]).hexdigest() == item.digest
+    assert read_shard_digest(folder / objects_file(0)).digest == digest_file(folder / objects_file(0))
+
+
+def test_tensors_of_another_shape_set_the_file_up_again(tmp_path, slots):
+    for iteration in (1, 2):
+        save(slots, tmp_path, iteration, state(iteration))
+    refilled, written = save(slots, tmp_path, 3, state(3, rows=7))
+    assert refilled  # the folder is the slot's; its file is written afresh for the new shapes
+    weight = next(r for r in written if r.index.fqn == "weight")
+    assert torch.equal(read_back(iteration_dir(tmp_path, 3), weight), state(3, rows=7)["weight"])
+
+
+def test_a_new_structure_drops_both_slots(tmp_path, slots):
+    for iteration in (1, 2):
+        save(slots, tmp_path, iteration, state(iteration))
+    refilled, _ = save(slots, tmp_path, 3, state(3), kept=False)
+    assert not refilled and iteration_dir(tmp_path, 1).exists()  # left for the pruning
+    assert slots.kept_iterations() == {3}
+
+
+def test_a_pinned_or_tracked_slot_is_never_refilled(tmp_path, slots):
+    for iteration in (1, 2):
+        save(slots, tmp_path, iteration, state(iteration))
+    assert pin(tmp_path, 1)  # a persist copy reads iteration 1
+    refilled, _ = save(slots, tmp_path, 3, state(3))
+    assert not refilled and (iteration_dir(tmp_path, 1) / MANIFEST_NAME).exists()
+    advance_tracker(tmp_path, 2)  # the tracker names the slot's checkpoint
+    refilled, _ = save(slots, tmp_path, 4, state(4))
+    assert not refilled and (iteration_dir(tmp_path, 2) / MANIFEST_NAME).exists()
+
+
+def test_a_refilled_slot_loses_its_manifest_and_metadata_before_the_copy(tmp_path, slots):
+    for iteration in (1, 2):
+        save(slots, tmp_path, iteration, state(iteration))
+    (iteration_dir(tmp_path, 1) / ".metadata").write_bytes(b"iteration 1's")
+    assert slots.claim(slots.begin(True), iteration_dir(tmp_path, 3))
+    left = {path.name for path in iteration_dir(tmp_path, 3).iterdir()}
+    assert MANIFEST_NAME not in left and ".metadata" not in left and SHARD in left
