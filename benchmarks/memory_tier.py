@@ -1,14 +1,20 @@
 """The memory tier against disk, on the real trainer (2 ranks, TP1 x PP2, CPU + gloo).
 
-    .venv/bin/python benchmarks/memory_tier.py [--hidden 256 512 1024] [--saves 3]
+    .venv/bin/python benchmarks/memory_tier.py [--hidden 256 512 1024] [--saves 6]
 
-For each model width (8 layers; hidden 1024 gives a checkpoint above 1 GB) the trainer saves
-every other iteration into one tier, synchronously and with ``--async-save``: the trainer's
-own events give the seconds training was blocked and the seconds until the checkpoint was
-complete. Then a relaunch loads the newest checkpoint of each tier, and ftmaster's persister
-copies the newest memory checkpoint to disk as the supervisor does. Printed: medians, and
-each save's and copy's throughput as a share of what this machine measures on its own for
-a memory copy (memcpy), a write into /dev/shm and an fsync'd write to the save disk.
+For each model width (8 layers: about 77 MB, 304 MB and 1.2 GB of checkpoint) the trainer
+saves every other iteration into one tier, synchronously and with ``--async-save`` (a memory
+save is synchronous either way: its copy is the snapshot): the trainer's own events give the
+seconds training was blocked and the seconds until the checkpoint was complete. Then a
+relaunch loads the newest checkpoint of each tier, and ftmaster's persister copies the newest
+memory checkpoint to disk as the supervisor does.
+
+Printed per size, measured just before it: this machine's memcpy (one thread), its write into
+/dev/shm and its fsync'd sequential write to the save disk. Then per tier and mode: the
+first save of the attempt on its own line (it plans, and a memory save sets its slot up),
+the memory tier's other set-up (the second slot's first save), and the medians of the rest;
+each as a share of memcpy and of the medium's write rate. Two ranks save in parallel, so a
+share of the one-thread memcpy can pass 1.
 """
 
 from __future__ import annotations
@@ -97,18 +103,26 @@ def memcpy_speed(size: int) -> float:
     return size / statistics.median(times)
 
 
+def summary(saves: list[dict]) -> dict:
+    return {"blocked_s": statistics.median(e["seconds"] for e in saves),
+            "complete_s": statistics.median(e["persist_seconds"] for e in saves),
+            "bytes": statistics.median(e["bytes"] for e in saves), "count": len(saves)}
+
+
 def measure(hidden: int, saves: int, root: Path) -> dict:
+    """Per tier and mode: the first save (set-up included), the other set-ups (a memory
+    save into a slot not yet set up) and the steady saves; then loads and a persist copy."""
     memory = SHM / f"ftmaster-bench-{uuid.uuid4().hex[:8]}"
     found = {}
     try:
         for tier, async_save in MODES:
-            done = saves_of(hidden, tier, async_save, saves, root, memory / f"{async_save}")
-            found[(tier, async_save)] = {
-                "blocked_s": statistics.median(e["seconds"] for e in done),
-                "complete_s": statistics.median(e["persist_seconds"] for e in done),
-                "bytes": statistics.median(e["bytes"] for e in done)}
+            first, *others = saves_of(hidden, tier, async_save, saves, root, memory / f"{async_save}")
+            steady = [e for e in others if e.get("slot", "refilled") == "refilled"]
+            set_ups = [e for e in others if e.get("slot") == "new"]
+            found[(tier, async_save)] = {"first": summary([first]), "steady": summary(steady),
+                                         "set_up": summary(set_ups) if set_ups else None}
             print(f"  hidden {hidden} {tier} {'async' if async_save else 'sync'}: "
-                  f"{len(done)} saves", flush=True)
+                  f"{1 + len(others)} saves", flush=True)
         save = root / f"h{hidden}-memory-sync"
         found["load_memory"] = load_seconds(hidden, save, memory / "False", root)
         found["load_disk"] = load_seconds(hidden, root / f"h{hidden}-disk-sync", None, root)
@@ -120,21 +134,35 @@ def measure(hidden: int, saves: int, root: Path) -> dict:
     return found
 
 
+def save_line(name: str, entry: dict, reference: str, speeds: dict[str, float]) -> str:
+    """One kind of save: its size, blocked and complete times, and its rates as shares of the
+    memcpy rate and of the medium's own (fsync'd) write rate."""
+    blocked, complete = entry["bytes"] / entry["blocked_s"], entry["bytes"] / entry["complete_s"]
+    return (f"    {name:13} x{entry['count']}: {entry['bytes'] / 1e6:7.1f} MB, blocked "
+            f"{entry['blocked_s']:7.3f} s ({blocked / speeds['memcpy']:.2f} of memcpy, "
+            f"{blocked / speeds[reference]:.2f} of {reference} write), complete "
+            f"{entry['complete_s']:7.3f} s ({complete / speeds['memcpy']:.2f} of memcpy, "
+            f"{complete / speeds[reference]:.2f} of {reference} write)")
+
+
 def report(hidden: int, found: dict, speeds: dict[str, float]) -> None:
-    print(f"hidden {hidden}:")
+    print(f"hidden {hidden} (memcpy {speeds['memcpy'] / 1e9:.1f} GB/s, shm write "
+          f"{speeds['shm'] / 1e9:.2f} GB/s, disk fsync'd write {speeds['disk'] / 1e9:.2f} GB/s, "
+          f"measured just before):")
     for tier, async_save in MODES:
         entry = found[(tier, async_save)]
-        rate = entry["bytes"] / entry["complete_s"]
-        reference = speeds["shm"] if tier == "memory" else speeds["disk"]
-        print(f"  {tier:6} {'async' if async_save else 'sync ':5}: {entry['bytes'] / 1e6:8.1f} MB "
-              f"blocked {entry['blocked_s']:7.3f} s, complete after {entry['complete_s']:7.3f} s "
-              f"= {rate / 1e6:7.1f} MB/s ({rate / reference:.2f} of {tier} write, "
-              f"{rate / speeds['memcpy']:.3f} of memcpy)")
+        reference = "shm" if tier == "memory" else "disk"
+        print(f"  {tier} {'async' if async_save else 'sync'}:")
+        print(save_line("first", entry["first"], reference, speeds))
+        if entry["set_up"]:
+            print(save_line("other set-up", entry["set_up"], reference, speeds))
+        print(save_line("median" if tier == "disk" else "refill median", entry["steady"],
+                        reference, speeds))
     for tier in ("disk", "memory"):
-        sync, asynchronous = found[(tier, False)], found[(tier, True)]
+        sync, asynchronous = found[(tier, False)]["steady"], found[(tier, True)]["steady"]
         print(f"  {tier}: async blocks {asynchronous['blocked_s'] / sync['blocked_s']:.2f}x of sync")
     for sync in (False, True):
-        disk, memory = found[("disk", sync)], found[("memory", sync)]
+        disk, memory = found[("disk", sync)]["steady"], found[("memory", sync)]["steady"]
         print(f"  {'async' if sync else 'sync'}: memory/disk blocked "
               f"{memory['blocked_s'] / disk['blocked_s']:.2f}x, complete "
               f"{memory['complete_s'] / disk['complete_s']:.2f}x")
@@ -146,20 +174,21 @@ def report(hidden: int, found: dict, speeds: dict[str, float]) -> None:
           f"({size / seconds / speeds['disk']:.2f} of the disk's fsync'd write)")
 
 
+def machine_speeds(root: Path, size: int = 512 << 20) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(dir=SHM) as shm:
+        return {"memcpy": memcpy_speed(size), "shm": disk_write_speed(Path(shm), size),
+                "disk": disk_write_speed(root, size)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--saves", type=int, default=3, help="saves per tier and mode")
+    parser.add_argument("--saves", type=int, default=6, help="saves per tier and mode")
     args = parser.parse_args()
-    size = 512 << 20
     with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1]) as work:
         root = Path(work)
-        with tempfile.TemporaryDirectory(dir=SHM) as shm:
-            speeds = {"memcpy": memcpy_speed(size), "shm": disk_write_speed(Path(shm), size),
-                      "disk": disk_write_speed(root, size)}
-        print("this machine: " + ", ".join(f"{name} {speed / 1e6:.0f} MB/s"
-                                           for name, speed in speeds.items()), flush=True)
         for hidden in args.hidden:
+            speeds = machine_speeds(root)
             report(hidden, measure(hidden, args.saves, root), speeds)
 
 

@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from ftmaster.guard import die_with_parent
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
@@ -60,7 +60,7 @@ def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
     sidecar_path(shard).write_text(json.dumps(body))
 
 
-def write_items(path: Path, items: list, storage_key: str, transforms) -> list:
+def write_items(path: Path, items: Iterable, storage_key: str, transforms) -> list:
     """Write ``(write_item, data)`` pairs into a new file as torch_dist's writer does, with
     the file's and every item's digest left in its sidecar; torch's write results."""
     from torch.distributed.checkpoint.filesystem import SerializationFormat

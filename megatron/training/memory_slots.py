@@ -142,8 +142,9 @@ class _SlotFile:
 
     @classmethod
     def set_up(cls, path: Path, storage_key: str, tensor_data: list) -> "_SlotFile":
-        """Write the items as torch_dist does (the first save into this slot)."""
-        written = checksums.write_items(path, [(item, _writable_cpu(tensor)) for item, tensor in tensor_data],
+        """Write the items as torch_dist does (the first save into this slot), each tensor
+        brought to the host only as its turn comes."""
+        written = checksums.write_items(path, ((item, _writable_cpu(tensor)) for item, tensor in tensor_data),
                                         storage_key, _TRANSFORMS)
         with open(path, "rb") as handle:
             records = {item.index: _Record(result, _data_offset(handle.fileno(), result),
@@ -152,7 +153,7 @@ class _SlotFile:
         return cls(path, records)
 
     def fits(self, tensor_data: list) -> bool:
-        """Whether these are the tensors this file was set up for, in the same order."""
+        """Whether these are the items this file was set up for, with the same dtypes and shapes."""
         if len(tensor_data) != len(self.records):
             return False
         return all(record is not None and record.dtype == tensor.dtype and record.shape == tensor.shape

@@ -1,52 +1,15 @@
 """The memory tier's slots in one process: records set up once and refilled in place, their
 digests taken from the copied bytes, and the rules that keep a complete checkpoint safe."""
 
-import io
-import queue
-
 import pytest
 import torch
 import xxhash
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file
+from helpers.slots import SHARD, read_back, save
 from megatron.training.checksums import read_shard_digest
 from megatron.training.memory_slots import MemorySlots, objects_file
-
-SHARD = "__0_0.distcp"
-
-
-def buckets(tensors: dict, blob: bytes) -> list:
-    tensor_data = [(_create_write_items(name, tensor)[0], tensor) for name, tensor in tensors.items()]
-    byte_data = [(_create_write_items("rng", io.BytesIO(blob))[0], io.BytesIO(blob))]
-    return [("", SHARD, (byte_data, tensor_data))]
-
-
-def save(slots: MemorySlots, memory, iteration: int, tensors: dict, blob: bytes = b"rng",
-         kept: bool = True):
-    """One save as the checkpointer drives it; whether the slot was refilled, and the results."""
-    target = iteration_dir(memory, iteration)
-    refilled = slots.claim(slots.begin(kept), target)
-    slots.use(refilled)
-    results = queue.Queue()
-    slots.write(target, iteration, 0, buckets(tensors, blob), results)
-    written = results.get_nowait()
-    assert not isinstance(written, Exception), written
-    (target / MANIFEST_NAME).write_text("{}")  # complete, as rank 0 would make it
-    slots.ended(target, True)
-    return refilled, [result for results in written.values() for result in results]
-
-
-def read_back(folder, result):
-    info = result.storage_data
-    with open(folder / info.relative_path, "rb") as handle:
-        handle.seek(info.offset)
-        data = handle.read(info.length)
-    if result.index.fqn == "rng":
-        return data
-    return torch.load(io.BytesIO(data), weights_only=True)
-
 
 def state(seed: int, rows: int = 4) -> dict:
     generator = torch.Generator().manual_seed(seed)
