@@ -36,6 +36,7 @@ from typing import Iterable, Mapping
 
 import xxhash
 
+from ftmaster.recovery.writeback import Writeback
 from ftmaster.runfiles import atomic_write_text
 
 MANIFEST_NAME = "ftmaster_save.json"
@@ -76,8 +77,9 @@ class DigestingWriter:
     ``close``, a context manager) and nothing that would move the position: a ``seek`` would
     make the digest describe other bytes than the file's. ``hash_seconds`` and
     ``open_seconds`` tell what hashing cost against the whole write; ``io_seconds`` is the
-    time in the file's own ``write``, and ``item_seconds`` the time between the
-    :meth:`begin_item` and :meth:`end_item` of each item (its serialisation included).
+    time in the file's own ``write`` (its writeback pacing included, :mod:`writeback`), and
+    ``item_seconds`` the time between the :meth:`begin_item` and :meth:`end_item` of each
+    item (its serialisation included).
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "wb") -> None:
@@ -91,6 +93,7 @@ class DigestingWriter:
         self.hash_seconds = self.io_seconds = self.item_seconds = 0.0
         self._opened = time.perf_counter()
         self.open_seconds = 0.0
+        self._writeback = Writeback(self._file.fileno())
 
     def write(self, data) -> int:
         start = time.perf_counter()
@@ -100,8 +103,11 @@ class DigestingWriter:
         hashed = time.perf_counter()
         self.hash_seconds += hashed - start
         written = self._file.write(data)
-        self.io_seconds += time.perf_counter() - hashed
         self.bytes += written
+        if self._writeback.due(self.bytes):
+            self._file.flush()
+            self._writeback.written(self.bytes)
+        self.io_seconds += time.perf_counter() - hashed
         return written
 
     def begin_item(self) -> None:

@@ -60,15 +60,25 @@ def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
     sidecar_path(shard).write_text(json.dumps(body))
 
 
-def write_items(path: Path, items: Iterable, storage_key: str, transforms) -> list:
+def sidecar_writer(path: Path) -> DigestingWriter:
+    """A new file whose digests (the file's, and each item's between ``begin_item`` and
+    ``end_item``) are left beside it when it closes."""
+    return _SidecarWriter(path, "wb")
+
+
+def write_items(path: Path, items: Iterable, storage_key: str, transforms, fsync: bool) -> list:
     """Write ``(write_item, data)`` pairs into a new file as torch_dist's writer does, with
     the file's and every item's digest left in its sidecar; torch's write results."""
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    with _SidecarWriter(path, "wb") as stream:
-        return [_write_item_with_digest(transforms, stream, data, item, storage_key,
-                                        serialization_format=SerializationFormat.TORCH_SAVE)
-                for item, data in items]
+    with sidecar_writer(path) as stream:
+        results = [_write_item_with_digest(transforms, stream, data, item, storage_key,
+                                           serialization_format=SerializationFormat.TORCH_SAVE)
+                   for item, data in items]
+        if fsync:
+            stream.flush()
+            os.fsync(stream.fileno())
+        return results
 
 
 def sidecar_path(shard: Path) -> Path:

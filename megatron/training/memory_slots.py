@@ -1,21 +1,16 @@
-"""The memory tier's two slots: each rank's files written once, then refilled in place.
+"""The memory tier's two slots: each rank's files set up once, then refilled in place.
 
 DLRover's flash checkpoint sizes every tensor at the first save and copies the tensors into
 one shared-memory segment at every later save, with no pickling and no new pages. This does
 the same inside a regular ``torch_dist`` checkpoint, which still loads under any layout:
 
-- The first save into a slot writes the rank's tensors as torch_dist does, one ``torch.save``
-  record per tensor, and notes where each tensor's bytes sit in its record (torch's own zip
-  reader says: ``get_record_offset``). The pages are then in memory, so the files are
+- The first save into a slot writes the rank's files as torch_dist does and learns where each
+  tensor's bytes sit (:mod:`records`). The pages are then in memory, so the files are
   preallocated and prefaulted from here on; the rank keeps them mapped (``MAP_POPULATE``).
 - Every later save into the slot copies each tensor's bytes to its place: a memcpy on CPU,
-  and on CUDA a device-to-host copy into the mapping, registered with the driver as pinned
-  memory (as torch's own ``_state_dict_stager`` pins its shared memory). The file's and each
-  item's digest are taken from the copied bytes while they are still in the cache. ``.metadata``
-  names the same records; ``torch.load`` does not check a record's zip CRC-32, which a
-  refilled record no longer matches.
-- Byte items (megatron-core's ShardedObjects, e.g. the RNG states) change length from save to
-  save, so they go to a small file of their own (``__<rank>_objects.distcp``), written afresh.
+  and on CUDA a device-to-host copy straight into the mapping, registered with the driver as
+  pinned memory (as torch's own ``_state_dict_stager`` pins its shared memory). The file's
+  and each item's digest are taken from the copied bytes while they are still in the cache.
 
 Slots are used in turn, so the newest complete checkpoint is never written over. Before a
 slot is refilled, rank 0 removes its manifest and ``.metadata`` and renames it to the new
@@ -31,105 +26,30 @@ stay until pruned, and the next two saves set up new ones.
 from __future__ import annotations
 
 import contextlib
-import io
 import mmap
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ftmaster.recovery.checkpoints import (
-    DCP_METADATA_FILE,
-    iteration_dir,
-    pinned,
-    read_tracker,
-    tracker_lock,
-)
+from ftmaster.recovery.checkpoints import DCP_METADATA_FILE, pinned, read_tracker, tracker_lock
 from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
 
-from . import checksums, rehearsal
+from . import checksums, records, rehearsal
+from .records import Record, RecordWriter
 
-_CHUNK = 8 << 20  # copied, then hashed while still in the cache
-_TRANSFORMS = _StorageWriterTransforms()  # no stream extensions, as torch_dist's writer
-
-
-def objects_file(rank: int) -> str:
-    return f"__{rank}_objects.distcp"
-
-
-@dataclass(frozen=True)
-class _Record:
-    """Where one tensor item sits in a slot file."""
-
-    result: WriteResult
-    """What the set-up write reported (the record's offset and length in the file)."""
-    data_offset: int
-    """Of the tensor's bytes, from the start of the file."""
-    dtype: torch.dtype
-    shape: torch.Size
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
-
-class _Window(io.RawIOBase):
-    """One record of a file, as a file of its own (what torch's zip reader takes)."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._start, self._length, self._position = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def readinto(self, buffer) -> int:
-        wanted = max(0, min(len(buffer), self._length - self._position))
-        data = os.pread(self._fd, wanted, self._start + self._position)
-        buffer[:len(data)] = data
-        self._position += len(data)
-        return len(data)
-
-
-def _data_offset(fd: int, result: WriteResult) -> int:
-    """Where a ``torch.save`` record's tensor bytes start, from the start of the file."""
-    info = result.storage_data
-    reader = torch._C.PyTorchFileReader(_Window(fd, info.offset, info.length))
-    return info.offset + reader.get_record_offset("data/0")
-
-
-def _writable_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """What torch.save should see: on CPU, contiguous, owning exactly its bytes (a record's
-    layout is then the tensor's shape alone, as every refill writes it)."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
+_COPY_CHUNK = 2 << 20  # copied, then hashed twice while still in the cache (faster than 8 MB)
 
 
 class _SlotFile:
     """One rank's tensor file in one slot, mapped for refills."""
 
-    def __init__(self, path: Path, records: dict[MetadataIndex, _Record]) -> None:
-        self.records = records
+    def __init__(self, path: Path, learnt: dict[MetadataIndex, Record]) -> None:
+        self.records = learnt
         self._fd = os.open(path, os.O_RDWR)
         size = os.fstat(self._fd).st_size
         self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -142,30 +62,14 @@ class _SlotFile:
 
     @classmethod
     def set_up(cls, path: Path, storage_key: str, tensor_data: list) -> "_SlotFile":
-        """Write the items as torch_dist does (the first save into this slot), each tensor
-        brought to the host only as its turn comes."""
-        written = checksums.write_items(path, ((item, _writable_cpu(tensor)) for item, tensor in tensor_data),
-                                        storage_key, _TRANSFORMS)
-        with open(path, "rb") as handle:
-            records = {item.index: _Record(result, _data_offset(handle.fileno(), result),
-                                           tensor.dtype, tensor.shape)
-                       for (item, tensor), result in zip(tensor_data, written)}
-        return cls(path, records)
-
-    def fits(self, tensor_data: list) -> bool:
-        """Whether these are the items this file was set up for, with the same dtypes and shapes."""
-        if len(tensor_data) != len(self.records):
-            return False
-        return all(record is not None and record.dtype == tensor.dtype and record.shape == tensor.shape
-                   for record, tensor in ((self.records.get(item.index), tensor)
-                                          for item, tensor in tensor_data))
+        """The first save into this slot: written as torch_dist writes, then mapped."""
+        return cls(path, records.set_up_file(path, storage_key, tensor_data, fsync=False))
 
     def refill(self, tensor_data: list, iteration: int) -> tuple[list[WriteResult], checksums.ShardDigest]:
         """Copy each tensor's bytes to its record, hashing the file and each item (a record:
         the zip's header, the tensor's bytes, its trailer) from the copied bytes."""
         started = time.perf_counter()
-        ordered = sorted(((self.records[item.index], tensor) for item, tensor in tensor_data),
-                         key=lambda pair: pair[0].data_offset)
+        ordered = records.in_file_order(self.records, tensor_data)
         copied = self._start_device_copies(ordered) if self._pinned else None
         file_hash, items, self._seconds = xxhash.xxh3_64(), {}, {"copy": 0.0, "hash": 0.0}
         for position, (record, tensor) in enumerate(ordered):
@@ -198,14 +102,14 @@ class _SlotFile:
             done[-1].record()
         return done
 
-    def _target(self, record: _Record) -> torch.Tensor:
+    def _target(self, record: Record) -> torch.Tensor:
         return self._bytes[record.data_offset:record.data_offset + record.nbytes] \
             .view(record.dtype).view(record.shape)
 
-    def _copy_and_hash(self, record: _Record, tensor: torch.Tensor, *hashers) -> None:
-        source = tensor.detach().reshape(-1).view(torch.uint8)
-        for start in range(0, record.nbytes, _CHUNK):
-            end = min(start + _CHUNK, record.nbytes)
+    def _copy_and_hash(self, record: Record, tensor: torch.Tensor, *hashers) -> None:
+        source = records.host_bytes(tensor)
+        for start in range(0, record.nbytes, _COPY_CHUNK):
+            end = min(start + _COPY_CHUNK, record.nbytes)
             with self._timed("copy"):
                 self._bytes[record.data_offset + start:record.data_offset + end].copy_(source[start:end])
             self._hash(record.data_offset + start, record.data_offset + end, *hashers)
@@ -220,8 +124,8 @@ class _SlotFile:
 
     def _hash(self, start: int, end: int, *hashers) -> None:
         with self._timed("hash"), memoryview(self._map) as view:
-            for offset in range(start, end, _CHUNK):
-                with view[offset:min(offset + _CHUNK, end)] as chunk:
+            for offset in range(start, end, _COPY_CHUNK):
+                with view[offset:min(offset + _COPY_CHUNK, end)] as chunk:
                     for hasher in hashers:
                         hasher.update(chunk)
 
@@ -235,7 +139,7 @@ class _SlotFile:
         os.close(self._fd)
 
 
-class MemorySlots:
+class MemorySlots(RecordWriter):
     """One rank's view of the tier's two slots, used in turn.
 
     Every rank calls :meth:`begin` and :meth:`use` at every memory save (rank 0 between
@@ -286,40 +190,10 @@ class MemorySlots:
     def kept_iterations(self) -> set[int]:
         return {int(folder.name.removeprefix("iter_")) for folder in self._folders if folder}
 
-    @staticmethod
-    def files(rank: int, write_buckets: list) -> list[str]:
-        """The files this rank writes for these buckets."""
-        names = [name for _, name, (_, tensors) in write_buckets if tensors]
-        if any(objects for _, _, (objects, _) in write_buckets):
-            names.append(objects_file(rank))
-        return names
-
-    def write(self, folder: Path, iteration: int, rank: int, write_buckets: list,
-              results_queue) -> None:
-        """The save's write function (``write_preloaded_data_multiproc``'s arguments): each
-        bucket's tensors into its slot file, the byte items into their own file, the results
-        where torch_dist's finalize looks for them."""
-        try:
-            results_queue.put(self._write_buckets(folder, iteration, rank, write_buckets))
-        except Exception as error:  # as torch_dist's writers report theirs: finalize raises it
-            results_queue.put(error)
-
-    def _write_buckets(self, folder: Path, iteration: int, rank: int,
-                       write_buckets: list) -> dict[int, list[WriteResult]]:
+    def write_tensors(self, path: Path, name: str, tensor_data: list, iteration: int) -> list[WriteResult]:
         slot_files = self._files[self._turn]
-        results = {index: self._write_tensors(slot_files, folder / name, name, tensor_data, iteration)
-                   if tensor_data else []
-                   for index, (_, name, (_, tensor_data)) in enumerate(write_buckets)}
-        objects = [pair for _, _, (byte_data, _) in write_buckets for pair in byte_data]
-        if objects:
-            name = objects_file(rank)
-            results[0] = results[0] + checksums.write_items(folder / name, objects, name, _TRANSFORMS)
-        return results
-
-    def _write_tensors(self, slot_files: dict, path: Path, name: str, tensor_data: list,
-                       iteration: int) -> list[WriteResult]:
         slot_file = slot_files.get(name)
-        if slot_file is not None and slot_file.fits(tensor_data):
+        if slot_file is not None and records.fits(slot_file.records, tensor_data):
             written, digest = slot_file.refill(tensor_data, iteration)
             checksums.write_sidecar(path, digest)
             return written

@@ -9,7 +9,8 @@ from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
 from megatron.training.checksums import read_shard_digest
-from megatron.training.memory_slots import MemorySlots, objects_file
+from megatron.training.memory_slots import MemorySlots
+from megatron.training.records import objects_file
 
 def state(seed: int, rows: int = 4) -> dict:
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,69 @@
+"""Disk saves written in the rank from the tensors' own memory, with the records learnt at the
+structure's first save: the same records torch_dist would write, their digests, and a new
+structure learnt again."""
+
+import queue
+
+import torch
+import xxhash
+
+from ftmaster.recovery.manifest import digest_file
+from ftmaster.recovery.writeback import STEP
+from helpers.slots import SHARD, buckets, read_back
+from megatron.training.checksums import read_shard_digest
+from megatron.training.records import DiskRecords
+
+
+def disk_save(records: DiskRecords, folder, tensors: dict, kept: bool = True) -> list:
+    folder.mkdir(parents=True)
+    records.begin(kept)
+    results = queue.Queue()
+    records.write(folder, 1, 0, buckets(tensors, b"rng state"), results)
+    written = results.get_nowait()
+    assert not isinstance(written, Exception), written
+    return [result for results in written.values() for result in results]
+
+
+def state(seed: int, rows: int = 4) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(rows, 6, generator=generator),
+            "big": torch.randn(3 * STEP // 4 + 5, generator=generator),  # paced, over 3 steps
+            "strided": torch.randn(6, 4, generator=generator).t()}
+
+
+def test_later_saves_write_the_learnt_records_from_the_tensors_memory(tmp_path):
+    records = DiskRecords()
+    first = disk_save(records, tmp_path / "1", state(1))
+    second = disk_save(records, tmp_path / "2", state(2))
+    assert [r.storage_data for r in second] == [r.storage_data for r in first]
+    assert (tmp_path / "2" / SHARD).stat().st_size == (tmp_path / "1" / SHARD).stat().st_size
+    for result in second:
+        got = read_back(tmp_path / "2", result)
+        if result.index.fqn == "rng":
+            assert got == b"rng state"
+        else:
+            assert torch.equal(got, state(2)[result.index.fqn])
+
+
+def test_the_sidecar_holds_the_digests_of_the_file_written(tmp_path):
+    records = DiskRecords()
+    disk_save(records, tmp_path / "1", state(1))
+    disk_save(records, tmp_path / "2", state(2))
+    shard = tmp_path / "2" / SHARD
+    reported = read_shard_digest(shard)
+    assert reported.digest == digest_file(shard)
+    data = shard.read_bytes()
+    assert sum(item.bytes for item in reported.items.values()) == len(data)
+    for offset, item in reported.items.items():
+        assert xxhash.xxh3_64(data[offset:offset + item.bytes]).hexdigest() == item.digest
+
+
+def test_a_new_structure_or_shape_is_learnt_again(tmp_path):
+    records = DiskRecords()
+    disk_save(records, tmp_path / "1", state(1))
+    reshaped = disk_save(records, tmp_path / "2", state(2, rows=9))
+    weight = next(r for r in reshaped if r.index.fqn == "weight")
+    assert torch.equal(read_back(tmp_path / "2", weight), state(2, rows=9)["weight"])
+    relearnt = disk_save(records, tmp_path / "3", state(3), kept=False)
+    weight = next(r for r in relearnt if r.index.fqn == "weight")
+    assert torch.equal(read_back(tmp_path / "3", weight), state(3)["weight"])
