@@ -112,6 +112,7 @@ from .memory_slots import MemorySlots
 from .records import DiskRecords
 from .model import optimizer_metadata
 from .save_structure import SaveStructure
+from .timers import seconds_into
 
 CHECKPOINT_VERSION = 3.0
 MEMORY_HEADROOM = 1.1  # free space a memory save wants, in units of the last checkpoint
@@ -448,13 +449,8 @@ class _Save:
             checkpointer.disk_records if self.synchronous else None)
         """Writes the shards in the rank (None: torch_dist's writer processes do)."""
 
-    @contextlib.contextmanager
     def timed(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
+        return seconds_into(self.phases, phase)
 
     def note(self, what: str, error: BaseException) -> None:
         if self.problem is None:

@@ -25,7 +25,6 @@ stay until pruned, and the next two saves set up new ones.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import time
@@ -41,6 +40,7 @@ from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
 
 from . import checksums, records, rehearsal
 from .records import Record, RecordWriter
+from .timers import seconds_into
 
 _COPY_CHUNK = 2 << 20  # copied, then hashed twice while still in the cache (faster than 8 MB)
 
@@ -114,13 +114,8 @@ class _SlotFile:
                 self._bytes[record.data_offset + start:record.data_offset + end].copy_(source[start:end])
             self._hash(record.data_offset + start, record.data_offset + end, *hashers)
 
-    @contextlib.contextmanager
     def _timed(self, kind: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._seconds[kind] += time.perf_counter() - start
+        return seconds_into(self._seconds, kind)
 
     def _hash(self, start: int, end: int, *hashers) -> None:
         with self._timed("hash"), memoryview(self._map) as view:
