@@ -70,7 +70,7 @@ class _SlotFile:
         the zip's header, the tensor's bytes, its trailer) from the copied bytes."""
         started = time.perf_counter()
         ordered = records.in_file_order(self.records, tensor_data)
-        copied = self._start_device_copies(ordered) if self._pinned else None
+        landed = self._start_device_copies(ordered) if self._pinned else None
         file_hash, items, self._seconds = xxhash.xxh3_64(), {}, {"copy": 0.0, "hash": 0.0}
         for position, (record, tensor) in enumerate(ordered):
             if position == len(ordered) // 2:
@@ -78,18 +78,21 @@ class _SlotFile:
             info, item_hash = record.result.storage_data, xxhash.xxh3_64()
             data_end = record.data_offset + record.nbytes
             self._hash(info.offset, record.data_offset, file_hash, item_hash)
-            if copied is None:
+            if landed is None:
                 self._copy_and_hash(record, tensor, file_hash, item_hash)
             else:
                 with self._timed("copy"):
-                    copied[position].synchronize()
+                    landed[position].synchronize()
                 self._hash(record.data_offset, data_end, file_hash, item_hash)
             self._hash(data_end, info.offset + info.length, file_hash, item_hash)
             items[info.offset] = FileDigest(info.length, item_hash.hexdigest())
-        total = time.perf_counter() - started
+        copied = time.perf_counter() - started
+        # Written through the mapping: on a folder shared over the network, other nodes
+        # (and the persist copy) see the bytes only once they are synced (on tmpfs, free).
+        self._map.flush()
         digest = checksums.ShardDigest(FileDigest(len(self._map), file_hash.hexdigest()),
-                                       self._seconds["hash"], total, items,
-                                       self._seconds["copy"], total)
+                                       self._seconds["hash"], time.perf_counter() - started,
+                                       items, self._seconds["copy"], copied)
         return [self.records[item.index].result for item, _ in tensor_data], digest
 
     def _start_device_copies(self, ordered: list) -> list[torch.cuda.Event]:
