@@ -35,6 +35,7 @@ setup(
         "regex",
         "xxhash",
         "setproctitle",  # a warm worker shows its rank's command in ps
+        "einops",  # megatron-core's parallel_state, for --num-distributed-optimizer-instances
     ],
     extras_require={
         # torch elastic's etcd-v2 rendezvous backend imports python-etcd

@@ -91,6 +91,10 @@ def _add_parallel_args(parser):
                             "with CUDA")
     group.add_argument("--no-use-distributed-optimizer", action="store_false",
                        dest="use_distributed_optimizer", help="ours: the opt-out")
+    group.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                       help="Megatron-LM's partial distributed optimizer: the optimizer state is "
+                            "sharded within each of N instances and replicated across them "
+                            "(needs the distributed optimizer; DP x CP must divide by N)")
     group.add_argument("--overlap-grad-reduce", action="store_true", default=None,
                        help="default on with CUDA and the distributed optimizer")
     group.add_argument("--no-overlap-grad-reduce", action="store_false",
@@ -359,8 +363,24 @@ def _validate_layout(args):
     # Megatron-LM's validate_args asserts the same.
     _require(not args.overlap_param_gather or args.use_distributed_optimizer,
              "--overlap-param-gather needs the distributed optimizer (it gathers its shards)")
+    _validate_optimizer_instances(args)
     _require(not args.fp16 or _cuda_available(),
              "--fp16 needs CUDA (its loss scaling is not tried on CPU); use --bf16 or fp32 on CPU")
+
+
+def _validate_optimizer_instances(args):
+    """Megatron-LM's rules for the partial distributed optimizer: megatron-core's
+    ``DistributedDataParallel`` asserts "Partial DistOpt cannot be used without DistOpt", and
+    ``parallel_state.initialize_model_parallel`` that DP x CP divides by the instances (CP is
+    1 here)."""
+    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    _require(instances >= 1, f"--num-distributed-optimizer-instances must be at least 1, not {instances}")
+    _require(instances == 1 or args.use_distributed_optimizer,
+             "--num-distributed-optimizer-instances above 1 needs the distributed optimizer "
+             "(--use-distributed-optimizer): each instance shards the optimizer state")
+    _require(dp % instances == 0,
+             f"--num-distributed-optimizer-instances ({instances}) must divide the data-parallel "
+             f"size ({dp})")
 
 
 def _validate_pipeline(args):

@@ -16,7 +16,10 @@ Patch points (module: what it assumes -> what we do):
    ``dist_checkpointing.exchange_utils`` -> tensor factories called from those modules place
    "cuda" tensors on the CPU.
 3. ``torch.cuda.synchronize()`` after batched p2p in ``p2p_communication`` -> a no-op (gloo's
-   send/recv are already complete when ``wait()`` returns).
+   send/recv are already complete when ``wait()`` returns). Likewise the CUDA stream Megatron
+   DDP makes for the all-reduce between distributed-optimizer instances
+   (``--num-distributed-optimizer-instances`` above 1: ``torch.cuda.Stream``, ``stream``,
+   ``default_stream``, ``wait_stream``) -> stand-ins with nothing to order.
 4. The CUDA RNG tracker in ``tensor_parallel.random`` (``get_cuda_rng_tracker``,
    ``model_parallel_cuda_manual_seed``) reads and seeds the CUDA generator -> it reads and
    seeds the CPU default generator instead, so ``fork()`` still gives each TP rank its own
@@ -53,6 +56,7 @@ untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import logging
@@ -124,8 +128,23 @@ class _CpuCudaNamespace(types.SimpleNamespace):
         return getattr(torch.cuda, name)
 
 
+class _CpuStream:
+    """A CUDA stream's stand-in: gloo's collectives are done when they return, so there is
+    nothing to order."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _cpu_cuda_namespace():
     return _CpuCudaNamespace(
+        Stream=lambda *args, **kwargs: _CpuStream(),
+        stream=lambda stream: contextlib.nullcontext(),
+        default_stream=lambda *args, **kwargs: _CpuStream(),
+        current_stream=lambda *args, **kwargs: _CpuStream(),
         current_device=lambda: torch.device("cpu"),
         synchronize=lambda *args, **kwargs: None,
         is_available=lambda: False,

@@ -174,6 +174,7 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> Model:
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
         overlap_grad_reduce=_overlap(args, args.overlap_grad_reduce),
         overlap_param_gather=distributed and _overlap(args, args.overlap_param_gather),
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         check_for_nan_in_grad=False)  # the trainer's own guard agrees across ranks
     chunks = []
     for index, module in enumerate(modules):

@@ -85,7 +85,8 @@ def initialize(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     numpy.random.seed(seed)
@@ -180,7 +181,9 @@ def describe_layout(args) -> str:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     virtual = (f" x {args.virtual_pipeline_model_parallel_size} virtual stages"
                if args.virtual_pipeline_model_parallel_size else "")
-    optimizer = "distributed" if args.use_distributed_optimizer else "replicated"
+    instances = args.num_distributed_optimizer_instances
+    optimizer = ("replicated" if not args.use_distributed_optimizer else
+                 f"distributed ({instances} instances)" if instances > 1 else "distributed")
     return (f"training on {args.world_size} {device} ranks: TP {args.tensor_model_parallel_size} "
             f"x PP {args.pipeline_model_parallel_size}{virtual} x DP {args.data_parallel_size}, "
             f"{precision}, {optimizer} optimizer state"

@@ -77,6 +77,12 @@ def with_args(*extra, drop=()):
      "with --train-iters give --lr-decay-iters/--lr-warmup-iters"),
     (with_args("--replica-recovery"), 1,
      "--replica-recovery needs --non-persistent-ckpt-type global"),
+    (with_args("--num-distributed-optimizer-instances", "2", "--no-use-distributed-optimizer"), 4,
+     "--num-distributed-optimizer-instances above 1 needs the distributed optimizer"),
+    (with_args("--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"), 3,
+     "--num-distributed-optimizer-instances (2) must divide the data-parallel size (3)"),
+    (with_args("--num-distributed-optimizer-instances", "0"), 1,
+     "--num-distributed-optimizer-instances must be at least 1, not 0"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:
