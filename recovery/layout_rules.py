@@ -43,8 +43,8 @@ experts % EP, EP needs MoE   ``validate_args``; megatron/core/transformer/moe/mo
 world % (ETP*EP*PP)          ``initialize_model_parallel``
 moe ffn % ETP                ``ColumnParallelLinear``/``RowParallelLinear`` over the expert-TP group
 MoE bias needs ETP == 1      ``TransformerConfig.__post_init__``
-(DP*CP) % dist-opt           ``initialize_model_parallel`` (``--num-distributed-optimizer-instances``)
-instances, expert DP too
+(DP*CP) % dist-opt           ``initialize_model_parallel`` (``--num-distributed-optimizer-instances``);
+instances, expert DP too     a relaunch lowers the instances to the most the new layout allows
 --distribute-saved-          ``validate_args``: TP > 1
 activations
 --tp-comm-overlap            ``validate_args``: SP is switched off at TP 1, then the overlap asserts
@@ -460,11 +460,21 @@ def model_splits(shape: ModelShape, original: OriginalLayout, pipeline_flags: Pi
 
 
 def data_parallel_allows(split: ModelSplit, rules: RuleFlags, dp: int) -> bool:
-    """world % (ETP*EP*PP) and the distributed-optimizer instances (parallel_state)."""
-    dense_ranks = split.tensor * split.context * dp
-    expert_shard = split.expert_tensor * split.expert
-    if dense_ranks % expert_shard:
-        return False
-    instances = rules.optimizer_instances
-    return (dp * split.context) % instances == 0 and (dense_ranks // expert_shard) % instances == 0
+    """world % (ETP*EP*PP) (parallel_state). The distributed-optimizer instances do not
+    constrain DP: a relaunch runs fewer when DP does not allow them
+    (:func:`optimizer_instances_for`)."""
+    return (split.tensor * split.context * dp) % (split.expert_tensor * split.expert) == 0
+
+
+def optimizer_instances_for(split: ModelSplit, rules: RuleFlags, dp: int) -> int:
+    """The most distributed-optimizer instances, up to ``--num-distributed-optimizer-instances``,
+    that ``initialize_model_parallel`` allows: DP x CP, and the expert data-parallel size, must
+    divide by them."""
+    expert_dp = split.tensor * split.context * dp // (split.expert_tensor * split.expert)
+    return most_instances(rules.optimizer_instances, dp * split.context, expert_dp)
+
+
+def most_instances(asked: int, dp_x_cp: int, expert_dp: int) -> int:
+    """The most instances, up to ``asked``, that divide both data-parallel sizes."""
+    return max(n for n in range(1, asked + 1) if dp_x_cp % n == 0 and expert_dp % n == 0)
 

@@ -145,6 +145,20 @@ def rewrite_argv(script_args: Sequence[str], plan: LayoutFlags, *,
     return args
 
 
+INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+
+
+def set_optimizer_instances(args: Sequence[str], instances: int) -> tuple[list[str], str | None]:
+    """``args`` running ``instances`` distributed-optimizer instances, and the line that says
+    so when that is fewer than they asked for (None when unchanged)."""
+    asked = int_flag(args, INSTANCES_FLAG, 1)
+    if instances == asked:
+        return list(args), None
+    return (set_flag(args, INSTANCES_FLAG, str(instances)),
+            f"{INSTANCES_FLAG} {asked} does not divide the new layout's data-parallel size: "
+            f"the relaunch runs {instances}")
+
+
 def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str]:
     """The arguments of a relaunch: ``--load`` is the ``--save`` folder once that holds a
     checkpoint, even where ``--load`` named another folder (the weights the run started

@@ -7,7 +7,9 @@ The estimate is the largest of the first, a middle and the last pipeline stage, 
   or fp16, 4 in fp32), the main gradient (4 bytes; 2 with ``--grad-reduce-in-bf16``) and the
   Adam state (fp32 master copy, momentum and variance: 12 bytes; 8 in fp32 training, which has
   no master copy). ``--use-distributed-optimizer`` divides the Adam state by DP x CP (expert
-  parameters: by the expert data-parallel size), as Megatron-LM's
+  parameters: by the expert data-parallel size), and by that over N with
+  ``--num-distributed-optimizer-instances N`` (each instance holds the whole state, sharded
+  within it; N as a relaunch runs it), as Megatron-LM's
   ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` does. Parameters: attention
   ``h*kv*(2*heads + 2*groups)`` (GQA shrinks K and V), the MLP ``2*h*f`` or ``3*h*f`` with
   ``--swiglu``, split by TP; experts ``E*(2|3)*h*f_moe / (EP*ETP)``; the embedding on the first
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .argv_flags import flag_present, flag_value, float_flag, int_flag
-from .layout_rules import ModelSplit
+from .layout_rules import ModelSplit, most_instances
 from .model_facts import ModelShape
 
 GIB = 2**30
@@ -73,6 +75,8 @@ class MemoryFlags:
     """``--sequence-parallel``: layer-norm and dropout activations split across TP."""
     distributed_optimizer: bool = False
     """``--use-distributed-optimizer``: Adam's state split across DP x CP."""
+    optimizer_instances: int = 1
+    """``--num-distributed-optimizer-instances``: the state split across DP x CP / N."""
     recompute: str | None = None
     """None, ``selective`` or ``full`` (``--recompute-granularity``, ``--recompute-activations``)."""
     recompute_method: str | None = None
@@ -117,6 +121,7 @@ def read_memory_flags(args: Sequence[str]) -> MemoryFlags:
     return MemoryFlags(
         sequence_parallel=flag_present(args, "--sequence-parallel"),
         distributed_optimizer=flag_present(args, "--use-distributed-optimizer"),
+        optimizer_instances=int_flag(args, "--num-distributed-optimizer-instances", 1),
         recompute=granularity,
         recompute_method=flag_value(args, "--recompute-method"),
         recompute_layers=int_flag(args, "--recompute-num-layers", 1),
@@ -284,8 +289,9 @@ def peak_bytes(stage: StageMemory, flags: MemoryFlags, split: ModelSplit, *, dp:
     distributed = flags.distributed_optimizer
     per_param = flags.model_bytes + flags.grad_bytes
     optimizer = flags.optimizer_bytes
-    dense_shards = dp * split.context if distributed else 1
-    expert_shards = expert_dp if distributed else 1
+    instances = most_instances(flags.optimizer_instances, dp * split.context, expert_dp)
+    dense_shards = dp * split.context // instances if distributed else 1
+    expert_shards = expert_dp // instances if distributed else 1
     weights = (stage.dense_parameters * (per_param + optimizer / dense_shards)
                + stage.expert_parameters * (per_param + optimizer / expert_shards))
     chunks = _chunks_in_flight(split, vpp, group, stage.stage_rank, micro_batches)

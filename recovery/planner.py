@@ -62,9 +62,10 @@ from typing import Callable, Iterator, Sequence
 
 from .cost_model import Hardware, SplitCost, StepEstimate, calibrated, estimate_step, split_cost
 from .layout_rules import (ModelSplit, context_sizes, data_parallel_allows, divisors,
-                           expert_sizes, interleaving_allows, model_splits, pipeline_split,
-                           sequence_parallel_allows, tensor_sizes)
-from .megatron_args import ScriptFacts, read_script_args, rewrite_argv
+                           expert_sizes, interleaving_allows, model_splits,
+                           optimizer_instances_for, pipeline_split, sequence_parallel_allows,
+                           tensor_sizes)
+from .megatron_args import ScriptFacts, read_script_args, rewrite_argv, set_optimizer_instances
 from .memory_estimate import (ASSUMED_VOCAB_SIZE, GIB, RESERVE_GIB, StageMemory,
                               memory_warnings, peak_bytes, stage_memories)
 
@@ -692,6 +693,9 @@ def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str]
     world = layout.num_gpus
     rewritten = rewrite_argv(args, layout,
                              original_global_batch=problem.facts.original.global_batch_size)
+    rewritten, instances = set_optimizer_instances(
+        rewritten, optimizer_instances_for(chosen.split, problem.facts.rules, layout.data_parallel_size))
+    warnings += (instances,) if instances else ()
     vpp = layout.virtual_pipeline_size
     return Plan(
         layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,

@@ -81,6 +81,18 @@ def test_the_distributed_optimizer_shards_adam_over_dp_times_cp():
     assert plain > at_dp2 > at_dp8
 
 
+def test_optimizer_instances_hold_n_times_the_sharded_adam_state():
+    # 12 bytes of Adam state per parameter over DP x CP / N: at DP 8 (128 GPUs, TP4 x PP4),
+    # two instances hold what one holds at DP 4, and 8 instances what no sharding holds.
+    small = [*BASE[:-4], "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--use-distributed-optimizer"]
+    two = memory("--num-distributed-optimizer-instances", "2", gpus=128, base=small)
+    assert two == pytest.approx(memory(gpus=64, base=small), rel=0.02)
+    assert two > memory(gpus=128, base=small)
+    full_replicas = memory("--num-distributed-optimizer-instances", "8", gpus=128, base=small)
+    assert full_replicas > two
+
+
 def test_the_first_stage_holds_pp_micro_batches_and_the_estimate_drops_them_with_few():
     # 1F1B keeps min(PP, micro-batches) in flight on the first stage (Megatron-LM's
     # theoretical_memory_usage.compute_activation_memory does the same).

@@ -9,7 +9,8 @@ import pytest
 from ftmaster.recovery.layout_rules import (ModelSplit, PipelineFlags, RuleFlags,
                                             context_sizes, data_parallel_allows,
                                             expert_sizes, interleaving_allows,
-                                            parse_pipeline_layout, pipeline_split,
+                                            optimizer_instances_for, parse_pipeline_layout,
+                                            pipeline_split,
                                             sequence_parallel_allows, tensor_sizes)
 from ftmaster.recovery.megatron_args import (ExpertShape, ModelShape, OriginalLayout, flag_value,
                                              read_script_args)
@@ -236,12 +237,24 @@ def test_expert_parallel_sizes(model, rules, expected):
     (ModelSplit(2, 1, pipeline_split(LAYERS_12, PipelineFlags(), 2), expert=8, expert_tensor=2), RuleFlags(), 8, True),
     (ModelSplit(2, 1, pipeline_split(LAYERS_12, PipelineFlags(), 2), expert=8, expert_tensor=2), RuleFlags(), 4, False),
     (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1), expert=8, expert_tensor=1), RuleFlags(), 4, False),
-    # initialize_model_parallel: (DP * CP) and expert DP % --num-distributed-optimizer-instances.
-    (ModelSplit(1, 2, pipeline_split(LAYERS_12, PipelineFlags(), 1)), RuleFlags(optimizer_instances=4), 2, True),
-    (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1)), RuleFlags(optimizer_instances=4), 2, False),
+    # The distributed-optimizer instances do not rule a DP out: a relaunch runs fewer.
+    (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1)), RuleFlags(optimizer_instances=4), 2, True),
 ])
 def test_data_parallel_rules(split, rules, dp, allowed):
     assert data_parallel_allows(split, rules, dp) is allowed
+
+
+@pytest.mark.parametrize("split, asked, dp, instances", [
+    # initialize_model_parallel: (DP * CP) and expert DP % --num-distributed-optimizer-instances.
+    (ModelSplit(1, 2, pipeline_split(LAYERS_12, PipelineFlags(), 1)), 4, 2, 4),
+    (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1)), 4, 2, 2),
+    (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1)), 4, 6, 3),
+    (ModelSplit(1, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1)), 2, 3, 1),
+    # expert DP = TP * CP * DP / (ETP * EP) = 4 * 2 / 8 = 1: one instance only
+    (ModelSplit(4, 1, pipeline_split(LAYERS_12, PipelineFlags(), 1), expert=8, expert_tensor=1), 2, 2, 1),
+])
+def test_optimizer_instances_are_the_most_the_layout_allows(split, asked, dp, instances):
+    assert optimizer_instances_for(split, RuleFlags(optimizer_instances=asked), dp) == instances
 
 
 # -- batches ----------------------------------------------------------------------------------
@@ -329,3 +342,20 @@ def test_memory_only_flags_are_named_when_memory_is_checked():
 def test_flags_that_could_invalidate_a_plan_are_refused_in_one_line(flag):
     with pytest.raises(ValueError, match=f"^{flag} is not supported by the planner: [^\n]+$"):
         plan_nodes([*SMALL, "--micro-batch-size", "1", "--global-batch-size", "4", flag, "2"], [2])
+
+
+# -- the partial distributed optimizer ---------------------------------------------------------
+
+@pytest.mark.parametrize("gpus, instances, kept", [(4, 4, 4), (4, 2, 2), (3, 4, 3), (3, 2, 1),
+                                                    (6, 4, 3), (2, 4, 2)])
+def test_a_relaunch_keeps_the_optimizer_instances_when_dp_allows_else_the_most_it_allows(
+        gpus, instances, kept):
+    args = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "12",
+            "--use-distributed-optimizer", "--num-distributed-optimizer-instances", str(instances)]
+    plan = plan_layout(args, gpus, original_world_size=8)  # was DP 8: TP 1 stays
+    assert plan.data_parallel_size == gpus
+    command = list(plan.command)
+    assert command[command.index("--num-distributed-optimizer-instances") + 1] == str(kept)
+    said = (f"--num-distributed-optimizer-instances {instances} does not divide the new layout's "
+            f"data-parallel size: the relaunch runs {kept}")
+    assert (said in plan.warnings) == (kept != instances), plan.warnings
