@@ -33,7 +33,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ftmaster.runfiles import atomic_write_text
 
@@ -271,10 +271,10 @@ def pinned(memory_dir: Path) -> int | None:
         return None
 
 
-def prunable_memory_checkpoints(memory_dir: Path, newest: int) -> list[int]:
+def prunable_memory_checkpoints(memory_dir: Path, newest: int, kept: Iterable[int] = ()) -> list[int]:
     """Memory checkpoints older than ``newest`` (just completed), except the one a persist
-    copy reads and the one the tracker names."""
-    keep = {newest, pinned(memory_dir), read_tracker(memory_dir)}
+    copy reads, the one the tracker names and those ``kept`` (the trainer's other slot)."""
+    keep = {newest, pinned(memory_dir), read_tracker(memory_dir), *kept}
     return [it for it in list_iterations(memory_dir) if it < newest and it not in keep]
 
 

@@ -308,7 +308,7 @@ def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int]) -> 
     the disk tier keeps its discarded timelines)."""
     with tracker_lock(memory_dir):  # as pin() marks: never between its check and its mark
         doomed = [iteration_dir(memory_dir, it)
-                  for it in prunable_memory_checkpoints(memory_dir, newest) if it not in slots]
+                  for it in prunable_memory_checkpoints(memory_dir, newest, slots)]
         for folder in doomed + list(Path(memory_dir).glob("iter_*.discarded-*")):
             shutil.rmtree(folder, ignore_errors=True)
 
