@@ -114,21 +114,25 @@ def one_request(run_dir: Path, request: int, at_iteration: int) -> dict:
             "bytes": event["bytes"]}
 
 
+def fsynced_write_speed(path: Path, size: float, block_bytes: int = 1 << 20) -> float:
+    """One sequential write of ``size`` bytes into ``path``, fsynced, in bytes per second."""
+    block = os.urandom(block_bytes)
+    blocks = max(1, int(size) // len(block))
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        for _ in range(blocks):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return blocks * len(block) / (time.perf_counter() - start)
+
+
 def disk_write_speed(directory: Path, size: float) -> float:
     """Sequential write of ``size`` bytes with fsync, in bytes per second (median of 3)."""
-    size = int(size)  # a median of an even count of byte sizes is a float
-    block = os.urandom(1 << 20)
     speeds = []
     for _ in range(3):
-        path = directory / "ddtest.bin"
-        start = time.perf_counter()
-        with open(path, "wb") as handle:
-            for _ in range(max(1, size // len(block))):
-                handle.write(block)
-            handle.flush()
-            os.fsync(handle.fileno())
-        speeds.append(max(1, size // len(block)) * len(block) / (time.perf_counter() - start))
-        path.unlink()
+        speeds.append(fsynced_write_speed(directory / "ddtest.bin", size))
+        (directory / "ddtest.bin").unlink()
     return statistics.median(speeds)
 
 

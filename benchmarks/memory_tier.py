@@ -20,7 +20,6 @@ share of the one-thread memcpy can pass 1.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ import numpy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from emergency_save import disk_write_speed  # noqa: E402
+from emergency_save import disk_write_speed, fsynced_write_speed  # noqa: E402
 from ftmaster import runfiles  # noqa: E402
 from ftmaster.persist import persist  # noqa: E402
 from ftmaster.recovery.checkpoints import read_tracker  # noqa: E402
@@ -182,16 +181,8 @@ def kept_files_write_speed(directory: Path, size: int, count: int) -> float:
     """Sequential writes of ``count`` files of ``size`` bytes, each fsynced and kept until the
     last is written, as a run's checkpoints are: the median rate. On this VM's disk it falls
     from the one-file rate once a few GB are written (0.4-2.6 GB/s, measured 2026-11-26)."""
-    block = os.urandom(8 << 20)
-    speeds = []
-    for index in range(count):
-        start = time.perf_counter()
-        with open(directory / f"kept-{index}.bin", "wb") as handle:
-            for _ in range(max(1, size // len(block))):
-                handle.write(block)
-            handle.flush()
-            os.fsync(handle.fileno())
-        speeds.append(max(1, size // len(block)) * len(block) / (time.perf_counter() - start))
+    speeds = [fsynced_write_speed(directory / f"kept-{index}.bin", size, 8 << 20)
+              for index in range(count)]
     for index in range(count):
         (directory / f"kept-{index}.bin").unlink()
     return statistics.median(speeds)
