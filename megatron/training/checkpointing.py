@@ -505,7 +505,7 @@ class _Save:
             self.slot = "refilled" if refilled else "new"
         return self.problem is None
 
-    def _make_folder(self, previous: Path | None) -> tuple[str | None, bool]:
+    def _make_folder(self, previous: int | None) -> tuple[str | None, bool]:
         """Rank 0: the problem, if any, and whether a slot's files are refilled."""
         try:
             if self.slots is not None and self.slots.claim(previous, self.path):
@@ -716,7 +716,7 @@ class Checkpointer:
     def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:
         """Every rank, when a save ends: count it, or forget it and say why."""
         if save.slots is not None:
-            save.slots.ended(save.path, isinstance(outcome, DurableSave))
+            save.slots.ended(save.iteration, isinstance(outcome, DurableSave))
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes

@@ -35,7 +35,8 @@ import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ftmaster.recovery.checkpoints import DCP_METADATA_FILE, pinned, read_tracker, tracker_lock
+from ftmaster.recovery.checkpoints import (DCP_METADATA_FILE, iteration_dir, pinned, read_tracker,
+                                           tracker_lock)
 from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
 
 from . import checksums, records, rehearsal
@@ -146,23 +147,24 @@ class MemorySlots(RecordWriter):
 
     def __init__(self, memory_dir: Path) -> None:
         self.memory_dir = Path(memory_dir)
-        self._folders: list[Path | None] = [None, None]
+        self._iterations: list[int | None] = [None, None]
         self._files: list[dict[str, _SlotFile]] = [{}, {}]
         self._turn = 0
 
-    def begin(self, structure_kept: bool) -> Path | None:
-        """The folder this save refills, if any; a new structure drops both slots."""
+    def begin(self, structure_kept: bool) -> int | None:
+        """The iteration whose slot this save refills, if any; a new structure drops both."""
         if not structure_kept:
             for slot in (0, 1):
                 self._drop(slot)
-        return self._folders[self._turn]
+        return self._iterations[self._turn]
 
-    def claim(self, previous: Path | None, target: Path) -> bool:
-        """Rank 0: make the slot's folder ``target`` (True), or make ``target`` afresh when
-        the slot's checkpoint is pinned by a persist copy, named by the tracker, or gone."""
-        if previous is not None and not target.exists():
+    def claim(self, iteration: int | None, target: Path) -> bool:
+        """Rank 0: make the slot of ``iteration`` the folder ``target`` (True), or make
+        ``target`` afresh when that checkpoint is pinned by a persist copy, named by the
+        tracker, or gone."""
+        if iteration is not None and not target.exists():
+            previous = iteration_dir(self.memory_dir, iteration)
             with tracker_lock(self.memory_dir):
-                iteration = int(previous.name.removeprefix("iter_"))
                 if (previous.is_dir() and pinned(self.memory_dir) != iteration
                         and read_tracker(self.memory_dir) != iteration):
                     for name in (MANIFEST_NAME, DCP_METADATA_FILE):  # no longer loadable
@@ -177,16 +179,16 @@ class MemorySlots(RecordWriter):
         if not refilled:
             self._drop(self._turn)
 
-    def ended(self, path: Path, complete: bool) -> None:
-        """The save's agreed outcome: the slot now holds ``path``, or nothing usable."""
+    def ended(self, iteration: int, complete: bool) -> None:
+        """The save's agreed outcome: the slot now holds ``iteration``, or nothing usable."""
         if complete:
-            self._folders[self._turn] = path
+            self._iterations[self._turn] = iteration
             self._turn ^= 1
         else:
             self._drop(self._turn)
 
     def kept_iterations(self) -> set[int]:
-        return {int(folder.name.removeprefix("iter_")) for folder in self._folders if folder}
+        return {iteration for iteration in self._iterations if iteration is not None}
 
     def write_tensors(self, path: Path, name: str, tensor_data: list, iteration: int) -> list[WriteResult]:
         slot_files = self._files[self._turn]
@@ -204,7 +206,7 @@ class MemorySlots(RecordWriter):
         for slot_file in self._files[slot].values():
             slot_file.close()
         self._files[slot] = {}
-        self._folders[slot] = None
+        self._iterations[slot] = None
 
     def close(self) -> None:
         for slot in (0, 1):

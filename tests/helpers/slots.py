@@ -32,7 +32,7 @@ def save(slots: MemorySlots, memory, iteration: int, tensors: dict, blob: bytes 
     written = results.get_nowait()
     assert not isinstance(written, Exception), written
     (target / MANIFEST_NAME).write_text("{}")  # complete, as rank 0 would make it
-    slots.ended(target, True)
+    slots.ended(iteration, True)
     return refilled, [result for results in written.values() for result in results]
 
 
