@@ -2,8 +2,10 @@
 
 The survivors of a failed attempt dump their state (``megatron.training.replicas``), each
 with a report. :func:`choose_cut` picks, from the reports alone, the largest iteration at
-which every (TP, PP) shard of the old layout has a survivor, all of them with the same
-consumed samples, and one survivor per shard (the lowest rank). Replicas of one shard at that
+which every shard of the old layout has a survivor, all of them with the same consumed
+samples, and one survivor per shard (the lowest rank). A shard is a (TP, PP) coordinate, and
+with the distributed optimizer also the rank's optimizer shard within its instance
+(``--num-distributed-optimizer-instances N`` replicates the shards across N instances). Replicas of one shard at that
 iteration must hold equal bytes, item by item; if they do not, one of them is corrupted and
 there is no cut at all (a merge must never guess which one is right).
 
@@ -13,6 +15,7 @@ then checks what the reports cannot: that the chosen plans cover every tensor ex
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,8 @@ REQUEST_FLAG = "replica_dump.json"
 """In the run directory's ``flags/``: ``{"folder": DUMP}`` asks every rank for a dump."""
 DUMPS_SUBDIR = "replicas"
 """In the memory tier: ``replicas/attempt_<N>/`` holds one attempt's dumps."""
+SHARD_FILE = "optimizer_shard.pt"
+"""In a rank's dump, with the distributed optimizer: its slices of the optimizer state."""
 
 
 def dump_folder(memory_dir: Path, attempt: int) -> Path:
@@ -39,6 +44,11 @@ def report_path(folder: Path, rank: int) -> Path:
 def item_key(fqn: str, offset: Iterable[int] | None) -> str:
     """One stored item: a tensor chunk by its global offset, or a whole object."""
     return fqn if offset is None else f"{fqn}@{','.join(str(int(o)) for o in offset)}"
+
+
+def slice_key(fqn: str, offsets: Iterable[int], start: int, end: int) -> str:
+    """A distributed optimizer's slice: the flat elements ``[start, end)`` of one chunk."""
+    return f"{item_key(fqn, offsets)}[{start}:{end}]"
 
 
 class NoCut(Exception):
@@ -63,10 +73,16 @@ class Report:
     bytes: int = 0
     seconds: float = 0.0
     refused: str | None = None
+    instance: int = 0
+    """The distributed optimizer's instance (0 without it)."""
+    optimizer_shard: int = 0
+    """This rank's shard of the distributed optimizer's state within its instance."""
+    optimizer_shards: int = 1
+    """The shards of an instance: DP x CP / instances (1 without the distributed optimizer)."""
 
     @property
-    def shard(self) -> tuple[int, int]:
-        return self.tp, self.pp
+    def shard(self) -> tuple[int, int, int]:
+        return self.tp, self.pp, self.optimizer_shard
 
     @classmethod
     def from_json(cls, body: dict) -> "Report":
@@ -76,12 +92,12 @@ class Report:
 
 @dataclass(frozen=True)
 class ReplicaCut:
-    """The survivors whose dumps make the checkpoint of ``iteration``: one per (TP, PP)."""
+    """The survivors whose dumps make the checkpoint of ``iteration``: one per shard."""
 
     iteration: int
     consumed_samples: int
     ranks: tuple[int, ...]
-    """In (PP, TP) order."""
+    """In (PP, TP, optimizer shard) order."""
 
 
 def read_reports(folder: Path) -> list[Report]:
@@ -112,41 +128,47 @@ def choose_cut(reports: list[Report]) -> ReplicaCut:
         if missing is None:
             _check_replicas_agree(at, iteration)
             return ReplicaCut(iteration, at[0].consumed_samples, tuple(r.rank for r in chosen))
-        newest_gap = newest_gap or (f"shard (TP {missing[0]}, PP {missing[1]}) has no survivor "
-                                    f"at iteration {iteration}")
+        newest_gap = newest_gap or f"{_describe(missing, layout[3])} has no survivor at iteration {iteration}"
     why = " (DP 1: no shard has a replica)" if layout[2] == 1 else ""
     raise NoCut(f"{newest_gap}, nor a complete cut at an earlier one{why}")
 
 
-def _old_layout(reports: list[Report]) -> tuple[int, int, int]:
-    layouts = {(r.tp_size, r.pp_size, r.dp_size) for r in reports}
+def _describe(shard: tuple[int, int, int], optimizer_shards: int) -> str:
+    tp, pp, optimizer_shard = shard
+    sharded = f", optimizer shard {optimizer_shard}" if optimizer_shards > 1 else ""
+    return f"shard (TP {tp}, PP {pp}{sharded})"
+
+
+def _old_layout(reports: list[Report]) -> tuple[int, int, int, int]:
+    layouts = {(r.tp_size, r.pp_size, r.dp_size, r.optimizer_shards) for r in reports}
     if len(layouts) != 1:
         raise NoCut(f"the reports disagree on the layout: {sorted(layouts)}" if layouts
                     else "no survivor reported")
     return layouts.pop()
 
 
-def _one_per_shard(at: list[Report], layout: tuple[int, int, int]):
-    tp_size, pp_size, _ = layout
+def _one_per_shard(at: list[Report], layout: tuple[int, int, int, int]):
+    tp_size, pp_size, _, optimizer_shards = layout
     chosen = []
-    for pp in range(pp_size):
-        for tp in range(tp_size):
-            holders = sorted((r for r in at if r.shard == (tp, pp)), key=lambda r: r.rank)
-            if not holders:
-                return [], (tp, pp)
-            chosen.append(holders[0])
+    for pp, tp, optimizer_shard in itertools.product(range(pp_size), range(tp_size),
+                                                     range(optimizer_shards)):
+        shard = (tp, pp, optimizer_shard)
+        holders = sorted((r for r in at if r.shard == shard), key=lambda r: r.rank)
+        if not holders:
+            return [], shard
+        chosen.append(holders[0])
     return chosen, None
 
 
 def _check_replicas_agree(at: list[Report], iteration: int) -> None:
-    by_shard: dict[tuple[int, int], list[Report]] = {}
+    by_shard: dict[tuple[int, int, int], list[Report]] = {}
     for report in at:
         by_shard.setdefault(report.shard, []).append(report)
-    for (tp, pp), holders in by_shard.items():
+    for shard, holders in by_shard.items():
         first = holders[0]
         for other in holders[1:]:
             for key in sorted(set(first.items or {}) & set(other.items or {})):
                 if first.items[key] != other.items[key]:
-                    raise NoCut(f"the replicas of shard (TP {tp}, PP {pp}) at iteration "
+                    raise NoCut(f"the replicas of {_describe(shard, first.optimizer_shards)} at iteration "
                                 f"{iteration} differ (ranks {first.rank} and {other.rank}, "
                                 f"{key}): one of them is corrupted")

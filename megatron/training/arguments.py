@@ -194,8 +194,8 @@ def _add_checkpoint_args(parser):
     group.add_argument("--replica-recovery", action="store_true",
                        help="ours: when a rank dies, its surviving data-parallel replicas dump "
                             "their state and ftmaster merges a checkpoint of the last completed "
-                            "iteration (needs the memory tier; DP >= 2 and the non-distributed "
-                            "optimizer to have replicas)")
+                            "iteration (needs the memory tier and DP >= 2; with the distributed "
+                            "optimizer, --num-distributed-optimizer-instances 2 or more)")
     group.add_argument("--keep-emergency", type=int, default=None,
                        help="ours: keep only the newest N emergency checkpoints that a newer "
                             "regular checkpoint supersedes (default: keep all)")

@@ -670,9 +670,16 @@ class Checkpointer:
 
     def state_dict_at(self, iteration: int, consumed_samples: int, rng: dict | None) -> dict:
         """What a save at this point would write, the RNG streams as given (a replica dump
-        runs on a side thread while the training thread may already draw from them)."""
-        return self._state_dict(TrainingState(iteration, consumed_samples), is_loading=False,
-                                with_rng=True, rng=rng)
+        runs on a side thread while the training thread may already draw from them). The
+        distributed optimizer's tensors are left out, only its common part kept: a regular
+        save gathers them over DP (the dump writes its slices: ``optimizer_shards``)."""
+        distributed = bool(self.args.use_distributed_optimizer)
+        sharded = self._state_dict(TrainingState(iteration, consumed_samples), is_loading=False,
+                                   with_rng=True, rng=rng, with_optimizer=not distributed)
+        if distributed:  # what megatron-core's sharded_state_dict leaves in common.pt
+            sharded["optimizer"] = {**self.optimizer.state_dict(),
+                                    "param_state_sharding_type": "fully_reshardable"}
+        return sharded
 
     def on_disk_at(self, iteration: int) -> bool:
         """Whether the newest save (durable or in flight) is of ``iteration`` on disk."""

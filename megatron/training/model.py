@@ -37,15 +37,27 @@ def params_dtype(args) -> torch.dtype:
 
 def uses_distributed_optimizer(args) -> bool:
     """``--use-distributed-optimizer``; unless told, on with CUDA, as Megatron-LM users run,
-    except under ``--replica-recovery`` (its state, sharded over DP, has no replicas)."""
+    except under ``--replica-recovery`` with one instance (its state, sharded over DP, has no
+    replicas there; ``--num-distributed-optimizer-instances 2`` or more replicates it)."""
     flag = args.use_distributed_optimizer
     if flag is None:
-        return torch.cuda.is_available() and not getattr(args, "replica_recovery", False)
+        replicated = (not getattr(args, "replica_recovery", False)
+                      or getattr(args, "num_distributed_optimizer_instances", 1) >= 2)
+        return torch.cuda.is_available() and replicated
     return flag
 
 
 def _overlap(args, flag: bool | None) -> bool:
     return (torch.cuda.is_available() and uses_distributed_optimizer(args)) if flag is None else flag
+
+
+def _overlap_param_gather(args) -> bool:
+    """Off by default under ``--replica-recovery``: overlapped, the all-gather of an update's
+    parameters waits for the next forward, and a dump taken in between would hold weights
+    that other shards updated and this rank has not yet received (the merge then refuses)."""
+    if args.overlap_param_gather is None and getattr(args, "replica_recovery", False):
+        return False
+    return _overlap(args, args.overlap_param_gather)
 
 
 def _transformer_engine_spec(args):
@@ -173,7 +185,7 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> Model:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
         overlap_grad_reduce=_overlap(args, args.overlap_grad_reduce),
-        overlap_param_gather=distributed and _overlap(args, args.overlap_param_gather),
+        overlap_param_gather=distributed and _overlap_param_gather(args),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         check_for_nan_in_grad=False)  # the trainer's own guard agrees across ranks
     chunks = []

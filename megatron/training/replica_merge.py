@@ -9,6 +9,9 @@ supervisor runs once an attempt's survivors have dumped (``megatron.training.rep
    ``.metadata``) is read; a missing or damaged one refuses the merge;
 3. the plans are merged into one global ``Metadata``, shards held by several chosen ranks
    (TP-replicated layer norms) kept once, after checking their checksums agree;
+   With the distributed optimizer, the optimizer tensors are not in the plans: each chosen
+   survivor's slices of them (``optimizer_shard.pt``) are put together into the chunks a
+   regular save stores (:func:`optimizer_chunks`), written to one more data file;
 4. :func:`coverage_problem` checks that every tensor is covered exactly once and every
    sharded object has all its pieces. torch's own plan validation skips this when there is
    one plan, and a checkpoint missing a shard would then load silently with wrong values;
@@ -37,11 +40,14 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -56,6 +62,7 @@ from ftmaster.recovery.checkpoints import (
 )
 from ftmaster.recovery.manifest import FileDigest, digest_bytes, digest_file, write_manifest
 from ftmaster.recovery.replicas import (
+    SHARD_FILE,
     NoCut,
     Report,
     choose_cut,
@@ -69,6 +76,8 @@ REFUSED = 3
 # merge runs in a fresh interpreter during recovery, and megatron-core's import takes ~2 s).
 CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                         "common_backend": "torch", "common_backend_version": 1}
+OPTIMIZER_FILE = "__optimizer_0.distcp"
+"""The distributed optimizer's chunks, put together from the survivors' slices."""
 _OBJECT_SHARD = re.compile(r"^(?P<key>.*)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
@@ -93,11 +102,13 @@ def merge(folder: Path, memory_dir: Path, newest: int | None = None) -> Merged:
                     f"survivors' state (iteration {cut.iteration})")
     plans = {rank: _checked_plan(folder, reports[rank]) for rank in cut.ranks}
     metadata, sources = merged_metadata(plans, reports)
+    chunks = optimizer_chunks(_optimizer_slices(folder, cut.ranks, reports), reports)
+    add_chunks(metadata, chunks)
     problem = coverage_problem(metadata)
     if problem is not None:
         raise NoCut(f"the merged plans do not cover the model: {problem}")
     path, size = _write_checkpoint(folder, memory_dir, cut.iteration, metadata, sources,
-                                   reports, cut.ranks[0])
+                                   reports, cut.ranks[0], chunks)
     return Merged(cut.iteration, len(cut.ranks), time.perf_counter() - start, path, size)
 
 
@@ -148,6 +159,87 @@ def merged_metadata(plans: dict[int, Metadata], reports: dict[int, Report]):
                       storage_data=storage_data, storage_meta=template.storage_meta,
                       version=template.version)
     return merged, sources
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored chunk of a distributed optimizer's tensor, put together from slices."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_size: tuple[int, ...]
+    values: torch.Tensor
+
+
+def _optimizer_slices(folder: Path, ranks: tuple[int, ...], reports: dict[int, Report]) -> dict:
+    """rank -> its slices of the optimizer state (an empty dict without them); the files
+    were checked against their reports with the plans."""
+    slices = {}
+    for rank in ranks:
+        path = rank_dump_dir(folder, rank) / SHARD_FILE
+        if SHARD_FILE in (reports[rank].files or {}):
+            slices[rank] = torch.load(path, map_location="cpu", weights_only=True)
+        elif reports[rank].optimizer_shards > 1:
+            raise NoCut(f"rank {reports[rank].rank}'s report lists no optimizer shard ({SHARD_FILE})")
+    return slices
+
+
+def optimizer_chunks(slices: dict[int, dict], reports: dict[int, Report]) -> list[Chunk]:
+    """The chunks of the distributed optimizer's tensors, each from the slices of the chosen
+    survivors (one per optimizer shard); a slice held by several of them (TP-replicated
+    tensors) is taken once, after its checksums agree. A chunk whose slices do not cover it
+    exactly once refuses the merge."""
+    pieces: dict[tuple[str, tuple[int, ...]], dict[tuple[int, int], tuple[int, dict]]] = {}
+    for rank, held in sorted(slices.items()):
+        for key, piece in held.items():
+            ranges = pieces.setdefault((piece["fqn"], tuple(piece["offsets"])), {})
+            span = (int(piece["start"]), int(piece["end"]))
+            if span in ranges:
+                holder = ranges[span][0]
+                if (reports[holder].items or {}).get(key) != (reports[rank].items or {}).get(key):
+                    raise NoCut(f"ranks {holder} and {rank} hold different copies of {key}")
+                continue
+            ranges[span] = (rank, piece)
+    return [_chunk(fqn, offsets, ranges) for (fqn, offsets), ranges in sorted(pieces.items())]
+
+
+def _chunk(fqn: str, offsets: tuple[int, ...], ranges: dict) -> Chunk:
+    first = next(iter(ranges.values()))[1]
+    sizes, values = tuple(first["sizes"]), None
+    numel, covered = math.prod(sizes), 0
+    for (start, end), (_, piece) in sorted(ranges.items()):
+        if start != covered:
+            break
+        if values is None:
+            values = torch.empty(numel, dtype=piece["values"].dtype)
+        values[start:end] = piece["values"]
+        covered = end
+    if covered != numel:
+        raise NoCut(f"{fqn}: the chunk at {list(offsets)} is not covered exactly once by the "
+                    f"survivors' optimizer shards (its first {covered} of {numel} elements)")
+    return Chunk(fqn, offsets, sizes, tuple(first["global_size"]), values.reshape(sizes))
+
+
+def add_chunks(metadata: Metadata, chunks: list[Chunk]) -> None:
+    """Declare the chunks in the merged plan (their storage is set when they are written)."""
+    for chunk in chunks:
+        entry = metadata.state_dict_metadata.setdefault(chunk.fqn, TensorStorageMetadata(
+            TensorProperties(dtype=chunk.values.dtype), torch.Size(chunk.global_size), []))
+        entry.chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
+        metadata.storage_data[MetadataIndex(chunk.fqn, chunk.offsets)] = _StorageInfo(
+            OPTIMIZER_FILE, 0, 0)
+
+
+def _write_chunks(path: Path, chunks: list[Chunk], metadata: Metadata) -> FileDigest:
+    """The chunks as torch_dist stores tensors (one ``torch.save`` after another)."""
+    with open(path, "wb") as stream:
+        for chunk in chunks:
+            offset = stream.tell()
+            torch.save(chunk.values, stream)
+            metadata.storage_data[MetadataIndex(chunk.fqn, chunk.offsets)] = _StorageInfo(
+                OPTIMIZER_FILE, offset, stream.tell() - offset)
+    return digest_file(path)
 
 
 def _add_item(merged: dict, entry, index: MetadataIndex) -> None:
@@ -202,13 +294,16 @@ def _tensor_problem(fqn: str, entry: TensorStorageMetadata, storage_data) -> str
 
 
 def _write_checkpoint(folder: Path, memory_dir: Path, iteration: int, metadata: Metadata,
-                      sources: dict, reports: dict[int, Report], first: int) -> tuple[Path, int]:
+                      sources: dict, reports: dict[int, Report], first: int,
+                      chunks: list[Chunk]) -> tuple[Path, int]:
     """Build it beside its place, then rename it in and advance the tracker (one lock)."""
     target = iteration_dir(memory_dir, iteration)
     staging = target.with_name(f".{target.name}.replica-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
-        files = _stage_files(folder, staging, metadata, sources, reports, first)
+        written = {OPTIMIZER_FILE: _write_chunks(staging / OPTIMIZER_FILE, chunks, metadata)
+                   } if chunks else {}
+        files = {**_stage_files(folder, staging, metadata, sources, reports, first), **written}
         write_manifest(staging, "replica", iteration, files)
         with tracker_lock(memory_dir):
             if target.exists():  # an unfinished save of the same iteration

@@ -18,6 +18,9 @@ Three things let the supervisor build a checkpoint from them (see
   ``torch_dist`` checkpoint (``DUMP/rank_<R>/``: the shards, ``.metadata``, its local save
   plan, and ``common.pt``), then a report ``DUMP/rank_<R>.json``: its layout coordinates, the
   iteration and consumed samples its state holds, and an xxh3 checksum per file and per item.
+  With the distributed optimizer, the optimizer state is not in that checkpoint (a regular
+  save gathers it over DP): the rank's own slices of it are in ``optimizer_shard.pt`` (see
+  :mod:`megatron.training.optimizer_shards`), and the report says which shard it holds.
 
 torchrun SIGTERMs the survivors as soon as one rank fails and SIGKILLs them 30 s later; the
 supervisor asks for the dump and waits well within that window.
@@ -46,7 +49,13 @@ from torch.distributed import checkpoint as dcp
 from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import COMMON_FILE
 from ftmaster.recovery.manifest import digest_bytes
-from ftmaster.recovery.replicas import REQUEST_FLAG, item_key, rank_dump_dir, report_path
+from ftmaster.recovery.replicas import (
+    REQUEST_FLAG,
+    SHARD_FILE,
+    item_key,
+    rank_dump_dir,
+    report_path,
+)
 
 from .checkpointing import clean_content_metadata, rng_state
 from .console import log_rank0
@@ -102,19 +111,34 @@ def layout_coordinates() -> dict[str, int]:
             "dp_size": parallel_state.get_data_parallel_world_size()}
 
 
+def unavailable_reason(args) -> str | None:
+    """Why ``--replica-recovery`` cannot work under these arguments, in one line with the way
+    out; None when it can."""
+    if args.use_distributed_optimizer and args.num_distributed_optimizer_instances < 2:
+        return ("replica recovery is unavailable: the distributed optimizer with one instance "
+                "shards its state over DP, so no rank holds a replica of another's; pass "
+                "--num-distributed-optimizer-instances 2 or more (DP x CP must divide by it), "
+                "or --no-use-distributed-optimizer")
+    return None
+
+
 class ReplicaDumper:
     """The side thread that dumps this rank's state when the supervisor asks.
 
     ``state_dict(iteration, consumed, rng)`` builds the sharded state dict of a save at the
-    cut; ``refusal`` is set when this rank's state can never make a replica (the distributed
-    optimizer shards the optimizer state over DP), and is reported instead of a dump.
+    cut, and ``optimizer_slices(sharded_state_dict)``, with the distributed optimizer, this
+    rank's slices of its state (``coordinates`` then name the shard); ``refusal`` is set when
+    this rank's state can never make a replica, and is reported instead of a dump.
     """
 
     def __init__(self, run_dir: Path, cut: Cut, state, state_dict: Callable[..., dict],
-                 refusal: str | None = None) -> None:
+                 refusal: str | None = None,
+                 optimizer_slices: Callable[[dict], dict] | None = None,
+                 coordinates: dict[str, int] | None = None) -> None:
         self.flag = runfiles.flags_dir(run_dir) / REQUEST_FLAG
         self.cut, self.state, self.state_dict, self.refusal = cut, state, state_dict, refusal
-        self.coordinates = layout_coordinates()
+        self.optimizer_slices = optimizer_slices
+        self.coordinates = {**layout_coordinates(), **(coordinates or {})}
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="replica-dump", daemon=True)
         self._thread.start()
@@ -142,8 +166,9 @@ class ReplicaDumper:
             if self.cut.torn is not None:
                 return {**report, "refused": self.cut.torn}
             iteration, consumed = self.state.iteration, self.state.consumed_train_samples
-            written = write_dump(rank_dump_dir(folder, self.coordinates["rank"]),
-                                 self.state_dict(iteration, consumed, self.cut.rng))
+            sharded = self.state_dict(iteration, consumed, self.cut.rng)
+            slices = None if self.optimizer_slices is None else self.optimizer_slices(sharded)
+            written = write_dump(rank_dump_dir(folder, self.coordinates["rank"]), sharded, slices)
         except Exception as error:  # reported: the merge then falls back
             return {**report, "refused": f"the dump failed: {type(error).__name__}: {error}"}
         finally:
@@ -161,10 +186,11 @@ class ReplicaDumper:
         self.done.wait(PARK_TIMEOUT_S)
 
 
-def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
+def write_dump(folder: Path, sharded_state_dict: dict, optimizer_slices: dict | None = None) -> dict:
     """Write one rank's shards as a one-rank torch_dist checkpoint, with no collective: every
     shard this rank holds (replicas included: the merge picks one per shard), its save plan
-    (``.metadata``), and ``common.pt``. Returns the report's files and items."""
+    (``.metadata``), ``common.pt``, and the distributed optimizer's slices when given.
+    Returns the report's files and items (a slice's checksum covers its values)."""
     folder.mkdir(parents=True, exist_ok=True)
     sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
     clean_content_metadata(common)
@@ -173,9 +199,13 @@ def write_dump(folder: Path, sharded_state_dict: dict) -> dict:
                         storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
                         planner=MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
     torch.save(common, folder / COMMON_FILE)
+    if optimizer_slices is not None:
+        torch.save(optimizer_slices, folder / SHARD_FILE)
     data = {path.name: memoryview(path.read_bytes()) for path in folder.iterdir() if path.is_file()}
     files = {name: digest_bytes(content).as_json() for name, content in sorted(data.items())}
     items = {item_key(index.fqn, index.offset): xxhash.xxh3_64_hexdigest(
                  data[info.relative_path][info.offset:info.offset + info.length])
              for index, info in metadata.storage_data.items()}
+    for key, piece in (optimizer_slices or {}).items():
+        items[key] = xxhash.xxh3_64_hexdigest(piece["values"].numpy().tobytes())
     return {"files": files, "items": items, "bytes": sum(f["bytes"] for f in files.values())}

@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
 
-from . import cpu_compat, mcore_fixes, rehearsal, startup
+from . import cpu_compat, mcore_fixes, optimizer_shards, rehearsal, startup
 from .arguments import padded_vocab_size
 from .checkpointing import (
     Checkpointer,
@@ -38,7 +38,7 @@ from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_
                     transformer_config, uses_distributed_optimizer, uses_transformer_engine)
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
 from .rehearsal import kill_point
-from .replicas import Cut, ReplicaDumper
+from .replicas import Cut, ReplicaDumper, unavailable_reason
 from .save_requests import SaveRequests, median_microseconds
 from .tokenizer import build_tokenizer
 
@@ -249,10 +249,17 @@ class Trainer:
         """The dump thread of ``--replica-recovery`` (under ftmaster: it asks for the dump)."""
         if not self.args.replica_recovery or self.run_dir is None:
             return None
-        refusal = ("the distributed optimizer shards the optimizer state over DP: no rank holds "
-                   "a replica of another's" if self.args.use_distributed_optimizer else None)
-        return ReplicaDumper(self.run_dir, self.cut, self.state, self.checkpointer.state_dict_at,
-                             refusal)
+        if not self.args.use_distributed_optimizer:
+            return ReplicaDumper(self.run_dir, self.cut, self.state, self.checkpointer.state_dict_at)
+        refusal = unavailable_reason(self.args)
+        if refusal is not None:
+            log_rank0(f"warning: {refusal}")
+        shard = optimizer_shards.position(self.optimizer)
+        return ReplicaDumper(
+            self.run_dir, self.cut, self.state, self.checkpointer.state_dict_at, refusal,
+            optimizer_slices=partial(optimizer_shards.shard_slices, self.optimizer),
+            coordinates={"instance": shard.instance, "optimizer_shard": shard.shard,
+                         "optimizer_shards": shard.shards})
 
     def park(self, error: BaseException) -> None:
         """Training ends on ``error``: a peer's death keeps this rank until its dump is out."""

@@ -41,18 +41,34 @@ def _victim(torchrun, local_rank: int):
         return None
 
 
+def _gone(process: psutil.Process) -> bool:
+    """Dead, reaped or not (torchrun reaps its workers only as it shuts down)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def dump_after_a_kill(nproc: int, args: list[str], log: Path, run_dir: Path, folder: Path,
-                      victim: int, kill: str, **env: str) -> list:
-    """Train until local rank ``victim`` kills itself at ``kill`` (ITERATION:POINT), then do
-    what ftmaster does: ask for the dumps, wait for every survivor's report, kill the rest.
-    Returns the reports."""
+                      victim: int, kill: str, also_lost: tuple[int, ...] = (), **env: str) -> list:
+    """Train until local rank ``victim`` kills itself at ``kill`` (ITERATION:POINT); SIGKILL
+    the ranks ``also_lost`` too (lost before the dump, e.g. on the same failing board), then
+    do what ftmaster does: ask for the dumps, wait for every survivor's report, kill the
+    rest. Returns the reports."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torchrun = start_trainer(nproc, args, log, FTMASTER_RUN_DIR=str(run_dir),
                              FTMASTER_INJECT_KILL=f"{victim}:{kill}", **env)
     try:
-        wait_until(lambda: _victim(torchrun, victim), 120, what="the ranks").wait(300)
+        others = [wait_until(lambda rank=rank: _victim(torchrun, rank), 120, what="the ranks")
+                  for rank in also_lost]
+        dead = wait_until(lambda: _victim(torchrun, victim), 120, what="the ranks")
+        wait_until(lambda: _gone(dead), 300, what=f"local rank {victim}'s death")
+        for process in others:
+            process.kill()
+            wait_until(lambda process=process: _gone(process), 30, what="the other losses")
         runfiles.write_flag(runfiles.flags_dir(run_dir) / REQUEST_FLAG, folder=str(folder))
-        wait_until(lambda: len(read_reports(folder)) >= nproc - 1, 25, what="the survivors' reports")
+        wait_until(lambda: len(read_reports(folder)) >= nproc - 1 - len(also_lost), 25,
+                   what="the survivors' reports")
     finally:
         kill_session(torchrun)
     return read_reports(folder)

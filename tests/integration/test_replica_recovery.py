@@ -17,7 +17,7 @@ import pytest
 
 from ftmaster.recovery.manifest import digest_file
 from ftmaster.recovery.replicas import NoCut, dump_folder, rank_dump_dir, report_path
-from helpers.replicas import dump_after_a_kill, unequal_tensors
+from helpers.replicas import checkpoint_tensors, dump_after_a_kill, unequal_tensors
 from helpers.trainer import SMALL_GPT, layout_args, run_trainer
 from megatron.training.replica_merge import merge
 
@@ -111,4 +111,55 @@ def test_dp_1_has_no_replica_and_the_merge_says_so(tmp_path):
     folder, reports = killed_at(tmp_path, "forward", tp=2, pp=2)
     assert len(reports) == 3
     with pytest.raises(NoCut, match=r"DP 1: no shard has a replica"):
+        merge(folder, tmp_path / "merged")
+
+
+# ---- the distributed optimizer with two instances (TP1 x PP1 x DP4) ----------------------
+# Instance 0 is ranks 0 and 1 (optimizer shards 0 and 1), instance 1 ranks 2 and 3.
+
+def distributed(args):
+    return [*args, "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+
+
+@pytest.fixture(scope="module")
+def distributed_reference(tmp_path_factory):
+    save = tmp_path_factory.mktemp("distributed-reference") / "save"
+    result = run_trainer(4, distributed([*schedule(save, 1, 1), "--save-interval", "1",
+                                         "--exit-interval", "5"]))
+    assert result.returncode == 0, result.stdout[-3000:]
+    return save
+
+
+def distributed_dumps(root, kill):
+    folder = dump_folder(root / "memory", 1)
+    reports = dump_after_a_kill(4, distributed(replica_args(root, 1, 1)), root / "log.txt",
+                                root / "run", folder, VICTIM, kill)
+    return folder, reports
+
+
+def test_the_distributed_optimizers_shards_merge_into_the_exact_checkpoint(
+        distributed_reference, tmp_path):
+    """Rank 1 (instance 0, optimizer shard 1) dies after the update of iteration 4: rank 3
+    holds the same shard in instance 1, so the merge takes shard 0 from rank 0 and shard 1
+    from rank 3, and every tensor, the optimizer's included, is the regular save's."""
+    folder, reports = distributed_dumps(tmp_path, "4:update")
+    assert [(r.rank, r.instance, r.optimizer_shard, r.optimizer_shards) for r in reports] == [
+        (0, 0, 0, 2), (2, 1, 0, 2), (3, 1, 1, 2)]
+    merged = merge(copied(folder, tmp_path), tmp_path / "merged")
+    assert (merged.iteration, merged.shards) == (4, 2)
+    reference = distributed_reference / "iter_0000004"
+    assert unequal_tensors(merged.path, reference) == []
+    assert any(key.startswith("optimizer.state.exp_avg.") for key in checkpoint_tensors(merged.path))
+
+
+def test_a_shard_lost_in_both_instances_refuses_the_merge(tmp_path):
+    """Ranks 1 and 3 hold optimizer shard 1, one in each instance: rank 1 dies in iteration 4
+    and rank 3 before the dump, so no survivor has the shard, and the merge says so in one
+    line."""
+    folder = dump_folder(tmp_path / "memory", 1)
+    reports = dump_after_a_kill(4, distributed(replica_args(tmp_path, 1, 1)), tmp_path / "log.txt",
+                                tmp_path / "run", folder, VICTIM, "4:forward", also_lost=(3,))
+    assert sorted(r.rank for r in reports) == [0, 2]
+    with pytest.raises(NoCut, match=r"^shard \(TP 0, PP 0, optimizer shard 1\) has no survivor "
+                                    r"at iteration 3, nor a complete cut at an earlier one$"):
         merge(folder, tmp_path / "merged")

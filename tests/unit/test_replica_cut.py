@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
 from ftmaster.recovery.replicas import NoCut, Report, choose_cut
 from ftmaster.replica_recovery import ReplicaRecovery
 from megatron.training import rehearsal
-from megatron.training.replica_merge import coverage_problem
+from megatron.training.replica_merge import coverage_problem, optimizer_chunks
 
 
 def report(rank, tp, pp, iteration, consumed=None, tp_size=1, pp_size=2, dp_size=2, items=None,
@@ -61,6 +61,68 @@ def test_the_newest_complete_cut_one_survivor_per_shard(reports, iteration, rank
 def test_no_cut_says_why(reports, message):
     with pytest.raises(NoCut, match=message):
         choose_cut(reports)
+
+
+def sharded(rank, iteration, items=None):
+    """TP1 x PP1 x DP4, the distributed optimizer in two instances: ranks 0 and 1 hold its
+    shards 0 and 1 in instance 0, ranks 2 and 3 again in instance 1."""
+    return Report(rank, 0, 0, rank, 1, 1, 4, iteration, 8 * iteration, items or {"w@0": "aa"},
+                  instance=rank // 2, optimizer_shard=rank % 2, optimizer_shards=2)
+
+
+@pytest.mark.parametrize("reports, ranks", [
+    ([sharded(0, 16), sharded(2, 16), sharded(3, 16)], (0, 3)),
+    ([sharded(1, 16), sharded(2, 16)], (2, 1)),
+    ([sharded(0, 16), sharded(1, 16), sharded(2, 16), sharded(3, 16)], (0, 1)),
+])
+def test_a_cut_takes_one_survivor_per_optimizer_shard_from_any_instance(reports, ranks):
+    assert choose_cut(reports).ranks == ranks
+
+
+def test_an_optimizer_shard_lost_in_every_instance_has_no_cut():
+    with pytest.raises(NoCut, match=r"^shard \(TP 0, PP 0, optimizer shard 1\) has no survivor at "
+                                    r"iteration 16, nor a complete cut at an earlier one$"):
+        choose_cut([sharded(0, 16), sharded(2, 16)])
+
+
+def test_the_replicas_of_an_optimizer_shard_must_agree():
+    with pytest.raises(NoCut, match=r"optimizer shard 1\) at iteration 16 differ \(ranks 1 and 3"):
+        choose_cut([sharded(0, 16), sharded(1, 16, {"s[0:4]": "aa"}),
+                    sharded(3, 16, {"s[0:4]": "bb"})])
+
+
+def _slice(fqn, start, end, values, sizes=(2, 4)):
+    return {"fqn": fqn, "offsets": (0, 0), "sizes": sizes, "global_size": sizes, "start": start,
+            "end": end, "values": torch.tensor(values, dtype=torch.float32)}
+
+
+def test_optimizer_chunks_are_put_together_from_the_shards_slices():
+    first = {"a[0:3]": _slice("a", 0, 3, [0, 1, 2])}
+    second = {"a[3:8]": _slice("a", 3, 8, [3, 4, 5, 6, 7])}
+    reports = {0: sharded(0, 16), 3: sharded(3, 16)}
+    (chunk,) = optimizer_chunks({0: first, 3: second}, reports)
+    assert (chunk.fqn, chunk.offsets, chunk.sizes) == ("a", (0, 0), (2, 4))
+    assert torch.equal(chunk.values, torch.arange(8, dtype=torch.float32).reshape(2, 4))
+
+
+@pytest.mark.parametrize("second, message", [
+    ({"a[4:8]": _slice("a", 4, 8, [4, 5, 6, 7])}, r"a: the chunk at \[0, 0\] is not covered "
+                                                   r"exactly once .*its first 3 of 8 elements"),
+    ({"a[2:8]": _slice("a", 2, 8, [2, 3, 4, 5, 6, 7])}, "not covered exactly once"),
+])
+def test_optimizer_chunks_with_a_hole_or_an_overlap_refuse(second, message):
+    first = {"a[0:3]": _slice("a", 0, 3, [0, 1, 2])}
+    with pytest.raises(NoCut, match=message):
+        optimizer_chunks({0: first, 3: second}, {0: sharded(0, 16), 3: sharded(3, 16)})
+
+
+def test_a_slice_held_twice_is_taken_once_when_its_copies_agree():
+    whole = {"a[0:8]": _slice("a", 0, 8, list(range(8)))}
+    agreeing = {r: sharded(r, 16, {"a[0:8]": "aa"}) for r in (0, 1)}
+    assert len(optimizer_chunks({0: whole, 1: whole}, agreeing)) == 1
+    differing = {0: sharded(0, 16, {"a[0:8]": "aa"}), 1: sharded(1, 16, {"a[0:8]": "bb"})}
+    with pytest.raises(NoCut, match=r"ranks 0 and 1 hold different copies of a\[0:8\]"):
+        optimizer_chunks({0: whole, 1: whole}, differing)
 
 
 def _tensor(size, *chunks):
