@@ -6,7 +6,8 @@
 #   checkpoint resumed on a GPU, an XID-free health read, NVML against nvidia-smi (GPUs,
 #   UUIDs, memory), ftmaster launch relaunching a killed rank on GPUs named by UUID, the same
 #   relaunch on warm workers (neither ftmaster nor a waiting worker loads libcuda), and
-#   replica recovery on 4 GPUs (NCCL survivors dump, the relaunch loads the merge), the
+#   replica recovery on 4 GPUs (NCCL survivors dump, the relaunch loads the merge; also with
+#   the distributed optimizer in two instances, its shards put together), the
 #   memory tier's refill from device memory into its pinned slot, and its checkpoint resumed;
 #   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
 # Ends with a summary table. Without CUDA it says so and exits 0 (nothing to check).

@@ -106,7 +106,7 @@ from ftmaster.recovery.manifest import (
 )
 from ftmaster.runfiles import atomic_write_text
 
-from . import checksums, startup
+from . import checksums, optimizer_from_distributed, startup
 from .console import log_rank0
 from .memory_slots import MemorySlots
 from .records import DiskRecords
@@ -650,10 +650,13 @@ class Checkpointer:
 
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
-                    with_optimizer: bool = True, rng: dict | None = None) -> dict:
+                    with_optimizer: bool = True, rng: dict | None = None,
+                    from_distributed: bool = False) -> dict:
         metadata = optimizer_metadata(self.args)
         sharded = {**self.model.sharded_state_dict(metadata), "checkpoint_version": CHECKPOINT_VERSION}
-        if with_optimizer:
+        if with_optimizer and from_distributed:
+            sharded.update(optimizer_from_distributed.template(self.optimizer, sharded))
+        elif with_optimizer:
             # Not even built when not loaded: for loading it initialises the optimizer's
             # state, which a fresh Adam must not find half made (no "step").
             sharded["optimizer"] = self.optimizer.sharded_state_dict(
@@ -814,18 +817,20 @@ class Checkpointer:
         problem = first_problem(problem, self.group)
         if problem is not None:
             return problem
+        from_distributed = False
         if not self.args.no_load_optim:
             self._check_schedule(common.get("opt_param_scheduler", {}))
-            self._check_optimizer(saved_args(common))
+            from_distributed = self._check_optimizer(saved_args(common))
         same_layout = common.get("layout") == layout_of(self.args)
         with_rng = same_layout and not self.args.no_load_rng
         try:
             template = self._state_dict(state, is_loading=True, with_rng=with_rng,
-                                        with_optimizer=not self.args.no_load_optim)
+                                        with_optimizer=not self.args.no_load_optim,
+                                        from_distributed=from_distributed)
             with _reads_checked_against(manifest) as verified_on_read:
                 loaded = dist_checkpointing.load(template, str(path),
                                                  sharded_strategy=self._load_strategy(path))
-            self._apply(loaded, state, with_rng)
+            self._apply(loaded, state, with_rng, from_distributed)
         except CHECKPOINT_ERRORS as error:
             problem = describe_error(error)
         problem = first_problem(problem, self.group)
@@ -898,15 +903,17 @@ class Checkpointer:
                            moved_to=None if new is None else str(new))
         torch.distributed.barrier(group=self.group)
 
-    def _check_optimizer(self, saved: dict) -> None:
-        """The distributed optimizer's state and the plain one's are not interchangeable
-        (their parameter groups differ: megatron-core raises KeyError 'pre_wd_mult')."""
+    def _check_optimizer(self, saved: dict) -> bool:
+        """Whether the distributed optimizer's state goes to the plain optimizer (see
+        :mod:`optimizer_from_distributed`). The other way is refused: the plain optimizer's
+        state is not stored in the fully reshardable format the distributed one reads."""
         was = bool(saved.get("use_distributed_optimizer"))
-        if was != bool(self.args.use_distributed_optimizer):
+        if not was and self.args.use_distributed_optimizer:
             raise CheckpointMismatch(
-                f"the checkpoint's optimizer state was saved {'with' if was else 'without'} the "
-                f"distributed optimizer: resume {'with' if was else 'without'} "
-                f"--use-distributed-optimizer, or pass --no-load-optim to start its state afresh")
+                "the checkpoint's optimizer state was saved without the distributed optimizer: "
+                "resume without --use-distributed-optimizer, or pass --no-load-optim to start "
+                "its state afresh")
+        return was and not self.args.use_distributed_optimizer
 
     def _check_schedule(self, saved: dict) -> None:
         """Megatron-LM's rule: a resume keeps the schedule unless told which one to follow,
@@ -925,7 +932,8 @@ class Checkpointer:
         return FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
-    def _apply(self, loaded: dict, state: TrainingState, with_rng: bool) -> None:
+    def _apply(self, loaded: dict, state: TrainingState, with_rng: bool,
+               from_distributed: bool = False) -> None:
         self.model.load_state_dict(loaded)
         if with_rng:
             _restore_rng(loaded["rng_state"])
@@ -942,7 +950,11 @@ class Checkpointer:
             # the loaded ones (optimizer.py: reload_model_params).
             self.optimizer.reload_model_params()
         else:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            if from_distributed:
+                optimizer_from_distributed.apply(self.optimizer, loaded,
+                                                 optimizer_from_distributed.saved_step(loaded["optimizer"]))
+            else:
+                self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 

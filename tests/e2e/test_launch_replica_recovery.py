@@ -1,7 +1,9 @@
 """ftmaster launch --replica-recovery: GPU 1 fails at iteration 16 with no checkpoint since
 the start (--save-interval 1000, no emergency save); the survivors dump, ftmaster merges, and
 the relaunch on the 3 GPUs left resumes at iteration 16 or 17, from a checkpoint whose every
-tensor equals the same iteration's checkpoint of an uninterrupted run."""
+tensor equals the same iteration's checkpoint of an uninterrupted run. With the distributed
+optimizer in two instances (TP1 x PP1 x DP4) that includes its state, put together from the
+shards of both instances; the relaunch runs DP 3, so one instance."""
 
 import pytest
 
@@ -15,18 +17,25 @@ pytestmark = pytest.mark.slow
 ITERS = 20
 
 
-def schedule(save, tp, pp, save_interval, iters=ITERS):
+DISTRIBUTED = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
+
+
+def schedule(save, tp, pp, save_interval, iters=ITERS, distributed=False):
+    if distributed:  # DP 4, then DP 3 after the loss: the batch divides by both
+        return train_args(save, iters, tp, pp, save_interval, "--seed", "4", *DISTRIBUTED,
+                          global_batch=24)
     return train_args(save, iters, tp, pp, save_interval, "--seed", "4", global_batch=8)
 
 
-@pytest.mark.parametrize("tp, pp, warm", [(1, 2, True), (2, 1, False)])
-def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, tmp_path):
+@pytest.mark.parametrize("tp, pp, warm, distributed", [
+    (1, 2, True, False), (2, 1, False, False), (1, 1, False, True)])
+def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, distributed, tmp_path):
     """Warm: the failure waits until the warm workers are ready, and the merge runs on one. They
     import at SCHED_IDLE beside training, so that run is long enough for them to be ready
     before it ends (in one suite run they were ready only after iteration 20)."""
     run_dir, save, memory = tmp_path / "run", tmp_path / "ckpt", tmp_path / "memory"
     iters = 400 if warm else ITERS
-    args = [*schedule(save, tp, pp, 1000, iters), "--non-persistent-ckpt-type", "global",
+    args = [*schedule(save, tp, pp, 1000, iters, distributed), "--non-persistent-ckpt-type", "global",
             "--non-persistent-global-ckpt-dir", str(memory), "--replica-recovery"]
     how = ("--inject", "fail:gpu=1,at=iter:16,after=warm_ready") if warm else (
         "--cold-restart", "--inject", "fail:gpu=1,at=iter:16")
@@ -47,9 +56,13 @@ def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, tmp_path):
     saves = events(run_dir, "emergency_save") + events(run_dir, "periodic_save")
     assert [s["iteration"] for s in saves] == [iters]  # only the final one, after the relaunch
     assert "replica recovery: merged the checkpoint of iteration" in result.stdout
+    if distributed:
+        (plan,) = events(run_dir, "plan")
+        assert plan["num_gpus_used"] == 3 and any(
+            "the relaunch runs 1" in warning for warning in plan["warnings"])
 
     reference = tmp_path / "reference"
-    done = run_trainer(4, [*schedule(reference, tp, pp, merged["iteration"], iters),
+    done = run_trainer(4, [*schedule(reference, tp, pp, merged["iteration"], iters, distributed),
                            "--exit-interval", str(merged["iteration"])])
     assert done.returncode == 0, done.stdout[-3000:]
     assert unequal_tensors(iteration_dir(memory, merged["iteration"]),

@@ -65,6 +65,31 @@ def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path):
     assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]
 
 
+@needs_gpus(4)
+def test_replica_recovery_keeps_the_distributed_optimizer_in_two_instances_on_nccl(tmp_path):
+    """The distributed optimizer, on by default with CUDA, stays on under --replica-recovery
+    with two instances; its overlapped parameter gather is off by default there. The NCCL
+    survivors dump their optimizer slices (device memory to host), the merge puts the shards
+    of both instances together, and the relaunch on DP 3 (one instance) loads it."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(save, 20, 1, 1, 100, "--bf16", "--num-distributed-optimizer-instances",
+                      "2", "--non-persistent-ckpt-type", "global",
+                      "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
+                      "--replica-recovery", global_batch=24)
+    ftmaster = start_launch(run_dir, 4, args, "--monitor-backend", "nvml", "--monitor-interval",
+                            "1", "--inject", "fail:gpu=1,at=iter:16")
+    try:
+        output, _ = ftmaster.communicate(timeout=900)
+    finally:
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
+    assert "bf16, distributed (2 instances) optimizer state" in attempt_log(run_dir, 1)
+    (merged,) = events(run_dir, "replica_merge")
+    assert merged["iteration"] in (16, 17) and merged["shards"] == 2
+    assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]
+
+
 def test_warm_workers_relaunch_on_gpus_named_by_uuid_and_ftmaster_never_touches_cuda(tmp_path):
     """The relaunch after a killed rank runs on warm workers: they imported torch before any
     CUDA context existed, get CUDA_VISIBLE_DEVICES (GPU UUIDs) with their rank, and train on
