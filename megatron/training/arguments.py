@@ -236,8 +236,8 @@ def _fill_defaults(args):
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
-    if args.use_distributed_optimizer is None:  # as Megatron-LM users run on GPUs
-        args.use_distributed_optimizer = _cuda_available()
+    if args.use_distributed_optimizer is None:
+        args.use_distributed_optimizer = default_distributed_optimizer(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM's validate_args: nothing to split
     _samples_from_iterations(args)
@@ -547,6 +547,15 @@ def _validate_memory_tier(args):
              "--non-persistent-global-ckpt-dir must not be the --save folder")
     _require(_is_writable_dir(folder), f"--non-persistent-global-ckpt-dir {folder} is not "
                                        f"writable: choose a directory you can write to")
+
+
+def default_distributed_optimizer(args) -> bool:
+    """On with CUDA, as Megatron-LM users run, except under ``--replica-recovery`` with one
+    instance (its state, sharded over DP, has no replicas there;
+    ``--num-distributed-optimizer-instances 2`` or more replicates it)."""
+    replicated = (not getattr(args, "replica_recovery", False)
+                  or getattr(args, "num_distributed_optimizer_instances", 1) >= 2)
+    return _cuda_available() and replicated
 
 
 def _cuda_available() -> bool:

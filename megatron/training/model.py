@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from .arguments import default_distributed_optimizer
 from .console import log_rank0
 
 
@@ -36,15 +37,9 @@ def params_dtype(args) -> torch.dtype:
 
 
 def uses_distributed_optimizer(args) -> bool:
-    """``--use-distributed-optimizer``; unless told, on with CUDA, as Megatron-LM users run,
-    except under ``--replica-recovery`` with one instance (its state, sharded over DP, has no
-    replicas there; ``--num-distributed-optimizer-instances 2`` or more replicates it)."""
+    """``--use-distributed-optimizer``, or its default (see ``default_distributed_optimizer``)."""
     flag = args.use_distributed_optimizer
-    if flag is None:
-        replicated = (not getattr(args, "replica_recovery", False)
-                      or getattr(args, "num_distributed_optimizer_instances", 1) >= 2)
-        return torch.cuda.is_available() and replicated
-    return flag
+    return default_distributed_optimizer(args) if flag is None else flag
 
 
 def _overlap(args, flag: bool | None) -> bool:

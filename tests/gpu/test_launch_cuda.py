@@ -44,14 +44,23 @@ def test_a_killed_rank_on_a_gpu_is_relaunched_from_the_checkpoint(tmp_path):
 
 
 @needs_gpus(4)
-def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path):
+@pytest.mark.parametrize("layout, extra, global_batch, optimizer", [
+    ((1, 2), (), 8, "replicated"),
+    ((1, 1), ("--num-distributed-optimizer-instances", "2"), 24, "distributed (2 instances)"),
+], ids=["pp2-plain-optimizer", "dp4-two-optimizer-instances"])
+def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path, layout, extra,
+                                                             global_batch, optimizer):
     """NCCL, unlike gloo, may leave the survivors blocked in a collective (no error) and a
     dump's device-to-host copies queued behind it: this is the check that the dump still
-    comes within the window and the relaunch resumes from the merged checkpoint."""
+    comes within the window and the relaunch resumes from the merged checkpoint. With two
+    distributed-optimizer instances the optimizer (on by default with CUDA) stays on and its
+    overlapped parameter gather is off; the survivors dump their optimizer slices, the merge
+    puts the shards of both instances together, and the relaunch on DP 3 (one instance)
+    loads it."""
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(save, 20, 1, 2, 100, "--bf16", "--non-persistent-ckpt-type", "global",
-                      "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
-                      "--replica-recovery", global_batch=8)
+    args = train_args(save, 20, *layout, 100, "--bf16", *extra, "--non-persistent-ckpt-type",
+                      "global", "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
+                      "--replica-recovery", global_batch=global_batch)
     ftmaster = start_launch(run_dir, 4, args, "--monitor-backend", "nvml", "--monitor-interval",
                             "1", "--inject", "fail:gpu=1,at=iter:16")
     try:
@@ -60,31 +69,7 @@ def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path):
         if ftmaster.poll() is None:
             ftmaster.kill()
     assert ftmaster.returncode == 0, output[-4000:]
-    (merged,) = events(run_dir, "replica_merge")
-    assert merged["iteration"] in (16, 17)
-    assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]
-
-
-@needs_gpus(4)
-def test_replica_recovery_keeps_the_distributed_optimizer_in_two_instances_on_nccl(tmp_path):
-    """The distributed optimizer, on by default with CUDA, stays on under --replica-recovery
-    with two instances; its overlapped parameter gather is off by default there. The NCCL
-    survivors dump their optimizer slices (device memory to host), the merge puts the shards
-    of both instances together, and the relaunch on DP 3 (one instance) loads it."""
-    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(save, 20, 1, 1, 100, "--bf16", "--num-distributed-optimizer-instances",
-                      "2", "--non-persistent-ckpt-type", "global",
-                      "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
-                      "--replica-recovery", global_batch=24)
-    ftmaster = start_launch(run_dir, 4, args, "--monitor-backend", "nvml", "--monitor-interval",
-                            "1", "--inject", "fail:gpu=1,at=iter:16")
-    try:
-        output, _ = ftmaster.communicate(timeout=900)
-    finally:
-        if ftmaster.poll() is None:
-            ftmaster.kill()
-    assert ftmaster.returncode == 0, output[-4000:]
-    assert "bf16, distributed (2 instances) optimizer state" in attempt_log(run_dir, 1)
+    assert f"bf16, {optimizer} optimizer state" in attempt_log(run_dir, 1)
     (merged,) = events(run_dir, "replica_merge")
     assert merged["iteration"] in (16, 17) and merged["shards"] == 2
     assert events(run_dir, "checkpoint_loaded")[0]["iteration"] == merged["iteration"]

@@ -166,3 +166,29 @@ def test_fp16_needs_cuda_and_bf16_runs_on_cpu():
     with pytest.raises(ArgumentError, match="--fp16 needs CUDA"):
         parse_args(with_args("--fp16"), world_size=1)
     assert parse_args(with_args("--bf16"), world_size=1).bf16
+
+
+REPLICAS = ["--save", "ckpt", "--non-persistent-ckpt-type", "global", "--replica-recovery"]
+
+
+@pytest.mark.parametrize("extra, distributed, param_gather, unavailable", [
+    ((), True, True, False),  # CUDA's defaults
+    (REPLICAS, False, False, False),  # one instance would have no replica: off
+    ((*REPLICAS, "--num-distributed-optimizer-instances", "2"), True, False, False),
+    ((*REPLICAS, "--num-distributed-optimizer-instances", "2", "--overlap-param-gather"),
+     True, True, False),
+    ((*REPLICAS, "--use-distributed-optimizer"), True, False, True),
+])
+def test_replica_recovery_keeps_the_distributed_optimizer_only_with_replicas_of_its_state(
+        monkeypatch, extra, distributed, param_gather, unavailable):
+    from megatron.training import arguments, model, replicas
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
+    monkeypatch.setattr(model.torch.cuda, "is_available", lambda: True)
+    args = parse_args(with_args(*extra), world_size=4)
+    assert model.uses_distributed_optimizer(args) is distributed
+    assert model._overlap_param_gather(args) is param_gather
+    args.use_distributed_optimizer = model.uses_distributed_optimizer(args)
+    reason = replicas.unavailable_reason(args)
+    assert (reason is not None) is unavailable
+    if unavailable:
+        assert "--num-distributed-optimizer-instances 2 or more" in reason and "\n" not in reason
