@@ -20,10 +20,12 @@ N`` and print:
 """
 
 import argparse
+import multiprocessing
 import resource
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -54,20 +56,19 @@ def command(hidden: int, iters: int, instances: int) -> list[str]:
                    str(instances)]
 
 
-def peak_rss_mib() -> float:
-    """The largest reaped descendant's peak resident set so far (Linux: KiB)."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-
-
-def train_once(args: list[str]) -> tuple[float, float]:
-    """(median step ms, the largest rank's peak RSS in MiB) of one fresh run."""
-    before = peak_rss_mib()
+def _train(args: list[str]) -> tuple[float, float]:
     result = run_trainer(RANKS, args, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     steps = [line["elapsed_ms"] for it, line in iterations(result.stdout).items() if it > 2]
-    rss = peak_rss_mib()
-    # ru_maxrss only grows: a run below an earlier peak cannot be told apart from it.
-    return statistics.median(steps), (rss if rss > before else float("nan"))
+    # The largest reaped descendant's peak resident set (Linux: KiB); this process is fresh.
+    return statistics.median(steps), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def train_once(args: list[str]) -> tuple[float, float]:
+    """(median step ms, the largest rank's peak RSS in MiB) of one run, from a forked
+    process of its own (``ru_maxrss`` of reaped children only ever grows)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(_train, args).result()
 
 
 def dump_once(args: list[str], root: Path) -> tuple[float, float, str | None]:
@@ -94,7 +95,7 @@ def main() -> None:
     options = parser.parse_args()
     counts = (1, 2, 4)
     runs = {n: [] for n in counts}
-    for _ in range(options.repeats):  # ascending N each round: RSS peaks only grow
+    for _ in range(options.repeats):  # interleaved, so drift hits every N alike
         for n in counts:
             runs[n].append(train_once(command(options.hidden, options.iters, n)))
     print(f"DP {RANKS} on CPU, hidden {options.hidden}, {options.iters} iterations, "
