@@ -168,7 +168,7 @@ def test_fp16_needs_cuda_and_bf16_runs_on_cpu():
     assert parse_args(with_args("--bf16"), world_size=1).bf16
 
 
-REPLICAS = ["--save", "ckpt", "--non-persistent-ckpt-type", "global", "--replica-recovery"]
+REPLICAS = ["--save", "SAVE", "--non-persistent-ckpt-type", "global", "--replica-recovery"]
 
 
 @pytest.mark.parametrize("extra, distributed, param_gather, unavailable", [
@@ -180,10 +180,11 @@ REPLICAS = ["--save", "ckpt", "--non-persistent-ckpt-type", "global", "--replica
     ((*REPLICAS, "--use-distributed-optimizer"), True, False, True),
 ])
 def test_replica_recovery_keeps_the_distributed_optimizer_only_with_replicas_of_its_state(
-        monkeypatch, extra, distributed, param_gather, unavailable):
+        monkeypatch, tmp_path, extra, distributed, param_gather, unavailable):
     from megatron.training import arguments, model, replicas
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
     monkeypatch.setattr(model.torch.cuda, "is_available", lambda: True)
+    extra = [str(tmp_path / "save") if arg == "SAVE" else arg for arg in extra]
     args = parse_args(with_args(*extra), world_size=4)
     assert model.uses_distributed_optimizer(args) is distributed
     assert model._overlap_param_gather(args) is param_gather
