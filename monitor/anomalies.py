@@ -211,7 +211,8 @@ class AnomalyOverlay:
     def apply_fault(self, injection: Injection) -> None:
         """``degrade``: :func:`degrade_plan`; ``fail``: device lost; ``hang``: the stopped
         rank leaves its GPU idle; ``xid``: the XID in the next sample; ``recover``: clear the
-        GPU. ``wedge`` is the backend's (its reads block) and ``nan`` training's: no change."""
+        GPU. ``wedge`` is the backend's (its reads block), ``nan`` and ``slow`` training's: no
+        change."""
         gpu, kind = injection.gpu, injection.kind
         if kind is Fault.DEGRADE:
             self.inject(gpu, *degrade_plan(self.seed, gpu))

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ftmaster import runfiles
-from ftmaster.faults import KINDS, parse_injection
+from ftmaster.faults import KINDS, Fault, parse_injection
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
@@ -43,6 +43,10 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
         injections = [parse_injection(spec) for spec in inject_specs]
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    slowing = [i for i in injections if i.kind is Fault.SLOW]
+    if slowing:
+        raise click.UsageError(f"--inject {slowing[0]}: slow slows a training rank, which "
+                               f"needs ftmaster launch; the monitor alone runs none")
     waiting = [i for i in injections if i.after is not None]
     if waiting:
         raise click.UsageError(f"--inject {waiting[0]}: after= needs ftmaster launch, which "

@@ -29,6 +29,12 @@ from pathlib import Path
 NAN_ENV = "FTMASTER_INJECT_NAN"
 CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
 CUDA_ERROR_SIGNAL = signal.SIGUSR2
+SLOW_ENV = "FTMASTER_INJECT_SLOW"
+"""``LOCAL_RANK:ITERATION:FACTOR[,...]``: that local rank computes FACTOR times slower from
+that iteration on (ftmaster's ``slow`` injection at an iteration, armed at launch)."""
+SLOW_FILE_PREFIX = "slow_"
+"""``$FTMASTER_RANK_DIR/slow_<local rank>``: the factor ftmaster's ``slow`` injection slows
+this rank's compute by from now on (due at a time or after an event; read each iteration)."""
 KILL_ENV = "FTMASTER_INJECT_KILL"
 KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement", "slot-copy")
 _armed_kills: set[tuple[int, str]] = set()
@@ -94,6 +100,48 @@ def arm_cuda_errors(local_rank: int) -> None:
     if broken:
         raise RuntimeError(cuda_error_message(min(broken)))
     signal.signal(CUDA_ERROR_SIGNAL, _raise_cuda_error)
+
+
+class Slowdown:
+    """An injected ``slow``: how many times slower this rank computes (1 until injected).
+    The file is looked at once per iteration (one ``stat``) and read when it changes."""
+
+    def __init__(self, local_rank: int) -> None:
+        folder = os.environ.get("FTMASTER_RANK_DIR")
+        self.path = None if folder is None else Path(folder) / f"{SLOW_FILE_PREFIX}{local_rank}"
+        self.factor = 1.0
+        self._seen: int | None = None
+        self.armed = _armed_slowdowns(local_rank)
+        """(from iteration, factor), from the launch's environment."""
+
+    def current(self, iteration: int) -> float:
+        """The factor at ``iteration``."""
+        armed = max((factor for start, factor in self.armed if iteration >= start), default=1.0)
+        return max(armed, self._from_file())
+
+    def _from_file(self) -> float:
+        if self.path is None:
+            return 1.0
+        try:
+            changed = self.path.stat().st_mtime_ns
+            if changed != self._seen:
+                self.factor, self._seen = max(1.0, float(self.path.read_text())), changed
+        except (OSError, ValueError):
+            pass  # not injected, or being written: the factor as it was
+        return self.factor
+
+
+def _armed_slowdowns(local_rank: int) -> list[tuple[int, float]]:
+    spec = os.environ.get(SLOW_ENV, "")
+    armed = []
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            rank, iteration, factor = entry.split(":")
+            if int(rank) == local_rank:
+                armed.append((int(iteration), float(factor)))
+        except ValueError:
+            raise ValueError(f"{SLOW_ENV}={spec!r}: expected LOCAL_RANK:ITERATION:FACTOR[,...]") from None
+    return armed
 
 
 def arm_kill_points(local_rank: int) -> None:

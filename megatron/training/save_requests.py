@@ -5,9 +5,11 @@ Triggers only set local state, as in Megatron's ``dist_signal_handler``:
 * SIGTERM (with ``--exit-signal-handler``): save at the next iteration, then exit 0;
 * ``FLAG_DIR/save_now.flag``: an emergency save request from the monitor.
 
-All ranks combine their local state with one MAX all-reduce of a two-int tensor, so every
+All ranks combine their local state with one MAX all-reduce of a small int tensor, so every
 rank reaches the same decision at the same iteration: a collective save started by some
-ranks only would hang. The all-reduce runs on a gloo group over CPU tensors, is issued when
+ranks only would hang. The same all-reduce carries each rank's compute time of the previous
+iteration in a slot of its own (the others hold 0), so the maximum is every rank's figure
+(``step_timing``: what straggler detection reads) at no extra collective. The all-reduce runs on a gloo group over CPU tensors, is issued when
 an iteration starts and is waited for when it ends, so it overlaps the iteration's compute
 and never synchronises a GPU stream. A flag seen during iteration ``k`` is therefore acted on
 at the end of ``k + 1`` at the latest.
@@ -69,7 +71,7 @@ class SaveRequests:
 
     def __init__(self, flag_path: Path | None, handle_sigterm: bool, gap_frac: float,
                  save_interval: int | None, can_save: bool, group=None,
-                 memory_interval: int | None = None):
+                 memory_interval: int | None = None, ranks: int = 0, rank: int = 0):
         self.flag_path = flag_path
         self.handle_sigterm = handle_sigterm
         self.gap = minimum_gap(gap_frac, save_interval)
@@ -79,7 +81,11 @@ class SaveRequests:
         self._signal_received = False
         self._answered_identity: tuple[int, int] | None = None
         self._deferral_reported = False
-        self._buffer = torch.zeros(2, dtype=torch.int32)
+        self._buffer = torch.zeros(2 + ranks, dtype=torch.int64)
+        self._rank = rank
+        self.compute_us: list[int] = []
+        """Every rank's compute time (microseconds, 0: unknown) of the iteration before the
+        last agreed one; empty until an agreement carried them."""
         self._pending_work = None
         self._group = group
         # Seconds the loop spent on the check per iteration (sampling, issuing, waiting).
@@ -111,13 +117,17 @@ class SaveRequests:
         seen = self._flag_identity()
         return seen is not None and seen != self._answered_identity
 
-    def start_agreement(self) -> None:
-        """Sample local triggers and start the all-reduce; call when an iteration starts."""
+    def start_agreement(self, compute_us: int = 0) -> None:
+        """Sample local triggers and start the all-reduce; call when an iteration starts,
+        with this rank's compute time of the iteration before (0: unknown)."""
         if not self.active or self._pending_work is not None:
             return
         start = time.perf_counter()
+        self._buffer.zero_()
         self._buffer[0] = int(self._signal_received)
         self._buffer[1] = int(self._new_request_seen())
+        if len(self._buffer) > 2:
+            self._buffer[2 + self._rank] = compute_us
         self._pending_work = torch.distributed.all_reduce(
             self._buffer, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
         self._issue_seconds = time.perf_counter() - start
@@ -129,7 +139,7 @@ class SaveRequests:
         self._pending_work.wait()
         self._pending_work = None
         self.check_seconds.append(self._issue_seconds + time.perf_counter() - start)
-        sigterm, flag = self._buffer.tolist()
+        sigterm, flag, *self.compute_us = self._buffer.tolist()
         return Triggers(bool(sigterm), bool(flag))
 
     def decide(self, iteration: int, last_checkpoint_iteration: int) -> Decision:

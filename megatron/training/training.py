@@ -40,6 +40,7 @@ from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
 from .rehearsal import kill_point
 from .replicas import Cut, ReplicaDumper, unavailable_reason
 from .save_requests import SaveRequests, median_microseconds
+from .step_timing import ComputeFigures, ComputeTimer
 from .tokenizer import build_tokenizer
 
 
@@ -206,7 +207,9 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(args, self.model)
         startup.mark("model-and-optimizer-setup")
         connect_schedule_hooks(self.config, self.model, self.optimizer)
-        self._kill_in_grad_allreduce()
+        self.compute = ComputeTimer(cuda=torch.cuda.is_available())
+        self.slowdown = rehearsal.Slowdown(local_rank())
+        self._hook_grad_reduction()
         self.train_ds, self.valid_ds, _ = build_datasets(args, tokenizer)
         self.vocab_limit = None if args.mock_data else tokenizer.vocab_size
         self.state = TrainingState()
@@ -231,7 +234,9 @@ class Trainer:
             flag_path=self._flag_path(), handle_sigterm=args.exit_signal_handler,
             gap_frac=args.emergency_save_gap_frac, save_interval=args.save_interval,
             can_save=args.save is not None, group=self.control_group,
-            memory_interval=args.non_persistent_save_interval)
+            memory_interval=args.non_persistent_save_interval,
+            ranks=torch.distributed.get_world_size(), rank=torch.distributed.get_rank())
+        self.figures = ComputeFigures(self._pipeline_stages())
         self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
         self.cut = Cut(enabled=args.replica_recovery)
         self.replicas = self._replica_dumper()
@@ -266,18 +271,29 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.park(error)
 
-    def _kill_in_grad_allreduce(self) -> None:
-        """Rehearsals: the kill point as the data-parallel gradient all-reduce starts (the
-        schedule's hook is wrapped only when that point is armed)."""
-        if not rehearsal.kill_armed("grad-allreduce"):
-            return
+    def _hook_grad_reduction(self) -> None:
+        """The schedule's gradient reduction ends this rank's compute (``step_timing``). A
+        rehearsal slows the rank down just before it, or kills the rank as it starts."""
         finalize = self.config.finalize_model_grads_func
+        killing = rehearsal.kill_armed("grad-allreduce")
 
-        def finalize_or_die(*args, **kwargs):
-            kill_point("grad-allreduce", self.state.iteration + 1)
+        def finalize_timed(*args, **kwargs):
+            factor = self.slowdown.current(self.state.iteration + 1)
+            if factor > 1:
+                time.sleep((factor - 1) * self.compute.seconds_so_far())
+            self.compute.reduction_entered()
+            if killing:
+                kill_point("grad-allreduce", self.state.iteration + 1)
             return finalize(*args, **kwargs)
 
-        self.config.finalize_model_grads_func = finalize_or_die
+        self.config.finalize_model_grads_func = finalize_timed
+
+    def _pipeline_stages(self) -> list[int]:
+        """Every rank's pipeline stage (straggler detection compares ranks of one stage)."""
+        stages = [0] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(
+            stages, parallel_state.get_pipeline_model_parallel_rank(), group=self.control_group)
+        return stages
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:
@@ -400,7 +416,7 @@ class Trainer:
         if self.writes_run_files:
             runfiles.write_heartbeat(self.run_dir, self.state.iteration,
                                      self.state.consumed_train_samples, self._first_iteration,
-                                     finished=finished)
+                                     finished=finished, compute=self.figures.heartbeat())
 
     def _after_iteration(self) -> bool:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""
@@ -408,6 +424,7 @@ class Trainer:
         last = self.checkpointer.last_saved_iteration or 0
         kill_point("save-agreement", self.state.iteration)
         decision = self.requests.decide(self.state.iteration, last)
+        self.figures.record(self.state.iteration - 1, self.requests.compute_us)
         if decision.deferred_until is not None:
             self._event("save_deferred", iteration=self.state.iteration,
                         until_iteration=decision.deferred_until)
@@ -464,7 +481,8 @@ class Trainer:
         log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
         window_start, window_losses = time.perf_counter(), []
         while not self._training_done():
-            self.requests.start_agreement()
+            self.compute.start()
+            self.requests.start_agreement(self.compute.previous_microseconds())
             loss = self.train_step()
             self._heartbeat()
             if self.state.iteration == self._first_iteration:

@@ -18,6 +18,8 @@ def test_parses_iteration_and_seconds_triggers():
      Injection(Fault.FAIL, 1, at_iteration=12, after="emergency_save")),
     ("xid:after=Risk_Alert,gpu=2,code=79,at=0s",
      Injection(Fault.XID, 2, at_seconds=0.0, code=79, after="risk_alert")),
+    ("slow:gpu=1,factor=2,at=iter:8", Injection(Fault.SLOW, 1, at_iteration=8, factor=2.0)),
+    ("slow:gpu=3,at=90s,factor=1.25", Injection(Fault.SLOW, 3, at_seconds=90.0, factor=1.25)),
 ])
 def test_parses_the_new_kinds_and_prints_them_back(spec, injection):
     assert parse_injection(spec) == injection
@@ -54,6 +56,12 @@ def test_at_once_keeps_the_fault_and_fires_now():
     ("fail:gpu=1,at=iter:3,after=saved", "after= takes an event, one of .*emergency_save"),
     ("fail:gpu=1,at=iter:3,after=", "is not key=value"),
     ("nan:gpu=1,at=iter:3,after=risk_alert", "nan cannot take after="),
+    ("slow:gpu=1,at=iter:8", r"missing factor= \(how many times slower"),
+    ("slow:gpu=1,factor=1,at=iter:8", "factor must be a number above 1"),
+    ("slow:gpu=1,factor=fast,at=iter:8", "factor must be a number above 1"),
+    ("slow:gpu=1,factor=nan,at=iter:8", "factor must be a number above 1"),
+    ("fail:gpu=1,factor=2,at=iter:8", "factor= is only for slow"),
+    ("xid:gpu=1,code=79,factor=2,at=iter:8", "factor= is only for slow"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, words):
     with pytest.raises(ValueError, match=words):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ftmaster.runfiles import write_flag
-from megatron.training.save_requests import SaveRequests, minimum_gap
+from megatron.training.save_requests import Decision, SaveRequests, minimum_gap
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,3 +143,14 @@ def test_a_memory_interval_save_answers_a_pending_request(flag):
     assert step(requests, 11, 10).deferred_until == 35  # gap 25 from the memory save at 10
     decision = step(requests, 12, 10)
     assert decision.save and decision.memory and not decision.emergency
+
+
+def test_the_agreement_carries_each_ranks_compute_time_in_its_own_slot(flag):
+    """One rank here: its slot holds its figure, and the save decision is unchanged."""
+    requests = SaveRequests(flag, False, 0.25, 20, can_save=True, ranks=1, rank=0)
+    requests.start_agreement(compute_us=12345)
+    assert requests.decide(1, 0) == Decision()
+    assert requests.compute_us == [12345]
+    write_flag(flag, source="test")
+    requests.start_agreement(compute_us=777)
+    assert requests.decide(6, 0).emergency and requests.compute_us == [777]

@@ -15,7 +15,11 @@ the launcher (which kills or stops the rank on that GPU):
 - ``wedge``: every telemetry read of the GPU blocks, as in a wedged driver, until a
   ``recover``; the monitor reports it lost (``wedged``) while it keeps sampling the others;
 - ``nan`` (``at=iter:K`` only): the loss and gradients of the rank on that GPU become NaN at
-  that iteration (training's business: the telemetry is unaffected).
+  that iteration (training's business: the telemetry is unaffected);
+- ``slow`` (``slow:gpu=G,factor=F,at=...``, the only kind with ``factor``): from then on the
+  rank on that GPU computes F times slower (the trainer sleeps F - 1 times each iteration's
+  compute before the gradient reduction), a straggler for the others to wait for; it lasts
+  for the attempt (the telemetry is unaffected).
 
 ``at=iter:K`` fires once the training iteration (from the heartbeat) reaches K;
 ``at=Ns`` fires N seconds after the monitor (or launcher) started. Under ``ftmaster launch``
@@ -41,6 +45,7 @@ class Fault(enum.Enum):
     XID = "xid"
     WEDGE = "wedge"
     NAN = "nan"
+    SLOW = "slow"
 
 
 KINDS = ", ".join(kind.value for kind in Fault)
@@ -49,14 +54,15 @@ KINDS = ", ".join(kind.value for kind in Fault)
 AFTER_EVENTS = ("risk_alert", "checkpoint_request", "emergency_save", "periodic_save",
                 "persisted", "checkpoint_loaded", "resumed", "warm_ready")
 GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns, optionally ,after=EVENT (KIND: {KINDS}; "
-           f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; EVENT: "
+           f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; slow needs factor=F "
+           f"above 1, e.g. slow:gpu=1,factor=2,at=iter:8; EVENT: "
            f"{', '.join(AFTER_EVENTS)})")
 
 
 @dataclass(frozen=True)
 class Injection:
-    """One scheduled fault; exactly one of ``at_iteration`` and ``at_seconds`` is set, and
-    ``code`` (the XID number) is set exactly for ``xid``."""
+    """One scheduled fault; exactly one of ``at_iteration`` and ``at_seconds`` is set,
+    ``code`` (the XID number) is set exactly for ``xid`` and ``factor`` for ``slow``."""
 
     kind: Fault
     gpu: int
@@ -65,6 +71,8 @@ class Injection:
     code: int | None = None
     after: str | None = None
     """An event (one of ``AFTER_EVENTS``) the run must have recorded before the fault fires."""
+    factor: float | None = None
+    """How many times slower the rank computes (``slow``)."""
 
     def __post_init__(self) -> None:
         if self.gpu < 0:
@@ -79,6 +87,10 @@ class Injection:
             raise ValueError(f"an xid injection needs code=N with an XID number N >= 1, got {self.code}")
         if self.kind is not Fault.XID and self.code is not None:
             raise ValueError(f"code= is only for xid, not {self.kind.value}")
+        if (self.kind is Fault.SLOW) != (self.factor is not None):
+            raise ValueError("factor= is for slow, which needs it")
+        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 1):
+            raise ValueError(f"factor must be a finite number above 1, got {self.factor}")
         if self.after is not None and self.after not in AFTER_EVENTS:
             raise ValueError(f"after= takes one of {', '.join(AFTER_EVENTS)}, got {self.after!r}")
         if self.after is not None and self.kind is Fault.NAN:
@@ -100,7 +112,8 @@ class Injection:
 
     def __str__(self) -> str:
         at = f"iter:{self.at_iteration}" if self.at_iteration is not None else f"{self.at_seconds:g}s"
-        code = "" if self.code is None else f",code={self.code}"
+        code = ("" if self.code is None else f",code={self.code}") + (
+            "" if self.factor is None else f",factor={self.factor:g}")
         after = "" if self.after is None else f",after={self.after}"
         return f"{self.kind.value}:gpu={self.gpu}{code},at={at}{after}"
 
@@ -120,6 +133,7 @@ def parse_injection(spec: str) -> Injection:
     if kind is Fault.NAN and at_iteration is None:  # the trainer poisons a given iteration
         raise ValueError(f"bad --inject {spec!r}: nan needs at=iter:K (an iteration, not a time)")
     code = _parse_code(spec, fields["code"]) if kind is Fault.XID else None
+    factor = _parse_factor(spec, fields["factor"]) if kind is Fault.SLOW else None
     after = fields.get("after")
     if after is not None and after.lower() not in AFTER_EVENTS:
         raise ValueError(f"bad --inject {spec!r}: after= takes an event, one of "
@@ -128,11 +142,16 @@ def parse_injection(spec: str) -> Injection:
         raise ValueError(f"bad --inject {spec!r}: nan cannot take after= (it is handed to the "
                          f"next attempt at its launch)")
     return Injection(kind, gpu, at_iteration=at_iteration, at_seconds=at_seconds, code=code,
-                     after=None if after is None else after.lower())
+                     after=None if after is None else after.lower(), factor=factor)
+
+
+_OWN_FIELDS = {Fault.XID: "code", Fault.SLOW: "factor"}
+"""The field only one kind takes, and needs."""
 
 
 def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
-    required = ("gpu", "code", "at") if kind is Fault.XID else ("gpu", "at")
+    own = _OWN_FIELDS.get(kind)
+    required = ("gpu", own, "at") if own else ("gpu", "at")
     allowed = (*required, "after")
     fields: dict[str, str] = {}
     for part in rest.split(","):
@@ -140,8 +159,9 @@ def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
         key = key.strip().lower()
         if not eq or not value.strip():
             raise ValueError(f"bad --inject {spec!r}: {part!r} is not key=value; expected {GRAMMAR}")
-        if key == "code" and kind is not Fault.XID:
-            raise ValueError(f"bad --inject {spec!r}: code= is only for xid")
+        for other, field in _OWN_FIELDS.items():
+            if key == field and kind is not other:
+                raise ValueError(f"bad --inject {spec!r}: {field}= is only for {other.value}")
         if key not in allowed:
             raise ValueError(f"bad --inject {spec!r}: unknown field {key!r}; expected {GRAMMAR}")
         if key in fields:
@@ -149,7 +169,8 @@ def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
         fields[key] = value.strip()
     for name in required:
         if name not in fields:
-            example = " (the XID number, e.g. code=79)" if name == "code" else ""
+            example = {"code": " (the XID number, e.g. code=79)",
+                       "factor": " (how many times slower, e.g. factor=2)"}.get(name, "")
             raise ValueError(f"bad --inject {spec!r}: missing {name}={example}; expected {GRAMMAR}")
     return fields
 
@@ -158,6 +179,17 @@ def _parse_code(spec: str, text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"bad --inject {spec!r}: code must be an XID number like code=79, got {text!r}")
     return int(text)
+
+
+def _parse_factor(spec: str, text: str) -> float:
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = math.nan
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"bad --inject {spec!r}: factor must be a number above 1 like "
+                         f"factor=2, got {text!r}")
+    return factor
 
 
 def _parse_gpu(spec: str, text: str) -> int:

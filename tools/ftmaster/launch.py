@@ -40,6 +40,7 @@ from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
 from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
+from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
@@ -251,8 +252,23 @@ def _console_logging() -> None:
                    "of the CUDA error it brings, and ranks started on the GPU fail at start-up "
                    "until a recover; wedge: every telemetry read of the GPU blocks, as a wedged "
                    "driver does; nan (at=iter:K): the rank's loss and gradients become NaN at "
-                   "that iteration; recover: a lost GPU comes back under --policy wait and "
+                   "that iteration; slow (factor=F): the rank computes F times slower from then "
+                   "on, a straggler; recover: a lost GPU comes back under --policy wait and "
                    "forgets its XID and wedge (a retired GPU stays retired).")
+@click.option("--straggler-ratio", default=StragglerConfig.ratio, show_default=True,
+              type=click.FloatRange(min=1, min_open=True),
+              help="A rank whose compute per iteration (until it enters the gradient "
+                   "reduction) is this many times its peers' median is slow.")
+@click.option("--straggler-iterations", default=StragglerConfig.iterations, show_default=True,
+              type=click.IntRange(min=1),
+              help="Consecutive slow iterations before a rank is reported as a straggler "
+                   "(console, a straggler event, ftmaster report).")
+@click.option("--drain-stragglers", is_flag=True,
+              help="Drain a straggler's GPU (agreed save, relaunch without it) when the cost "
+                   "model says the GPUs left run faster; at most one per "
+                   "--straggler-drain-window, never below the planner's minimum.")
+@click.option("--straggler-drain-window", default=600.0, show_default=True,
+              type=click.FloatRange(min=0), help="Seconds between two straggler drains.")
 @click.option("--nnodes", default=None, metavar="N|MIN:MAX",
               help="Nodes of the job, as torchrun takes them; each node runs one ftmaster. "
                    "Default (or 1): this node alone.")
@@ -380,7 +396,11 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         gpu_memory_gb=options["gpu_memory_gb"], injections=injections,
         progress_interval_s=options["progress_interval"], scale_up=options["scale_up"],
         original_world_size=world, global_batch_tolerance_pct=options["global_batch_tolerance"],
-        scratch_memory_dir=scratch)
+        scratch_memory_dir=scratch,
+        stragglers=StragglerConfig(ratio=options["straggler_ratio"],
+                                   iterations=options["straggler_iterations"]),
+        drain_stragglers=options["drain_stragglers"],
+        straggler_drain_window_s=options["straggler_drain_window"])
 
 
 def _with_memory_tier(argv: list[str], run_dir: Path,

@@ -624,6 +624,12 @@ TEMPLATES = {
     "load_failed": "{reason}",
     "nonfinite": "non-finite {what} at iteration {iteration}, nothing updated or saved",
     "startup": "{seconds} s from the launch to the first iteration (warm: {warm})",
+    "straggler": "GPU {gpu} (rank {rank}) computes {slowdown}x slower than its peers ({compute_ms} "
+                 "ms against {peers_ms} ms) since iteration {since}; the job ran {step_s} "
+                 "s/iteration, {healthy_step_s} before",
+    "straggler_kept": "{reason}",
+    "straggler_drain_result": "attempt {attempt} runs {step_s} s/iteration, against "
+                              "{slowed_step_s} with the straggler",
 }
 TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 
@@ -701,8 +707,29 @@ def build_report(run_dir: Path) -> dict:
         "timeline": [{"t": e["time"] - start, **_node_of(e), "event": e["event"],
                       "label": _label(e), "text": describe(e)} for e in events],
         "failures": failure_reports(run_dir, events),
+        "stragglers": stragglers(events),
         "outcome": _run_outcome(events),
     }
+
+
+def stragglers(events: list[dict]) -> list[dict]:
+    """Each straggler found, what was done about it, and the step times around it."""
+    found = []
+    for event in (e for e in events if e["event"] == "straggler"):
+        later = [e for e in events if e["time"] >= event["time"]]
+        drain = next((e for e in later if e["event"] == "drain" and e.get("gpu") == event["gpu"]
+                      and e.get("reason") == "straggler"), None)
+        kept = next((e for e in later if e["event"] == "straggler_kept"
+                     and e.get("gpu") == event["gpu"]), None)
+        result = next((e for e in later if e["event"] == "straggler_drain_result"), None)
+        found.append({
+            "gpu": event.get("gpu"), "rank": event.get("rank"), "iteration": event.get("iteration"),
+            "since": event.get("since"), "slowdown": event.get("slowdown"),
+            "step_s": event.get("step_s"), "healthy_step_s": event.get("healthy_step_s"),
+            "action": "drained" if drain else "kept" if kept else "reported",
+            "decided_by": (drain or {}).get("decided_by") or (kept or {}).get("reason"),
+            "step_s_after_drain": (result or {}).get("step_s") if drain else None})
+    return found
 
 
 # ---- text --------------------------------------------------------------------------------------
@@ -787,6 +814,17 @@ def _timeline_line(row: dict) -> str:
     return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['label']:<18} {row['text']}"
 
 
+def _straggler_text(s: dict) -> str:
+    line = (f"straggler: GPU {s['gpu']} computed {s['slowdown']}x slower than its peers from "
+            f"iteration {s['since']} (found at {s['iteration']}); the job ran "
+            f"{s['step_s']} s/iteration with it, {s['healthy_step_s']} before; {s['action']}")
+    if s["decided_by"]:
+        line += f" ({s['decided_by']})"
+    if s["step_s_after_drain"] is not None:
+        line += f"; {s['step_s_after_drain']} s/iteration after the drain"
+    return line
+
+
 def format_report(report: dict) -> str:
     lines = [f"run {report['run_dir']}: {len(report['timeline'])} events, "
              f"{len(report['failures'])} failure(s); outcome {report['outcome']}"]
@@ -794,6 +832,8 @@ def format_report(report: dict) -> str:
         lines += ["", "nodes:"] + [f"  node {n['node']:<3} {n['events']:>6} events; {n['outcome']}"
                                    for n in report["nodes"]]
     lines += ["", "timeline:", *map(_timeline_line, report["timeline"]), ""]
+    for straggler in report.get("stragglers", []):
+        lines.append(_straggler_text(straggler))
     if not report["failures"]:
         lines.append("no failures in this run")
     for number, failure in enumerate(report["failures"], 1):

@@ -140,16 +140,21 @@ def read_flag(path: Path) -> dict[str, Any] | None:
 
 
 def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
-                    first_iteration: int | None = None, finished: bool = False) -> None:
+                    first_iteration: int | None = None, finished: bool = False,
+                    compute: dict | None = None) -> None:
     """Training progress for hang detection; cheap enough to write every iteration.
 
     ``first_iteration`` is the first iteration this process completed: a reader that polls
     may first see a later one, and a relaunch's ``resumed`` event needs the first.
     ``finished``: training ended and its last checkpoint is durable; only the exit remains,
-    which is never a hang.
+    which is never a hang. ``compute``: every rank's compute time of the last iterations,
+    ``{"stages": [pipeline stage per rank], "ms": {"<iteration>": [ms per rank or null]}}``
+    (straggler detection; absent when not measured).
     """
     body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
             "pid": os.getpid(), "first_iteration": first_iteration, "finished": finished}
+    if compute is not None:
+        body["compute"] = compute
     atomic_write_text(heartbeat_path(run_dir), json.dumps(body) + "\n", durable=False)
 
 

@@ -79,6 +79,7 @@ from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
+from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
@@ -86,17 +87,23 @@ from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster.stragglers import Found, StragglerWatch, decide_drain
 from ftmaster.warm import WarmStarter
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status, requeue_advice)
+from ftmaster.stragglers import Found, StragglerWatch, decide_drain
 from ftmaster.warm import WarmStarter
 
 # Read by megatron.training.rehearsal (the trainer side of injected faults).
 NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
 CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
 CUDA_ERROR_SIGNAL = signal.SIGUSR2
+SLOW_INJECTION_ENV = "FTMASTER_INJECT_SLOW"
+SLOW_FILE_PREFIX = "slow_"
+"""``RANK_DIR/slow_<local rank>`` holds the factor an injected ``slow`` slows that rank by,
+from the moment it is due (``at=Ns`` or ``after=``; ``at=iter:K`` is armed at launch)."""
 # How long a decision waits for the monitor's fresh sample (reads are bounded well below).
 EVIDENCE_TIMEOUT_S = 5.0
 SCALE_UP_POLICIES = ("now", "at-save")
@@ -154,6 +161,12 @@ class SupervisorConfig:
     global_batch_tolerance_pct: float = 0.0
     """How far (percent) a relaunch may move the global batch for a better layout; the
     schedule is then rewritten in samples (see ``ftmaster.recovery.batch_schedule``)."""
+    stragglers: StragglerConfig = StragglerConfig()
+    """When a slow rank is reported as a straggler."""
+    drain_stragglers: bool = False
+    """Drain a straggler's GPU when the cost model says the job runs faster without it."""
+    straggler_drain_window_s: float = 600.0
+    """At most one straggler drained per this many seconds."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -194,18 +207,24 @@ class Injector:
 
     def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
         seen = frozenset(self.seen_events)
-        due = [i for i in self.pending if i.due(iteration, elapsed_s, seen) and i.kind is not Fault.NAN
+        due = [i for i in self.pending if i.due(iteration, elapsed_s, seen) and not _armed(i)
                and (i.kind is not Fault.RECOVER or i.gpu in lost)]
         for injection in due:
             self.pending.remove(injection)
         return due
 
-    def take_nan(self, gpus: Sequence[int]) -> list[Injection]:
-        """``nan`` injections on these GPUs, handed to the attempt that runs on them (once)."""
-        taken = [i for i in self.pending if i.kind is Fault.NAN and i.gpu in gpus]
+    def take_armed(self, gpus: Sequence[int]) -> list[Injection]:
+        """The injections handed to the attempt that runs on these GPUs, at its launch
+        (once): ``nan``, and ``slow`` at an iteration, so that it starts exactly there."""
+        taken = [i for i in self.pending if _armed(i) and i.gpu in gpus]
         for injection in taken:
             self.pending.remove(injection)
         return taken
+
+
+def _armed(injection: Injection) -> bool:
+    return injection.kind is Fault.NAN or (injection.kind is Fault.SLOW and injection.after is None
+                                           and injection.at_iteration is not None)
 
 
 class Supervisor:
@@ -244,6 +263,10 @@ class Supervisor:
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
         self._last_checkpoint: dict | None = None
         self._original_step_s: float | None = None  # measured on the original layout
+        self.stragglers = StragglerWatch(config.stragglers, config.drain_stragglers,
+                                         config.straggler_drain_window_s)
+        self._straggler_to_drain: Found | None = None
+        self._drain_reason: str | None = None  # why the GPU being drained goes
         self.tiers = tiers_of(config.command[1:])
         # Across nodes the memory folder is shared: one node's ftmaster copies it; every node
         # looks into it when it decides whether to resume.
@@ -359,16 +382,20 @@ class Supervisor:
 
     def _apply(self, injection: Injection) -> bool:
         gpu, kind = injection.gpu, injection.kind
-        if kind in (Fault.FAIL, Fault.HANG, Fault.XID) and self.attempt is not None \
+        if kind in (Fault.FAIL, Fault.HANG, Fault.XID, Fault.SLOW) and self.attempt is not None \
                 and gpu in self.attempt.gpus:
             pid = self.attempt.pid_on_gpu(gpu)
             if pid is None:
                 return False
+            local_rank = self.attempt.gpus.index(gpu)
             if kind is Fault.XID:
-                local_rank = self.attempt.gpus.index(gpu)
                 (self.attempt.rank_dir / f"cuda_error_{local_rank}").write_text(str(injection.code))
-            send_signal(pid, {Fault.FAIL: signal.SIGKILL, Fault.HANG: signal.SIGSTOP,
-                              Fault.XID: CUDA_ERROR_SIGNAL}[kind])
+            if kind is Fault.SLOW:  # the rank reads it at its next iteration
+                runfiles.atomic_write_text(self.attempt.rank_dir / f"{SLOW_FILE_PREFIX}{local_rank}",
+                                  f"{injection.factor}\n", durable=False)
+            else:
+                send_signal(pid, {Fault.FAIL: signal.SIGKILL, Fault.HANG: signal.SIGSTOP,
+                                  Fault.XID: CUDA_ERROR_SIGNAL}[kind])
         if kind is Fault.FAIL:
             self.injected_lost.add(gpu)
         elif kind is Fault.XID:
@@ -387,6 +414,7 @@ class Supervisor:
         attempt = self.attempt
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         iteration = self._track_progress(heartbeat)
+        self._watch_stragglers(heartbeat)
         self._apply_injections()
         self._follow_events()
         self._show_progress(heartbeat)
@@ -619,6 +647,7 @@ class Supervisor:
                                {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
                                world=self.world, starter=warm)
         self._progress, self._finished_at = (None, time.monotonic()), None
+        self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
         self.progress.last_checkpoint = self._last_checkpoint
@@ -645,13 +674,15 @@ class Supervisor:
         """The attempt's environment for injected faults on its GPUs: ``nan`` injections
         (handed over once) and, in a rehearsal with XIDs, the GPUs still carrying one."""
         env = {}
-        armed = self.injector.take_nan(gpus)
+        armed = self.injector.take_armed(gpus)
         for injection in armed:
             self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
                         spec=str(injection), iteration=injection.at_iteration, armed=True)
-        if armed:
-            env[NAN_INJECTION_ENV] = ",".join(f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
-                                              for i in armed)
+        for kind, variable in ((Fault.NAN, NAN_INJECTION_ENV), (Fault.SLOW, SLOW_INJECTION_ENV)):
+            specs = [f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
+                     + ("" if i.factor is None else f":{i.factor}") for i in armed if i.kind is kind]
+            if specs:
+                env[variable] = ",".join(specs)
         if self._rehearses_xids:
             env[CUDA_ERROR_ENV] = ",".join(f"{list(gpus).index(gpu)}:{code}" for gpu, code
                                            in self.injected_xids.items() if gpu in gpus)
@@ -709,14 +740,81 @@ class Supervisor:
                 return outcome
             self._sleep()
 
+    def _watch_stragglers(self, heartbeat: dict | None) -> None:
+        for found in self.stragglers.observe(heartbeat):
+            straggler = found.straggler
+            where = f"GPU {found.gpu}" if found.gpu is not None else f"rank {straggler.rank}"
+            log.warning("straggler: %s computes %.2fx slower than its peers (%.1f ms against "
+                        "%.1f ms per iteration) since iteration %d", where, straggler.slowdown,
+                        straggler.compute_ms, straggler.peers_ms, straggler.since)
+            self._event("straggler", gpu=found.gpu, rank=straggler.rank,
+                        slowdown=straggler.slowdown, iteration=straggler.iteration,
+                        since=straggler.since,
+                        drift=straggler.drift, compute_ms=straggler.compute_ms,
+                        peers_ms=straggler.peers_ms, step_s=found.step_s,
+                        healthy_step_s=found.healthy_step_s)
+            if self.config.drain_stragglers and found.gpu is not None:
+                self._straggler_to_drain = found
+        self._report_drain_result()
+
+    def _report_drain_result(self) -> None:
+        """After a straggler's drain: the new attempt's step time beside the slowed one's."""
+        slowed = self.stragglers.drained_step_s
+        now = self.stragglers.step_seconds()
+        if slowed is None or now is None:
+            return
+        self.stragglers.drained_step_s = None
+        log.info("straggler drained: %.3f s/iteration now, against %.3f s/iteration with it",
+                 now, slowed)
+        self._event("straggler_drain_result", attempt=self.attempt.number,
+                    step_s=now, slowed_step_s=slowed)
+
+    def _drain_straggler(self) -> Trigger | None:
+        """``--drain-stragglers``: an agreed save, then a relaunch without the straggler's GPU,
+        when the cost model says the GPUs left run the job faster than it runs now."""
+        found, self._straggler_to_drain = self._straggler_to_drain, None
+        now = time.time()
+        if (found is None or found.gpu not in self.attempt.gpus or len(self.attempt.gpus) < 2
+                or self.membership is not None or self.restarts >= self.config.max_restarts):
+            return None
+        if not self.stragglers.drain_allowed(now):
+            log.info("keeping GPU %d: a straggler was drained less than %g s ago", found.gpu,
+                     self.config.straggler_drain_window_s)
+            return None
+        left = [g for g in self.config.gpus if g not in self.retired and g != found.gpu]
+        decision = decide_drain(found, len(left), lambda: plan_layout(
+            self.config.command, len(left), self.config.gpus_per_node,
+            original_world_size=len(self.config.gpus),
+            measured_step_s=found.healthy_step_s or self._original_step_s,
+            **self._planner_options()))
+        log.warning("straggler: %s", decision.line)
+        if not decision.drain:
+            self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
+            return None
+        self.stragglers.drained(now, found.step_s)
+        runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), source="straggler",
+                            gpu=found.gpu, reason=decision.line)
+        self._drain_gpu, self._drain_since = found.gpu, now
+        self._drain_reason = (f"drained: a straggler ({found.straggler.slowdown:.2f}x slower "
+                              f"than its peers)")
+        self._event("drain", gpu=found.gpu, reason="straggler", decided_by=decision.line,
+                    step_s=found.step_s, estimated_step_s=decision.estimated_step_s)
+        return Trigger.CRITICAL_GPU
+
     def _critical_gpu(self) -> Trigger | None:
-        """Policy drain: a GPU of this attempt that alerted, while restarts remain."""
+        """Policy drain: a GPU of this attempt that alerted, while restarts remain; and a
+        straggler under ``--drain-stragglers``."""
+        if self._straggler_to_drain is not None:
+            trigger = self._drain_straggler()
+            if trigger is not None:
+                return trigger
         while self._alerts:
             alert = self._alerts.popleft()
             if (self.config.policy == "drain" and DEVICE_LOST not in alert.reasons
                     and alert.gpu in self.attempt.gpus and len(self.attempt.gpus) > 1
                     and self.restarts < self.config.max_restarts):
                 self._drain_gpu, self._drain_since = alert.gpu, time.time()
+                self._drain_reason = None
                 self._event("drain", gpu=alert.gpu, score=alert.score, reasons=list(alert.reasons))
                 return Trigger.CRITICAL_GPU
         return None
@@ -724,12 +822,13 @@ class Supervisor:
     def _drained(self) -> Trigger | None:
         if not self._saved_since(self._drain_since):
             return None
-        if not self.monitor.still_critical(self._drain_gpu):
+        if self._drain_reason is None and not self.monitor.still_critical(self._drain_gpu):
             self._event("drain_cancelled", gpu=self._drain_gpu,
                         reason="risk fell below the re-arm level before the restart")
             return Trigger.RISK_CLEARED
         self.attempt.kill()
-        self._retire({self._drain_gpu: "drained: its risk stayed critical after the emergency save"})
+        self._retire({self._drain_gpu: self._drain_reason
+                      or "drained: its risk stayed critical after the emergency save"})
         return Trigger.DRAINED
 
     def _saved_since(self, since: float) -> bool:

@@ -1,0 +1,109 @@
+"""Each rank's compute time per iteration, for ftmaster's straggler detection.
+
+A rank's compute is the time from the start of its iteration until it enters the gradient
+reduction (the schedule's ``finalize_model_grads``): a slow rank gets there late and its
+peers wait for it inside the reduction, so their compute stays short while every rank's
+iteration lasts as long as the slowest one's. With pipeline stages the compute also holds
+the waits for activations from the neighbouring stage; peers are compared only within a
+stage, where those waits are alike.
+
+On CUDA the host only queues kernels, so the time is taken between two CUDA events on the
+current stream and read one iteration later (by then they completed long ago: the loss and
+the NaN guard synchronise): no added synchronisation. On CPU, by the clock, less the time
+the rank's thread waited for a core (``/proc/thread-self/schedstat``'s run-queue wait): on a
+host with more ranks than cores that wait is the host's contention, not the rank's compute,
+and it moved a healthy rank's figure by 2x from one iteration to the next on the project's
+2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
+sleep counts.
+
+The figures of every rank travel with the save agreement (one all-reduce per iteration that
+runs anyway, ``save_requests``), one iteration late, and local rank 0 puts them in the
+heartbeat (:meth:`ComputeFigures.heartbeat`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+KEPT = 16
+"""Iterations of figures in the heartbeat: the supervisor polls it, and misses none while it
+polls at least once every 16 iterations."""
+
+
+class ComputeTimer:
+    """The compute of the iteration under way, and of the one before it."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._start = self._entered = None
+        self._host_start = 0.0
+        self._previous: tuple | None = None
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter() - _runqueue_wait_s()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        """An iteration starts: the last one's marks become readable."""
+        # An iteration that never reached the reduction (an evaluation) has no figure.
+        self._previous = None if self._entered is None else (self._start, self._entered)
+        self._start, self._entered, self._host_start = self._mark(), None, time.perf_counter()
+
+    def reduction_entered(self) -> None:
+        if self._start is not None and self._entered is None:
+            self._entered = self._mark()
+
+    def seconds_so_far(self) -> float:
+        """The compute of the iteration under way until now, the device drained first (a
+        rehearsal's slowdown; never on the measured path)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - self._host_start
+
+    def previous_microseconds(self) -> int:
+        """The last complete iteration's compute; 0 when unknown."""
+        if self._previous is None:
+            return 0
+        start, entered = self._previous
+        if self.cuda:
+            return max(1, int(start.elapsed_time(entered) * 1000))
+        return max(1, int((entered - start) * 1e6))
+
+
+def _runqueue_wait_s() -> float:
+    """Seconds this thread has waited on a run queue so far; 0 where Linux does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class ComputeFigures:
+    """Every rank's compute per iteration, as the agreements bring them (rank 0's view)."""
+
+    def __init__(self, stage: list[int]) -> None:
+        self.stage = stage
+        """Each global rank's pipeline stage."""
+        self._kept: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+
+    def record(self, iteration: int, microseconds: list[int]) -> None:
+        """The figures of ``iteration`` (0: that rank's is unknown)."""
+        if any(microseconds):
+            self._kept[iteration] = microseconds
+            while len(self._kept) > KEPT:
+                self._kept.popitem(last=False)
+
+    def heartbeat(self) -> dict | None:
+        """``{"stages": [...], "ms": {iteration: [ms per rank, None unknown]}}``."""
+        if not self._kept:
+            return None
+        return {"stages": self.stage,
+                "ms": {str(it): [round(us / 1000, 3) if us else None for us in values]
+                       for it, values in self._kept.items()}}

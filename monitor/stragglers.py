@@ -1,0 +1,159 @@
+"""Stragglers: the rank whose compute holds every other rank to its speed.
+
+Each rank times its own compute per iteration: from the start of the iteration until it
+enters the gradient reduction, so the time its peers then spend waiting for it is not counted
+(``megatron.training.step_timing``). The figures of every rank travel in the heartbeat.
+
+The detector is a pure function of the figures and a :class:`StragglerConfig`
+(:func:`assess`): a rank's slowdown is the least of its last ``window`` compute times over
+the median of its peers' medians over the same iterations (peers: the ranks of the same
+pipeline stage, whose work is the same), and its drift that least time over its own earlier
+median. The least, not the median: a straggler is slow at every iteration, while a healthy
+rank on a busy host is slow at some. On the project's 2-core machine (4 ranks) a healthy
+100-iteration run never stayed at 1.3x for one iteration by this measure (by the median of 5
+it stayed at 1.2x for 4 in a row), and a rank slowed 2x crossed 1.3x at its third slow
+iteration. :class:`StragglerTracker` keeps the
+figures per iteration (heartbeats are polled, so some iterations arrive together and some
+twice) and reports a rank once its slowdown has stayed at or above ``ratio`` for
+``iterations`` iterations in a row; it re-arms once the rank has stayed below the ratio as
+long (a straggler that dips for an iteration is the same straggler).
+Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
+run of slow iterations as it was.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """When a slow rank is a straggler."""
+
+    ratio: float = 1.3
+    """Slowdown (the rank's compute over its peers' median) that counts as slow."""
+    iterations: int = 4
+    """Consecutive slow iterations before the rank is reported."""
+    window: int = 3
+    """Iterations whose least compute time stands for a rank (a slow iteration or two, a busy
+    host, are noise)."""
+    history: int = 64
+    """Iterations kept per rank, for its own earlier median (its drift)."""
+
+    def __post_init__(self) -> None:
+        if not self.ratio > 1.0:
+            raise ValueError(f"the straggler ratio must be above 1, got {self.ratio}")
+        for name in ("iterations", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"straggler {name} must be at least 1, got {getattr(self, name)}")
+        if self.history < 2 * self.window:
+            raise ValueError(f"straggler history ({self.history}) must hold at least two "
+                             f"windows ({2 * self.window})")
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """One rank at one iteration."""
+
+    rank: int
+    slowdown: float
+    """Its least recent compute over its peers' recent medians (1: as fast as they are)."""
+    drift: float | None
+    """Its least recent compute over its own earlier median; None until it has one."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank reported: slow for ``config.iterations`` iterations up to ``iteration``."""
+
+    rank: int
+    iteration: int
+    since: int
+    """The first iteration it was slow at, as far as the window tells."""
+    slowdown: float
+    drift: float | None
+    compute_ms: float
+    """Its least recent compute time."""
+    peers_ms: float
+    """Its peers' recent median compute time."""
+
+
+def assess(history: dict[int, list[float]], stages: dict[int, int],
+           config: StragglerConfig) -> list[Assessment]:
+    """Every rank with a full window and at least one peer with one. ``history``: per rank,
+    its compute times in iteration order (newest last); ``stages``: per rank, its pipeline
+    stage (ranks of different stages do different work and are never compared)."""
+    full = {rank: times[-config.window:] for rank, times in history.items()
+            if len(times) >= config.window}
+    recent = {rank: statistics.median(times) for rank, times in full.items()}
+    assessments = []
+    for rank, times in sorted(full.items()):
+        mine = min(times)
+        peers = [value for other, value in recent.items()
+                 if other != rank and stages.get(other) == stages.get(rank)]
+        if not peers or statistics.median(peers) <= 0:
+            continue
+        earlier = history[rank][:-config.window]
+        drift = (mine / statistics.median(earlier)
+                 if len(earlier) >= config.window and statistics.median(earlier) > 0 else None)
+        assessments.append(Assessment(rank, mine / statistics.median(peers), drift))
+    return assessments
+
+
+class StragglerTracker:
+    """The figures per iteration and the run of slow iterations per rank."""
+
+    def __init__(self, config: StragglerConfig | None = None) -> None:
+        self.config = config or StragglerConfig()
+        self._figures: OrderedDict[int, dict[int, float]] = OrderedDict()
+        self._stages: dict[int, int] = {}
+        self._slow_run: dict[int, int] = {}
+        self._run_start: dict[int, int] = {}
+        self._fast_run: dict[int, int] = {}
+        self._reported: set[int] = set()
+
+    def observe(self, figures: dict[int, dict[int, float]], stages: dict[int, int]) -> list[Straggler]:
+        """``figures``: iteration -> {rank: compute ms}, iterations already seen ignored.
+        Returns the ranks that became stragglers."""
+        self._stages.update(stages)
+        found = []
+        for iteration in sorted(i for i in figures if not self._figures or i > next(reversed(self._figures))):
+            self._figures[iteration] = dict(figures[iteration])
+            while len(self._figures) > self.config.history:
+                self._figures.popitem(last=False)
+            found += self._judge(iteration)
+        return found
+
+    def _history(self) -> dict[int, list[float]]:
+        history: dict[int, list[float]] = {}
+        for ranks in self._figures.values():
+            for rank, value in ranks.items():
+                history.setdefault(rank, []).append(value)
+        return history
+
+    def _judge(self, iteration: int) -> list[Straggler]:
+        history = self._history()
+        found = []
+        for judged in assess(history, self._stages, self.config):
+            if judged.rank not in self._figures[iteration]:
+                continue  # unknown this iteration: its run stays as it was
+            if judged.slowdown < self.config.ratio:
+                self._slow_run[judged.rank] = 0
+                self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1
+                if self._fast_run[judged.rank] >= self.config.iterations:
+                    self._reported.discard(judged.rank)
+                continue
+            self._fast_run[judged.rank] = 0
+            if not self._slow_run.get(judged.rank):
+                self._run_start[judged.rank] = iteration
+            self._slow_run[judged.rank] = self._slow_run.get(judged.rank, 0) + 1
+            if self._slow_run[judged.rank] >= self.config.iterations and judged.rank not in self._reported:
+                self._reported.add(judged.rank)
+                mine = min(history[judged.rank][-self.config.window:])
+                since = self._run_start[judged.rank] - self.config.window + 1
+                found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
+                                       None if judged.drift is None else round(judged.drift, 3),
+                                       round(mine, 3), round(mine / judged.slowdown, 3)))
+        return found

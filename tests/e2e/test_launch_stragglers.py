@@ -1,0 +1,111 @@
+"""Stragglers end to end, on 4 CPU ranks at TP1 x PP1 x DP4: a GPU slowed 2x from iteration 8
+is named by iteration 14, reported (console, event, ftmaster report), and with
+--drain-stragglers drained when the cost model says the GPUs left run faster; and a healthy
+100-iteration run raises nothing, with margin."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ftmaster.monitor.stragglers import StragglerConfig, assess
+from helpers.launch import events, run_launch, start_launch, train_args
+from helpers.trainer import REPO
+
+pytestmark = pytest.mark.slow
+
+# Compute long enough (about 0.1 s a rank) that a 2x slowdown is not lost in the host's noise.
+WIDER = {"--hidden-size": "192", "--seq-length": "128", "--max-position-embeddings": "128"}
+SLOW = ("--inject", "slow:gpu=1,factor=2,at=iter:8")
+
+
+def straggler_args(save, iters, save_interval=1000, global_batch=24):
+    """DP 4 and DP 3 alike divide the global batch."""
+    args = train_args(save, iters, 1, 1, save_interval, global_batch=global_batch)
+    for flag, value in WIDER.items():
+        args[args.index(flag) + 1] = value
+    return args
+
+
+def report_text(run_dir):
+    return subprocess.run([sys.executable, "-m", "ftmaster.cli", "report", str(run_dir)],
+                          capture_output=True, text=True, cwd=REPO, check=True).stdout
+
+
+def test_a_slowed_gpu_is_named_a_straggler_and_reported(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 40), *SLOW)
+    assert result.returncode == 0, result.stdout[-4000:]
+    (found,) = events(run_dir, "straggler")
+    assert found["gpu"] == 1 and found["iteration"] <= 14 and found["slowdown"] >= 1.3
+    assert found["step_s"] > found["healthy_step_s"]
+    assert "straggler: GPU 1 computes" in result.stdout
+    assert len(events(run_dir, "launch")) == 1 and not events(run_dir, "drain")
+    assert "straggler: GPU 1 computed" in report_text(run_dir)
+
+
+def test_drain_stragglers_relaunches_without_the_gpu_when_the_cost_model_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    # --save-interval 20: the drain's agreed save is due 5 iterations after the last (gap 0.25)
+    # 6 micro-batches a rank: the compute the straggler slows is most of the step, as on GPUs,
+    # not the 4 ranks' contention for this host's 2 cores.
+    result = run_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 40, 20, 48), *SLOW,
+                        "--drain-stragglers")
+    assert result.returncode == 0, result.stdout[-4000:]
+    (found,) = events(run_dir, "straggler")
+    (drain,) = events(run_dir, "drain")
+    assert (found["gpu"], drain["gpu"], drain["reason"]) == (1, 1, "straggler")
+    assert drain["estimated_step_s"] < drain["step_s"]
+    assert "straggler: draining GPU 1: the job runs" in result.stdout
+    first, second = events(run_dir, "launch")
+    assert first["gpus"] == [0, 1, 2, 3] and second["gpus"] == [0, 2, 3]
+    (after,) = events(run_dir, "straggler_drain_result")
+    assert after["attempt"] == 2 and after["slowed_step_s"] == drain["step_s"]
+    (loaded,) = events(run_dir, "checkpoint_loaded")
+    assert loaded["iteration"] <= 20  # the drain's own save (or the periodic one), before the end
+    assert events(run_dir, "complete")
+    text = report_text(run_dir)
+    assert "drained (draining GPU 1" in text and "s/iteration after the drain" in text
+
+
+def test_a_healthy_run_raises_no_straggler_with_margin(tmp_path):
+    """No event; and replayed, the figures never stayed slow for even half the iterations an
+    event needs."""
+    run_dir = tmp_path / "run"
+    figures, stages, done = {}, {}, threading.Event()
+
+    def collect():  # the heartbeat holds 16 iterations: polled every 20 ms, none is missed
+        while not done.is_set():
+            try:
+                beat = json.loads((run_dir / "heartbeat.json").read_text())
+            except (OSError, ValueError):
+                beat = {}
+            compute = beat.get("compute") or {}
+            stages.update(enumerate(compute.get("stages") or []))
+            figures.update({int(it): ms for it, ms in (compute.get("ms") or {}).items()})
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=collect, daemon=True)
+    watcher.start()
+    ftmaster = start_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 100))
+    try:
+        output, _ = ftmaster.communicate(timeout=900)
+    finally:
+        done.set()
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
+    assert events(run_dir, "straggler") == []
+    assert len(figures) >= 90, sorted(figures)
+    config, history, slow_run, longest = StragglerConfig(), {}, {}, 0
+    for iteration in sorted(figures)[3:]:
+        for rank, ms in enumerate(figures[iteration]):
+            history.setdefault(rank, []).append(ms)
+        for judged in assess(history, stages, config):
+            slow_run[judged.rank] = slow_run.get(judged.rank, 0) + 1 if (
+                judged.slowdown >= config.ratio) else 0
+            longest = max(longest, slow_run[judged.rank])
+    assert longest <= config.iterations // 2, longest

@@ -1,0 +1,175 @@
+"""The straggler detector (pure: figures and a config in, assessments out), the tracker that
+turns them into reports once, the supervisor's step times and drain decision, and the
+trainer's side: the slowdown a rehearsal arms and the figures the heartbeat carries."""
+
+import re
+
+import pytest
+
+from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker, assess
+from ftmaster.stragglers import Found, StragglerWatch, decide_drain
+from megatron.training.rehearsal import Slowdown
+from megatron.training.step_timing import KEPT, ComputeFigures, ComputeTimer
+
+FOUR = {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def figures(rows: dict[int, list[float]]) -> dict[int, dict[int, float]]:
+    return {it: dict(enumerate(ms)) for it, ms in rows.items()}
+
+
+@pytest.mark.parametrize("history, stages, expected", [
+    # the least of the window against the peers' medians
+    ({0: [10, 10, 10], 1: [20, 25, 30], 2: [10, 11, 9], 3: [10, 10, 10]}, FOUR, {1: 2.0}),
+    # one slow iteration (a busy host) does not make a rank slow
+    ({0: [10, 40, 10], 1: [10, 10, 10], 2: [10, 10, 10], 3: [10, 10, 10]}, FOUR, {0: 1.0}),
+    # ranks of another pipeline stage are not its peers
+    ({0: [30, 30, 30], 1: [30, 30, 30], 2: [10, 10, 10], 3: [10, 10, 10]},
+     {0: 0, 1: 0, 2: 1, 3: 1}, {0: 1.0, 2: 1.0}),
+    # too few iterations: no assessment yet
+    ({0: [10, 10], 1: [30, 30]}, FOUR, {}),
+])
+def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, stages, expected):
+    judged = {a.rank: a.slowdown for a in assess(history, stages, StragglerConfig())}
+    for rank, slowdown in expected.items():
+        assert judged[rank] == pytest.approx(slowdown)
+    assert expected or not judged
+
+
+def test_drift_is_against_the_ranks_own_earlier_median():
+    history = {0: [10, 10, 10, 20, 20, 20], 1: [20] * 6}
+    (zero, one) = assess(history, FOUR, StragglerConfig())
+    assert zero.drift == pytest.approx(2.0) and one.drift == pytest.approx(1.0)
+
+
+def slow_rows(slow_from: int, until: int, factor: float = 2.0, rank: int = 1):
+    return {it: [10.0 * (factor if r == rank and it >= slow_from else 1.0) for r in range(4)]
+            for it in range(1, until + 1)}
+
+
+def test_a_rank_slow_for_the_set_iterations_is_reported_once():
+    tracker = StragglerTracker(StragglerConfig(ratio=1.3, iterations=4, window=3))
+    found = tracker.observe(figures(slow_rows(8, 30)), FOUR)
+    assert [(s.rank, s.iteration, s.since, s.slowdown) for s in found] == [(1, 13, 8, 2.0)]
+    assert tracker.observe(figures({31: [10, 20, 10, 10]}), FOUR) == []
+
+
+def test_iterations_seen_before_are_ignored_and_missing_figures_are_unknown():
+    tracker = StragglerTracker(StragglerConfig(ratio=1.3, iterations=4, window=3))
+    rows = slow_rows(8, 12)
+    assert tracker.observe(figures(rows), FOUR) == []
+    assert tracker.observe(figures(rows), FOUR) == []  # the same heartbeat polled twice
+    # iteration 13 lacks rank 1's figure: its run neither grows nor breaks
+    assert tracker.observe({13: {0: 10.0, 2: 10.0, 3: 10.0}}, FOUR) == []
+    (found,) = tracker.observe(figures({14: [10, 20, 10, 10]}), FOUR)
+    assert (found.rank, found.iteration) == (1, 14)
+
+
+def test_a_straggler_that_recovers_rearms_after_as_many_fast_iterations():
+    tracker = StragglerTracker(StragglerConfig(ratio=1.3, iterations=2, window=1))
+    rows = {1: [10, 20, 10, 10], 2: [10, 20, 10, 10], 3: [10, 10, 10, 10],
+            4: [10, 20, 10, 10], 5: [10, 20, 10, 10]}
+    assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [2]  # one dip: same
+    rows = {6: [10] * 4, 7: [10] * 4, 8: [10, 20, 10, 10], 9: [10, 20, 10, 10]}
+    assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [9]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ratio": 1.0}, "ratio must be above 1"),
+    ({"iterations": 0}, "iterations must be at least 1"),
+    ({"window": 0}, "window must be at least 1"),
+    ({"window": 40}, "history .* must hold at least two windows"),
+])
+def test_the_config_is_checked(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        StragglerConfig(**kwargs)
+
+
+def beat(iteration, time_s, rows=None):
+    body = {"iteration": iteration, "time": time_s}
+    if rows:
+        body["compute"] = {"stages": [0, 0, 0, 0],
+                           "ms": {str(it): ms for it, ms in rows.items()}}
+    return body
+
+
+def test_the_watch_maps_ranks_to_gpus_and_measures_the_step_before_and_after():
+    watch = StragglerWatch(StragglerConfig(ratio=1.3, iterations=4, window=3), drain=False,
+                           drain_window_s=600)
+    watch.new_attempt([4, 5, 6, 7], 0)
+    found = []
+    for it in range(1, 31):  # 1 s per iteration, 2 s once rank 1 slows at 12
+        time_s = it + max(0, it - 12)
+        found += watch.observe(beat(it, time_s, {it - 1: slow_rows(12, 40)[it - 1]} if it > 1 else None))
+    (straggler,) = found
+    assert straggler.gpu == 5 and straggler.straggler.since == 12
+    assert straggler.healthy_step_s == pytest.approx(1.0)
+    assert straggler.step_s == pytest.approx(2.0)
+
+
+class _Plan:
+    tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size = 1, 1, 3
+
+    def __init__(self, step):
+        self.estimated_step_seconds = step
+
+
+def found_with(step_s, healthy=1.0):
+    return Found(1, Straggler(1, 13, 8, 2.0, 2.0, 20.0, 10.0), step_s, healthy)
+
+
+@pytest.mark.parametrize("found, estimate, drain, words", [
+    (found_with(2.0), lambda: _Plan(1.33), True, r"^draining GPU 1: the job runs 2.000 s/iteration"
+                                                  r".* estimates 1.330 s/iteration on the 3 GPUs"),
+    (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
+    (found_with(None), lambda: _Plan(1.0), False, "not measured yet"),
+    (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
+     r"the 3 GPUs left cannot run the job \(no layout fits\)"),
+])
+def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, drain, words):
+    decision = decide_drain(found, 3, estimate)
+    assert decision.drain is drain
+    assert re.search(words, decision.line), decision.line
+    assert "\n" not in decision.line
+
+
+def test_one_drain_per_window():
+    watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
+    assert watch.drain_allowed(1000.0)
+    watch.drained(1000.0, 2.0)
+    assert not watch.drain_allowed(1500.0) and watch.drain_allowed(1600.0)
+    watch.new_attempt([0, 2, 3], 0)
+    assert watch.drained_step_s == 2.0  # reported beside the new attempt's
+
+
+def test_a_slowdown_is_armed_at_its_iteration_or_read_from_its_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTMASTER_RANK_DIR", str(tmp_path))
+    monkeypatch.setenv("FTMASTER_INJECT_SLOW", "1:8:2.0,0:3:5")
+    slowdown = Slowdown(1)
+    assert (slowdown.current(7), slowdown.current(8)) == (1.0, 2.0)
+    (tmp_path / "slow_1").write_text("3.5\n")
+    assert slowdown.current(1) == 3.5
+    (tmp_path / "slow_1").write_text("garbage")  # mid-write: the factor as it was
+    assert slowdown.current(1) == 3.5
+
+
+def test_the_heartbeat_keeps_the_last_iterations_figures_in_ms():
+    figures = ComputeFigures([0, 0, 1, 1])
+    assert figures.heartbeat() is None
+    figures.record(0, [0, 0, 0, 0])  # nothing measured: nothing kept
+    for iteration in range(1, KEPT + 5):
+        figures.record(iteration, [1500, 0, 2500, 3000])
+    body = figures.heartbeat()
+    assert body["stages"] == [0, 0, 1, 1] and len(body["ms"]) == KEPT
+    assert body["ms"][str(KEPT + 4)] == [1.5, None, 2.5, 3.0]
+
+
+def test_the_compute_timer_reads_the_last_complete_iteration():
+    timer = ComputeTimer(cuda=False)
+    assert timer.previous_microseconds() == 0
+    timer.start()
+    timer.reduction_entered()
+    timer.start()  # the next iteration: the last one is readable
+    assert timer.previous_microseconds() >= 1
+    timer.start()  # an iteration that never reached the reduction (an evaluation)
+    assert timer.previous_microseconds() == 0

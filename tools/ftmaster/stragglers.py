@@ -1,0 +1,128 @@
+"""The supervisor's straggler watch: the ranks' compute figures from the heartbeat, the
+detector (:mod:`ftmaster.monitor.stragglers`), and the step times a drain decision weighs.
+
+By default a straggler is reported (console, ``straggler`` event, ``ftmaster report``). With
+``--drain-stragglers`` the supervisor drains its GPU (an agreed save, then a relaunch without
+it) when the planner's cost model, calibrated on the job's own healthy step time, says the
+GPUs left run faster than the job runs now with the straggler; never below the planner's
+minimum and never more than one GPU per window (:meth:`StragglerWatch.drain_allowed`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker
+
+WARMUP_ITERATIONS = 3
+"""An attempt's first iterations are left out (start-up, allocator and cache warm-up)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A straggler on this node's GPU ``gpu`` (None: a rank of another node)."""
+
+    gpu: int | None
+    straggler: Straggler
+    step_s: float | None
+    """The job's step time since the straggler slowed it; None until measured."""
+    healthy_step_s: float | None
+    """The job's step time before it; None when it was never measured healthy."""
+
+
+class StragglerWatch:
+    """Per attempt: the tracker, the heartbeats' (iteration, time) pairs, and the drains."""
+
+    def __init__(self, config: StragglerConfig, drain: bool, drain_window_s: float) -> None:
+        self.config, self.drain, self.drain_window_s = config, drain, drain_window_s
+        self.found: list[Found] = []
+        self._last_drain: float | None = None
+        self._slowed_step_s: float | None = None
+        self.drained_step_s: float | None = None
+        """In the attempt after a drain: the slowed step time, to report beside its own."""
+        self.new_attempt((), 0)
+
+    def new_attempt(self, gpus: Sequence[int], rank_offset: int) -> None:
+        self.gpus, self.rank_offset = tuple(gpus), rank_offset
+        self.drained_step_s, self._slowed_step_s = self._slowed_step_s, None
+        self.tracker = StragglerTracker(self.config)
+        self._beats: dict[int, float] = {}
+        self._first: int | None = None
+
+    def observe(self, heartbeat: dict | None) -> list[Found]:
+        """One heartbeat; the stragglers it revealed."""
+        if not heartbeat or not isinstance(heartbeat.get("iteration"), int):
+            return []
+        iteration = heartbeat["iteration"]
+        self._beats.setdefault(iteration, float(heartbeat.get("time", time.time())))
+        self._first = iteration if self._first is None else self._first
+        compute = heartbeat.get("compute") or {}
+        figures = {int(it): {rank: ms for rank, ms in enumerate(values) if ms}
+                   for it, values in (compute.get("ms") or {}).items()
+                   if int(it) >= self._first + WARMUP_ITERATIONS}
+        stages = dict(enumerate(compute.get("stages") or []))
+        found = [self._found(s) for s in self.tracker.observe(figures, stages)]
+        self.found += found
+        return found
+
+    def _found(self, straggler: Straggler) -> Found:
+        local = straggler.rank - self.rank_offset
+        gpu = self.gpus[local] if 0 <= local < len(self.gpus) else None
+        return Found(gpu, straggler, self.step_seconds(since=straggler.since),
+                     self.step_seconds(until=straggler.since))
+
+    def step_seconds(self, since: int | None = None, until: int | None = None) -> float | None:
+        """The median seconds per iteration between heartbeats of this attempt (after its
+        warm-up), within ``[since, until]``; None with fewer than three."""
+        start = (self._first or 0) + WARMUP_ITERATIONS
+        beats = sorted((it, t) for it, t in self._beats.items() if it >= max(start, since or start)
+                       and (until is None or it <= until))
+        steps = [(t2 - t1) / (i2 - i1) for (i1, t1), (i2, t2) in zip(beats, beats[1:]) if i2 > i1]
+        return round(statistics.median(steps), 4) if len(steps) >= 2 else None
+
+    def drain_allowed(self, now: float) -> bool:
+        """At most one drain per window."""
+        return self._last_drain is None or now - self._last_drain >= self.drain_window_s
+
+    def drained(self, now: float, step_s: float | None) -> None:
+        self._last_drain, self._slowed_step_s = now, step_s
+
+
+@dataclass(frozen=True)
+class DrainDecision:
+    drain: bool
+    line: str
+    """The one line that says which estimate decided."""
+    estimated_step_s: float | None = None
+
+
+def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
+    """Whether the job runs faster without ``found``'s GPU. ``estimate()`` is the planner on
+    the GPUs left, calibrated on the healthy step time: a Plan, or ValueError (PlanError)
+    when they cannot run the job."""
+    gpu, now = found.gpu, found.step_s
+    if now is None:
+        return DrainDecision(False, f"keeping GPU {gpu}: the job's step time with it is not "
+                                    f"measured yet")
+    try:
+        plan = estimate()
+    except ValueError as error:
+        return DrainDecision(False, f"keeping GPU {gpu}: the {gpus_left} GPUs left cannot run "
+                                    f"the job ({error})")
+    left = plan.estimated_step_seconds
+    layout = (f"TP{plan.tensor_model_parallel_size} x PP{plan.pipeline_model_parallel_size} "
+              f"x DP{plan.data_parallel_size}")
+    if left is None:
+        return DrainDecision(False, f"keeping GPU {gpu}: the planner has no step estimate for "
+                                    f"the {gpus_left} GPUs left")
+    verdict = "draining" if left < now else "keeping"
+    return DrainDecision(left < now, (
+        f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
+        f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
+        f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout}), calibrated on the "
+        f"healthy {found.healthy_step_s:.3f} s/iteration" if found.healthy_step_s else
+        f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it; the cost model "
+        f"estimates {left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})"), left)
