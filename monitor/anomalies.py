@@ -153,6 +153,79 @@ class DeviceLost(Anomaly):
         return None
 
 
+DRIFT_SIGNALS = ("temperature", "power", "clock")
+DRIFT_SHAPES = ("linear", "accelerating", "stairs")
+DRIFT_TEMPERATURE_LIMIT_C = 87.0
+DRIFT_CLOCK_END = 0.6
+"""A drifting clock ends at this share of its loaded value (below the monitor's floor)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drift(Anomaly):
+    """A slow drift of one signal to its limit, reached after ``duration_s``: temperature to
+    87 C (where the GPU throttles for heat), power to its cap, the clock down to
+    ``DRIFT_CLOCK_END`` of itself. ``shape``: ``linear``; ``accelerating`` (quadratic: slow
+    at first); ``stairs`` (a step every ``step_s``)."""
+
+    signal: str = "temperature"
+    duration_s: float = 1500.0
+    shape: str = "linear"
+    step_s: float = 180.0
+
+    def progress(self, elapsed_s: float) -> float:
+        x = min(1.0, max(0.0, elapsed_s / self.duration_s))
+        if self.shape == "accelerating":
+            return x * x
+        if self.shape == "stairs":
+            return min(1.0, math.floor(elapsed_s / self.step_s) * self.step_s / self.duration_s)
+        return x
+
+    def apply(self, sample: GpuSample, elapsed_s: float) -> GpuSample:
+        p = self.progress(elapsed_s)
+        if self.signal == "temperature" and sample.temperature is not None:
+            sample.temperature += (DRIFT_TEMPERATURE_LIMIT_C - sample.temperature) * p
+            if p >= 1.0:
+                _throttle(sample, HW_THERMAL, clock_factor=0.75)
+        elif self.signal == "power" and None not in (sample.power_draw, sample.power_limit):
+            sample.power_draw += max(0.0, sample.power_limit - sample.power_draw) * p
+        elif self.signal == "clock" and sample.sm_clock is not None:
+            sample.sm_clock *= 1.0 - (1.0 - DRIFT_CLOCK_END) * p
+        return sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadStep(Anomaly):
+    """Benign: a heavier phase of work from now on. Temperature and power rise by
+    ``rise_c`` and ``power_frac`` of the cap with a first-order response of ``tau_s``
+    (a slow warm-up when long), and stay there."""
+
+    rise_c: float = 10.0
+    power_frac: float = 0.1
+    tau_s: float = 90.0
+
+    def apply(self, sample: GpuSample, elapsed_s: float) -> GpuSample:
+        reached = 1.0 - math.exp(-elapsed_s / self.tau_s)
+        if sample.temperature is not None:
+            sample.temperature += self.rise_c * reached
+        if None not in (sample.power_draw, sample.power_limit):
+            sample.power_draw = min(sample.power_limit,
+                                    sample.power_draw + self.power_frac * sample.power_limit * reached)
+        return sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmbientSwing(Anomaly):
+    """Benign: the room's temperature swings by +-``amplitude_c`` over ``period_s``."""
+
+    amplitude_c: float = 4.0
+    period_s: float = 3600.0
+
+    def apply(self, sample: GpuSample, elapsed_s: float) -> GpuSample:
+        if sample.temperature is not None:
+            sample.temperature += self.amplitude_c * math.sin(2 * math.pi * elapsed_s / self.period_s)
+        return sample
+
+
 def _throttle(sample: GpuSample, mask: int, clock_factor: float) -> None:
     if sample.throttle_reasons is not None:
         sample.throttle_reasons |= mask

@@ -52,6 +52,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Iterable, Protocol
 
+from ftmaster.monitor.drifts import DriftConfig, Persistence, drift_severity, time_left
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons, remember_counters
 
@@ -229,10 +230,14 @@ class AdaptiveConfig:
     """Share of a window that samples must span before its feature is trusted."""
     score_decay_per_min: float = 0.25
     """Fastest fall of the score per minute (rises are immediate)."""
+    drift: DriftConfig = DriftConfig()
+    """Slow drifts of temperature, power and clock toward their limits (``drifts``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, DriftConfig):
+                continue  # checked in its own __post_init__
             if isinstance(value, tuple):
                 if not (len(value) == 2 and 0 <= value[0] < value[1]):
                     raise ValueError(f"adaptive scorer: {f.name} must be (lo, hi) with 0 <= lo < hi, "
@@ -307,6 +312,23 @@ class Features:
     util_range: float | None = None
     collapse_share: float | None = None
     sbe_excess: float | None = None
+    drift_left_s: float | None = None  # seconds to a limit at a steady trend, the nearest
+
+
+def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
+               cfg: DriftConfig) -> float | None:
+    """The nearest limit at the GPU's own loaded trends: slowdown temperature, power cap,
+    clock floor (a share of its peers' clock, or of its own usual one with no peer)."""
+    usual_clock = peer_clock if peer_clock is not None else track.clock_baseline
+    limits = ((track.drift_temp, s.temperature, cfg.temperature_limit_c, True),
+              (track.drift_power, s.power_draw, s.power_limit, True),
+              (track.drift_clock, s.sm_clock,
+               None if usual_clock is None else cfg.clock_floor * usual_clock, False))
+    left = [time_left(window.times, window.values, limit - now, limit, cfg, rising)
+            for window, now, limit, rising in limits
+            if limit is not None and now is not None and window.times]
+    known = [seconds for seconds in left if seconds is not None]
+    return min(known) if known else None
 
 
 def temperature_severity(f: Features, cfg: AdaptiveConfig) -> float:
@@ -346,6 +368,17 @@ def others_median(values: dict[int, float]) -> dict[int, float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Per GPU, the other GPUs' median temperature, power and clock (None: no peer)."""
+
+    temperature: dict[int, float | None]
+    power: dict[int, float | None]
+    clock: dict[int, float | None]
+    count: int
+    """How many GPUs were sampled (each GPU's peers are the others)."""
+
+
 class _Track:
     """One GPU's rolling state."""
 
@@ -363,6 +396,12 @@ class _Track:
         self.throttle = Window(cfg.throttle_window_s)
         self.collapse = Window(cfg.collapse_window_s)
         self.sbe_events: deque[tuple[float, int]] = deque()
+        self.drift_temp = Window(cfg.drift.window_s)  # under load only
+        self.drift_power = Window(cfg.drift.window_s)
+        self.drift_clock = Window(cfg.drift.window_s)
+        self.clock_baseline: float | None = None  # own loaded clock, frozen while drifting
+        self.drift_held = Persistence()
+        self.drift_peers: int | None = None  # how many peers the drift windows are relative to
         self.baseline: float | None = None  # peer-relative temperature level
         self.loaded_baseline: float | None = None  # own temperature level under load
         self.spread_baseline: float | None = None  # own power IQR while utilisation is steady
@@ -385,6 +424,10 @@ class AdaptiveScorer:
         temps = {s.gpu_id: s.temperature for s in samples if s.temperature is not None}
         utils = {s.gpu_id: s.gpu_utilization for s in samples if s.gpu_utilization is not None}
         peer_temp, peer_util = others_median(temps), others_median(utils)
+        peers = Peers(peer_temp,
+                      others_median({s.gpu_id: s.power_draw for s in samples if s.power_draw is not None}),
+                      others_median({s.gpu_id: s.sm_clock for s in samples if s.sm_clock is not None}),
+                      len(samples))
         features, hard, dts = {}, {}, {}
         for s in samples:
             track = self._tracks.get(s.gpu_id)
@@ -394,7 +437,8 @@ class AdaptiveScorer:
             remember_counters(track.error_counters, s)
             dts[s.gpu_id] = max(0.0, s.timestamp - track.last)
             self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id))
-            features[s.gpu_id] = self._features(track, s)
+            self._observe_drifts(track, s, peers)
+            features[s.gpu_id] = self._features(track, s, peers.clock.get(s.gpu_id))
         peer_throttle = others_median({g: f.throttle_share for g, f in features.items()
                                        if f.throttle_share is not None})
         peer_spread = others_median({g: f.power_spread for g, f in features.items()
@@ -412,8 +456,10 @@ class AdaptiveScorer:
                         f, max(peer_spread.get(gpu) or 0.0, track.spread_baseline or 0.0), cfg),
                     "utilization_collapse": collapse_severity(f, cfg),
                     "sbe_acceleration": sbe_severity(f, cfg),
+                    "slow_drift": drift_severity(f.drift_left_s, cfg.drift),
                 }
             self._update_baselines(track, s, dts[gpu], severities.get("temperature_trend", 0.0))
+            self._update_clock_baseline(track, s, dts[gpu], severities.get("slow_drift", 0.0))
             self._update_spread_baseline(track, features[gpu], dts[gpu],
                                          severities.get("power_instability", 0.0))
             out[gpu] = self._assess(track, s, severities, hard[gpu], dts[gpu])
@@ -455,7 +501,23 @@ class AdaptiveScorer:
         while track.sbe_events and track.sbe_events[0][0] < t - 4 * self.config.sbe_window_s:
             track.sbe_events.popleft()
 
-    def _features(self, track: _Track, s: GpuSample) -> Features:
+    def _observe_drifts(self, track: _Track, s: GpuSample, peers: "Peers") -> None:
+        """Under settled load only (the rebound after a checkpoint's dip, each GPU at its own
+        pace, is no trend): each signal less its peers' median (itself with no peer). When
+        the peers change (a GPU lost or back), their median jumps: the trends start afresh."""
+        if peers.count != track.drift_peers:
+            track.drift_peers = peers.count
+            track.drift_temp, track.drift_power, track.drift_clock = (
+                Window(self.config.drift.window_s) for _ in range(3))
+        if track.loaded_since is None or s.timestamp - track.loaded_since < self.config.settle_s:
+            return
+        for window, value, peer in ((track.drift_temp, s.temperature, peers.temperature),
+                                    (track.drift_power, s.power_draw, peers.power),
+                                    (track.drift_clock, s.sm_clock, peers.clock)):
+            if value is not None:
+                window.push(s.timestamp, value - (peer.get(s.gpu_id) or 0.0))
+
+    def _features(self, track: _Track, s: GpuSample, peer_clock: float | None = None) -> Features:
         cfg, t = self.config, s.timestamp
         f = Features()
         if track.residual.times:
@@ -477,6 +539,8 @@ class AdaptiveScorer:
             f.collapse_share = track.collapse.mean()
         if s.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
+        f.drift_left_s = track.drift_held.confirmed(t, drift_left(track, s, peer_clock, cfg.drift),
+                                                    cfg.drift)
         return f
 
     def _update_baselines(self, track: _Track, s: GpuSample, dt: float, temp_severity: float) -> None:
@@ -492,6 +556,17 @@ class AdaptiveScorer:
             raw = track.raw.mean()
             track.loaded_baseline = raw if track.loaded_baseline is None else \
                 track.loaded_baseline + (raw - track.loaded_baseline) * weight
+
+    def _update_clock_baseline(self, track: _Track, s: GpuSample, dt: float, severity: float) -> None:
+        """The GPU's usual clock under load, learnt as the temperature baselines are."""
+        if (s.sm_clock is None or s.gpu_utilization is None
+                or s.gpu_utilization < self.config.loaded_util or severity >= 0.3):
+            return
+        if track.clock_baseline is None:
+            track.clock_baseline = s.sm_clock
+            return
+        weight = 1.0 - math.exp(-dt / self.config.baseline_tau_s)
+        track.clock_baseline += (s.sm_clock - track.clock_baseline) * weight
 
     def _update_spread_baseline(self, track: _Track, f: Features, dt: float, severity: float) -> None:
         cfg = self.config

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ftmaster.monitor.anomalies import (Anomaly, AnomalyOverlay, DoubleBitError, EccBurst, PagesPending,
-                                        PowerOscillation, ThermalRunaway, Throttling, UtilizationCollapse, Xid)
+from ftmaster.monitor.anomalies import (DRIFT_SHAPES, DRIFT_SIGNALS, AmbientSwing, Anomaly,
+                                        AnomalyOverlay, DoubleBitError, Drift, EccBurst, LoadStep,
+                                        PagesPending, PowerOscillation, ThermalRunaway, Throttling,
+                                        UtilizationCollapse, Xid)
 from ftmaster.monitor.backends.sim import Fleet, GpuTraits
 from ftmaster.monitor.sample import GpuSample, to_row
 from ftmaster.monitor.schema import CSV_COLUMNS
@@ -54,6 +56,16 @@ class FailurePlan:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """Benign anomalies laid over a GPU from ``start_s`` on, with no failure: a look-alike."""
+
+    gpu: int
+    start_s: float
+    kind: str
+    anomalies: tuple[Anomaly, ...]
+
+
+@dataclass(frozen=True)
 class TraceSpec:
     seed: int
     num_gpus: int
@@ -70,6 +82,7 @@ class TraceSpec:
     spike_prob: float  # per sample and GPU: a one-sample temperature spike
     spurious_throttle_prob: float  # per sample and GPU: a one-sample HW slowdown bit
     stall_prob: float  # per sample and GPU: a short data stall on that GPU alone
+    episodes: tuple[Episode, ...] = ()
 
 
 def random_spec(seed: int) -> TraceSpec:
@@ -178,6 +191,9 @@ def generate(spec: TraceSpec, start_time: float = START_TIME) -> Iterator[list[G
             onset = failure.time_s - failure.precursor_s
             if failure.precursor_s > 0 and onset <= t < onset + spec.interval_s:
                 overlay.inject(failure.gpu, *failure.anomalies)
+        for episode in spec.episodes:
+            if episode.start_s <= t < episode.start_s + spec.interval_s:
+                overlay.inject(episode.gpu, *episode.anomalies)
         dying = [f for f in spec.failures if f.time_s <= t < f.time_s + spec.interval_s]
         for failure in dying:
             overlay.inject(failure.gpu, *failure.final)
@@ -211,6 +227,8 @@ def labels(spec: TraceSpec, start_time: float = START_TIME) -> dict:
                       "has_precursor": f.precursor_s > 0,
                       "precursor_start": start_time + f.time_s - f.precursor_s if f.precursor_s > 0 else None,
                       "kind": f.kind} for f in spec.failures],
+        "episodes": [{"gpu": e.gpu, "start_time": start_time + e.start_s, "kind": e.kind}
+                     for e in spec.episodes],
     }
 
 
@@ -227,3 +245,59 @@ def write_trace(spec: TraceSpec, directory: Path) -> tuple[Path, Path]:
             writer.writerows(to_row(s) for s in batch)
     labels_path.write_text(json.dumps(labels(spec), indent=1) + "\n")
     return csv_path, labels_path
+
+
+# ---- slow drifts and their look-alikes -------------------------------------------------------
+
+DRIFT_KINDS = tuple(f"{signal}_drift" for signal in DRIFT_SIGNALS)
+BENIGN_KINDS = ("load_step", "slow_warmup", "ambient_swing")
+
+
+def drift_spec(seed: int) -> TraceSpec:
+    """A labelled trace for slow drifts, from ``seed``: 4-8 GPUs sampled every 5-15 s for
+    3 hours, the usual healthy noise, checkpoint dips and hot GPUs; one GPU drifts to its limit
+    over 20-30 minutes (a drift kind, of a shape in ``DRIFT_SHAPES``) and fails there, and
+    the fleet goes through benign look-alikes (a step to heavier work, a slow warm-up to a new
+    level, a swing of the room's temperature) that must stay quiet. They come to every GPU
+    at once, as the phases of synchronous training and the room do, each GPU's a little
+    different; none takes a healthy GPU to its limits. Seeds from 0 and up."""
+    rng = random.Random(f"drift:{seed}")
+    base = random_spec(10_000 + seed)
+    num_gpus = rng.choice((4, 8))
+    interval = rng.choice((5.0, 10.0, 15.0))
+    duration = 3 * 3600.0
+    # Cooler than the sim's 80 C under load, as a well-cooled rack runs them: 65-75 C, so a
+    # drift to 87 C climbs 12-22 C, above the degree or two a GPU's cooling wanders by.
+    rack = rng.uniform(-15, -5)
+    traits = tuple(_with_offset(_random_traits(rng), rack) for _ in range(num_gpus))
+    victim = rng.randrange(num_gpus)
+    if rng.random() < 0.5:  # a hot but steady GPU (below 87 C), not the one that drifts
+        hot = rng.choice([gpu for gpu in range(num_gpus) if gpu != victim])
+        traits = traits[:hot] + (_with_offset(traits[hot], rack + rng.uniform(4, 10)),) + traits[hot + 1:]
+    kind = rng.choice(DRIFT_KINDS)
+    span = rng.uniform(20, 30) * 60
+    drift = Drift(signal=kind.removesuffix("_drift"), duration_s=span,
+                  shape=rng.choice(DRIFT_SHAPES), step_s=rng.uniform(120, 300))
+    when = math.floor(rng.uniform(3600 + span, duration - 600) / interval) * interval
+    failure = FailurePlan(victim, when, kind, span, (drift,), (Xid(code=rng.choice((79, 48))),))
+    episodes = tuple(e for _ in range(rng.randint(1, 3)) for e in _benign(rng, num_gpus, duration))
+    return TraceSpec(
+        seed=seed, num_gpus=num_gpus, interval_s=interval, duration_s=duration,
+        warmup_s=rng.uniform(60, 300), base_load=base.base_load,
+        checkpoint_every_s=rng.uniform(900, 3600), checkpoint_len_s=rng.uniform(20, 120),
+        eval_every_s=None, eval_len_s=0.0, traits=traits, failures=(failure,),
+        spike_prob=base.spike_prob, spurious_throttle_prob=base.spurious_throttle_prob,
+        stall_prob=base.stall_prob, episodes=episodes)
+
+
+def _benign(rng: random.Random, num_gpus: int, duration: float) -> list[Episode]:
+    kind = rng.choice(BENIGN_KINDS)
+    start = rng.uniform(1200, duration - 3600)
+    if kind == "ambient_swing":
+        swing = AmbientSwing(amplitude_c=rng.uniform(2, 4), period_s=rng.uniform(2400, 7200))
+        return [Episode(gpu, start, kind, (swing,)) for gpu in range(num_gpus)]
+    tau = rng.uniform(60, 180) if kind == "load_step" else rng.uniform(400, 900)
+    rise, power = rng.uniform(3, 8), rng.uniform(0.02, 0.05)  # healthy GPUs stay below 87 C
+    return [Episode(gpu, start, kind, (LoadStep(rise_c=rise * rng.uniform(0.8, 1.2),
+                                                power_frac=power * rng.uniform(0.8, 1.2),
+                                                tau_s=tau),)) for gpu in range(num_gpus)]

@@ -1,0 +1,99 @@
+"""Straggler detection: latency in iterations for slowdowns of 1.2x, 1.5x and 2x, and what the
+per-rank timing costs an iteration.
+
+    .venv/bin/python benchmarks/stragglers.py [--repeats 3] [--iters 40]
+
+Latency: ``ftmaster launch`` on 4 CPU ranks (TP1 x PP1 x DP4, the e2e test's model), with
+``--inject slow:gpu=1,factor=F,at=iter:8``; the latency is the iteration of the ``straggler``
+event less 8 ("-" when no event came before the run ended), medians over the repeats, at the
+default ``--straggler-ratio`` and ``--straggler-iterations``.
+
+Overhead: in this process, what each rank adds per iteration: the two timing marks (a clock
+and ``/proc/thread-self/schedstat`` each on CPU), reading the last iteration's figure,
+recording the figures, and local rank 0's heartbeat with them against one without (the
+figures ride the save agreement's all-reduce: its tensor grows by one int64 per rank).
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from e2e.test_launch_stragglers import straggler_args  # noqa: E402
+from helpers.launch import events, run_launch  # noqa: E402
+
+from ftmaster import runfiles  # noqa: E402
+from ftmaster.monitor.stragglers import StragglerConfig  # noqa: E402
+from megatron.training.step_timing import KEPT, ComputeFigures, ComputeTimer  # noqa: E402
+
+FACTORS = (1.2, 1.5, 2.0)
+SLOW_FROM = 8
+
+
+def latency(factor: float, iters: int, root: Path) -> int | None:
+    run_dir = root / "run"
+    result = run_launch(run_dir, 4, straggler_args(root / "ckpt", iters), "--inject",
+                        f"slow:gpu=1,factor={factor},at=iter:{SLOW_FROM}", timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:]
+    found = [e for e in events(run_dir, "straggler") if e["gpu"] == 1]
+    return found[0]["iteration"] - SLOW_FROM if found else None
+
+
+def microseconds(action, repeats: int = 20000) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        action()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def overhead(ranks: int = 4) -> dict[str, float]:
+    timer, figures = ComputeTimer(cuda=False), ComputeFigures([0] * ranks)
+    for iteration in range(KEPT):
+        figures.record(iteration, [40_000 + r for r in range(ranks)])
+
+    def marks():
+        timer.start()
+        timer.reduction_entered()
+        timer.previous_microseconds()
+
+    with tempfile.TemporaryDirectory(prefix="ftmaster-stragglers-") as tmp:
+        run_dir = Path(tmp)
+        return {
+            "timing marks and read": microseconds(marks),
+            "figures recorded": microseconds(lambda: figures.record(KEPT, [40_000] * ranks)),
+            "heartbeat with figures": microseconds(lambda: runfiles.write_heartbeat(
+                run_dir, 1, 8, 1, compute=figures.heartbeat()), 2000),
+            "heartbeat without": microseconds(lambda: runfiles.write_heartbeat(run_dir, 1, 8, 1),
+                                              2000),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=40)
+    options = parser.parse_args()
+    config = StragglerConfig()
+    print(f"straggler ratio {config.ratio}, {config.iterations} iterations in a row, window "
+          f"{config.window}; 4 CPU ranks, slowed from iteration {SLOW_FROM}, "
+          f"{options.iters} iterations")
+    print(f"{'factor':>7s} {'latency (iterations)':>22s} {'median':>7s}")
+    with tempfile.TemporaryDirectory(prefix="ftmaster-stragglers-") as tmp:
+        for factor in FACTORS:
+            found = [latency(factor, options.iters, Path(tmp) / f"{factor}-{repeat}")
+                     for repeat in range(options.repeats)]
+            detected = [f for f in found if f is not None]
+            shown = " ".join("-" if f is None else str(f) for f in found)
+            median = f"{statistics.median(detected):g}" if len(detected) > len(found) / 2 else "-"
+            print(f"{factor:7.2f} {shown:>22s} {median:>7s}")
+    print(f"\nper-iteration cost of the timing ({4} ranks' figures, {KEPT} iterations kept):")
+    for name, cost in overhead().items():
+        print(f"  {name:24s} {cost:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()

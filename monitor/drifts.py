@@ -1,0 +1,138 @@
+"""Slow drifts toward a limit: the time left at the current slope.
+
+A GPU whose temperature creeps toward its slowdown point, whose power creeps toward its cap
+or whose clock sinks toward a floor over 20-30 minutes shows no single bad sample until the
+end. What gives it away is the trend: at the slope it keeps, it reaches the limit in so many
+minutes. The trend is the GPU's own: its signal less its peers' median (with no peer, the
+signal itself), taken under load only, so that what every GPU does at once (a phase of
+heavier work, a warm-up, the room's temperature) and a checkpoint's dip are no part of it.
+:func:`time_left` fits it over the last ``window_s`` and only calls it a trend when it is
+one:
+
+- over the window it rises (toward the limit) by at least ``min_slope`` of the limit's scale
+  per minute and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
+  trend);
+- its second half rises too, at least ``steady`` times as fast as its first: a step that
+  settles (a first-order approach to a new level) slows down, a drift does not (it keeps its
+  pace or speeds up).
+
+A trend must have held through most of the last ``persist_s`` before it counts
+(:class:`Persistence`): the fits of a sliding window follow noise for a sample or two, a
+drift for minutes.
+
+The time left is then the time the GPU takes to cover its distance to the limit at the
+second half's slope, speeding up as it did from the first half to the second (a drift that
+accelerates gets there sooner than its slope says), and
+:func:`drift_severity` ramps from 0 at ``horizon_s[0]`` left to 1 at ``horizon_s[1]``: with
+the defaults a drift alerts with about 8 minutes left, a quarter or more of a 20-30 minute
+drift's span. Pure functions of the points and a :class:`DriftConfig`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class DriftConfig:
+    """When a slow drift toward a limit is a risk."""
+
+    window_s: float = 600.0
+    """Span of loaded samples the trend is fitted over (two halves of 5 minutes)."""
+    min_coverage: float = 0.8
+    """Share of the window the samples must span before a trend counts."""
+    min_slope: float = 0.0025
+    """Least rise per minute over the window, as a share of the limit (0.22 C/min at 87 C)."""
+    min_t: float = 4.0
+    """Least slope over the window, in standard errors of its fit."""
+    steady: float = 0.75
+    """The second half's slope over the first's, at least: below, the rise is settling."""
+    persist_s: float = 120.0
+    """How long a trend must have held before it counts."""
+    held_share: float = 0.5
+    """The share of that time's evaluations in which it held."""
+    horizon_s: tuple[float, float] = (1200.0, 480.0)
+    """Time left at which the severity starts (0) and is full (1)."""
+    temperature_limit_c: float = 87.0
+    """Where a GPU slows down for heat (the thermal runaway's throttle point in the traces;
+    NVML's slowdown threshold on data-centre GPUs is near it)."""
+    clock_floor: float = 0.7
+    """The clock limit, as a share of the GPU's usual loaded clock."""
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0 or not 0 < self.min_coverage <= 1:
+            raise ValueError("the drift window must be positive and its coverage in (0, 1]")
+        if not self.horizon_s[0] > self.horizon_s[1] >= 0:
+            raise ValueError(f"the drift horizon must fall from start to full, got {self.horizon_s}")
+        if not 0 < self.clock_floor < 1:
+            raise ValueError(f"the clock floor must be a share in (0, 1), got {self.clock_floor}")
+
+
+def _fit(times: Sequence[float], values: Sequence[float]) -> tuple[float, float] | None:
+    """The least-squares slope per second and its standard error."""
+    n = len(times)
+    if n < 4:
+        return None
+    mean_t, mean_v = sum(times) / n, sum(values) / n
+    sxx = sum((t - mean_t) ** 2 for t in times)
+    if sxx <= 0:
+        return None
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / sxx
+    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in zip(times, values))
+    return slope, (residual / (n - 2) / sxx) ** 0.5
+
+
+def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
+              cfg: DriftConfig, rising: bool = True) -> float | None:
+    """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
+    else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
+    signal); None when there is no trend toward it, or it is past the limit already (the
+    level detectors' business). ``scale``: the limit's magnitude, for ``min_slope``."""
+    if (distance <= 0) == rising or len(times) < 8 or \
+            times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
+        return None
+    middle = times[-1] - (times[-1] - times[0]) / 2
+    first = [(t, v) for t, v in zip(times, values) if t < middle]
+    second = [(t, v) for t, v in zip(times, values) if t >= middle]
+    toward = 1.0 if rising else -1.0
+    fits = [_fit(*zip(*part)) if part else None
+            for part in (list(zip(times, values)), first, second)]
+    if None in fits:
+        return None
+    whole, early, late = (toward * slope for slope, _ in fits)
+    if (whole < cfg.min_slope * abs(scale) / 60.0 or whole < cfg.min_t * fits[0][1]
+            or late <= 0 or late < cfg.steady * early):
+        return None
+    late = max(late, whole)
+    # Constant acceleration from the first half's slope to the second's (half a window apart).
+    acceleration = max(0.0, (late - early) / ((times[-1] - times[0]) / 2))
+    if acceleration <= 0:
+        return abs(distance) / late
+    return (-late + (late * late + 2 * acceleration * abs(distance)) ** 0.5) / acceleration
+
+
+def drift_severity(seconds_left: float | None, cfg: DriftConfig) -> float:
+    if seconds_left is None:
+        return 0.0
+    start, full = cfg.horizon_s
+    return min(1.0, max(0.0, (start - seconds_left) / (start - full)))
+
+
+class Persistence:
+    """Whether a GPU's trend has held: in at least ``held_share`` of its evaluations over the
+    last ``persist_s`` (a drift's fits dip below a test now and then; noise's rarely pass
+    one twice in a row), and now."""
+
+    def __init__(self) -> None:
+        self.recent: deque[tuple[float, bool]] = deque()
+
+    def confirmed(self, t: float, seconds_left: float | None, cfg: DriftConfig) -> float | None:
+        self.recent.append((t, seconds_left is not None))
+        while len(self.recent) > 1 and self.recent[1][0] <= t - cfg.persist_s:
+            self.recent.popleft()
+        if seconds_left is None or t - self.recent[0][0] < cfg.persist_s:
+            return None
+        held = sum(ok for _, ok in self.recent) / len(self.recent)
+        return seconds_left if held >= cfg.held_share else None

@@ -1,0 +1,91 @@
+"""Slow drifts toward a limit (pure: points and a config in, time left out), and one small
+labelled trace replayed: a drift alerts with a quarter of its span left, look-alikes stay
+quiet."""
+
+import json
+import math
+
+import pytest
+
+from ftmaster.monitor import tracegen
+from ftmaster.monitor.alerts import AlertConfig
+from ftmaster.monitor.drifts import DriftConfig, Persistence, drift_severity, time_left
+from ftmaster.monitor.evaluate import replay
+from ftmaster.monitor.scorers import AdaptiveScorer
+
+CFG = DriftConfig()
+TIMES = [10.0 * i for i in range(61)]  # 10 minutes, a sample every 10 s
+
+
+def wiggle(i: int) -> float:
+    return 0.3 * math.sin(i * 1.7)  # deterministic noise
+
+
+@pytest.mark.parametrize("values, distance, rising, expected_s", [
+    # 0.6 C a minute, 6 C to go: 10 minutes
+    ([0.01 * t + wiggle(i) for i, t in enumerate(TIMES)], 6.0, True, 600.0),
+    # a clock sinking 20 MHz a minute, 200 MHz above its floor: 10 minutes
+    ([-t / 3 + wiggle(i) for i, t in enumerate(TIMES)], -200.0, False, 600.0),
+])
+def test_a_steady_trend_reaches_its_limit_at_its_slope(values, distance, rising, expected_s):
+    assert time_left(TIMES, values, distance, 87.0, CFG, rising) == pytest.approx(expected_s, rel=0.1)
+
+
+def test_an_accelerating_trend_gets_there_sooner_than_its_slope_says():
+    values = [(t / 600) ** 2 * 6 + wiggle(i) for i, t in enumerate(TIMES)]
+    left = time_left(TIMES, values, 6.0, 87.0, CFG)
+    late_slope = 2 * 6 / 600  # C/s at the end of the window
+    assert left is not None and left < 6.0 / late_slope
+
+
+@pytest.mark.parametrize("values, distance, rising, why", [
+    ([wiggle(i) for i in range(61)], 6.0, True, "flat: noise only"),
+    ([8 * (1 - math.exp(-t / 90)) + wiggle(i) for i, t in enumerate(TIMES)], 6.0, True,
+     "a step that settles"),
+    ([8 * (1 - math.exp(-t / 600)) + wiggle(i) for i, t in enumerate(TIMES)], 6.0, True,
+     "a slow warm-up that settles"),
+    ([0.01 * t for t in TIMES], -1.0, True, "past the limit already: the level detectors'"),
+    ([-0.01 * t for t in TIMES], 6.0, True, "moving away from the limit"),
+    ([0.01 * t for t in TIMES[:20]], 6.0, True, "too little of the window covered"),
+])
+def test_no_trend_toward_the_limit_has_no_time_left(values, distance, rising, why):
+    assert time_left(TIMES[:len(values)], values, distance, 87.0, CFG, rising) is None, why
+
+
+def test_severity_ramps_from_the_horizons_start_to_full():
+    start, full = CFG.horizon_s
+    assert [drift_severity(s, CFG) for s in (None, start + 1, (start + full) / 2, full, 0)] == \
+        [0.0, 0.0, pytest.approx(0.5), 1.0, 1.0]
+
+
+def test_a_trend_counts_once_it_held_through_most_of_the_persistence_time():
+    held = Persistence()
+    seen = [held.confirmed(t, 300.0 if t % 30 else None, CFG) for t in range(0, 200, 10)]
+    assert seen[:12] == [None] * 12  # under persist_s (120 s) of history
+    assert 300.0 in seen[13:]  # held two evaluations in three since
+    assert all(s is None for t, s in zip(range(0, 200, 10), seen) if t % 30 == 0)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"horizon_s": (300.0, 600.0)}, "horizon must fall"),
+    ({"clock_floor": 1.2}, "clock floor"),
+    ({"window_s": 0}, "window must be positive"),
+])
+def test_the_drift_config_is_checked(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        DriftConfig(**kwargs)
+
+
+def test_a_small_trace_alerts_on_its_drift_early_and_never_on_its_look_alikes(tmp_path):
+    """Seed 1: a 4-GPU trace whose GPU drifts to 87 C over 22 minutes, with a fleet-wide slow
+    warm-up and step to heavier work."""
+    spec = tracegen.drift_spec(1)
+    assert spec.failures[0].kind == "temperature_drift" and spec.episodes
+    csv_path, labels_path = tracegen.write_trace(spec, tmp_path)
+    (failure,) = json.loads(labels_path.read_text())["failures"]
+    alerts, _, _ = replay(csv_path, AdaptiveScorer(), AlertConfig())
+    assert [a.gpu for a in alerts] and {a.gpu for a in alerts} == {failure["gpu"]}
+    first = min(a.time for a in alerts)
+    span = failure["failure_time"] - failure["precursor_start"]
+    assert failure["precursor_start"] <= first and "slow_drift" in alerts[0].reasons
+    assert (failure["failure_time"] - first) / span >= 0.25
