@@ -49,6 +49,9 @@ class DriftConfig:
     """Least slope over the window, in standard errors of its fit."""
     steady: float = 0.75
     """The second half's slope over the first's, at least: below, the rise is settling."""
+    every_s: float = 10.0
+    """Least time between two fits of one GPU's trends (sampled faster, they are fitted no
+    more often: a fit walks the window's points)."""
     persist_s: float = 120.0
     """How long a trend must have held before it counts."""
     held_share: float = 0.5

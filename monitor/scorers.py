@@ -402,6 +402,8 @@ class _Track:
         self.clock_baseline: float | None = None  # own loaded clock, frozen while drifting
         self.drift_held = Persistence()
         self.drift_peers: int | None = None  # how many peers the drift windows are relative to
+        self.drift_checked: float | None = None  # when the trends were last fitted
+        self.drift_left_s: float | None = None  # what that fit found
         self.baseline: float | None = None  # peer-relative temperature level
         self.loaded_baseline: float | None = None  # own temperature level under load
         self.spread_baseline: float | None = None  # own power IQR while utilisation is steady
@@ -539,8 +541,15 @@ class AdaptiveScorer:
             f.collapse_share = track.collapse.mean()
         if s.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
-        f.drift_left_s = track.drift_held.confirmed(t, drift_left(track, s, peer_clock, cfg.drift),
-                                                    cfg.drift)
+        settled = track.loaded_since is not None and t - track.loaded_since >= cfg.settle_s
+        if not settled:  # a dip or a rebound: no trend is read, none is carried over
+            track.drift_checked, track.drift_left_s = None, None
+            track.drift_held = Persistence()
+        elif track.drift_checked is None or t - track.drift_checked >= cfg.drift.every_s:
+            track.drift_checked = t  # slow by nature: a fit every few seconds is enough
+            track.drift_left_s = track.drift_held.confirmed(
+                t, drift_left(track, s, peer_clock, cfg.drift), cfg.drift)
+        f.drift_left_s = track.drift_left_s
         return f
 
     def _update_baselines(self, track: _Track, s: GpuSample, dt: float, temp_severity: float) -> None:
