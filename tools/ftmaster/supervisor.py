@@ -87,8 +87,6 @@ from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
-from ftmaster.stragglers import Found, StragglerWatch, decide_drain
-from ftmaster.warm import WarmStarter
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
@@ -392,7 +390,7 @@ class Supervisor:
                 (self.attempt.rank_dir / f"cuda_error_{local_rank}").write_text(str(injection.code))
             if kind is Fault.SLOW:  # the rank reads it at its next iteration
                 runfiles.atomic_write_text(self.attempt.rank_dir / f"{SLOW_FILE_PREFIX}{local_rank}",
-                                  f"{injection.factor}\n", durable=False)
+                                           f"{injection.factor}\n", durable=False)
             else:
                 send_signal(pid, {Fault.FAIL: signal.SIGKILL, Fault.HANG: signal.SIGSTOP,
                                   Fault.XID: CUDA_ERROR_SIGNAL}[kind])
@@ -671,8 +669,9 @@ class Supervisor:
         return self._resuming(plan.command)
 
     def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
-        """The attempt's environment for injected faults on its GPUs: ``nan`` injections
-        (handed over once) and, in a rehearsal with XIDs, the GPUs still carrying one."""
+        """The attempt's environment for injected faults on its GPUs: ``nan`` and ``slow`` at
+        an iteration (handed over once) and, in a rehearsal with XIDs, the GPUs still
+        carrying one."""
         env = {}
         armed = self.injector.take_armed(gpus)
         for injection in armed:
