@@ -120,7 +120,8 @@ def found_with(step_s, healthy=1.0):
 
 @pytest.mark.parametrize("found, estimate, drain, words", [
     (found_with(2.0), lambda: _Plan(1.33), True, r"^draining GPU 1: the job runs 2.000 s/iteration"
-                                                  r".* estimates 1.330 s/iteration on the 3 GPUs"),
+                                                  r".* estimates 1.330 s/iteration on the 3 GPUs"
+                                                  r".*calibrated on 1.990 s/iteration without its"),
     (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
     (found_with(None), lambda: _Plan(1.0), False, "not measured yet"),
     (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
@@ -173,3 +174,9 @@ def test_the_compute_timer_reads_the_last_complete_iteration():
     assert timer.previous_microseconds() >= 1
     timer.start()  # an iteration that never reached the reduction (an evaluation)
     assert timer.previous_microseconds() == 0
+
+
+def test_the_calibration_is_the_step_now_less_the_stragglers_extra_compute():
+    found = Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), 0.6, 0.9)
+    assert found.without_extra_s() == pytest.approx(0.35)
+    assert Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), None, None).without_extra_s() is None

@@ -3,9 +3,11 @@ detector (:mod:`ftmaster.monitor.stragglers`), and the step times a drain decisi
 
 By default a straggler is reported (console, ``straggler`` event, ``ftmaster report``). With
 ``--drain-stragglers`` the supervisor drains its GPU (an agreed save, then a relaunch without
-it) when the planner's cost model, calibrated on the job's own healthy step time, says the
-GPUs left run faster than the job runs now with the straggler; never below the planner's
-minimum and never more than one GPU per window (:meth:`StragglerWatch.drain_allowed`).
+it) when the planner's cost model says the GPUs left run faster than the job runs now with
+the straggler; never below the planner's minimum and never more than one GPU per window
+(:meth:`StragglerWatch.drain_allowed`). The model is calibrated on the job's step now less
+the straggler's extra compute (:meth:`Found.without_extra_s`): measured at the same time as
+the step it is weighed against, where the step before the slowdown may be a warm-up's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ class Found:
     """The job's step time since the straggler slowed it; None until measured."""
     healthy_step_s: float | None
     """The job's step time before it; None when it was never measured healthy."""
+
+    def without_extra_s(self) -> float | None:
+        """The job's step now, less what the straggler computes beyond its peers: the step
+        the same layout would take without the slowdown."""
+        if self.step_s is None:
+            return None
+        extra = (self.straggler.compute_ms - self.straggler.peers_ms) / 1000
+        return self.step_s - extra if self.step_s > extra > 0 else None
 
 
 class StragglerWatch:
@@ -119,10 +129,10 @@ def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
         return DrainDecision(False, f"keeping GPU {gpu}: the planner has no step estimate for "
                                     f"the {gpus_left} GPUs left")
     verdict = "draining" if left < now else "keeping"
+    calibration = found.without_extra_s()
     return DrainDecision(left < now, (
         f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
         f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
-        f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout}), calibrated on the "
-        f"healthy {found.healthy_step_s:.3f} s/iteration" if found.healthy_step_s else
-        f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it; the cost model "
-        f"estimates {left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})"), left)
+        f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})")
+        + ("" if calibration is None else f", calibrated on {calibration:.3f} s/iteration "
+                                          f"without its extra compute"), left)

@@ -784,7 +784,7 @@ class Supervisor:
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus),
-            measured_step_s=found.healthy_step_s or self._original_step_s,
+            measured_step_s=found.without_extra_s() or self._original_step_s,
             **self._planner_options()))
         log.warning("straggler: %s", decision.line)
         if not decision.drain:
