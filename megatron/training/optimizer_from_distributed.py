@@ -17,11 +17,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-from .optimizer_shards import STATE_KEYS, distributed_optimizers
+from .optimizer_shards import STATE_KEYS, distributed_optimizers, sharding_by_param
 
 KEY = "optimizer_from_distributed"
 """Where the template puts the tensors (the load's result has them at the same place)."""
@@ -43,8 +41,7 @@ def _main_params(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor, torc
 
 def template(optimizer, model_sharded_state_dict: dict) -> dict:
     """The fully reshardable tensors of every parameter, under the model's sharding."""
-    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    metadata_of = {item.data: item for item in nested_values(sharded)}
+    metadata_of = sharding_by_param(model_sharded_state_dict)
     tensors = {}
     for index, (model, _, _) in enumerate(_main_params(optimizer)):
         sharded_metadata = metadata_of[model]

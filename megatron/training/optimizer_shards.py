@@ -88,12 +88,18 @@ def _pieces(sharded_metadata, state_key: str, shape: torch.Size) -> list[_Piece]
     return pieces
 
 
+def sharding_by_param(model_sharded_state_dict: dict) -> dict:
+    """Each model parameter's ShardedTensor (or factory), keyed by the parameter itself, as
+    megatron-core's fully reshardable format finds it."""
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    return {item.data: item for item in nested_values(sharded)}
+
+
 def shard_slices(optimizer, model_sharded_state_dict: dict) -> dict[str, dict]:
     """This rank's part of every fully reshardable optimizer tensor, by slice key: the
     chunk (fqn, offsets, sizes, global size), the range ``[start, end)`` of its flat elements
     held here, and the values (a copy: training may go on)."""
-    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    metadata_of = {item.data: item for item in nested_values(sharded)}
+    metadata_of = sharding_by_param(model_sharded_state_dict)
     slices = {}
     for inner in distributed_optimizers(optimizer):
         for buffer_ranges in inner.gbuf_ranges:

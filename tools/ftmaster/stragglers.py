@@ -19,6 +19,8 @@ from typing import Sequence
 
 from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker
 
+KEPT_BEATS = 256
+"""Heartbeats kept per attempt for step times (the detector's window is far shorter)."""
 WARMUP_ITERATIONS = 3
 """An attempt's first iterations are left out (start-up, allocator and cache warm-up)."""
 
@@ -67,7 +69,10 @@ class StragglerWatch:
         if not heartbeat or not isinstance(heartbeat.get("iteration"), int):
             return []
         iteration = heartbeat["iteration"]
-        self._beats.setdefault(iteration, float(heartbeat.get("time", time.time())))
+        if iteration not in self._beats:
+            self._beats[iteration] = float(heartbeat.get("time", time.time()))
+            while len(self._beats) > KEPT_BEATS:  # in iteration order: the oldest go
+                del self._beats[next(iter(self._beats))]
         self._first = iteration if self._first is None else self._first
         compute = heartbeat.get("compute") or {}
         figures = {int(it): {rank: ms for rank, ms in enumerate(values) if ms}

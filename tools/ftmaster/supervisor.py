@@ -759,8 +759,10 @@ class Supervisor:
     def _report_drain_result(self) -> None:
         """After a straggler's drain: the new attempt's step time beside the slowed one's."""
         slowed = self.stragglers.drained_step_s
+        if slowed is None:
+            return
         now = self.stragglers.step_seconds()
-        if slowed is None or now is None:
+        if now is None:
             return
         self.stragglers.drained_step_s = None
         log.info("straggler drained: %.3f s/iteration now, against %.3f s/iteration with it",
