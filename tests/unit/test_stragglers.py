@@ -12,6 +12,7 @@ from megatron.training.rehearsal import Slowdown
 from megatron.training.step_timing import KEPT, ComputeFigures, ComputeTimer
 
 FOUR = {0: 0, 1: 0, 2: 0, 3: 0}
+THREE_WIDE = StragglerConfig(window=3)
 
 
 def figures(rows: dict[int, list[float]]) -> dict[int, dict[int, float]]:
@@ -30,7 +31,7 @@ def figures(rows: dict[int, list[float]]) -> dict[int, dict[int, float]]:
     ({0: [10, 10], 1: [30, 30]}, FOUR, {}),
 ])
 def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, stages, expected):
-    judged = {a.rank: a.slowdown for a in assess(history, stages, StragglerConfig())}
+    judged = {a.rank: a.slowdown for a in assess(history, stages, THREE_WIDE)}
     for rank, slowdown in expected.items():
         assert judged[rank] == pytest.approx(slowdown)
     assert expected or not judged
@@ -38,7 +39,7 @@ def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, st
 
 def test_drift_is_against_the_ranks_own_earlier_median():
     history = {0: [10, 10, 10, 20, 20, 20], 1: [20] * 6}
-    (zero, one) = assess(history, FOUR, StragglerConfig())
+    (zero, one) = assess(history, FOUR, THREE_WIDE)
     assert zero.drift == pytest.approx(2.0) and one.drift == pytest.approx(1.0)
 
 
@@ -52,6 +53,13 @@ def test_a_rank_slow_for_the_set_iterations_is_reported_once():
     found = tracker.observe(figures(slow_rows(8, 30)), FOUR)
     assert [(s.rank, s.iteration, s.since, s.slowdown) for s in found] == [(1, 13, 8, 2.0)]
     assert tracker.observe(figures({31: [10, 20, 10, 10]}), FOUR) == []
+
+
+def test_by_default_a_rank_slowed_2x_from_iteration_8_is_reported_at_14_and_a_5_iteration_burst_never():
+    tracker = StragglerTracker()
+    assert [s.iteration for s in tracker.observe(figures(slow_rows(8, 30)), FOUR)] == [14]
+    burst = {it: [10.0, 13.0 if 20 <= it < 25 else 10.0, 10.0, 10.0] for it in range(1, 40)}
+    assert StragglerTracker().observe(figures(burst), FOUR) == []
 
 
 def test_iterations_seen_before_are_ignored_and_missing_figures_are_unknown():
@@ -107,6 +115,18 @@ def test_the_watch_maps_ranks_to_gpus_and_measures_the_step_before_and_after():
     assert straggler.step_s == pytest.approx(2.0)
 
 
+def test_a_drain_is_weighed_on_the_steps_seen_since_the_slowdown_until_now():
+    watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
+    watch.new_attempt([0, 1, 2, 3], 0)
+    for it in range(1, 10):
+        watch.observe(beat(it, float(it)))
+    named_early = found_with(None)  # since iteration 8: one step seen
+    assert watch.remeasured(named_early) is named_early
+    for it in range(10, 20):  # 3 s per iteration from 10 on
+        watch.observe(beat(it, 9.0 + 3 * (it - 9)))
+    assert watch.remeasured(named_early).step_s == pytest.approx(3.0)
+
+
 class _Plan:
     tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size = 1, 1, 3
 
@@ -123,7 +143,6 @@ def found_with(step_s, healthy=1.0):
                                                   r".* estimates 1.330 s/iteration on the 3 GPUs"
                                                   r".*calibrated on 1.990 s/iteration without its"),
     (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
-    (found_with(None), lambda: _Plan(1.0), False, "not measured yet"),
     (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
      r"the 3 GPUs left cannot run the job \(no layout fits\)"),
 ])

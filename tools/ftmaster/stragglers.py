@@ -12,6 +12,7 @@ the step it is weighed against, where the step before the slowdown may be a warm
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ class StragglerWatch:
         steps = [(t2 - t1) / (i2 - i1) for (i1, t1), (i2, t2) in zip(beats, beats[1:]) if i2 > i1]
         return round(statistics.median(steps), 4) if len(steps) >= 2 else None
 
+    def remeasured(self, found: Found) -> Found:
+        """``found`` with the job's step time since the slowdown measured again: a drain is
+        weighed on every step seen so far, not on those seen when the straggler was named."""
+        step_s = self.step_seconds(since=found.straggler.since)
+        return found if step_s is None else dataclasses.replace(found, step_s=step_s)
+
     def drain_allowed(self, now: float) -> bool:
         """At most one drain per window."""
         return self._last_drain is None or now - self._last_drain >= self.drain_window_s
@@ -115,13 +122,11 @@ class DrainDecision:
 
 
 def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
-    """Whether the job runs faster without ``found``'s GPU. ``estimate()`` is the planner on
-    the GPUs left, calibrated on the healthy step time: a Plan, or ValueError (PlanError)
-    when they cannot run the job."""
+    """Whether the job runs faster without ``found``'s GPU, whose step time with it is
+    measured. ``estimate()`` is the planner on the GPUs left, calibrated on the step without
+    the straggler's extra compute: a Plan, or ValueError (PlanError) when they cannot run the
+    job."""
     gpu, now = found.gpu, found.step_s
-    if now is None:
-        return DrainDecision(False, f"keeping GPU {gpu}: the job's step time with it is not "
-                                    f"measured yet")
     try:
         plan = estimate()
     except ValueError as error:

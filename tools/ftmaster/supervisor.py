@@ -782,6 +782,10 @@ class Supervisor:
             log.info("keeping GPU %d: a straggler was drained less than %g s ago", found.gpu,
                      self.config.straggler_drain_window_s)
             return None
+        found = self.stragglers.remeasured(found)
+        if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
+            self._straggler_to_drain = found
+            return None
         left = [g for g in self.config.gpus if g not in self.retired and g != found.gpu]
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
