@@ -1,12 +1,14 @@
 """The goodput model: Young/Daly, Monte Carlo agreement, the paper's Table III, the CLI."""
 
 import json
+import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ftmaster import goodput
+from ftmaster import goodput, goodput_cli
 from ftmaster.cli import main
 from ftmaster.goodput import GoodputInputs
 
@@ -90,8 +92,9 @@ def test_proactive_pays_with_high_recall_and_enough_lead():
 
 def test_no_lead_means_no_gain():
     x = replace(BASE, recall=1.0, lead_s=0.0, false_alarm_rate=0.0)
+    # periodic-only is exact, the proactive model first order: 1e-4 apart here
     assert goodput.analytic(x)["goodput"] == pytest.approx(
-        goodput.analytic(x.periodic_only())["goodput"])
+        goodput.analytic(x.periodic_only())["goodput"], rel=2e-4)
 
 
 @pytest.mark.parametrize("bad", [
@@ -151,3 +154,64 @@ def test_cli_table_and_one_line_errors():
         bad = runner.invoke(main, ["goodput", *args])
         assert bad.exit_code != 0
         assert message in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+# Where the save costs as much as the job's MTBF (1 GPU, MTBF 1 h, a 1 h save): the first
+# order model says goodput 0 there while the job still progresses.
+COSTLY = GoodputInputs(gpus=1, gpu_mtbf_hours=1.0, iteration_s=10.0, save_block_s=3600.0,
+                       save_persist_s=3600.0, restart_s=60.0, save_interval=300,
+                       run_hours=200.0).periodic_only()
+
+
+def daly_higher_order_s(block_s, mtbf_s):
+    """Daly (2006), the published higher-order estimate of the optimum, for C < 2 MTBF."""
+    ratio = block_s / (2 * mtbf_s)
+    return math.sqrt(2 * block_s * mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - block_s
+
+
+def test_periodic_only_is_exact_where_the_save_costs_the_mtbf():
+    model, sim = goodput.analytic(COSTLY), goodput.simulate(COSTLY, runs=40, seed=3)
+    assert model["goodput"] == pytest.approx(sim["goodput"], rel=0.02)
+    assert model["failures"] == pytest.approx(sim["failures"], rel=0.02)
+    best_s = goodput.optimal_interval(COSTLY)["save_interval"] * COSTLY.iteration_s
+    exact_s = goodput.daly_exact_interval_s(COSTLY)
+    assert best_s == pytest.approx(exact_s, rel=0.01)
+    assert exact_s == pytest.approx(daly_higher_order_s(3600.0, 3600.0), rel=0.02)
+    # and where C << MTBF the exact optimum is Young's
+    assert goodput.daly_exact_interval_s(BASE) == pytest.approx(
+        goodput.young_daly_interval_s(BASE), rel=0.01)
+
+
+@pytest.mark.parametrize("value", [-1 / math.e, -0.3, -0.1353, -1e-9, 0.0])
+def test_lambert_w0_inverts_w_exp_w(value):
+    w = goodput.lambert_w0(value)
+    assert -1 <= w <= 0 and w * math.exp(w) == pytest.approx(value, abs=1e-12)
+
+
+def strict_json(text):
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_is_valid_where_the_save_costs_the_mtbf_and_names_what_has_no_estimate():
+    args = ["goodput", "--gpus", "1", "--gpu-mtbf-hours", "1", "--save-block-s", "3600",
+            "--save-persist-s", "3600", "--iteration-s", "10", "--run-hours", "100",
+            "--runs", "0", "--json"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    body = strict_json(out.output)
+    assert 0 < body["periodic_only"]["analytic"]["goodput"] < body["periodic_only"]["optimum"]["goodput"]
+    assert body["proactive"]["analytic"] is None
+    assert "spans 4.78 of the job's MTBF" in body["proactive"]["no_estimate"]
+    table = CliRunner().invoke(main, args[:-1])
+    assert "proactive: a save interval with its save spans" in table.output
+    assert "Daly's exact optimum" in table.output
+
+
+def test_a_value_without_a_finite_estimate_is_null_and_named():
+    body = goodput_cli._json_body(BASE, {}, {"two_tier": {"analytic": {
+        "wall_hours": np.float64(np.inf), "goodput": np.float64(0.0)}}})
+    assert body["two_tier"]["analytic"] == {"wall_hours": None, "goodput": 0.0}
+    assert body["unbounded"]["fields"] == ["two_tier.analytic.wall_hours"]
+    strict_json(json.dumps(body, allow_nan=False))

@@ -102,10 +102,10 @@ def test_with_only_node_crashes_the_memory_tier_buys_nothing_beyond_the_disk_tie
     disk = replace(x, save_block_s=x.memory_save_s,
                    save_persist_s=x.memory_save_s + x.persist_s).single_tier()
     single = goodput.analytic(disk)
-    # Not exactly equal: the single-tier model averages over 96 failure phases where this one
-    # integrates (the copy is not durable for the first 3% of the interval: 3/96 there).
-    assert best["goodput"] == pytest.approx(single["goodput"], rel=2e-4)
-    assert best["lost_per_failure_s"] == pytest.approx(single["lost_per_failure_s"], rel=0.005)
+    # Not exactly equal: the single tier is solved exactly, the two tiers to first order in
+    # the failure rate, which takes a failure's phase as uniform (0.1% and 1.5% apart here).
+    assert best["goodput"] == pytest.approx(single["goodput"], rel=2e-3)
+    assert best["lost_per_failure_s"] == pytest.approx(single["lost_per_failure_s"], rel=0.02)
     for more_often in goodput.divisors(x.save_interval)[:-1]:
         assert goodput.analytic(x.two_tier(more_often))["goodput"] < best["goodput"]
     assert goodput.memory_young_daly_interval_s(x) == float("inf")

@@ -94,13 +94,18 @@ def _report(x: GoodputInputs, runs: int, seed: int) -> dict:
     single = x.single_tier()
     for name, case, tune_gap in (("periodic_only", single.periodic_only(), False),
                                  ("proactive", single, True)):
-        result[name] = {"analytic": goodput.analytic(case),
-                        "optimum": goodput.optimal_interval(case, tune_gap=tune_gap)}
+        breakdown = goodput.first_order_breakdown(case) if tune_gap else None
+        result[name] = ({"analytic": None, "optimum": None, "no_estimate": breakdown}
+                        if breakdown else
+                        {"analytic": goodput.analytic(case),
+                         "optimum": goodput.optimal_interval(case, tune_gap=tune_gap)})
         if runs:
             result[name]["monte_carlo"] = goodput.simulate(case, runs=runs, seed=seed)
     result["two_tier"] = _two_tier_report(x, runs, seed)
-    young_s = goodput.young_daly_interval_s(x)
-    result["young_daly"] = {"interval_s": young_s, "save_interval": young_s / x.iteration_s}
+    young_s, daly_s = goodput.young_daly_interval_s(x), goodput.daly_exact_interval_s(x)
+    result["young_daly"] = {"interval_s": young_s, "save_interval": young_s / x.iteration_s,
+                            "daly_exact_interval_s": daly_s,
+                            "daly_exact_save_interval": daly_s / x.iteration_s}
     iters = round(x.run_hours * goodput.HOUR / x.iteration_s)
     worst = goodput.table_iii_overhead_s(x.save_block_s, x.gap_frac, iters, x.save_interval)
     result["worst_case_save_hours"] = worst / goodput.HOUR
@@ -145,24 +150,30 @@ def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
             ("save overhead (h)", "save_hours", "{:.2f}"), ("wall time (h)", "wall_hours",
             "{:.1f}"))
     for label, key, fmt in rows:
-        lines.append(_row(label, [fmt.format(c["analytic"][key]) for c in cases]))
+        lines.append(_row(label, [_figure(fmt, (c["analytic"] or {}).get(key)) for c in cases]))
     if "monte_carlo" in cases[0]:
         simulated = [c.get("monte_carlo") for c in cases]
         lines.append(_row("goodput (Monte Carlo)", [
             f"{m['goodput']:.4f} ± {m['goodput_stderr']:.4f}" if m else "-" for m in simulated]))
         lines.append(_row("lost work (h, Monte Carlo)",
                           [f"{m['lost_hours']:.2f}" if m else "-" for m in simulated]))
-    best = [c["optimum"] for c in cases]
+    best = [c["optimum"] or {} for c in cases]
     lines.append(_row("optimal save interval (iterations)",
                       [str(best[0]["save_interval"]),
-                       f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})",
-                       f"memory {best[2]['memory_interval']}"]))
-    lines.append(_row("goodput at the optimum", [f"{b['goodput']:.4f}" for b in best]))
+                       f"{best[1]['save_interval']} (gap {best[1]['gap_frac']:.2f})"
+                       if best[1] else "-", f"memory {best[2]['memory_interval']}"]))
+    lines.append(_row("goodput at the optimum",
+                      [_figure("{:.4f}", b.get("goodput")) for b in best]))
     young = result["young_daly"]
+    if cases[1]["analytic"] is None:
+        lines.append(f"proactive: {cases[1]['no_estimate']}")
     lines += ["", *_two_tier_lines(x, tiers), "",
               f"Young/Daly sqrt(2 C MTBF_job), the periodic-only reference: "
               f"{young['save_interval']:.0f} iterations ({young['interval_s']:.0f} s of compute "
               "between saves)",
+              f"Daly's exact optimum (periodic-only is solved exactly): "
+              f"{young['daly_exact_save_interval']:.0f} iterations "
+              f"({young['daly_exact_interval_s']:.0f} s)",
               f"paper-style worst case (an alert every gap, no failure): "
               f"{result['worst_case_save_hours']:.2f} h of saves"]
     return "\n".join(lines)
@@ -191,10 +202,36 @@ def _two_tier_lines(x: GoodputInputs, tiers: dict) -> list[str]:
     return lines
 
 
-def _jsonable(value):
+def _figure(fmt: str, value) -> str:
+    """A table cell: '-' for no estimate, 'unbounded' where the model has no finite value."""
+    if value is None:
+        return "-"
+    return fmt.format(value) if math.isfinite(value) else "unbounded"
+
+
+def _jsonable(value, path: str, unbounded: list[str]):
+    """``value`` with numpy numbers as floats, and a float that is not finite as null, its
+    path noted in ``unbounded``: NaN and Infinity are not JSON."""
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return float(value) if hasattr(value, "__float__") and not isinstance(value, int) else value
+        return {k: _jsonable(v, f"{path}.{k}" if path else k, unbounded)
+                for k, v in value.items()}
+    if isinstance(value, int) or not hasattr(value, "__float__"):
+        return value
+    if math.isfinite(float(value)):
+        return float(value)
+    unbounded.append(path)
+    return None
+
+
+def _json_body(x: GoodputInputs, measured: dict, result: dict) -> dict:
+    unbounded: list[str] = []
+    body = _jsonable({"inputs": asdict(x), "measured": sorted(measured), **result}, "",
+                     unbounded)
+    if unbounded:
+        body["unbounded"] = {"fields": unbounded, "message": (
+            "these are null: the model has no finite value for them (failures outpace "
+            "progress, so the run never ends)")}
+    return body
 
 
 def _field_docs() -> dict[str, str]:
@@ -248,8 +285,7 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     except (ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        body = {"inputs": asdict(x), "measured": sorted(measured), **result}
-        click.echo(json.dumps(_jsonable(body), indent=2))
+        click.echo(json.dumps(_json_body(x, measured, result), indent=2, allow_nan=False))
     else:
         click.echo(_table(x, measured, result))
 
