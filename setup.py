@@ -36,11 +36,14 @@ setup(
         "xxhash",
         "setproctitle",  # a warm worker shows its rank's command in ps
         "einops",  # megatron-core's parallel_state, for --num-distributed-optimizer-instances
+        "prometheus_client",  # --metrics-port
     ],
     extras_require={
         # torch elastic's etcd-v2 rendezvous backend imports python-etcd
         "etcd": ["python-etcd"],
-        "test": ["pytest", "pytest-timeout", "python-etcd"],
+        # the trainer's --tensorboard-dir writes through torch.utils.tensorboard
+        "tensorboard": ["tensorboard"],
+        "test": ["pytest", "pytest-timeout", "python-etcd", "tensorboard"],
     },
     entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},
 )

@@ -11,6 +11,7 @@ import click
 
 from ftmaster import runfiles
 from ftmaster.faults import KINDS, Fault, parse_injection
+from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
@@ -35,9 +36,14 @@ from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
                    f"(xid also takes code=N: xid:gpu=G,code=N,at=...).")
 @click.option("--duration", default=None, type=click.FloatRange(min=0),
               help="Stop after this many seconds (live backends; default: until interrupted).")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port (0: a free one): per-GPU risk, "
+                   "DCGM-named telemetry and alerts.")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True,
+              help="Address the metrics are served on; 0.0.0.0 for a Prometheus elsewhere.")
 def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: str,
                     risk_threshold: float, num_gpus: int, seed: int, inject_specs: tuple[str, ...],
-                    duration: float | None) -> None:
+                    duration: float | None, metrics_port: int | None, metrics_addr: str) -> None:
     """Sample GPUs, score their failure risk, and request checkpoints on alerts."""
     try:
         injections = [parse_injection(spec) for spec in inject_specs]
@@ -72,6 +78,14 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
     except (MetricsFileError, OSError) as exc:
         backend.close()
         raise click.ClickException(str(exc)) from None
+    if metrics_port is not None:
+        try:
+            metrics, url = serve_metrics(metrics_port, metrics_addr)
+        except MetricsUnavailable as exc:
+            monitor.close()
+            raise click.ClickException(str(exc)) from None
+        metrics.watch(monitor)
+        click.echo(f"metrics: serving {url}", err=True)
     if replaying:
         monitor.run_to_end()
         monitor.close()

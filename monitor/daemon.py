@@ -163,6 +163,8 @@ class Monitor:
         self.overlay = AnomalyOverlay(seed=seed)
         self.pending_injections = list(injections)
         self.on_alert, self.on_lost = on_alert, on_lost
+        self.sample_listeners: list[Callable[[list[GpuSample], list[Alert]], None]] = []
+        """Called with each step's scored samples and its alerts (metrics, TensorBoard)."""
         self.alerts: list[Alert] = []
         self.samples_seen = 0
         self._writer = None if self.run_dir is None else MetricsWriter(runfiles.metrics_csv_path(self.run_dir))
@@ -311,6 +313,8 @@ class Monitor:
             self._report_coverage(samples)
         for alert in alerts:
             self._announce(alert)
+        for listener in self.sample_listeners:
+            listener(samples, alerts)
         for gpu in newly_lost:
             if self.on_lost is not None:
                 self.on_lost(gpu)

@@ -19,6 +19,6 @@ fi
 stamp=.venv/.ftmaster-setup-stamp
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
     echo "setup: installing ftmaster and its dependencies" >&2
-    "$py" -m pip install --quiet -e ".[test]"
+    "$py" -m pip install --quiet -e ".[test,tensorboard]"
     touch "$stamp"
 fi

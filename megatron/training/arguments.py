@@ -25,6 +25,8 @@ from pathlib import Path
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
 
+from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
+
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -147,6 +149,12 @@ def _add_training_args(parser):
                             "multiple of this")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--tensorboard-dir", default=None,
+                       help="write TensorBoard scalars here (Megatron-LM's names), from the last "
+                            "rank; a relaunch continues the same curves")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1)
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="events queued before the writer flushes them to disk")
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--eval-interval", type=int, default=1000)
 
@@ -301,13 +309,14 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_schedule(args)
     _validate_data(args)
     _validate_checkpointing(args)
+    _require(args.tensorboard_dir is None or tensorboard_installed(), NEEDS_PACKAGE)
 
 
 def _validate_positive(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "ffn_hidden_size", "num_query_groups",
-                 "log_interval"):
+                 "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         value = getattr(args, name)
         _require(value is not None and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")

@@ -58,15 +58,16 @@ class NonFiniteGuard:
 
 
 def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | None,
-                   guard: NonFiniteGuard, poison: bool = False) -> bool:
+                   guard: NonFiniteGuard, poison: bool = False) -> tuple[bool, float | None]:
     """Megatron's optimizer step up to the update, with the guard between the gradient norm
     and the clipping; the caller applies the update (``step_with_ready_grads``), so that it
     can do so under the lock a replica dump takes (see :mod:`replicas`).
 
-    Returns whether the update is to be applied (an fp16 overflow skips it, as in Megatron).
+    Returns whether the update is to be applied (an fp16 overflow skips it, as in Megatron),
+    and the gradient norm where it was computed.
     """
     if optimizer.prepare_grads():
-        return False
+        return False, None
     if poison:
         poison_gradients(p for sub in _sub_optimizers(optimizer) for p in sub.get_parameters())
         loss = float("nan") if loss is not None else None
@@ -79,4 +80,4 @@ def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | No
             if params:
                 # Through the module, so that cpu_compat's CPU version is the one called.
                 clip_grads.clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm)
-    return True
+    return True, grad_norm

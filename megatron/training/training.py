@@ -37,6 +37,7 @@ from .data import BatchPrefetcher, MicroBatches, build_datasets
 from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
                     transformer_config, uses_distributed_optimizer, uses_transformer_engine)
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
+from .tensorboard import Board
 from .rehearsal import kill_point
 from .replicas import Cut, ReplicaDumper, unavailable_reason
 from .save_requests import SaveRequests, median_microseconds
@@ -245,6 +246,8 @@ class Trainer:
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
+        self.grad_norm: float | None = None  # the last iteration's, where it was computed
+        self.board: Board | None = None  # TensorBoard, once the starting iteration is known
         log_rank0(describe_layout(args))
         if torch.cuda.is_available():  # which GPUs, as ftmaster named them (UUIDs)
             log_rank0(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset: all)')}")
@@ -327,8 +330,8 @@ class Trainer:
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
         loss = _average_loss(losses)
-        ready = prepare_update(self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
-                               poison=iteration in self.poison_at)
+        ready, self.grad_norm = prepare_update(self.optimizer, self.args.clip_grad, iteration,
+                                               loss, self.guard, poison=iteration in self.poison_at)
         with self.cut.commit():
             # fp16 skips a step whose gradients overflowed; so does the LR
             if ready and self.optimizer.step_with_ready_grads():
@@ -356,6 +359,7 @@ class Trainer:
         if loss is not None:
             log_last_rank(f"validation loss at iteration {self.state.iteration} | "
                           f"lm loss value: {loss:.6E} |")
+        self.board.validation(self.state.iteration, loss)
 
     # ---- checkpoint events ------------------------------------------------------------------
     @property
@@ -407,6 +411,8 @@ class Trainer:
                                    for name, value in done.writer_phases.items()})
         if self.writes_run_files:
             self.requests.consume()
+        if self.board is not None:  # what a relaunch resumes from is on disk in the curves too
+            self.board.flush()
         if (self.args.keep_emergency is not None and done.tier == "disk"
                 and torch.distributed.get_rank() == 0):
             self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
@@ -476,14 +482,17 @@ class Trainer:
         if not loaded:
             self.checkpointer.prepare_fresh_start()
         self._first_iteration = self.state.iteration + 1
+        self.board = Board(args, self._first_iteration, resumed=loaded)
         remaining = max(0, args.train_samples - self.state.consumed_train_samples)
         self.total_iterations = self.state.iteration + -(-remaining // args.global_batch_size)
         log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
         window_start, window_losses = time.perf_counter(), []
         while not self._training_done():
             self.compute.start()
+            started = time.perf_counter()
             self.requests.start_agreement(self.compute.previous_microseconds())
             loss = self.train_step()
+            self._board_iteration(loss, time.perf_counter() - started)
             self._heartbeat()
             if self.state.iteration == self._first_iteration:
                 startup.mark("first-iteration")
@@ -500,6 +509,7 @@ class Trainer:
         else:
             self._final_save()
         self.checkpointer.close()
+        self.board.close()
         if self.train_batches is not None:
             self.train_batches.close()
         self._report_check_cost()
@@ -509,6 +519,13 @@ class Trainer:
                                   f"its last checkpoint: the {failure.kind} save to "
                                   f"{failure.path} failed: {failure.reason}")
         self._heartbeat(finished=True)
+
+    def _board_iteration(self, loss: float | None, seconds: float) -> None:
+        loss_scale = self.optimizer.get_loss_scale().item() if self.args.fp16 else None
+        self.board.iteration(self.state.iteration, loss=loss,
+                             learning_rate=self.optimizer.param_groups[0]["lr"],
+                             batch_size=self.args.global_batch_size,
+                             grad_norm=self.grad_norm, loss_scale=loss_scale, seconds=seconds)
 
     def stop_after_nonfinite(self, problem: NonFiniteLoss) -> None:
         """Every rank, at the same point: earlier saves still complete; the bad one is not

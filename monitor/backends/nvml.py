@@ -176,6 +176,10 @@ class NvmlBackend(PerGpuBackend):
         self._reads.close()
         self._system.stop()
 
+    def uuids(self) -> dict[int, str]:
+        """Each opened GPU's UUID (the metrics' ``UUID`` label)."""
+        return {gpu: uuid for uuid, gpu in self._gpu_by_uuid.items()}
+
     @property
     def reported_fields(self) -> frozenset[str]:
         """The sample fields this backend can fill at all; XIDs need a GPU registered for them."""

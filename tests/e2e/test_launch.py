@@ -3,17 +3,19 @@
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 
 import pytest
 from click.testing import CliRunner
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ftmaster import runfiles
 from ftmaster.cli import main
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
-from helpers.launch import (attempt_log, events, launch_argv, losses, processes_mentioning,
-                            run_launch, start_launch, train_args)
+from helpers.launch import (MetricsScraper, attempt_log, events, launch_argv, losses,
+                            processes_mentioning, run_launch, start_launch, train_args)
 from helpers.trainer import REPO, iterations, run_trainer, trainer_env, wait_until
 from megatron.training.startup import PHASES as STARTUP_PHASES
 
@@ -27,14 +29,24 @@ def only(run_dir, name):
 
 
 def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_loss(tmp_path):
-    """The issue's main scenario: TP2 x PP2, degrade GPU 1 at 8, kill it at 16, 30 iterations."""
-    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    """The issue's main scenario: TP2 x PP2, degrade GPU 1 at 8, kill it at 16, 30 iterations;
+    scraped by Prometheus and written to TensorBoard throughout."""
+    run_dir, save, board = tmp_path / "run", tmp_path / "ckpt", tmp_path / "tb"
     # The failure waits for the save the alert asks for (about 3 monitor samples after
     # iteration 8), however fast the machine trains.
     args = train_args(save, 30, 2, 2, 100, "--emergency-save-gap-frac", "0.05", global_batch=24)
-    result = run_launch(run_dir, 4, args, "--seed", "2", "--inject", "degrade:gpu=1,at=iter:8",
-                        "--inject", "fail:gpu=1,at=iter:16,after=emergency_save")
-    assert result.returncode == 0, result.stdout[-4000:]
+    scraper = MetricsScraper(run_dir)
+    scraper.start()
+    ftmaster = start_launch(run_dir, 4, [*args, "--tensorboard-dir", str(board)], "--seed", "2",
+                            "--metrics-port", "0", "--inject", "degrade:gpu=1,at=iter:8",
+                            "--inject", "fail:gpu=1,at=iter:16,after=emergency_save")
+    try:
+        output, _ = ftmaster.communicate(timeout=600)
+    finally:
+        scraper.stop()
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    assert ftmaster.returncode == 0, output[-4000:]
 
     alert = next(e for e in events(run_dir, "risk_alert") if "device_lost" not in e["reasons"])
     assert alert["gpu"] == 1
@@ -53,6 +65,8 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
 
     assert_report_and_analysis_tell_the_story(run_dir, tmp_path / "analysis", saved, failure)
+    assert_scraped_risk_per_gpu_and_a_failure_counter_that_moves(scraper)
+    assert_one_continuous_loss_curve(board, 30, saved)
 
     reference = run_trainer(4, [str(tmp_path / "ref_ckpt") if a == str(save) else a for a in args])
     assert reference.returncode == 0, reference.stdout[-3000:]
@@ -60,6 +74,35 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     recovered = losses(run_dir)
     for it in range(26, 31):
         assert abs(recovered[it] - expected[it]["loss"]) <= 0.03 * expected[it]["loss"], (it, recovered[it])
+
+
+def assert_scraped_risk_per_gpu_and_a_failure_counter_that_moves(scraper):
+    assert len(scraper.scrapes) >= 5, len(scraper.scrapes)
+    for gpu in "0123":  # every GPU's risk, while it was watched
+        assert any(v is not None for v in scraper.values("ftmaster_gpu_failure_risk", gpu=gpu))
+    risk = scraper.values("ftmaster_gpu_failure_risk", gpu="1")
+    assert max(risk) >= 0.95  # degraded: it alerted
+    failures = scraper.values("ftmaster_failures_total")
+    assert failures[0] == 0 and failures[-1] >= 1  # it moved while we watched
+    assert scraper.values("ftmaster_rto_seconds_count")[-1] == 1
+    assert scraper.values("ftmaster_attempts_total")[-1] == 2
+
+
+def assert_one_continuous_loss_curve(board, iterations, saved):
+    """Both attempts wrote to one folder; tensorboard's own reader sees one curve, each
+    iteration once, the relaunch's values from the iteration after the checkpoint on."""
+    accumulator = EventAccumulator(str(board), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    loss = accumulator.Scalars("lm loss")
+    assert [e.step for e in loss] == list(range(1, iterations + 1))
+    files = sorted(board.glob("events.out.tfevents.*"))
+    assert len(files) == 2  # one per attempt (the last rank of each)
+    relaunch_start = min(e.wall_time for e in loss if e.step == saved + 1)
+    assert all(e.wall_time >= relaunch_start for e in loss if e.step > saved)
+    ours = EventAccumulator(str(board / "ftmaster"), size_guidance={"scalars": 0})
+    ours.Reload()
+    assert {"ftmaster/risk/gpu1", "ftmaster/failures", "ftmaster/rto_seconds"} <= set(
+        ours.Tags()["scalars"])
 
 
 def assert_startup_phases(run_dir, warm):
@@ -88,6 +131,8 @@ def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     assert reported["startup"]["warm"] is True
     assert sum(reported["phases"].values()) == pytest.approx(reported["rto_seconds"], rel=1e-6)
     assert f"lost iterations    {failure['iteration'] - saved} (RPO" in result.output
+    page = (run_dir / "report.html").read_text()
+    assert "Failure 1: " in page and f"RPO <b>{failure['iteration'] - saved} iteration(s)</b>" in page
 
     result = runner.invoke(main, ["analyze", str(run_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -95,6 +140,7 @@ def assert_report_and_analysis_tell_the_story(run_dir, out, saved, failure):
     assert float(summary["1"]["failure_risk_max"]) >= 0.95 and int(summary["1"]["alerts"]) >= 1
     assert all(float(summary[g]["failure_risk_max"]) < 0.95 for g in ("0", "2", "3"))
     assert (out / "failure_risk.png").stat().st_size > 10_000
+    assert not re.search(r"\d\.\d{3,}", (out / "summary.md").read_text())  # no float32 noise
 
     result = runner.invoke(main, ["goodput", "--run-dir", str(run_dir), "--runs", "0", "--json"])
     assert result.exit_code == 0, result.output

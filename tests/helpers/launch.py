@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import urllib.request
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from ftmaster import runfiles
 from helpers.trainer import PRETRAIN, REPO, SMALL_GPT, iterations, trainer_env
@@ -80,3 +83,38 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
         if text in " ".join(process.info["cmdline"] or ()) or text in environment:
             found.append(process)
     return found
+
+
+class MetricsScraper(threading.Thread):
+    """Scrapes a launch's ``/metrics`` (the URL from its ``metrics`` event) every ``every_s``
+    until :meth:`stop`; ``scrapes`` holds each scrape's families by name."""
+
+    def __init__(self, run_dir: Path, every_s: float = 0.3) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.every_s = run_dir, every_s
+        self.scrapes: list[dict] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            served = events(self.run_dir, "metrics") if runfiles.events_path(self.run_dir).exists() else []
+            if not served:
+                continue
+            try:
+                text = urllib.request.urlopen(served[0]["url"], timeout=2).read().decode()
+            except OSError:
+                continue
+            self.scrapes.append({f.name: f for f in text_string_to_metric_families(text)})
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+    def values(self, family: str, **labels) -> list[float]:
+        """The sample ``family`` (with ``labels`` among its own) took in each scrape, in order."""
+        found = []
+        for scrape in self.scrapes:
+            samples = [s.value for f in scrape.values() for s in f.samples
+                       if s.name == family and labels.items() <= s.labels.items()]
+            found.append(sum(samples) if samples else 0.0)
+        return found

@@ -193,3 +193,16 @@ def test_replica_recovery_keeps_the_distributed_optimizer_only_with_replicas_of_
     assert (reason is not None) is unavailable
     if unavailable:
         assert "--num-distributed-optimizer-instances 2 or more" in reason and "\n" not in reason
+
+
+def test_tensorboard_flags_take_megatron_names_and_need_the_package(monkeypatch, tmp_path):
+    args = parse_args(with_args("--tensorboard-dir", str(tmp_path), "--tensorboard-log-interval",
+                                "5", "--tensorboard-queue-size", "10"), world_size=1)
+    assert (args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size) == (
+        str(tmp_path), 5, 10)
+    with pytest.raises(ArgumentError, match="--tensorboard-log-interval must be a positive"):
+        parse_args(with_args("--tensorboard-log-interval", "0"), world_size=1)
+    monkeypatch.setattr("megatron.training.arguments.tensorboard_installed", lambda: False)
+    with pytest.raises(ArgumentError, match="--tensorboard-dir needs the tensorboard package"):
+        parse_args(with_args("--tensorboard-dir", str(tmp_path)), world_size=1)
+    assert parse_args(with_args(), world_size=1).tensorboard_dir is None  # no package needed

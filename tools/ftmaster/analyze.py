@@ -254,7 +254,9 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
     counts, source = _alerts(frame, events, threshold)
     table["alerts"] = counts.reindex(table.index, fill_value=0).astype(int).to_numpy()
     table.index.names = [INDEX_NAMES[k] for k in keys]
-    return table.round(2), source
+    # float32 samples widened as they print (35.650002): rounded in float64 they read 35.65
+    floats = table.select_dtypes("float32").columns
+    return table.astype({c: "float64" for c in floats}).round(2), source
 
 
 def _increase(frame: pd.DataFrame, counter: str) -> pd.Series:

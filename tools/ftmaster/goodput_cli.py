@@ -79,7 +79,8 @@ def measure(run_dir: Path) -> dict[str, float]:
     return {name: value for name, value in found.items() if value is not None}
 
 
-def _inputs(explicit: dict, measured: dict) -> GoodputInputs:
+def model_inputs(explicit: dict, measured: dict) -> GoodputInputs:
+    """The model's inputs: given, else measured, else the defaults."""
     chosen = {**measured, **explicit}
     block = chosen.get("save_block_s", GoodputInputs.save_block_s)
     if "save_persist_s" not in chosen:  # the default persist may be below a measured block
@@ -280,7 +281,7 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     measured = measure(run_dir) if run_dir else {}
     measured = {k: v for k, v in measured.items() if k not in explicit}
     try:
-        x = _inputs(explicit, measured)
+        x = model_inputs(explicit, measured)
         result = _report(x, runs, seed)
     except (ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -33,6 +33,8 @@ from ftmaster.slurm import slurm_defaults, with_explicit_options
 from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, parse_conf, parse_nnodes)
+from ftmaster.board import RunBoard
+from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
@@ -157,6 +159,31 @@ def _monitor(backend: Backend, run_dir: Path, seed: int, interval: float, scorer
         raise click.ClickException(str(error)) from None
 
 
+def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Monitor,
+               config: SupervisorConfig) -> list:
+    """What watches the run beside the supervisor, fed by the monitor too: the metrics
+    (``--metrics-port``, served) and ftmaster's TensorBoard scalars (the training command's
+    ``--tensorboard-dir``)."""
+    node_rank = None if rendezvous is None else rendezvous.node_rank
+    observers = []
+    if options["metrics_port"] is not None:
+        try:
+            metrics, url = serve_metrics(options["metrics_port"], options["metrics_addr"],
+                                         node_rank)
+        except MetricsUnavailable as error:
+            monitor.close()
+            raise click.ClickException(str(error)) from None
+        runfiles.append_event(config.run_dir, "metrics", url=url)
+        logging.getLogger("ftmaster").info("metrics: serving %s", url)
+        observers.append(metrics)
+    board = RunBoard.for_command(list(config.command), node_rank)
+    if board is not None:
+        observers.append(board)
+    for observer in observers:
+        observer.watch(monitor)
+    return observers
+
+
 def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> int:
     previous = {sig: signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -269,6 +296,13 @@ def _console_logging() -> None:
                    "--straggler-drain-window, never below the planner's minimum.")
 @click.option("--straggler-drain-window", default=600.0, show_default=True,
               type=click.FloatRange(min=0), help="Seconds between two straggler drains.")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port (0: a free one; the metrics event "
+                   "and the console name it): per-GPU risk and DCGM-named telemetry, alerts, "
+                   "the supervisor's state, attempts, failures by cause, RTO and RPO, "
+                   "checkpoint age, persist lag, iteration speed. Each node serves its own.")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True,
+              help="Address the metrics are served on; 0.0.0.0 for a Prometheus elsewhere.")
 @click.option("--nnodes", default=None, metavar="N|MIN:MAX",
               help="Nodes of the job, as torchrun takes them; each node runs one ftmaster. "
                    "Default (or 1): this node alone.")
@@ -317,14 +351,17 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     try:
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
+        observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous)
         starter = None if options["cold_restart"] else WarmStarter(
             len(devices.ids), config.run_dir,
             on_ready=lambda fields: runfiles.append_event(config.run_dir, "warm_ready", **fields))
         try:
-            code = _supervise(Supervisor(config, monitor, membership, starter), monitor,
-                              Listener(config.run_dir))
+            code = _supervise(Supervisor(config, monitor, membership, starter, observers),
+                              monitor, Listener(config.run_dir))
         finally:
+            for observer in observers:
+                observer.close()
             if starter is not None:
                 starter.close()
             if membership is not None:

@@ -851,11 +851,25 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     with node_<R> folders (ftmaster launch --nnodes) is merged into one report."""
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory: give an ftmaster run directory")
+    # here, not at the top: the page's modules (analysis, goodput) import this one
+    from ftmaster.incident import write_incident_page
+
     report = build_report(run_dir)
     json_out = json_out or run_dir / "report.json"
     try:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
+        page = write_incident_page(run_dir, report, _load_run(run_dir)[0], _samples(run_dir))
     except OSError as exc:
-        raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
+        raise ReportError(f"cannot write {exc.filename or json_out}: {exc.strerror}") from None
     click.echo(format_report(report))
-    click.echo(f"\nwrote {json_out}")
+    click.echo(f"\nwrote {json_out} and {page}")
+
+
+def _samples(run_dir: Path):
+    """The monitor's samples for the page's risk plots; None when the run has none."""
+    from ftmaster.analyze import load_trace
+
+    try:
+        return load_trace(run_dir).frame
+    except click.ClickException:  # no CSV, or none with a sample: the page says so
+        return None

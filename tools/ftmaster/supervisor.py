@@ -78,6 +78,7 @@ from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, ne
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
+from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
@@ -228,8 +229,9 @@ def _armed(injection: Injection) -> bool:
 class Supervisor:
     def __init__(self, config: SupervisorConfig, monitor: Monitor,
                  membership: NodeMembership | None = None,
-                 starter: WarmStarter | None = None) -> None:
+                 starter: WarmStarter | None = None, observers: Sequence[Observer] = ()) -> None:
         self.config = config
+        self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
         self.monitor = monitor
@@ -299,6 +301,7 @@ class Supervisor:
         """Supervise until a terminal state; returns ftmaster's exit status."""
         # Across nodes even the first layout is agreed in a rendezvous round.
         state = State.STARTING if self.membership is None else State.PLANNING
+        self._tell("observe_state", state)
         try:
             while state not in TERMINAL:
                 # A signal where nothing trains needs no handler: nothing to save or stop.
@@ -310,6 +313,8 @@ class Supervisor:
                 new_state = advance(state, trigger)
                 log.info("state: %s -> %s (%s)", state.value, new_state.value, trigger.value)
                 state = new_state
+                self._tell("observe_state", state)
+                self._follow_events()  # observers see a failure before the relaunch
         finally:
             if self.attempt is not None:
                 self.attempt.kill()
@@ -346,6 +351,10 @@ class Supervisor:
         one it resumed from (never unknown)."""
         completed = self._progress[0]
         return self._resume_point if completed is None else completed
+
+    def _tell(self, method: str, *args) -> None:
+        for observer in self.observers:
+            getattr(observer, method)(*args)
 
     def _event(self, name: str, **fields) -> dict:
         return runfiles.append_event(self.run_dir, name, **fields)
@@ -412,6 +421,7 @@ class Supervisor:
         attempt = self.attempt
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         iteration = self._track_progress(heartbeat)
+        self._tell("observe_heartbeat", heartbeat)
         self._watch_stragglers(heartbeat)
         self._apply_injections()
         self._follow_events()
@@ -498,6 +508,7 @@ class Supervisor:
     def _follow_events(self) -> None:
         """Show the trainer's new events and keep what the decisions need."""
         for event in new_events(self.events_tail):
+            self._tell("observe_event", event)
             self.injector.saw(event["event"])
             described = describe_event(event)
             if described is not None:

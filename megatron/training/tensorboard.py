@@ -1,0 +1,63 @@
+"""TensorBoard scalars under Megatron-LM's names (``--tensorboard-dir``).
+
+As in Megatron-LM (``training_log``), the last rank writes: it holds the loss. Every
+``--tensorboard-log-interval`` iterations: ``learning-rate``, ``batch-size``, ``lm loss``,
+``grad-norm``, ``loss-scale`` (fp16 only) and ``iteration-time``; after an evaluation,
+``lm loss validation``. Every scalar is keyed by iteration, so a relaunch into the same
+folder continues the same curves: a resumed writer marks a restart at its first iteration
+(``SummaryWriter``'s ``purge_step``), and TensorBoard's reader drops what earlier attempts
+wrote from that step on (the iterations it repeats), so each series holds each iteration
+once. Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which
+that mark would purge too. What a relaunch can resume from is flushed with each durable
+checkpoint, so a killed attempt leaves no gap before it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+NEEDS_PACKAGE = ("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                 "(scripts/setup.sh installs ftmaster's tensorboard extra)")
+
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class Board:
+    """The last rank's writer; on every other rank (or without ``--tensorboard-dir``) a no-op."""
+
+    def __init__(self, args, first_iteration: int, resumed: bool) -> None:
+        self.interval = args.tensorboard_log_interval
+        self.writer = None
+        import torch  # here: ftmaster launch checks the arguments without importing torch
+
+        if args.tensorboard_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
+                                        max_queue=args.tensorboard_queue_size,
+                                        purge_step=first_iteration if resumed else None)
+
+    def iteration(self, iteration: int, *, loss: float | None, learning_rate: float,
+                  batch_size: int, grad_norm: float | None, loss_scale: float | None,
+                  seconds: float) -> None:
+        if self.writer is None or iteration % self.interval:
+            return
+        for name, value in (("learning-rate", learning_rate), ("batch-size", batch_size),
+                            ("lm loss", loss), ("grad-norm", grad_norm), ("loss-scale", loss_scale)):
+            if value is not None:
+                self.writer.add_scalar(name, value, iteration)
+        self.writer.add_scalar("iteration-time", seconds, iteration)
+
+    def validation(self, iteration: int, loss: float | None) -> None:
+        if self.writer is not None and loss is not None:
+            self.writer.add_scalar("lm loss validation", loss, iteration)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,90 @@
+"""report.html, the incident page ``ftmaster report`` writes: every failure with its RTO and
+RPO, the timeline, risk around each failure, goodput; numbers rounded; and, where Debian's
+chromium is installed, rendered by a real headless browser."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import matplotlib.pyplot as plt
+import pytest
+
+from ftmaster.incident import human
+from ftmaster.monitor.daemon import MetricsWriter
+from ftmaster.monitor.sample import GpuSample
+from helpers.synth_run import T0
+from test_report import run_report, two_failures
+
+CHROMIUM = shutil.which("chromium")
+
+
+def with_samples(run_dir):
+    """A sample every 2 s for GPUs 0-3 over the run, GPU 1's risk rising before its fault
+    (float32-looking values, as a real CSV holds)."""
+    writer = MetricsWriter(run_dir / "gpu_metrics.csv")
+    for step in range(81):
+        at = 2.0 * step
+        writer.write([GpuSample(T0 + at, gpu, "NVIDIA H100", temperature=35.650002 + gpu,
+                                memory_used=16311.799805, memory_total=81559.0,
+                                failure_risk=min(1.0, max(0.0, (at - 40) / 30)) if gpu == 1 else 0.05)
+                      for gpu in range(4)])
+    writer.close()
+    return run_dir
+
+
+@pytest.fixture
+def page(tmp_path):
+    run_dir = with_samples(two_failures(tmp_path / "run"))
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {run_dir / 'report.json'} and {run_dir / 'report.html'}" in result.output
+    return run_dir / "report.html", json.loads((run_dir / "report.json").read_text())
+
+
+def text_of(html_page):
+    return re.sub(r'src="data:image/png;base64,[^"]*"', "", html_page)
+
+
+def test_every_failure_with_its_rto_rpo_and_plots_and_goodput(page):
+    path, report = page
+    body = text_of(path.read_text())
+    for number, failure in enumerate(report["failures"], 1):
+        assert f"Failure {number}: {failure['cause']}" in body
+        assert f"RTO <b>{human(failure['rto_seconds'], 's')}</b>" in body
+        assert f"RPO <b>{human(failure['lost_iterations'])} iteration(s)</b>" in body
+    # the timeline, then per failure its phases and its risk plot
+    assert path.read_text().count("data:image/png;base64,") == 1 + 2 * len(report["failures"])
+    assert "attempt 3: TP1 x PP1 x DP2" in body and "<h2>Goodput</h2>" in body
+    assert "this run: <b>" in body and "periodic-only" in body
+
+
+def test_no_number_on_the_page_is_unrounded(page):
+    path, _ = page
+    body = text_of(path.read_text())
+    assert not re.findall(r"\d\.\d{3,}", body), re.findall(r".{30}\d\.\d{3,}.{10}", body)
+
+
+@pytest.mark.parametrize("value, unit, text", [
+    (None, "", "unknown"), (3, "", "3"), (12345, "", "12,345"), (16311.799805, "", "16,312"),
+    (35.650002, "", "35.7"), (9.1945, "s", "9.19 s"), (0.0634, "s", "0.06 s"),
+    (0.001, "s", "< 0.01 s"), (2.0, "", "2"), ("exit", "", "exit"),
+])
+def test_numbers_read_as_people_write_them(value, unit, text):
+    assert human(value, unit) == text
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium)")
+def test_the_page_renders_in_headless_chromium(page, tmp_path):
+    path, report = page
+    browse = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+    dom = subprocess.run([*browse, "--dump-dom", path.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    for number in range(1, len(report["failures"]) + 1):
+        assert f"Failure {number}:" in dom
+    shot = tmp_path / "page.png"
+    subprocess.run([*browse, f"--screenshot={shot}", "--window-size=1280,3000", path.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    pixels = plt.imread(shot)
+    assert pixels.shape[:2] == (3000, 1280)
+    assert pixels[:1500].std() > 0.05  # figures and text drawn, not a blank page

@@ -1,0 +1,109 @@
+"""The Prometheus metrics: what the monitor's samples, the run's events and the heartbeat set,
+read back from the registry and from a real scrape of the served endpoint."""
+
+import socket
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster.cli import main
+from ftmaster.metrics import Metrics, MetricsConfig, MetricsUnavailable, serve_metrics
+from ftmaster.monitor.daemon import Alert
+from ftmaster.monitor.sample import GpuSample
+from ftmaster.states import State
+
+NODE = {"Hostname": "node-a", "node_rank": "1"}
+
+
+def metrics():
+    return Metrics(MetricsConfig(port=0, hostname="node-a", node_rank=1))
+
+
+def value(m, name, **labels):
+    return m.registry.get_sample_value(name, {**NODE, **labels})
+
+
+def gpu(g, name="H100"):
+    return {"gpu": str(g), "UUID": "", "modelName": name}
+
+
+def test_samples_set_risk_and_dcgm_telemetry_and_an_unknown_reading_has_no_series():
+    m = metrics()
+    m.observe_samples([GpuSample(1.0, 0, "H100", temperature=71.5, power_draw=300.0,
+                                 failure_risk=0.4)], [])
+    assert value(m, "ftmaster_gpu_failure_risk", **gpu(0)) == 0.4
+    assert value(m, "DCGM_FI_DEV_GPU_TEMP", **gpu(0)) == 71.5
+    assert value(m, "DCGM_FI_DEV_SM_CLOCK", **gpu(0)) is None  # never read: absent
+    m.observe_samples([GpuSample(2.0, 0, "H100", temperature=None, power_draw=310.0,
+                                 failure_risk=0.9)], [Alert(0, 0.97, ("xid",), 2.0)] * 2)
+    assert value(m, "DCGM_FI_DEV_GPU_TEMP", **gpu(0)) is None  # a failed read is unknown
+    assert value(m, "ftmaster_gpu_alerts_total", **gpu(0)) == 2
+
+
+def test_events_count_attempts_and_failures_and_time_rto_and_rpo():
+    m = metrics()
+    m.observe_heartbeat({"iteration": 10, "consumed_samples": 80, "time": 100.0})
+    m.observe_heartbeat({"iteration": 12, "consumed_samples": 96, "time": 101.0})
+    assert value(m, "ftmaster_step_seconds") == 0.5
+    assert value(m, "ftmaster_samples_per_second") == 16.0
+    assert value(m, "ftmaster_iteration") == 12
+    for event in ({"event": "launch", "attempt": 1, "time": 90.0},
+                  {"event": "failure", "cause": "exit", "iteration": 12, "time": 102.0},
+                  {"event": "launch", "attempt": 2, "time": 104.0},
+                  {"event": "checkpoint_loaded", "iteration": 8, "time": 108.0},
+                  {"event": "resumed", "attempt": 2, "iteration": 9, "time": 110.0}):
+        m.observe_event(event)
+    assert value(m, "ftmaster_attempts_total") == 2 and value(m, "ftmaster_attempt") == 2
+    assert value(m, "ftmaster_failures_total", cause="exit") == 1
+    assert value(m, "ftmaster_rto_seconds_sum") == 8.0
+    assert value(m, "ftmaster_rto_seconds_count") == 1
+    assert value(m, "ftmaster_rpo_iterations_sum") == 4
+    assert value(m, "ftmaster_rpo_seconds_sum") == 2.0  # 4 iterations at 0.5 s
+    m.observe_event({"event": "resumed", "attempt": 2, "iteration": 20, "time": 130.0})
+    assert value(m, "ftmaster_rto_seconds_count") == 1  # no failure to answer
+
+
+def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)
+    m.observe_event({"event": "periodic_save", "tier": "memory", "iteration": 10, "time": 900.0})
+    m.observe_event({"event": "emergency_save", "tier": "memory", "iteration": 14, "time": 950.0})
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="memory") == 50.0
+    assert value(m, "ftmaster_persist_lag_iterations") == 14
+    assert value(m, "ftmaster_persist_lag_seconds") == 100.0  # iteration 10, not on disk yet
+    m.observe_event({"event": "persisted", "iteration": 10, "time": 990.0})
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 100.0  # taken at 900
+    assert value(m, "ftmaster_persist_lag_iterations") == 4
+    assert value(m, "ftmaster_persist_lag_seconds") == 50.0
+    m.observe_event({"event": "persisted", "iteration": 14, "time": 995.0})
+    assert value(m, "ftmaster_persist_lag_seconds") == 0.0
+    assert value(m, "ftmaster_persist_lag_iterations") == 0
+
+
+def test_the_state_is_an_enum():
+    m = metrics()
+    m.observe_state(State.RUNNING)
+    assert value(m, "ftmaster_supervisor_state", ftmaster_supervisor_state="running") == 1
+    assert value(m, "ftmaster_supervisor_state", ftmaster_supervisor_state="failed") == 0
+
+
+def test_served_on_loopback_by_default_and_scraped():
+    served, url = serve_metrics(0, "127.0.0.1", node_rank=1)
+    served.observe_state(State.PLANNING)
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert 'ftmaster_supervisor_state{Hostname="' in text and 'node_rank="1"' in text
+
+
+def test_a_port_in_use_is_one_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsUnavailable, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            serve_metrics(port, "127.0.0.1")
+        out = CliRunner().invoke(main, ["monitor", "--backend", "sim", "--run-dir", str(tmp_path),
+                                        "--metrics-port", str(port), "--duration", "0"])
+        assert out.exit_code != 0 and "cannot serve metrics" in out.output
+        assert len(out.output.strip().splitlines()) == 1

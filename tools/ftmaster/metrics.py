@@ -1,0 +1,345 @@
+"""Prometheus metrics: ``ftmaster launch --metrics-port`` and ``ftmaster monitor --metrics-port``.
+
+One registry per ftmaster process, served by ``prometheus_client``'s HTTP server on
+``--metrics-addr`` (127.0.0.1 unless the operator opens it). Across nodes each node's
+ftmaster serves its own, labelled with its ``node_rank``.
+
+Names and labels follow NVIDIA's DCGM exporter where it has them, so dashboards built on it
+read ftmaster's series too: telemetry as ``DCGM_FI_DEV_*`` gauges, per GPU labels ``gpu``,
+``UUID`` (empty where the backend knows none), ``modelName`` and ``Hostname``, plus
+``node_rank``. A reading the backend could not take removes its series: unknown is absent,
+never a stale or zero value. What DCGM has no name for is ``ftmaster_*``:
+
+* ``ftmaster_gpu_failure_risk`` (0-1) and ``ftmaster_gpu_alerts_total``, per GPU;
+* ``ftmaster_supervisor_state`` (an enum), ``ftmaster_attempt``, ``ftmaster_attempts_total``,
+  ``ftmaster_failures_total{cause}``;
+* ``ftmaster_rto_seconds`` (a failure to its first resumed iteration, the report's RTO),
+  ``ftmaster_rpo_iterations`` and ``ftmaster_rpo_seconds`` (iterations a failure threw away,
+  and those at the step time measured before it), histograms observed at each resume;
+* ``ftmaster_checkpoint_age_seconds{tier}`` (since the newest save of the tier) and
+  ``ftmaster_persist_lag_iterations`` / ``ftmaster_persist_lag_seconds`` (how far the disk
+  copy trails the memory tier);
+* ``ftmaster_iteration``, ``ftmaster_samples_per_second``, ``ftmaster_step_seconds``.
+
+Everything is fed from what ftmaster already reads: the monitor's scored samples, the run's
+events and the trainer's heartbeat. No update blocks on a scrape.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+from prometheus_client import start_http_server
+
+from ftmaster.states import State
+
+GPU_LABELS = ("gpu", "UUID", "modelName", "Hostname", "node_rank")
+NODE_LABELS = ("Hostname", "node_rank")
+
+# GpuSample field -> (DCGM exporter field, its help); the units are DCGM's.
+DCGM_FIELDS = {
+    "temperature": ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)."),
+    "power_draw": ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)."),
+    "gpu_utilization": ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)."),
+    "memory_utilization": ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)."),
+    "memory_used": ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)."),
+    "sm_clock": ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)."),
+    "power_limit": ("DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W)."),
+    "xid": ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."),
+    "ecc_sbe": ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors."),
+    "ecc_dbe": ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors."),
+    "pcie_replay": ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries."),
+    "throttle_reasons": ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+                         "Throttling reasons bitmask (NVML clocks event reasons)."),
+}
+SAVE_EVENTS = ("emergency_save", "periodic_save")
+RTO_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
+RPO_ITERATION_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+RPO_SECOND_BUCKETS = (0, 1, 5, 10, 30, 60, 300, 600, 1800, 3600, 7200)
+
+
+class Observer(Protocol):
+    """What the supervisor tells the metrics and TensorBoard."""
+
+    def observe_state(self, state: State) -> None: ...
+
+    def observe_event(self, event: dict) -> None: ...
+
+    def observe_heartbeat(self, heartbeat: dict | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A failure answered by a resume."""
+
+    rto_s: float
+    """From the failure to the first resumed iteration (the report's RTO)."""
+    loaded: int | None
+    """The iteration the relaunch loaded, where it said."""
+    lost_iterations: int | None
+    """The failure's last iteration less the loaded one (the RPO in iterations)."""
+
+
+class Recoveries:
+    """Pairs each round of failures with the resume that ends it, from the run's events."""
+
+    def __init__(self) -> None:
+        self._failure: dict | None = None
+        self._loaded: int | None = None
+
+    def observe(self, event: dict) -> Recovered | None:
+        """The recovery ``event`` completes, if it does."""
+        kind = event.get("event")
+        if kind == "failure":
+            self._failure = self._failure or event  # the first of a round is its start
+        elif kind == "checkpoint_loaded":
+            self._loaded = event.get("iteration")
+        elif kind == "resumed" and self._failure is not None:
+            failure, self._failure = self._failure, None
+            loaded = self._loaded if isinstance(self._loaded, int) else None
+            last = failure.get("iteration")
+            return Recovered(max(0.0, event["time"] - failure["time"]), loaded,
+                             max(0, last - loaded) if isinstance(last, int) and loaded is not None
+                             else None)
+        return None
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where the metrics are served and how this node is labelled."""
+
+    port: int
+    """TCP port of ``/metrics``; 0 takes a free one (the ``metrics`` event names it)."""
+    addr: str = "127.0.0.1"
+    """Address to bind: loopback unless opened on purpose (``0.0.0.0`` for a remote Prometheus)."""
+    hostname: str = field(default_factory=socket.gethostname)
+    """The ``Hostname`` label, as DCGM exporter sets it."""
+    node_rank: int | None = None
+    """The ``node_rank`` label across nodes; empty on a single node."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--metrics-port must be 0-65535, got {self.port}")
+        if not self.addr:
+            raise ValueError("--metrics-addr must name an address")
+
+
+class Metrics:
+    """The registry and its updates; :meth:`serve` starts the HTTP server."""
+
+    def __init__(self, config: MetricsConfig | None = None) -> None:
+        """Without a config the metrics are kept, not served (no ``--metrics-port``)."""
+        self.config = config
+        self.registry = registry = CollectorRegistry()
+        hostname = config.hostname if config else socket.gethostname()
+        node_rank = config.node_rank if config else None
+        self._node = (hostname, "" if node_rank is None else str(node_rank))
+        self._uuids: dict[int, str] = {}
+        self._names: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self.risk = Gauge("ftmaster_gpu_failure_risk", "The monitor's failure risk score (0-1).",
+                          GPU_LABELS, registry=registry)
+        self.telemetry = {name: Gauge(dcgm, text, GPU_LABELS, registry=registry)
+                          for name, (dcgm, text) in DCGM_FIELDS.items()}
+        self.alerts = Counter("ftmaster_gpu_alerts", "Risk alerts raised for the GPU.",
+                              GPU_LABELS, registry=registry)
+        self.state = Enum("ftmaster_supervisor_state", "The supervisor's state.", NODE_LABELS,
+                          states=[s.value for s in State], registry=registry)
+        self.attempt = Gauge("ftmaster_attempt", "The current attempt's number.", NODE_LABELS,
+                             registry=registry)
+        self.attempts = Counter("ftmaster_attempts", "Attempts launched.", NODE_LABELS,
+                                registry=registry)
+        self.failures = Counter("ftmaster_failures", "Failed attempts, by cause.",
+                                NODE_LABELS + ("cause",), registry=registry)
+        self.rto = Histogram("ftmaster_rto_seconds", "From a failure to its first resumed "
+                             "iteration.", NODE_LABELS, buckets=RTO_BUCKETS, registry=registry)
+        self.rpo_iterations = Histogram("ftmaster_rpo_iterations", "Iterations a failure "
+                                        "threw away.", NODE_LABELS,
+                                        buckets=RPO_ITERATION_BUCKETS, registry=registry)
+        self.rpo_seconds = Histogram("ftmaster_rpo_seconds", "Training time a failure threw "
+                                     "away, at the step time before it.", NODE_LABELS,
+                                     buckets=RPO_SECOND_BUCKETS, registry=registry)
+        self.checkpoint_age = Gauge("ftmaster_checkpoint_age_seconds", "Since the newest "
+                                    "checkpoint of the tier.", NODE_LABELS + ("tier",),
+                                    registry=registry)
+        self.persist_lag_iterations = Gauge("ftmaster_persist_lag_iterations", "The newest "
+                                            "memory checkpoint's iteration less the newest "
+                                            "on disk.", NODE_LABELS, registry=registry)
+        self.persist_lag_seconds = Gauge("ftmaster_persist_lag_seconds", "Since the oldest "
+                                         "memory checkpoint newer than the disk's was taken "
+                                         "(0: disk is current).", NODE_LABELS, registry=registry)
+        self.iteration = Gauge("ftmaster_iteration", "The last completed iteration.",
+                               NODE_LABELS, registry=registry)
+        self.samples_per_second = Gauge("ftmaster_samples_per_second", "Training samples per "
+                                        "second, between the last two heartbeats.", NODE_LABELS,
+                                        registry=registry)
+        self.step_seconds = Gauge("ftmaster_step_seconds", "Seconds per iteration, between "
+                                  "the last two heartbeats.", NODE_LABELS, registry=registry)
+        self._saves: dict[str, tuple[int, float]] = {}  # tier -> (iteration, time) newest
+        self._unpersisted: dict[int, float] = {}  # memory saves newer than the disk's: time
+        self._recoveries = Recoveries()
+        self._on_disk: int | None = None  # the newest iteration durable on disk
+        self._beat: tuple[int, int, float] | None = None  # iteration, samples, time
+        self._step_s: float | None = None
+        self.persist_lag_seconds.labels(*self._node).set_function(self._lag_seconds)
+
+    # -- serving ---------------------------------------------------------------------------
+    def serve(self) -> str:
+        """Start the HTTP server (a daemon thread); returns the URL it serves. OSError when the
+        address cannot be bound."""
+        assert self.config is not None, "metrics without a config are not served"
+        server, _ = start_http_server(self.config.port, self.config.addr, registry=self.registry)
+        host, port = server.server_address[:2]
+        return f"http://{host}:{port}/metrics"
+
+    def close(self) -> None:
+        """Nothing to flush: the server thread ends with the process."""
+
+    # -- the monitor -----------------------------------------------------------------------
+    def watch(self, monitor) -> None:
+        """Feed on ``monitor``'s scored samples and alerts, with its backend's GPU UUIDs
+        where it knows them (NVML)."""
+        uuids = getattr(monitor.backend, "uuids", None)
+
+        def observe(samples, alerts) -> None:
+            if uuids is not None:
+                self._uuids.update(uuids())
+            self.observe_samples(samples, alerts)
+
+        monitor.sample_listeners.append(observe)
+
+    def observe_samples(self, samples: Iterable, alerts: Iterable) -> None:
+        """One scored sample per GPU (``GpuSample``) and the alerts it raised."""
+        for sample in samples:
+            self._names.setdefault(sample.gpu_id, sample.gpu_name or "")
+            labels = self._gpu_labels(sample.gpu_id)
+            self._set(self.risk, labels, sample.failure_risk)
+            for name, gauge in self.telemetry.items():
+                self._set(gauge, labels, getattr(sample, name))
+        for alert in alerts:
+            self.alerts.labels(*self._gpu_labels(alert.gpu)).inc()
+
+    def _gpu_labels(self, gpu: int) -> tuple[str, ...]:
+        return (str(gpu), self._uuids.get(gpu, ""), self._names.get(gpu, ""), *self._node)
+
+    @staticmethod
+    def _set(gauge: Gauge, labels: tuple[str, ...], value) -> None:
+        if value is None:  # unknown: no series, not a stale one
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
+        else:
+            gauge.labels(*labels).set(float(value))
+
+    # -- the supervisor --------------------------------------------------------------------
+    def observe_state(self, state: State) -> None:
+        self.state.labels(*self._node).state(state.value)
+
+    def observe_heartbeat(self, heartbeat: dict | None) -> None:
+        if not heartbeat:
+            return
+        point = (heartbeat["iteration"], heartbeat.get("consumed_samples"),
+                 float(heartbeat.get("time", time.time())))
+        self.iteration.labels(*self._node).set(point[0])
+        previous, self._beat = self._beat, point
+        if previous is None or point[0] <= previous[0] or point[2] <= previous[2]:
+            return
+        elapsed = point[2] - previous[2]
+        self._step_s = elapsed / (point[0] - previous[0])
+        self.step_seconds.labels(*self._node).set(self._step_s)
+        if isinstance(point[1], int) and isinstance(previous[1], int):
+            self.samples_per_second.labels(*self._node).set((point[1] - previous[1]) / elapsed)
+
+    def observe_event(self, event: dict) -> None:
+        """One line of the run's ``events.jsonl`` (the supervisor's, the monitor's or the
+        trainer's), in order."""
+        kind = event.get("event")
+        recovered = self._recoveries.observe(event)
+        if recovered is not None:
+            self._recovered(recovered)
+        if kind == "launch":
+            self.attempts.labels(*self._node).inc()
+            if isinstance(event.get("attempt"), int):
+                self.attempt.labels(*self._node).set(event["attempt"])
+        elif kind == "failure":
+            self.failures.labels(*self._node, str(event.get("cause", "unknown"))).inc()
+        elif kind in SAVE_EVENTS:
+            self._saved(event)
+        elif kind == "persisted":
+            self._persisted(event.get("iteration"))
+
+    def _recovered(self, recovered: Recovered) -> None:
+        self.rto.labels(*self._node).observe(recovered.rto_s)
+        if recovered.lost_iterations is not None:
+            self.rpo_iterations.labels(*self._node).observe(recovered.lost_iterations)
+            if self._step_s is not None:
+                self.rpo_seconds.labels(*self._node).observe(recovered.lost_iterations * self._step_s)
+
+    def _saved(self, event: dict) -> None:
+        tier, iteration = event.get("tier", "disk"), event.get("iteration")
+        if not isinstance(iteration, int):
+            return
+        with self._lock:
+            if tier == "memory":
+                self._unpersisted[iteration] = event["time"]
+        self._newest(tier, iteration, event["time"])
+        if tier != "memory":
+            self._persisted(iteration)
+        self._update_lag_iterations()
+
+    def _newest(self, tier: str, iteration: int, taken: float) -> None:
+        """The tier's newest checkpoint is ``iteration``, taken at ``taken``."""
+        with self._lock:
+            first = tier not in self._saves
+            if first or iteration >= self._saves[tier][0]:
+                self._saves[tier] = (iteration, taken)
+        if first:
+            self.checkpoint_age.labels(*self._node, tier).set_function(
+                lambda: time.time() - self._saves[tier][1])
+
+    def _persisted(self, iteration) -> None:
+        """A copy of ``iteration`` is durable on disk: a disk save, or a memory checkpoint
+        copied (its age on disk counts from when it was taken)."""
+        if not isinstance(iteration, int):
+            return
+        with self._lock:
+            taken = self._unpersisted.get(iteration)
+            for older in [i for i in self._unpersisted if i <= iteration]:
+                del self._unpersisted[older]
+            self._on_disk = iteration if self._on_disk is None else max(self._on_disk, iteration)
+        if taken is not None:
+            self._newest("disk", iteration, taken)
+        self._update_lag_iterations()
+
+    def _update_lag_iterations(self) -> None:
+        memory = self._saves.get("memory")
+        if memory is not None:
+            self.persist_lag_iterations.labels(*self._node).set(
+                max(0, memory[0] - (self._on_disk if self._on_disk is not None else 0)))
+
+    def _lag_seconds(self) -> float:
+        with self._lock:
+            return time.time() - min(self._unpersisted.values()) if self._unpersisted else 0.0
+
+
+class MetricsUnavailable(ValueError):
+    """``--metrics-port``/``--metrics-addr`` cannot be served; the message says why."""
+
+
+def serve_metrics(port: int, addr: str, node_rank: int | None = None) -> tuple[Metrics, str]:
+    """Metrics served on ``addr:port``, and their URL."""
+    try:
+        metrics = Metrics(MetricsConfig(port=port, addr=addr, node_rank=node_rank))
+        return metrics, metrics.serve()
+    except ValueError as error:
+        raise MetricsUnavailable(str(error)) from None
+    except OSError as error:
+        raise MetricsUnavailable(f"cannot serve metrics on {addr}:{port} "
+                                 f"({error.strerror or error}); give another --metrics-port "
+                                 f"or --metrics-addr") from None
