@@ -202,7 +202,7 @@ def _phases_bar(failure: dict) -> str:
     known = [(name, phases.get(name)) for name in PHASES if phases.get(name) is not None]
     if not known:
         return "<p>RTO phases: unknown (no resume, or no relaunch log times)</p>\n"
-    fig, ax = plt.subplots(figsize=(12, 1.9), dpi=100)
+    fig, ax = plt.subplots(figsize=(12, 1.6), dpi=100)
     left = 0.0
     for (name, seconds), colour in zip(known, PHASE_COLOURS):
         ax.barh(0, seconds, left=left, color=colour, label=f"{name.replace('_', ' ')} "
@@ -210,7 +210,7 @@ def _phases_bar(failure: dict) -> str:
         left += seconds
     ax.set_yticks([])
     ax.set_xlabel("seconds from the failure")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=4, fontsize=8, frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.1), fontsize=8, frameon=False)
     fig.tight_layout()
     return f"<p>RTO phases:</p>\n{_png(fig)}\n"
 
