@@ -5,7 +5,9 @@ import os
 import shutil
 import signal
 import subprocess
+import socket
 import time
+import urllib.request
 
 import pytest
 
@@ -25,14 +27,19 @@ def plans(nodes, node_rank):
 
 
 def test_a_lost_node_is_replanned_around_on_the_gpus_left(tmp_path):
-    """The issue's node loss: TP2 x PP1 x DP2 over 2 nodes, node 1's ftmaster SIGKILLed."""
+    """The issue's node loss: TP2 x PP1 x DP2 over 2 nodes, node 1's ftmaster SIGKILLed. Each
+    node serves its own metrics, labelled with its node rank."""
     save = tmp_path / "ckpt"
-    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5))
+    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5), "--metrics-port", "0")
     try:
         nodes.start_all(2)
         # node 1 trains only in a round with node 0 (the first, unless it started late)
         wait_until(lambda: nodes.iteration(1) >= 10, timeout=300, interval=0.1,
                    what="iteration 10 on both nodes")
+        for node_rank in (0, 1):
+            (served,) = nodes.events(node_rank, "metrics")
+            text = urllib.request.urlopen(served["url"], timeout=5).read().decode()
+            assert f'ftmaster_iteration{{Hostname="{socket.gethostname()}",node_rank="{node_rank}"}}' in text
         os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
         assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
         assert nodes.processes[1].wait() == -signal.SIGKILL

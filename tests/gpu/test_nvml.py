@@ -3,11 +3,13 @@ claims is read, no XID, no hard reason), NVML and nvidia-smi agree on the GPUs a
 UUIDs, and the launcher's probe names the GPUs CUDA uses. Timings are the benchmark's
 (``benchmarks/nvml_vs_smi.py``, which ``scripts/gpu_check.sh`` runs), never assertions."""
 
+import socket
 import subprocess
 import time
 
 import pytest
 
+from ftmaster.metrics import Metrics
 from ftmaster.monitor.backends.nvml import NvmlBackend, probe_gpus
 from ftmaster.monitor.backends.smi import SmiBackend
 from ftmaster.monitor.daemon import Monitor
@@ -67,3 +69,21 @@ def test_nvml_and_smi_agree_on_memory_total():
     assert by_nvml.keys() == by_smi.keys()
     for gpu, total in by_nvml.items():
         assert abs(total - by_smi[gpu]) <= 1, gpu  # MiB, rounding
+
+
+def test_the_metrics_carry_each_gpus_uuid_as_nvidia_smi_shows_it():
+    """DCGM exporter's UUID label, from the NVML backend, on a real scrape."""
+    metrics = Metrics()
+    backend = NvmlBackend()
+    monitor = Monitor(backend, None)
+    metrics.watch(monitor)
+    try:
+        monitor.step()
+    finally:
+        monitor.close()
+    expected = {index: uuid for index, uuid in smi("index", "uuid")}
+    for index, uuid in expected.items():
+        temperature = metrics.registry.get_sample_value(
+            "DCGM_FI_DEV_GPU_TEMP", {"gpu": index, "UUID": uuid, "modelName": smi("name")[int(index)][0],
+                                     "Hostname": socket.gethostname(), "node_rank": ""})
+        assert temperature is not None and temperature > 0, (index, uuid)
