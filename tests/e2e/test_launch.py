@@ -15,7 +15,8 @@ from ftmaster import runfiles
 from ftmaster.cli import main
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from helpers.launch import (MetricsScraper, attempt_log, events, launch_argv, losses,
-                            processes_mentioning, run_launch, start_launch, train_args)
+                            processes_mentioning, run_launch, start_launch, train_args,
+                            watched_launch)
 from helpers.trainer import REPO, iterations, run_trainer, trainer_env, wait_until
 from megatron.training.startup import PHASES as STARTUP_PHASES
 
@@ -37,16 +38,11 @@ def test_degrade_then_fail_saves_early_replans_on_three_gpus_and_matches_the_los
     args = train_args(save, 30, 2, 2, 100, "--emergency-save-gap-frac", "0.05", global_batch=24)
     scraper = MetricsScraper(run_dir)
     scraper.start()
-    ftmaster = start_launch(run_dir, 4, [*args, "--tensorboard-dir", str(board)], "--seed", "2",
-                            "--metrics-port", "0", "--inject", "degrade:gpu=1,at=iter:8",
-                            "--inject", "fail:gpu=1,at=iter:16,after=emergency_save")
-    try:
-        output, _ = ftmaster.communicate(timeout=600)
-    finally:
-        scraper.stop()
-        if ftmaster.poll() is None:
-            ftmaster.kill()
-    assert ftmaster.returncode == 0, output[-4000:]
+    code, output = watched_launch(run_dir, 4, [*args, "--tensorboard-dir", str(board)], "--seed",
+                                  "2", "--metrics-port", "0", "--inject", "degrade:gpu=1,at=iter:8",
+                                  "--inject", "fail:gpu=1,at=iter:16,after=emergency_save",
+                                  stop_watching=scraper.stop)
+    assert code == 0, output[-4000:]
 
     alert = next(e for e in events(run_dir, "risk_alert") if "device_lost" not in e["reasons"])
     assert alert["gpu"] == 1

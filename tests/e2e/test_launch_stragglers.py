@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ftmaster.monitor.stragglers import StragglerConfig, assess
-from helpers.launch import events, run_launch, start_launch, train_args
+from helpers.launch import events, run_launch, train_args, watched_launch
 from helpers.trainer import REPO
 
 pytestmark = pytest.mark.slow
@@ -94,14 +94,9 @@ def test_a_healthy_run_raises_no_straggler_with_margin(tmp_path):
 
     watcher = threading.Thread(target=collect, daemon=True)
     watcher.start()
-    ftmaster = start_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 100))
-    try:
-        output, _ = ftmaster.communicate(timeout=900)
-    finally:
-        done.set()
-        if ftmaster.poll() is None:
-            ftmaster.kill()
-    assert ftmaster.returncode == 0, output[-4000:]
+    code, output = watched_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 100),
+                                  stop_watching=done.set, timeout=900)
+    assert code == 0, output[-4000:]
     assert events(run_dir, "straggler") == [], output[-4000:]
     assert len(figures) >= 90, sorted(figures)
     config, history, slow_run, longest = StragglerConfig(), {}, {}, 0

@@ -51,6 +51,20 @@ def run_launch(run_dir: Path, nproc: int, args: list[str], *options: str,
                           timeout=timeout)
 
 
+def watched_launch(run_dir: Path, nproc: int, args: list[str], *options: str,
+                   stop_watching, timeout: float = 600) -> tuple[int, str]:
+    """ftmaster run to its end while the caller watches it; ``stop_watching()`` once it ends
+    (or fails to); returns its exit status and output."""
+    ftmaster = start_launch(run_dir, nproc, args, *options)
+    try:
+        output, _ = ftmaster.communicate(timeout=timeout)
+    finally:
+        stop_watching()
+        if ftmaster.poll() is None:
+            ftmaster.kill()
+    return ftmaster.returncode, output
+
+
 def events(run_dir: Path, name: str) -> list[dict]:
     return [e for e in runfiles.read_events(run_dir) if e["event"] == name]
 
