@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from ftmaster.cli import main
 from ftmaster.metrics import Metrics, MetricsConfig, MetricsUnavailable, serve_metrics
-from ftmaster.monitor.daemon import Alert
+from ftmaster.monitor.backends import make_backend
+from ftmaster.monitor.daemon import Alert, Monitor
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.states import State
 
@@ -107,3 +108,16 @@ def test_a_port_in_use_is_one_clear_error(tmp_path):
                                         "--metrics-port", str(port), "--duration", "0"])
         assert out.exit_code != 0 and "cannot serve metrics" in out.output
         assert len(out.output.strip().splitlines()) == 1
+
+
+def test_watching_a_monitor_labels_each_gpu_with_the_uuid_its_backend_knows():
+    backend = make_backend("sim", num_gpus=2, seed=0)
+    backend.uuids = lambda: {0: "GPU-aaaa", 1: "GPU-bbbb"}  # as the NVML backend's
+    monitor = Monitor(backend, None)
+    m = metrics()
+    m.watch(monitor)
+    monitor.step()
+    monitor.close()
+    names = {sample.labels["gpu"]: sample.labels["UUID"] for family in m.registry.collect()
+             for sample in family.samples if sample.name == "ftmaster_gpu_failure_risk"}
+    assert names == {"0": "GPU-aaaa", "1": "GPU-bbbb"}

@@ -289,9 +289,10 @@ class Metrics:
             if tier == "memory":
                 self._unpersisted[iteration] = event["time"]
         self._newest(tier, iteration, event["time"])
-        if tier != "memory":
+        if tier == "memory":
+            self._update_lag_iterations()
+        else:
             self._persisted(iteration)
-        self._update_lag_iterations()
 
     def _newest(self, tier: str, iteration: int, taken: float) -> None:
         """The tier's newest checkpoint is ``iteration``, taken at ``taken``."""
