@@ -12,9 +12,10 @@ one:
 - over the window it rises (toward the limit) by at least ``min_slope`` of the limit's scale
   per minute and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
   trend);
-- its second half rises too, at least ``steady`` times as fast as its first: a step that
-  settles (a first-order approach to a new level) slows down, a drift does not (it keeps its
-  pace or speeds up).
+- its second half rises too, and not clearly slower than its first (below ``steady`` times
+  its pace by more than ``settle_sigmas`` standard errors): a step that settles (a
+  first-order approach to a new level) slows down, a drift does not (it keeps its pace or
+  speeds up; one nearing a cap that clips its noise slows within the noise).
 
 A trend must have held through most of the last ``persist_s`` before it counts
 (:class:`Persistence`): the fits of a sliding window follow noise for a sample or two, a
@@ -45,10 +46,21 @@ class DriftConfig:
     """Share of the window the samples must span before a trend counts."""
     min_slope: float = 0.0025
     """Least rise per minute over the window, as a share of the limit (0.22 C/min at 87 C)."""
-    min_t: float = 4.0
+    min_t: float = 4.5
     """Least slope over the window, in standard errors of its fit."""
     steady: float = 0.75
     """The second half's slope over the first's, at least: below, the rise is settling."""
+    settle_sigmas: float = 2.0
+    """...when the halves' slopes differ by this many of their standard errors: a slowdown
+    within the noise of two 5-minute fits is no evidence of settling (a drift nearing a cap
+    that clips its noise slows a little too)."""
+    min_peers: int = 2
+    """Fewest peers whose median a GPU's trends are taken against; with fewer, its own signal.
+    Against one peer, that peer's own trouble (its utilisation collapsing, its throttling)
+    reads here as its mirror image: a rise toward the limits."""
+    peers_changed_s: float = 60.0
+    """How long a new count of sampled peers must last before the trends start afresh (a
+    GPU lost or back moves the peers' median; one missing sample does not)."""
     every_s: float = 10.0
     """Least time between two fits of one GPU's trends (sampled faster, they are fitted no
     more often: a fit walks the window's points)."""
@@ -105,8 +117,10 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     if None in fits:
         return None
     whole, early, late = (toward * slope for slope, _ in fits)
+    noise = (fits[1][1] ** 2 + fits[2][1] ** 2) ** 0.5
+    settling = late < cfg.steady * early and early - late > cfg.settle_sigmas * noise
     if (whole < cfg.min_slope * abs(scale) / 60.0 or whole < cfg.min_t * fits[0][1]
-            or late <= 0 or late < cfg.steady * early):
+            or late <= 0 or settling):
         return None
     late = max(late, whole)
     # Constant acceleration from the first half's slope to the second's (half a window apart).
@@ -139,3 +153,24 @@ class Persistence:
             return None
         held = sum(ok for _, ok in self.recent) / len(self.recent)
         return seconds_left if held >= cfg.held_share else None
+
+
+class PeerCount:
+    """How many GPUs the drift windows' residuals are relative to; a new count counts once it
+    has lasted (a GPU lost or back), not at one missing sample."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self._other_since: float | None = None
+
+    def changed(self, t: float, count: int, lasting_s: float) -> bool:
+        """Whether the windows must start afresh at ``t``, sampling ``count`` GPUs."""
+        if self.count is None or count == self.count:
+            self.count, self._other_since = count, None
+            return False
+        if self._other_since is None:
+            self._other_since = t
+        if t - self._other_since < lasting_s:
+            return False
+        self.count, self._other_since = count, None
+        return True

@@ -52,7 +52,8 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Iterable, Protocol
 
-from ftmaster.monitor.drifts import DriftConfig, Persistence, drift_severity, time_left
+from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, drift_severity,
+                                     time_left)
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons, remember_counters
 
@@ -301,6 +302,30 @@ class Window:
         return ordered[(3 * n) // 4] - ordered[n // 4]
 
 
+class LoadedWindow:
+    """(time, value) points within the last ``span_s`` seconds of loaded time: the minutes a
+    checkpoint or an evaluation keeps a GPU idle do not push a drift's earlier points out,
+    and the trend is still fitted against the clock (a drift goes on while the GPU idles)."""
+
+    __slots__ = ("span_s", "times", "values", "_loaded")
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.times: deque[float] = deque()
+        self.values: deque[float] = deque()
+        self._loaded: deque[float] = deque()
+
+    def push(self, t: float, value: float, loaded_s: float) -> None:
+        """A point at ``t``, when the GPU had been loaded for ``loaded_s`` in all."""
+        self.times.append(t)
+        self.values.append(value)
+        self._loaded.append(loaded_s)
+        while self._loaded[0] < loaded_s - self.span_s:
+            self.times.popleft()
+            self.values.popleft()
+            self._loaded.popleft()
+
+
 @dataclass
 class Features:
     """What the detectors read about one GPU (None: not enough data)."""
@@ -396,12 +421,12 @@ class _Track:
         self.throttle = Window(cfg.throttle_window_s)
         self.collapse = Window(cfg.collapse_window_s)
         self.sbe_events: deque[tuple[float, int]] = deque()
-        self.drift_temp = Window(cfg.drift.window_s)  # under load only
-        self.drift_power = Window(cfg.drift.window_s)
-        self.drift_clock = Window(cfg.drift.window_s)
+        self.drift_temp = LoadedWindow(cfg.drift.window_s)  # under settled load only
+        self.drift_power = LoadedWindow(cfg.drift.window_s)
+        self.drift_clock = LoadedWindow(cfg.drift.window_s)
         self.clock_baseline: float | None = None  # own loaded clock, frozen while drifting
         self.drift_held = Persistence()
-        self.drift_peers: int | None = None  # how many peers the drift windows are relative to
+        self.drift_peers = PeerCount()  # how many peers the drift windows are relative to
         self.drift_checked: float | None = None  # when the trends were last fitted
         self.drift_left_s: float | None = None  # what that fit found
         self.baseline: float | None = None  # peer-relative temperature level
@@ -440,7 +465,8 @@ class AdaptiveScorer:
             dts[s.gpu_id] = max(0.0, s.timestamp - track.last)
             self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id))
             self._observe_drifts(track, s, peers)
-            features[s.gpu_id] = self._features(track, s, peers.clock.get(s.gpu_id))
+            features[s.gpu_id] = self._features(
+                track, s, peers.clock.get(s.gpu_id) if self._drift_relative(peers) else None)
         peer_throttle = others_median({g: f.throttle_share for g, f in features.items()
                                        if f.throttle_share is not None})
         peer_spread = others_median({g: f.power_spread for g, f in features.items()
@@ -505,19 +531,25 @@ class AdaptiveScorer:
 
     def _observe_drifts(self, track: _Track, s: GpuSample, peers: "Peers") -> None:
         """Under settled load only (the rebound after a checkpoint's dip, each GPU at its own
-        pace, is no trend): each signal less its peers' median (itself with no peer). When
+        pace, is no trend): each signal less its peers' median (itself with fewer than
+        ``min_peers``). When
         the peers change (a GPU lost or back), their median jumps: the trends start afresh."""
-        if peers.count != track.drift_peers:
-            track.drift_peers = peers.count
+        if track.drift_peers.changed(s.timestamp, peers.count, self.config.drift.peers_changed_s):
             track.drift_temp, track.drift_power, track.drift_clock = (
-                Window(self.config.drift.window_s) for _ in range(3))
+                LoadedWindow(self.config.drift.window_s) for _ in range(3))
         if track.loaded_since is None or s.timestamp - track.loaded_since < self.config.settle_s:
             return
+        relative = self._drift_relative(peers)
         for window, value, peer in ((track.drift_temp, s.temperature, peers.temperature),
                                     (track.drift_power, s.power_draw, peers.power),
                                     (track.drift_clock, s.sm_clock, peers.clock)):
             if value is not None:
-                window.push(s.timestamp, value - (peer.get(s.gpu_id) or 0.0))
+                own = value - (peer.get(s.gpu_id) or 0.0) if relative else value
+                window.push(s.timestamp, own, track.loaded_s)
+
+    def _drift_relative(self, peers: "Peers") -> bool:
+        """Whether the drift trends are taken against the peers' median (enough peers)."""
+        return peers.count - 1 >= self.config.drift.min_peers
 
     def _features(self, track: _Track, s: GpuSample, peer_clock: float | None = None) -> Features:
         cfg, t = self.config, s.timestamp

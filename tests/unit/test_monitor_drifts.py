@@ -9,9 +9,10 @@ import pytest
 
 from ftmaster.monitor import tracegen
 from ftmaster.monitor.alerts import AlertConfig
-from ftmaster.monitor.drifts import DriftConfig, Persistence, drift_severity, time_left
+from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, drift_severity,
+                                     time_left)
 from ftmaster.monitor.evaluate import replay
-from ftmaster.monitor.scorers import AdaptiveScorer
+from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow
 
 CFG = DriftConfig()
 TIMES = [10.0 * i for i in range(61)]  # 10 minutes, a sample every 10 s
@@ -89,3 +90,34 @@ def test_a_small_trace_alerts_on_its_drift_early_and_never_on_its_look_alikes(tm
     span = failure["failure_time"] - failure["precursor_start"]
     assert failure["precursor_start"] <= first and "slow_drift" in alerts[0].reasons
     assert (failure["failure_time"] - first) / span >= 0.25
+
+
+def test_a_drift_whose_noise_a_cap_clips_still_has_time_left():
+    """6 W/min toward a 700 W cap with +-30 W of noise, at it by the end: the last
+    minutes' noise is clipped, so the second half's fit comes out slower; within its noise
+    that is no settling."""
+    values = [min(700.0, 640.0 + 0.1 * t + 30 * math.sin(i * 1.7)) - 600.0
+              for i, t in enumerate(TIMES)]
+    assert time_left(TIMES, values, 20.0, 700.0, CFG) is not None
+    strict = DriftConfig(settle_sigmas=0.0)  # any slowdown past `steady` read as settling
+    assert time_left(TIMES, values, 20.0, 700.0, strict) is None
+
+
+def test_the_drift_window_spans_loaded_time_so_a_checkpoint_dip_keeps_it():
+    window = LoadedWindow(600.0)
+    for i in range(40):  # 400 s loaded
+        window.push(10.0 * i, float(i), loaded_s=10.0 * i)
+    for i in range(60, 80):  # 200 s idle in a checkpoint, then 200 s more loaded
+        window.push(10.0 * i, float(i), loaded_s=10.0 * (i - 20))
+    assert window.times[0] == 0.0 and len(window.times) == 60  # 600 s of load, 790 s of clock
+    window.push(800.0, 80.0, loaded_s=610.0)
+    assert window.times[0] == 10.0
+
+
+def test_the_peers_count_changes_only_when_the_new_count_lasts():
+    peers = PeerCount()
+    assert not peers.changed(0.0, 8, lasting_s=60.0)
+    assert not peers.changed(10.0, 7, lasting_s=60.0)  # one GPU's sample missing
+    assert not peers.changed(20.0, 8, lasting_s=60.0)
+    assert [peers.changed(t, 7, lasting_s=60.0) for t in (30.0, 60.0, 90.0, 100.0)] == \
+        [False, False, True, False]  # lost for good: once, after a minute
