@@ -79,6 +79,9 @@ class Straggler:
     """Its least recent compute time."""
     peers_ms: float
     """Its peers' recent median compute time."""
+    typical_ms: float | None = None
+    """Its median recent compute time: what it costs an iteration (the least, above, is the
+    robust sign that it is slow at every iteration, and understates that cost)."""
 
 
 def assess(history: dict[int, list[float]], stages: dict[int, int],
@@ -154,7 +157,9 @@ class StragglerTracker:
                 self._reported.add(judged.rank)
                 mine = min(history[judged.rank][-self.config.window:])
                 since = self._run_start[judged.rank] - self.config.window + 1
+                window = history[judged.rank][-self.config.window:]
                 found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
                                        None if judged.drift is None else round(judged.drift, 3),
-                                       round(mine, 3), round(mine / judged.slowdown, 3)))
+                                       round(mine, 3), round(mine / judged.slowdown, 3),
+                                       round(statistics.median(window), 3)))
         return found

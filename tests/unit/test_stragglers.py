@@ -141,7 +141,7 @@ def found_with(step_s, healthy=1.0):
 @pytest.mark.parametrize("found, estimate, drain, words", [
     (found_with(2.0), lambda: _Plan(1.33), True, r"^draining GPU 1: the job runs 2.000 s/iteration"
                                                   r".* estimates 1.330 s/iteration on the 3 GPUs"
-                                                  r".*calibrated on 1.990 s/iteration without its"),
+                                                  r".*calibrated on 1.000 s/iteration without the"),
     (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
     (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
      r"the 3 GPUs left cannot run the job \(no layout fits\)"),
@@ -195,7 +195,12 @@ def test_the_compute_timer_reads_the_last_complete_iteration():
     assert timer.previous_microseconds() == 0
 
 
-def test_the_calibration_is_the_step_now_less_the_stragglers_extra_compute():
+def test_the_calibration_is_the_lesser_of_the_step_before_and_the_step_now_less_the_extra():
     found = Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), 0.6, 0.9)
     assert found.without_extra_s() == pytest.approx(0.35)
-    assert Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), None, None).without_extra_s() is None
+    assert found.calibration_s() == pytest.approx(0.35)  # the step before was a warm-up's
+    # the typical extra, not the least: 600 ms median against the peers' 250
+    typical = Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0, 600.0), 0.99, 0.62)
+    assert typical.without_extra_s() == pytest.approx(0.64)
+    assert typical.calibration_s() == pytest.approx(0.62)  # the host made the wait longer
+    assert Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), None, None).calibration_s() is None

@@ -5,9 +5,11 @@ By default a straggler is reported (console, ``straggler`` event, ``ftmaster rep
 ``--drain-stragglers`` the supervisor drains its GPU (an agreed save, then a relaunch without
 it) when the planner's cost model says the GPUs left run faster than the job runs now with
 the straggler; never below the planner's minimum and never more than one GPU per window
-(:meth:`StragglerWatch.drain_allowed`). The model is calibrated on the job's step now less
-the straggler's extra compute (:meth:`Found.without_extra_s`): measured at the same time as
-the step it is weighed against, where the step before the slowdown may be a warm-up's.
+(:meth:`StragglerWatch.drain_allowed`). The model is calibrated on the step the same layout
+would take without the slowdown (:meth:`Found.calibration_s`): the lesser of the step
+before the slowdown (high when that was still a warm-up's) and the step now less the
+straggler's extra compute (high when the other ranks, sharing a host with it, wait for it
+longer than it computes beyond them).
 """
 
 from __future__ import annotations
@@ -38,12 +40,18 @@ class Found:
     """The job's step time before it; None when it was never measured healthy."""
 
     def without_extra_s(self) -> float | None:
-        """The job's step now, less what the straggler computes beyond its peers: the step
-        the same layout would take without the slowdown."""
+        """The job's step now, less what the straggler typically computes beyond its peers."""
         if self.step_s is None:
             return None
-        extra = (self.straggler.compute_ms - self.straggler.peers_ms) / 1000
+        typical = self.straggler.typical_ms or self.straggler.compute_ms
+        extra = (typical - self.straggler.peers_ms) / 1000
         return self.step_s - extra if self.step_s > extra > 0 else None
+
+    def calibration_s(self) -> float | None:
+        """The step the same layout would take without the slowdown: the lesser of the two
+        measures of it, each of which can only err high (see the module docstring)."""
+        known = [s for s in (self.healthy_step_s, self.without_extra_s()) if s is not None]
+        return min(known) if known else None
 
 
 class StragglerWatch:
@@ -139,10 +147,10 @@ def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
         return DrainDecision(False, f"keeping GPU {gpu}: the planner has no step estimate for "
                                     f"the {gpus_left} GPUs left")
     verdict = "draining" if left < now else "keeping"
-    calibration = found.without_extra_s()
+    calibration = found.calibration_s()
     return DrainDecision(left < now, (
         f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
         f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
         f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})")
         + ("" if calibration is None else f", calibrated on {calibration:.3f} s/iteration "
-                                          f"without its extra compute"), left)
+                                          f"without the slowdown"), left)

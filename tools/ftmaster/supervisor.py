@@ -761,7 +761,8 @@ class Supervisor:
                         slowdown=straggler.slowdown, iteration=straggler.iteration,
                         since=straggler.since,
                         drift=straggler.drift, compute_ms=straggler.compute_ms,
-                        peers_ms=straggler.peers_ms, step_s=found.step_s,
+                        peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
+                        step_s=found.step_s,
                         healthy_step_s=found.healthy_step_s)
             if self.config.drain_stragglers and found.gpu is not None:
                 self._straggler_to_drain = found
@@ -801,7 +802,7 @@ class Supervisor:
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus),
-            measured_step_s=found.without_extra_s() or self._original_step_s,
+            measured_step_s=found.calibration_s() or self._original_step_s,
             **self._planner_options()))
         log.warning("straggler: %s", decision.line)
         if not decision.drain:
