@@ -6,10 +6,12 @@ By default a straggler is reported (console, ``straggler`` event, ``ftmaster rep
 it) when the planner's cost model says the GPUs left run faster than the job runs now with
 the straggler; never below the planner's minimum and never more than one GPU per window
 (:meth:`StragglerWatch.drain_allowed`). The model is calibrated on the step the same layout
-would take without the slowdown (:meth:`Found.calibration_s`): the lesser of the step
-before the slowdown (high when that was still a warm-up's) and the step now less the
-straggler's extra compute (high when the other ranks, sharing a host with it, wait for it
-longer than it computes beyond them).
+would take without the slowdown (:meth:`Found.calibration_s`), the lesser of two measures of
+it, neither exact: the step before the slowdown runs high while a run still warms up, and
+the step now less the straggler's typical extra compute runs high or low by how long the
+other ranks wait for it (on CPU ranks sharing cores that is not its extra compute). On 4 CPU
+ranks slowed 2x: 0.76 s from the second against 0.62 s from the first (the GPU was kept,
+wrongly, when the second alone decided), then 0.47 and 0.60 s against 0.61 and 0.76 s.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Found:
 
     def calibration_s(self) -> float | None:
         """The step the same layout would take without the slowdown: the lesser of the two
-        measures of it, each of which can only err high (see the module docstring)."""
+        measures of it (see the module docstring)."""
         known = [s for s in (self.healthy_step_s, self.without_extra_s()) if s is not None]
         return min(known) if known else None
 
