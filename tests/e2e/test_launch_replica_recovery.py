@@ -44,7 +44,15 @@ def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, distributed, tmp_path):
     (failure,) = events(run_dir, "failure")
     (dumped,) = events(run_dir, "replica_dump")
     (merged,) = events(run_dir, "replica_merge")
-    assert dumped["ranks"] == [0, 2, 3] and dumped["bytes"] > 0
+    assert dumped["bytes"] > 0
+    if distributed:
+        # Rank 0 shares its optimizer instance with the dead rank 1: killed during the
+        # update's parameter all-gather, rank 0 holds a half-applied update and says so
+        # (seen once in a suite run); the other instance, ranks 2 and 3, holds every shard.
+        refused = {int(rank) for rank in dumped.get("refused", {})}
+        assert {2, 3} <= set(dumped["ranks"]) and set(dumped["ranks"]) | refused == {0, 2, 3}
+    else:
+        assert dumped["ranks"] == [0, 2, 3]
     # The survivors stop at the failed iteration or complete the one under way.
     assert failure["iteration"] >= 16 and merged["shards"] == 2
     assert merged["iteration"] in (failure["iteration"], failure["iteration"] + 1)
