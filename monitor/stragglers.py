@@ -155,9 +155,9 @@ class StragglerTracker:
             self._slow_run[judged.rank] = self._slow_run.get(judged.rank, 0) + 1
             if self._slow_run[judged.rank] >= self.config.iterations and judged.rank not in self._reported:
                 self._reported.add(judged.rank)
-                mine = min(history[judged.rank][-self.config.window:])
-                since = self._run_start[judged.rank] - self.config.window + 1
                 window = history[judged.rank][-self.config.window:]
+                mine = min(window)
+                since = self._run_start[judged.rank] - self.config.window + 1
                 found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
                                        None if judged.drift is None else round(judged.drift, 3),
                                        round(mine, 3), round(mine / judged.slowdown, 3),

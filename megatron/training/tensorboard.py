@@ -39,11 +39,14 @@ class Board:
                                         max_queue=args.tensorboard_queue_size,
                                         purge_step=first_iteration if resumed else None)
 
+    def due(self, iteration: int) -> bool:
+        """Whether this rank writes ``iteration``'s scalars (the caller gathers them only then:
+        fp16's loss scale is a device read)."""
+        return self.writer is not None and iteration % self.interval == 0
+
     def iteration(self, iteration: int, *, loss: float | None, learning_rate: float,
                   batch_size: int, grad_norm: float | None, loss_scale: float | None,
                   seconds: float) -> None:
-        if self.writer is None or iteration % self.interval:
-            return
         for name, value in (("learning-rate", learning_rate), ("batch-size", batch_size),
                             ("lm loss", loss), ("grad-norm", grad_norm), ("loss-scale", loss_scale)):
             if value is not None:

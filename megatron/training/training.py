@@ -521,6 +521,8 @@ class Trainer:
         self._heartbeat(finished=True)
 
     def _board_iteration(self, loss: float | None, seconds: float) -> None:
+        if not self.board.due(self.state.iteration):
+            return
         loss_scale = self.optimizer.get_loss_scale().item() if self.args.fp16 else None
         self.board.iteration(self.state.iteration, loss=loss,
                              learning_rate=self.optimizer.param_groups[0]["lr"],

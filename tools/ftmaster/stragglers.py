@@ -133,8 +133,8 @@ class DrainDecision:
 
 def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
     """Whether the job runs faster without ``found``'s GPU, whose step time with it is
-    measured. ``estimate()`` is the planner on the GPUs left, calibrated on the step without
-    the straggler's extra compute: a Plan, or ValueError (PlanError) when they cannot run the
+    measured. ``estimate()`` is the planner on the GPUs left, calibrated on
+    :meth:`Found.calibration_s`: a Plan, or ValueError (PlanError) when they cannot run the
     job."""
     gpu, now = found.gpu, found.step_s
     try:
