@@ -17,7 +17,9 @@ Anything else is recorded in ``$TORCHELASTIC_ERROR_FILE`` (torch elastic's error
 ftmaster reads for the root cause) and raised.
 """
 
+import os
 import sys
+from typing import NoReturn
 
 from megatron.training import startup
 
@@ -51,11 +53,21 @@ def main(argv: list[str]) -> int:
         # Every rank meets the others alike (they are agreed); bad data only the rank that
         # read it, which must say so itself.
         (error if isinstance(problem, DataError) else error_once_per_node)(str(problem))
-        return expected[type(problem)]
+        leave_now(expected[type(problem)])
     except Exception as unexpected:
         get_error_handler().record_exception(unexpected)
         raise
     return 0
+
+
+def leave_now(status: int) -> NoReturn:
+    """Exit with ``status`` without the interpreter's teardown. An expected failure leaves the
+    process group up, and tearing gloo's threads down while the peers leave at their own pace
+    can abort the rank (``terminate called without an active exception``: SIGABRT instead of
+    the status, so ftmaster retried a usage error; seen in suite runs)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # The guard matters: async checkpoint writers start helper processes that re-import this file.

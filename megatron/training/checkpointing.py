@@ -269,6 +269,18 @@ def start_writer_results_queue() -> None:
     filesystem_async._results_queue = queue
 
 
+def use_in_rank_results_queue() -> None:
+    """Without ``--async-save`` every save writes in the rank (:mod:`records`,
+    :mod:`memory_slots`), so its write results need no queue shared with other processes:
+    no Manager server to spawn (measured: 3.3 s of a 4-rank start on 2 cores, the data setup
+    phase 3.8 s against 0.4 s) and no round trip through one at every save. A warm worker's
+    queue, started before it knew the flags, is kept."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.SimpleQueue()
+
+
 class Janitor:
     """A background thread, in order, for file work that must not block training: removing
     a failed save's folder, pruning superseded emergency checkpoints (a deletion or a scan
@@ -645,7 +657,10 @@ class Checkpointer:
         self.structure = SaveStructure(self._new_save_strategy, self.group,
                                        args.ckpt_assume_constant_structure)
         if args.save:
-            start_writer_results_queue()
+            if args.async_save:
+                start_writer_results_queue()
+            else:
+                use_in_rank_results_queue()
             checksums.install()
 
     # ---- saving -------------------------------------------------------------------------

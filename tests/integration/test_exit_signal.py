@@ -33,12 +33,13 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
 
 
 def test_a_rank_killed_by_sigkill_leaves_no_helper_process(tmp_path):
-    """torch_dist's write-result server is a spawned interpreter per rank; it must not outlive
-    a rank that dies without cleaning up, as every rank on a lost GPU does."""
+    """With --async-save, torch_dist's write-result server is a spawned interpreter per rank
+    (without it the results stay in the rank); it must not outlive a rank that dies without
+    cleaning up, as every rank on a lost GPU does."""
     log = tmp_path / "train.log"
     process = start_trainer(1, SMALL_GPT + [
         "--micro-batch-size", "2", "--train-iters", "10000", "--lr", "1e-3",
-        "--save", str(tmp_path / "save")], log)
+        "--save", str(tmp_path / "save"), "--async-save"], log)
     try:
         wait_until(lambda: "iteration 2/10000" in log.read_text(), 180, what="iteration 2")
         (worker,) = psutil.Process(process.pid).children()
