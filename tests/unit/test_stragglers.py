@@ -115,6 +115,19 @@ def test_the_watch_maps_ranks_to_gpus_and_measures_the_step_before_and_after():
     assert straggler.step_s == pytest.approx(2.0)
 
 
+def test_a_straggler_on_another_node_is_compared_but_left_to_that_node_to_name():
+    """Node 1 holds global ranks 2 and 3 on its GPUs 0 and 1; rank 1 (node 0's) slows."""
+    found = {}
+    for offset in (0, 2):
+        watch = StragglerWatch(StragglerConfig(ratio=1.3, iterations=4, window=3), drain=False,
+                               drain_window_s=600)
+        watch.new_attempt([0, 1], offset)
+        found[offset] = [f for it in range(2, 31)
+                         for f in watch.observe(beat(it, it, {it - 1: slow_rows(12, 40)[it - 1]}))]
+    assert [(f.gpu, f.straggler.rank) for f in found[0]] == [(1, 1)]
+    assert found[2] == []
+
+
 def test_a_drain_is_weighed_on_the_steps_seen_since_the_slowdown_until_now():
     watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
     watch.new_attempt([0, 1, 2, 3], 0)

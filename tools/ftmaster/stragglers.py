@@ -32,9 +32,9 @@ WARMUP_ITERATIONS = 3
 
 @dataclass(frozen=True)
 class Found:
-    """A straggler on this node's GPU ``gpu`` (None: a rank of another node)."""
+    """A straggler on this node's GPU ``gpu``."""
 
-    gpu: int | None
+    gpu: int
     straggler: Straggler
     step_s: float | None
     """The job's step time since the straggler slowed it; None until measured."""
@@ -90,14 +90,18 @@ class StragglerWatch:
                    for it, values in (compute.get("ms") or {}).items()
                    if int(it) >= self._first + WARMUP_ITERATIONS}
         stages = dict(enumerate(compute.get("stages") or []))
-        found = [self._found(s) for s in self.tracker.observe(figures, stages)]
+        found = [f for f in map(self._found, self.tracker.observe(figures, stages)) if f is not None]
         self.found += found
         return found
 
-    def _found(self, straggler: Straggler) -> Found:
+    def _found(self, straggler: Straggler) -> Found | None:
+        """The straggler, if it is one of this node's ranks: every node's heartbeat carries
+        every rank's figures (all are peers to compare), but only the node that holds a GPU
+        names it, reports it and may drain it, so a straggler is one event, not one per node."""
         local = straggler.rank - self.rank_offset
-        gpu = self.gpus[local] if 0 <= local < len(self.gpus) else None
-        return Found(gpu, straggler, self.step_seconds(since=straggler.since),
+        if not 0 <= local < len(self.gpus):
+            return None
+        return Found(self.gpus[local], straggler, self.step_seconds(since=straggler.since),
                      self.step_seconds(until=straggler.since))
 
     def step_seconds(self, since: int | None = None, until: int | None = None) -> float | None:
