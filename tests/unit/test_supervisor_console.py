@@ -109,7 +109,10 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
                         "lm loss: 3.912345E+00 |\n")
     progress = Progress(log_path, interval_s=5, started_at=0.0)
     assert progress.line({"iteration": 8, "time": 100.0}, now=1.0) is None  # not due yet
-    assert progress.line({"iteration": 8, "time": 100.0}, now=6.0) is None  # one point only
+    first = progress.line({"iteration": 8, "time": 100.0}, now=6.0)
+    assert first == ("progress: iteration 8/30 | lm loss 3.912 (iteration 10) | "
+                     "0.25 s/iteration | no checkpoint yet | ETA 6 s")  # the trainer's timing
+    assert progress.line({"iteration": 8, "time": 100.0}, now=11.0) is None  # stalled
     progress.last_checkpoint = {"iteration": 5, "time": 101.0}
     line = progress.line({"iteration": 10, "time": 100.5}, now=111.0)
     assert line == ("progress: iteration 10/30 | lm loss 3.912 (iteration 10) | "
@@ -221,6 +224,51 @@ def test_finished_training_is_never_a_hang_however_slow_its_exit(tmp_path):
     time.sleep(0.25)  # past the stop timeout: its processes are stopped, the run is complete
     assert supervisor._check_training() is Trigger.COMPLETED and supervisor.attempt.killed
     assert runfiles.read_events(tmp_path)[-1]["event"] == "complete"
+
+
+class RankEndingAttempt(FinishedAttempt):
+    """Its one rank exits with status 3 just as the supervisor polls the attempt's end."""
+
+    ended, stuck_gpus = False, {}
+
+    def exit_code(self):
+        self.ended = True
+        return 1
+
+    def failed_ranks(self):
+        return {0: record(0, 3, 1.0)} if self.ended else {}
+
+    def recorded_errors(self, local_ranks):
+        return {}
+
+
+class FailingMonitor(QuietMonitor):
+    pending_injections = ()
+
+    def refresh(self, timeout_s):
+        pass
+
+    def lost_reasons(self):
+        return {}
+
+    def unschedulable_gpus(self):
+        return {}
+
+
+def test_a_rank_that_ends_as_the_attempt_is_polled_is_named_with_its_own_status(tmp_path):
+    """The exit status is read before the rank records: once the ranks have ended, their
+    records are complete (a CI run once blamed torchrun's status 1, with no GPU)."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.attempt = RankEndingAttempt()
+    assert supervisor._check_training() is Trigger.FAILURE
+    failure = runfiles.read_events(tmp_path)[-1]
+    assert (failure["cause"], failure["gpus"], failure["exit_codes"]) == ("exit", [0], {"0": 3})
 
 
 def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):

@@ -159,9 +159,14 @@ class Progress:
         point = _Point(heartbeat["iteration"], heartbeat.get("time", now))
         previous, self._previous = self._previous, point
         self._last_print = now
-        if previous is None or point.iteration <= previous.iteration:
-            return None  # a speed needs two points
-        per_iteration = (point.time - previous.time) / (point.iteration - previous.iteration)
+        if previous is not None and point.iteration > previous.iteration:
+            per_iteration = (point.time - previous.time) / (point.iteration - previous.iteration)
+        elif previous is None and self.step_ms:
+            # The first line of an attempt takes the trainer's own timing: a short attempt
+            # (a resume that ends within one interval) still shows where it stands.
+            per_iteration = self.step_ms[-1] / 1000
+        else:
+            return None  # stalled since the last line, or no timing yet
         return self._format(point.iteration, per_iteration, now)
 
     def _format(self, iteration: int, per_iteration: float, now: float) -> str:

@@ -380,10 +380,11 @@ class Supervisor:
                         last["attempt"] + 1)
         return last["attempt"]
 
-    def _apply_injections(self) -> None:
+    def _apply_injections(self, iteration: int | None) -> None:
+        """``iteration``: the one this poll read (read again, the heartbeat may be a step on
+        from the progress the poll recorded, and the fault would be told at the one before)."""
         elapsed = time.monotonic() - self._started
-        for injection in self.injector.take_due(self._heartbeat_iteration(), elapsed,
-                                                self.lost_gpus()):
+        for injection in self.injector.take_due(iteration, elapsed, self.lost_gpus()):
             if not self._apply(injection):
                 self.injector.pending.append(injection)  # its rank has not started yet
 
@@ -423,12 +424,12 @@ class Supervisor:
         iteration = self._track_progress(heartbeat)
         self._tell("observe_heartbeat", heartbeat)
         self._watch_stragglers(heartbeat)
-        self._apply_injections()
+        self._apply_injections(iteration)
         self._follow_events()
         self._show_progress(heartbeat)
         self._persist_when_due()
+        code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
-        code = attempt.exit_code()
         if failed or (code is not None and code != 0):
             report = classify_exits(failed, attempt.gpus, attempt.recorded_errors(failed))
             return self._failure(report.cause, iteration, list(report.gpus),
@@ -660,7 +661,8 @@ class Supervisor:
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
         self.progress.last_checkpoint = self._last_checkpoint
-        self._event("launch", attempt=number, gpus=list(gpus),
+        # Timed when the launch began: waiting for warm workers still importing is part of it.
+        self._event("launch", time=self.attempt.started_at, attempt=number, gpus=list(gpus),
                     tensor_model_parallel_size=plan.tensor_model_parallel_size,
                     pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                     data_parallel_size=plan.data_parallel_size, command=self.attempt.argv)
@@ -753,9 +755,8 @@ class Supervisor:
     def _watch_stragglers(self, heartbeat: dict | None) -> None:
         for found in self.stragglers.observe(heartbeat):
             straggler = found.straggler
-            where = f"GPU {found.gpu}" if found.gpu is not None else f"rank {straggler.rank}"
-            log.warning("straggler: %s computes %.2fx slower than its peers (%.1f ms against "
-                        "%.1f ms per iteration) since iteration %d", where, straggler.slowdown,
+            log.warning("straggler: GPU %d computes %.2fx slower than its peers (%.1f ms against "
+                        "%.1f ms per iteration) since iteration %d", found.gpu, straggler.slowdown,
                         straggler.compute_ms, straggler.peers_ms, straggler.since)
             self._event("straggler", gpu=found.gpu, rank=straggler.rank,
                         slowdown=straggler.slowdown, iteration=straggler.iteration,
@@ -764,7 +765,7 @@ class Supervisor:
                         peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
                         step_s=found.step_s,
                         healthy_step_s=found.healthy_step_s)
-            if self.config.drain_stragglers and found.gpu is not None:
+            if self.config.drain_stragglers:
                 self._straggler_to_drain = found
         self._report_drain_result()
 
@@ -880,7 +881,7 @@ class Supervisor:
         while True:
             if self._stop_requested.is_set():
                 return Trigger.SIGNALLED
-            self._apply_injections()
+            self._apply_injections(self._heartbeat_iteration())
             if not self._waitable_gpus():
                 self._event("gpus_back", gpus=waited_for)
                 return Trigger.GPUS_BACK
