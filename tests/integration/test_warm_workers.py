@@ -3,6 +3,7 @@ rank they run, and their death with the process that started them."""
 
 import json
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from ftmaster.guard import rank_record_path
 from ftmaster.recovery.torchrun import StaticWorld
-from ftmaster.warm import WarmPool, WarmRanks, rank_env
+from ftmaster.warm import WarmPool, WarmRanks, rank_env, warm_up_for
 from helpers.trainer import REPO, trainer_env, wait_until
 
 
@@ -22,6 +23,22 @@ def pool_of_two(tmp_path):
     pool = WarmPool(2, tmp_path / "run")
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def sync_pool_of_two(tmp_path):
+    """Workers for a command that saves synchronously: no warm-up work."""
+    pool = WarmPool(2, tmp_path / "run", warm_up=warm_up_for(["pretrain_gpt.py", "--save", "x"]))
+    yield pool
+    pool.close()
+
+
+AUTOGROUPS = Path("/proc/self/autogroup").exists()
+
+
+def session_nice(pid):
+    """The nice value of the process's session ("/autogroup-N nice V")."""
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
 
 
 def ready_workers(pool, count=None):
@@ -43,14 +60,21 @@ def test_a_warm_worker_holds_no_process_group_cuda_or_socket_then_runs_its_rank_
         assert "libcuda" not in maps and "libnccl" not in maps  # ...and no driver is loaded
         assert process.net_connections(kind="inet") == []  # no store, no process group
         assert f"ftmaster.warm {pool_of_two.run_dir}" in " ".join(process.cmdline())
+        spawned = [c for c in process.children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(spawned) == 1  # the Manager of --async-save's writer queue, started early
+        if AUTOGROUPS:  # the scheduler weighs sessions first: a waiting one at the least
+            assert session_nice(process.pid) == 19
 
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent("""
         import json, os, sys, torch
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
-        print(json.dumps({"argv": sys.argv, "name": __name__, "env": {k: os.environ[k] for k in keys},
+        # One write per line: both ranks append to one log (print writes the newline apart).
+        sys.stdout.write(json.dumps({"argv": sys.argv, "name": __name__, "env": {k: os.environ[k] for k in keys},
                           "threads": torch.get_num_threads(),
-                          "ps": open("/proc/self/cmdline").read().replace(chr(0), " ")}))
+                          "session": open("/proc/self/autogroup").read() if os.path.exists(
+                              "/proc/self/autogroup") else None,
+                          "ps": open("/proc/self/cmdline").read().replace(chr(0), " ")}) + chr(10))
         sys.exit(3 if os.environ["RANK"] == "1" else 0)
     """))
     rank_dir, log = tmp_path / "ranks", tmp_path / "attempt.log"
@@ -66,6 +90,7 @@ def test_a_warm_worker_holds_no_process_group_cuda_or_socket_then_runs_its_rank_
         assert line["env"]["WORLD_SIZE"] == "2" and line["env"]["MASTER_PORT"] == "29999"
         assert line["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert line["threads"] == 1  # OMP_NUM_THREADS=1, as torchrun sets it for 2 ranks
+        assert line["session"] is None or line["session"].split()[-1] == "0"  # a rank's share
         assert f"-u {script} --x 1" in line["ps"]  # ps shows the rank's command
     records = {r: json.loads(rank_record_path(rank_dir, r).read_text()) for r in range(2)}
     assert {r: rec["exit_code"] for r, rec in records.items()} == {0: 0, 1: 3}
@@ -73,14 +98,16 @@ def test_a_warm_worker_holds_no_process_group_cuda_or_socket_then_runs_its_rank_
     assert all(rec["ended_at"] > 0 for rec in records.values())
 
 
-def test_a_worker_that_dies_while_waiting_is_replaced_and_never_handed_a_rank(tmp_path, pool_of_two):
-    first, second = ready_workers(pool_of_two)
+def test_a_worker_that_dies_while_waiting_is_replaced_and_never_handed_a_rank(
+        tmp_path, sync_pool_of_two):
+    first, second = ready_workers(sync_pool_of_two)
+    assert all(psutil.Process(w.process.pid).children() == [] for w in (first, second))
     os.kill(first.process.pid, signal.SIGKILL)
     first.process.wait()
-    taken = pool_of_two.take(2, timeout_s=120)
+    taken = sync_pool_of_two.take(2, timeout_s=120)
     assert taken is not None and first not in taken and second in taken
     assert all(w.alive for w in taken)
-    assert pool_of_two.replaced == 1
+    assert sync_pool_of_two.replaced == 1
 
     # One that dies after it was picked fails the hand-over: the set is killed, no rank runs.
     os.kill(taken[0].process.pid, signal.SIGKILL)

@@ -48,7 +48,7 @@ from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
-from ftmaster.warm import WarmStarter
+from ftmaster.warm import WarmStarter, warm_up_for
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
     """The job's GPUs from ``CUDA_VISIBLE_DEVICES``, the driver (probed only when needed, and
@@ -354,7 +354,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous)
         starter = None if options["cold_restart"] else WarmStarter(
-            len(devices.ids), config.run_dir,
+            len(devices.ids), config.run_dir, warm_up_for(config.command),
             on_ready=lambda fields: runfiles.append_event(config.run_dir, "warm_ready", **fields))
         try:
             code = _supervise(Supervisor(config, monitor, membership, starter, observers),
