@@ -54,18 +54,29 @@ def cuda_error_message(xid: int | None) -> str:
     return f"CUDA error: {text} (rehearsal: XID {xid if xid is not None else '?'} on this GPU)"
 
 
+def _local_entries(variable: str, local_rank: int, fields: tuple, expected: str) -> list[tuple]:
+    """This local rank's entries of ``variable`` (``LOCAL_RANK:FIELD...[,...]``), each field
+    through its converter in ``fields``; a malformed entry is one ValueError naming
+    ``expected``."""
+    spec = os.environ.get(variable, "")
+    chosen = []
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        texts = entry.split(":")
+        try:
+            if len(texts) != len(fields) + 1:
+                raise ValueError(entry)
+            rank, values = int(texts[0]), tuple(convert(t) for convert, t in zip(fields, texts[1:]))
+        except ValueError:
+            raise ValueError(f"{variable}={spec!r}: expected {expected}") from None
+        if rank == local_rank:
+            chosen.append(values)
+    return chosen
+
+
 def per_local_rank(variable: str, local_rank: int) -> frozenset[int]:
     """The values ``variable`` (``LOCAL_RANK:VALUE[,...]``) gives this local rank."""
-    spec = os.environ.get(variable, "")
-    chosen = set()
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        rank_text, _, value_text = entry.partition(":")
-        try:
-            if int(rank_text) == local_rank:
-                chosen.add(int(value_text))
-        except ValueError:
-            raise ValueError(f"{variable}={spec!r}: expected LOCAL_RANK:VALUE[,...]") from None
-    return frozenset(chosen)
+    return frozenset(value for (value,) in _local_entries(variable, local_rank, (int,),
+                                                          "LOCAL_RANK:VALUE[,...]"))
 
 
 def nan_iterations(local_rank: int) -> frozenset[int]:
@@ -132,29 +143,21 @@ class Slowdown:
 
 
 def _armed_slowdowns(local_rank: int) -> list[tuple[int, float]]:
-    spec = os.environ.get(SLOW_ENV, "")
-    armed = []
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        try:
-            rank, iteration, factor = entry.split(":")
-            if int(rank) == local_rank:
-                armed.append((int(iteration), float(factor)))
-        except ValueError:
-            raise ValueError(f"{SLOW_ENV}={spec!r}: expected LOCAL_RANK:ITERATION:FACTOR[,...]") from None
-    return armed
+    return _local_entries(SLOW_ENV, local_rank, (int, float), "LOCAL_RANK:ITERATION:FACTOR[,...]")
+
+
+def _kill_point_name(text: str) -> str:
+    if text not in KILL_POINTS:
+        raise ValueError(text)
+    return text
 
 
 def arm_kill_points(local_rank: int) -> None:
     """At start-up: the (iteration, point) pairs at which this local rank kills itself."""
-    spec = os.environ.get(KILL_ENV, "")
     _armed_kills.clear()
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        fields = entry.split(":")
-        if len(fields) != 3 or not all(f.isdigit() for f in fields[:2]) or fields[2] not in KILL_POINTS:
-            raise ValueError(f"{KILL_ENV}={spec!r}: expected LOCAL_RANK:ITERATION:POINT[,...] "
-                             f"with POINT one of {', '.join(KILL_POINTS)}")
-        if int(fields[0]) == local_rank:
-            _armed_kills.add((int(fields[1]), fields[2]))
+    _armed_kills.update(_local_entries(
+        KILL_ENV, local_rank, (int, _kill_point_name),
+        f"LOCAL_RANK:ITERATION:POINT[,...] with POINT one of {', '.join(KILL_POINTS)}"))
 
 
 def kill_armed(point: str) -> bool:

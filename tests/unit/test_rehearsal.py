@@ -27,6 +27,27 @@ def test_per_local_rank_reads_only_this_ranks_entries(monkeypatch):
         rehearsal.nan_iterations(1)
 
 
+@pytest.mark.parametrize("variable, good, bad, expected, arm", [
+    (rehearsal.NAN_ENV, "0:3", "1:7:2", "LOCAL_RANK:VALUE", rehearsal.nan_iterations),
+    (rehearsal.SLOW_ENV, "0:3:2", "1:8", "LOCAL_RANK:ITERATION:FACTOR", rehearsal.Slowdown),
+    (rehearsal.SLOW_ENV, "0:3:2", "1:8:fast", "LOCAL_RANK:ITERATION:FACTOR", rehearsal.Slowdown),
+    (rehearsal.KILL_ENV, "0:3:forward", "x:4:forward", "LOCAL_RANK:ITERATION:POINT",
+     rehearsal.arm_kill_points),
+])
+def test_a_malformed_entry_is_refused_even_for_another_rank(monkeypatch, variable, good, bad,
+                                                            expected, arm):
+    monkeypatch.setenv(variable, f"{good},{bad}")
+    with pytest.raises(ValueError, match=f"^{variable}=.*: expected {expected}"):
+        arm(5)
+
+
+def test_slowdowns_are_this_ranks_from_their_iteration(monkeypatch):
+    monkeypatch.delenv("FTMASTER_RANK_DIR", raising=False)
+    monkeypatch.setenv(rehearsal.SLOW_ENV, "1:8:2,0:3:4,1:12:1.5")
+    slowdown = rehearsal.Slowdown(1)
+    assert [slowdown.current(i) for i in (7, 8, 12)] == [1.0, 2.0, 2.0]
+
+
 def test_nothing_is_armed_outside_a_rehearsal(monkeypatch):
     monkeypatch.delenv(rehearsal.CUDA_ERROR_ENV, raising=False)
     before = signal.getsignal(rehearsal.CUDA_ERROR_SIGNAL)
