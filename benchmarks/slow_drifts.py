@@ -73,6 +73,10 @@ def main() -> None:
         met = sum(share >= GOAL for share in shares)
         print(f"all: median {statistics.median(shares):.0%}, least {min(shares):.0%}; "
               f"{met}/{len(shares)} at or above {GOAL:.0%}")
+        for drift in drifts:
+            if drift["share"] < GOAL:
+                print(f"  short: seed {drift['seed']} ({drift['kind']}, {drift['shape']}): "
+                      f"{drift['share']:.1%} of its span left")
         print(f"false-alarm episodes {episodes} = {100 * episodes / gpu_hours:.2f} per 100 GPU-h "
               f"over {gpu_hours:.0f} GPU-h (benign look-alikes included)")
         if options.existing:

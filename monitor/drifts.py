@@ -25,8 +25,10 @@ The time left is then the time the GPU takes to cover its distance to the limit 
 second half's slope, speeding up as it did from the first half to the second (a drift that
 accelerates gets there sooner than its slope says), and
 :func:`drift_severity` ramps from 0 at ``horizon_s[0]`` left to 1 at ``horizon_s[1]``: with
-the defaults a drift alerts with about 8 minutes left, a quarter or more of a 20-30 minute
-drift's span. Pure functions of the points and a :class:`DriftConfig`.
+the defaults a drift alerts with about 10 minutes left by its estimate, a quarter or more of
+a 20-30 minute drift's span. The estimate runs long for a drift that accelerates (its first
+half is nearly flat, and the halves understate how fast it speeds up), hence the margin.
+Pure functions of the points and a :class:`DriftConfig`.
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ from typing import Sequence
 class DriftConfig:
     """When a slow drift toward a limit is a risk."""
 
-    window_s: float = 600.0
-    """Span of loaded samples the trend is fitted over (two halves of 5 minutes)."""
+    window_s: float = 1200.0
+    """Span of loaded samples the trend is fitted over (two halves of 10 minutes). Power
+    swings by tens of watts from one sample to the next: over 10 minutes at 15 s sampling,
+    a drift to the cap in 25 minutes stands 3-4 standard errors out, over 20 minutes 8-11
+    (``benchmarks/slow_drifts.py`` on 120 drifts, with the severity full at 8 minutes: 116
+    in time over 20 minutes, 114 over 15; 1 false-alarm episode against 3, and on the
+    earlier failure types none against 2)."""
     min_coverage: float = 0.8
     """Share of the window the samples must span before a trend counts."""
     min_slope: float = 0.0025
@@ -52,7 +59,7 @@ class DriftConfig:
     """The second half's slope over the first's, at least: below, the rise is settling."""
     settle_sigmas: float = 2.0
     """...when the halves' slopes differ by this many of their standard errors: a slowdown
-    within the noise of two 5-minute fits is no evidence of settling (a drift nearing a cap
+    within the noise of two 10-minute fits is no evidence of settling (a drift nearing a cap
     that clips its noise slows a little too)."""
     min_peers: int = 2
     """Fewest peers whose median a GPU's trends are taken against; with fewer, its own signal.
@@ -61,14 +68,26 @@ class DriftConfig:
     peers_changed_s: float = 60.0
     """How long a new count of sampled peers must last before the trends start afresh (a
     GPU lost or back moves the peers' median; one missing sample does not)."""
+    load_settle_s: float = 30.0
+    """Unbroken load after a dip before power and clock count again. They follow the load
+    within a sample; temperature, with its thermal lag, waits for the adaptive config's
+    ``settle_s``. A stall of a few samples or a checkpoint then costs the power and clock
+    trends half a minute, not five."""
+    rebound_tolerance_c: float = 1.0
+    """Temperature counts again after a break in load once it is back within this of its
+    level before the break (or after the adaptive config's ``settle_s``): a GPU stalled
+    for 45 s cools by a degree or so and is back within a minute."""
     every_s: float = 10.0
     """Least time between two fits of one GPU's trends (sampled faster, they are fitted no
     more often: a fit walks the window's points)."""
-    persist_s: float = 120.0
+    persist_s: float = 90.0
     """How long a trend must have held before it counts."""
     held_share: float = 0.5
     """The share of that time's evaluations in which it held."""
-    horizon_s: tuple[float, float] = (1200.0, 480.0)
+    min_held: int = 4
+    """...and in at least this many of them: sampled every 30 s, a hot GPU's noise passes
+    two fits of four now and then."""
+    horizon_s: tuple[float, float] = (1200.0, 600.0)
     """Time left at which the severity starts (0) and is full (1)."""
     temperature_limit_c: float = 87.0
     """Where a GPU slows down for heat (the thermal runaway's throttle point in the traces;
@@ -79,6 +98,9 @@ class DriftConfig:
     def __post_init__(self) -> None:
         if not self.window_s > 0 or not 0 < self.min_coverage <= 1:
             raise ValueError("the drift window must be positive and its coverage in (0, 1]")
+        if self.load_settle_s < 0 or self.rebound_tolerance_c < 0:
+            raise ValueError("the drift's load settle and rebound tolerance must not be "
+                             f"negative, got {self.load_settle_s} s and {self.rebound_tolerance_c} C")
         if not self.horizon_s[0] > self.horizon_s[1] >= 0:
             raise ValueError(f"the drift horizon must fall from start to full, got {self.horizon_s}")
         if not 0 < self.clock_floor < 1:
@@ -139,8 +161,8 @@ def drift_severity(seconds_left: float | None, cfg: DriftConfig) -> float:
 
 class Persistence:
     """Whether a GPU's trend has held: in at least ``held_share`` of its evaluations over the
-    last ``persist_s`` (a drift's fits dip below a test now and then; noise's rarely pass
-    one twice in a row), and now."""
+    last ``persist_s``, and in ``min_held`` of them (a drift's fits dip below a test now and
+    then; noise's rarely pass one twice in a row), and now."""
 
     def __init__(self) -> None:
         self.recent: deque[tuple[float, bool]] = deque()
@@ -151,8 +173,8 @@ class Persistence:
             self.recent.popleft()
         if seconds_left is None or t - self.recent[0][0] < cfg.persist_s:
             return None
-        held = sum(ok for _, ok in self.recent) / len(self.recent)
-        return seconds_left if held >= cfg.held_share else None
+        held = sum(ok for _, ok in self.recent)
+        return seconds_left if held >= max(cfg.min_held, cfg.held_share * len(self.recent)) else None
 
 
 class PeerCount:

@@ -341,11 +341,13 @@ class Features:
 
 
 def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
-               cfg: DriftConfig) -> float | None:
+               cfg: DriftConfig, warm: bool) -> float | None:
     """The nearest limit at the GPU's own loaded trends: slowdown temperature, power cap,
-    clock floor (a share of its peers' clock, or of its own usual one with no peer)."""
+    clock floor (a share of its peers' clock, or of its own usual one with no peer).
+    Temperature only once the GPU is ``warm`` again after a dip: before, its window holds the
+    trend from before the dip while the GPU still climbs back to its level."""
     usual_clock = peer_clock if peer_clock is not None else track.clock_baseline
-    limits = ((track.drift_temp, s.temperature, cfg.temperature_limit_c, True),
+    limits = ((track.drift_temp, s.temperature if warm else None, cfg.temperature_limit_c, True),
               (track.drift_power, s.power_draw, s.power_limit, True),
               (track.drift_clock, s.sm_clock,
                None if usual_clock is None else cfg.clock_floor * usual_clock, False))
@@ -354,6 +356,21 @@ def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
             if limit is not None and now is not None and window.times]
     known = [seconds for seconds in left if seconds is not None]
     return min(known) if known else None
+
+
+def _loaded_for(track: "_Track", t: float) -> float:
+    """How long the GPU has been loaded without a break (-inf while it is not)."""
+    return -math.inf if track.loaded_since is None else t - track.loaded_since
+
+
+def _thermally_settled(track: "_Track", s: GpuSample, cfg: AdaptiveConfig) -> bool:
+    """Whether the GPU's temperature is back after its last break in load: at the level it
+    held when last settled under load, or after ``settle_s``. A stall of a few samples
+    barely cooled it, a checkpoint of minutes did."""
+    loaded_for = _loaded_for(track, s.timestamp)
+    back = (track.warm_level is not None and s.temperature is not None
+            and s.temperature >= track.warm_level - cfg.drift.rebound_tolerance_c)
+    return loaded_for >= cfg.settle_s or (back and loaded_for >= cfg.drift.load_settle_s)
 
 
 def temperature_severity(f: Features, cfg: AdaptiveConfig) -> float:
@@ -395,13 +412,26 @@ def others_median(values: dict[int, float]) -> dict[int, float | None]:
 
 @dataclass(frozen=True)
 class Peers:
-    """Per GPU, the other GPUs' median temperature, power and clock (None: no peer)."""
+    """Per GPU, the median temperature, power and clock of the other GPUs under load (None:
+    no such peer). A peer that idles or collapses is no reference for a loaded GPU: with it
+    in the median, its fall reads here as a rise toward the limits."""
 
     temperature: dict[int, float | None]
     power: dict[int, float | None]
     clock: dict[int, float | None]
     count: int
     """How many GPUs were sampled (each GPU's peers are the others)."""
+    loaded: int
+    """How many of them were under load."""
+
+    @classmethod
+    def of(cls, samples: list[GpuSample], loaded_util: float) -> "Peers":
+        loaded = [s for s in samples
+                  if s.gpu_utilization is not None and s.gpu_utilization >= loaded_util]
+        medians = (others_median({s.gpu_id: getattr(s, name) for s in loaded
+                                  if getattr(s, name) is not None})
+                   for name in ("temperature", "power_draw", "sm_clock"))
+        return cls(*medians, count=len(samples), loaded=len(loaded))
 
 
 class _Track:
@@ -411,6 +441,7 @@ class _Track:
         self.first = self.last = t
         self.loaded_s = 0.0  # time spent at or above loaded_util
         self.loaded_since: float | None = None  # start of the current unbroken loaded stretch
+        self.warm_level: float | None = None  # its temperature as its last settled load broke
         # Cumulative counters at their last known values: a failed read must not hide a rise.
         self.error_counters: dict[str, int] = {}
         self.last_sbe: int | None = None
@@ -451,10 +482,7 @@ class AdaptiveScorer:
         temps = {s.gpu_id: s.temperature for s in samples if s.temperature is not None}
         utils = {s.gpu_id: s.gpu_utilization for s in samples if s.gpu_utilization is not None}
         peer_temp, peer_util = others_median(temps), others_median(utils)
-        peers = Peers(peer_temp,
-                      others_median({s.gpu_id: s.power_draw for s in samples if s.power_draw is not None}),
-                      others_median({s.gpu_id: s.sm_clock for s in samples if s.sm_clock is not None}),
-                      len(samples))
+        peers = Peers.of(samples, cfg.loaded_util)
         features, hard, dts = {}, {}, {}
         for s in samples:
             track = self._tracks.get(s.gpu_id)
@@ -499,6 +527,10 @@ class AdaptiveScorer:
     def _observe(self, track: _Track, s: GpuSample, peer_temp: float | None,
                  peer_util: float | None) -> None:
         t = s.timestamp
+        breaking = (s.gpu_utilization is not None and s.gpu_utilization < self.config.loaded_util
+                    and _loaded_for(track, t) >= self.config.settle_s and track.raw.times)
+        if breaking:  # the level it held, before this sample of the break joins the window
+            track.warm_level = track.raw.mean()
         if s.temperature is not None:
             with_peers = peer_temp is not None
             if track.with_peers is not None and with_peers != track.with_peers:
@@ -531,19 +563,23 @@ class AdaptiveScorer:
 
     def _observe_drifts(self, track: _Track, s: GpuSample, peers: "Peers") -> None:
         """Under settled load only (the rebound after a checkpoint's dip, each GPU at its own
-        pace, is no trend): each signal less its peers' median (itself with fewer than
-        ``min_peers``). When
+        pace, is no trend; temperature rebounds for minutes, power and clock within a sample):
+        each signal less its peers' median (itself with fewer than ``min_peers``). When
         the peers change (a GPU lost or back), their median jumps: the trends start afresh."""
-        if track.drift_peers.changed(s.timestamp, peers.count, self.config.drift.peers_changed_s):
+        cfg = self.config
+        if track.drift_peers.changed(s.timestamp, peers.count, cfg.drift.peers_changed_s):
             track.drift_temp, track.drift_power, track.drift_clock = (
-                LoadedWindow(self.config.drift.window_s) for _ in range(3))
-        if track.loaded_since is None or s.timestamp - track.loaded_since < self.config.settle_s:
-            return
+                LoadedWindow(cfg.drift.window_s) for _ in range(3))
+        loaded_for = _loaded_for(track, s.timestamp)
         relative = self._drift_relative(peers)
-        for window, value, peer in ((track.drift_temp, s.temperature, peers.temperature),
-                                    (track.drift_power, s.power_draw, peers.power),
-                                    (track.drift_clock, s.sm_clock, peers.clock)):
-            if value is not None:
+        if relative and peers.loaded - 1 < cfg.drift.min_peers:
+            return  # too few peers at work to take the GPU's own part against
+        for window, value, peer, settled in (
+                (track.drift_temp, s.temperature, peers.temperature,
+                 _thermally_settled(track, s, cfg)),
+                (track.drift_power, s.power_draw, peers.power, loaded_for >= cfg.drift.load_settle_s),
+                (track.drift_clock, s.sm_clock, peers.clock, loaded_for >= cfg.drift.load_settle_s)):
+            if value is not None and settled:
                 own = value - (peer.get(s.gpu_id) or 0.0) if relative else value
                 window.push(s.timestamp, own, track.loaded_s)
 
@@ -573,14 +609,14 @@ class AdaptiveScorer:
             f.collapse_share = track.collapse.mean()
         if s.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
-        settled = track.loaded_since is not None and t - track.loaded_since >= cfg.settle_s
-        if not settled:  # a dip or a rebound: no trend is read, none is carried over
+        if _loaded_for(track, t) < cfg.drift.load_settle_s:  # a dip: no trend is read or kept
             track.drift_checked, track.drift_left_s = None, None
             track.drift_held = Persistence()
         elif track.drift_checked is None or t - track.drift_checked >= cfg.drift.every_s:
             track.drift_checked = t  # slow by nature: a fit every few seconds is enough
             track.drift_left_s = track.drift_held.confirmed(
-                t, drift_left(track, s, peer_clock, cfg.drift), cfg.drift)
+                t, drift_left(track, s, peer_clock, cfg.drift,
+                              warm=_thermally_settled(track, s, cfg)), cfg.drift)
         f.drift_left_s = track.drift_left_s
         return f
 

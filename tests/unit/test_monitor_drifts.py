@@ -12,9 +12,10 @@ from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, drift_severity,
                                      time_left)
 from ftmaster.monitor.evaluate import replay
-from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow
+from ftmaster.monitor.sample import GpuSample
+from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow, Peers
 
-CFG = DriftConfig()
+CFG = DriftConfig(window_s=600.0)  # the fits below span 10 minutes: half the default
 TIMES = [10.0 * i for i in range(61)]  # 10 minutes, a sample every 10 s
 
 
@@ -62,9 +63,18 @@ def test_severity_ramps_from_the_horizons_start_to_full():
 def test_a_trend_counts_once_it_held_through_most_of_the_persistence_time():
     held = Persistence()
     seen = [held.confirmed(t, 300.0 if t % 30 else None, CFG) for t in range(0, 200, 10)]
-    assert seen[:12] == [None] * 12  # under persist_s (120 s) of history
-    assert 300.0 in seen[13:]  # held two evaluations in three since
+    assert seen[:9] == [None] * 9  # under persist_s (90 s) of history
+    assert 300.0 in seen[10:]  # held two evaluations in three since
     assert all(s is None for t, s in zip(range(0, 200, 10), seen) if t % 30 == 0)
+
+
+def test_a_trend_fitted_every_30_s_counts_once_it_held_in_four_fits():
+    every_other = Persistence()  # half the fits of 90 s, but two of them
+    assert not any(every_other.confirmed(t, 300.0 if t % 60 else None, CFG)
+                   for t in range(0, 600, 30))
+    steady = Persistence()
+    seen = [steady.confirmed(t, 300.0, CFG) for t in range(0, 300, 30)]
+    assert seen[:3] == [None] * 3 and seen[3:] == [300.0] * 7
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -121,3 +131,46 @@ def test_the_peers_count_changes_only_when_the_new_count_lasts():
     assert not peers.changed(20.0, 8, lasting_s=60.0)
     assert [peers.changed(t, 7, lasting_s=60.0) for t in (30.0, 60.0, 90.0, 100.0)] == \
         [False, False, True, False]  # lost for good: once, after a minute
+
+
+def test_only_peers_at_work_are_a_loaded_gpus_reference():
+    """A peer that collapses (its power falls 350 W) would read, in the median of two, as a
+    175 W rise of every other GPU toward its cap."""
+    samples = [GpuSample(timestamp=0.0, gpu_id=g, gpu_utilization=util, power_draw=power,
+                         sm_clock=1900.0, temperature=70.0)
+               for g, util, power in ((0, 95.0, 540.0), (1, 93.0, 560.0), (2, 4.0, 190.0),
+                                      (3, 96.0, 530.0))]
+    peers = Peers.of(samples, loaded_util=70.0)
+    assert (peers.count, peers.loaded) == (4, 3)
+    assert peers.power[0] == 545.0 and peers.power[1] == 535.0  # GPU 2 is in neither
+    assert 2 not in peers.power  # nor a reference for itself while it idles
+
+
+def loaded_run(scorer, start, seconds, temperature, util=95.0):
+    """Feed one GPU a sample every 5 s; ``temperature(t)`` from the stretch's start."""
+    for t in range(0, seconds, 5):
+        scorer.update([GpuSample(timestamp=start + t, gpu_id=0, gpu_utilization=util,
+                                 power_draw=500.0, power_limit=700.0, sm_clock=1900.0,
+                                 temperature=temperature(t))])
+    return start + seconds
+
+
+@pytest.mark.parametrize("break_s, cooled_c, temperature_back_s", [
+    (15, 0.5, 30),  # a stall: back at its level at once, counted after the load settle
+    (240, 15.0, 300),  # a checkpoint: 15 C cooler, its rebound never counted
+])
+def test_power_and_clock_count_half_a_minute_after_a_break_temperature_once_back(
+        break_s, cooled_c, temperature_back_s):
+    scorer = AdaptiveScorer()
+    steady = 70.0
+    t = loaded_run(scorer, 0.0, 600, lambda _: steady)
+    t = loaded_run(scorer, t, break_s, lambda _: steady - cooled_c, util=5.0)
+    track = scorer._tracks[0]
+    before = {name: len(getattr(track, name).times) for name in ("drift_temp", "drift_power")}
+    rebound = lambda s: steady - cooled_c * math.exp(-s / 120.0)  # noqa: E731
+    loaded_run(scorer, t, 45, rebound)
+    assert len(track.drift_power.times) > before["drift_power"]  # from 30 s on
+    resumed = len(track.drift_temp.times) > before["drift_temp"]
+    assert resumed == (temperature_back_s <= 45)
+    loaded_run(scorer, t + 45, temperature_back_s + 10 - 45, rebound)
+    assert min(s for s in track.drift_temp.times if s > t) >= t + temperature_back_s
