@@ -8,7 +8,8 @@
 #   relaunch on warm workers (neither ftmaster nor a waiting worker loads libcuda), and
 #   replica recovery on 4 GPUs (NCCL survivors dump, the relaunch loads the merge; also with
 #   the distributed optimizer in two instances, its shards put together), the
-#   memory tier's refill from device memory into its pinned slot, and its checkpoint resumed;
+#   memory tier's refill from device memory into its pinned slot, and its checkpoint resumed,
+#   the stragglers' compute timed between CUDA events and a GPU slowed 2x named on 4 GPUs;
 #   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
 # Ends with a summary table. Without CUDA it says so and exits 0 (nothing to check).
 #   scripts/gpu_check.sh [pytest options]     e.g. -k distributed_optimizer

@@ -1,0 +1,54 @@
+"""Straggler timing on CUDA: a rank's compute is the device's time between two events on its
+stream, read one iteration later with no synchronisation of its own; end to end, a GPU slowed
+2x is named a straggler on 4 GPUs as on 4 CPU ranks."""
+
+import time
+
+import pytest
+import torch
+
+from helpers.gpu import needs_gpus
+from helpers.launch import events, run_launch, train_args
+from megatron.training.step_timing import ComputeTimer
+
+pytestmark = pytest.mark.gpu
+
+BUSY_CYCLES = 200_000_000
+"""``torch.cuda._sleep``'s spin: about 0.1-0.2 s of device time at 1-2 GHz."""
+
+
+def device_seconds(work) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+@needs_gpus(1)
+def test_compute_is_the_devices_time_between_the_marks_not_the_hosts():
+    torch.cuda.init()
+    reference = device_seconds(lambda: torch.cuda._sleep(BUSY_CYCLES))
+    timer = ComputeTimer(cuda=True)
+    timer.start()
+    host_start = time.perf_counter()
+    torch.cuda._sleep(BUSY_CYCLES)  # queued: the host goes on at once
+    timer.reduction_entered()
+    host_seconds = time.perf_counter() - host_start
+    torch.cuda.synchronize()  # in training, the loss's read does this
+    timer.start()  # the next iteration: the last one's figure becomes readable
+    measured = timer.previous_microseconds() / 1e6
+    assert host_seconds < reference / 4, (host_seconds, reference)
+    assert measured == pytest.approx(reference, rel=0.2)
+
+
+@needs_gpus(4)
+def test_a_gpu_slowed_2x_is_named_a_straggler(tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_args(tmp_path / "ckpt", 40, 1, 1, 1000, "--bf16", global_batch=24)
+    result = run_launch(run_dir, 4, args, "--inject", "slow:gpu=1,factor=2,at=iter:8")
+    assert result.returncode == 0, result.stdout[-4000:]
+    (found,) = events(run_dir, "straggler")
+    assert found["gpu"] == 1 and found["iteration"] <= 14 and found["slowdown"] >= 1.3
+    assert "straggler: GPU 1 computes" in result.stdout
