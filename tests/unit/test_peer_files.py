@@ -1,0 +1,194 @@
+"""The peer file server and client on loopback: the secret, read-only paths, range reads,
+verified copies (corrupted at rest or in transit), the rate limit and the timeouts."""
+
+import http.client
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerServer,
+                                 copy_checkpoint, new_secret)
+from ftmaster.recovery.checkpoints import iteration_dir
+from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
+
+SECRET = new_secret()
+
+
+def checkpoint(tier, iteration=6, sizes=(3 << 20, 1000, 0)):
+    """A memory tier with one checkpoint: random shard files and their manifest."""
+    folder = iteration_dir(tier, iteration)
+    folder.mkdir(parents=True)
+    files = {}
+    for index, size in enumerate(sizes):
+        (folder / f"__{index}_0.distcp").write_bytes(os.urandom(size))
+        files[f"__{index}_0.distcp"] = digest_file(folder / f"__{index}_0.distcp")
+    write_manifest(folder, "periodic", iteration, files)
+    return folder
+
+
+@pytest.fixture
+def served(tmp_path):
+    tier = tmp_path / "peer"
+    tier.mkdir()
+    server = PeerServer(PeerServeConfig(tier, SECRET))
+    yield tier, server
+    server.close()
+
+
+def raw_get(url, path, headers=None):
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    connection.request("GET", path, headers=headers or {})
+    response = connection.getresponse()
+    body = response.read()
+    connection.close()
+    return response.status, body
+
+
+def test_a_request_without_the_jobs_secret_is_refused_and_gets_no_bytes(served):
+    tier, server = served
+    folder = checkpoint(tier)
+    data = (folder / "__1_0.distcp").read_bytes()
+    path = f"/{folder.name}/__1_0.distcp"
+    assert raw_get(server.url, path) == (401, b"the job's secret is required\n")
+    status, body = raw_get(server.url, path, {"Authorization": f"Bearer {new_secret()}"})
+    assert status == 401 and data not in body
+    with pytest.raises(PeerError, match="401"):
+        PeerClient(server.url, new_secret()).read(path[1:])
+    assert PeerClient(server.url, SECRET).read(path[1:]) == data
+
+
+def test_only_files_under_the_folder_are_served_and_nothing_is_written(served, tmp_path):
+    tier, server = served
+    folder = checkpoint(tier)
+    (tmp_path / "secret.txt").write_text("not the tier's")
+    (tier / "out").symlink_to(tmp_path / "secret.txt")
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    for path in ("/../secret.txt", "/%2E%2E/secret.txt", "/out", f"/{folder.name}", "/missing"):
+        assert raw_get(server.url, path, auth)[0] == 404, path
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    connection.request("PUT", f"/{folder.name}/new", body=b"x", headers=auth)
+    assert connection.getresponse().status == 501
+    assert not (folder / "new").exists()
+
+
+def test_a_range_read_returns_exactly_those_bytes(served):
+    tier, server = served
+    data = (checkpoint(tier) / "__0_0.distcp").read_bytes()
+    client = PeerClient(server.url, SECRET)
+    name = "iter_0000006/__0_0.distcp"
+    assert client.read(name, 1_000_000, 4096) == data[1_000_000:1_004_096]
+    assert client.read(name, len(data) - 10) == data[-10:]
+    with pytest.raises(PeerError, match="416"):
+        client.read(name, len(data) + 1, 5)
+
+
+def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path):
+    tier, server = served
+    source = checkpoint(tier)
+    copied = copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
+    assert copied.path == iteration_dir(tmp_path / "mine", 6)
+    assert copied.bytes == sum(f.stat().st_size for f in source.iterdir())
+    for file in source.iterdir():
+        assert (copied.path / file.name).read_bytes() == file.read_bytes()
+    assert read_manifest(copied.path) == read_manifest(source)
+    again = copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
+    assert again.bytes == (source / MANIFEST_NAME).stat().st_size  # what it held is kept
+
+
+def test_a_copy_corrupted_at_rest_is_refused_and_leaves_no_manifest(served, tmp_path):
+    tier, server = served
+    shard = checkpoint(tier) / "__0_0.distcp"
+    with open(shard, "r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"\xff" * 16)
+    with pytest.raises(PeerError, match="__0_0.distcp does not match its manifest"):
+        copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
+    copy = iteration_dir(tmp_path / "mine", 6)
+    assert not (copy / "__0_0.distcp").exists() and not (copy / MANIFEST_NAME).exists()
+    assert not [p for p in copy.iterdir() if p.name.endswith(".part")]
+
+
+class FlippingRelay:
+    """A TCP relay that flips one byte of what the server sends, past its headers."""
+
+    def __init__(self, target_url, at=100_000):
+        host, port = target_url.removeprefix("http://").rsplit(":", 1)
+        self.target, self.at = (host, int(port)), at
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            client, _ = self.listener.accept()
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.at), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink, flip_at):
+        sent = 0
+        while data := source.recv(65536):
+            if flip_at is not None and sent <= flip_at < sent + len(data):
+                data = bytearray(data)
+                data[flip_at - sent] ^= 0x01
+            sink.sendall(bytes(data))
+            sent += len(data)
+        sink.close()
+
+
+def test_a_copy_corrupted_in_transit_is_refused(served, tmp_path):
+    tier, server = served
+    checkpoint(tier, sizes=(3 << 20,))
+    relay = FlippingRelay(server.url)
+    with pytest.raises(PeerError, match="does not match its manifest"):
+        copy_checkpoint(PeerClient(relay.url, SECRET), 6, tmp_path / "mine")
+    assert not (iteration_dir(tmp_path / "mine", 6) / MANIFEST_NAME).exists()
+
+
+def test_a_peer_without_that_checkpoint_or_without_an_answer_is_an_error(served, tmp_path):
+    tier, server = served
+    checkpoint(tier)
+    with pytest.raises(PeerError, match="404"):
+        copy_checkpoint(PeerClient(server.url, SECRET), 8, tmp_path / "mine")
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts the connection, never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(PeerError, match="timed out"):
+        PeerClient(url, SECRET, timeout_s=0.5).read("x")
+    assert time.monotonic() - started < 5
+    silent.close()
+    with pytest.raises(PeerError, match="refused"):
+        PeerClient(url, SECRET).read("x")
+
+
+def test_the_rate_limit_paces_what_the_server_sends(tmp_path):
+    tier = tmp_path / "peer"
+    checkpoint(tier, sizes=(8 << 20,))
+    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=16 << 20))
+    try:
+        started = time.monotonic()
+        copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
+        # 8 MiB at 16 MiB/s, after a burst of a quarter second's worth: at least 0.25 s
+        assert time.monotonic() - started >= 0.25
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"secret": "short"}, "at least 32"),
+    ({"rate_bytes_s": 0}, "rate must be positive"),
+    ({"timeout_s": -1}, "timeout must be positive")])
+def test_the_serving_config_refuses_bad_values(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PeerServeConfig(**{"root": tmp_path, "secret": SECRET, **kwargs})
+
+
+def test_a_client_needs_a_full_address():
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        PeerClient("127.0.0.1:80", SECRET)

@@ -1,0 +1,365 @@
+"""Memory checkpoints copied between nodes: a read-only file server each node's ftmaster runs
+over its memory tier, the client its peers read it with, and the copy of one checkpoint.
+
+The transport is the standard library's HTTP/1.1 (``http.server`` and ``http.client``): the
+supervisor stays torch-free, and a copy is a few large sequential reads, which HTTP does at
+the link's speed. What makes it safe to run beside training:
+
+- **Read-only.** GET and HEAD only, on regular files under the served folder; a path that
+  leaves it (``..``, a symlink out) is not found. Nothing lists the folder: a reader starts
+  from the tracker and the manifest, whose names it knows.
+- **The job's secret.** Every request carries ``Authorization: Bearer <secret>``; one without
+  it, or with another, is refused (401) before the path is even looked at. The secret is
+  drawn once per job and handed out through the rendezvous store (:mod:`membership`), which
+  is the job's trust boundary already (torch's own store is unauthenticated).
+- **Range reads** (``Range: bytes=A-B``, one range, 206), so a load can read only the byte
+  ranges its new shards need.
+- **Bounded.** Sockets time out on both sides (``timeout_s``), and everything the server
+  sends passes one rate limit (``--replication-rate``), so copies never take the link from
+  training's own traffic.
+
+:func:`copy_checkpoint` pulls one memory checkpoint from a peer: the manifest first (read,
+not yet written), then every file it lists, each streamed to a temp file, checked against
+the manifest's size and xxh3 digest, and renamed into place; the manifest lands last, so a
+copy that has one is complete and verified, as a checkpoint written in place is.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import http.server
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
+
+import xxhash
+
+from ftmaster.recovery.checkpoints import iteration_dir
+from ftmaster.recovery.manifest import CHECKSUM, MANIFEST_NAME, FileDigest, digest_file
+
+log = logging.getLogger("ftmaster")
+
+_CHUNK = 1 << 20
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+@dataclass(frozen=True)
+class PeerServeConfig:
+    """How a node serves its memory tier to its peers."""
+
+    root: Path
+    """The folder served: the files under it, read-only."""
+    secret: str
+    """The job's secret; a request without it is refused."""
+    addr: str = "127.0.0.1"
+    """The address to bind: the one the node's peers reach it at (its rendezvous address)."""
+    port: int = 0
+    """0: a free port, read back from :attr:`PeerServer.url`."""
+    rate_bytes_s: float | None = None
+    """``--replication-rate``: bytes per second sent, over all requests; None: no limit."""
+    timeout_s: float = 30.0
+    """A connection that sends or takes nothing for this long is closed."""
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < 32:
+            raise ValueError("the job's secret must have at least 32 characters")
+        if self.rate_bytes_s is not None and self.rate_bytes_s <= 0:
+            raise ValueError(f"the replication rate must be positive, got {self.rate_bytes_s}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"the timeout must be positive, got {self.timeout_s}")
+
+
+class RateLimit:
+    """A token bucket shared by every request: at most ``rate`` bytes per second, with bursts
+    of a quarter second's worth."""
+
+    def __init__(self, rate_bytes_s: float | None) -> None:
+        self.rate = rate_bytes_s
+        self._lock = threading.Lock()
+        self._tokens = 0.0
+        self._at = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        if self.rate is None:
+            return
+        with self._lock:  # one sender at a time: the others queue behind it, as on a link
+            now = time.monotonic()
+            self._tokens = min(self.rate / 4, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                time.sleep(-self._tokens / self.rate)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: "_Server"
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.config.timeout_s
+        super().setup()
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+        pass  # one line per request would flood the supervisor's log
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.server.config.secret}".encode()):
+            return self._refuse(401, "the job's secret is required")
+        path = self.server.resolve(unquote(urlsplit(self.path).path))
+        try:
+            handle = open(path, "rb") if path is not None else None
+        except OSError:  # renamed or removed since (a slot reused, a checkpoint pruned)
+            handle = None
+        if handle is None:
+            return self._refuse(404, "no such file")
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            wanted = self._range(size)
+            if wanted is None:
+                return self._refuse(416, f"the file has {size} bytes")
+            start, end = wanted
+            self.send_response(206 if "Range" in self.headers else 200)
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("Accept-Ranges", "bytes")
+            if "Range" in self.headers:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.end_headers()
+            if body:
+                self._send(handle, start, end)
+
+    def _range(self, size: int) -> tuple[int, int] | None:
+        """[start, end) of the one range asked for, the whole file without one; None if the
+        range cannot be served."""
+        asked = self.headers.get("Range")
+        if asked is None:
+            return 0, size
+        match = _RANGE.match(asked.strip())
+        if match is None:
+            return None
+        start = int(match[1])
+        end = min(size, int(match[2]) + 1) if match[2] else size
+        return (start, end) if start < end or (start == end == size == 0) else None
+
+    def _send(self, handle, start: int, end: int) -> None:
+        handle.seek(start)
+        while start < end:
+            chunk = handle.read(min(_CHUNK, end - start))
+            if not chunk:
+                raise OSError("the file shrank while it was sent")
+            self.server.limit.take(len(chunk))
+            self.wfile.write(chunk)
+            start += len(chunk)
+
+    def _refuse(self, status: int, reason: str) -> None:
+        payload = (reason + "\n").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, config: PeerServeConfig) -> None:
+        self.config = config
+        self.root = config.root.resolve()
+        self.limit = RateLimit(config.rate_bytes_s)
+        super().__init__((config.addr, config.port), _Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("peer files: a request from %s broke off", client_address, exc_info=True)
+
+    def resolve(self, url_path: str) -> Path | None:
+        """The regular file under the root that ``url_path`` names, or None."""
+        try:
+            path = (self.root / url_path.lstrip("/")).resolve(strict=True)
+        except (OSError, RuntimeError):
+            return None
+        inside = path == self.root or self.root in path.parents
+        return path if inside and path.is_file() else None
+
+
+class PeerServer:
+    """A node's memory tier, served to its peers from a background thread."""
+
+    def __init__(self, config: PeerServeConfig) -> None:
+        self._server = _Server(config)
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{_host_in_url(host)}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
+                                        name="peer-files", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def _host_in_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class PeerError(Exception):
+    """A peer could not give what was asked: unreachable, refused, or bytes that do not match."""
+
+
+class PeerClient:
+    """Reads files from one peer's server, with the job's secret and a bounded timeout."""
+
+    def __init__(self, url: str, secret: str, timeout_s: float = 30.0) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.port is None:
+            raise ValueError(f"a peer's address is http://HOST:PORT, got {url!r}")
+        self.url, self._host, self._port = url, parts.hostname, parts.port
+        self._secret, self.timeout_s = secret, timeout_s
+
+    def read(self, relative: str, start: int = 0, length: int | None = None) -> bytes:
+        """The file's bytes, or ``length`` of them from ``start``."""
+        with self._open(relative, start, length) as response:
+            data = response.chunk(None)
+        if len(data) != response.size:
+            raise PeerError(f"{self.url}/{relative}: {len(data)} bytes came of {response.size}")
+        return data
+
+    def fetch(self, relative: str, dest: Path, expected: FileDigest) -> None:
+        """Stream the file to ``dest`` (through a temp file beside it) and rename it into
+        place only if its size and digest are ``expected``."""
+        tmp = dest.with_name(f".{dest.name}.part")
+        hasher, size = xxhash.xxh3_64(), 0
+        try:
+            with self._open(relative) as response, open(tmp, "wb") as out:
+                while chunk := response.chunk(_CHUNK):
+                    hasher.update(chunk)
+                    size += out.write(chunk)
+            found = FileDigest(size, hasher.hexdigest())
+            if found != expected:
+                raise PeerError(f"{self.url}/{relative} does not match its manifest: "
+                                f"{found.bytes} bytes, {CHECKSUM} {found.digest}, expected "
+                                f"{expected.bytes} bytes, {expected.digest}")
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _open(self, relative: str, start: int = 0, length: int | None = None) -> "_Response":
+        return _Response(self, relative, start, length)
+
+
+class _Response:
+    """One GET, as a context manager; the network's errors become PeerError, the local
+    file's stay what they are."""
+
+    def __init__(self, client: PeerClient, relative: str, start: int, length: int | None) -> None:
+        self.where = f"{client.url}/{relative}"
+        self.connection = http.client.HTTPConnection(client._host, client._port,
+                                                     timeout=client.timeout_s)
+        self._headers = {"Authorization": f"Bearer {client._secret}"}
+        if start or length is not None:
+            end = "" if length is None else str(start + length - 1)
+            self._headers["Range"] = f"bytes={start}-{end}"
+        self._path = "/" + quote(relative)
+        self.size = 0
+
+    def __enter__(self) -> "_Response":
+        try:
+            self.connection.request("GET", self._path, headers=self._headers)
+            self._response = self.connection.getresponse()
+            if self._response.status not in (200, 206):
+                reason = self._response.read().decode(errors="replace").strip()
+                raise PeerError(f"{self.where}: {self._response.status} {reason}")
+        except (OSError, http.client.HTTPException) as error:
+            self.connection.close()
+            raise PeerError(f"{self.where}: {error}") from None
+        except PeerError:
+            self.connection.close()
+            raise
+        self.size = int(self._response.getheader("Content-Length", "0"))
+        return self
+
+    def chunk(self, size: int | None) -> bytes:
+        """Up to ``size`` more bytes of the body (None: all the rest)."""
+        try:
+            return self._response.read(size)
+        except (OSError, http.client.HTTPException) as error:
+            raise PeerError(f"{self.where}: {error}") from None
+
+    def __exit__(self, *exc) -> None:
+        self.connection.close()
+
+
+@dataclass(frozen=True)
+class Copied:
+    """One checkpoint copied from a peer."""
+
+    iteration: int
+    path: Path
+    bytes: int
+    seconds: float
+
+
+def copy_checkpoint(client: PeerClient, iteration: int, into: Path) -> Copied:
+    """Copy the peer's memory checkpoint of ``iteration`` into the folder ``into`` (its
+    ``iter_*`` folder is made there), verifying every file against the peer's manifest; raises
+    PeerError when the peer has no complete one or a file does not match. A file already
+    there with the manifest's size and digest is kept, so a copy resumes where one broke."""
+    started = time.perf_counter()
+    folder = iteration_dir(into, iteration)
+    name = folder.name
+    manifest = client.read(f"{name}/{MANIFEST_NAME}")
+    files = _manifest_files(manifest, iteration, client.url)
+    folder.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for file, expected in sorted(files.items()):
+        if _holds(folder / file, expected):
+            continue
+        client.fetch(f"{name}/{file}", folder / file, expected)
+        copied += expected.bytes
+    tmp = folder / f".{MANIFEST_NAME}.part"
+    tmp.write_bytes(manifest)
+    os.replace(tmp, folder / MANIFEST_NAME)  # last: a copy with a manifest is complete
+    return Copied(iteration, folder, copied + len(manifest), time.perf_counter() - started)
+
+
+def _manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileDigest]:
+    try:
+        body = json.loads(manifest)
+        files = {name: FileDigest(int(e["bytes"]), str(e["digest"]))
+                 for name, e in body["files"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise PeerError(f"{url}: the manifest of iteration {iteration} cannot be read") from None
+    if body.get("iteration") != iteration or body.get("checksum") != CHECKSUM or not files:
+        raise PeerError(f"{url}: the manifest of iteration {iteration} describes another "
+                        f"checkpoint or has no checksums")
+    if any(Path(name).name != name or name.startswith(".") for name in files):
+        raise PeerError(f"{url}: the manifest of iteration {iteration} names a file outside "
+                        f"its folder")
+    return files
+
+
+def _holds(path: Path, expected: FileDigest) -> bool:
+    try:
+        return path.stat().st_size == expected.bytes and digest_file(path) == expected
+    except OSError:
+        return False
