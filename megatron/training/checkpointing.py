@@ -177,6 +177,20 @@ def _rank() -> int:
     return torch.distributed.get_rank()
 
 
+def memory_folder_owner(memory_dir: Path | None, group) -> tuple[int | None, bool]:
+    """The rank that makes, renames, prunes and sets aside this rank's memory folders, and
+    whether the tier is node-local. When every rank names one folder (one every node sees),
+    rank 0 does it all. When nodes name folders of their own (each node's ``/dev/shm``), the
+    lowest rank naming this rank's folder does it there; rank 0 still writes the manifest and
+    the tracker, in its folder only: another node's folder is made whole by ftmaster's peer
+    copies (:mod:`ftmaster.peer_files`)."""
+    if memory_dir is None:
+        return None, False
+    folders = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(folders, str(memory_dir), group=group)
+    return folders.index(str(memory_dir)), len(set(folders)) > 1
+
+
 def broadcast_from_rank0(value, group):
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0, group=group)
@@ -508,10 +522,18 @@ class _Save:
                                 preload_fn=None)
 
     def _folder_made(self) -> bool:
-        """The save's folder, made (or a slot's renamed to it) by rank 0, on every rank."""
+        """The save's folder, made (or a slot's renamed to it) by rank 0, on every rank; in a
+        node-local memory tier by each node's owner, every owner's problem told to all."""
         previous = self.records.begin(self.structure_kept) if self.records is not None else None
-        self.problem, refilled = broadcast_from_rank0(
-            self._make_folder(previous) if _rank() == 0 else None, self.group)
+        owner = self.checkpointer.memory_owner if self.tier == "memory" else 0
+        made = self._make_folder(previous) if _rank() == owner else None
+        if self.tier == "memory" and self.checkpointer.node_local_memory:
+            every = [None] * torch.distributed.get_world_size(self.group)
+            torch.distributed.all_gather_object(every, made, group=self.group)
+            self.problem = next((m[0] for m in every if m is not None and m[0]), None)
+            refilled = every[owner][1]
+        else:
+            self.problem, refilled = broadcast_from_rank0(made, self.group)
         if self.slots is not None:
             self.slots.use(refilled)
             self.slot = "refilled" if refilled else "new"
@@ -594,7 +616,7 @@ class _Save:
                 return self._write_manifest_and_tracker(reports)
             except OSError as error:
                 problem = f"writing the manifest or the tracker: {describe_error(error)}"
-        self._remove_partial_folder()
+        self.remove_partial_folder()
         return SaveFailure(self.iteration, self.path, self.kind, self.tier, problem)
 
     def _write_manifest_and_tracker(self, reports: list[_RankReport]) -> DurableSave:
@@ -618,7 +640,7 @@ class _Save:
                            dict(self.phases), {**writer_phases, "writers": len(shards)},
                            self.structure_kept, self.slot)
 
-    def _remove_partial_folder(self) -> None:
+    def remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
         if read_tracker(self.path.parent) != self.iteration:
             self.checkpointer.janitor.submit(shutil.rmtree, self.path, True)
@@ -646,6 +668,7 @@ class Checkpointer:
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
                            if args.non_persistent_ckpt_type == "global" else None)
         self.slots = MemorySlots(self.memory_dir) if self.memory_dir is not None else None
+        self.memory_owner, self.node_local_memory = memory_folder_owner(self.memory_dir, group)
         self.disk_records = DiskRecords()
         self.last_bytes: int | None = None
         """The size of the last complete checkpoint (a memory save's room check)."""
@@ -747,12 +770,14 @@ class Checkpointer:
             self.last_bytes = outcome.bytes
             log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
                       f"{outcome.path} in {outcome.seconds_to_durable:.3f} s ({outcome.bytes} bytes)")
-            if outcome.tier == "memory" and _rank() == 0:
+            if outcome.tier == "memory" and _rank() == self.memory_owner:
                 self.janitor.submit(prune_memory_checkpoints, self.memory_dir, outcome.iteration,
                                     self.slots.kept_iterations())
             if save.on_durable is not None:
                 save.on_durable(outcome)
             return
+        if outcome.tier == "memory" and _rank() == self.memory_owner != 0:
+            save.remove_partial_folder()  # rank 0 removed its own as it decided
         if self.last_saved_iteration == outcome.iteration:
             self.last_saved_iteration, self._last_saved_tier = self.last_durable_iteration, None
         log_rank0(f"error: {outcome.kind} checkpoint at iteration {outcome.iteration} not saved "
@@ -813,13 +838,20 @@ class Checkpointer:
         raise NoLoadableCheckpoint(message)
 
     def _load_from(self, path: Path, state: TrainingState, tier: str) -> str | None:
-        """Load ``path`` on every rank, or the reason it cannot be (the same on every rank)."""
+        """Load ``path`` on every rank, or the reason it cannot be (the same on every rank). A
+        node-local memory tier is read from each node's own copy, which must be whole."""
+        node_local = tier == "memory" and self.node_local_memory
+        if tier == "memory":
+            path = self.memory_dir / path.name
         checked = broadcast_from_rank0(
             (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
         problem, manifest = checked
+        if node_local and problem is None:
+            problem = first_problem(
+                checkpoint_problem(path) if _rank() == self.memory_owner else None, self.group)
         start, read_before = time.perf_counter(), _bytes_read_by_this_process()
         if problem is None and manifest is not None and manifest.files:
-            problem = self._checksum_problem(path, manifest)
+            problem = self._checksum_problem(path, manifest, node_local)
         verify_seconds = time.perf_counter() - start
         if problem is not None:
             return problem
@@ -856,11 +888,15 @@ class Checkpointer:
                          verify_seconds, self._sum_over_ranks([verified_on_read[0], read]), tier)
         return problem
 
-    def _checksum_problem(self, path: Path, manifest: Manifest) -> str | None:
+    def _checksum_problem(self, path: Path, manifest: Manifest, node_local: bool) -> str | None:
         """The checksum of every file the load will not check item by item as it reads it,
-        the files spread over the ranks so each reads a share."""
+        the files spread over the ranks so each reads a share (each node's owner reads them
+        all in its own copy of a node-local memory checkpoint)."""
         names = [name for name in sorted(manifest.files) if not manifest.items_cover(name)]
-        mine = names[_rank()::torch.distributed.get_world_size()]
+        if node_local:
+            mine = names if _rank() == self.memory_owner else []
+        else:
+            mine = names[_rank()::torch.distributed.get_world_size()]
         return first_problem(digest_problem(path, manifest, mine), self.group)
 
     def _sum_over_ranks(self, values: list[int]) -> list[int]:
@@ -888,34 +924,41 @@ class Checkpointer:
     def prepare_fresh_start(self) -> None:
         """Every rank, when nothing was loaded: rank 0 checks and cleans the save folder (see
         :func:`prepare_fresh_start`), and every rank refuses alike."""
+        folders = [self.args.save] if _rank() == 0 else []
+        if _rank() == self.memory_owner:
+            folders.append(self.memory_dir)
         refusal = None
-        if _rank() == 0:
-            try:
-                for folder in (self.args.save, self.memory_dir):
-                    prepare_fresh_start(folder)
-            except CheckpointMismatch as problem:
-                refusal = str(problem)
-        refusal = broadcast_from_rank0(refusal, self.group)
+        try:
+            for folder in folders:
+                prepare_fresh_start(folder)
+        except CheckpointMismatch as problem:
+            refusal = str(problem)
+        refusal = (first_problem(refusal, self.group) if self.node_local_memory
+                   else broadcast_from_rank0(refusal, self.group))
         if refusal is not None:
             raise CheckpointMismatch(refusal)
 
     def _set_aside_newer(self, iteration: int) -> None:
-        """Rank 0: checkpoints above the one resumed from belong to a discarded timeline; a
-        new save at the same iteration must not mix with their files, nor a later load pick
-        them. They are renamed, not deleted, and the tracker comes back to ``iteration``."""
+        """Rank 0 (and each node's owner of a node-local memory tier): checkpoints above the
+        one resumed from belong to a discarded timeline; a new save at the same iteration
+        must not mix with their files, nor a later load pick them. They are renamed, not
+        deleted, and the tracker comes back to ``iteration``."""
+        moved = []
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
             # checkpoint still stands and moves it into place under that lock.
             with tracker_lock(Path(self.args.save)) if self.args.save else contextlib.nullcontext():
-                moved = []
                 if self.memory_dir is not None:
                     with tracker_lock(self.memory_dir):
                         moved += set_aside_newer(self.memory_dir, iteration)
                 if self.args.save:
                     moved += set_aside_newer(Path(self.args.save), iteration)
-            for old, new in moved:
-                self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
-                           moved_to=None if new is None else str(new))
+        elif _rank() == self.memory_owner:  # another node's own memory folder
+            with tracker_lock(self.memory_dir):
+                moved += set_aside_newer(self.memory_dir, iteration)
+        for old, new in moved:
+            self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
+                       moved_to=None if new is None else str(new))
         torch.distributed.barrier(group=self.group)
 
     def _check_optimizer(self, saved: dict) -> bool:
