@@ -3,6 +3,7 @@ verified copies (corrupted at rest or in transit), the rate limit and the timeou
 
 import http.client
 import os
+import shutil
 import socket
 import threading
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerServer,
-                                 copy_checkpoint, new_secret)
+                                 copy_checkpoint, fill_from_peer, new_secret)
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
 
@@ -97,7 +98,30 @@ def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path
         assert (copied.path / file.name).read_bytes() == file.read_bytes()
     assert read_manifest(copied.path) == read_manifest(source)
     again = copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
-    assert again.bytes == (source / MANIFEST_NAME).stat().st_size  # what it held is kept
+    assert (again.bytes, again.missing) == (0, ())  # what it holds is kept
+
+
+def test_a_folder_is_filled_with_what_the_peer_holds_and_whole_only_when_nothing_is_missing(
+        served, tmp_path):
+    """Node-local tiers: this node wrote some shards and holds the manifest, the peer wrote
+    the others; a file neither holds stays missing, and the copy gets no manifest."""
+    tier, server = served
+    source = checkpoint(tier, sizes=(5000, 6000, 7000))
+    manifest = (source / MANIFEST_NAME).read_bytes()
+    mine = iteration_dir(tmp_path / "mine", 6)
+    mine.mkdir(parents=True)
+    shutil.copy(source / "__0_0.distcp", mine)
+    (source / "__0_0.distcp").unlink()
+    (source / "__2_0.distcp").unlink()
+    client = PeerClient(server.url, SECRET)
+    partial = fill_from_peer(client, 6, tmp_path / "mine", manifest)
+    assert (partial.bytes, partial.missing) == (6000, ("__2_0.distcp",))
+    assert not (mine / MANIFEST_NAME).exists()
+    shard = os.urandom(7000)
+    (source / "__2_0.distcp").write_bytes(shard)  # other bytes than the manifest's
+    with pytest.raises(PeerError, match="__2_0.distcp does not match"):
+        fill_from_peer(client, 6, tmp_path / "mine", manifest)
+    assert not (mine / "__2_0.distcp").exists()
 
 
 def test_a_copy_corrupted_at_rest_is_refused_and_leaves_no_manifest(served, tmp_path):
@@ -192,3 +216,16 @@ def test_the_serving_config_refuses_bad_values(tmp_path, kwargs, message):
 def test_a_client_needs_a_full_address():
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         PeerClient("127.0.0.1:80", SECRET)
+
+
+def test_a_server_without_the_secret_yet_refuses_everything_until_authorized(tmp_path):
+    folder = checkpoint(tmp_path / "peer")
+    server = PeerServer(PeerServeConfig(tmp_path / "peer", None))
+    try:
+        path = f"{folder.name}/{MANIFEST_NAME}"
+        with pytest.raises(PeerError, match="401"):
+            PeerClient(server.url, SECRET).read(path)
+        server.authorize(SECRET)
+        assert PeerClient(server.url, SECRET).read(path) == (folder / MANIFEST_NAME).read_bytes()
+    finally:
+        server.close()

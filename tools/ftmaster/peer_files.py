@@ -18,10 +18,11 @@ the link's speed. What makes it safe to run beside training:
   sends passes one rate limit (``--replication-rate``), so copies never take the link from
   training's own traffic.
 
-:func:`copy_checkpoint` pulls one memory checkpoint from a peer: the manifest first (read,
-not yet written), then every file it lists, each streamed to a temp file, checked against
-the manifest's size and xxh3 digest, and renamed into place; the manifest lands last, so a
-copy that has one is complete and verified, as a checkpoint written in place is.
+:func:`fill_from_peer` brings what a memory checkpoint's folder lacks from a peer: every
+file its manifest lists, each streamed to a temp file, checked against the manifest's size
+and xxh3 digest, and renamed into place; the manifest lands last, so a copy that has one is
+whole and verified, as a checkpoint written in place is. :func:`copy_checkpoint` does the
+same from the peer's own manifest.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
-from ftmaster.recovery.manifest import CHECKSUM, MANIFEST_NAME, FileDigest, digest_file
+from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, digest_bytes,
+                                        digest_file)
 
 log = logging.getLogger("ftmaster")
 
@@ -61,8 +64,10 @@ class PeerServeConfig:
 
     root: Path
     """The folder served: the files under it, read-only."""
-    secret: str
-    """The job's secret; a request without it is refused."""
+    secret: str | None
+    """The job's secret; a request without it is refused. None refuses every request until
+    :meth:`PeerServer.authorize` (a node serves before the rendezvous hands out the secret,
+    so that its address can be published in the round)."""
     addr: str = "127.0.0.1"
     """The address to bind: the one the node's peers reach it at (its rendezvous address)."""
     port: int = 0
@@ -73,7 +78,7 @@ class PeerServeConfig:
     """A connection that sends or takes nothing for this long is closed."""
 
     def __post_init__(self) -> None:
-        if len(self.secret) < 32:
+        if self.secret is not None and len(self.secret) < 32:
             raise ValueError("the job's secret must have at least 32 characters")
         if self.rate_bytes_s is not None and self.rate_bytes_s <= 0:
             raise ValueError(f"the replication rate must be positive, got {self.rate_bytes_s}")
@@ -121,8 +126,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._serve(body=True)
 
     def _serve(self, body: bool) -> None:
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.server.config.secret}".encode()):
+        given, secret = self.headers.get("Authorization", ""), self.server.secret
+        if secret is None or not hmac.compare_digest(given.encode(), f"Bearer {secret}".encode()):
             return self._refuse(401, "the job's secret is required")
         path = self.server.resolve(unquote(urlsplit(self.path).path))
         try:
@@ -183,7 +188,7 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, config: PeerServeConfig) -> None:
-        self.config = config
+        self.config, self.secret = config, config.secret
         self.root = config.root.resolve()
         self.limit = RateLimit(config.rate_bytes_s)
         super().__init__((config.addr, config.port), _Handler)
@@ -212,6 +217,12 @@ class PeerServer:
                                         name="peer-files", daemon=True)
         self._thread.start()
 
+    def authorize(self, secret: str) -> None:
+        """Serve requests that carry ``secret`` from now on."""
+        if len(secret) < 32:
+            raise ValueError("the job's secret must have at least 32 characters")
+        self._server.secret = secret
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -224,6 +235,10 @@ def _host_in_url(host: str) -> str:
 
 class PeerError(Exception):
     """A peer could not give what was asked: unreachable, refused, or bytes that do not match."""
+
+
+class PeerMissing(PeerError):
+    """The peer does not hold that file (404)."""
 
 
 class PeerClient:
@@ -288,7 +303,8 @@ class _Response:
             self._response = self.connection.getresponse()
             if self._response.status not in (200, 206):
                 reason = self._response.read().decode(errors="replace").strip()
-                raise PeerError(f"{self.where}: {self._response.status} {reason}")
+                kind = PeerMissing if self._response.status == 404 else PeerError
+                raise kind(f"{self.where}: {self._response.status} {reason}")
         except (OSError, http.client.HTTPException) as error:
             self.connection.close()
             raise PeerError(f"{self.where}: {error}") from None
@@ -311,38 +327,65 @@ class _Response:
 
 @dataclass(frozen=True)
 class Copied:
-    """One checkpoint copied from a peer."""
+    """What one pass over a checkpoint brought from a peer."""
 
     iteration: int
     path: Path
     bytes: int
     seconds: float
+    missing: tuple[str, ...]
+    """Files asked for that are neither here nor on the peer."""
 
 
 def copy_checkpoint(client: PeerClient, iteration: int, into: Path) -> Copied:
-    """Copy the peer's memory checkpoint of ``iteration`` into the folder ``into`` (its
-    ``iter_*`` folder is made there), verifying every file against the peer's manifest; raises
-    PeerError when the peer has no complete one or a file does not match. A file already
-    there with the manifest's size and digest is kept, so a copy resumes where one broke."""
+    """Copy the peer's memory checkpoint of ``iteration`` into the tier folder ``into``
+    (from the peer's own manifest: a peer that has one holds every file)."""
+    name = iteration_dir(into, iteration).name
+    return fill_from_peer(client, iteration, into, client.read(f"{name}/{MANIFEST_NAME}"))
+
+
+def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: bytes,
+                   names: Iterable[str] | None = None) -> Copied:
+    """Fetch into ``into``'s folder of ``iteration`` every file ``manifest`` lists (or those of
+    ``names`` it lists) that is not already there, verified on arrival; a file the peer lacks
+    too is left missing. Once the folder holds every file of the manifest, the manifest is
+    written, last, so a copy with one is whole and verified, as a checkpoint written in place
+    is. A file already there with the manifest's size and digest is kept, so a copy resumes
+    where one broke. Raises PeerError for an unusable manifest, a peer that cannot be read,
+    or a file that does not match."""
     started = time.perf_counter()
     folder = iteration_dir(into, iteration)
-    name = folder.name
-    manifest = client.read(f"{name}/{MANIFEST_NAME}")
-    files = _manifest_files(manifest, iteration, client.url)
+    files = manifest_files(manifest, iteration, client.url)
+    wanted = files if names is None else {n: files[n] for n in names if n in files}
     folder.mkdir(parents=True, exist_ok=True)
-    copied = 0
-    for file, expected in sorted(files.items()):
+    copied, missing = 0, []
+    for file, expected in sorted(wanted.items()):
         if _holds(folder / file, expected):
             continue
-        client.fetch(f"{name}/{file}", folder / file, expected)
+        try:
+            client.fetch(f"{folder.name}/{file}", folder / file, expected)
+        except PeerMissing:
+            missing.append(file)
+            continue
         copied += expected.bytes
-    tmp = folder / f".{MANIFEST_NAME}.part"
-    tmp.write_bytes(manifest)
-    os.replace(tmp, folder / MANIFEST_NAME)  # last: a copy with a manifest is complete
-    return Copied(iteration, folder, copied + len(manifest), time.perf_counter() - started)
+    if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
+        tmp = folder / f".{MANIFEST_NAME}.part"
+        tmp.write_bytes(manifest)
+        os.replace(tmp, folder / MANIFEST_NAME)
+        copied += len(manifest)
+    return Copied(iteration, folder, copied, time.perf_counter() - started, tuple(missing))
 
 
-def _manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileDigest]:
+def _whole(folder: Path, files: dict[str, FileDigest]) -> bool:
+    """Every file there at its size: each was verified as it arrived, or written here by this
+    node's own ranks."""
+    try:
+        return all((folder / name).stat().st_size == entry.bytes for name, entry in files.items())
+    except OSError:
+        return False
+
+
+def manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileDigest]:
     try:
         body = json.loads(manifest)
         files = {name: FileDigest(int(e["bytes"]), str(e["digest"]))
@@ -352,7 +395,7 @@ def _manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, File
     if body.get("iteration") != iteration or body.get("checksum") != CHECKSUM or not files:
         raise PeerError(f"{url}: the manifest of iteration {iteration} describes another "
                         f"checkpoint or has no checksums")
-    if any(Path(name).name != name or name.startswith(".") for name in files):
+    if any(Path(name).name != name or name in ("", ".", "..") for name in files):
         raise PeerError(f"{url}: the manifest of iteration {iteration} names a file outside "
                         f"its folder")
     return files
