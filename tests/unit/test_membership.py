@@ -52,6 +52,8 @@ def test_a_round_starts_warm_only_when_every_node_can_and_old_records_read_as_co
     assert not Round(2, (warm, cold), 0).warm  # e.g. a node on its first, cold, launch
     assert parse_record(b'{"node_rank": 1, "addr": "b", "gpus": [0], "port": 2}') == cold
     assert parse_record(json.dumps(asdict(warm)).encode()) == warm
+    serving = replace(warm, peer_url="http://a:7")
+    assert parse_record(json.dumps(asdict(serving)).encode()) == serving
 
 
 def test_two_nodes_with_one_node_rank_are_refused():

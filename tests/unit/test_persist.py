@@ -15,6 +15,7 @@ import pytest
 
 from ftmaster.persist import (PersistError, Persister, Tiers, checkpoint_bytes_guess, persist,
                               remove_partial_copies, tiers_of, with_memory_dir)
+from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
@@ -239,6 +240,19 @@ def test_ftmaster_puts_the_memory_tier_in_dev_shm_when_three_checkpoints_fit(tmp
     assert folder.startswith(str(shm / "ftmaster-run-")) and note == f"memory tier in {folder}"
     again, _ = with_memory_dir(MODEL + ["--save", str(tmp_path / "save")], tmp_path / "run", shm)
     assert again == args  # the same folder for the same run directory (a restarted ftmaster)
+
+
+def test_across_nodes_each_node_gets_a_memory_folder_of_its_own(tmp_path):
+    """Two nodes on one host (loopback tests, or two containers sharing /dev/shm) never share
+    one; a node that restarts finds its own again."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = MODEL + ["--save", str(tmp_path / "save")]
+    folders = [flag_value(with_memory_dir(args, tmp_path / "run", shm, node_rank=r)[0],
+                          "--non-persistent-global-ckpt-dir") for r in (0, 1, 0)]
+    assert folders[0] == folders[2] != folders[1]
+    assert [Path(f).name.rsplit("-", 1)[0] for f in folders[:2]] == ["ftmaster-run-node0",
+                                                                      "ftmaster-run-node1"]
 
 
 def test_without_room_the_memory_tier_stays_under_save(tmp_path, monkeypatch):

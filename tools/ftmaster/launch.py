@@ -48,6 +48,7 @@ from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
+from ftmaster.replication import Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
@@ -320,6 +321,13 @@ def _console_logging() -> None:
               help="This node's stable identity: plans order nodes by it, never by hostname.")
 @click.option("--local-addr", default=None,
               help="The address other nodes reach this node at. Default: its FQDN.")
+@click.option("--memory-replicas", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Across nodes with the memory tier in ftmaster's node-local folders: how "
+                   "many peers' shards each node holds a copy of (the next nodes by node rank).")
+@click.option("--replication-rate", default=1000.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), metavar="MB/S",
+              help="The most each node sends to its peers' copies, in MB per second, so that "
+                   "copies never take the network from training.")
 @click.option("--scale-up", default="at-save", show_default=True,
               type=click.Choice(SCALE_UP_POLICIES),
               help="When another node waits for a new round (it joined, came back or lost a "
@@ -353,12 +361,13 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
                            options["scorer"], options["risk_threshold"])
         observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous)
+        replication = _replication(config, rendezvous, options)
         starter = None if options["cold_restart"] else WarmStarter(
             len(devices.ids), config.run_dir, warm_up_for(config.command),
             on_ready=lambda fields: runfiles.append_event(config.run_dir, "warm_ready", **fields))
         try:
-            code = _supervise(Supervisor(config, monitor, membership, starter, observers),
-                              monitor, Listener(config.run_dir))
+            code = _supervise(Supervisor(config, monitor, membership, starter, observers,
+                                         replication), monitor, Listener(config.run_dir))
         finally:
             for observer in observers:
                 observer.close()
@@ -443,22 +452,30 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
 def _with_memory_tier(argv: list[str], run_dir: Path,
                       rendezvous: RendezvousConfig | None) -> tuple[list[str], Path | None]:
     """The memory tier's folder: one in ``/dev/shm`` per run unless given (returned as the
-    second value when ftmaster picked it). Across nodes it must be given: a checkpoint's shards
-    are written by every node's ranks, so its folder must be one every node sees."""
+    second value when ftmaster picked it); across nodes one per node, which peer copies
+    (:mod:`replication`) make whole. A folder given across nodes must be one every node sees."""
     args = argv[1:]
+    node_rank = None
     if rendezvous is not None:
         if REPLICA_FLAG in args:
             raise InputError(f"{REPLICA_FLAG} works on one node: across nodes the survivors' "
                              f"dumps would sit in different nodes' memory")
-        if flag_value(args, TYPE_FLAG) == "global" and flag_value(args, DIR_FLAG) is None:
-            raise InputError(f"across nodes the memory tier needs {DIR_FLAG}: a folder every "
-                             f"node sees (each rank writes its own shards there)")
-        return argv, None
-    chosen, note = with_memory_dir(args, run_dir)
+        node_rank = rendezvous.node_rank
+    chosen, note = with_memory_dir(args, run_dir, node_rank=node_rank)
     if note is not None:
         logging.getLogger("ftmaster").info(note)
     picked = flag_value(chosen, DIR_FLAG) if chosen != args else None
     return [argv[0], *chosen], None if picked is None else Path(picked)
+
+
+def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,
+                 options: dict) -> Replication | None:
+    """Peer copies, for a memory tier in the node-local folder ftmaster picked."""
+    if rendezvous is None or config.scratch_memory_dir is None:
+        return None
+    return Replication(ReplicationConfig(
+        config.scratch_memory_dir, rendezvous.node_rank, options["memory_replicas"],
+        options["replication_rate"] * 1e6, rendezvous.address))
 
 
 def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:

@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Mapping, Sequence
 
 from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
+from ftmaster.peer_files import new_secret
 
 log = logging.getLogger("ftmaster")
 
@@ -170,6 +171,8 @@ class NodeRecord:
     warm: bool = False
     """Whether this node can start its ranks on warm workers in this round (see
     :attr:`Round.warm`)."""
+    peer_url: str | None = None
+    """Where it serves its node-local memory tier to its peers (:mod:`peer_files`)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,8 @@ class Round:
     """Every node of the round, in node-rank order."""
     me: int
     """This node's index in ``nodes``."""
+    secret: str | None = None
+    """The job's secret for peer copies, drawn once per job (only when this node serves)."""
 
     @property
     def node_gpus(self) -> tuple[int, ...]:
@@ -219,7 +224,7 @@ def ipaddress_is_loopback(host: str) -> bool:
 def parse_record(data: bytes) -> NodeRecord:
     body = json.loads(data)
     return NodeRecord(int(body["node_rank"]), str(body["addr"]), tuple(body["gpus"]),
-                      int(body["port"]), bool(body.get("warm", False)))
+                      int(body["port"]), bool(body.get("warm", False)), body.get("peer_url"))
 
 
 def free_port(addr: str) -> int:
@@ -268,13 +273,13 @@ class NodeMembership:
                              f"(pip install python-etcd)") from None
 
     # -- rounds ---------------------------------------------------------------------------
-    def join(self, gpus: Sequence[int], warm: bool = False) -> Round:
+    def join(self, gpus: Sequence[int], warm: bool = False, peer_url: str | None = None) -> Round:
         """Join the next round with these schedulable GPUs, saying whether this node could
-        start warm; blocks until the round completes."""
+        start warm and where it serves its memory tier; blocks until the round completes."""
         info = self._call(self.handler.next_rendezvous)
         store = info.store
         me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
-                        free_port(self.config.address), warm)
+                        free_port(self.config.address), warm, peer_url)
         keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
         self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
         self._call(store.wait, keys, timedelta(seconds=RECORD_TIMEOUT_S))
@@ -284,9 +289,18 @@ class NodeMembership:
             self._call(store.set, "ftmaster/round", str(rounds))
         number = int(self._call(store.get, "ftmaster/round"))
         nodes = order_records(records)
-        self._round, self._round_store = Round(number, nodes, nodes.index(me)), store
+        secret = None if peer_url is None else self._job_secret(store)
+        self._round, self._round_store = Round(number, nodes, nodes.index(me), secret), store
         self._checked_at, self._waiting = time.monotonic(), False
         return self._round
+
+    def _job_secret(self, store) -> str:
+        """The first node to ask draws it; every ask, on any node, gets that one (``add``,
+        ``set`` and a waiting ``get``: etcd's store has no compare-and-set)."""
+        base, key = store.underlying_store, self._job_key("peer_secret")
+        if self._call(base.add, f"{key}/drawn", 1) == 1:
+            self._call(base.set, key, new_secret())
+        return self._call(base.get, key).decode()
 
     def peers_waiting(self) -> bool:
         """Whether a node waits to form a new round (a peer failed, or one joined); polled at

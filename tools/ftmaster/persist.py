@@ -31,7 +31,7 @@ from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracke
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, pin, read_tracker, tracker_lock,
                                            unpin)
-from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, read_manifest
+from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, read_manifest, size_problem
 
 _CHUNK = 16 << 20
 _PARTIAL = ".iter_{:07d}.partial-"
@@ -79,10 +79,12 @@ def checkpoint_bytes_guess(args: Sequence[str]) -> int | None:
     return int(total_parameters(shape, vocab) * CHECKPOINT_BYTES_PER_PARAMETER)
 
 
-def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM) -> tuple[list[str], str | None]:
+def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
+                    node_rank: int | None = None) -> tuple[list[str], str | None]:
     """``args`` with a per-run memory folder in ``/dev/shm`` when the memory tier is on, its
     folder not given, and ``/dev/shm`` has room for three checkpoints (the newest, the one
-    being written and the one being copied to disk); and a line to log."""
+    being written and the one being copied to disk); and a line to log. Across nodes the
+    folder is the node's own (``node_rank``), so that two nodes on one host never share one."""
     args = list(args)
     if flag_value(args, TYPE_FLAG) != "global" or flag_value(args, DIR_FLAG) is not None:
         return args, None
@@ -96,7 +98,9 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM) -> tupl
                       f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints need about "
                       f"{MEMORY_COPIES * needed / 1e9:.2f} GB")
     run = Path(run_dir).resolve()  # one folder per run directory, the same on a restart
-    folder = shm / f"ftmaster-{run.name}-{uuid.uuid5(uuid.NAMESPACE_URL, str(run)).hex[:8]}"
+    node = "" if node_rank is None else f"-node{node_rank}"
+    key = str(run) if node_rank is None else f"{run}#{node_rank}"
+    folder = shm / f"ftmaster-{run.name}{node}-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:8]}"
     return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
 
 
@@ -180,6 +184,7 @@ class Persister:
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.last_requested: int | None = None
+        self._whole: int | None = None  # the last checkpoint seen whole (checked once)
         remove_partial_copies(self.save_dir)
 
     @property
@@ -187,9 +192,20 @@ class Persister:
         return self._thread is not None and self._thread.is_alive()
 
     def newest_memory_checkpoint(self) -> int | None:
-        """The memory tracker's iteration when its folder is complete."""
+        """The memory tracker's iteration when its folder holds every file: in a node-local
+        tier, rank 0's folder has the manifest before peer copies bring the other nodes'
+        shards (:mod:`replication`)."""
         newest = read_tracker(self.memory_dir)
-        return newest if newest is not None and is_complete(iteration_dir(self.memory_dir, newest)) else None
+        if newest is None:
+            return None
+        folder = iteration_dir(self.memory_dir, newest)
+        if newest == self._whole:
+            return newest if is_complete(folder) else None
+        manifest = read_manifest(folder)
+        if manifest is None or size_problem(folder, manifest) is not None:
+            return None
+        self._whole = newest
+        return newest
 
     def needs_copy(self, iteration: int | None) -> bool:
         if iteration is None or iteration == self.last_requested:

@@ -82,6 +82,7 @@ from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
+from ftmaster.replication import Replication, ReplicationFailed
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
@@ -229,8 +230,10 @@ def _armed(injection: Injection) -> bool:
 class Supervisor:
     def __init__(self, config: SupervisorConfig, monitor: Monitor,
                  membership: NodeMembership | None = None,
-                 starter: WarmStarter | None = None, observers: Sequence[Observer] = ()) -> None:
+                 starter: WarmStarter | None = None, observers: Sequence[Observer] = (),
+                 replication: Replication | None = None) -> None:
         self.config = config
+        self.replication = replication  # peer copies of a node-local memory tier
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
@@ -268,8 +271,8 @@ class Supervisor:
         self._straggler_to_drain: Found | None = None
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self.tiers = tiers_of(config.command[1:])
-        # Across nodes the memory folder is shared: one node's ftmaster copies it; every node
-        # looks into it when it decides whether to resume.
+        # Across nodes one node's ftmaster copies the memory tier to disk: the shared folder,
+        # or its own node-local one once peer copies have made it whole.
         copies = membership is None or membership.config.node_rank == 0
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
                           if self.tiers is not None and copies else None)
@@ -319,6 +322,8 @@ class Supervisor:
             if self.attempt is not None:
                 self.attempt.kill()
             self._finish_persisting()
+            if self.replication is not None:
+                self.replication.close()
         if state is State.SUCCEEDED:
             self._remove_scratch_memory()
         return exit_status(state, self.signum, self._requeue_helps)
@@ -428,6 +433,7 @@ class Supervisor:
         self._follow_events()
         self._show_progress(heartbeat)
         self._persist_when_due()
+        self._report_replicated()
         code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
         if failed or (code is not None and code != 0):
@@ -521,6 +527,8 @@ class Supervisor:
                     self.progress.last_checkpoint = event
             elif event["event"] in SAVE_EVENTS:
                 self._last_checkpoint = event
+                if self.replication is not None and event.get("tier") == "memory":
+                    self.replication.saved(event["iteration"])
                 if self.progress is not None:
                     self.progress.last_checkpoint = event
 
@@ -582,11 +590,25 @@ class Supervisor:
                 self._event("persist_failed", reason=str(result))
                 log.warning("persisting a memory checkpoint failed: %s", result)
 
+    def _report_replicated(self) -> None:
+        if self.replication is None:
+            return
+        for result in self.replication.take_results():
+            if isinstance(result, ReplicationFailed):
+                self._event("replication_failed", iteration=result.iteration, reason=result.reason)
+                log.warning("copying memory checkpoint %d from a peer failed: %s",
+                            result.iteration, result.reason)
+                continue
+            from_node, copied = result
+            self._event("replicated", iteration=copied.iteration, from_node=from_node,
+                        to_node=self.membership.config.node_rank, bytes=copied.bytes,
+                        seconds=round(copied.seconds, 4), missing=list(copied.missing))
+
     def _remove_scratch_memory(self) -> None:
         folder = self.config.scratch_memory_dir
-        if folder is None or self.persister is None or not folder.is_dir():
+        if folder is None or self.tiers is None or not folder.is_dir():
             return
-        newest, disk = self.persister.newest_memory_checkpoint(), read_tracker(self.persister.save_dir)
+        newest, disk = read_tracker(folder), read_tracker(self.tiers.disk)
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
@@ -967,6 +989,8 @@ class Supervisor:
             self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
             return Trigger.NO_LAYOUT
         mine = plan.ranks_per_node[joined.me]
+        if self.replication is not None and joined.secret is not None:
+            self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         self.plan, self.next_gpus = plan, tuple(available[:mine])
         self._plan_event(available, round=joined.number,
@@ -995,7 +1019,9 @@ class Supervisor:
 
         def join() -> None:
             try:
-                outcome.append(self.membership.join(available, self._can_start_warm()))
+                outcome.append(self.membership.join(
+                    available, self._can_start_warm(),
+                    None if self.replication is None else self.replication.url))
             except BaseException as error:  # handed to the supervisor's thread
                 outcome.append(error)
 

@@ -1,0 +1,65 @@
+"""Zero loss across nodes: 2 ftmaster nodes on loopback, each with its own memory folder in
+/dev/shm (none shared), peer copies between them, and node 1 lost."""
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from ftmaster.recovery.argv_flags import flag_value
+from ftmaster.recovery.checkpoints import iteration_dir
+from helpers.launch import train_args
+from helpers.multinode import Nodes
+from helpers.replicas import unequal_tensors
+from helpers.trainer import run_trainer, wait_until
+
+pytestmark = pytest.mark.slow
+
+DIR_FLAG = "--non-persistent-global-ckpt-dir"
+MEMORY_TIER = ("--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "2")
+
+
+def memory_folder(nodes: Nodes, node_rank: int) -> Path:
+    return Path(flag_value(nodes.events(node_rank, "launch")[0]["command"], DIR_FLAG))
+
+
+def test_a_lost_node_is_resumed_from_its_peers_copy_in_memory(tmp_path):
+    """TP2 x PP2 over 2 nodes: node 1 alone holds pipeline stage 1. Its ftmaster is SIGKILLed
+    once node 0 holds a copy of an iteration >= 10; node 0 relaunches alone (TP2 x PP1) from
+    its own folder, stage 1 read from the copy, which is the uninterrupted run's checkpoint
+    tensor for tensor. Node 1 is slowed (a sleep in its compute), so that a copy lands
+    within an iteration of its save on this busy machine."""
+    save, reference = tmp_path / "ckpt", tmp_path / "reference"
+    nodes = Nodes(tmp_path, 2, train_args(save, 24, 2, 2, 100, *MEMORY_TIER))
+    try:
+        nodes.start_all(2, (), ("--inject", "slow:gpu=0,factor=4,at=iter:1"))
+        wait_until(lambda: any(e["iteration"] >= 10 for e in nodes.events(0, "replicated")),
+                   timeout=300, interval=0.05, what="node 0's copy of an iteration >= 10")
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
+        wait_until(lambda: nodes.events(0, "failure"), timeout=120, what="node 0's failure")
+        # Node 0 waits for node 1's keep-alive to expire before it relaunches: what its
+        # folder holds now is what it resumes from (later saves prune it).
+        held = shutil.copytree(memory_folder(nodes, 0), tmp_path / "node0-memory")
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+    finally:
+        nodes.kill_all()
+        for node_rank in (0, 1):
+            shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
+    assert memory_folder(nodes, 0) != memory_folder(nodes, 1)
+    assert memory_folder(nodes, 0).name.startswith("ftmaster-run-node0-")
+    failure = nodes.events(0, "failure")[-1]
+    loaded = nodes.events(0, "checkpoint_loaded")[-1]
+    iteration = loaded["iteration"]
+    assert loaded["tier"] == "memory"
+    assert loaded["path"] == str(iteration_dir(memory_folder(nodes, 0), iteration))
+    assert failure["iteration"] - iteration <= 2
+    copies = [e for e in nodes.events(0, "replicated") if e["iteration"] == iteration]
+    assert copies and copies[0]["from_node"] == 1 and copies[0]["bytes"] > 0
+    assert not nodes.events(0, "replication_failed") and not nodes.events(1, "replication_failed")
+    assert nodes.events(0, "complete")[0]["iteration"] == 24
+
+    result = run_trainer(4, train_args(reference, 24, 2, 2, 2))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert unequal_tensors(iteration_dir(held, iteration), iteration_dir(reference, iteration)) == []

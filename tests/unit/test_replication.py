@@ -1,0 +1,110 @@
+"""Who copies from whom across nodes (pure), and one node's copies from two live peers."""
+
+from dataclasses import replace
+
+import pytest
+
+from ftmaster.membership import NodeRecord
+from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret
+from ftmaster.recovery.checkpoints import iteration_dir, read_tracker
+from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
+from ftmaster.replication import Replication, ReplicationConfig, ReplicationFailed, writer_rank
+from helpers.trainer import wait_until
+
+SECRET = new_secret()
+
+
+def nodes(count):
+    return tuple(NodeRecord(r, "127.0.0.1", (0, 1), 1000 + r, peer_url=f"http://n{r}:1")
+                 for r in range(count))
+
+
+@pytest.mark.parametrize("name, rank", [("__3_0.distcp", 3), ("__12_objects.distcp", 12),
+                                        (".metadata", None), ("common.pt", None),
+                                        ("metadata.json", None)])
+def test_a_shard_file_names_the_rank_that_wrote_it(name, rank):
+    assert writer_rank(name) == rank
+
+
+@pytest.mark.parametrize("count, me, ranks, replicas, sources, rank0", [
+    (2, 0, [2, 2], 1, [(1, range(2, 4))], None),
+    (2, 1, [2, 2], 1, [(0, range(0, 2))], 0),
+    (4, 3, [2, 2, 2, 2], 1, [(0, range(0, 2))], 0),  # round the ring
+    (4, 1, [2, 2, 2, 2], 2, [(2, range(4, 6)), (3, range(6, 8))], 0),
+    (3, 0, [2, 0, 2], 1, [(2, range(2, 4))], None),  # a node without ranks holds none
+    (3, 1, [2, 0, 2], 1, [(2, range(2, 4))], 0),  # ... but may hold copies
+    (2, 0, [2, 2], 3, [(1, range(2, 4))], None),  # more replicas than peers
+])
+def test_each_node_copies_the_next_nodes_shards_and_the_rest_from_rank_0s(
+        tmp_path, count, me, ranks, replicas, sources, rank0):
+    replication = Replication(ReplicationConfig(tmp_path, me, replicas))
+    try:
+        replication.new_round(SECRET, nodes(count), me, ranks)
+        peers = replication._peers
+    finally:
+        replication.close()
+    assert [(node, ranks) for node, _, ranks in peers.sources] == sources
+    assert (None if peers.rank0 is None else peers.rank0[0]) == rank0
+
+
+def test_replicas_must_be_at_least_one(tmp_path):
+    with pytest.raises(ValueError, match="--memory-replicas must be at least 1"):
+        ReplicationConfig(tmp_path, 0, replicas=0)
+
+
+def shard_checkpoint(folders, iteration=4):
+    """Node 0 (ranks 0-1) wrote rank 0's files and the manifest, node 1 ranks 2-3's."""
+    files = {}
+    for node, names in ((0, [".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"]),
+                        (1, ["__2_0.distcp", "__3_0.distcp"])):
+        folder = iteration_dir(folders[node], iteration)
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_bytes(name.encode() * 1000)
+            files[name] = digest_file(folder / name)
+    write_manifest(iteration_dir(folders[0], iteration), "periodic", iteration, files)
+
+
+def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker(tmp_path):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+            replications[r].saved(4)
+        results = [[], []]
+        wait_until(lambda: all(results[r].extend(replications[r].take_results()) or
+                               len(results[r]) == (1, 2)[r] for r in (0, 1)),
+                   timeout=30, what="both copies")
+    finally:
+        for replication in replications:
+            replication.close()
+    assert [(node, copied.missing) for node, copied in results[0]] == [(1, ())]
+    assert {node for node, _ in results[1]} == {0}
+    for folder in folders:
+        assert read_manifest(iteration_dir(folder, 4)) == read_manifest(iteration_dir(folders[0], 4))
+        assert sorted(p.name for p in iteration_dir(folder, 4).iterdir()) == sorted(
+            [".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
+             "__3_0.distcp", MANIFEST_NAME])
+    assert read_tracker(folders[1]) == 4  # node 0's tracker is the trainer's to move
+
+
+def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    replication = Replication(ReplicationConfig(folders[0], 0, timeout_s=2))
+    gone = PeerServer(PeerServeConfig(folders[1], SECRET))
+    url = gone.url
+    gone.close()
+    try:
+        replication.new_round(SECRET, (replace(nodes(2)[0], peer_url=replication.url),
+                                       replace(nodes(2)[1], peer_url=url)), 0, [2, 2])
+        replication.saved(4)
+        failed = wait_until(lambda: replication.take_results(), timeout=30, what="the failure")
+    finally:
+        replication.close()
+    assert isinstance(failed[0], ReplicationFailed) and failed[0].iteration == 4
+    assert "refused" in failed[0].reason
+    assert not (iteration_dir(folders[0], 4) / "__2_0.distcp").exists()
