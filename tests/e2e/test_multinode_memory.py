@@ -25,16 +25,21 @@ def memory_folder(nodes: Nodes, node_rank: int) -> Path:
     return Path(flag_value(nodes.events(node_rank, "launch")[0]["command"], DIR_FLAG))
 
 
-def test_a_lost_node_is_resumed_from_its_peers_copy_in_memory(tmp_path):
+def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoins(tmp_path):
     """TP2 x PP2 over 2 nodes: node 1 alone holds pipeline stage 1. Its ftmaster is SIGKILLed
     once node 0 holds a copy of an iteration >= 10; node 0 relaunches alone (TP2 x PP1) from
     its own folder, stage 1 read from the copy, which is the uninterrupted run's checkpoint
-    tensor for tensor. Node 1 is slowed (a sleep in its compute), so that a copy lands
-    within an iteration of its save on this busy machine."""
+    tensor for tensor. Then node 1 comes back: before the launch of the round that takes it
+    in, it copies the checkpoint rank 0 will load, and both nodes load it from memory.
+
+    Node 1 is slowed first (a sleep in its compute), so that a copy lands within an
+    iteration of its save on this busy machine; node 0 once it runs alone, so that node 1's
+    restart finds it still training."""
     save, reference = tmp_path / "ckpt", tmp_path / "reference"
-    nodes = Nodes(tmp_path, 2, train_args(save, 24, 2, 2, 100, *MEMORY_TIER))
+    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 2, 100, *MEMORY_TIER))
     try:
-        nodes.start_all(2, (), ("--inject", "slow:gpu=0,factor=4,at=iter:1"))
+        nodes.start_all(2, ("--inject", "slow:gpu=0,factor=4,at=iter:16,after=resumed"),
+                        ("--inject", "slow:gpu=0,factor=4,at=iter:1"))
         wait_until(lambda: any(e["iteration"] >= 10 for e in nodes.events(0, "replicated")),
                    timeout=300, interval=0.05, what="node 0's copy of an iteration >= 10")
         os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
@@ -42,15 +47,18 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_in_memory(tmp_path):
         # Node 0 waits for node 1's keep-alive to expire before it relaunches: what its
         # folder holds now is what it resumes from (later saves prune it).
         held = shutil.copytree(memory_folder(nodes, 0), tmp_path / "node0-memory")
+        wait_until(lambda: nodes.events(0, "resumed"), timeout=120, what="node 0 alone")
+        nodes.start(1)  # the node is back, with its folder as it was left
         assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
     finally:
         nodes.kill_all()
         for node_rank in (0, 1):
             shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
     assert memory_folder(nodes, 0) != memory_folder(nodes, 1)
     assert memory_folder(nodes, 0).name.startswith("ftmaster-run-node0-")
-    failure = nodes.events(0, "failure")[-1]
-    loaded = nodes.events(0, "checkpoint_loaded")[-1]
+    failure = nodes.events(0, "failure")[0]
+    loaded = nodes.events(0, "checkpoint_loaded")[0]
     iteration = loaded["iteration"]
     assert loaded["tier"] == "memory"
     assert loaded["path"] == str(iteration_dir(memory_folder(nodes, 0), iteration))
@@ -58,8 +66,19 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_in_memory(tmp_path):
     copies = [e for e in nodes.events(0, "replicated") if e["iteration"] == iteration]
     assert copies and copies[0]["from_node"] == 1 and copies[0]["bytes"] > 0
     assert not nodes.events(0, "replication_failed") and not nodes.events(1, "replication_failed")
-    assert nodes.events(0, "complete")[0]["iteration"] == 24
+    assert nodes.events(0, "complete")[0]["iteration"] == 40
 
-    result = run_trainer(4, train_args(reference, 24, 2, 2, 2))
+    # The rejoin: node 1 caught up on the checkpoint both nodes then loaded from memory
+    both = [nodes.events(r, "checkpoint_loaded")[-1] for r in (0, 1)]
+    assert [(e["tier"], e["path"]) for e in both] == [
+        ("memory", str(iteration_dir(memory_folder(nodes, r), both[0]["iteration"])))
+        for r in (0, 1)]
+    assert both[0]["iteration"] == both[1]["iteration"] > iteration
+    relaunch = nodes.events(1, "launch")[-1]
+    caught_up = [e for e in nodes.events(1, "replicated")
+                 if e["iteration"] == both[1]["iteration"] and e["time"] < relaunch["time"]]
+    assert caught_up and caught_up[0]["from_node"] == 0 and caught_up[0]["bytes"] > 0
+
+    result = run_trainer(4, train_args(reference, 40, 2, 2, 2))
     assert result.returncode == 0, result.stdout[-3000:]
     assert unequal_tensors(iteration_dir(held, iteration), iteration_dir(reference, iteration)) == []

@@ -6,7 +6,7 @@ import pytest
 
 from ftmaster.membership import NodeRecord
 from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret
-from ftmaster.recovery.checkpoints import iteration_dir, read_tracker
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
 from ftmaster.replication import Replication, ReplicationConfig, ReplicationFailed, writer_rank
 from helpers.trainer import wait_until
@@ -108,3 +108,32 @@ def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):
     assert isinstance(failed[0], ReplicationFailed) and failed[0].iteration == 4
     assert "refused" in failed[0].reason
     assert not (iteration_dir(folders[0], 4) / "__2_0.distcp").exists()
+
+
+def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_path):
+    """Node 1 comes back with nothing: before the launch it copies what node 0's memory
+    tracker names, every file, from node 0; asked again, it copies nothing."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    for name in ("__2_0.distcp", "__3_0.distcp"):  # node 0's copy is whole
+        (iteration_dir(folders[1], 4) / name).rename(iteration_dir(folders[0], 4) / name)
+    write_manifest(iteration_dir(folders[0], 4), "periodic", 4,
+                   {p.name: digest_file(p) for p in iteration_dir(folders[0], 4).iterdir()
+                    if p.name != MANIFEST_NAME})
+    advance_tracker(folders[0], 4)
+    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        assert replications[0].catch_up() == []  # rank 0's own node
+        ((node, copied),) = replications[1].catch_up()
+        again = replications[1].catch_up()
+        used = replications[1].used_bytes()
+    finally:
+        for replication in replications:
+            replication.close()
+    assert (node, copied.iteration, copied.missing) == (0, 4, ())
+    assert read_tracker(folders[1]) == 4 and again == []
+    assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
+    assert used == sum(p.stat().st_size for p in folders[1].rglob("*") if p.is_file())

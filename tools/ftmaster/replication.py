@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerServeConfig, PeerServer,
-                                 fill_from_peer, manifest_files)
-from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir
+from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
+                                 PeerServer, fill_from_peer, manifest_files)
+from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME
 
 log = logging.getLogger("ftmaster")
@@ -77,6 +77,8 @@ class Peers:
     rank0: tuple[int, str] | None
     """The node of the trainer's rank 0 (node rank, URL): where the manifest is written;
     None when it is this node."""
+    others: tuple[tuple[int, str], ...]
+    """Every other node of the round that serves (node rank, URL)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,51 @@ class Replication:
                         for i in ring[:self.config.replicas] if nodes[i].peer_url)
         first = active[0] if active else me
         rank0 = None if first == me else (nodes[first].node_rank, nodes[first].peer_url)
-        self._peers = Peers(secret, sources, rank0)
+        others = tuple((node.node_rank, node.peer_url) for i, node in enumerate(nodes)
+                       if i != me and node.peer_url)
+        self._peers = Peers(secret, sources, rank0, others)
+
+    def catch_up(self) -> list[tuple[int, Copied] | ReplicationFailed]:
+        """Before a launch: the checkpoint the trainer's rank 0 will load first (the newest
+        its node's memory tracker names), made whole here from whichever peers hold its
+        files, so that this node's ranks can load it too. A node that rejoins the job after
+        missing saves needs it; one that missed none copies nothing."""
+        peers = self._peers
+        if peers is None or peers.rank0 is None:
+            return []
+        try:
+            iteration = int(self._client(peers.rank0[1], peers).read(TRACKER_NAME).strip())
+        except PeerMissing:
+            return []  # no memory checkpoint yet
+        except (PeerError, ValueError) as error:
+            return [ReplicationFailed(-1, f"reading rank 0's memory tracker: {error}")]
+        folder = iteration_dir(self.config.memory_dir, iteration)
+        done: list[tuple[int, Copied] | ReplicationFailed] = []
+        try:
+            manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
+            if _read_or_none(folder / MANIFEST_NAME) == manifest:
+                return []  # whole here already (each file was verified as it arrived)
+            for node_rank, url in (peers.rank0, *(o for o in peers.others if o != peers.rank0)):
+                copied = fill_from_peer(self._client(url, peers), iteration,
+                                        self.config.memory_dir, manifest)
+                if copied.bytes:
+                    done.append((node_rank, copied))
+                if not copied.missing:
+                    advance_tracker(self.config.memory_dir, iteration)
+                    break
+        except (PeerError, OSError) as error:
+            done.append(ReplicationFailed(iteration, str(error)))
+        return done
+
+    def used_bytes(self) -> int:
+        """What this node's memory tier holds: its own checkpoints and its peers' copies."""
+        total = 0
+        for path in self.config.memory_dir.rglob("*"):
+            try:
+                total += path.stat().st_size if path.is_file() else 0
+            except OSError:
+                pass  # pruned meanwhile
+        return total
 
     def saved(self, iteration: int) -> None:
         """This node's ranks completed a memory save of ``iteration``."""
@@ -175,3 +221,9 @@ class Replication:
     def _client(self, url: str, peers: Peers) -> PeerClient:
         return PeerClient(url, peers.secret, self.config.timeout_s)
 
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None

@@ -433,7 +433,8 @@ class Supervisor:
         self._follow_events()
         self._show_progress(heartbeat)
         self._persist_when_due()
-        self._report_replicated()
+        if self.replication is not None:
+            self._report_replicated(self.replication.take_results())
         code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
         if failed or (code is not None and code != 0):
@@ -590,10 +591,8 @@ class Supervisor:
                 self._event("persist_failed", reason=str(result))
                 log.warning("persisting a memory checkpoint failed: %s", result)
 
-    def _report_replicated(self) -> None:
-        if self.replication is None:
-            return
-        for result in self.replication.take_results():
+    def _report_replicated(self, results: list) -> None:
+        for result in results:
             if isinstance(result, ReplicationFailed):
                 self._event("replication_failed", iteration=result.iteration, reason=result.reason)
                 log.warning("copying memory checkpoint %d from a peer failed: %s",
@@ -602,7 +601,8 @@ class Supervisor:
             from_node, copied = result
             self._event("replicated", iteration=copied.iteration, from_node=from_node,
                         to_node=self.membership.config.node_rank, bytes=copied.bytes,
-                        seconds=round(copied.seconds, 4), missing=list(copied.missing))
+                        seconds=round(copied.seconds, 4), missing=list(copied.missing),
+                        memory_bytes=self.replication.used_bytes())
 
     def _remove_scratch_memory(self) -> None:
         folder = self.config.scratch_memory_dir
@@ -991,6 +991,7 @@ class Supervisor:
         mine = plan.ranks_per_node[joined.me]
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
+            self._report_replicated(self.replication.catch_up())
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         self.plan, self.next_gpus = plan, tuple(available[:mine])
         self._plan_event(available, round=joined.number,
