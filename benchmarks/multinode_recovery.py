@@ -49,13 +49,14 @@ def phases(events: list[dict], fault_at: float) -> dict[str, float]:
 
 
 def kill_node_1(root: Path, keep_alive: int, *options: str,
-                ready: Callable[[Nodes], bool] = lambda nodes: True) -> tuple[list[dict], float]:
-    """2 nodes x 2 ranks at TP2; node 1 SIGKILLed after iteration 10 (and once ``ready``);
-    node 0's events once it finished alone, and the kill's time."""
+                ready: Callable[[Nodes], bool] = lambda nodes: True,
+                args: list[str] | None = None) -> tuple[list[dict], float]:
+    """2 nodes x 2 ranks at TP2 (or ``args``); node 1 SIGKILLed after iteration 10 (and once
+    ``ready``); node 0's events once it finished alone, and the kill's time."""
     root.mkdir(parents=True)
     conf = (f"last_call_timeout=2,keep_alive_interval={keep_alive},keep_alive_max_attempt=3,"
             "join_timeout=120")
-    nodes = Nodes(root, 2, train_args(root / "ckpt", 30, 2, 1, 5), *options, conf=conf)
+    nodes = Nodes(root, 2, args or train_args(root / "ckpt", 30, 2, 1, 5), *options, conf=conf)
     try:
         nodes.start_all(2)
         wait_until(lambda: nodes.iteration(0) >= 10 and ready(nodes), timeout=600, interval=0.05,

@@ -205,6 +205,13 @@ def read_manifest(folder: Path) -> Manifest | None:
                     iteration if isinstance(iteration, int) else None, files, items)
 
 
+def is_whole(folder: Path) -> bool:
+    """A manifest, and every file it lists there at its size (a few stats: a node-local memory
+    checkpoint has its manifest before peer copies bring the other nodes' shards)."""
+    manifest = read_manifest(folder)
+    return manifest is not None and size_problem(folder, manifest) is None
+
+
 def size_problem(folder: Path, manifest: Manifest) -> str | None:
     """The first file the manifest lists that is missing or of another size (a few stats)."""
     for name, entry in sorted(manifest.files.items()):

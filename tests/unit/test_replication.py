@@ -1,5 +1,6 @@
 """Who copies from whom across nodes (pure), and one node's copies from two live peers."""
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -137,3 +138,31 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
     assert read_tracker(folders[1]) == 4 and again == []
     assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
     assert used == sum(p.stat().st_size for p in folders[1].rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("rank0_holds", ["its own shards", "nothing"])
+def test_rank_0s_node_catches_up_on_a_newer_whole_copy_a_peer_holds(tmp_path, rank0_holds):
+    """Copies still on their way when a GPU failed, or node 0 replaced after a requeue: node 1
+    tracks a whole iteration 4, so node 0 makes it whole too before its rank 0 picks."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
+    for path in mine.iterdir():
+        shutil.copy(path, theirs)
+    advance_tracker(folders[1], 4)
+    if rank0_holds == "nothing":
+        shutil.rmtree(folders[0])
+    else:
+        advance_tracker(folders[0], 4)  # the trainer's rank 0 moved it with the manifest
+    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        caught_up = replications[0].catch_up()
+    finally:
+        for replication in replications:
+            replication.close()
+    assert [(node, copied.iteration, copied.missing) for node, copied in caught_up] == [(1, 4, ())]
+    assert read_tracker(folders[0]) == 4
+    assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())

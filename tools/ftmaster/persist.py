@@ -31,7 +31,7 @@ from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracke
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, pin, read_tracker, tracker_lock,
                                            unpin)
-from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, read_manifest, size_problem
+from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, is_whole, read_manifest
 
 _CHUNK = 16 << 20
 _PARTIAL = ".iter_{:07d}.partial-"
@@ -201,8 +201,7 @@ class Persister:
         folder = iteration_dir(self.memory_dir, newest)
         if newest == self._whole:
             return newest if is_complete(folder) else None
-        manifest = read_manifest(folder)
-        if manifest is None or size_problem(folder, manifest) is not None:
+        if not is_whole(folder):
             return None
         self._whole = newest
         return newest

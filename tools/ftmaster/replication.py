@@ -29,8 +29,8 @@ from typing import Sequence
 
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
                                  PeerServer, fill_from_peer, manifest_files)
-from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir
-from ftmaster.recovery.manifest import MANIFEST_NAME
+from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir, read_tracker
+from ftmaster.recovery.manifest import MANIFEST_NAME, is_whole
 
 log = logging.getLogger("ftmaster")
 
@@ -125,36 +125,49 @@ class Replication:
         self._peers = Peers(secret, sources, rank0, others)
 
     def catch_up(self) -> list[tuple[int, Copied] | ReplicationFailed]:
-        """Before a launch: the checkpoint the trainer's rank 0 will load first (the newest
-        its node's memory tracker names), made whole here from whichever peers hold its
-        files, so that this node's ranks can load it too. A node that rejoins the job after
-        missing saves needs it; one that missed none copies nothing."""
+        """Before a launch: the newest memory checkpoint any node of the round tracks, made
+        whole here too, from the nodes that track it first, then the others. Every node's
+        ranks can then load it, rank 0's included: a node that rejoins after missing saves
+        needs it, and so does a rank-0 node whose folder lacks what a peer holds (copies
+        still on their way when a GPU failed, or a node 0 replaced after a requeue). A node
+        that holds it whole already copies nothing."""
         peers = self._peers
-        if peers is None or peers.rank0 is None:
+        if peers is None or not peers.others:
             return []
+        trackers, done = self._peer_trackers(peers)
+        own = read_tracker(self.config.memory_dir)
+        target = max([*trackers.values(), *([] if own is None else [own])], default=None)
+        if target is None or is_whole(iteration_dir(self.config.memory_dir, target)):
+            return done
+        holders = [peer for peer, iteration in trackers.items() if iteration == target]
+        order = holders + [peer for peer in peers.others if peer not in holders]
+        folder = iteration_dir(self.config.memory_dir, target)
         try:
-            iteration = int(self._client(peers.rank0[1], peers).read(TRACKER_NAME).strip())
-        except PeerMissing:
-            return []  # no memory checkpoint yet
-        except (PeerError, ValueError) as error:
-            return [ReplicationFailed(-1, f"reading rank 0's memory tracker: {error}")]
-        folder = iteration_dir(self.config.memory_dir, iteration)
-        done: list[tuple[int, Copied] | ReplicationFailed] = []
-        try:
-            manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
-            if _read_or_none(folder / MANIFEST_NAME) == manifest:
-                return []  # whole here already (each file was verified as it arrived)
-            for node_rank, url in (peers.rank0, *(o for o in peers.others if o != peers.rank0)):
-                copied = fill_from_peer(self._client(url, peers), iteration,
-                                        self.config.memory_dir, manifest)
+            manifest = (self._client(holders[0][1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
+                        if holders else (folder / MANIFEST_NAME).read_bytes())
+            for node_rank, url in order:
+                copied = fill_from_peer(self._client(url, peers), target, self.config.memory_dir,
+                                        manifest)
                 if copied.bytes:
                     done.append((node_rank, copied))
                 if not copied.missing:
-                    advance_tracker(self.config.memory_dir, iteration)
+                    advance_tracker(self.config.memory_dir, target)
                     break
         except (PeerError, OSError) as error:
-            done.append(ReplicationFailed(iteration, str(error)))
+            done.append(ReplicationFailed(target, str(error)))
         return done
+
+    def _peer_trackers(self, peers: Peers) -> tuple[dict[tuple[int, str], int], list]:
+        """Each serving peer's memory tracker (a peer without one is left out)."""
+        trackers, failed = {}, []
+        for peer in peers.others:
+            try:
+                trackers[peer] = int(self._client(peer[1], peers).read(TRACKER_NAME).strip())
+            except PeerMissing:
+                continue
+            except (PeerError, ValueError) as error:
+                failed.append(ReplicationFailed(-1, f"reading node {peer[0]}'s tracker: {error}"))
+        return trackers, failed
 
     def used_bytes(self) -> int:
         """What this node's memory tier holds: its own checkpoints and its peers' copies."""
@@ -222,8 +235,3 @@ class Replication:
         return PeerClient(url, peers.secret, self.config.timeout_s)
 
 
-def _read_or_none(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
