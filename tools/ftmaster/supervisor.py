@@ -271,11 +271,14 @@ class Supervisor:
         self._straggler_to_drain: Found | None = None
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self.tiers = tiers_of(config.command[1:])
-        # Across nodes one node's ftmaster copies the memory tier to disk: the shared folder,
-        # or its own node-local one once peer copies have made it whole.
-        copies = membership is None or membership.config.node_rank == 0
+        # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
+        # shared folder; with node-local folders, the node of the trainer's rank 0 in the
+        # round (its folder gets the manifest first), once peer copies have made it whole.
+        self._persists_here = membership is None or (
+            replication is None and membership.config.node_rank == 0)
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
-                          if self.tiers is not None and copies else None)
+                          if self.tiers is not None and (self._persists_here or replication)
+                          else None)
         self._memory_kinds: dict[int, str | None] = {}
         self.replicas = (ReplicaRecovery(self.run_dir, self.tiers.memory, self.tiers.disk,
                                          self._event, starter)
@@ -560,6 +563,8 @@ class Supervisor:
         if self.persister is None:
             return
         self._report_persisted()
+        if not self._persists_here:
+            return
         newest = self.persister.newest_memory_checkpoint()
         if not self.persister.needs_copy(newest):
             return
@@ -989,10 +994,11 @@ class Supervisor:
             self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
             return Trigger.NO_LAYOUT
         mine = plan.ranks_per_node[joined.me]
+        active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
             self._report_replicated(self.replication.catch_up())
-        active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
+            self._persists_here = bool(active) and active[0] == joined.me
         self.plan, self.next_gpus = plan, tuple(available[:mine])
         self._plan_event(available, round=joined.number,
                          nodes=[node.node_rank for node in joined.nodes])
