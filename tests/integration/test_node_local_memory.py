@@ -99,8 +99,17 @@ def test_each_node_holds_its_own_shards_and_peer_copies_make_a_whole_checkpoint(
     assert checkpoint_problem(mine) is None and checkpoint_problem(peers) is None
     assert unequal_tensors(mine, iteration_dir(reference, iteration)) == []
 
-    # Node 1 is gone: node 0 alone (TP2 x PP1) resumes from its own folder
-    resumed = run_trainer(2, ARGS + layout_args(2, 1) + memory_tier(node_folders[0])
-                          + ["--save", str(tmp_path / "after"), "--load", str(tmp_path / "after")])
+    # Node 1 is gone: node 0 alone (TP2 x PP1) resumes from its own folder. A copy damaged
+    # at rest after it arrived (one flipped bit) is refused, never loaded.
+    relaunch = ARGS + layout_args(2, 1) + memory_tier(node_folders[0]) + [
+        "--save", str(tmp_path / "after"), "--load", str(tmp_path / "after")]
+    copy = mine / sorted(theirs)[0]
+    good = copy.read_bytes()
+    copy.write_bytes(good[:-100] + bytes([good[-100] ^ 1]) + good[-99:])
+    refused = run_trainer(2, relaunch)
+    assert refused.returncode != 0
+    assert f"skipping checkpoint {mine}" in refused.stdout and "loaded checkpoint" not in refused.stdout
+    copy.write_bytes(good)
+    resumed = run_trainer(2, relaunch)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"loaded checkpoint from {mine} at iteration {iteration}" in resumed.stdout
