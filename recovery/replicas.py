@@ -33,6 +33,11 @@ def dump_folder(memory_dir: Path, attempt: int) -> Path:
     return Path(memory_dir) / DUMPS_SUBDIR / f"attempt_{attempt}"
 
 
+def round_dump_folder(memory_dir: Path, round_number: int) -> Path:
+    """Across nodes: one failed round's dumps, each node's in its own memory tier."""
+    return Path(memory_dir) / DUMPS_SUBDIR / f"round_{round_number}"
+
+
 def rank_dump_dir(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank_{rank}"
 

@@ -82,3 +82,43 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoi
     result = run_trainer(4, train_args(reference, 40, 2, 2, 2))
     assert result.returncode == 0, result.stdout[-3000:]
     assert unequal_tensors(iteration_dir(held, iteration), iteration_dir(reference, iteration)) == []
+
+
+def test_replica_recovery_merges_the_survivors_dumps_of_every_node(tmp_path):
+    """TP1 x PP2 x DP2 over 2 nodes (node 0 runs stage 0, node 1 stage 1, each with both of
+    its replicas), no checkpoint since the start: GPU 1 of node 0 fails at iteration 16. Rank
+    0 (node 0) and ranks 2 and 3 (node 1) dump into their own node's memory; node 0, rank 0's
+    node in the next round, gathers node 1's dumps and merges; node 1 copies the merged
+    checkpoint before the launch, and both load it. It equals the uninterrupted run's
+    checkpoint of that iteration, tensor for tensor."""
+    save, reference = tmp_path / "ckpt", tmp_path / "reference"
+    args = train_args(save, 20, 1, 2, 1000, "--seed", "4", "--non-persistent-ckpt-type",
+                      "global", "--replica-recovery")
+    nodes = Nodes(tmp_path, 2, args)
+    try:
+        nodes.start_all(2, ("--inject", "fail:gpu=1,at=iter:16"))
+        merged = wait_until(lambda: nodes.events(0, "replica_merge"), timeout=300,
+                            interval=0.05, what="the merge")[0]
+        held = shutil.copytree(merged["path"], tmp_path / "merged")  # removed at the end
+        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
+        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
+    finally:
+        nodes.kill_all()
+        for node_rank in (0, 1):
+            shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
+    failure = nodes.events(0, "failure")[0]
+    dumps = [nodes.events(r, "replica_dump")[0] for r in (0, 1)]
+    assert [d["ranks"] for d in dumps] == [[0], [2, 3]]
+    (gathered,) = nodes.events(0, "replica_gathered")
+    assert gathered["from_node"] == 1 and gathered["bytes"] > 0
+    assert failure["iteration"] >= 16 and merged["shards"] == 2
+    assert merged["iteration"] in (failure["iteration"], failure["iteration"] + 1)
+    loaded = [nodes.events(r, "checkpoint_loaded")[0] for r in (0, 1)]
+    assert [(e["iteration"], e["tier"]) for e in loaded] == [(merged["iteration"], "memory")] * 2
+    assert loaded[1]["path"].startswith(str(memory_folder(nodes, 1)))
+    assert nodes.events(0, "complete")[0]["iteration"] == 20
+
+    done = run_trainer(4, [*train_args(reference, 20, 1, 2, merged["iteration"], "--seed", "4"),
+                           "--exit-interval", str(merged["iteration"])])
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert unequal_tensors(held, iteration_dir(reference, merged["iteration"])) == []

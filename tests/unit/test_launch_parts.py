@@ -363,8 +363,9 @@ def test_last_checkpoint_write_is_the_newest_file_of_the_newest_checkpoint(tmp_p
     assert last_checkpoint_write(tmp_path) == 2500.0
 
 
-def test_replica_recovery_is_refused_across_nodes(tmp_path):
-    """The survivors' dumps sit in each node's memory: one node cannot merge them."""
+def test_replica_recovery_across_nodes_needs_ftmasters_node_local_folders(tmp_path):
+    """Each node's survivors dump into its own memory folder, from which the merge gathers
+    them: a memory folder given for every node is refused, in one line."""
     from ftmaster.launch import _with_memory_tier
     from ftmaster.membership import RendezvousConfig
     from ftmaster.recovery.cli import InputError
@@ -372,5 +373,7 @@ def test_replica_recovery_is_refused_across_nodes(tmp_path):
     rendezvous = RendezvousConfig("127.0.0.1:29400", "job", 1, 2, 0)
     argv = ["pretrain_gpt.py", "--save", str(tmp_path), "--non-persistent-ckpt-type", "global",
             "--non-persistent-global-ckpt-dir", str(tmp_path / "m"), "--replica-recovery"]
-    with pytest.raises(InputError, match="--replica-recovery works on one node"):
+    with pytest.raises(InputError, match="--replica-recovery across nodes needs ftmaster's "
+                                         "node-local memory folders in /dev/shm: give no "
+                                         "--non-persistent-global-ckpt-dir$"):
         _with_memory_tier(argv, tmp_path, rendezvous)

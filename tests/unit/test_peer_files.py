@@ -229,3 +229,16 @@ def test_a_server_without_the_secret_yet_refuses_everything_until_authorized(tmp
         assert PeerClient(server.url, SECRET).read(path) == (folder / MANIFEST_NAME).read_bytes()
     finally:
         server.close()
+
+
+def test_a_client_may_wait_for_a_peer_to_take_up_the_secret(tmp_path):
+    """Nodes take up a new round at their own pace: a peer's first answers may be refusals."""
+    folder = checkpoint(tmp_path / "peer")
+    server = PeerServer(PeerServeConfig(tmp_path / "peer", None))
+    threading.Timer(0.3, server.authorize, (SECRET,)).start()
+    try:
+        data = PeerClient(server.url, SECRET, unauthorized_wait_s=10).read(
+            f"{folder.name}/{MANIFEST_NAME}")
+    finally:
+        server.close()
+    assert data == (folder / MANIFEST_NAME).read_bytes()

@@ -455,16 +455,15 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
     second value when ftmaster picked it); across nodes one per node, which peer copies
     (:mod:`replication`) make whole. A folder given across nodes must be one every node sees."""
     args = argv[1:]
-    node_rank = None
-    if rendezvous is not None:
-        if REPLICA_FLAG in args:
-            raise InputError(f"{REPLICA_FLAG} works on one node: across nodes the survivors' "
-                             f"dumps would sit in different nodes' memory")
-        node_rank = rendezvous.node_rank
+    node_rank = None if rendezvous is None else rendezvous.node_rank
     chosen, note = with_memory_dir(args, run_dir, node_rank=node_rank)
     if note is not None:
         logging.getLogger("ftmaster").info(note)
     picked = flag_value(chosen, DIR_FLAG) if chosen != args else None
+    if rendezvous is not None and REPLICA_FLAG in args and picked is None:
+        raise InputError(f"{REPLICA_FLAG} across nodes needs ftmaster's node-local memory "
+                         f"folders in /dev/shm: give no {DIR_FLAG}"
+                         + (f" ({note})" if note else ""))
     return [argv[0], *chosen], None if picked is None else Path(picked)
 
 

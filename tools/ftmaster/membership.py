@@ -251,6 +251,7 @@ class NodeMembership:
         self.poll_s = poll_s
         self._checked_at = float("-inf")
         self._waiting = False
+        self._failure_checked_at, self._peer_failed = float("-inf"), False
         self._round: Round | None = None
         self._round_store = None
         os.environ[SHARE_STORE_ENV] = "1"
@@ -292,6 +293,7 @@ class NodeMembership:
         secret = None if peer_url is None else self._job_secret(store)
         self._round, self._round_store = Round(number, nodes, nodes.index(me), secret), store
         self._checked_at, self._waiting = time.monotonic(), False
+        self._failure_checked_at, self._peer_failed = time.monotonic(), False
         return self._round
 
     def _job_secret(self, store) -> str:
@@ -300,6 +302,39 @@ class NodeMembership:
         base, key = store.underlying_store, self._job_key("peer_secret")
         if self._call(base.add, f"{key}/drawn", 1) == 1:
             self._call(base.set, key, new_secret())
+        return self._call(base.get, key).decode()
+
+    def announce_failure(self) -> None:
+        """Tell the other nodes that the current round failed here: their ranks may be blocked
+        on collectives with a dead peer until a timeout, or parked for a replica dump, and
+        should be stopped (and dump) now."""
+        self.announce(f"failed/{self._round.number}", str(self.config.node_rank))
+
+    def peer_failed(self) -> bool:
+        """Whether another node announced a failure of the current round; polled at most
+        every ``poll_s`` seconds, bounded as :meth:`peers_waiting` is."""
+        now = time.monotonic()
+        if self._round is not None and now - self._failure_checked_at >= self.poll_s:
+            self._failure_checked_at = now
+            key = self._job_key(f"failed/{self._round.number}")
+            self._peer_failed = self._call(call_once_bounded, "rendezvous-poll",
+                                           self.config.store_timeout_s,
+                                           self._round_store.underlying_store.check, [key])
+        return self._peer_failed
+
+    def announce(self, name: str, value: str) -> None:
+        """Tell every node of the job ``value`` under ``name``."""
+        self._call(self._round_store.underlying_store.set, self._job_key(name), value)
+
+    def announcement(self, name: str, timeout_s: float) -> str | None:
+        """What a node announced under ``name``, waiting up to ``timeout_s``; None if nothing
+        came."""
+        base, key = self._round_store.underlying_store, self._job_key(name)
+        deadline = time.monotonic() + timeout_s
+        while not self._call(base.check, [key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
         return self._call(base.get, key).decode()
 
     def peers_waiting(self) -> bool:

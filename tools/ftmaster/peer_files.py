@@ -241,15 +241,23 @@ class PeerMissing(PeerError):
     """The peer does not hold that file (404)."""
 
 
+class PeerUnauthorized(PeerError):
+    """The peer refused the secret (401)."""
+
+
 class PeerClient:
     """Reads files from one peer's server, with the job's secret and a bounded timeout."""
 
-    def __init__(self, url: str, secret: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, secret: str, timeout_s: float = 30.0,
+                 unauthorized_wait_s: float = 0.0) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.port is None:
             raise ValueError(f"a peer's address is http://HOST:PORT, got {url!r}")
         self.url, self._host, self._port = url, parts.hostname, parts.port
         self._secret, self.timeout_s = secret, timeout_s
+        self.unauthorized_wait_s = unauthorized_wait_s
+        """How long a refusal (401) is retried: a peer of a round that just formed serves
+        with the round's secret moments later than this node may ask."""
 
     def read(self, relative: str, start: int = 0, length: int | None = None) -> bytes:
         """The file's bytes, or ``length`` of them from ``start``."""
@@ -287,9 +295,7 @@ class _Response:
     file's stay what they are."""
 
     def __init__(self, client: PeerClient, relative: str, start: int, length: int | None) -> None:
-        self.where = f"{client.url}/{relative}"
-        self.connection = http.client.HTTPConnection(client._host, client._port,
-                                                     timeout=client.timeout_s)
+        self.where, self.client = f"{client.url}/{relative}", client
         self._headers = {"Authorization": f"Bearer {client._secret}"}
         if start or length is not None:
             end = "" if length is None else str(start + length - 1)
@@ -298,13 +304,27 @@ class _Response:
         self.size = 0
 
     def __enter__(self) -> "_Response":
+        deadline = time.monotonic() + self.client.unauthorized_wait_s
+        while True:
+            try:
+                return self._get()
+            except PeerUnauthorized:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _get(self) -> "_Response":
+        client = self.client
+        self.connection = http.client.HTTPConnection(client._host, client._port,
+                                                     timeout=client.timeout_s)
         try:
             self.connection.request("GET", self._path, headers=self._headers)
             self._response = self.connection.getresponse()
-            if self._response.status not in (200, 206):
+            status = self._response.status
+            if status not in (200, 206):
                 reason = self._response.read().decode(errors="replace").strip()
-                kind = PeerMissing if self._response.status == 404 else PeerError
-                raise kind(f"{self.where}: {self._response.status} {reason}")
+                kind = {404: PeerMissing, 401: PeerUnauthorized}.get(status, PeerError)
+                raise kind(f"{self.where}: {status} {reason}")
         except (OSError, http.client.HTTPException) as error:
             self.connection.close()
             raise PeerError(f"{self.where}: {error}") from None

@@ -27,7 +27,8 @@ from typing import Callable
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
 from ftmaster.recovery.checkpoints import read_tracker
-from ftmaster.recovery.replicas import REQUEST_FLAG, dump_folder, read_reports, report_path
+from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports, report_path,
+                                       round_dump_folder)
 from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
@@ -35,7 +36,9 @@ DUMP_TIMEOUT_S = 20.0
 MERGE_TIMEOUT_S = 300.0
 # Causes whose state is worth dumping: a rank or GPU that died, or a hang whose culprit is
 # known (its own dump never comes). The others end the run, or would repeat from any state.
+# Across nodes a node whose ranks lost a peer on another node dumps too ("peer").
 DUMPED_CAUSES = ("exit", "device_lost", "hang")
+DUMPED_ACROSS_NODES = (*DUMPED_CAUSES, "peer")
 
 log = logging.getLogger("ftmaster")
 
@@ -88,12 +91,15 @@ class ReplicaRecovery:
         self.run_dir, self.memory_dir, self.save_dir = Path(run_dir), memory_dir, save_dir
         self.event = event
         self.starter = starter
+        self.round: tuple[int, int] | None = None
+        """Across nodes: the current round's number and this node's first global rank."""
 
     def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
                        iteration: int | None, data_parallel_size: int) -> Path | None:
         """Before the kill: the dump folder, or None (with one line when the failure could
         have had one but has no replicas to give it)."""
-        if cause not in DUMPED_CAUSES or iteration is None:
+        dumped = DUMPED_CAUSES if self.round is None else DUMPED_ACROSS_NODES
+        if cause not in dumped or iteration is None:
             return None  # nothing trained since the load, or a cause a relaunch will not cure
         if data_parallel_size < 2:
             self.fall_back(f"DP {data_parallel_size}: no shard has a replica")
@@ -105,7 +111,8 @@ class ReplicaRecovery:
 
     def dump(self, attempt: Attempt) -> Path:
         """Ask every rank of ``attempt`` for its dump; returns the dump folder."""
-        folder = dump_folder(self.memory_dir, attempt.number)
+        folder = (dump_folder(self.memory_dir, attempt.number) if self.round is None
+                  else round_dump_folder(self.memory_dir, self.round[0]))
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         start = time.monotonic()
@@ -123,14 +130,13 @@ class ReplicaRecovery:
                  len(dumped), seconds, size / 1e6)
         return folder
 
-    @staticmethod
-    def _all_answered(attempt: Attempt, folder: Path) -> bool:
-        """Every rank has reported or ended (a dead one never will). One node: a local rank
-        is the global rank its report is named after."""
-        records = attempt.ranks()
-        return all(report_path(folder, rank).exists()
-                   or (rank in records and records[rank].exit_code is not None)
-                   for rank in range(len(attempt.gpus)))
+    def _all_answered(self, attempt: Attempt, folder: Path) -> bool:
+        """Every rank has reported or ended (a dead one never will); its report is named after
+        its global rank."""
+        records, offset = attempt.ranks(), 0 if self.round is None else self.round[1]
+        return all(report_path(folder, offset + local).exists()
+                   or (local in records and records[local].exit_code is not None)
+                   for local in range(len(attempt.gpus)))
 
     def start_merge(self, folder: Path) -> "Merging":
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and

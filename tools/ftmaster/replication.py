@@ -19,10 +19,12 @@ manifest.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -30,11 +32,13 @@ from typing import Sequence
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
                                  PeerServer, fill_from_peer, manifest_files)
 from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir, read_tracker
-from ftmaster.recovery.manifest import MANIFEST_NAME, is_whole
+from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest, is_whole
+from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
 
 _WRITER = re.compile(r"__(\d+)_")
+AUTHORIZE_WAIT_S = 10.0
 
 
 def writer_rank(name: str) -> int | None:
@@ -79,6 +83,15 @@ class Peers:
     None when it is this node."""
     others: tuple[tuple[int, str], ...]
     """Every other node of the round that serves (node rank, URL)."""
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One node's replica dumps, copied for the merge."""
+
+    node_rank: int
+    bytes: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,42 @@ class Replication:
             done.append(ReplicationFailed(target, str(error)))
         return done
 
+    def gather_dumps(self, folder: Path, nodes: Sequence[tuple[int, str, range]]
+                     ) -> list[Gathered | ReplicationFailed]:
+        """Replica recovery across nodes: into ``folder`` (this node's dump folder of the
+        failed round), every other node's dumps of the same name: each rank's report, and
+        then the files it lists, each verified against the report (a rank without a report
+        died before it dumped). Returns what was copied, or why not."""
+        peers, done = self._peers, []
+        relative = folder.relative_to(self.config.memory_dir)
+        for node_rank, url, ranks in nodes:
+            client, started, fetched = self._client(url, peers), time.perf_counter(), 0
+            try:
+                for rank in ranks:
+                    fetched += self._fetch_dump(client, relative, folder, rank)
+            except (PeerError, OSError, ValueError) as error:
+                done.append(ReplicationFailed(-1, f"node {node_rank}'s dumps: {error}"))
+                continue
+            done.append(Gathered(node_rank, fetched, time.perf_counter() - started))
+        return done
+
+    @staticmethod
+    def _fetch_dump(client: PeerClient, relative: Path, folder: Path, rank: int) -> int:
+        try:
+            body = client.read(f"{relative}/{report_path(Path(), rank)}")
+        except PeerMissing:
+            return 0
+        files = json.loads(body).get("files") or {}
+        target = rank_dump_dir(folder, rank)
+        target.mkdir(parents=True, exist_ok=True)
+        for name, entry in files.items():
+            if Path(name).name != name:
+                raise ValueError(f"rank {rank}'s report names a file outside its dump: {name!r}")
+            client.fetch(f"{relative}/{target.name}/{name}", target / name,
+                         FileDigest(int(entry["bytes"]), str(entry["digest"])))
+        report_path(folder, rank).write_bytes(body)  # last: the merge reads complete reports
+        return len(body) + sum(int(entry["bytes"]) for entry in files.values())
+
     def _peer_trackers(self, peers: Peers) -> tuple[dict[tuple[int, str], int], list]:
         """Each serving peer's memory tracker (a peer without one is left out)."""
         trackers, failed = {}, []
@@ -232,6 +281,9 @@ class Replication:
             advance_tracker(self.config.memory_dir, iteration)  # this node's copy is whole
 
     def _client(self, url: str, peers: Peers) -> PeerClient:
-        return PeerClient(url, peers.secret, self.config.timeout_s)
+        # Every node of the round has the secret; one may start serving with it a moment
+        # after this one asks (rounds are taken up on each node at its own pace).
+        return PeerClient(url, peers.secret, self.config.timeout_s,
+                          unauthorized_wait_s=AUTHORIZE_WAIT_S)
 
 

@@ -90,7 +90,8 @@ from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
-from ftmaster.replica_recovery import ReplicaRecovery, request_flag_path
+from ftmaster.replica_recovery import (DUMP_TIMEOUT_S, MERGE_TIMEOUT_S, ReplicaRecovery,
+                                       request_flag_path)
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status, requeue_advice)
 from ftmaster.stragglers import Found, StragglerWatch, decide_drain
@@ -234,6 +235,7 @@ class Supervisor:
                  replication: Replication | None = None) -> None:
         self.config = config
         self.replication = replication  # peer copies of a node-local memory tier
+        self._dumped: tuple | None = None  # across nodes: (round, dump folder, nodes, ranks per node)
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
@@ -453,6 +455,8 @@ class Supervisor:
             return self._wait_for_exit_after_finishing()
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
+        if self.membership is not None and self.membership.peer_failed():
+            return self._failure("peer", iteration, [], {})
         if self.membership is not None and self.membership.peers_waiting():
             return self._rejoin(iteration)
         return None
@@ -632,6 +636,8 @@ class Supervisor:
                  first_local_rank: int | None = None) -> Trigger:
         attempt = self.attempt
         self._last_failure = (cause, first_local_rank)
+        if self.membership is not None:
+            self.membership.announce_failure()  # the other nodes stop (and dump) now
         self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         unfit = {g: why for g, why in self._unfit_gpus().items() if g in attempt.gpus}
@@ -646,6 +652,10 @@ class Supervisor:
         log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
                   hardware if unfit else "")
         dump = self._dump_replicas(cause, gpus, iteration)
+        if dump is not None and self.membership is not None:
+            # Across nodes one merge runs over every node's dumps, after the next round formed
+            self._dumped = (self.round.number, dump, self.round.nodes, self.plan.ranks_per_node)
+            dump = None
         merging = self.replicas.start_merge(dump) if dump is not None else None
         attempt.kill()
         if merging is not None:
@@ -997,8 +1007,11 @@ class Supervisor:
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
+            self._merge_dumps_across_nodes(joined, active)
             self._report_replicated(self.replication.catch_up())
             self._persists_here = bool(active) and active[0] == joined.me
+        if self.replicas is not None and mine:
+            self.replicas.round = (joined.number, sum(plan.ranks_per_node[:joined.me]))
         self.plan, self.next_gpus = plan, tuple(available[:mine])
         self._plan_event(available, round=joined.number,
                          nodes=[node.node_rank for node in joined.nodes])
@@ -1013,6 +1026,36 @@ class Supervisor:
                  "%s:%d", joined.number, len(active), list(plan.ranks_per_node), mine,
                  self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
+
+    def _merge_dumps_across_nodes(self, joined: Round, active: list[int]) -> None:
+        """Replica recovery across nodes: the node of the new round's rank 0 gathers every
+        live node's dumps of the failed round and merges them (the relaunch's catch-up then
+        copies the merged checkpoint to every node); the others wait for its word."""
+        if self._dumped is None:
+            return
+        number, folder, nodes, ranks_per_node = self._dumped
+        self._dumped = None
+        word = f"replica_merge/{number}"
+        if not active or active[0] != joined.me:
+            said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S)
+            log.info("replica recovery: the merge on rank 0's node %s", "said " + said
+                     if said is not None else "said nothing in time")
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        me = self.membership.config.node_rank
+        live = {node.node_rank: node.peer_url for node in joined.nodes if node.node_rank != me}
+        offsets = [sum(ranks_per_node[:i]) for i in range(len(nodes))]
+        sources = [(node.node_rank, live[node.node_rank],
+                    range(offsets[i], offsets[i] + ranks_per_node[i]))
+                   for i, node in enumerate(nodes) if live.get(node.node_rank)]
+        for result in self.replication.gather_dumps(folder, sources):
+            if isinstance(result, ReplicationFailed):
+                log.warning("replica recovery: %s", result.reason)
+            else:
+                self._event("replica_gathered", from_node=result.node_rank, bytes=result.bytes,
+                            seconds=round(result.seconds, 4))
+        merged = self.replicas.finish_merge(self.replicas.start_merge(folder))
+        self.membership.announce(word, "none" if merged is None else f"iteration {merged}")
 
     def _can_start_warm(self) -> bool:
         """Whether this node's next launch could be warm: not its first (DESIGN)."""
