@@ -20,6 +20,7 @@ as a ratio to the control.
 """
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,10 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from multinode_recovery import PHASES, kill_node_1, phases  # noqa: E402
+from ftmaster import runfiles  # noqa: E402
+from ftmaster.recovery.argv_flags import flag_value  # noqa: E402
 from helpers.launch import train_args  # noqa: E402
 from helpers.trainer import iterations  # noqa: E402
 
 MEMORY = ["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "2"]
+DIR_FLAG = "--non-persistent-global-ckpt-dir"
 
 
 def mode_args(mode: str, root: Path) -> list[str]:
@@ -46,8 +50,19 @@ def mode_args(mode: str, root: Path) -> list[str]:
     return args
 
 
+def memory_folders(root: Path) -> set[str]:
+    """The memory folders both nodes' launches named (node 1's outlives its SIGKILL)."""
+    return {flag_value(e["command"], DIR_FLAG) for node in (0, 1)
+            for e in runfiles.read_events(root / "run" / f"node_{node}")
+            if e["event"] == "launch" and flag_value(e["command"], DIR_FLAG)}
+
+
 def one_run(mode: str, root: Path, keep_alive: int) -> dict:
-    events, fault_at = kill_node_1(root, keep_alive, args=mode_args(mode, root))
+    try:
+        events, fault_at = kill_node_1(root, keep_alive, args=mode_args(mode, root))
+    finally:
+        for folder in memory_folders(root):
+            shutil.rmtree(folder, ignore_errors=True)
     failure = next(e for e in events if e["event"] == "failure" and e["time"] >= fault_at)
     loaded = next(e for e in events if e["event"] == "checkpoint_loaded" and e["time"] >= fault_at)
     # the last pipeline stage logs the iterations: node 1's ranks in the first attempt

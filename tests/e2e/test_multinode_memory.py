@@ -1,6 +1,7 @@
 """Zero loss across nodes: 2 ftmaster nodes on loopback, each with its own memory folder in
 /dev/shm (none shared), peer copies between them, and node 1 lost."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -25,6 +26,20 @@ def memory_folder(nodes: Nodes, node_rank: int) -> Path:
     return Path(flag_value(nodes.events(node_rank, "launch")[0]["command"], DIR_FLAG))
 
 
+@contextlib.contextmanager
+def two_nodes(nodes: Nodes):
+    """Both nodes must end well; whatever happens, none outlives the test, nor its memory."""
+    try:
+        yield nodes
+        for node_rank in (0, 1):
+            assert nodes.wait(node_rank) == 0, nodes.output(node_rank)[-4000:]
+    finally:
+        nodes.kill_all()
+        for node_rank in (0, 1):
+            if nodes.events(node_rank, "launch"):
+                shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
+
+
 def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoins(tmp_path):
     """TP2 x PP2 over 2 nodes: node 1 alone holds pipeline stage 1. Its ftmaster is SIGKILLed
     once node 0 holds a copy of an iteration >= 10; node 0 relaunches alone (TP2 x PP1) from
@@ -36,8 +51,7 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoi
     iteration of its save on this busy machine; node 0 once it runs alone, so that node 1's
     restart finds it still training."""
     save, reference = tmp_path / "ckpt", tmp_path / "reference"
-    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 2, 100, *MEMORY_TIER))
-    try:
+    with two_nodes(Nodes(tmp_path, 2, train_args(save, 40, 2, 2, 100, *MEMORY_TIER))) as nodes:
         nodes.start_all(2, ("--inject", "slow:gpu=0,factor=4,at=iter:16,after=resumed"),
                         ("--inject", "slow:gpu=0,factor=4,at=iter:1"))
         wait_until(lambda: any(e["iteration"] >= 10 for e in nodes.events(0, "replicated")),
@@ -49,12 +63,6 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoi
         held = shutil.copytree(memory_folder(nodes, 0), tmp_path / "node0-memory")
         wait_until(lambda: nodes.events(0, "resumed"), timeout=120, what="node 0 alone")
         nodes.start(1)  # the node is back, with its folder as it was left
-        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
-        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
-    finally:
-        nodes.kill_all()
-        for node_rank in (0, 1):
-            shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
     assert memory_folder(nodes, 0) != memory_folder(nodes, 1)
     assert memory_folder(nodes, 0).name.startswith("ftmaster-run-node0-")
     failure = nodes.events(0, "failure")[0]
@@ -94,18 +102,11 @@ def test_replica_recovery_merges_the_survivors_dumps_of_every_node(tmp_path):
     save, reference = tmp_path / "ckpt", tmp_path / "reference"
     args = train_args(save, 20, 1, 2, 1000, "--seed", "4", "--non-persistent-ckpt-type",
                       "global", "--replica-recovery")
-    nodes = Nodes(tmp_path, 2, args)
-    try:
+    with two_nodes(Nodes(tmp_path, 2, args)) as nodes:
         nodes.start_all(2, ("--inject", "fail:gpu=1,at=iter:16"))
         merged = wait_until(lambda: nodes.events(0, "replica_merge"), timeout=300,
                             interval=0.05, what="the merge")[0]
         held = shutil.copytree(merged["path"], tmp_path / "merged")  # removed at the end
-        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
-        assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
-    finally:
-        nodes.kill_all()
-        for node_rank in (0, 1):
-            shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
     failure = nodes.events(0, "failure")[0]
     dumps = [nodes.events(r, "replica_dump")[0] for r in (0, 1)]
     assert [d["ranks"] for d in dumps] == [[0], [2, 3]]
