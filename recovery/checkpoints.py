@@ -150,8 +150,10 @@ def loading_candidates(save_dir: Path) -> Candidates:
                       tracker.iteration)
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint folder cannot be loaded, or None when it looks complete."""
+def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
+    """Why the checkpoint folder cannot be loaded, or None when it looks complete; with
+    ``elsewhere`` the shards it lacks are for peers to give (a node-local memory tier), and
+    only those it holds are checked."""
     path = Path(path)
     if not path.is_dir():
         return "folder is missing"
@@ -160,7 +162,7 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} is missing"
     manifest = read_manifest(path)
     if manifest is not None and manifest.files:
-        problem = size_problem(path, manifest)
+        problem = size_problem(path, manifest, missing_ok=elsewhere)
         if problem is not None:
             return problem
     try:
@@ -169,10 +171,10 @@ def checkpoint_problem(path: Path) -> str | None:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as error:  # an unreadable .metadata is exactly what we are looking for
         return f".metadata is unreadable ({type(error).__name__})"
-    return _shard_problem(path, storage.values())
+    return _shard_problem(path, storage.values(), elsewhere)
 
 
-def _shard_problem(path: Path, storage_infos) -> str | None:
+def _shard_problem(path: Path, storage_infos, elsewhere: bool = False) -> str | None:
     needed: dict[str, int] = {}
     for info in storage_infos:
         end = info.offset + info.length
@@ -180,6 +182,8 @@ def _shard_problem(path: Path, storage_infos) -> str | None:
     for name, end in sorted(needed.items()):
         shard = path / name
         if not shard.is_file():
+            if elsewhere:
+                continue
             return f"shard {name} is missing"
         size = shard.stat().st_size
         if size < end:

@@ -212,12 +212,15 @@ def is_whole(folder: Path) -> bool:
     return manifest is not None and size_problem(folder, manifest) is None
 
 
-def size_problem(folder: Path, manifest: Manifest) -> str | None:
-    """The first file the manifest lists that is missing or of another size (a few stats)."""
+def size_problem(folder: Path, manifest: Manifest, missing_ok: bool = False) -> str | None:
+    """The first file the manifest lists that is missing (unless ``missing_ok``: a peer holds
+    it) or of another size (a few stats)."""
     for name, entry in sorted(manifest.files.items()):
         try:
             size = (Path(folder) / name).stat().st_size
         except OSError:
+            if missing_ok:
+                continue
             return f"{name} is missing"
         if size != entry.bytes:
             return f"{name} has {size} bytes, the manifest says {entry.bytes}"

@@ -76,7 +76,9 @@ from megatron.core.dist_checkpointing.validation import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ftmaster import runfiles
 from ftmaster.guard import die_with_parent
+from ftmaster.peer_files import peer_clients
 from ftmaster.recovery.checkpoints import (
     COMMON_FILE,
     CONFIG_FILE,
@@ -164,11 +166,12 @@ def clean_content_metadata(common: dict) -> None:
         common[_CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(common[_CONTENT_METADATA_KEY])
 
 
-def _reads_checked_against(manifest: Manifest | None):
+def _reads_checked_against(manifest: Manifest | None, peers: list):
     """Each item checked as it is read when the manifest has item checksums (see
-    :func:`checksums.verifying_reads`); else a plain load, its files checked beforehand."""
+    :func:`checksums.verifying_reads`), the shards this node lacks read from ``peers``; else
+    a plain load, its files checked beforehand."""
     if manifest is not None and manifest.items:
-        return checksums.verifying_reads(manifest)
+        return checksums.verifying_reads(manifest, peers)
     return contextlib.nullcontext([0])
 
 
@@ -843,12 +846,16 @@ class Checkpointer:
         node_local = tier == "memory" and self.node_local_memory
         if tier == "memory":
             path = self.memory_dir / path.name
+        # The shards of a node-local memory checkpoint this node lacks are read from the peers
+        # ftmaster lists for the round (none on one node)
+        peers = peer_clients(runfiles.run_dir_from_env()) if tier == "memory" else []
         checked = broadcast_from_rank0(
-            (checkpoint_problem(path), read_manifest(path)) if _rank() == 0 else None, self.group)
+            (checkpoint_problem(path, bool(peers)), read_manifest(path)) if _rank() == 0 else None,
+            self.group)
         problem, manifest = checked
         if node_local and problem is None:
-            problem = first_problem(
-                checkpoint_problem(path) if _rank() == self.memory_owner else None, self.group)
+            problem = first_problem(checkpoint_problem(path, bool(peers))
+                                    if _rank() == self.memory_owner else None, self.group)
         start, read_before = time.perf_counter(), _bytes_read_by_this_process()
         if problem is None and manifest is not None and manifest.files:
             problem = self._checksum_problem(path, manifest, node_local)
@@ -874,7 +881,7 @@ class Checkpointer:
             template = self._state_dict(state, is_loading=True, with_rng=with_rng,
                                         with_optimizer=not self.args.no_load_optim,
                                         from_distributed=from_distributed)
-            with _reads_checked_against(manifest) as verified_on_read:
+            with _reads_checked_against(manifest, peers) as verified_on_read:
                 loaded = dist_checkpointing.load(template, str(path),
                                                  sharded_strategy=self._load_strategy(path))
             self._apply(loaded, state, with_rng, from_distributed)

@@ -33,8 +33,10 @@ from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.filesystem import _write_item as write_item
 
+from ftmaster.peer_files import PeerFile
 from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, item_problem
 
 SIDECAR_SUFFIX = ".digest"
@@ -158,6 +160,25 @@ class ChecksumMismatch(ValueError):
     """An item read from a shard is not what its writer wrote: its message says which."""
 
 
+class PeerFallbackFileSystem(FileSystem):
+    """torch's local files, and a file this node lacks under ``root`` read from the peers
+    that hold it (:class:`ftmaster.peer_files.PeerFile`: one range request per item)."""
+
+    def __init__(self, root: Path, peers: list) -> None:
+        super().__init__()
+        self.root, self.peers = Path(root), peers
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        path = Path(path)
+        if path.exists() or "r" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with PeerFile(self.peers, str(path.relative_to(self.root))) as stream:
+            yield stream
+
+
 class VerifyingReader(CachedMetadataFileSystemReader):
     """megatron-core's caching reader, checking each item against the manifest as it reads it.
 
@@ -165,10 +186,12 @@ class VerifyingReader(CachedMetadataFileSystemReader):
     them into memory here costs one memory copy before ``torch.load``; it lets the digest be
     checked before anything is unpickled, and the bytes come off the medium once."""
 
-    def __init__(self, path, manifest: Manifest, counter: list[int]) -> None:
+    def __init__(self, path, manifest: Manifest, counter: list[int], peers: list = ()) -> None:
         super().__init__(path)
         self.manifest = manifest
         self.counter = counter
+        if peers:  # a node-local memory checkpoint: what this node lacks, its peers give
+            self.fs = PeerFallbackFileSystem(Path(path).parent, list(peers))
 
     def _slice_file(self, file, sinfo):
         if sinfo.relative_path not in self.manifest.items:  # checked in full before the load
@@ -183,7 +206,7 @@ class VerifyingReader(CachedMetadataFileSystemReader):
 
 
 @contextlib.contextmanager
-def verifying_reads(manifest: Manifest):
+def verifying_reads(manifest: Manifest, peers: list = ()):
     """Within it, megatron-core's torch_dist loads read through a :class:`VerifyingReader`;
     yields a one-element list counting the bytes checked. megatron-core builds its reader
     inside ``TorchDistLoadShardedStrategy.load`` with the module function
@@ -191,7 +214,7 @@ def verifying_reads(manifest: Manifest):
     counter = [0]
     original = torch_strategy._get_filesystem_reader
     torch_strategy._get_filesystem_reader = (
-        lambda path, cache_metadata=False: VerifyingReader(path, manifest, counter))
+        lambda path, cache_metadata=False: VerifyingReader(path, manifest, counter, peers))
     try:
         yield counter
     finally:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ftmaster import runfiles
 from ftmaster.peer_files import (PeerClient, PeerServeConfig, PeerServer, copy_checkpoint,
-                                 fill_from_peer, new_secret)
+                                 fill_from_peer, new_secret, write_peer_list)
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import MANIFEST_NAME, read_manifest
 from helpers.replicas import unequal_tensors
@@ -87,6 +88,22 @@ def test_each_node_holds_its_own_shards_and_peer_copies_make_a_whole_checkpoint(
     secret = new_secret()
     servers = [PeerServer(PeerServeConfig(folder, secret)) for folder in node_folders]
     try:
+        # Before any copy, node 0 alone (TP2 x PP1) reads the shards it lacks from node 1's
+        # server: by ranges, each item checked against the manifest, nothing copied
+        alone, run_dir = tmp_path / "node0-alone", tmp_path / "run0"
+        shutil.copytree(node_folders[0], alone)  # its own saves go there
+        run_dir.mkdir()
+        write_peer_list(run_dir, secret, [servers[1].url])
+        remote = run_trainer(2, ARGS + layout_args(2, 1) + memory_tier(alone) + [
+            "--save", str(tmp_path / "alone-disk"), "--load", str(tmp_path / "alone-disk")],
+            FTMASTER_RUN_DIR=str(run_dir))
+        assert remote.returncode == 0, remote.stdout[-3000:]
+        assert f"loaded checkpoint from {iteration_dir(alone, iteration)} at iteration " \
+               f"{iteration}" in remote.stdout
+        loaded = [e for e in runfiles.read_events(run_dir) if e["event"] == "checkpoint_loaded"]
+        assert loaded[0]["verified_on_read"] >= sum(manifest.files[n].bytes for n in theirs) * 0.9
+        assert not shard_files(iteration_dir(alone, iteration)) & theirs
+
         filled = fill_from_peer(PeerClient(servers[1].url, secret), iteration, node_folders[0],
                                 (mine / MANIFEST_NAME).read_bytes())
         copied = copy_checkpoint(PeerClient(servers[0].url, secret), iteration, node_folders[1])

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 RANK_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     sys.path.insert(0, sys.argv[3])
     from helpers.structure import sharded_state
     from megatron.training.save_structure import SaveStructure
@@ -18,10 +18,11 @@ RANK_SCRIPT = textwrap.dedent("""
     kept = [structure.strategy_for(sharded_state(extra=(rank == 1 and save == 2)))[1]
             for save in range(4)]
     print(kept, flush=True)
-    # Both leave together: a rank whose peer has gone while its gloo threads still run dies
-    # of std::terminate at exit (SIGABRT, seen once in a clean run).
+    # Both leave together, without the interpreter's teardown: tearing gloo's threads down
+    # can end in std::terminate (SIGABRT), seen in clean runs even after a barrier and
+    # destroy_process_group (the trainer leaves the same way, pretrain_gpt.leave_now).
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    os._exit(0)
 """)
 
 

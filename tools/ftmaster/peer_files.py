@@ -30,6 +30,7 @@ from __future__ import annotations
 import hmac
 import http.client
 import http.server
+import io
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
@@ -343,6 +344,73 @@ class _Response:
 
     def __exit__(self, *exc) -> None:
         self.connection.close()
+
+
+class PeerFile(io.RawIOBase):
+    """A checkpoint file this node lacks, read from whichever peer holds it: each ``read``
+    after a ``seek`` is one range request, so a load fetches only the items it reads (and
+    checks each against the manifest as it does locally)."""
+
+    def __init__(self, clients: Sequence[PeerClient], relative: str) -> None:
+        super().__init__()
+        self._clients, self._relative = list(clients), relative
+        self._holder: PeerClient | None = None
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            offset += self._position
+        elif whence != io.SEEK_SET:
+            raise io.UnsupportedOperation("a peer's file seeks from its start or its position")
+        self._position = offset
+        return offset
+
+    def tell(self) -> int:
+        return self._position
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._range(self._position, None if size is None or size < 0 else size)
+        self._position += len(data)
+        return data
+
+    def _range(self, start: int, length: int | None) -> bytes:
+        for client in [self._holder] if self._holder else self._clients:
+            try:
+                data = client.read(self._relative, start, length)
+            except PeerMissing:
+                continue
+            self._holder = client
+            return data
+        raise PeerMissing(f"no live peer holds {self._relative}")
+
+
+PEERS_FILE = "peers.json"
+"""In a node's run folder: where its trainer's ranks read, for a load, the job's secret and
+the other nodes' servers (readable by the job's user only)."""
+
+
+def write_peer_list(run_dir: Path, secret: str, urls: Sequence[str]) -> None:
+    path = Path(run_dir) / PEERS_FILE
+    tmp = path.with_name(f".{PEERS_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"secret": secret, "peers": list(urls)}, handle)
+    os.replace(tmp, path)
+
+
+def peer_clients(run_dir: Path | None, timeout_s: float = 30.0) -> list[PeerClient]:
+    """The clients of the other nodes' servers ftmaster listed for this node ([] if none)."""
+    try:
+        body = json.loads((Path(run_dir) / PEERS_FILE).read_text())
+        return [PeerClient(url, body["secret"], timeout_s) for url in body["peers"]]
+    except (TypeError, OSError, ValueError, KeyError):
+        return []
 
 
 @dataclass(frozen=True)

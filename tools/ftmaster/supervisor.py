@@ -82,6 +82,7 @@ from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
+from ftmaster.peer_files import write_peer_list
 from ftmaster.replication import Replication, ReplicationFailed
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
@@ -1007,6 +1008,8 @@ class Supervisor:
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
+            write_peer_list(self.run_dir, joined.secret, [  # what a load lacks, its peers give
+                node.peer_url for i, node in enumerate(joined.nodes) if i != joined.me and node.peer_url])
             self._merge_dumps_across_nodes(joined, active)
             self._report_replicated(self.replication.catch_up())
             self._persists_here = bool(active) and active[0] == joined.me
