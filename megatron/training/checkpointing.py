@@ -842,7 +842,8 @@ class Checkpointer:
 
     def _load_from(self, path: Path, state: TrainingState, tier: str) -> str | None:
         """Load ``path`` on every rank, or the reason it cannot be (the same on every rank). A
-        node-local memory tier is read from each node's own copy, which must be whole."""
+        node-local memory tier is read from each node's own copy, and what that copy lacks
+        from the peers ftmaster lists."""
         node_local = tier == "memory" and self.node_local_memory
         if tier == "memory":
             path = self.memory_dir / path.name
@@ -940,8 +941,7 @@ class Checkpointer:
                 prepare_fresh_start(folder)
         except CheckpointMismatch as problem:
             refusal = str(problem)
-        refusal = (first_problem(refusal, self.group) if self.node_local_memory
-                   else broadcast_from_rank0(refusal, self.group))
+        refusal = first_problem(refusal, self.group)
         if refusal is not None:
             raise CheckpointMismatch(refusal)
 

@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 
 from ftmaster.membership import NodeRecord
-from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret
+from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_clients
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
-from ftmaster.replication import Replication, ReplicationConfig, ReplicationFailed, writer_rank
+from ftmaster.replication import (Replication, ReplicationConfig, ReplicationFailed, rank_ranges,
+                                  writer_rank)
 from helpers.trainer import wait_until
 
 SECRET = new_secret()
@@ -38,19 +39,27 @@ def test_a_shard_file_names_the_rank_that_wrote_it(name, rank):
 ])
 def test_each_node_copies_the_next_nodes_shards_and_the_rest_from_rank_0s(
         tmp_path, count, me, ranks, replicas, sources, rank0):
-    replication = Replication(ReplicationConfig(tmp_path, me, replicas))
+    replication = Replication(ReplicationConfig(tmp_path / "memory", tmp_path / "run", me, replicas))
     try:
         replication.new_round(SECRET, nodes(count), me, ranks)
         peers = replication._peers
     finally:
         replication.close()
     assert [(node, ranks) for node, _, ranks in peers.sources] == sources
+    listed = [client.url for client in peer_clients(tmp_path / "run")]  # what a load reads from
+    assert listed == [f"http://n{r}:1" for r in range(count) if r != me]
     assert (None if peers.rank0 is None else peers.rank0[0]) == rank0
+
+
+@pytest.mark.parametrize("ranks_per_node, ranges", [
+    ([2, 2], [range(0, 2), range(2, 4)]), ([2, 0, 3], [range(0, 2), range(2, 2), range(2, 5)])])
+def test_each_node_runs_a_contiguous_range_of_global_ranks(ranks_per_node, ranges):
+    assert rank_ranges(ranks_per_node) == ranges
 
 
 def test_replicas_must_be_at_least_one(tmp_path):
     with pytest.raises(ValueError, match="--memory-replicas must be at least 1"):
-        ReplicationConfig(tmp_path, 0, replicas=0)
+        ReplicationConfig(tmp_path, tmp_path, 0, replicas=0)
 
 
 def shard_checkpoint(folders, iteration=4):
@@ -69,7 +78,7 @@ def shard_checkpoint(folders, iteration=4):
 def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker(tmp_path):
     folders = [tmp_path / "node0", tmp_path / "node1"]
     shard_checkpoint(folders)
-    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
     try:
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
@@ -95,7 +104,7 @@ def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker
 def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):
     folders = [tmp_path / "node0", tmp_path / "node1"]
     shard_checkpoint(folders)
-    replication = Replication(ReplicationConfig(folders[0], 0, timeout_s=2))
+    replication = Replication(ReplicationConfig(folders[0], tmp_path / "run0", 0, timeout_s=2))
     gone = PeerServer(PeerServeConfig(folders[1], SECRET))
     url = gone.url
     gone.close()
@@ -122,7 +131,7 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
                    {p.name: digest_file(p) for p in iteration_dir(folders[0], 4).iterdir()
                     if p.name != MANIFEST_NAME})
     advance_tracker(folders[0], 4)
-    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
     try:
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
@@ -154,7 +163,7 @@ def test_rank_0s_node_catches_up_on_a_newer_whole_copy_a_peer_holds(tmp_path, ra
         shutil.rmtree(folders[0])
     else:
         advance_tracker(folders[0], 4)  # the trainer's rank 0 moved it with the manifest
-    replications = [Replication(ReplicationConfig(folders[r], r)) for r in (0, 1)]
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
     try:
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):

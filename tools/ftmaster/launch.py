@@ -473,8 +473,8 @@ def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,
     if rendezvous is None or config.scratch_memory_dir is None:
         return None
     return Replication(ReplicationConfig(
-        config.scratch_memory_dir, rendezvous.node_rank, options["memory_replicas"],
-        options["replication_rate"] * 1e6, rendezvous.address))
+        config.scratch_memory_dir, config.run_dir, rendezvous.node_rank,
+        options["memory_replicas"], options["replication_rate"] * 1e6, rendezvous.address))
 
 
 def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:

@@ -250,8 +250,7 @@ class NodeMembership:
         self.config = config
         self.poll_s = poll_s
         self._checked_at = float("-inf")
-        self._waiting = False
-        self._failure_checked_at, self._peer_failed = float("-inf"), False
+        self._waiting = self._peer_failed = False
         self._round: Round | None = None
         self._round_store = None
         os.environ[SHARE_STORE_ENV] = "1"
@@ -292,8 +291,7 @@ class NodeMembership:
         nodes = order_records(records)
         secret = None if peer_url is None else self._job_secret(store)
         self._round, self._round_store = Round(number, nodes, nodes.index(me), secret), store
-        self._checked_at, self._waiting = time.monotonic(), False
-        self._failure_checked_at, self._peer_failed = time.monotonic(), False
+        self._checked_at, self._waiting, self._peer_failed = time.monotonic(), False, False
         return self._round
 
     def _job_secret(self, store) -> str:
@@ -311,15 +309,9 @@ class NodeMembership:
         self.announce(f"failed/{self._round.number}", str(self.config.node_rank))
 
     def peer_failed(self) -> bool:
-        """Whether another node announced a failure of the current round; polled at most
-        every ``poll_s`` seconds, bounded as :meth:`peers_waiting` is."""
-        now = time.monotonic()
-        if self._round is not None and now - self._failure_checked_at >= self.poll_s:
-            self._failure_checked_at = now
-            key = self._job_key(f"failed/{self._round.number}")
-            self._peer_failed = self._call(call_once_bounded, "rendezvous-poll",
-                                           self.config.store_timeout_s,
-                                           self._round_store.underlying_store.check, [key])
+        """Whether another node announced a failure of the current round (polled with
+        :meth:`peers_waiting`)."""
+        self._poll()
         return self._peer_failed
 
     def announce(self, name: str, value: str) -> None:
@@ -344,13 +336,22 @@ class NodeMembership:
         Bounded: the handler's keep-alive thread holds the same lock while it retries a store
         that no packet reaches (a cut link sends no reset), which would block the caller for
         good; past the store's timeout the store counts as lost."""
-        now = time.monotonic()
-        if now - self._checked_at >= self.poll_s:
-            self._checked_at = now
-            waiting = self._call(call_once_bounded, "rendezvous-poll",
-                                 self.config.store_timeout_s, self.handler.num_nodes_waiting)
-            self._waiting = waiting > 0
+        self._poll()
         return self._waiting
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < self.poll_s:
+            return
+        self._checked_at = now
+        waiting = self._call(call_once_bounded, "rendezvous-poll", self.config.store_timeout_s,
+                             self.handler.num_nodes_waiting)
+        self._waiting = waiting > 0
+        if self._round is not None:
+            failed = self._job_key(f"failed/{self._round.number}")
+            self._peer_failed = self._call(call_once_bounded, "rendezvous-poll",
+                                           self.config.store_timeout_s,
+                                           self._round_store.underlying_store.check, [failed])
 
     # -- the end of the job ---------------------------------------------------------------
     def _job_key(self, name: str) -> str:

@@ -46,8 +46,8 @@ from urllib.parse import quote, unquote, urlsplit
 import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
-from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, digest_bytes,
-                                        digest_file)
+from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
+                                        digest_bytes, digest_file, size_problem)
 
 log = logging.getLogger("ftmaster")
 
@@ -397,6 +397,7 @@ the other nodes' servers (readable by the job's user only)."""
 
 def write_peer_list(run_dir: Path, secret: str, urls: Sequence[str]) -> None:
     path = Path(run_dir) / PEERS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{PEERS_FILE}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
@@ -467,10 +468,7 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
 def _whole(folder: Path, files: dict[str, FileDigest]) -> bool:
     """Every file there at its size: each was verified as it arrived, or written here by this
     node's own ranks."""
-    try:
-        return all((folder / name).stat().st_size == entry.bytes for name, entry in files.items())
-    except OSError:
-        return False
+    return size_problem(folder, Manifest(None, None, files)) is None
 
 
 def manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileDigest]:

@@ -19,6 +19,7 @@ manifest.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
-                                 PeerServer, fill_from_peer, manifest_files)
+                                 PeerServer, fill_from_peer, manifest_files, write_peer_list)
 from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest, is_whole
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
@@ -48,12 +49,20 @@ def writer_rank(name: str) -> int | None:
     return None if match is None else int(match[1])
 
 
+def rank_ranges(ranks_per_node: Sequence[int]) -> list[range]:
+    """The global ranks each node of a round runs (a node's ranks are contiguous)."""
+    ends = list(itertools.accumulate(ranks_per_node))
+    return [range(end - count, end) for end, count in zip(ends, ranks_per_node)]
+
+
 @dataclass(frozen=True)
 class ReplicationConfig:
     """How a node's memory tier is copied to and from its peers."""
 
     memory_dir: Path
     """This node's own memory folder, served to the peers and filled with their copies."""
+    run_dir: Path
+    """This node's run folder, where its ranks find the peers to read what they lack."""
     node_rank: int
     """This node's ``--node-rank``."""
     replicas: int = 1
@@ -125,17 +134,17 @@ class Replication:
         """The round's nodes (node records in node-rank order, this one at ``me``) and how
         many ranks each runs: the next ``replicas`` nodes with ranks are this node's sources."""
         self.server.authorize(secret)
-        offsets = [sum(ranks_per_node[:i]) for i in range(len(nodes))]
-        active = [i for i, ranks in enumerate(ranks_per_node) if ranks]
+        ranks = rank_ranges(ranks_per_node)
+        active = [i for i, count in enumerate(ranks_per_node) if count]
         ring = [i for i in active if i > me] + [i for i in active if i < me]
-        sources = tuple((nodes[i].node_rank, nodes[i].peer_url,
-                         range(offsets[i], offsets[i] + ranks_per_node[i]))
+        sources = tuple((nodes[i].node_rank, nodes[i].peer_url, ranks[i])
                         for i in ring[:self.config.replicas] if nodes[i].peer_url)
         first = active[0] if active else me
         rank0 = None if first == me else (nodes[first].node_rank, nodes[first].peer_url)
         others = tuple((node.node_rank, node.peer_url) for i, node in enumerate(nodes)
                        if i != me and node.peer_url)
         self._peers = Peers(secret, sources, rank0, others)
+        write_peer_list(self.config.run_dir, secret, [url for _, url in others])
 
     def catch_up(self) -> list[tuple[int, Copied] | ReplicationFailed]:
         """Before a launch: the newest memory checkpoint any node of the round tracks, made
@@ -170,15 +179,20 @@ class Replication:
             done.append(ReplicationFailed(target, str(error)))
         return done
 
-    def gather_dumps(self, folder: Path, nodes: Sequence[tuple[int, str, range]]
+    def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
                      ) -> list[Gathered | ReplicationFailed]:
         """Replica recovery across nodes: into ``folder`` (this node's dump folder of the
-        failed round), every other node's dumps of the same name: each rank's report, and
-        then the files it lists, each verified against the report (a rank without a report
-        died before it dumped). Returns what was copied, or why not."""
+        failed round, whose ``nodes`` ran ``ranks_per_node``), the dumps of the same name of
+        every other node still in the round: each rank's report, and then the files it
+        lists, each verified against the report (a rank without a report died before it
+        dumped). Returns what was copied, or why not."""
         peers, done = self._peers, []
+        live = dict(peers.others)
         relative = folder.relative_to(self.config.memory_dir)
-        for node_rank, url, ranks in nodes:
+        for node, ranks in zip(nodes, rank_ranges(ranks_per_node)):
+            node_rank, url = node.node_rank, live.get(node.node_rank)
+            if url is None:
+                continue  # this node, or one lost since
             client, started, fetched = self._client(url, peers), time.perf_counter(), 0
             try:
                 for rank in ranks:

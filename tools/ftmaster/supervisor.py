@@ -82,8 +82,7 @@ from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
-from ftmaster.peer_files import write_peer_list
-from ftmaster.replication import Replication, ReplicationFailed
+from ftmaster.replication import Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
@@ -1008,13 +1007,11 @@ class Supervisor:
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
-            write_peer_list(self.run_dir, joined.secret, [  # what a load lacks, its peers give
-                node.peer_url for i, node in enumerate(joined.nodes) if i != joined.me and node.peer_url])
             self._merge_dumps_across_nodes(joined, active)
             self._report_replicated(self.replication.catch_up())
             self._persists_here = bool(active) and active[0] == joined.me
         if self.replicas is not None and mine:
-            self.replicas.round = (joined.number, sum(plan.ranks_per_node[:joined.me]))
+            self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
         self.plan, self.next_gpus = plan, tuple(available[:mine])
         self._plan_event(available, round=joined.number,
                          nodes=[node.node_rank for node in joined.nodes])
@@ -1045,13 +1042,7 @@ class Supervisor:
                      if said is not None else "said nothing in time")
             shutil.rmtree(folder, ignore_errors=True)
             return
-        me = self.membership.config.node_rank
-        live = {node.node_rank: node.peer_url for node in joined.nodes if node.node_rank != me}
-        offsets = [sum(ranks_per_node[:i]) for i in range(len(nodes))]
-        sources = [(node.node_rank, live[node.node_rank],
-                    range(offsets[i], offsets[i] + ranks_per_node[i]))
-                   for i, node in enumerate(nodes) if live.get(node.node_rank)]
-        for result in self.replication.gather_dumps(folder, sources):
+        for result in self.replication.gather_dumps(folder, nodes, ranks_per_node):
             if isinstance(result, ReplicationFailed):
                 log.warning("replica recovery: %s", result.reason)
             else:
