@@ -138,6 +138,7 @@ def test_every_node_shows_the_error_of_its_own_ranks_when_it_gives_up(tmp_path):
         nodes.kill_all()
     for node_rank in (0, 1):
         output = nodes.output(node_rank)
+        assert "root cause" in output, output[-3000:]
         assert f"error: --save {save} already holds checkpoints" in output.split("root cause")[1], output[-3000:]
     assert codes == [93, 93]
     assert "do not requeue" in nodes.output(0) + nodes.output(1)

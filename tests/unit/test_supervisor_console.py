@@ -271,6 +271,58 @@ def test_a_rank_that_ends_as_the_attempt_is_polled_is_named_with_its_own_status(
     assert (failure["cause"], failure["gpus"], failure["exit_codes"]) == ("exit", [0], {"0": 3})
 
 
+class PeerFailedMembership:
+    """A peer announced the failure of this node's round."""
+
+    def peer_failed(self):
+        return True
+
+    def peers_waiting(self):
+        return True
+
+    def announce_failure(self):
+        pass
+
+
+class SlowToEndAttempt(RankEndingAttempt):
+    """Polled while running once, then its rank ends with status 3 (``fails``) or keeps on."""
+
+    def __init__(self, fails):
+        self.fails, self.polls = fails, 0
+
+    def exit_code(self):
+        self.polls += 1
+        self.ended = self.fails and self.polls > 1
+        return 1 if self.ended else None
+
+
+@pytest.mark.parametrize("fails, cause", [(True, "exit"), (False, "peer")])
+def test_a_peers_failure_lets_this_nodes_ranks_end_on_their_own_first(tmp_path, monkeypatch,
+                                                                      fails, cause):
+    """An error every rank shares ends the ranks of every node at once: a node that hears of
+    its peer's failure first still reports its own ranks' error. Ranks that keep running
+    (blocked on a dead peer) are stopped once the grace is over, as cause peer."""
+    import time
+
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    monkeypatch.setattr(supervisor_module, "PEER_FAILURE_GRACE_S", 0.05)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.membership = PeerFailedMembership()
+    supervisor.attempt = SlowToEndAttempt(fails)
+    supervisor._progress = (None, time.monotonic())  # just launched
+    assert supervisor._check_training() is None  # the grace starts: no rejoin either
+    time.sleep(0.1)
+    assert supervisor._check_training() is Trigger.FAILURE
+    failure = runfiles.read_events(tmp_path)[-1]
+    assert (failure["event"], failure["cause"]) == ("failure", cause)
+
+
 def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     from ftmaster.faults import parse_injection
     from ftmaster.launch import check_layout

@@ -366,9 +366,11 @@ class NodeMembership:
         return self._call(base.get, key).decode()
 
     def end_job(self, outcome: str) -> None:
-        """Say how the job ended, wait (bounded) until every node of the round has read it,
-        then close the rendezvous. The node hosting the store waits here too, so it does not
-        take the store away while a peer still needs it."""
+        """Say how the job ended, close the rendezvous, then wait (bounded) until every node
+        of the round has read the outcome. Any node that ends the job closes: a peer already
+        waiting in the next round's join learns of the end only from the close. The node
+        hosting the store waits here too, so it does not take the store away while a peer
+        still needs it."""
         if self._round_store is None:
             return
         base = self._round_store.underlying_store
@@ -376,10 +378,9 @@ class NodeMembership:
             if not base.check([self._job_key("outcome")]):
                 base.set(self._job_key("outcome"), outcome)
             self.acknowledge()
+            self.handler.shutdown()
             acks = [self._job_key(f"ack/{node.node_rank}") for node in self._round.nodes]
             base.wait(acks, timedelta(seconds=ACK_TIMEOUT_S))
-            if self._round.me == 0:
-                self.handler.shutdown()
         except Exception as error:  # the job is over; a store gone now changes nothing
             log.info("rendezvous at the end of the job: %s", error)
 

@@ -107,6 +107,10 @@ SLOW_FILE_PREFIX = "slow_"
 from the moment it is due (``at=Ns`` or ``after=``; ``at=iter:K`` is armed at launch)."""
 # How long a decision waits for the monitor's fresh sample (reads are bounded well below).
 EVIDENCE_TIMEOUT_S = 5.0
+# How long a node lets its own ranks end on their own after a peer announced the round's
+# failure: an error every rank shares (a refused fresh start) ends them all at once, and
+# each node should report its own ranks' error, not "peer".
+PEER_FAILURE_GRACE_S = 2.0
 SCALE_UP_POLICIES = ("now", "at-save")
 
 log = logging.getLogger("ftmaster")
@@ -244,6 +248,7 @@ class Supervisor:
         self.round: Round | None = None
         self.world: StaticWorld | None = None
         self._rejoin_requested_at: float | None = None
+        self._peer_failure_seen: tuple[int, float] | None = None  # (attempt, monotonic time)
         monitor.on_alert = self._on_alert
         self.injector = Injector(config.injections)
         self.attempt: Attempt | None = None
@@ -456,10 +461,18 @@ class Supervisor:
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
         if self.membership is not None and self.membership.peer_failed():
-            return self._failure("peer", iteration, [], {})
+            return self._failure("peer", iteration, [], {}) if self._peer_grace_over() else None
         if self.membership is not None and self.membership.peers_waiting():
             return self._rejoin(iteration)
         return None
+
+    def _peer_grace_over(self) -> bool:
+        """Whether this attempt's ranks had PEER_FAILURE_GRACE_S since a peer's failure was
+        first seen to end on their own (a poll before this one sees them end)."""
+        now = time.monotonic()
+        if self._peer_failure_seen is None or self._peer_failure_seen[0] != self.attempt.number:
+            self._peer_failure_seen = (self.attempt.number, now)
+        return now - self._peer_failure_seen[1] >= PEER_FAILURE_GRACE_S
 
     def _rejoin(self, iteration: int | None) -> Trigger | None:
         """A peer waits for a new round: stop here and join it, at once (``scale_up`` now)

@@ -1,0 +1,53 @@
+"""Two NodeMembership seats on torch elastic's real c10d rendezvous (loopback, one process)."""
+
+import threading
+
+from ftmaster.membership import JobEnded, NodeMembership, RendezvousConfig
+from helpers.trainer import free_port
+
+CONF = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60",
+        "read_timeout": "10"}
+
+
+def seat(port: int, node_rank: int) -> NodeMembership:
+    conf = {**CONF, "is_host": str(int(node_rank == 0))}
+    config = RendezvousConfig(f"127.0.0.1:{port}", "job", 2, 2, node_rank,
+                              local_addr="127.0.0.1", conf=conf)
+    return NodeMembership(config, poll_s=0.0)
+
+
+def test_a_node_waiting_in_the_next_join_learns_the_outcome_of_a_peer_that_gave_up():
+    """Node 1 gives up (it is not the round's first node) while node 0 already waits for the
+    next round: node 0's join ends with node 1's outcome, not with the join timeout."""
+    port = free_port()
+    seats = [seat(port, 0), seat(port, 1)]
+    first = [None, None]
+    joins = [threading.Thread(target=lambda r=r: first.__setitem__(r, seats[r].join([0])))
+             for r in (0, 1)]
+    for thread in joins:
+        thread.start()
+    for thread in joins:
+        thread.join(timeout=60)
+    assert [r.number for r in first] == [1, 1] and first[1].me == 1
+
+    second = {}
+
+    def join_again():
+        try:
+            second["round"] = seats[0].join([0])
+        except JobEnded as ended:
+            second["ended"] = ended
+            seats[0].acknowledge()  # as the supervisor does: the ending node waits for it
+        except Exception as error:  # noqa: BLE001 - the assertion shows which
+            second["error"] = error
+
+    seats[1].announce_failure()
+    assert seats[0].peer_failed()
+    waiting = threading.Thread(target=join_again)
+    waiting.start()
+    seats[1].end_job("gave up on node 1: the arguments need fixing")
+    waiting.join(timeout=90)
+    assert "ended" in second, second
+    assert second["ended"].outcome == "gave up on node 1: the arguments need fixing"
+    for node in seats:
+        node.stop_keep_alive()
