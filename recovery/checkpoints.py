@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 
 from ftmaster.runfiles import atomic_write_text
 
-from .manifest import MANIFEST_NAME, read_manifest, size_problem
+from .manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, read_manifest, size_problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
@@ -253,12 +253,21 @@ def advance_tracker_locked(save_dir: Path, iteration: int) -> bool:
     return True
 
 
+def set_tracker(save_dir: Path, iteration: int) -> None:
+    """Name ``iteration`` in the tracker, even below the one it names (the checkpoints agreed
+    on across nodes: newer ones here are not complete anywhere)."""
+    with tracker_lock(save_dir):
+        atomic_write_text(tracker_path(save_dir), f"{iteration}\n")
+
+
 def pin(memory_dir: Path, iteration: int) -> bool:
     """Mark memory checkpoint ``iteration`` as read by a persist copy, so that pruning spares
-    it; False (nothing pinned) when it is no longer complete. Under the tier's lock, as
-    pruning is, so that it cannot be removed between the check and the mark."""
+    it; False (nothing pinned) when it is no longer complete (here, or held in part for a
+    copy from the peers). Under the tier's lock, as pruning is, so that it cannot be removed
+    between the check and the mark."""
     with tracker_lock(memory_dir):
-        if not is_complete(iteration_dir(memory_dir, iteration)):
+        folder = iteration_dir(memory_dir, iteration)
+        if not (is_complete(folder) or (folder / HELD_MANIFEST_NAME).is_file()):
             return False
         atomic_write_text(Path(memory_dir) / _PIN_NAME, f"{iteration}\n", durable=False)
         return True

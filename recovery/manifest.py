@@ -40,6 +40,10 @@ from ftmaster.recovery.writeback import Writeback
 from ftmaster.runfiles import atomic_write_text
 
 MANIFEST_NAME = "ftmaster_save.json"
+HELD_MANIFEST_NAME = ".ftmaster_save.held.json"
+"""A node-local memory tier's copy of a manifest whose folder here is not whole (it holds some
+nodes' shards): what its peers read to copy or persist the checkpoint from the nodes that
+hold each file. Never loaded: a folder without ``MANIFEST_NAME`` is no checkpoint."""
 CHECKSUM = "xxh3_64"
 SAVE_KINDS = ("periodic", "emergency", "exit", "final", "replica")
 _READ_CHUNK = 8 << 20
@@ -186,10 +190,11 @@ def write_manifest(folder: Path, kind: str, iteration: int, files: Mapping[str, 
     atomic_write_text(Path(folder) / MANIFEST_NAME, json.dumps(body, indent=1) + "\n")
 
 
-def read_manifest(folder: Path) -> Manifest | None:
-    """The manifest, or None when there is none or it cannot be parsed."""
+def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
+    """The manifest (or the one under ``name``), or None when there is none or it cannot be
+    parsed."""
     try:
-        body = json.loads((Path(folder) / MANIFEST_NAME).read_text())
+        body = json.loads((Path(folder) / name).read_text())
         files = {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
                  for name, entry in (body.get("files") or {}).items()}
         items = {name: {int(offset): FileDigest(int(size), str(digest))

@@ -180,18 +180,20 @@ def _rank() -> int:
     return torch.distributed.get_rank()
 
 
-def memory_folder_owner(memory_dir: Path | None, group) -> tuple[int | None, bool]:
-    """The rank that makes, renames, prunes and sets aside this rank's memory folders, and
-    whether the tier is node-local. When every rank names one folder (one every node sees),
-    rank 0 does it all. When nodes name folders of their own (each node's ``/dev/shm``), the
-    lowest rank naming this rank's folder does it there; rank 0 still writes the manifest and
-    the tracker, in its folder only: another node's folder is made whole by ftmaster's peer
-    copies (:mod:`ftmaster.peer_files`)."""
+def memory_folder_owner(memory_dir: Path | None, group) -> tuple[int | None, set[int] | None]:
+    """The rank that makes, renames, prunes and sets aside this rank's memory folders, and,
+    when the tier is node-local, the ranks that write into this rank's folder (else None).
+    When every rank names one folder (one every node sees), rank 0 does it all. When nodes
+    name folders of their own (each node's ``/dev/shm``), the lowest rank naming this rank's
+    folder does it there; rank 0 still writes the manifest and the tracker, in its folder
+    only: another node's folder is made whole by ftmaster's peer copies
+    (:mod:`ftmaster.peer_files`)."""
     if memory_dir is None:
-        return None, False
+        return None, None
     folders = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(folders, str(memory_dir), group=group)
-    return folders.index(str(memory_dir)), len(set(folders)) > 1
+    writers = {rank for rank, folder in enumerate(folders) if folder == str(memory_dir)}
+    return folders.index(str(memory_dir)), writers if len(set(folders)) > 1 else None
 
 
 def broadcast_from_rank0(value, group):
@@ -670,8 +672,10 @@ class Checkpointer:
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
                            if args.non_persistent_ckpt_type == "global" else None)
-        self.slots = MemorySlots(self.memory_dir) if self.memory_dir is not None else None
-        self.memory_owner, self.node_local_memory = memory_folder_owner(self.memory_dir, group)
+        self.memory_owner, node_writers = memory_folder_owner(self.memory_dir, group)
+        self.node_local_memory = node_writers is not None
+        self.slots = (MemorySlots(self.memory_dir, node_writers)
+                      if self.memory_dir is not None else None)
         self.disk_records = DiskRecords()
         self.last_bytes: int | None = None
         """The size of the last complete checkpoint (a memory save's room check)."""

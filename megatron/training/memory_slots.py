@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ftmaster.recovery.checkpoints import (DCP_METADATA_FILE, iteration_dir, pinned, read_tracker,
                                            tracker_lock)
 from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
+from ftmaster.replication import writer_rank
 
 from . import checksums, records, rehearsal
 from .records import Record, RecordWriter
@@ -145,8 +146,11 @@ class MemorySlots(RecordWriter):
     them :meth:`claim`, whose answer every rank receives), :meth:`write` as the save's
     write function, and :meth:`ended` with the save's agreed outcome."""
 
-    def __init__(self, memory_dir: Path) -> None:
+    def __init__(self, memory_dir: Path, node_writers: set[int] | None = None) -> None:
         self.memory_dir = Path(memory_dir)
+        self.node_writers = node_writers
+        """In a node-local tier, the ranks writing into this node's folder: the folder also
+        holds peer copies of other ranks' files, which a refill does not rewrite."""
         self._iterations: list[int | None] = [None, None]
         self._files: list[dict[str, _SlotFile]] = [{}, {}]
         self._turn = 0
@@ -170,9 +174,20 @@ class MemorySlots(RecordWriter):
                     for name in (MANIFEST_NAME, DCP_METADATA_FILE):  # no longer loadable
                         (previous / name).unlink(missing_ok=True)
                     previous.rename(target)
+                    self._drop_foreign_files(target)
                     return True
         target.mkdir(parents=True, exist_ok=True)
         return False
+
+    def _drop_foreign_files(self, folder: Path) -> None:
+        """A node-local slot keeps only its own ranks' tensor files: a peer copy (another
+        node's shards, rank 0's files, a kept manifest) would sit there at its size but with
+        the old iteration's bytes, until ftmaster copies the new ones."""
+        if self.node_writers is None:
+            return
+        for path in folder.iterdir():
+            if path.is_file() and writer_rank(path.name) not in self.node_writers:
+                path.unlink(missing_ok=True)
 
     def use(self, refilled: bool) -> None:
         """Every rank: whether the slot's files are the ones rank 0's claim kept."""

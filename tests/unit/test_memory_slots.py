@@ -6,7 +6,7 @@ import torch
 import xxhash
 
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
-from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file
+from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
 from megatron.training.checksums import read_shard_digest
 from megatron.training.memory_slots import MemorySlots
@@ -90,3 +90,21 @@ def test_a_refilled_slot_loses_its_manifest_and_metadata_before_the_copy(tmp_pat
     assert slots.claim(slots.begin(True), iteration_dir(tmp_path, 3))
     left = {path.name for path in iteration_dir(tmp_path, 3).iterdir()}
     assert MANIFEST_NAME not in left and ".metadata" not in left and SHARD in left
+
+
+def test_a_node_local_slot_drops_the_peer_copies_it_will_not_rewrite(tmp_path):
+    """A node's folder also holds copies of other nodes' shards and of rank 0's files: once
+    renamed to a new iteration they would sit there at their size with the old bytes, and
+    count as held. The slot keeps only what its own ranks (here 0 and 1) rewrite."""
+    slots = MemorySlots(tmp_path, node_writers={0, 1})
+    try:
+        for iteration in (1, 2):
+            save(slots, tmp_path, iteration, state(iteration))
+        copies = ["__2_0.distcp", "__3_1.distcp", "common.pt", HELD_MANIFEST_NAME]
+        for name in copies + ["__1_0.distcp"]:
+            (iteration_dir(tmp_path, 1) / name).write_bytes(b"iteration 1's")
+        assert slots.claim(slots.begin(True), iteration_dir(tmp_path, 3))
+    finally:
+        slots.close()
+    left = {path.name for path in iteration_dir(tmp_path, 3).iterdir()}
+    assert SHARD in left and "__1_0.distcp" in left and not left & set(copies)

@@ -7,10 +7,14 @@ import pytest
 
 from ftmaster.membership import NodeRecord
 from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_clients
+import json
+
+from ftmaster.persist import persist
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
-from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
-from ftmaster.replication import (Replication, ReplicationConfig, ReplicationFailed, rank_ranges,
-                                  writer_rank)
+from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
+                                        digest_file, read_manifest, write_manifest)
+from ftmaster.replication import (Agreed, Replication, ReplicationConfig, ReplicationFailed,
+                                  holdings_of, newest_complete, rank_ranges, writer_rank)
 from helpers.trainer import wait_until
 
 SECRET = new_secret()
@@ -63,16 +67,23 @@ def test_replicas_must_be_at_least_one(tmp_path):
 
 
 def shard_checkpoint(folders, iteration=4):
-    """Node 0 (ranks 0-1) wrote rank 0's files and the manifest, node 1 ranks 2-3's."""
+    """Node 0 (ranks 0-1) wrote rank 0's files and the manifest, node N ranks 2N and 2N+1's."""
     files = {}
-    for node, names in ((0, [".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"]),
-                        (1, ["__2_0.distcp", "__3_0.distcp"])):
-        folder = iteration_dir(folders[node], iteration)
+    for node, folder in enumerate(folders):
+        names = [f"__{2 * node}_0.distcp", f"__{2 * node + 1}_0.distcp"]
+        folder = iteration_dir(folder, iteration)
         folder.mkdir(parents=True)
-        for name in names:
-            (folder / name).write_bytes(name.encode() * 1000)
+        for name in names + ([".metadata", "common.pt"] if node == 0 else []):
+            (folder / name).write_bytes(name.encode() * 1000 + bytes([iteration]))
             files[name] = digest_file(folder / name)
     write_manifest(iteration_dir(folders[0], iteration), "periodic", iteration, files)
+
+
+def agreed_on(folders, iteration=4):
+    """What the nodes of ``folders`` (node rank: folder) hold, agreed."""
+    agreed = newest_complete({r: json.dumps(holdings_of(f)) for r, f in folders.items()})
+    assert agreed is not None and agreed.iteration == iteration
+    return agreed
 
 
 def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker(tmp_path):
@@ -136,9 +147,10 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        assert replications[0].catch_up() == []  # rank 0's own node
-        ((node, copied),) = replications[1].catch_up()
-        again = replications[1].catch_up()
+        agreed = agreed_on({0: folders[0], 1: folders[1]})
+        assert replications[0].catch_up(agreed) == []  # rank 0's own node, whole already
+        ((node, copied),) = replications[1].catch_up(agreed)
+        again = replications[1].catch_up(agreed)
         used = replications[1].used_bytes()
     finally:
         for replication in replications:
@@ -152,7 +164,7 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
 @pytest.mark.parametrize("rank0_holds", ["its own shards", "nothing"])
 def test_rank_0s_node_catches_up_on_a_newer_whole_copy_a_peer_holds(tmp_path, rank0_holds):
     """Copies still on their way when a GPU failed, or node 0 replaced after a requeue: node 1
-    tracks a whole iteration 4, so node 0 makes it whole too before its rank 0 picks."""
+    holds a whole iteration 4, so node 0 makes it whole too before its rank 0 picks."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     shard_checkpoint(folders)
     mine, theirs = (iteration_dir(folder, 4) for folder in folders)
@@ -168,10 +180,99 @@ def test_rank_0s_node_catches_up_on_a_newer_whole_copy_a_peer_holds(tmp_path, ra
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        caught_up = replications[0].catch_up()
+        caught_up = replications[0].catch_up(agreed_on({0: folders[0], 1: folders[1]}))
     finally:
         for replication in replications:
             replication.close()
     assert [(node, copied.iteration, copied.missing) for node, copied in caught_up] == [(1, 4, ())]
     assert read_tracker(folders[0]) == 4
     assert sorted(p.name for p in mine.iterdir()) == sorted(p.name for p in theirs.iterdir())
+
+
+def held(files, total=3, manifest="m4"):
+    return {"manifest": manifest, "total": total, "files": files}
+
+
+@pytest.mark.parametrize("records, expected", [
+    ({0: {"4": held(["a", "b"])}, 1: {"4": held(["c"])}}, (4, {"a": (0,), "b": (0,), "c": (1,)})),
+    ({0: {"4": held(["a", "b"])}, 1: {"4": held(["b"])}}, None),  # c is on no live node
+    ({0: {"4": held(["a", "b", "c"]), "6": held(["a"], manifest="m6")},
+      1: {"6": held(["b", "c"], manifest="m6")}}, (6, {"a": (0,), "b": (1,), "c": (1,)})),
+    ({0: {"6": held(["a", "b"], manifest="m6")},  # two timelines' iteration 6 never mix
+      1: {"6": held(["c"], manifest="other"), "4": held(["a", "b", "c"])}},
+     (4, {"a": (1,), "b": (1,), "c": (1,)})),
+    ({0: {"4": held(["a", "b", "c"])}, 1: {"4": held(["c"])}, 2: None},
+     (4, {"a": (0,), "b": (0,), "c": (0, 1)})),  # a node that published nothing
+    ({0: {"4": held(["a", "b", "c"])}, 1: "not json"}, (4, {"a": (0,), "b": (0,), "c": (0,)})),
+    ({}, None),
+])
+def test_the_newest_checkpoint_whose_every_file_a_live_node_holds_is_complete(records, expected):
+    texts = {node: rec if rec is None or isinstance(rec, str) else json.dumps(rec)
+             for node, rec in records.items()}
+    agreed = newest_complete(texts)
+    assert (None if agreed is None else (agreed.iteration, agreed.holders)) == expected
+    assert agreed is None or Agreed.from_json(agreed.to_json()) == agreed
+
+
+def test_three_nodes_with_one_replica_no_folder_is_whole_yet_every_checkpoint_is_complete(tmp_path):
+    """3 nodes x 2 ranks, one replica: each node holds its own and its next peer's shards, so
+    no folder is whole. The holdings still make iteration 4 complete; node 0 persists it from
+    the nodes that hold each file; with node 1 lost it is still complete (nodes 0 and 2
+    hold every file between them), and node 0's catch-up makes it whole from node 2."""
+    folders = [tmp_path / f"node{r}" for r in range(3)]
+    shard_checkpoint(folders)
+    advance_tracker(folders[0], 4)  # the trainer's rank 0 moves it with the manifest
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in range(3)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(3))
+        for r in range(3):
+            replications[r].new_round(SECRET, records, r, [2, 2, 2])
+            replications[r].saved(4)
+        results = [[], [], []]
+        wait_until(lambda: all(results[r].extend(replications[r].take_results()) or
+                               len(results[r]) == (1, 2, 2)[r] for r in range(3)),
+                   timeout=30, what="every node's copies")
+        assert not any(isinstance(x, ReplicationFailed) for rs in results for x in rs), results
+        assert [(iteration_dir(f, 4) / MANIFEST_NAME).exists() for f in folders] == [True, False, False]
+        assert [(iteration_dir(f, 4) / HELD_MANIFEST_NAME).exists() for f in folders] == [False, True, True]
+        everyone = agreed_on(dict(enumerate(folders)))
+        assert everyone.holders["__4_0.distcp"] == (1, 2) and everyone.holders["common.pt"] == (0, 1, 2)
+        persisted = persist(folders[0], tmp_path / "save", 4, replications[0].fetcher(everyone))
+
+        for r in (0, 2):  # node 1 is lost: the round's live nodes are 0 and 2
+            replications[r].new_round(SECRET, (records[0], records[2]), (0, 1)[r // 2], [2, 2])
+        survivors = agreed_on({0: folders[0], 2: folders[2]})
+        caught_up = replications[0].catch_up(survivors)
+    finally:
+        for replication in replications:
+            replication.close()
+    whole = iteration_dir(folders[0], 4)
+    assert persisted.bytes == read_manifest(whole).total_bytes
+    saved = read_manifest(tmp_path / "save" / "iter_0000004")
+    assert saved == read_manifest(whole) and all(
+        digest_file(tmp_path / "save" / "iter_0000004" / name) == expected
+        for name, expected in saved.files.items())
+    assert read_tracker(tmp_path / "save") == 4
+    assert [(node, copied.missing) for node, copied in caught_up] == [(2, ())]
+    assert sorted(p.name for p in whole.iterdir()) == sorted(
+        [".metadata", "common.pt", MANIFEST_NAME] + [f"__{r}_0.distcp" for r in range(6)])
+    assert read_tracker(folders[0]) == 4
+
+
+def test_a_checkpoint_a_live_node_no_longer_serves_is_a_failed_catch_up(tmp_path):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    manifest = (iteration_dir(folders[0], 4) / MANIFEST_NAME).read_bytes()
+    agreed = Agreed(4, digest_bytes(manifest).digest, {"__2_0.distcp": (1,), "__3_0.distcp": (1,)})
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        (iteration_dir(folders[1], 4) / "__3_0.distcp").unlink()  # pruned meanwhile
+        (failed,) = [x for x in replications[0].catch_up(agreed) if isinstance(x, ReplicationFailed)]
+    finally:
+        for replication in replications:
+            replication.close()
+    assert failed.iteration == 4 and "no longer hold every file" in failed.reason
+    assert read_tracker(folders[0]) is None

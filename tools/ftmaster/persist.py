@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.runfiles import fsync_folder
@@ -31,7 +31,9 @@ from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracke
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, pin, read_tracker, tracker_lock,
                                            unpin)
-from ftmaster.recovery.manifest import MANIFEST_NAME, DigestingWriter, is_whole, read_manifest
+from ftmaster.peer_files import PeerError
+from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, DigestingWriter,
+                                        FileDigest, is_whole, read_manifest)
 
 _CHUNK = 16 << 20
 _PARTIAL = ".iter_{:07d}.partial-"
@@ -39,6 +41,8 @@ TYPE_FLAG, DIR_FLAG = "--non-persistent-ckpt-type", "--non-persistent-global-ckp
 SHM = Path("/dev/shm")
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights and Adam's two moments, plus fp32 masters
 MEMORY_COPIES = 3  # the newest complete one, the one being written, the one being copied
+Fetch = Callable[[str, Path, FileDigest], None]
+"""Fetch one file of a checkpoint, verified, from a peer that holds it (:mod:`replication`)."""
 
 
 @dataclass(frozen=True)
@@ -127,14 +131,20 @@ def _copy_verified(source: Path, target: Path, expected) -> None:
         raise PersistError(f"{source.name} does not match its checksum (memory copy damaged)")
 
 
-def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | None:
+def persist(memory_dir: Path, save_dir: Path, iteration: int,
+            fetch: Fetch | None = None) -> Persisted | None:
     """Copy memory checkpoint ``iteration`` into ``save_dir`` durably; None when the disk
-    tier has it already. Raises PersistError (the disk tier unchanged)."""
+    tier has it already. With ``fetch``, the files this node's folder lacks come from the
+    peers that hold them (a node-local tier whose folder here is not whole: its manifest is
+    the one kept beside them). Raises PersistError (the disk tier unchanged)."""
     source, target = iteration_dir(memory_dir, iteration), iteration_dir(save_dir, iteration)
     if is_complete(target):  # a copy killed after its rename, or the trainer's own save
         advance_tracker(save_dir, iteration)
         return None
-    manifest = read_manifest(source)
+    manifest_name = MANIFEST_NAME
+    if fetch is not None and not (source / MANIFEST_NAME).is_file():
+        manifest_name = HELD_MANIFEST_NAME
+    manifest = read_manifest(source, manifest_name)
     if manifest is None or not manifest.files:
         raise PersistError(f"{source} has no checksummed manifest: not a complete checkpoint")
     start = time.perf_counter()
@@ -143,15 +153,27 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int) -> Persisted | Non
     try:
         partial.mkdir()
         for name, digest in sorted(manifest.files.items()):
-            _copy_verified(source / name, partial / name, digest)
-        _copy_verified(source / MANIFEST_NAME, partial / MANIFEST_NAME, None)  # written last
+            if fetch is not None and not (source / name).is_file():
+                _fetch_durably(fetch, name, partial / name, digest)
+            else:
+                _copy_verified(source / name, partial / name, digest)
+        # written last
+        _copy_verified(source / manifest_name, partial / MANIFEST_NAME, None)
         fsync_folder(partial)
         _move_into_place(source, partial, target)
+    except PeerError as error:
+        raise PersistError(f"copying {source} to {save_dir} from the peers: {error}") from None
     except OSError as error:
         raise PersistError(f"copying {source} to {save_dir}: {error}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes)
+
+
+def _fetch_durably(fetch: Fetch, name: str, target: Path, expected) -> None:
+    fetch(name, target, expected)  # verified against ``expected`` before it lands
+    with open(target, "rb") as landed:
+        os.fsync(landed.fileno())
 
 
 def _move_into_place(source: Path, partial: Path, target: Path) -> None:
@@ -212,20 +234,21 @@ class Persister:
         disk = read_tracker(self.save_dir)
         return disk is None or iteration > disk
 
-    def start(self, iteration: int) -> bool:
-        """Copy ``iteration`` in the background unless a copy is running or it was pruned
-        meanwhile; True if started. It is pinned before this returns, so pruning spares it."""
+    def start(self, iteration: int, fetch: Fetch | None = None) -> bool:
+        """Copy ``iteration`` in the background (what this node lacks through ``fetch``)
+        unless a copy is running or it was pruned meanwhile; True if started. It is pinned
+        before this returns, so pruning spares it."""
         if self.busy or not pin(self.memory_dir, iteration):
             return False
         self.last_requested = iteration
-        self._thread = threading.Thread(target=self._copy, args=(iteration,),
+        self._thread = threading.Thread(target=self._copy, args=(iteration, fetch),
                                         name="ftmaster-persist", daemon=True)
         self._thread.start()
         return True
 
-    def _copy(self, iteration: int) -> None:
+    def _copy(self, iteration: int, fetch: Fetch | None) -> None:
         try:
-            self._results.put(persist(self.memory_dir, self.save_dir, iteration))
+            self._results.put(persist(self.memory_dir, self.save_dir, iteration, fetch))
         except Exception as error:  # a copier that dies must still say why
             failure = error if isinstance(error, PersistError) else PersistError(
                 f"{type(error).__name__}: {error}")

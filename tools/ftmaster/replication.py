@@ -12,15 +12,22 @@ it, in the background:
 
 A node whose folder then holds every file of the manifest gets the manifest, last, and moves
 its own tracker to the iteration: that copy loads on its own, under any layout (on 2 nodes
-with one replica, both do). A node that is lost takes its own folder with it; a survivor
-relaunched alone loads its copy. Everything copied is verified on arrival against the
-manifest.
+with one replica, both do). A node whose folder holds only some files keeps the manifest as
+``HELD_MANIFEST_NAME``. Everything copied is verified on arrival against the manifest.
+
+A memory checkpoint is complete when every file has a verified copy on a live node. Each
+node publishes what it holds (:func:`holdings_of`) in the rendezvous store; the node of
+rank 0 decides from the records of a new round's nodes which checkpoint is the newest
+complete one (:func:`newest_complete`) and tells the others. Every node then makes that one
+whole from the nodes that hold each file (:meth:`Replication.catch_up`), and the disk tier
+persists it the same way when no node's folder is whole (3 nodes or more, one replica).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import logging
 import queue
 import re
@@ -32,14 +39,19 @@ from typing import Sequence
 
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
                                  PeerServer, fill_from_peer, manifest_files, write_peer_list)
-from ftmaster.recovery.checkpoints import TRACKER_NAME, advance_tracker, iteration_dir, read_tracker
-from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest, is_whole
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
+                                           set_tracker)
+from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
+                                        digest_bytes, is_whole)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
 
 _WRITER = re.compile(r"__(\d+)_")
 AUTHORIZE_WAIT_S = 10.0
+HOLDINGS_KEPT = 3  # as many checkpoints as a node's tier keeps (persist.MEMORY_COPIES)
+AGREE_TIMEOUT_S = 30.0  # how long a new round's nodes wait for each other's holdings
+AGREEMENT_POLL_S = 2.0  # how often the persisting node reads the holdings while training
 
 
 def writer_rank(name: str) -> int | None:
@@ -53,6 +65,98 @@ def rank_ranges(ranks_per_node: Sequence[int]) -> list[range]:
     """The global ranks each node of a round runs (a node's ranks are contiguous)."""
     ends = list(itertools.accumulate(ranks_per_node))
     return [range(end - count, end) for end, count in zip(ends, ranks_per_node)]
+
+
+def holdings_of(memory_dir: Path) -> dict[str, dict]:
+    """What this node's tier holds of its newest checkpoints, by iteration: the digest of the
+    manifest (two timelines' checkpoints of one iteration differ), how many files it lists,
+    and those here at their size (verified as they arrived, or written by the node's ranks).
+    A folder without a manifest of either kind (a save under way) holds nothing yet."""
+    held = {}
+    for iteration in list_iterations(memory_dir)[:HOLDINGS_KEPT]:
+        folder = iteration_dir(memory_dir, iteration)
+        manifest = known_manifest(folder)
+        if manifest is None:
+            continue
+        try:
+            files = manifest_files(manifest, iteration, str(folder))
+        except PeerError:
+            continue
+        held[str(iteration)] = {"manifest": digest_bytes(manifest).digest, "total": len(files),
+                                "files": sorted(name for name, expected in files.items()
+                                                if _has_size(folder / name, expected.bytes))}
+    return held
+
+
+def known_manifest(folder: Path) -> bytes | None:
+    """The manifest of a whole folder, else the one kept beside some of its files."""
+    for name in (MANIFEST_NAME, HELD_MANIFEST_NAME):
+        try:
+            return (folder / name).read_bytes()
+        except OSError:
+            continue
+    return None
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The newest memory checkpoint every file of which a live node holds."""
+
+    iteration: int
+    manifest: str
+    """The digest of its manifest."""
+    holders: dict[str, tuple[int, ...]]
+    """Each file's holders (node ranks)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"iteration": self.iteration, "manifest": self.manifest,
+                           "holders": self.holders})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "Agreed | None":
+        """None for none agreed, or a record that cannot be read."""
+        try:
+            body = json.loads(text) if text else None
+            if body is None:
+                return None
+            return cls(int(body["iteration"]), str(body["manifest"]),
+                       {str(name): tuple(int(n) for n in nodes)
+                        for name, nodes in body["holders"].items()})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+def newest_complete(records: dict[int, str | None]) -> Agreed | None:
+    """From each live node's published holdings (JSON of :func:`holdings_of`, by node rank;
+    None or unreadable for a node that published none), the newest checkpoint whose every
+    file some node holds; None when there is none. Two timelines' checkpoints of one
+    iteration are told apart by their manifests."""
+    found: dict[tuple[int, str], tuple[int, dict[str, list[int]]]] = {}
+    for node_rank, text in sorted(records.items()):
+        try:
+            held = json.loads(text) if text else {}
+            entries = [(int(it), str(e["manifest"]), int(e["total"]), list(e["files"]))
+                       for it, e in held.items()]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            log.warning("node %d's memory holdings cannot be read; counting none", node_rank)
+            continue
+        for iteration, manifest, total, names in entries:
+            _, files = found.setdefault((iteration, manifest), (total, {}))
+            for name in names:
+                files.setdefault(str(name), []).append(node_rank)
+    complete = [key for key, (total, files) in found.items() if len(files) == total]
+    if not complete:
+        return None
+    iteration, manifest = max(complete)
+    holders = found[(iteration, manifest)][1]
+    return Agreed(iteration, manifest, {name: tuple(nodes) for name, nodes in holders.items()})
 
 
 @dataclass(frozen=True)
@@ -146,38 +250,79 @@ class Replication:
         self._peers = Peers(secret, sources, rank0, others)
         write_peer_list(self.config.run_dir, secret, [url for _, url in others])
 
-    def catch_up(self) -> list[tuple[int, Copied] | ReplicationFailed]:
-        """Before a launch: the newest memory checkpoint any node of the round tracks, made
-        whole here too, from the nodes that track it first, then the others. Every node's
-        ranks can then load it, rank 0's included: a node that rejoins after missing saves
-        needs it, and so does a rank-0 node whose folder lacks what a peer holds (copies
-        still on their way when a GPU failed, or a node 0 replaced after a requeue). A node
-        that holds it whole already copies nothing."""
+    def catch_up(self, agreed: Agreed | None) -> list[tuple[int, Copied] | ReplicationFailed]:
+        """Before a launch: the checkpoint the round agreed on made whole here, each file from
+        the live nodes that hold it (those holding the most first), and the tracker set to it,
+        so every node's ranks load it, rank 0's included. A node that rejoins after missing
+        saves needs it, and so does a rank-0 node whose folder lacks what its peers hold. A
+        node that holds it whole already copies nothing."""
         peers = self._peers
-        if peers is None or not peers.others:
+        if agreed is None or peers is None:
             return []
-        trackers, done = self._peer_trackers(peers)
-        own = read_tracker(self.config.memory_dir)
-        target = max([*trackers.values(), *([] if own is None else [own])], default=None)
-        if target is None or is_whole(iteration_dir(self.config.memory_dir, target)):
-            return done
-        holders = [peer for peer, iteration in trackers.items() if iteration == target]
-        order = holders + [peer for peer in peers.others if peer not in holders]
-        folder = iteration_dir(self.config.memory_dir, target)
+        memory, folder, done = self.config.memory_dir, iteration_dir(self.config.memory_dir,
+                                                                      agreed.iteration), []
+        live = dict(peers.others)
         try:
-            manifest = (self._client(holders[0][1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
-                        if holders else (folder / MANIFEST_NAME).read_bytes())
-            for node_rank, url in order:
-                copied = fill_from_peer(self._client(url, peers), target, self.config.memory_dir,
-                                        manifest)
-                if copied.bytes:
-                    done.append((node_rank, copied))
-                if not copied.missing:
-                    advance_tracker(self.config.memory_dir, target)
-                    break
+            if not is_whole(folder):
+                manifest = self._agreed_manifest(agreed, folder, live, peers)
+                for node_rank in self._holders_by_count(agreed, live):
+                    names = [n for n, nodes in agreed.holders.items() if node_rank in nodes]
+                    copied = fill_from_peer(self._client(live[node_rank], peers),
+                                            agreed.iteration, memory, manifest, names)
+                    if copied.bytes:
+                        done.append((node_rank, copied))
+            if is_whole(folder):
+                set_tracker(memory, agreed.iteration)
+            else:
+                done.append(ReplicationFailed(agreed.iteration, "the live nodes no longer hold "
+                                              "every file of the agreed checkpoint"))
         except (PeerError, OSError) as error:
-            done.append(ReplicationFailed(target, str(error)))
+            done.append(ReplicationFailed(agreed.iteration, str(error)))
         return done
+
+    @staticmethod
+    def _holders_by_count(agreed: Agreed, live: dict[int, str]) -> list[int]:
+        counts: dict[int, int] = {}
+        for nodes in agreed.holders.values():
+            for node_rank in nodes:
+                counts[node_rank] = counts.get(node_rank, 0) + 1
+        return sorted((n for n in counts if n in live), key=lambda n: (-counts[n], n))
+
+    def _agreed_manifest(self, agreed: Agreed, folder: Path, live: dict[int, str],
+                         peers: Peers) -> bytes:
+        """The agreed manifest: this node's own copy, else a holder's (either kind)."""
+        own = known_manifest(folder)
+        if own is not None and digest_bytes(own).digest == agreed.manifest:
+            return own
+        for node_rank in self._holders_by_count(agreed, live):
+            client = self._client(live[node_rank], peers)
+            for name in (MANIFEST_NAME, HELD_MANIFEST_NAME):
+                try:
+                    body = client.read(f"{folder.name}/{name}")
+                except PeerMissing:
+                    continue
+                if digest_bytes(body).digest == agreed.manifest:
+                    return body
+        raise PeerError(f"no live node serves the manifest of iteration {agreed.iteration}")
+
+    def fetcher(self, agreed: Agreed):
+        """For persisting ``agreed`` from the nodes that hold each file: a function that
+        fetches one file, verified, into a path (PeerError when no live holder has it)."""
+        peers = self._peers
+        live = dict(peers.others) if peers is not None else {}
+        relative = iteration_dir(Path(), agreed.iteration).name
+
+        def fetch(name: str, dest: Path, expected: FileDigest) -> None:
+            holders = [n for n in agreed.holders.get(name, ()) if n in live]
+            for node_rank in holders:
+                try:
+                    self._client(live[node_rank], peers).fetch(f"{relative}/{name}", dest, expected)
+                    return
+                except PeerError as error:
+                    failure = error
+            raise PeerError(f"{name}: no live holder serves it"
+                            + (f" ({failure})" if holders else ""))
+        return fetch
 
     def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
                      ) -> list[Gathered | ReplicationFailed]:
@@ -219,18 +364,6 @@ class Replication:
                          FileDigest(int(entry["bytes"]), str(entry["digest"])))
         report_path(folder, rank).write_bytes(body)  # last: the merge reads complete reports
         return len(body) + sum(int(entry["bytes"]) for entry in files.values())
-
-    def _peer_trackers(self, peers: Peers) -> tuple[dict[tuple[int, str], int], list]:
-        """Each serving peer's memory tracker (a peer without one is left out)."""
-        trackers, failed = {}, []
-        for peer in peers.others:
-            try:
-                trackers[peer] = int(self._client(peer[1], peers).read(TRACKER_NAME).strip())
-            except PeerMissing:
-                continue
-            except (PeerError, ValueError) as error:
-                failed.append(ReplicationFailed(-1, f"reading node {peer[0]}'s tracker: {error}"))
-        return trackers, failed
 
     def used_bytes(self) -> int:
         """What this node's memory tier holds: its own checkpoints and its peers' copies."""
@@ -281,6 +414,8 @@ class Replication:
         else:
             manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
         files = sorted(manifest_files(manifest, iteration, "the manifest"))
+        if not (folder / MANIFEST_NAME).is_file():
+            _keep_manifest(folder, manifest)
         if peers.rank0 is not None:
             own_files = [name for name in files if writer_rank(name) is None]
             self._results.put((peers.rank0[0], fill_from_peer(
@@ -293,6 +428,7 @@ class Replication:
             self._results.put((node_rank, copied))
         if peers.rank0 is not None and (folder / MANIFEST_NAME).is_file():
             advance_tracker(self.config.memory_dir, iteration)  # this node's copy is whole
+            (folder / HELD_MANIFEST_NAME).unlink(missing_ok=True)
 
     def _client(self, url: str, peers: Peers) -> PeerClient:
         # Every node of the round has the secret; one may start serving with it a moment
@@ -301,3 +437,52 @@ class Replication:
                           unauthorized_wait_s=AUTHORIZE_WAIT_S)
 
 
+def _keep_manifest(folder: Path, manifest: bytes) -> None:
+    """``HELD_MANIFEST_NAME``: what the peers read to copy or persist from this node."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{HELD_MANIFEST_NAME}.part"
+    tmp.write_bytes(manifest)
+    os.replace(tmp, folder / HELD_MANIFEST_NAME)
+
+
+class MemoryAgreement:
+    """Which memory checkpoint is complete on the live nodes, agreed through the rendezvous
+    store: each node publishes its holdings per round (``memory/<round>/<node rank>``); the
+    deciding node (that of rank 0) reads those of the round's nodes and announces the newest
+    complete checkpoint (``memory_agreed/<round>``), which every node then loads."""
+
+    def __init__(self, membership, replication: Replication) -> None:
+        self.membership, self.replication = membership, replication
+        self._read_at, self._current = float("-inf"), None
+
+    def publish(self, round_number: int) -> None:
+        """Say what this node's tier holds now (after a copy, a catch-up, a merge)."""
+        held = holdings_of(self.replication.config.memory_dir)
+        self.membership.announce(f"memory/{round_number}/{self.replication.config.node_rank}",
+                                 json.dumps(held))
+
+    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> Agreed | None:
+        """At the start of a round, after :meth:`publish`: the agreed checkpoint, or None (no
+        memory checkpoint is complete: the relaunch loads from disk)."""
+        word = f"memory_agreed/{round_number}"
+        if not decides:
+            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S))
+        agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S))
+        self.membership.announce(word, agreed.to_json() if agreed is not None else "none")
+        return agreed
+
+    def current(self, round_number: int, node_ranks: Sequence[int]) -> Agreed | None:
+        """While training: the newest complete checkpoint from the holdings published so far
+        (read at most every ``AGREEMENT_POLL_S``)."""
+        now = time.monotonic()
+        if now - self._read_at >= AGREEMENT_POLL_S:
+            self._read_at = now
+            self._current = newest_complete(self._records(round_number, node_ranks, 0.0))
+        return self._current
+
+    def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float
+                 ) -> dict[int, str | None]:
+        deadline = time.monotonic() + timeout_s
+        return {node_rank: self.membership.announcement(
+                    f"memory/{round_number}/{node_rank}", max(0.0, deadline - time.monotonic()))
+                for node_rank in node_ranks}

@@ -82,7 +82,7 @@ from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
-from ftmaster.replication import Replication, ReplicationFailed, rank_ranges
+from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
@@ -239,6 +239,8 @@ class Supervisor:
                  replication: Replication | None = None) -> None:
         self.config = config
         self.replication = replication  # peer copies of a node-local memory tier
+        self.agreement = (MemoryAgreement(membership, replication)
+                          if replication is not None and membership is not None else None)
         self._dumped: tuple | None = None  # across nodes: (round, dump folder, nodes, ranks per node)
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
@@ -280,7 +282,8 @@ class Supervisor:
         self.tiers = tiers_of(config.command[1:])
         # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
         # shared folder; with node-local folders, the node of the trainer's rank 0 in the
-        # round (its folder gets the manifest first), once peer copies have made it whole.
+        # round (its folder gets the manifest first), from its own folder once peer copies
+        # made it whole, else from the nodes that hold each file.
         self._persists_here = membership is None or (
             replication is None and membership.config.node_rank == 0)
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
@@ -582,14 +585,19 @@ class Supervisor:
         self._report_persisted()
         if not self._persists_here:
             return
-        newest = self.persister.newest_memory_checkpoint()
+        newest, fetch = self.persister.newest_memory_checkpoint(), None
+        if newest is None and self.agreement is not None and self.round is not None:
+            agreed = self.agreement.current(self.round.number,
+                                            [node.node_rank for node in self.round.nodes])
+            if agreed is not None:
+                newest, fetch = agreed.iteration, self.replication.fetcher(agreed)
         if not self.persister.needs_copy(newest):
             return
         if newest not in self._memory_kinds:
             self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
         due = (now or self._memory_kinds[newest] == "emergency"
                or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
-        if due and self.persister.start(newest):
+        if due and self.persister.start(newest, fetch):
             self._last_persist_start = time.monotonic()
 
     def _persist_interval_s(self) -> float:
@@ -614,6 +622,8 @@ class Supervisor:
                 log.warning("persisting a memory checkpoint failed: %s", result)
 
     def _report_replicated(self, results: list) -> None:
+        if results and self.round is not None:
+            self.agreement.publish(self.round.number)  # what this node holds changed
         for result in results:
             if isinstance(result, ReplicationFailed):
                 self._event("replication_failed", iteration=result.iteration, reason=result.reason)
@@ -1021,7 +1031,7 @@ class Supervisor:
         if self.replication is not None and joined.secret is not None:
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
             self._merge_dumps_across_nodes(joined, active)
-            self._report_replicated(self.replication.catch_up())
+            self._catch_up_on_agreed_memory(joined, active)
             self._persists_here = bool(active) and active[0] == joined.me
         if self.replicas is not None and mine:
             self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
@@ -1039,6 +1049,16 @@ class Supervisor:
                  "%s:%d", joined.number, len(active), list(plan.ranks_per_node), mine,
                  self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
+
+    def _catch_up_on_agreed_memory(self, joined: Round, active: list[int]) -> None:
+        """Every node says what its tier holds; the node of rank 0 names the newest memory
+        checkpoint complete on the round's nodes, and each node makes it whole here."""
+        self.agreement.publish(joined.number)
+        agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
+                                       decides=bool(active) and active[0] == joined.me)
+        self._event("memory_agreed", round=joined.number,
+                    iteration=None if agreed is None else agreed.iteration)
+        self._report_replicated(self.replication.catch_up(agreed))
 
     def _merge_dumps_across_nodes(self, joined: Round, active: list[int]) -> None:
         """Replica recovery across nodes: the node of the new round's rank 0 gathers every
