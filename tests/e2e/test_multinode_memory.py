@@ -27,15 +27,16 @@ def memory_folder(nodes: Nodes, node_rank: int) -> Path:
 
 
 @contextlib.contextmanager
-def two_nodes(nodes: Nodes):
-    """Both nodes must end well; whatever happens, none outlives the test, nor its memory."""
+def two_nodes(nodes: Nodes, ending: tuple[int, ...] = (0, 1), started: tuple[int, ...] = (0, 1)):
+    """The ``ending`` nodes must end well; whatever happens, none outlives the test, nor its
+    memory."""
     try:
         yield nodes
-        for node_rank in (0, 1):
+        for node_rank in ending:
             assert nodes.wait(node_rank) == 0, nodes.output(node_rank)[-4000:]
     finally:
         nodes.kill_all()
-        for node_rank in (0, 1):
+        for node_rank in started:
             if nodes.events(node_rank, "launch"):
                 shutil.rmtree(memory_folder(nodes, node_rank), ignore_errors=True)
 
@@ -123,3 +124,39 @@ def test_replica_recovery_merges_the_survivors_dumps_of_every_node(tmp_path):
                            "--exit-interval", str(merged["iteration"])])
     assert done.returncode == 0, done.stdout[-3000:]
     assert unequal_tensors(held, iteration_dir(reference, merged["iteration"])) == []
+
+
+def test_three_nodes_with_one_replica_persist_and_resume_from_the_nodes_that_hold_each_file(
+        tmp_path):
+    """3 nodes x 1 CPU rank at DP3, one replica: each node holds its own shards and its next
+    peer's, so no node's folder is whole. Node 0 persists from the nodes that hold what it
+    lacks. Node 1 is SIGKILLed: nodes 0 and 2 hold every file of the newest checkpoints
+    between them, agree on one through the store, each makes it whole from the other, and
+    both resume from memory at DP2."""
+    save = tmp_path / "ckpt"
+    args = train_args(save, 24, 1, 1, 100, *MEMORY_TIER, global_batch=12)
+    with two_nodes(Nodes(tmp_path, 1, args, nnodes="2:3"), ending=(0, 2),
+                   started=(0, 1, 2)) as nodes:
+        nodes.start_all(3, (), ("--inject", "slow:gpu=0,factor=3,at=iter:1"))
+        wait_until(lambda: any(e["iteration"] >= 8 for e in nodes.events(0, "persisted")),
+                   timeout=300, interval=0.05, what="node 0's persist of an iteration >= 8")
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainer dies with it
+    first_round = [p for p in nodes.events(0, "plan") if p["round"] == 1]
+    assert first_round and first_round[0]["nodes"] == [0, 1, 2]
+    failure = nodes.events(0, "failure")[0]
+    persisted = [e for e in nodes.events(0, "persisted") if e["time"] < failure["time"]]
+    assert persisted and all(e["fetched_bytes"] > 0 for e in persisted)  # never whole on node 0
+    agreed = [nodes.events(r, "memory_agreed")[-1] for r in (0, 2)]
+    assert agreed[0]["round"] == agreed[1]["round"] >= 2
+    # One memory save of lag at most (every 2 iterations): rank 1's shards live on only in
+    # node 0's copy, which lands within an iteration or two of the save on this machine
+    assert agreed[0]["iteration"] == agreed[1]["iteration"] >= failure["iteration"] - 4
+    loaded = [nodes.events(r, "checkpoint_loaded")[0] for r in (0, 2)]
+    assert [(e["iteration"], e["tier"]) for e in loaded] == [(agreed[0]["iteration"], "memory")] * 2
+    relaunch = nodes.events(0, "launch")[-1]
+    caught_up = [e for e in nodes.events(0, "replicated")
+                 if failure["time"] < e["time"] < relaunch["time"]]
+    assert [(e["iteration"], e["from_node"]) for e in caught_up] == [
+        (agreed[0]["iteration"], 2)]  # rank 1's shards: node 0's own copy
+    assert not [e for r in (0, 2) for e in nodes.events(r, "persist_failed")]
+    assert nodes.events(0, "complete")[0]["iteration"] == 24

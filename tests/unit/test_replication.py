@@ -248,6 +248,8 @@ def test_three_nodes_with_one_replica_no_folder_is_whole_yet_every_checkpoint_is
             replication.close()
     whole = iteration_dir(folders[0], 4)
     assert persisted.bytes == read_manifest(whole).total_bytes
+    assert persisted.fetched_bytes == sum(  # ranks 4 and 5's shards: node 0 lacks them
+        len(f"__{r}_0.distcp".encode() * 1000) + 1 for r in (4, 5))
     saved = read_manifest(tmp_path / "save" / "iter_0000004")
     assert saved == read_manifest(whole) and all(
         digest_file(tmp_path / "save" / "iter_0000004" / name) == expected

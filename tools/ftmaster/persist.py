@@ -118,6 +118,8 @@ class Persisted:
     path: Path
     seconds: float
     bytes: int
+    fetched_bytes: int = 0
+    """What came from the peers that hold the files this node's folder lacks."""
 
 
 def _copy_verified(source: Path, target: Path, expected) -> None:
@@ -152,9 +154,11 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     partial = Path(save_dir) / f"{_PARTIAL.format(iteration)}{uuid.uuid4().hex[:8]}"
     try:
         partial.mkdir()
+        fetched = 0
         for name, digest in sorted(manifest.files.items()):
             if fetch is not None and not (source / name).is_file():
                 _fetch_durably(fetch, name, partial / name, digest)
+                fetched += digest.bytes
             else:
                 _copy_verified(source / name, partial / name, digest)
         # written last
@@ -167,7 +171,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
         raise PersistError(f"copying {source} to {save_dir}: {error}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes)
+    return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes,
+                     fetched)
 
 
 def _fetch_durably(fetch: Fetch, name: str, target: Path, expected) -> None:

@@ -613,7 +613,8 @@ class Supervisor:
         for result in self.persister.take_results():
             if isinstance(result, Persisted):
                 self._event("persisted", iteration=result.iteration, path=str(result.path),
-                            seconds=round(result.seconds, 4), bytes=result.bytes)
+                            seconds=round(result.seconds, 4), bytes=result.bytes,
+                            fetched_bytes=result.fetched_bytes)
                 log.info("persisted the memory checkpoint of iteration %d to %s in %.2f s "
                          "(%.1f MB)", result.iteration, result.path, result.seconds,
                          result.bytes / 1e6)
