@@ -41,8 +41,8 @@ def test_a_node_waiting_in_the_next_join_learns_the_outcome_of_a_peer_that_gave_
         except Exception as error:  # noqa: BLE001 - the assertion shows which
             second["error"] = error
 
-    seats[1].announce_failure()
-    assert seats[0].peer_failed()
+    seats[1].announce_failure("usage")
+    assert seats[0].peer_failure() == "usage"
     waiting = threading.Thread(target=join_again)
     waiting.start()
     seats[1].end_job("gave up on node 1: the arguments need fixing")

@@ -272,15 +272,18 @@ def test_a_rank_that_ends_as_the_attempt_is_polled_is_named_with_its_own_status(
 
 
 class PeerFailedMembership:
-    """A peer announced the failure of this node's round."""
+    """A peer announced the failure of this node's round, with ``cause``."""
 
-    def peer_failed(self):
-        return True
+    def __init__(self, cause):
+        self.cause = cause
+
+    def peer_failure(self):
+        return self.cause
 
     def peers_waiting(self):
         return True
 
-    def announce_failure(self):
+    def announce_failure(self, cause):
         pass
 
 
@@ -296,12 +299,15 @@ class SlowToEndAttempt(RankEndingAttempt):
         return 1 if self.ended else None
 
 
-@pytest.mark.parametrize("fails, cause", [(True, "exit"), (False, "peer")])
-def test_a_peers_failure_lets_this_nodes_ranks_end_on_their_own_first(tmp_path, monkeypatch,
-                                                                      fails, cause):
+@pytest.mark.parametrize("peer_cause, fails, polls, cause", [
+    ("usage", True, 2, "exit"), ("usage", False, 2, "peer"), ("nonfinite", True, 2, "exit"),
+    ("device_lost", True, 1, "peer"), ("exit", False, 1, "peer")])
+def test_a_peers_failure_lets_this_nodes_ranks_end_on_their_own_first(
+        tmp_path, monkeypatch, peer_cause, fails, polls, cause):
     """An error every rank shares ends the ranks of every node at once: a node that hears of
     its peer's failure first still reports its own ranks' error. Ranks that keep running
-    (blocked on a dead peer) are stopped once the grace is over, as cause peer."""
+    are stopped once the grace is over, as cause peer; after any other cause of the peer's
+    they are stopped at once (blocked on a dead peer, or to dump their replicas)."""
     import time
 
     from ftmaster import supervisor as supervisor_module
@@ -313,11 +319,12 @@ def test_a_peers_failure_lets_this_nodes_ranks_end_on_their_own_first(tmp_path, 
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, FailingMonitor())
-    supervisor.membership = PeerFailedMembership()
+    supervisor.membership = PeerFailedMembership(peer_cause)
     supervisor.attempt = SlowToEndAttempt(fails)
     supervisor._progress = (None, time.monotonic())  # just launched
-    assert supervisor._check_training() is None  # the grace starts: no rejoin either
-    time.sleep(0.1)
+    if polls == 2:
+        assert supervisor._check_training() is None  # the grace starts: no rejoin either
+        time.sleep(0.1)
     assert supervisor._check_training() is Trigger.FAILURE
     failure = runfiles.read_events(tmp_path)[-1]
     assert (failure["event"], failure["cause"]) == ("failure", cause)

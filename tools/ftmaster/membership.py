@@ -250,7 +250,7 @@ class NodeMembership:
         self.config = config
         self.poll_s = poll_s
         self._checked_at = float("-inf")
-        self._waiting = self._peer_failed = False
+        self._waiting, self._peer_failure = False, None
         self._round: Round | None = None
         self._round_store = None
         os.environ[SHARE_STORE_ENV] = "1"
@@ -291,7 +291,7 @@ class NodeMembership:
         nodes = order_records(records)
         secret = None if peer_url is None else self._job_secret(store)
         self._round, self._round_store = Round(number, nodes, nodes.index(me), secret), store
-        self._checked_at, self._waiting, self._peer_failed = time.monotonic(), False, False
+        self._checked_at, self._waiting, self._peer_failure = time.monotonic(), False, None
         return self._round
 
     def _job_secret(self, store) -> str:
@@ -302,17 +302,17 @@ class NodeMembership:
             self._call(base.set, key, new_secret())
         return self._call(base.get, key).decode()
 
-    def announce_failure(self) -> None:
-        """Tell the other nodes that the current round failed here: their ranks may be blocked
-        on collectives with a dead peer until a timeout, or parked for a replica dump, and
-        should be stopped (and dump) now."""
-        self.announce(f"failed/{self._round.number}", str(self.config.node_rank))
+    def announce_failure(self, cause: str) -> None:
+        """Tell the other nodes that the current round failed here, and why: their ranks may
+        be blocked on collectives with a dead peer until a timeout, or parked for a replica
+        dump, and should be stopped (and dump) now."""
+        self.announce(f"failed/{self._round.number}", f"{self.config.node_rank} {cause}")
 
-    def peer_failed(self) -> bool:
-        """Whether another node announced a failure of the current round (polled with
-        :meth:`peers_waiting`)."""
+    def peer_failure(self) -> str | None:
+        """The cause of the current round's failure another node announced, if one did
+        (polled with :meth:`peers_waiting`)."""
         self._poll()
-        return self._peer_failed
+        return self._peer_failure
 
     def announce(self, name: str, value: str) -> None:
         """Tell every node of the job ``value`` under ``name``."""
@@ -347,11 +347,13 @@ class NodeMembership:
         waiting = self._call(call_once_bounded, "rendezvous-poll", self.config.store_timeout_s,
                              self.handler.num_nodes_waiting)
         self._waiting = waiting > 0
-        if self._round is not None:
-            failed = self._job_key(f"failed/{self._round.number}")
-            self._peer_failed = self._call(call_once_bounded, "rendezvous-poll",
-                                           self.config.store_timeout_s,
-                                           self._round_store.underlying_store.check, [failed])
+        if self._round is not None and self._peer_failure is None:
+            base, failed = self._round_store.underlying_store, self._job_key(
+                f"failed/{self._round.number}")
+            if self._call(call_once_bounded, "rendezvous-poll", self.config.store_timeout_s,
+                          base.check, [failed]):
+                said = self._call(base.get, failed).decode().split(" ", 1)
+                self._peer_failure = said[1] if len(said) == 2 else "unknown"
 
     # -- the end of the job ---------------------------------------------------------------
     def _job_key(self, name: str) -> str:

@@ -108,9 +108,12 @@ from the moment it is due (``at=Ns`` or ``after=``; ``at=iter:K`` is armed at la
 # How long a decision waits for the monitor's fresh sample (reads are bounded well below).
 EVIDENCE_TIMEOUT_S = 5.0
 # How long a node lets its own ranks end on their own after a peer announced the round's
-# failure: an error every rank shares (a refused fresh start) ends them all at once, and
-# each node should report its own ranks' error, not "peer".
+# failure with a cause every rank shares (a refused fresh start, a non-finite loss): they
+# end on every node at once, and each node should report its own ranks' error, not "peer".
+# Any other cause stops the ranks at once (they may be blocked on a dead peer, or parked
+# for a replica dump).
 PEER_FAILURE_GRACE_S = 2.0
+SHARED_CAUSES = ("usage", "nonfinite")
 SCALE_UP_POLICIES = ("now", "at-save")
 
 log = logging.getLogger("ftmaster")
@@ -463,8 +466,11 @@ class Supervisor:
             return self._wait_for_exit_after_finishing()
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
-        if self.membership is not None and self.membership.peer_failed():
-            return self._failure("peer", iteration, [], {}) if self._peer_grace_over() else None
+        peer_failure = self.membership.peer_failure() if self.membership is not None else None
+        if peer_failure is not None:
+            if peer_failure in SHARED_CAUSES and not self._peer_grace_over():
+                return None
+            return self._failure("peer", iteration, [], {})
         if self.membership is not None and self.membership.peers_waiting():
             return self._rejoin(iteration)
         return None
@@ -661,7 +667,7 @@ class Supervisor:
         attempt = self.attempt
         self._last_failure = (cause, first_local_rank)
         if self.membership is not None:
-            self.membership.announce_failure()  # the other nodes stop (and dump) now
+            self.membership.announce_failure(cause)  # the other nodes stop (and dump) now
         self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         unfit = {g: why for g, why in self._unfit_gpus().items() if g in attempt.gpus}
