@@ -172,7 +172,7 @@ def _reads_checked_against(manifest: Manifest | None, peers: list):
     a plain load, its files checked beforehand."""
     if manifest is not None and manifest.items:
         return checksums.verifying_reads(manifest, peers)
-    return contextlib.nullcontext([0])
+    return contextlib.nullcontext([0, 0])
 
 
 # ---- agreement on the control group ---------------------------------------------------------
@@ -886,7 +886,7 @@ class Checkpointer:
             template = self._state_dict(state, is_loading=True, with_rng=with_rng,
                                         with_optimizer=not self.args.no_load_optim,
                                         from_distributed=from_distributed)
-            with _reads_checked_against(manifest, peers) as verified_on_read:
+            with _reads_checked_against(manifest, peers) as read_on_the_way:
                 loaded = dist_checkpointing.load(template, str(path),
                                                  sharded_strategy=self._load_strategy(path))
             self._apply(loaded, state, with_rng, from_distributed)
@@ -897,7 +897,7 @@ class Checkpointer:
             startup.mark("checkpoint-read")
             read = _bytes_read_by_this_process() - read_before
             self._loaded(path, state, common, with_rng, manifest, time.perf_counter() - start,
-                         verify_seconds, self._sum_over_ranks([verified_on_read[0], read]), tier)
+                         verify_seconds, self._sum_over_ranks([*read_on_the_way, read]), tier)
         return problem
 
     def _checksum_problem(self, path: Path, manifest: Manifest, node_local: bool) -> str | None:
@@ -919,9 +919,10 @@ class Checkpointer:
     def _loaded(self, path: Path, state: TrainingState, common: dict, with_rng: bool,
                 manifest: Manifest | None, seconds: float, verify_seconds: float,
                 read_counts: list[int], tier: str) -> None:
-        """``read_counts``: the bytes checked item by item as they were read, and the bytes the
-        ranks read in all from the start of verification to the end of the load, as the kernel
-        counts them (``rchar``); both summed over ranks."""
+        """``read_counts``: the bytes checked item by item as they were read, those read from
+        peers (a node-local memory checkpoint), and the bytes the ranks read in all from the
+        start of verification to the end of the load, as the kernel counts them (``rchar``,
+        sockets included); each summed over ranks."""
         size = manifest.total_bytes if manifest and manifest.files else None
         log_rank0(f"loaded checkpoint from {path} at iteration {state.iteration} in "
                   f"{seconds:.3f} s ({size if size is not None else 'unknown'} bytes); layout "
@@ -929,7 +930,8 @@ class Checkpointer:
                   + ("" if with_rng else "; RNG state not restored"))
         self.event("checkpoint_loaded", iteration=state.iteration, path=str(path), tier=tier,
                    seconds=round(seconds, 4), bytes=size, verify_seconds=round(verify_seconds, 4),
-                   verified_on_read=read_counts[0], read_bytes=read_counts[1])
+                   verified_on_read=read_counts[0], peer_bytes=read_counts[1],
+                   read_bytes=read_counts[2])
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         self._last_saved_tier, self.last_bytes = tier, size
 

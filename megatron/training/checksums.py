@@ -164,9 +164,9 @@ class PeerFallbackFileSystem(FileSystem):
     """torch's local files, and a file this node lacks under ``root`` read from the peers
     that hold it (:class:`ftmaster.peer_files.PeerFile`: one range request per item)."""
 
-    def __init__(self, root: Path, peers: list) -> None:
+    def __init__(self, root: Path, peers: list, counter: list[int]) -> None:
         super().__init__()
-        self.root, self.peers = Path(root), peers
+        self.root, self.peers, self.counter = Path(root), peers, counter
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
@@ -175,8 +175,11 @@ class PeerFallbackFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with PeerFile(self.peers, str(path.relative_to(self.root))) as stream:
+        with PeerFile(self.peers, str(path.relative_to(self.root)), self._count) as stream:
             yield stream
+
+    def _count(self, size: int) -> None:
+        self.counter[1] += size
 
 
 class VerifyingReader(CachedMetadataFileSystemReader):
@@ -187,11 +190,12 @@ class VerifyingReader(CachedMetadataFileSystemReader):
     checked before anything is unpickled, and the bytes come off the medium once."""
 
     def __init__(self, path, manifest: Manifest, counter: list[int], peers: list = ()) -> None:
+        """``counter``: the bytes checked as read, and (with ``peers``) those read from them."""
         super().__init__(path)
         self.manifest = manifest
         self.counter = counter
         if peers:  # a node-local memory checkpoint: what this node lacks, its peers give
-            self.fs = PeerFallbackFileSystem(Path(path).parent, list(peers))
+            self.fs = PeerFallbackFileSystem(Path(path).parent, list(peers), counter)
 
     def _slice_file(self, file, sinfo):
         if sinfo.relative_path not in self.manifest.items:  # checked in full before the load
@@ -208,10 +212,11 @@ class VerifyingReader(CachedMetadataFileSystemReader):
 @contextlib.contextmanager
 def verifying_reads(manifest: Manifest, peers: list = ()):
     """Within it, megatron-core's torch_dist loads read through a :class:`VerifyingReader`;
-    yields a one-element list counting the bytes checked. megatron-core builds its reader
+    yields a list counting the bytes checked and the bytes read from peers. megatron-core
+    builds its reader
     inside ``TorchDistLoadShardedStrategy.load`` with the module function
     ``_get_filesystem_reader``, so that name is the one seam (module-scoped, undone on exit)."""
-    counter = [0]
+    counter = [0, 0]
     original = torch_strategy._get_filesystem_reader
     torch_strategy._get_filesystem_reader = (
         lambda path, cache_metadata=False: VerifyingReader(path, manifest, counter, peers))

@@ -66,8 +66,9 @@ def test_replicas_must_be_at_least_one(tmp_path):
         ReplicationConfig(tmp_path, tmp_path, 0, replicas=0)
 
 
-def shard_checkpoint(folders, iteration=4):
-    """Node 0 (ranks 0-1) wrote rank 0's files and the manifest, node N ranks 2N and 2N+1's."""
+def shard_checkpoint(folders, iteration=4, items=False):
+    """Node 0 (ranks 0-1) wrote rank 0's files and the manifest, node N ranks 2N and 2N+1's;
+    with ``items``, each shard is one item with its own checksum (a load checks it as read)."""
     files = {}
     for node, folder in enumerate(folders):
         names = [f"__{2 * node}_0.distcp", f"__{2 * node + 1}_0.distcp"]
@@ -76,7 +77,9 @@ def shard_checkpoint(folders, iteration=4):
         for name in names + ([".metadata", "common.pt"] if node == 0 else []):
             (folder / name).write_bytes(name.encode() * 1000 + bytes([iteration]))
             files[name] = digest_file(folder / name)
-    write_manifest(iteration_dir(folders[0], iteration), "periodic", iteration, files)
+    write_manifest(iteration_dir(folders[0], iteration), "periodic", iteration, files,
+                   {name: {0: digest} for name, digest in files.items() if writer_rank(name) is not None}
+                   if items else None)
 
 
 def agreed_on(folders, iteration=4):
@@ -278,3 +281,27 @@ def test_a_checkpoint_a_live_node_no_longer_serves_is_a_failed_catch_up(tmp_path
             replication.close()
     assert failed.iteration == 4 and "no longer hold every file" in failed.reason
     assert read_tracker(folders[0]) is None
+
+
+def test_a_rejoining_node_copies_what_its_ranks_open_locally_and_leaves_the_shards_to_the_load(
+        tmp_path):
+    """Item checksums let a load read the shards it lacks from the peers, item by item, only
+    those its layout needs: the catch-up copies the checkpoint's own files and its manifest."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders, items=True)
+    for name in ("__2_0.distcp", "__3_0.distcp"):  # node 0's copy is whole
+        shutil.move(iteration_dir(folders[1], 4) / name, iteration_dir(folders[0], 4) / name)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        ((node, copied),) = replications[1].catch_up(agreed_on({0: folders[0], 1: folders[1]}))
+    finally:
+        for replication in replications:
+            replication.close()
+    assert (node, copied.iteration) == (0, 4)
+    assert sorted(p.name for p in iteration_dir(folders[1], 4).iterdir()) == [
+        ".metadata", "common.pt", MANIFEST_NAME]
+    assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
+    assert read_tracker(folders[1]) == 4

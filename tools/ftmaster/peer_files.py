@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
@@ -351,11 +351,14 @@ class PeerFile(io.RawIOBase):
     after a ``seek`` is one range request, so a load fetches only the items it reads (and
     checks each against the manifest as it does locally)."""
 
-    def __init__(self, clients: Sequence[PeerClient], relative: str) -> None:
+    def __init__(self, clients: Sequence[PeerClient], relative: str,
+                 on_read: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self._clients, self._relative = list(clients), relative
         self._holder: PeerClient | None = None
         self._position = 0
+        self._on_read = on_read
+        """Told the size of each range read (what a load took from its peers)."""
 
     def readable(self) -> bool:
         return True
@@ -386,6 +389,8 @@ class PeerFile(io.RawIOBase):
             except PeerMissing:
                 continue
             self._holder = client
+            if self._on_read is not None:
+                self._on_read(len(data))
             return data
         raise PeerMissing(f"no live peer holds {self._relative}")
 

@@ -42,7 +42,7 @@ from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, Pee
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
                                            set_tracker)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
-                                        digest_bytes, is_whole)
+                                        digest_bytes)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
@@ -251,11 +251,15 @@ class Replication:
         write_peer_list(self.config.run_dir, secret, [url for _, url in others])
 
     def catch_up(self, agreed: Agreed | None) -> list[tuple[int, Copied] | ReplicationFailed]:
-        """Before a launch: the checkpoint the round agreed on made whole here, each file from
-        the live nodes that hold it (those holding the most first), and the tracker set to it,
-        so every node's ranks load it, rank 0's included. A node that rejoins after missing
-        saves needs it, and so does a rank-0 node whose folder lacks what its peers hold. A
-        node that holds it whole already copies nothing."""
+        """Before a launch: the checkpoint the round agreed on made loadable here, so every
+        node's ranks load it, rank 0's included, and its tracker set to it. What every rank's
+        load opens on its own node comes from the live nodes that hold it (those holding the
+        most first), verified: the checkpoint's own files (metadata, common state), then its
+        manifest. The shards this node lacks are left to the load, which reads from the peers
+        only the items its layout needs, each checked against the manifest; without item
+        checksums (a checkpoint merged from replicas) every file is copied. A node that
+        rejoins after missing saves needs this, and so does a rank-0 node whose folder lacks
+        what its peers hold."""
         peers = self._peers
         if agreed is None or peers is None:
             return []
@@ -263,15 +267,20 @@ class Replication:
                                                                       agreed.iteration), []
         live = dict(peers.others)
         try:
-            if not is_whole(folder):
-                manifest = self._agreed_manifest(agreed, folder, live, peers)
-                for node_rank in self._holders_by_count(agreed, live):
-                    names = [n for n, nodes in agreed.holders.items() if node_rank in nodes]
-                    copied = fill_from_peer(self._client(live[node_rank], peers),
-                                            agreed.iteration, memory, manifest, names)
-                    if copied.bytes:
-                        done.append((node_rank, copied))
-            if is_whole(folder):
+            manifest = self._agreed_manifest(agreed, folder, live, peers)
+            if known_manifest(folder) not in (None, manifest):
+                folder.rename(folder.with_name(f"{folder.name}.discarded-{time.time_ns()}"))
+            needed = [name for name in agreed.holders
+                      if writer_rank(name) is None or not json.loads(manifest).get("items")]
+            for node_rank in self._holders_by_count(agreed, live):
+                names = [name for name in needed if node_rank in agreed.holders[name]]
+                copied = fill_from_peer(self._client(live[node_rank], peers), agreed.iteration,
+                                        memory, manifest, names)
+                if copied.bytes:
+                    done.append((node_rank, copied))
+            files = manifest_files(manifest, agreed.iteration, "the agreed manifest")
+            if all(_has_size(folder / name, files[name].bytes) for name in needed):
+                _keep_manifest(folder, manifest, MANIFEST_NAME)
                 set_tracker(memory, agreed.iteration)
             else:
                 done.append(ReplicationFailed(agreed.iteration, "the live nodes no longer hold "
@@ -437,12 +446,13 @@ class Replication:
                           unauthorized_wait_s=AUTHORIZE_WAIT_S)
 
 
-def _keep_manifest(folder: Path, manifest: bytes) -> None:
-    """``HELD_MANIFEST_NAME``: what the peers read to copy or persist from this node."""
+def _keep_manifest(folder: Path, manifest: bytes, name: str = HELD_MANIFEST_NAME) -> None:
+    """By default ``HELD_MANIFEST_NAME``: what the peers read to copy or persist from this
+    node."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{HELD_MANIFEST_NAME}.part"
+    tmp = folder / f".{name}.part"
     tmp.write_bytes(manifest)
-    os.replace(tmp, folder / HELD_MANIFEST_NAME)
+    os.replace(tmp, folder / name)
 
 
 class MemoryAgreement:
