@@ -151,9 +151,9 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
         agreed = agreed_on({0: folders[0], 1: folders[1]})
-        assert replications[0].catch_up(agreed) == []  # rank 0's own node, whole already
-        ((node, copied),) = replications[1].catch_up(agreed)
-        again = replications[1].catch_up(agreed)
+        assert replications[0].catch_up(agreed, True) == []  # rank 0's own node, whole already
+        ((node, copied),) = replications[1].catch_up(agreed, False)
+        again = replications[1].catch_up(agreed, False)
         used = replications[1].used_bytes()
     finally:
         for replication in replications:
@@ -183,7 +183,7 @@ def test_rank_0s_node_catches_up_on_a_newer_whole_copy_a_peer_holds(tmp_path, ra
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        caught_up = replications[0].catch_up(agreed_on({0: folders[0], 1: folders[1]}))
+        caught_up = replications[0].catch_up(agreed_on({0: folders[0], 1: folders[1]}), True)
     finally:
         for replication in replications:
             replication.close()
@@ -207,6 +207,9 @@ def held(files, total=3, manifest="m4"):
     ({0: {"4": held(["a", "b", "c"])}, 1: {"4": held(["c"])}, 2: None},
      (4, {"a": (0,), "b": (0,), "c": (0, 1)})),  # a node that published nothing
     ({0: {"4": held(["a", "b", "c"])}, 1: "not json"}, (4, {"a": (0,), "b": (0,), "c": (0,)})),
+    ({0: {"6": held(["a", "b", "c"], manifest="kept by a node on standby")},
+      1: {"6": held(["a", "b", "c"], manifest="m6")}, 2: {"6": held(["a"], manifest="m6")}},
+     (6, {"a": (1, 2), "b": (1,), "c": (1,)})),  # two complete timelines: the one more hold
     ({}, None),
 ])
 def test_the_newest_checkpoint_whose_every_file_a_live_node_holds_is_complete(records, expected):
@@ -245,7 +248,7 @@ def test_three_nodes_with_one_replica_no_folder_is_whole_yet_every_checkpoint_is
         for r in (0, 2):  # node 1 is lost: the round's live nodes are 0 and 2
             replications[r].new_round(SECRET, (records[0], records[2]), (0, 1)[r // 2], [2, 2])
         survivors = agreed_on({0: folders[0], 2: folders[2]})
-        caught_up = replications[0].catch_up(survivors)
+        caught_up = replications[0].catch_up(survivors, True)
     finally:
         for replication in replications:
             replication.close()
@@ -275,7 +278,7 @@ def test_a_checkpoint_a_live_node_no_longer_serves_is_a_failed_catch_up(tmp_path
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
         (iteration_dir(folders[1], 4) / "__3_0.distcp").unlink()  # pruned meanwhile
-        (failed,) = [x for x in replications[0].catch_up(agreed) if isinstance(x, ReplicationFailed)]
+        (failed,) = [x for x in replications[0].catch_up(agreed, True) if isinstance(x, ReplicationFailed)]
     finally:
         for replication in replications:
             replication.close()
@@ -296,7 +299,7 @@ def test_a_rejoining_node_copies_what_its_ranks_open_locally_and_leaves_the_shar
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        ((node, copied),) = replications[1].catch_up(agreed_on({0: folders[0], 1: folders[1]}))
+        ((node, copied),) = replications[1].catch_up(agreed_on({0: folders[0], 1: folders[1]}), False)
     finally:
         for replication in replications:
             replication.close()
@@ -304,4 +307,20 @@ def test_a_rejoining_node_copies_what_its_ranks_open_locally_and_leaves_the_shar
     assert sorted(p.name for p in iteration_dir(folders[1], 4).iterdir()) == [
         ".metadata", "common.pt", MANIFEST_NAME]
     assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
-    assert read_tracker(folders[1]) == 4
+    assert read_tracker(folders[1]) is None  # a tracker would keep a copy it holds in part
+
+
+def test_a_node_publishes_its_newest_checkpoints_with_a_manifest_of_either_kind(tmp_path):
+    """A save under way (no manifest yet) is no holding, and takes no place among the three."""
+    for iteration in (2, 4, 6, 8):
+        shard_checkpoint([tmp_path / f"n{iteration}"], iteration)
+        shutil.copytree(iteration_dir(tmp_path / f"n{iteration}", iteration),
+                        iteration_dir(tmp_path / "memory", iteration))
+    (iteration_dir(tmp_path / "memory", 8) / MANIFEST_NAME).rename(
+        iteration_dir(tmp_path / "memory", 8) / HELD_MANIFEST_NAME)  # held in part elsewhere
+    (iteration_dir(tmp_path / "memory", 8) / "common.pt").unlink()
+    iteration_dir(tmp_path / "memory", 10).mkdir()  # a save under way
+    held = holdings_of(tmp_path / "memory")
+    assert list(held) == ["8", "6", "4"]
+    assert held["8"]["total"] == 4 and "common.pt" not in held["8"]["files"]
+    assert held["6"]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt"]

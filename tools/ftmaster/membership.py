@@ -305,8 +305,11 @@ class NodeMembership:
     def announce_failure(self, cause: str) -> None:
         """Tell the other nodes that the current round failed here, and why: their ranks may
         be blocked on collectives with a dead peer until a timeout, or parked for a replica
-        dump, and should be stopped (and dump) now."""
-        self.announce(f"failed/{self._round.number}", f"{self.config.node_rank} {cause}")
+        dump, and should be stopped (and dump) now. The first node to fail says it: a later
+        node's failure (cause ``peer``, or a hang) is a consequence."""
+        name = f"failed/{self._round.number}"
+        if self._bounded(self._round_store.underlying_store.add, self._job_key(f"{name}/n"), 1) == 1:
+            self.announce(name, f"{self.config.node_rank} {cause}")
 
     def peer_failure(self) -> str | None:
         """The cause of the current round's failure another node announced, if one did
@@ -316,18 +319,23 @@ class NodeMembership:
 
     def announce(self, name: str, value: str) -> None:
         """Tell every node of the job ``value`` under ``name``."""
-        self._call(self._round_store.underlying_store.set, self._job_key(name), value)
+        self._bounded(self._round_store.underlying_store.set, self._job_key(name), value)
 
     def announcement(self, name: str, timeout_s: float) -> str | None:
         """What a node announced under ``name``, waiting up to ``timeout_s``; None if nothing
         came."""
         base, key = self._round_store.underlying_store, self._job_key(name)
         deadline = time.monotonic() + timeout_s
-        while not self._call(base.check, [key]):
+        while not self._bounded(base.check, [key]):
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
-        return self._call(base.get, key).decode()
+        return self._bounded(base.get, key).decode()
+
+    def _bounded(self, fn, *args):
+        """A store call from the training loop, bounded as :meth:`peers_waiting` explains."""
+        return self._call(call_once_bounded, "rendezvous-store", self.config.store_timeout_s,
+                          fn, *args)
 
     def peers_waiting(self) -> bool:
         """Whether a node waits to form a new round (a peer failed, or one joined); polled at
@@ -344,16 +352,12 @@ class NodeMembership:
         if now - self._checked_at < self.poll_s:
             return
         self._checked_at = now
-        waiting = self._call(call_once_bounded, "rendezvous-poll", self.config.store_timeout_s,
-                             self.handler.num_nodes_waiting)
-        self._waiting = waiting > 0
+        self._waiting = self._bounded(self.handler.num_nodes_waiting) > 0
         if self._round is not None and self._peer_failure is None:
-            base, failed = self._round_store.underlying_store, self._job_key(
-                f"failed/{self._round.number}")
-            if self._call(call_once_bounded, "rendezvous-poll", self.config.store_timeout_s,
-                          base.check, [failed]):
-                said = self._call(base.get, failed).decode().split(" ", 1)
-                self._peer_failure = said[1] if len(said) == 2 else "unknown"
+            said = self.announcement(f"failed/{self._round.number}", 0.0)
+            if said is not None:
+                parts = said.split(" ", 1)
+                self._peer_failure = parts[1] if len(parts) == 2 else "unknown"
 
     # -- the end of the job ---------------------------------------------------------------
     def _job_key(self, name: str) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ftmaster.membership import StoreLost
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
                                  PeerServer, fill_from_peer, manifest_files, write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
@@ -73,7 +74,7 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
     and those here at their size (verified as they arrived, or written by the node's ranks).
     A folder without a manifest of either kind (a save under way) holds nothing yet."""
     held = {}
-    for iteration in list_iterations(memory_dir)[:HOLDINGS_KEPT]:
+    for iteration in list_iterations(memory_dir):
         folder = iteration_dir(memory_dir, iteration)
         manifest = known_manifest(folder)
         if manifest is None:
@@ -82,6 +83,8 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
             files = manifest_files(manifest, iteration, str(folder))
         except PeerError:
             continue
+        if len(held) == HOLDINGS_KEPT:
+            break
         held[str(iteration)] = {"manifest": digest_bytes(manifest).digest, "total": len(files),
                                 "files": sorted(name for name, expected in files.items()
                                                 if _has_size(folder / name, expected.bytes))}
@@ -151,10 +154,16 @@ def newest_complete(records: dict[int, str | None]) -> Agreed | None:
             _, files = found.setdefault((iteration, manifest), (total, {}))
             for name in names:
                 files.setdefault(str(name), []).append(node_rank)
+    def rank(key: tuple[int, str]) -> tuple:
+        # Two timelines' checkpoints of one iteration, both complete: the one more nodes
+        # hold (a node left standing by through a rollback keeps the discarded one)
+        nodes = {node for holders in found[key][1].values() for node in holders}
+        return key[0], len(nodes), key[1]
+
     complete = [key for key, (total, files) in found.items() if len(files) == total]
     if not complete:
         return None
-    iteration, manifest = max(complete)
+    iteration, manifest = max(complete, key=rank)
     holders = found[(iteration, manifest)][1]
     return Agreed(iteration, manifest, {name: tuple(nodes) for name, nodes in holders.items()})
 
@@ -226,6 +235,7 @@ class Replication:
         self._peers: Peers | None = None
         self._wanted: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._folder_lock = threading.Lock()  # a copy and a catch-up fill one folder in turn
         self._thread = threading.Thread(target=self._serve_saves, name="ftmaster-replication",
                                         daemon=True)
         self._thread.start()
@@ -238,6 +248,10 @@ class Replication:
         """The round's nodes (node records in node-rank order, this one at ``me``) and how
         many ranks each runs: the next ``replicas`` nodes with ranks are this node's sources."""
         self.server.authorize(secret)
+        while not self._wanted.empty():  # the last round's saves: the new round agrees anew
+            if self._wanted.get_nowait() is None:
+                self._wanted.put(None)
+                break
         ranks = rank_ranges(ranks_per_node)
         active = [i for i, count in enumerate(ranks_per_node) if count]
         ring = [i for i in active if i > me] + [i for i in active if i < me]
@@ -250,7 +264,8 @@ class Replication:
         self._peers = Peers(secret, sources, rank0, others)
         write_peer_list(self.config.run_dir, secret, [url for _, url in others])
 
-    def catch_up(self, agreed: Agreed | None) -> list[tuple[int, Copied] | ReplicationFailed]:
+    def catch_up(self, agreed: Agreed | None, chooses: bool
+                 ) -> list[tuple[int, Copied] | ReplicationFailed]:
         """Before a launch: the checkpoint the round agreed on made loadable here, so every
         node's ranks load it, rank 0's included, and its tracker set to it. What every rank's
         load opens on its own node comes from the live nodes that hold it (those holding the
@@ -259,10 +274,16 @@ class Replication:
         only the items its layout needs, each checked against the manifest; without item
         checksums (a checkpoint merged from replicas) every file is copied. A node that
         rejoins after missing saves needs this, and so does a rank-0 node whose folder lacks
-        what its peers hold."""
+        what its peers hold. The tracker is set where the load ``chooses`` (the node of rank
+        0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning."""
         peers = self._peers
         if agreed is None or peers is None:
             return []
+        with self._folder_lock:
+            return self._catch_up(agreed, peers, chooses)
+
+    def _catch_up(self, agreed: Agreed, peers: Peers, chooses: bool
+                  ) -> list[tuple[int, Copied] | ReplicationFailed]:
         memory, folder, done = self.config.memory_dir, iteration_dir(self.config.memory_dir,
                                                                       agreed.iteration), []
         live = dict(peers.others)
@@ -281,7 +302,10 @@ class Replication:
             files = manifest_files(manifest, agreed.iteration, "the agreed manifest")
             if all(_has_size(folder / name, files[name].bytes) for name in needed):
                 _keep_manifest(folder, manifest, MANIFEST_NAME)
-                set_tracker(memory, agreed.iteration)
+                if chooses:
+                    set_tracker(memory, agreed.iteration)
+                elif all(_has_size(folder / name, e.bytes) for name, e in files.items()):
+                    advance_tracker(memory, agreed.iteration)
             else:
                 done.append(ReplicationFailed(agreed.iteration, "the live nodes no longer hold "
                                               "every file of the agreed checkpoint"))
@@ -410,7 +434,8 @@ class Replication:
             if peers is None or not peers.sources:
                 continue
             try:
-                self._copy(iteration, peers)
+                with self._folder_lock:
+                    self._copy(iteration, peers)
             except (PeerError, OSError) as error:
                 self._results.put(ReplicationFailed(iteration, str(error)))
             except Exception as error:  # a copier that dies must still say why
@@ -463,7 +488,7 @@ class MemoryAgreement:
 
     def __init__(self, membership, replication: Replication) -> None:
         self.membership, self.replication = membership, replication
-        self._read_at, self._current = float("-inf"), None
+        self._read_at, self._current = (None, float("-inf")), None  # (round, time)
 
     def publish(self, round_number: int) -> None:
         """Say what this node's tier holds now (after a copy, a catch-up, a merge)."""
@@ -485,9 +510,13 @@ class MemoryAgreement:
         """While training: the newest complete checkpoint from the holdings published so far
         (read at most every ``AGREEMENT_POLL_S``)."""
         now = time.monotonic()
-        if now - self._read_at >= AGREEMENT_POLL_S:
-            self._read_at = now
-            self._current = newest_complete(self._records(round_number, node_ranks, 0.0))
+        if self._read_at[0] != round_number or now - self._read_at[1] >= AGREEMENT_POLL_S:
+            self._read_at = (round_number, now)
+            try:
+                self._current = newest_complete(self._records(round_number, node_ranks, 0.0))
+            except StoreLost as lost:  # the end of a run persists what it can without it
+                log.warning("reading the memory holdings: %s", lost)
+                self._current = None
         return self._current
 
     def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float

@@ -1060,12 +1060,13 @@ class Supervisor:
     def _catch_up_on_agreed_memory(self, joined: Round, active: list[int]) -> None:
         """Every node says what its tier holds; the node of rank 0 names the newest memory
         checkpoint complete on the round's nodes, and each node makes it whole here."""
+        decides = bool(active) and active[0] == joined.me
         self.agreement.publish(joined.number)
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
-                                       decides=bool(active) and active[0] == joined.me)
+                                       decides)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
-        self._report_replicated(self.replication.catch_up(agreed))
+        self._report_replicated(self.replication.catch_up(agreed, chooses=decides))
 
     def _merge_dumps_across_nodes(self, joined: Round, active: list[int]) -> None:
         """Replica recovery across nodes: the node of the new round's rank 0 gathers every
