@@ -8,6 +8,11 @@ median over the repeats of: one copy without a rate limit (verified on arrival, 
 /dev/shm), as GB/s and as a share of this machine's one-thread memcpy measured just before;
 and one with ``--replication-rate`` set, as a share of that rate. Server and client share
 this machine's 2 cores, so loopback is the floor of what a network link would give.
+
+``--persist`` also times persisting that checkpoint to a folder on disk (``--save-dir``, by
+default the system's temp folder), as the node of rank 0 does across nodes: from a whole
+local copy, and from a copy holding half the shards, the other half fetched from the peer
+that holds it (:func:`ftmaster.persist.persist` with a fetch); medians and their ratio.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 import numpy
 
 from ftmaster.peer_files import PeerClient, PeerServeConfig, PeerServer, copy_checkpoint, new_secret
+from ftmaster.persist import persist
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import digest_file, write_manifest
 
@@ -85,14 +91,52 @@ def measure(size_mb: int, repeats: int, rate_mb: float) -> None:
                       f"{speed * 1e3:.0f} MB/s = {speed * 1e9 / rate:.2f} of the limit", flush=True)
 
 
+def timed_persists(memory: Path, save_dir: Path, repeats: int, fetch=None) -> list[float]:
+    seconds = []
+    for _ in range(repeats):
+        shutil.rmtree(save_dir, ignore_errors=True)
+        seconds.append(persist(memory, save_dir, 2, fetch).seconds)
+    shutil.rmtree(save_dir, ignore_errors=True)
+    return seconds
+
+
+def measure_persist(size_mb: int, repeats: int, save_root: str | None) -> None:
+    nbytes, secret = size_mb * 1_000_000, new_secret()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch, \
+            tempfile.TemporaryDirectory(dir=save_root) as disk:
+        whole, half, peer = (Path(scratch) / name for name in ("whole", "half", "peer"))
+        make_checkpoint(whole, nbytes)
+        for tier in (half, peer):
+            shutil.copytree(iteration_dir(whole, 2), iteration_dir(tier, 2))
+        for shard in range(SHARDS):  # this node holds the first half, its peer the rest
+            (iteration_dir(half if shard >= SHARDS // 2 else peer, 2) / f"__{shard}_0.distcp").unlink()
+        server = PeerServer(PeerServeConfig(peer, secret))
+        client = PeerClient(server.url, secret)
+        try:
+            local = statistics.median(timed_persists(whole, Path(disk) / "save", repeats))
+            fetched = statistics.median(timed_persists(
+                half, Path(disk) / "save", repeats,
+                lambda name, dest, expected: client.fetch(f"iter_0000002/{name}", dest, expected)))
+        finally:
+            server.close()
+        print(f"{size_mb:>5} MB  persist from a whole copy: {local:.3f} s "
+              f"({nbytes / local / 1e9:.2f} GB/s); half fetched from the peer: {fetched:.3f} s "
+              f"({nbytes / fetched / 1e9:.2f} GB/s) = {fetched / local:.2f}x the time", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[77, 304, 1212])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate-mb", type=float, default=200.0)
+    parser.add_argument("--persist", action="store_true",
+                        help="also time persisting, from a whole copy and from half a copy")
+    parser.add_argument("--save-dir", default=None, help="where --persist writes (a disk)")
     options = parser.parse_args()
     for size in options.sizes_mb:
         measure(size, options.repeats, options.rate_mb)
+        if options.persist:
+            measure_persist(size, options.repeats, options.save_dir)
 
 
 if __name__ == "__main__":
