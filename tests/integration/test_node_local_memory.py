@@ -102,6 +102,8 @@ def test_each_node_holds_its_own_shards_and_peer_copies_make_a_whole_checkpoint(
                f"{iteration}" in remote.stdout
         loaded = [e for e in runfiles.read_events(run_dir) if e["event"] == "checkpoint_loaded"]
         assert loaded[0]["verified_on_read"] >= sum(manifest.files[n].bytes for n in theirs) * 0.9
+        # node 1's shards came from its server (an item two ranks need is read by each)
+        assert loaded[0]["peer_bytes"] >= sum(manifest.files[n].bytes for n in theirs) * 0.9
         assert not shard_files(iteration_dir(alone, iteration)) & theirs
 
         filled = fill_from_peer(PeerClient(servers[1].url, secret), iteration, node_folders[0],
