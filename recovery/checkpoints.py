@@ -37,7 +37,7 @@ from typing import Iterable, Iterator
 
 from ftmaster.runfiles import atomic_write_text
 
-from .manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, read_manifest, size_problem
+from .manifest import MANIFEST_NAME, known_manifest_name, read_manifest, size_problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
@@ -266,8 +266,7 @@ def pin(memory_dir: Path, iteration: int) -> bool:
     copy from the peers). Under the tier's lock, as pruning is, so that it cannot be removed
     between the check and the mark."""
     with tracker_lock(memory_dir):
-        folder = iteration_dir(memory_dir, iteration)
-        if not (is_complete(folder) or (folder / HELD_MANIFEST_NAME).is_file()):
+        if known_manifest_name(iteration_dir(memory_dir, iteration)) is None:
             return False
         atomic_write_text(Path(memory_dir) / _PIN_NAME, f"{iteration}\n", durable=False)
         return True

@@ -210,6 +210,15 @@ def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
                     iteration if isinstance(iteration, int) else None, files, items)
 
 
+def known_manifest_name(folder: Path) -> str | None:
+    """``MANIFEST_NAME`` for a complete folder, else ``HELD_MANIFEST_NAME`` for one holding
+    part of a node-local checkpoint, else None."""
+    for name in (MANIFEST_NAME, HELD_MANIFEST_NAME):
+        if (Path(folder) / name).is_file():
+            return name
+    return None
+
+
 def is_whole(folder: Path) -> bool:
     """A manifest, and every file it lists there at its size (a few stats: a node-local memory
     checkpoint has its manifest before peer copies bring the other nodes' shards)."""

@@ -46,6 +46,7 @@ from urllib.parse import quote, unquote, urlsplit
 import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
+from ftmaster.runfiles import atomic_write_text
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
                                         digest_bytes, digest_file, size_problem)
 
@@ -463,9 +464,7 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
             continue
         copied += expected.bytes
     if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
-        tmp = folder / f".{MANIFEST_NAME}.part"
-        tmp.write_bytes(manifest)
-        os.replace(tmp, folder / MANIFEST_NAME)
+        atomic_write_text(folder / MANIFEST_NAME, manifest.decode(), durable=False)
         copied += len(manifest)
     return Copied(iteration, folder, copied, time.perf_counter() - started, tuple(missing))
 

@@ -32,8 +32,8 @@ from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracke
                                            list_iterations, pin, read_tracker, tracker_lock,
                                            unpin)
 from ftmaster.peer_files import PeerError
-from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, DigestingWriter,
-                                        FileDigest, is_whole, read_manifest)
+from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
+                                        known_manifest_name, read_manifest)
 
 _CHUNK = 16 << 20
 _PARTIAL = ".iter_{:07d}.partial-"
@@ -143,10 +143,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     if is_complete(target):  # a copy killed after its rename, or the trainer's own save
         advance_tracker(save_dir, iteration)
         return None
-    manifest_name = MANIFEST_NAME
-    if fetch is not None and not (source / MANIFEST_NAME).is_file():
-        manifest_name = HELD_MANIFEST_NAME
-    manifest = read_manifest(source, manifest_name)
+    manifest_name = known_manifest_name(source) if fetch is not None else MANIFEST_NAME
+    manifest = read_manifest(source, manifest_name) if manifest_name else None
     if manifest is None or not manifest.files:
         raise PersistError(f"{source} has no checksummed manifest: not a complete checkpoint")
     start = time.perf_counter()

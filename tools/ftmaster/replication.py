@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import logging
 import queue
 import re
@@ -43,7 +42,8 @@ from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, Pee
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
                                            set_tracker)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
-                                        digest_bytes)
+                                        digest_bytes, known_manifest_name)
+from ftmaster.runfiles import atomic_write_text
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
@@ -75,6 +75,8 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
     A folder without a manifest of either kind (a save under way) holds nothing yet."""
     held = {}
     for iteration in list_iterations(memory_dir):
+        if len(held) == HOLDINGS_KEPT:
+            break
         folder = iteration_dir(memory_dir, iteration)
         manifest = known_manifest(folder)
         if manifest is None:
@@ -83,8 +85,6 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
             files = manifest_files(manifest, iteration, str(folder))
         except PeerError:
             continue
-        if len(held) == HOLDINGS_KEPT:
-            break
         held[str(iteration)] = {"manifest": digest_bytes(manifest).digest, "total": len(files),
                                 "files": sorted(name for name, expected in files.items()
                                                 if _has_size(folder / name, expected.bytes))}
@@ -93,12 +93,11 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
 
 def known_manifest(folder: Path) -> bytes | None:
     """The manifest of a whole folder, else the one kept beside some of its files."""
-    for name in (MANIFEST_NAME, HELD_MANIFEST_NAME):
-        try:
-            return (folder / name).read_bytes()
-        except OSError:
-            continue
-    return None
+    name = known_manifest_name(folder)
+    try:
+        return None if name is None else (folder / name).read_bytes()
+    except OSError:  # pruned meanwhile
+        return None
 
 
 def _has_size(path: Path, size: int) -> bool:
@@ -291,8 +290,9 @@ class Replication:
             manifest = self._agreed_manifest(agreed, folder, live, peers)
             if known_manifest(folder) not in (None, manifest):
                 folder.rename(folder.with_name(f"{folder.name}.discarded-{time.time_ns()}"))
+            whole_files = not json.loads(manifest).get("items")  # loads check files whole
             needed = [name for name in agreed.holders
-                      if writer_rank(name) is None or not json.loads(manifest).get("items")]
+                      if whole_files or writer_rank(name) is None]
             for node_rank in self._holders_by_count(agreed, live):
                 names = [name for name in needed if node_rank in agreed.holders[name]]
                 copied = fill_from_peer(self._client(live[node_rank], peers), agreed.iteration,
@@ -346,15 +346,14 @@ class Replication:
         relative = iteration_dir(Path(), agreed.iteration).name
 
         def fetch(name: str, dest: Path, expected: FileDigest) -> None:
-            holders = [n for n in agreed.holders.get(name, ()) if n in live]
-            for node_rank in holders:
+            failures = []
+            for node_rank in (n for n in agreed.holders.get(name, ()) if n in live):
                 try:
                     self._client(live[node_rank], peers).fetch(f"{relative}/{name}", dest, expected)
                     return
                 except PeerError as error:
-                    failure = error
-            raise PeerError(f"{name}: no live holder serves it"
-                            + (f" ({failure})" if holders else ""))
+                    failures.append(str(error))
+            raise PeerError(f"{name}: no live holder serves it ({'; '.join(failures) or 'none left'})")
         return fetch
 
     def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
@@ -449,7 +448,7 @@ class Replication:
             manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
         files = sorted(manifest_files(manifest, iteration, "the manifest"))
         if not (folder / MANIFEST_NAME).is_file():
-            _keep_manifest(folder, manifest)
+            _keep_manifest(folder, manifest, HELD_MANIFEST_NAME)
         if peers.rank0 is not None:
             own_files = [name for name in files if writer_rank(name) is None]
             self._results.put((peers.rank0[0], fill_from_peer(
@@ -471,13 +470,9 @@ class Replication:
                           unauthorized_wait_s=AUTHORIZE_WAIT_S)
 
 
-def _keep_manifest(folder: Path, manifest: bytes, name: str = HELD_MANIFEST_NAME) -> None:
-    """By default ``HELD_MANIFEST_NAME``: what the peers read to copy or persist from this
-    node."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{name}.part"
-    tmp.write_bytes(manifest)
-    os.replace(tmp, folder / name)
+def _keep_manifest(folder: Path, manifest: bytes, name: str) -> None:
+    """``HELD_MANIFEST_NAME`` is what the peers read to copy or persist from this node."""
+    atomic_write_text(folder / name, manifest.decode(), durable=False)
 
 
 class MemoryAgreement:

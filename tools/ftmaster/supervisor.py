@@ -591,18 +591,18 @@ class Supervisor:
         self._report_persisted()
         if not self._persists_here:
             return
-        newest, fetch = self.persister.newest_memory_checkpoint(), None
+        newest, agreed = self.persister.newest_memory_checkpoint(), None
         if newest is None and self.agreement is not None and self.round is not None:
             agreed = self.agreement.current(self.round.number,
                                             [node.node_rank for node in self.round.nodes])
-            if agreed is not None:
-                newest, fetch = agreed.iteration, self.replication.fetcher(agreed)
+            newest = None if agreed is None else agreed.iteration
         if not self.persister.needs_copy(newest):
             return
         if newest not in self._memory_kinds:
             self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
         due = (now or self._memory_kinds[newest] == "emergency"
                or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
+        fetch = None if agreed is None else self.replication.fetcher(agreed)
         if due and self.persister.start(newest, fetch):
             self._last_persist_start = time.monotonic()
 
@@ -1036,10 +1036,11 @@ class Supervisor:
         mine = plan.ranks_per_node[joined.me]
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
+            rank0_here = bool(active) and active[0] == joined.me
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
-            self._merge_dumps_across_nodes(joined, active)
-            self._catch_up_on_agreed_memory(joined, active)
-            self._persists_here = bool(active) and active[0] == joined.me
+            self._merge_dumps_across_nodes(joined, rank0_here)
+            self._catch_up_on_agreed_memory(joined, rank0_here)
+            self._persists_here = rank0_here
         if self.replicas is not None and mine:
             self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
         self.plan, self.next_gpus = plan, tuple(available[:mine])
@@ -1057,18 +1058,17 @@ class Supervisor:
                  self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
 
-    def _catch_up_on_agreed_memory(self, joined: Round, active: list[int]) -> None:
+    def _catch_up_on_agreed_memory(self, joined: Round, rank0_here: bool) -> None:
         """Every node says what its tier holds; the node of rank 0 names the newest memory
-        checkpoint complete on the round's nodes, and each node makes it whole here."""
-        decides = bool(active) and active[0] == joined.me
+        checkpoint complete on the round's nodes, and each node makes it loadable here."""
         self.agreement.publish(joined.number)
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
-                                       decides)
+                                       rank0_here)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
-        self._report_replicated(self.replication.catch_up(agreed, chooses=decides))
+        self._report_replicated(self.replication.catch_up(agreed, chooses=rank0_here))
 
-    def _merge_dumps_across_nodes(self, joined: Round, active: list[int]) -> None:
+    def _merge_dumps_across_nodes(self, joined: Round, rank0_here: bool) -> None:
         """Replica recovery across nodes: the node of the new round's rank 0 gathers every
         live node's dumps of the failed round and merges them (the relaunch's catch-up then
         copies the merged checkpoint to every node); the others wait for its word."""
@@ -1077,7 +1077,7 @@ class Supervisor:
         number, folder, nodes, ranks_per_node = self._dumped
         self._dumped = None
         word = f"replica_merge/{number}"
-        if not active or active[0] != joined.me:
+        if not rank0_here:
             said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S)
             log.info("replica recovery: the merge on rank 0's node %s", "said " + said
                      if said is not None else "said nothing in time")
