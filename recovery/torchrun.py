@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 
@@ -29,7 +30,8 @@ class StaticWorld:
 
 
 def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
-                  python: str = sys.executable, world: StaticWorld | None = None) -> list[str]:
+                  python: str = sys.executable, world: StaticWorld | None = None,
+                  log_dir: Path | None = None) -> list[str]:
     """``[python, -m, torch.distributed.run, ..., SCRIPT, *args]`` as an argv list.
 
     On one node, ``--standalone`` lets the rendezvous bind a free local port itself
@@ -38,7 +40,9 @@ def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
     its node count, this node's rank among them and the master its plan chose; each node may
     run another ``--nproc-per-node`` (torch assigns contiguous ranks by node rank).
     ``--max-restarts 0`` because the supervisor, not torchrun, decides what a restart is: a
-    torchrun restart would reuse the layout of the GPU that was just lost.
+    torchrun restart would reuse the layout of the GPU that was just lost. ``--log-dir``
+    keeps torch elastic's folder (each rank's ``error.json``) with the attempt: without it,
+    every torchrun leaves a ``torchelastic_*`` folder in the system's temporary directory.
     """
     if nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be a positive integer, got {nproc_per_node}")
@@ -49,5 +53,6 @@ def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
     else:
         nodes = ["--nnodes", str(world.nnodes), "--node-rank", str(world.node_rank),
                  "--master-addr", world.master_addr, "--master-port", str(world.master_port)]
+    logs = [] if log_dir is None else ["--log-dir", str(log_dir)]
     return [python, "-m", "torch.distributed.run", *nodes, "--nproc-per-node",
-            str(nproc_per_node), "--max-restarts", "0", *command]
+            str(nproc_per_node), "--max-restarts", "0", *logs, *command]

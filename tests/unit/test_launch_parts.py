@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import psutil
@@ -41,10 +42,10 @@ def test_a_rank_outside_the_attempt_has_no_gpu():
 
 # -- argv ------------------------------------------------------------------------------------
 def test_attempt_argv_guards_torchrun_and_every_rank():
-    assert attempt_argv(["train.py", "--lr", "1e-3"], 3, python="py") == [
+    assert attempt_argv(["train.py", "--lr", "1e-3"], 3, python="py", log_dir=Path("R/t")) == [
         "py", "-m", "ftmaster.guard", "exec",
         "py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", "3", "--max-restarts", "0",
+        "--nproc-per-node", "3", "--max-restarts", "0", "--log-dir", "R/t",
         "-m", "ftmaster.guard", "rank", "train.py", "--lr", "1e-3"]
 
 
@@ -285,6 +286,19 @@ def test_a_rank_that_outlives_its_kill_marks_its_gpu_stuck(tmp_path, monkeypatch
                         lambda p: p.pid == stuck_pid or real_alive(p))
     attempt.kill(timeout=0.5)
     assert attempt.stuck_gpus == {6: "process_stuck"}
+
+
+def test_torch_elastic_keeps_its_folder_with_the_attempt(tmp_path):
+    """Without ``--log-dir`` every torchrun leaves a ``torchelastic_*`` folder in the
+    temporary directory, one per attempt, for as long as the machine lives."""
+    script = tmp_path / "done.py"
+    script.write_text("")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    attempt = Attempt(tmp_path / "run", 1, [str(script)], gpus=(0,), env={"TMPDIR": str(temp)})
+    assert attempt.process.wait(timeout=120) == 0
+    assert [p.name for p in temp.iterdir() if p.name.startswith("torchelastic_")] == []
+    assert list((attempt.rank_dir / "torchrun").glob("*/attempt_0/0"))
 
 
 def test_the_guarded_chain_dies_when_its_top_is_killed(tmp_path):

@@ -38,11 +38,11 @@ log = logging.getLogger("ftmaster")
 
 
 def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executable,
-                 world: StaticWorld | None = None) -> list[str]:
+                 world: StaticWorld | None = None, log_dir: Path | None = None) -> list[str]:
     """``guard exec torchrun ... -m ftmaster.guard rank SCRIPT ARGS`` as one argv list."""
     guarded = ["-m", "ftmaster.guard", "rank", *command]
     return [python, "-m", "ftmaster.guard", "exec",
-            *torchrun_argv(guarded, nproc, python=python, world=world)]
+            *torchrun_argv(guarded, nproc, python=python, world=world, log_dir=log_dir)]
 
 
 def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
@@ -194,7 +194,8 @@ class Attempt:
                 if starter is not None and number > 1 else None)
         self.warm = warm is not None
         self.argv = (["warm", *self.command] if self.warm
-                     else attempt_argv(self.command, len(self.gpus), world=world))
+                     else attempt_argv(self.command, len(self.gpus), world=world,
+                                       log_dir=self.rank_dir / "torchrun"))
         self.process = warm if warm is not None else self._start_torchrun(env)
 
     def _start_torchrun(self, env: dict[str, str]) -> "SessionProcess":
