@@ -46,9 +46,9 @@ from urllib.parse import quote, unquote, urlsplit
 import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
-from ftmaster.runfiles import atomic_write_text
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
                                         digest_bytes, digest_file, size_problem)
+from ftmaster.runfiles import atomic_write_text
 
 log = logging.getLogger("ftmaster")
 
@@ -439,6 +439,11 @@ def copy_checkpoint(client: PeerClient, iteration: int, into: Path) -> Copied:
     return fill_from_peer(client, iteration, into, client.read(f"{name}/{MANIFEST_NAME}"))
 
 
+def write_manifest(folder: Path, manifest: bytes, name: str = MANIFEST_NAME) -> None:
+    """``manifest`` into ``folder`` under ``name``, never torn (a tmpfs: no fsync)."""
+    atomic_write_text(folder / name, manifest.decode(), durable=False)
+
+
 def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: bytes,
                    names: Iterable[str] | None = None) -> Copied:
     """Fetch into ``into``'s folder of ``iteration`` every file ``manifest`` lists (or those of
@@ -464,7 +469,7 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
             continue
         copied += expected.bytes
     if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
-        atomic_write_text(folder / MANIFEST_NAME, manifest.decode(), durable=False)
+        write_manifest(folder, manifest)
         copied += len(manifest)
     return Copied(iteration, folder, copied, time.perf_counter() - started, tuple(missing))
 

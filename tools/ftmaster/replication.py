@@ -38,12 +38,12 @@ from typing import Sequence
 
 from ftmaster.membership import StoreLost
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
-                                 PeerServer, fill_from_peer, manifest_files, write_peer_list)
+                                 PeerServer, fill_from_peer, manifest_files, write_manifest,
+                                 write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
                                            set_tracker)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
                                         digest_bytes, known_manifest_name)
-from ftmaster.runfiles import atomic_write_text
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
@@ -301,7 +301,7 @@ class Replication:
                     done.append((node_rank, copied))
             files = manifest_files(manifest, agreed.iteration, "the agreed manifest")
             if all(_has_size(folder / name, files[name].bytes) for name in needed):
-                _keep_manifest(folder, manifest, MANIFEST_NAME)
+                write_manifest(folder, manifest)
                 if chooses:
                     set_tracker(memory, agreed.iteration)
                 elif all(_has_size(folder / name, e.bytes) for name, e in files.items()):
@@ -447,8 +447,8 @@ class Replication:
         else:
             manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
         files = sorted(manifest_files(manifest, iteration, "the manifest"))
-        if not (folder / MANIFEST_NAME).is_file():
-            _keep_manifest(folder, manifest, HELD_MANIFEST_NAME)
+        if not (folder / MANIFEST_NAME).is_file():  # what the peers read to copy or persist
+            write_manifest(folder, manifest, HELD_MANIFEST_NAME)
         if peers.rank0 is not None:
             own_files = [name for name in files if writer_rank(name) is None]
             self._results.put((peers.rank0[0], fill_from_peer(
@@ -468,11 +468,6 @@ class Replication:
         # after this one asks (rounds are taken up on each node at its own pace).
         return PeerClient(url, peers.secret, self.config.timeout_s,
                           unauthorized_wait_s=AUTHORIZE_WAIT_S)
-
-
-def _keep_manifest(folder: Path, manifest: bytes, name: str) -> None:
-    """``HELD_MANIFEST_NAME`` is what the peers read to copy or persist from this node."""
-    atomic_write_text(folder / name, manifest.decode(), durable=False)
 
 
 class MemoryAgreement:

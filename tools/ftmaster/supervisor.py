@@ -602,8 +602,8 @@ class Supervisor:
             self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
         due = (now or self._memory_kinds[newest] == "emergency"
                or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
-        fetch = None if agreed is None else self.replication.fetcher(agreed)
-        if due and self.persister.start(newest, fetch):
+        if due and self.persister.start(
+                newest, None if agreed is None else self.replication.fetcher(agreed)):
             self._last_persist_start = time.monotonic()
 
     def _persist_interval_s(self) -> float:
