@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import checksums
 
-CHUNK = 8 << 20  # hashed while still in the cache, then written or copied
+CHUNK = 512 << 10  # hashed while still in L2, then written or copied
 _TRANSFORMS = _StorageWriterTransforms()  # no stream extensions, as torch_dist's writer
 
 
