@@ -14,7 +14,9 @@ Printed per size, measured just before it: this machine's memcpy (one thread), i
 first save of the attempt on its own line (it plans, and a memory save sets its slot up),
 the memory tier's other set-up (the second slot's first save), and the medians of the rest;
 each as a share of memcpy and of the medium's write rate. Two ranks save in parallel, so a
-share of the one-thread memcpy can pass 1.
+share of the one-thread memcpy can pass 1. Blocked is rank 0's wall time: it includes rank
+0's wait for the other pipeline stage to finish its step and enter the save (the events'
+``waited_for_ranks_seconds``), which is also given taken out.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def memcpy_speed(size: int) -> float:
 
 def summary(saves: list[dict]) -> dict:
     return {"blocked_s": statistics.median(e["seconds"] for e in saves),
+            "own_s": statistics.median(e["seconds"] - e.get("waited_for_ranks_seconds", 0.0)
+                                       for e in saves),
             "complete_s": statistics.median(e["persist_seconds"] for e in saves),
             "bytes": statistics.median(e["bytes"] for e in saves), "count": len(saves)}
 
@@ -142,8 +146,10 @@ def save_line(name: str, entry: dict, references: tuple[str, ...], speeds: dict[
         return ", ".join(f"{rate / speeds[name]:.2f} of {name}" for name in ("memcpy", *references))
 
     blocked, complete = entry["bytes"] / entry["blocked_s"], entry["bytes"] / entry["complete_s"]
+    own = entry["bytes"] / entry["own_s"]
     return (f"    {name:13} x{entry['count']}: {entry['bytes'] / 1e6:7.1f} MB, blocked "
-            f"{entry['blocked_s']:7.3f} s ({shares(blocked)}), complete "
+            f"{entry['blocked_s']:7.3f} s ({shares(blocked)}; without waiting for the other "
+            f"stage {entry['own_s']:.3f} s, {own / speeds['memcpy']:.2f} of memcpy), complete "
             f"{entry['complete_s']:7.3f} s ({shares(complete)})")
 
 

@@ -396,6 +396,10 @@ class DurableSave:
     """Whether the save kept the previous save's strategy (see :mod:`save_structure`)."""
     slot: str | None = None
     """A memory save's: ``refilled`` (a slot's files written in place) or ``new`` (set up)."""
+    waited_for_ranks: float = 0.0
+    """How much sooner rank 0 entered the save than the last rank (a slower pipeline stage
+    still finishing its step): part of rank 0's blocked time, but not the save's own cost,
+    since without the save rank 0 would wait for that stage in the next step anyway."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +419,9 @@ class _RankReport:
 
     problem: str | None
     shards: dict[str, checksums.ShardDigest]
+    elapsed: float
+    """The rank's seconds in the save so far. Every rank reports right after the same
+    collective, so the ranks' differences are their differences in entering the save."""
 
 
 def _write_durably(path: Path, data: bytes | memoryview) -> None:
@@ -422,6 +429,16 @@ def _write_durably(path: Path, data: bytes | memoryview) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _run_in_rank(request) -> None:
+    """megatron-core's ``AsyncRequest.execute_sync`` without its barrier between the writes
+    and the finalize steps: the first of those gathers every rank's write results, so it
+    waits for every rank's writes anyway (the barrier was one more round trip per save)."""
+    if request.async_fn is not None:
+        request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+    for finalize in request.finalize_fns:
+        finalize()
 
 
 class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
@@ -600,7 +617,7 @@ class _Save:
                 shards[name] = checksums.read_shard_digest(self.path / name)
             except (OSError, ValueError, KeyError) as error:
                 self.note(f"reading the digest of {name}", error)
-        return _RankReport(self.problem, shards)
+        return _RankReport(self.problem, shards, time.perf_counter() - self.start)
 
     def commit(self) -> None:
         """The agreement: rank 0 gathers every rank's outcome, commits or cleans up, and tells
@@ -643,7 +660,8 @@ class _Save:
                            sum(s.hash_seconds for s in shards.values()),
                            sum(s.write_seconds for s in shards.values()),
                            dict(self.phases), {**writer_phases, "writers": len(shards)},
-                           self.structure_kept, self.slot)
+                           self.structure_kept, self.slot,
+                           max(0.0, reports[0].elapsed - min(r.elapsed for r in reports)))
 
     def remove_partial_folder(self) -> None:
         # Never one the tracker names: that is a complete checkpoint.
@@ -754,7 +772,7 @@ class Checkpointer:
         request = save.request(sharded_state_dict)
         if request is not None:
             if save.synchronous:
-                request.execute_sync()
+                _run_in_rank(request)
             else:
                 self.async_queue.schedule_async_request(request)
         return time.perf_counter() - start

@@ -399,7 +399,8 @@ class Trainer:
         and on rank 0 the pruning of older emergency checkpoints."""
         blocked = self._blocked_seconds.pop(done.iteration, done.seconds_to_durable)
         self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
-                    iteration=done.iteration, seconds=round(blocked, 4), bytes=done.bytes,
+                    iteration=done.iteration, seconds=round(blocked, 4),
+                    waited_for_ranks_seconds=round(done.waited_for_ranks, 4), bytes=done.bytes,
                     persist_seconds=round(done.seconds_to_durable, 4),
                     started_at=round(done.started_at, 4), kind=done.kind, tier=done.tier,
                     checksum_seconds=round(done.hash_seconds, 4),

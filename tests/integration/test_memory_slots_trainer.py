@@ -98,6 +98,8 @@ def test_a_refilled_slot_is_a_regular_checkpoint_that_loads_under_other_layouts(
     assert [(e["iteration"], e["slot"], e["structure"]) for e in saves][:4] == [
         (1, "new", "new"), (2, "new", "same"), (3, "refilled", "same"), (4, "refilled", "same")]
     assert 5 in [e["iteration"] for e in saves if e["slot"] == "refilled"]
+    # Rank 0's wait for the other stage to enter the save is a part of its blocked time.
+    assert all(0 <= e["waited_for_ranks_seconds"] <= e["seconds"] for e in saves), saves
     checkpoint = max(e["bytes"] for e in saves)
     assert peak <= 3 * checkpoint * 1.05, (peak, checkpoint)  # two, and the one being written
     # The same training, its iteration 5 saved the regular way (on CPU it is deterministic).
