@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,9 +78,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun_argv(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), PRETRAIN, *args]
+# torch elastic's own folder for every torchrun the tests start, removed when they end:
+# left to itself, each torchrun makes a /tmp/torchelastic_* folder and keeps it.
+TORCHRUN_LOGS = Path(tempfile.mkdtemp(prefix="ftmaster-tests-torchrun-"))
+atexit.register(shutil.rmtree, TORCHRUN_LOGS, True)
+
+
+def torchrun_argv(nproc: int, args: list[str], nodes: tuple[int, int] | None = None,
+                  port: int | None = None) -> list[str]:
+    """torchrun of the trainer on loopback; ``nodes``: (node count, this node's rank)."""
+    placement = [] if nodes is None else ["--nnodes", str(nodes[0]), "--node-rank", str(nodes[1])]
+    return [sys.executable, "-m", "torch.distributed.run", *placement, "--nproc-per-node",
+            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()),
+            "--log-dir", str(TORCHRUN_LOGS), PRETRAIN, *args]
 
 
 def trainer_env(**extra: str) -> dict[str, str]:

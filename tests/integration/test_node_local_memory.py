@@ -6,7 +6,6 @@ checkpoint tensor for tensor, and a relaunch on node 0 alone loads it resharded.
 
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -18,8 +17,8 @@ from ftmaster.peer_files import (PeerClient, PeerServeConfig, PeerServer, copy_c
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import MANIFEST_NAME, read_manifest
 from helpers.replicas import unequal_tensors
-from helpers.trainer import (PRETRAIN, REPO, SMALL_GPT, free_port, kill_session,
-                             layout_args, run_trainer, trainer_env)
+from helpers.trainer import (REPO, SMALL_GPT, free_port, kill_session, layout_args,
+                             run_trainer, torchrun_argv, trainer_env)
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +45,9 @@ def run_two_nodes(args_of_node, timeout=300) -> list[str]:
     """torchrun once per node (2 ranks each, static rendezvous on loopback); their outputs."""
     port = free_port()
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         PRETRAIN, *args_of_node(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=trainer_env(), cwd=REPO, start_new_session=True) for rank in (0, 1)]
+        torchrun_argv(2, args_of_node(rank), nodes=(2, rank), port=port), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=trainer_env(), cwd=REPO, start_new_session=True)
+        for rank in (0, 1)]
     try:
         outputs = [process.communicate(timeout=timeout)[0] for process in processes]
     finally:
