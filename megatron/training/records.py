@@ -63,6 +63,11 @@ class Record:
     def offset(self) -> int:
         return self.result.storage_data.offset
 
+    @property
+    def end(self) -> int:
+        """Of the whole record (its trailer included), from the start of the file."""
+        return self.offset + self.result.storage_data.length
+
 
 class _Window(io.RawIOBase):
     """One record of a file, as a file of its own (what torch's zip reader takes)."""
