@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import xxhash
 
+from megatron.training.memory_slots import COPY_CHUNK as CHUNK  # the refill's own
 from memory_tier import memcpy_speed
 
 RANKS = 2
 TENSORS_PER_RANK = 150
-CHUNK = 2 << 20  # the refill's chunk: copied, then hashed while still in the cache
 
 
 def rank_tensors(rank_bytes: int) -> list[torch.Tensor]:

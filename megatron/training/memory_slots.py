@@ -43,7 +43,7 @@ from ftmaster.replication import writer_rank
 from . import checksums, records, rehearsal
 from .records import Record, RecordWriter
 
-_COPY_CHUNK = 512 << 10  # copied, then hashed twice while still in L2 (1.25x faster than 2 MB)
+COPY_CHUNK = 512 << 10  # copied, then hashed twice while still in L2 (1.25x faster than 2 MB)
 
 
 class _SlotFile:
@@ -114,8 +114,8 @@ class _SlotFile:
         """Chunk by chunk: copied, then hashed while in L2, together with what precedes it
         unhashed (the zip's header comes with the first chunk, its trailer with the last)."""
         source, hashed = records.host_bytes(tensor), record.offset
-        for start in range(0, record.nbytes, _COPY_CHUNK):
-            end = min(start + _COPY_CHUNK, record.nbytes)
+        for start in range(0, record.nbytes, COPY_CHUNK):
+            end = min(start + COPY_CHUNK, record.nbytes)
             clock = time.perf_counter()
             self._bytes[record.data_offset + start:record.data_offset + end].copy_(source[start:end])
             self._seconds["copy"] += time.perf_counter() - clock
@@ -127,8 +127,8 @@ class _SlotFile:
 
     def _hash(self, view: memoryview, start: int, end: int, hashers: tuple) -> None:
         clock = time.perf_counter()
-        for offset in range(start, end, _COPY_CHUNK):
-            with view[offset:min(offset + _COPY_CHUNK, end)] as chunk:
+        for offset in range(start, end, COPY_CHUNK):
+            with view[offset:min(offset + COPY_CHUNK, end)] as chunk:
                 for hasher in hashers:
                     hasher.update(chunk)
         self._seconds["hash"] += time.perf_counter() - clock
