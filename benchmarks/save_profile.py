@@ -12,7 +12,9 @@ hashing, fsync), summed over the writer processes, which run in parallel.
 
 Printed per size: the first save on its own line (it plans from scratch), then the medians of
 the others; each step as a share of the time training was blocked, and each kind of writer
-time as a share of the writers' summed time.
+time as a share of the writers' summed time. ``wait`` is the share rank 0 spent waiting for
+the last rank to enter the save (``waited_for_ranks_seconds``), inside its steps (mostly
+``prep``: the structure's all-reduce).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def line(label: str, events: list[dict]) -> str:
     kinds = " ".join(f"{statistics.median(e['writer_phases'][k] / w for e, w in zip(events, writers)):6.1%}"
                      for k in WRITER_KINDS)
     size = statistics.median(e["bytes"] for e in events)
+    wait = statistics.median(e.get("waited_for_ranks_seconds", 0.0) for e in events) / blocked
     return (f"{label:>7s} {size / 1e6:8.1f} {blocked:8.3f} {size / blocked / 1e6:7.0f}  {steps}"
-            f"  | {statistics.median(writers):6.2f} {kinds}")
+            f" {wait:6.1%}  | {statistics.median(writers):6.2f} {kinds}")
 
 
 def main() -> None:
@@ -73,7 +76,7 @@ def main() -> None:
              "planning": "plan", "write": "write", "finalize": "final", "agreement": "agree",
              "manifest-and-tracker": "manif"}
     print(f"{'save':>7s} {'MB':>8s} {'blocked':>8s} {'MB/s':>7s}  "
-          + " ".join(f"{short[s]:>6s}" for s in STEPS)
+          + " ".join(f"{short[s]:>6s}" for s in STEPS) + f" {'wait':>6s}"
           + f"  | {'wrk s':>6s} " + " ".join(f"{k[:6]:>6s}" for k in WRITER_KINDS))
     with (tempfile.TemporaryDirectory(prefix="ftmaster-save-profile-") as tmp,
           tempfile.TemporaryDirectory(prefix="ftmaster-save-profile-", dir=SHM) as shm):
