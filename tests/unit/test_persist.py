@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ftmaster.persist import (PersistError, Persister, Tiers, checkpoint_bytes_guess, persist,
-                              remove_partial_copies, tiers_of, with_memory_dir)
+from ftmaster.peer_files import PeerMissing
+from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
+                              checkpoint_bytes_guess, persist, remove_partial_copies, tiers_of,
+                              with_memory_dir)
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
                                            prunable_memory_checkpoints, read_tracker,
@@ -160,6 +162,22 @@ def test_a_failed_copy_is_tried_again(tmp_path):
     assert persister.start(6)
     persister.wait(30)
     assert persister.take_results()[0].iteration == 6 and read_tracker(disk) == 6
+
+
+def test_a_copy_whose_peers_pruned_the_checkpoint_is_not_tried_again_but_a_newer_one_is(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    (fake_checkpoint(memory, 6) / "__0_0.distcp").unlink()  # held by a peer only
+
+    def pruned(name, dest, expected):
+        raise PeerMissing(f"{name}: no live holder serves it (404 no such file)")
+
+    persister = Persister(memory, disk)
+    assert persister.start(6, pruned)
+    persister.wait(30)
+    (result,) = persister.take_results()
+    assert isinstance(result, PersistSuperseded) and "no longer held by the peers" in str(result)
+    assert not persister.needs_copy(6) and persister.needs_copy(8)
+    assert read_tracker(disk) is None
 
 
 def test_a_copy_killed_after_its_rename_moves_the_tracker_on_the_next_try(tmp_path):

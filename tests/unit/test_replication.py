@@ -9,12 +9,13 @@ from ftmaster.membership import NodeRecord
 from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_clients
 import json
 
-from ftmaster.persist import persist
+from ftmaster.persist import PersistError, PersistSuperseded, persist
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
                                         digest_file, read_manifest, write_manifest)
-from ftmaster.replication import (Agreed, Replication, ReplicationConfig, ReplicationFailed,
-                                  holdings_of, newest_complete, rank_ranges, writer_rank)
+from ftmaster.replication import (Agreed, MemoryAgreement, Replication, ReplicationConfig,
+                                  ReplicationFailed, holdings_of, newest_complete, rank_ranges,
+                                  writer_rank)
 from helpers.trainer import wait_until
 
 SECRET = new_secret()
@@ -220,6 +221,22 @@ def test_the_newest_checkpoint_whose_every_file_a_live_node_holds_is_complete(re
     assert agreed is None or Agreed.from_json(agreed.to_json()) == agreed
 
 
+def test_the_holdings_read_while_training_are_read_again_once_outdated():
+    """Read at most every few seconds, unless a persist found the named checkpoint pruned."""
+    published = {"memory/1/0": json.dumps({"4": held(["a", "b", "c"])})}
+
+    class Store:
+        def announcement(self, key, timeout_s):
+            return published.get(key)
+
+    agreement = MemoryAgreement(Store(), replication=None)
+    assert agreement.current(1, [0]).iteration == 4
+    published["memory/1/0"] = json.dumps({"6": held(["a", "b", "c"], manifest="m6")})
+    assert agreement.current(1, [0]).iteration == 4  # not read again yet
+    agreement.outdated()
+    assert agreement.current(1, [0]).iteration == 6
+
+
 def test_three_nodes_with_one_replica_no_folder_is_whole_yet_every_checkpoint_is_complete(tmp_path):
     """3 nodes x 2 ranks, one replica: each node holds its own and its next peer's shards, so
     no folder is whole. The holdings still make iteration 4 complete; node 0 persists it from
@@ -284,6 +301,44 @@ def test_a_checkpoint_a_live_node_no_longer_serves_is_a_failed_catch_up(tmp_path
             replication.close()
     assert failed.iteration == 4 and "no longer hold every file" in failed.reason
     assert read_tracker(folders[0]) is None
+
+
+@pytest.mark.parametrize("peer", ["pruned", "gone"])
+def test_a_persist_fetches_the_peers_files_first_and_a_pruned_one_is_superseded(tmp_path, peer):
+    """Node 0's pin keeps only its own folder: the files its peers hold are fetched before its
+    own are copied. Peers that answer they no longer hold one pruned it after newer
+    checkpoints (superseded, not a failure); a peer that does not answer is a failure."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    manifest = (iteration_dir(folders[0], 4) / MANIFEST_NAME).read_bytes()
+    agreed = Agreed(4, digest_bytes(manifest).digest, {"__2_0.distcp": (1,), "__3_0.distcp": (1,)})
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    seen_at_fetch = []
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        fetch = replications[0].fetcher(agreed)
+
+        def watched(name, dest, expected):
+            seen_at_fetch.append(sorted(p.name for p in dest.parent.iterdir()))
+            fetch(name, dest, expected)
+
+        assert persist(folders[0], tmp_path / "save", 4, watched).fetched_bytes > 0
+        assert seen_at_fetch == [[], ["__2_0.distcp"]]
+        if peer == "pruned":
+            (iteration_dir(folders[1], 4) / "__3_0.distcp").unlink()
+        else:
+            replications[1].close()
+        shutil.rmtree(tmp_path / "save")
+        with pytest.raises(PersistError) as raised:
+            persist(folders[0], tmp_path / "save", 4, fetch)
+    finally:
+        for replication in replications:
+            replication.close()
+    assert isinstance(raised.value, PersistSuperseded) == (peer == "pruned"), raised.value
+    assert ("__3_0.distcp" if peer == "pruned" else "__2_0.distcp") in str(raised.value)
+    assert read_tracker(tmp_path / "save") is None and not list((tmp_path / "save").iterdir())
 
 
 def test_a_rejoining_node_copies_what_its_ranks_open_locally_and_leaves_the_shards_to_the_load(

@@ -31,7 +31,7 @@ from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracke
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, pin, read_tracker, tracker_lock,
                                            unpin)
-from ftmaster.peer_files import PeerError
+from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
                                         known_manifest_name, read_manifest)
 
@@ -112,6 +112,11 @@ class PersistError(Exception):
     """A copy that did not complete; the disk tier is unchanged (one line)."""
 
 
+class PersistSuperseded(PersistError):
+    """A copy from the peers given up because they pruned the checkpoint: they hold newer
+    ones, which the next copy takes. Not a failure of the disk tier."""
+
+
 @dataclass(frozen=True)
 class Persisted:
     iteration: int
@@ -150,19 +155,26 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     start = time.perf_counter()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     partial = Path(save_dir) / f"{_PARTIAL.format(iteration)}{uuid.uuid4().hex[:8]}"
+    remote = {name: digest for name, digest in manifest.files.items()
+              if fetch is not None and not (source / name).is_file()}
     try:
         partial.mkdir()
-        fetched = 0
+        # The peers' files first, fsynced later: this node's pin spares only its own folder,
+        # and a peer refills the slot that holds them a few iterations on
+        for name, digest in sorted(remote.items()):
+            fetch(name, partial / name, digest)  # verified against ``digest`` before it lands
         for name, digest in sorted(manifest.files.items()):
-            if fetch is not None and not (source / name).is_file():
-                _fetch_durably(fetch, name, partial / name, digest)
-                fetched += digest.bytes
-            else:
+            if name not in remote:
                 _copy_verified(source / name, partial / name, digest)
+        for name in remote:
+            _fsync_file(partial / name)
         # written last
         _copy_verified(source / manifest_name, partial / MANIFEST_NAME, None)
         fsync_folder(partial)
         _move_into_place(source, partial, target)
+    except PeerMissing as error:
+        raise PersistSuperseded(f"iteration {iteration} is no longer held by the peers (pruned "
+                                f"after newer checkpoints): {error}") from None
     except PeerError as error:
         raise PersistError(f"copying {source} to {save_dir} from the peers: {error}") from None
     except OSError as error:
@@ -170,12 +182,11 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes,
-                     fetched)
+                     sum(digest.bytes for digest in remote.values()))
 
 
-def _fetch_durably(fetch: Fetch, name: str, target: Path, expected) -> None:
-    fetch(name, target, expected)  # verified against ``expected`` before it lands
-    with open(target, "rb") as landed:
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as landed:
         os.fsync(landed.fileno())
 
 
@@ -255,7 +266,8 @@ class Persister:
         except Exception as error:  # a copier that dies must still say why
             failure = error if isinstance(error, PersistError) else PersistError(
                 f"{type(error).__name__}: {error}")
-            self.last_requested = None  # try again (at the end of the run at the latest)
+            if not isinstance(failure, PersistSuperseded):  # that one cannot come back
+                self.last_requested = None  # try again (at the end of the run at the latest)
             self._results.put(failure)
         finally:
             unpin(self.memory_dir)

@@ -352,8 +352,11 @@ class Replication:
                     self._client(live[node_rank], peers).fetch(f"{relative}/{name}", dest, expected)
                     return
                 except PeerError as error:
-                    failures.append(str(error))
-            raise PeerError(f"{name}: no live holder serves it ({'; '.join(failures) or 'none left'})")
+                    failures.append(error)
+            # Every live holder answered that it no longer has it: pruned, not lost
+            pruned = failures and all(isinstance(error, PeerMissing) for error in failures)
+            raise (PeerMissing if pruned else PeerError)(
+                f"{name}: no live holder serves it ({'; '.join(map(str, failures)) or 'none left'})")
         return fetch
 
     def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
@@ -508,6 +511,11 @@ class MemoryAgreement:
                 log.warning("reading the memory holdings: %s", lost)
                 self._current = None
         return self._current
+
+    def outdated(self) -> None:
+        """The last holdings read named a checkpoint the peers have pruned since: the next
+        :meth:`current` reads them again."""
+        self._read_at = (None, float("-inf"))
 
     def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float
                  ) -> dict[int, str | None]:

@@ -604,6 +604,7 @@ TEMPLATES = {
     "persisted": "memory checkpoint of iteration {iteration} copied to {path} in {seconds} s "
                  "({bytes} bytes)",
     "persist_failed": "a memory checkpoint was not copied to disk: {reason}",
+    "persist_superseded": "a memory checkpoint was skipped by the disk copy: {reason}",
     "replica_dump": "rank(s) {ranks} dumped their state in {seconds} s ({bytes} bytes)",
     "replica_merge": "checkpoint of iteration {iteration} merged from {shards} shard(s) in "
                      "{seconds} s",

@@ -81,7 +81,7 @@ from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, S
 from ftmaster.metrics import Observer
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
-from ftmaster.persist import Persisted, PersistError, Persister, tiers_of
+from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
                                            read_save_kind, read_tracker)
@@ -624,6 +624,11 @@ class Supervisor:
                 log.info("persisted the memory checkpoint of iteration %d to %s in %.2f s "
                          "(%.1f MB)", result.iteration, result.path, result.seconds,
                          result.bytes / 1e6)
+            elif isinstance(result, PersistSuperseded):
+                self._event("persist_superseded", reason=str(result))
+                log.info("a memory checkpoint was not persisted: %s", result)
+                if self.agreement is not None:
+                    self.agreement.outdated()
             elif isinstance(result, PersistError):
                 self._event("persist_failed", reason=str(result))
                 log.warning("persisting a memory checkpoint failed: %s", result)
