@@ -136,16 +136,16 @@ def test_three_nodes_with_one_replica_persist_and_resume_from_the_nodes_that_hol
     between them, agree on one through the store, and both resume from memory at DP2, each
     reading from the other the shards it lacks."""
     save = tmp_path / "ckpt"
-    args = train_args(save, 40, 1, 1, 100, *MEMORY_TIER, global_batch=12)
+    # Persists are due every --save-interval steps' worth of time (20: the first at once)
+    args = train_args(save, 40, 1, 1, 20, *MEMORY_TIER, global_batch=12)
     with two_nodes(Nodes(tmp_path, 1, args, nnodes="2:3"), ending=(0, 2),
                    started=(0, 1, 2)) as nodes:
         nodes.start_all(3, (), ("--inject", "slow:gpu=0,factor=3,at=iter:1"))
-        # Not a persist of a later iteration: the next one is due --save-interval steps on,
-        # past the end of the run
         wait_until(lambda: nodes.events(0, "persisted") and any(
                        e["iteration"] >= 8 for e in nodes.events(0, "periodic_save")),
                    timeout=300, interval=0.05, what="node 0's persist, and its save of iteration 8")
         os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainer dies with it
+        assert not nodes.events(0, "complete"), "the run ended before node 1 was killed"
     first_round = [p for p in nodes.events(0, "plan") if p["round"] == 1]
     assert first_round and first_round[0]["nodes"] == [0, 1, 2]
     failure = nodes.events(0, "failure")[0]
