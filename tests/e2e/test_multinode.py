@@ -203,7 +203,9 @@ def test_a_hang_on_one_node_makes_every_node_replan(tmp_path):
     save = tmp_path / "ckpt"
     nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5), "--hang-timeout", "8", nnodes="2:2")
     try:
-        nodes.start_all(2, (), ("--inject", "hang:gpu=0,at=iter:6"))
+        # Node 0's ranks block within a step of node 1's, so with equal timeouts either node
+        # may call the hang first; node 0's longer one makes it node 1's, the node at fault
+        nodes.start_all(2, ("--hang-timeout", "20"), ("--inject", "hang:gpu=0,at=iter:6"))
         assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
         assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
     finally:

@@ -37,8 +37,9 @@ def test_a_killed_rank_loses_at_most_the_memory_interval_and_resumes_resharded(t
     process = start_trainer(4, args + layout_args(2, 2) + memory_tier(shm_dir), log,
                             FTMASTER_RUN_DIR=str(run_dir))
     try:
-        wait_until(lambda: (runfiles.read_heartbeat(run_dir) or {}).get("iteration", 0) >= 9,
-                   timeout=300, interval=0.05, what="iteration 9")
+        # Well before the end (12), so that the final disk save cannot land before the kill
+        wait_until(lambda: (runfiles.read_heartbeat(run_dir) or {}).get("iteration", 0) >= 7,
+                   timeout=300, interval=0.05, what="iteration 7")
         worker_with_local_rank(process, 3).kill()
         killed_after = runfiles.read_heartbeat(run_dir)["iteration"]
         process.wait(timeout=120)
