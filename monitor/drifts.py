@@ -19,7 +19,8 @@ one:
 
 A trend must have held through most of the last ``persist_s`` before it counts
 (:class:`Persistence`): the fits of a sliding window follow noise for a sample or two, a
-drift for minutes.
+drift for minutes. A checkpoint's dip, in which nothing is fitted, does not start it afresh:
+the fits from before it count once load is back.
 
 The time left is then the time the GPU takes to cover its distance to the limit at the
 second half's slope, speeding up as it did from the first half to the second (a drift that

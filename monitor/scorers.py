@@ -609,9 +609,10 @@ class AdaptiveScorer:
             f.collapse_share = track.collapse.mean()
         if s.ecc_sbe is not None:
             f.sbe_excess = _sbe_excess(track.sbe_events, t, track.first, cfg.sbe_window_s)
-        if _loaded_for(track, t) < cfg.drift.load_settle_s:  # a dip: no trend is read or kept
+        if _loaded_for(track, t) < cfg.drift.load_settle_s:
+            # A dip: no trend is read, but the fits that held before it still count (a drift
+            # goes on through a checkpoint: starting afresh cost it a whole persist_s)
             track.drift_checked, track.drift_left_s = None, None
-            track.drift_held = Persistence()
         elif track.drift_checked is None or t - track.drift_checked >= cfg.drift.every_s:
             track.drift_checked = t  # slow by nature: a fit every few seconds is enough
             track.drift_left_s = track.drift_held.confirmed(

@@ -174,3 +174,23 @@ def test_power_and_clock_count_half_a_minute_after_a_break_temperature_once_back
     assert resumed == (temperature_back_s <= 45)
     loaded_run(scorer, t + 45, temperature_back_s + 10 - 45, rebound)
     assert min(s for s in track.drift_temp.times if s > t) >= t + temperature_back_s
+
+
+def test_a_trend_held_before_a_checkpoint_dip_counts_again_a_few_fits_after_it():
+    """A dip reads no trend, but what held before it still counts: after the load settles the
+    trend is confirmed again within a few fits, not a whole persistence time later."""
+    scorer = AdaptiveScorer()
+    ramp = lambda s: 60.0 + 0.5 * s / 60.0  # noqa: E731 (0.5 C a minute toward 87 C)
+    t = loaded_run(scorer, 0.0, 1500, ramp)
+    track = scorer._tracks[0]
+    assert track.drift_left_s is not None
+    t = loaded_run(scorer, t, 60, lambda s: ramp(1500 + s), util=5.0)
+    assert track.drift_left_s is None  # nothing is read in the dip
+    confirmed_at = None
+    for step in range(0, 180, 5):
+        loaded_run(scorer, t + step, 5, lambda s: ramp(1560 + step + s))
+        if confirmed_at is None and track.drift_left_s is not None:
+            confirmed_at = step
+    cfg = scorer.config.drift
+    assert confirmed_at is not None
+    assert cfg.load_settle_s <= confirmed_at < cfg.load_settle_s + cfg.persist_s
