@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
-from ftmaster.runfiles import fsync_folder
+from ftmaster.runfiles import fsync_path
 from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker,
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, pin, read_tracker, tracker_lock,
@@ -155,8 +155,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     start = time.perf_counter()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     partial = Path(save_dir) / f"{_PARTIAL.format(iteration)}{uuid.uuid4().hex[:8]}"
-    remote = {name: digest for name, digest in manifest.files.items()
-              if fetch is not None and not (source / name).is_file()}
+    remote = {} if fetch is None else {name: digest for name, digest in manifest.files.items()
+                                       if not (source / name).is_file()}
     try:
         partial.mkdir()
         # The peers' files first, fsynced later: this node's pin spares only its own folder,
@@ -167,10 +167,10 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
             if name not in remote:
                 _copy_verified(source / name, partial / name, digest)
         for name in remote:
-            _fsync_file(partial / name)
+            fsync_path(partial / name)
         # written last
         _copy_verified(source / manifest_name, partial / MANIFEST_NAME, None)
-        fsync_folder(partial)
+        fsync_path(partial)
         _move_into_place(source, partial, target)
     except PeerMissing as error:
         raise PersistSuperseded(f"iteration {iteration} is no longer held by the peers (pruned "
@@ -185,11 +185,6 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
                      sum(digest.bytes for digest in remote.values()))
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as landed:
-        os.fsync(landed.fileno())
-
-
 def _move_into_place(source: Path, partial: Path, target: Path) -> None:
     """Rename and tracker in one hold of the disk tier's lock, which a resume holds while it
     sets both tiers' discarded timelines aside: a copy of a discarded checkpoint never lands,
@@ -201,7 +196,7 @@ def _move_into_place(source: Path, partial: Path, target: Path) -> None:
         if target.exists():
             raise PersistError(f"{target} appeared while the copy was made")
         os.rename(partial, target)
-        fsync_folder(target.parent)
+        fsync_path(target.parent)
         advance_tracker_locked(target.parent, int(target.name.removeprefix("iter_")))
 
 

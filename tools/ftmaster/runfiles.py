@@ -104,11 +104,12 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     if durable:
-        fsync_folder(path.parent)
+        fsync_path(path.parent)
 
 
-def fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """A file's bytes, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
