@@ -108,7 +108,7 @@ from ftmaster.recovery.manifest import (
 )
 from ftmaster.runfiles import atomic_write_text
 
-from . import checksums, optimizer_from_distributed, startup
+from . import checksums, conversions, optimizer_from_distributed, startup
 from .console import log_rank0
 from .memory_slots import MemorySlots
 from .records import DiskRecords
@@ -442,7 +442,8 @@ def _run_in_rank(request) -> None:
 
 
 class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
-    """megatron-core's fully parallel save, timing its exchange of shard metadata.
+    """megatron-core's fully parallel save, timing its exchange of shard metadata, with the
+    shards' conversions to torch's kept for as long as the strategy (:mod:`conversions`).
 
     With a data-parallel group of one there is nothing to distribute, and megatron-core's
     cached distribution stays None, so it would validate the sharding again at every save
@@ -451,6 +452,14 @@ class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
 
     distribution_seconds = 0.0
     """The last save's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.conversions = conversions.ConversionCache()
+
+    def async_save(self, sharded_state_dict, checkpoint_dir):
+        with self.conversions.active():
+            return super().async_save(sharded_state_dict, checkpoint_dir)
 
     def apply_saving_parallelization(self, sharded_state_dict) -> None:
         start = time.perf_counter()
@@ -467,9 +476,10 @@ class _Save:
     ``phases`` times each step on this rank: ``state-dict`` (the sharded state dict),
     ``preprocess`` (megatron-core's save_preprocess, and common.pt on rank 0),
     ``metadata-exchange`` (the fully parallel wrapper's exchange of shard metadata, which
-    decides who writes each replicated shard), ``planning`` (torch DCP's local and global
-    plans, their exchange included, and the write buckets), ``write`` (a synchronous save's
-    writing, in the rank: :mod:`records` and :mod:`memory_slots`), ``finalize``
+    decides who writes each replicated shard), ``planning`` (megatron-core's conversion of the
+    shards to torch's, reused while the structure is kept: :mod:`conversions`; torch DCP's
+    local and global plans, their exchange included, and the write buckets), ``write`` (a
+    synchronous save's writing, in the rank: :mod:`records` and :mod:`memory_slots`), ``finalize``
     (megatron-core's: the write results' exchange and ``.metadata``), ``agreement`` (every
     rank's outcome to rank 0) and ``manifest-and-tracker``.
 
@@ -490,6 +500,7 @@ class _Save:
         self.phases: dict[str, float] = {}
         self.planned_at = self.start
         self.structure_kept = False
+        self.strategy: _TimedParallelSave | None = None
         self.slot: str | None = None
         self.slots = checkpointer.slots if tier == "memory" else None
         self.synchronous = checkpointer.async_queue is None or self.slots is not None
@@ -512,6 +523,7 @@ class _Save:
             sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
             clean_content_metadata(common)
             strategy, self.structure_kept = self.checkpointer.structure.strategy_for(sharded_part)
+            self.strategy = strategy
             if not self.structure_kept:
                 validate_sharding_integrity(determine_global_metadata(sharded_part)[1],
                                             common_state_dict=common)
@@ -710,6 +722,7 @@ class Checkpointer:
             else:
                 use_in_rank_results_queue()
             checksums.install()
+            conversions.install()
 
     # ---- saving -------------------------------------------------------------------------
     def _state_dict(self, state: TrainingState, is_loading: bool, with_rng: bool,
@@ -770,6 +783,9 @@ class Checkpointer:
         with save.timed("state-dict"):
             sharded_state_dict = self._state_dict(state, is_loading=False, with_rng=True)
         request = save.request(sharded_state_dict)
+        del sharded_state_dict  # what was made for this save alone is no one's once handed over
+        if save.strategy is not None:
+            save.strategy.conversions.forget_copies()
         if request is not None:
             if save.synchronous:
                 _run_in_rank(request)

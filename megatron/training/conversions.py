@@ -1,0 +1,92 @@
+"""Reusing megatron-core's conversion of a save's shards to torch's ``ShardedTensor``.
+
+Every torch_dist save converts each of megatron-core's ``ShardedTensor`` to a torch
+``ShardedTensor`` (``mcore_to_pyt_state_dict``), and a shard stacked along a pipeline's layers
+(``prepend_axis_num``) takes the slow path: torch's metadata checks, shard by shard. For a
+77 MB checkpoint of some 300 tensors that is most of the save's planning, at every save,
+although with a kept structure the result describes the same tensors each time: parameters and
+optimizer states are updated in place, so each shard's data is the same memory.
+
+:class:`ConversionCache` keeps, for one save strategy (so for one structure: a new structure
+gets a new strategy, see :mod:`save_structure`), each key's converted tensor, and reuses it
+when every shard's data is the very memory it was built from: same address, shape, strides
+and dtype. Holding the converted tensor holds that memory, so an address cannot be recycled
+for other bytes in between. Memory is held only while its owner lives: once a save has handed
+its tensors over, a key whose data was made for that save alone (the distributed optimizer's
+gathered state, say) is let go (:meth:`ConversionCache.forget_copies`), and converted afresh
+at every save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+_original = mcore_torch.mcore_to_pyt_state_dict
+_active = threading.local()
+
+
+def _memory(shards: list) -> tuple | None:
+    """Where each shard's bytes are, or None when the key holds no plain shards."""
+    if not all(isinstance(shard, ShardedTensor) and shard.data is not None for shard in shards):
+        return None
+    return tuple((shard.data.data_ptr(), tuple(shard.data.shape), shard.data.stride(),
+                  shard.data.dtype, shard.data.device) for shard in shards)
+
+
+class ConversionCache:
+    """One strategy's converted tensors, by key (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[tuple, object]] = {}
+        self._owners: dict[str, list[weakref.ref]] = {}
+        self.reused = 0
+        """How many keys the last save reused."""
+
+    @contextlib.contextmanager
+    def active(self):
+        _active.cache = self
+        try:
+            yield
+        finally:
+            _active.cache = None
+
+    def convert(self, state_dict: dict, is_loading: bool = False, *args, **kwargs) -> dict:
+        reused, fresh, memory = {}, {}, {}
+        for key, shards in state_dict.items():
+            memory[key] = _memory(shards)
+            kept = self._kept.get(key)
+            if kept is not None and memory[key] is not None and kept[0] == memory[key]:
+                reused[key] = kept[1]
+            else:
+                fresh[key] = shards
+        # Before megatron-core's conversion replaces each shard's data with a view of it.
+        self._owners = {key: [weakref.ref(shard.data) for shard in state_dict[key]]
+                        for key in state_dict if memory[key] is not None}
+        converted = _original(fresh, is_loading, *args, **kwargs)
+        self._kept = {key: (memory[key], reused[key] if key in reused else converted[key])
+                      for key in self._owners}
+        self.reused = len(reused)
+        return {key: reused[key] if key in reused else converted[key] for key in state_dict}
+
+    def forget_copies(self) -> None:
+        """Let go of the tensors whose owner is gone (made for the save just handed over)."""
+        for key, owners in self._owners.items():
+            if any(owner() is None for owner in owners):
+                self._kept.pop(key, None)
+
+
+def _convert(state_dict: dict, is_loading: bool = False, *args, **kwargs) -> dict:
+    cache = getattr(_active, "cache", None)
+    if cache is None or is_loading:
+        return _original(state_dict, is_loading, *args, **kwargs)
+    return cache.convert(state_dict, is_loading, *args, **kwargs)
+
+
+def install() -> None:
+    """Route megatron-core's conversion through the active cache (idempotent)."""
+    mcore_torch.mcore_to_pyt_state_dict = _convert
