@@ -10,13 +10,15 @@ all-reduce). Here that part runs on its own, in 2 processes, with the tensors sp
 trainer's are (about 300 tensors per checkpoint), without megatron-core, the state dict, the
 metadata, the manifest or the tracker. Printed per size, as the medians of the slower rank:
 the copy alone, the copy with one digest, with both (what a refill does), and with the
-agreement; each as a share of a one-thread memcpy of the whole checkpoint measured in the
+agreement, then both digests with the copy made by ``Tensor.copy_`` instead of ``memmove``;
+each as a share of a one-thread memcpy of the whole checkpoint measured in the
 same run (``benchmarks/memory_tier.py``'s reference, where the goal is 0.5).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import os
 import statistics
@@ -43,7 +45,10 @@ def rank_tensors(rank_bytes: int) -> list[torch.Tensor]:
     return [torch.randn(max(1, int(weight * scale))) for weight in weights]
 
 
-def refill(target: torch.Tensor, view: memoryview, tensors: list[torch.Tensor], digests: int) -> None:
+def refill(target: torch.Tensor, view: memoryview, tensors: list[torch.Tensor], digests: int,
+           by_memmove: bool = True) -> None:
+    """The refill's copy (libc's ``memmove``, chunk by chunk), or ``Tensor.copy_`` of the
+    same chunks (what it used before, 2026-11-27)."""
     offset = 0
     file_hash = xxhash.xxh3_64()
     for tensor in tensors:
@@ -52,7 +57,10 @@ def refill(target: torch.Tensor, view: memoryview, tensors: list[torch.Tensor], 
         hashers = (file_hash, item_hash)[:digests]
         for start in range(0, source.numel(), CHUNK):
             end = min(start + CHUNK, source.numel())
-            target[offset + start:offset + end].copy_(source[start:end])
+            if by_memmove:
+                ctypes.memmove(target.data_ptr() + offset + start, source.data_ptr() + start, end - start)
+            else:
+                target[offset + start:offset + end].copy_(source[start:end])
             with view[offset + start:offset + end] as chunk:
                 for hasher in hashers:
                     hasher.update(chunk)
@@ -71,14 +79,16 @@ def worker(rank: int, size: int, repeats: int, port: int, results) -> None:
         target = torch.frombuffer(mapping, dtype=torch.uint8)
         timings = {}
         with memoryview(mapping) as view:
-            for name, digests, agree in (("copy", 0, False), ("copy+1 digest", 1, False),
-                                         ("copy+2 digests", 2, False), ("+agreement", 2, True)):
-                refill(target, view, tensors, digests)  # warm
+            for name, digests, agree, by_memmove in (
+                    ("copy", 0, False, True), ("copy+1 digest", 1, False, True),
+                    ("copy+2 digests", 2, False, True), ("+agreement", 2, True, True),
+                    ("copy+2 digests by Tensor.copy_", 2, False, False)):
+                refill(target, view, tensors, digests, by_memmove)  # warm
                 times = []
                 for _ in range(repeats):
                     dist.barrier()
                     start = time.perf_counter()
-                    refill(target, view, tensors, digests)
+                    refill(target, view, tensors, digests, by_memmove)
                     if agree:
                         dist.all_reduce(torch.ones(1))
                     times.append(time.perf_counter() - start)

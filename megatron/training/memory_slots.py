@@ -25,6 +25,7 @@ stay until pruned, and the next two saves set up new ones.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -112,12 +113,22 @@ class _SlotFile:
     def _copy_and_hash(self, record: Record, tensor: torch.Tensor, view: memoryview,
                        hashers: tuple) -> None:
         """Chunk by chunk: copied, then hashed while in L2, together with what precedes it
-        unhashed (the zip's header comes with the first chunk, its trailer with the last)."""
+        unhashed (the zip's header comes with the first chunk, its trailer with the last).
+
+        The copy is libc's ``memmove``: 1.5x as fast as ``Tensor.copy_`` of the same chunks
+        here (``benchmarks/refill_floor.py``), whose per-call dispatch and plain vector loop
+        cost more than the copy of half a megabyte. It copies raw bytes, so both ends are
+        checked against the record first (``Tensor.copy_`` would have raised)."""
         source, hashed = records.host_bytes(tensor), record.offset
+        if source.numel() != record.nbytes or record.data_offset + record.nbytes > len(self._map):
+            raise ValueError(f"{tensor.dtype} {tuple(tensor.shape)} does not fit its record "
+                             f"({record.nbytes} bytes at {record.data_offset})")
+        source_address = source.data_ptr()
+        target_address = self._bytes.data_ptr() + record.data_offset
         for start in range(0, record.nbytes, COPY_CHUNK):
             end = min(start + COPY_CHUNK, record.nbytes)
             clock = time.perf_counter()
-            self._bytes[record.data_offset + start:record.data_offset + end].copy_(source[start:end])
+            ctypes.memmove(target_address + start, source_address + start, end - start)
             self._seconds["copy"] += time.perf_counter() - clock
             upto = record.end if end == record.nbytes else record.data_offset + end
             self._hash(view, hashed, upto, hashers)

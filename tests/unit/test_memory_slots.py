@@ -55,6 +55,16 @@ def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots)
     assert read_shard_digest(folder / objects_file(0)).digest == digest_file(folder / objects_file(0))
 
 
+def test_a_refill_copies_a_strided_tensor_in_row_major_order(tmp_path, slots):
+    """The refill copies raw bytes: a transposed view must land as its values, not its storage."""
+    def strided(seed: int) -> dict:
+        return {"weight_t": torch.randn(6, 4, generator=torch.Generator().manual_seed(seed)).t()}
+    for iteration in (1, 2, 3):
+        refilled, written = save(slots, tmp_path, iteration, strided(iteration))
+    assert refilled and not strided(3)["weight_t"].is_contiguous()
+    assert torch.equal(read_back(iteration_dir(tmp_path, 3), written[0]), strided(3)["weight_t"])
+
+
 def test_tensors_of_another_shape_set_the_file_up_again(tmp_path, slots):
     for iteration in (1, 2):
         save(slots, tmp_path, iteration, state(iteration))
