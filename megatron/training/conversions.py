@@ -31,11 +31,15 @@ _active = threading.local()
 
 
 def _memory(shards: list) -> tuple | None:
-    """Where each shard's bytes are, or None when the key holds no plain shards."""
+    """Where each shard's bytes are and where they sit in the global tensor, or None when the
+    key holds no plain shards. The placement is the strategy's structure already; it is
+    compared too, so that a reuse never rests on ``--ckpt-assume-constant-structure`` alone."""
     if not all(isinstance(shard, ShardedTensor) and shard.data is not None for shard in shards):
         return None
     return tuple((shard.data.data_ptr(), tuple(shard.data.shape), shard.data.stride(),
-                  shard.data.dtype, shard.data.device) for shard in shards)
+                  shard.data.dtype, shard.data.device, shard.global_shape, shard.global_offset,
+                  shard.axis_fragmentations, shard.prepend_axis_num, shard.flattened_range)
+                 for shard in shards)
 
 
 class ConversionCache:

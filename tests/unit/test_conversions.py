@@ -60,10 +60,14 @@ def test_a_shard_copied_for_each_save_is_let_go_once_handed_over_and_converted_a
     assert converted(cache, parameter) is kept
 
 
-def test_a_shard_of_another_shape_or_outside_a_save_is_converted_afresh(group):
+def test_a_shard_of_another_shape_or_place_or_outside_a_save_is_converted_afresh(group):
     cache, parameter = conversions.ConversionCache(), torch.zeros(4, 6)
     first = converted(cache, parameter)
     assert converted(cache, parameter[:2]) is not first
+    first = converted(cache, parameter)
+    with cache.active():  # the same memory, no longer stacked along the layers
+        moved = ShardedTensor.from_rank_offsets(LAYERS_KEY, parameter)
+        assert conversions.mcore_torch.mcore_to_pyt_state_dict({LAYERS_KEY: [moved]})[LAYERS_KEY] is not first
     kept = converted(cache, parameter)
     assert conversions.mcore_torch.mcore_to_pyt_state_dict({LAYERS_KEY: [stacked(parameter)]})[
         LAYERS_KEY] is not kept  # no cache active: megatron-core's own conversion
