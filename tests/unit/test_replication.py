@@ -1,7 +1,9 @@
 """Who copies from whom across nodes (pure), and one node's copies from two live peers."""
 
+import os
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +165,29 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
     assert read_tracker(folders[1]) == 4 and again == []
     assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
     assert used == sum(p.stat().st_size for p in folders[1].rglob("*") if p.is_file())
+
+
+def test_the_memory_used_is_counted_while_the_ranks_prune_a_folder(tmp_path, monkeypatch):
+    """A folder pruned between its listing and its own listing is skipped, not a crash (it took
+    a supervisor down: FileNotFoundError out of the walk)."""
+    shard_checkpoint([tmp_path / "node0"], iteration=4)
+    shard_checkpoint([tmp_path / "node0"], iteration=6)
+    pruned, listing = iteration_dir(tmp_path / "node0", 4), os.scandir
+    left = sum(p.stat().st_size for p in (tmp_path / "node0").rglob("*")
+               if p.is_file() and pruned not in p.parents)
+
+    def pruned_meanwhile(path="."):
+        if Path(path) == pruned:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", pruned_meanwhile)
+    replication = Replication(ReplicationConfig(tmp_path / "node0", tmp_path / "run0", 0))
+    try:
+        used = replication.used_bytes()
+    finally:
+        replication.close()
+    assert used == left
 
 
 @pytest.mark.parametrize("rank0_holds", ["its own shards", "nothing"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import logging
 import queue
 import re
@@ -401,13 +402,17 @@ class Replication:
         return len(body) + sum(int(entry["bytes"]) for entry in files.values())
 
     def used_bytes(self) -> int:
-        """What this node's memory tier holds: its own checkpoints and its peers' copies."""
+        """What this node's memory tier holds: its own checkpoints and its peers' copies.
+
+        The ranks prune and rename folders while this walks them: ``os.walk`` skips a folder
+        gone before it is listed (``Path.rglob`` raised, and took the supervisor down)."""
         total = 0
-        for path in self.config.memory_dir.rglob("*"):
-            try:
-                total += path.stat().st_size if path.is_file() else 0
-            except OSError:
-                pass  # pruned meanwhile
+        for folder, _, names in os.walk(self.config.memory_dir):
+            for name in names:
+                try:
+                    total += os.stat(os.path.join(folder, name)).st_size
+                except OSError:
+                    pass  # pruned meanwhile
         return total
 
     def saved(self, iteration: int) -> None:
