@@ -58,7 +58,8 @@ def refill(target: torch.Tensor, view: memoryview, tensors: list[torch.Tensor], 
         for start in range(0, source.numel(), CHUNK):
             end = min(start + CHUNK, source.numel())
             if by_memmove:
-                ctypes.memmove(target.data_ptr() + offset + start, source.data_ptr() + start, end - start)
+                ctypes.memmove(target.data_ptr() + offset + start, source.data_ptr() + start,
+                               end - start)
             else:
                 target[offset + start:offset + end].copy_(source[start:end])
             with view[offset + start:offset + end] as chunk:

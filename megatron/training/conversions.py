@@ -59,23 +59,19 @@ class ConversionCache:
         finally:
             _active.cache = None
 
-    def convert(self, state_dict: dict, is_loading: bool = False, *args, **kwargs) -> dict:
-        reused, fresh, memory = {}, {}, {}
-        for key, shards in state_dict.items():
-            memory[key] = _memory(shards)
-            kept = self._kept.get(key)
-            if kept is not None and memory[key] is not None and kept[0] == memory[key]:
-                reused[key] = kept[1]
-            else:
-                fresh[key] = shards
+    def convert(self, state_dict: dict, *args, **kwargs) -> dict:
+        """A save's conversion (megatron-core's arguments after ``is_loading``)."""
+        memory = {key: _memory(shards) for key, shards in state_dict.items()}
+        reused = {key: self._kept[key][1] for key in state_dict
+                  if memory[key] is not None and self._kept.get(key, (None,))[0] == memory[key]}
         # Before megatron-core's conversion replaces each shard's data with a view of it.
         self._owners = {key: [weakref.ref(shard.data) for shard in state_dict[key]]
                         for key in state_dict if memory[key] is not None}
-        converted = _original(fresh, is_loading, *args, **kwargs)
-        self._kept = {key: (memory[key], reused[key] if key in reused else converted[key])
-                      for key in self._owners}
+        converted = {**_original({key: shards for key, shards in state_dict.items()
+                                  if key not in reused}, False, *args, **kwargs), **reused}
+        self._kept = {key: (memory[key], converted[key]) for key in self._owners}
         self.reused = len(reused)
-        return {key: reused[key] if key in reused else converted[key] for key in state_dict}
+        return {key: converted[key] for key in state_dict}
 
     def forget_copies(self) -> None:
         """Let go of the tensors whose owner is gone (made for the save just handed over)."""
@@ -88,7 +84,7 @@ def _convert(state_dict: dict, is_loading: bool = False, *args, **kwargs) -> dic
     cache = getattr(_active, "cache", None)
     if cache is None or is_loading:
         return _original(state_dict, is_loading, *args, **kwargs)
-    return cache.convert(state_dict, is_loading, *args, **kwargs)
+    return cache.convert(state_dict, *args, **kwargs)
 
 
 def install() -> None:

@@ -115,9 +115,9 @@ class _SlotFile:
         """Chunk by chunk: copied, then hashed while in L2, together with what precedes it
         unhashed (the zip's header comes with the first chunk, its trailer with the last).
 
-        The copy is libc's ``memmove``: 1.5x as fast as ``Tensor.copy_`` of the same chunks
-        here (``benchmarks/refill_floor.py``), whose per-call dispatch and plain vector loop
-        cost more than the copy of half a megabyte. It copies raw bytes, so both ends are
+        The copy is libc's ``memmove``: with both digests it takes a quarter less time than
+        ``Tensor.copy_`` of the same chunks here (``benchmarks/refill_floor.py``), whose
+        per-call dispatch and plain vector loop cost more than the copy of half a megabyte. It copies raw bytes, so both ends are
         checked against the record first (``Tensor.copy_`` would have raised)."""
         source, hashed = records.host_bytes(tensor), record.offset
         if source.numel() != record.nbytes or record.data_offset + record.nbytes > len(self._map):

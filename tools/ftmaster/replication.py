@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import logging
+import os
 import queue
 import re
 import threading
