@@ -6,7 +6,7 @@ For each model width (8 layers, 2 ranks at TP1 x PP2 as in ``memory_tier.py``: a
 304 MB and 1.2 GB) the real trainer saves every iteration, synchronously, into the tier asked
 for. Each save's event carries rank 0's wall time per step (``phases``: state dict,
 preprocess, the fully parallel wrapper's metadata exchange, DCP planning, the writers from
-fork to done, megatron-core's finalize with ``.metadata``, the agreement, manifest and
+fork to done, megatron-core's finalize (``.metadata``), the agreement, manifest and
 tracker) and the writers' own time by kind (``writer_phases``: serialisation, write calls,
 hashing, fsync), summed over the writer processes, which run in parallel.
 

@@ -4,6 +4,8 @@ garbage tracker, same-size corruption, a load that raises, a NaN loss and a full
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,28 @@ def test_a_full_disk_fails_the_save_not_training_and_keeps_the_older_checkpoints
     for iteration in list_iterations(save):  # what is left is whole
         manifest = read_manifest(iteration_dir(save, iteration))
         assert digest_problem(iteration_dir(save, iteration), manifest, sorted(manifest.files)) is None
+
+
+def test_a_metadata_that_cannot_be_written_fails_that_save_on_every_rank_and_training_goes_on(tmp_path):
+    """Rank 0 writes ``.metadata`` once every rank's writes are in; when it cannot (here a
+    folder sits where its temporary file goes), the save fails as one, with its reason, and the
+    ranks still meet in the same collectives: the next save succeeds."""
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    in_the_way = iteration_dir(save, 4) / ".metadata.tmp" / "in-the-way"
+
+    def block_the_second_save() -> None:  # once the first is whole (start-up removes partial folders)
+        while not (iteration_dir(save, 2) / MANIFEST_NAME).exists():
+            time.sleep(0.01)
+        in_the_way.mkdir(parents=True)
+
+    blocker = threading.Thread(target=block_the_second_save, daemon=True)
+    blocker.start()
+    # Rank 0 slowed 10x from iteration 3: seconds for the folder to be in the way.
+    result = train(2, save, 6, run_dir=run_dir, FTMASTER_INJECT_SLOW="0:3:10")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert in_the_way.parent.parent.exists() is False  # the failed save's folder is removed
+    assert max(iterations(result.stdout)) == 6
+    (failed,) = events(run_dir, "save_failed")
+    assert failed["iteration"] == 4 and failed["reason"].startswith("writing .metadata: "), failed
+    assert [e["iteration"] for e in events(run_dir, "periodic_save")] == [2, 6]
+    assert list_iterations(save) == [6, 2] and read_tracker(save) == 6
