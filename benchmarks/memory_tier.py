@@ -70,6 +70,7 @@ def saves_of(hidden: int, tier: str, async_save: bool, saves: int, root: Path,
              memory: Path) -> list[dict]:
     """The saves into ``tier`` of one run; the last iteration's (final, on disk) is left out."""
     tag = f"h{hidden}-{tier}-{'async' if async_save else 'sync'}"
+    os.sync()  # the previous run's disk writes flushed first: their writeback takes a core here
     save, run_dir = root / tag, root / f"run-{tag}"
     schedule = SCHEDULE + ["--train-iters", str(2 * saves + 1)]
     result = run_trainer(RANKS, model_args(hidden) + schedule + tier_args(tier, save, memory)
