@@ -642,9 +642,10 @@ class _Save:
         except CHECKPOINT_ERRORS as error:  # recorded; the agreement in commit() decides for all
             self.note("writing the shards", error)
 
-    def keep_write_results(self, storage_writer, global_metadata, dist_wrapper) -> None:
+    def keep_write_results(self, storage_writer, global_metadata, _dist_wrapper) -> None:
         """megatron-core's ``save_state_dict_async_finalize`` up to its gather: this rank's
-        results, or its writers' error (which megatron-core wraps with its traceback)."""
+        results, or its writers' error (which megatron-core wraps with its traceback). Its
+        group wrapper is not needed: the agreement gathers on the save's own group."""
         results = storage_writer.retrieve_write_results()
         if isinstance(results, tuple):
             self.note("writing the shards", results[0])
