@@ -50,6 +50,20 @@ def test_a_rank_that_lost_a_peer_points_elsewhere():
     assert classify_exits(failed, gpus=(0, 1), errors={0: "RuntimeError: CUDA error"}).cause == "exit"
 
 
+def test_a_peer_that_ended_before_the_rank_it_lost_does_not_hide_that_rank():
+    """The rank that raised closed its connections, then took longer to end than the peer it
+    left (a CI run on a busy machine named no GPU for an XID)."""
+    failed = {0: record(0, 1, 5.20), 1: record(1, 1, 5.31), 2: record(2, -15, 5.4)}
+    errors = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+              1: "RuntimeError: CUDA error: uncorrectable ECC error encountered"}
+    report = classify_exits(failed, gpus=(10, 11, 12), errors=errors)
+    assert (report.cause, report.gpus, report.first_local_rank) == ("exit", (11,), 1)
+    killed = {0: failed[0], 2: record(2, -9, 5.4)}
+    assert classify_exits(killed, gpus=(10, 11, 12), errors=errors).gpus == (12,)
+    stopped = {0: failed[0], 2: failed[2]}  # only a lost peer and torchrun's SIGTERM: elsewhere
+    assert classify_exits(stopped, gpus=(10, 11, 12), errors=errors).cause == "peer"
+
+
 def test_peers_that_failed_close_behind_the_first_are_not_blamed():
     """An XID on rank 1's GPU under a busy machine: its exit took seconds, and the peers it
     left in collectives (one lost its connection, one was SIGTERMed) ended within the same

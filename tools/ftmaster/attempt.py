@@ -119,13 +119,34 @@ def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int],
     codes = {str(rec.rank): rec.exit_code for rec in failed.values()}
     if not failed:
         return ExitReport("exit", (), codes, None)
-    first = min(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
+    first = _root_cause(failed, errors)
     cause = TRAINER_CAUSES.get(failed[first].exit_code, "exit")
     if cause == "exit" and PEER_LOST.search(errors.get(first, "")):
         cause = "peer"
     involved = tuple(sorted(gpus[r] for r in failed if r == first or not _failed_because_of_another(
         failed[r], errors.get(r)))) if cause == "exit" else ()
     return ExitReport(cause, involved, codes, first)
+
+
+def _root_cause(failed: dict[int, RankRecord], errors: dict[int, str]) -> int:
+    """The local rank that ended first, unless it lost a peer and a local rank evidently failed
+    on its own: a rank that raises may close its connections seconds before its process ends
+    (a busy machine), so the peer it left can end first."""
+    by_end = sorted(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
+    if PEER_LOST.search(errors.get(by_end[0], "")):
+        for local_rank in by_end:
+            if _evidently_failed_on_its_own(failed[local_rank], errors.get(local_rank)):
+                return local_rank
+    return by_end[0]
+
+
+def _evidently_failed_on_its_own(record: RankRecord, error: str | None) -> bool:
+    """It recorded an error other than a lost peer's, or a signal other than torchrun's
+    SIGTERM killed it; a rank that left nothing to read may have lost a peer."""
+    if error is not None:
+        return not PEER_LOST.search(error)
+    return record.exit_code is not None and record.exit_code < 0 and \
+        record.exit_code != -signal.SIGTERM
 
 
 def _failed_because_of_another(record: RankRecord, error: str | None) -> bool:
