@@ -6,7 +6,7 @@ The source folders follow the project's design card (``tools/ftmaster``, ``monit
 of the ``megatron`` namespace package that megatron-core also contributes to).
 """
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 PACKAGE_DIRS = {
     "ftmaster": "tools/ftmaster",
@@ -23,6 +23,10 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
+    # The memory tier's copy with streaming stores, loaded with ctypes: a machine without a C
+    # compiler skips it, and the refill copies with memmove.
+    ext_modules=[Extension("megatron.training._stream_copy", ["megatron/training/stream_copy.c"],
+                           extra_compile_args=["-O2"], optional=True)],
     install_requires=[
         "torch",
         "megatron-core==0.16.1",

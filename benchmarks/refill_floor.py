@@ -9,9 +9,10 @@ item's (the manifest's and the peer copies' checks), then the ranks agree once (
 all-reduce). Here that part runs on its own, in 2 processes, with the tensors split as the
 trainer's are (about 300 tensors per checkpoint), without megatron-core, the state dict, the
 metadata, the manifest or the tracker. Printed per size, as the medians of the slower rank:
-the copy alone, the copy with one digest, with both (what a refill does), and with the
-agreement, then both digests with the copy made by ``Tensor.copy_`` instead of ``memmove``;
-each as a share of a one-thread memcpy of the whole checkpoint measured in the
+the refill's copy alone (streaming stores, ``megatron/training/stream_copy.c``), with both
+digests taken from each chunk before it is copied (what a refill does), and with the
+agreement; then the same with libc's ``memmove``, and ``memmove`` with the digests taken
+from the copied bytes (the refill before 2026-11-28); each as a share of a one-thread memcpy of the whole checkpoint measured in the
 same run (``benchmarks/memory_tier.py``'s reference, where the goal is 0.5).
 """
 
@@ -32,10 +33,17 @@ import torch.multiprocessing as mp
 import xxhash
 
 from megatron.training.memory_slots import COPY_CHUNK as CHUNK  # the refill's own
+from megatron.training.memory_slots import copy_bytes
 from memory_tier import memcpy_speed
 
 RANKS = 2
 TENSORS_PER_RANK = 150
+VARIANTS = (  # name, digests, agreement, copy, hashed before the copy
+    ("copy", 0, False, copy_bytes, True), ("copy+2 digests", 2, False, copy_bytes, True),
+    ("+agreement", 2, True, copy_bytes, True),
+    ("memmove", 0, False, ctypes.memmove, True),
+    ("memmove+2 digests", 2, False, ctypes.memmove, True),
+    ("memmove, then 2 digests of the copy", 2, False, ctypes.memmove, False))
 
 
 def rank_tensors(rank_bytes: int) -> list[torch.Tensor]:
@@ -46,26 +54,31 @@ def rank_tensors(rank_bytes: int) -> list[torch.Tensor]:
 
 
 def refill(target: torch.Tensor, view: memoryview, tensors: list[torch.Tensor], digests: int,
-           by_memmove: bool = True) -> None:
-    """The refill's copy (libc's ``memmove``, chunk by chunk), or ``Tensor.copy_`` of the
-    same chunks (what it used before, 2026-11-27)."""
+           copy=copy_bytes, hash_first: bool = True) -> None:
+    """The refill's copy: each chunk hashed from the tensor, then copied by ``copy`` (the
+    streaming copy, or libc's ``memmove``); or, ``hash_first`` off, copied and then hashed
+    from the target (what it did before, 2026-11-27)."""
     offset = 0
     file_hash = xxhash.xxh3_64()
     for tensor in tensors:
         source = tensor.view(torch.uint8)
+        source_view = memoryview(source.numpy())
         item_hash = xxhash.xxh3_64()
         hashers = (file_hash, item_hash)[:digests]
         for start in range(0, source.numel(), CHUNK):
             end = min(start + CHUNK, source.numel())
-            if by_memmove:
-                ctypes.memmove(target.data_ptr() + offset + start, source.data_ptr() + start,
-                               end - start)
-            else:
-                target[offset + start:offset + end].copy_(source[start:end])
-            with view[offset + start:offset + end] as chunk:
-                for hasher in hashers:
-                    hasher.update(chunk)
+            if hash_first:
+                _hash(source_view[start:end], hashers)
+            copy(target.data_ptr() + offset + start, source.data_ptr() + start, end - start)
+            if not hash_first:
+                _hash(view[offset + start:offset + end], hashers)
         offset += source.numel()
+
+
+def _hash(chunk: memoryview, hashers: tuple) -> None:
+    with chunk:
+        for hasher in hashers:
+            hasher.update(chunk)
 
 
 def worker(rank: int, size: int, repeats: int, port: int, results) -> None:
@@ -80,16 +93,13 @@ def worker(rank: int, size: int, repeats: int, port: int, results) -> None:
         target = torch.frombuffer(mapping, dtype=torch.uint8)
         timings = {}
         with memoryview(mapping) as view:
-            for name, digests, agree, by_memmove in (
-                    ("copy", 0, False, True), ("copy+1 digest", 1, False, True),
-                    ("copy+2 digests", 2, False, True), ("+agreement", 2, True, True),
-                    ("copy+2 digests by Tensor.copy_", 2, False, False)):
-                refill(target, view, tensors, digests, by_memmove)  # warm
+            for name, digests, agree, copy, hash_first in VARIANTS:
+                refill(target, view, tensors, digests, copy, hash_first)  # warm
                 times = []
                 for _ in range(repeats):
                     dist.barrier()
                     start = time.perf_counter()
-                    refill(target, view, tensors, digests, by_memmove)
+                    refill(target, view, tensors, digests, copy, hash_first)
                     if agree:
                         dist.all_reduce(torch.ones(1))
                     times.append(time.perf_counter() - start)

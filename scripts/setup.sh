@@ -17,7 +17,7 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 
 stamp=.venv/.ftmaster-setup-stamp
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ megatron/training/stream_copy.c -nt "$stamp" ]; then
     echo "setup: installing ftmaster and its dependencies" >&2
     "$py" -m pip install --quiet -e ".[test,tensorboard]"
     touch "$stamp"

@@ -1,5 +1,8 @@
 """The memory tier's slots in one process: records set up once and refilled in place, their
-digests taken from the copied bytes, and the rules that keep a complete checkpoint safe."""
+digests taken from the bytes copied, and the rules that keep a complete checkpoint safe."""
+
+import ctypes
+import shutil
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
 from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
 from megatron.training.checksums import read_shard_digest
-from megatron.training.memory_slots import MemorySlots
+from megatron.training.memory_slots import MemorySlots, copy_bytes
 from megatron.training.records import objects_file
 
 def state(seed: int, rows: int = 4) -> dict:
@@ -118,3 +121,19 @@ def test_a_node_local_slot_drops_the_peer_copies_it_will_not_rewrite(tmp_path):
         slots.close()
     left = {path.name for path in iteration_dir(tmp_path, 3).iterdir()}
     assert SHARD in left and "__1_0.distcp" in left and not left & set(copies)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the refill copies with memmove")
+def test_the_streaming_copy_was_built_where_a_compiler_is():
+    assert copy_bytes is not ctypes.memmove
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 63, 64, 65, 4096 + 17, 1_000_003])
+@pytest.mark.parametrize("misaligned", [0, 1, 9])
+def test_the_refill_copy_copies_every_byte_whatever_the_alignment(length, misaligned):
+    """The streaming loop's aligned head, 64-byte blocks and tail, and nothing past the end."""
+    source = torch.randint(0, 256, (length + 32,), dtype=torch.uint8)
+    target = torch.zeros(length + 64, dtype=torch.uint8)
+    copy_bytes(target.data_ptr() + misaligned, source.data_ptr() + 3, length)
+    assert torch.equal(target[misaligned:misaligned + length], source[3:3 + length])
+    assert not target[:misaligned].any() and not target[misaligned + length:].any()
