@@ -7,10 +7,11 @@ the same inside a regular ``torch_dist`` checkpoint, which still loads under any
 - The first save into a slot writes the rank's files as torch_dist does and learns where each
   tensor's bytes sit (:mod:`records`). The pages are then in memory, so the files are
   preallocated and prefaulted from here on; the rank keeps them mapped (``MAP_POPULATE``).
-- Every later save into the slot copies each tensor's bytes to its place: a memcpy on CPU,
-  and on CUDA a device-to-host copy straight into the mapping, registered with the driver as
-  pinned memory (as torch's own ``_state_dict_stager`` pins its shared memory). The file's
-  and each item's digest are taken from the copied bytes while they are still in the cache.
+- Every later save into the slot copies each tensor's bytes to its place: on CPU a copy with
+  streaming stores (``stream_copy.c``), each chunk hashed just before it is copied, and on
+  CUDA a device-to-host copy straight into the mapping, registered with the driver as pinned
+  memory (as torch's own ``_state_dict_stager`` pins its shared memory), hashed once landed.
+  The file's and each item's digest are taken while the bytes are in the cache.
 
 Slots are used in turn, so the newest complete checkpoint is never written over. Before a
 slot is refilled, rank 0 removes its manifest and ``.metadata`` and renames it to the new
