@@ -12,8 +12,9 @@ metadata, the manifest or the tracker. Printed per size, as the medians of the s
 the refill's copy alone (streaming stores, ``megatron/training/stream_copy.c``), with both
 digests taken from each chunk before it is copied (what a refill does), and with the
 agreement; then the same with libc's ``memmove``, and ``memmove`` with the digests taken
-from the copied bytes (the refill before 2026-11-28); each as a share of a one-thread memcpy of the whole checkpoint measured in the
-same run (``benchmarks/memory_tier.py``'s reference, where the goal is 0.5).
+from the copied bytes (the refill before 2026-11-28); each as a share of a one-thread memcpy
+of the whole checkpoint measured in the same run (``benchmarks/memory_tier.py``'s
+reference, where the goal is 0.5).
 """
 
 from __future__ import annotations

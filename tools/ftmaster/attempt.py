@@ -141,12 +141,10 @@ def _root_cause(failed: dict[int, RankRecord], errors: dict[int, str]) -> int:
 
 
 def _evidently_failed_on_its_own(record: RankRecord, error: str | None) -> bool:
-    """It recorded an error other than a lost peer's, or a signal other than torchrun's
-    SIGTERM killed it; a rank that left nothing to read may have lost a peer."""
-    if error is not None:
-        return not PEER_LOST.search(error)
-    return record.exit_code is not None and record.exit_code < 0 and \
-        record.exit_code != -signal.SIGTERM
+    """Not because of another, with an error or a killing signal to show for it: a bare exit
+    status may hide a lost peer."""
+    return not _failed_because_of_another(record, error) and (
+        error is not None or (record.exit_code or 0) < 0)
 
 
 def _failed_because_of_another(record: RankRecord, error: str | None) -> bool:
