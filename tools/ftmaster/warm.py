@@ -31,6 +31,7 @@ to the rank's error file; :class:`WarmRanks` answers ``poll``/``wait`` as torchr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -137,11 +138,12 @@ def warm_up_for(command: Sequence[str]) -> tuple[str, ...]:
 def _preload(warm_up: Sequence[str]) -> dict:
     """Import the model stack and do ``warm_up``; what the worker holds afterwards."""
     start = time.perf_counter()
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            continue
+    with _compile_deferred():
+        for name in PRELOAD:
+            try:
+                __import__(name)
+            except ImportError:
+                continue
     for path in warm_up:
         module, _, function = path.rpartition(".")
         if module in sys.modules:
@@ -152,6 +154,16 @@ def _preload(warm_up: Sequence[str]) -> dict:
                  and torch.distributed.is_initialized())
     return {"pid": os.getpid(), "import_s": round(time.perf_counter() - start, 3),
             "cuda_initialized": cuda, "process_group": group}
+
+
+def _compile_deferred() -> contextlib.AbstractContextManager:
+    """megatron-core's compile decorators deferred to their first call, as in the trainer's
+    own imports (``megatron.training.deferred_compile``), where the trainer is installed."""
+    try:
+        from megatron.training.deferred_compile import compile_at_first_call
+    except ImportError:
+        return contextlib.nullcontext()
+    return compile_at_first_call()
 
 
 def _take_assignment(assignment: dict, idle: bool) -> None:
