@@ -39,6 +39,10 @@ STARTUP_PHASES = ("launch", "interpreter", "imports", "process-group", "model-an
                   "train/valid/test-data-iterators-setup", "checkpoint-search",
                   "checkpoint-verify", "checkpoint-read", "first-iteration")
 COLD = "--cold-restart"
+ITERATIONS = 80
+"""Long enough for the warm set to be ready before the run ends: beside 4 ranks that keep both
+cores busy, workers importing at SCHED_IDLE were ready 18 s after the launch here (about
+iteration 50 at 0.23 s an iteration), and a run of 30 ended first (2026-11-28)."""
 
 
 def first_after(events: list[dict], name: str, after: float) -> dict:
@@ -75,7 +79,7 @@ def after_warm_ready(options: tuple[str, ...]) -> str:
 
 def gpu_loss(root: Path, *options: str) -> dict[str, float]:
     run_dir = root / "run"
-    result = run_launch(run_dir, 4, train_args(root / "ckpt", 30, 2, 2, 5), *options,
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", ITERATIONS, 2, 2, 5), *options,
                         "--inject", f"fail:gpu=1,at=iter:12{after_warm_ready(options)}")
     assert result.returncode == 0, result.stdout[-3000:]
     events = runfiles.read_events(run_dir)
@@ -86,7 +90,8 @@ def replica_loss(root: Path, *options: str) -> dict[str, float]:
     extra = ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir",
              str(root / "memory"), "--replica-recovery", "--seed", "4"]
     run_dir = root / "run"
-    result = run_launch(run_dir, 4, train_args(root / "ckpt", 20, 1, 2, 100, *extra, global_batch=8),
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", ITERATIONS, 1, 2, 100, *extra,
+                                                 global_batch=8),
                         *options, "--inject", f"fail:gpu=1,at=iter:16{after_warm_ready(options)}")
     assert result.returncode == 0, result.stdout[-3000:]
     events = runfiles.read_events(run_dir)

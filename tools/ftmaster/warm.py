@@ -51,9 +51,12 @@ from ftmaster.membership import free_port
 from ftmaster.recovery.torchrun import StaticWorld
 from ftmaster.runfiles import atomic_write_text
 
-PRELOAD = ("torch", "megatron.core", "megatron.training.training", "megatron.training.checkpointing")
+PRELOAD = ("torch", "torch._dynamo", "megatron.core", "megatron.training.training",
+           "megatron.training.checkpointing")
 """What a worker imports before it is ready; a module that does not import is skipped (a
-script other than ``pretrain_gpt.py`` still gets torch)."""
+script other than ``pretrain_gpt.py`` still gets torch). TorchDynamo because torch's optimizer
+imports it at its first ``add_param_group`` (0.5 s of a warm rank's model set-up here, once
+megatron-core's import no longer brought it in: ``megatron.training.deferred_compile``)."""
 WARM_UP = ("megatron.training.checkpointing.start_writer_results_queue",)
 """Start-up work that holds no GPU, process group or rank, done before the worker is ready:
 the async checkpoint writers' result queue, a spawned Manager server (1.3 s of a rank's start
