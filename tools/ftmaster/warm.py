@@ -2,7 +2,8 @@
 are needed, so a relaunch hands each rank to one instead of starting a new interpreter.
 
 A cold launch runs ``torchrun``, which imports torch (2-4 s here) before it starts the
-ranks, and each rank imports torch, megatron-core and the trainer again (5-8 s): most of a
+ranks, and each rank imports torch, megatron-core and the trainer again (5-8 s; 2.7-3.0 s for
+a 3-rank relaunch since megatron-core's compile decorators are deferred): most of a
 recovery's time. A warm worker is ``python -u -m ftmaster.warm`` started by ftmaster ahead of
 time. It imports the model stack, says ``ready`` on its stdout and blocks on its stdin. A launch
 writes it one assignment (the rank's environment exactly as torchrun sets it, the argv, the
