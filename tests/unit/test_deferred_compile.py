@@ -92,7 +92,7 @@ def test_a_rank_ends_with_its_status_after_its_threads_and_exit_handlers():
         from pretrain_gpt import end_without_teardown
         atexit.register(lambda: print("exit handler", flush=True))
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()
-        print("main returned", end="\\n")
+        print("main returned")
         end_without_teardown(3)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
