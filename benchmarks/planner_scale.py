@@ -17,20 +17,8 @@ import statistics
 import time
 
 from ftmaster.recovery.planner import plan_nodes
+from planner_speed import LLAMA3_405B, LLAMA3_70B
 
-LLAMA = ["--group-query-attention", "--num-query-groups", "8", "--swiglu",
-         "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
-         "--disable-bias-linear", "--vocab-size", "128256", "--seq-length", "8192", "--bf16",
-         "--use-distributed-optimizer", "--sequence-parallel", "--micro-batch-size", "1",
-         "--train-iters", "100000", "--save", "/ckpt"]
-LLAMA3_70B = ["pretrain_gpt.py", "--num-layers", "80", "--hidden-size", "8192",
-              "--ffn-hidden-size", "28672", "--num-attention-heads", "64", *LLAMA,
-              "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8"]
-LLAMA3_405B = ["pretrain_gpt.py", "--num-layers", "126", "--hidden-size", "16384",
-               "--ffn-hidden-size", "53248", "--num-attention-heads", "128", *LLAMA,
-               "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
-               "--context-parallel-size", "2", "--decoder-first-pipeline-num-layers", "7",
-               "--decoder-last-pipeline-num-layers", "7"]
 JOBS = {1024: [*LLAMA3_70B, "--global-batch-size", "256"],
         16384: [*LLAMA3_70B, "--global-batch-size", "2048"],
         131072: [*LLAMA3_405B, "--global-batch-size", "16384"]}

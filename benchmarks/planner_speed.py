@@ -26,16 +26,17 @@ LLAMA = ["--group-query-attention", "--num-query-groups", "8", "--swiglu",
          "--train-iters", "100000", "--save", "/ckpt"]
 LLAMA3_70B = ["pretrain_gpt.py", "--num-layers", "80", "--hidden-size", "8192",
               "--ffn-hidden-size", "28672", "--num-attention-heads", "64", *LLAMA,
-              "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
-              "--global-batch-size", "2048"]
+              "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8"]
 LLAMA3_405B = ["pretrain_gpt.py", "--num-layers", "126", "--hidden-size", "16384",
                "--ffn-hidden-size", "53248", "--num-attention-heads", "128", *LLAMA,
                "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
                "--context-parallel-size", "2", "--decoder-first-pipeline-num-layers", "7",
-               "--decoder-last-pipeline-num-layers", "7", "--global-batch-size", "16384"]
+               "--decoder-last-pipeline-num-layers", "7"]
 JOBS = {"GPT-3 175B": (GPT3_175B, 1024, (1, 7, 127, 1021, 1023, 1024)),
-        "Llama-3-70B": (LLAMA3_70B, 16384, (1023, 8184, 16368, 16376, 16383, 16384)),
-        "Llama-3-405B": (LLAMA3_405B, 131072, (65535, 131056, 131064, 131071, 131072))}
+        "Llama-3-70B": ([*LLAMA3_70B, "--global-batch-size", "2048"], 16384,
+                        (1023, 8184, 16368, 16376, 16383, 16384)),
+        "Llama-3-405B": ([*LLAMA3_405B, "--global-batch-size", "16384"], 131072,
+                         (65535, 131056, 131064, 131071, 131072))}
 VARIANTS = {"closest": {}, "paper": {"mode": "paper"}, "closest+80GiB": {"gpu_memory_gb": 80},
             "closest+80GiB+1%": {"gpu_memory_gb": 80, "global_batch_tolerance_pct": 1.0}}
 
