@@ -2,6 +2,7 @@
 phase, on the real trainer (CPU + gloo).
 
     .venv/bin/python benchmarks/warm_recovery.py [--scenario gpu|replica|node ...] [--repeats 3]
+        [--iterations 80]
 
 Each repeat runs the same job twice, ``--cold-restart`` and warm (the default), one after the
 other, so both see the same machine:
@@ -42,7 +43,8 @@ COLD = "--cold-restart"
 ITERATIONS = 80
 """Long enough for the warm set to be ready before the run ends: beside 4 ranks that keep both
 cores busy, workers importing at SCHED_IDLE were ready 18 s after the launch here (about
-iteration 50 at 0.23 s an iteration), and a run of 30 ended first (2026-11-28)."""
+iteration 50 at 0.23 s an iteration), and a run of 30 ended first (2026-11-28). On a machine
+twice as slow they were ready only at 67 s, with 80 iterations done: ``--iterations``."""
 
 
 def first_after(events: list[dict], name: str, after: float) -> dict:
@@ -77,28 +79,43 @@ def after_warm_ready(options: tuple[str, ...]) -> str:
     return "" if COLD in options else ",after=warm_ready"
 
 
-def gpu_loss(root: Path, *options: str) -> dict[str, float]:
+def fault_time(events: list[dict], iterations: int) -> float:
+    """When the injected fault fired; a run that ended first (its warm set was not ready in
+    time, on a slower machine) says so, with the time it would have needed."""
+    fault = next((e for e in events if e["event"] == "fault_injected"), None)
+    if fault is not None:
+        return fault["time"]
+    started = events[0]["time"]
+    at = {e["event"]: f"at {e['time'] - started:.0f} s" for e in reversed(events)}
+    raise SystemExit(f"the fault never fired: the run's {iterations} iterations ended "
+                     f"{at.get('complete', 'early')} from the launch and its warm set was "
+                     f"{'ready ' + at['warm_ready'] if 'warm_ready' in at else 'never ready'}; "
+                     f"try a longer run (--iterations)")
+
+
+def gpu_loss(root: Path, iterations: int, *options: str) -> dict[str, float]:
     run_dir = root / "run"
-    result = run_launch(run_dir, 4, train_args(root / "ckpt", ITERATIONS, 2, 2, 5), *options,
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", iterations, 2, 2, 5), *options,
                         "--inject", f"fail:gpu=1,at=iter:12{after_warm_ready(options)}")
     assert result.returncode == 0, result.stdout[-3000:]
     events = runfiles.read_events(run_dir)
-    return phases(events, first_after(events, "fault_injected", 0)["time"])
+    return phases(events, fault_time(events, iterations))
 
 
-def replica_loss(root: Path, *options: str) -> dict[str, float]:
+def replica_loss(root: Path, iterations: int, *options: str) -> dict[str, float]:
     extra = ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir",
              str(root / "memory"), "--replica-recovery", "--seed", "4"]
     run_dir = root / "run"
-    result = run_launch(run_dir, 4, train_args(root / "ckpt", ITERATIONS, 1, 2, 100, *extra,
+    result = run_launch(run_dir, 4, train_args(root / "ckpt", iterations, 1, 2, 100, *extra,
                                                  global_batch=8),
                         *options, "--inject", f"fail:gpu=1,at=iter:16{after_warm_ready(options)}")
     assert result.returncode == 0, result.stdout[-3000:]
     events = runfiles.read_events(run_dir)
-    return phases(events, first_after(events, "fault_injected", 0)["time"])
+    return phases(events, fault_time(events, iterations))
 
 
-def node_loss(root: Path, *options: str) -> dict[str, float]:
+def node_loss(root: Path, iterations: int, *options: str) -> dict[str, float]:
+    """Its own length (``multinode_recovery``'s): the kill waits for the warm set."""
     warm = bool(after_warm_ready(options))
     events, fault_at = kill_node_1(root, 1, *options,
                                    ready=lambda nodes: not warm or nodes.events(0, "warm_ready"))
@@ -124,13 +141,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=ITERATIONS,
+                        help="the gpu and replica runs' length (default %(default)s)")
     options = parser.parse_args()
     for name in options.scenario or ["gpu", "replica", "node"]:
         runs: dict[str, list] = {"cold": [], "warm": []}
         with tempfile.TemporaryDirectory(prefix="ftmaster-warm-") as tmp:
             for repeat in range(options.repeats):
                 for how, extra in (("cold", (COLD,)), ("warm", ())):
-                    runs[how].append(SCENARIOS[name](Path(tmp) / f"{how}{repeat}", *extra))
+                    runs[how].append(SCENARIOS[name](Path(tmp) / f"{how}{repeat}",
+                                                     options.iterations, *extra))
                     print(f"{name} repeat {repeat + 1} {how}: RTO from the fault "
                           f"{runs[how][-1]['RTO from the fault']:.2f} s", flush=True)
         report(name, runs["cold"], runs["warm"])
