@@ -43,8 +43,9 @@ COLD = "--cold-restart"
 ITERATIONS = 80
 """Long enough for the warm set to be ready before the run ends: beside 4 ranks that keep both
 cores busy, workers importing at SCHED_IDLE were ready 18 s after the launch here (about
-iteration 50 at 0.23 s an iteration), and a run of 30 ended first (2026-11-28). On a machine
-twice as slow they were ready only at 67 s, with 80 iterations done: ``--iterations``."""
+iteration 50 at 0.23 s an iteration), and a run of 30 ended first (2026-11-28). On a slower
+machine (the trainer's imports twice as long) they were ready only at 67 s, with 80
+iterations done: ``--iterations``."""
 
 
 def first_after(events: list[dict], name: str, after: float) -> dict:
@@ -80,8 +81,8 @@ def after_warm_ready(options: tuple[str, ...]) -> str:
 
 
 def fault_time(events: list[dict], iterations: int) -> float:
-    """When the injected fault fired; a run that ended first (its warm set was not ready in
-    time, on a slower machine) says so, with the time it would have needed."""
+    """When the injected fault fired. A run that ended first (its warm set was not ready in
+    time, on a slower machine) says so, and when its warm set was ready."""
     fault = next((e for e in events if e["event"] == "fault_injected"), None)
     if fault is not None:
         return fault["time"]
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=ITERATIONS,
                         help="the gpu and replica runs' length (default %(default)s)")
     options = parser.parse_args()
+    if options.iterations <= 16:
+        parser.error(f"--iterations must be above 16, the replica run's fault, got {options.iterations}")
     for name in options.scenario or ["gpu", "replica", "node"]:
         runs: dict[str, list] = {"cold": [], "warm": []}
         with tempfile.TemporaryDirectory(prefix="ftmaster-warm-") as tmp:
