@@ -15,15 +15,23 @@ for other bytes in between. Memory is held only while its owner lives: once a sa
 its tensors over, a key whose data was made for that save alone (the distributed optimizer's
 gathered state, say) is let go (:meth:`ConversionCache.forget_copies`), and converted afresh
 at every save.
+
+A ``ShardedObject`` is serialized afresh at every save (its value may have changed), except
+one that holds nothing: megatron-core's own layers keep an ``_extra_state`` of None (kept for
+Transformer Engine's layers, which fill it), 4 per layer, and ``torch.save`` of each took 0.13
+ms at every save. The bytes of nothing are made once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import threading
 import weakref
 
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
 _original = mcore_torch.mcore_to_pyt_state_dict
@@ -40,6 +48,18 @@ def _memory(shards: list) -> tuple | None:
                   shard.data.dtype, shard.data.device, shard.global_shape, shard.global_offset,
                   shard.axis_fragmentations, shard.prepend_axis_num, shard.flattened_range)
                  for shard in shards)
+
+
+@functools.cache
+def _serialized_nothing(count: int) -> bytes:
+    """What megatron-core's conversion makes of ``count`` shards of an object holding None."""
+    buffer = io.BytesIO()
+    torch.save([None] * count, buffer)
+    return buffer.getvalue()
+
+
+def _holds_nothing(shards: list) -> bool:
+    return all(isinstance(shard, ShardedObject) and shard.data is None for shard in shards)
 
 
 class ConversionCache:
@@ -67,6 +87,8 @@ class ConversionCache:
         # Before megatron-core's conversion replaces each shard's data with a view of it.
         self._owners = {key: [weakref.ref(shard.data) for shard in state_dict[key]]
                         for key in state_dict if memory[key] is not None}
+        reused.update({key: io.BytesIO(_serialized_nothing(len(shards)))
+                       for key, shards in state_dict.items() if _holds_nothing(shards)})
         converted = {**_original({key: shards for key, shards in state_dict.items()
                                   if key not in reused}, False, *args, **kwargs), **reused}
         self._kept = {key: (memory[key], converted[key]) for key in self._owners}

@@ -1,6 +1,8 @@
 """A save strategy's conversions to torch's ShardedTensor, reused while each shard's data is
 the same memory (one rank, real megatron-core shards and the real torch_dist strategy)."""
 
+import io
+
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -93,3 +95,22 @@ def test_saves_that_reuse_the_conversions_write_each_save_s_values(group, tmp_pa
         handed = {item.index.fqn: tensor for _, _, (_, tensors) in buckets for item, tensor in tensors}
         assert torch.equal(handed[LAYERS_KEY].reshape(-1), torch.full((24,), float(iteration)))
         assert torch.equal(handed["optimizer.state"], torch.full((3,), -float(iteration)))
+
+
+def test_an_object_holding_nothing_is_serialized_once_and_others_at_every_save(group, monkeypatch):
+    """megatron-core's layers keep an ``_extra_state`` of None: its bytes are the ones
+    megatron-core's conversion makes, made once; an object with a value is serialized afresh."""
+    cache, extra, rng = conversions.ConversionCache(), "layer._extra_state", "rng_state"
+    expected = conversions._original({extra: [ShardedObject(extra, None, (2,), (0,))]})[extra]
+    with conversions.ConversionCache().active():  # the bytes of nothing made, once per process
+        conversions.mcore_torch.mcore_to_pyt_state_dict({extra: [ShardedObject(extra, None, (2,), (0,))]})
+    saved, save = [], torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, *args, **kwargs: (saved.append(obj), save(obj, *args, **kwargs)))
+    for iteration in (1, 2):
+        with cache.active():
+            pyt = conversions.mcore_torch.mcore_to_pyt_state_dict({
+                extra: [ShardedObject(extra, None, (2,), (0,))],
+                rng: [ShardedObject(rng, {"iteration": iteration}, (1,), (0,))]})
+        assert pyt[extra].getvalue() == expected.getvalue()
+        assert torch.load(io.BytesIO(pyt[rng].getvalue())) == [{"iteration": iteration}]
+    assert saved == [[{"iteration": 1}], [{"iteration": 2}]]
