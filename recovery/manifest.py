@@ -187,7 +187,9 @@ def write_manifest(folder: Path, kind: str, iteration: int, files: Mapping[str, 
         body["items"] = {name: [[offset, entry.bytes, entry.digest]
                                 for offset, entry in sorted(items[name].items())]
                          for name in sorted(items)}
-    atomic_write_text(Path(folder) / MANIFEST_NAME, json.dumps(body, indent=1) + "\n")
+    # Unindented: json's C encoder (indented, it falls back to Python: 1.9 ms against 0.24 ms
+    # for a 77 MB checkpoint's items, on the save's path).
+    atomic_write_text(Path(folder) / MANIFEST_NAME, json.dumps(body) + "\n")
 
 
 def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
