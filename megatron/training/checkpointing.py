@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import errno
 import io
 import json
@@ -103,7 +102,6 @@ from ftmaster.recovery.manifest import (
     FileDigest,
     Manifest,
     digest_bytes,
-    digest_file,
     digest_problem,
     read_manifest,
     write_manifest,
@@ -112,6 +110,7 @@ from ftmaster.runfiles import atomic_write_text
 
 from . import checksums, conversions, optimizer_from_distributed, startup
 from .console import log_rank0
+from .dcp_metadata import MetadataBytes, write_metadata
 from .memory_slots import MemorySlots
 from .records import DiskRecords
 from .model import optimizer_metadata
@@ -487,18 +486,6 @@ def _write_durably(path: Path, data: bytes | memoryview) -> None:
         os.fsync(handle.fileno())
 
 
-def _without_local_plans(global_metadata):
-    """The metadata to write, without the copy of every rank's save plan that megatron-core
-    attaches (``all_local_plans``): only a later save's planner reads it, after a load, to
-    skip one gather (a missing copy makes it plan, ``strategies/torch.py``), and no loader
-    does. Pickling it took 4.7 of the 7 ms rank 0 spent on ``.metadata`` at 77 MB."""
-    if getattr(global_metadata, "all_local_plans", None) is None:
-        return global_metadata
-    written = copy.copy(global_metadata)
-    del written.all_local_plans
-    return written
-
-
 def _run_in_rank(request) -> None:
     """megatron-core's ``AsyncRequest.execute_sync`` without its barrier between the writes
     and the finalize steps: the first of those gathers every rank's write results, so it
@@ -572,8 +559,8 @@ class _Save:
         self.strategy: _TimedParallelSave | None = None
         self.slot: str | None = None
         self.write_results: list | None = None
-        self.metadata_writer: tuple | None = None
-        """megatron-core's storage writer and global plan, with which rank 0 writes ``.metadata``."""
+        self.global_metadata = None
+        """megatron-core's global metadata, from which rank 0 writes ``.metadata``."""
         self.slots = checkpointer.slots if tier == "memory" else None
         self.synchronous = checkpointer.async_queue is None or self.slots is not None
         self.records = self.slots if self.slots is not None else (
@@ -698,17 +685,17 @@ class _Save:
             self.note("writing the shards", results[0])
         else:
             self.write_results = results
-        self.metadata_writer = (storage_writer, global_metadata)
+        self.global_metadata = global_metadata
 
     def _write_metadata(self, reports: list[_RankReport]) -> None:
-        """Rank 0: ``.metadata`` from every rank's write results, as megatron-core's finalize
-        writes it (torch's ``FileSystemWriter.finish``: a temporary file, fsynced, renamed)."""
-        if self.metadata_writer is None:
+        """Rank 0: ``.metadata`` from every rank's write results (:mod:`dcp_metadata`)."""
+        if self.global_metadata is None:
             raise RuntimeError("megatron-core's finalize never ran on rank 0")
-        storage_writer, global_metadata = self.metadata_writer
         with self.timed("finalize"):
-            storage_writer.finish(_without_local_plans(global_metadata),
-                                  [r.write_results for r in reports])
+            data = self.checkpointer.metadata_bytes.of(self.global_metadata,
+                                                       [r.write_results for r in reports])
+            write_metadata(self.path, data)
+        self.small_files[DCP_METADATA_FILE] = digest_bytes(data)
 
     def _write_config(self, strategy) -> None:
         if _rank() == 0:
@@ -758,8 +745,7 @@ class _Save:
     def _write_manifest_and_tracker(self, reports: list[_RankReport]) -> DurableSave:
         shards = {name: shard for r in reports for name, shard in r.shards.items()}
         with self.timed("manifest-and-tracker"):
-            files = {**self.small_files, **{name: s.digest for name, s in shards.items()},
-                     DCP_METADATA_FILE: digest_file(self.path / DCP_METADATA_FILE)}
+            files = {**self.small_files, **{name: s.digest for name, s in shards.items()}}
             items = {name: shard.items for name, shard in shards.items() if shard.items}
             write_manifest(self.path, self.kind, self.iteration, files, items)
             # Never backwards: a persisted memory checkpoint may be newer than this one.
@@ -810,6 +796,7 @@ class Checkpointer:
                       if self.memory_dir is not None else None)
         self.disk_records = DiskRecords()
         self.write_results_relay = _WriteResultsRelay()
+        self.metadata_bytes = MetadataBytes()
         self.last_bytes: int | None = None
         """The size of the last complete checkpoint (a memory save's room check)."""
         self.last_saved_iteration: int | None = None
