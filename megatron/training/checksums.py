@@ -6,7 +6,8 @@ name ``open`` of its module. :func:`install` points that name (in that module on
 every byte is hashed on its way to the file, with no second read. The writers run in forked
 processes (or a spawned persistent worker), so the digest comes back the way the bytes went:
 a small sidecar file ``<shard>.digest`` written when the shard is closed, which the rank reads
-at finalize time and sends to rank 0 for the manifest.
+at finalize time and sends to rank 0 for the manifest. A rank that writes its shards itself
+(:mod:`records`: synchronous and memory saves) is handed each digest directly.
 
 The sidecar also holds each item's digest: :func:`_write_item_with_digest`, installed as the
 module's ``_write_item``, brackets every item the writer writes, so a load can check each
@@ -42,15 +43,24 @@ from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, it
 SIDECAR_SUFFIX = ".digest"
 
 
-class _SidecarWriter(DigestingWriter):
-    """A digesting writer that leaves its digest beside the file when it closes."""
+DigestReport = Callable[[Path, "ShardDigest"], None]
+"""Where a shard's digest goes when its writer closes it."""
+
+
+class _ShardWriter(DigestingWriter):
+    """A digesting writer that reports its digest when it closes: in a sidecar file (from a
+    writer process), or straight to the rank's writer (in the rank, :mod:`records`)."""
+
+    def __init__(self, path, mode: str = "wb", report: DigestReport | None = None) -> None:
+        super().__init__(path, mode)
+        self._report = report or write_sidecar
 
     def close(self) -> None:
         if self.closed:
             return
         super().close()
-        write_sidecar(self.path, ShardDigest(self.digest(), self.hash_seconds, self.open_seconds,
-                                             dict(self.items), self.io_seconds, self.item_seconds))
+        self._report(self.path, ShardDigest(self.digest(), self.hash_seconds, self.open_seconds,
+                                            dict(self.items), self.io_seconds, self.item_seconds))
 
 
 def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
@@ -62,18 +72,19 @@ def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
     sidecar_path(shard).write_text(json.dumps(body))
 
 
-def sidecar_writer(path: Path) -> DigestingWriter:
+def shard_writer(path: Path, report: DigestReport) -> DigestingWriter:
     """A new file whose digests (the file's, and each item's between ``begin_item`` and
-    ``end_item``) are left beside it when it closes."""
-    return _SidecarWriter(path, "wb")
+    ``end_item``) go to ``report`` when it closes."""
+    return _ShardWriter(path, "wb", report)
 
 
-def write_items(path: Path, items: Iterable, storage_key: str, transforms, fsync: bool) -> list:
-    """Write ``(write_item, data)`` pairs into a new file as torch_dist's writer does, with
-    the file's and every item's digest left in its sidecar; torch's write results."""
+def write_items(path: Path, items: Iterable, storage_key: str, transforms, fsync: bool,
+                report: DigestReport) -> list:
+    """Write ``(write_item, data)`` pairs into a new file as torch_dist's writer does, the
+    file's and every item's digest reported; torch's write results."""
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    with sidecar_writer(path) as stream:
+    with shard_writer(path, report) as stream:
         results = [_write_item_with_digest(transforms, stream, data, item, storage_key,
                                            serialization_format=SerializationFormat.TORCH_SAVE)
                    for item, data in items]
@@ -89,7 +100,7 @@ def sidecar_path(shard: Path) -> Path:
 
 def _digesting_open(path, mode="r", *args, **kwargs):
     if "w" in mode and str(path).endswith(".distcp"):
-        return _SidecarWriter(path, mode)
+        return _ShardWriter(path, mode)
     return open(path, mode, *args, **kwargs)
 
 

@@ -82,9 +82,10 @@ class _SlotFile:
             _pin_memory_utils.pin_memory(self._bytes.data_ptr(), size)
 
     @classmethod
-    def set_up(cls, path: Path, storage_key: str, tensor_data: list) -> "_SlotFile":
+    def set_up(cls, path: Path, storage_key: str, tensor_data: list,
+               report: checksums.DigestReport) -> "_SlotFile":
         """The first save into this slot: written as torch_dist writes, then mapped."""
-        return cls(path, records.set_up_file(path, storage_key, tensor_data, fsync=False))
+        return cls(path, records.set_up_file(path, storage_key, tensor_data, False, report))
 
     def refill(self, tensor_data: list, iteration: int) -> tuple[list[WriteResult], checksums.ShardDigest]:
         """Copy each tensor's bytes to its record, hashing the file and each item (a record:
@@ -186,6 +187,7 @@ class MemorySlots(RecordWriter):
     write function, and :meth:`ended` with the save's agreed outcome."""
 
     def __init__(self, memory_dir: Path, node_writers: set[int] | None = None) -> None:
+        super().__init__()
         self.memory_dir = Path(memory_dir)
         self.node_writers = node_writers
         """In a node-local tier, the ranks writing into this node's folder: the folder also
@@ -249,11 +251,11 @@ class MemorySlots(RecordWriter):
         slot_file = slot_files.get(name)
         if slot_file is not None and records.fits(slot_file.records, tensor_data):
             written, digest = slot_file.refill(tensor_data, iteration)
-            checksums.write_sidecar(path, digest)
+            self.keep_digest(path, digest)
             return written
         if slot_files.pop(name, None) is not None:
             slot_file.close()
-        slot_files[name] = _SlotFile.set_up(path, name, tensor_data)
+        slot_files[name] = _SlotFile.set_up(path, name, tensor_data, self.keep_digest)
         return [record.result for record in slot_files[name].records.values()]
 
     def _drop(self, slot: int) -> None:

@@ -12,7 +12,6 @@ from ftmaster.recovery.manifest import digest_file
 from helpers.gpu import needs_gpus
 from helpers.slots import SHARD, read_back, save
 from helpers.trainer import SMALL_GPT, iterations, run_trainer
-from megatron.training.checksums import read_shard_digest
 from megatron.training.memory_slots import MemorySlots
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +36,7 @@ def test_a_refill_copies_device_tensors_into_the_pinned_slot(tmp_path):
         for result in written:
             if result.index.fqn != "rng":
                 assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu())
-        assert read_shard_digest(folder / SHARD).digest == digest_file(folder / SHARD)
+        assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
     finally:
         slots.close()
 

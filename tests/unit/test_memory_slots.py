@@ -11,7 +11,6 @@ import xxhash
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
 from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
-from megatron.training.checksums import read_shard_digest
 from megatron.training.memory_slots import MemorySlots, copy_bytes
 from megatron.training.records import objects_file
 
@@ -49,13 +48,15 @@ def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots)
     for iteration in (1, 2, 3):
         save(slots, tmp_path, iteration, state(iteration))
     folder = iteration_dir(tmp_path, 3)
-    reported = read_shard_digest(folder / SHARD)
+    assert sorted(slots.digests) == sorted(path.name for path in folder.iterdir()
+                                           if path.name != MANIFEST_NAME)
+    reported = slots.digests[SHARD]
     assert reported.digest == digest_file(folder / SHARD)
     data = (folder / SHARD).read_bytes()
     assert sum(item.bytes for item in reported.items.values()) == len(data)  # items tile the file
     for offset, item in reported.items.items():
         assert xxhash.xxh3_64(data[offset:offset + item.bytes]).hexdigest() == item.digest
-    assert read_shard_digest(folder / objects_file(0)).digest == digest_file(folder / objects_file(0))
+    assert slots.digests[objects_file(0)].digest == digest_file(folder / objects_file(0))
 
 
 def test_a_refill_copies_a_strided_tensor_in_row_major_order(tmp_path, slots):

@@ -2,6 +2,8 @@
 structure's first save: the same records torch_dist would write, their digests, and a new
 structure learnt again."""
 
+import errno
+import os
 import queue
 
 import torch
@@ -10,8 +12,8 @@ import xxhash
 from ftmaster.recovery.manifest import digest_file
 from ftmaster.recovery.writeback import STEP
 from helpers.slots import SHARD, buckets, read_back
-from megatron.training.checksums import read_shard_digest
-from megatron.training.records import DiskRecords
+from megatron.training import checksums
+from megatron.training.records import DiskRecords, objects_file
 
 
 def disk_save(records: DiskRecords, folder, tensors: dict, kept: bool = True) -> list:
@@ -45,12 +47,14 @@ def test_later_saves_write_the_learnt_records_from_the_tensors_memory(tmp_path):
             assert torch.equal(got, state(2)[result.index.fqn])
 
 
-def test_the_sidecar_holds_the_digests_of_the_file_written(tmp_path):
+def test_the_digests_handed_over_are_those_of_the_files_written_and_no_sidecar_is_left(tmp_path):
     records = DiskRecords()
     disk_save(records, tmp_path / "1", state(1))
     disk_save(records, tmp_path / "2", state(2))
     shard = tmp_path / "2" / SHARD
-    reported = read_shard_digest(shard)
+    assert sorted(records.digests) == sorted(path.name for path in (tmp_path / "2").iterdir())
+    assert records.digests[objects_file(0)].digest == digest_file(tmp_path / "2" / objects_file(0))
+    reported = records.digests[SHARD]
     assert reported.digest == digest_file(shard)
     data = shard.read_bytes()
     assert sum(item.bytes for item in reported.items.values()) == len(data)
@@ -67,3 +71,20 @@ def test_a_new_structure_or_shape_is_learnt_again(tmp_path):
     relearnt = disk_save(records, tmp_path / "3", state(3), kept=False)
     weight = next(r for r in relearnt if r.index.fqn == "weight")
     assert torch.equal(read_back(tmp_path / "3", weight), state(3)["weight"])
+
+
+def test_a_write_that_fails_reports_the_os_error_behind_it(tmp_path, monkeypatch):
+    """A full disk inside torch.save can surface as its zip writer's RuntimeError at closing,
+    the ENOSPC only as its context: the OS error is what the save reports."""
+    def full_disk(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checksums, "write_items", full_disk)
+    (tmp_path / "1").mkdir()
+    results = queue.Queue()
+    DiskRecords().write(tmp_path / "1", 1, 0, buckets(state(1), b"rng state"), results)
+    reported = results.get_nowait()
+    assert isinstance(reported, OSError) and reported.errno == errno.ENOSPC
