@@ -106,11 +106,11 @@ from ftmaster.recovery.manifest import (
     read_manifest,
     write_manifest,
 )
-from ftmaster.runfiles import atomic_write_text
+from ftmaster.runfiles import atomic_write_bytes, atomic_write_text
 
 from . import checksums, conversions, optimizer_from_distributed, startup
 from .console import log_rank0
-from .dcp_metadata import MetadataBytes, write_metadata
+from .dcp_metadata import MetadataBytes
 from .memory_slots import MemorySlots
 from .records import DiskRecords
 from .model import optimizer_metadata
@@ -446,10 +446,11 @@ class _WriteResultsRelay:
         self._received: dict[int, list] = {}
 
     def outgoing(self, results: list | None) -> list | str | None:
-        if results is not None and results == self._sent:
+        if results is None:
+            return None
+        if results == self._sent:
             return _UNCHANGED
-        if results is not None:
-            self._sent = results
+        self._sent = results
         return results
 
     def incoming(self, reports: list[_RankReport]) -> list[_RankReport]:
@@ -695,7 +696,7 @@ class _Save:
         with self.timed("finalize"):
             data = self.checkpointer.metadata_bytes.of(self.global_metadata,
                                                        [r.write_results for r in reports])
-            write_metadata(self.path, data)
+            atomic_write_bytes(self.path / DCP_METADATA_FILE, data)
         self.small_files[DCP_METADATA_FILE] = digest_bytes(data)
 
     def _write_config(self, strategy) -> None:
@@ -721,10 +722,8 @@ class _Save:
         reports = [None] * torch.distributed.get_world_size() if _rank() == 0 else None
         with self.timed("agreement"):
             torch.distributed.gather_object(report, reports, dst=0, group=self.group)
-        if _rank() == 0:
-            outcome = self._decide(self.checkpointer.write_results_relay.incoming(reports))
-        else:
-            outcome = None
+        outcome = (self._decide(self.checkpointer.write_results_relay.incoming(reports))
+                   if _rank() == 0 else None)
         outcome = broadcast_from_rank0(outcome, self.group)
         self.checkpointer.saved(self, outcome)
 

@@ -18,20 +18,17 @@ stay the same:
   folder is a memory slot's previous name after a refill, and a persisted checkpoint's
   memory folder after a persist copy, so it was never a place to read from.
 
-The file is written as torch writes it: a temporary file, fsynced, renamed.
+Rank 0 writes the bytes through a temporary file, fsynced and renamed, as torch does
+(``ftmaster.runfiles.atomic_write_bytes``).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import pickle
-from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata
-
-from ftmaster.recovery.checkpoints import DCP_METADATA_FILE
 
 
 class MetadataBytes:
@@ -62,13 +59,3 @@ def _as_written(global_metadata: Metadata, results: list[list]) -> Metadata:
     metadata.storage_meta = None
     return metadata
 
-
-def write_metadata(folder: Path, data: bytes) -> None:
-    """``data`` as ``folder``'s ``.metadata``, never torn: a loader finds the old file, none,
-    or this one."""
-    temporary = Path(folder) / f"{DCP_METADATA_FILE}.tmp"
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, Path(folder) / DCP_METADATA_FILE)

@@ -85,7 +85,8 @@ class _SlotFile:
     def set_up(cls, path: Path, storage_key: str, tensor_data: list,
                report: checksums.DigestReport) -> "_SlotFile":
         """The first save into this slot: written as torch_dist writes, then mapped."""
-        return cls(path, records.set_up_file(path, storage_key, tensor_data, False, report))
+        return cls(path, records.set_up_file(path, storage_key, tensor_data, fsync=False,
+                                             report=report))
 
     def refill(self, tensor_data: list, iteration: int) -> tuple[list[WriteResult], checksums.ShardDigest]:
         """Copy each tensor's bytes to its record, hashing the file and each item (a record:

@@ -229,7 +229,8 @@ class DiskRecords(RecordWriter):
     def write_tensors(self, path: Path, name: str, tensor_data: list, iteration: int) -> list[WriteResult]:
         records = self._learnt.get(name)
         if records is None or not fits(records, tensor_data):
-            self._learnt[name] = set_up_file(path, name, tensor_data, True, self.keep_digest)
+            self._learnt[name] = set_up_file(path, name, tensor_data, fsync=True,
+                                             report=self.keep_digest)
             return [record.result for record in self._learnt[name].values()]
         with checksums.shard_writer(path, self.keep_digest) as stream:
             for record, tensor in in_file_order(records, tensor_data):

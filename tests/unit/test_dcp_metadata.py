@@ -7,7 +7,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
                                                    MetadataIndex)
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron.training.dcp_metadata import MetadataBytes, write_metadata
+from ftmaster.runfiles import atomic_write_bytes
+from megatron.training.dcp_metadata import MetadataBytes
 
 
 def global_metadata() -> Metadata:
@@ -30,7 +31,7 @@ def test_the_bytes_are_made_again_only_when_the_metadata_or_a_result_changes():
 
 
 def test_torch_reads_what_is_written_with_its_own_storage_meta(tmp_path):
-    write_metadata(tmp_path, MetadataBytes().of(global_metadata(), results(8)))
+    atomic_write_bytes(tmp_path / ".metadata", MetadataBytes().of(global_metadata(), results(8)))
     assert [path.name for path in tmp_path.iterdir()] == [".metadata"]
     reader = FileSystemReader(tmp_path)
     read = reader.read_metadata()

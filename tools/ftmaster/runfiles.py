@@ -89,13 +89,18 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     ``durable=False`` skips the fsyncs: still never torn, but may be lost in a power cut.
     A durable write also syncs the folder, which holds the rename itself.
     """
+    atomic_write_bytes(path, text.encode(), durable)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """:func:`atomic_write_text` for bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users' tools
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())
