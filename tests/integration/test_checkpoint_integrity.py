@@ -191,10 +191,13 @@ def test_a_full_disk_fails_the_save_not_training_and_keeps_the_older_checkpoints
 
 def test_a_metadata_that_cannot_be_written_fails_that_save_on_every_rank_and_training_goes_on(tmp_path):
     """Rank 0 writes ``.metadata`` once every rank's writes are in; when it cannot (here a
-    folder sits where its temporary file goes), the save fails as one, with its reason, and the
-    ranks still meet in the same collectives: the next save succeeds."""
+    folder sits where it goes), the save fails as one, with its reason, and the
+    ranks still meet in the same collectives: the next save succeeds.
+
+    The folder is in ``.metadata``'s own place, which no rename can replace, rather than in
+    its temporary file's, whose name is the writer's to choose."""
     save, run_dir = tmp_path / "save", tmp_path / "run"
-    in_the_way = iteration_dir(save, 4) / ".metadata.tmp" / "in-the-way"
+    in_the_way = iteration_dir(save, 4) / ".metadata" / "in-the-way"
 
     def block_the_second_save() -> None:  # once the first is whole (start-up removes partial folders)
         while not (iteration_dir(save, 2) / MANIFEST_NAME).exists():
