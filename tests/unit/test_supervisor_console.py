@@ -61,7 +61,26 @@ def test_a_peer_that_ended_before_the_rank_it_lost_does_not_hide_that_rank():
     killed = {0: failed[0], 2: record(2, -9, 5.4)}
     assert classify_exits(killed, gpus=(10, 11, 12), errors=errors).gpus == (12,)
     stopped = {0: failed[0], 2: failed[2]}  # only a lost peer and torchrun's SIGTERM: elsewhere
-    assert classify_exits(stopped, gpus=(10, 11, 12), errors=errors).cause == "peer"
+    assert classify_exits(stopped, gpus=(10, 11, 12), errors={0: errors[0]}).cause == "peer"
+
+
+def test_a_rank_that_raised_and_still_runs_is_the_root_cause_over_the_peer_it_left():
+    """A CI run on a busy machine: rank 1 recorded its XID error 3 s before the poll and had
+    not ended; rank 0, which lost it, had. Its GPU is named, from its error alone; torchrun's
+    SIGTERM in its slow exit does not make it a bystander either."""
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    errors = {0: lost, 1: "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+              2: lost}
+    failed = {0: record(0, 1, 5.2)}
+    report = classify_exits(failed, gpus=(10, 11, 12, 13), errors=errors)
+    assert (report.cause, report.gpus, report.first_local_rank) == ("exit", (11,), 1)
+    assert report.exit_codes == {"0": 1}
+    failed[1] = record(1, -15, 5.4)
+    report = classify_exits(failed, gpus=(10, 11, 12, 13), errors=errors)
+    assert (report.cause, report.gpus, report.first_local_rank) == ("exit", (11,), 1)
+    only_lost = {0: lost, 2: lost}  # ranks still running that only lost a peer: elsewhere
+    assert classify_exits({0: record(0, 1, 5.2)}, gpus=(10, 11, 12, 13),
+                          errors=only_lost).cause == "peer"
 
 
 def test_peers_that_failed_close_behind_the_first_are_not_blamed():

@@ -106,8 +106,8 @@ PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|NCCL co
 
 def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int],
                    errors: dict[int, str] | None = None) -> ExitReport:
-    """The cause of failed ranks (by local rank, with the errors they recorded); GPUs only
-    for a plain ``exit``.
+    """The cause of failed ranks (by local rank), from the errors local ranks recorded, failed
+    or still running; GPUs only for a plain ``exit``.
 
     When one rank fails, its peers fail after it (a reset connection, torchrun's SIGTERM), so
     the first to end is the root cause; when even that one lost a peer, the root cause is on
@@ -120,23 +120,28 @@ def classify_exits(failed: dict[int, RankRecord], gpus: Sequence[int],
     if not failed:
         return ExitReport("exit", (), codes, None)
     first = _root_cause(failed, errors)
-    cause = TRAINER_CAUSES.get(failed[first].exit_code, "exit")
+    cause = TRAINER_CAUSES.get(failed[first].exit_code if first in failed else None, "exit")
     if cause == "exit" and PEER_LOST.search(errors.get(first, "")):
         cause = "peer"
-    involved = tuple(sorted(gpus[r] for r in failed if r == first or not _failed_because_of_another(
-        failed[r], errors.get(r)))) if cause == "exit" else ()
+    on_their_own = {r for r in failed if not _failed_because_of_another(failed[r], errors.get(r))}
+    involved = tuple(sorted(gpus[r] for r in on_their_own | {first})) if cause == "exit" else ()
     return ExitReport(cause, involved, codes, first)
 
 
 def _root_cause(failed: dict[int, RankRecord], errors: dict[int, str]) -> int:
     """The local rank that ended first, unless it lost a peer and a local rank evidently failed
-    on its own: a rank that raises may close its connections seconds before its process ends
-    (a busy machine), so the peer it left can end first."""
+    on its own: a rank that raises records its error, then may take seconds to close its
+    connections and end (a busy machine), so the peer it left can end first, even while the
+    rank that raised still runs."""
     by_end = sorted(failed, key=lambda r: (failed[r].ended_at or float("inf"), r))
     if PEER_LOST.search(errors.get(by_end[0], "")):
         for local_rank in by_end:
             if _evidently_failed_on_its_own(failed[local_rank], errors.get(local_rank)):
                 return local_rank
+        raised_and_runs = [r for r in sorted(errors)
+                           if r not in failed and not PEER_LOST.search(errors[r])]
+        if raised_and_runs:
+            return raised_and_runs[0]
     return by_end[0]
 
 
@@ -148,7 +153,11 @@ def _evidently_failed_on_its_own(record: RankRecord, error: str | None) -> bool:
 
 
 def _failed_because_of_another(record: RankRecord, error: str | None) -> bool:
-    return bool(PEER_LOST.search(error or "")) or record.exit_code == -signal.SIGTERM
+    """A lost peer, or torchrun's SIGTERM to a rank that had raised nothing of its own: a rank
+    that recorded its own error and was stopped in its slow exit failed on its own."""
+    if error is not None:
+        return bool(PEER_LOST.search(error))
+    return record.exit_code == -signal.SIGTERM
 
 
 def error_summary(error_file: Path, traceback_lines: int = 4) -> str | None:

@@ -454,7 +454,8 @@ class Supervisor:
         code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
         if failed or (code is not None and code != 0):
-            report = classify_exits(failed, attempt.gpus, attempt.recorded_errors(failed))
+            report = classify_exits(failed, attempt.gpus,
+                                    attempt.recorded_errors(range(len(attempt.gpus))))
             return self._failure(report.cause, iteration, list(report.gpus),
                                  report.exit_codes or {"torchrun": code}, report.first_local_rank)
         if code == 0:
