@@ -104,6 +104,19 @@ def _digesting_open(path, mode="r", *args, **kwargs):
     return open(path, mode, *args, **kwargs)
 
 
+def os_error_behind(error: Exception) -> Exception:
+    """The OS error that ``error`` arose from, if any, else ``error``: a full disk under
+    ``torch.save`` can surface as its zip writer's complaint at closing ("unexpected pos"),
+    the ENOSPC only in the chain, and the save's reason should name the full disk."""
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return error
+
+
 @functools.wraps(write_item)  # megatron-core inspects its signature for serialization_format
 def _write_item_with_digest(transforms, stream, *args, **kwargs):
     """torch's ``_write_item(transforms, stream, data, write_item, storage_key, ...)``, whose
@@ -111,7 +124,13 @@ def _write_item_with_digest(transforms, stream, *args, **kwargs):
     if not isinstance(stream, DigestingWriter):
         return write_item(transforms, stream, *args, **kwargs)
     stream.begin_item()
-    result = write_item(transforms, stream, *args, **kwargs)
+    try:
+        result = write_item(transforms, stream, *args, **kwargs)
+    except Exception as error:  # a writer process queues it, pickled: its chain would be lost
+        behind = os_error_behind(error)
+        if behind is error:
+            raise
+        raise behind from None
     stream.end_item()
     return result
 

@@ -148,19 +148,6 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").reshape(-1).view(torch.uint8)
 
 
-def _os_error_behind(error: Exception) -> Exception:
-    """The OS error that ``error`` arose from, if any, else ``error``: a full disk under
-    ``torch.save`` can surface as its zip writer's complaint at closing ("unexpected pos"),
-    the ENOSPC only in the chain, and the save's reason should name the full disk."""
-    seen, cause = set(), error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return error
-
-
 class RecordWriter:
     """The save's write function for one rank; subclasses say how a bucket's tensors go out."""
 
@@ -191,7 +178,7 @@ class RecordWriter:
         try:
             results_queue.put(self._write_buckets(folder, iteration, rank, write_buckets))
         except Exception as error:  # as torch_dist's writers report theirs: finalize raises it
-            results_queue.put(_os_error_behind(error))
+            results_queue.put(checksums.os_error_behind(error))
 
     def _write_buckets(self, folder: Path, iteration: int, rank: int,
                        write_buckets: list) -> dict[int, list[WriteResult]]:

@@ -4,10 +4,16 @@ structure learnt again."""
 
 import errno
 import os
+import pickle
 import queue
+
+import pytest
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ftmaster.recovery.manifest import digest_file
 from ftmaster.recovery.writeback import STEP
@@ -88,3 +94,15 @@ def test_a_write_that_fails_reports_the_os_error_behind_it(tmp_path, monkeypatch
     DiskRecords().write(tmp_path / "1", 1, 0, buckets(state(1), b"rng state"), results)
     reported = results.get_nowait()
     assert isinstance(reported, OSError) and reported.errno == errno.ENOSPC
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_torch_dist_writer_processes_report_a_full_disk_as_the_os_error():
+    """torch_dist's writer processes queue their exception pickled, which drops its chain: the
+    item writer raises the ENOSPC itself, not the zip writer's "unexpected pos" it causes."""
+    item = WriteItem(index=MetadataIndex("weight"), type=WriteItemType.TENSOR)
+    with pytest.raises(OSError) as raised:
+        checksums._write_item_with_digest(
+            _StorageWriterTransforms(), checksums.shard_writer("/dev/full", lambda *_: None),
+            torch.ones(1 << 20), item, "__0_0.distcp", serialization_format=SerializationFormat.TORCH_SAVE)
+    assert pickle.loads(pickle.dumps(raised.value)).errno == errno.ENOSPC
