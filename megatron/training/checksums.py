@@ -104,7 +104,7 @@ def _digesting_open(path, mode="r", *args, **kwargs):
     return open(path, mode, *args, **kwargs)
 
 
-def os_error_behind(error: Exception) -> Exception:
+def _os_error_behind(error: Exception) -> Exception:
     """The OS error that ``error`` arose from, if any, else ``error``: a full disk under
     ``torch.save`` can surface as its zip writer's complaint at closing ("unexpected pos"),
     the ENOSPC only in the chain, and the save's reason should name the full disk."""
@@ -126,8 +126,8 @@ def _write_item_with_digest(transforms, stream, *args, **kwargs):
     stream.begin_item()
     try:
         result = write_item(transforms, stream, *args, **kwargs)
-    except Exception as error:  # a writer process queues it, pickled: its chain would be lost
-        behind = os_error_behind(error)
+    except Exception as error:  # a writer process queues it pickled, without its chain
+        behind = _os_error_behind(error)
         if behind is error:
             raise
         raise behind from None

@@ -178,7 +178,7 @@ class RecordWriter:
         try:
             results_queue.put(self._write_buckets(folder, iteration, rank, write_buckets))
         except Exception as error:  # as torch_dist's writers report theirs: finalize raises it
-            results_queue.put(checksums.os_error_behind(error))
+            results_queue.put(error)
 
     def _write_buckets(self, folder: Path, iteration: int, rank: int,
                        write_buckets: list) -> dict[int, list[WriteResult]]:

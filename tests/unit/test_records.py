@@ -81,14 +81,15 @@ def test_a_new_structure_or_shape_is_learnt_again(tmp_path):
 
 def test_a_write_that_fails_reports_the_os_error_behind_it(tmp_path, monkeypatch):
     """A full disk inside torch.save can surface as its zip writer's RuntimeError at closing,
-    the ENOSPC only as its context: the OS error is what the save reports."""
+    the ENOSPC only as its context: the OS error is what the save reports (the item writer,
+    shared with torch_dist's writer processes, raises it)."""
     def full_disk(*args, **kwargs):
         try:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
-    monkeypatch.setattr(checksums, "write_items", full_disk)
+    monkeypatch.setattr(checksums, "write_item", full_disk)
     (tmp_path / "1").mkdir()
     results = queue.Queue()
     DiskRecords().write(tmp_path / "1", 1, 0, buckets(state(1), b"rng state"), results)
