@@ -709,7 +709,7 @@ class _Save:
         for name in self.own_shards:
             try:
                 shards[name] = (self.records.digests[name] if self.records is not None
-                                else checksums.read_shard_digest(self.path / name))
+                                else checksums.take_shard_digest(self.path / name))
             except (OSError, ValueError, KeyError) as error:
                 self.note(f"reading the digest of {name}", error)
         return _RankReport(self.problem, shards, time.perf_counter() - self.start,

@@ -6,8 +6,8 @@ name ``open`` of its module. :func:`install` points that name (in that module on
 every byte is hashed on its way to the file, with no second read. The writers run in forked
 processes (or a spawned persistent worker), so the digest comes back the way the bytes went:
 a small sidecar file ``<shard>.digest`` written when the shard is closed, which the rank reads
-at finalize time and sends to rank 0 for the manifest. A rank that writes its shards itself
-(:mod:`records`: synchronous and memory saves) is handed each digest directly.
+(and removes) at finalize time and sends to rank 0 for the manifest. A rank that writes its
+shards itself (:mod:`records`: synchronous and memory saves) is handed each digest directly.
 
 The sidecar also holds each item's digest: :func:`_write_item_with_digest`, installed as the
 module's ``_write_item``, brackets every item the writer writes, so a load can check each
@@ -64,7 +64,7 @@ class _ShardWriter(DigestingWriter):
 
 
 def write_sidecar(shard: Path, digest: "ShardDigest") -> None:
-    """What a writer leaves beside ``shard`` for its rank (see :func:`read_shard_digest`)."""
+    """What a writer leaves beside ``shard`` for its rank (see :func:`take_shard_digest`)."""
     body = {**digest.digest.as_json(), "hash_seconds": digest.hash_seconds,
             "write_seconds": digest.write_seconds, "io_seconds": digest.io_seconds,
             "item_seconds": digest.item_seconds,
@@ -176,14 +176,19 @@ class ShardDigest:
                 "fsync": self.write_seconds - self.item_seconds}
 
 
-def read_shard_digest(shard: Path) -> ShardDigest:
-    """The digest a writer left beside ``shard``; OSError or ValueError when it left none."""
-    body = json.loads(sidecar_path(shard).read_text())
+def take_shard_digest(shard: Path) -> ShardDigest:
+    """The digest a writer left beside ``shard``, its sidecar then removed (the digest goes
+    into the manifest, and a torch_dist folder holds only its own files); OSError or
+    ValueError when it left none."""
+    sidecar = sidecar_path(shard)
+    body = json.loads(sidecar.read_text())
     items = {int(offset): FileDigest(int(size), str(digest))
              for offset, size, digest in body.get("items", ())}
-    return ShardDigest(FileDigest(int(body["bytes"]), str(body["digest"])),
-                       float(body["hash_seconds"]), float(body["write_seconds"]), items,
-                       float(body.get("io_seconds", 0.0)), float(body.get("item_seconds", 0.0)))
+    digest = ShardDigest(FileDigest(int(body["bytes"]), str(body["digest"])),
+                         float(body["hash_seconds"]), float(body["write_seconds"]), items,
+                         float(body.get("io_seconds", 0.0)), float(body.get("item_seconds", 0.0)))
+    sidecar.unlink(missing_ok=True)
+    return digest
 
 
 class ChecksumMismatch(ValueError):

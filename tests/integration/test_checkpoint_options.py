@@ -7,6 +7,7 @@ import pytest
 
 from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
+from ftmaster.recovery.manifest import MANIFEST_NAME, read_manifest
 from helpers.trainer import SMALL_GPT, iterations, layout_args, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -76,6 +77,10 @@ def test_async_save_moves_the_tracker_only_to_complete_checkpoints(async_saved):
     assert [e["iteration"] for e in saves] == [2, 4, 6, 8]
     assert [e["structure"] for e in saves] == ["new", "same", "same", "same"]
     assert all(e["persist_seconds"] >= e["seconds"] for e in saves)
+    for iteration in (2, 4, 6, 8):  # the writers' digest sidecars are gone: read and removed
+        folder = iteration_dir(save, iteration)
+        written = {path.name for path in folder.iterdir()}
+        assert written == set(read_manifest(folder).files) | {MANIFEST_NAME}
 
 
 def resume(save, *extra):
