@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ftmaster import runfiles
-from ftmaster.faults import KINDS, Fault, parse_injection
+from ftmaster.faults import TELEMETRY_KINDS, TRAINING_FAULTS, parse_injection
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
@@ -32,8 +32,8 @@ from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
               help="Virtual GPUs for the sim backend.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
-              help=f"Fault to lay over the telemetry (repeatable); KIND: {KINDS} "
-                   f"(xid also takes code=N: xid:gpu=G,code=N,at=...).")
+              help=f"Fault to lay over the telemetry (repeatable); KIND: {TELEMETRY_KINDS} "
+                   f"(xid also takes code=N: xid:gpu=G,code=N,at=...); no after=.")
 @click.option("--duration", default=None, type=click.FloatRange(min=0),
               help="Stop after this many seconds (live backends; default: until interrupted).")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
@@ -49,10 +49,11 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
         injections = [parse_injection(spec) for spec in inject_specs]
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    slowing = [i for i in injections if i.kind is Fault.SLOW]
-    if slowing:
-        raise click.UsageError(f"--inject {slowing[0]}: slow slows a training rank, which "
-                               f"needs ftmaster launch; the monitor alone runs none")
+    training = [i for i in injections if i.kind in TRAINING_FAULTS]
+    if training:
+        raise click.UsageError(f"--inject {training[0]}: {training[0].kind.value} acts on a "
+                               f"training rank, which needs ftmaster launch; the monitor alone "
+                               f"runs none")
     waiting = [i for i in injections if i.after is not None]
     if waiting:
         raise click.UsageError(f"--inject {waiting[0]}: after= needs ftmaster launch, which "

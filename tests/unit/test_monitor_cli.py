@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
@@ -52,6 +53,12 @@ def test_bad_injection(tmp_path):
 def test_an_injection_waiting_for_an_event_needs_the_launcher(tmp_path):
     one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--inject",
                           "degrade:gpu=1,at=1s,after=emergency_save"), "after= needs ftmaster launch")
+
+
+@pytest.mark.parametrize("spec", ["slow:gpu=1,factor=2,at=1s", "nan:gpu=1,at=iter:3"])
+def test_a_fault_of_the_training_rank_needs_the_launcher(spec, tmp_path):
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--inject", spec),
+                   "acts on a training rank, which needs ftmaster launch")
 
 
 def test_missing_replay_file(tmp_path):

@@ -49,13 +49,16 @@ class Fault(enum.Enum):
 
 
 KINDS = ", ".join(kind.value for kind in Fault)
+TRAINING_FAULTS = (Fault.NAN, Fault.SLOW)
+"""Faults a training rank plays out (its loss, its compute): only ftmaster launch runs one."""
+TELEMETRY_KINDS = ", ".join(kind.value for kind in Fault if kind not in TRAINING_FAULTS)
 # The events an injection may wait for: what a rehearsal's chain of cause and effect passes
 # through (DESIGN's event contract).
 AFTER_EVENTS = ("risk_alert", "checkpoint_request", "emergency_save", "periodic_save",
                 "persisted", "checkpoint_loaded", "resumed", "warm_ready")
 GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns, optionally ,after=EVENT (KIND: {KINDS}; "
            f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; slow needs factor=F "
-           f"above 1, e.g. slow:gpu=1,factor=2,at=iter:8; EVENT: "
+           f"above 1, e.g. slow:gpu=1,factor=2,at=iter:8; nan takes no after=; EVENT: "
            f"{', '.join(AFTER_EVENTS)})")
 
 
