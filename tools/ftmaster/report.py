@@ -848,8 +848,9 @@ def format_report(report: dict) -> str:
               help="Where to write the report as JSON [default: RUN_DIR/report.json].")
 def report_command(run_dir: Path, json_out: Path | None) -> None:
     """Print RUN_DIR's timeline and, per failure, detection latency, alert lead time, lost
-    iterations (RPO) and time to resume (RTO) in phases; write the same as JSON. A RUN_DIR
-    with node_<R> folders (ftmaster launch --nnodes) is merged into one report."""
+    iterations (RPO) and time to resume (RTO) in phases; write the same as JSON, and an
+    incident page with the plots (RUN_DIR/report.html). A RUN_DIR with node_<R> folders
+    (ftmaster launch --nnodes) is merged into one report."""
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory: give an ftmaster run directory")
     # here, not at the top: the page's modules (analysis, goodput) import this one
