@@ -141,6 +141,26 @@ def test_cli_reads_measured_inputs(tmp_path):
     assert body["proactive"]["optimum"]["save_interval"] >= 1
 
 
+def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
+    run_dir = _run_dir(tmp_path)  # its saves are durable 9 s after they start
+    bad = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--save-block-s",
+                                    "20", "--runs", "0"])
+    assert bad.exit_code != 0
+    assert bad.output.strip() == (
+        "Error: --save-persist-s (until durable) must be >= --save-block-s (blocked) "
+        f"(--save-persist-s 9: measured in {run_dir})")
+
+
+@pytest.mark.parametrize("mtbf_hours", [5e5, 1e12, 1e300])
+def test_the_optimum_of_a_long_mtbf_is_searched_within_the_run(mtbf_hours):
+    """An MTBF far beyond the run once made the search's grid as long as it (24 GB at 1e12
+    hours): no interval beyond the run's iterations is tried."""
+    x = GoodputInputs(gpus=1, gpu_mtbf_hours=mtbf_hours, run_hours=100.0, iteration_s=2.0)
+    with np.errstate(all="ignore"):
+        best = goodput.optimal_interval(x, tune_gap=True)
+    assert 1 <= best["save_interval"] <= 100 * 3600 / 2 * 1.08 + 2
+
+
 def test_cli_table_and_one_line_errors():
     runner = CliRunner()
     out = runner.invoke(main, ["goodput", "--runs", "20", "--run-hours", "100"])
@@ -148,7 +168,7 @@ def test_cli_table_and_one_line_errors():
     for text in ("periodic-only", "proactive", "goodput (Monte Carlo)",
                  "Young/Daly sqrt(2 C MTBF_job), the periodic-only reference:"):
         assert text in out.output
-    for args, message in ((["--recall", "2"], "recall must be between 0 and 1"),
+    for args, message in ((["--recall", "2"], "--recall must be between 0 and 1"),
                           (["--runs", "1"], "--runs must be 0 (analytic model only) or at least 2"),
                           (["--runs", "-3"], "not -3")):
         bad = runner.invoke(main, ["goodput", *args])

@@ -194,10 +194,13 @@ def test_cli_leaves_out_a_two_tier_monte_carlo_too_long_to_run():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--memory-interval", "300"], "must divide save_interval (1000)"),
-    (["--node-failure-share", "2"], "node_failure_share must be between 0 and 1"),
-    (["--memory-save-s", "-1"], "memory_save_s must be a finite number >= 0"),
-    (["--persist-s", "inf"], "persist_s must be a finite number >= 0"),
+    (["--memory-interval", "300"], "must divide --save-interval (1000)"),
+    (["--node-failure-share", "2"], "--node-failure-share must be between 0 and 1"),
+    (["--memory-save-s", "-1"], "--memory-save-s must be a finite number >= 0"),
+    (["--persist-s", "inf"], "--persist-s must be a finite number >= 0"),
+    # Not left to hang in the divisor search of the suggestion or of the two-tier optimum.
+    (["--save-interval", str(10**20)], "--save-interval must be an integer from 1 to 10^12"),
+    (["--save-interval", str(10**20), "--memory-interval", "7"], "from 1 to 10^12"),
 ])
 def test_cli_tier_errors_are_one_line(args, message):
     bad = CliRunner().invoke(main, ["goodput", "--runs", "0", *args])

@@ -112,6 +112,11 @@ import numpy as np
 HOUR = 3600.0
 
 
+MAX_SAVE_INTERVAL = 10**12
+"""Iterations, far beyond any run's; the two-tier model lists the interval's divisors (a
+million trial divisions at this bound)."""
+
+
 @dataclass(frozen=True)
 class GoodputInputs:
     """One training run and its fault-tolerance settings; every time is in seconds."""
@@ -165,14 +170,14 @@ class GoodputInputs:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.gpus, int) and self.gpus >= 1, "gpus must be an integer >= 1")
-        _require(isinstance(self.save_interval, int) and self.save_interval >= 1,
-                 "save_interval must be an integer >= 1")
+        _require(isinstance(self.save_interval, int) and 1 <= self.save_interval <= MAX_SAVE_INTERVAL,
+                 f"save_interval must be an integer from 1 to 10^12")
         _require(isinstance(self.memory_interval, int) and self.memory_interval >= 0,
-                 "memory_interval must be an integer >= 0 (0: no memory tier)")
-        _require(self.memory_interval == 0 or self.save_interval % self.memory_interval == 0,
-                 f"memory_interval ({self.memory_interval}) must divide save_interval "
-                 f"({self.save_interval}), as every disk copy is of a memory save: "
-                 f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
+                 "memory_interval must be an integer >= 0 (0: unset)")
+        if self.memory_interval and self.save_interval % self.memory_interval:
+            raise ValueError(f"memory_interval ({self.memory_interval}) must divide save_interval "
+                             f"({self.save_interval}), as every disk copy is of a memory save: "
+                             f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
         for name in ("gpu_mtbf_hours", "iteration_s", "run_hours"):
             _require(_finite(getattr(self, name)) and getattr(self, name) > 0,
                      f"{name} must be a finite number > 0")
@@ -439,16 +444,28 @@ def young_daly_interval_s(x: GoodputInputs) -> float:
     return math.sqrt(2 * x.save_block_s / x.failure_rate_s)
 
 
+FINE_POINTS = 401
+"""Most intervals the fine search tries: every integer near the coarse optimum up to this many,
+else this many evenly spread over the same 16% of the interval (0.04% apart)."""
+
+
 def optimal_interval(x: GoodputInputs, tune_gap: bool = False) -> dict:
     """The save interval (iterations), and optionally gap fraction, of highest analytic goodput.
 
-    A log grid finds the neighbourhood, then every integer interval around it is tried.
+    A log grid finds the neighbourhood, then the integer intervals around it are tried
+    (every one, up to :data:`FINE_POINTS`).
     """
     fracs = np.linspace(0.05, 1.0, 20) if tune_gap else np.array([x.gap_frac])
-    upper = max(10.0, 20 * x.gpu_mtbf_hours * HOUR / x.gpus / x.iteration_s)
-    coarse = np.unique(np.geomspace(1, upper, 200).astype(int))
+    # Up to 20 job MTBFs (Young's optimum is far below), and no further than the whole run:
+    # an interval beyond it never saves.
+    upper = max(10.0, min(20 * x.gpu_mtbf_hours * HOUR / x.gpus, x.run_hours * HOUR) / x.iteration_s)
+    # Neighbours at most 8% apart, as the fine search reaches; a bounded count however long
+    # the MTBF (an array per point is several MB).
+    points = max(200, math.ceil(math.log(upper) / math.log(1.08)) + 1)
+    coarse = np.unique(np.geomspace(1, upper, points).astype(int))
     k, frac = _best(x, coarse, fracs)
-    fine = np.arange(max(1, int(k * 0.92)), int(k * 1.08) + 2)
+    low, high = max(1, int(k * 0.92)), int(k * 1.08) + 2
+    fine = np.unique(np.linspace(low, high, min(high - low + 1, FINE_POINTS)).round().astype(int))
     k, frac = _best(x, fine, np.array([frac]))
     return {"save_interval": k, "gap_frac": frac,
             "goodput": float(analytic(x, k, frac)["goodput"])}

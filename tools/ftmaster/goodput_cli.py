@@ -20,6 +20,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import click
+import numpy as np
 
 from ftmaster import goodput, report, runfiles
 from ftmaster.goodput import GoodputInputs
@@ -134,8 +135,23 @@ def _two_tier_report(x: GoodputInputs, runs: int, seed: int) -> dict:
     return result
 
 
+def in_option_names(message: str, measured: dict, run_dir: Path | None) -> str:
+    """The model's message about its inputs in the command's words: each input by its option,
+    and those of them measured in the run directory (not given) said to be."""
+    named = [field.name for field in fields(GoodputInputs)
+             if re.search(rf"\b{field.name}\b", message)]
+    for name in named:
+        message = re.sub(rf"\b{name}\b", _option(name), message)
+    found = [f"{_option(name)} {measured[name]:g}" for name in named if name in measured]
+    return message + (f" ({', '.join(found)}: measured in {run_dir})" if found else "")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _row(label: str, values: list[str]) -> str:
-    return f"{label:<34}" + "".join(f"{v:>18}" for v in values)
+    return f"{label:<34}" + "".join(f"{v:>18}" if len(v) < 18 else f" {v}" for v in values)
 
 
 def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
@@ -248,7 +264,7 @@ def _input_options(command):
     docs = _field_docs()
     for field in reversed(fields(GoodputInputs)):
         kind = int if field.type == "int" else float
-        option = click.option("--" + field.name.replace("_", "-"), field.name, type=kind,
+        option = click.option(_option(field.name), field.name, type=kind,
                               default=None,
                               help=f"{docs[field.name]} [default: {field.default:g}]")
         command = option(command)
@@ -282,9 +298,10 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     measured = {k: v for k, v in measured.items() if k not in explicit}
     try:
         x = model_inputs(explicit, measured)
-        result = _report(x, runs, seed)
+        with np.errstate(all="ignore"):  # absurd inputs overflow: shown as "unbounded"
+            result = _report(x, runs, seed)
     except (ValueError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(in_option_names(str(exc), measured, run_dir)) from None
     if as_json:
         click.echo(json.dumps(_json_body(x, measured, result), indent=2, allow_nan=False))
     else:
