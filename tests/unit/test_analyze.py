@@ -82,6 +82,31 @@ def test_without_events_alerts_are_samples_over_threshold(run_copy, tmp_path):
     assert summary.loc[2, "alerts"] == (data.loc[data.gpu_id == 2, "failure_risk"] >= 0.9).sum() > 0
 
 
+def test_damaged_events_spoil_only_their_own_lines(run_copy, tmp_path, analysed):
+    """Bytes that are not UTF-8 (a torn write, a disk error) no longer stop the reading: they
+    are replaced, so their line still counts when it is otherwise whole. An alert naming no
+    GPU number is skipped."""
+    events = runfiles.events_path(run_copy)
+    with events.open("ab") as handle:
+        handle.write(b'{"event": "risk_alert", "time": 1, "gpu": 2, "note": "\xff\xfe"}\n')
+        handle.write(b'{"event": "risk_alert", "time": 2, "gpu": "x"}\n')
+    out = tmp_path / "analysis"
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")["alerts"]
+    after = pd.read_csv(out / "summary.csv", index_col="gpu")["alerts"]
+    assert after.to_dict() == {**before.to_dict(), 2: before[2] + 1}
+
+
+def test_an_events_file_that_cannot_be_read_is_one_line(run_copy, tmp_path):
+    events = runfiles.events_path(run_copy)
+    events.unlink()
+    events.mkdir()
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(tmp_path / "a")])
+    assert result.exit_code != 0
+    assert result.output.strip() == f"Error: cannot read {events}: Is a directory"
+
+
 def test_missing_optional_columns_are_skipped(run_copy, tmp_path):
     csv_path = runfiles.metrics_csv_path(run_copy)
     pd.read_csv(csv_path)[["timestamp", "gpu_id", "temperature"]].to_csv(csv_path, index=False)

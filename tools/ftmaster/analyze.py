@@ -174,7 +174,10 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
 
 def load_events(csv_path: Path) -> list[dict]:
     """events.jsonl beside the CSV, if any, keeping events with a numeric time."""
-    events = runfiles.read_events(csv_path.parent)
+    try:
+        events = runfiles.read_events(csv_path.parent)
+    except OSError as error:
+        raise _fail(f"cannot read {runfiles.events_path(csv_path.parent)}: {error.strerror}") from None
     return [e for e in events if isinstance(e.get("time"), (int, float))]
 
 
@@ -220,7 +223,8 @@ def _node_alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> t
     """One node's per-GPU alert counts: risk_alert events when it has any events, else
     samples over the threshold (the monitor's alert rule is not replayed here)."""
     if events:
-        gpus = [e.get("gpu") for e in events if e["event"] == "risk_alert"]
+        gpus = [e["gpu"] for e in events if e["event"] == "risk_alert"
+                and type(e.get("gpu")) is int]  # a foreign or damaged event names none
         return pd.Series(gpus, dtype="float64").value_counts(), "risk_alert events"
     if RISK_COLUMN not in frame:
         return pd.Series(dtype="float64"), "none (no failure_risk column, no events.jsonl)"

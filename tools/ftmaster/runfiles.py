@@ -188,12 +188,14 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """All well-formed events in order; a torn or foreign line is skipped, never fatal."""
+    """All well-formed events in order; a torn or foreign line is skipped, never fatal (bytes
+    that are not UTF-8, from a torn write or a disk error, are replaced: at worst their line
+    is skipped)."""
     path = events_path(run_dir)
     if not path.exists():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
