@@ -121,7 +121,7 @@ class MetricsWriter:
             self._check_header()
 
     def _check_header(self) -> None:
-        with self.path.open(newline="") as handle:
+        with self.path.open(newline="", errors="replace") as handle:  # a binary file: not ours
             header = next(csv.reader(handle), [])
         if tuple(header) != CSV_COLUMNS:
             os.close(self._fd)

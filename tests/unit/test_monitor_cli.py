@@ -71,6 +71,7 @@ def test_replaying_into_its_own_file_is_refused(tmp_path):
                    "own gpu_metrics.csv")
 
 
-def test_foreign_csv_in_the_run_dir_is_refused(tmp_path):
-    (tmp_path / "gpu_metrics.csv").write_text("a,b\n1,2\n")
+@pytest.mark.parametrize("content", [b"a,b\n1,2\n", b"\x89PNG\r\n\x1a\n\xff\xfe"])
+def test_foreign_csv_in_the_run_dir_is_refused(tmp_path, content):
+    (tmp_path / "gpu_metrics.csv").write_bytes(content)
     one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"), "other columns")
