@@ -173,6 +173,8 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "risk_alert", "time": 2, "gpu": [1]}\n', '"gpu" of a risk_alert event'),
     ('{"event": "risk_alert", "time": 2, "reasons": "device_lost"}\n', "a list of strings"),
     ('{"event": "periodic_save", "time": 2, "started_at": "noon"}\n', "a finite number"),
+    ('{"event": "startup", "time": 2, "phases": {}, "seconds": "1.5"}\n',
+     '"seconds" of a startup event must be a finite number, not "1.5"'),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:
@@ -182,6 +184,31 @@ def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expec
     assert result.stdout == ""
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_a_garbled_iteration_line_is_not_read(tmp_path):
+    """Ranks writing one log at once can garble a figure ("1.2.3"): such a line is skipped,
+    as an unknown time, not read as a number nor a traceback."""
+    events = [launch(0, 1, [0], 1, 1, 1), event("complete", 12, iteration=3)]
+    garbled = iteration_line(2, 3, 50).replace("50.0", "5.0.0")
+    assert garbled != iteration_line(2, 3, 50)
+    run_dir = write_run(tmp_path / "run", events,
+                        {1: [iteration_line(1, 3, 50), garbled, iteration_line(3, 3, 50)]})
+    for command in (["report", run_dir], ["goodput", "--run-dir", run_dir, "--runs", "0", "--json"]):
+        result = CliRunner().invoke(main, list(map(str, command)))
+        assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["inputs"]["iteration_s"] == 0.05
+
+
+@pytest.mark.parametrize("own", ["events.jsonl", "logs/attempt_1.log"])
+def test_the_json_is_never_written_over_the_runs_own_files(tmp_path, own):
+    run_dir = two_failures(tmp_path / "run")
+    before = (run_dir / own).read_bytes()
+    result = run_report(run_dir, "--json-out", run_dir / own)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"Error: --json-out {run_dir / own} is one of the run's own "
+                                     "files: give another path")
+    assert (run_dir / own).read_bytes() == before
 
 
 def test_a_missing_run_dir_is_one_line(tmp_path):

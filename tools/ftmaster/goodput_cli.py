@@ -25,7 +25,7 @@ import numpy as np
 from ftmaster import goodput, report, runfiles
 from ftmaster.goodput import GoodputInputs
 
-_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+_ELAPSED = re.compile(r"elapsed time per iteration \(ms\): " + report.DECIMAL)
 
 
 def _median(values: list[float]) -> float | None:
@@ -36,7 +36,8 @@ def _iteration_s(run_dir: Path) -> float | None:
     """Median ``elapsed time per iteration`` over every launch attempt's log (every node's)."""
     times = []
     folders = [runfiles.node_dir(run_dir, r) for r in runfiles.node_ranks(run_dir)] or [run_dir]
-    logs = [log for folder in folders for log in sorted(runfiles.logs_dir(folder).glob("*.log"))]
+    logs = [log for folder in folders for log in sorted(runfiles.logs_dir(folder).glob("*.log"))
+            if log.is_file()]
     for log in logs:
         with open(log, errors="replace") as handle:
             times += [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]

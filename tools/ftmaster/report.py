@@ -106,8 +106,10 @@ SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
 END_EVENTS = ("complete", "gave_up", "stopped")
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-_LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d+) in ([0-9.]+) s \((\d+) bytes\)")
+DECIMAL = r"(\d+(?:\.\d+)?)(?![\d.])"
+"""A logged figure; one garbled by interleaved writes ("1.2.3") does not match."""
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): " + DECIMAL)
+_LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d+) in " + DECIMAL + r" s \((\d+) bytes\)")
 
 
 class ReportError(click.ClickException):
@@ -173,6 +175,7 @@ FIELD_TYPES = {
     "fault_injected": {"gpu": INT_OR_NULL, "iteration": INT_OR_NULL},
     "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
     "save_deferred": {"iteration": INT_OR_NULL},
+    "startup": {"seconds": NUMBER},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
 }
 
@@ -856,15 +859,29 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     # here, not at the top: the page's modules (analysis, goodput) import this one
     from ftmaster.incident import write_incident_page
 
-    report = build_report(run_dir)
     json_out = json_out or run_dir / "report.json"
+    if _is_run_input(json_out, run_dir):
+        raise ReportError(f"--json-out {json_out} is one of the run's own files: give another path")
+    report = build_report(run_dir)
     try:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
+    except OSError as exc:
+        raise ReportError(f"cannot write --json-out {json_out}: {exc.strerror}") from None
+    try:
         page = write_incident_page(run_dir, report, _load_run(run_dir)[0], _samples(run_dir))
     except OSError as exc:
-        raise ReportError(f"cannot write {exc.filename or json_out}: {exc.strerror}") from None
+        raise ReportError(f"cannot make the incident page: {exc.filename}: {exc.strerror}") from None
     click.echo(format_report(report))
     click.echo(f"\nwrote {json_out} and {page}")
+
+
+def _is_run_input(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is a file the run wrote and the report reads: events, samples, logs."""
+    path, run_dir = path.resolve(), run_dir.resolve()
+    if run_dir not in path.parents:
+        return False
+    own = (runfiles.events_path(run_dir).name, runfiles.metrics_csv_path(run_dir).name)
+    return path.name in own or runfiles.logs_dir(run_dir).name in path.relative_to(run_dir).parts
 
 
 def _samples(run_dir: Path):
