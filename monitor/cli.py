@@ -58,6 +58,10 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
     if waiting:
         raise click.UsageError(f"--inject {waiting[0]}: after= needs ftmaster launch, which "
                                f"follows the run's events; the monitor alone does not")
+    outside = [i for i in injections if backend_spec == "sim" and not 0 <= i.gpu < num_gpus]
+    if outside:
+        raise click.UsageError(f"--inject {outside[0]}: GPU {outside[0].gpu} is not one of the "
+                               f"sim backend's GPUs 0-{num_gpus - 1} (--num-gpus {num_gpus})")
     replaying = backend_spec.startswith("replay:")
     if replaying and Path(backend_spec[len("replay:"):]).resolve() == \
             runfiles.metrics_csv_path(run_dir).resolve():

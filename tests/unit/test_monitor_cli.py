@@ -61,6 +61,12 @@ def test_a_fault_of_the_training_rank_needs_the_launcher(spec, tmp_path):
                    "acts on a training rank, which needs ftmaster launch")
 
 
+def test_a_fault_on_a_gpu_the_sim_does_not_have_is_refused(tmp_path):
+    one_line_error(invoke("--backend", "sim", "--num-gpus", "2", "--run-dir", str(tmp_path),
+                          "--inject", "fail:gpu=2,at=1s", "--duration", "0"),
+                   "GPU 2 is not one of the sim backend's GPUs 0-1 (--num-gpus 2)")
+
+
 def test_missing_replay_file(tmp_path):
     one_line_error(invoke("--backend", f"replay:{tmp_path}/nope.csv", "--run-dir", str(tmp_path / "r")),
                    "cannot read")
