@@ -8,6 +8,7 @@ start of every ``ftmaster launch``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import click
@@ -39,6 +40,25 @@ class LazyGroup(click.Group):
             return super().get_command(ctx, name)
         module, attribute = self.lazy[name].split(":")
         return getattr(importlib.import_module(module), attribute)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        with _one_line_usage_errors():
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        with _one_line_usage_errors():  # a subcommand's parsing and its own checks
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    """Bad input is one line on stderr, as every other refusal: without its context click
+    prints a usage error as "Error: ..." alone (not the usage and a --help hint above it)."""
+    try:
+        yield
+    except click.UsageError as error:
+        error.ctx = None
+        raise
 
 
 @click.group(cls=LazyGroup, lazy=SUBCOMMANDS,

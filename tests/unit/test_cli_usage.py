@@ -1,0 +1,26 @@
+"""Usage errors of every ftmaster command are one line on stderr, as every other refusal."""
+
+import pytest
+from click.testing import CliRunner
+
+from ftmaster.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bogus"], "No such command 'bogus'."),
+    (["--bogus"], "No such option '--bogus'."),
+    (["report"], "Missing argument 'RUN_DIR'."),
+    (["report", "--bogus", "x"], "No such option '--bogus'."),
+    (["analyze", ".", "--risk-threshold", "2"],
+     "Invalid value for '--risk-threshold': 2.0 is not in the range 0<=x<=1."),
+    (["monitor", "--run-dir", "x", "--scorer", "bogus"],
+     "Invalid value for '--scorer': 'bogus' is not one of 'adaptive', 'paper'."),
+    (["monitor", "--run-dir", "x", "--backend", "bogus"],
+     "unknown backend 'bogus'; choose one of nvml, smi, sim, replay:PATH"),
+    (["goodput", "--gpus", "x"], "Invalid value for '--gpus': 'x' is not a valid integer."),
+    (["plan"], "put -- before the training script: ... -- SCRIPT ARGS..."),
+])
+def test_a_usage_error_is_one_line(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.stderr == f"Error: {message}\n"
