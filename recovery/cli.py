@@ -21,11 +21,7 @@ class SeparatedCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[SEPARATOR_KEY] = tuple(args[args.index("--") + 1:]) if "--" in args else None
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as error:
-            error.ctx = None  # without a context click prints only "Error: ...": one line
-            raise
+        return super().parse_args(ctx, args)  # its usage errors: one line (ftmaster.cli)
 
 
 class InputError(click.ClickException):
