@@ -60,16 +60,18 @@ def _ranks_per_node(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(value) if count == 1 else f"{value} x {count}" for value, count in runs)
 
 
-def _throughput_line(plan: Plan) -> str:
+def _throughput_line(plan: Plan, original_gpus: int | None) -> str:
     if plan.throughput_vs_original is None:
-        ratio = "unknown against the original layout (give --original-gpus)"
+        ratio = ("unknown against the original layout (give --original-gpus)" if original_gpus is None
+                 else f"unknown: the original layout and batch do not run on --original-gpus "
+                      f"{original_gpus}")
     else:
         ratio = f"{plan.throughput_vs_original:.1%} of the original layout's"
     return (f"estimated throughput: {ratio}; step {plan.estimated_step_seconds:.4g} s, "
             f"peak memory {plan.estimated_memory_gib:g} GiB; why: {plan.reason}")
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: Plan, original_gpus: int | None = None) -> str:
     """The human summary ``ftmaster plan`` prints on stderr."""
     gpus = plan.num_gpus_used + plan.idle_gpus
     layout = (f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
@@ -85,7 +87,7 @@ def summary(plan: Plan) -> str:
     lines = [f"{layout} on {plan.num_gpus_used} of {gpus} GPUs ({plan.idle_gpus} idle), "
              f"micro-batch {plan.micro_batch_size}, {batch}",
              f"ranks per node: {_ranks_per_node(plan.ranks_per_node)}",
-             _throughput_line(plan),
+             _throughput_line(plan, original_gpus),
              *(f"warning: {warning}" for warning in plan.warnings),
              f"command: {' '.join(plan.command)}"]
     return "\n".join(lines)
@@ -152,6 +154,6 @@ def plan_command(ctx: click.Context, gpus: int | None, gpus_per_node: int | None
     except ValueError as error:
         raise InputError(str(error)) from None
     if not as_json:
-        click.echo(summary(plan), err=True)
+        click.echo(summary(plan, original_gpus), err=True)
     click.echo(json.dumps(plan.as_json()))
 

@@ -64,6 +64,16 @@ def test_without_json_flag_stdout_is_still_the_json_and_stderr_the_summary():
     assert lines[3:] == ["command: " + " ".join(SCRIPT_ARGS + ["--load", "/ckpt"])]
 
 
+@pytest.mark.parametrize("original, words", [
+    ([], "unknown against the original layout (give --original-gpus)"),
+    (["--original-gpus", "3"], "unknown: the original layout and batch do not run on --original-gpus 3"),
+])
+def test_a_throughput_with_nothing_to_compare_with_says_why(original, words):
+    result = run_plan("--gpus", "3", *original, "--", *SCRIPT_ARGS)  # TP2 x PP2: 4 GPUs
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[2].startswith(f"estimated throughput: {words}; step ")
+
+
 def test_node_gpus_places_whole_tp_groups_and_keeps_spares():
     result = run_plan("--node-gpus", "2,1,2", "--mode", "paper", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
