@@ -429,7 +429,11 @@ def _validate_batch(args):
 
 def _validate_schedule(args):
     _require(args.lr >= args.min_lr >= 0, f"need --lr ({args.lr}) >= --min-lr ({args.min_lr}) >= 0")
-    _require(args.lr_decay_samples > args.lr_warmup_samples or args.train_samples == 0,
+    # megatron-core's OptimizerParamScheduler asserts both, after the launch.
+    unit = "samples" if args.train_iters is None else "iters"
+    _require(args.lr_decay_samples > 0, f"the learning rate's decay needs at least one step: "
+             f"with --train-{unit} 0 give --lr-decay-{unit} N")
+    _require(args.lr_decay_samples > args.lr_warmup_samples,
              f"the warm-up {_as_given(args, 'lr_warmup')} must be shorter than the decay "
              f"{_as_given(args, 'lr_decay')}")
     if args.save_interval is not None:

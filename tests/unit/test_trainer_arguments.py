@@ -38,6 +38,12 @@ def with_args(*extra, drop=()):
      "give exactly one of --mock-data or --data-path PREFIX"),
     (with_args(drop=("--vocab-size",)), 1, "NullTokenizer needs --vocab-size"),
     (with_args("--lr-warmup-iters", "5", "--train-iters", "3"), 1, "--lr-warmup-iters (5)"),
+    # megatron-core's scheduler asserts a decay of a step or more, once launched
+    (with_args("--train-iters", "0"), 1,
+     "the learning rate's decay needs at least one step: with --train-iters 0 give --lr-decay-iters N"),
+    (with_args("--train-samples", "0", drop=("--train-iters",)), 1, "give --lr-decay-samples N"),
+    (with_args("--train-iters", "0", "--lr-decay-iters", "4", "--lr-warmup-iters", "4"), 1,
+     "the warm-up --lr-warmup-iters (4) must be shorter than the decay --lr-decay-iters (4)"),
     (with_args("--bf16", "--fp16"), 1, "--bf16 and --fp16 are mutually exclusive"),
     # the world size is checked before the data-parallel size and batch derived from it
     (with_args("--tensor-model-parallel-size", "2"), 1,
