@@ -40,6 +40,10 @@ def launch(run_dir, *args, env=None):
       "--", PRETRAIN, *MODEL], "unknown kind 'explode'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "fail:gpu=7,at=iter:3",
       "--", PRETRAIN, *MODEL], "GPU 7 is not one of the job's GPUs 0,1,2,3"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "fail:gpu=1,at=iter:11",
+      "--", PRETRAIN, *MODEL],
+     "--inject fail:gpu=1,at=iter:11: training ends at iteration 10 (--train-iters), so it "
+     "would never fire"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],

@@ -43,7 +43,7 @@ from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
 from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
-from ftmaster.recovery.argv_flags import flag_value
+from ftmaster.recovery.argv_flags import flag_value, int_flag
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
@@ -124,6 +124,18 @@ def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection,
             raise InputError(f"--inject {injection}: GPU {injection.gpu} is not one of the "
                              f"job's GPUs {','.join(map(str, gpus))}")
     return injections
+
+
+def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str]) -> None:
+    """A fault at an iteration training never reaches would rehearse nothing, silently."""
+    try:
+        last = int_flag(argv, "--train-iters", positive=False)
+    except ValueError:  # the trainer's own check says so
+        return
+    late = [i for i in injections if last is not None and (i.at_iteration or 0) > last]
+    if late:
+        raise InputError(f"--inject {late[0]}: training ends at iteration {last} "
+                         f"(--train-iters), so it would never fire")
 
 
 def _lock_run_dir(run_dir: Path) -> RunDirLock:
@@ -433,6 +445,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     else:
         run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
+    _check_injections_fire(injections, argv)
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
         gpus_per_node=options["gpus_per_node"], policy=options["policy"],
