@@ -24,3 +24,10 @@ def test_a_usage_error_is_one_line(args, message):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {message}\n"
+
+
+def test_no_command_prints_the_help():
+    result = CliRunner().invoke(main, [], prog_name="ftmaster")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Usage: ftmaster [OPTIONS] COMMAND [ARGS]...")
+    assert "report" in result.stderr

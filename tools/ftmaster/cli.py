@@ -56,6 +56,8 @@ def _one_line_usage_errors():
     prints a usage error as "Error: ..." alone (not the usage and a --help hint above it)."""
     try:
         yield
+    except click.exceptions.NoArgsIsHelpError:  # the help itself, printed from its context
+        raise
     except click.UsageError as error:
         error.ctx = None
         raise
