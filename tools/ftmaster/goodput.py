@@ -171,7 +171,7 @@ class GoodputInputs:
     def __post_init__(self) -> None:
         _require(isinstance(self.gpus, int) and self.gpus >= 1, "gpus must be an integer >= 1")
         _require(isinstance(self.save_interval, int) and 1 <= self.save_interval <= MAX_SAVE_INTERVAL,
-                 f"save_interval must be an integer from 1 to 10^12")
+                 "save_interval must be an integer from 1 to 10^12")
         _require(isinstance(self.memory_interval, int) and self.memory_interval >= 0,
                  "memory_interval must be an integer >= 0 (0: unset)")
         if self.memory_interval and self.save_interval % self.memory_interval:

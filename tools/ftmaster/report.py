@@ -866,7 +866,7 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     try:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
     except OSError as exc:
-        raise ReportError(f"cannot write --json-out {json_out}: {exc.strerror}") from None
+        raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
     try:
         page = write_incident_page(run_dir, report, _load_run(run_dir)[0], _samples(run_dir))
     except OSError as exc:
