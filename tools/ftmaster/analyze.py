@@ -51,7 +51,7 @@ import pandas as pd  # noqa: E402
 from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
-from ftmaster.report import node_folders  # noqa: E402
+from ftmaster.report import is_int, node_folders  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
 INDEX_NAMES = {"node": "node", "gpu_id": "gpu"}  # series key column -> summary column
@@ -224,7 +224,7 @@ def _node_alerts(frame: pd.DataFrame, events: list[dict], threshold: float) -> t
     samples over the threshold (the monitor's alert rule is not replayed here)."""
     if events:
         gpus = [e["gpu"] for e in events if e["event"] == "risk_alert"
-                and type(e.get("gpu")) is int]  # a foreign or damaged event names none
+                and is_int(e.get("gpu"))]  # a foreign or damaged event names none
         return pd.Series(gpus, dtype="float64").value_counts(), "risk_alert events"
     if RISK_COLUMN not in frame:
         return pd.Series(dtype="float64"), "none (no failure_risk column, no events.jsonl)"

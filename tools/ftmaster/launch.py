@@ -132,7 +132,9 @@ def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str])
         last = int_flag(argv, "--train-iters", positive=False)
     except ValueError:  # the trainer's own check says so
         return
-    late = [i for i in injections if last is not None and (i.at_iteration or 0) > last]
+    if last is None:  # --train-samples: the iterations depend on the batch schedule
+        return
+    late = [i for i in injections if (i.at_iteration or 0) > last]
     if late:
         raise InputError(f"--inject {late[0]}: training ends at iteration {last} "
                          f"(--train-iters), so it would never fire")

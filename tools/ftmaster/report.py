@@ -145,12 +145,12 @@ def _folder_names(nodes: list) -> str:
 
 # ---- inputs ----------------------------------------------------------------------------------
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 class FieldType(NamedTuple):
@@ -160,9 +160,9 @@ class FieldType(NamedTuple):
     test: Callable[[Any], bool]
 
 
-INT_OR_NULL = FieldType("an integer or null", lambda v: v is None or _is_int(v))
+INT_OR_NULL = FieldType("an integer or null", lambda v: v is None or is_int(v))
 NUMBER = FieldType("a finite number", _is_number)
-INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v)))
+INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(is_int, v)))
 STR_LIST = FieldType("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
 SAVE_FIELDS = {"iteration": INT_OR_NULL, "started_at": NUMBER}
