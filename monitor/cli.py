@@ -67,6 +67,8 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
             runfiles.metrics_csv_path(run_dir).resolve():
         raise click.UsageError("replay:PATH is this run dir's own gpu_metrics.csv; "
                                "give another --run-dir")
+    if (problem := runfiles.layout_problem(run_dir)) is not None:
+        raise click.ClickException(problem)
     try:
         backend = make_backend(backend_spec, num_gpus=num_gpus, seed=seed)
     except ValueError as exc:  # unknown backend name, or ReplayError for a bad file

@@ -76,3 +76,25 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
     assert result.exit_code != 0
     assert result.stderr == (f"Error: run directory {parent / 'run'} is not writable (Not a "
                              "directory); give a writable --run-dir\n")
+
+
+@pytest.mark.parametrize("entry,kind,problem", [
+    ("flags", "file", "flags is not a folder"),
+    ("logs", "file", "logs is not a folder"),
+    ("events.jsonl", "folder", "events.jsonl is a folder"),
+    ("gpu_metrics.csv", "folder", "gpu_metrics.csv is a folder"),
+    ("heartbeat.json", "folder", "heartbeat.json is a folder"),
+])
+def test_a_run_dir_not_in_ftmasters_layout_is_one_line(tmp_path, entry, kind, problem):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if kind == "file":
+        (run_dir / entry).write_text("")
+    else:
+        (run_dir / entry).mkdir()
+    result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL)
+    assert result.exit_code != 0
+    assert result.stderr == (f"Error: run directory {run_dir} does not hold ftmaster's layout "
+                             f"({run_dir / problem}); give another --run-dir\n")
+    assert {path.name for path in run_dir.iterdir()} == {entry, "ftmaster.lock"}  # nothing launched

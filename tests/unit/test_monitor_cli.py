@@ -81,3 +81,16 @@ def test_replaying_into_its_own_file_is_refused(tmp_path):
 def test_foreign_csv_in_the_run_dir_is_refused(tmp_path, content):
     (tmp_path / "gpu_metrics.csv").write_bytes(content)
     one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"), "other columns")
+
+
+@pytest.mark.parametrize("entry", ["events.jsonl", "gpu_metrics.csv"])
+def test_a_folder_where_the_run_dir_wants_a_file_is_refused(tmp_path, entry):
+    (tmp_path / entry).mkdir()
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"),
+                   f"does not hold ftmaster's layout ({tmp_path / entry} is a folder)")
+
+
+def test_a_file_where_the_flags_go_is_refused(tmp_path):
+    (tmp_path / "flags").write_text("")
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"),
+                   f"({tmp_path / 'flags'} is not a folder)")

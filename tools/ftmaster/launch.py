@@ -150,6 +150,10 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
     except OSError as error:
         raise InputError(f"run directory {run_dir} is not writable ({error.strerror}); "
                          "give a writable --run-dir") from None
+    problem = runfiles.layout_problem(run_dir)
+    if problem is not None:
+        lock.release()
+        raise InputError(problem)
     return lock
 
 

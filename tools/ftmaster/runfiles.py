@@ -66,6 +66,20 @@ def logs_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "logs"
 
 
+def layout_problem(run_dir: Path) -> str | None:
+    """Why ``run_dir`` cannot be used, as a sentence for the user, when an entry stands where
+    the layout wants another kind (a file where a folder goes, or a folder where a file goes);
+    None when every entry that exists fits."""
+    folders = (flags_dir(run_dir), logs_dir(run_dir))
+    files = (events_path(run_dir), metrics_csv_path(run_dir), heartbeat_path(run_dir))
+    misplaced = [f"{path} is not a folder" for path in folders if path.exists() and not path.is_dir()]
+    misplaced += [f"{path} is a folder" for path in files if path.is_dir()]
+    if not misplaced:
+        return None
+    return (f"run directory {run_dir} does not hold ftmaster's layout ({misplaced[0]}); "
+            "give another --run-dir")
+
+
 _NODE_DIR = re.compile(r"node_(0|[1-9][0-9]*)")
 
 
