@@ -161,6 +161,9 @@ def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
         if not (path / name).is_file():
             return f"{name} is missing"
     manifest = read_manifest(path)
+    if manifest is None and (path / MANIFEST_NAME).exists():
+        # Loaded as a checkpoint without one, its damaged shards would go unchecked.
+        return f"{MANIFEST_NAME} is unreadable, so the checksums cannot be checked"
     if manifest is not None and manifest.files:
         problem = size_problem(path, manifest, missing_ok=elsewhere)
         if problem is not None:

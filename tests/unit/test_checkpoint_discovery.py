@@ -153,6 +153,22 @@ def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_
     assert checkpoint_problem(path) == f"{shard.name} has {len(data) + 1} bytes, the manifest says {len(data)}"
 
 
+@pytest.mark.parametrize("damage", [
+    lambda data: data[:100],                                   # truncated
+    lambda data: b"",                                          # emptied
+    lambda data: data.replace(b'"files"', b'"fil\xffs"'),     # a byte flipped
+    lambda data: data.replace(b"xxh3_64", b"sha1"),            # a checksum this build cannot check
+])
+def test_a_damaged_manifest_is_never_a_checkpoint_without_one(save_dir, damage):
+    path = iteration_dir(save_dir, 30)
+    write_manifest(path, "periodic", 30, {entry.name: digest_file(entry) for entry in path.iterdir()})
+    manifest = path / MANIFEST_NAME
+    manifest.write_bytes(damage(manifest.read_bytes()))
+    assert checkpoint_problem(path) == f"{MANIFEST_NAME} is unreadable, so the checksums cannot be checked"
+    choice = find_loadable_checkpoint(save_dir)
+    assert choice.iteration == 20 and choice.skipped[0][0] == 30
+
+
 def test_a_digesting_writer_hashes_what_reaches_the_file(tmp_path):
     target = tmp_path / "out.bin"
     with DigestingWriter(target) as writer:
