@@ -391,7 +391,8 @@ class Trainer:
             return
         if self.writes_run_files:
             self.requests.consume()
-        if failure.kind in ("final", "exit") or self._training_done():
+        if failure.kind in ("final", "exit") or (self._training_done()
+                                                 and failure.iteration == self.state.iteration):
             self._final_save_failure = failure  # no second try at the same iteration
 
     def _on_durable(self, done: DurableSave) -> None:

@@ -215,3 +215,24 @@ def test_a_metadata_that_cannot_be_written_fails_that_save_on_every_rank_and_tra
     assert failed["iteration"] == 4 and failed["reason"].startswith("writing .metadata: "), failed
     assert [e["iteration"] for e in events(run_dir, "periodic_save")] == [2, 6]
     assert list_iterations(save) == [6, 2] and read_tracker(save) == 6
+
+
+def test_an_earlier_save_failing_once_training_ended_still_leaves_the_final_save_to_try(tmp_path):
+    """With ``--async-save`` the save of iteration 6 fails only at its finalize, which comes
+    after the last iteration (7): the final save at 7 is still made, and the run ends with its
+    last checkpoint (only a failure at the last iteration itself is not tried again)."""
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    in_the_way = iteration_dir(save, 6) / ".metadata" / "in-the-way"
+
+    def block_the_third_save() -> None:
+        while not (iteration_dir(save, 4) / MANIFEST_NAME).exists():
+            time.sleep(0.01)
+        in_the_way.mkdir(parents=True)
+
+    blocker = threading.Thread(target=block_the_third_save, daemon=True)
+    blocker.start()
+    result = train(2, save, 7, "--async-save", run_dir=run_dir, FTMASTER_INJECT_SLOW="0:4:10")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (failed,) = events(run_dir, "save_failed")
+    assert failed["iteration"] == 6 and failed["reason"].startswith("writing .metadata: "), failed
+    assert read_tracker(save) == 7 and list_iterations(save) == [7, 4, 2]
