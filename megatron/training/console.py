@@ -24,7 +24,11 @@ def log_last_rank(message: str) -> None:
 
 
 def error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    error_line(f"error: {message}")
+
+
+def error_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def error_once_per_node(message: str) -> None:

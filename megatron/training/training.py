@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
 
-from . import cpu_compat, mcore_fixes, optimizer_shards, rehearsal, startup
+from . import console, cpu_compat, mcore_fixes, optimizer_shards, rehearsal, startup
 from .arguments import padded_vocab_size
 from .checkpointing import (
     Checkpointer,
@@ -246,6 +246,8 @@ class Trainer:
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
+        self.run_files = runfiles.WriteOutage(
+            console.error, console.error_line, "training goes on, but ftmaster does not see it")
         self.grad_norm: float | None = None  # the last iteration's, where it was computed
         self.board: Board | None = None  # TensorBoard, once the starting iteration is known
         log_rank0(describe_layout(args))
@@ -370,7 +372,7 @@ class Trainer:
 
     def _event(self, name: str, **fields) -> None:
         if self.writes_run_files:
-            runfiles.append_event(self.run_dir, name, **fields)
+            self.run_files.append_event(self.run_dir, name, **fields)
 
     def save(self, kind: str, tier: str = "disk") -> None:
         self.model.sync_params()
@@ -422,9 +424,10 @@ class Trainer:
 
     def _heartbeat(self, finished: bool = False) -> None:
         if self.writes_run_files:
-            runfiles.write_heartbeat(self.run_dir, self.state.iteration,
-                                     self.state.consumed_train_samples, self._first_iteration,
-                                     finished=finished, compute=self.figures.heartbeat())
+            self.run_files.write(runfiles.heartbeat_path(self.run_dir), partial(
+                runfiles.write_heartbeat, self.run_dir, self.state.iteration,
+                self.state.consumed_train_samples, self._first_iteration, finished=finished,
+                compute=self.figures.heartbeat()))
 
     def _after_iteration(self) -> bool:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""

@@ -236,3 +236,19 @@ def test_an_earlier_save_failing_once_training_ended_still_leaves_the_final_save
     (failed,) = events(run_dir, "save_failed")
     assert failed["iteration"] == 6 and failed["reason"].startswith("writing .metadata: "), failed
     assert read_tracker(save) == 7 and list_iterations(save) == [7, 4, 2]
+
+
+def test_a_run_directory_out_of_room_costs_training_nothing(tmp_path):
+    """The heartbeat and events cannot be written (the run directory's filesystem is full):
+    training and its checkpoints go on, and each file's failure is said once."""
+    with small_tmpfs(tmp_path / "run", "1m") as run_dir:
+        with open(run_dir / "filler", "wb", buffering=0) as handle:
+            with pytest.raises(OSError):
+                while True:
+                    handle.write(bytes(4096))
+        result = train(2, tmp_path / "save", 6, run_dir=run_dir)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert max(iterations(result.stdout)) == 6 and read_tracker(tmp_path / "save") == 6
+        for name in ("heartbeat.json", "events.jsonl"):
+            assert result.stdout.count(f"error: cannot write {run_dir / name} (ENOSPC") == 1, \
+                result.stdout[-3000:]

@@ -88,11 +88,21 @@ def error_file_path(rank_dir: Path, local_rank: int) -> Path:
     return Path(rank_dir) / f"error_{local_rank}.json"
 
 
+def write_rank_record(rank_dir: Path, record: dict) -> None:
+    """The rank's record for the supervisor, if the run directory has room: one out of room
+    costs the record (the rank's end is then known from its exit alone), never the rank or
+    the supervisor, which says itself that the run directory cannot be written."""
+    try:
+        atomic_write_text(rank_record_path(Path(rank_dir), record["local_rank"]),
+                          json.dumps(record) + "\n", durable=False)
+    except OSError:
+        pass
+
+
 def _write_record(record: dict) -> None:
     rank_dir = os.environ.get(RANK_DIR_ENV)
     if rank_dir:
-        atomic_write_text(rank_record_path(Path(rank_dir), record["local_rank"]),
-                          json.dumps(record) + "\n", durable=False)
+        write_rank_record(Path(rank_dir), record)
 
 
 def run_exec(command: list[str]) -> None:

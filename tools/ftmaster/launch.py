@@ -47,7 +47,7 @@ from ftmaster.recovery.argv_flags import flag_value, int_flag
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
-from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig
+from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
 from ftmaster.replication import Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
@@ -382,7 +382,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         replication = _replication(config, rendezvous, options)
         starter = None if options["cold_restart"] else WarmStarter(
             len(devices.ids), config.run_dir, warm_up_for(config.command),
-            on_ready=lambda fields: runfiles.append_event(config.run_dir, "warm_ready", **fields))
+            on_ready=lambda fields: run_files_outage().append_event(config.run_dir, "warm_ready",
+                                                                     **fields))
         try:
             code = _supervise(Supervisor(config, monitor, membership, starter, observers,
                                          replication), monitor, Listener(config.run_dir))

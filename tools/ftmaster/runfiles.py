@@ -16,13 +16,16 @@ Every writer here is atomic or append-only, so a reader never sees half a record
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+_T = TypeVar("_T")
 
 RUN_DIR_ENV = "FTMASTER_RUN_DIR"
 LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"
@@ -199,6 +202,58 @@ def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
     finally:
         os.close(fd)
     return record
+
+
+MIN_ROOM_BYTES = 1 << 20
+"""Less free space than this in the run directory, and training's log lines, heartbeats and
+events are about to fail (each attempt's log is training's own output)."""
+
+
+def room_problem(run_dir: Path) -> str | None:
+    """Why the run directory cannot take the run's files now (read-only, or out of room), or
+    None."""
+    try:
+        usage = os.statvfs(run_dir)
+    except OSError as error:
+        return f"{run_dir}: {error.strerror}"
+    if usage.f_flag & os.ST_RDONLY:
+        return f"{run_dir} is on a read-only filesystem"
+    free = usage.f_bavail * usage.f_frsize
+    return f"{run_dir} has {free} bytes free" if free < MIN_ROOM_BYTES else None
+
+
+class WriteOutage:
+    """Writes of run files that must never end training or ftmaster (a run directory that
+    fills up, or goes read-only, mid-run): a failed write is skipped and told once per file
+    in this process (whichever writer meets it first), through ``failed``, then its recovery
+    through ``recovered``."""
+
+    _failing: set[str] = set()  # a file's outage is this process's, not one writer's
+
+    def __init__(self, failed: Callable[[str], None], recovered: Callable[[str], None],
+                 consequence: str) -> None:
+        self._failed, self._recovered = failed, recovered
+        self._consequence = consequence
+
+    def write(self, path: Path, write: Callable[[], _T]) -> _T | None:
+        """``write()``'s result, or None when it raised an OSError."""
+        try:
+            result = write()
+        except OSError as error:
+            if str(path) not in self._failing:
+                self._failing.add(str(path))
+                code = errno.errorcode.get(error.errno or 0, "error")
+                self._failed(f"cannot write {path} ({code}: {error.strerror}); "
+                             f"{self._consequence} until it can")
+            return None
+        if str(path) in self._failing:
+            self._failing.discard(str(path))
+            self._recovered(f"{path} is written again")
+        return result
+
+    def append_event(self, run_dir: Path, event: str, **fields: Any) -> None:
+        """:func:`append_event`, skipped while ``events.jsonl`` cannot be written."""
+        self.write(events_path(run_dir), lambda: append_event(run_dir, event, **fields))
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:

@@ -137,6 +137,9 @@ GIVE_UP_AT_ONCE = {
     "usage": "the training arguments, or the checkpoint under them, need fixing (above)",
     "data": "the training data cannot be read (above): fix or rebuild the corpus; no GPU is "
             "at fault",
+    "run_dir": "the run directory is out of room or read-only (above), so training's log and "
+               "ftmaster's records cannot be written: free space there or give another "
+               "--run-dir, then launch again to resume",
 }
 """Causes the trainer reports that a relaunch cannot cure, with what to do."""
 

@@ -24,11 +24,13 @@ written for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attem
 injection marks lost (``device_lost``). The rank that failed first names the cause: its exit
 status says whether the trainer stopped on a NaN loss (``nonfinite``), a storage error
 (``storage``), no loadable checkpoint (``no_checkpoint``) or its arguments (``usage``), none of
-which is put on a GPU; anything else is an ``exit`` on that rank's GPU. The whole attempt is
-killed at once: gloo cannot abort a collective, so the survivors would otherwise wait out
-their timeout. A GPU lost at planning time is dropped for good (the monitor stops watching
-it); a hang or a plain exit relaunches on the same GPUs. A relaunch cannot cure a storage
-error, a missing checkpoint or bad arguments, nor a NaN loss that came back from the same
+which is put on a GPU, nor is a plain exit or hang while the run directory is out of room
+(``run_dir``: each attempt's log is training's own output); anything else is an ``exit`` on
+that rank's GPU. The whole attempt is killed at once: gloo cannot abort a collective, so the
+survivors would otherwise wait out their timeout. A GPU lost at planning time is dropped for
+good (the monitor stops watching it); a hang or a plain exit relaunches on the same GPUs. A
+relaunch cannot cure a storage error, a full run directory, a missing checkpoint or bad
+arguments, nor a NaN loss that came back from the same
 checkpoint: those end the run at once, with the root cause (the first failed rank's
 exception) on the console. Training that has finished and made its last checkpoint durable is
 never a hang, however long its exit takes.
@@ -69,6 +71,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -235,6 +238,12 @@ def _armed(injection: Injection) -> bool:
                                            and injection.at_iteration is not None)
 
 
+def run_files_outage() -> runfiles.WriteOutage:
+    """How ftmaster writes its run files: a run directory out of room mid-run is said, and
+    supervising goes on."""
+    return runfiles.WriteOutage(log.error, log.info, "ftmaster supervises on without that record")
+
+
 class Supervisor:
     def __init__(self, config: SupervisorConfig, monitor: Monitor,
                  membership: NodeMembership | None = None,
@@ -248,6 +257,7 @@ class Supervisor:
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
+        self.run_files = run_files_outage()
         self.monitor = monitor
         self.membership = membership
         self.round: Round | None = None
@@ -377,8 +387,12 @@ class Supervisor:
         for observer in self.observers:
             getattr(observer, method)(*args)
 
-    def _event(self, name: str, **fields) -> dict:
-        return runfiles.append_event(self.run_dir, name, **fields)
+    def _event(self, name: str, **fields) -> None:
+        self.run_files.append_event(self.run_dir, name, **fields)
+
+    def _ask_for_a_save(self, **reason) -> None:
+        flag = runfiles.trigger_flag_path(self.run_dir)
+        self.run_files.write(flag, partial(runfiles.write_flag, flag, **reason))
 
     def _take_over_previous_attempts(self) -> int:
         """How many attempts this run directory has seen; the last one, if it never ended,
@@ -491,8 +505,7 @@ class Supervisor:
         if self.config.scale_up == "at-save":
             if self._rejoin_requested_at is None:
                 self._rejoin_requested_at = time.time()
-                runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), source="rendezvous",
-                                    reason="a node waits for a new round")
+                self._ask_for_a_save(source="rendezvous", reason="a node waits for a new round")
                 log.info("a node waits for a new round: asking for a save first")
             if not self._saved_since(self._rejoin_requested_at):
                 return None
@@ -671,6 +684,10 @@ class Supervisor:
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
                  first_local_rank: int | None = None) -> Trigger:
         attempt = self.attempt
+        room = runfiles.room_problem(self.run_dir) if cause in ("exit", "hang") else None
+        if room is not None:  # the ranks' own output had nowhere to go: no GPU is at fault
+            log.error("the run directory cannot take training's output: %s", room)
+            cause, gpus = "run_dir", []
         self._last_failure = (cause, first_local_rank)
         if self.membership is not None:
             self.membership.announce_failure(cause)  # the other nodes stop (and dump) now
@@ -883,8 +900,7 @@ class Supervisor:
             self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
             return None
         self.stragglers.drained(now, found.step_s)
-        runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), source="straggler",
-                            gpu=found.gpu, reason=decision.line)
+        self._ask_for_a_save(source="straggler", gpu=found.gpu, reason=decision.line)
         self._drain_gpu, self._drain_since = found.gpu, now
         self._drain_reason = (f"drained: a straggler ({found.straggler.slowdown:.2f}x slower "
                               f"than its peers)")

@@ -47,10 +47,9 @@ from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
-                            rank_record_path)
+                            write_rank_record)
 from ftmaster.membership import free_port
 from ftmaster.recovery.torchrun import StaticWorld
-from ftmaster.runfiles import atomic_write_text
 
 PRELOAD = ("torch", "torch._dynamo", "megatron.core", "megatron.training.training",
            "megatron.training.checkpointing")
@@ -452,7 +451,7 @@ class WarmRanks:
         for local_rank, (worker, env) in enumerate(zip(workers, envs)):
             record = {"local_rank": local_rank, "rank": int(env["RANK"]),
                       "pid": worker.process.pid, "guard_pid": worker.process.pid}
-            _write_record(rank_dir, record)
+            write_rank_record(rank_dir, record)
             waiter = threading.Thread(target=_record_exit, args=(worker.process, rank_dir, record),
                                       daemon=True, name=f"warm-rank-{local_rank}")
             waiter.start()
@@ -486,14 +485,9 @@ class WarmRanks:
         kill_sessions(self.workers)
 
 
-def _write_record(rank_dir: Path, record: dict) -> None:
-    atomic_write_text(rank_record_path(rank_dir, record["local_rank"]), json.dumps(record) + "\n",
-                      durable=False)
-
-
 def _record_exit(process: subprocess.Popen, rank_dir: Path, record: dict) -> None:
     code = process.wait()
-    _write_record(rank_dir, {**record, "exit_code": code, "ended_at": time.time()})
+    write_rank_record(rank_dir, {**record, "exit_code": code, "ended_at": time.time()})
 
 
 class WarmStarter:
