@@ -651,7 +651,7 @@ class _Save:
         free = shutil.disk_usage(self.path).free
         if needed and free < needed * MEMORY_HEADROOM:
             return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "
-                    f"needs about {needed}")
+                    f"needs about {needed} and {MEMORY_HEADROOM - 1:.0%} more to spare")
         return None
 
     @staticmethod
