@@ -30,9 +30,8 @@ that rank's GPU. The whole attempt is killed at once: gloo cannot abort a collec
 survivors would otherwise wait out their timeout. A GPU lost at planning time is dropped for
 good (the monitor stops watching it); a hang or a plain exit relaunches on the same GPUs. A
 relaunch cannot cure a storage error, a full run directory, a missing checkpoint or bad
-arguments, nor a NaN loss that came back from the same
-checkpoint: those end the run at once, with the root cause (the first failed rank's
-exception) on the console. Training that has finished and made its last checkpoint durable is
+arguments, nor a NaN loss that came back from the same checkpoint: those end the run at
+once, with the root cause (the first failed rank's exception) on the console. Training that has finished and made its last checkpoint durable is
 never a hang, however long its exit takes.
 
 **Across nodes** (a :class:`~ftmaster.membership.NodeMembership`), every plan is agreed in a
