@@ -245,6 +245,7 @@ class Trainer:
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
+        self._stopped_on_signal = False  # an agreed exit on SIGTERM, before the schedule's end
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
         self.run_files = runfiles.WriteOutage(
             console.error, console.error_line, "training goes on, but ftmaster does not see it")
@@ -446,6 +447,7 @@ class Trainer:
         self._save_on_disk_after_memory_failure()
         if decision.exit:
             log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
+            self._stopped_on_signal = True
         return decision.exit or self._exit_interval_reached()
 
     def _tier(self, decision) -> str:
@@ -523,7 +525,8 @@ class Trainer:
             raise FinalSaveFailed(f"training ended at iteration {self.state.iteration} without "
                                   f"its last checkpoint: the {failure.kind} save to "
                                   f"{failure.path} failed: {failure.reason}")
-        self._heartbeat(finished=True)
+        # A stop on a signal is no end of training: a supervisor that did not send it resumes.
+        self._heartbeat(finished=not self._stopped_on_signal)
 
     def _board_iteration(self, loss: float | None, seconds: float) -> None:
         if not self.board.due(self.state.iteration):

@@ -5,6 +5,7 @@ import signal
 import psutil
 import pytest
 
+from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
 from helpers.trainer import SMALL_GPT, kill_session, start_trainer, wait_until
 
@@ -12,15 +13,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
-    save, log = tmp_path / "save", tmp_path / "train.log"
+    """One rank signalled is enough (the ranks agree to stop); its last heartbeat says that
+    training did not finish, so that a supervisor that did not send the signal resumes it."""
+    save, log, run_dir = tmp_path / "save", tmp_path / "train.log", tmp_path / "run"
     process = start_trainer(2, SMALL_GPT + [
         "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
         "--train-iters", "10000", "--lr", "1e-3", "--save", str(save),
-        "--exit-signal-handler"], log)
+        "--exit-signal-handler"], log, FTMASTER_RUN_DIR=str(run_dir))
     try:
         wait_until(lambda: "iteration 3/10000" in log.read_text(), 180, what="iteration 3")
-        for worker in psutil.Process(process.pid).children():
-            worker.send_signal(signal.SIGTERM)
+        psutil.Process(process.pid).children()[-1].send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=120)
     finally:
         kill_session(process)
@@ -30,6 +32,8 @@ def test_sigterm_saves_on_every_rank_and_exits_zero(tmp_path):
     assert saved_at is not None and saved_at >= 3
     assert f"exiting on SIGTERM after iteration {saved_at}" in output
     assert checkpoint_problem(iteration_dir(save, saved_at)) is None
+    heartbeat = runfiles.read_heartbeat(run_dir)
+    assert (heartbeat["iteration"], heartbeat["finished"]) == (saved_at, False)
 
 
 def test_a_rank_killed_by_sigkill_leaves_no_helper_process(tmp_path):

@@ -161,10 +161,12 @@ def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_
 ])
 def test_a_damaged_manifest_is_never_a_checkpoint_without_one(save_dir, damage):
     path = iteration_dir(save_dir, 30)
-    write_manifest(path, "periodic", 30, {entry.name: digest_file(entry) for entry in path.iterdir()})
+    files = {entry.name: digest_file(entry) for entry in path.iterdir()}
+    write_manifest(path, "periodic", 30, files)
     manifest = path / MANIFEST_NAME
     manifest.write_bytes(damage(manifest.read_bytes()))
-    assert checkpoint_problem(path) == f"{MANIFEST_NAME} is unreadable, so the checksums cannot be checked"
+    assert checkpoint_problem(path) == \
+        f"{MANIFEST_NAME} is unreadable, so the checksums cannot be checked"
     choice = find_loadable_checkpoint(save_dir)
     assert choice.iteration == 20 and choice.skipped[0][0] == 30
 

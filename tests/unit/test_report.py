@@ -296,3 +296,15 @@ def test_timeline_labels_say_what_happened(tmp_path):
     assert "final_save         final checkpoint of iteration 10 durable (disk)" in text
     assert "failure            attempt 1 nonfinite, last iteration 7" in text
     assert "failure 1: attempt 1, nonfinite at +8.00 s" in text
+
+
+@pytest.mark.parametrize("fields, text", [
+    ({"exit_code": 0}, "signal 15 at iteration 41: training exited with status 0"),
+    ({"exit_code": None}, "signal 15 at iteration 41: training was killed at the stop timeout"),
+    ({"exit_code": None, "state": "waiting"},
+     "signal 15 at iteration 41: nothing was training (waiting)"),
+])
+def test_a_stop_says_how_training_ended_not_an_exit_status_that_is_not_ftmasters(fields, text):
+    from ftmaster.report import describe
+
+    assert describe({"event": "stopped", "time": 1.0, "signal": 15, "iteration": 41, **fields}) == text

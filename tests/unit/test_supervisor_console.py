@@ -448,3 +448,103 @@ def test_a_waiting_peer_stops_the_attempt_at_once_or_after_an_agreed_save(tmp_pa
     failure = runfiles.read_events(tmp_path)[-1]
     assert (failure["event"], failure["cause"], failure["gpus"]) == ("failure", "peer", [])
     assert runfiles.trigger_flag_path(tmp_path).exists() == (policy == "at-save")
+
+
+class CleanExitAttempt(RankEndingAttempt):
+    """Its ranks all ended with status 0, and torchrun too."""
+
+    log_path = None
+
+    def exit_code(self):
+        return 0
+
+    def failed_ranks(self):
+        return {}
+
+
+def clean_exit_supervisor(tmp_path, finished):
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.attempt = CleanExitAttempt()
+    if finished is not None:
+        runfiles.write_heartbeat(tmp_path, 69, 276, finished=finished)
+    return supervisor
+
+
+@pytest.mark.parametrize("finished, outcome", [(True, "complete"), (None, "complete"),
+                                               (False, "failure")])
+def test_a_clean_exit_is_complete_only_when_training_says_it_finished(tmp_path, caplog, finished,
+                                                                      outcome):
+    """A rank signalled from outside makes the ranks save and exit 0 before the end of the
+    schedule: that is resumed, not a success (a script without heartbeats is believed)."""
+    from ftmaster.states import Trigger
+
+    supervisor = clean_exit_supervisor(tmp_path, finished)
+    trigger = supervisor._check_training()
+    assert trigger is (Trigger.COMPLETED if outcome == "complete" else Trigger.FAILURE)
+    assert runfiles.read_events(tmp_path)[-1]["event"] == outcome
+    if outcome == "failure":
+        assert "on a signal ftmaster did not send, before the end of its schedule" in caplog.text
+        assert supervisor._decide() is Trigger.RETRY  # resumed from its exit checkpoint
+
+
+def test_a_give_up_lists_the_runs_failures_and_quotes_no_log_when_ftmaster_ended_them(
+        tmp_path, caplog):
+    """A lost GPU is ftmaster's finding, not a rank's: the give-up names every failure of the
+    run in one line, and no training output stands in for a rank's error."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), max_restarts=0)
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.attempt = RankEndingAttempt()
+    supervisor.attempt.root_cause = lambda rank, lines: "iteration 3/400 | an ordinary line"
+    supervisor._failure("device_lost", 30, [1], {})
+    assert supervisor._decide() is Trigger.GIVE_UP
+    assert "the run's failures: attempt 1 failed (device_lost) after iteration 30 on GPU(s) [1]" \
+        in caplog.text
+    assert "root cause" not in caplog.text and "an ordinary line" not in caplog.text
+
+
+def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.request_stop(15)
+    supervisor._handlers[State.STARTING] = lambda: pytest.fail("nothing should be launched")
+    supervisor.run()
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert (stopped["event"], stopped["signal"], stopped["state"]) == ("stopped", 15, "starting")
+
+
+class UnstoppableAttempt(FinishedAttempt):
+    def stop(self, deadline_s):
+        return None  # killed at the deadline, nothing saved
+
+
+def test_a_stop_cut_short_at_its_deadline_says_so(tmp_path, caplog):
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), stop_timeout_s=2.0)
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.attempt, supervisor.signum = UnstoppableAttempt(), 15
+    runfiles.append_event(tmp_path, "periodic_save", iteration=40, kind="periodic", tier="disk")
+    supervisor._follow_events()
+    assert supervisor._stop() is Trigger.STOPPED
+    assert ("training did not save and exit within --stop-timeout 2 s: killed; the newest "
+            "checkpoint is iteration 40 (disk)") in caplog.text
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert (stopped["event"], stopped["exit_code"]) == ("stopped", None)

@@ -614,7 +614,7 @@ TEMPLATES = {
     "replica_fallback": "no replica cut ({reason}): the newest checkpoint is used",
     "save_deferred": "iteration {iteration}: emergency save deferred to iteration {until_iteration}",
     "failure": "attempt {attempt} {cause}{on_gpus}, last iteration {iteration}",
-    "stopped": "signal {signal}, exit status {exit_code}, at iteration {iteration}",
+    "stopped": "signal {signal} at iteration {iteration}: {training}",
     "plan": "TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x DP "
             "{data_parallel_size}, micro-batch {micro_batch_size}, global batch "
             "{global_batch_size} on {num_gpus_used} of GPU(s) {gpus_available}",
@@ -648,12 +648,17 @@ class _Fields(dict):
 
 def _derived(event: dict) -> dict:
     """Words that depend on several fields: a memory save is complete, not durable; a failure
-    on no GPU (storage, a NaN) names none."""
+    on no GPU (storage, a NaN) names none; a stop says how training ended."""
     if event["event"] in SAVES:
         return {"state": "complete" if event.get("tier") == "memory" else "durable"}
     if event["event"] == "failure":
         gpus = event.get("gpus")
         return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
+    if event["event"] == "stopped":  # training's exit status, not ftmaster's (128 + signal)
+        code = event.get("exit_code")
+        return {"training": f"training exited with status {code}" if code is not None
+                else f"nothing was training ({event['state']})" if "state" in event
+                else "training was killed at the stop timeout"}
     return {}
 
 

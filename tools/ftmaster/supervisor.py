@@ -31,8 +31,10 @@ survivors would otherwise wait out their timeout. A GPU lost at planning time is
 good (the monitor stops watching it); a hang or a plain exit relaunches on the same GPUs. A
 relaunch cannot cure a storage error, a full run directory, a missing checkpoint or bad
 arguments, nor a NaN loss that came back from the same checkpoint: those end the run at
-once, with the root cause (the first failed rank's exception) on the console. Training that has finished and made its last checkpoint durable is
-never a hang, however long its exit takes.
+once, with every failure of the run in one line and the root cause (the first failed rank's
+exception, when a rank ended it) on the console. Training that has finished and made its last
+checkpoint durable is never a hang, however long its exit takes; training that exits 0 on a
+signal ftmaster did not send, before its schedule's end, is a failure, resumed.
 
 **Across nodes** (a :class:`~ftmaster.membership.NodeMembership`), every plan is agreed in a
 rendezvous round: this node publishes the GPUs it can schedule, every node runs the same
@@ -285,6 +287,7 @@ class Supervisor:
         self._nonfinite_from: set[int] = set()  # checkpoints a NaN loss came back from
         self._nonfinite_again = False
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
+        self._failures: list[str] = []  # each failure's line, for the give-up's summary
         self._last_checkpoint: dict | None = None
         self._original_step_s: float | None = None  # measured on the original layout
         self.stragglers = StragglerWatch(config.stragglers, config.drain_stragglers,
@@ -334,6 +337,9 @@ class Supervisor:
             while state not in TERMINAL:
                 # A signal where nothing trains needs no handler: nothing to save or stop.
                 idle_stop = state in IDLE_STATES and self._stop_requested.is_set()
+                if idle_stop:  # recorded as a stop of training is, so the run has its end
+                    self._event("stopped", signal=self.signum, exit_code=None,
+                                iteration=self._state_iteration(), state=state.value)
                 try:
                     trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
                 except StoreLost as lost:
@@ -472,7 +478,7 @@ class Supervisor:
             return self._failure(report.cause, iteration, list(report.gpus),
                                  report.exit_codes or {"torchrun": code}, report.first_local_rank)
         if code == 0:
-            return self._complete()
+            return self._complete() if self._finished() else self._stopped_early(iteration)
         lost = sorted(self.lost_gpus() & set(attempt.gpus))
         if lost:
             return self._failure("device_lost", iteration, lost, {})
@@ -515,6 +521,27 @@ class Supervisor:
         log.warning("attempt %d stopped: a node waits for a new round", self.attempt.number)
         self.attempt.kill()
         return Trigger.PEERS_WAITING
+
+    def _newest_checkpoint_text(self) -> str:
+        last = self._last_checkpoint
+        if last is not None:
+            return f"iteration {last['iteration']} ({last.get('tier', 'disk')})"
+        if self._loaded_iteration is not None:
+            return f"iteration {self._loaded_iteration} (the one this attempt loaded)"
+        return "none this ftmaster saw saved"
+
+    def _finished(self) -> bool:
+        """Whether training that exited 0 ended its schedule: ftmaster's trainer says so in its
+        last heartbeat (a script that writes none is taken at its word)."""
+        heartbeat = runfiles.read_heartbeat(self.run_dir)
+        return heartbeat is None or heartbeat.get("finished") is not False
+
+    def _stopped_early(self, iteration: int | None) -> Trigger:
+        """Training saved and exited on a SIGTERM that ftmaster did not send (one rank
+        signalled from outside): a failure, resumed from the checkpoint it saved."""
+        log.warning("training stopped at iteration %s on a signal ftmaster did not send, before "
+                    "the end of its schedule: resuming it", self._state_iteration())
+        return self._failure("exit", iteration, [], {"torchrun": 0})
 
     def _complete(self) -> Trigger:
         self._follow_events()
@@ -701,8 +728,9 @@ class Supervisor:
                 else f"after iteration {iteration}")
         where = f" on GPU(s) {gpus}" if gpus else ""
         hardware = "; hardware: " + ", ".join(f"GPU {g} {why}" for g, why in sorted(unfit.items()))
-        log.error("attempt %d failed (%s) %s%s%s", attempt.number, cause, when, where,
-                  hardware if unfit else "")
+        failed = f"attempt {attempt.number} failed ({cause}) {when}{where}"
+        self._failures.append(failed)
+        log.error("%s%s", failed, hardware if unfit else "")
         dump = self._dump_replicas(cause, gpus, iteration)
         if dump is not None and self.membership is not None:
             # Across nodes one merge runs over every node's dumps, after the next round formed
@@ -948,8 +976,10 @@ class Supervisor:
                                 policy=self.config.policy, lost_gpus=self._waitable_gpus(),
                                 cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
-            log.error("root cause, from %s:\n%s", self.attempt.log_path,
-                      self.attempt.root_cause(first_rank, LOG_TAIL_LINES))
+            log.error("the run's failures: %s", "; ".join(self._failures))
+            if first_rank is not None:  # a rank ended it: its own words (ftmaster's are above)
+                log.error("root cause, from %s:\n%s", self.attempt.log_path,
+                          self.attempt.root_cause(first_rank, LOG_TAIL_LINES))
             self._give_up(outcome.reason, outcome.requeue_helps)
         return outcome.trigger
 
@@ -1172,6 +1202,10 @@ class Supervisor:
         code = self.attempt.stop(self.config.stop_timeout_s)
         self._track_progress(runfiles.read_heartbeat(self.run_dir))
         self._follow_events()
+        if code is None:
+            log.error("training did not save and exit within --stop-timeout %g s: killed; the "
+                      "newest checkpoint is %s", self.config.stop_timeout_s,
+                      self._newest_checkpoint_text())
         self._event("stopped", signal=self.signum, exit_code=code,
                     iteration=self._state_iteration())
         return Trigger.STOPPED
