@@ -380,10 +380,10 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous)
         replication = _replication(config, rendezvous, options)
+        run_files = run_files_outage()
         starter = None if options["cold_restart"] else WarmStarter(
             len(devices.ids), config.run_dir, warm_up_for(config.command),
-            on_ready=lambda fields: run_files_outage().append_event(config.run_dir, "warm_ready",
-                                                                     **fields))
+            on_ready=lambda fields: run_files.append_event(config.run_dir, "warm_ready", **fields))
         try:
             code = _supervise(Supervisor(config, monitor, membership, starter, observers,
                                          replication), monitor, Listener(config.run_dir))

@@ -72,7 +72,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -397,7 +396,7 @@ class Supervisor:
 
     def _ask_for_a_save(self, **reason) -> None:
         flag = runfiles.trigger_flag_path(self.run_dir)
-        self.run_files.write(flag, partial(runfiles.write_flag, flag, **reason))
+        self.run_files.write(flag, lambda: runfiles.write_flag(flag, **reason))
 
     def _take_over_previous_attempts(self) -> int:
         """How many attempts this run directory has seen; the last one, if it never ended,
@@ -532,7 +531,8 @@ class Supervisor:
 
     def _finished(self) -> bool:
         """Whether training that exited 0 ended its schedule: ftmaster's trainer says so in its
-        last heartbeat (a script that writes none is taken at its word)."""
+        last heartbeat (a script that writes none is taken at its word). Read afresh: the
+        poll's own read came before the exit, and the last heartbeat just before it."""
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         return heartbeat is None or heartbeat.get("finished") is not False
 
