@@ -182,7 +182,7 @@ def test_hang_and_two_failures_are_recovered_cold_then_sigterm_saves_and_exits(t
     assert not processes_mentioning(f"{tmp_path}/")  # the run's and its checkpoints' folder
 
 
-def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_leaves_nothing(tmp_path):
+def test_wait_policy_gets_all_four_gpus_back_locks_refuse_a_second_and_sigkill_leaves_nothing(tmp_path):
     run_dir, save = tmp_path / "run", tmp_path / "ckpt"
     args = train_args(save, 200, 2, 2, 2)
     ftmaster = subprocess.Popen(
@@ -196,6 +196,11 @@ def test_wait_policy_gets_all_four_gpus_back_lock_refuses_a_second_and_sigkill_l
         assert second.exit_code != 0
         assert second.stderr == (f"Error: another ftmaster (pid {ftmaster.pid}) is using {run_dir}; "
                                  "wait for it to end or give another --run-dir\n")
+        other_run = CliRunner().invoke(main, ["launch", *launch_argv(tmp_path / "run2", 4, args)[4:]])
+        assert other_run.exit_code == 1
+        assert other_run.stderr.startswith(f"Error: --save {save} is written by another run (host ")
+        assert other_run.stderr.endswith(f"pid {ftmaster.pid}, run_dir {run_dir}); give another "
+                                         "--save, or stop that run first\n")
         assert processes_mentioning(str(save))
         wait_until(lambda: len(events(run_dir, "startup")) == 2, timeout=60, what="startup 2")
         assert [e["warm"] for e in events(run_dir, "startup")] == [False, True]

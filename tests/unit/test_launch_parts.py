@@ -1,10 +1,12 @@
 """Pieces of ftmaster launch: GPU choice and mapping, argv, injections, listener, lock, guards."""
 
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import click
@@ -17,9 +19,9 @@ from ftmaster.attempt import Attempt, attempt_argv, gpu_of_local_rank, read_rank
     training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import check_layout
+from ftmaster.launch import _claim_save_dir, check_layout
 from ftmaster.listener import Listener, move_request
-from ftmaster.lock import RunDirLock, RunDirLocked
+from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, SaveDirClaim, SaveDirInUse
 from ftmaster.states import Trigger
 from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
                                  last_checkpoint_write)
@@ -239,6 +241,73 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
     holder.wait()
     with RunDirLock(tmp_path):
         pass
+
+
+def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):
+    save = tmp_path / "ckpt"
+    node_0 = SaveDirClaim(save, "rendezvous job-a", tmp_path / "run" / "node_0")
+    node_1 = SaveDirClaim(save, "rendezvous job-a", tmp_path / "run" / "node_1")
+    node_0.acquire()
+    node_1.acquire()
+    other = SaveDirClaim(save, "host:/elsewhere", tmp_path / "elsewhere")
+    with pytest.raises(SaveDirInUse, match=f"--save {save} is written by another run "
+                       f"\\(host .*, pid {os.getpid()}, run_dir {tmp_path}/run/node_[01]\\)"):
+        other.acquire()
+    node_0.release()
+    with pytest.raises(SaveDirInUse, match="node_1"):  # one node of the job still holds it
+        other.acquire()
+    node_1.release()
+    assert not list((save / HOLDERS_DIR).iterdir())  # each claim removes its own file
+    other.acquire()
+    other.release()
+
+
+def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
+    save = tmp_path / "ckpt"
+    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import SaveDirClaim; "
+                               "SaveDirClaim(sys.argv[1], 'first job', sys.argv[1]).acquire(); "
+                               "print('claimed', flush=True); time.sleep(60)", str(save)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "claimed"
+    with pytest.raises(SaveDirInUse, match=f"pid {holder.pid}"):
+        SaveDirClaim(save, "second job", tmp_path).acquire()
+    holder.kill()
+    holder.wait()
+    claim = SaveDirClaim(save, "second job", tmp_path)
+    claim.acquire()
+    assert [path.name for path in (save / HOLDERS_DIR).iterdir()] == [claim.path.name]
+    claim.release()
+
+
+def _launch_config(tmp_path, *args):
+    return types.SimpleNamespace(command=("pretrain_gpt.py", *args), run_dir=tmp_path / "run")
+
+
+def test_launch_claims_save_only_when_training_saves(tmp_path):
+    assert _claim_save_dir(_launch_config(tmp_path, "--load", str(tmp_path)), None) is None
+    claim = _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "ckpt")), None)
+    try:
+        with pytest.raises(click.ClickException, match="is written by another run"):
+            _claim_save_dir(types.SimpleNamespace(command=("x", "--save", str(tmp_path / "ckpt")),
+                                                  run_dir=tmp_path / "another_run"), None)
+    finally:
+        claim.release()
+
+
+def test_a_save_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("ftmaster.lock.fcntl.flock", no_locks)
+    assert _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "ckpt")), None) is None
+    assert "has no file locks (No locks available)" in caplog.text
+
+
+def test_a_save_folder_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(click.ClickException,
+                       match=f"cannot claim --save {tmp_path}/file/ckpt for this run"):
+        _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "file" / "ckpt")), None)
 
 
 # -- guards: real processes ------------------------------------------------------------------

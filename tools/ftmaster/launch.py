@@ -14,10 +14,12 @@ after ``--stop-timeout`` seconds.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
-from ftmaster.lock import RunDirLock, RunDirLocked
+from ftmaster.lock import NO_LOCKS, RunDirLock, RunDirLocked, SaveDirClaim, SaveDirInUse
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, parse_conf, parse_nnodes)
 from ftmaster.board import RunBoard
@@ -138,6 +140,47 @@ def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str])
     if late:
         raise InputError(f"--inject {late[0]}: training ends at iteration {last} "
                          f"(--train-iters), so it would never fire")
+
+
+def _hold_folders(config: SupervisorConfig,
+                  rendezvous: RendezvousConfig | None) -> contextlib.ExitStack:
+    """The run directory's lock and the claim on ``--save``, released together."""
+    held = contextlib.ExitStack()
+    held.callback(_lock_run_dir(config.run_dir).release)
+    try:
+        claim = _claim_save_dir(config, rendezvous)
+    except click.ClickException:
+        held.close()
+        raise
+    if claim is not None:
+        held.callback(claim.release)
+    return held
+
+
+def _claim_save_dir(config: SupervisorConfig,
+                    rendezvous: RendezvousConfig | None) -> SaveDirClaim | None:
+    """``--save`` for this job alone: the nodes of one rendezvous id (torch elastic's identity
+    of a job; its endpoint may be spelt differently on each node), or this run directory."""
+    save = flag_value(config.command[1:], "--save")
+    if save is None:
+        return None
+    run_dir = config.run_dir.resolve()
+    job = (f"{socket.gethostname()}:{run_dir}" if rendezvous is None
+           else f"rendezvous {rendezvous.run_id}")
+    claim = SaveDirClaim(Path(save), job, run_dir)
+    try:
+        claim.acquire()
+    except SaveDirInUse as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        if error.errno not in NO_LOCKS:
+            raise InputError(f"cannot claim --save {save} for this run ({error.strerror}); "
+                             "give a writable --save") from None
+        logging.getLogger("ftmaster").warning(
+            "--save %s has no file locks (%s): nothing stops another run from writing "
+            "over this one's checkpoints there", save, error.strerror)
+        return None
+    return claim
 
 
 def _lock_run_dir(run_dir: Path) -> RunDirLock:
@@ -370,7 +413,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         logging.getLogger("ftmaster").info(note)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
-        lock = _lock_run_dir(config.run_dir)
+        held = _hold_folders(config, rendezvous)
     except click.ClickException:
         backend.close()
         raise
@@ -395,7 +438,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
             if membership is not None:
                 membership.stop_keep_alive()
     finally:
-        lock.release()
+        held.close()
     sys.exit(code)
 
 

@@ -1,16 +1,30 @@
-"""One ftmaster per run directory: an exclusive ``flock`` on ``RUN_DIR/ftmaster.lock``.
+"""Locks that keep two runs apart.
 
-The kernel drops the lock when its holder dies, SIGKILL included, so a stale lock file never
-blocks a new run. The file holds the holder's pid, for the error message only.
+- One ftmaster per run directory: an exclusive ``flock`` on ``RUN_DIR/ftmaster.lock``.
+- One job per ``--save``: every node of a job may write it, another job may not
+  (:class:`SaveDirClaim`).
+
+The kernel drops a ``flock`` when its holder dies, SIGKILL included, so a stale lock file
+never blocks a new run. The files say who holds them, for the error messages only.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
+import socket
+import tempfile
+import time
 from pathlib import Path
 
 LOCK_NAME = "ftmaster.lock"
+HOLDERS_DIR = ".ftmaster_jobs"
+HOLDERS_GUARD = ".ftmaster_jobs.lock"
+GUARD_WAIT_S = 30.0  # the guard is held for a listing of a few files; longer means a hung mount
+# Where the filesystem has no locks (Lustre without -o flock, some FUSE mounts).
+NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
 class RunDirLocked(RuntimeError):
@@ -47,3 +61,106 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class SaveDirInUse(RuntimeError):
+    """Another job's ftmaster is alive and writes the same ``--save``."""
+
+
+class SaveDirClaim:
+    """This ftmaster's claim on ``--save``, for its job.
+
+    Two jobs resuming from one ``--save`` would write their timelines into each other's
+    checkpoints. The run directory's lock cannot see it (each job has its own), and one lock
+    on ``--save`` would refuse a job's other nodes, which share it. So each ftmaster holds a
+    ``flock`` on its own file in ``--save/.ftmaster_jobs/``, naming its job; a new one is
+    refused while a live file names another job. A file nobody holds any longer (its ftmaster
+    died) is removed. The listing and the new file are made under a guard lock, so two
+    launches at once cannot both pass.
+    """
+
+    def __init__(self, save_dir: Path, job: str, run_dir: Path) -> None:
+        self.folder = Path(save_dir) / HOLDERS_DIR
+        self.job = job
+        self._record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
+                        "run_dir": str(run_dir)}
+        self.path: Path | None = None
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Claim ``--save`` or raise :class:`SaveDirInUse` naming the other job; OSError when
+        the folder cannot be written or locked (``errno`` in :data:`NO_LOCKS`: no locks there)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        guard = os.open(self.folder.parent / HOLDERS_GUARD, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _lock_within(guard, GUARD_WAIT_S)
+            other = next((record for record in self._live_records()
+                          if record.get("job") != self.job), None)
+            if other is not None:
+                raise SaveDirInUse(_in_use_text(self.folder.parent, other))
+            self._hold_own_file()
+        finally:
+            os.close(guard)
+
+    def _live_records(self) -> list[dict]:
+        """The records of the files someone still holds; the others are removed."""
+        records = []
+        for path in sorted(self.folder.iterdir()):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:  # removed meanwhile, or not a file
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                records.append(_read_record(fd, path))
+            else:
+                path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        return records
+
+    def _hold_own_file(self) -> None:
+        fd, path = tempfile.mkstemp(prefix=f"{self._record['host']}.{os.getpid()}.",
+                                    dir=self.folder)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, json.dumps(self._record).encode())
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        self._fd, self.path = fd, Path(path)
+
+    def release(self) -> None:
+        """Removed before it is unlocked: a launch that opened it meanwhile finds it held."""
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _lock_within(fd: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(errno.ETIMEDOUT, f"its guard lock stayed taken for {seconds:.0f} s")
+            time.sleep(0.05)
+
+
+def _read_record(fd: int, path: Path) -> dict:
+    try:
+        record = json.loads(os.read(fd, 4096).decode(errors="replace"))
+    except ValueError:  # files are written under the guard: this one is not ftmaster's
+        record = None
+    return record if isinstance(record, dict) else {"job": None, "host": path.name}
+
+
+def _in_use_text(save_dir: Path, other: dict) -> str:
+    who = ", ".join(f"{key} {other[key]}" for key in ("host", "pid", "run_dir") if key in other)
+    return (f"--save {save_dir} is written by another run ({who}); give another --save, "
+            "or stop that run first")
