@@ -19,9 +19,9 @@ from ftmaster.attempt import Attempt, attempt_argv, gpu_of_local_rank, read_rank
     training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import _claim_save_dir, check_layout
+from ftmaster.launch import _claim_checkpoint_folders, check_layout
 from ftmaster.listener import Listener, move_request
-from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, SaveDirClaim, SaveDirInUse
+from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
 from ftmaster.states import Trigger
 from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
                                  last_checkpoint_write)
@@ -245,16 +245,16 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
 
 def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):
     save = tmp_path / "ckpt"
-    node_0 = SaveDirClaim(save, "rendezvous job-a", tmp_path / "run" / "node_0")
-    node_1 = SaveDirClaim(save, "rendezvous job-a", tmp_path / "run" / "node_1")
+    node_0 = FolderClaim(save, "rendezvous job-a", tmp_path / "run" / "node_0")
+    node_1 = FolderClaim(save, "rendezvous job-a", tmp_path / "run" / "node_1")
     node_0.acquire()
     node_1.acquire()
-    other = SaveDirClaim(save, "host:/elsewhere", tmp_path / "elsewhere")
-    with pytest.raises(SaveDirInUse, match=f"--save {save} is written by another run "
+    other = FolderClaim(save, "host:/elsewhere", tmp_path / "elsewhere")
+    with pytest.raises(FolderInUse, match=f"--save {save} is written by another run "
                        f"\\(host .*, pid {os.getpid()}, run_dir {tmp_path}/run/node_[01]\\)"):
         other.acquire()
     node_0.release()
-    with pytest.raises(SaveDirInUse, match="node_1"):  # one node of the job still holds it
+    with pytest.raises(FolderInUse, match="node_1"):  # one node of the job still holds it
         other.acquire()
     node_1.release()
     assert not list((save / HOLDERS_DIR).iterdir())  # each claim removes its own file
@@ -264,34 +264,50 @@ def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):
 
 def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
     save = tmp_path / "ckpt"
-    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import SaveDirClaim; "
-                               "SaveDirClaim(sys.argv[1], 'first job', sys.argv[1]).acquire(); "
+    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import FolderClaim; "
+                               "FolderClaim(sys.argv[1], 'first job', sys.argv[1]).acquire(); "
                                "print('claimed', flush=True); time.sleep(60)", str(save)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "claimed"
-    with pytest.raises(SaveDirInUse, match=f"pid {holder.pid}"):
-        SaveDirClaim(save, "second job", tmp_path).acquire()
+    with pytest.raises(FolderInUse, match=f"pid {holder.pid}"):
+        FolderClaim(save, "second job", tmp_path).acquire()
     holder.kill()
     holder.wait()
-    claim = SaveDirClaim(save, "second job", tmp_path)
+    claim = FolderClaim(save, "second job", tmp_path)
     claim.acquire()
     assert [path.name for path in (save / HOLDERS_DIR).iterdir()] == [claim.path.name]
     claim.release()
 
 
-def _launch_config(tmp_path, *args):
-    return types.SimpleNamespace(command=("pretrain_gpt.py", *args), run_dir=tmp_path / "run")
+def _launch_config(tmp_path, *args, run="run", memory_dir_picked=None):
+    return types.SimpleNamespace(command=("pretrain_gpt.py", *args), run_dir=tmp_path / run,
+                                 scratch_memory_dir=memory_dir_picked)
 
 
-def test_launch_claims_save_only_when_training_saves(tmp_path):
-    assert _claim_save_dir(_launch_config(tmp_path, "--load", str(tmp_path)), None) is None
-    claim = _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "ckpt")), None)
+def _claimed(config):
+    return [(claim.flag, claim.folder.parent) for claim in _claim_checkpoint_folders(config, None)]
+
+
+def test_launch_claims_the_checkpoint_folders_training_writes(tmp_path):
+    save, memory = tmp_path / "ckpt", tmp_path / "shm"
+    assert _claimed(_launch_config(tmp_path, "--load", str(save))) == []
+    tier = ("--save", str(save), "--non-persistent-ckpt-type", "global",
+            "--non-persistent-global-ckpt-dir", str(memory))
+    assert _claimed(_launch_config(tmp_path, *tier, memory_dir_picked=memory)) == [("--save", save)]
+    claims = list(_claim_checkpoint_folders(_launch_config(tmp_path, *tier), None))
+    assert [(claim.flag, claim.folder.parent) for claim in claims] == [
+        ("--save", save), ("--non-persistent-global-ckpt-dir", memory)]
     try:
-        with pytest.raises(click.ClickException, match="is written by another run"):
-            _claim_save_dir(types.SimpleNamespace(command=("x", "--save", str(tmp_path / "ckpt")),
-                                                  run_dir=tmp_path / "another_run"), None)
+        with pytest.raises(click.ClickException, match="--save .* is written by another run"):
+            _claimed(_launch_config(tmp_path, "--save", str(save), run="another_run"))
+        with pytest.raises(click.ClickException, match="--non-persistent-global-ckpt-dir "
+                           f"{memory} is written by another run .*; give another "
+                           "--non-persistent-global-ckpt-dir, or stop that run first"):
+            _claimed(_launch_config(tmp_path, *tier[2:], "--save", str(tmp_path / "own"),
+                                    run="another_run"))
     finally:
-        claim.release()
+        for claim in claims:
+            claim.release()
 
 
 def test_a_save_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -299,7 +315,7 @@ def test_a_save_folder_without_locks_is_used_with_a_warning(tmp_path, monkeypatc
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr("ftmaster.lock.fcntl.flock", no_locks)
-    assert _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "ckpt")), None) is None
+    assert _claimed(_launch_config(tmp_path, "--save", str(tmp_path / "ckpt"))) == []
     assert "has no file locks (No locks available)" in caplog.text
 
 
@@ -307,7 +323,7 @@ def test_a_save_folder_that_cannot_be_written_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(click.ClickException,
                        match=f"cannot claim --save {tmp_path}/file/ckpt for this run"):
-        _claim_save_dir(_launch_config(tmp_path, "--save", str(tmp_path / "file" / "ckpt")), None)
+        _claimed(_launch_config(tmp_path, "--save", str(tmp_path / "file" / "ckpt")))
 
 
 # -- guards: real processes ------------------------------------------------------------------

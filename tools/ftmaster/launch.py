@@ -32,7 +32,7 @@ from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
-from ftmaster.lock import NO_LOCKS, RunDirLock, RunDirLocked, SaveDirClaim, SaveDirInUse
+from ftmaster.lock import NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, parse_conf, parse_nnodes)
 from ftmaster.board import RunBoard
@@ -144,41 +144,50 @@ def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str])
 
 def _hold_folders(config: SupervisorConfig,
                   rendezvous: RendezvousConfig | None) -> contextlib.ExitStack:
-    """The run directory's lock and the claim on ``--save``, released together."""
+    """The run directory's lock and the claims on the checkpoint folders, released together."""
     held = contextlib.ExitStack()
     held.callback(_lock_run_dir(config.run_dir).release)
     try:
-        claim = _claim_save_dir(config, rendezvous)
+        for claim in _claim_checkpoint_folders(config, rendezvous):
+            held.callback(claim.release)
     except click.ClickException:
         held.close()
         raise
-    if claim is not None:
-        held.callback(claim.release)
     return held
 
 
-def _claim_save_dir(config: SupervisorConfig,
-                    rendezvous: RendezvousConfig | None) -> SaveDirClaim | None:
-    """``--save`` for this job alone: the nodes of one rendezvous id (torch elastic's identity
-    of a job; its endpoint may be spelt differently on each node), or this run directory."""
-    save = flag_value(config.command[1:], "--save")
-    if save is None:
-        return None
+def _claim_checkpoint_folders(config: SupervisorConfig, rendezvous: RendezvousConfig | None):
+    """``--save``, and a memory tier's folder the user gave, for this job alone: the nodes of
+    one rendezvous id (torch elastic's identity of a job; its endpoint may be spelt differently
+    on each node), or this run directory. Yields each claim once it is held."""
+    args = config.command[1:]
+    folders = {"--save": flag_value(args, "--save")}
+    if flag_value(args, TYPE_FLAG) == "global" and config.scratch_memory_dir is None:
+        folders[DIR_FLAG] = flag_value(args, DIR_FLAG)  # one ftmaster picked is this run's
     run_dir = config.run_dir.resolve()
     job = (f"{socket.gethostname()}:{run_dir}" if rendezvous is None
            else f"rendezvous {rendezvous.run_id}")
-    claim = SaveDirClaim(Path(save), job, run_dir)
+    for flag, folder in folders.items():
+        if folder is not None:
+            claim = _claim(FolderClaim(Path(folder), job, run_dir, flag))
+            if claim is not None:
+                yield claim
+
+
+def _claim(claim: FolderClaim) -> FolderClaim | None:
+    """The claim held; None where the filesystem has no locks (said once)."""
+    folder = f"{claim.flag} {claim.folder.parent}"
     try:
         claim.acquire()
-    except SaveDirInUse as error:
+    except FolderInUse as error:
         raise click.ClickException(str(error)) from None
     except OSError as error:
         if error.errno not in NO_LOCKS:
-            raise InputError(f"cannot claim --save {save} for this run ({error.strerror}); "
-                             "give a writable --save") from None
+            raise InputError(f"cannot claim {folder} for this run ({error.strerror}); "
+                             f"give a writable {claim.flag}") from None
         logging.getLogger("ftmaster").warning(
-            "--save %s has no file locks (%s): nothing stops another run from writing "
-            "over this one's checkpoints there", save, error.strerror)
+            "%s has no file locks (%s): nothing stops another run from writing over this "
+            "one's checkpoints there", folder, error.strerror)
         return None
     return claim
 

@@ -1,8 +1,8 @@
 """Locks that keep two runs apart.
 
 - One ftmaster per run directory: an exclusive ``flock`` on ``RUN_DIR/ftmaster.lock``.
-- One job per ``--save``: every node of a job may write it, another job may not
-  (:class:`SaveDirClaim`).
+- One job per checkpoint folder (``--save``, a memory tier's folder given to it): every node
+  of a job may write it, another job may not (:class:`FolderClaim`).
 
 The kernel drops a ``flock`` when its holder dies, SIGKILL included, so a stale lock file
 never blocks a new run. The files say who holds them, for the error messages only.
@@ -63,32 +63,32 @@ class RunDirLock:
         self.release()
 
 
-class SaveDirInUse(RuntimeError):
-    """Another job's ftmaster is alive and writes the same ``--save``."""
+class FolderInUse(RuntimeError):
+    """Another job's ftmaster is alive and writes the same checkpoint folder."""
 
 
-class SaveDirClaim:
-    """This ftmaster's claim on ``--save``, for its job.
+class FolderClaim:
+    """This ftmaster's claim on a checkpoint folder, for its job.
 
     Two jobs resuming from one ``--save`` would write their timelines into each other's
     checkpoints. The run directory's lock cannot see it (each job has its own), and one lock
     on ``--save`` would refuse a job's other nodes, which share it. So each ftmaster holds a
-    ``flock`` on its own file in ``--save/.ftmaster_jobs/``, naming its job; a new one is
+    ``flock`` on its own file in ``FOLDER/.ftmaster_jobs/``, naming its job; a new one is
     refused while a live file names another job. A file nobody holds any longer (its ftmaster
     died) is removed. The listing and the new file are made under a guard lock, so two
     launches at once cannot both pass.
     """
 
-    def __init__(self, save_dir: Path, job: str, run_dir: Path) -> None:
-        self.folder = Path(save_dir) / HOLDERS_DIR
-        self.job = job
+    def __init__(self, folder: Path, job: str, run_dir: Path, flag: str = "--save") -> None:
+        self.folder = Path(folder) / HOLDERS_DIR
+        self.job, self.flag = job, flag
         self._record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
                         "run_dir": str(run_dir)}
         self.path: Path | None = None
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Claim ``--save`` or raise :class:`SaveDirInUse` naming the other job; OSError when
+        """Claim the folder or raise :class:`FolderInUse` naming the other job; OSError when
         the folder cannot be written or locked (``errno`` in :data:`NO_LOCKS`: no locks there)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         guard = os.open(self.folder.parent / HOLDERS_GUARD, os.O_RDWR | os.O_CREAT, 0o644)
@@ -97,7 +97,7 @@ class SaveDirClaim:
             other = next((record for record in self._live_records()
                           if record.get("job") != self.job), None)
             if other is not None:
-                raise SaveDirInUse(_in_use_text(self.folder.parent, other))
+                raise FolderInUse(_in_use_text(self.flag, self.folder.parent, other))
             self._hold_own_file()
         finally:
             os.close(guard)
@@ -160,7 +160,7 @@ def _read_record(fd: int, path: Path) -> dict:
     return record if isinstance(record, dict) else {"job": None, "host": path.name}
 
 
-def _in_use_text(save_dir: Path, other: dict) -> str:
+def _in_use_text(flag: str, folder: Path, other: dict) -> str:
     who = ", ".join(f"{key} {other[key]}" for key in ("host", "pid", "run_dir") if key in other)
-    return (f"--save {save_dir} is written by another run ({who}); give another --save, "
+    return (f"{flag} {folder} is written by another run ({who}); give another {flag}, "
             "or stop that run first")
