@@ -505,6 +505,10 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
 
 
 def _validate_checkpointing(args):
+    for name in ("save", "load", "non_persistent_global_ckpt_dir"):
+        # "--save=" would pass as the working directory to some checks and as no folder to others
+        _require(getattr(args, name) != "", f"--{name.replace('_', '-')} needs a folder, got an "
+                                             f"empty value")
     _validate_load(args)
     if args.save is not None:
         _require(_is_writable_dir(Path(args.save)),

@@ -50,6 +50,10 @@ def launch(run_dir, *args, env=None):
      "training arguments: unrecognized arguments: --bogus-flag"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--lr-decay-style",
       "sideways"], "training arguments: argument --lr-decay-style: invalid choice: 'sideways'"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--save", "ckpt",
+      "--non-persistent-ckpt-type"], "--non-persistent-ckpt-type needs a value"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--save=",
+      "--non-persistent-ckpt-type", "global"], "--save needs a folder, got an empty value"),
 ])
 def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"

@@ -89,6 +89,11 @@ def with_args(*extra, drop=()):
      "--num-distributed-optimizer-instances (2) must divide the data-parallel size (3)"),
     (with_args("--num-distributed-optimizer-instances", "0"), 1,
      "--num-distributed-optimizer-instances must be at least 1, not 0"),
+    (with_args("--save="), 1, "--save needs a folder, got an empty value"),
+    (with_args("--load", ""), 1, "--load needs a folder, got an empty value"),
+    (with_args("--save", "ckpt", "--non-persistent-ckpt-type", "global",
+               "--non-persistent-global-ckpt-dir="), 1,
+     "--non-persistent-global-ckpt-dir needs a folder, got an empty value"),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:

@@ -528,7 +528,10 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
     (:mod:`replication`) make whole. A folder given across nodes must be one every node sees."""
     args = argv[1:]
     node_rank = None if rendezvous is None else rendezvous.node_rank
-    chosen, note = with_memory_dir(args, run_dir, node_rank=node_rank)
+    try:
+        chosen, note = with_memory_dir(args, run_dir, node_rank=node_rank)
+    except ValueError as error:  # a flag without its value; the trainer's checks come later
+        raise InputError(str(error)) from None
     if note is not None:
         logging.getLogger("ftmaster").info(note)
     picked = flag_value(chosen, DIR_FLAG) if chosen != args else None
