@@ -283,6 +283,21 @@ def test_without_room_the_memory_tier_stays_under_save(tmp_path, monkeypatch):
     assert "0.06 GB free, 3 checkpoints need about 0.12 GB" in note
 
 
+def test_a_restarted_ftmaster_keeps_the_runs_memory_folder_whatever_the_room(tmp_path, monkeypatch):
+    """Its newest checkpoints may be there alone, and they fill part of the room counted."""
+    save, shm = tmp_path / "save", tmp_path / "shm"
+    shm.mkdir()
+    fake_checkpoint(save, 3, shard_bytes=40_000_000, kind="periodic")
+    first, _ = with_memory_dir(MODEL + ["--save", str(save)], tmp_path / "run", shm)
+    folder = Path(flag_value(first, "--non-persistent-global-ckpt-dir"))
+    folder.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 64_000_000))
+    again, note = with_memory_dir(MODEL + ["--save", str(save)], tmp_path / "run", shm)
+    assert again == first and note == f"memory tier in {folder} (the run's own)"
+    other_run, _ = with_memory_dir(MODEL + ["--save", str(save)], tmp_path / "other", shm)
+    assert "--non-persistent-global-ckpt-dir" not in other_run  # no room for a new one
+
+
 def test_a_given_memory_folder_is_kept(tmp_path):
     args = MODEL + ["--save", "S", "--non-persistent-global-ckpt-dir", "M"]
     assert with_memory_dir(args, tmp_path, tmp_path) == (args, None)

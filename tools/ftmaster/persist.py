@@ -92,6 +92,14 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
     args = list(args)
     if flag_value(args, TYPE_FLAG) != "global" or flag_value(args, DIR_FLAG) is not None:
         return args, None
+    run = Path(run_dir).resolve()  # one folder per run directory, the same on a restart
+    node = "" if node_rank is None else f"-node{node_rank}"
+    key = str(run) if node_rank is None else f"{run}#{node_rank}"
+    folder = shm / f"ftmaster-{run.name}{node}-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:8]}"
+    if folder.is_dir():
+        # An earlier ftmaster's, whose newest checkpoints may be there alone: its room, counted
+        # again, is taken, and moving the tier would resume from older ones or from none.
+        return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder} (the run's own)"
     needed = checkpoint_bytes_guess(args)
     free = shutil.disk_usage(shm).free if shm.is_dir() else 0
     if needed is None:
@@ -101,10 +109,6 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: {shm} has "
                       f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints need about "
                       f"{MEMORY_COPIES * needed / 1e9:.2f} GB")
-    run = Path(run_dir).resolve()  # one folder per run directory, the same on a restart
-    node = "" if node_rank is None else f"-node{node_rank}"
-    key = str(run) if node_rank is None else f"{run}#{node_rank}"
-    folder = shm / f"ftmaster-{run.name}{node}-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:8]}"
     return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
 
 
