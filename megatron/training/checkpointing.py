@@ -261,6 +261,10 @@ def _restore_rng(saved: list | dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+_writers_manager: SyncManager | None = None
+"""The server of the writer processes' result queues (:func:`start_writer_results_queue`)."""
+
+
 def start_writer_results_queue() -> None:
     """Start torch_dist's writer result queue now, in a server that dies with this rank.
 
@@ -279,14 +283,27 @@ def start_writer_results_queue() -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
+    global _writers_manager
     if filesystem_async._results_queue is not None:
         return
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    queue = manager.Queue()  # the proxy keeps the manager, and so its server, alive
+    _writers_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _writers_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    queue = _writers_manager.Queue()
     queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
     queue.get()
     filesystem_async._results_queue = queue
+
+
+def results_queue_of_one_save(in_rank: bool):
+    """A save's own queue for its write results.
+
+    megatron-core hands every save its one module-wide queue, and a save's finalize takes the
+    first result in it. With ``--async-save`` an asynchronous disk save's writers put their
+    results there whenever they end, which may be during a memory save or before an earlier
+    save is finalized: that save would take the other's results, and both checkpoints'
+    ``.metadata`` would describe the other's files. A save written in the rank needs no
+    process to share its queue with."""
+    return queue.SimpleQueue() if in_rank or _writers_manager is None else _writers_manager.Queue()
 
 
 def use_in_rank_results_queue() -> None:
@@ -561,6 +578,8 @@ class _Save:
         self.strategy: _TimedParallelSave | None = None
         self.slot: str | None = None
         self.write_results: list | None = None
+        self.results_queue = None
+        """Where this save's writers put their results (:func:`results_queue_of_one_save`)."""
         self.global_metadata = None
         """megatron-core's global metadata, from which rank 0 writes ``.metadata``."""
         self.slots = checkpointer.slots if tier == "memory" else None
@@ -608,13 +627,16 @@ class _Save:
         if request.async_fn is None:  # nothing for this rank to write
             return request
         rank, buckets, _ = request.async_fn_args
+        self.results_queue = results_queue_of_one_save(in_rank=self.records is not None)
+        args = [rank, buckets, self.results_queue]
         if self.records is None:
             self.own_shards = [name for _, name, _ in buckets]
-            return request._replace(async_fn=partial(checksums.write_with_digests, request.async_fn))
+            return request._replace(async_fn=partial(checksums.write_with_digests, request.async_fn),
+                                    async_fn_args=args)
         self.own_shards = self.records.files(rank, buckets)
         # The writer reads each tensor where it is (device memory included): no staging.
         return request._replace(async_fn=partial(self.records.write, self.path, self.iteration),
-                                preload_fn=None)
+                                async_fn_args=args, preload_fn=None)
 
     def _folder_made(self) -> bool:
         """The save's folder, made (or a slot's renamed to it) by rank 0, on every rank; in a
@@ -682,6 +704,8 @@ class _Save:
         """megatron-core's ``save_state_dict_async_finalize`` up to its gather: this rank's
         results, or its writers' error (which megatron-core wraps with its traceback). Its
         group wrapper is not needed: the agreement gathers on the save's own group."""
+        if self.results_queue is not None:
+            storage_writer.results_queue = self.results_queue
         results = storage_writer.retrieve_write_results()
         if isinstance(results, tuple):
             self.note("writing the shards", results[0])
