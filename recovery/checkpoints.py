@@ -41,6 +41,8 @@ from .manifest import MANIFEST_NAME, known_manifest_name, read_manifest, size_pr
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
+MEMORY_HEADROOM = 1.1
+"""Free space a memory save wants before it makes a folder, in units of the last checkpoint."""
 TIERS = ("memory", "disk")
 _LOCK_NAME = ".ftmaster_tracker.lock"
 _PIN_NAME = ".ftmaster_persisting"

@@ -81,6 +81,7 @@ from ftmaster import runfiles
 from ftmaster.guard import die_with_parent
 from ftmaster.peer_files import peer_clients
 from ftmaster.recovery.checkpoints import (
+    MEMORY_HEADROOM,
     COMMON_FILE,
     CONFIG_FILE,
     DCP_METADATA_FILE,
@@ -118,7 +119,6 @@ from .save_structure import SaveStructure
 from .timers import seconds_into
 
 CHECKPOINT_VERSION = 3.0
-MEMORY_HEADROOM = 1.1  # free space a memory save wants, in units of the last checkpoint
 _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 _OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^\n']+?)(?:: '([^']+)')?(?:$|\n|')")
 
@@ -668,10 +668,17 @@ class _Save:
 
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes
-        everything else in the node's memory); the size of the last checkpoint is the guess."""
+        everything else in the node's memory); the size of the last checkpoint is the guess.
+        Short of room, what no slot keeps any longer goes first: a slot passed over while a
+        persist copy read it is pruned only after a memory save succeeds, so without this
+        every later save would fail for want of the room that checkpoint holds."""
         needed = self.checkpointer.last_bytes
+        if not needed:
+            return None
+        if shutil.disk_usage(self.path).free < needed * MEMORY_HEADROOM:
+            prune_memory_checkpoints(self.path.parent, self.iteration, self.slots.kept_iterations())
         free = shutil.disk_usage(self.path).free
-        if needed and free < needed * MEMORY_HEADROOM:
+        if free < needed * MEMORY_HEADROOM:
             return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "
                     f"needs about {needed} and {MEMORY_HEADROOM - 1:.0%} more to spare")
         return None

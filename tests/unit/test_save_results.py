@@ -1,8 +1,10 @@
-"""Each save takes its own write results: with --async-save, a disk save's writers may end
-during a memory save, and megatron-core's one module-wide queue handed that save the other's
-results (both checkpoints' .metadata then described the other's files)."""
+"""What a save needs of its own: its write results (with --async-save, a disk save's writers
+may end during a memory save, and megatron-core's one module-wide queue handed that save the
+other's results, so both checkpoints' .metadata described the other's files), and room in the
+memory tier."""
 
 import queue
+import shutil
 import types
 
 import pytest
@@ -10,6 +12,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, list_iterations
 from megatron.training import checkpointing
 
 DISK_RESULTS = {0: ["an async disk save's results"]}
@@ -67,3 +70,29 @@ def test_async_saves_each_get_their_own_queue_from_the_writers_server(tmp_path, 
     first = checkpointing.results_queue_of_one_save(in_rank=False)
     second = checkpointing.results_queue_of_one_save(in_rank=False)
     assert made == [first, second] and first is not second
+
+
+def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, monkeypatch):
+    """A slot passed over while a persist copy read it (12) is pruned only after a memory save
+    succeeds: without this, every later memory save failed for want of the room 12 held."""
+    memory = tmp_path / "memory"
+    for iteration in (12, 13):
+        folder = iteration_dir(memory, iteration)
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(bytes(100))
+    advance_tracker(memory, 13)
+
+    def usage(path):
+        used = sum(f.stat().st_size for f in memory.rglob("*.distcp"))
+        return shutil._ntuple_diskusage(400, used, 400 - used - 100)  # 100 kept for others
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", usage)
+    checkpointer = types.SimpleNamespace(
+        group=None, folder_of=lambda tier: memory, async_queue=None, disk_records=None,
+        last_bytes=100, slots=types.SimpleNamespace(kept_iterations=lambda: {13}))
+    save = checkpointing._Save(checkpointer, 14, "periodic", "memory", None)
+    assert save._room_problem() is None
+    assert list_iterations(memory) == [13]
+    checkpointer.last_bytes = 200
+    assert "has 200 bytes free, a checkpoint needs about 200" in save._room_problem()
+    assert list_iterations(memory) == [13]  # the tracked one stays

@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.runfiles import fsync_path
-from ftmaster.recovery.checkpoints import (NON_PERSISTENT_SUBDIR, advance_tracker,
-                                           advance_tracker_locked, is_complete, iteration_dir,
-                                           list_iterations, pin, read_tracker, tracker_lock,
-                                           unpin)
+from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
+                                           advance_tracker, advance_tracker_locked, is_complete,
+                                           iteration_dir, list_iterations, pin, read_tracker,
+                                           tracker_lock, unpin)
 from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
                                         known_manifest_name, read_manifest)
@@ -105,10 +105,12 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
     if needed is None:
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: the size "
                       f"of a checkpoint is unknown, so {shm} cannot be checked for room")
-    if free < MEMORY_COPIES * needed:
+    # The third folder is made only with the trainer's headroom free.
+    room = (MEMORY_COPIES - 1 + MEMORY_HEADROOM) * needed
+    if free < room:
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: {shm} has "
-                      f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints need about "
-                      f"{MEMORY_COPIES * needed / 1e9:.2f} GB")
+                      f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints and "
+                      f"{MEMORY_HEADROOM - 1:.0%} of one to spare need about {room / 1e9:.2f} GB")
     return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
 
 
