@@ -144,7 +144,18 @@ def test_last_progress_estimate_without_a_known_fault_time(tmp_path):
     assert failure["fault_to_failure_seconds"] == pytest.approx(40 - 29.9)
     assert failure["rto_from_fault_seconds"] is None  # not resumed
     assert "RTO                unknown: gave up: no GPUs left" in result.stdout
+    assert "  last checkpoint    iteration 10 (periodic, disk, durable at +30.00 s)" in result.stdout
     assert not (run_dir / "report.json").exists()
+
+
+def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},
+              event("failure", 40, attempt=1, iteration=12, cause="exit", gpus=[1]),
+              event("gave_up", 41.5, reason="no GPUs left")]
+    result = run_report(write_run(tmp_path / "run", events, {}))
+    assert result.exit_code == 0, result.output
+    assert "  last checkpoint    iteration 10 (periodic, memory, complete at +30.00 s)" in result.stdout
 
 
 def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):

@@ -401,7 +401,8 @@ def _checkpoint(events: list[dict], failure: dict) -> dict | None:
         return None
     newest = max(saves, key=lambda e: (e["iteration"], e["time"]))
     return {"iteration": newest["iteration"], "event": newest["event"],
-            "kind": newest.get("kind"), "durable_at": newest["time"]}
+            "kind": newest.get("kind"), "tier": newest.get("tier", "disk"),
+            "durable_at": newest["time"]}
 
 
 def _first(events: list[dict], name: str, after: float) -> dict | None:
@@ -641,6 +642,11 @@ TEMPLATES["periodic_save"] = TEMPLATES["emergency_save"]
 TEMPLATES["armed"] = "{kind} armed on GPU {gpu} for iteration {iteration} (at the launch)"
 
 
+def _save_state(save: dict) -> str:
+    """A memory checkpoint is complete, not durable: it outlives no node."""
+    return "complete" if save.get("tier") == "memory" else "durable"
+
+
 class _Fields(dict):
     def __missing__(self, key: str) -> str:
         return "disk" if key == "tier" else "?"  # saves before the memory tier went to disk
@@ -650,7 +656,7 @@ def _derived(event: dict) -> dict:
     """Words that depend on several fields: a memory save is complete, not durable; a failure
     on no GPU (storage, a NaN) names none; a stop says how training ended."""
     if event["event"] in SAVES:
-        return {"state": "complete" if event.get("tier") == "memory" else "durable"}
+        return {"state": _save_state(event)}
     if event["event"] == "failure":
         gpus = event.get("gpus")
         return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
@@ -792,7 +798,7 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
                                         f"at +{lead['time'] - start:.2f} s)"),
              "  last checkpoint    " + ("none" if ckpt is None else
                                         f"iteration {ckpt['iteration']} ({ckpt['kind'] or ckpt['event']}, "
-                                        f"durable at +{ckpt['durable_at'] - start:.2f} s)"),
+                                        f"{ckpt['tier']}, {_save_state(ckpt)} at +{ckpt['durable_at'] - start:.2f} s)"),
              "  restarted from     " + ("no checkpoint loaded" if f["load_seconds"] is None else
                                         f"iteration {f['restarted_from_iteration']} (load "
                                         f"{f['load_seconds']:.3f} s, {f['load_bytes']} bytes)"),
