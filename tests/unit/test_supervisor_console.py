@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from ftmaster import exit_codes, runfiles
-from ftmaster.attempt import RankRecord, classify_exits, error_summary
+from ftmaster.attempt import Attempt, RankRecord, classify_exits, error_summary
+from ftmaster.guard import write_rank_record
 from ftmaster.console import FileTail, Progress, describe_event, duration, new_events
 from ftmaster.launch import needs_gpu_probe, uses_trainer_parser
 from ftmaster.supervisor import Supervisor, SupervisorConfig
@@ -548,3 +549,18 @@ def test_a_stop_cut_short_at_its_deadline_says_so(tmp_path, caplog):
             "checkpoint is iteration 40 (disk)") in caplog.text
     stopped = runfiles.read_events(tmp_path)[-1]
     assert (stopped["event"], stopped["exit_code"]) == ("stopped", None)
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_not_the_peer_it_left(tmp_path):
+    """The output's last error is rank 0's lost connection: it says nothing of rank 1's end."""
+    attempt = Attempt.__new__(Attempt)
+    attempt.gpus, attempt.rank_dir = (4, 5), tmp_path / "ranks"
+    attempt.log_path = tmp_path / "attempt_1.log"
+    attempt.log_path.write_text("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: "
+                                "Connection reset by peer\n")
+    attempt.rank_dir.mkdir()
+    write_rank_record(attempt.rank_dir, {**record(1, -9, 5.0).__dict__})
+    assert attempt.root_cause(1, 20) == (
+        "local rank 1 (GPU 5) was killed by SIGKILL without an error of its own (the OOM killer, "
+        "a user, a failing node); the others lost it")
+    assert "Connection reset by peer" in attempt.root_cause(0, 20)  # alive: its output speaks

@@ -196,6 +196,13 @@ class SessionProcess(subprocess.Popen):
         self.wait()
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 class Attempt:
     """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``, as ``env`` (with
     ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA. With a
@@ -253,12 +260,18 @@ class Attempt:
         return found
 
     def root_cause(self, local_rank: int | None, tail_lines: int) -> str:
-        """What to show for a failure: the first failed rank's recorded exception, else the
+        """What to show for a failure: the first failed rank's recorded exception, or the
+        signal that killed it (its peers' errors in the output are about losing it), else the
         errors the trainer stated itself, else the end of the training output."""
         if local_rank is not None:
+            rank = f"local rank {local_rank} (GPU {self.gpus[local_rank]})"
             recorded = error_summary(error_file_path(self.rank_dir, local_rank))
             if recorded is not None:
-                return f"local rank {local_rank} (GPU {self.gpus[local_rank]}) raised {recorded}"
+                return f"{rank} raised {recorded}"
+            code = getattr(self.ranks().get(local_rank), "exit_code", None)
+            if code is not None and code < 0:
+                return (f"{rank} was killed by {_signal_name(-code)} without an error of its own "
+                        "(the OOM killer, a user, a failing node); the others lost it")
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
