@@ -17,6 +17,7 @@ from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
+from ftmaster.recovery.cli import FiniteFloatRange
 
 
 @click.command("monitor")
@@ -24,17 +25,17 @@ from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
               help="Telemetry source; replay:PATH plays a recorded gpu_metrics.csv as fast as it can.")
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where gpu_metrics.csv, events.jsonl and flags/ go.")
-@click.option("--interval", default=10.0, show_default=True, type=click.FloatRange(min=0.01),
+@click.option("--interval", default=10.0, show_default=True, type=FiniteFloatRange(min=0.01),
               help="Seconds between samples (live backends).")
 @click.option("--scorer", default="adaptive", show_default=True, type=click.Choice(SCORER_NAMES))
-@click.option("--risk-threshold", default=0.95, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--risk-threshold", default=0.95, show_default=True, type=FiniteFloatRange(0, 1, min_open=True))
 @click.option("--num-gpus", default=8, show_default=True, type=click.IntRange(min=1),
               help="Virtual GPUs for the sim backend.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
               help=f"Fault to lay over the telemetry (repeatable); KIND: {TELEMETRY_KINDS} "
                    f"(xid also takes code=N: xid:gpu=G,code=N,at=...); no after=.")
-@click.option("--duration", default=None, type=click.FloatRange(min=0),
+@click.option("--duration", default=None, type=FiniteFloatRange(min=0),
               help="Stop after this many seconds (live backends; default: until interrupted).")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port (0: a free one): per-GPU risk, "

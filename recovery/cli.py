@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from itertools import groupby
 
 import click
@@ -22,6 +23,17 @@ class SeparatedCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[SEPARATOR_KEY] = tuple(args[args.index("--") + 1:]) if "--" in args else None
         return super().parse_args(ctx, args)  # its usage errors: one line (ftmaster.cli)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's ``FloatRange`` without ``nan``, which passes every bound (``--interval nan``
+    reached a traceback), or an infinity (no duration or rate here is meant to be one)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 class InputError(click.ClickException):
@@ -115,18 +127,18 @@ def _nodes(gpus: int | None, gpus_per_node: int | None, node_gpus: str | None) -
 @click.option("--mode", type=click.Choice(MODES), default="closest", show_default=True,
               help="closest: the fastest estimate, ties to the layout nearest the original; "
                    "paper: the paper's max-TP rule.")
-@click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--gpu-memory-gb", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Per-GPU memory in GiB: drop layouts whose memory estimate does not fit.")
 @click.option("--original-gpus", type=click.IntRange(min=1), default=None,
               help="GPUs of the original launch: keeps the original layout when it still fits, "
                    "compares throughput with it, and derives an absent --global-batch-size.")
-@click.option("--global-batch-tolerance", "tolerance_pct", type=click.FloatRange(min=0, max=50),
+@click.option("--global-batch-tolerance", "tolerance_pct", type=FiniteFloatRange(min=0, max=50),
               default=0.0, show_default=True, metavar="PCT",
               help="Allow a global batch within PCT percent of the original when that buys a "
                    "better layout (the run still ends at the same sample count).")
 @click.option("--consumed-samples", type=click.IntRange(min=0), default=None,
               help="Samples consumed at the resume point (places a --step-batch-size-schedule).")
-@click.option("--measured-step-s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--measured-step-s", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Measured step time of the original layout: calibrates the cost model "
                    "(needs --original-gpus).")
 @click.option("--json", "as_json", is_flag=True,

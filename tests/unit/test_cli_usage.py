@@ -19,6 +19,17 @@ from ftmaster.cli import main
      "unknown backend 'bogus'; choose one of nvml, smi, sim, replay:PATH"),
     (["goodput", "--gpus", "x"], "Invalid value for '--gpus': 'x' is not a valid integer."),
     (["plan"], "put -- before the training script: ... -- SCRIPT ARGS..."),
+    # nan passes every bound of click's FloatRange: it reached a traceback, or ran
+    (["monitor", "--run-dir", "x", "--interval", "nan"],
+     "Invalid value for '--interval': 'nan' is not a finite number."),
+    (["launch", "--replication-rate", "nan", "--", "x"],
+     "Invalid value for '--replication-rate': 'nan' is not a finite number."),
+    (["launch", "--hang-timeout", "inf", "--", "x"],
+     "Invalid value for '--hang-timeout': 'inf' is not a finite number."),
+    (["plan", "--measured-step-s", "NaN", "--", "x"],
+     "Invalid value for '--measured-step-s': 'NaN' is not a finite number."),
+    (["analyze", ".", "--risk-threshold", "nan"],
+     "Invalid value for '--risk-threshold': 'nan' is not a finite number."),
 ])
 def test_a_usage_error_is_one_line(args, message):
     result = CliRunner().invoke(main, args)

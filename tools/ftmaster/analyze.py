@@ -51,6 +51,7 @@ import pandas as pd  # noqa: E402
 from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
+from ftmaster.recovery.cli import FiniteFloatRange  # noqa: E402
 from ftmaster.report import is_int, node_folders  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
@@ -399,7 +400,7 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
                 type=click.Path(exists=True, path_type=Path))
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for summary.csv/.md, the PNGs and report.html.")
-@click.option("--risk-threshold", type=click.FloatRange(0, 1), default=AlertConfig().threshold,
+@click.option("--risk-threshold", type=FiniteFloatRange(0, 1), default=AlertConfig().threshold,
               show_default=True, help="Risk line on the plot; alerts counted without events.")
 def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
     """Summarise and plot a gpu_metrics.csv (or a run directory holding one, or the

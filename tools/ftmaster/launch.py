@@ -41,7 +41,7 @@ from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
-from ftmaster.recovery.cli import InputError, SeparatedCommand, script_command
+from ftmaster.recovery.cli import FiniteFloatRange, InputError, SeparatedCommand, script_command
 from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
@@ -311,36 +311,36 @@ def _console_logging() -> None:
               help="Run directory (flags, events, metrics, logs). Default: runs/ftmaster-<UTC time>.")
 @click.option("--monitor-backend", default="nvml", show_default=True, metavar="|".join(BACKEND_NAMES),
               help="GPU telemetry; sim simulates one GPU per rank (CPU rehearsals).")
-@click.option("--monitor-interval", default=10.0, show_default=True, type=click.FloatRange(min=0.05),
+@click.option("--monitor-interval", default=10.0, show_default=True, type=FiniteFloatRange(min=0.05),
               help="Seconds between monitor samples.")
 @click.option("--scorer", default="adaptive", show_default=True, type=click.Choice(SCORER_NAMES))
 @click.option("--risk-threshold", default=0.95, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True))
+              type=FiniteFloatRange(0, 1, min_open=True))
 @click.option("--policy", default="available", show_default=True, type=click.Choice(POLICIES),
               help="available: relaunch on the GPUs left; wait: wait --wait-timeout for lost GPUs "
                    "first; drain: on a GPU alert, wait for the emergency save, then, if the GPU's "
                    "risk is still critical, relaunch without it before it fails.")
 @click.option("--max-restarts", default=3, show_default=True, type=click.IntRange(min=0))
-@click.option("--hang-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--hang-timeout", default=300.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Seconds without a new iteration that count as a hang.")
 @click.option("--startup-timeout", default=1800.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=FiniteFloatRange(min=0, min_open=True),
               help="Seconds a launch may take to its first iteration (load included).")
-@click.option("--wait-timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--wait-timeout", default=600.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Policy wait: seconds to wait for lost GPUs before relaunching without them.")
-@click.option("--stop-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--stop-timeout", default=120.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="On SIGINT/SIGTERM: seconds training may take to save and exit before SIGKILL.")
 @click.option("--plan-mode", default="closest", show_default=True, type=click.Choice(MODES),
               help="The planner's ranking for relaunches.")
-@click.option("--gpu-memory-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--gpu-memory-gb", default=None, type=FiniteFloatRange(min=0, min_open=True),
               help="Per-GPU memory for the planner's estimate.")
 @click.option("--global-batch-tolerance", default=0.0, show_default=True, metavar="PCT",
-              type=click.FloatRange(min=0, max=MAX_TOLERANCE_PCT),
+              type=FiniteFloatRange(min=0, max=MAX_TOLERANCE_PCT),
               help="Let a relaunch use a global batch within PCT percent of the original when "
                    "that uses more GPUs or trains faster; the schedule is then rewritten in "
                    "samples, so the run ends at the same sample count. 0: the batch is kept.")
 @click.option("--progress-interval", default=10.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=FiniteFloatRange(min=0, min_open=True),
               help="Seconds between progress lines (iteration, loss, speed, last checkpoint, ETA).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the sim backend and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
@@ -354,7 +354,7 @@ def _console_logging() -> None:
                    "on, a straggler; recover: a lost GPU comes back under --policy wait and "
                    "forgets its XID and wedge (a retired GPU stays retired).")
 @click.option("--straggler-ratio", default=StragglerConfig.ratio, show_default=True,
-              type=click.FloatRange(min=1, min_open=True),
+              type=FiniteFloatRange(min=1, min_open=True),
               help="A rank whose compute per iteration (until it enters the gradient "
                    "reduction) is this many times its peers' median is slow.")
 @click.option("--straggler-iterations", default=StragglerConfig.iterations, show_default=True,
@@ -366,7 +366,7 @@ def _console_logging() -> None:
                    "model says the GPUs left run faster; at most one per "
                    "--straggler-drain-window, never below the planner's minimum.")
 @click.option("--straggler-drain-window", default=600.0, show_default=True,
-              type=click.FloatRange(min=0), help="Seconds between two straggler drains.")
+              type=FiniteFloatRange(min=0), help="Seconds between two straggler drains.")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port (0: a free one; the metrics event "
                    "and the console name it): per-GPU risk and DCGM-named telemetry, alerts, "
@@ -395,7 +395,7 @@ def _console_logging() -> None:
               help="Across nodes with the memory tier in ftmaster's node-local folders: how "
                    "many peers' shards each node holds a copy of (the next nodes by node rank).")
 @click.option("--replication-rate", default=1000.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), metavar="MB/S",
+              type=FiniteFloatRange(min=0, min_open=True), metavar="MB/S",
               help="The most each node sends to its peers' copies, in MB per second, so that "
                    "copies never take the network from training.")
 @click.option("--scale-up", default="at-save", show_default=True,
