@@ -627,7 +627,11 @@ class _Save:
         if request.async_fn is None:  # nothing for this rank to write
             return request
         rank, buckets, _ = request.async_fn_args
-        self.results_queue = results_queue_of_one_save(in_rank=self.records is not None)
+        try:
+            self.results_queue = results_queue_of_one_save(in_rank=self.records is not None)
+        except (OSError, EOFError) as error:  # the writers' result server is gone
+            self.note("making the save's results queue", error)  # the agreement fails it
+            self.results_queue = queue.SimpleQueue()
         args = [rank, buckets, self.results_queue]
         if self.records is None:
             self.own_shards = [name for _, name, _ in buckets]
@@ -669,14 +673,15 @@ class _Save:
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes
         everything else in the node's memory); the size of the last checkpoint is the guess.
-        Short of room, what no slot keeps any longer goes first: a slot passed over while a
-        persist copy read it is pruned only after a memory save succeeds, so without this
-        every later save would fail for want of the room that checkpoint holds."""
-        needed = self.checkpointer.last_bytes
+        Short of room, what the janitor would have pruned after the newest save goes first:
+        a slot passed over while a persist copy read it is pruned only after a memory save
+        succeeds, so without this every later save would fail for want of the room that
+        checkpoint holds. The newest complete checkpoint (saved or loaded) always stays."""
+        needed, newest = self.checkpointer.last_bytes, self.checkpointer.last_durable_iteration
         if not needed:
             return None
-        if shutil.disk_usage(self.path).free < needed * MEMORY_HEADROOM:
-            prune_memory_checkpoints(self.path.parent, self.iteration, self.slots.kept_iterations())
+        if newest is not None and shutil.disk_usage(self.path).free < needed * MEMORY_HEADROOM:
+            prune_memory_checkpoints(self.path.parent, newest, self.slots.kept_iterations())
         free = shutil.disk_usage(self.path).free
         if free < needed * MEMORY_HEADROOM:
             return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "

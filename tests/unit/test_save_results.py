@@ -89,10 +89,29 @@ def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, m
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", usage)
     checkpointer = types.SimpleNamespace(
         group=None, folder_of=lambda tier: memory, async_queue=None, disk_records=None,
-        last_bytes=100, slots=types.SimpleNamespace(kept_iterations=lambda: {13}))
+        last_bytes=100, last_durable_iteration=13,
+        slots=types.SimpleNamespace(kept_iterations=lambda: {13}))
     save = checkpointing._Save(checkpointer, 14, "periodic", "memory", None)
     assert save._room_problem() is None
     assert list_iterations(memory) == [13]
     checkpointer.last_bytes = 200
     assert "has 200 bytes free, a checkpoint needs about 200" in save._room_problem()
     assert list_iterations(memory) == [13]  # the tracked one stays
+
+
+def test_the_prune_before_a_save_keeps_the_checkpoint_training_resumed_from(tmp_path, monkeypatch):
+    """A relaunch loaded 20 (a node-local tier whose tracker is at 10: its copy of 20 is a
+    part) and has no slots yet: 20 is the newest complete checkpoint, not 10."""
+    memory = tmp_path / "memory"
+    for iteration in (10, 20):
+        iteration_dir(memory, iteration).mkdir(parents=True)
+    advance_tracker(memory, 10)
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(400, 400, 0))
+    checkpointer = types.SimpleNamespace(
+        group=None, folder_of=lambda tier: memory, async_queue=None, disk_records=None,
+        last_bytes=100, last_durable_iteration=20,
+        slots=types.SimpleNamespace(kept_iterations=lambda: set()))
+    assert "has 0 bytes free" in checkpointing._Save(checkpointer, 25, "periodic", "memory",
+                                                     None)._room_problem()
+    assert list_iterations(memory) == [20, 10]
