@@ -199,8 +199,8 @@ def test_wait_policy_gets_all_four_gpus_back_locks_refuse_a_second_and_sigkill_l
         other_run = CliRunner().invoke(main, ["launch", *launch_argv(tmp_path / "run2", 4, args)[4:]])
         assert other_run.exit_code == 1
         assert other_run.stderr.startswith(f"Error: --save {save} is written by another run (host ")
-        assert other_run.stderr.endswith(f"pid {ftmaster.pid}, run_dir {run_dir}); give another "
-                                         "--save, or stop that run first\n")
+        assert f"pid {ftmaster.pid}, run_dir {run_dir}); give another --save, or stop that run " \
+               f"first (if its host is down, remove {save}/.ftmaster_jobs/" in other_run.stderr
         assert processes_mentioning(str(save))
         wait_until(lambda: len(events(run_dir, "startup")) == 2, timeout=60, what="startup 2")
         assert [e["warm"] for e in events(run_dir, "startup")] == [False, True]

@@ -3,6 +3,7 @@
 import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from ftmaster.attempt import Attempt, attempt_argv, gpu_of_local_rank, read_rank
     training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import _claim_checkpoint_folders, check_layout
+from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layout
 from ftmaster.listener import Listener, move_request
 from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
 from ftmaster.states import Trigger
@@ -262,6 +263,30 @@ def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):
     other.release()
 
 
+def test_a_claim_is_known_by_its_name_before_its_contents_can_be_read(tmp_path):
+    """Over NFS another client may list a file before it sees its bytes."""
+    first = FolderClaim(tmp_path, "job a", tmp_path / "a")
+    first.acquire()
+    first.path.write_bytes(b"")  # as a client without the bytes yet reads it
+    with pytest.raises(FolderInUse, match=f"\\(host {socket.gethostname()}, pid {os.getpid()}\\); "
+                       f"give another --save, or stop that run first \\(if its host is down, "
+                       f"remove {first.path}\\)"):
+        FolderClaim(tmp_path, "job b", tmp_path / "b").acquire()
+    same_job = FolderClaim(tmp_path, "job a", tmp_path / "a2")
+    same_job.acquire()  # its own job's files are not even read
+    same_job.release()
+    first.release()
+
+
+def test_one_slurm_job_is_one_job_on_every_node_and_requeue(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "big")
+    assert _job_identity(tmp_path / "a", None) == _job_identity(tmp_path / "b", None) == \
+        "slurm job big/4242"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert _job_identity(tmp_path / "a", None) != _job_identity(tmp_path / "b", None)
+
+
 def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
     save = tmp_path / "ckpt"
     holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import FolderClaim; "
@@ -285,15 +310,22 @@ def _launch_config(tmp_path, *args, run="run", memory_dir_picked=None):
 
 
 def _claimed(config):
-    return [(claim.flag, claim.folder.parent) for claim in _claim_checkpoint_folders(config, None)]
+    """The folders a launch claims, released again."""
+    claims = list(_claim_checkpoint_folders(config, None))
+    for claim in claims:
+        claim.release()
+    return [(claim.flag, claim.folder.parent) for claim in claims]
 
 
-def test_launch_claims_the_checkpoint_folders_training_writes(tmp_path):
+def test_launch_claims_the_checkpoint_folders_training_writes(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # one job whatever the run directory
     save, memory = tmp_path / "ckpt", tmp_path / "shm"
     assert _claimed(_launch_config(tmp_path, "--load", str(save))) == []
     tier = ("--save", str(save), "--non-persistent-ckpt-type", "global",
             "--non-persistent-global-ckpt-dir", str(memory))
     assert _claimed(_launch_config(tmp_path, *tier, memory_dir_picked=memory)) == [("--save", save)]
+    assert _claimed(_launch_config(tmp_path, *tier[:4])) == [  # Megatron-LM's folder, under --save
+        ("--save", save), ("--non-persistent-global-ckpt-dir", save / "non_persistent")]
     claims = list(_claim_checkpoint_folders(_launch_config(tmp_path, *tier), None))
     assert [(claim.flag, claim.folder.parent) for claim in claims] == [
         ("--save", save), ("--non-persistent-global-ckpt-dir", memory)]

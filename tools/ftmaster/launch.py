@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import FiniteFloatRange, InputError, SeparatedCommand, script_command
-from ftmaster.persist import DIR_FLAG, TYPE_FLAG, with_memory_dir
+from ftmaster.persist import DIR_FLAG, tiers_of, with_memory_dir
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag
@@ -157,21 +158,35 @@ def _hold_folders(config: SupervisorConfig,
 
 
 def _claim_checkpoint_folders(config: SupervisorConfig, rendezvous: RendezvousConfig | None):
-    """``--save``, and a memory tier's folder the user gave, for this job alone: the nodes of
-    one rendezvous id (torch elastic's identity of a job; its endpoint may be spelt differently
-    on each node), or this run directory. Yields each claim once it is held."""
-    args = config.command[1:]
-    folders = {"--save": flag_value(args, "--save")}
-    if flag_value(args, TYPE_FLAG) == "global" and config.scratch_memory_dir is None:
-        folders[DIR_FLAG] = flag_value(args, DIR_FLAG)  # one ftmaster picked is this run's
+    """``--save``, and the memory tier's folder unless ftmaster picked it, for this job alone;
+    yields each claim once it is held."""
+    try:
+        tiers = tiers_of(config.command[1:])
+        save = flag_value(config.command[1:], "--save")
+    except ValueError as error:  # a flag without its value, for a script not Megatron's
+        raise InputError(str(error)) from None
+    folders = {"--save": save}
+    if tiers is not None and config.scratch_memory_dir is None:  # one ftmaster picked is the run's
+        folders[DIR_FLAG] = str(tiers.memory)
     run_dir = config.run_dir.resolve()
-    job = (f"{socket.gethostname()}:{run_dir}" if rendezvous is None
-           else f"rendezvous {rendezvous.run_id}")
+    job = _job_identity(run_dir, rendezvous)
     for flag, folder in folders.items():
         if folder is not None:
             claim = _claim(FolderClaim(Path(folder), job, run_dir, flag))
             if claim is not None:
                 yield claim
+
+
+def _job_identity(run_dir: Path, rendezvous: RendezvousConfig | None) -> str:
+    """What the nodes of one job share, and no other job: SLURM's job (its every node and
+    requeue), else the rendezvous id (torch elastic's identity of a job; its endpoint may be
+    spelt differently on each node), else this host's run directory."""
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    if slurm_job:
+        return f"slurm job {os.environ.get('SLURM_CLUSTER_NAME', '')}/{slurm_job}"
+    if rendezvous is not None:
+        return f"rendezvous {rendezvous.run_id}"
+    return f"{socket.gethostname()}:{run_dir}"
 
 
 def _claim(claim: FolderClaim) -> FolderClaim | None:
@@ -183,8 +198,9 @@ def _claim(claim: FolderClaim) -> FolderClaim | None:
         raise click.ClickException(str(error)) from None
     except OSError as error:
         if error.errno not in NO_LOCKS:
-            raise InputError(f"cannot claim {folder} for this run ({error.strerror}); "
-                             f"give a writable {claim.flag}") from None
+            advice = "" if error.errno == errno.ETIMEDOUT else f"; give a writable {claim.flag}"
+            raise InputError(f"cannot claim {folder} for this run ({error.strerror}){advice}") \
+                from None
         logging.getLogger("ftmaster").warning(
             "%s has no file locks (%s): nothing stops another run from writing over this "
             "one's checkpoints there", folder, error.strerror)

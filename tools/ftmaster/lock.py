@@ -10,8 +10,10 @@ never blocks a new run. The files say who holds them, for the error messages onl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -22,7 +24,7 @@ from pathlib import Path
 LOCK_NAME = "ftmaster.lock"
 HOLDERS_DIR = ".ftmaster_jobs"
 HOLDERS_GUARD = ".ftmaster_jobs.lock"
-GUARD_WAIT_S = 30.0  # the guard is held for a listing of a few files; longer means a hung mount
+GUARD_WAIT_S = 120.0  # held for a listing and a file or two per launch; longer: a hung mount
 # Where the filesystem has no locks (Lustre without -o flock, some FUSE mounts).
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
@@ -73,15 +75,18 @@ class FolderClaim:
     Two jobs resuming from one ``--save`` would write their timelines into each other's
     checkpoints. The run directory's lock cannot see it (each job has its own), and one lock
     on ``--save`` would refuse a job's other nodes, which share it. So each ftmaster holds a
-    ``flock`` on its own file in ``FOLDER/.ftmaster_jobs/``, naming its job; a new one is
-    refused while a live file names another job. A file nobody holds any longer (its ftmaster
-    died) is removed. The listing and the new file are made under a guard lock, so two
-    launches at once cannot both pass.
+    ``flock`` on its own file in ``FOLDER/.ftmaster_jobs/``, whose name starts with a digest
+    of its job; a new one is refused while a file of another job is held. The job is read
+    from the name, not the contents: on NFS another client may see a file's name well before
+    its bytes. A file nobody holds any longer (its ftmaster died) is removed. The listing and
+    the new file are made under a guard lock, so two launches at once cannot both pass; only
+    other jobs' files are probed, so a job's nodes add no lock traffic for each other.
     """
 
     def __init__(self, folder: Path, job: str, run_dir: Path, flag: str = "--save") -> None:
         self.folder = Path(folder) / HOLDERS_DIR
         self.job, self.flag = job, flag
+        self._key = hashlib.sha1(job.encode()).hexdigest()[:16]
         self._record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
                         "run_dir": str(run_dir)}
         self.path: Path | None = None
@@ -89,43 +94,28 @@ class FolderClaim:
 
     def acquire(self) -> None:
         """Claim the folder or raise :class:`FolderInUse` naming the other job; OSError when
-        the folder cannot be written or locked (``errno`` in :data:`NO_LOCKS`: no locks there)."""
+        the folder cannot be written or locked (``errno`` in :data:`NO_LOCKS`: no locks there;
+        ``ETIMEDOUT``: the guard stayed taken)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        guard = os.open(self.folder.parent / HOLDERS_GUARD, os.O_RDWR | os.O_CREAT, 0o644)
+        guard = _open_shared(self.folder.parent / HOLDERS_GUARD)
         try:
             _lock_within(guard, GUARD_WAIT_S)
-            other = next((record for record in self._live_records()
-                          if record.get("job") != self.job), None)
+            other = next((path for path in sorted(self.folder.iterdir())
+                          if not path.name.startswith(self._key + ".") and _is_held(path)), None)
             if other is not None:
                 raise FolderInUse(_in_use_text(self.flag, self.folder.parent, other))
             self._hold_own_file()
         finally:
             os.close(guard)
 
-    def _live_records(self) -> list[dict]:
-        """The records of the files someone still holds; the others are removed."""
-        records = []
-        for path in sorted(self.folder.iterdir()):
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except OSError:  # removed meanwhile, or not a file
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                records.append(_read_record(fd, path))
-            else:
-                path.unlink(missing_ok=True)
-            finally:
-                os.close(fd)
-        return records
-
     def _hold_own_file(self) -> None:
-        fd, path = tempfile.mkstemp(prefix=f"{self._record['host']}.{os.getpid()}.",
+        fd, path = tempfile.mkstemp(prefix=f"{self._key}.{self._record['host']}.{os.getpid()}.",
                                     dir=self.folder)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, 0o644)  # other users' launches probe it and read who holds it
             os.write(fd, json.dumps(self._record).encode())
+            os.fsync(fd)
         except BaseException:
             os.unlink(path)
             os.close(fd)
@@ -135,13 +125,43 @@ class FolderClaim:
     def release(self) -> None:
         """Removed before it is unlocked: a launch that opened it meanwhile finds it held."""
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a removal that fails leaves a stale file
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 
 
+def _open_shared(path: Path) -> int:
+    """A file every user who may write the folder can lock (an exclusive lock over NFS needs
+    it open for writing)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    with contextlib.suppress(OSError):  # not ours: its owner made it so already
+        os.fchmod(fd, 0o666)
+    return fd
+
+
+def _is_held(path: Path) -> bool:
+    """Whether another ftmaster holds this file; one nobody holds is removed. One this user
+    cannot open is taken as held: its job cannot be told dead."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # released meanwhile
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
+
+
 def _lock_within(fd: int, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
+    deadline, pause = time.monotonic() + seconds, 0.01
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -149,18 +169,22 @@ def _lock_within(fd: int, seconds: float) -> None:
         except BlockingIOError:
             if time.monotonic() > deadline:
                 raise OSError(errno.ETIMEDOUT, f"its guard lock stayed taken for {seconds:.0f} s")
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
 
-def _read_record(fd: int, path: Path) -> dict:
+def _holder(path: Path) -> str:
+    """Who holds a claim file: its record, else what its name says (``KEY.HOST.PID.XXXX``)."""
     try:
-        record = json.loads(os.read(fd, 4096).decode(errors="replace"))
-    except ValueError:  # files are written under the guard: this one is not ftmaster's
+        record = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError):
         record = None
-    return record if isinstance(record, dict) else {"job": None, "host": path.name}
+    if not isinstance(record, dict):
+        _, host, pid = (path.name.split(".") + ["?", "?"])[:3]
+        record = {"host": host, "pid": pid}
+    return ", ".join(f"{key} {record[key]}" for key in ("host", "pid", "run_dir") if key in record)
 
 
-def _in_use_text(flag: str, folder: Path, other: dict) -> str:
-    who = ", ".join(f"{key} {other[key]}" for key in ("host", "pid", "run_dir") if key in other)
-    return (f"{flag} {folder} is written by another run ({who}); give another {flag}, "
-            "or stop that run first")
+def _in_use_text(flag: str, folder: Path, holder: Path) -> str:
+    return (f"{flag} {folder} is written by another run ({_holder(holder)}); give another "
+            f"{flag}, or stop that run first (if its host is down, remove {holder})")
