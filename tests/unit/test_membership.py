@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
-from ftmaster.membership import (NodeRecord, RendezvousConfig, Round, order_records, parse_conf,
-                                 parse_nnodes, parse_record)
+from ftmaster.membership import (NodeRecord, RendezvousConfig, Round, check_same_arguments,
+                                 order_records, parse_conf, parse_nnodes, parse_record)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
@@ -54,6 +54,36 @@ def test_a_round_starts_warm_only_when_every_node_can_and_old_records_read_as_co
     assert parse_record(json.dumps(asdict(warm)).encode()) == warm
     serving = replace(warm, peer_url="http://a:7")
     assert parse_record(json.dumps(asdict(serving)).encode()) == serving
+    launched = replace(serving, launch_gpus=2, args=("--lr", "1e-2"))
+    assert parse_record(json.dumps(asdict(launched)).encode()) == launched
+
+
+def test_every_node_of_a_round_plans_on_the_same_original_size():
+    """Node 0 launched with 2 GPUs and node 1 with 1 planned on 4 and 2: different plans,
+    and each node waited for ranks the other never started."""
+    nodes = (replace(record(0), launch_gpus=2), replace(record(1), gpus=(0,), launch_gpus=1))
+    assert Round(1, nodes, 0).original_world_size(2) == Round(1, nodes, 1).original_world_size(2) == 4
+    assert Round(3, (replace(nodes[0], gpus=(1,)), nodes[1]), 0).original_world_size(2) == 4
+    assert Round(1, (record(0), record(1)), 0).original_world_size(3) == 6  # older records
+
+
+ARGS = ("--num-layers", "4", "--lr", "1e-2", "--train-iters", "30")
+
+
+@pytest.mark.parametrize("theirs, message", [
+    (("--num-layers", "4", "--lr", "5e-2", "--train-iters", "30"),
+     "node 1 (n1) was given other training arguments (--lr 5e-2 there, --lr 1e-2 here)"),
+    (ARGS[:-2], "(nothing more there, --train-iters 30 here)"),
+    (("--num-layers", "4", "--bf16", "--lr", "1e-2", "--train-iters", "30"),
+     "(--bf16 --lr there, --lr 1e-2 here)"),
+])
+def test_a_node_given_other_training_arguments_is_refused(theirs, message):
+    me = replace(record(0), args=ARGS)
+    check_same_arguments(me, [me, replace(record(1), args=ARGS)])
+    with pytest.raises(ValueError) as refused:
+        check_same_arguments(me, [me, replace(record(1), args=theirs)])
+    assert message in str(refused.value)
+    assert str(refused.value).endswith("give every node the same command")
 
 
 def test_two_nodes_with_one_node_rank_are_refused():

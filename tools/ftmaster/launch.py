@@ -446,7 +446,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         observers = _observers(options, rendezvous, monitor, config)
-        membership = _membership(rendezvous)
+        membership = _membership(rendezvous, len(devices.ids), argv[1:])
         replication = _replication(config, rendezvous, options)
         run_files = run_files_outage()
         starter = None if options["cold_restart"] else WarmStarter(
@@ -529,7 +529,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         stop_timeout_s=options["stop_timeout"], plan_mode=options["plan_mode"],
         gpu_memory_gb=options["gpu_memory_gb"], injections=injections,
         progress_interval_s=options["progress_interval"], scale_up=options["scale_up"],
-        original_world_size=world, global_batch_tolerance_pct=options["global_batch_tolerance"],
+        global_batch_tolerance_pct=options["global_batch_tolerance"],
         scratch_memory_dir=scratch,
         stragglers=StragglerConfig(ratio=options["straggler_ratio"],
                                    iterations=options["straggler_iterations"]),
@@ -568,11 +568,14 @@ def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,
         options["memory_replicas"], options["replication_rate"] * 1e6, rendezvous.address))
 
 
-def _membership(rendezvous: RendezvousConfig | None) -> NodeMembership | None:
+def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int,
+                args: Sequence[str]) -> NodeMembership | None:
+    """This node's seat; ``args`` are the training arguments as given, before ftmaster set
+    this node's own (its memory folder), which every node's must match."""
     if rendezvous is None:
         return None
     try:
-        return NodeMembership(rendezvous)
+        return NodeMembership(rendezvous, launch_gpus=launch_gpus, args=args)
     except StoreLost as lost:
         logging.getLogger("ftmaster").error("%s; requeue the job (exit status 75)", lost)
         sys.exit(exit_codes.REQUEUE)

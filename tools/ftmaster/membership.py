@@ -173,6 +173,10 @@ class NodeRecord:
     :attr:`Round.warm`)."""
     peer_url: str | None = None
     """Where it serves its node-local memory tier to its peers (:mod:`peer_files`)."""
+    launch_gpus: int = 0
+    """How many GPUs it was launched with (``gpus`` are those left)."""
+    args: tuple[str, ...] = ()
+    """The training arguments it was given: every node's must be the same."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,12 @@ class Round:
     @property
     def node_gpus(self) -> tuple[int, ...]:
         return tuple(len(node.gpus) for node in self.nodes)
+
+    def original_world_size(self, max_nodes: int) -> int:
+        """The job's GPUs as launched, alike on every node of the round (nodes launched with
+        different GPU counts planned differently from their own counts, and waited for each
+        other for good): ``--nnodes`` MAX nodes of the most GPUs any node was launched with."""
+        return max(node.launch_gpus or len(node.gpus) for node in self.nodes) * max_nodes
 
     @property
     def warm(self) -> bool:
@@ -224,7 +234,8 @@ def ipaddress_is_loopback(host: str) -> bool:
 def parse_record(data: bytes) -> NodeRecord:
     body = json.loads(data)
     return NodeRecord(int(body["node_rank"]), str(body["addr"]), tuple(body["gpus"]),
-                      int(body["port"]), bool(body.get("warm", False)), body.get("peer_url"))
+                      int(body["port"]), bool(body.get("warm", False)), body.get("peer_url"),
+                      int(body.get("launch_gpus", 0)), tuple(body.get("args", ())))
 
 
 def free_port(addr: str) -> int:
@@ -243,12 +254,39 @@ def order_records(records: Sequence[NodeRecord]) -> tuple[NodeRecord, ...]:
     return ordered
 
 
+def check_same_arguments(me: NodeRecord, records: Sequence[NodeRecord]) -> None:
+    """ValueError naming where another node's training arguments differ: data-parallel
+    replicas trained with other settings diverge, and their checkpoint mixes them without any
+    check failing."""
+    other = next((record for record in records if record.args != me.args), None)
+    if other is None:
+        return
+    start = _parting(me.args, other.args)
+    raise ValueError(f"node {other.node_rank} ({other.addr}) was given other training arguments "
+                     f"({_shown(other.args, start)} there, {_shown(me.args, start)} here): give "
+                     "every node the same command")
+
+
+def _parting(mine: Sequence[str], theirs: Sequence[str]) -> int:
+    """Where two argument lists part; at the flag, when what differs is its value."""
+    index = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                 min(len(mine), len(theirs)))
+    return index - 1 if index and mine[index - 1].startswith("-") else index
+
+
+def _shown(args: Sequence[str], start: int) -> str:
+    return " ".join(args[start:start + 2]) or "nothing more"
+
+
 class NodeMembership:
     """This node's seat in the job's rendezvous."""
 
-    def __init__(self, config: RendezvousConfig, poll_s: float = 1.0) -> None:
+    def __init__(self, config: RendezvousConfig, poll_s: float = 1.0, launch_gpus: int = 0,
+                 args: Sequence[str] = ()) -> None:
         self.config = config
         self.poll_s = poll_s
+        self.launch_gpus, self.args = launch_gpus, tuple(args)
+        """This node's GPUs as launched and its training arguments (:class:`NodeRecord`)."""
         self._checked_at = float("-inf")
         self._waiting, self._peer_failure = False, None
         self._round: Round | None = None
@@ -279,11 +317,13 @@ class NodeMembership:
         info = self._call(self.handler.next_rendezvous)
         store = info.store
         me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
-                        free_port(self.config.address), warm, peer_url)
+                        free_port(self.config.address), warm, peer_url, self.launch_gpus,
+                        self.args)
         keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
         self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
         self._call(store.wait, keys, timedelta(seconds=RECORD_TIMEOUT_S))
         records = [parse_record(self._call(store.get, key)) for key in keys]
+        check_same_arguments(me, records)
         if info.rank == 0:
             rounds = self._call(store.underlying_store.add, self._job_key("rounds"), 1)
             self._call(store.set, "ftmaster/round", str(rounds))

@@ -156,9 +156,6 @@ class SupervisorConfig:
     """The planner's mode."""
     gpu_memory_gb: float | None = None
     """Per-GPU memory for the planner's estimate; None: not checked."""
-    original_world_size: int | None = None
-    """GPUs of the whole job as launched, for a command without ``--global-batch-size``
-    (Megatron derives it from the layout); None: this node's ``gpus``."""
     injections: tuple[Injection, ...] = ()
     """Faults to inject (rehearsals)."""
     progress_interval_s: float = 10.0
@@ -1079,7 +1076,8 @@ class Supervisor:
         try:
             # No measured step time here: every node must plan on the same inputs.
             plan = plan_nodes(self.config.command, joined.node_gpus,
-                              original_world_size=self.config.original_world_size,
+                              original_world_size=joined.original_world_size(
+                                  self.membership.config.max_nodes),
                               **self._planner_options())
         except PlanError as error:
             self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
