@@ -156,6 +156,20 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
     assert "| resumed from checkpoint 4 |" in line  # a resume's, until its first save
 
 
+def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
+    """Across nodes the last rank, which logs the iterations, may run on another node: the
+    persist cadence went by no pace at all and copied every memory checkpoint to disk."""
+    log_path = tmp_path / "attempt_1.log"
+    log_path.write_text("")
+    progress = Progress(log_path, interval_s=5, started_at=0.0)
+    progress.line({"iteration": 8, "time": 100.0}, now=6.0)
+    assert progress.seconds_per_iteration is None
+    progress.line({"iteration": 12, "time": 102.0}, now=12.0)
+    assert progress.seconds_per_iteration == 0.5
+    progress.step_ms = [300.0, 100.0, 200.0]
+    assert progress.seconds_per_iteration == 0.2
+
+
 @pytest.mark.parametrize("event, level, text", [
     ({"event": "save_failed", "iteration": 20, "kind": "periodic", "path": "/c/iter_0000020",
       "reason": "ENOSPC (No space left on device)"}, logging.ERROR,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,16 @@ class Progress:
         self._loss: tuple[int, str] | None = None
         self.last_checkpoint: dict[str, Any] | None = None
         """The newest save event seen, else the ``checkpoint_loaded`` the attempt resumed from."""
+        self._heartbeat_pace: float | None = None
+
+    @property
+    def seconds_per_iteration(self) -> float | None:
+        """The trainer's own step time (the median of the last 20 logged), else the pace of
+        the heartbeat between two progress lines: across nodes the last rank, which logs the
+        iterations, may run on another node."""
+        if self.step_ms:
+            return statistics.median(self.step_ms[-20:]) / 1000
+        return self._heartbeat_pace
 
     def line(self, heartbeat: dict[str, Any] | None, now: float) -> str | None:
         """The progress line when one is due, else None."""
@@ -161,6 +172,7 @@ class Progress:
         self._last_print = now
         if previous is not None and point.iteration > previous.iteration:
             per_iteration = (point.time - previous.time) / (point.iteration - previous.iteration)
+            self._heartbeat_pace = per_iteration
         elif previous is None and self.step_ms:
             # The first line of an attempt takes the trainer's own timing: a short attempt
             # (a resume that ends within one interval) still shows where it stands.

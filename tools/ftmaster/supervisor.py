@@ -647,10 +647,10 @@ class Supervisor:
         """``--save-interval`` iterations at the measured speed; 0 (every memory checkpoint)
         without one, or before a speed is known."""
         interval = flag_value(self.config.command[1:], "--save-interval")
-        steps = self.progress.step_ms if self.progress is not None else []
-        if interval is None or not steps:
+        pace = self.progress.seconds_per_iteration if self.progress is not None else None
+        if interval is None or pace is None:
             return 0.0
-        return int(interval) * statistics.median(steps[-20:]) / 1000
+        return int(interval) * pace
 
     def _report_persisted(self) -> None:
         for result in self.persister.take_results():
