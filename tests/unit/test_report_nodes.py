@@ -197,6 +197,18 @@ def test_a_node_that_launched_and_then_recorded_nothing_is_silent(tmp_path):
     assert report["nodes"][1]["outcome"].startswith("no end event")
 
 
+def test_a_spare_that_saw_the_job_end_has_an_end_and_does_not_stand_for_the_run(tmp_path):
+    """Node 2 stood by after losing its only GPU at iteration 12; the job completed at 30."""
+    run_dir = tmp_path / "run"
+    write_run(run_dir / "node_0", [*first_generation(0), event("complete", 80, iteration=30)], {})
+    write_run(run_dir / "node_2", [*first_generation(2),
+                                   event("complete", 81, iteration=12, on_other_nodes=True)], {})
+    text, report = reported(run_dir)
+    assert report["nodes"][1]["outcome"] == (
+        "complete: iteration 12 here, then on the other nodes")
+    assert report["outcome"] == "complete: iteration 30 (node 0)"
+
+
 def test_a_round_of_peers_only_has_an_unknown_root_cause(tmp_path):
     """Node 2 launched, then died without writing; nodes 0 and 1 stopped for it."""
     run_dir = tmp_path / "run"

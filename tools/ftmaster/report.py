@@ -620,7 +620,7 @@ TEMPLATES = {
             "{data_parallel_size}, micro-batch {micro_batch_size}, global batch "
             "{global_batch_size} on {num_gpus_used} of GPU(s) {gpus_available}",
     "resumed": "attempt {attempt} completed iteration {iteration}",
-    "complete": "iteration {iteration}",
+    "complete": "iteration {iteration}{where}",
     "gave_up": "{reason}",
     "checkpoint_loaded": "iteration {iteration} from {path} in {seconds} s ({bytes} bytes, "
                          "checksums verified in {verify_seconds} s)",
@@ -657,6 +657,8 @@ def _derived(event: dict) -> dict:
     on no GPU (storage, a NaN) names none; a stop says how training ended."""
     if event["event"] in SAVES:
         return {"state": _save_state(event)}
+    if event["event"] == "complete":  # a standby node's iteration is where it last trained
+        return {"where": " here, then on the other nodes" if event.get("on_other_nodes") else ""}
     if event["event"] == "failure":
         gpus = event.get("gpus")
         return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
@@ -691,11 +693,13 @@ def describe(event: dict) -> str:
 
 
 def _run_outcome(events: list[dict]) -> str:
-    for event in reversed(events):
-        if event["event"] in END_EVENTS:
-            where = f" (node {event['node']})" if "node" in event else ""
-            return f"{event['event']}: {describe(event)}{where}"
-    return "no end event (still running, or ftmaster itself was killed)"
+    """The last end event; across nodes one where the job ended, over a spare's that saw it."""
+    ends = [event for event in events if event["event"] in END_EVENTS]
+    if not ends:
+        return "no end event (still running, or ftmaster itself was killed)"
+    event = next((e for e in reversed(ends) if not e.get("on_other_nodes")), ends[-1])
+    where = f" (node {event['node']})" if "node" in event else ""
+    return f"{event['event']}: {describe(event)}{where}"
 
 
 def _node_outcome(events: list[dict] | None) -> str:

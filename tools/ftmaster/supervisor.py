@@ -1177,6 +1177,7 @@ class Supervisor:
         """The job ended on other nodes while this one waited."""
         self.membership.acknowledge()
         if outcome == "complete":
+            self._event("complete", iteration=self._state_iteration(), on_other_nodes=True)
             log.info("the job completed on the other nodes")
             return Trigger.COMPLETED
         # The node that gave up said whether a requeue helps; every node exits alike.
