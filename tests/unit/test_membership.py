@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
-from ftmaster.membership import (NodeRecord, RendezvousConfig, Round, check_same_arguments,
-                                 order_records, parse_conf, parse_nnodes, parse_record)
+from ftmaster.membership import (JoinTimedOut, NodeMembership, NodeRecord, RendezvousConfig,
+                                 Round, check_same_arguments, order_records, parse_conf,
+                                 parse_nnodes, parse_record)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
@@ -140,3 +141,18 @@ def test_the_node_at_the_endpoint_hosts_the_store(local_addr, endpoint, conf, is
 
     config = RendezvousConfig(endpoint, "job", 1, 2, 0, local_addr=local_addr, conf=conf)
     assert store_conf(config).get("is_host") == is_host
+
+
+def test_a_round_that_never_formed_says_how_long_it_waited_for_how_many():
+    """torch's RendezvousTimeoutError has no message: the give-up read "too few nodes joined
+    the rendezvous: " and nothing more."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    membership = NodeMembership.__new__(NodeMembership)
+    membership.config = RendezvousConfig("h:1", "job", 2, 2, 0, conf={"join_timeout": "45"})
+
+    def never_formed():
+        raise RendezvousTimeoutError()
+
+    with pytest.raises(JoinTimedOut, match="^fewer than 2 node\\(s\\) within join_timeout 45 s$"):
+        membership._call(never_formed)

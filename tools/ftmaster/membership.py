@@ -460,8 +460,10 @@ class NodeMembership:
             return fn(*args)
         except RendezvousClosedError:
             raise JobEnded(self.outcome_after_close()) from None
-        except RendezvousTimeoutError as error:
-            raise JoinTimedOut(str(error)) from None
+        except RendezvousTimeoutError as error:  # torch's says nothing (an empty message)
+            raise JoinTimedOut(str(error) or f"fewer than {self.config.min_nodes} node(s) "
+                               f"within join_timeout "
+                               f"{self.config.seconds('join_timeout', 600):g} s") from None
         except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
                 ConnectionError, CallTimeout) as error:
             raise StoreLost(f"the rendezvous store at {self.config.endpoint} is unreachable "
