@@ -51,3 +51,23 @@ def test_a_node_waiting_in_the_next_join_learns_the_outcome_of_a_peer_that_gave_
     assert second["ended"].outcome == "gave up on node 1: the arguments need fixing"
     for node in seats:
         node.stop_keep_alive()
+
+
+def test_a_store_nobody_serves_is_one_line_and_a_requeue(tmp_path):
+    """torch logged each try at the store with 40 lines of C++ stack on ftmaster's stderr."""
+    import subprocess
+    import sys
+
+    from ftmaster import exit_codes
+    from helpers.trainer import PRETRAIN, SMALL_GPT
+
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", "2", "--node-rank", "1",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "read_timeout=2,is_host=0",
+         "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "1", "--monitor-backend", "sim",
+         "--", PRETRAIN, *SMALL_GPT, "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "5", "--lr", "1e-3"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == exit_codes.REQUEUE
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot reach the rendezvous store at 127.0.0.1:{port}" in result.stderr

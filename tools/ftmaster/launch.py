@@ -35,7 +35,7 @@ from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
 from ftmaster.lock import NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
-                                 StoreLost, parse_conf, parse_nnodes)
+                                 StoreLost, load_torch_quietly, parse_conf, parse_nnodes)
 from ftmaster.board import RunBoard
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
@@ -431,6 +431,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         raise InputError(f"training script {argv[0]!r} not found")
     slurm_notes = apply_slurm_defaults(options)
     rendezvous = rendezvous_config(options)
+    if rendezvous is not None:
+        load_torch_quietly()
     _console_logging()
     devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
     config = supervisor_config(argv, devices, rendezvous, options)

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -45,6 +46,7 @@ from ftmaster.peer_files import new_secret
 log = logging.getLogger("ftmaster")
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
 BACKENDS = ("c10d", "etcd-v2")
 DEFAULT_PORT = 29400
 RECORD_TIMEOUT_S = 60.0
@@ -276,6 +278,20 @@ def _parting(mine: Sequence[str], theirs: Sequence[str]) -> int:
 
 def _shown(args: Sequence[str], start: int) -> str:
     return " ".join(args[start:start + 2]) or "nothing more"
+
+
+def load_torch_quietly() -> None:
+    """torch's C++ log off in ftmaster's own process, unless the user set its level: each try
+    at a store it cannot reach logged 40 lines of C++ stack, where ftmaster says what went
+    wrong in one. torch reads the level once, as it loads (so before anything imports it);
+    the ranks, whose C++ errors matter, never inherit it."""
+    if "torch" in sys.modules or CPP_LOG_LEVEL_ENV in os.environ:
+        return
+    os.environ[CPP_LOG_LEVEL_ENV] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ[CPP_LOG_LEVEL_ENV]
 
 
 class NodeMembership:
