@@ -213,9 +213,12 @@ def test_a_round_of_peers_only_has_an_unknown_root_cause(tmp_path):
     """Node 2 launched, then died without writing; nodes 0 and 1 stopped for it."""
     run_dir = tmp_path / "run"
     write_run(run_dir / "node_0", [*first_generation(0), failure(31, 1, 10, "peer", [0, 1])], {})
-    write_run(run_dir / "node_1", [*first_generation(1), failure(30, 1, 10, "peer", [0, 1])], {})
+    write_run(run_dir / "node_1", [*first_generation(1), save("periodic_save", 25, 8, 0.1, 0.2),
+                                   failure(30, 1, 10, "peer", [0, 1])],
+              {1: [iteration_line(n, 30, 100) for n in range(1, 11)]})  # the progress is known
     write_run(run_dir / "node_2", first_generation(2), {})
     text, report = reported(run_dir)
+    assert report["failures"][0]["fault_at"] is not None  # the last progress
     (round_,) = report["failures"]
     assert (round_["node"], round_["cause"], round_["silent_nodes"]) == (1, "peer", [2])
     assert "  root cause         unknown: every node that recorded this failure says peer" in text

@@ -106,6 +106,8 @@ SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
 END_EVENTS = ("complete", "gave_up", "stopped")
+LAST_PROGRESS = "last progress (estimated)"
+"""Where detection is measured from when no evidence of the fault was recorded."""
 DECIMAL = r"(\d+(?:\.\d+)?)(?![\d.])"
 """A logged figure; one garbled by interleaved writes ("1.2.3") does not match."""
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): " + DECIMAL)
@@ -380,7 +382,7 @@ def _detection(window: list[dict], attempt_events: list[dict], failure: dict,
         return known[0], {"seconds": failure["time"] - known[0], "since": known[1]}
     progress = _last_progress(attempt_events, failure, log)
     seconds = None if progress is None else failure["time"] - progress
-    return progress, {"seconds": seconds, "since": "last progress (estimated)"}
+    return progress, {"seconds": seconds, "since": LAST_PROGRESS}
 
 
 def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | None:
@@ -762,7 +764,7 @@ def _round_text(f: dict, start: float) -> list[str]:
     lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, GPU(s) "
              f"{c['gpus']}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
              + ("after" if c["after_root_seconds"] >= 0 else "before") for c in f["consequences"]]
-    if f["cause"] == PEER and f["fault_at"] is None:
+    if f["cause"] == PEER and f["detection_latency"]["since"] == LAST_PROGRESS:  # no fault seen
         lines.append("  root cause         unknown: every node that recorded this failure says "
                      f"{PEER}")
     if f["silent_nodes"]:
