@@ -209,6 +209,24 @@ def test_a_spare_that_saw_the_job_end_has_an_end_and_does_not_stand_for_the_run(
     assert report["outcome"] == "complete: iteration 30 (node 0)"
 
 
+def test_a_nodes_lost_supervisor_is_its_round_of_silence_not_a_failure_at_its_rejoin(tmp_path):
+    """Node 1's ftmaster was SIGKILLed after iteration 10 (last alive at 24) and started again
+    at 100: node 0 had recovered without it at 25; node 1 rejoined at the next round."""
+    run_dir = tmp_path / "run"
+    write_run(run_dir / "node_0", [*first_generation(0), failure(25, 1, 10, "peer", [0, 1]),
+                                   plan(27, [0, 1], 2, 1, 1), launch(28, 2, [0, 1], 2, 1, 1),
+                                   event("resumed", 40, attempt=2, iteration=9),
+                                   event("complete", 200, iteration=30)], {})
+    write_run(run_dir / "node_1", [*first_generation(1),
+                                   event("failure", 100, attempt=1, iteration=10, gpus=[],
+                                         cause="supervisor_lost", exit_codes={}, lost_at=T0 + 24),
+                                   event("complete", 200.5, iteration=30)], {})
+    text, report = reported(run_dir)
+    (round_,) = report["failures"]
+    assert (round_["node"], round_["cause"], round_["time"]) == (1, "supervisor_lost", T0 + 24)
+    assert [c["node"] for c in round_["consequences"]] == [0]
+
+
 def test_a_round_of_peers_only_has_an_unknown_root_cause(tmp_path):
     """Node 2 launched, then died without writing; nodes 0 and 1 stopped for it."""
     run_dir = tmp_path / "run"

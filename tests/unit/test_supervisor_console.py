@@ -236,6 +236,8 @@ def test_a_new_supervisor_continues_the_attempt_numbers_and_records_the_lost_att
     lost = runfiles.read_events(tmp_path)[-1]
     assert (lost["event"], lost["attempt"], lost["iteration"], lost["cause"]) == \
         ("failure", 2, 17, "supervisor_lost")
+    heartbeat_at = runfiles.read_heartbeat(tmp_path)["time"]
+    assert lost["lost_at"] == max(heartbeat_at, runfiles.read_events(tmp_path)[-2]["time"])
     assert Supervisor(config, QuietMonitor()).attempts_before == 2  # recorded once
 
 

@@ -204,11 +204,21 @@ def _load_run(run_dir: Path) -> tuple[list[dict], list[dict] | None]:
     for node, folder in folders.items():
         events = _read_events_file(runfiles.events_path(folder))
         nodes.append({"node": node, "events": len(events or ()), "outcome": _node_outcome(events)})
-        merged += [{**e, "node": node} for e in events or ()]
+        merged += [_at_its_moment({**e, "node": node}) for e in events or ()]
     if not merged:
         raise ReportError(f"{run_dir} has node folders ({_folder_names(list(folders))}) but none "
                           "holds an event: nothing to report")
     return sorted(merged, key=lambda e: e["time"]), nodes
+
+
+def _at_its_moment(event: dict) -> dict:
+    """Across nodes, a node's lost supervisor is put where it was last alive, not where its
+    successor recorded it: there its node went silent and the others recovered without it,
+    while at the record it stood for a second failure, on the node's rejoin."""
+    lost_at = event.get("lost_at")
+    if event.get("cause") != "supervisor_lost" or not _is_number(lost_at):
+        return event
+    return {**event, "time": lost_at, "recorded_at": event["time"]}
 
 
 def _read_events_file(path: Path) -> list[dict] | None:

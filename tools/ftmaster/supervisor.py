@@ -409,8 +409,10 @@ class Supervisor:
         if not ended:
             heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
             iteration = heartbeat.get("iteration", 0)
+            alive = [t for t in (heartbeat.get("time"), events[-1]["time"])
+                     if isinstance(t, (int, float))]
             self._event("failure", attempt=last["attempt"], iteration=iteration,
-                        cause="supervisor_lost", gpus=[], exit_codes={})
+                        cause="supervisor_lost", gpus=[], exit_codes={}, lost_at=max(alive))
             log.warning("attempt %d of %s ended with the ftmaster that ran it, after iteration "
                         "%d; continuing as attempt %d", last["attempt"], self.run_dir, iteration,
                         last["attempt"] + 1)
