@@ -580,3 +580,22 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_not_the_peer_it_left(tmp_pa
         "local rank 1 (GPU 5) was killed by SIGKILL without an error of its own (the OOM killer, "
         "a user, a failing node); the others lost it")
     assert "Connection reset by peer" in attempt.root_cause(0, 20)  # alive: its output speaks
+
+
+@pytest.mark.parametrize("finished, state, trigger", [
+    (True, "running", "completed"), (False, "running", "store_lost"),
+    (True, "planning", "store_lost")])  # a heartbeat left by an attempt that is over
+def test_a_lost_rendezvous_after_training_finished_is_the_jobs_end_not_a_requeue(
+        tmp_path, finished, state, trigger):
+    """The store's host stalled while this node's ranks saved their final checkpoint: the
+    node asked for a requeue of a job that had completed."""
+    from ftmaster.launch import check_layout
+    from ftmaster.membership import StoreLost
+    from ftmaster.states import State
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    runfiles.write_heartbeat(tmp_path, iteration=100, consumed_samples=0, finished=finished)
+    assert supervisor._store_lost(StoreLost("the store is gone"), State(state)).value == trigger

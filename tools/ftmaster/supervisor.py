@@ -339,7 +339,7 @@ class Supervisor:
                 try:
                     trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
                 except StoreLost as lost:
-                    trigger = self._store_lost(lost)
+                    trigger = self._store_lost(lost, state)
                 new_state = advance(state, trigger)
                 log.info("state: %s -> %s (%s)", state.value, new_state.value, trigger.value)
                 state = new_state
@@ -550,9 +550,18 @@ class Supervisor:
             self.membership.end_job("complete")
         return Trigger.COMPLETED
 
-    def _store_lost(self, lost: StoreLost) -> Trigger:
+    def _store_lost(self, lost: StoreLost, state: State) -> Trigger:
+        """A requeue, unless this node's training had finished its schedule, its last
+        checkpoint durable: then the job is done, whatever became of its rendezvous."""
+        finished = (state in (State.RUNNING, State.DRAINING)
+                    and (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
         if self.attempt is not None:
             self.attempt.kill()
+        if finished:
+            self._event("complete", iteration=self._state_iteration())
+            log.warning("the job's rendezvous is gone (%s), after training finished", lost)
+            log.info("training complete at iteration %d", self._state_iteration())
+            return Trigger.COMPLETED
         self._event("store_lost", reason=str(lost))
         log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
         return Trigger.STORE_LOST
