@@ -179,9 +179,9 @@ def _holder(path: Path) -> str:
         record = json.loads(path.read_text(errors="replace"))
     except (OSError, ValueError):
         record = None
-    if not isinstance(record, dict):
-        _, host, pid = (path.name.split(".") + ["?", "?"])[:3]
-        record = {"host": host, "pid": pid}
+    if not isinstance(record, dict):  # KEY.HOST.PID.XXXX, where HOST may hold dots
+        host, _, pid = path.name.partition(".")[2].rpartition(".")[0].rpartition(".")
+        record = {"host": host or "?", "pid": pid or "?"}
     return ", ".join(f"{key} {record[key]}" for key in ("host", "pid", "run_dir") if key in record)
 
 
