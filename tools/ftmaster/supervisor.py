@@ -412,7 +412,8 @@ class Supervisor:
             alive = [t for t in (heartbeat.get("time"), events[-1]["time"])
                      if isinstance(t, (int, float))]
             self._event("failure", attempt=last["attempt"], iteration=iteration,
-                        cause="supervisor_lost", gpus=[], exit_codes={}, lost_at=max(alive))
+                        cause="supervisor_lost", gpus=[], exit_codes={},
+                        lost_at=max(alive, default=None))
             log.warning("attempt %d of %s ended with the ftmaster that ran it, after iteration "
                         "%d; continuing as attempt %d", last["attempt"], self.run_dir, iteration,
                         last["attempt"] + 1)
