@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from ftmaster.cli import main
 from ftmaster.membership import (JoinTimedOut, NodeMembership, NodeRecord, RendezvousConfig,
                                  Round, check_same_arguments, order_records, parse_conf,
-                                 parse_nnodes, parse_record)
+                                 parse_nnodes, parse_record, unread_conf_keys)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
@@ -25,6 +25,11 @@ def test_parse_nnodes(text, parsed):
 def test_parse_nnodes_refuses(text):
     with pytest.raises(ValueError, match="--nnodes"):
         parse_nnodes(text)
+
+
+def test_a_setting_torch_never_reads_is_named():
+    conf = parse_conf("join_timout=60,last_call_timeout=2,is_host=1,read_timeout=9")
+    assert unread_conf_keys(conf) == ["join_timout"]
 
 
 def test_parse_conf():

@@ -35,7 +35,8 @@ from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
 from ftmaster.lock import NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
-                                 StoreLost, load_torch_quietly, parse_conf, parse_nnodes)
+                                 StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
+                                 unread_conf_keys)
 from ftmaster.board import RunBoard
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
@@ -434,6 +435,9 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     if rendezvous is not None:
         load_torch_quietly()
     _console_logging()
+    for key in unread_conf_keys(rendezvous.conf if rendezvous is not None else {}):
+        logging.getLogger("ftmaster").warning("--rdzv-conf %s: torch reads no such setting; "
+                                              "it is ignored", key)
     devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
     config = supervisor_config(argv, devices, rendezvous, options)
     for note in slurm_notes:

@@ -98,6 +98,21 @@ def parse_conf(text: str | None) -> dict[str, str]:
     return conf
 
 
+# What torch's rendezvous handlers read (torch/distributed/elastic/rendezvous: the dynamic
+# handler's timeouts and keep-alive, the c10d store's, the etcd backends' connection).
+CONF_KEYS = frozenset({
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+    "keep_alive_interval", "keep_alive_max_attempt", "read_timeout", "timeout", "is_host",
+    "store_type", "protocol", "cacert", "cert", "key", "ca_cert", "ssl_cert", "ssl_cert_key",
+    "etcd_prefix"})
+
+
+def unread_conf_keys(conf: Mapping[str, str]) -> list[str]:
+    """Keys of ``--rdzv-conf`` that torch never reads: a mistyped timeout is otherwise
+    silently its default."""
+    return sorted(set(conf) - CONF_KEYS)
+
+
 @dataclass(frozen=True)
 class RendezvousConfig:
     """Where and how nodes meet (torchrun's option names)."""
