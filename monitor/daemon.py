@@ -48,6 +48,7 @@ never fatal. Intervals from 0.1 s to minutes work; all timing decisions (warm-up
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -114,11 +115,12 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         if os.fstat(self._fd).st_size == 0:
-            os.write(self._fd, self._encode([CSV_COLUMNS]))
+            self._write_whole(self._encode([CSV_COLUMNS]))
         else:
             self._check_header()
+            self._drop_torn_tail()
 
     def _check_header(self) -> None:
         with self.path.open(newline="", errors="replace") as handle:  # a binary file: not ours
@@ -134,9 +136,32 @@ class MetricsWriter:
         csv.writer(buffer, lineterminator="\n").writerows(rows)
         return buffer.getvalue().encode()
 
+    def _drop_torn_tail(self) -> None:
+        """A row cut short (a writer killed mid-write) would run into the first one appended."""
+        size = os.fstat(self._fd).st_size
+        tail = os.pread(self._fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+        if tail.endswith(b"\n"):
+            return
+        keep = size - len(tail) + tail.rfind(b"\n") + 1
+        log.warning("%s ended in a torn row (%d bytes): dropped", self.path, size - keep)
+        os.ftruncate(self._fd, keep)
+
     def write(self, samples: list[GpuSample]) -> None:
         if samples:
-            os.write(self._fd, self._encode(to_row(s) for s in samples))
+            self._write_whole(self._encode(to_row(s) for s in samples))
+
+    def _write_whole(self, data: bytes) -> None:
+        """All of ``data`` or none of it: a write cut short (a full disk) is taken back, so
+        the file stays whole rows."""
+        start = os.fstat(self._fd).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
 
     def close(self) -> None:
         os.close(self._fd)
@@ -168,6 +193,7 @@ class Monitor:
         self.alerts: list[Alert] = []
         self.samples_seen = 0
         self._writer = None if self.run_dir is None else MetricsWriter(runfiles.metrics_csv_path(self.run_dir))
+        self._outage = runfiles.WriteOutage(log.error, log.info, "the monitor goes on without it")
         self._lock = threading.Lock()
         self._known: set[int] = set()
         self._lost: dict[int, str] = {}  # lost GPU -> why
@@ -306,13 +332,13 @@ class Monitor:
                 reasons = (DEVICE_LOST,) + ((self._lost[gpu],) if self._lost[gpu] != DEVICE_LOST else ())
                 alerts += self._decide(gpu, now, Assessment(1.0, reasons, reasons))
         self.samples_seen += len(samples)
+        for alert in alerts:  # first: the policy has disarmed their GPUs, a failed write below
+            self._announce(alert)  # must not cost the checkpoint they ask for
         if self._writer is not None:
-            self._writer.write(samples)
+            self._outage.write(self._writer.path, lambda: self._writer.write(samples))
         if samples and not self._coverage_checked:
             self._coverage_checked = True
             self._report_coverage(samples)
-        for alert in alerts:
-            self._announce(alert)
         for listener in self.sample_listeners:
             listener(samples, alerts)
         for gpu in newly_lost:
@@ -394,9 +420,10 @@ class Monitor:
         if self.run_dir is not None:
             body = {"gpu": alert.gpu, "score": alert.score, "reasons": list(alert.reasons),
                     "timestamp": iso_time(alert.time)}
-            runfiles.append_event(self.run_dir, "risk_alert", **body)
             if DEVICE_LOST not in alert.reasons:  # a lost GPU's rank can take part in no save
-                runfiles.write_flag(runfiles.trigger_flag_path(self.run_dir), **body)
+                flag = runfiles.trigger_flag_path(self.run_dir)
+                self._outage.write(flag, lambda: runfiles.write_flag(flag, **body))
+            self._outage.append_event(self.run_dir, "risk_alert", **body)
         if self.on_alert is not None:
             self.on_alert(alert)
 

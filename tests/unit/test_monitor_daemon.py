@@ -336,3 +336,62 @@ def test_refresh_takes_a_sample_now_instead_of_after_the_interval(tmp_path):
         assert monitor.samples_seen == before + 2
     finally:
         monitor.stop()
+
+
+def test_an_alert_asks_for_its_checkpoint_even_when_the_csv_and_events_cannot_be_written(
+        tmp_path, monkeypatch, caplog):
+    """The policy disarms a GPU as it alerts: a full disk failing the sample's row (or the
+    event) before the flag was written lost the alert's checkpoint for good."""
+    import errno
+    import logging
+    import os
+
+    caplog.set_level(logging.INFO)
+    monitor = sim_monitor(tmp_path, 0.5, ["xid:gpu=1,code=79,at=1s"])
+    run(monitor, 1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(monitor._writer, "write", disk_full)
+    monkeypatch.setattr(runfiles, "append_event", disk_full)
+    run(monitor, 4)
+    assert [a.gpu for a in monitor.alerts] == [1]
+    assert runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))["gpu"] == 1
+    assert caplog.text.count("gpu_metrics.csv (ENOSPC: No space left on device)") == 1
+    monkeypatch.undo()
+    run(monitor, 1)
+    assert "gpu_metrics.csv is written again" in caplog.text
+    assert os.path.getsize(runfiles.metrics_csv_path(tmp_path)) > 0
+
+
+def test_the_csv_is_whole_rows_after_a_write_cut_short_or_a_writer_killed_mid_row(tmp_path, monkeypatch):
+    import csv
+    import errno
+    import os
+
+    from ftmaster.monitor import daemon
+    from ftmaster.monitor.schema import CSV_COLUMNS
+
+    monitor = sim_monitor(tmp_path, 0.5)
+    run(monitor, 2)
+    path = runfiles.metrics_csv_path(tmp_path)
+    whole = path.read_bytes()
+    real_write, calls = os.write, []
+
+    def short_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:40]))  # a part, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(daemon.os, "write", short_then_full)
+    run(monitor, 1)
+    monkeypatch.undo()
+    assert path.read_bytes() == whole  # the part taken back
+    monitor.close()
+    with path.open("ab") as handle:  # a writer killed mid-row
+        handle.write(b"1750000000.0,3,63.0,")
+    run(sim_monitor(tmp_path, 0.5), 1)
+    rows = list(csv.reader(path.open()))
+    assert all(len(row) == len(CSV_COLUMNS) for row in rows) and len(rows) == 1 + 4 * 3
