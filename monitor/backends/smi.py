@@ -21,8 +21,10 @@ the ``nvml`` backend.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -55,6 +57,9 @@ EXTRA_FIELDS = (
     ("retired_pages.pending", "retired_pages_pending"),
 )
 _TEXT = {"gpu_name", "driver_version"}
+# nvidia-smi's line for a GPU it has no handle for ("Unable to determine the device handle
+# for GPU 0000:3B:00.0: Unknown Error", or "... GPU is lost"): that GPU is left out, as lost.
+NO_HANDLE = ("lost", "unable to determine the device handle")
 _INTEGER = {"errors", "ecc_sbe", "ecc_dbe", "throttle_reasons"}
 _YES_NO = {"yes": 1, "no": 0}
 KILL_GRACE_S = 1.0  # how long a killed nvidia-smi gets to exit before it is left behind
@@ -69,6 +74,8 @@ class SmiBackend:
 
     def __init__(self, executable: str = "nvidia-smi", timeout_s: float = 5.0,
                  gpu_ids: Sequence[int] | None = None) -> None:
+        if shutil.which(executable) is None:  # else every sample fails, and nothing is watched
+            raise BackendError(f"{executable} is not installed (not on PATH)")
         self.executable = executable
         self.timeout_s = timeout_s
         self._fields = BASE_FIELDS + EXTRA_FIELDS
@@ -101,7 +108,7 @@ class SmiBackend:
             if not line.strip():
                 continue
             listed += 1
-            if "lost" in line.lower():
+            if any(words in line.lower() for words in NO_HANDLE):
                 continue  # "Unable to determine the device handle ... GPU is lost": left out
             sample = self._parse(line, now)
             if sample.gpu_id not in excluded:  # without --id, every GPU answers
@@ -183,6 +190,7 @@ def _cell(name: str, text: str) -> object:
     try:
         if name in _INTEGER:  # throttle reasons come as hex, 0x...
             return int(text, 16) if text.lower().startswith("0x") else int(text)
-        return float(text)
+        number = float(text)
     except ValueError:
         return None
+    return number if math.isfinite(number) else None  # "nan" would poison the GPU's baselines

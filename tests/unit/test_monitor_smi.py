@@ -56,10 +56,19 @@ def test_a_failing_nvidia_smi_is_reported(fake_smi):
         SmiBackend().sample()
 
 
-def test_a_lost_gpu_is_left_out(fake_smi):
-    fake_smi("echo 'Unable to determine the device handle for GPU 0000:3B:00.0: GPU is lost.'\n"
+@pytest.mark.parametrize("why", ["GPU is lost.", "Unknown Error"])
+def test_a_gpu_without_a_handle_is_left_out_and_the_others_are_read(fake_smi, why):
+    """Its line names no index: one that is not "lost" blinded the monitor to every GPU."""
+    fake_smi(f"echo 'Unable to determine the device handle for GPU 0000:3B:00.0: {why}'\n"
              f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
     assert [s.gpu_id for s in SmiBackend().sample()] == [1]
+
+
+def test_a_reading_that_is_no_number_is_unknown(fake_smi):
+    """A nan kept in a GPU's baselines made its risk nan for good: it never alerted again."""
+    fake_smi("echo '0, GPU, 570.1, nan, inf, 97, 41, 60000, 81559, 0, 7, 0, 0x4, 700.00, 1980, No'\n")
+    (sample,) = SmiBackend().sample()
+    assert (sample.temperature, sample.power_draw, sample.gpu_utilization) == (None, None, 97)
 
 
 def test_old_driver_falls_back_to_the_paper_fields(fake_smi):
@@ -93,10 +102,17 @@ def test_a_killed_nvidia_smi_that_will_not_die_is_not_waited_on(fake_smi, monkey
             kill(pgid, signal.SIGKILL)
 
 
-def test_missing_nvidia_smi_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))
+def test_missing_nvidia_smi_is_refused_at_once_and_one_that_goes_is_reported(fake_smi,
+                                                                             monkeypatch, tmp_path):
+    """Refused at once: every sample failed, and with --duration the monitor exited 0 (a
+    launch would have trained unwatched)."""
+    fake_smi("exit 0\n")
+    backend = SmiBackend()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(BackendError, match="cannot run nvidia-smi"):
-        SmiBackend().sample()
+        backend.sample()
+    with pytest.raises(BackendError, match="nvidia-smi is not installed"):
+        SmiBackend()
 
 
 def test_queries_only_the_jobs_gpus(fake_smi, tmp_path):
