@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -17,6 +19,7 @@ from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
+from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.recovery.cli import FiniteFloatRange
 
 
@@ -70,6 +73,30 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
                                "give another --run-dir")
     if (problem := runfiles.layout_problem(run_dir)) is not None:
         raise click.ClickException(problem)
+    with _run_dir_locked(run_dir):
+        _monitor(backend_spec, run_dir, interval, scorer, risk_threshold, num_gpus, seed,
+                 injections, duration, metrics_port, metrics_addr)
+
+
+@contextlib.contextmanager
+def _run_dir_locked(run_dir: Path) -> Iterator[None]:
+    """As ``launch`` holds it: two monitors, or a monitor beside a launch, would interleave
+    their rows and flags in one run directory."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with RunDirLock(run_dir):
+            yield
+    except RunDirLocked as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"run directory {run_dir} is not writable "
+                                   f"({error.strerror}); give a writable --run-dir") from None
+
+
+def _monitor(backend_spec: str, run_dir: Path, interval: float, scorer: str,
+             risk_threshold: float, num_gpus: int, seed: int, injections: list,
+             duration: float | None, metrics_port: int | None, metrics_addr: str) -> None:
+    replaying = backend_spec.startswith("replay:")
     try:
         backend = make_backend(backend_spec, num_gpus=num_gpus, seed=seed)
     except ValueError as exc:  # unknown backend name, or ReplayError for a bad file

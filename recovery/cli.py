@@ -27,13 +27,18 @@ class SeparatedCommand(click.Command):
 
 class FiniteFloatRange(click.FloatRange):
     """click's ``FloatRange`` without ``nan``, which passes every bound (``--interval nan``
-    reached a traceback), or an infinity (no duration or rate here is meant to be one)."""
+    reached a traceback), or an infinity (no duration or rate here is meant to be one), and
+    at most 10^9 unless told (a thread's wait takes at most about 9.2e9 s, a timestamp less:
+    ``--duration 1e10`` reached a traceback too)."""
+
+    def __init__(self, min=None, max=1e9, min_open=False, max_open=False, clamp=False):
+        super().__init__(min, max, min_open, max_open, clamp)
 
     def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
+        number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return number
+        return super().convert(number, param, ctx)
 
 
 class InputError(click.ClickException):

@@ -30,6 +30,8 @@ from ftmaster.cli import main
      "Invalid value for '--measured-step-s': 'NaN' is not a finite number."),
     (["analyze", ".", "--risk-threshold", "nan"],
      "Invalid value for '--risk-threshold': 'nan' is not a finite number."),
+    (["monitor", "--run-dir", "x", "--duration", "1e10"],  # beyond a thread's wait
+     "Invalid value for '--duration': 10000000000.0 is not in the range 0<=x<=1000000000.0."),
 ])
 def test_a_usage_error_is_one_line(args, message):
     result = CliRunner().invoke(main, args)

@@ -35,6 +35,18 @@ def test_sim_run_with_injection(tmp_path):
     assert "on GPU(s) [1]" in result.output
 
 
+def test_a_run_dir_another_ftmaster_uses_is_refused(tmp_path):
+    """A launch's (or another monitor's): their rows and flags would interleave."""
+    import os
+
+    from ftmaster.lock import RunDirLock
+
+    with RunDirLock(tmp_path):
+        result = invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0")
+    one_line_error(result, f"another ftmaster (pid {os.getpid()}) is using {tmp_path}")
+    assert not (tmp_path / "gpu_metrics.csv").exists()
+
+
 def one_line_error(result, words):
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
