@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import csv
+import statistics
 from pathlib import Path
 
 from ftmaster.monitor.backends import TraceEnded
@@ -100,6 +101,9 @@ class ReplayBackend:
                 continue
             if not cells:
                 continue
+            if len(cells) != len(header):  # torn by a full disk, or two rows run together
+                self._skip(reader.line_num, f"{len(cells)} cells where the header has {len(header)}")
+                continue
             try:
                 sample = from_row(dict(zip(header, cells)))
             except RowError as exc:
@@ -116,16 +120,33 @@ class ReplayBackend:
 
 
 def _group(samples: list[GpuSample]) -> list[list[GpuSample]]:
-    """Time-ordered rows into samples: a new one begins when a GPU id repeats."""
+    """Time-ordered rows into samples: a new one begins when a GPU id repeats, or when a row
+    comes more than half the usual spacing after its sample began (a GPU back after a gap,
+    or first watched later, otherwise joined the sample before it, and every sample after)."""
+    gap = _spacing(samples) / 2
     batches: list[list[GpuSample]] = []
     seen: set[int] = set()
     for sample in samples:
-        if not batches or sample.gpu_id in seen:
+        if (not batches or sample.gpu_id in seen
+                or (gap and sample.timestamp - batches[-1][0].timestamp > gap)):
             batches.append([])
             seen = set()
         batches[-1].append(sample)
         seen.add(sample.gpu_id)
     return batches
+
+
+def _spacing(samples: list[GpuSample]) -> float:
+    """The usual time between samples: the median between the first rows of samples cut
+    where a GPU id repeats (a few cut wrongly do not move it)."""
+    starts: list[float] = []
+    seen: set[int] = set()
+    for sample in samples:
+        if not starts or sample.gpu_id in seen:
+            starts.append(sample.timestamp)
+            seen = set()
+        seen.add(sample.gpu_id)
+    return statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) > 2 else 0.0
 
 
 def _fill_gaps(batches: list[list[GpuSample]], last_is_complete: bool) -> list[list[GpuSample]]:

@@ -55,13 +55,27 @@ def test_malformed_cells_are_unknown_and_bad_rows_are_skipped_and_counted(tmp_pa
             ["yesterday", "1", "60", "0"],
             [iso_time(T0), "x", "60", "0"],
             [str(T0 + 10), "0", "71", "nan"],
-            [iso_time(T0 + 20), "0"]]  # torn last line
+            [iso_time(T0 + 20), "0"]]  # torn last line: no sample of its own
     backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature", "ecc_dbe"], rows))
     batches = drain(backend)
-    assert [b[0].temperature for b in batches] == [None, 71, None]
+    assert [b[0].temperature for b in batches] == [None, 71]
     assert all(b[0].ecc_dbe is None for b in batches)
-    assert backend.skipped == 2
+    assert backend.skipped == 3
     assert "neither ISO 8601" in backend.problems[0] and ":3:" in backend.problems[0]
+    assert backend.problems[-1].endswith(":6: 2 cells where the header has 4")
+
+
+def test_rows_are_grouped_by_time_when_a_gpu_comes_back_after_a_gap(tmp_path):
+    """GPU 0 gone for two samples: each of its rows after the gap joined GPU 1's sample
+    before it, and the last sample, GPU 1 alone, replayed GPU 0 as lost."""
+    times = [T0 + 10 * i for i in range(6)]
+    rows = [[iso_time(t), str(gpu), "60", "0"] for t in times for gpu in (0, 1)
+            if gpu == 1 or t not in times[2:4]]
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature", "ecc_dbe"], rows))
+    batches = drain(backend)
+    assert [[s.gpu_id for s in b if s.temperature is not None] for b in batches] == \
+        [[0, 1], [0, 1], [1], [1], [0, 1], [0, 1]]
+    assert {s.timestamp for b in batches for s in b if s.temperature is not None} == set(times)
 
 
 @pytest.mark.parametrize("text, words", [
