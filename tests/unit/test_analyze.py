@@ -124,6 +124,9 @@ def test_missing_optional_columns_are_skipped(run_copy, tmp_path):
     ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,0,hot\n", "malformed"),
     ("timestamp,gpu_id\nyesterday,0\n", "no samples"),
     ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,1.5,50\n", "not a whole number (1.5)"),
+    # milliseconds: dates no plot can draw (a traceback from matplotlib)
+    ("timestamp,gpu_id,temperature\n1767225600000,0,50\n", "unix seconds up to 2096"),
+    ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,-1,50\n", "gpu_id out of range (-1)"),
 ])
 def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
     csv_path = tmp_path / "gpu_metrics.csv"
@@ -134,6 +137,16 @@ def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
     assert expected in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("time", [1e12, -1e12, float("nan"), float("inf"), True])
+def test_an_event_at_no_drawable_time_is_left_out_and_a_bom_is_read(tmp_path, time):
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_bytes("\ufefftimestamp,gpu_id,temperature\n".encode() +
+                         b"2026-01-01T00:00:00Z,0,50\n2026-01-01T00:00:10Z,0,51\n")
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "failure", "time": time}) + "\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
 
 
 def test_an_out_folder_that_cannot_be_made_is_one_line(generated, tmp_path):

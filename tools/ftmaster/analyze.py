@@ -119,9 +119,13 @@ def series_keys(frame: pd.DataFrame) -> list[str]:
 
 # ---- reading ---------------------------------------------------------------------------------
 
+LATEST_TIME = 4e9
+"""Unix seconds of 2096: a later time (milliseconds, garbage) is no date a plot can draw."""
+
+
 def _header(csv_path: Path) -> list[str]:
     try:
-        with open(csv_path, newline="", errors="replace") as handle:
+        with open(csv_path, newline="", encoding="utf-8-sig", errors="replace") as handle:
             header = next(csv.reader(handle), [])
     except FileNotFoundError as exc:
         raise NoSamples(f"cannot read {csv_path}: {exc.strerror}") from None
@@ -143,7 +147,7 @@ def _parse_times(stamps: pd.Series) -> pd.Series:
     missing = seconds.isna()
     if missing.any():  # parse as numbers only what ISO 8601 did not take
         seconds[missing] = pd.to_numeric(stamps[missing], errors="coerce")
-    return seconds
+    return seconds.where((seconds >= 0) & (seconds <= LATEST_TIME))
 
 
 def load_metrics(csv_path: Path) -> pd.DataFrame:
@@ -154,6 +158,7 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
     chunks = []
     try:
         reader = pd.read_csv(csv_path, usecols=[*REQUIRED, *numeric], dtype=dtypes,
+                             encoding="utf-8-sig",
                              chunksize=CHUNK_ROWS, keep_default_na=False,
                              na_values=["", "nan", "NaN", "N/A", "[N/A]"])
         for chunk in reader:
@@ -164,11 +169,16 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
         raise _fail(f"{csv_path} is malformed ({reason}); expected gpu_metrics.csv rows") from None
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     if frame.empty:
-        raise NoSamples(f"{csv_path} has no samples with a valid timestamp and gpu_id")
+        raise NoSamples(f"{csv_path} has no samples with a valid timestamp (ISO 8601, or unix "
+                        "seconds up to 2096) and gpu_id")
     fractional = frame["gpu_id"][frame["gpu_id"] % 1 != 0]
     if not fractional.empty:  # truncating would merge it into another GPU's samples
         raise _fail(f"{csv_path} has a gpu_id that is not a whole number ({fractional.iloc[0]:g}); "
                     "expected GPU indices 0, 1, ...")
+    outside = frame["gpu_id"][(frame["gpu_id"] < 0) | (frame["gpu_id"] > np.iinfo(np.int32).max)]
+    if not outside.empty:
+        raise _fail(f"{csv_path} has a gpu_id out of range ({outside.iloc[0]:g}); expected GPU "
+                    "indices 0, 1, ...")
     frame["gpu_id"] = frame["gpu_id"].astype("int32")
     return frame
 
@@ -179,7 +189,13 @@ def load_events(csv_path: Path) -> list[dict]:
         events = runfiles.read_events(csv_path.parent)
     except OSError as error:
         raise _fail(f"cannot read {runfiles.events_path(csv_path.parent)}: {error.strerror}") from None
-    return [e for e in events if isinstance(e.get("time"), (int, float))]
+    return [e for e in events if _is_time(e.get("time"))]
+
+
+def _is_time(value: object) -> bool:
+    """Unix seconds a plot can draw (no bool, nan, or millisecond stamp)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 <= value <= LATEST_TIME)
 
 
 def load_trace(target: Path) -> Trace:
