@@ -97,6 +97,15 @@ def test_served_on_loopback_by_default_and_scraped():
     assert 'ftmaster_supervisor_state{Hostname="' in text and 'node_rank="1"' in text
 
 
+def test_an_ipv6_address_is_served_at_a_url_one_can_open():
+    try:
+        _, url = serve_metrics(0, "::1")
+    except MetricsUnavailable:
+        pytest.skip("no IPv6 loopback here")
+    assert url.startswith("http://[::1]:")
+    assert urllib.request.urlopen(url, timeout=5).status == 200
+
+
 def test_a_port_in_use_is_one_clear_error(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -195,7 +195,7 @@ class Metrics:
         assert self.config is not None, "metrics without a config are not served"
         server, _ = start_http_server(self.config.port, self.config.addr, registry=self.registry)
         host, port = server.server_address[:2]
-        return f"http://{host}:{port}/metrics"
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"  # IPv6 in brackets
 
     def close(self) -> None:
         """Nothing to flush: the server thread ends with the process."""
