@@ -129,6 +129,66 @@ def test_a_drain_restarts_without_the_gpu_only_while_its_risk_stays_critical(tmp
     assert (supervisor.attempt.killed, monitor.excluded) == ((True, {1}) if critical else (False, set()))
 
 
+def test_a_drain_whose_save_was_trainings_last_lets_it_complete(tmp_path):
+    """Killing it, then relaunching to train nothing, reported an iteration past the end."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), policy="drain")
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = StubAttempt()
+    supervisor._drain_gpu, supervisor._drain_since = 1, runfiles.append_event(tmp_path, "drain")["time"]
+    runfiles.append_event(tmp_path, "emergency_save", iteration=40)
+    runfiles.write_heartbeat(tmp_path, iteration=40, consumed_samples=0, finished=True)
+    assert supervisor._drained() is None and not supervisor.attempt.killed
+
+
+def test_a_straggler_drain_counts_once_its_gpu_is_retired_not_when_decided(tmp_path):
+    """One cut short by another failure used up the drain window and claimed a result."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = StubAttempt()
+    supervisor._drain_gpu, supervisor._drain_since = 1, runfiles.append_event(tmp_path, "drain")["time"]
+    supervisor._drain_reason, supervisor._drain_step_s = "drained: a straggler", 1.3
+    assert supervisor.stragglers.drain_allowed(time.time())  # decided, not done
+    runfiles.append_event(tmp_path, "emergency_save", iteration=9)
+    assert supervisor._drained() is Trigger.DRAINED
+    assert not supervisor.stragglers.drain_allowed(time.time())
+    assert runfiles.read_events(tmp_path)[-1]["event"] == "straggler_drained"
+    supervisor.stragglers.new_attempt((0, 2, 3), 0)
+    assert supervisor.stragglers.drained_step_s == 1.3
+
+
+def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_said_kept(tmp_path):
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    slower, less_slow = (Found(gpu, Straggler(gpu, 13, 8, factor, 2.0, 20.0, 10.0), 1.0, 0.5)
+                         for gpu, factor in ((1, 2.83), (2, 2.69)))
+    supervisor._weigh_first(slower)
+    supervisor._weigh_first(less_slow)
+    assert supervisor._straggler_to_drain is slower
+    (kept,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"]
+    assert kept["gpu"] == 2 and "GPU 1 is slower and weighed first" in kept["reason"]
+
+
+def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):
+    """2.53 GiB a GPU: the 4 GPUs fit, 3 do not. Draining one gave the job up."""
+    from ftmaster.monitor.daemon import Alert
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), policy="drain",
+                              gpu_memory_gb=2.53, max_restarts=3)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    supervisor._alerts.append(Alert(1, 1.0, ("xid_79",), 0.0))
+    assert supervisor._critical_gpu() is None
+    (cancelled,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "drain_cancelled"]
+    assert cancelled["gpu"] == 1 and "no layout fits 3 GPUs" in cancelled["reason"]
+
+
 def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tmp_path):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))

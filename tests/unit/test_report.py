@@ -319,3 +319,23 @@ def test_a_stop_says_how_training_ended_not_an_exit_status_that_is_not_ftmasters
     from ftmaster.report import describe
 
     assert describe({"event": "stopped", "time": 1.0, "signal": 15, "iteration": 41, **fields}) == text
+
+
+def test_a_straggler_is_drained_only_once_its_gpu_left_and_its_result_is_its_own():
+    """GPU 1's drain was cut short by another failure; GPU 2's was done. The result measured
+    after GPU 2 left is not GPU 1's, and GPU 1 was never drained."""
+    from ftmaster.report import stragglers
+
+    def straggler(at, gpu):
+        return event("straggler", at, gpu=gpu, rank=gpu, iteration=14, since=8, slowdown=3.0,
+                     step_s=1.3, healthy_step_s=0.5)
+
+    events = [straggler(10, 1), event("drain", 11, gpu=1, reason="straggler", decided_by="d1"),
+              event("failure", 12, attempt=1, iteration=15, cause="exit", gpus=[2]),
+              straggler(30, 2), event("drain", 31, gpu=2, reason="straggler", decided_by="d2"),
+              event("straggler_drained", 35, gpu=2),
+              event("straggler_drain_result", 50, attempt=3, step_s=0.9, slowed_step_s=1.3)]
+    first, second = stragglers(events)
+    assert (first["action"], first["step_s_after_drain"]) == (
+        "drain decided, not done (the attempt ended first)", None)
+    assert (second["action"], second["step_s_after_drain"]) == ("drained", 0.9)

@@ -748,18 +748,23 @@ def stragglers(events: list[dict]) -> list[dict]:
     found = []
     for event in (e for e in events if e["event"] == "straggler"):
         later = [e for e in events if e["time"] >= event["time"]]
-        drain = next((e for e in later if e["event"] == "drain" and e.get("gpu") == event["gpu"]
-                      and e.get("reason") == "straggler"), None)
-        kept = next((e for e in later if e["event"] == "straggler_kept"
-                     and e.get("gpu") == event["gpu"]), None)
-        result = next((e for e in later if e["event"] == "straggler_drain_result"), None)
+        mine = [e for e in later if e.get("gpu") == event["gpu"]]
+        drain = next((e for e in mine if e["event"] == "drain" and e.get("reason") == "straggler"),
+                     None)
+        drained = next((e for e in mine if e["event"] == "straggler_drained"), None)
+        kept = next((e for e in mine if e["event"] == "straggler_kept"), None)
+        # The next attempt's, after this GPU left (another drain's came before it did).
+        result = None if drained is None else next(
+            (e for e in later if e["event"] == "straggler_drain_result"
+             and e["time"] >= drained["time"]), None)
         found.append({
             "gpu": event.get("gpu"), "rank": event.get("rank"), "iteration": event.get("iteration"),
             "since": event.get("since"), "slowdown": event.get("slowdown"),
             "step_s": event.get("step_s"), "healthy_step_s": event.get("healthy_step_s"),
-            "action": "drained" if drain else "kept" if kept else "reported",
+            "action": ("drained" if drained else "drain decided, not done (the attempt ended "
+                       "first)" if drain else "kept" if kept else "reported"),
             "decided_by": (drain or {}).get("decided_by") or (kept or {}).get("reason"),
-            "step_s_after_drain": (result or {}).get("step_s") if drain else None})
+            "step_s_after_drain": (result or {}).get("step_s")})
     return found
 
 

@@ -290,6 +290,7 @@ class Supervisor:
                                          config.straggler_drain_window_s)
         self._straggler_to_drain: Found | None = None
         self._drain_reason: str | None = None  # why the GPU being drained goes
+        self._drain_step_s: float | None = None  # a straggler's: the job's step with it
         self.tiers = tiers_of(config.command[1:])
         # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
         # shared folder; with node-local folders, the node of the trainer's rank 0 in the
@@ -784,6 +785,7 @@ class Supervisor:
                                world=self.world, starter=warm)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
+        self._straggler_to_drain = None  # found on the last attempt's figures: weighed no more
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
         self.progress.last_checkpoint = self._last_checkpoint
@@ -892,8 +894,21 @@ class Supervisor:
                         step_s=found.step_s,
                         healthy_step_s=found.healthy_step_s)
             if self.config.drain_stragglers:
-                self._straggler_to_drain = found
+                self._weigh_first(found)
         self._report_drain_result()
+
+    def _weigh_first(self, found: Found) -> None:
+        """One drain at a time: the slowest straggler is weighed; another is kept, and said."""
+        pending = self._straggler_to_drain
+        slower = pending is None or found.straggler.slowdown > pending.straggler.slowdown
+        kept, self._straggler_to_drain = (pending, found) if slower else (found, pending)
+        if kept is not None:
+            self._keep_straggler(kept.gpu, f"GPU {self._straggler_to_drain.gpu} is slower and "
+                                           "weighed first (one drain at a time)")
+
+    def _keep_straggler(self, gpu: int, why: str) -> None:
+        log.info("keeping GPU %d: %s", gpu, why)
+        self._event("straggler_kept", gpu=gpu, reason=why)
 
     def _report_drain_result(self) -> None:
         """After a straggler's drain: the new attempt's step time beside the slowed one's."""
@@ -915,11 +930,15 @@ class Supervisor:
         found, self._straggler_to_drain = self._straggler_to_drain, None
         now = time.time()
         if (found is None or found.gpu not in self.attempt.gpus or len(self.attempt.gpus) < 2
-                or self.membership is not None or self.restarts >= self.config.max_restarts):
+                or self.membership is not None):
+            return None
+        if self.restarts >= self.config.max_restarts:
+            self._keep_straggler(found.gpu, f"no restart left (--max-restarts "
+                                            f"{self.config.max_restarts})")
             return None
         if not self.stragglers.drain_allowed(now):
-            log.info("keeping GPU %d: a straggler was drained less than %g s ago", found.gpu,
-                     self.config.straggler_drain_window_s)
+            self._keep_straggler(found.gpu, f"a straggler was drained less than "
+                                            f"{self.config.straggler_drain_window_s:g} s ago")
             return None
         found = self.stragglers.remeasured(found)
         if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
@@ -935,7 +954,7 @@ class Supervisor:
         if not decision.drain:
             self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
             return None
-        self.stragglers.drained(now, found.step_s)
+        self._drain_step_s = found.step_s
         self._ask_for_a_save(source="straggler", gpu=found.gpu, reason=decision.line)
         self._drain_gpu, self._drain_since = found.gpu, now
         self._drain_reason = (f"drained: a straggler ({found.straggler.slowdown:.2f}x slower "
@@ -955,16 +974,32 @@ class Supervisor:
             alert = self._alerts.popleft()
             if (self.config.policy == "drain" and DEVICE_LOST not in alert.reasons
                     and alert.gpu in self.attempt.gpus and len(self.attempt.gpus) > 1
-                    and self.restarts < self.config.max_restarts):
+                    and self.restarts < self.config.max_restarts
+                    and self._runs_without(alert.gpu)):
                 self._drain_gpu, self._drain_since = alert.gpu, time.time()
-                self._drain_reason = None
+                self._drain_reason, self._drain_step_s = None, None
                 self._event("drain", gpu=alert.gpu, score=alert.score, reasons=list(alert.reasons))
                 return Trigger.CRITICAL_GPU
         return None
 
+    def _runs_without(self, gpu: int) -> bool:
+        """Whether the planner has a layout for the GPUs left without ``gpu``; said when not."""
+        left = [g for g in self.config.gpus if g not in self.retired and g != gpu]
+        try:
+            plan_layout(self.config.command, len(left), self.config.gpus_per_node,
+                        original_world_size=len(self.config.gpus), **self._planner_options())
+        except PlanError as error:
+            log.warning("keeping GPU %d despite its alert: without it no layout fits (%s)",
+                        gpu, error)
+            self._event("drain_cancelled", gpu=gpu, reason=f"no layout without it: {error}")
+            return False
+        return True
+
     def _drained(self) -> Trigger | None:
         if not self._saved_since(self._drain_since):
             return None
+        if (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"):
+            return None  # the save was training's last: it completes, nothing to drain
         if self._drain_reason is None and not self.monitor.still_critical(self._drain_gpu):
             self._event("drain_cancelled", gpu=self._drain_gpu,
                         reason="risk fell below the re-arm level before the restart")
@@ -972,6 +1007,9 @@ class Supervisor:
         self.attempt.kill()
         self._retire({self._drain_gpu: self._drain_reason
                       or "drained: its risk stayed critical after the emergency save"})
+        if self._drain_reason is not None:  # a straggler's: the window and result count from here
+            self.stragglers.drained(time.time(), self._drain_step_s)
+            self._event("straggler_drained", gpu=self._drain_gpu)
         return Trigger.DRAINED
 
     def _saved_since(self, since: float) -> bool:
