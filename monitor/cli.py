@@ -15,7 +15,7 @@ from ftmaster import runfiles
 from ftmaster.faults import TELEMETRY_KINDS, TRAINING_FAULTS, parse_injection
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
-from ftmaster.monitor.backends import BACKEND_NAMES, BackendError, make_backend
+from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
@@ -73,9 +73,22 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
                                "give another --run-dir")
     if (problem := runfiles.layout_problem(run_dir)) is not None:
         raise click.ClickException(problem)
-    with _run_dir_locked(run_dir):
-        _monitor(backend_spec, run_dir, interval, scorer, risk_threshold, num_gpus, seed,
-                 injections, duration, metrics_port, metrics_addr)
+    backend = _backend(backend_spec, num_gpus, seed)  # a bad one leaves no run directory
+    try:
+        with _run_dir_locked(run_dir):
+            _monitor(backend, backend_spec, run_dir, interval, scorer, risk_threshold,
+                     injections, seed, duration, metrics_port, metrics_addr)
+    finally:
+        backend.close()
+
+
+def _backend(backend_spec: str, num_gpus: int, seed: int) -> Backend:
+    try:
+        return make_backend(backend_spec, num_gpus=num_gpus, seed=seed)
+    except ValueError as exc:  # unknown backend name, or ReplayError for a bad file
+        raise (click.ClickException if isinstance(exc, ReplayError) else click.UsageError)(str(exc)) from None
+    except BackendError as exc:
+        raise click.ClickException(f"{backend_spec} backend unavailable: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -93,16 +106,10 @@ def _run_dir_locked(run_dir: Path) -> Iterator[None]:
                                    f"({error.strerror}); give a writable --run-dir") from None
 
 
-def _monitor(backend_spec: str, run_dir: Path, interval: float, scorer: str,
-             risk_threshold: float, num_gpus: int, seed: int, injections: list,
-             duration: float | None, metrics_port: int | None, metrics_addr: str) -> None:
+def _monitor(backend: Backend, backend_spec: str, run_dir: Path, interval: float, scorer: str,
+             risk_threshold: float, injections: list, seed: int, duration: float | None,
+             metrics_port: int | None, metrics_addr: str) -> None:
     replaying = backend_spec.startswith("replay:")
-    try:
-        backend = make_backend(backend_spec, num_gpus=num_gpus, seed=seed)
-    except ValueError as exc:  # unknown backend name, or ReplayError for a bad file
-        raise (click.ClickException if isinstance(exc, ReplayError) else click.UsageError)(str(exc)) from None
-    except BackendError as exc:
-        raise click.ClickException(f"{backend_spec} backend unavailable: {exc}") from None
     logging.basicConfig(level=logging.ERROR if replaying else logging.WARNING,
                         format="%(asctime)s monitor %(levelname)s %(message)s")
     try:
@@ -111,7 +118,6 @@ def _monitor(backend_spec: str, run_dir: Path, interval: float, scorer: str,
                           config=MonitorConfig(interval_s=0.0 if replaying else interval),
                           injections=injections, seed=seed)
     except (MetricsFileError, OSError) as exc:
-        backend.close()
         raise click.ClickException(str(exc)) from None
     if metrics_port is not None:
         try:

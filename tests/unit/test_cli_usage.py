@@ -33,10 +33,12 @@ from ftmaster.cli import main
     (["monitor", "--run-dir", "x", "--duration", "1e10"],  # beyond a thread's wait
      "Invalid value for '--duration': 10000000000.0 is not in the range 0<=x<=1000000000.0."),
 ])
-def test_a_usage_error_is_one_line(args, message):
+def test_a_usage_error_is_one_line(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {message}\n"
+    assert not (tmp_path / "x").exists()  # refused before any run directory is made
 
 
 def test_no_command_prints_the_help():
