@@ -85,7 +85,7 @@ class FolderClaim:
 
     def __init__(self, folder: Path, job: str, run_dir: Path, flag: str = "--save") -> None:
         self.folder = Path(folder) / HOLDERS_DIR
-        self.job, self.flag = job, flag
+        self.flag = flag
         self._key = hashlib.sha1(job.encode()).hexdigest()[:16]
         self._record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
                         "run_dir": str(run_dir)}

@@ -544,11 +544,11 @@ class Supervisor:
                     "the end of its schedule: resuming it", self._state_iteration())
         return self._failure("exit", iteration, [], {"torchrun": 0})
 
-    def _complete(self) -> Trigger:
+    def _complete(self, tell_peers: bool = True) -> Trigger:
         self._follow_events()
         self._event("complete", iteration=self._state_iteration())
         log.info("training complete at iteration %d", self._state_iteration())
-        if self.membership is not None:
+        if tell_peers and self.membership is not None:
             self.membership.end_job("complete")
         return Trigger.COMPLETED
 
@@ -560,10 +560,8 @@ class Supervisor:
         if self.attempt is not None:
             self.attempt.kill()
         if finished:
-            self._event("complete", iteration=self._state_iteration())
             log.warning("the job's rendezvous is gone (%s), after training finished", lost)
-            log.info("training complete at iteration %d", self._state_iteration())
-            return Trigger.COMPLETED
+            return self._complete(tell_peers=False)  # no store left to tell them through
         self._event("store_lost", reason=str(lost))
         log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
         return Trigger.STORE_LOST
