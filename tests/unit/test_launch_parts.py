@@ -241,10 +241,29 @@ def test_injections_fire_once_and_recover_waits_for_its_gpu_to_be_lost():
 def test_an_injection_after_an_event_waits_until_the_supervisor_saw_it():
     fail = parse_injection("fail:gpu=1,at=iter:12,after=emergency_save")
     injector = Injector((fail,))
-    injector.saw("risk_alert")
+    injector.saw({"event": "risk_alert"})
     assert injector.take_due(30, 100.0, frozenset()) == []
-    injector.saw("emergency_save")
+    injector.saw({"event": "emergency_save"})
     assert injector.take_due(30, 100.0, frozenset()) == [fail]
+
+
+def test_an_armed_injection_the_attempt_never_reached_is_handed_to_the_next():
+    nan, slow = parse_injection("nan:gpu=1,at=iter:20"), parse_injection("slow:gpu=0,at=iter:8,factor=2")
+    injector = Injector((nan, slow))
+    assert injector.take_armed([0, 1]) == [nan, slow]
+    injector.trained(12)  # the attempt died at iteration 12: past the slowdown, not the NaN
+    assert injector.take_armed([0, 1]) == [nan]
+    injector.saw({"event": "nonfinite", "iteration": 20})  # the poisoned step, then its end
+    assert injector.take_armed([0, 1]) == []
+    assert injector.pending == []
+
+
+def test_an_armed_injection_for_a_gpu_left_out_waits_for_an_attempt_on_it():
+    nan = parse_injection("nan:gpu=1,at=iter:20")
+    injector = Injector((nan,))
+    assert injector.take_armed([0, 1]) == [nan]
+    assert injector.take_armed([0]) == []  # ended at once; the next attempt runs without GPU 1
+    assert injector.take_armed([0, 1]) == [nan]
 
 
 # -- listener --------------------------------------------------------------------------------

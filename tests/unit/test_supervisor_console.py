@@ -392,7 +392,8 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     supervisor = Supervisor(config, QuietMonitor())
     assert supervisor._armed_injections((0, 1, 3)) == {}  # not on these GPUs
     assert supervisor._armed_injections((0, 2, 3)) == {"FTMASTER_INJECT_NAN": "1:7"}
-    assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once
+    supervisor.injector.trained(7)
+    assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once, and reached
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]
 
 

@@ -209,9 +209,19 @@ class Injector:
     def __init__(self, injections: tuple[Injection, ...]) -> None:
         self.pending = list(injections)
         self.seen_events: set[str] = set()
+        self.handed: list[Injection] = []
+        """The armed injections handed to the running attempt."""
+        self.reached: int | None = None
+        """The furthest iteration the running attempt is known to have trained."""
 
-    def saw(self, event: str) -> None:
-        self.seen_events.add(event)
+    def saw(self, event: dict) -> None:
+        self.seen_events.add(event["event"])
+        if event["event"] == "nonfinite":  # a poisoned step that killed the attempt counts
+            self.trained(event.get("iteration"))
+
+    def trained(self, iteration: int | None) -> None:
+        if isinstance(iteration, int) and (self.reached is None or iteration > self.reached):
+            self.reached = iteration
 
     def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
         seen = frozenset(self.seen_events)
@@ -223,10 +233,14 @@ class Injector:
 
     def take_armed(self, gpus: Sequence[int]) -> list[Injection]:
         """The injections handed to the attempt that runs on these GPUs, at its launch
-        (once): ``nan``, and ``slow`` at an iteration, so that it starts exactly there."""
+        (once): ``nan``, and ``slow`` at an iteration, so that it starts exactly there. Those
+        the last attempt ended before reaching are pending again: that fault never happened."""
+        self.pending.extend(i for i in self.handed
+                            if self.reached is None or i.at_iteration > self.reached)
         taken = [i for i in self.pending if _armed(i) and i.gpu in gpus]
         for injection in taken:
             self.pending.remove(injection)
+        self.handed, self.reached = taken, None
         return taken
 
 
@@ -584,6 +598,7 @@ class Supervisor:
         last, _ = self._progress
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
+            self.injector.trained(iteration)
             if last is None and self.attempt.number > 1:
                 # The poll may first see a later iteration than the first one completed.
                 first = heartbeat.get("first_iteration") or iteration
@@ -594,7 +609,7 @@ class Supervisor:
         """Show the trainer's new events and keep what the decisions need."""
         for event in new_events(self.events_tail):
             self._tell("observe_event", event)
-            self.injector.saw(event["event"])
+            self.injector.saw(event)
             described = describe_event(event)
             if described is not None:
                 log.log(*described)
