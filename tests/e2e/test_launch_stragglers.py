@@ -66,6 +66,9 @@ def test_drain_stragglers_relaunches_without_the_gpu_when_the_cost_model_says_so
     assert "straggler: draining GPU 1: the job runs" in result.stdout
     first, second = events(run_dir, "launch")
     assert first["gpus"] == [0, 1, 2, 3] and second["gpus"] == [0, 2, 3]
+    # The plan estimates as the drain's decision did, not from attempt 1's slowed steps.
+    assert events(run_dir, "plan")[-1]["estimated_step_seconds"] == pytest.approx(
+        drain["estimated_step_s"])
     (after,) = events(run_dir, "straggler_drain_result")
     assert after["attempt"] == 2 and after["slowed_step_s"] == drain["step_s"]
     (loaded,) = events(run_dir, "checkpoint_loaded")

@@ -437,6 +437,23 @@ def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_tha
     assert supervisor._original_step_s == expected
 
 
+def test_an_attempt_a_straggler_is_drained_from_calibrates_the_planner_without_its_slowdown(tmp_path):
+    """Its logged steps were slowed: the plan after the drain estimates from the step the drain
+    was decided on, not from them."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt, supervisor.plan = object(), config.first_plan
+    supervisor.progress = Progress(tmp_path / "log", 10, 0)
+    supervisor.progress.step_ms = [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]
+    supervisor._unslowed_step_s = 0.21
+    supervisor._measure_original_layout()
+    assert supervisor._original_step_s == 0.21
+
+
 class FakeAttempt:
     number = 3
     killed = False

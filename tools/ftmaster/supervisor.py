@@ -305,6 +305,9 @@ class Supervisor:
         self._straggler_to_drain: Found | None = None
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self._drain_step_s: float | None = None  # a straggler's: the job's step with it
+        self._unslowed_step_s: float | None = None
+        """The step this attempt's layout takes without the straggler it is draining (the
+        drain's calibration): its own steps were slowed."""
         self.tiers = tiers_of(config.command[1:])
         # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
         # shared folder; with node-local folders, the node of the trainer's rank 0 in the
@@ -799,6 +802,7 @@ class Supervisor:
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         self._straggler_to_drain = None  # found on the last attempt's figures: weighed no more
+        self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
         self.progress.last_checkpoint = self._last_checkpoint
@@ -967,7 +971,7 @@ class Supervisor:
         if not decision.drain:
             self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
             return None
-        self._drain_step_s = found.step_s
+        self._drain_step_s, self._unslowed_step_s = found.step_s, found.calibration_s()
         self._ask_for_a_save(source="straggler", gpu=found.gpu, reason=decision.line)
         self._drain_gpu, self._drain_since = found.gpu, now
         self._drain_reason = (f"drained: a straggler ({found.straggler.slowdown:.2f}x slower "
@@ -1101,10 +1105,14 @@ class Supervisor:
 
     def _measure_original_layout(self) -> None:
         """The step time of an attempt on the original layout (median of its logged
-        iterations after the first two), which calibrates the planner's cost model."""
+        iterations after the first two, or without a straggler drained from it), which
+        calibrates the planner's cost model."""
         original = self.config.first_plan
         if (self.attempt is None or original is None or self.plan is None
                 or self.plan.as_json() != original.as_json()):
+            return
+        if self._unslowed_step_s is not None:  # the drain's decision line and the plan agree
+            self._original_step_s = self._unslowed_step_s
             return
         steps = self.progress.step_ms[2:]
         if steps:
