@@ -46,6 +46,7 @@ MEMORY_HEADROOM = 1.1
 TIERS = ("memory", "disk")
 _LOCK_NAME = ".ftmaster_tracker.lock"
 _PIN_NAME = ".ftmaster_persisting"
+_WHOLE_NAME = ".ftmaster_whole"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 COMMON_FILE = "common.pt"  # the non-sharded state, torch.save'd by rank 0
 CONFIG_FILE = "metadata.json"  # megatron-core's CheckpointingConfig
@@ -268,13 +269,8 @@ def set_tracker(save_dir: Path, iteration: int) -> None:
 def pin(memory_dir: Path, iteration: int) -> bool:
     """Mark memory checkpoint ``iteration`` as read by a persist copy, so that pruning spares
     it; False (nothing pinned) when it is no longer complete (here, or held in part for a
-    copy from the peers). Under the tier's lock, as pruning is, so that it cannot be removed
-    between the check and the mark."""
-    with tracker_lock(memory_dir):
-        if known_manifest_name(iteration_dir(memory_dir, iteration)) is None:
-            return False
-        atomic_write_text(Path(memory_dir) / _PIN_NAME, f"{iteration}\n", durable=False)
-        return True
+    copy from the peers)."""
+    return _mark(memory_dir, _PIN_NAME, iteration)
 
 
 def unpin(memory_dir: Path) -> None:
@@ -282,16 +278,49 @@ def unpin(memory_dir: Path) -> None:
 
 
 def pinned(memory_dir: Path) -> int | None:
+    return _marked(memory_dir, _PIN_NAME)
+
+
+def mark_whole(memory_dir: Path, iteration: int) -> bool:
+    """Across nodes: mark memory checkpoint ``iteration`` as the newest of which this node's
+    folder holds every file (its peers' shards copied in), so that neither a slot refill nor
+    pruning takes it while a newer one is still being copied: a node lost then leaves this
+    copy to resume from. False (nothing marked) when it is gone."""
+    return _mark(memory_dir, _WHOLE_NAME, iteration)
+
+
+def whole_here(memory_dir: Path) -> int | None:
+    return _marked(memory_dir, _WHOLE_NAME)
+
+
+def _mark(memory_dir: Path, name: str, iteration: int) -> bool:
+    # Under the tier's lock, as pruning and slot refills are, so that the checkpoint cannot
+    # be removed or refilled between the check and the mark.
+    with tracker_lock(memory_dir):
+        if known_manifest_name(iteration_dir(memory_dir, iteration)) is None:
+            return False
+        atomic_write_text(Path(memory_dir) / name, f"{iteration}\n", durable=False)
+        return True
+
+
+def _marked(memory_dir: Path, name: str) -> int | None:
     try:
-        return int((Path(memory_dir) / _PIN_NAME).read_text().strip())
+        return int((Path(memory_dir) / name).read_text().strip())
     except (OSError, ValueError):
         return None
 
 
+def kept_memory_checkpoints(memory_dir: Path) -> set[int]:
+    """What neither pruning nor a slot refill may take: the one a persist copy reads, the
+    newest whole copy of a node-local tier's, and the one the tracker names."""
+    return {it for it in (pinned(memory_dir), whole_here(memory_dir), read_tracker(memory_dir))
+            if it is not None}
+
+
 def prunable_memory_checkpoints(memory_dir: Path, newest: int, kept: Iterable[int] = ()) -> list[int]:
-    """Memory checkpoints older than ``newest`` (just completed), except the one a persist
-    copy reads, the one the tracker names and those ``kept`` (the trainer's other slot)."""
-    keep = {newest, pinned(memory_dir), read_tracker(memory_dir), *kept}
+    """Memory checkpoints older than ``newest`` (just completed), except those
+    :func:`kept_memory_checkpoints` names and those ``kept`` (the trainer's other slot)."""
+    keep = {newest, *kept_memory_checkpoints(memory_dir), *kept}
     return [it for it in list_iterations(memory_dir) if it < newest and it not in keep]
 
 

@@ -15,10 +15,11 @@ the same inside a regular ``torch_dist`` checkpoint, which still loads under any
 
 Slots are used in turn, so the newest complete checkpoint is never written over. Before a
 slot is refilled, rank 0 removes its manifest and ``.metadata`` and renames it to the new
-iteration's folder, under the tier's lock, and only when no persist copy has pinned it and the
-tracker does not name it: a rank killed mid-copy leaves a folder no loader accepts. The tier
-then holds at most two checkpoints plus the one being written (a pinned slot is left to the
-pruning, and a fresh folder is written instead).
+iteration's folder, under the tier's lock, and only when no persist copy has pinned it, the
+tracker does not name it and, across nodes, it is not the node's newest whole copy while a
+newer one is still being copied from the peers: a rank killed mid-copy leaves a folder no
+loader accepts. The tier then holds at most two checkpoints plus the one being written (a
+kept slot is left to the pruning, and a fresh folder is written instead).
 
 A structure change (a new layout, a new optimizer state) drops both slots: their checkpoints
 stay until pruned, and the next two saves set up new ones.
@@ -38,8 +39,8 @@ import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ftmaster.recovery.checkpoints import (DCP_METADATA_FILE, iteration_dir, pinned, read_tracker,
-                                           tracker_lock)
+from ftmaster.recovery.checkpoints import (DCP_METADATA_FILE, iteration_dir,
+                                           kept_memory_checkpoints, tracker_lock)
 from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
 from ftmaster.replication import writer_rank
 
@@ -206,13 +207,12 @@ class MemorySlots(RecordWriter):
 
     def claim(self, iteration: int | None, target: Path) -> bool:
         """Rank 0: make the slot of ``iteration`` the folder ``target`` (True), or make
-        ``target`` afresh when that checkpoint is pinned by a persist copy, named by the
-        tracker, or gone."""
+        ``target`` afresh when that checkpoint is pinned by a persist copy, is a node-local
+        tier's newest whole copy, is named by the tracker, or is gone."""
         if iteration is not None and not target.exists():
             previous = iteration_dir(self.memory_dir, iteration)
             with tracker_lock(self.memory_dir):
-                if (previous.is_dir() and pinned(self.memory_dir) != iteration
-                        and read_tracker(self.memory_dir) != iteration):
+                if previous.is_dir() and iteration not in kept_memory_checkpoints(self.memory_dir):
                     for name in (MANIFEST_NAME, DCP_METADATA_FILE):  # no longer loadable
                         (previous / name).unlink(missing_ok=True)
                     previous.rename(target)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, pin
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, mark_whole, pin
 from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
 from megatron.training.memory_slots import MemorySlots, copy_bytes
@@ -86,7 +86,7 @@ def test_a_new_structure_drops_both_slots(tmp_path, slots):
     assert slots.kept_iterations() == {3}
 
 
-def test_a_pinned_or_tracked_slot_is_never_refilled(tmp_path, slots):
+def test_a_pinned_tracked_or_whole_slot_is_never_refilled(tmp_path, slots):
     for iteration in (1, 2):
         save(slots, tmp_path, iteration, state(iteration))
     assert pin(tmp_path, 1)  # a persist copy reads iteration 1
@@ -95,6 +95,9 @@ def test_a_pinned_or_tracked_slot_is_never_refilled(tmp_path, slots):
     advance_tracker(tmp_path, 2)  # the tracker names the slot's checkpoint
     refilled, _ = save(slots, tmp_path, 4, state(4))
     assert not refilled and (iteration_dir(tmp_path, 2) / MANIFEST_NAME).exists()
+    assert mark_whole(tmp_path, 3)  # across nodes: the newest copy whole here
+    refilled, _ = save(slots, tmp_path, 5, state(5))
+    assert not refilled and (iteration_dir(tmp_path, 3) / MANIFEST_NAME).exists()
 
 
 def test_a_refilled_slot_loses_its_manifest_and_metadata_before_the_copy(tmp_path, slots):

@@ -19,7 +19,7 @@ from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
                               with_memory_dir)
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
-                                           prunable_memory_checkpoints, read_tracker,
+                                           mark_whole, prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
 from megatron.training.checkpointing import prune_memory_checkpoints, set_aside_newer
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
@@ -213,13 +213,14 @@ def test_memory_pruning_removes_what_a_resume_set_aside(tmp_path):
     assert list_iterations(memory) == [6] and not discarded.exists()
 
 
-def test_pruning_keeps_the_newest_the_pinned_and_the_tracked(tmp_path):
+def test_pruning_keeps_the_newest_the_pinned_the_whole_and_the_tracked(tmp_path):
     memory = tmp_path / "memory"
-    for iteration in (2, 4, 6, 8):
+    for iteration in (1, 2, 4, 6, 8):
         fake_checkpoint(memory, iteration)
     pin(memory, 4)
+    assert mark_whole(memory, 2)
     tracker_path(memory).write_text("6\n")
-    assert prunable_memory_checkpoints(memory, 8) == [2]
+    assert prunable_memory_checkpoints(memory, 8) == [1]
 
 
 def test_candidates_come_from_both_tiers_newest_first_memory_on_a_tie(tmp_path):

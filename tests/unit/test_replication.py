@@ -12,7 +12,7 @@ from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_cl
 import json
 
 from ftmaster.persist import PersistError, PersistSuperseded, persist
-from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker, whole_here
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
                                         digest_file, read_manifest, write_manifest)
 from ftmaster.replication import (Agreed, MemoryAgreement, Replication, ReplicationConfig,
@@ -116,6 +116,9 @@ def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker
             [".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
              "__3_0.distcp", MANIFEST_NAME])
     assert read_tracker(folders[1]) == 4  # node 0's tracker is the trainer's to move
+    # Each node keeps its whole copy from the trainer's next slot refill (on node 0 the
+    # tracker names the newest save, whole there or not).
+    assert [whole_here(folder) for folder in folders] == [4, 4]
 
 
 def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):

@@ -42,7 +42,7 @@ from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, Pee
                                  PeerServer, fill_from_peer, manifest_files, write_manifest,
                                  write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
-                                           set_tracker)
+                                           mark_whole, set_tracker)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
                                         digest_bytes, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
@@ -454,7 +454,8 @@ class Replication:
             manifest = (folder / MANIFEST_NAME).read_bytes()
         else:
             manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
-        files = sorted(manifest_files(manifest, iteration, "the manifest"))
+        listed = manifest_files(manifest, iteration, "the manifest")
+        files = sorted(listed)
         if not (folder / MANIFEST_NAME).is_file():  # what the peers read to copy or persist
             write_manifest(folder, manifest, HELD_MANIFEST_NAME)
         if peers.rank0 is not None:
@@ -470,6 +471,10 @@ class Replication:
         if peers.rank0 is not None and (folder / MANIFEST_NAME).is_file():
             advance_tracker(self.config.memory_dir, iteration)  # this node's copy is whole
             (folder / HELD_MANIFEST_NAME).unlink(missing_ok=True)
+        if all(_has_size(folder / name, expected.bytes) for name, expected in listed.items()):
+            # Kept from the trainer's next slot refill: on the node of rank 0 the tracker
+            # names the newest save, whole here or not.
+            mark_whole(self.config.memory_dir, iteration)
 
     def _client(self, url: str, peers: Peers) -> PeerClient:
         # Every node of the round has the secret; one may start serving with it a moment
