@@ -88,3 +88,16 @@ def test_the_page_renders_in_headless_chromium(page, tmp_path):
     pixels = plt.imread(shot)
     assert pixels.shape[:2] == (3000, 1280)
     assert pixels[:1500].std() > 0.05  # figures and text drawn, not a blank page
+
+
+def test_the_timeline_table_names_an_exit_save_as_the_report_does(tmp_path):
+    from helpers.synth_run import event, launch, write_run
+
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2),
+        event("periodic_save", 30, iteration=12, seconds=0.2, bytes=1000, kind="exit",
+              started_at=T0 + 29.8),
+        event("stopped", 31, signal="SIGTERM", exit_code=0)], {1: []})
+    assert run_report(run_dir).exit_code == 0
+    body = text_of((run_dir / "report.html").read_text())
+    assert "<td>exit_save</td>" in body and "<td>periodic_save</td>" not in body

@@ -186,6 +186,10 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "periodic_save", "time": 2, "started_at": "noon"}\n', "a finite number"),
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": "1.5"}\n',
      '"seconds" of a startup event must be a finite number, not "1.5"'),
+    ('{"event": "launch", "time": 1, "attempt": 1, "gpus": 5}\n',
+     '"gpus" of a launch event must be a list of integers, not 5'),
+    ('{"event": "launch", "time": 1, "attempt": 1, "gpus": "01"}\n', 'not "01"'),
+    ('{"event": "straggler", "time": 2, "gpu": "1", "slowdown": 2}\n', '"gpu" of a straggler event'),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:
@@ -211,15 +215,27 @@ def test_a_garbled_iteration_line_is_not_read(tmp_path):
     assert json.loads(result.stdout)["inputs"]["iteration_s"] == 0.05
 
 
-@pytest.mark.parametrize("own", ["events.jsonl", "logs/attempt_1.log"])
+@pytest.mark.parametrize("own", ["events.jsonl", "logs/attempt_1.log", "report.html",
+                                 "heartbeat.json", "ftmaster.lock", "flags/save_now.flag"])
 def test_the_json_is_never_written_over_the_runs_own_files(tmp_path, own):
+    """Nor over the incident page written beside it, nor what a live run reads (any
+    ``save_now`` flag is a save request)."""
     run_dir = two_failures(tmp_path / "run")
+    (run_dir / own).parent.mkdir(exist_ok=True)
+    if not (run_dir / own).exists():
+        (run_dir / own).write_text("{}\n")
     before = (run_dir / own).read_bytes()
     result = run_report(run_dir, "--json-out", run_dir / own)
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"Error: --json-out {run_dir / own} is one of the run's own "
                                      "files: give another path")
     assert (run_dir / own).read_bytes() == before
+
+
+def test_the_json_may_go_into_the_run_dir_under_a_name_of_its_own(tmp_path):
+    run_dir = two_failures(tmp_path / "run")
+    assert run_report(run_dir, "--json-out", run_dir / "incident-2.json").exit_code == 0
+    assert json.loads((run_dir / "incident-2.json").read_text())["failures"]
 
 
 def test_a_missing_run_dir_is_one_line(tmp_path):

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ftmaster import goodput, goodput_cli  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
+from ftmaster.report import INCIDENT_PAGE, event_label  # noqa: E402
 
 RISK_WINDOW_BEFORE_S = 60.0
 """How long before a failure's fault its risk plot starts."""
@@ -76,7 +77,7 @@ img{{max-width:100%}}h2{{border-bottom:1px solid #ddd}}.failure{{margin-bottom:2
 {''.join(sections)}
 </body></html>
 """
-    path = run_dir / "report.html"
+    path = run_dir / INCIDENT_PAGE
     path.write_text(page)
     return path
 
@@ -145,7 +146,7 @@ def _timeline(events: list[dict], start: float) -> str:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     rows = "".join(
-        f"<tr><td class='n'>{human(e['time'] - start)}</td><td>{html.escape(e['event'])}</td>"
+        f"<tr><td class='n'>{human(e['time'] - start)}</td><td>{html.escape(event_label(e))}</td>"
         f"<td>{_event_text(e)}</td></tr>\n" for e in events if _marker_kind(e) or e["event"] in (
             "launch", "complete", "stopped", "gave_up", "resumed"))
     return (f"<h2>Timeline</h2>\n{_png(fig)}\n<table><tr><th>t (s)</th><th>event</th>"

@@ -101,7 +101,9 @@ from typing import Any, NamedTuple
 import click
 
 from ftmaster import runfiles
+from ftmaster.lock import LOCK_NAME
 
+INCIDENT_PAGE = "report.html"
 SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
@@ -171,13 +173,14 @@ SAVE_FIELDS = {"iteration": INT_OR_NULL, "started_at": NUMBER}
 # The fields the report computes with, per event: a wrong type would crash it or, worse,
 # silently mislead (a string of GPU digits iterates as characters). Absent is fine.
 FIELD_TYPES = {
-    "launch": {"attempt": INT_OR_NULL},
+    "launch": {"attempt": INT_OR_NULL, "gpus": INT_LIST},
     "failure": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL, "gpus": INT_LIST},
     "resumed": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL},
     "fault_injected": {"gpu": INT_OR_NULL, "iteration": INT_OR_NULL},
     "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
     "save_deferred": {"iteration": INT_OR_NULL},
     "startup": {"seconds": NUMBER},
+    "straggler": {"gpu": INT_OR_NULL},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
 }
 
@@ -682,7 +685,7 @@ def _derived(event: dict) -> dict:
     return {}
 
 
-def _label(event: dict) -> str:
+def event_label(event: dict) -> str:
     """The timeline's name of an event: a save by its kind (an exit or final save is no
     periodic one), a fault armed at a launch as such."""
     if event["event"] in SAVES and isinstance(event.get("kind"), str):
@@ -736,7 +739,7 @@ def build_report(run_dir: Path) -> dict:
         "run_dir": str(run_dir), "start_time": start,
         **({} if nodes is None else {"nodes": nodes}),
         "timeline": [{"t": e["time"] - start, **_node_of(e), "event": e["event"],
-                      "label": _label(e), "text": describe(e)} for e in events],
+                      "label": event_label(e), "text": describe(e)} for e in events],
         "failures": failure_reports(run_dir, events),
         "stragglers": stragglers(events),
         "outcome": _run_outcome(events),
@@ -748,7 +751,7 @@ def stragglers(events: list[dict]) -> list[dict]:
     found = []
     for event in (e for e in events if e["event"] == "straggler"):
         later = [e for e in events if e["time"] >= event["time"]]
-        mine = [e for e in later if e.get("gpu") == event["gpu"]]
+        mine = [e for e in later if e.get("gpu") == event.get("gpu")]
         drain = next((e for e in mine if e["event"] == "drain" and e.get("reason") == "straggler"),
                      None)
         drained = next((e for e in mine if e["event"] == "straggler_drained"), None)
@@ -892,7 +895,7 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     from ftmaster.incident import write_incident_page
 
     json_out = json_out or run_dir / "report.json"
-    if _is_run_input(json_out, run_dir):
+    if _is_run_file(json_out, run_dir):
         raise ReportError(f"--json-out {json_out} is one of the run's own files: give another path")
     report = build_report(run_dir)
     try:
@@ -907,13 +910,16 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     click.echo(f"\nwrote {json_out} and {page}")
 
 
-def _is_run_input(path: Path, run_dir: Path) -> bool:
-    """Whether ``path`` is a file the run wrote and the report reads: events, samples, logs."""
+def _is_run_file(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is a file of the run's own, or in one of its folders: the report's
+    inputs (events, samples, logs), what a live run reads (heartbeat, lock, flags: any
+    ``save_now`` flag is a save request) and the incident page written beside the JSON."""
     path, run_dir = path.resolve(), run_dir.resolve()
-    if run_dir not in path.parents:
-        return False
-    own = (runfiles.events_path(run_dir).name, runfiles.metrics_csv_path(run_dir).name)
-    return path.name in own or runfiles.logs_dir(run_dir).name in path.relative_to(run_dir).parts
+    if path.parent != run_dir:
+        return run_dir in path.parents
+    own = (runfiles.events_path(run_dir), runfiles.metrics_csv_path(run_dir),
+           runfiles.heartbeat_path(run_dir), run_dir / LOCK_NAME, run_dir / INCIDENT_PAGE)
+    return path.name in {p.name for p in own}
 
 
 def _samples(run_dir: Path):
