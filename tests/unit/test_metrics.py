@@ -65,6 +65,18 @@ def test_events_count_attempts_and_failures_and_time_rto_and_rpo():
     assert value(m, "ftmaster_rto_seconds_count") == 1  # no failure to answer
 
 
+def test_a_relaunch_from_scratch_loses_every_iteration_and_an_earlier_load_is_not_its_own():
+    m = metrics()
+    for event in ({"event": "failure", "cause": "exit", "iteration": 12, "time": 102.0},
+                  {"event": "checkpoint_loaded", "iteration": 10, "time": 108.0},
+                  {"event": "resumed", "attempt": 2, "iteration": 11, "time": 110.0},
+                  {"event": "failure", "cause": "exit", "iteration": 30, "time": 130.0},
+                  {"event": "resumed", "attempt": 3, "iteration": 1, "time": 140.0}):
+        m.observe_event(event)
+    assert value(m, "ftmaster_rpo_iterations_count") == 2
+    assert value(m, "ftmaster_rpo_iterations_sum") == 2 + 30  # from scratch: all 30 lost
+
+
 def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     m = metrics()
     monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)

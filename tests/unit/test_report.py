@@ -272,6 +272,18 @@ def test_a_supervisor_started_again_on_the_run_reports_its_resume(tmp_path):
     assert "failure 1: attempt 1, supervisor_lost at +100.00 s" in result.stdout  # no "on GPU(s) []"
 
 
+def test_a_lost_supervisors_unknown_iteration_is_read_from_the_attempts_log(tmp_path):
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 30, 10, 0.25, 0.5),
+              event("failure", 100, attempt=1, iteration=None, cause="supervisor_lost", gpus=[],
+                    exit_codes={}),
+              launch(100.5, 2, [0, 1], 1, 1, 2), event("resumed", 109, attempt=2, iteration=11)]
+    logs = {1: [iteration_line(n, 20, 200) for n in range(1, 15)], 2: [loaded_line(10, 0.2, 4096)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (failure["iteration"], failure["lost_iterations"]) == (14, 4)
+
+
 @pytest.mark.parametrize("kind, alert_reasons", [
     ("wedge", ["device_lost", "wedged"]),  # the alert came 3.85 s after the wedge
     ("xid", ["xid_79"]),

@@ -241,6 +241,19 @@ def test_a_new_supervisor_continues_the_attempt_numbers_and_records_the_lost_att
     assert Supervisor(config, QuietMonitor()).attempts_before == 2  # recorded once
 
 
+def test_a_lost_attempt_whose_heartbeat_cannot_be_read_ended_at_an_unknown_iteration(tmp_path):
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    runfiles.append_event(tmp_path, "launch", attempt=1)
+    runfiles.heartbeat_path(tmp_path).write_text("garbage")
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    Supervisor(config, QuietMonitor())
+    lost = runfiles.read_events(tmp_path)[-1]
+    assert (lost["cause"], lost["iteration"]) == ("supervisor_lost", None)  # not 0: none lost
+
+
 class FinishedAttempt:
     """An attempt whose ranks finished training but have not exited yet."""
 

@@ -80,7 +80,8 @@ class Recovered:
     rto_s: float
     """From the failure to the first resumed iteration (the report's RTO)."""
     loaded: int | None
-    """The iteration the relaunch loaded, where it said."""
+    """The iteration the relaunch loaded, where it said; else the one before its first (0: it
+    started from scratch)."""
     lost_iterations: int | None
     """The failure's last iteration less the loaded one (the RPO in iterations)."""
 
@@ -96,12 +97,15 @@ class Recoveries:
         """The recovery ``event`` completes, if it does."""
         kind = event.get("event")
         if kind == "failure":
-            self._failure = self._failure or event  # the first of a round is its start
+            if self._failure is None:  # the first of a round is its start
+                self._failure, self._loaded = event, None
         elif kind == "checkpoint_loaded":
             self._loaded = event.get("iteration")
         elif kind == "resumed" and self._failure is not None:
             failure, self._failure = self._failure, None
-            loaded = self._loaded if isinstance(self._loaded, int) else None
+            first = event.get("iteration")
+            loaded = (self._loaded if isinstance(self._loaded, int)
+                      else first - 1 if isinstance(first, int) and first >= 1 else None)
             last = failure.get("iteration")
             return Recovered(max(0.0, event["time"] - failure["time"]), loaded,
                              max(0, last - loaded) if isinstance(last, int) and loaded is not None

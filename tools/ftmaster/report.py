@@ -582,6 +582,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     restart_from = relaunch_log.loaded_iteration
     base = restart_from if restart_from is not None else (checkpoint or {}).get("iteration", 0)
     last = failure.get("iteration")
+    if not isinstance(last, int):  # the heartbeat was unreadable: the log's last line, at least
+        last = max(failed_log.iteration_s, default=None)
     # Survivors may have completed one more iteration than the last heartbeat said.
     lost = max(0, last - base) if isinstance(last, int) else None
     fault_to_failure = None if fault_at is None else failure["time"] - fault_at

@@ -426,15 +426,16 @@ class Supervisor:
                     == last["attempt"] and e["time"] >= last["time"] for e in events)
         if not ended:
             heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
-            iteration = heartbeat.get("iteration", 0)
+            iteration = heartbeat.get("iteration")  # unknown, not 0, when unreadable
             alive = [t for t in (heartbeat.get("time"), events[-1]["time"])
                      if isinstance(t, (int, float))]
             self._event("failure", attempt=last["attempt"], iteration=iteration,
                         cause="supervisor_lost", gpus=[], exit_codes={},
                         lost_at=max(alive, default=None))
-            log.warning("attempt %d of %s ended with the ftmaster that ran it, after iteration "
-                        "%d; continuing as attempt %d", last["attempt"], self.run_dir, iteration,
-                        last["attempt"] + 1)
+            log.warning("attempt %d of %s ended with the ftmaster that ran it, %s; continuing "
+                        "as attempt %d", last["attempt"], self.run_dir,
+                        "at an unknown iteration" if iteration is None
+                        else f"after iteration {iteration}", last["attempt"] + 1)
         return last["attempt"]
 
     def _apply_injections(self, iteration: int | None) -> None:
