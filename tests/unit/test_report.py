@@ -272,6 +272,42 @@ def test_a_supervisor_started_again_on_the_run_reports_its_resume(tmp_path):
     assert "failure 1: attempt 1, supervisor_lost at +100.00 s" in result.stdout  # no "on GPU(s) []"
 
 
+@pytest.mark.parametrize("end", ["gave_up", "stopped"])
+def test_a_failure_that_ended_the_run_has_no_rto_when_ftmaster_is_started_again(tmp_path, end):
+    """The operator's restart minutes later is a new start, not the failure's recovery."""
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("failure", 30, attempt=1, iteration=12, cause="exit", gpus=[1], exit_codes={}),
+              plan(31, [0, 2], 1, 1, 2), launch(32, 2, [0, 2], 1, 1, 2),
+              event(end, 33, reason="the training arguments need fixing", signal="SIGINT"),
+              launch(300, 3, [0, 1, 2], 1, 1, 3), event("resumed", 310, attempt=3, iteration=11),
+              event("complete", 320, iteration=20)]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 20, 100) for n in range(1, 13)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["rto_seconds"] is None and failure["outcome"] != "resumed"
+    assert failure["new_layout"]["gpus"] == [0, 2]  # the relaunch it planned, not attempt 3's
+    assert "RTO                unknown: " in result.stdout
+
+
+def test_a_failure_whose_relaunch_failed_too_recovers_at_the_resume_that_ended_both(tmp_path):
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("failure", 30, attempt=1, iteration=12, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(31, [0, 2], 1, 1, 2), launch(32, 2, [0, 2], 1, 1, 2),
+              event("failure", 34, attempt=2, iteration=None, cause="device_lost", gpus=[2],
+                    exit_codes={}),
+              plan(35, [0], 1, 1, 1), launch(36, 3, [0], 1, 1, 1),
+              event("resumed", 40, attempt=3, iteration=11), event("complete", 50, iteration=20)]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 20, 100) for n in range(1, 13)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    first, second = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (first["outcome"], first["rto_seconds"], first["later_failures"]) == ("resumed", 10.0, 1)
+    assert (second["outcome"], second["rto_seconds"], second["later_failures"]) == ("resumed", 6.0, 0)
+    assert "RTO                10.000 s to iteration 11 (attempt 3), through 1 more failure(s) " \
+           "of its relaunch" in result.stdout
+
+
 def test_a_lost_supervisors_unknown_iteration_is_read_from_the_attempts_log(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 30, 10, 0.25, 0.5),
               event("failure", 100, attempt=1, iteration=None, cause="supervisor_lost", gpus=[],

@@ -29,7 +29,11 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   resumed iteration. The trainer's log lines carry no clock time, so the loaded moment is
   estimated as the ``resumed`` time minus the relaunch log's per-iteration times for the
   iterations after the loaded one (the ``loaded checkpoint`` line's own load duration is
-  given as ``load_seconds``). Without those times both of these phases are null.
+  given as ``load_seconds``). Without those times both of these phases are null. A failure
+  whose relaunch failed in turn before resuming recovers at the resume that ended the later
+  failures too (``later_failures`` counts them; its phases are those of its own relaunch). A
+  node that gave up or was stopped first ends its failures unresumed: an ftmaster started
+  again on the run directory later starts anew.
 * **start-up** (``startup``): the relaunch's ``startup`` event (the first after its launch):
   the start-up phases from the launch to the end of the job's first iteration, each ending
   when its last rank ends it (``megatron.training.startup``), whether its ranks ran on warm
@@ -564,7 +568,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     window = [e for e in events if since < e["time"] <= until]
     failure = _root(rounds[index], window)
     before = [e for e in window if e["time"] <= failure["time"]]
-    after = [e for e in window if e["time"] >= failure["time"] and e is not failure]
+    after = _until_it_ended([e for e in window if e["time"] >= failure["time"] and e is not failure],
+                            failure)
     attempt = failure.get("attempt")
     launched = [e for e in events if e["event"] == "launch" and e.get("attempt") == attempt
                 and e.get("node") == failure.get("node")]
@@ -577,6 +582,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     relaunch = max(relaunches, key=lambda e: e["time"]) if relaunches else None
     relaunch_log = _read_logs(run_dir, [(e.get("node"), e.get("attempt")) for e in relaunches])
     recovery = _recovery(after, failure, plan, relaunch, relaunch_log)
+    if recovery["resumed"] is None:
+        _resumed_through_later_failures(recovery, after, events, failure, until)
 
     checkpoint = _checkpoint(events, failure)
     restart_from = relaunch_log.loaded_iteration
@@ -608,8 +615,36 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
         "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
                     if resumed else None),
         "outcome": "resumed" if resumed else _outcome_after(after),
+        "later_failures": recovery.get("later_failures", 0),
         "new_layout": _layout(plan, relaunches),
     }
+
+
+def _until_it_ended(after: list[dict], failure: dict) -> list[dict]:
+    """A failure's events up to its node giving up or being stopped, that one included: an
+    operator who starts ftmaster again later on the run directory starts anew, and the time
+    until then is no part of the failure's RTO."""
+    end = next((i for i, e in enumerate(after) if e["event"] in ("gave_up", "stopped")
+                and e.get("node") == failure.get("node")), None)
+    return after if end is None else after[:end + 1]
+
+
+def _resumed_through_later_failures(recovery: dict, after: list[dict], events: list[dict],
+                                    failure: dict, until: float) -> None:
+    """A failure whose relaunch failed in turn before resuming (the next failure of its node
+    came at ``until``): its recovery ends at the resume that ended the later ones too, unless
+    its node gave up or was stopped first."""
+    if any(e["event"] in ("gave_up", "stopped") and e.get("node") == failure.get("node")
+           for e in after):
+        return
+    later = _until_it_ended([e for e in events if e["time"] >= until], failure)
+    mine = [e for e in later if e.get("node") == failure.get("node")]
+    resumed = next((e for e in mine if e["event"] == "resumed"), None)
+    if resumed is None:
+        return
+    recovery.update(resumed=resumed, rto_seconds=resumed["time"] - failure["time"],
+                    later_failures=sum(e["event"] == "failure" and e["time"] < resumed["time"]
+                                       for e in mine))
 
 
 # ---- the whole run ---------------------------------------------------------------------------
@@ -834,8 +869,10 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
         return [*lines, f"  RTO                unknown: {f['outcome']}"]
     resumed = f["resumed"]
     where = f"node {resumed['node']} " if "node" in resumed else ""
+    through = (f", through {f['later_failures']} more failure(s) of its relaunch"
+               if f.get("later_failures") else "")
     lines.append(f"  RTO                {_s(f['rto_seconds'])} to iteration "
-                 f"{resumed['iteration']} ({where}attempt {resumed['attempt']})")
+                 f"{resumed['iteration']} ({where}attempt {resumed['attempt']}){through}")
     lines += [f"    {name.replace('_', ' '):<28}{_s(value)}" for name, value in f["phases"].items()]
     lines += _startup_text(f.get("startup"))
     lines.append(f"  RTO from fault     {_s(f['rto_from_fault_seconds'])} (detection: fault to "
