@@ -233,7 +233,9 @@ def test_a_script_that_fails_before_its_first_iteration_twice_is_a_user_error(tm
     assert "boom: --lr is missing" in result.stdout
     failures = events(run_dir, "failure")
     assert [(f["cause"], f["gpus"], f["exit_codes"]) for f in failures] == [("exit", [0], {"0": 3})] * 2
-    assert "before its first iteration 2 times" in only(run_dir, "gave_up")["reason"]
+    gave_up = only(run_dir, "gave_up")
+    assert "before its first iteration 2 times" in gave_up["reason"]
+    assert "boom: --lr is missing" in gave_up["root_cause"]  # for the report
     assert len(events(run_dir, "launch")) == 2
 
 

@@ -290,6 +290,21 @@ def test_a_failure_that_ended_the_run_has_no_rto_when_ftmaster_is_started_again(
     assert "RTO                unknown: " in result.stdout
 
 
+def test_a_give_up_names_what_training_said_of_its_last_failure(tmp_path):
+    said = "error: --save ckpt already holds checkpoints of another run: pass --load ckpt"
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 3, attempt=1, iteration=None, cause="usage", gpus=[], exit_codes={}),
+              event("gave_up", 3.5, reason="the training arguments, or the checkpoint under them, "
+                    "need fixing (above)", requeue=False, root_cause=said)]
+    run_dir = write_run(tmp_path / "run", events, {1: [said]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["root_cause"] == said
+    assert ("RTO                unknown: gave up: the training arguments, or the checkpoint under "
+            "them, need fixing\n  root cause, from training's output:\n    " + said) in result.stdout
+
+
 def test_a_failure_whose_relaunch_failed_too_recovers_at_the_resume_that_ended_both(tmp_path):
     events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
               event("failure", 30, attempt=1, iteration=12, cause="device_lost", gpus=[1], exit_codes={}),

@@ -504,6 +504,13 @@ def _layout(plan: dict | None, relaunches: list[dict]) -> dict | None:
     return layout
 
 
+def _root_cause_after(after: list[dict]) -> str | None:
+    """What training said of the failure that made ftmaster give up (its ``gave_up`` event)."""
+    gave_up = next((e for e in after if e["event"] == "gave_up"), None)
+    cause = None if gave_up is None else gave_up.get("root_cause")
+    return cause if isinstance(cause, str) and cause.strip() else None
+
+
 def _outcome_after(after: list[dict]) -> str:
     """What became of a failure that was not resumed."""
     for event in after:
@@ -615,6 +622,7 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
         "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
                     if resumed else None),
         "outcome": "resumed" if resumed else _outcome_after(after),
+        "root_cause": None if resumed else _root_cause_after(after),
         "later_failures": recovery.get("later_failures", 0),
         "new_layout": _layout(plan, relaunches),
     }
@@ -866,7 +874,12 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
              f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)",
              *_replica_text(f["replica"])]
     if f["outcome"] != "resumed":
-        return [*lines, f"  RTO                unknown: {f['outcome']}"]
+        said = (f.get("root_cause") or "").splitlines()
+        # The console's reason points "(above)" at what training said: here it follows.
+        outcome = f["outcome"].replace(" (above)", "") if said else f["outcome"]
+        return [*lines, f"  RTO                unknown: {outcome}",
+                *(["  root cause, from training's output:", *(f"    {line}" for line in said)]
+                  if said else [])]
     resumed = f["resumed"]
     where = f"node {resumed['node']} " if "node" in resumed else ""
     through = (f", through {f['later_failures']} more failure(s) of its relaunch"

@@ -1042,16 +1042,18 @@ class Supervisor:
                                 cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
             log.error("the run's failures: %s", "; ".join(self._failures))
+            root_cause = self.attempt.root_cause(first_rank, LOG_TAIL_LINES)
             if first_rank is not None:  # a rank ended it: its own words (ftmaster's are above)
-                log.error("root cause, from %s:\n%s", self.attempt.log_path,
-                          self.attempt.root_cause(first_rank, LOG_TAIL_LINES))
-            self._give_up(outcome.reason, outcome.requeue_helps)
+                log.error("root cause, from %s:\n%s", self.attempt.log_path, root_cause)
+            self._give_up(outcome.reason, outcome.requeue_helps, root_cause)
         return outcome.trigger
 
-    def _give_up(self, reason: str, requeue_helps: bool = True) -> None:
+    def _give_up(self, reason: str, requeue_helps: bool = True, root_cause: str | None = None) -> None:
+        """``root_cause``: what training said of the last failure, for the report."""
         self._requeue_helps = requeue_helps
         advice = requeue_advice(requeue_helps)
-        self._event("gave_up", reason=reason, requeue=requeue_helps)
+        self._event("gave_up", reason=reason, requeue=requeue_helps,
+                    **({} if root_cause is None else {"root_cause": root_cause}))
         log.error("giving up: %s; %s", reason, advice)
         if self.membership is not None:
             self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: "
