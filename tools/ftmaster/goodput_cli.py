@@ -24,6 +24,7 @@ import numpy as np
 
 from ftmaster import goodput, report, runfiles
 from ftmaster.goodput import GoodputInputs
+from ftmaster.recovery.cli import FiniteFloatRange
 
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): " + report.DECIMAL)
 
@@ -275,7 +276,7 @@ def _input_options(command):
 @click.command("goodput")
 @click.option("--run-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Read measured save, iteration and restart times from this run directory.")
-@click.option("--gpu-failure-rate", type=float, default=None,
+@click.option("--gpu-failure-rate", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Failures per GPU-hour; the same as --gpu-mtbf-hours 1/RATE.")
 @click.option("--runs", type=int, default=200, show_default=True,
               help="Monte Carlo runs: 0 for the analytic model only, else at least 2.")
@@ -292,8 +293,6 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     if gpu_failure_rate is not None:
         if "gpu_mtbf_hours" in explicit:
             raise click.ClickException("give --gpu-mtbf-hours or --gpu-failure-rate, not both")
-        if gpu_failure_rate <= 0:
-            raise click.ClickException("--gpu-failure-rate must be > 0 failures per GPU-hour")
         explicit["gpu_mtbf_hours"] = 1 / gpu_failure_rate
     measured = measure(run_dir) if run_dir else {}
     measured = {k: v for k, v in measured.items() if k not in explicit}
