@@ -83,11 +83,16 @@ def measure(run_dir: Path) -> dict[str, float]:
 
 
 def model_inputs(explicit: dict, measured: dict) -> GoodputInputs:
-    """The model's inputs: given, else measured, else the defaults."""
+    """The model's inputs: given, else measured, else the defaults. The memory tier's
+    defaults follow the disk's figures as the defaults do each other (a quarter of the block,
+    the disk save's time until durable), so that a run that saved to disk alone is not
+    modelled with a memory tier slower than its disk."""
     chosen = {**measured, **explicit}
     block = chosen.get("save_block_s", GoodputInputs.save_block_s)
     if "save_persist_s" not in chosen:  # the default persist may be below a measured block
         chosen["save_persist_s"] = max(block, GoodputInputs.save_persist_s)
+    chosen.setdefault("memory_save_s", block * GoodputInputs.memory_save_s / GoodputInputs.save_block_s)
+    chosen.setdefault("persist_s", chosen["save_persist_s"])
     return GoodputInputs(**chosen)
 
 
