@@ -62,6 +62,10 @@ def test_at_once_keeps_the_fault_and_fires_now():
     ("slow:gpu=1,factor=nan,at=iter:8", "factor must be a number above 1"),
     ("fail:gpu=1,factor=2,at=iter:8", "factor= is only for slow"),
     ("xid:gpu=1,code=79,factor=2,at=iter:8", "factor= is only for slow"),
+    # str.isdigit takes a superscript, and int() refuses 5000 digits in words of its own
+    ("fail:gpu=\u00b2,at=iter:3", "bad --inject .*gpu must be"),
+    ("fail:gpu=0,at=iter:" + "9" * 5000, "bad --inject .*at=iter:K"),
+    ("xid:gpu=0,code=" + "9" * 5000 + ",at=1s", "bad --inject .*code must be"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, words):
     with pytest.raises(ValueError, match=words):

@@ -178,10 +178,17 @@ def _parse_fields(spec: str, rest: str, kind: Fault) -> dict[str, str]:
     return fields
 
 
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number of at most 18 ASCII digits (``str.isdigit`` takes "²", and
+    ``int`` refuses 5000 digits in words of its own), else None."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 def _parse_code(spec: str, text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    code = _whole_number(text)
+    if code is None or code < 1:
         raise ValueError(f"bad --inject {spec!r}: code must be an XID number like code=79, got {text!r}")
-    return int(text)
+    return code
 
 
 def _parse_factor(spec: str, text: str) -> float:
@@ -196,18 +203,19 @@ def _parse_factor(spec: str, text: str) -> float:
 
 
 def _parse_gpu(spec: str, text: str) -> int:
-    if not text.isdigit():
+    gpu = _whole_number(text)
+    if gpu is None:
         raise ValueError(f"bad --inject {spec!r}: gpu must be a GPU index like gpu=0, got {text!r}")
-    return int(text)
+    return gpu
 
 
 def _parse_at(spec: str, text: str) -> tuple[int | None, float | None]:
     lowered = text.lower()
     if lowered.startswith("iter:"):
-        number = lowered[len("iter:"):]
-        if not number.isdigit():
+        number = _whole_number(lowered[len("iter:"):])
+        if number is None:
             raise ValueError(f"bad --inject {spec!r}: at=iter:K needs a whole K >= 0, got {text!r}")
-        return int(number), None
+        return number, None
     if lowered.endswith("s"):
         try:
             seconds = float(lowered[:-1])
