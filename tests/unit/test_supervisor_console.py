@@ -498,6 +498,47 @@ def test_a_waiting_peer_stops_the_attempt_at_once_or_after_an_agreed_save(tmp_pa
     assert runfiles.trigger_flag_path(tmp_path).exists() == (policy == "at-save")
 
 
+@pytest.mark.parametrize("save, completes", [
+    ({"kind": "final", "iteration": 8}, True),
+    ({"kind": "periodic", "iteration": 10}, True),  # at --train-iters: the schedule's end
+    ({"kind": "periodic", "iteration": 6}, False),
+    ({"kind": "final", "iteration": 8, "tier": "memory"}, False),
+])
+def test_a_failure_after_trainings_last_checkpoint_is_durable_completes_the_run(
+        tmp_path, save, completes):
+    """A GPU lost, or a rank killed in its exit, after the last save: a relaunch would only
+    load that checkpoint and end (and report a resume past the schedule)."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    command = [*MODEL, "--train-iters", "10"]
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(command), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = attempt = FakeAttempt()
+    runfiles.append_event(tmp_path, "periodic_save", **save)
+    if completes:
+        assert supervisor._failure("device_lost", 8, [1], {}) is Trigger.COMPLETED and attempt.killed
+        assert [e["event"] for e in runfiles.read_events(tmp_path)][-1] == "complete"
+    else:
+        supervisor._follow_events()
+        assert supervisor._schedule_saved is None
+
+
+def test_a_fault_on_a_retired_gpu_is_not_injected_nor_recorded(tmp_path):
+    from ftmaster.faults import parse_injection
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.retired[1] = "lost (device_lost)"
+    assert supervisor._apply(parse_injection("fail:gpu=1,at=iter:8"))  # consumed: nothing to do
+    assert 1 not in supervisor.injected_lost and runfiles.read_events(tmp_path) == []
+
+
 class CleanExitAttempt(RankEndingAttempt):
     """Its ranks all ended with status 0, and torchrun too."""
 

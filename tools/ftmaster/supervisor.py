@@ -294,6 +294,7 @@ class Supervisor:
         self._finished_at: float | None = None
         self._resume_point = 0  # the iteration the current attempt starts from
         self._loaded_iteration: int | None = None  # the checkpoint it loaded, once it says so
+        self._schedule_saved: int | None = None  # training's last checkpoint, durable on disk
         self._nonfinite_from: set[int] = set()  # checkpoints a NaN loss came back from
         self._nonfinite_again = False
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
@@ -448,6 +449,9 @@ class Supervisor:
 
     def _apply(self, injection: Injection) -> bool:
         gpu, kind = injection.gpu, injection.kind
+        if gpu in self.retired and kind is not Fault.RECOVER:
+            log.warning("not injected: %s: GPU %d is retired (%s)", injection, gpu, self.retired[gpu])
+            return True
         if kind in (Fault.FAIL, Fault.HANG, Fault.XID, Fault.SLOW) and self.attempt is not None \
                 and gpu in self.attempt.gpus:
             pid = self.attempt.pid_on_gpu(gpu)
@@ -555,6 +559,23 @@ class Supervisor:
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         return heartbeat is None or heartbeat.get("finished") is not False
 
+    def _ends_the_schedule(self, save: dict) -> bool:
+        """Whether ``save`` is training's last, on disk: its final save, or the periodic one at
+        ``--train-iters``."""
+        train_iters = flag_value(self.config.command[1:], "--train-iters")
+        return save.get("tier", "disk") == "disk" and isinstance(save.get("iteration"), int) and (
+            save.get("kind") == "final" or str(save["iteration"]) == train_iters)
+
+    def _complete_despite(self, cause: str) -> Trigger:
+        """Training's schedule ended with its last checkpoint durable on disk before its
+        processes failed (a GPU lost, a rank killed in its exit): nothing is left to train,
+        and a relaunch would only load that checkpoint and end."""
+        log.warning("training's last checkpoint, iteration %d, is durable: the %s that came after "
+                    "it ends nothing", self._schedule_saved, cause)
+        self.attempt.kill()
+        self._progress = (self._schedule_saved, time.monotonic())
+        return self._complete()
+
     def _stopped_early(self, iteration: int | None) -> Trigger:
         """Training saved and exited on a SIGTERM that ftmaster did not send (one rank
         signalled from outside): a failure, resumed from the checkpoint it saved."""
@@ -624,6 +645,8 @@ class Supervisor:
                     self.progress.last_checkpoint = event
             elif event["event"] in SAVE_EVENTS:
                 self._last_checkpoint = event
+                if self._ends_the_schedule(event):
+                    self._schedule_saved = event["iteration"]
                 if self.replication is not None and event.get("tier") == "memory":
                     self.replication.saved(event["iteration"])
                 if self.progress is not None:
@@ -736,6 +759,9 @@ class Supervisor:
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
                  first_local_rank: int | None = None) -> Trigger:
+        self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
+        if self._schedule_saved is not None:
+            return self._complete_despite(cause)
         attempt = self.attempt
         room = runfiles.room_problem(self.run_dir) if cause in ("exit", "hang") else None
         if room is not None:  # the ranks' own output had nowhere to go: no GPU is at fault
@@ -744,7 +770,6 @@ class Supervisor:
         self._last_failure = (cause, first_local_rank)
         if self.membership is not None:
             self.membership.announce_failure(cause)  # the other nodes stop (and dump) now
-        self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         unfit = {g: why for g, why in self._unfit_gpus().items() if g in attempt.gpus}
         self._event("failure", attempt=attempt.number, iteration=self._state_iteration(),
@@ -790,6 +815,7 @@ class Supervisor:
         plan, gpus = self.plan, self.next_gpus
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
+        self._schedule_saved = None
         command = self._command_for(number, plan)
         command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
@@ -836,6 +862,7 @@ class Supervisor:
         for injection in armed:
             self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
                         spec=str(injection), iteration=injection.at_iteration, armed=True)
+            log.info("armed %s for the attempt on GPU(s) %s", injection, list(gpus))
         for kind, variable in ((Fault.NAN, NAN_INJECTION_ENV), (Fault.SLOW, SLOW_INJECTION_ENV)):
             specs = [f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
                      + ("" if i.factor is None else f":{i.factor}") for i in armed if i.kind is kind]
