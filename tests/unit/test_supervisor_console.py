@@ -539,6 +539,29 @@ def test_a_fault_on_a_retired_gpu_is_not_injected_nor_recorded(tmp_path):
     assert 1 not in supervisor.injected_lost and runfiles.read_events(tmp_path) == []
 
 
+@pytest.mark.parametrize("code, carried", [(95, True), (13, False)])
+def test_only_an_xid_that_needs_a_reset_fails_the_ranks_started_on_its_gpu_later(tmp_path, code,
+                                                                                 carried):
+    """An application XID blames the program: the relaunch on that GPU runs (it ended runs as
+    'fix the script' after two start-up failures)."""
+    from ftmaster.faults import parse_injection
+    from ftmaster.launch import check_layout
+    from ftmaster.monitor.health import HealthConfig
+    from test_launch_parts import MODEL
+
+    class HealthyMonitor(QuietMonitor):
+        health = HealthConfig()
+        pending_injections: list = []
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None),
+                              injections=(parse_injection(f"xid:gpu=1,code={code},at=iter:8"),))
+    supervisor = Supervisor(config, HealthyMonitor())
+    assert supervisor._apply(config.injections[0])  # no attempt running: its GPU's state only
+    env = supervisor._armed_injections((0, 1, 2, 3))
+    assert ("1:" + str(code) in env.get("FTMASTER_INJECT_CUDA_ERROR", "")) == carried
+
+
 class CleanExitAttempt(RankEndingAttempt):
     """Its ranks all ended with status 0, and torchrun too."""
 

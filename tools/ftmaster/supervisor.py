@@ -284,7 +284,7 @@ class Supervisor:
         self.early_exits_in_row = 0
         self.retired: dict[int, str] = {}  # GPU -> why it is never planned on again
         self.injected_lost: set[int] = set()
-        self.injected_xids: dict[int, int] = {}  # GPU -> XID, until a recover
+        self.injected_xids: dict[int, int] = {}  # GPU -> XID needing a reset, until a recover
         self._rehearses_xids = any(i.kind is Fault.XID for i in config.injections)
         self.signum: int | None = None
         self._stop_requested = threading.Event()
@@ -468,7 +468,9 @@ class Supervisor:
                                   Fault.XID: CUDA_ERROR_SIGNAL}[kind])
         if kind is Fault.FAIL:
             self.injected_lost.add(gpu)
-        elif kind is Fault.XID:
+        elif kind is Fault.XID and injection.code in self.monitor.health.unschedulable_xids:
+            # A GPU that needs a reset fails every rank started on it; after an application
+            # XID (13, 31, 43, 45) a new process runs there as before.
             self.injected_xids[gpu] = injection.code
         elif kind is Fault.RECOVER:
             self.injected_lost.discard(gpu)
