@@ -253,7 +253,9 @@ def test_an_armed_injection_the_attempt_never_reached_is_handed_to_the_next():
     assert injector.take_armed([0, 1]) == [nan, slow]
     injector.trained(12)  # the attempt died at iteration 12: past the slowdown, not the NaN
     assert injector.take_armed([0, 1]) == [nan]
+    assert injector.unfired() == [nan]
     injector.saw({"event": "nonfinite", "iteration": 20})  # the poisoned step, then its end
+    assert injector.unfired() == []
     assert injector.take_armed([0, 1]) == []
     assert injector.pending == []
 

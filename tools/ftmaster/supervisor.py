@@ -243,6 +243,11 @@ class Injector:
         self.handed, self.reached = taken, None
         return taken
 
+    def unfired(self) -> list[Injection]:
+        """What never fired: the pending, and those the last attempt ended before reaching."""
+        return self.pending + [i for i in self.handed
+                               if self.reached is None or i.at_iteration > self.reached]
+
 
 def _armed(injection: Injection) -> bool:
     return injection.kind is Fault.NAN or (injection.kind is Fault.SLOW and injection.after is None
@@ -364,6 +369,8 @@ class Supervisor:
                 state = new_state
                 self._tell("observe_state", state)
                 self._follow_events()  # observers see a failure before the relaunch
+            for injection in self.injector.unfired():  # a rehearsal that rehearsed less than asked
+                log.warning("--inject %s never fired: its moment did not come in this run", injection)
         finally:
             if self.attempt is not None:
                 self.attempt.kill()
