@@ -50,10 +50,6 @@ def launch(run_dir, *args, env=None):
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject",
       "fail:gpu=1,at=iter:3,after=persisted", "--", PRETRAIN, *MODEL],
      "nothing is persisted without the memory tier"),
-    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "fail:gpu=1,at=iter:3",
-      "--inject", "recover:gpu=1,at=1s", "--", PRETRAIN, *MODEL],
-     "--inject recover:gpu=1,at=1s: a lost GPU is retired at once under --policy available "
-     "(recover needs --policy wait), so it would never fire"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],

@@ -29,7 +29,7 @@ from typing import Sequence
 import click
 
 from ftmaster import exit_codes, runfiles
-from ftmaster.faults import GRAMMAR, Fault, Injection, parse_injection
+from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
@@ -131,17 +131,16 @@ def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection,
 
 
 def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str],
-                           cold_restart: bool, policy: str) -> None:
+                           cold_restart: bool) -> None:
     """A fault that can never fire would rehearse nothing, silently: one at an iteration
     training never reaches, or waiting for what this launch never does."""
     for injection in injections:
-        never = _why_never(injection, argv, cold_restart, policy)
+        never = _why_never(injection, argv, cold_restart)
         if never is not None:
             raise InputError(f"--inject {injection}: {never}, so it would never fire")
 
 
-def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool,
-               policy: str) -> str | None:
+def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) -> str | None:
     try:
         last = int_flag(argv, "--train-iters", positive=False)
     except ValueError:  # the trainer's own check says so
@@ -152,8 +151,6 @@ def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool,
         return "no warm worker starts under --cold-restart"
     if injection.after == "persisted" and tiers_of(argv) is None:
         return "nothing is persisted without the memory tier (--non-persistent-ckpt-type global)"
-    if injection.kind is Fault.RECOVER and policy != "wait":
-        return f"a lost GPU is retired at once under --policy {policy} (recover needs --policy wait)"
     return None
 
 
@@ -539,7 +536,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     else:
         run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
-    _check_injections_fire(injections, argv, options["cold_restart"], options["policy"])
+    _check_injections_fire(injections, argv, options["cold_restart"])
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
         gpus_per_node=options["gpus_per_node"], policy=options["policy"],
