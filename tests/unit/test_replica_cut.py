@@ -177,10 +177,21 @@ def test_when_the_supervisor_asks_for_a_dump(tmp_path, cause, culprits, iteratio
     said = []
     recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
                                lambda name, **fields: said.append(fields["reason"]))
-    recovery.dump = lambda attempt: "asked"
+    recovery.dump = lambda attempt, culprits: "asked"
     asked = recovery.dump_if_useful(None, cause, culprits, iteration, dp)
     assert (asked == "asked") == (expected is None)
     assert said == [] if not expected else expected in said[0]
+
+
+def test_the_dump_does_not_wait_for_the_culprits_rank(tmp_path):
+    """A hung rank is stopped and never answers: the dump waited out its whole timeout (20 s)."""
+    from types import SimpleNamespace
+
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save", lambda *a, **k: None)
+    ended, alive = SimpleNamespace(exit_code=0), SimpleNamespace(exit_code=None)
+    attempt = SimpleNamespace(gpus=[0, 3, 5], ranks=lambda: {0: ended, 1: alive, 2: ended})
+    assert not recovery._all_answered(attempt, tmp_path, [])
+    assert recovery._all_answered(attempt, tmp_path, [3])  # local rank 1 runs on GPU 3
 
 
 def test_kill_points_arm_only_this_local_rank(monkeypatch):

@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
@@ -106,11 +106,13 @@ class ReplicaRecovery:
         elif cause == "hang" and not culprits:
             self.fall_back("a hang with no known culprit: any rank may hold a half-done iteration")
         else:
-            return self.dump(attempt)
+            return self.dump(attempt, culprits)
         return None
 
-    def dump(self, attempt: Attempt) -> Path:
-        """Ask every rank of ``attempt`` for its dump; returns the dump folder."""
+    def dump(self, attempt: Attempt, culprits: Sequence[int] = ()) -> Path:
+        """Ask every rank of ``attempt`` for its dump; returns the dump folder. The ranks on
+        the ``culprits`` GPUs are not waited for: a hung rank is stopped, and a failed GPU's
+        rank has no state worth a replica's place."""
         folder = (dump_folder(self.memory_dir, attempt.number) if self.round is None
                   else round_dump_folder(self.memory_dir, self.round[0]))
         shutil.rmtree(folder, ignore_errors=True)
@@ -119,7 +121,7 @@ class ReplicaRecovery:
         runfiles.write_flag(request_flag_path(self.run_dir), folder=str(folder),
                             attempt=attempt.number)
         deadline = start + DUMP_TIMEOUT_S
-        while time.monotonic() < deadline and not self._all_answered(attempt, folder):
+        while time.monotonic() < deadline and not self._all_answered(attempt, folder, culprits):
             time.sleep(0.02)
         seconds, reports = time.monotonic() - start, read_reports(folder)
         dumped = [r for r in reports if r.refused is None]
@@ -130,13 +132,13 @@ class ReplicaRecovery:
                  len(dumped), seconds, size / 1e6)
         return folder
 
-    def _all_answered(self, attempt: Attempt, folder: Path) -> bool:
-        """Every rank has reported or ended (a dead one never will); its report is named after
-        its global rank."""
+    def _all_answered(self, attempt: Attempt, folder: Path, culprits: Sequence[int]) -> bool:
+        """Every rank but the culprits' has reported or ended (a dead one never will); its
+        report is named after its global rank."""
         records, offset = attempt.ranks(), 0 if self.round is None else self.round[1]
-        return all(report_path(folder, offset + local).exists()
+        return all(report_path(folder, offset + local).exists() or gpu in culprits
                    or (local in records and records[local].exit_code is not None)
-                   for local in range(len(attempt.gpus)))
+                   for local, gpu in enumerate(attempt.gpus))
 
     def start_merge(self, folder: Path) -> "Merging":
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
