@@ -562,6 +562,23 @@ def test_only_an_xid_that_needs_a_reset_fails_the_ranks_started_on_its_gpu_later
     assert ("1:" + str(code) in env.get("FTMASTER_INJECT_CUDA_ERROR", "")) == carried
 
 
+@pytest.mark.parametrize("heartbeat, resumed", [
+    ({"iteration": 12, "first_iteration": 11}, 11),
+    ({"iteration": 8, "first_iteration": 9, "finished": True}, None),  # loaded the last: trained none
+])
+def test_a_relaunch_resumes_at_its_first_iteration_only_if_it_trained_one(tmp_path, heartbeat, resumed):
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt, supervisor._progress = FakeAttempt(), (None, 0.0)
+    assert supervisor._track_progress(heartbeat) == heartbeat["iteration"]
+    found = [e["iteration"] for e in runfiles.read_events(tmp_path) if e["event"] == "resumed"]
+    assert found == ([] if resumed is None else [resumed])
+
+
 class CleanExitAttempt(RankEndingAttempt):
     """Its ranks all ended with status 0, and torchrun too."""
 

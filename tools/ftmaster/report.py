@@ -518,6 +518,8 @@ def _outcome_after(after: list[dict]) -> str:
             return f"gave up: {event.get('reason')}"
         if event["event"] == "stopped":
             return "stopped by a signal before resuming"
+        if event["event"] == "complete":
+            return "completed before resuming: nothing was left to train"
     return "not resumed (the run ended or is still recovering)"
 
 

@@ -633,9 +633,10 @@ class Supervisor:
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
             self.injector.trained(iteration)
-            if last is None and self.attempt.number > 1:
-                # The poll may first see a later iteration than the first one completed.
-                first = heartbeat.get("first_iteration") or iteration
+            first = heartbeat.get("first_iteration") or iteration
+            # The poll may first see a later iteration than the first one completed. One that
+            # loaded training's last checkpoint trained nothing: it resumed nothing either.
+            if last is None and self.attempt.number > 1 and first <= iteration:
                 self._event("resumed", attempt=self.attempt.number, iteration=first)
         return iteration
 
