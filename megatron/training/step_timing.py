@@ -60,11 +60,14 @@ class ComputeTimer:
             self._entered = self._mark()
 
     def seconds_so_far(self) -> float:
-        """The compute of the iteration under way until now, the device drained first (a
-        rehearsal's slowdown; never on the measured path)."""
+        """The compute of the iteration under way until now, as its figure will count it: the
+        device drained first on CUDA, the waits for a core left out on CPU (a rehearsal's
+        slowdown: sleeping F - 1 times this makes the figure F times its own; never on the
+        measured path)."""
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - self._host_start
+            return time.perf_counter() - self._host_start
+        return 0.0 if self._start is None else self._mark() - self._start
 
     def previous_microseconds(self) -> int:
         """The last complete iteration's compute; 0 when unknown."""
