@@ -305,6 +305,22 @@ def test_a_give_up_names_what_training_said_of_its_last_failure(tmp_path):
             "them, need fixing\n  root cause, from training's output:\n    " + said) in result.stdout
 
 
+def test_a_failure_whose_ftmaster_was_lost_before_resuming_has_no_rto(tmp_path):
+    """The successor started hours later records the lost attempt: that wait is the operator's,
+    no part of the first failure's recovery."""
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("failure", 100, attempt=1, iteration=12, cause="exit", gpus=[1], exit_codes={}),
+              plan(101, [0, 2], 1, 1, 2), launch(102, 2, [0, 2], 1, 1, 2),
+              event("failure", 10000, attempt=2, iteration=None, cause="supervisor_lost", gpus=[],
+                    exit_codes={}),
+              launch(10001, 3, [0, 2], 1, 1, 2), event("resumed", 10010, attempt=3, iteration=11)]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 20, 100) for n in range(1, 13)]})
+    assert run_report(run_dir).exit_code == 0
+    first, lost = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert first["rto_seconds"] is None and first["outcome"] != "resumed"
+    assert lost["rto_seconds"] == 10.0
+
+
 def test_a_failure_whose_relaunch_failed_too_recovers_at_the_resume_that_ended_both(tmp_path):
     events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
               event("failure", 30, attempt=1, iteration=12, cause="device_lost", gpus=[1], exit_codes={}),

@@ -526,6 +526,24 @@ def test_a_failure_after_trainings_last_checkpoint_is_durable_completes_the_run(
         assert supervisor._schedule_saved is None
 
 
+def test_after_a_relaunch_at_another_global_batch_only_the_final_save_ends_the_schedule(tmp_path):
+    """The relaunch trains to --train-samples: iteration 10 of the first batch is not its end."""
+    from ftmaster.launch import check_layout
+    from ftmaster.recovery.batch_schedule import change_global_batch
+    from test_launch_parts import MODEL
+
+    command = [*MODEL, "--train-iters", "10"]
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(command), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = FakeAttempt()
+    supervisor._training_command = change_global_batch(command, 12, 8)
+    assert "--train-iters" not in supervisor._training_command
+    runfiles.append_event(tmp_path, "periodic_save", kind="periodic", iteration=10)
+    supervisor._follow_events()
+    assert supervisor._schedule_saved is None
+
+
 def test_a_fault_on_a_retired_gpu_is_not_injected_nor_recorded(tmp_path):
     from ftmaster.faults import parse_injection
     from ftmaster.launch import check_layout
@@ -634,11 +652,13 @@ def test_a_give_up_lists_the_runs_failures_and_quotes_no_log_when_ftmaster_ended
     supervisor = Supervisor(config, FailingMonitor())
     supervisor.attempt = RankEndingAttempt()
     supervisor.attempt.root_cause = lambda rank, lines: "iteration 3/400 | an ordinary line"
+    supervisor.attempt.stated_errors = lambda: None  # the trainer said nothing of its own
     supervisor._failure("device_lost", 30, [1], {})
     assert supervisor._decide() is Trigger.GIVE_UP
     assert "the run's failures: attempt 1 failed (device_lost) after iteration 30 on GPU(s) [1]" \
         in caplog.text
     assert "root cause" not in caplog.text and "an ordinary line" not in caplog.text
+    assert "root_cause" not in runfiles.read_events(tmp_path)[-1]  # nor for the report
 
 
 def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):

@@ -276,8 +276,19 @@ class Attempt:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return f"(no training output in {self.log_path})"
+        return self._stated(text) or "\n".join(training_output_tail(text, tail_lines))
+
+    def stated_errors(self) -> str | None:
+        """The errors the trainer stated itself (its first three), or None."""
+        try:
+            return self._stated(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+
+    @staticmethod
+    def _stated(text: str) -> str | None:
         said = [line for line in text.splitlines() if line.startswith(TRAINER_ERROR_PREFIX)]
-        return "\n".join(said[:3] or training_output_tail(text, tail_lines))
+        return "\n".join(said[:3]) or None
 
     def pid_on_gpu(self, gpu: int) -> int | None:
         """The training process bound to ``gpu``, or None when it is not (yet) known."""

@@ -504,16 +504,18 @@ def _layout(plan: dict | None, relaunches: list[dict]) -> dict | None:
     return layout
 
 
-def _root_cause_after(after: list[dict]) -> str | None:
-    """What training said of the failure that made ftmaster give up (its ``gave_up`` event)."""
-    gave_up = next((e for e in after if e["event"] == "gave_up"), None)
+def _root_cause_after(after: list[dict], failure: dict) -> str | None:
+    """What training said of the failure that made its node's ftmaster give up (its
+    ``gave_up`` event)."""
+    gave_up = next((e for e in after if e["event"] == "gave_up"
+                    and e.get("node") == failure.get("node")), None)
     cause = None if gave_up is None else gave_up.get("root_cause")
     return cause if isinstance(cause, str) and cause.strip() else None
 
 
-def _outcome_after(after: list[dict]) -> str:
-    """What became of a failure that was not resumed."""
-    for event in after:
+def _outcome_after(after: list[dict], failure: dict) -> str:
+    """What became of a failure that was not resumed, on its node."""
+    for event in (e for e in after if e.get("node") == failure.get("node")):
         if event["event"] == "gave_up":
             return f"gave up: {event.get('reason')}"
         if event["event"] == "stopped":
@@ -623,19 +625,27 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
         "startup": _startup(after, relaunch),
         "resumed": ({**_node_of(resumed), **{k: resumed.get(k) for k in ("attempt", "iteration")}}
                     if resumed else None),
-        "outcome": "resumed" if resumed else _outcome_after(after),
-        "root_cause": None if resumed else _root_cause_after(after),
+        "outcome": "resumed" if resumed else _outcome_after(after, failure),
+        "root_cause": None if resumed else _root_cause_after(after, failure),
         "later_failures": recovery.get("later_failures", 0),
         "new_layout": _layout(plan, relaunches),
     }
 
 
+def _ends_its_recovery(event: dict, failure: dict) -> bool:
+    """Whether ``event`` ended the recovery of ``failure`` on its node: it gave up, was stopped,
+    lost its rendezvous (a requeue), or the ftmaster recovering it died (its successor's
+    ``supervisor_lost``)."""
+    return event.get("node") == failure.get("node") and (
+        event["event"] in ("gave_up", "stopped", "store_lost")
+        or event["event"] == "failure" and event.get("cause") == "supervisor_lost")
+
+
 def _until_it_ended(after: list[dict], failure: dict) -> list[dict]:
-    """A failure's events up to its node giving up or being stopped, that one included: an
-    operator who starts ftmaster again later on the run directory starts anew, and the time
-    until then is no part of the failure's RTO."""
-    end = next((i for i, e in enumerate(after) if e["event"] in ("gave_up", "stopped")
-                and e.get("node") == failure.get("node")), None)
+    """A failure's events up to the end of its recovery (:func:`_ends_its_recovery`), that
+    one included: an ftmaster started again later on the run directory starts anew, and the
+    time until then is no part of the failure's RTO."""
+    end = next((i for i, e in enumerate(after) if _ends_its_recovery(e, failure)), None)
     return after if end is None else after[:end + 1]
 
 
@@ -644,8 +654,7 @@ def _resumed_through_later_failures(recovery: dict, after: list[dict], events: l
     """A failure whose relaunch failed in turn before resuming (the next failure of its node
     came at ``until``): its recovery ends at the resume that ended the later ones too, unless
     its node gave up or was stopped first."""
-    if any(e["event"] in ("gave_up", "stopped") and e.get("node") == failure.get("node")
-           for e in after):
+    if any(_ends_its_recovery(e, failure) for e in after):
         return
     later = _until_it_ended([e for e in events if e["time"] >= until], failure)
     mine = [e for e in later if e.get("node") == failure.get("node")]

@@ -300,6 +300,7 @@ class Supervisor:
         self._resume_point = 0  # the iteration the current attempt starts from
         self._loaded_iteration: int | None = None  # the checkpoint it loaded, once it says so
         self._schedule_saved: int | None = None  # training's last checkpoint, durable on disk
+        self._training_command: list[str] = list(config.command)  # the running attempt's
         self._nonfinite_from: set[int] = set()  # checkpoints a NaN loss came back from
         self._nonfinite_again = False
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
@@ -571,7 +572,8 @@ class Supervisor:
     def _ends_the_schedule(self, save: dict) -> bool:
         """Whether ``save`` is training's last, on disk: its final save, or the periodic one at
         ``--train-iters``."""
-        train_iters = flag_value(self.config.command[1:], "--train-iters")
+        # The running attempt's: a relaunch at another global batch trains to --train-samples
+        train_iters = flag_value(self._training_command[1:], "--train-iters")
         return save.get("tier", "disk") == "disk" and isinstance(save.get("iteration"), int) and (
             save.get("kind") == "final" or str(save["iteration"]) == train_iters)
 
@@ -827,7 +829,7 @@ class Supervisor:
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
         self._schedule_saved = None
         command = self._command_for(number, plan)
-        command = with_exit_signal_handler(command)
+        self._training_command = command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
         devices = self.config.devices or JobGpus(self.config.gpus)
         self.monitor.watch(gpus)
@@ -1000,16 +1002,16 @@ class Supervisor:
             self._straggler_to_drain = found
             return None
         left = [g for g in self.config.gpus if g not in self.retired and g != found.gpu]
+        calibration = found.calibration_s() or self._original_step_s
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
-            original_world_size=len(self.config.gpus),
-            measured_step_s=found.calibration_s() or self._original_step_s,
+            original_world_size=len(self.config.gpus), measured_step_s=calibration,
             **self._planner_options()))
         log.warning("straggler: %s", decision.line)
         if not decision.drain:
             self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
             return None
-        self._drain_step_s, self._unslowed_step_s = found.step_s, found.calibration_s()
+        self._drain_step_s, self._unslowed_step_s = found.step_s, calibration
         self._ask_for_a_save(source="straggler", gpu=found.gpu, reason=decision.line)
         self._drain_gpu, self._drain_since = found.gpu, now
         self._drain_reason = (f"drained: a straggler ({found.straggler.slowdown:.2f}x slower "
@@ -1079,9 +1081,11 @@ class Supervisor:
                                 cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
             log.error("the run's failures: %s", "; ".join(self._failures))
-            root_cause = self.attempt.root_cause(first_rank, LOG_TAIL_LINES)
             if first_rank is not None:  # a rank ended it: its own words (ftmaster's are above)
+                root_cause = self.attempt.root_cause(first_rank, LOG_TAIL_LINES)
                 log.error("root cause, from %s:\n%s", self.attempt.log_path, root_cause)
+            else:  # a GPU lost or a hang has no words of training's own, unless it said some
+                root_cause = self.attempt.stated_errors()
             self._give_up(outcome.reason, outcome.requeue_helps, root_cause)
         return outcome.trigger
 
