@@ -293,6 +293,10 @@ def whole_here(memory_dir: Path) -> int | None:
     return _marked(memory_dir, _WHOLE_NAME)
 
 
+def unmark_whole(memory_dir: Path) -> None:
+    (Path(memory_dir) / _WHOLE_NAME).unlink(missing_ok=True)
+
+
 def _mark(memory_dir: Path, name: str, iteration: int) -> bool:
     # Under the tier's lock, as pruning and slot refills are, so that the checkpoint cannot
     # be removed or refilled between the check and the mark.

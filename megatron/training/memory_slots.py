@@ -18,8 +18,9 @@ slot is refilled, rank 0 removes its manifest and ``.metadata`` and renames it t
 iteration's folder, under the tier's lock, and only when no persist copy has pinned it, the
 tracker does not name it and, across nodes, it is not the node's newest whole copy while a
 newer one is still being copied from the peers: a rank killed mid-copy leaves a folder no
-loader accepts. The tier then holds at most two checkpoints plus the one being written (a
-kept slot is left to the pruning, and a fresh folder is written instead).
+loader accepts. The tier then holds two checkpoints plus the one being written, and those a
+persist or peer copy holds back (a kept slot is left to the pruning, and a fresh folder is
+written instead).
 
 A structure change (a new layout, a new optimizer state) drops both slots: their checkpoints
 stay until pruned, and the next two saves set up new ones.

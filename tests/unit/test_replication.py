@@ -12,7 +12,8 @@ from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_cl
 import json
 
 from ftmaster.persist import PersistError, PersistSuperseded, persist
-from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker, whole_here
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, mark_whole, read_tracker,
+                                           whole_here)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
                                         digest_file, read_manifest, write_manifest)
 from ftmaster.replication import (Agreed, MemoryAgreement, Replication, ReplicationConfig,
@@ -119,6 +120,21 @@ def test_after_a_save_each_of_two_nodes_holds_a_whole_copy_and_moves_its_tracker
     # Each node keeps its whole copy from the trainer's next slot refill (on node 0 the
     # tracker names the newest save, whole there or not).
     assert [whole_here(folder) for folder in folders] == [4, 4]
+
+
+def test_a_round_of_one_node_lets_go_of_the_whole_copy_it_kept(tmp_path):
+    """Nothing is copied any more: the mark would keep its checkpoint from refills and pruning
+    for the rest of the run."""
+    folder = tmp_path / "node0"
+    shard_checkpoint([folder])
+    assert mark_whole(folder, 4)
+    replication = Replication(ReplicationConfig(folder, tmp_path / "run0", 0))
+    try:
+        replication.new_round(SECRET, nodes(1), 0, [2])
+        replication.saved(5)
+        wait_until(lambda: whole_here(folder) is None, timeout=10, what="the mark let go")
+    finally:
+        replication.close()
 
 
 def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):

@@ -42,7 +42,7 @@ from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, Pee
                                  PeerServer, fill_from_peer, manifest_files, write_manifest,
                                  write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
-                                           mark_whole, set_tracker)
+                                           mark_whole, set_tracker, unmark_whole)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
                                         digest_bytes, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
@@ -438,6 +438,10 @@ class Replication:
                     return
                 iteration = max(iteration, newer)
             peers = self._peers
+            if peers is not None and not peers.sources:
+                # Nothing to copy (a round of one node): no newer copy is in flight, and an
+                # older mark would keep its checkpoint from the refills and pruning for good.
+                unmark_whole(self.config.memory_dir)
             if peers is None or not peers.sources:
                 continue
             try:
