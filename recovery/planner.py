@@ -70,6 +70,8 @@ from .memory_estimate import (ASSUMED_VOCAB_SIZE, GIB, RESERVE_GIB, StageMemory,
                               memory_warnings, peak_bytes, stage_memories)
 
 MODES = ("closest", "paper")
+HOT_SPARE = "the original layout fits (hot spare)"
+"""The plan's reason when it is the command's own layout, unchanged (mode ``closest``)."""
 THROUGHPUT_TIE = 0.02
 IDLE_WARNING_FRACTION = 0.10
 TOLERANCE_LADDER_PCT = (0.5, 1.0, 2.0, 5.0)
@@ -653,7 +655,7 @@ def plan_nodes(command: Sequence[str], node_gpus: Sequence[int], *, mode: str = 
     original = _original_candidate(problem, batches)
     warnings = _warnings(facts, request, args)
     if _is_hot_spare(problem, original):
-        chosen, reason = original, "the original layout fits (hot spare)"
+        chosen, reason = original, HOT_SPARE
     else:
         candidates = _search(problem, batches)
         if not candidates:

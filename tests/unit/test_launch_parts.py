@@ -226,6 +226,32 @@ def test_check_layout_refuses_a_layout_that_does_not_fit(gpus, message):
         check_layout(MODEL, gpus, None, None)
 
 
+DENSE = ["t.py", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "16"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    # Megatron refuses each of these on 4 GPUs; TP, PP and the batch alone are fine
+    (["--context-parallel-size", "2", "--seq-length", "66"], r"TP 1 x PP 1 x CP 2 with .* suggests "
+     r"TP 1 x PP 1 x DP 4"),
+    (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"],
+     r"TP 1 x PP 2, VPP 3 with micro-batch 1 .* suggests TP 1 x PP 2 x DP 2, VPP 2"),
+    (["--num-experts", "8", "--expert-model-parallel-size", "3"], r"TP 1 x PP 1, EP 3 with .* x DP 4, EP 4"),
+    (["--expert-model-parallel-size", "2"], r"TP 1 x PP 1, EP 2 with .* suggests TP 1 x PP 1 x DP 4 with"),
+])
+def test_check_layout_refuses_a_context_expert_or_virtual_size_megatron_would(extra, message):
+    with pytest.raises(click.ClickException, match="invalid layout: " + message):
+        check_layout(DENSE + extra, 4, None, None)
+
+
+def test_check_layout_takes_the_scripts_own_context_expert_and_virtual_sizes():
+    plan = check_layout(DENSE + ["--context-parallel-size", "2", "--num-experts", "4",
+                                 "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                 "2", "--num-virtual-stages-per-pipeline-rank", "2"], 8, None, None)
+    assert (plan.context_parallel_size, plan.expert_model_parallel_size,
+            plan.virtual_pipeline_model_parallel_size, plan.data_parallel_size) == (2, 2, 2, 2)
+
+
 # -- injections ------------------------------------------------------------------------------
 def test_injections_fire_once_and_recover_waits_for_its_gpu_to_be_lost():
     fail, recover, hang = (parse_injection(s) for s in

@@ -48,8 +48,9 @@ from ftmaster.persist import DIR_FLAG, tiers_of, with_memory_dir
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag
+from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
 from ftmaster.recovery.megatron_args import read_script_args
-from ftmaster.recovery.planner import MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
+from ftmaster.recovery.planner import HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
 from ftmaster.replication import Replication, ReplicationConfig
@@ -78,19 +79,38 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
     try:
         plan = plan_layout(command, gpus, gpus_per_node, mode="closest", gpu_memory_gb=gpu_memory_gb,
                            original_world_size=gpus)
-        original = read_script_args(command[1:], original_world_size=gpus).original
+        facts = read_script_args(command[1:], original_world_size=gpus)
     except (PlanError, ValueError) as error:
         raise InputError(f"invalid layout: {error}") from None
-    own = (original.tensor_model_parallel_size, original.pipeline_model_parallel_size,
-           original.micro_batch_size, gpus)
-    if (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
-            plan.micro_batch_size, plan.num_gpus_used) != own:
+    # Anything but the script's own layout, unchanged, means Megatron would refuse it here
+    # (its context, expert or virtual pipeline size included, not only TP, PP and the batch;
+    # the planner takes the largest VPP that divides a stage where the command's does not).
+    if plan.reason != HOT_SPARE or _virtual_flags(plan.command) != _virtual_flags(command):
+        original, virtual = facts.original, facts.pipeline.virtual_stages_per_rank
         raise InputError(
-            f"invalid layout: TP {own[0]} x PP {own[1]} with micro-batch {own[2]} and global "
-            f"batch {original.global_batch_size} does not fit {gpus} GPUs; the planner suggests "
-            f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size} "
-            f"x DP {plan.data_parallel_size} with micro-batch {plan.micro_batch_size}")
+            f"invalid layout: TP {original.tensor_model_parallel_size} x PP "
+            f"{original.pipeline_model_parallel_size}"
+            f"{_extra_degrees(original.context_parallel_size, original.expert_model_parallel_size, virtual)}"
+            f" with micro-batch {original.micro_batch_size} and global batch "
+            f"{original.global_batch_size} does not fit {gpus} GPUs; the planner suggests "
+            f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
+            f"{_extra_degrees(plan.context_parallel_size, 1, None)} x DP {plan.data_parallel_size}"
+            f"{_extra_degrees(1, plan.expert_model_parallel_size, plan.virtual_pipeline_model_parallel_size)}"
+            f" with micro-batch {plan.micro_batch_size}")
     return plan
+
+
+def _virtual_flags(argv: Sequence[str]) -> tuple[str | None, ...]:
+    """The command's interleaving flags (rewritten away at PP 1, where they mean nothing)."""
+    if (int_flag(argv, "--pipeline-model-parallel-size") or 1) == 1:
+        return ()
+    return tuple(flag_value(argv, flag) for flag in (LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG))
+
+
+def _extra_degrees(context: int, expert: int, virtual: int | None) -> str:
+    """CP, EP and VPP for a layout's text, where they are not the default."""
+    return ((f" x CP {context}" if context > 1 else "") + (f", EP {expert}" if expert > 1 else "")
+            + (f", VPP {virtual}" if virtual and virtual > 1 else ""))
 
 
 def uses_trainer_parser(script: Path) -> bool:
