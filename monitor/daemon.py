@@ -440,6 +440,8 @@ class Monitor:
             except TraceEnded:
                 return
             except Exception as exc:  # survive anything a backend or a disk throws at us
+                if self._stop.is_set():
+                    return  # a stop closed the backend under this step: nothing failed
                 failures += 1
                 delay = backoff_delay(failures, self.config.interval_s, self.config.max_backoff_s)
                 log.error("monitor step failed (%s: %s); retrying in %.1f s",

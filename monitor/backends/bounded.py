@@ -184,6 +184,8 @@ class PerGpuReads:
         self.gpus = frozenset(gpus)
         self._selected = self.gpus
         self._workers: dict[int, Worker] = {}
+        self._workers_lock = threading.Lock()  # a stop closes them while a sample may start more
+        self._closed = False
         self._stuck: dict[int, tuple[_Job, Reading, float]] = {}  # job, its reading, its deadline
         self._stuck_samples: dict[int, int] = {}
         self._wedges: dict[int, threading.Event] = {}
@@ -205,11 +207,13 @@ class PerGpuReads:
             gate.set()
 
     def close(self) -> None:
+        with self._workers_lock:
+            self._closed, workers = True, list(self._workers.values())
+            self._workers.clear()
         for gpu in list(self._wedges):
             self.release(gpu)
-        for worker in self._workers.values():
+        for worker in workers:
             worker.stop()
-        self._workers.clear()
 
     def read(self, read_one: ReadFn, now: float, set_up: Container[int] | None = None) -> list[GpuSample]:
         """One sample of every selected GPU: ``read_one(gpu, reading)`` fills ``reading``.
@@ -265,9 +269,12 @@ class PerGpuReads:
                             self.name, gpu, reading.calling, time.monotonic() - job.started)
 
     def _start(self, gpu: int, read_one: ReadFn, now: float) -> tuple[_Job, Reading]:
-        worker = self._workers.get(gpu)
-        if worker is None:
-            worker = self._workers[gpu] = Worker(f"{self.name}-gpu{gpu}")
+        with self._workers_lock:
+            if self._closed:
+                raise BackendError(f"{self.name}: closed while sampling")
+            worker = self._workers.get(gpu)
+            if worker is None:
+                worker = self._workers[gpu] = Worker(f"{self.name}-gpu{gpu}")
         reading = Reading(GpuSample(timestamp=now, gpu_id=gpu))
         return worker.submit(self._gated, read_one, gpu, reading), reading
 

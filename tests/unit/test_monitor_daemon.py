@@ -395,3 +395,29 @@ def test_the_csv_is_whole_rows_after_a_write_cut_short_or_a_writer_killed_mid_ro
     run(sim_monitor(tmp_path, 0.5), 1)
     rows = list(csv.reader(path.open()))
     assert all(len(row) == len(CSV_COLUMNS) for row in rows) and len(rows) == 1 + 4 * 3
+
+
+def test_a_stop_during_a_long_first_sample_closes_the_readers_without_a_traceback(tmp_path):
+    """The stop closes the backend while the sampler still starts GPU readers (20000 GPUs
+    at the monitor's 5 s join: "dictionary changed size during iteration")."""
+    from ftmaster.monitor.backends.bounded import PerGpuReads
+
+    reads = PerGpuReads(range(4), QUICK, "test")
+    started, closing = threading.Event(), threading.Event()
+
+    def slow_read(gpu, reading):
+        started.set()
+        closing.wait(2)
+
+    sampler = threading.Thread(target=lambda: reads.read(slow_read, 0.0), daemon=True)
+    sampler.start()
+    assert started.wait(5)
+    reads.close()  # while the sample is under way
+    closing.set()
+    sampler.join(5)
+    try:
+        reads.read(slow_read, 1.0)
+    except BackendError as error:
+        assert "closed" in str(error)
+    else:
+        raise AssertionError("a closed reader started new reads")
