@@ -305,6 +305,32 @@ def test_a_give_up_names_what_training_said_of_its_last_failure(tmp_path):
             "them, need fixing\n  root cause, from training's output:\n    " + said) in result.stdout
 
 
+def test_a_lost_rendezvous_store_is_the_runs_end(tmp_path):
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("store_lost", 30, reason="connection refused by 10.0.0.1:29400")]
+    run_dir = write_run(tmp_path / "run", events, {1: []})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "store_lost: the job's rendezvous store is gone (connection refused by " \
+           "10.0.0.1:29400): requeue the job (exit status 75)" in result.stdout
+
+
+def test_a_load_only_the_events_tell_is_the_restart_point(tmp_path):
+    """One node looked at alone: the "loaded checkpoint" line is in rank 0's node's log."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("failure", 30, attempt=1, iteration=12, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(31, [0], 1, 1, 1), launch(32, 2, [0], 1, 1, 1),
+              event("checkpoint_loaded", 35, iteration=10, path="ckpt/iter_0000010", seconds=0.5,
+                    bytes=4096), event("resumed", 37, attempt=2, iteration=11)]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 20, 100) for n in range(1, 13)],
+                                                    2: []})
+    result = run_report(run_dir)
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (failure["restarted_from_iteration"], failure["load_seconds"], failure["load_bytes"],
+            failure["lost_iterations"]) == (10, 0.5, 4096, 2)
+    assert "restarted from     iteration 10 (load 0.500 s, 4096 bytes)" in result.stdout
+
+
 def test_a_failure_whose_ftmaster_was_lost_before_resuming_has_no_rto(tmp_path):
     """The successor started hours later records the lost attempt: that wait is the operator's,
     no part of the first failure's recovery."""

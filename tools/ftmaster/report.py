@@ -97,7 +97,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -111,7 +111,7 @@ INCIDENT_PAGE = "report.html"
 SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
-END_EVENTS = ("complete", "gave_up", "stopped")
+END_EVENTS = ("complete", "gave_up", "stopped", "store_lost")
 LAST_PROGRESS = "last progress (estimated)"
 """Where detection is measured from when no evidence of the fault was recorded."""
 DECIMAL = r"(\d+(?:\.\d+)?)(?![\d.])"
@@ -591,7 +591,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     plan = _first(after, "plan", failure["time"])
     relaunches = _relaunches(after, plan["time"] if plan else failure["time"])
     relaunch = max(relaunches, key=lambda e: e["time"]) if relaunches else None
-    relaunch_log = _read_logs(run_dir, [(e.get("node"), e.get("attempt")) for e in relaunches])
+    relaunch_log = _with_load_event(
+        _read_logs(run_dir, [(e.get("node"), e.get("attempt")) for e in relaunches]), after, relaunch)
     recovery = _recovery(after, failure, plan, relaunch, relaunch_log)
     if recovery["resumed"] is None:
         _resumed_through_later_failures(recovery, after, events, failure, until)
@@ -639,6 +640,18 @@ def _ends_its_recovery(event: dict, failure: dict) -> bool:
     return event.get("node") == failure.get("node") and (
         event["event"] in ("gave_up", "stopped", "store_lost")
         or event["event"] == "failure" and event.get("cause") == "supervisor_lost")
+
+
+def _with_load_event(log: AttemptLog, after: list[dict], relaunch: dict | None) -> AttemptLog:
+    """The relaunch's load from its ``checkpoint_loaded`` event where no log read says it: a
+    node's log has the line only where the trainer's rank 0 ran (one node looked at alone)."""
+    loaded = _first(after, "checkpoint_loaded", relaunch["time"]) if relaunch else None
+    if log.loaded_iteration is not None or loaded is None or not is_int(loaded.get("iteration")):
+        return log
+    seconds, size = loaded.get("seconds"), loaded.get("bytes")
+    return replace(log, loaded_iteration=loaded["iteration"],
+                   load_seconds=seconds if _is_number(seconds) else None,
+                   load_bytes=size if is_int(size) else None)
 
 
 def _until_it_ended(after: list[dict], failure: dict) -> list[dict]:
@@ -693,6 +706,7 @@ TEMPLATES = {
     "resumed": "attempt {attempt} completed iteration {iteration}",
     "complete": "iteration {iteration}{where}",
     "gave_up": "{reason}",
+    "store_lost": "the job's rendezvous store is gone ({reason}): requeue the job (exit status 75)",
     "checkpoint_loaded": "iteration {iteration} from {path} in {seconds} s ({bytes} bytes, "
                          "checksums verified in {verify_seconds} s)",
     "checkpoint_skipped": "iteration {iteration} ({path}): {reason}",
