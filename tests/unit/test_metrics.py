@@ -42,6 +42,24 @@ def test_samples_set_risk_and_dcgm_telemetry_and_an_unknown_reading_has_no_serie
     assert value(m, "ftmaster_gpu_alerts_total", **gpu(0)) == 2
 
 
+def test_a_gpu_left_out_of_a_sample_and_a_pace_while_nothing_trains_have_no_series():
+    m = metrics()
+    m.observe_samples([GpuSample(1.0, g, "H100", temperature=40.0, failure_risk=0.9) for g in (0, 1)], [])
+    m.observe_samples([GpuSample(2.0, 0, "H100", temperature=41.0, failure_risk=0.1)], [])  # 1 lost
+    assert value(m, "ftmaster_gpu_failure_risk", **gpu(0)) == 0.1
+    assert value(m, "ftmaster_gpu_failure_risk", **gpu(1)) is None  # not its last 0.9
+    assert value(m, "DCGM_FI_DEV_GPU_TEMP", **gpu(1)) is None
+    m.observe_heartbeat({"iteration": 10, "consumed_samples": 80, "time": 100.0})
+    m.observe_heartbeat({"iteration": 12, "consumed_samples": 96, "time": 101.0})
+    m.observe_state(State.PLANNING)  # a failure: training's pace is no longer current
+    assert value(m, "ftmaster_step_seconds") is None and value(m, "ftmaster_samples_per_second") is None
+    m.observe_state(State.RUNNING)
+    m.observe_heartbeat({"iteration": 5, "consumed_samples": 40, "time": 200.0})
+    assert value(m, "ftmaster_step_seconds") is None  # one beat of the new attempt: no pace yet
+    m.observe_heartbeat({"iteration": 6, "consumed_samples": 48, "time": 200.5})
+    assert value(m, "ftmaster_step_seconds") == 0.5
+
+
 def test_events_count_attempts_and_failures_and_time_rto_and_rpo():
     m = metrics()
     m.observe_heartbeat({"iteration": 10, "consumed_samples": 80, "time": 100.0})

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import start_http_server
@@ -145,6 +145,7 @@ class Metrics:
         self._node = (hostname, "" if node_rank is None else str(node_rank))
         self._uuids: dict[int, str] = {}
         self._names: dict[int, str] = {}
+        self._with_series: set[int] = set()  # the GPUs the last sample gave values
         self._lock = threading.Lock()
         self.risk = Gauge("ftmaster_gpu_failure_risk", "The monitor's failure risk score (0-1).",
                           GPU_LABELS, registry=registry)
@@ -218,15 +219,25 @@ class Metrics:
         monitor.sample_listeners.append(observe)
 
     def observe_samples(self, samples: Iterable, alerts: Iterable) -> None:
-        """One scored sample per GPU (``GpuSample``) and the alerts it raised."""
+        """One scored sample per GPU (``GpuSample``) and the alerts it raised. A GPU the
+        sample leaves out (lost, retired, unanswered) keeps no series: its last values would
+        read as current."""
+        sampled = set()
         for sample in samples:
             self._names.setdefault(sample.gpu_id, sample.gpu_name or "")
-            labels = self._gpu_labels(sample.gpu_id)
-            self._set(self.risk, labels, sample.failure_risk)
-            for name, gauge in self.telemetry.items():
-                self._set(gauge, labels, getattr(sample, name))
+            sampled.add(sample.gpu_id)
+            self._set_gpu(sample.gpu_id, lambda name: getattr(sample, name))
+        for gpu in self._with_series - sampled:
+            self._set_gpu(gpu, lambda name: None)
+        self._with_series = sampled
         for alert in alerts:
             self.alerts.labels(*self._gpu_labels(alert.gpu)).inc()
+
+    def _set_gpu(self, gpu: int, value_of: Callable[[str], object]) -> None:
+        labels = self._gpu_labels(gpu)
+        self._set(self.risk, labels, value_of("failure_risk"))
+        for name, gauge in self.telemetry.items():
+            self._set(gauge, labels, value_of(name))
 
     def _gpu_labels(self, gpu: int) -> tuple[str, ...]:
         return (str(gpu), self._uuids.get(gpu, ""), self._names.get(gpu, ""), *self._node)
@@ -244,6 +255,10 @@ class Metrics:
     # -- the supervisor --------------------------------------------------------------------
     def observe_state(self, state: State) -> None:
         self.state.labels(*self._node).state(state.value)
+        if state not in (State.RUNNING, State.DRAINING):  # nothing trains: no pace to show
+            self._beat = None
+            for gauge in (self.step_seconds, self.samples_per_second):
+                self._set(gauge, self._node, None)
 
     def observe_heartbeat(self, heartbeat: dict | None) -> None:
         if not heartbeat:
