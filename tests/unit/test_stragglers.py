@@ -217,3 +217,18 @@ def test_the_calibration_is_the_lesser_of_the_step_before_and_the_step_now_less_
     assert typical.without_extra_s() == pytest.approx(0.64)
     assert typical.calibration_s() == pytest.approx(0.62)  # the host made the wait longer
     assert Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), None, None).calibration_s() is None
+
+
+def test_the_step_after_a_drain_is_a_median_no_save_in_two_steps_decides():
+    """Two steps after the warm-up, one holding a save, made a drain that sped the job up
+    read as twice slower."""
+    watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
+    watch.new_attempt([0, 2, 3], 0)
+    times = {17: 0.0, 18: 1.2, 19: 2.4, 20: 3.6, 21: 7.1, 22: 8.3}  # 20 -> 21 holds a save
+    for iteration, at in times.items():
+        watch.observe(beat(iteration, at, None))
+    assert watch.step_seconds() is not None  # what the result was reported on before
+    assert watch.step_seconds(least=5) is None
+    for iteration, at in ((23, 9.5), (24, 10.7), (25, 11.9)):
+        watch.observe(beat(iteration, at, None))
+    assert watch.step_seconds(least=5) == pytest.approx(1.2)

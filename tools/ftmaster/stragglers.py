@@ -104,14 +104,16 @@ class StragglerWatch:
         return Found(self.gpus[local], straggler, self.step_seconds(since=straggler.since),
                      self.step_seconds(until=straggler.since))
 
-    def step_seconds(self, since: int | None = None, until: int | None = None) -> float | None:
+    def step_seconds(self, since: int | None = None, until: int | None = None,
+                     least: int = 2) -> float | None:
         """The median seconds per iteration between heartbeats of this attempt (after its
-        warm-up), within ``[since, until]``; None with fewer than three."""
+        warm-up), within ``[since, until]``; None with fewer than ``least`` steps between
+        them."""
         start = (self._first or 0) + WARMUP_ITERATIONS
         beats = sorted((it, t) for it, t in self._beats.items() if it >= max(start, since or start)
                        and (until is None or it <= until))
         steps = [(t2 - t1) / (i2 - i1) for (i1, t1), (i2, t2) in zip(beats, beats[1:]) if i2 > i1]
-        return round(statistics.median(steps), 4) if len(steps) >= 2 else None
+        return round(statistics.median(steps), 4) if len(steps) >= least else None
 
     def remeasured(self, found: Found) -> Found:
         """``found`` with the job's step time since the slowdown measured again: a drain is

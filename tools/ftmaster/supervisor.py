@@ -121,6 +121,8 @@ SCALE_UP_POLICIES = ("now", "at-save")
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
+DRAIN_RESULT_STEPS = 5
+"""Steps between heartbeats the step time after a straggler's drain is the median of."""
 
 
 @dataclass(frozen=True)
@@ -972,7 +974,8 @@ class Supervisor:
         slowed = self.stragglers.drained_step_s
         if slowed is None:
             return
-        now = self.stragglers.step_seconds()
+        # Five steps at least: the median of two was one with a save in it (2.3 s for 1.2).
+        now = self.stragglers.step_seconds(least=DRAIN_RESULT_STEPS)
         if now is None:
             return
         self.stragglers.drained_step_s = None
