@@ -305,6 +305,27 @@ def test_a_give_up_names_what_training_said_of_its_last_failure(tmp_path):
             "them, need fixing\n  root cause, from training's output:\n    " + said) in result.stdout
 
 
+def test_replica_recovery_counts_every_nodes_dump_and_tells_the_merge_from_its_start(tmp_path):
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 30, attempt=1, iteration=16, cause="device_lost", gpus=[1], exit_codes={}),
+              event("replica_dump", 30.1, ranks=[0], seconds=0.052, bytes=1_500_000, refused={}),
+              event("replica_dump", 30.2, ranks=[2, 3], seconds=0.085, bytes=2_980_000, refused={}),
+              event("replica_gathered", 31, from_node=1, bytes=2_980_000, seconds=0.022),
+              event("replica_merge", 33, iteration=16, shards=3, seconds=1.9806, merge_seconds=0.0077,
+                    warm=True, path="m/iter_0000016", bytes=4_480_000),
+              plan(34, [0], 1, 1, 1), launch(35, 2, [0], 1, 1, 1),
+              event("resumed", 40, attempt=2, iteration=17)]
+    run_dir = write_run(tmp_path / "run", events, {1: [], 2: [loaded_line(16, 0.1, 4096)]})
+    result = run_report(run_dir)
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    replica = failure["replica"]
+    assert (replica["ranks"], replica["bytes"], replica["dump_seconds"]) == ([0, 2, 3], 4_480_000, 0.085)
+    assert (replica["merge_seconds"], replica["merge_wait_seconds"]) == (0.0077, 1.9806)
+    assert ("replica recovery   iteration 16 from the survivors: dump 0.085 s (3 rank(s), 4.5 MB), "
+            "gathered 3.0 MB from the other nodes in 0.022 s, merge 0.008 s (1.981 s with starting "
+            "its process)") in result.stdout
+
+
 def test_a_lost_rendezvous_store_is_the_runs_end(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               event("store_lost", 30, reason="connection refused by 10.0.0.1:29400")]

@@ -112,6 +112,7 @@ SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
 END_EVENTS = ("complete", "gave_up", "stopped", "store_lost")
+REPLICA_EVENTS = ("replica_dump", "replica_gathered", "replica_merge", "replica_fallback")
 LAST_PROGRESS = "last progress (estimated)"
 """Where detection is measured from when no evidence of the fault was recorded."""
 DECIMAL = r"(\d+(?:\.\d+)?)(?![\d.])"
@@ -463,15 +464,26 @@ def _replica_recovery(after: list[dict], failure: dict, plan: dict | None) -> di
     """The survivors' dump and merge between the failure and its plan (part of
     ``failure_to_plan``), or the reason it fell back; None without replica recovery."""
     until = plan["time"] if plan else math.inf
-    found = {e["event"]: e for e in after if e["time"] <= until
-             and e["event"] in ("replica_dump", "replica_merge", "replica_fallback")}
+    found = [e for e in after if e["time"] <= until and e["event"] in REPLICA_EVENTS]
     if not found:
         return None
-    dump, merge = found.get("replica_dump"), found.get("replica_merge")
-    return {"dump_seconds": dump and dump.get("seconds"), "ranks": dump and dump.get("ranks"),
-            "bytes": dump and dump.get("bytes"), "merge_seconds": merge and merge.get("seconds"),
-            "iteration": merge and merge.get("iteration"),
-            "fallback": found.get("replica_fallback", {}).get("reason")}
+    of = {name: [e for e in found if e["event"] == name] for name in REPLICA_EVENTS}
+    dumps, gathered = of["replica_dump"], of["replica_gathered"]  # across nodes, each node's
+    merge = of["replica_merge"][-1] if of["replica_merge"] else {}
+    fallback = of["replica_fallback"][-1] if of["replica_fallback"] else {}
+    return {"dump_seconds": _most(e.get("seconds") for e in dumps),
+            "ranks": sorted(r for e in dumps for r in e.get("ranks") or [] if is_int(r)),
+            "bytes": sum(e.get("bytes") or 0 for e in dumps if is_int(e.get("bytes") or 0)),
+            "gathered_bytes": sum(e.get("bytes") or 0 for e in gathered if is_int(e.get("bytes") or 0)),
+            "gathered_seconds": _most(e.get("seconds") for e in gathered),
+            "merge_seconds": merge.get("merge_seconds"),
+            "merge_wait_seconds": merge.get("seconds"),
+            "iteration": merge.get("iteration"), "fallback": fallback.get("reason")}
+
+
+def _most(values) -> float | None:
+    """The largest of the numbers among ``values`` (steps that ran in parallel), or None."""
+    return max((v for v in values if _is_number(v)), default=None)
 
 
 def _startup(after: list[dict], relaunch: dict | None) -> dict | None:
@@ -873,9 +885,13 @@ def _replica_text(replica: dict | None) -> list[str]:
         return []
     if replica["iteration"] is None:
         return [f"  replica recovery   fell back: {replica['fallback'] or 'no merge'}"]
+    gathered = (f", gathered {replica['gathered_bytes'] / 1e6:.1f} MB from the other nodes in "
+                f"{_s(replica['gathered_seconds'])}" if replica.get("gathered_bytes") else "")
     return [f"  replica recovery   iteration {replica['iteration']} from the survivors: dump "
             f"{_s(replica['dump_seconds'])} ({len(replica['ranks'] or [])} rank(s), "
-            f"{(replica['bytes'] or 0) / 1e6:.1f} MB), merge {_s(replica['merge_seconds'])}"]
+            f"{(replica['bytes'] or 0) / 1e6:.1f} MB){gathered}, merge "
+            f"{_s(replica['merge_seconds'])} ({_s(replica.get('merge_wait_seconds'))} with "
+            f"starting its process)"]
 
 
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
