@@ -101,3 +101,21 @@ def test_the_timeline_table_names_an_exit_save_as_the_report_does(tmp_path):
     assert run_report(run_dir).exit_code == 0
     body = text_of((run_dir / "report.html").read_text())
     assert "<td>exit_save</td>" in body and "<td>periodic_save</td>" not in body
+
+
+def test_the_page_tells_a_straggler_and_its_drain(tmp_path):
+    from helpers.synth_run import event, launch, plan, write_run
+
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1, 2, 3], 1, 1, 4),
+        event("straggler", 10, gpu=1, rank=1, iteration=14, since=8, slowdown=2.1, step_s=1.2,
+              healthy_step_s=0.6),
+        event("drain", 11, gpu=1, reason="straggler", decided_by="the job runs 1.2 s/iteration",
+              step_s=1.2, estimated_step_s=0.8),
+        event("straggler_drained", 14, gpu=1), plan(15, [0, 2, 3], 1, 1, 3),
+        launch(16, 2, [0, 2, 3], 1, 1, 3),
+        event("straggler_drain_result", 30, attempt=2, step_s=0.8, slowed_step_s=1.2)], {1: [], 2: []})
+    assert run_report(run_dir).exit_code == 0
+    body = text_of((run_dir / "report.html").read_text())
+    assert "<h2>Stragglers</h2>" in body and "straggler: GPU 1 computed 2.1x slower" in body
+    assert "0.8 s/iteration after the drain" in body and "<td>drain</td>" in body

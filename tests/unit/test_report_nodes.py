@@ -307,3 +307,13 @@ def test_a_peer_failure_is_never_the_root_even_when_its_clock_says_first(tmp_pat
     (round_,) = report["failures"]
     assert (round_["node"], round_["cause"]) == (1, "exit")
     assert round_["consequences"][0]["after_root_seconds"] == pytest.approx(-0.05)
+
+
+def test_the_incident_page_says_whose_each_row_and_failure_is_and_counts_the_jobs_gpus(tmp_path):
+    run_dir = gpu_loss_on_node_1(tmp_path / "run")
+    reported(run_dir)
+    page = (run_dir / "report.html").read_text()
+    assert "<th>node</th>" in page and "<td class='n'>1</td><td>failure</td>" in page
+    assert "Failure 1: node 1 device_lost on GPU(s) [1]" in page
+    assert "also failed        node 0: peer" not in page and "also failed node 0: peer" in page
+    assert "4 GPU(s)" in page  # 2 on each node, not the 2 of one

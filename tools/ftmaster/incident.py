@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ftmaster import goodput, goodput_cli  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
-from ftmaster.report import INCIDENT_PAGE, event_label  # noqa: E402
+from ftmaster.report import INCIDENT_PAGE, event_label, round_text, straggler_text  # noqa: E402
 
 RISK_WINDOW_BEFORE_S = 60.0
 """How long before a failure's fault its risk plot starts."""
@@ -66,8 +66,8 @@ def human(value, unit: str = "") -> str:
 def write_incident_page(run_dir: Path, report: dict, events: list[dict], frame) -> Path:
     """Write ``run_dir/report.html``; ``frame`` is the monitor's samples (None: no CSV)."""
     start = report["start_time"]
-    sections = [_header(report), _timeline(events, start), _failures(report, frame, start),
-                _goodput(run_dir, events)]
+    sections = [_header(report), _timeline(events, start), _stragglers(report),
+                _failures(report, frame, start), _goodput(run_dir, events)]
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>ftmaster incident report: {html.escape(Path(report['run_dir']).name)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse}}
@@ -100,6 +100,7 @@ def _attempts(events: list[dict]) -> list[dict]:
     attempts = []
     for launch in launches:
         end = next((e["time"] for e in ends if e["time"] >= launch["time"]
+                    and e.get("node") == launch.get("node")
                     and e.get("attempt", launch.get("attempt")) == launch.get("attempt")),
                    events[-1]["time"])
         attempts.append({**launch, "end": end})
@@ -137,7 +138,8 @@ def _timeline(events: list[dict], start: float) -> str:
         ax.scatter(event["time"] - start, row, marker=marker, color=colour, s=60, zorder=3,
                    label=None if kind in shown else label)
         shown.add(kind)
-    ax.set_yticks(range(len(attempts)), [f"attempt {a.get('attempt')}" for a in attempts])
+    ax.set_yticks(range(len(attempts)), [_node_prefix(a) + f"attempt {a.get('attempt')}"
+                                         for a in attempts])
     ax.set_ylim(-0.9, max(1, len(attempts)) - 0.4)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first event")
@@ -145,12 +147,21 @@ def _timeline(events: list[dict], start: float) -> str:
     if shown:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
+    nodes = any("node" in e for e in events)  # several nodes: each row says whose it is
     rows = "".join(
-        f"<tr><td class='n'>{human(e['time'] - start)}</td><td>{html.escape(event_label(e))}</td>"
-        f"<td>{_event_text(e)}</td></tr>\n" for e in events if _marker_kind(e) or e["event"] in (
-            "launch", "complete", "stopped", "gave_up", "resumed"))
-    return (f"<h2>Timeline</h2>\n{_png(fig)}\n<table><tr><th>t (s)</th><th>event</th>"
-            f"<th>details</th></tr>\n{rows}</table>\n")
+        f"<tr><td class='n'>{human(e['time'] - start)}</td>"
+        + (f"<td class='n'>{html.escape(str(e.get('node', '')))}</td>" if nodes else "")
+        + f"<td>{html.escape(event_label(e))}</td><td>{_event_text(e)}</td></tr>\n"
+        for e in events if _marker_kind(e) or e["event"] in (
+            "launch", "complete", "stopped", "gave_up", "resumed", "store_lost", "straggler",
+            "drain", "straggler_drained", "straggler_kept"))
+    return (f"<h2>Timeline</h2>\n{_png(fig)}\n<table><tr><th>t (s)</th>"
+            + ("<th>node</th>" if nodes else "")
+            + f"<th>event</th><th>details</th></tr>\n{rows}</table>\n")
+
+
+def _node_prefix(event: dict) -> str:
+    return f"node {event['node']} " if "node" in event else ""
 
 
 def _row_at(attempts: list[dict], when: float) -> float:
@@ -174,6 +185,16 @@ def _event_text(event: dict) -> str:
                      for key in keys.get(kind, ()) if key in event)
 
 
+# ---- stragglers --------------------------------------------------------------------------------
+
+def _stragglers(report: dict) -> str:
+    found = report.get("stragglers") or []
+    if not found:
+        return ""
+    return "<h2>Stragglers</h2>\n" + "".join(f"<p>{html.escape(straggler_text(s))}</p>\n"
+                                              for s in found)
+
+
 # ---- failures ----------------------------------------------------------------------------------
 
 def _failures(report: dict, frame, start: float) -> str:
@@ -181,9 +202,13 @@ def _failures(report: dict, frame, start: float) -> str:
         return "<h2>Failures</h2>\n<p>none</p>\n"
     parts = ["<h2>Failures</h2>\n"]
     for number, failure in enumerate(report["failures"], 1):
-        parts.append(f"<div class='failure'><h3>Failure {number}: {html.escape(str(failure['cause']))}"
-                     f" on GPU(s) {html.escape(str(failure['gpus']))} at "
+        where = f" on GPU(s) {html.escape(str(failure['gpus']))}" if failure["gpus"] else ""
+        parts.append(f"<div class='failure'><h3>Failure {number}: {_node_prefix(failure)}"
+                     f"{html.escape(str(failure['cause']))}{where} at "
                      f"{human(failure['time'] - start, 's')}</h3>\n")
+        if "node" in failure:
+            parts.append("".join(f"<p>{html.escape(' '.join(line.split()))}</p>\n"
+                                 for line in round_text(failure, start)))  # the text's padding
         lost_s = failure.get("lost_seconds")
         parts.append(
             f"<p>RTO <b>{human(failure['rto_seconds'], 's')}</b> (failure to first resumed "
@@ -271,7 +296,10 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
                      f"iterations at {human(seen['iteration_s'], 's')} each, "
                      f"{human(seen['useful_s'], 's')} of {human(seen['wall_s'], 's')} from the "
                      f"first launch (start-up included)</p>\n")
-    gpus = max((len(e.get("gpus") or []) for e in events if e["event"] == "launch"), default=1)
+    per_node: dict = {}  # the job's GPUs: each node's most, added up
+    for launch in (e for e in events if e["event"] == "launch"):
+        per_node[launch.get("node")] = max(per_node.get(launch.get("node"), 0), len(launch.get("gpus") or []))
+    gpus = sum(per_node.values()) or 1
     try:
         x = goodput_cli.model_inputs({"gpus": max(1, gpus)}, measured)
     except ValueError as error:

@@ -859,7 +859,7 @@ def _s(seconds: float | None) -> str:
     return "unknown" if seconds is None else f"{seconds:.3f} s"
 
 
-def _round_text(f: dict, start: float) -> list[str]:
+def round_text(f: dict, start: float) -> list[str]:
     """The lines a multi-node round adds: its other failures and its silent nodes."""
     lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, GPU(s) "
              f"{c['gpus']}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
@@ -900,7 +900,7 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
     where = f" on GPU(s) {f['gpus']}" if f["gpus"] else ""
     lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']}{where} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
-             *(_round_text(f, start) if node else ()),
+             *(round_text(f, start) if node else ()),
              f"  detection latency  {_s(detection['seconds'])} (since {detection['since']})",
              "  lead time          " + ("no alert before the failure" if lead is None else
                                         f"{_s(lead['seconds'])} (first risk_alert: "
@@ -946,7 +946,7 @@ def _timeline_line(row: dict) -> str:
     return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['label']:<18} {row['text']}"
 
 
-def _straggler_text(s: dict) -> str:
+def straggler_text(s: dict) -> str:
     line = (f"straggler: GPU {s['gpu']} computed {s['slowdown']}x slower than its peers from "
             f"iteration {s['since']} (found at {s['iteration']}); the job ran "
             f"{s['step_s']} s/iteration with it, {s['healthy_step_s']} before; {s['action']}")
@@ -965,7 +965,7 @@ def format_report(report: dict) -> str:
                                    for n in report["nodes"]]
     lines += ["", "timeline:", *map(_timeline_line, report["timeline"]), ""]
     for straggler in report.get("stragglers", []):
-        lines.append(_straggler_text(straggler))
+        lines.append(straggler_text(straggler))
     if not report["failures"]:
         lines.append("no failures in this run")
     for number, failure in enumerate(report["failures"], 1):
