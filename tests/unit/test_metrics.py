@@ -112,6 +112,14 @@ def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     assert value(m, "ftmaster_persist_lag_iterations") == 0
 
 
+def test_a_checkpoint_merged_from_replicas_is_the_memory_tiers_newest(monkeypatch):
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)
+    m.observe_event({"event": "periodic_save", "tier": "disk", "iteration": 10, "time": 900.0})
+    m.observe_event({"event": "replica_merge", "iteration": 16, "time": 990.0, "seconds": 2.0})
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="memory") == 10.0
+
+
 def test_the_state_is_an_enum():
     m = metrics()
     m.observe_state(State.RUNNING)

@@ -290,6 +290,8 @@ class Metrics:
             self.failures.labels(*self._node, str(event.get("cause", "unknown"))).inc()
         elif kind in SAVE_EVENTS:
             self._saved(event)
+        elif kind == "replica_merge":  # the survivors' state, merged into the memory tier
+            self._saved({**event, "tier": "memory"})
         elif kind == "persisted":
             self._persisted(event.get("iteration"))
 
