@@ -237,8 +237,7 @@ class Injector:
         """The injections handed to the attempt that runs on these GPUs, at its launch
         (once): ``nan``, and ``slow`` at an iteration, so that it starts exactly there. Those
         the last attempt ended before reaching are pending again: that fault never happened."""
-        self.pending.extend(i for i in self.handed
-                            if self.reached is None or i.at_iteration > self.reached)
+        self.pending.extend(self._not_reached())
         taken = [i for i in self.pending if _armed(i) and i.gpu in gpus]
         for injection in taken:
             self.pending.remove(injection)
@@ -247,8 +246,10 @@ class Injector:
 
     def unfired(self) -> list[Injection]:
         """What never fired: the pending, and those the last attempt ended before reaching."""
-        return self.pending + [i for i in self.handed
-                               if self.reached is None or i.at_iteration > self.reached]
+        return self.pending + self._not_reached()
+
+    def _not_reached(self) -> list[Injection]:
+        return [i for i in self.handed if self.reached is None or i.at_iteration > self.reached]
 
 
 def _armed(injection: Injection) -> bool:
