@@ -110,7 +110,7 @@ from ftmaster.recovery.manifest import (
 from ftmaster.runfiles import atomic_write_bytes, atomic_write_text
 
 from . import checksums, conversions, optimizer_from_distributed, startup
-from .console import log_rank0
+from .console import error_line, log_rank0
 from .dcp_metadata import MetadataBytes
 from .memory_slots import MemorySlots
 from .records import DiskRecords
@@ -302,8 +302,30 @@ def results_queue_of_one_save(in_rank: bool):
     results there whenever they end, which may be during a memory save or before an earlier
     save is finalized: that save would take the other's results, and both checkpoints'
     ``.metadata`` would describe the other's files. A save written in the rank needs no
-    process to share its queue with."""
-    return queue.SimpleQueue() if in_rank or _writers_manager is None else _writers_manager.Queue()
+    process to share its queue with. A Manager server that died (the OOM killer: it is a
+    process of its own) is started again, once: else every later async save failed."""
+    if in_rank or _writers_manager is None:
+        return queue.SimpleQueue()
+    try:
+        return _writers_manager.Queue()
+    except (OSError, EOFError) as error:
+        rank = os.environ.get("RANK", "0")
+        error_line(f"warning: rank {rank}: the async writers' result server is gone "
+                   f"({describe_error(error)}); starting it again")
+        _restart_writer_results_queue()
+        return _writers_manager.Queue()
+
+
+def _restart_writer_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    global _writers_manager
+    try:
+        _writers_manager.shutdown()
+    except (OSError, EOFError, AttributeError):
+        pass  # gone already
+    _writers_manager = filesystem_async._results_queue = None
+    start_writer_results_queue()
 
 
 def use_in_rank_results_queue() -> None:

@@ -72,6 +72,23 @@ def test_async_saves_each_get_their_own_queue_from_the_writers_server(tmp_path, 
     assert made == [first, second] and first is not second
 
 
+def test_a_writers_server_that_died_is_started_again_for_the_next_async_save(monkeypatch, capsys):
+    """The OOM killer takes the Manager server (a process of its own, 270 MB): every later
+    async save failed, and the final one ended the run as a storage error."""
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(checkpointing, "_writers_manager", None)
+    checkpointing.start_writer_results_queue()
+    try:
+        checkpointing._writers_manager._process.kill()
+        checkpointing._writers_manager._process.join(10)
+        results = checkpointing.results_queue_of_one_save(in_rank=False)
+        results.put("the writers' results")
+        assert results.get(timeout=10) == "the writers' results"
+        assert "the async writers' result server is gone" in capsys.readouterr().err
+    finally:
+        checkpointing._writers_manager.shutdown()
+
+
 def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, monkeypatch):
     """A slot passed over while a persist copy read it (12) is pruned only after a memory save
     succeeds: without this, every later memory save failed for want of the room 12 held."""
