@@ -64,6 +64,19 @@ def test_a_damaged_memory_copy_is_never_persisted(tmp_path):
     assert not list(disk.glob(".iter_*"))  # the partial copy is removed
 
 
+def test_a_damaged_memory_copy_is_not_tried_again_at_every_poll(tmp_path):
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 8)
+    with open(source / "__0_0.distcp", "r+b") as shard:
+        shard.write(b"XX")
+    persister = Persister(memory, disk)
+    assert persister.start(8)
+    persister.wait(10)
+    (failure,) = persister.take_results()
+    assert "does not match its checksum" in str(failure)
+    assert not persister.needs_copy(8)  # it cannot heal: 27 re-reads in 9 s before
+
+
 def test_a_copy_without_a_manifest_is_refused(tmp_path):
     memory = tmp_path / "memory"
     iteration_dir(memory, 4).mkdir(parents=True)

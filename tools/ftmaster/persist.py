@@ -118,6 +118,11 @@ class PersistError(Exception):
     """A copy that did not complete; the disk tier is unchanged (one line)."""
 
 
+class PersistDamaged(PersistError):
+    """A copy whose source no longer matches its checksums: it cannot heal, so it is not
+    tried again (every poll re-read the whole checkpoint to fail the same way)."""
+
+
 class PersistSuperseded(PersistError):
     """A copy from the peers given up because they pruned the checkpoint: they hold newer
     ones, which the next copy takes. Not a failure of the disk tier."""
@@ -141,7 +146,7 @@ def _copy_verified(source: Path, target: Path, expected) -> None:
         os.fsync(writer.fileno())
         copied = writer.digest()
     if expected is not None and copied != expected:
-        raise PersistError(f"{source.name} does not match its checksum (memory copy damaged)")
+        raise PersistDamaged(f"{source.name} does not match its checksum (memory copy damaged)")
 
 
 def persist(memory_dir: Path, save_dir: Path, iteration: int,
@@ -267,7 +272,7 @@ class Persister:
         except Exception as error:  # a copier that dies must still say why
             failure = error if isinstance(error, PersistError) else PersistError(
                 f"{type(error).__name__}: {error}")
-            if not isinstance(failure, PersistSuperseded):  # that one cannot come back
+            if not isinstance(failure, (PersistSuperseded, PersistDamaged)):  # these cannot heal
                 self.last_requested = None  # try again (at the end of the run at the latest)
             self._results.put(failure)
         finally:
