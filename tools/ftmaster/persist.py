@@ -118,11 +118,6 @@ class PersistError(Exception):
     """A copy that did not complete; the disk tier is unchanged (one line)."""
 
 
-class PersistDamaged(PersistError):
-    """A copy whose source no longer matches its checksums: it cannot heal, so it is not
-    tried again (every poll re-read the whole checkpoint to fail the same way)."""
-
-
 class PersistSuperseded(PersistError):
     """A copy from the peers given up because they pruned the checkpoint: they hold newer
     ones, which the next copy takes. Not a failure of the disk tier."""
@@ -146,7 +141,7 @@ def _copy_verified(source: Path, target: Path, expected) -> None:
         os.fsync(writer.fileno())
         copied = writer.digest()
     if expected is not None and copied != expected:
-        raise PersistDamaged(f"{source.name} does not match its checksum (memory copy damaged)")
+        raise PersistError(f"{source.name} does not match its checksum (memory copy damaged)")
 
 
 def persist(memory_dir: Path, save_dir: Path, iteration: int,
@@ -218,6 +213,11 @@ def remove_partial_copies(save_dir: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+RETRY_WAIT_S = (5.0, 300.0)
+"""After a failed copy: the wait before the same checkpoint is tried again, doubling per
+failure in a row up to the second figure."""
+
+
 class Persister:
     """One background copy at a time; results are collected with :meth:`take_results`."""
 
@@ -227,6 +227,8 @@ class Persister:
         self._thread: threading.Thread | None = None
         self.last_requested: int | None = None
         self._whole: int | None = None  # the last checkpoint seen whole (checked once)
+        self._failures = 0  # copies failed in a row
+        self._retry: tuple[int, float] | None = None  # the failed iteration, when to try again
         remove_partial_copies(self.save_dir)
 
     @property
@@ -248,9 +250,15 @@ class Persister:
         self._whole = newest
         return newest
 
-    def needs_copy(self, iteration: int | None) -> bool:
+    def needs_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
+        """Whether ``iteration`` is newer than the disk tier's and not being copied; one whose
+        copy just failed waits before it is tried again (a damaged checkpoint was re-read at
+        every poll), unless ``retry_now``."""
         if iteration is None or iteration == self.last_requested:
             return False  # the common case, every poll: no read of --save
+        if not retry_now and self._retry is not None and iteration == self._retry[0] \
+                and time.monotonic() < self._retry[1]:
+            return False
         disk = read_tracker(self.save_dir)
         return disk is None or iteration > disk
 
@@ -269,11 +277,15 @@ class Persister:
     def _copy(self, iteration: int, fetch: Fetch | None) -> None:
         try:
             self._results.put(persist(self.memory_dir, self.save_dir, iteration, fetch))
+            self._failures, self._retry = 0, None
         except Exception as error:  # a copier that dies must still say why
             failure = error if isinstance(error, PersistError) else PersistError(
                 f"{type(error).__name__}: {error}")
-            if not isinstance(failure, (PersistSuperseded, PersistDamaged)):  # these cannot heal
+            if not isinstance(failure, PersistSuperseded):  # that one cannot come back
                 self.last_requested = None  # try again (at the end of the run at the latest)
+                self._failures += 1
+                wait = min(RETRY_WAIT_S[1], RETRY_WAIT_S[0] * 2 ** (self._failures - 1))
+                self._retry = (iteration, time.monotonic() + wait)
             self._results.put(failure)
         finally:
             unpin(self.memory_dir)

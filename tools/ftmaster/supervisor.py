@@ -701,7 +701,7 @@ class Supervisor:
             agreed = self.agreement.current(self.round.number,
                                             [node.node_rank for node in self.round.nodes])
             newest = None if agreed is None else agreed.iteration
-        if not self.persister.needs_copy(newest):
+        if not self.persister.needs_copy(newest, retry_now=now):
             return
         if newest not in self._memory_kinds:
             self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
