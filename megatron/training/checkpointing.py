@@ -1047,6 +1047,9 @@ class Checkpointer:
         start, read_before = time.perf_counter(), _bytes_read_by_this_process()
         if problem is None and manifest is not None and manifest.files:
             problem = self._checksum_problem(path, manifest, node_local)
+        elif problem is None:  # written before manifests, by another tool, or lost its own
+            log_rank0(f"warning: {path} has no checksummed manifest: its structure is checked, "
+                      "its bytes cannot be")
         verify_seconds = time.perf_counter() - start
         if problem is not None:
             return problem

@@ -137,6 +137,7 @@ def test_a_load_that_raises_falls_back_even_without_checksums(save, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     (skipped,) = events(tmp_path / "run", "checkpoint_skipped")
     assert skipped["iteration"] == 6 and skipped["reason"].startswith("common.pt: ")
+    assert f"warning: {folder} has no checksummed manifest: its structure is checked" in result.stdout
     assert f"loaded checkpoint from {iteration_dir(save, 4)} at iteration 4" in result.stdout
     assert "Traceback" not in result.stdout
 
