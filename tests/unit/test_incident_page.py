@@ -118,4 +118,5 @@ def test_the_page_tells_a_straggler_and_its_drain(tmp_path):
     assert run_report(run_dir).exit_code == 0
     body = text_of((run_dir / "report.html").read_text())
     assert "<h2>Stragglers</h2>" in body and "straggler: GPU 1 computed 2.1x slower" in body
-    assert "0.8 s/iteration after the drain" in body and "<td>drain</td>" in body
+    assert "0.8 s/iteration after the drain" in body
+    assert "<td>drain</td><td>gpu 1, reason straggler, decided_by the job runs" in body

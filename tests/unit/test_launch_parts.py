@@ -238,6 +238,11 @@ DENSE = ["t.py", "--num-layers", "8", "--hidden-size", "64", "--num-attention-he
      r"TP 1 x PP 2, VPP 3 with micro-batch 1 .* suggests TP 1 x PP 2 x DP 2, VPP 2"),
     (["--num-experts", "8", "--expert-model-parallel-size", "3"], r"TP 1 x PP 1, EP 3 with .* x DP 4, EP 4"),
     (["--expert-model-parallel-size", "2"], r"TP 1 x PP 1, EP 2 with .* suggests TP 1 x PP 1 x DP 4 with"),
+    # what differs is named on both sides, not the same layout offered back
+    (["--eval-micro-batch-size", "3"], r"TP 1 x PP 1, eval micro-batch 3 with .* suggests TP 1 x "
+     r"PP 1 x DP 4, eval micro-batch 2 with"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     r"TP 1 x PP 2, 3 layers per virtual stage with .* x DP 2, 2 layers per virtual stage with"),
 ])
 def test_check_layout_refuses_a_context_expert_or_virtual_size_megatron_would(extra, message):
     with pytest.raises(click.ClickException, match="invalid layout: " + message):

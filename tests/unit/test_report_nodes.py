@@ -317,3 +317,14 @@ def test_the_incident_page_says_whose_each_row_and_failure_is_and_counts_the_job
     assert "Failure 1: node 1 device_lost on GPU(s) [1]" in page
     assert "also failed        node 0: peer" not in page and "also failed node 0: peer" in page
     assert "4 GPU(s)" in page  # 2 on each node, not the 2 of one
+
+
+def test_a_marker_goes_on_its_own_nodes_row():
+    from ftmaster.incident import _attempts, _row_at
+
+    events = [{"event": "launch", "time": 1.0, "attempt": 1, "node": 0},
+              {"event": "launch", "time": 2.0, "attempt": 1, "node": 1},
+              {"event": "failure", "time": 5.0, "attempt": 1, "node": 0}]
+    attempts = _attempts(events)
+    assert _row_at(attempts, events[2]) == 0  # node 0's, not node 1's later launch
+    assert [a["end"] for a in attempts] == [5.0, 5.0]  # node 1's attempt ends with the last event

@@ -134,7 +134,7 @@ def _timeline(events: list[dict], start: float) -> str:
         if kind is None:
             continue
         label, marker, colour = MARKERS[kind]
-        row = _row_at(attempts, event["time"])
+        row = _row_at(attempts, event)
         ax.scatter(event["time"] - start, row, marker=marker, color=colour, s=60, zorder=3,
                    label=None if kind in shown else label)
         shown.add(kind)
@@ -154,7 +154,7 @@ def _timeline(events: list[dict], start: float) -> str:
         + f"<td>{html.escape(event_label(e))}</td><td>{_event_text(e)}</td></tr>\n"
         for e in events if _marker_kind(e) or e["event"] in (
             "launch", "complete", "stopped", "gave_up", "resumed", "store_lost", "straggler",
-            "drain", "straggler_drained", "straggler_kept"))
+            "drain", "straggler_drained", "straggler_kept", "straggler_drain_result"))
     return (f"<h2>Timeline</h2>\n{_png(fig)}\n<table><tr><th>t (s)</th>"
             + ("<th>node</th>" if nodes else "")
             + f"<th>event</th><th>details</th></tr>\n{rows}</table>\n")
@@ -164,9 +164,11 @@ def _node_prefix(event: dict) -> str:
     return f"node {event['node']} " if "node" in event else ""
 
 
-def _row_at(attempts: list[dict], when: float) -> float:
-    """The attempt row an event belongs on: the newest launched before it (-0.5 before any)."""
-    rows = [row for row, a in enumerate(attempts) if a["time"] <= when]
+def _row_at(attempts: list[dict], event: dict) -> float:
+    """The attempt row an event belongs on: its node's newest launched before it (-0.5 before
+    any)."""
+    rows = [row for row, a in enumerate(attempts)
+            if a["time"] <= event["time"] and a.get("node") == event.get("node")]
     return rows[-1] if rows else -0.5
 
 
@@ -180,7 +182,11 @@ def _event_text(event: dict) -> str:
             "persisted": ("iteration", "seconds"), "resumed": ("attempt", "iteration"),
             "emergency_save": ("iteration", "tier", "seconds"),
             "periodic_save": ("iteration", "tier", "seconds"),
-            "complete": ("iteration",), "stopped": ("signal",), "gave_up": ("reason",)}
+            "complete": ("iteration",), "stopped": ("signal",), "gave_up": ("reason",),
+            "store_lost": ("reason",), "straggler": ("gpu", "slowdown", "since"),
+            "drain": ("gpu", "reason", "decided_by"), "straggler_drained": ("gpu",),
+            "straggler_kept": ("gpu", "reason"),
+            "straggler_drain_result": ("step_s", "slowed_step_s")}
     return ", ".join(f"{key} {human(event[key]) if not isinstance(event[key], (list, str)) else html.escape(str(event[key]))}"
                      for key in keys.get(kind, ()) if key in event)
 

@@ -86,18 +86,27 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
     # (its context, expert or virtual pipeline size included, not only TP, PP and the batch;
     # the planner takes the largest VPP that divides a stage where the command's does not).
     if plan.reason != HOT_SPARE or _virtual_flags(plan.command) != _virtual_flags(command):
-        original, virtual = facts.original, facts.pipeline.virtual_stages_per_rank
+        original = facts.original
         raise InputError(
             f"invalid layout: TP {original.tensor_model_parallel_size} x PP "
             f"{original.pipeline_model_parallel_size}"
-            f"{_extra_degrees(original.context_parallel_size, original.expert_model_parallel_size, virtual)}"
-            f" with micro-batch {original.micro_batch_size} and global batch "
-            f"{original.global_batch_size} does not fit {gpus} GPUs; the planner suggests "
-            f"TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
-            f"{_extra_degrees(plan.context_parallel_size, 1, None)} x DP {plan.data_parallel_size}"
-            f"{_extra_degrees(1, plan.expert_model_parallel_size, plan.virtual_pipeline_model_parallel_size)}"
+            f"{_extra_degrees(original.context_parallel_size, original.expert_model_parallel_size)}"
+            f"{_pipeline_and_eval(command)} with micro-batch {original.micro_batch_size} and "
+            f"global batch {original.global_batch_size} does not fit {gpus} GPUs; the planner "
+            f"suggests TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
+            f"{_extra_degrees(plan.context_parallel_size, 1)} x DP {plan.data_parallel_size}"
+            f"{_extra_degrees(1, plan.expert_model_parallel_size)}{_pipeline_and_eval(plan.command)}"
             f" with micro-batch {plan.micro_batch_size}")
     return plan
+
+
+def _pipeline_and_eval(argv: Sequence[str]) -> str:
+    """The interleaving and evaluation micro-batch flags a layout's text names, where given."""
+    named = zip((VIRTUAL_STAGES_FLAG, LAYERS_PER_VIRTUAL_STAGE_FLAG, "--eval-micro-batch-size"),
+                ("VPP {}", "{} layers per virtual stage", "eval micro-batch {}"))
+    values = [(flag_value(argv, flag), text) for flag, text in named]
+    return "".join(f", {text.format(value)}" for value, text in values if value is not None
+                   and (text.startswith("eval") or _virtual_flags(argv)))
 
 
 def _virtual_flags(argv: Sequence[str]) -> tuple[str | None, ...]:
@@ -107,10 +116,9 @@ def _virtual_flags(argv: Sequence[str]) -> tuple[str | None, ...]:
     return tuple(flag_value(argv, flag) for flag in (LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG))
 
 
-def _extra_degrees(context: int, expert: int, virtual: int | None) -> str:
-    """CP, EP and VPP for a layout's text, where they are not the default."""
-    return ((f" x CP {context}" if context > 1 else "") + (f", EP {expert}" if expert > 1 else "")
-            + (f", VPP {virtual}" if virtual and virtual > 1 else ""))
+def _extra_degrees(context: int, expert: int) -> str:
+    """CP and EP for a layout's text, where they are not the default."""
+    return (f" x CP {context}" if context > 1 else "") + (f", EP {expert}" if expert > 1 else "")
 
 
 def uses_trainer_parser(script: Path) -> bool:

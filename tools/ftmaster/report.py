@@ -534,6 +534,10 @@ def _outcome_after(after: list[dict], failure: dict) -> str:
             return "stopped by a signal before resuming"
         if event["event"] == "complete":
             return "completed before resuming: nothing was left to train"
+        if event["event"] == "store_lost":
+            return "the job's rendezvous store was lost before resuming: a requeue resumes it"
+        if event["event"] == "failure" and event.get("cause") == "supervisor_lost":
+            return "the ftmaster recovering it was lost before resuming"
     return "not resumed (the run ended or is still recovering)"
 
 
