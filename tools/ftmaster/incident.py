@@ -304,7 +304,8 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
                      f"first launch (start-up included)</p>\n")
     per_node: dict = {}  # the job's GPUs: each node's most, added up
     for launch in (e for e in events if e["event"] == "launch"):
-        per_node[launch.get("node")] = max(per_node.get(launch.get("node"), 0), len(launch.get("gpus") or []))
+        node = launch.get("node")
+        per_node[node] = max(per_node.get(node, 0), len(launch.get("gpus") or []))
     gpus = sum(per_node.values()) or 1
     try:
         x = goodput_cli.model_inputs({"gpus": max(1, gpus)}, measured)

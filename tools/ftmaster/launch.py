@@ -50,7 +50,8 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
 from ftmaster.recovery.megatron_args import read_script_args
-from ftmaster.recovery.planner import HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError, plan_layout
+from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
+                                       plan_layout)
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
 from ftmaster.replication import Replication, ReplicationConfig
@@ -101,19 +102,22 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
 
 
 def _pipeline_and_eval(argv: Sequence[str]) -> str:
-    """The interleaving and evaluation micro-batch flags a layout's text names, where given."""
-    named = zip((VIRTUAL_STAGES_FLAG, LAYERS_PER_VIRTUAL_STAGE_FLAG, "--eval-micro-batch-size"),
-                ("VPP {}", "{} layers per virtual stage", "eval micro-batch {}"))
-    values = [(flag_value(argv, flag), text) for flag, text in named]
-    return "".join(f", {text.format(value)}" for value, text in values if value is not None
-                   and (text.startswith("eval") or _virtual_flags(argv)))
+    """The interleaving flags (past PP 1) and the evaluation micro-batch a layout's text
+    names, where given."""
+    stages, layers, eval_micro = (flag_value(argv, flag) for flag in (
+        VIRTUAL_STAGES_FLAG, LAYERS_PER_VIRTUAL_STAGE_FLAG, "--eval-micro-batch-size"))
+    interleaved = bool(_virtual_flags(argv))
+    return ((f", VPP {stages}" if interleaved and stages else "")
+            + (f", {layers} layers per virtual stage" if interleaved and layers else "")
+            + (f", eval micro-batch {eval_micro}" if eval_micro else ""))
 
 
 def _virtual_flags(argv: Sequence[str]) -> tuple[str | None, ...]:
     """The command's interleaving flags (rewritten away at PP 1, where they mean nothing)."""
     if (int_flag(argv, "--pipeline-model-parallel-size") or 1) == 1:
         return ()
-    return tuple(flag_value(argv, flag) for flag in (LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG))
+    return tuple(flag_value(argv, flag)
+                 for flag in (LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG))
 
 
 def _extra_degrees(context: int, expert: int) -> str:

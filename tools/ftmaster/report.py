@@ -473,12 +473,15 @@ def _replica_recovery(after: list[dict], failure: dict, plan: dict | None) -> di
     fallback = of["replica_fallback"][-1] if of["replica_fallback"] else {}
     return {"dump_seconds": _most(e.get("seconds") for e in dumps),
             "ranks": sorted(r for e in dumps for r in e.get("ranks") or [] if is_int(r)),
-            "bytes": sum(e.get("bytes") or 0 for e in dumps if is_int(e.get("bytes") or 0)),
-            "gathered_bytes": sum(e.get("bytes") or 0 for e in gathered if is_int(e.get("bytes") or 0)),
+            "bytes": _total_bytes(dumps), "gathered_bytes": _total_bytes(gathered),
             "gathered_seconds": _most(e.get("seconds") for e in gathered),
             "merge_seconds": merge.get("merge_seconds"),
             "merge_wait_seconds": merge.get("seconds"),
             "iteration": merge.get("iteration"), "fallback": fallback.get("reason")}
+
+
+def _total_bytes(events: list[dict]) -> int:
+    return sum(e["bytes"] for e in events if is_int(e.get("bytes")))
 
 
 def _most(values) -> float | None:
