@@ -177,6 +177,11 @@ def _add_checkpoint_args(parser):
     group.add_argument("--load", default=None)
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--async-save", action="store_true")
+    group.add_argument("--async-save-timeout", type=float, default=None, metavar="SECONDS",
+                       help="ours: an async save whose writers have not finished after this "
+                            "long is stopped and fails, so that a writer stuck on the file "
+                            "system holds up no later save (default: 10x the longest async "
+                            "save so far, at least 600)")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     group.add_argument("--ckpt-assume-constant-structure", action="store_true",
                        help="Megatron-LM's: keep the save plan from save to save without checking "
@@ -515,6 +520,9 @@ def _validate_checkpointing(args):
                  f"--save directory {args.save} is not writable: choose a directory you can "
                  f"write to")
     _require(not args.async_save or args.save is not None, "--async-save needs --save DIR")
+    _require(args.async_save_timeout is None or 0 < args.async_save_timeout < math.inf,
+             f"--async-save-timeout must be a positive number of seconds, got "
+             f"{args.async_save_timeout}")
     _require(args.keep_emergency is None or args.keep_emergency >= 0,
              f"--keep-emergency must be >= 0, got {args.keep_emergency}")
     _require(args.emergency_save_gap_frac >= 0,

@@ -110,6 +110,7 @@ from ftmaster.recovery.manifest import (
 from ftmaster.runfiles import atomic_write_bytes, atomic_write_text
 
 from . import checksums, conversions, optimizer_from_distributed, startup
+from .async_saves import AsyncSaves
 from .console import error_line, log_rank0
 from .dcp_metadata import MetadataBytes
 from .memory_slots import MemorySlots
@@ -605,7 +606,7 @@ class _Save:
         self.global_metadata = None
         """megatron-core's global metadata, from which rank 0 writes ``.metadata``."""
         self.slots = checkpointer.slots if tier == "memory" else None
-        self.synchronous = checkpointer.async_queue is None or self.slots is not None
+        self.synchronous = checkpointer.async_saves is None or self.slots is not None
         self.records = self.slots if self.slots is not None else (
             checkpointer.disk_records if self.synchronous else None)
         """Writes the shards in the rank (None: torch_dist's writer processes do)."""
@@ -657,8 +658,8 @@ class _Save:
         args = [rank, buckets, self.results_queue]
         if self.records is None:
             self.own_shards = [name for _, name, _ in buckets]
-            return request._replace(async_fn=partial(checksums.write_with_digests, request.async_fn),
-                                    async_fn_args=args)
+            write = partial(checksums.write_with_digests, request.async_fn, self.iteration)
+            return request._replace(async_fn=write, async_fn_args=args)
         self.own_shards = self.records.files(rank, buckets)
         # The writer reads each tensor where it is (device memory included): no staging.
         return request._replace(async_fn=partial(self.records.write, self.path, self.iteration),
@@ -844,7 +845,8 @@ class Checkpointer:
         # On CUDA a persistent writer process: forking a rank with a CUDA context for every
         # save costs a device sync and a fork of its whole address space. On CPU a fork is
         # cheap, and a spawned worker would pay a fresh torch import at the first save.
-        self.async_queue = (AsyncCallsQueue(persistent=torch.cuda.is_available())
+        self.async_saves = (AsyncSaves(AsyncCallsQueue(persistent=torch.cuda.is_available()),
+                                       group, args.async_save_timeout, self._abandoned)
                             if args.async_save else None)
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
@@ -939,7 +941,7 @@ class Checkpointer:
             if save.synchronous:
                 _run_in_rank(request)
             else:
-                self.async_queue.schedule_async_request(request)
+                self.async_saves.start(save, request)
         return time.perf_counter() - start
 
     def _new_save_strategy(self) -> "_TimedParallelSave":
@@ -955,6 +957,9 @@ class Checkpointer:
         """Every rank, when a save ends: count it, or forget it and say why."""
         if save.slots is not None:
             save.slots.ended(save.iteration, isinstance(outcome, DurableSave))
+        if self.async_saves is not None and not save.synchronous:
+            self.async_saves.ended(save, outcome.seconds_to_durable
+                                   if isinstance(outcome, DurableSave) else None)
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes
@@ -980,14 +985,20 @@ class Checkpointer:
             self._on_failed(outcome)
 
     def finalize_async(self, blocking: bool = False) -> None:
-        """Finish async saves whose writers are done on every rank (all ranks call this)."""
-        if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
-            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+        """Finish async saves whose writers are done on every rank, and give up one past its
+        deadline (all ranks call this; :mod:`async_saves`)."""
+        if self.async_saves is not None:
+            self.async_saves.finalize(blocking)
+
+    def _abandoned(self, save: _Save, reason: str) -> None:
+        if _rank() == 0:
+            save.remove_partial_folder()
+        self.saved(save, SaveFailure(save.iteration, save.path, save.kind, save.tier, reason))
 
     def close(self) -> None:
-        if self.async_queue is not None:
+        if self.async_saves is not None:
             self.finalize_async(blocking=True)
-            self.async_queue.close()
+            self.async_saves.queue.close()
         self.janitor.finish()
         if self.slots is not None:
             self.slots.close()

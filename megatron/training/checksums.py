@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.filesystem import _write_item as write_item
 from ftmaster.peer_files import PeerFile
 from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, item_problem
 
+from . import rehearsal
+
 SIDECAR_SUFFIX = ".digest"
 
 
@@ -144,14 +146,16 @@ def install() -> None:
     filesystem_async._write_item = _write_item_with_digest
 
 
-def write_with_digests(write: Callable, *args, **kwargs):
-    """Run a save request's write function with the hook installed in this process.
+def write_with_digests(write: Callable, iteration: int, *args, **kwargs):
+    """Run the write function of the save at ``iteration`` with the hook installed in this
+    process.
 
     In megatron-core's persistent writer (spawned, so no fork hook reaches it) this is also
     where it learns to die with its rank: a writer outliving a killed rank would hold its
     memory, and its files open, for good."""
     install()
     die_with_parent(os.getppid())
+    rehearsal.stall_writer(iteration)
     return write(*args, **kwargs)
 
 

@@ -17,7 +17,10 @@ them nothing here does anything. Each fault is what the rank would see on a fail
   ``grad-norm`` (the norm is taken, the agreement not yet), ``update`` (just applied) or
   ``save-agreement`` (the iteration's save agreement is being waited for) or ``slot-copy``
   (halfway through refilling a memory-tier slot). The replica recovery tests use it to kill
-  a rank between any two collectives.
+  a rank between any two collectives;
+- ``FTMASTER_INJECT_STALL=LOCAL_RANK:ITERATION[,...]``: that local rank's async writer of
+  the save at that iteration stops itself (``SIGSTOP``) before it writes, as a writer stuck
+  on a file system that stopped answering would (:mod:`async_saves` gives it up).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SLOW_FILE_PREFIX = "slow_"
 """``$FTMASTER_RANK_DIR/slow_<local rank>``: the factor ftmaster's ``slow`` injection slows
 this rank's compute by from now on (due at a time or after an event; read each iteration)."""
 KILL_ENV = "FTMASTER_INJECT_KILL"
+STALL_ENV = "FTMASTER_INJECT_STALL"
 KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement", "slot-copy")
 _armed_kills: set[tuple[int, str]] = set()
 
@@ -169,3 +173,11 @@ def kill_point(point: str, iteration: int) -> None:
     """SIGKILL this process when the rehearsal armed ``point`` at ``iteration``."""
     if (iteration, point) in _armed_kills:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stall_writer(iteration: int) -> None:
+    """In an async save's writer process: stop here when the rehearsal stalls this local
+    rank's save at ``iteration``."""
+    if STALL_ENV in os.environ and iteration in per_local_rank(
+            STALL_ENV, int(os.environ.get("LOCAL_RANK", "0"))):
+        os.kill(os.getpid(), signal.SIGSTOP)

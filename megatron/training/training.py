@@ -379,7 +379,7 @@ class Trainer:
         self.model.sync_params()
         blocked = self.checkpointer.save(self.state, kind, tier, on_durable=self._on_durable,
                                          on_failed=self._on_save_failed)
-        if self.checkpointer.async_queue is not None:
+        if self.checkpointer.async_saves is not None:
             self._blocked_seconds[self.state.iteration] = blocked
             where = " in memory" if tier == "memory" else ""
             log_rank0(f"async {kind} save at iteration {self.state.iteration}{where} started; "

@@ -5,8 +5,9 @@ GPU. Each test skips without the GPUs it needs."""
 
 import pytest
 
-from ftmaster.recovery.checkpoints import read_tracker
+from ftmaster.recovery.checkpoints import list_iterations, read_tracker
 from helpers.gpu import needs_gpus
+from helpers.launch import events
 from helpers.trainer import (SMALL_GPT, TINY_LLAMA, assert_follows, from_iteration_3, iterations,
                              layout_args, run_trainer, train)
 
@@ -78,6 +79,22 @@ def test_async_save_is_complete_and_resumes(tmp_path):
     resume = from_iteration_3(save, tmp_path)
     assert_follows(train(1, BF16_LLAMA + layout_args(1, 1), resume, "--load", str(resume),
                          "--async-save"), reference)
+
+
+@needs_gpus(1)
+def test_a_stuck_persistent_writer_is_given_up_and_a_fresh_one_saves_on(tmp_path):
+    """On CUDA the async writer is one persistent worker, stopped here at the save of
+    iteration 3 (as on a file system that stopped answering). The save of 6 waits for it as
+    megatron-core's worker makes it wait, but only until ``--async-save-timeout``: the save
+    of 3 fails, and a fresh worker writes 6."""
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    result = run_trainer(1, [*BF16_LLAMA, *layout_args(1, 1), "--save", str(save),
+                             "--save-interval", "3", "--async-save", "--async-save-timeout", "5"],
+                         FTMASTER_RUN_DIR=str(run_dir), FTMASTER_INJECT_STALL="0:3")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (failed,) = events(run_dir, "save_failed")
+    assert failed["iteration"] == 3 and "past the async save deadline of 5 s" in failed["reason"]
+    assert read_tracker(save) == 6 and list_iterations(save) == [6]
 
 
 @needs_gpus(1)

@@ -39,9 +39,9 @@ def shared_queue(monkeypatch):
     return shared
 
 
-def memory_save(tmp_path, async_queue):
+def memory_save(tmp_path, async_saves):
     checkpointer = types.SimpleNamespace(group=None, folder_of=lambda tier: tmp_path,
-                                         slots=InRankWriter(), async_queue=async_queue,
+                                         slots=InRankWriter(), async_saves=async_saves,
                                          disk_records=None)
     return checkpointing._Save(checkpointer, 12, "periodic", "memory", None)
 
@@ -53,7 +53,7 @@ def writer_of(tmp_path, shared):
 
 
 def test_a_memory_save_takes_its_own_results_while_a_disk_saves_wait(tmp_path, shared_queue):
-    save = memory_save(tmp_path, async_queue=object())
+    save = memory_save(tmp_path, async_saves=object())
     request = save._with_digests(AsyncRequest(print, (0, ["a bucket"], shared_queue), []))
     request.async_fn(*request.async_fn_args)
     save.keep_write_results(writer_of(tmp_path, shared_queue), "global metadata", None)
@@ -105,7 +105,7 @@ def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, m
 
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", usage)
     checkpointer = types.SimpleNamespace(
-        group=None, folder_of=lambda tier: memory, async_queue=None, disk_records=None,
+        group=None, folder_of=lambda tier: memory, async_saves=None, disk_records=None,
         last_bytes=100, last_durable_iteration=13,
         slots=types.SimpleNamespace(kept_iterations=lambda: {13}))
     save = checkpointing._Save(checkpointer, 14, "periodic", "memory", None)
@@ -126,7 +126,7 @@ def test_the_prune_before_a_save_keeps_the_checkpoint_training_resumed_from(tmp_
     monkeypatch.setattr(checkpointing.shutil, "disk_usage",
                         lambda path: shutil._ntuple_diskusage(400, 400, 0))
     checkpointer = types.SimpleNamespace(
-        group=None, folder_of=lambda tier: memory, async_queue=None, disk_records=None,
+        group=None, folder_of=lambda tier: memory, async_saves=None, disk_records=None,
         last_bytes=100, last_durable_iteration=20,
         slots=types.SimpleNamespace(kept_iterations=lambda: set()))
     assert "has 0 bytes free" in checkpointing._Save(checkpointer, 25, "periodic", "memory",

@@ -94,6 +94,9 @@ def with_args(*extra, drop=()):
     (with_args("--save", "ckpt", "--non-persistent-ckpt-type", "global",
                "--non-persistent-global-ckpt-dir="), 1,
      "--non-persistent-global-ckpt-dir needs a folder, got an empty value"),
+    *((with_args("--save", "ckpt", "--async-save", "--async-save-timeout", value), 1,
+       f"--async-save-timeout must be a positive number of seconds, got {value}")
+      for value in ("0", "-5", "nan", "inf")),
 ])
 def test_invalid_combinations_are_rejected(argv, world_size, message):
     with pytest.raises(ArgumentError) as caught:

@@ -1,0 +1,102 @@
+"""Asynchronous disk saves in flight, each with a deadline for its writers.
+
+megatron-core's ``AsyncCallsQueue`` finalizes its saves in order and waits for a writer
+without limit. A writer stuck on the file system (a hung NFS or Lustre server, a process
+stopped) therefore left every later save started and never finalized, with nothing said, so
+a relaunch fell back to the last checkpoint before it, and the end of training waited in
+``close()`` until the collective timed out.
+
+Here the oldest save in flight has a deadline: ``--async-save-timeout`` seconds, or by
+default ten times the longest async save of this attempt and at least ten minutes. Past it,
+every rank stops that save's writers (one all-reduce decides, so all ranks part with the same
+save) and the save fails as any failed save does: ``save_failed``, training goes on, and the
+saves behind it are finalized as their writers finish.
+
+On CUDA the writer is one persistent worker per rank, which takes a save only once it has
+written the one before: megatron-core's schedule then blocks training until it has (waiting
+for the worker to stage the new save's tensors), and with a stuck worker for good. So there
+a new save first finishes the one in flight, within the same deadline; a worker given up is
+stopped, and the new save starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+DEADLINE_FLOOR_S = 600.0
+DEADLINE_FACTOR = 10.0
+POLL_S = 0.05
+"""How often a blocking finalize looks at the writers again."""
+
+Abandon = Callable[[object, str], None]
+"""Told every save given up, with the reason (on every rank)."""
+
+
+class AsyncSaves:
+    """One rank's async saves in flight, in the order they were started (every rank starts
+    and finalizes the same saves, so every rank's queue is the same)."""
+
+    def __init__(self, queue: AsyncCallsQueue, group, timeout_s: float | None,
+                 abandon: Abandon) -> None:
+        self.queue = queue
+        self._group = group
+        self._timeout_s = timeout_s
+        self._abandon = abandon
+        self._in_flight: deque = deque()
+        """The saves started and not yet ended, each with its ``start`` (perf_counter)."""
+        self._longest_s = 0.0
+
+    def deadline_s(self) -> float:
+        if self._timeout_s is not None:
+            return self._timeout_s
+        return max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * self._longest_s)
+
+    def start(self, save, request) -> None:
+        if self.queue.persistent:
+            self.finalize(blocking=True)
+        self.queue.schedule_async_request(request)
+        self._in_flight.append(save)
+
+    def ended(self, save, seconds: float | None) -> None:
+        """``save``'s agreement ran: complete in ``seconds``, or failed (None)."""
+        if self._in_flight and self._in_flight[0] is save:
+            self._in_flight.popleft()
+        if seconds is not None:
+            self._longest_s = max(self._longest_s, seconds)
+
+    def finalize(self, blocking: bool) -> None:
+        """Finish the saves whose writers are done on every rank, in order; give up the
+        oldest once past its deadline. ``blocking``: until none is left. All ranks call it."""
+        while self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=False)
+            if not self.queue.get_num_unfinalized_calls():
+                return
+            overdue = self._overdue_by()
+            if overdue is not None:
+                self._abandon_oldest(overdue)
+            elif not blocking:
+                return
+            else:
+                time.sleep(POLL_S)
+
+    def _overdue_by(self) -> float | None:
+        """The oldest save's age when some rank finds it past the deadline, else None."""
+        age = time.perf_counter() - self._in_flight[0].start if self._in_flight else 0.0
+        late = torch.tensor([age if age > self.deadline_s() else 0.0], dtype=torch.float64)
+        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return late.item() or None
+
+    def _abandon_oldest(self, age_s: float) -> None:
+        reason = (f"its writers had not finished after {age_s:.1f} s, past the async save "
+                  f"deadline of {self.deadline_s():g} s (--async-save-timeout; a file "
+                  f"system that stopped answering?): stopped")
+        oldest = self.queue.async_calls.popleft()
+        oldest.async_caller.close(abort=True)
+        if self.queue.persistent:
+            self.queue.persistent_caller = None  # the next save starts a fresh worker
+        self._abandon(self._in_flight.popleft(), reason)
