@@ -47,6 +47,7 @@ TIERS = ("memory", "disk")
 _LOCK_NAME = ".ftmaster_tracker.lock"
 _PIN_NAME = ".ftmaster_persisting"
 _WHOLE_NAME = ".ftmaster_whole"
+_REPLICATED_NAME = ".ftmaster_replicated"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 COMMON_FILE = "common.pt"  # the non-sharded state, torch.save'd by rank 0
 CONFIG_FILE = "metadata.json"  # megatron-core's CheckpointingConfig
@@ -297,6 +298,23 @@ def unmark_whole(memory_dir: Path) -> None:
     (Path(memory_dir) / _WHOLE_NAME).unlink(missing_ok=True)
 
 
+def mark_replicated(memory_dir: Path, iteration: int) -> bool:
+    """Across nodes: mark memory checkpoint ``iteration`` as the newest that outlives the
+    loss of any ``--memory-replicas`` nodes (every file on that many nodes and one more), of
+    which this node holds a part: kept from slot refills and pruning until a newer one is,
+    since with fewer replicas than peers no node's folder is whole and nothing else keeps
+    it. False (nothing marked) when it is gone here."""
+    return _mark(memory_dir, _REPLICATED_NAME, iteration)
+
+
+def replicated_here(memory_dir: Path) -> int | None:
+    return _marked(memory_dir, _REPLICATED_NAME)
+
+
+def unmark_replicated(memory_dir: Path) -> None:
+    (Path(memory_dir) / _REPLICATED_NAME).unlink(missing_ok=True)
+
+
 def _mark(memory_dir: Path, name: str, iteration: int) -> bool:
     # Under the tier's lock, as pruning and slot refills are, so that the checkpoint cannot
     # be removed or refilled between the check and the mark.
@@ -315,9 +333,11 @@ def _marked(memory_dir: Path, name: str) -> int | None:
 
 
 def kept_memory_checkpoints(memory_dir: Path) -> set[int]:
-    """What neither pruning nor a slot refill may take: the one a persist copy reads, the
-    newest whole copy of a node-local tier's, and the one the tracker names."""
-    return {it for it in (pinned(memory_dir), whole_here(memory_dir), read_tracker(memory_dir))
+    """What neither pruning nor a slot refill may take: the one a persist copy reads, a
+    node-local tier's newest whole copy and newest replicated checkpoint, and the one the
+    tracker names."""
+    return {it for it in (pinned(memory_dir), whole_here(memory_dir),
+                          replicated_here(memory_dir), read_tracker(memory_dir))
             if it is not None}
 
 

@@ -16,9 +16,10 @@ the same inside a regular ``torch_dist`` checkpoint, which still loads under any
 Slots are used in turn, so the newest complete checkpoint is never written over. Before a
 slot is refilled, rank 0 removes its manifest and ``.metadata`` and renames it to the new
 iteration's folder, under the tier's lock, and only when no persist copy has pinned it, the
-tracker does not name it and, across nodes, it is not the node's newest whole copy while a
-newer one is still being copied from the peers: a rank killed mid-copy leaves a folder no
-loader accepts. The tier then holds two checkpoints plus the one being written, and those a
+tracker does not name it and, across nodes, it is not the node's newest whole copy, nor its
+part of the newest replicated checkpoint, while a newer one is still being copied from the
+peers (``kept_memory_checkpoints``): a rank killed mid-copy leaves a folder no loader
+accepts. The tier then holds two checkpoints plus the one being written, and those a
 persist or peer copy holds back (a kept slot is left to the pruning, and a fresh folder is
 written instead).
 
@@ -209,7 +210,8 @@ class MemorySlots(RecordWriter):
     def claim(self, iteration: int | None, target: Path) -> bool:
         """Rank 0: make the slot of ``iteration`` the folder ``target`` (True), or make
         ``target`` afresh when that checkpoint is pinned by a persist copy, is a node-local
-        tier's newest whole copy, is named by the tracker, or is gone."""
+        tier's newest whole copy or newest replicated checkpoint, is named by the tracker, or
+        is gone."""
         if iteration is not None and not target.exists():
             previous = iteration_dir(self.memory_dir, iteration)
             with tracker_lock(self.memory_dir):

@@ -4,6 +4,7 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,14 +13,16 @@ from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_cl
 import json
 
 from ftmaster.persist import PersistError, PersistSuperseded, persist
-from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, mark_whole, read_tracker,
-                                           whole_here)
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
+                                           kept_memory_checkpoints, mark_replicated, mark_whole,
+                                           read_tracker, replicated_here, whole_here)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
                                         digest_file, read_manifest, write_manifest)
 from ftmaster.replication import (Agreed, MemoryAgreement, Replication, ReplicationConfig,
                                   ReplicationFailed, holdings_of, newest_complete, rank_ranges,
                                   writer_rank)
 from helpers.trainer import wait_until
+from megatron.training.memory_slots import MemorySlots
 
 SECRET = new_secret()
 
@@ -423,3 +426,96 @@ def test_a_node_publishes_its_newest_checkpoints_with_a_manifest_of_either_kind(
     assert list(held) == ["8", "6", "4"]
     assert held["8"]["total"] == 4 and "common.pt" not in held["8"]["files"]
     assert held["6"]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt"]
+
+
+@pytest.mark.parametrize("records, copies, expected", [
+    ({0: {"4": held(["a", "b", "c"])}, 1: {"4": held(["a", "b"])}, 2: {"4": held(["c"])}}, 2, 4),
+    ({0: {"4": held(["a", "b", "c"])}, 1: {"4": held(["a", "b"])}}, 2, None),  # c: one copy
+    ({0: {"4": held(["a", "b", "c"]), "6": held(["a", "b", "c"], manifest="m6")},
+      1: {"4": held(["a", "b", "c"]), "6": held(["a"], manifest="m6")}}, 2, 4),
+])
+def test_a_checkpoint_is_replicated_when_every_file_has_as_many_holders(records, copies, expected):
+    agreed = newest_complete({node: json.dumps(rec) for node, rec in records.items()}, copies)
+    assert (None if agreed is None else agreed.iteration) == expected
+
+
+class AnnouncingStore:
+    """The announcements of a round, as :class:`NodeMembership` keeps them in the store."""
+
+    def __init__(self) -> None:
+        self.said: dict[str, str] = {}
+
+    def announce(self, name, value):
+        self.said[name] = value
+
+    def announcement(self, name, timeout_s):
+        return self.said.get(name)
+
+
+def three_nodes_with_iteration_4_replicated_and_6_not(tmp_path):
+    """3 nodes x 2 ranks, one replica: each node holds its own shards of 4 and 6, and a copy
+    of the next node's shards (and rank 0's own files) of 4 only."""
+    folders = [tmp_path / f"node{r}" for r in range(3)]
+    for iteration in (4, 6):
+        shard_checkpoint(folders, iteration)
+        manifest = iteration_dir(folders[0], iteration) / MANIFEST_NAME
+        for node in (1, 2):
+            shutil.copy(manifest, iteration_dir(folders[node], iteration) / HELD_MANIFEST_NAME)
+    for node in range(3):
+        copy_from_peer(folders, 4, node, (node + 1) % 3)
+    return folders
+
+
+def copy_from_peer(folders, iteration, node, peer):
+    """What ``node``'s replication copies of ``peer``'s ranks' shards, and of rank 0's files."""
+    target = iteration_dir(folders[node], iteration)
+    names = [f"__{2 * peer}_0.distcp", f"__{2 * peer + 1}_0.distcp"] + (
+        [".metadata", "common.pt"] if node else [])
+    for name in names:
+        if not (target / name).exists():
+            shutil.copy(iteration_dir(folders[0 if name[0] != "_" else peer], iteration) / name,
+                        target / name)
+
+
+def test_with_fewer_replicas_than_peers_each_node_keeps_its_part_of_the_newest_replicated(
+        tmp_path, monkeypatch):
+    """No folder is ever whole on 3 nodes with one replica, so no ``.ftmaster_whole`` mark
+    keeps anything. Every node marks its part of the newest checkpoint whose every file two
+    nodes hold (the one a lost node leaves to resume from): the trainer's slot refill passes
+    it over until a newer one is replicated, then lets it go."""
+    monkeypatch.setattr("ftmaster.replication.AGREEMENT_POLL_S", 0.0)
+    folders = three_nodes_with_iteration_4_replicated_and_6_not(tmp_path)
+    store = AnnouncingStore()
+    agreements = [MemoryAgreement(store, SimpleNamespace(config=ReplicationConfig(
+        folders[r], tmp_path / f"run{r}", r))) for r in range(3)]
+
+    def each_node_keeps() -> list[int | None]:
+        for r in range(3):
+            store.announce(f"memory/1/{r}", json.dumps(holdings_of(folders[r])))
+        for r in range(3):  # the deciding node first, as its announcement comes first
+            agreements[r].keep_replicated(1, [0, 1, 2], decides=r == 0)
+        return [replicated_here(folder) for folder in folders]
+
+    assert each_node_keeps() == [4, 4, 4]
+    assert all(4 in kept_memory_checkpoints(folder) for folder in folders)
+    assert not MemorySlots(folders[1]).claim(4, iteration_dir(folders[1], 8))  # a fresh folder
+    assert iteration_dir(folders[1], 4).is_dir()
+
+    for node in range(3):
+        copy_from_peer(folders, 6, node, (node + 1) % 3)
+    assert each_node_keeps() == [6, 6, 6]
+    assert MemorySlots(folders[2]).claim(4, iteration_dir(folders[2], 10))  # refilled now
+
+
+def test_a_node_that_holds_no_part_of_the_replicated_checkpoint_lets_go_of_its_mark(tmp_path):
+    folders = three_nodes_with_iteration_4_replicated_and_6_not(tmp_path)
+    assert mark_replicated(folders[1], 6)
+    shutil.rmtree(iteration_dir(folders[1], 4))  # a node that rejoined with nothing of it
+    store = AnnouncingStore()
+    store.announce("memory_replicated/1", json.dumps(
+        {"iteration": 4, "manifest": digest_bytes(
+            (iteration_dir(folders[0], 4) / MANIFEST_NAME).read_bytes()).digest}))
+    agreement = MemoryAgreement(store, SimpleNamespace(config=ReplicationConfig(
+        folders[1], tmp_path / "run1", 1)))
+    agreement.keep_replicated(1, [0, 1, 2], decides=False)
+    assert replicated_here(folders[1]) is None

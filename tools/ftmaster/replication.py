@@ -42,7 +42,8 @@ from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, Pee
                                  PeerServer, fill_from_peer, manifest_files, write_manifest,
                                  write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
-                                           mark_whole, set_tracker, unmark_whole)
+                                           mark_replicated, mark_whole, replicated_here,
+                                           set_tracker, unmark_replicated, unmark_whole)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
                                         digest_bytes, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
@@ -53,7 +54,7 @@ _WRITER = re.compile(r"__(\d+)_")
 AUTHORIZE_WAIT_S = 10.0
 HOLDINGS_KEPT = 3  # as many checkpoints as a node's tier keeps (persist.MEMORY_COPIES)
 AGREE_TIMEOUT_S = 30.0  # how long a new round's nodes wait for each other's holdings
-AGREEMENT_POLL_S = 2.0  # how often the persisting node reads the holdings while training
+AGREEMENT_POLL_S = 2.0  # how often a node reads the holdings while training
 
 
 def writer_rank(name: str) -> int | None:
@@ -136,10 +137,10 @@ class Agreed:
             return None
 
 
-def newest_complete(records: dict[int, str | None]) -> Agreed | None:
+def newest_complete(records: dict[int, str | None], copies: int = 1) -> Agreed | None:
     """From each live node's published holdings (JSON of :func:`holdings_of`, by node rank;
     None or unreadable for a node that published none), the newest checkpoint whose every
-    file some node holds; None when there is none. Two timelines' checkpoints of one
+    file ``copies`` nodes hold; None when there is none. Two timelines' checkpoints of one
     iteration are told apart by their manifests."""
     found: dict[tuple[int, str], tuple[int, dict[str, list[int]]]] = {}
     for node_rank, text in sorted(records.items()):
@@ -160,7 +161,8 @@ def newest_complete(records: dict[int, str | None]) -> Agreed | None:
         nodes = {node for holders in found[key][1].values() for node in holders}
         return key[0], len(nodes), key[1]
 
-    complete = [key for key, (total, files) in found.items() if len(files) == total]
+    complete = [key for key, (total, files) in found.items() if len(files) == total
+                and all(len(holders) >= copies for holders in files.values())]
     if not complete:
         return None
     iteration, manifest = max(complete, key=rank)
@@ -495,7 +497,8 @@ class MemoryAgreement:
 
     def __init__(self, membership, replication: Replication) -> None:
         self.membership, self.replication = membership, replication
-        self._read_at, self._current = (None, float("-inf")), None  # (round, time)
+        self._read_at, self._read = (None, float("-inf")), {}  # (round, time), the records
+        self._kept_from = self._read_at  # the read (or poll) keep_replicated last acted on
 
     def publish(self, round_number: int) -> None:
         """Say what this node's tier holds now (after a copy, a catch-up, a merge)."""
@@ -516,15 +519,71 @@ class MemoryAgreement:
     def current(self, round_number: int, node_ranks: Sequence[int]) -> Agreed | None:
         """While training: the newest complete checkpoint from the holdings published so far
         (read at most every ``AGREEMENT_POLL_S``)."""
+        return newest_complete(self._recent(round_number, node_ranks))
+
+    def keep_replicated(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> None:
+        """While training, on every node: mark the newest checkpoint that outlives the loss
+        of any ``replicas`` of the round's nodes (:func:`mark_replicated`) where this node
+        holds a part of it, or let go of the mark where it holds none. Until one is, the
+        mark stays where it is: it keeps the checkpoint a loss would resume from.
+
+        The deciding node (that of rank 0, which reads every node's holdings anyway)
+        announces which one it is (``memory_replicated/<round>``); the others read that one
+        key, at most every ``AGREEMENT_POLL_S``: every node reading every node's holdings
+        would cost the store N x N reads a poll."""
+        try:
+            newest = (self._decide_replicated(round_number, node_ranks) if decides
+                      else self._announced_replicated(round_number))
+        except StoreLost as lost:
+            log.warning("telling the replicated memory checkpoint: %s", lost)
+            return
+        if newest is not None:
+            self._keep(*newest)
+
+    def _decide_replicated(self, round_number: int, node_ranks: Sequence[int]
+                           ) -> tuple[int, str] | None:
+        records = self._recent(round_number, node_ranks)
+        if self._kept_from == self._read_at:  # decided on these records already
+            return None
+        self._kept_from = self._read_at
+        newest = newest_complete(records, min(self.replication.config.replicas + 1, len(node_ranks)))
+        if newest is None:
+            return None
+        self.membership.announce(f"memory_replicated/{round_number}", json.dumps(
+            {"iteration": newest.iteration, "manifest": newest.manifest}))
+        return newest.iteration, newest.manifest
+
+    def _announced_replicated(self, round_number: int) -> tuple[int, str] | None:
+        now = time.monotonic()
+        if self._kept_from[0] == round_number and now - self._kept_from[1] < AGREEMENT_POLL_S:
+            return None
+        self._kept_from = (round_number, now)
+        text = self.membership.announcement(f"memory_replicated/{round_number}", 0.0)
+        try:
+            announced = json.loads(text or "null")
+            return int(announced["iteration"]), str(announced["manifest"])
+        except (ValueError, TypeError, KeyError):
+            return None  # none announced yet (or unreadable): the mark stays
+
+    def _keep(self, iteration: int, manifest: str) -> None:
+        memory_dir = self.replication.config.memory_dir
+        if replicated_here(memory_dir) == iteration:
+            return
+        held = known_manifest(iteration_dir(memory_dir, iteration))
+        if held is None or digest_bytes(held).digest != manifest \
+                or not mark_replicated(memory_dir, iteration):
+            unmark_replicated(memory_dir)
+
+    def _recent(self, round_number: int, node_ranks: Sequence[int]) -> dict[int, str | None]:
         now = time.monotonic()
         if self._read_at[0] != round_number or now - self._read_at[1] >= AGREEMENT_POLL_S:
             self._read_at = (round_number, now)
             try:
-                self._current = newest_complete(self._records(round_number, node_ranks, 0.0))
+                self._read = self._records(round_number, node_ranks, 0.0)
             except StoreLost as lost:  # the end of a run persists what it can without it
                 log.warning("reading the memory holdings: %s", lost)
-                self._current = None
-        return self._current
+                self._read = {}
+        return self._read
 
     def outdated(self) -> None:
         """The last holdings read named a checkpoint the peers have pruned since: the next

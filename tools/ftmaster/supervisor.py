@@ -505,6 +505,10 @@ class Supervisor:
         self._persist_when_due()
         if self.replication is not None:
             self._report_replicated(self.replication.take_results())
+        if self.agreement is not None and self.round is not None:
+            self.agreement.keep_replicated(self.round.number,
+                                           [node.node_rank for node in self.round.nodes],
+                                           decides=self._persists_here)
         code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
         if failed or (code is not None and code != 0):
