@@ -107,6 +107,14 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / MANIFEST_NAME).is_file()
 
 
+def never_finished(folder: Path) -> bool:
+    """Whether ``folder`` is what a save that never finished left: no manifest, and a file
+    every ``torch_dist`` load needs is missing (a checkpoint from before the manifests, or from
+    Megatron-LM, has them all), so it can never be loaded."""
+    folder = Path(folder)
+    return not is_complete(folder) and any(not (folder / name).is_file() for name in _REQUIRED_FILES)
+
+
 def holds_checkpoints(save_dir: Path) -> bool:
     """Whether the folder has a tracker (readable or not) or a complete ``iter_*`` folder:
     then it is never to be written over by a run that starts fresh."""

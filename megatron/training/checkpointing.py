@@ -91,6 +91,7 @@ from ftmaster.recovery.checkpoints import (
     holds_checkpoints,
     iteration_dir,
     list_iterations,
+    never_finished,
     prunable_emergency_checkpoints,
     prunable_memory_checkpoints,
     read_tracker,
@@ -1231,7 +1232,9 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
     it when this tier has no such folder: the resume came from the other tier). A folder
     without a single file (a save killed at its ``mkdir``) holds nothing to keep and is
-    removed. Returns (folder, new name or None when removed). The caller holds
+    removed, as is one a save killed mid-write left (no manifest and no ``.metadata``: it can
+    never be loaded, and a failure during an async or emergency save left one per failure).
+    Returns (folder, new name or None when removed). The caller holds
     ``tracker_lock(save_dir)``."""
     moved: list[tuple[Path, Path | None]] = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -1243,6 +1246,11 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
             shutil.rmtree(old, ignore_errors=True)
             moved.append((old, None))
             log_rank0(f"removed {old}: an empty folder left by a save that wrote nothing")
+            continue
+        if never_finished(old):  # killed mid-write: shards and sidecars that nothing can load
+            shutil.rmtree(old, ignore_errors=True)
+            moved.append((old, None))
+            log_rank0(f"removed {old}: a save that never finished (no manifest, no .metadata)")
             continue
         new = old.with_name(f"{old.name}.discarded-{stamp}")
         old.rename(new)

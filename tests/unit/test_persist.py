@@ -341,3 +341,29 @@ def test_a_resume_sets_aside_newer_checkpoints_but_removes_a_save_killed_at_its_
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
         "iter_0000006", moved[newer].name]
     assert read_tracker(save) == 6
+
+
+def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_legacy_ones(tmp_path):
+    """A rank killed during an async (or emergency) save leaves its iter_* folder with some
+    shards and their .digest sidecars but no .metadata and no manifest: never loadable, so it
+    is removed, not kept forever as iter_*.discarded-<time> (one per failure, as big as a
+    checkpoint). A folder with every file a load needs but no manifest (a checkpoint from
+    before the manifests) is still set aside."""
+    save = tmp_path / "save"
+    fake_checkpoint(save, 6)
+    complete = fake_checkpoint(save, 9)
+    killed = iteration_dir(save, 12)
+    killed.mkdir()
+    for name in ("__0_0.distcp", "__0_0.distcp.digest", "__1_0.distcp", "common.pt"):
+        (killed / name).write_bytes(b"x" * 100)
+    legacy = iteration_dir(save, 15)
+    legacy.mkdir()
+    for name in ("__0_0.distcp", "common.pt", ".metadata", "metadata.json"):
+        (legacy / name).write_bytes(b"x" * 100)
+    moved = dict(set_aside_newer(save, 6))
+    assert moved[killed] is None and not killed.exists()
+    assert moved[complete].name.startswith("iter_0000009.discarded-") and moved[complete].is_dir()
+    assert moved[legacy].name.startswith("iter_0000015.discarded-") and moved[legacy].is_dir()
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000006", moved[complete].name, moved[legacy].name]
+    assert read_tracker(save) == 6
