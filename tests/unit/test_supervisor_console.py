@@ -4,6 +4,7 @@ before the first launch."""
 
 import json
 import logging
+import signal
 
 import pytest
 
@@ -427,6 +428,35 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
                               scratch_memory_dir=memory)
     Supervisor(config, QuietMonitor())._remove_scratch_memory()
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
+
+
+@pytest.mark.parametrize("memory_intact, removed", [(True, True), (False, False)])
+def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_has_it_all(
+        tmp_path, memory_intact, removed):
+    """SIGTERM (a SLURM time limit) makes training save to disk and exit, and the end of the
+    run persists the newest memory checkpoint: the /dev/shm folder then holds nothing the disk
+    lacks, and was left holding node RAM after every such job. One whose newest checkpoint
+    could not be persisted (damaged) is kept."""
+    from ftmaster.launch import check_layout
+    from ftmaster.recovery.checkpoints import iteration_dir, read_tracker
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 8)
+    fake_checkpoint(disk, 6)
+    if not memory_intact:
+        (iteration_dir(memory, 8) / "__0_0.distcp").write_bytes(b"torn")
+    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
+                       "--non-persistent-global-ckpt-dir", str(memory)]
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None),
+                              scratch_memory_dir=memory)
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.request_stop(signal.SIGTERM)  # before the launch: nothing trains, it ends
+    assert supervisor.run() != 0
+    assert read_tracker(disk) == (8 if memory_intact else 6)
+    assert memory.exists() is not removed
 
 
 @pytest.mark.parametrize("same_layout, expected", [(True, 0.2), (False, None)])

@@ -167,7 +167,8 @@ class SupervisorConfig:
     ``at-save`` first asks for an agreed save, and stops once it is durable."""
     scratch_memory_dir: Path | None = None
     """A memory-tier folder ftmaster picked for this run (in ``/dev/shm``): removed once the
-    run succeeded and everything in it is on disk, since it holds node memory."""
+    run ended (succeeded, stopped or gave up) and everything in it is on disk, since it holds
+    node memory."""
     global_batch_tolerance_pct: float = 0.0
     """How far (percent) a relaunch may move the global batch for a better layout; the
     schedule is then rewritten in samples (see ``ftmaster.recovery.batch_schedule``)."""
@@ -381,8 +382,9 @@ class Supervisor:
             self._finish_persisting()
             if self.replication is not None:
                 self.replication.close()
-        if state is State.SUCCEEDED:
-            self._remove_scratch_memory()
+        # Whatever the end (a SLURM time limit's SIGTERM too): the folder is node RAM, and
+        # the check below keeps it while it holds a checkpoint the disk tier lacks.
+        self._remove_scratch_memory()
         return exit_status(state, self.signum, self._requeue_helps)
 
     # -- shared checks --------------------------------------------------------------------------
