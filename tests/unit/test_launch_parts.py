@@ -416,6 +416,24 @@ def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
     claim.release()
 
 
+def test_the_claim_of_a_killed_ftmaster_of_the_same_job_is_removed_by_its_next_launch(tmp_path):
+    """A SIGKILLed ftmaster (or a requeued SLURM job) relaunched on the same job: its dead
+    claim was never probed (only other jobs' are), so one file piled up per kill."""
+    save = tmp_path / "ckpt"
+    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import FolderClaim; "
+                               "FolderClaim(sys.argv[1], 'job a', sys.argv[1]).acquire(); "
+                               "print('claimed', flush=True); time.sleep(60)", str(save)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "claimed"
+    holder.kill()
+    holder.wait()
+    claim = FolderClaim(save, "job a", tmp_path)
+    claim.acquire()
+    assert [path.name for path in (save / HOLDERS_DIR).iterdir()] == [claim.path.name]
+    claim.release()
+    assert not list((save / HOLDERS_DIR).iterdir())
+
+
 def _launch_config(tmp_path, *args, run="run", memory_dir_picked=None):
     return types.SimpleNamespace(command=("pretrain_gpt.py", *args), run_dir=tmp_path / run,
                                  scratch_memory_dir=memory_dir_picked)

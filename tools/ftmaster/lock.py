@@ -80,7 +80,9 @@ class FolderClaim:
     from the name, not the contents: on NFS another client may see a file's name well before
     its bytes. A file nobody holds any longer (its ftmaster died) is removed. The listing and
     the new file are made under a guard lock, so two launches at once cannot both pass; only
-    other jobs' files are probed, so a job's nodes add no lock traffic for each other.
+    other jobs' files, and this job's files from this host (a killed ftmaster's, which no
+    other job may ever come to remove), are probed, so a job's nodes add no lock traffic for
+    each other.
     """
 
     def __init__(self, folder: Path, job: str, run_dir: Path, flag: str = "--save") -> None:
@@ -100,7 +102,13 @@ class FolderClaim:
         guard = _open_shared(self.folder.parent / HOLDERS_GUARD)
         try:
             _lock_within(guard, GUARD_WAIT_S)
-            other = next((path for path in sorted(self.folder.iterdir())
+            listed = sorted(self.folder.iterdir())
+            # This host's files of this job: one nobody holds is an earlier ftmaster's that died
+            # (SIGKILL, a requeue after preemption); no other job's launch would remove it.
+            for path in listed:
+                if path.name.startswith(f"{self._key}.{self._record['host']}."):
+                    _is_held(path)
+            other = next((path for path in listed
                           if not path.name.startswith(self._key + ".") and _is_held(path)), None)
             if other is not None:
                 raise FolderInUse(_in_use_text(self.flag, self.folder.parent, other))
