@@ -13,6 +13,7 @@ from ftmaster.attempt import Attempt, RankRecord, classify_exits, error_summary
 from ftmaster.guard import write_rank_record
 from ftmaster.console import FileTail, Progress, describe_event, duration, new_events
 from ftmaster.launch import needs_gpu_probe, uses_trainer_parser
+from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.supervisor import Supervisor, SupervisorConfig
 from helpers.trainer import PRETRAIN
 
@@ -430,6 +431,25 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
 
 
+def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_disk(tmp_path):
+    """3 nodes with one replica: a node's folder holds parts of checkpoints and no tracker.
+    Its parts of one newer than disk may still be persisted from it: kept at the end."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    iteration_dir(memory, 8).mkdir(parents=True)  # this node's shards of 8, no tracker
+    fake_checkpoint(disk, 6)
+    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
+                       "--non-persistent-global-ckpt-dir", str(memory)]
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None),
+                              scratch_memory_dir=memory)
+    Supervisor(config, QuietMonitor())._remove_scratch_memory()
+    assert memory.exists()
+
+
 @pytest.mark.parametrize("memory_intact, removed", [(True, True), (False, False)])
 def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_has_it_all(
         tmp_path, memory_intact, removed):
@@ -438,7 +458,7 @@ def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_
     lacks, and was left holding node RAM after every such job. One whose newest checkpoint
     could not be persisted (damaged) is kept."""
     from ftmaster.launch import check_layout
-    from ftmaster.recovery.checkpoints import iteration_dir, read_tracker
+    from ftmaster.recovery.checkpoints import read_tracker
     from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 

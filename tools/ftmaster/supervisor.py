@@ -763,7 +763,11 @@ class Supervisor:
         folder = self.config.scratch_memory_dir
         if folder is None or self.tiers is None or not folder.is_dir():
             return
-        newest, disk = read_tracker(folder), read_tracker(self.tiers.disk)
+        # Its own tracker, or across nodes on a node whose folder is never whole (3 nodes
+        # or more, one replica) the newest iteration it holds a part of: a run that gave up
+        # may still persist that from the peers.
+        newest = max([read_tracker(folder) or 0, *list_iterations(folder)], default=0) or None
+        disk = read_tracker(self.tiers.disk)
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
