@@ -181,7 +181,8 @@ def _add_checkpoint_args(parser):
                        help="ours: an async save whose writers have not finished after this "
                             "long is stopped and fails, so that a writer stuck on the file "
                             "system holds up no later save (default: 10x the longest async "
-                            "save so far, at least 600)")
+                            "save so far, at least 600, and this rank's share of a checkpoint "
+                            "at 10 MB/s)")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     group.add_argument("--ckpt-assume-constant-structure", action="store_true",
                        help="Megatron-LM's: keep the save plan from save to save without checking "

@@ -7,7 +7,9 @@ a relaunch fell back to the last checkpoint before it, and the end of training w
 ``close()`` until the collective timed out.
 
 Here the oldest save in flight has a deadline: ``--async-save-timeout`` seconds, or by
-default ten times the longest async save of this attempt and at least ten minutes. Past it,
+default the longest of ten minutes, ten times the longest async save of this attempt, and
+this rank's share of a checkpoint written at 10 MB/s (so that a first save of a large model
+on a slow file system is given its time). Past it,
 every rank stops that save's writers (one all-reduce decides, so all ranks part with the same
 save) and the save fails as any failed save does: ``save_failed``, training goes on, and the
 saves behind it are finalized as their writers finish.
@@ -30,6 +32,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 
 DEADLINE_FLOOR_S = 600.0
 DEADLINE_FACTOR = 10.0
+STUCK_BYTES_S = 10e6
+"""A writer slower than this is taken for stuck (a file system's worst pace is far above)."""
 POLL_S = 0.05
 """How often a blocking finalize looks at the writers again."""
 
@@ -42,11 +46,13 @@ class AsyncSaves:
     and finalizes the same saves, so every rank's queue is the same)."""
 
     def __init__(self, queue: AsyncCallsQueue, group, timeout_s: float | None,
-                 abandon: Abandon) -> None:
+                 abandon: Abandon, rank_bytes: int = 0) -> None:
+        """``rank_bytes``: about what this rank writes at each save."""
         self.queue = queue
         self._group = group
         self._timeout_s = timeout_s
         self._abandon = abandon
+        self._rank_bytes = rank_bytes
         self._in_flight: deque = deque()
         """The saves started and not yet ended, each with its ``start`` (perf_counter)."""
         self._longest_s = 0.0
@@ -54,7 +60,8 @@ class AsyncSaves:
     def deadline_s(self) -> float:
         if self._timeout_s is not None:
             return self._timeout_s
-        return max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * self._longest_s)
+        return max(DEADLINE_FLOOR_S, DEADLINE_FACTOR * self._longest_s,
+                   self._rank_bytes / STUCK_BYTES_S)
 
     def start(self, save, request) -> None:
         if self.queue.persistent:

@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ftmaster import runfiles
 from ftmaster.guard import die_with_parent
 from ftmaster.peer_files import peer_clients
+from ftmaster.persist import CHECKPOINT_BYTES_PER_PARAMETER
 from ftmaster.recovery.checkpoints import (
     MEMORY_HEADROOM,
     COMMON_FILE,
@@ -847,7 +848,10 @@ class Checkpointer:
         # save costs a device sync and a fork of its whole address space. On CPU a fork is
         # cheap, and a spawned worker would pay a fresh torch import at the first save.
         self.async_saves = (AsyncSaves(AsyncCallsQueue(persistent=torch.cuda.is_available()),
-                                       group, args.async_save_timeout, self._abandoned)
+                                       group, args.async_save_timeout, self._abandoned,
+                                       CHECKPOINT_BYTES_PER_PARAMETER * sum(
+                                           p.numel() for module in model.modules
+                                           for p in module.parameters()))
                             if args.async_save else None)
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)
