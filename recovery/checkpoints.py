@@ -107,12 +107,26 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / MANIFEST_NAME).is_file()
 
 
+_SAVE_LEFTOVER = re.compile(r"(__\d+_(\d+|objects)\.distcp(\.digest)?|common\.pt|metadata\.json"
+                            r"|\.(\.metadata|common\.pt|metadata\.json)\..+)")
+"""What a save of ours writes before its ``.metadata`` and manifest: shards and their digest
+sidecars, ``common.pt``, ``metadata.json``, and the temp files of atomic writes."""
+
+
 def never_finished(folder: Path) -> bool:
-    """Whether ``folder`` is what a save that never finished left: no manifest, and a file
-    every ``torch_dist`` load needs is missing (a checkpoint from before the manifests, or from
-    Megatron-LM, has them all), so it can never be loaded."""
+    """Whether ``folder`` is what a save of ours left when it was killed mid-write: neither
+    ``.metadata`` nor a manifest, no subfolder, and nothing but the files such a save writes
+    first, so it can never be loaded. A folder of another tool or format (Megatron-LM's
+    legacy ``mp_rank_*``, a user's own ``iter_N``) is not."""
     folder = Path(folder)
-    return not is_complete(folder) and any(not (folder / name).is_file() for name in _REQUIRED_FILES)
+    if is_complete(folder) or (folder / DCP_METADATA_FILE).exists():
+        return False
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return False
+    return bool(entries) and all(entry.is_file() and _SAVE_LEFTOVER.fullmatch(entry.name)
+                                 for entry in entries)
 
 
 def holds_checkpoints(save_dir: Path) -> bool:
@@ -321,6 +335,13 @@ def replicated_here(memory_dir: Path) -> int | None:
 
 def unmark_replicated(memory_dir: Path) -> None:
     (Path(memory_dir) / _REPLICATED_NAME).unlink(missing_ok=True)
+
+
+def unmark_peer_copies(memory_dir: Path) -> None:
+    """Let go of the marks only peer copies across nodes set and move (a run without them
+    finds an earlier run's, which would keep their checkpoints for good)."""
+    unmark_whole(memory_dir)
+    unmark_replicated(memory_dir)
 
 
 def _mark(memory_dir: Path, name: str, iteration: int) -> bool:

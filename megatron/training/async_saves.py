@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -44,23 +45,38 @@ Abandon = Callable[[object, str], None]
 """Told every save given up, with the reason (on every rank)."""
 
 
+@dataclass
+class _InFlight:
+    save: object
+    started: float
+    """perf_counter once scheduled."""
+    alone: bool
+    """Nothing else was in flight: its time, once done, is a writer's own (a save queued behind
+    a stuck one is finalized only once that one is given up)."""
+
+
 class AsyncSaves:
     """One rank's async saves in flight, in the order they were started (every rank starts
     and finalizes the same saves, so every rank's queue is the same)."""
 
     def __init__(self, queue: AsyncCallsQueue, group, timeout_s: float | None,
                  abandon: Abandon, rank_bytes: int = 0) -> None:
-        """``rank_bytes``: about what this rank writes at each save."""
+        """``rank_bytes``: about what this rank writes at each save; the deadline takes the
+        largest rank's (one all-reduce here), so that every rank tells the same deadline."""
         self.queue = queue
         self._group = group
         self._timeout_s = timeout_s
         self._abandon = abandon
-        self._rank_bytes = rank_bytes
+        largest = torch.tensor([float(rank_bytes)], dtype=torch.float64)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group)
+        self._rank_bytes = largest.item()
         self._looks = 0
         """Looks at unfinished writers so far: the same count on every rank, as every rank
         looks at the same saves in the same order."""
-        self._in_flight: deque = deque()
-        """The saves started and not yet ended, each with its ``start`` (perf_counter)."""
+        self._in_flight: deque[_InFlight] = deque()
+        self._head_since = 0.0
+        """When the oldest save in flight became the oldest: its deadline runs from then or
+        from its start, whichever is later."""
         self._longest_s = 0.0
 
     def deadline_s(self) -> float:
@@ -73,14 +89,15 @@ class AsyncSaves:
         if self.queue.persistent:
             self.finalize(blocking=True)
         self.queue.schedule_async_request(request)
-        self._in_flight.append(save)
+        self._in_flight.append(_InFlight(save, time.perf_counter(), not self._in_flight))
 
-    def ended(self, save, seconds: float | None) -> None:
-        """``save``'s agreement ran: complete in ``seconds``, or failed (None)."""
-        if self._in_flight and self._in_flight[0] is save:
-            self._in_flight.popleft()
-        if seconds is not None:
-            self._longest_s = max(self._longest_s, seconds)
+    def ended(self, save, complete: bool) -> None:
+        """``save``'s agreement ran (every async save's does, in order)."""
+        if not self._in_flight or self._in_flight[0].save is not save:
+            return
+        done = self._pop_oldest()
+        if complete and done.alone:
+            self._longest_s = max(self._longest_s, time.perf_counter() - done.started)
 
     def finalize(self, blocking: bool) -> None:
         """Finish the saves whose writers are done on every rank, in order; give up the
@@ -98,9 +115,14 @@ class AsyncSaves:
             else:
                 time.sleep(POLL_S)
 
+    def _pop_oldest(self) -> _InFlight:
+        self._head_since = time.perf_counter()
+        return self._in_flight.popleft()
+
     def _overdue_by(self) -> float | None:
         """The oldest save's age when some rank finds it past the deadline, else None."""
-        age = time.perf_counter() - self._in_flight[0].start if self._in_flight else 0.0
+        oldest = self._in_flight[0] if self._in_flight else None
+        age = time.perf_counter() - max(oldest.started, self._head_since) if oldest else 0.0
         late = torch.tensor([age if age > self.deadline_s() else 0.0], dtype=torch.float64)
         torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return late.item() or None
@@ -113,4 +135,4 @@ class AsyncSaves:
         oldest.async_caller.close(abort=True)
         if self.queue.persistent:
             self.queue.persistent_caller = None  # the next save starts a fresh worker
-        self._abandon(self._in_flight.popleft(), reason)
+        self._abandon(self._pop_oldest().save, reason)

@@ -826,9 +826,14 @@ class _Save:
                            max(0.0, reports[0].elapsed - min(r.elapsed for r in reports)))
 
     def remove_partial_folder(self) -> None:
-        # Never one the tracker names: that is a complete checkpoint.
-        if read_tracker(self.path.parent) != self.iteration:
-            self.checkpointer.janitor.submit(shutil.rmtree, self.path, True)
+        # In the janitor, the tracker read too: a failed save's file system may hang.
+        self.checkpointer.janitor.submit(_remove_unless_tracked, self.path, self.iteration)
+
+
+def _remove_unless_tracked(folder: Path, iteration: int) -> None:
+    """A failed save's folder, removed; never one the tracker names (a complete checkpoint)."""
+    if read_tracker(folder.parent) != iteration:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Checkpointer:
@@ -963,8 +968,7 @@ class Checkpointer:
         if save.slots is not None:
             save.slots.ended(save.iteration, isinstance(outcome, DurableSave))
         if self.async_saves is not None and not save.synchronous:
-            self.async_saves.ended(save, outcome.seconds_to_durable
-                                   if isinstance(outcome, DurableSave) else None)
+            self.async_saves.ended(save, complete=isinstance(outcome, DurableSave))
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes
@@ -1157,7 +1161,8 @@ class Checkpointer:
         """Rank 0 (and each node's owner of a node-local memory tier): checkpoints above the
         one resumed from belong to a discarded timeline; a new save at the same iteration
         must not mix with their files, nor a later load pick them. They are renamed, not
-        deleted, and the tracker comes back to ``iteration``."""
+        deleted (but for what a save killed mid-write left: :func:`set_aside_newer`), and the
+        tracker comes back to ``iteration``."""
         moved = []
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
@@ -1236,7 +1241,7 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
     it when this tier has no such folder: the resume came from the other tier). A folder
     without a single file (a save killed at its ``mkdir``) holds nothing to keep and is
-    removed, as is one a save killed mid-write left (no manifest and no ``.metadata``: it can
+    removed, as is one a save of ours killed mid-write left (:func:`never_finished`: it can
     never be loaded, and a failure during an async or emergency save left one per failure).
     Returns (folder, new name or None when removed). The caller holds
     ``tracker_lock(save_dir)``."""
@@ -1246,15 +1251,14 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
         return moved
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
         old = iteration_dir(save_dir, newer)
-        if not any(path.is_file() for path in old.rglob("*")):
+        left = ("an empty folder left by a save that wrote nothing"
+                if not any(path.is_file() for path in old.rglob("*")) else
+                "a save that never finished (no manifest, no .metadata)"
+                if never_finished(old) else None)
+        if left is not None:  # nothing any load could ever take
             shutil.rmtree(old, ignore_errors=True)
             moved.append((old, None))
-            log_rank0(f"removed {old}: an empty folder left by a save that wrote nothing")
-            continue
-        if never_finished(old):  # killed mid-write: shards and sidecars that nothing can load
-            shutil.rmtree(old, ignore_errors=True)
-            moved.append((old, None))
-            log_rank0(f"removed {old}: a save that never finished (no manifest, no .metadata)")
+            log_rank0(f"removed {old}: {left}")
             continue
         new = old.with_name(f"{old.name}.discarded-{stamp}")
         old.rename(new)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ftmaster.guard import die_with_parent
+from ftmaster.guard import die_with_parent, forked_children_die_with_this_process
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
@@ -151,12 +151,22 @@ def write_with_digests(write: Callable, iteration: int, *args, **kwargs):
     process.
 
     In megatron-core's persistent writer (spawned, so no fork hook reaches it) this is also
-    where it learns to die with its rank: a writer outliving a killed rank would hold its
-    memory, and its files open, for good."""
+    where it learns to die with its rank, and the writers it forks with it: a writer
+    outliving a killed rank, or a worker given up as stuck (:mod:`async_saves`), would hold
+    its memory, and its files open, for good."""
+    global _dies_with_parent
     install()
-    die_with_parent(os.getppid())
+    if not _dies_with_parent:
+        die_with_parent(os.getppid())
+        forked_children_die_with_this_process()
+        _dies_with_parent = True
     rehearsal.stall_writer(iteration)
     return write(*args, **kwargs)
+
+
+_dies_with_parent = False
+"""In this writer process, :func:`write_with_digests` has asked for its own and its forks'
+death with their parents (once: the fork hooks would pile up in a persistent worker)."""
 
 
 @dataclass(frozen=True)

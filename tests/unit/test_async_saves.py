@@ -1,8 +1,65 @@
-"""The async save deadline (pure; the stuck writer itself: test_checkpoint_integrity.py)."""
+"""The async save deadline: how long a writer is given, and which save is given up, over a
+fake queue and clock (the stuck writer itself: test_checkpoint_integrity.py)."""
+
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
-from megatron.training.async_saves import AsyncSaves
+from megatron.training import async_saves
+from megatron.training.async_saves import CHECK_EVERY, AsyncSaves
+from test_save_requests import single_process_group  # noqa: F401  (a gloo group of one)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeQueue:
+    """megatron-core's queue of async calls, in order; a save's writer is done once the test
+    says so, and its finalize is the save's agreement."""
+
+    persistent = False
+
+    def __init__(self) -> None:
+        self.async_calls: deque = deque()
+        self.done: set[str] = set()
+        self.stopped: list[str] = []
+        self.saves: AsyncSaves | None = None
+
+    def schedule_async_request(self, save: str) -> None:
+        self.async_calls.append(SimpleNamespace(save=save, async_caller=SimpleNamespace(
+            close=lambda abort, save=save: self.stopped.append(save))))
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self.async_calls)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> None:
+        while self.async_calls and self.async_calls[0].save in self.done:
+            self.saves.ended(self.async_calls.popleft().save, complete=True)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(async_saves.time, "perf_counter", clock)
+    return clock
+
+
+def saves_over(queue: FakeQueue, timeout_s=None, rank_bytes=0) -> tuple[AsyncSaves, list]:
+    given_up = []
+    saves = AsyncSaves(queue, None, timeout_s, lambda save, why: given_up.append(save), rank_bytes)
+    queue.saves = saves
+    return saves, given_up
+
+
+def look(saves: AsyncSaves, times: int = CHECK_EVERY) -> None:
+    for _ in range(times):
+        saves.finalize(blocking=False)
 
 
 @pytest.mark.parametrize("timeout_s, longest_s, rank_bytes, deadline_s", [
@@ -11,9 +68,47 @@ from megatron.training.async_saves import AsyncSaves
     (None, 100.0, 0, 1000.0),  # ten times the longest async save of the attempt
     (None, 0.0, 20 * 10**9, 2000.0),  # a 20 GB share at 10 MB/s: a first save's time
 ])
-def test_the_deadline_gives_a_writer_ten_times_its_due(timeout_s, longest_s, rank_bytes, deadline_s):
-    saves = AsyncSaves(queue=None, group=None, timeout_s=timeout_s, abandon=None,
-                       rank_bytes=rank_bytes)
-    if longest_s:
-        saves.ended(object(), longest_s)
+def test_the_deadline_gives_a_writer_ten_times_its_due(clock, timeout_s, longest_s, rank_bytes,
+                                                       deadline_s):
+    queue = FakeQueue()
+    saves, _ = saves_over(queue, timeout_s, rank_bytes)
+    saves.start("a", "a")
+    clock.now, queue.done = longest_s, {"a"}
+    look(saves, 1)
     assert saves.deadline_s() == deadline_s
+
+
+def test_a_stuck_save_alone_is_given_up_and_the_one_behind_it_teaches_no_deadline(clock):
+    """A stuck at 0, B started at 120 and written by 130: at the 10th look past 600 s A is
+    given up and B finalized. B waited behind A for most of its time, which is no writer's
+    own: the deadline stays at its floor."""
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue)
+    saves.start("A", "A")
+    clock.now = 120.0
+    saves.start("B", "B")
+    queue.done.add("B")
+    clock.now = 590.0
+    look(saves)
+    assert given_up == [] and queue.stopped == []  # not yet past 600 s
+    clock.now = 610.0
+    look(saves)
+    assert given_up == ["A"] and queue.stopped == ["A"] and not queue.async_calls
+    assert saves.deadline_s() == 600.0
+
+
+def test_a_save_behind_a_stuck_one_gets_its_deadline_from_when_it_became_the_oldest(clock):
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue)
+    saves.start("A", "A")
+    clock.now = 120.0
+    saves.start("B", "B")  # stuck as well
+    clock.now = 610.0
+    look(saves)
+    assert given_up == ["A"]
+    clock.now = 1200.0
+    look(saves)
+    assert given_up == ["A"]  # 590 s since it became the oldest
+    clock.now = 1220.0
+    look(saves)
+    assert given_up == ["A", "B"]

@@ -360,10 +360,15 @@ def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_leg
     legacy.mkdir()
     for name in ("__0_0.distcp", "common.pt", ".metadata", "metadata.json"):
         (legacy / name).write_bytes(b"x" * 100)
+    megatron_legacy = iteration_dir(save, 18)  # Megatron-LM's torch format: not ours to judge
+    (megatron_legacy / "mp_rank_00").mkdir(parents=True)
+    (megatron_legacy / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x" * 100)
+    foreign = iteration_dir(save, 21)  # some other tool's files
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"x" * 100)
     moved = dict(set_aside_newer(save, 6))
     assert moved[killed] is None and not killed.exists()
-    assert moved[complete].name.startswith("iter_0000009.discarded-") and moved[complete].is_dir()
-    assert moved[legacy].name.startswith("iter_0000015.discarded-") and moved[legacy].is_dir()
-    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
-        "iter_0000006", moved[complete].name, moved[legacy].name]
+    for kept, iteration in ((complete, 9), (legacy, 15), (megatron_legacy, 18), (foreign, 21)):
+        assert moved[kept].name.startswith(f"iter_{iteration:07d}.discarded-") and moved[kept].is_dir()
+    assert len([p for p in save.iterdir() if p.name.startswith("iter_")]) == 5
     assert read_tracker(save) == 6

@@ -426,6 +426,8 @@ def test_a_node_publishes_its_newest_checkpoints_with_a_manifest_of_either_kind(
     assert list(held) == ["8", "6", "4"]
     assert held["8"]["total"] == 4 and "common.pt" not in held["8"]["files"]
     assert held["6"]["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt"]
+    assert mark_replicated(tmp_path / "memory", 2)  # kept: a new round may need it
+    assert list(holdings_of(tmp_path / "memory")) == ["8", "6", "4", "2"]
 
 
 @pytest.mark.parametrize("records, copies, expected", [

@@ -431,15 +431,23 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
 
 
-def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_disk(tmp_path):
-    """3 nodes with one replica: a node's folder holds parts of checkpoints and no tracker.
-    Its parts of one newer than disk may still be persisted from it: kept at the end."""
+@pytest.mark.parametrize("held_manifest, removed", [(True, False), (False, True)])
+def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_disk(
+        tmp_path, held_manifest, removed):
+    """3 nodes with one replica: a node's folder holds parts of checkpoints, each with its
+    manifest kept beside them, and no tracker. Its parts of one newer than disk may still be
+    persisted from it: kept at the end. A folder a save killed mid-write left (no manifest of
+    either kind) holds nothing any peer could fetch, and keeps nothing."""
     from ftmaster.launch import check_layout
+    from ftmaster.recovery.manifest import HELD_MANIFEST_NAME
     from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 
     memory, disk = tmp_path / "shm", tmp_path / "ckpt"
     iteration_dir(memory, 8).mkdir(parents=True)  # this node's shards of 8, no tracker
+    (iteration_dir(memory, 8) / "__2_0.distcp").write_bytes(b"shard")
+    if held_manifest:
+        (iteration_dir(memory, 8) / HELD_MANIFEST_NAME).write_text("{}")
     fake_checkpoint(disk, 6)
     command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
                        "--non-persistent-global-ckpt-dir", str(memory)]
@@ -447,7 +455,7 @@ def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_di
                               first_plan=check_layout(command, 4, None, None),
                               scratch_memory_dir=memory)
     Supervisor(config, QuietMonitor())._remove_scratch_memory()
-    assert memory.exists()
+    assert memory.exists() is not removed
 
 
 @pytest.mark.parametrize("memory_intact, removed", [(True, True), (False, False)])
@@ -781,3 +789,24 @@ def test_a_lost_rendezvous_after_training_finished_is_the_jobs_end_not_a_requeue
     supervisor = Supervisor(config, QuietMonitor())
     runfiles.write_heartbeat(tmp_path, iteration=100, consumed_samples=0, finished=finished)
     assert supervisor._store_lost(StoreLost("the store is gone"), State(state)).value == trigger
+
+
+def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_nodes_left(tmp_path):
+    """Only peer copies move ``.ftmaster_whole`` and ``.ftmaster_replicated``: left by an
+    earlier run in a memory folder given again, they would keep their checkpoint from every
+    slot refill and pruning for good."""
+    from ftmaster.launch import check_layout
+    from ftmaster.recovery.checkpoints import (kept_memory_checkpoints, mark_replicated,
+                                               mark_whole)
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    memory = tmp_path / "shm"
+    fake_checkpoint(memory, 8)
+    fake_checkpoint(memory, 10)
+    assert mark_whole(memory, 8) and mark_replicated(memory, 8)
+    command = MODEL + ["--save", str(tmp_path / "ckpt"), "--non-persistent-ckpt-type", "global",
+                       "--non-persistent-global-ckpt-dir", str(memory)]
+    Supervisor(SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
+                                first_plan=check_layout(command, 4, None, None)), QuietMonitor())
+    assert 8 not in kept_memory_checkpoints(memory)

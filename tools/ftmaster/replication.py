@@ -41,7 +41,8 @@ from ftmaster.membership import StoreLost
 from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
                                  PeerServer, fill_from_peer, manifest_files, write_manifest,
                                  write_peer_list)
-from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
+                                           kept_memory_checkpoints, list_iterations,
                                            mark_replicated, mark_whole, replicated_here,
                                            set_tracker, unmark_replicated, unmark_whole)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
@@ -74,11 +75,13 @@ def holdings_of(memory_dir: Path) -> dict[str, dict]:
     """What this node's tier holds of its newest checkpoints, by iteration: the digest of the
     manifest (two timelines' checkpoints of one iteration differ), how many files it lists,
     and those here at their size (verified as they arrived, or written by the node's ranks).
-    A folder without a manifest of either kind (a save under way) holds nothing yet."""
-    held = {}
+    A folder without a manifest of either kind (a save under way) holds nothing yet. One the
+    tier keeps (:func:`kept_memory_checkpoints`: the newest replicated one, say) is held
+    however many newer ones there are: a new round's agreement may need it."""
+    held, kept = {}, kept_memory_checkpoints(memory_dir)
     for iteration in list_iterations(memory_dir):
-        if len(held) == HOLDINGS_KEPT:
-            break
+        if len(held) >= HOLDINGS_KEPT and iteration not in kept:
+            continue
         folder = iteration_dir(memory_dir, iteration)
         manifest = known_manifest(folder)
         if manifest is None:
@@ -498,7 +501,9 @@ class MemoryAgreement:
     def __init__(self, membership, replication: Replication) -> None:
         self.membership, self.replication = membership, replication
         self._read_at, self._read = (None, float("-inf")), {}  # (round, time), the records
-        self._kept_from = self._read_at  # the read (or poll) keep_replicated last acted on
+        self._decided_on = self._read_at  # the read the deciding node last named one from
+        self._told: tuple | None = None  # (round, iteration, manifest) it last announced
+        self._polled_at = self._read_at  # when another node last read the announcement
 
     def publish(self, round_number: int) -> None:
         """Say what this node's tier holds now (after a copy, a catch-up, a merge)."""
@@ -522,42 +527,49 @@ class MemoryAgreement:
         return newest_complete(self._recent(round_number, node_ranks))
 
     def keep_replicated(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> None:
-        """While training, on every node: mark the newest checkpoint that outlives the loss
-        of any ``replicas`` of the round's nodes (:func:`mark_replicated`) where this node
-        holds a part of it, or let go of the mark where it holds none. Until one is, the
-        mark stays where it is: it keeps the checkpoint a loss would resume from.
+        """While training, on every node of a round of more than ``replicas`` + 1 nodes: mark
+        the newest checkpoint that outlives the loss of any ``replicas`` of them (every file
+        on ``replicas`` + 1 nodes, :func:`mark_replicated`) where this node holds a part of it,
+        or let go of the mark where it holds none. Until one is, the mark stays where it is:
+        it keeps the checkpoint a loss would resume from. (With fewer nodes a replicated
+        checkpoint is whole on every node, and its ``.ftmaster_whole`` mark keeps it.)
 
         The deciding node (that of rank 0, which reads every node's holdings anyway)
-        announces which one it is (``memory_replicated/<round>``); the others read that one
-        key, at most every ``AGREEMENT_POLL_S``: every node reading every node's holdings
-        would cost the store N x N reads a poll."""
+        announces which one it is (``memory_replicated/<round>``) when it changes; the others
+        read that one key, at most every ``AGREEMENT_POLL_S``: every node reading every
+        node's holdings would cost the store N x N reads a poll. A store or a tier that
+        fails here leaves the mark as it is (said as a warning)."""
+        if len(node_ranks) <= self.replication.config.replicas + 1:
+            return
         try:
             newest = (self._decide_replicated(round_number, node_ranks) if decides
                       else self._announced_replicated(round_number))
-        except StoreLost as lost:
-            log.warning("telling the replicated memory checkpoint: %s", lost)
-            return
-        if newest is not None:
-            self._keep(*newest)
+            if newest is not None:
+                self._keep(*newest)
+        except (StoreLost, OSError) as error:
+            log.warning("keeping the replicated memory checkpoint: %s", error)
 
     def _decide_replicated(self, round_number: int, node_ranks: Sequence[int]
                            ) -> tuple[int, str] | None:
         records = self._recent(round_number, node_ranks)
-        if self._kept_from == self._read_at:  # decided on these records already
+        if self._decided_on == self._read_at:
             return None
-        self._kept_from = self._read_at
-        newest = newest_complete(records, min(self.replication.config.replicas + 1, len(node_ranks)))
+        self._decided_on = self._read_at
+        newest = newest_complete(records, self.replication.config.replicas + 1)
         if newest is None:
             return None
-        self.membership.announce(f"memory_replicated/{round_number}", json.dumps(
-            {"iteration": newest.iteration, "manifest": newest.manifest}))
+        told = (round_number, newest.iteration, newest.manifest)
+        if told != self._told:
+            self.membership.announce(f"memory_replicated/{round_number}", json.dumps(
+                {"iteration": newest.iteration, "manifest": newest.manifest}))
+            self._told = told
         return newest.iteration, newest.manifest
 
     def _announced_replicated(self, round_number: int) -> tuple[int, str] | None:
         now = time.monotonic()
-        if self._kept_from[0] == round_number and now - self._kept_from[1] < AGREEMENT_POLL_S:
+        if self._polled_at[0] == round_number and now - self._polled_at[1] < AGREEMENT_POLL_S:
             return None
-        self._kept_from = (round_number, now)
+        self._polled_at = (round_number, now)
         text = self.membership.announcement(f"memory_replicated/{round_number}", 0.0)
         try:
             announced = json.loads(text or "null")

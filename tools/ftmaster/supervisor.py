@@ -87,7 +87,8 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
-                                           read_save_kind, read_tracker)
+                                           read_save_kind, read_tracker, unmark_peer_copies)
+from ftmaster.recovery.manifest import known_manifest_name
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -320,6 +321,8 @@ class Supervisor:
         """The step this attempt's layout takes without the straggler it is draining (the
         drain's calibration): its own steps were slowed."""
         self.tiers = tiers_of(config.command[1:])
+        if self.tiers is not None and replication is None:
+            unmark_peer_copies(self.tiers.memory)
         # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
         # shared folder; with node-local folders, the node of the trainer's rank 0 in the
         # round (its folder gets the manifest first), from its own folder once peer copies
@@ -764,9 +767,11 @@ class Supervisor:
         if folder is None or self.tiers is None or not folder.is_dir():
             return
         # Its own tracker, or across nodes on a node whose folder is never whole (3 nodes
-        # or more, one replica) the newest iteration it holds a part of: a run that gave up
-        # may still persist that from the peers.
-        newest = max([read_tracker(folder) or 0, *list_iterations(folder)], default=0) or None
+        # or more, one replica) the newest checkpoint it holds a part of (its manifest kept
+        # beside it): a run that gave up may still persist that from the peers.
+        held = [it for it in list_iterations(folder)
+                if known_manifest_name(iteration_dir(folder, it)) is not None]
+        newest = max([read_tracker(folder) or 0, *held]) or None
         disk = read_tracker(self.tiers.disk)
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
