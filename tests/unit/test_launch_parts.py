@@ -399,13 +399,19 @@ def test_one_slurm_job_is_one_job_on_every_node_and_requeue(tmp_path, monkeypatc
     assert _job_identity(tmp_path / "a", None) != _job_identity(tmp_path / "b", None)
 
 
-def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
-    save = tmp_path / "ckpt"
+def claim_holder(save, job: str) -> subprocess.Popen:
+    """Another ftmaster's process, holding its claim on ``save`` for ``job``."""
     holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import FolderClaim; "
-                               "FolderClaim(sys.argv[1], 'first job', sys.argv[1]).acquire(); "
-                               "print('claimed', flush=True); time.sleep(60)", str(save)],
+                               "FolderClaim(sys.argv[1], sys.argv[2], sys.argv[1]).acquire(); "
+                               "print('claimed', flush=True); time.sleep(60)", str(save), job],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "claimed"
+    return holder
+
+
+def test_the_claim_of_a_killed_ftmaster_is_removed(tmp_path):
+    save = tmp_path / "ckpt"
+    holder = claim_holder(save, "first job")
     with pytest.raises(FolderInUse, match=f"pid {holder.pid}"):
         FolderClaim(save, "second job", tmp_path).acquire()
     holder.kill()
@@ -420,11 +426,7 @@ def test_the_claim_of_a_killed_ftmaster_of_the_same_job_is_removed_by_its_next_l
     """A SIGKILLed ftmaster (or a requeued SLURM job) relaunched on the same job: its dead
     claim was never probed (only other jobs' are), so one file piled up per kill."""
     save = tmp_path / "ckpt"
-    holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import FolderClaim; "
-                               "FolderClaim(sys.argv[1], 'job a', sys.argv[1]).acquire(); "
-                               "print('claimed', flush=True); time.sleep(60)", str(save)],
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "claimed"
+    holder = claim_holder(save, "job a")
     holder.kill()
     holder.wait()
     claim = FolderClaim(save, "job a", tmp_path)

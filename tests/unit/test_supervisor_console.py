@@ -5,6 +5,7 @@ before the first launch."""
 import json
 import logging
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -412,22 +413,29 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]
 
 
+def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = True) -> Supervisor:
+    """A supervisor of a 4-GPU run with a memory tier in ``memory`` (one ftmaster picked, with
+    ``scratch``) over ``disk``."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
+                       "--non-persistent-global-ckpt-dir", str(memory)]
+    return Supervisor(SupervisorConfig(
+        run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
+        first_plan=check_layout(command, 4, None, None),
+        scratch_memory_dir=memory if scratch else None), QuietMonitor())
+
+
 @pytest.mark.parametrize("on_disk, removed", [(8, True), (6, False)])
 def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it_all(
         tmp_path, on_disk, removed):
-    from ftmaster.launch import check_layout
-    from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 
     memory, disk = tmp_path / "shm", tmp_path / "ckpt"
     fake_checkpoint(memory, 8)
     fake_checkpoint(disk, on_disk)
-    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
-                       "--non-persistent-global-ckpt-dir", str(memory)]
-    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(command, 4, None, None),
-                              scratch_memory_dir=memory)
-    Supervisor(config, QuietMonitor())._remove_scratch_memory()
+    memory_tier_supervisor(tmp_path, memory, disk)._remove_scratch_memory()
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
 
 
@@ -438,9 +446,7 @@ def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_di
     manifest kept beside them, and no tracker. Its parts of one newer than disk may still be
     persisted from it: kept at the end. A folder a save killed mid-write left (no manifest of
     either kind) holds nothing any peer could fetch, and keeps nothing."""
-    from ftmaster.launch import check_layout
     from ftmaster.recovery.manifest import HELD_MANIFEST_NAME
-    from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 
     memory, disk = tmp_path / "shm", tmp_path / "ckpt"
@@ -449,12 +455,7 @@ def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_di
     if held_manifest:
         (iteration_dir(memory, 8) / HELD_MANIFEST_NAME).write_text("{}")
     fake_checkpoint(disk, 6)
-    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
-                       "--non-persistent-global-ckpt-dir", str(memory)]
-    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(command, 4, None, None),
-                              scratch_memory_dir=memory)
-    Supervisor(config, QuietMonitor())._remove_scratch_memory()
+    memory_tier_supervisor(tmp_path, memory, disk)._remove_scratch_memory()
     assert memory.exists() is not removed
 
 
@@ -465,9 +466,7 @@ def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_
     run persists the newest memory checkpoint: the /dev/shm folder then holds nothing the disk
     lacks, and was left holding node RAM after every such job. One whose newest checkpoint
     could not be persisted (damaged) is kept."""
-    from ftmaster.launch import check_layout
     from ftmaster.recovery.checkpoints import read_tracker
-    from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 
     memory, disk = tmp_path / "shm", tmp_path / "ckpt"
@@ -475,12 +474,7 @@ def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_
     fake_checkpoint(disk, 6)
     if not memory_intact:
         (iteration_dir(memory, 8) / "__0_0.distcp").write_bytes(b"torn")
-    command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
-                       "--non-persistent-global-ckpt-dir", str(memory)]
-    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(command, 4, None, None),
-                              scratch_memory_dir=memory)
-    supervisor = Supervisor(config, QuietMonitor())
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
     supervisor.request_stop(signal.SIGTERM)  # before the launch: nothing trains, it ends
     assert supervisor.run() != 0
     assert read_tracker(disk) == (8 if memory_intact else 6)
@@ -795,18 +789,13 @@ def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_no
     """Only peer copies move ``.ftmaster_whole`` and ``.ftmaster_replicated``: left by an
     earlier run in a memory folder given again, they would keep their checkpoint from every
     slot refill and pruning for good."""
-    from ftmaster.launch import check_layout
     from ftmaster.recovery.checkpoints import (kept_memory_checkpoints, mark_replicated,
                                                mark_whole)
-    from test_launch_parts import MODEL
     from test_persist import fake_checkpoint
 
     memory = tmp_path / "shm"
     fake_checkpoint(memory, 8)
     fake_checkpoint(memory, 10)
     assert mark_whole(memory, 8) and mark_replicated(memory, 8)
-    command = MODEL + ["--save", str(tmp_path / "ckpt"), "--non-persistent-ckpt-type", "global",
-                       "--non-persistent-global-ckpt-dir", str(memory)]
-    Supervisor(SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
-                                first_plan=check_layout(command, 4, None, None)), QuietMonitor())
+    memory_tier_supervisor(tmp_path, memory, tmp_path / "ckpt", scratch=False)
     assert 8 not in kept_memory_checkpoints(memory)
