@@ -107,9 +107,9 @@ class AsyncSaves:
             if not self.queue.get_num_unfinalized_calls():
                 return
             self._looks += 1
-            overdue = self._overdue_by() if self._looks % CHECK_EVERY == 0 else None
-            if overdue is not None:
-                self._abandon_oldest(overdue)
+            given_up = self._why_give_up() if self._looks % CHECK_EVERY == 0 else None
+            if given_up is not None:
+                self._abandon_oldest(given_up)
             elif not blocking:
                 return
             else:
@@ -119,18 +119,30 @@ class AsyncSaves:
         self._head_since = time.perf_counter()
         return self._in_flight.popleft()
 
-    def _overdue_by(self) -> float | None:
-        """The oldest save's age when some rank finds it past the deadline, else None."""
+    def _why_give_up(self) -> str | None:
+        """Why every rank gives up the oldest save, agreed (some rank found it past the
+        deadline, or its persistent worker dead), else None."""
         oldest = self._in_flight[0] if self._in_flight else None
         age = time.perf_counter() - max(oldest.started, self._head_since) if oldest else 0.0
-        late = torch.tensor([age if age > self.deadline_s() else 0.0], dtype=torch.float64)
-        torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        return late.item() or None
+        found = torch.tensor([age if age > self.deadline_s() else 0.0, float(self._worker_died())],
+                             dtype=torch.float64)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        late, died = found.tolist()
+        if died:
+            return "its writer process died (the OOM killer?) before it finished: stopped"
+        if late:
+            return (f"its writers had not finished after {late:.1f} s, past the async save "
+                    f"deadline of {self.deadline_s():g} s (--async-save-timeout; a file "
+                    f"system that stopped answering?): stopped")
+        return None
 
-    def _abandon_oldest(self, age_s: float) -> None:
-        reason = (f"its writers had not finished after {age_s:.1f} s, past the async save "
-                  f"deadline of {self.deadline_s():g} s (--async-save-timeout; a file "
-                  f"system that stopped answering?): stopped")
+    def _worker_died(self) -> bool:
+        """On CUDA, whether megatron-core's persistent worker is gone: it would never say the
+        save is done (a forked writer that died is done, and its save fails at finalize)."""
+        worker = self.queue.persistent_caller if self.queue.persistent else None
+        return worker is not None and worker.process is not None and not worker.process.is_alive()
+
+    def _abandon_oldest(self, reason: str) -> None:
         oldest = self.queue.async_calls.popleft()
         oldest.async_caller.close(abort=True)
         if self.queue.persistent:

@@ -51,8 +51,13 @@ def clock(monkeypatch):
 
 
 def saves_over(queue: FakeQueue, timeout_s=None, rank_bytes=0) -> tuple[AsyncSaves, list]:
-    given_up = []
-    saves = AsyncSaves(queue, None, timeout_s, lambda save, why: given_up.append(save), rank_bytes)
+    given_up, queue.reasons = [], []
+
+    def give_up(save, why):
+        given_up.append(save)
+        queue.reasons.append(why)
+
+    saves = AsyncSaves(queue, None, timeout_s, give_up, rank_bytes)
     queue.saves = saves
     return saves, given_up
 
@@ -112,3 +117,17 @@ def test_a_save_behind_a_stuck_one_gets_its_deadline_from_when_it_became_the_old
     clock.now = 1220.0
     look(saves)
     assert given_up == ["A", "B"]
+
+
+def test_a_dead_persistent_worker_fails_its_save_without_waiting_for_the_deadline(clock):
+    """On CUDA megatron-core's persistent worker writes every save; killed (the OOM killer),
+    it never says the save is done, and the next save would wait for it."""
+    queue = FakeQueue()
+    queue.persistent = True
+    queue.persistent_caller = SimpleNamespace(process=SimpleNamespace(is_alive=lambda: False))
+    saves, given_up = saves_over(queue)
+    saves.start("A", "A")
+    clock.now = 5.0
+    look(saves)
+    assert given_up == ["A"] and "writer process died" in queue.reasons[0]
+    assert queue.persistent_caller is None  # the next save starts a fresh worker
