@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 
 from ftmaster.peer_files import PeerMissing
+from ftmaster.lock import RunDirLock
 from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
-                              checkpoint_bytes_guess, persist, remove_partial_copies, tiers_of,
-                              with_memory_dir)
+                              checkpoint_bytes_guess, mark_owner, persist, persist_left_behind,
+                              remove_partial_copies, tiers_of, with_memory_dir)
 from ftmaster.recovery.argv_flags import flag_value
-from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations, pin,
-                                           mark_whole, prunable_memory_checkpoints, read_tracker,
+from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iteration_dir,
+                                           list_iterations, mark_whole, pin,
+                                           prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
 from megatron.training.checkpointing import prune_memory_checkpoints, set_aside_newer
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
@@ -372,3 +374,36 @@ def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_leg
         assert moved[kept].name.startswith(f"iter_{iteration:07d}.discarded-") and moved[kept].is_dir()
     assert len([p for p in save.iterdir() if p.name.startswith("iter_")]) == 5
     assert read_tracker(save) == 6
+
+
+def left_memory_tier(shm: Path, name: str, save: Path, run_dir: Path, iteration: int) -> Path:
+    """What a run on ``save`` with a memory folder ftmaster picked leaves when its ftmaster
+    is killed: its checkpoint of ``iteration`` and the folder's owner record."""
+    folder = shm / name
+    fake_checkpoint(folder, iteration)
+    mark_owner(folder, save, run_dir)
+    return folder
+
+
+def test_a_relaunch_under_another_run_directory_persists_what_a_killed_run_left_in_memory(tmp_path):
+    """ftmaster SIGKILLed with the memory tier ahead of disk (1055 against 1000 in the sweep's
+    reproduction), relaunched without --run-dir (a new timestamped one): the memory folder of
+    the old run was neither resumed from nor removed. Now its newest checkpoint reaches
+    --save before training loads, and the folder is freed; others' are left alone."""
+    shm, save = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(save, 6)
+    own = shm / "ftmaster-new-1"
+    mark_owner(own, save, tmp_path / "new-run")
+    left = left_memory_tier(shm, "ftmaster-old-2", save, tmp_path / "old-run", 9)
+    behind = left_memory_tier(shm, "ftmaster-older-3", save, tmp_path / "older-run", 4)
+    other_save = left_memory_tier(shm, "ftmaster-other-4", tmp_path / "other", tmp_path / "o", 12)
+    live = left_memory_tier(shm, "ftmaster-live-5", save, tmp_path / "live-run", 11)
+    (tmp_path / "live-run").mkdir()
+    with RunDirLock(tmp_path / "live-run"):
+        lines = persist_left_behind(own, save, shm)
+    assert read_tracker(save) == 9 and is_complete(iteration_dir(save, 9))
+    assert not left.exists() and not behind.exists()  # 4 is on disk's side already
+    assert other_save.exists() and live.exists() and own.exists()
+    persisted, removed = lines
+    assert persisted.startswith("persisted iteration 9 (") and f"then removed {left}:" in persisted
+    assert removed.startswith(f"removed {behind}: the memory tier a stopped run")

@@ -44,7 +44,8 @@ from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import FiniteFloatRange, InputError, SeparatedCommand, script_command
-from ftmaster.persist import DIR_FLAG, tiers_of, with_memory_dir
+from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
+                              with_memory_dir)
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag
@@ -490,6 +491,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     except click.ClickException:
         backend.close()
         raise
+    if rendezvous is None and config.scratch_memory_dir is not None:
+        _take_over_left_memory(config)
     try:
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
@@ -604,6 +607,25 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
                          f"folders in /dev/shm: give no {DIR_FLAG}"
                          + (f" ({note})" if note else ""))
     return [argv[0], *chosen], None if picked is None else Path(picked)
+
+
+def _take_over_left_memory(config: SupervisorConfig) -> None:
+    """On one node, with ``--save`` claimed: say which run the memory folder ftmaster picked
+    serves, and persist what a stopped run on the same ``--save`` left in ``/dev/shm`` under
+    another run directory (:func:`persist_left_behind`), before training loads."""
+    log = logging.getLogger("ftmaster")
+    save = tiers_of(config.command[1:]).disk
+    try:
+        mark_owner(config.scratch_memory_dir, save, config.run_dir)
+        lines = persist_left_behind(config.scratch_memory_dir, save)
+    except OSError as error:
+        log.warning("looking for memory tiers an earlier run left: %s", error)
+        return
+    for line in lines:
+        if line.startswith("warning: "):
+            log.warning(line.removeprefix("warning: "))
+        else:
+            log.info(line)
 
 
 def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,

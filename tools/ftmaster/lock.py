@@ -65,6 +65,23 @@ class RunDirLock:
         self.release()
 
 
+def run_dir_in_use(run_dir: Path) -> bool:
+    """Whether a live ftmaster holds ``run_dir``'s lock (a probe: nothing is created)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot be told dead
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 class FolderInUse(RuntimeError):
     """Another job's ftmaster is alive and writes the same checkpoint folder."""
 

@@ -14,6 +14,7 @@ trainer's pruning spares it.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
-from ftmaster.runfiles import fsync_path
+from ftmaster.lock import run_dir_in_use
+from ftmaster.runfiles import atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
                                            advance_tracker, advance_tracker_locked, is_complete,
                                            iteration_dir, list_iterations, pin, read_tracker,
@@ -112,6 +114,58 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
                       f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints and "
                       f"{MEMORY_HEADROOM - 1:.0%} of one to spare need about {room / 1e9:.2f} GB")
     return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
+
+
+OWNER_FILE = ".ftmaster_owner.json"
+"""In a memory folder ftmaster picked on one node: the ``--save`` and run directory it serves."""
+
+
+def mark_owner(folder: Path, save_dir: Path, run_dir: Path) -> None:
+    """Write :data:`OWNER_FILE` into the folder ftmaster picked (made here if need be)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    owner = {"save": str(Path(save_dir).resolve()), "run_dir": str(Path(run_dir).resolve())}
+    atomic_write_text(Path(folder) / OWNER_FILE, json.dumps(owner), durable=False)
+
+
+def persist_left_behind(own: Path, save_dir: Path, shm: Path = SHM) -> list[str]:
+    """Memory folders an earlier run on the same ``--save`` left in ``shm`` (its ftmaster
+    killed, and this launch under another run directory, as a relaunch without ``--run-dir``
+    is): each one's newest checkpoint persisted to ``save_dir`` when disk lacks it, then the
+    folder removed, so that the relaunch resumes from it and the node's memory is freed.
+    Lines to log. Call with ``save_dir`` claimed (no other job writes it)."""
+    save = str(Path(save_dir).resolve())
+    lines = []
+    for folder in sorted(Path(shm).glob("ftmaster-*")):
+        owner = _owner(folder)
+        if folder != own and owner is not None and owner.get("save") == save \
+                and not run_dir_in_use(Path(str(owner.get("run_dir")))):
+            lines.append(_take_over(folder, Path(save_dir)))
+    return lines
+
+
+def _owner(folder: Path) -> dict | None:
+    try:
+        owner = json.loads((folder / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _take_over(folder: Path, save_dir: Path) -> str:
+    newest, disk = read_tracker(folder), read_tracker(save_dir)
+    done = ""
+    if newest is not None and (disk is None or newest > disk):
+        try:
+            copied = persist(folder, save_dir, newest)
+        except PersistError as error:
+            return (f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
+                    f"iteration {newest}, newer than disk's {disk}, and it could not be "
+                    f"persisted ({error}): left in place")
+        if copied is not None:
+            done = (f"persisted iteration {newest} ({copied.bytes / 1e6:.1f} MB in "
+                    f"{copied.seconds:.2f} s) to {save_dir}, then ")
+    shutil.rmtree(folder, ignore_errors=True)
+    return f"{done}removed {folder}: the memory tier a stopped run on this --save left"
 
 
 class PersistError(Exception):
