@@ -399,11 +399,14 @@ def test_a_relaunch_under_another_run_directory_persists_what_a_killed_run_left_
     other_save = left_memory_tier(shm, "ftmaster-other-4", tmp_path / "other", tmp_path / "o", 12)
     live = left_memory_tier(shm, "ftmaster-live-5", save, tmp_path / "live-run", 11)
     (tmp_path / "live-run").mkdir()
+    lines = []
     with RunDirLock(tmp_path / "live-run"):
-        lines = persist_left_behind(own, save, shm)
+        persist_left_behind(own, save, lines.append, shm)
     assert read_tracker(save) == 9 and is_complete(iteration_dir(save, 9))
     assert not left.exists() and not behind.exists()  # 4 is on disk's side already
     assert other_save.exists() and live.exists() and own.exists()
-    persisted, removed = lines
-    assert persisted.startswith("persisted iteration 9 (") and f"then removed {left}:" in persisted
-    assert removed.startswith(f"removed {behind}: the memory tier a stopped run")
+    persisting, persisted, removed_left, removed_behind = lines
+    assert persisting.startswith(f"persisting iteration 9 to {save} before training starts: {left}")
+    assert persisted.startswith("persisted iteration 9: ")
+    assert removed_left == f"removed {left}: the memory tier a stopped run on this --save left"
+    assert removed_behind.startswith(f"removed {behind}: ")

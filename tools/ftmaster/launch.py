@@ -614,18 +614,19 @@ def _take_over_left_memory(config: SupervisorConfig) -> None:
     serves, and persist what a stopped run on the same ``--save`` left in ``/dev/shm`` under
     another run directory (:func:`persist_left_behind`), before training loads."""
     log = logging.getLogger("ftmaster")
-    save = tiers_of(config.command[1:]).disk
-    try:
-        mark_owner(config.scratch_memory_dir, save, config.run_dir)
-        lines = persist_left_behind(config.scratch_memory_dir, save)
-    except OSError as error:
-        log.warning("looking for memory tiers an earlier run left: %s", error)
-        return
-    for line in lines:
+
+    def say(line: str) -> None:
         if line.startswith("warning: "):
             log.warning(line.removeprefix("warning: "))
         else:
             log.info(line)
+
+    save = tiers_of(config.command[1:]).disk
+    try:
+        mark_owner(config.scratch_memory_dir, save, config.run_dir)
+        persist_left_behind(config.scratch_memory_dir, save, say)
+    except OSError as error:
+        log.warning("looking for memory tiers an earlier run left: %s", error)
 
 
 def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,

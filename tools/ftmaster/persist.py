@@ -127,20 +127,20 @@ def mark_owner(folder: Path, save_dir: Path, run_dir: Path) -> None:
     atomic_write_text(Path(folder) / OWNER_FILE, json.dumps(owner), durable=False)
 
 
-def persist_left_behind(own: Path, save_dir: Path, shm: Path = SHM) -> list[str]:
+def persist_left_behind(own: Path, save_dir: Path, say: Callable[[str], None],
+                        shm: Path = SHM) -> None:
     """Memory folders an earlier run on the same ``--save`` left in ``shm`` (its ftmaster
     killed, and this launch under another run directory, as a relaunch without ``--run-dir``
     is): each one's newest checkpoint persisted to ``save_dir`` when disk lacks it, then the
     folder removed, so that the relaunch resumes from it and the node's memory is freed.
-    Lines to log. Call with ``save_dir`` claimed (no other job writes it)."""
+    Each step is told to ``say`` (a line; ``warning: `` first for one left in place). Call
+    with ``save_dir`` claimed (no other job writes it)."""
     save = str(Path(save_dir).resolve())
-    lines = []
     for folder in sorted(Path(shm).glob("ftmaster-*")):
         owner = _owner(folder)
         if folder != own and owner is not None and owner.get("save") == save \
                 and not run_dir_in_use(Path(str(owner.get("run_dir")))):
-            lines.append(_take_over(folder, Path(save_dir)))
-    return lines
+            _take_over(folder, Path(save_dir), say)
 
 
 def _owner(folder: Path) -> dict | None:
@@ -151,21 +151,22 @@ def _owner(folder: Path) -> dict | None:
     return owner if isinstance(owner, dict) else None
 
 
-def _take_over(folder: Path, save_dir: Path) -> str:
+def _take_over(folder: Path, save_dir: Path, say: Callable[[str], None]) -> None:
     newest, disk = read_tracker(folder), read_tracker(save_dir)
-    done = ""
     if newest is not None and (disk is None or newest > disk):
+        say(f"persisting iteration {newest} to {save_dir} before training starts: {folder}, "
+            f"the memory tier a stopped run on this --save left, holds it (disk: {disk})")
         try:
             copied = persist(folder, save_dir, newest)
         except PersistError as error:
-            return (f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
-                    f"iteration {newest}, newer than disk's {disk}, and it could not be "
-                    f"persisted ({error}): left in place")
+            say(f"warning: iteration {newest} could not be persisted ({error}): {folder} is "
+                f"left in place")
+            return
         if copied is not None:
-            done = (f"persisted iteration {newest} ({copied.bytes / 1e6:.1f} MB in "
-                    f"{copied.seconds:.2f} s) to {save_dir}, then ")
+            say(f"persisted iteration {newest}: {copied.bytes / 1e6:.1f} MB in "
+                f"{copied.seconds:.2f} s")
     shutil.rmtree(folder, ignore_errors=True)
-    return f"{done}removed {folder}: the memory tier a stopped run on this --save left"
+    say(f"removed {folder}: the memory tier a stopped run on this --save left")
 
 
 class PersistError(Exception):
