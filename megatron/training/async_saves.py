@@ -6,13 +6,15 @@ stopped) therefore left every later save started and never finalized, with nothi
 a relaunch fell back to the last checkpoint before it, and the end of training waited in
 ``close()`` until the collective timed out.
 
-Here the oldest save in flight has a deadline: ``--async-save-timeout`` seconds, or by
-default the longest of ten minutes, ten times the longest async save of this attempt, and
-this rank's share of a checkpoint written at 10 MB/s (so that a first save of a large model
-on a slow file system is given its time). Past it,
-every rank stops that save's writers (one all-reduce decides, so all ranks part with the same
-save) and the save fails as any failed save does: ``save_failed``, training goes on, and the
-saves behind it are finalized as their writers finish.
+Here the oldest save in flight has a deadline, counted from its start or from when the one
+before it ended, whichever is later: ``--async-save-timeout`` seconds, or by default the
+longest of ten minutes, ten times the longest async save of this attempt written with no
+other in flight, and the largest rank's share of a checkpoint at 10 MB/s (so that a first
+save of a large model on a slow file system is given its time). Past it, every rank stops
+that save's writers (one all-reduce decides, so all ranks part with the same save) and the
+save fails as any failed save does: ``save_failed``, training goes on, and the saves behind
+it are finalized as their writers finish. A persistent worker found dead fails its save at
+once.
 
 On CUDA the writer is one persistent worker per rank, which takes a save only once it has
 written the one before: megatron-core's schedule then blocks training until it has (waiting
