@@ -14,7 +14,7 @@ save of a large model on a slow file system is given its time). Past it, every r
 that save's writers (one all-reduce decides, so all ranks part with the same save) and the
 save fails as any failed save does: ``save_failed``, training goes on, and the saves behind
 it are finalized as their writers finish. A persistent worker found dead fails its save at
-once.
+the next agreed look (one found dead between saves is replaced before the next).
 
 On CUDA the writer is one persistent worker per rank, which takes a save only once it has
 written the one before: megatron-core's schedule then blocks training until it has (waiting
@@ -90,6 +90,7 @@ class AsyncSaves:
     def start(self, save, request) -> None:
         if self.queue.persistent:
             self.finalize(blocking=True)
+            self._drop_dead_worker()
         self.queue.schedule_async_request(request)
         self._in_flight.append(_InFlight(save, time.perf_counter(), not self._in_flight))
 
@@ -117,6 +118,20 @@ class AsyncSaves:
             else:
                 time.sleep(POLL_S)
 
+    def close(self) -> None:
+        """Every save finished or given up, then megatron-core's queue closed (all ranks)."""
+        self.finalize(blocking=True)
+        self._drop_dead_worker()
+        self.queue.close()
+
+    def _drop_dead_worker(self) -> None:
+        """With nothing in flight, a dead persistent worker is let go of (no collective: each
+        rank's is its own): megatron-core would hand it the next save and wait for it to
+        stage the tensors, or at ``close()`` to say it is done, for good."""
+        if self._worker_died():
+            self.queue.persistent_caller.close(abort=True)
+            self.queue.persistent_caller = None
+
     def _pop_oldest(self) -> _InFlight:
         self._head_since = time.perf_counter()
         return self._in_flight.popleft()
@@ -126,16 +141,17 @@ class AsyncSaves:
         deadline, or its persistent worker dead), else None."""
         oldest = self._in_flight[0] if self._in_flight else None
         age = time.perf_counter() - max(oldest.started, self._head_since) if oldest else 0.0
-        found = torch.tensor([age if age > self.deadline_s() else 0.0, float(self._worker_died())],
-                             dtype=torch.float64)
+        deadline = self.deadline_s()
+        found = torch.tensor([age if age > deadline else 0.0, float(self._worker_died()),
+                              deadline], dtype=torch.float64)
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        late, died = found.tolist()
+        late, died, deadline = found.tolist()  # every rank tells the same
         if died:
             return "its writer process died (the OOM killer?) before it finished: stopped"
         if late:
             return (f"its writers had not finished after {late:.1f} s, past the async save "
-                    f"deadline of {self.deadline_s():g} s (--async-save-timeout; a file "
-                    f"system that stopped answering?): stopped")
+                    f"deadline of {deadline:g} s (--async-save-timeout; a file system that "
+                    f"stopped answering?): stopped")
         return None
 
     def _worker_died(self) -> bool:

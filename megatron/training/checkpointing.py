@@ -1006,8 +1006,7 @@ class Checkpointer:
 
     def close(self) -> None:
         if self.async_saves is not None:
-            self.finalize_async(blocking=True)
-            self.async_saves.queue.close()
+            self.async_saves.close()
         self.janitor.finish()
         if self.slots is not None:
             self.slots.close()

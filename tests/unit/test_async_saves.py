@@ -124,10 +124,24 @@ def test_a_dead_persistent_worker_fails_its_save_without_waiting_for_the_deadlin
     it never says the save is done, and the next save would wait for it."""
     queue = FakeQueue()
     queue.persistent = True
-    queue.persistent_caller = SimpleNamespace(process=SimpleNamespace(is_alive=lambda: False))
+    alive = [True]
+    queue.persistent_caller = SimpleNamespace(process=SimpleNamespace(is_alive=lambda: alive[0]))
     saves, given_up = saves_over(queue)
     saves.start("A", "A")
+    alive[0] = False  # killed while it writes
     clock.now = 5.0
     look(saves)
     assert given_up == ["A"] and "writer process died" in queue.reasons[0]
     assert queue.persistent_caller is None  # the next save starts a fresh worker
+
+
+def test_a_persistent_worker_that_died_between_saves_is_replaced_before_the_next(clock):
+    """megatron-core would hand the next save to the dead worker and wait for it to stage the
+    tensors, for good."""
+    queue = FakeQueue()
+    queue.persistent = True
+    queue.persistent_caller = SimpleNamespace(process=SimpleNamespace(is_alive=lambda: False),
+                                              close=lambda abort: None)
+    saves, given_up = saves_over(queue)
+    saves.start("A", "A")
+    assert queue.persistent_caller is None and given_up == []  # nothing was in flight

@@ -378,10 +378,11 @@ def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_leg
 
 def left_memory_tier(shm: Path, name: str, save: Path, run_dir: Path, iteration: int) -> Path:
     """What a run on ``save`` with a memory folder ftmaster picked leaves when its ftmaster
-    is killed: its checkpoint of ``iteration`` and the folder's owner record."""
+    is killed: its checkpoint of ``iteration``, the folder's owner record, its run directory."""
     folder = shm / name
     fake_checkpoint(folder, iteration)
     mark_owner(folder, save, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -398,15 +399,31 @@ def test_a_relaunch_under_another_run_directory_persists_what_a_killed_run_left_
     behind = left_memory_tier(shm, "ftmaster-older-3", save, tmp_path / "older-run", 4)
     other_save = left_memory_tier(shm, "ftmaster-other-4", tmp_path / "other", tmp_path / "o", 12)
     live = left_memory_tier(shm, "ftmaster-live-5", save, tmp_path / "live-run", 11)
-    (tmp_path / "live-run").mkdir()
+    unseen = left_memory_tier(shm, "ftmaster-unseen-6", save, tmp_path / "gone-run", 13)
+    shutil.rmtree(tmp_path / "gone-run")  # a run directory this host does not see: unknown
+    shared = left_memory_tier(shm, "ftmaster-shared-7", save, tmp_path / "shared-run", 14)
+    shared.chmod(0o777)  # anyone may write it: not trusted
     lines = []
     with RunDirLock(tmp_path / "live-run"):
-        persist_left_behind(own, save, lines.append, shm)
+        assert persist_left_behind(own, save, True, lines.append, shm) == 2
     assert read_tracker(save) == 9 and is_complete(iteration_dir(save, 9))
     assert not left.exists() and not behind.exists()  # 4 is on disk's side already
-    assert other_save.exists() and live.exists() and own.exists()
+    assert all(folder.exists() for folder in (other_save, live, own, unseen, shared))
     persisting, persisted, removed_left, removed_behind = lines
     assert persisting.startswith(f"persisting iteration 9 to {save} before training starts: {left}")
     assert persisted.startswith("persisted iteration 9: ")
     assert removed_left == f"removed {left}: the memory tier a stopped run on this --save left"
     assert removed_behind.startswith(f"removed {behind}: ")
+
+
+def test_a_fresh_start_on_the_same_save_leaves_a_newer_memory_tier_in_place_and_says_so(tmp_path):
+    """Without --load the run starts fresh: persisting would give --save checkpoints, and a
+    fresh start refuses such a --save. The folder stays, and the warning says how to resume."""
+    shm, save = tmp_path / "shm", tmp_path / "ckpt"
+    left = left_memory_tier(shm, "ftmaster-old-2", save, tmp_path / "old-run", 9)
+    lines = []
+    assert persist_left_behind(None, save, False, lines.append, shm) == 0
+    assert left.exists() and read_tracker(save) is None
+    (warning,) = lines
+    assert warning.startswith(f"warning: {left}, the memory tier a stopped run on this --save "
+                              f"left, holds iteration 9, newer than disk's None: give --load {save}")

@@ -48,7 +48,7 @@ from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_o
                               with_memory_dir)
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
-from ftmaster.recovery.argv_flags import flag_value, int_flag
+from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
@@ -491,8 +491,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     except click.ClickException:
         backend.close()
         raise
-    if rendezvous is None and config.scratch_memory_dir is not None:
-        _take_over_left_memory(config)
+    if rendezvous is None:
+        config = _take_over_left_memory(config, argv)
     try:
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
@@ -609,10 +609,11 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
     return [argv[0], *chosen], None if picked is None else Path(picked)
 
 
-def _take_over_left_memory(config: SupervisorConfig) -> None:
-    """On one node, with ``--save`` claimed: say which run the memory folder ftmaster picked
-    serves, and persist what a stopped run on the same ``--save`` left in ``/dev/shm`` under
-    another run directory (:func:`persist_left_behind`), before training loads."""
+def _take_over_left_memory(config: SupervisorConfig, argv: list[str]) -> SupervisorConfig:
+    """On one node, with ``--save`` claimed and a memory folder not given: take over what a
+    stopped run on the same ``--save`` left in ``/dev/shm`` under another run directory
+    (:func:`persist_left_behind`), before training loads; pick ``/dev/shm`` again when that
+    freed the room it lacked; and say which run the folder ftmaster picked serves."""
     log = logging.getLogger("ftmaster")
 
     def say(line: str) -> None:
@@ -621,12 +622,30 @@ def _take_over_left_memory(config: SupervisorConfig) -> None:
         else:
             log.info(line)
 
-    save = tiers_of(config.command[1:]).disk
+    tiers = tiers_of(config.command[1:])
+    if tiers is None or flag_value(argv[1:], DIR_FLAG) is not None:
+        return config
+    load = flag_value(config.command[1:], "--load")
+    resumes = load is not None and Path(load).resolve() == tiers.disk.resolve()
     try:
-        mark_owner(config.scratch_memory_dir, save, config.run_dir)
-        persist_left_behind(config.scratch_memory_dir, save, say)
+        removed = persist_left_behind(config.scratch_memory_dir, tiers.disk, resumes, say)
     except OSError as error:
         log.warning("looking for memory tiers an earlier run left: %s", error)
+        removed = 0
+    if removed and config.scratch_memory_dir is None:
+        chosen, scratch = _with_memory_tier(argv, config.run_dir, None)
+        if scratch is not None:
+            plan = config.first_plan
+            config = dataclasses.replace(
+                config, command=tuple(chosen), scratch_memory_dir=scratch,
+                first_plan=plan and dataclasses.replace(plan, command=tuple(
+                    set_flag(list(plan.command), DIR_FLAG, str(scratch)))))
+    if config.scratch_memory_dir is not None:
+        try:
+            mark_owner(config.scratch_memory_dir, tiers.disk, config.run_dir)
+        except OSError as error:
+            log.warning("cannot say which run %s serves: %s", config.scratch_memory_dir, error)
+    return config
 
 
 def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,

@@ -75,7 +75,7 @@ def run_dir_in_use(run_dir: Path) -> bool:
         return True  # cannot be told dead
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # held (EWOULDBLOCK), or cannot be told (no locks there)
         return True
     finally:
         os.close(fd)

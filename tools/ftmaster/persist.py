@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -121,52 +122,81 @@ OWNER_FILE = ".ftmaster_owner.json"
 
 
 def mark_owner(folder: Path, save_dir: Path, run_dir: Path) -> None:
-    """Write :data:`OWNER_FILE` into the folder ftmaster picked (made here if need be)."""
+    """Write :data:`OWNER_FILE` into the folder ftmaster picked (made here if need be, and
+    writable by this user alone, as a later launch trusts only such a folder)."""
     Path(folder).mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, stat.S_IMODE(os.stat(folder).st_mode) & ~0o022)
     owner = {"save": str(Path(save_dir).resolve()), "run_dir": str(Path(run_dir).resolve())}
     atomic_write_text(Path(folder) / OWNER_FILE, json.dumps(owner), durable=False)
 
 
-def persist_left_behind(own: Path, save_dir: Path, say: Callable[[str], None],
-                        shm: Path = SHM) -> None:
+def persist_left_behind(own: Path | None, save_dir: Path, resumes: bool,
+                        say: Callable[[str], None], shm: Path = SHM) -> int:
     """Memory folders an earlier run on the same ``--save`` left in ``shm`` (its ftmaster
     killed, and this launch under another run directory, as a relaunch without ``--run-dir``
-    is): each one's newest checkpoint persisted to ``save_dir`` when disk lacks it, then the
-    folder removed, so that the relaunch resumes from it and the node's memory is freed.
-    Each step is told to ``say`` (a line; ``warning: `` first for one left in place). Call
-    with ``save_dir`` claimed (no other job writes it)."""
-    save = str(Path(save_dir).resolve())
+    is). When this run ``resumes`` from ``save_dir`` (its ``--load``), each one's newest
+    checkpoint is persisted there when disk lacks it, then the folder removed: the relaunch
+    resumes from it and the node's memory is freed. A run that starts fresh leaves a newer
+    one in place (its checkpoints would make the fresh start refuse ``--save``), said as a
+    warning. Each step is told to ``say`` (``warning: `` first for one left in place).
+    Only folders of this user's, not writable by others, whose run directory exists and is
+    held by no ftmaster, are taken (``/dev/shm`` is everyone's). Call with ``save_dir``
+    claimed (no other job writes it). Returns how many folders were removed."""
+    save, removed = str(Path(save_dir).resolve()), 0
     for folder in sorted(Path(shm).glob("ftmaster-*")):
-        owner = _owner(folder)
-        if folder != own and owner is not None and owner.get("save") == save \
-                and not run_dir_in_use(Path(str(owner.get("run_dir")))):
-            _take_over(folder, Path(save_dir), say)
+        owner = _owner(folder) if folder != own and _ours_alone(folder) else None
+        if owner is None or owner.get("save") != save or not isinstance(owner.get("run_dir"), str):
+            continue
+        run_dir = Path(owner["run_dir"])
+        if not run_dir.is_dir() or run_dir_in_use(run_dir):
+            continue  # live, or not to be told (a run directory this host does not see)
+        removed += _take_over(folder, Path(save_dir), resumes, say)
+    return removed
+
+
+def _ours_alone(path: Path) -> bool:
+    """A real folder or file (no symlink) of this user's that no one else may write."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR(status.st_mode) or stat.S_ISREG(status.st_mode)
+    return kind and status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 def _owner(folder: Path) -> dict | None:
+    record = folder / OWNER_FILE
     try:
-        owner = json.loads((folder / OWNER_FILE).read_text())
+        owner = json.loads(record.read_text()) if _ours_alone(record) else None
     except (OSError, ValueError):
         return None
     return owner if isinstance(owner, dict) else None
 
 
-def _take_over(folder: Path, save_dir: Path, say: Callable[[str], None]) -> None:
-    newest, disk = read_tracker(folder), read_tracker(save_dir)
+def _take_over(folder: Path, save_dir: Path, resumes: bool, say: Callable[[str], None]) -> int:
+    """1 when ``folder`` was removed, else 0."""
+    held = [it for it in list_iterations(folder) if is_complete(iteration_dir(folder, it))]
+    newest, disk = max([read_tracker(folder) or 0, *held]) or None, read_tracker(save_dir)
     if newest is not None and (disk is None or newest > disk):
+        if not resumes:
+            say(f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
+                f"iteration {newest}, newer than disk's {disk}: give --load {save_dir} to resume "
+                f"from it (it is persisted first), or remove it")
+            return 0
         say(f"persisting iteration {newest} to {save_dir} before training starts: {folder}, "
             f"the memory tier a stopped run on this --save left, holds it (disk: {disk})")
         try:
             copied = persist(folder, save_dir, newest)
-        except PersistError as error:
+        except (PersistError, OSError) as error:
             say(f"warning: iteration {newest} could not be persisted ({error}): {folder} is "
                 f"left in place")
-            return
+            return 0
         if copied is not None:
             say(f"persisted iteration {newest}: {copied.bytes / 1e6:.1f} MB in "
                 f"{copied.seconds:.2f} s")
     shutil.rmtree(folder, ignore_errors=True)
     say(f"removed {folder}: the memory tier a stopped run on this --save left")
+    return 1
 
 
 class PersistError(Exception):

@@ -539,9 +539,10 @@ class MemoryAgreement:
         read that one key, at most every ``AGREEMENT_POLL_S``: every node reading every
         node's holdings would cost the store N x N reads a poll. A store or a tier that
         fails here leaves the mark as it is (said as a warning)."""
-        if len(node_ranks) <= self.replication.config.replicas + 1:
-            return
         try:
+            if len(node_ranks) <= self.replication.config.replicas + 1:
+                unmark_replicated(self.replication.config.memory_dir)  # a round that shrank
+                return
             newest = (self._decide_replicated(round_number, node_ranks) if decides
                       else self._announced_replicated(round_number))
             if newest is not None:

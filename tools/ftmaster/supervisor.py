@@ -322,7 +322,11 @@ class Supervisor:
         drain's calibration): its own steps were slowed."""
         self.tiers = tiers_of(config.command[1:])
         if self.tiers is not None and replication is None:
-            unmark_peer_copies(self.tiers.memory)
+            try:
+                unmark_peer_copies(self.tiers.memory)
+            except OSError as error:
+                log.warning("letting go of an earlier run's marks in %s: %s", self.tiers.memory,
+                            error)
         # Across nodes one node's ftmaster copies the memory tier to disk: node 0 from the
         # shared folder; with node-local folders, the node of the trainer's rank 0 in the
         # round (its folder gets the manifest first), from its own folder once peer copies
