@@ -22,6 +22,7 @@ from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layout
 from ftmaster.listener import Listener, move_request
+from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
 from ftmaster.states import Trigger
 from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
@@ -640,3 +641,32 @@ def test_replica_recovery_across_nodes_needs_ftmasters_node_local_folders(tmp_pa
                                          "node-local memory folders in /dev/shm: give no "
                                          "--non-persistent-global-ckpt-dir$"):
         _with_memory_tier(argv, tmp_path, rendezvous)
+
+
+@pytest.mark.parametrize("load, removed, picked", [
+    ("ckpt", 1, True),  # the folder's room was what /dev/shm lacked: picked again
+    ("ckpt", 0, False),
+    (None, 0, False),  # a fresh start persists nothing
+])
+def test_a_launch_takes_over_a_stopped_runs_memory_tier_and_picks_dev_shm_once_it_has_room(
+        tmp_path, monkeypatch, load, removed, picked):
+    from ftmaster import launch
+    from ftmaster.supervisor import SupervisorConfig
+
+    save = tmp_path / "ckpt"
+    argv = MODEL + ["--save", str(save), "--non-persistent-ckpt-type", "global"] + (
+        ["--load", str(tmp_path / load)] if load else [])
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(argv), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(argv, 4, None, None))  # fell back
+    asked, shm = [], tmp_path / "shm" / "ftmaster-run-1"
+    monkeypatch.setattr(launch, "persist_left_behind",
+                        lambda own, disk, resumes, say: asked.append((own, disk, resumes)) or removed)
+    monkeypatch.setattr(launch, "_with_memory_tier", lambda args, run_dir, rendezvous: (
+        [*args, "--non-persistent-global-ckpt-dir", str(shm)], shm))
+    taken = launch._take_over_left_memory(config, argv)
+    assert asked == [(None, save, load is not None)]
+    assert (taken.scratch_memory_dir == shm) is picked
+    assert (flag_value(taken.command, "--non-persistent-global-ckpt-dir") == str(shm)) is picked
+    assert (flag_value(taken.first_plan.command, "--non-persistent-global-ckpt-dir")
+            == str(shm)) is picked
+    assert (shm / ".ftmaster_owner.json").exists() is picked
