@@ -337,6 +337,15 @@ def unmark_replicated(memory_dir: Path) -> None:
     (Path(memory_dir) / _REPLICATED_NAME).unlink(missing_ok=True)
 
 
+def newest_held(memory_dir: Path) -> int | None:
+    """The newest memory checkpoint a tier holds whole or in part: its tracker's, or a later
+    folder with a manifest of either kind (across nodes a folder that is never whole has no
+    tracker, but its part may still be fetched from it)."""
+    held = [it for it in list_iterations(memory_dir)
+            if known_manifest_name(iteration_dir(memory_dir, it)) is not None]
+    return max([read_tracker(memory_dir) or 0, *held]) or None
+
+
 def unmark_peer_copies(memory_dir: Path) -> None:
     """Let go of the marks only peer copies across nodes set and move (a run without them
     finds an earlier run's, which would keep their checkpoints for good)."""

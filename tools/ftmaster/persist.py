@@ -32,8 +32,8 @@ from ftmaster.lock import run_dir_in_use
 from ftmaster.runfiles import atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
                                            advance_tracker, advance_tracker_locked, is_complete,
-                                           iteration_dir, list_iterations, pin, read_tracker,
-                                           tracker_lock, unpin)
+                                           iteration_dir, list_iterations, newest_held, pin,
+                                           read_tracker, tracker_lock, unpin)
 from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
                                         known_manifest_name, read_manifest)
@@ -175,8 +175,7 @@ def _owner(folder: Path) -> dict | None:
 
 def _take_over(folder: Path, save_dir: Path, resumes: bool, say: Callable[[str], None]) -> int:
     """1 when ``folder`` was removed, else 0."""
-    held = [it for it in list_iterations(folder) if is_complete(iteration_dir(folder, it))]
-    newest, disk = max([read_tracker(folder) or 0, *held]) or None, read_tracker(save_dir)
+    newest, disk = newest_held(folder), read_tracker(save_dir)
     if newest is not None and (disk is None or newest > disk):
         if not resumes:
             say(f"warning: {folder}, the memory tier a stopped run on this --save left, holds "

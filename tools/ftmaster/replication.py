@@ -541,7 +541,9 @@ class MemoryAgreement:
         fails here leaves the mark as it is (said as a warning)."""
         try:
             if len(node_ranks) <= self.replication.config.replicas + 1:
-                unmark_replicated(self.replication.config.memory_dir)  # a round that shrank
+                if self._polled_at[0] != round_number:  # once a round: a round that shrank
+                    unmark_replicated(self.replication.config.memory_dir)
+                    self._polled_at = (round_number, time.monotonic())
                 return
             newest = (self._decide_replicated(round_number, node_ranks) if decides
                       else self._announced_replicated(round_number))

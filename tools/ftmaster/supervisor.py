@@ -87,8 +87,8 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
-                                           read_save_kind, read_tracker, unmark_peer_copies)
-from ftmaster.recovery.manifest import known_manifest_name
+                                           newest_held, read_save_kind, read_tracker,
+                                           unmark_peer_copies)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -770,13 +770,9 @@ class Supervisor:
         folder = self.config.scratch_memory_dir
         if folder is None or self.tiers is None or not folder.is_dir():
             return
-        # Its own tracker, or across nodes on a node whose folder is never whole (3 nodes
-        # or more, one replica) the newest checkpoint it holds a part of (its manifest kept
-        # beside it): a run that gave up may still persist that from the peers.
-        held = [it for it in list_iterations(folder)
-                if known_manifest_name(iteration_dir(folder, it)) is not None]
-        newest = max([read_tracker(folder) or 0, *held]) or None
-        disk = read_tracker(self.tiers.disk)
+        # A part of a checkpoint newer than disk counts: a run that gave up across nodes
+        # may still persist it from the peers.
+        newest, disk = newest_held(folder), read_tracker(self.tiers.disk)
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
