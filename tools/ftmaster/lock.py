@@ -66,20 +66,12 @@ class RunDirLock:
 
 
 def run_dir_in_use(run_dir: Path) -> bool:
-    """Whether a live ftmaster holds ``run_dir``'s lock (a probe: nothing is created)."""
+    """Whether a live ftmaster holds ``run_dir``'s lock (a probe: nothing is created or
+    removed); a lock that cannot be probed (no locks there) counts as held."""
     try:
-        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+        return _locked(Path(run_dir) / LOCK_NAME)
     except OSError:
-        return True  # cannot be told dead
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:  # held (EWOULDBLOCK), or cannot be told (no locks there)
         return True
-    finally:
-        os.close(fd)
-    return False
 
 
 class FolderInUse(RuntimeError):
@@ -166,11 +158,21 @@ def _open_shared(path: Path) -> int:
 
 
 def _is_held(path: Path) -> bool:
-    """Whether another ftmaster holds this file; one nobody holds is removed. One this user
-    cannot open is taken as held: its job cannot be told dead."""
+    """Whether another ftmaster holds this file; one nobody holds is removed."""
+    if _locked(path):
+        return True
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
+
+
+def _locked(path: Path) -> bool:
+    """Whether a process holds a ``flock`` on ``path``; False when it is gone (released
+    meanwhile). One this user cannot open is taken as held: its holder cannot be told dead.
+    OSError when the file system has no locks."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # released meanwhile
+    except FileNotFoundError:
         return False
     except OSError:
         return True
@@ -180,8 +182,6 @@ def _is_held(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError):
-        path.unlink()
     return False
 
 
