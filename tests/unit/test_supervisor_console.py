@@ -169,7 +169,8 @@ def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
     assert progress.seconds_per_iteration is None
     progress.line({"iteration": 12, "time": 102.0}, now=12.0)
     assert progress.seconds_per_iteration == 0.5
-    progress.step_ms = [300.0, 100.0, 200.0]
+    for step_ms in (300.0, 100.0, 200.0):
+        progress.took(step_ms)
     assert progress.seconds_per_iteration == 0.2
 
 
@@ -497,7 +498,8 @@ def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_tha
     supervisor.plan = (config.first_plan if same_layout
                        else dataclasses.replace(config.first_plan, micro_batch_size=1))
     supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    supervisor.progress.step_ms = [5000.0, 900.0, 210.0, 190.0, 200.0]
+    for step_ms in [5000.0, 900.0, 210.0, 190.0, 200.0]:
+        supervisor.progress.took(step_ms)
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == expected
 
@@ -513,7 +515,8 @@ def test_an_attempt_a_straggler_is_drained_from_calibrates_the_planner_without_i
     supervisor = Supervisor(config, QuietMonitor())
     supervisor.attempt, supervisor.plan = object(), config.first_plan
     supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    supervisor.progress.step_ms = [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]
+    for step_ms in [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]:
+        supervisor.progress.took(step_ms)
     supervisor._unslowed_step_s = 0.21
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == 0.21

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,12 @@ class _Point:
     time: float
 
 
+STEPS_KEPT = 10_000
+"""Logged step times an attempt keeps: a long run logs millions, and only a median is used."""
+WARM_UP_STEPS = 2
+"""Logged iterations at an attempt's start that are no measure of its step time."""
+
+
 class Progress:
     """One attempt's progress line: iteration, loss, speed, last checkpoint, ETA."""
 
@@ -138,8 +145,9 @@ class Progress:
         self.train_iters: int | None = None
         """The attempt's last iteration, as the trainer counts it (a planned change of global
         batch changes it)."""
-        self.step_ms: list[float] = []
-        """Each logged iteration's time, as the trainer measured it."""
+        self.step_ms: deque[float] = deque(maxlen=STEPS_KEPT)
+        """The logged iterations' times, as the trainer measured them (the newest ones)."""
+        self.steps_logged = 0
         self.interval_s = interval_s
         self._last_print = started_at
         self._previous: _Point | None = None
@@ -154,8 +162,20 @@ class Progress:
         the heartbeat between two progress lines: across nodes the last rank, which logs the
         iterations, may run on another node."""
         if self.step_ms:
-            return statistics.median(self.step_ms[-20:]) / 1000
+            return statistics.median(list(self.step_ms)[-20:]) / 1000
         return self._heartbeat_pace
+
+    def took(self, step_ms: float) -> None:
+        """A logged iteration's time."""
+        self.step_ms.append(step_ms)
+        self.steps_logged += 1
+
+    def steady_step_s(self) -> float | None:
+        """The median step time of the attempt's logged iterations after its first two
+        (compiles, allocations, the data loader's start), over the newest kept."""
+        warm_up_kept = max(0, WARM_UP_STEPS - (self.steps_logged - len(self.step_ms)))
+        steady = list(self.step_ms)[warm_up_kept:]
+        return statistics.median(steady) / 1000 if steady else None
 
     def line(self, heartbeat: dict[str, Any] | None, now: float) -> str | None:
         """The progress line when one is due, else None."""
@@ -163,7 +183,7 @@ class Progress:
             found = _ITERATION_LINE.search(text)
             if found:
                 self.train_iters = int(found.group(2))
-                self.step_ms.append(float(found.group(3)))
+                self.took(float(found.group(3)))
                 self._loss = (int(found.group(1)), found.group(4))
         if now - self._last_print < self.interval_s or not heartbeat:
             return None

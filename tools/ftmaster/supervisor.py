@@ -67,7 +67,6 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
-import statistics
 import threading
 import time
 from collections import deque
@@ -1177,9 +1176,9 @@ class Supervisor:
         if self._unslowed_step_s is not None:  # the drain's decision line and the plan agree
             self._original_step_s = self._unslowed_step_s
             return
-        steps = self.progress.step_ms[2:]
-        if steps:
-            self._original_step_s = statistics.median(steps) / 1000
+        steady = self.progress.steady_step_s()
+        if steady is not None:
+            self._original_step_s = steady
 
     def _plan_event(self, available: list[int], **fields) -> None:
         for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
