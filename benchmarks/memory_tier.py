@@ -10,13 +10,17 @@ relaunch loads the newest checkpoint of each tier, and ftmaster's persister copi
 memory checkpoint to disk as the supervisor does.
 
 Printed per size, measured just before it: this machine's memcpy (one thread), its write into
-/dev/shm and its fsync'd sequential write to the save disk. Then per tier and mode: the
+/dev/shm and its fsync'd sequential write to the save disk: one file (the disk's burst rate
+on this VM), checkpoint-sized files kept, the same written as a sync save writes them, and
+the rate the disk sustains over 8 GB. Then per tier and mode: the
 first save of the attempt on its own line (it plans, and a memory save sets its slot up),
 the memory tier's other set-up (the second slot's first save), and the medians of the rest;
 each as a share of memcpy and of the medium's write rate. Two ranks save in parallel, so a
 share of the one-thread memcpy can pass 1. Blocked is rank 0's wall time: it includes rank
 0's wait for the other pipeline stage to finish its step and enter the save (the events'
-``waited_for_ranks_seconds``), which is also given taken out.
+``waited_for_ranks_seconds``), which is also given taken out. A sync disk save's blocked
+rates are also listed one by one: on this VM's disk some run at the burst rate, others at
+the sustained one.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def summary(saves: list[dict]) -> dict:
             "own_s": statistics.median(e["seconds"] - e.get("waited_for_ranks_seconds", 0.0)
                                        for e in saves),
             "complete_s": statistics.median(e["persist_seconds"] for e in saves),
-            "bytes": statistics.median(e["bytes"] for e in saves), "count": len(saves)}
+            "bytes": statistics.median(e["bytes"] for e in saves), "count": len(saves),
+            "rates": [e["bytes"] / e["seconds"] for e in saves]}
 
 
 def measure(hidden: int, saves: int, root: Path) -> dict:
@@ -161,17 +166,20 @@ def report(hidden: int, found: dict, speeds: dict[str, float]) -> None:
     print(f"hidden {hidden} (memcpy {speeds['memcpy'] / 1e9:.1f} GB/s, shm write "
           f"{speeds['shm'] / 1e9:.2f} GB/s, disk fsync'd write {speeds['disk'] / 1e9:.2f} GB/s "
           f"one file, {speeds['disk-kept'] / 1e9:.2f} GB/s checkpoint-sized files kept, "
-          f"{speeds['paced-kept'] / 1e9:.2f} GB/s written as a sync save writes them and kept; "
-          f"measured just before):")
+          f"{speeds['paced-kept'] / 1e9:.2f} GB/s written as a sync save writes them and kept, "
+          f"{speeds['sustained'] / 1e9:.2f} GB/s sustained; measured just before):")
     for tier, async_save in MODES:
         entry = found[(tier, async_save)]
-        reference = ("shm",) if tier == "memory" else ("disk", "disk-kept", "paced-kept")
+        reference = ("shm",) if tier == "memory" else ("disk", "disk-kept", "paced-kept", "sustained")
         print(f"  {tier} {'async' if async_save else 'sync'}:")
         print(save_line("first", entry["first"], reference, speeds))
         if entry["set_up"]:
             print(save_line("other set-up", entry["set_up"], reference, speeds))
         print(save_line("median" if tier == "disk" else "refill median", entry["steady"],
                         reference, speeds))
+        if tier == "disk" and not async_save:
+            print("    each, blocked: " + " ".join(
+                f"{rate / 1e9:.2f}" for rate in entry["steady"]["rates"]) + " GB/s")
     for tier in ("disk", "memory"):
         sync, asynchronous = found[(tier, False)]["steady"], found[(tier, True)]["steady"]
         print(f"  {tier}: async blocks {asynchronous['blocked_s'] / sync['blocked_s']:.2f}x of sync")
@@ -245,15 +253,31 @@ def paced_writers_speed(directory: Path, checkpoint_bytes: int, rounds: int) -> 
     return checkpoint_bytes / statistics.median(seconds.values())
 
 
+def sustained_write_speed(directory: Path, total: int = 8 << 30, size: int = 1 << 30) -> float:
+    """What the save disk keeps up over GBs: ``total`` bytes in fsync'd files of ``size``,
+    kept until the last is written; the median rate of the second half's files. This VM's
+    disk takes a few GB at 1.3-2.3 GB/s, then 0.3-0.45 GB/s (measured 2026-11-29: twelve
+    1 GB steps in a row at 0.29-0.31 GB/s), and a file written and removed, as the one-file
+    reference's three are, is rewritten at the fast rate: the one-file rate is the burst."""
+    count = max(2, total // size)
+    speeds = [fsynced_write_speed(directory / f"sustained-{index}.bin", size, 8 << 20)
+              for index in range(count)]
+    for index in range(count):
+        (directory / f"sustained-{index}.bin").unlink()
+    return statistics.median(speeds[count // 2:])
+
+
 def machine_speeds(root: Path, checkpoint_bytes: int, saves: int, size: int = 512 << 20) -> dict[str, float]:
     """What the medium does on its own, just before the saves: one-thread memcpy, one file
     into /dev/shm, one fsync'd file to the save disk, as many kept checkpoint-sized files
-    as the run saves, and the same written as a sync save writes them (in parallel, paced)."""
+    as the run saves, the same written as a sync save writes them (in parallel, paced), and
+    the disk's sustained rate."""
     with tempfile.TemporaryDirectory(dir=SHM) as shm:
         return {"memcpy": memcpy_speed(size), "shm": disk_write_speed(Path(shm), size),
                 "disk": disk_write_speed(root, size),
                 "paced-kept": paced_writers_speed(root, checkpoint_bytes, saves),
-                "disk-kept": kept_files_write_speed(root, checkpoint_bytes, saves)}
+                "disk-kept": kept_files_write_speed(root, checkpoint_bytes, saves),
+                "sustained": sustained_write_speed(root)}
 
 
 def main() -> None:
