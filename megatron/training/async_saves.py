@@ -21,6 +21,13 @@ written the one before: megatron-core's schedule then blocks training until it h
 for the worker to stage the new save's tensors), and with a stuck worker for good. So there
 a new save first finishes the one in flight, within the same deadline; a worker given up is
 stopped, and the new save starts a fresh one.
+
+A wait that blocks training (that one, and the end of training) writes no heartbeat, so under
+ftmaster it has a shorter limit too: the supervisor takes a rank that shows no new iteration
+and writes no checkpoint file for ``--hang-timeout`` for hung, and relaunches. Once such a
+wait has lasted half of that and the oldest save's folder has had no write for as long, the
+save is given up as at its deadline (agreed alike), and training goes on or ends with the
+saves behind it. A slow save that still writes is waited for, as the supervisor does.
 """
 
 from __future__ import annotations
@@ -43,8 +50,15 @@ CHECK_EVERY = 10
 """The deadline is agreed at every 10th look while a save is in flight (an all-reduce, 0.2 ms
 on CPU gloo: per iteration it would double megatron-core's own check's cost)."""
 
+BLOCKED_SHARE_OF_HANG = 0.5
+"""The share of the supervisor's ``--hang-timeout`` a blocking wait lasts, with the oldest
+save's writers writing nothing, before that save is given up: the rest is left for the saves
+behind it and for training's next heartbeat."""
+
 Abandon = Callable[[object, str], None]
 """Told every save given up, with the reason (on every rank)."""
+WrittenAt = Callable[[object], float | None]
+"""When a save's folder last had a file written (unix time), None when unknown."""
 
 
 @dataclass
@@ -62,13 +76,18 @@ class AsyncSaves:
     and finalizes the same saves, so every rank's queue is the same)."""
 
     def __init__(self, queue: AsyncCallsQueue, group, timeout_s: float | None,
-                 abandon: Abandon, rank_bytes: int = 0) -> None:
+                 abandon: Abandon, rank_bytes: int = 0, hang_timeout_s: float | None = None,
+                 written_at: WrittenAt = lambda save: None) -> None:
         """``rank_bytes``: about what this rank writes at each save; the deadline takes the
-        largest rank's (one all-reduce here), so that every rank tells the same deadline."""
+        largest rank's (one all-reduce here), so that every rank tells the same deadline.
+        ``hang_timeout_s``: the supervisor's, when one watches this rank; ``written_at`` tells
+        how recently a save's writers wrote (read only once a blocking wait is long)."""
         self.queue = queue
         self._group = group
         self._timeout_s = timeout_s
         self._abandon = abandon
+        self._hang_timeout_s = hang_timeout_s
+        self._written_at = written_at
         largest = torch.tensor([float(rank_bytes)], dtype=torch.float64)
         torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group)
         self._rank_bytes = largest.item()
@@ -105,12 +124,13 @@ class AsyncSaves:
     def finalize(self, blocking: bool) -> None:
         """Finish the saves whose writers are done on every rank, in order; give up the
         oldest once past its deadline. ``blocking``: until none is left. All ranks call it."""
+        blocked_since = time.perf_counter() if blocking else None
         while self.queue.get_num_unfinalized_calls():
             self.queue.maybe_finalize_async_calls(blocking=False)
             if not self.queue.get_num_unfinalized_calls():
                 return
             self._looks += 1
-            given_up = self._why_give_up() if self._looks % CHECK_EVERY == 0 else None
+            given_up = self._why_give_up(blocked_since) if self._looks % CHECK_EVERY == 0 else None
             if given_up is not None:
                 self._abandon_oldest(given_up)
             elif not blocking:
@@ -136,23 +156,44 @@ class AsyncSaves:
         self._head_since = time.perf_counter()
         return self._in_flight.popleft()
 
-    def _why_give_up(self) -> str | None:
+    def _why_give_up(self, blocked_since: float | None) -> str | None:
         """Why every rank gives up the oldest save, agreed (some rank found it past the
-        deadline, or its persistent worker dead), else None."""
+        deadline, its persistent worker dead, or its writers idle through a long blocking
+        wait), else None."""
         oldest = self._in_flight[0] if self._in_flight else None
         age = time.perf_counter() - max(oldest.started, self._head_since) if oldest else 0.0
         deadline = self.deadline_s()
         found = torch.tensor([age if age > deadline else 0.0, float(self._worker_died()),
-                              deadline], dtype=torch.float64)
+                              deadline, self._idle_while_blocked(oldest, blocked_since)],
+                             dtype=torch.float64)
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        late, died, deadline = found.tolist()  # every rank tells the same
+        late, died, deadline, idle = found.tolist()  # every rank tells the same
         if died:
             return "its writer process died (the OOM killer?) before it finished: stopped"
         if late:
             return (f"its writers had not finished after {late:.1f} s, past the async save "
                     f"deadline of {deadline:g} s (--async-save-timeout; a file system that "
                     f"stopped answering?): stopped")
+        if idle:
+            return (f"training waited for its writers, which wrote nothing for {idle:.1f} s, "
+                    f"half of ftmaster's --hang-timeout of {self._hang_timeout_s:g} s (a file "
+                    f"system that stopped answering?): stopped before the wait was taken for "
+                    f"a hang")
         return None
+
+    def _idle_while_blocked(self, oldest: _InFlight | None, blocked_since: float | None) -> float:
+        """How long the oldest save's writers have written nothing, when that and the
+        blocking wait both reach their share of the hang timeout; else 0. The folder is
+        looked at only then: on a hung file system the look may hang as well."""
+        if oldest is None or blocked_since is None or self._hang_timeout_s is None:
+            return 0.0
+        limit = BLOCKED_SHARE_OF_HANG * self._hang_timeout_s
+        waited = time.perf_counter() - blocked_since
+        if waited < limit:
+            return 0.0
+        written = self._written_at(oldest.save)
+        idle = waited if written is None else min(waited, time.time() - written)
+        return idle if idle >= limit else 0.0
 
     def _worker_died(self) -> bool:
         """On CUDA, whether megatron-core's persistent worker is gone: it would never say the

@@ -830,6 +830,14 @@ class _Save:
         self.checkpointer.janitor.submit(_remove_unless_tracked, self.path, self.iteration)
 
 
+def _folder_written_at(save: _Save) -> float | None:
+    """When a file of the save's folder (or the folder) last changed; None when unreadable."""
+    try:
+        return max(entry.stat().st_mtime for entry in (save.path, *save.path.iterdir()))
+    except OSError:
+        return None
+
+
 def _remove_unless_tracked(folder: Path, iteration: int) -> None:
     """A failed save's folder, removed; never one the tracker names (a complete checkpoint)."""
     if read_tracker(folder.parent) != iteration:
@@ -856,7 +864,8 @@ class Checkpointer:
                                        group, args.async_save_timeout, self._abandoned,
                                        CHECKPOINT_BYTES_PER_PARAMETER * sum(
                                            p.numel() for module in model.modules
-                                           for p in module.parameters()))
+                                           for p in module.parameters()),
+                                       runfiles.hang_timeout_from_env(), _folder_written_at)
                             if args.async_save else None)
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)

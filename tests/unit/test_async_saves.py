@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ftmaster import runfiles
 from megatron.training import async_saves
 from megatron.training.async_saves import CHECK_EVERY, AsyncSaves
 from test_save_requests import single_process_group  # noqa: F401  (a gloo group of one)
@@ -50,14 +51,14 @@ def clock(monkeypatch):
     return clock
 
 
-def saves_over(queue: FakeQueue, timeout_s=None, rank_bytes=0) -> tuple[AsyncSaves, list]:
+def saves_over(queue: FakeQueue, timeout_s=None, rank_bytes=0, **watched) -> tuple[AsyncSaves, list]:
     given_up, queue.reasons = [], []
 
     def give_up(save, why):
         given_up.append(save)
         queue.reasons.append(why)
 
-    saves = AsyncSaves(queue, None, timeout_s, give_up, rank_bytes)
+    saves = AsyncSaves(queue, None, timeout_s, give_up, rank_bytes, **watched)
     queue.saves = saves
     return saves, given_up
 
@@ -145,3 +146,77 @@ def test_a_persistent_worker_that_died_between_saves_is_replaced_before_the_next
     saves, given_up = saves_over(queue)
     saves.start("A", "A")
     assert queue.persistent_caller is None and given_up == []  # nothing was in flight
+
+
+@pytest.fixture
+def waiting_clock(clock, monkeypatch):
+    """The clock, also as unix time, moved on by each poll of a blocking wait; ``clock.at``
+    runs a step once the clock reaches its time."""
+    clock.at = {}
+
+    def sleep(seconds):
+        clock.now += seconds
+        for when in [when for when in clock.at if clock.now >= when]:
+            clock.at.pop(when)()
+
+    monkeypatch.setattr(async_saves.time, "sleep", sleep)
+    monkeypatch.setattr(async_saves.time, "time", clock)
+    return clock
+
+
+def test_a_blocking_wait_gives_up_writers_idle_for_half_the_hang_timeout(waiting_clock):
+    """The end of training waits for a save whose writers stopped writing at 5 s: without
+    a heartbeat, ftmaster would take the wait for a hang at 300 s and relaunch. It is given
+    up once the wait has lasted 150 s, the saves behind it complete and training ends."""
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue, hang_timeout_s=300.0, written_at=lambda save: 5.0)
+    saves.start("A", "A")
+    waiting_clock.now = 10.0
+    saves.start("final", "final")
+    queue.done.add("final")
+    saves.finalize(blocking=True)
+    assert given_up == ["A"] and not queue.async_calls
+    assert 160.0 <= waiting_clock.now <= 160.0 + CHECK_EVERY * async_saves.POLL_S + 1e-6
+    assert "wrote nothing for 150.5 s, half of ftmaster's --hang-timeout of 300 s" in queue.reasons[0]
+
+
+def test_a_blocking_wait_waits_for_a_slow_save_that_still_writes(waiting_clock):
+    """As the supervisor, which takes a checkpoint file written as progress."""
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue, hang_timeout_s=300.0,
+                                 written_at=lambda save: waiting_clock.now - 5.0)
+    saves.start("A", "A")
+    waiting_clock.at[400.0] = lambda: queue.done.add("A")
+    saves.finalize(blocking=True)
+    assert given_up == [] and waiting_clock.now >= 400.0
+
+
+@pytest.mark.parametrize("hang_timeout_s, blocking", [(None, True), (300.0, False)])
+def test_idle_writers_wait_for_the_deadline_unless_a_supervised_wait_blocks_training(
+        waiting_clock, hang_timeout_s, blocking):
+    """Without a supervisor (plain torchrun) there is no hang timeout to beat, and while
+    training goes on (looks that do not block) its heartbeats show it alive."""
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue, hang_timeout_s=hang_timeout_s,
+                                 written_at=lambda save: 0.0)
+    saves.start("A", "A")
+    waiting_clock.now = 200.0
+    if blocking:
+        saves.finalize(blocking=True)
+    else:
+        look(saves)
+    assert given_up == (["A"] if blocking else [])
+    if blocking:
+        assert waiting_clock.now >= 600.0 and "async save deadline of 600 s" in queue.reasons[0]
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("300.0", 300.0), ("8", 8.0), (None, None), ("", None), ("soon", None), ("0", None),
+    ("-5", None), ("inf", None), ("nan", None)])
+def test_the_hang_timeout_handed_to_the_trainer_is_a_positive_number_or_none(
+        monkeypatch, value, seconds):
+    if value is None:
+        monkeypatch.delenv(runfiles.HANG_TIMEOUT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(runfiles.HANG_TIMEOUT_ENV, value)
+    assert runfiles.hang_timeout_from_env() == seconds

@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -408,7 +409,10 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
                                           parse_injection("fail:gpu=1,at=iter:9")))
     supervisor = Supervisor(config, QuietMonitor())
     assert supervisor._armed_injections((0, 1, 3)) == {}  # not on these GPUs
-    assert supervisor._armed_injections((0, 2, 3)) == {"FTMASTER_INJECT_NAN": "1:7"}
+    devices = SimpleNamespace(cuda_env=lambda gpus: {"CUDA_VISIBLE_DEVICES": "0,2,3"})
+    assert supervisor._attempt_env(devices, (0, 2, 3)) == {
+        "CUDA_VISIBLE_DEVICES": "0,2,3", "FTMASTER_INJECT_NAN": "1:7",
+        "FTMASTER_HANG_TIMEOUT": "300.0"}  # the default --hang-timeout, for the blocking waits
     supervisor.injector.trained(7)
     assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once, and reached
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]

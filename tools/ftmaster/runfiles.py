@@ -32,6 +32,9 @@ LAUNCHED_AT_ENV = "FTMASTER_LAUNCHED_AT"
 """Unix time ftmaster launched the attempt: where every rank's start-up phases begin."""
 ASSIGNED_AT_ENV = "FTMASTER_ASSIGNED_AT"
 """Unix time a warm worker received its rank: where its own start-up begins."""
+HANG_TIMEOUT_ENV = "FTMASTER_HANG_TIMEOUT"
+"""The supervisor's ``--hang-timeout`` in seconds: a wait in training that blocks its
+heartbeat gives up before it (``megatron/training/async_saves.py``)."""
 TRIGGER_FLAG = "trigger_checkpoint.flag"
 SAVE_NOW_FLAG = "save_now.flag"
 
@@ -39,6 +42,16 @@ SAVE_NOW_FLAG = "save_now.flag"
 def run_dir_from_env() -> Path | None:
     value = os.environ.get(RUN_DIR_ENV)
     return Path(value) if value else None
+
+
+def hang_timeout_from_env() -> float | None:
+    """The supervisor's hang timeout, None without one (or a value that is no positive
+    number: the variable is ftmaster's to set)."""
+    try:
+        seconds = float(os.environ.get(HANG_TIMEOUT_ENV, ""))
+    except ValueError:
+        return None
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def flags_dir(run_dir: Path) -> Path:

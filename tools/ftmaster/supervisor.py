@@ -852,8 +852,7 @@ class Supervisor:
         self.monitor.watch(gpus)
         # Across nodes, warm only when every node of the round starts warm (Round.warm).
         warm = self.starter if self.round is None or self.round.warm else None
-        self.attempt = Attempt(self.run_dir, number, command, gpus,
-                               {**devices.cuda_env(gpus), **self._armed_injections(gpus)},
+        self.attempt = Attempt(self.run_dir, number, command, gpus, self._attempt_env(devices, gpus),
                                world=self.world, starter=warm)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
@@ -881,6 +880,12 @@ class Supervisor:
         if number == 1 and self.round is not None and self.round.number == 1:
             return list(plan.command)
         return self._resuming(plan.command)
+
+    def _attempt_env(self, devices, gpus: Sequence[int]) -> dict[str, str]:
+        """The attempt's environment: its GPUs, the faults armed for it, and the hang timeout
+        a wait that blocks training must end before (``async_saves``)."""
+        return {**devices.cuda_env(gpus), **self._armed_injections(gpus),
+                runfiles.HANG_TIMEOUT_ENV: repr(self.config.hang_timeout_s)}
 
     def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
         """The attempt's environment for injected faults on its GPUs: ``nan`` and ``slow`` at
