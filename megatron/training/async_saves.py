@@ -25,9 +25,9 @@ stopped, and the new save starts a fresh one.
 A wait that blocks training (that one, and the end of training) writes no heartbeat, so under
 ftmaster it has a shorter limit too: the supervisor takes a rank that shows no new iteration
 and writes no checkpoint file for ``--hang-timeout`` for hung, and relaunches. Once such a
-wait has lasted half of that and the oldest save's folder has had no write for as long, the
-save is given up as at its deadline (agreed alike), and training goes on or ends with the
-saves behind it. A slow save that still writes is waited for, as the supervisor does.
+wait has lasted three quarters of that and the oldest save's folder has had no write for as
+long, the save is given up as at its deadline (agreed alike), and training goes on or ends
+with the saves behind it. A slow save that still writes is waited for, as the supervisor does.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ CHECK_EVERY = 10
 """The deadline is agreed at every 10th look while a save is in flight (an all-reduce, 0.2 ms
 on CPU gloo: per iteration it would double megatron-core's own check's cost)."""
 
-BLOCKED_SHARE_OF_HANG = 0.5
+BLOCKED_SHARE_OF_HANG = 0.75
 """The share of the supervisor's ``--hang-timeout`` a blocking wait lasts, with the oldest
 save's writers writing nothing, before that save is given up: the rest is left for the saves
-behind it and for training's next heartbeat."""
+behind it and for training's next heartbeat. Not less: a writer's last ``fsync`` changes no
+file's time either, and the supervisor waits the whole timeout for it."""
 
 Abandon = Callable[[object, str], None]
 """Told every save given up, with the reason (on every rank)."""
@@ -176,9 +177,9 @@ class AsyncSaves:
                     f"stopped answering?): stopped")
         if idle:
             return (f"training waited for its writers, which wrote nothing for {idle:.1f} s, "
-                    f"half of ftmaster's --hang-timeout of {self._hang_timeout_s:g} s (a file "
-                    f"system that stopped answering?): stopped before the wait was taken for "
-                    f"a hang")
+                    f"{BLOCKED_SHARE_OF_HANG:.0%} of ftmaster's --hang-timeout of "
+                    f"{self._hang_timeout_s:g} s (a file system that stopped answering?): "
+                    f"stopped before the wait was taken for a hang")
         return None
 
     def _idle_while_blocked(self, oldest: _InFlight | None, blocked_since: float | None) -> float:

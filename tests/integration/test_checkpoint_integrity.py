@@ -279,13 +279,13 @@ def test_under_ftmaster_the_end_of_training_gives_up_an_idle_writer_before_the_h
     """The end of training waits for every async save, without a heartbeat. With rank 0's
     writer of iteration 4 stopped and the default deadline (600 s), the supervisor would take
     the wait for a hang at its ``--hang-timeout`` (handed over as ``FTMASTER_HANG_TIMEOUT``)
-    and relaunch. Once the wait has lasted half of it with nothing written, save 4 is given up
+    and relaunch. Once the wait has lasted 3/4 of it with nothing written, save 4 is given up
     instead, and training ends with the save behind it complete."""
     save, run_dir = tmp_path / "save", tmp_path / "run"
     result = train(2, save, 6, "--async-save", run_dir=run_dir, FTMASTER_INJECT_STALL="0:4",
                    FTMASTER_HANG_TIMEOUT="4")
     assert result.returncode == 0, result.stdout[-3000:]
     (failed,) = events(run_dir, "save_failed")
-    assert failed["iteration"] == 4 and "half of ftmaster's --hang-timeout of 4 s" in failed["reason"]
+    assert failed["iteration"] == 4 and "75% of ftmaster's --hang-timeout of 4 s" in failed["reason"]
     assert [e["iteration"] for e in events(run_dir, "periodic_save")] == [2, 6]
     assert read_tracker(save) == 6 and list_iterations(save) == [6, 2]
