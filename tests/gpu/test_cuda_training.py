@@ -82,18 +82,22 @@ def test_async_save_is_complete_and_resumes(tmp_path):
 
 
 @needs_gpus(1)
-def test_a_stuck_persistent_writer_is_given_up_and_a_fresh_one_saves_on(tmp_path):
+@pytest.mark.parametrize("limit, env, reason", [
+    (["--async-save-timeout", "5"], {}, "past the async save deadline of 5 s"),
+    ([], {"FTMASTER_HANG_TIMEOUT": "8"}, "75% of ftmaster's --hang-timeout of 8 s")])
+def test_a_stuck_persistent_writer_is_given_up_and_a_fresh_one_saves_on(tmp_path, limit, env, reason):
     """On CUDA the async writer is one persistent worker, stopped here at the save of
     iteration 3 (as on a file system that stopped answering). The save of 6 waits for it as
-    megatron-core's worker makes it wait, but only until ``--async-save-timeout``: the save
-    of 3 fails, and a fresh worker writes 6."""
+    megatron-core's worker makes it wait, without a heartbeat, but only until
+    ``--async-save-timeout`` or, under ftmaster, most of its hang timeout: the save of 3
+    fails, and a fresh worker writes 6."""
     save, run_dir = tmp_path / "save", tmp_path / "run"
     result = run_trainer(1, [*BF16_LLAMA, *layout_args(1, 1), "--save", str(save),
-                             "--save-interval", "3", "--async-save", "--async-save-timeout", "5"],
-                         FTMASTER_RUN_DIR=str(run_dir), FTMASTER_INJECT_STALL="0:3")
+                             "--save-interval", "3", "--async-save", *limit],
+                         FTMASTER_RUN_DIR=str(run_dir), FTMASTER_INJECT_STALL="0:3", **env)
     assert result.returncode == 0, result.stdout[-3000:]
     (failed,) = events(run_dir, "save_failed")
-    assert failed["iteration"] == 3 and "past the async save deadline of 5 s" in failed["reason"]
+    assert failed["iteration"] == 3 and reason in failed["reason"]
     assert read_tracker(save) == 6 and list_iterations(save) == [6]
 
 
