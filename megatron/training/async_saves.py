@@ -28,10 +28,17 @@ and writes no checkpoint file for ``--hang-timeout`` for hung, and relaunches. O
 wait has lasted three quarters of that and the oldest save's folder has had no write for as
 long, the save is given up as at its deadline (agreed alike), and training goes on or ends
 with the saves behind it. A slow save that still writes is waited for, as the supervisor does.
+Only each node's first rank looks at the folder (its file system's metadata server would
+otherwise answer every rank), at most every few seconds and off the training thread (on a
+file system that stopped answering a look may never return: no answer counts as no write),
+and the save is given up only when no node's look saw a write (a node-local ``--save`` holds
+each node's own files).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -56,10 +63,46 @@ save's writers writing nothing, before that save is given up: the rest is left f
 behind it and for training's next heartbeat. Not less: a writer's last ``fsync`` changes no
 file's time either, and the supervisor waits the whole timeout for it."""
 
+LOOK_EVERY_S = 5.0
+"""Least time between two looks at a save's folder during a long blocking wait."""
+LOOK_WAIT_S = 2.0
+"""How long a look may take before its answer counts as unknown (no write seen)."""
+
 Abandon = Callable[[object, str], None]
 """Told every save given up, with the reason (on every rank)."""
 WrittenAt = Callable[[object], float | None]
 """When a save's folder last had a file written (unix time), None when unknown."""
+
+
+class _FolderLooks:
+    """When a save's folder last had a file written, looked at in a daemon thread (never
+    two at once, and at most every ``LOOK_EVERY_S``), so that a look stuck on a file system
+    holds up neither training nor the deadline's agreement for more than ``LOOK_WAIT_S``."""
+
+    def __init__(self, written_at: "WrittenAt") -> None:
+        self._written_at = written_at
+        self._looking: threading.Thread | None = None
+        self._looked_at = -math.inf
+        self._answer: tuple[object, float | None] | None = None
+
+    def last_write(self, save) -> float | None:
+        """Unix time of the folder's last write; None when unknown (unreadable, or no
+        answer in time)."""
+        if self._looking is None and time.perf_counter() - self._looked_at >= LOOK_EVERY_S:
+            self._looked_at = time.perf_counter()
+            self._looking = threading.Thread(target=self._look, args=(save,), daemon=True,
+                                             name="async-save-folder-look")
+            self._looking.start()
+        if self._looking is not None:
+            self._looking.join(LOOK_WAIT_S)
+            if self._looking.is_alive():
+                return None
+            self._looking = None
+        answer = self._answer
+        return answer[1] if answer is not None and answer[0] is save else None
+
+    def _look(self, save) -> None:
+        self._answer = (save, self._written_at(save))
 
 
 @dataclass
@@ -78,17 +121,18 @@ class AsyncSaves:
 
     def __init__(self, queue: AsyncCallsQueue, group, timeout_s: float | None,
                  abandon: Abandon, rank_bytes: int = 0, hang_timeout_s: float | None = None,
-                 written_at: WrittenAt = lambda save: None) -> None:
+                 written_at: WrittenAt | None = None) -> None:
         """``rank_bytes``: about what this rank writes at each save; the deadline takes the
         largest rank's (one all-reduce here), so that every rank tells the same deadline.
         ``hang_timeout_s``: the supervisor's, when one watches this rank; ``written_at`` tells
-        how recently a save's writers wrote (read only once a blocking wait is long)."""
+        how recently a save's writers wrote, given on the node's first rank only (looked at
+        only once a blocking wait is long)."""
         self.queue = queue
         self._group = group
         self._timeout_s = timeout_s
         self._abandon = abandon
         self._hang_timeout_s = hang_timeout_s
-        self._written_at = written_at
+        self._looks_at_folders = _FolderLooks(written_at) if written_at is not None else None
         largest = torch.tensor([float(rank_bytes)], dtype=torch.float64)
         torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group)
         self._rank_bytes = largest.item()
@@ -164,11 +208,13 @@ class AsyncSaves:
         oldest = self._in_flight[0] if self._in_flight else None
         age = time.perf_counter() - max(oldest.started, self._head_since) if oldest else 0.0
         deadline = self.deadline_s()
+        # Idle goes in negated: the maximum of -idle is the least idle any node's look saw.
         found = torch.tensor([age if age > deadline else 0.0, float(self._worker_died()),
-                              deadline, self._idle_while_blocked(oldest, blocked_since)],
-                             dtype=torch.float64)
+                              deadline, -self._idle_while_blocked(oldest, blocked_since),
+                              self._hang_timeout_s or 0.0], dtype=torch.float64)
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        late, died, deadline, idle = found.tolist()  # every rank tells the same
+        late, died, deadline, least_idle, hang_timeout = found.tolist()  # every rank's the same
+        idle = -least_idle if math.isfinite(least_idle) else 0.0  # -inf: no rank looked
         if died:
             return "its writer process died (the OOM killer?) before it finished: stopped"
         if late:
@@ -178,21 +224,24 @@ class AsyncSaves:
         if idle:
             return (f"training waited for its writers, which wrote nothing for {idle:.1f} s, "
                     f"{BLOCKED_SHARE_OF_HANG:.0%} of ftmaster's --hang-timeout of "
-                    f"{self._hang_timeout_s:g} s (a file system that stopped answering?): "
+                    f"{hang_timeout:g} s (a file system that stopped answering?): "
                     f"stopped before the wait was taken for a hang")
         return None
 
     def _idle_while_blocked(self, oldest: _InFlight | None, blocked_since: float | None) -> float:
-        """How long the oldest save's writers have written nothing, when that and the
-        blocking wait both reach their share of the hang timeout; else 0. The folder is
-        looked at only then: on a hung file system the look may hang as well."""
+        """How long the oldest save's writers have written nothing as this node sees it,
+        when that and the blocking wait both reach their share of the hang timeout, else 0;
+        infinite on a rank that does not look (every look is some node's first rank's). The
+        folder is looked at only then."""
+        if self._looks_at_folders is None:
+            return math.inf
         if oldest is None or blocked_since is None or self._hang_timeout_s is None:
             return 0.0
         limit = BLOCKED_SHARE_OF_HANG * self._hang_timeout_s
         waited = time.perf_counter() - blocked_since
         if waited < limit:
             return 0.0
-        written = self._written_at(oldest.save)
+        written = self._looks_at_folders.last_write(oldest.save)
         idle = waited if written is None else min(waited, time.time() - written)
         return idle if idle >= limit else 0.0
 

@@ -113,7 +113,7 @@ from ftmaster.runfiles import atomic_write_bytes, atomic_write_text
 
 from . import checksums, conversions, optimizer_from_distributed, startup
 from .async_saves import AsyncSaves
-from .console import error_line, log_rank0
+from .console import error_line, local_rank, log_rank0
 from .dcp_metadata import MetadataBytes
 from .memory_slots import MemorySlots
 from .records import DiskRecords
@@ -865,7 +865,8 @@ class Checkpointer:
                                        CHECKPOINT_BYTES_PER_PARAMETER * sum(
                                            p.numel() for module in model.modules
                                            for p in module.parameters()),
-                                       runfiles.hang_timeout_from_env(), _folder_written_at)
+                                       runfiles.hang_timeout_from_env(),
+                                       _folder_written_at if local_rank() == 0 else None)
                             if args.async_save else None)
         self.janitor = Janitor()
         self.memory_dir = (Path(args.non_persistent_global_ckpt_dir)

@@ -12,6 +12,16 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def local_rank() -> int:
+    """This process's GPU on its node: torchrun's ``LOCAL_RANK``, else ``SLURM_LOCALID`` (one
+    process per GPU started by ``srun`` itself), else 0 (a single process)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def log_rank0(message: str) -> None:
     if _rank() == 0:
         print(message, flush=True)
@@ -34,7 +44,7 @@ def error_line(line: str) -> None:
 def error_once_per_node(message: str) -> None:
     """An error every rank found alike: said once on each node (by its local rank 0), since
     each node's ftmaster reads only its own ranks' output."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if local_rank() == 0:
         error(message)
 
 

@@ -32,7 +32,7 @@ from .checkpointing import (
     checkpoint_args,
     prune_emergency_checkpoints,
 )
-from .console import format_iteration_line, log_last_rank, log_rank0
+from .console import format_iteration_line, local_rank, log_last_rank, log_rank0
 from .data import BatchPrefetcher, MicroBatches, build_datasets
 from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
                     transformer_config, uses_distributed_optimizer, uses_transformer_engine)
@@ -50,16 +50,6 @@ class FinalSaveFailed(Exception):
 
 
 # ---- initialisation -----------------------------------------------------------------------
-def local_rank() -> int:
-    """This process's GPU on its node: torchrun's ``LOCAL_RANK``, else ``SLURM_LOCALID`` (one
-    process per GPU started by ``srun`` itself), else 0 (a single process)."""
-    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
 def distributed_timeout(args) -> datetime.timedelta:
     return datetime.timedelta(minutes=args.distributed_timeout_minutes)
 

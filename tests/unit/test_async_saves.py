@@ -1,6 +1,7 @@
 """The async save deadline: how long a writer is given, and which save is given up, over a
 fake queue and clock (the stuck writer itself: test_checkpoint_integrity.py)."""
 
+import threading
 from collections import deque
 from types import SimpleNamespace
 
@@ -208,6 +209,31 @@ def test_idle_writers_wait_for_the_deadline_unless_a_supervised_wait_blocks_trai
     assert given_up == (["A"] if blocking else [])
     if blocking:
         assert waiting_clock.now >= 600.0 and "async save deadline of 600 s" in queue.reasons[0]
+
+
+def test_a_look_at_the_folder_that_never_answers_counts_as_no_write(waiting_clock, monkeypatch):
+    """On a file system that stopped answering, a stat may never return: the look runs off
+    the training thread, and its silence is no write, so the wait still ends."""
+    monkeypatch.setattr(async_saves, "LOOK_WAIT_S", 0.01)
+    answered = threading.Event()
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue, hang_timeout_s=300.0,
+                                 written_at=lambda save: answered.wait() and waiting_clock.now)
+    saves.start("A", "A")
+    saves.finalize(blocking=True)
+    answered.set()
+    assert given_up == ["A"] and 225.0 <= waiting_clock.now < 226.0
+
+
+def test_a_rank_that_does_not_look_gives_nothing_up_on_its_own(waiting_clock):
+    """Only each node's first rank looks (written_at given); the others put in no idle time,
+    and with no look at all nothing is given up before the deadline."""
+    queue = FakeQueue()
+    saves, given_up = saves_over(queue, hang_timeout_s=300.0)
+    saves.start("A", "A")
+    waiting_clock.at[400.0] = lambda: queue.done.add("A")
+    saves.finalize(blocking=True)
+    assert given_up == [] and waiting_clock.now >= 400.0
 
 
 @pytest.mark.parametrize("value, seconds", [
