@@ -38,7 +38,6 @@ each node's own files).
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,6 +45,8 @@ from typing import Callable
 
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from ftmaster.monitor.backends.bounded import CallTimeout, Worker
 
 DEADLINE_FLOOR_S = 600.0
 DEADLINE_FACTOR = 10.0
@@ -75,34 +76,30 @@ WrittenAt = Callable[[object], float | None]
 
 
 class _FolderLooks:
-    """When a save's folder last had a file written, looked at in a daemon thread (never
-    two at once, and at most every ``LOOK_EVERY_S``), so that a look stuck on a file system
-    holds up neither training nor the deadline's agreement for more than ``LOOK_WAIT_S``."""
+    """When a save's folder last had a file written, looked at on a daemon worker (a look
+    stuck on a file system holds up neither training nor the deadline's agreement for more
+    than ``LOOK_WAIT_S``, and no second look queues behind it), at most every
+    ``LOOK_EVERY_S``."""
 
     def __init__(self, written_at: "WrittenAt") -> None:
         self._written_at = written_at
-        self._looking: threading.Thread | None = None
+        self._worker = Worker("async-save-folder-look")
         self._looked_at = -math.inf
         self._answer: tuple[object, float | None] | None = None
 
     def last_write(self, save) -> float | None:
         """Unix time of the folder's last write; None when unknown (unreadable, or no
         answer in time)."""
-        if self._looking is None and time.perf_counter() - self._looked_at >= LOOK_EVERY_S:
-            self._looked_at = time.perf_counter()
-            self._looking = threading.Thread(target=self._look, args=(save,), daemon=True,
-                                             name="async-save-folder-look")
-            self._looking.start()
-        if self._looking is not None:
-            self._looking.join(LOOK_WAIT_S)
-            if self._looking.is_alive():
-                return None
-            self._looking = None
         answer = self._answer
-        return answer[1] if answer is not None and answer[0] is save else None
-
-    def _look(self, save) -> None:
-        self._answer = (save, self._written_at(save))
+        if answer is not None and answer[0] is save and \
+                time.perf_counter() - self._looked_at < LOOK_EVERY_S:
+            return answer[1]
+        self._looked_at = time.perf_counter()
+        try:
+            self._answer = (save, self._worker.call(LOOK_WAIT_S, self._written_at, save))
+        except CallTimeout:
+            self._answer = None
+        return None if self._answer is None else self._answer[1]
 
 
 @dataclass

@@ -806,3 +806,29 @@ def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_no
     assert mark_whole(memory, 8) and mark_replicated(memory, 8)
     memory_tier_supervisor(tmp_path, memory, tmp_path / "ckpt", scratch=False)
     assert 8 not in kept_memory_checkpoints(memory)
+
+
+def test_a_look_at_a_save_folder_that_never_answers_counts_as_no_write(tmp_path, monkeypatch):
+    """An idle attempt is hung unless a checkpoint file is being written; on a --save that
+    stopped answering the look never returns, and it must not hold up the supervisor (which
+    could then neither relaunch nor give up): no answer is no write."""
+    import threading
+    import time
+
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    answered = threading.Event()
+    monkeypatch.setattr(supervisor_module, "CHECKPOINT_LOOK_S", 0.05)
+    monkeypatch.setattr(supervisor_module, "last_checkpoint_write",
+                        lambda folder: answered.wait() and time.time())
+    command = (*MODEL, "--save", str(tmp_path / "save"))
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    started = time.monotonic()
+    assert supervisor._seconds_since_checkpoint_write() is None
+    assert supervisor._seconds_since_checkpoint_write() is None  # no second look queued
+    assert time.monotonic() - started < 1.0
+    answered.set()

@@ -81,6 +81,7 @@ from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
 from ftmaster.metrics import Observer
+from ftmaster.monitor.backends.bounded import CallTimeout, Worker
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
@@ -118,6 +119,9 @@ EVIDENCE_TIMEOUT_S = 5.0
 PEER_FAILURE_GRACE_S = 2.0
 SHARED_CAUSES = ("usage", "nonfinite")
 SCALE_UP_POLICIES = ("now", "at-save")
+CHECKPOINT_LOOK_S = 5.0
+"""How long a look at the checkpoint folders (is an idle attempt still writing a save?) may
+take before it counts as no write: on a file system that stopped answering it never returns."""
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -342,6 +346,7 @@ class Supervisor:
         self._last_persist_start = time.monotonic()
         self.progress: Progress | None = None
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
+        self._checkpoint_looks = Worker("ftmaster-checkpoint-look")
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
@@ -692,10 +697,17 @@ class Supervisor:
         return idle > limit and is_hung(idle, limit, self._seconds_since_checkpoint_write())
 
     def _seconds_since_checkpoint_write(self) -> float | None:
+        """None when no checkpoint file is known to be written: none yet, or a look that got
+        no answer within ``CHECKPOINT_LOOK_S`` (a ``--save`` that stopped answering must not
+        hold up the supervisor, which then takes the idle attempt for hung)."""
         save = flag_value(self.config.command[1:], "--save")
         folders = ([Path(save)] if save is not None else []) + (
             [self.tiers.memory] if self.tiers is not None else [])
-        written = [t for t in map(last_checkpoint_write, folders) if t is not None]
+        try:
+            written = [t for t in self._checkpoint_looks.call(
+                CHECKPOINT_LOOK_S, lambda: list(map(last_checkpoint_write, folders))) if t is not None]
+        except CallTimeout:
+            return None
         return time.time() - max(written) if written else None
 
     # -- the memory tier ------------------------------------------------------------------------
