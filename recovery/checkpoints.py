@@ -102,6 +102,14 @@ def list_iterations(save_dir: Path) -> list[int]:
     return sorted((int(match.group(1)) for match in found if match), reverse=True)
 
 
+def folder_written_at(folder: Path) -> float:
+    """When ``folder`` or one of its entries last changed (unix time); raises OSError when it
+    cannot be read, or changes while it is read (a save renaming its files): the caller
+    decides what an unknown time means."""
+    folder = Path(folder)
+    return max(entry.stat().st_mtime for entry in (folder, *folder.iterdir()))
+
+
 def is_complete(folder: Path) -> bool:
     """Whether the save that wrote ``folder`` finished (its manifest is written last)."""
     return (Path(folder) / MANIFEST_NAME).is_file()

@@ -89,6 +89,7 @@ from ftmaster.recovery.checkpoints import (
     advance_tracker,
     checkpoint_problem,
     find_loadable_checkpoint,
+    folder_written_at,
     holds_checkpoints,
     iteration_dir,
     list_iterations,
@@ -831,9 +832,10 @@ class _Save:
 
 
 def _folder_written_at(save: _Save) -> float | None:
-    """When a file of the save's folder (or the folder) last changed; None when unreadable."""
+    """When a file of the save's folder (or the folder) last changed; None when unreadable
+    (no write seen: a stuck save's file system must not keep it waiting)."""
     try:
-        return max(entry.stat().st_mtime for entry in (save.path, *save.path.iterdir()))
+        return folder_written_at(save.path)
     except OSError:
         return None
 

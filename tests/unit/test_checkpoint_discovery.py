@@ -2,6 +2,7 @@
 files, manifests and checksums."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from ftmaster.recovery.checkpoints import (
     Candidates,
     checkpoint_problem,
     find_loadable_checkpoint,
+    folder_written_at,
     holds_checkpoints,
     iteration_dir,
     loading_candidates,
@@ -123,6 +125,19 @@ def test_a_tracker_alone_or_a_complete_folder_alone_holds_checkpoints(tmp_path):
     assert not holds_checkpoints(tmp_path)
     write_manifest(iteration_dir(tmp_path, 3), "emergency", 3, {})
     assert holds_checkpoints(tmp_path)
+
+
+def test_a_folder_was_written_when_its_newest_entry_was_and_an_unreadable_one_raises(tmp_path):
+    """Each caller decides what an unknown time means (the trainer: no write; the
+    supervisor: written now), so the helper itself never guesses."""
+    folder = tmp_path / "iter_0000004"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    os.utime(folder / "__0_0.distcp", (3000.0, 3000.0))
+    os.utime(folder, (1000.0, 1000.0))
+    assert folder_written_at(folder) == 3000.0
+    with pytest.raises(OSError):
+        folder_written_at(tmp_path / "iter_0000005")
 
 
 def test_tracker_pointing_at_deleted_folder_reports_it(save_dir):

@@ -627,6 +627,21 @@ def test_last_checkpoint_write_is_the_newest_file_of_the_newest_checkpoint(tmp_p
     assert last_checkpoint_write(tmp_path) == 2500.0
 
 
+def test_a_checkpoint_folder_that_cannot_be_read_counts_as_written_now(tmp_path, monkeypatch):
+    """The supervisor's side of "unknown": a save renaming its files, or a file system
+    returning errors, must not make a saving rank look hung."""
+    import ftmaster.supervisor as supervisor_module
+
+    (tmp_path / "iter_0000006").mkdir()
+
+    def unreadable(folder):
+        raise FileNotFoundError(folder)
+
+    monkeypatch.setattr(supervisor_module, "folder_written_at", unreadable)
+    before = time.time()
+    assert before <= last_checkpoint_write(tmp_path) <= time.time()
+
+
 def test_replica_recovery_across_nodes_needs_ftmasters_node_local_folders(tmp_path):
     """Each node's survivors dump into its own memory folder, from which the merge gathers
     them: a memory folder given for every node is refused, in one line."""

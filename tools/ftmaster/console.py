@@ -9,6 +9,7 @@ anything; the supervisor reads the same events for its bookkeeping.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -162,7 +163,7 @@ class Progress:
         the heartbeat between two progress lines: across nodes the last rank, which logs the
         iterations, may run on another node."""
         if self.step_ms:
-            return statistics.median(list(self.step_ms)[-20:]) / 1000
+            return statistics.median(itertools.islice(reversed(self.step_ms), 20)) / 1000
         return self._heartbeat_pace
 
     def took(self, step_ms: float) -> None:

@@ -86,9 +86,9 @@ from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
-from ftmaster.recovery.checkpoints import (holds_checkpoints, iteration_dir, list_iterations,
-                                           newest_held, read_save_kind, read_tracker,
-                                           unmark_peer_copies)
+from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
+                                           list_iterations, newest_held, read_save_kind,
+                                           read_tracker, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -1375,8 +1375,7 @@ def last_checkpoint_write(save_dir: Path) -> float | None:
     newest = list_iterations(save_dir)[:1]
     if not newest:
         return None
-    folder = iteration_dir(save_dir, newest[0])
     try:
-        return max(entry.stat().st_mtime for entry in (folder, *folder.iterdir()))
+        return folder_written_at(iteration_dir(save_dir, newest[0]))
     except OSError:
         return time.time()
