@@ -10,7 +10,7 @@ import subprocess
 import matplotlib.pyplot as plt
 import pytest
 
-from ftmaster.incident import human
+from ftmaster.incident import human, job_gpus
 from ftmaster.monitor.daemon import MetricsWriter
 from ftmaster.monitor.sample import GpuSample
 from helpers.synth_run import T0
@@ -57,6 +57,30 @@ def test_every_failure_with_its_rto_rpo_and_plots_and_goodput(page):
     assert path.read_text().count("data:image/png;base64,") == 1 + 2 * len(report["failures"])
     assert "attempt 3: TP1 x PP1 x DP2" in body and "<h2>Goodput</h2>" in body
     assert "this run: <b>" in body and "periodic-only" in body
+
+
+def _launch(node, gpus):
+    return {"event": "launch", "node": node, "gpus": gpus}
+
+
+def _round_plan(node, number, used):
+    return {"event": "plan", "node": node, "round": number, "num_gpus_used": used}
+
+
+@pytest.mark.parametrize("events, gpus", [
+    ([], 1),
+    ([{"event": "launch", "gpus": [0, 1, 2, 3]}, {"event": "launch", "gpus": [0, 2, 3]}], 4),
+    # node 1 fails, standby node 2 takes its place: 8 GPUs, not 12
+    ([_round_plan(0, 1, 8), _launch(0, [0, 1, 2, 3]), _round_plan(1, 1, 8),
+      _launch(1, [0, 1, 2, 3]), _round_plan(0, 2, 8), _launch(0, [0, 1, 2, 3]),
+      _round_plan(2, 2, 8), _launch(2, [0, 1, 2, 3])], 8),
+    # the job shrank after a failure: the model takes the job at its largest
+    ([_round_plan(0, 1, 8), _round_plan(1, 1, 8), _round_plan(0, 2, 6), _round_plan(1, 2, 6)], 8),
+    # no round plans (recorded before they were written): each node's largest launch, added up
+    ([_launch(0, [0, 1]), _launch(1, [0, 1]), _launch(1, [0])], 4),
+])
+def test_the_modelled_goodput_counts_the_jobs_gpus_once(events, gpus):
+    assert job_gpus(events) == gpus
 
 
 def test_no_number_on_the_page_is_unrounded(page):

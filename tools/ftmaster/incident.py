@@ -291,6 +291,21 @@ def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
             "useful_s": useful, "iterations": max(done), "iteration_s": measured["iteration_s"]}
 
 
+def job_gpus(events: list[dict]) -> int:
+    """The job's GPUs, for the model: across nodes the most that any round's plan ran (a
+    standby node that replaced a failed one is not counted on top of it); otherwise each
+    node's largest launch, added up."""
+    planned = [e["num_gpus_used"] for e in events if e["event"] == "plan" and "round" in e
+               and isinstance(e.get("num_gpus_used"), int)]
+    if planned:
+        return max(planned)
+    per_node: dict = {}
+    for launch in (e for e in events if e["event"] == "launch"):
+        node = launch.get("node")
+        per_node[node] = max(per_node.get(node, 0), len(launch.get("gpus") or []))
+    return sum(per_node.values()) or 1
+
+
 def _goodput(run_dir: Path, events: list[dict]) -> str:
     measured = goodput_cli.measure(run_dir)
     seen = observed_goodput(measured, events)
@@ -302,11 +317,7 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
                      f"iterations at {human(seen['iteration_s'], 's')} each, "
                      f"{human(seen['useful_s'], 's')} of {human(seen['wall_s'], 's')} from the "
                      f"first launch (start-up included)</p>\n")
-    per_node: dict = {}  # the job's GPUs: each node's most, added up
-    for launch in (e for e in events if e["event"] == "launch"):
-        node = launch.get("node")
-        per_node[node] = max(per_node.get(node, 0), len(launch.get("gpus") or []))
-    gpus = sum(per_node.values()) or 1
+    gpus = job_gpus(events)
     try:
         x = goodput_cli.model_inputs({"gpus": max(1, gpus)}, measured)
     except ValueError as error:
