@@ -2,7 +2,8 @@
 # Every CUDA and NVML check ftmaster has, in one command, for a GPU owner:
 #   tests/gpu: bf16 save and resume, the distributed optimizer and its resharded checkpoint
 #   (TP2xPP2 -> TP1xPP1 and DP3 on 4 GPUs, TP2 -> DP2 on 2), overlapped gradient reduce and
-#   parameter gather, --no-load-optim keeping bf16 weights, the asynchronous save, a CPU
+#   parameter gather, --no-load-optim keeping bf16 weights, the asynchronous save (a stuck
+#   persistent writer given up at its deadline, or under ftmaster before its hang timeout), a CPU
 #   checkpoint resumed on a GPU, an XID-free health read, NVML against nvidia-smi (GPUs,
 #   UUIDs, memory), ftmaster launch relaunching a killed rank on GPUs named by UUID, the same
 #   relaunch on warm workers (neither ftmaster nor a waiting worker loads libcuda), and
