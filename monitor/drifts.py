@@ -11,7 +11,10 @@ one:
 
 - over the window it rises (toward the limit) by at least ``min_slope`` of the limit's scale
   per minute and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
-  trend);
+  trend); or by ``min_t`` only, when its second half alone rises by ``min_slope`` (and
+  ``late_min_t`` of that fit's errors) and the GPU's level has left its own usual level, the
+  median of the ``excursion_lookback_s`` before the window (a drift that began within the
+  window);
 - its second half rises too, and not clearly slower than its first (below ``steady`` times
   its pace by more than ``settle_sigmas`` standard errors): a step that settles (a
   first-order approach to a new level) slows down, a drift does not (it keeps its pace or
@@ -56,6 +59,20 @@ class DriftConfig:
     """Least rise per minute over the window, as a share of the limit (0.22 C/min at 87 C)."""
     min_t: float = 4.5
     """Least slope over the window, in standard errors of its fit."""
+    late_min_t: float = 4.5
+    """A trend slower than ``min_slope`` over the window still counts when its second half
+    alone rises by ``min_slope`` and by this many standard errors of that half's fit, and the
+    GPU has left its usual level (``excursion_*``): a drift that began within the window (its
+    first half flat or falling) is as real as one that fills it. 0: no such trend."""
+    excursion_lookback_s: float = 2400.0
+    """Loaded time before the window whose median is the GPU's usual level (of its part
+    against its peers), for ``late_min_t``; it must be covered by ``min_coverage``."""
+    excursion_sigmas: float = 2.5
+    """The window's end level (its fit's) must stand above that usual level, toward the
+    limit, by this many standard deviations of the look-back (its noise and wander)..."""
+    excursion_share: float = 0.4
+    """...and by this share of the distance to the limit it started from (the rise plus the
+    distance left)."""
     steady: float = 0.75
     """The second half's slope over the first's, at least: below, the rise is settling."""
     settle_sigmas: float = 2.0
@@ -104,6 +121,12 @@ class DriftConfig:
                              f"negative, got {self.load_settle_s} s and {self.rebound_tolerance_c} C")
         if not self.horizon_s[0] > self.horizon_s[1] >= 0:
             raise ValueError(f"the drift horizon must fall from start to full, got {self.horizon_s}")
+        if self.late_min_t < 0 or self.excursion_lookback_s <= 0 or self.excursion_sigmas < 0 \
+                or not 0 <= self.excursion_share < 1:
+            raise ValueError("the second half's t and the excursion's sigmas must not be negative, "
+                             "its look-back must be positive and its share in [0, 1), got "
+                             f"{self.late_min_t}, {self.excursion_sigmas}, "
+                             f"{self.excursion_lookback_s} s and {self.excursion_share}")
         if not 0 < self.clock_floor < 1:
             raise ValueError(f"the clock floor must be a share in (0, 1), got {self.clock_floor}")
 
@@ -123,11 +146,14 @@ def _fit(times: Sequence[float], values: Sequence[float]) -> tuple[float, float]
 
 
 def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
-              cfg: DriftConfig, rising: bool = True) -> float | None:
+              cfg: DriftConfig, rising: bool = True,
+              before: tuple[Sequence[float], Sequence[float]] | None = None) -> float | None:
     """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
     else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
     signal); None when there is no trend toward it, or it is past the limit already (the
-    level detectors' business). ``scale``: the limit's magnitude, for ``min_slope``."""
+    level detectors' business). ``scale``: the limit's magnitude, for ``min_slope``.
+    ``before``: the (times, values) of the ``excursion_lookback_s`` before the window, for
+    ``late_min_t`` (none: no excursion is known, and only the whole window's slope counts)."""
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
@@ -142,8 +168,11 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     whole, early, late = (toward * slope for slope, _ in fits)
     noise = (fits[1][1] ** 2 + fits[2][1] ** 2) ** 0.5
     settling = late < cfg.steady * early and early - late > cfg.settle_sigmas * noise
-    if (whole < cfg.min_slope * abs(scale) / 60.0 or whole < cfg.min_t * fits[0][1]
-            or late <= 0 or settling):
+    floor = cfg.min_slope * abs(scale) / 60.0
+    slow = whole < floor and not (
+        cfg.late_min_t > 0 and late >= floor and late >= cfg.late_min_t * fits[2][1]
+        and _excursion(before, times, values, fits[0][0], distance, toward, cfg))
+    if slow or whole < cfg.min_t * fits[0][1] or late <= 0 or settling:
         return None
     late = max(late, whole)
     # Constant acceleration from the first half's slope to the second's (half a window apart).
@@ -151,6 +180,28 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     if acceleration <= 0:
         return abs(distance) / late
     return (-late + (late * late + 2 * acceleration * abs(distance)) ** 0.5) / acceleration
+
+
+def _excursion(past: tuple[Sequence[float], Sequence[float]] | None, times: Sequence[float],
+               values: Sequence[float], slope: float, distance: float, toward: float,
+               cfg: DriftConfig) -> bool:
+    """Whether the window's end level (its fit's) stands above the GPU's own usual level, the
+    median of the look-back ``past`` (which must cover ``min_coverage`` of it), by
+    ``excursion_sigmas`` of that look-back's spread and by ``excursion_share`` of the
+    distance it started from. ``slope``: the window's fitted slope (per second, signed)."""
+    if not past or len(past[1]) < 8 or \
+            past[0][-1] - past[0][0] < cfg.min_coverage * cfg.excursion_lookback_s:
+        return False
+    before = past[1]
+    ordered = sorted(before)
+    n = len(ordered)
+    usual = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+    mean_b = sum(before) / n
+    spread = (sum((v - mean_b) ** 2 for v in before) / (n - 1)) ** 0.5
+    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
+    rise = toward * (mean_v + slope * (times[-1] - mean_t) - usual)
+    return rise > 0 and rise >= cfg.excursion_sigmas * spread and \
+        rise >= cfg.excursion_share * (rise + abs(distance))
 
 
 def drift_severity(seconds_left: float | None, cfg: DriftConfig) -> float:

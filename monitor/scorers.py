@@ -305,15 +305,20 @@ class Window:
 class LoadedWindow:
     """(time, value) points within the last ``span_s`` seconds of loaded time: the minutes a
     checkpoint or an evaluation keeps a GPU idle do not push a drift's earlier points out,
-    and the trend is still fitted against the clock (a drift goes on while the GPU idles)."""
+    and the trend is still fitted against the clock (a drift goes on while the GPU idles).
+    ``before_times``, ``before``: the points of the ``past_s`` of loaded time before those."""
 
-    __slots__ = ("span_s", "times", "values", "_loaded")
+    __slots__ = ("span_s", "past_s", "times", "values", "_loaded", "before_times", "before",
+                 "_before_loaded")
 
-    def __init__(self, span_s: float) -> None:
-        self.span_s = span_s
+    def __init__(self, span_s: float, past_s: float = 0.0) -> None:
+        self.span_s, self.past_s = span_s, past_s
         self.times: deque[float] = deque()
         self.values: deque[float] = deque()
         self._loaded: deque[float] = deque()
+        self.before_times: deque[float] = deque()
+        self.before: deque[float] = deque()
+        self._before_loaded: deque[float] = deque()
 
     def push(self, t: float, value: float, loaded_s: float) -> None:
         """A point at ``t``, when the GPU had been loaded for ``loaded_s`` in all."""
@@ -321,9 +326,17 @@ class LoadedWindow:
         self.values.append(value)
         self._loaded.append(loaded_s)
         while self._loaded[0] < loaded_s - self.span_s:
+            if self.past_s > 0:
+                self.before_times.append(self.times[0])
+                self.before.append(self.values[0])
+                self._before_loaded.append(self._loaded[0])
             self.times.popleft()
             self.values.popleft()
             self._loaded.popleft()
+        while self._before_loaded and self._before_loaded[0] < loaded_s - self.span_s - self.past_s:
+            self.before_times.popleft()
+            self.before.popleft()
+            self._before_loaded.popleft()
 
 
 @dataclass
@@ -351,7 +364,8 @@ def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
               (track.drift_power, s.power_draw, s.power_limit, True),
               (track.drift_clock, s.sm_clock,
                None if usual_clock is None else cfg.clock_floor * usual_clock, False))
-    left = [time_left(window.times, window.values, limit - now, limit, cfg, rising)
+    left = [time_left(window.times, window.values, limit - now, limit, cfg, rising,
+                      (window.before_times, window.before))
             for window, now, limit, rising in limits
             if limit is not None and now is not None and window.times]
     known = [seconds for seconds in left if seconds is not None]
@@ -452,9 +466,10 @@ class _Track:
         self.throttle = Window(cfg.throttle_window_s)
         self.collapse = Window(cfg.collapse_window_s)
         self.sbe_events: deque[tuple[float, int]] = deque()
-        self.drift_temp = LoadedWindow(cfg.drift.window_s)  # under settled load only
-        self.drift_power = LoadedWindow(cfg.drift.window_s)
-        self.drift_clock = LoadedWindow(cfg.drift.window_s)
+        past = cfg.drift.excursion_lookback_s
+        self.drift_temp = LoadedWindow(cfg.drift.window_s, past)  # under settled load only
+        self.drift_power = LoadedWindow(cfg.drift.window_s, past)
+        self.drift_clock = LoadedWindow(cfg.drift.window_s, past)
         self.clock_baseline: float | None = None  # own loaded clock, frozen while drifting
         self.drift_held = Persistence()
         self.drift_peers = PeerCount()  # how many peers the drift windows are relative to
@@ -568,8 +583,9 @@ class AdaptiveScorer:
         the peers change (a GPU lost or back), their median jumps: the trends start afresh."""
         cfg = self.config
         if track.drift_peers.changed(s.timestamp, peers.count, cfg.drift.peers_changed_s):
+            past = cfg.drift.excursion_lookback_s
             track.drift_temp, track.drift_power, track.drift_clock = (
-                LoadedWindow(cfg.drift.window_s) for _ in range(3))
+                LoadedWindow(cfg.drift.window_s, past) for _ in range(3))
         loaded_for = _loaded_for(track, s.timestamp)
         relative = self._drift_relative(peers)
         if relative and peers.loaded - 1 < cfg.drift.min_peers:

@@ -194,3 +194,29 @@ def test_a_trend_held_before_a_checkpoint_dip_counts_again_a_few_fits_after_it()
     cfg = scorer.config.drift
     assert confirmed_at is not None
     assert cfg.load_settle_s <= confirmed_at < cfg.load_settle_s + cfg.persist_s
+
+
+def test_a_drift_that_began_within_the_window_counts_once_the_gpu_left_its_usual_level():
+    """Flat-to-falling for half the window, then 0.36 C a minute: over the whole window the
+    slope is under ``min_slope``, its second half well over. It counts only for a GPU whose
+    level now stands clear of where it usually ran (the look-back before the window); a GPU
+    that has run this hot all along merely wanders."""
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0)
+    values = [(-0.0015 * t if t < 300 else -0.45 + 0.006 * (t - 300)) + wiggle(i)
+              for i, t in enumerate(TIMES)]
+    past_times = [10.0 * i - 1200.0 for i in range(120)]
+    usual = (past_times, [wiggle(i) for i in range(120)])
+    as_hot = (past_times, [1.2 + wiggle(i) for i in range(120)])
+    assert time_left(TIMES, values, 1.0, 87.0, cfg, before=usual) is not None
+    assert time_left(TIMES, values, 1.0, 87.0, cfg) is None  # no look-back: no excursion known
+    assert time_left(TIMES, values, 1.0, 87.0, cfg, before=as_hot) is None
+    off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, late_min_t=0.0)
+    assert time_left(TIMES, values, 1.0, 87.0, off, before=usual) is None  # that path off
+
+
+def test_the_points_before_the_drift_window_are_kept_for_its_look_back():
+    window = LoadedWindow(600.0, past_s=300.0)
+    for i in range(100):  # 1000 s loaded
+        window.push(10.0 * i, float(i), loaded_s=10.0 * i)
+    assert window.times[0] == 390.0 and list(window.before) == [float(i) for i in range(9, 39)]
+    assert list(window.before_times) == [10.0 * i for i in range(9, 39)]
