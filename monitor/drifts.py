@@ -37,6 +37,7 @@ Pure functions of the points and a :class:`DriftConfig`.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -192,15 +193,9 @@ def _excursion(past: tuple[Sequence[float], Sequence[float]] | None, times: Sequ
     if not past or len(past[1]) < 8 or \
             past[0][-1] - past[0][0] < cfg.min_coverage * cfg.excursion_lookback_s:
         return False
-    before = past[1]
-    ordered = sorted(before)
-    n = len(ordered)
-    usual = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
-    mean_b = sum(before) / n
-    spread = (sum((v - mean_b) ** 2 for v in before) / (n - 1)) ** 0.5
-    mean_t, mean_v = sum(times) / len(times), sum(values) / len(values)
-    rise = toward * (mean_v + slope * (times[-1] - mean_t) - usual)
-    return rise > 0 and rise >= cfg.excursion_sigmas * spread and \
+    end_level = statistics.fmean(values) + slope * (times[-1] - statistics.fmean(times))
+    rise = toward * (end_level - statistics.median(past[1]))
+    return rise > 0 and rise >= cfg.excursion_sigmas * statistics.stdev(past[1]) and \
         rise >= cfg.excursion_share * (rise + abs(distance))
 
 
