@@ -27,7 +27,10 @@ the fits from before it count once load is back.
 
 The time left is then the time the GPU takes to cover its distance to the limit at the
 second half's slope, speeding up as it did from the first half to the second (a drift that
-accelerates gets there sooner than its slope says), and
+accelerates gets there sooner than its slope says). Once the GPU has left its usual level,
+that slope takes in ``peer_rise`` of its peers' own rise too: the distance is its whole
+signal's, which a warming fleet lifts with the rest (a healthy GPU in a warm-up, at its
+usual level against its peers, keeps its own part's slope). And
 :func:`drift_severity` ramps from 0 at ``horizon_s[0]`` left to 1 at ``horizon_s[1]``: with
 the defaults a drift alerts with about 10 minutes left by its estimate, a quarter or more of
 a 20-30 minute drift's span. The estimate runs long for a drift that accelerates (its first
@@ -74,6 +77,13 @@ class DriftConfig:
     excursion_share: float = 0.4
     """...and by this share of the distance to the limit it started from (the rise plus the
     distance left)."""
+    peer_rise: float = 1.0
+    """Share of the peers' own rise toward the limit (their median's slope over the second
+    half, when it rises) added to the GPU's slope for its time left: the trend is the GPU's
+    part against its peers, but the distance is its whole signal's, which rises with theirs
+    too (a fleet warming). Only once the GPU has left its usual level (``excursion_*``): in
+    a warm-up a healthy hot GPU's own part wanders up too. Only the estimate: whether there
+    is a trend stays the GPU's own part's business. 0: the GPU's part alone."""
     steady: float = 0.75
     """The second half's slope over the first's, at least: below, the rise is settling."""
     settle_sigmas: float = 2.0
@@ -128,6 +138,8 @@ class DriftConfig:
                              "its look-back must be positive and its share in [0, 1), got "
                              f"{self.late_min_t}, {self.excursion_sigmas}, "
                              f"{self.excursion_lookback_s} s and {self.excursion_share}")
+        if not 0 <= self.peer_rise <= 1:
+            raise ValueError(f"the peers' rise share must be in [0, 1], got {self.peer_rise}")
         if not 0 < self.clock_floor < 1:
             raise ValueError(f"the clock floor must be a share in (0, 1), got {self.clock_floor}")
 
@@ -148,13 +160,17 @@ def _fit(times: Sequence[float], values: Sequence[float]) -> tuple[float, float]
 
 def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
               cfg: DriftConfig, rising: bool = True,
-              before: tuple[Sequence[float], Sequence[float]] | None = None) -> float | None:
+              before: tuple[Sequence[float], Sequence[float]] | None = None,
+              peers: Sequence[float] | None = None) -> float | None:
     """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
     else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
     signal); None when there is no trend toward it, or it is past the limit already (the
     level detectors' business). ``scale``: the limit's magnitude, for ``min_slope``.
     ``before``: the (times, values) of the ``excursion_lookback_s`` before the window, for
-    ``late_min_t`` (none: no excursion is known, and only the whole window's slope counts)."""
+    ``late_min_t`` (none: no excursion is known, and only the whole window's slope counts).
+    ``peers``: the peers' median at each of ``times``, whose rise over the second half adds
+    ``peer_rise`` of itself to the slope the distance is covered at, once the GPU has left
+    its usual level (``before``)."""
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
@@ -178,6 +194,12 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     late = max(late, whole)
     # Constant acceleration from the first half's slope to the second's (half a window apart).
     acceleration = max(0.0, (late - early) / ((times[-1] - times[0]) / 2))
+    if peers is not None and cfg.peer_rise > 0 and len(peers) == len(times) and \
+            _excursion(before, times, values, fits[0][0], distance, toward, cfg):
+        theirs = _fit([t for t in times if t >= middle],
+                      [v for t, v in zip(times, peers) if t >= middle])
+        if theirs is not None:
+            late += cfg.peer_rise * max(0.0, toward * theirs[0])
     if acceleration <= 0:
         return abs(distance) / late
     return (-late + (late * late + 2 * acceleration * abs(distance)) ** 0.5) / acceleration

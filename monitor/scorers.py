@@ -306,24 +306,28 @@ class LoadedWindow:
     """(time, value) points within the last ``span_s`` seconds of loaded time: the minutes a
     checkpoint or an evaluation keeps a GPU idle do not push a drift's earlier points out,
     and the trend is still fitted against the clock (a drift goes on while the GPU idles).
-    ``before_times``, ``before``: the points of the ``past_s`` of loaded time before those."""
+    ``before_times``, ``before``: the points of the ``past_s`` of loaded time before those.
+    ``peers``: the peers' median at each of ``times`` (0 with none)."""
 
-    __slots__ = ("span_s", "past_s", "times", "values", "_loaded", "before_times", "before",
-                 "_before_loaded")
+    __slots__ = ("span_s", "past_s", "times", "values", "peers", "_loaded", "before_times",
+                 "before", "_before_loaded")
 
     def __init__(self, span_s: float, past_s: float = 0.0) -> None:
         self.span_s, self.past_s = span_s, past_s
         self.times: deque[float] = deque()
         self.values: deque[float] = deque()
+        self.peers: deque[float] = deque()
         self._loaded: deque[float] = deque()
         self.before_times: deque[float] = deque()
         self.before: deque[float] = deque()
         self._before_loaded: deque[float] = deque()
 
-    def push(self, t: float, value: float, loaded_s: float) -> None:
-        """A point at ``t``, when the GPU had been loaded for ``loaded_s`` in all."""
+    def push(self, t: float, value: float, loaded_s: float, peer: float = 0.0) -> None:
+        """A point at ``t``, when the GPU had been loaded for ``loaded_s`` in all; ``peer``:
+        its peers' median then."""
         self.times.append(t)
         self.values.append(value)
+        self.peers.append(peer)
         self._loaded.append(loaded_s)
         while self._loaded[0] < loaded_s - self.span_s:
             if self.past_s > 0:
@@ -332,6 +336,7 @@ class LoadedWindow:
                 self._before_loaded.append(self._loaded[0])
             self.times.popleft()
             self.values.popleft()
+            self.peers.popleft()
             self._loaded.popleft()
         while self._before_loaded and self._before_loaded[0] < loaded_s - self.span_s - self.past_s:
             self.before_times.popleft()
@@ -365,7 +370,7 @@ def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
               (track.drift_clock, s.sm_clock,
                None if usual_clock is None else cfg.clock_floor * usual_clock, False))
     left = [time_left(window.times, window.values, limit - now, limit, cfg, rising,
-                      (window.before_times, window.before))
+                      (window.before_times, window.before), window.peers)
             for window, now, limit, rising in limits
             if limit is not None and now is not None and window.times]
     known = [seconds for seconds in left if seconds is not None]
@@ -596,8 +601,8 @@ class AdaptiveScorer:
                 (track.drift_power, s.power_draw, peers.power, loaded_for >= cfg.drift.load_settle_s),
                 (track.drift_clock, s.sm_clock, peers.clock, loaded_for >= cfg.drift.load_settle_s)):
             if value is not None and settled:
-                own = value - (peer.get(s.gpu_id) or 0.0) if relative else value
-                window.push(s.timestamp, own, track.loaded_s)
+                theirs = (peer.get(s.gpu_id) or 0.0) if relative else 0.0
+                window.push(s.timestamp, value - theirs, track.loaded_s, theirs)
 
     def _drift_relative(self, peers: "Peers") -> bool:
         """Whether the drift trends are taken against the peers' median (enough peers)."""

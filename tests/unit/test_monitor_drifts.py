@@ -220,3 +220,34 @@ def test_the_points_before_the_drift_window_are_kept_for_its_look_back():
         window.push(10.0 * i, float(i), loaded_s=10.0 * i)
     assert window.times[0] == 390.0 and list(window.before) == [float(i) for i in range(9, 39)]
     assert list(window.before_times) == [10.0 * i for i in range(9, 39)]
+
+
+def test_the_peers_own_rise_shortens_the_time_left_once_the_gpu_left_its_usual_level():
+    """The trend is the GPU's part against its peers, the distance its whole signal's: in a
+    fleet that warms, its signal rises by its peers' rise too. That counts only for a GPU that
+    left its usual level: a healthy GPU in a warm-up keeps its own estimate."""
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0)
+    values = [0.01 * t + wiggle(i) for i, t in enumerate(TIMES)]  # 0.6 C a minute
+    warming = [60.0 + 0.005 * t for t in TIMES]  # the peers: 0.3 C a minute
+    past_times = [10.0 * i - 1200.0 for i in range(120)]
+    usual = (past_times, [wiggle(i) for i in range(120)])
+    as_high = (past_times, [5.5 + wiggle(i) for i in range(120)])
+    own = time_left(TIMES, values, 6.0, 87.0, cfg, before=usual)
+    assert own == pytest.approx(600.0, rel=0.1)
+    assert time_left(TIMES, values, 6.0, 87.0, cfg, before=usual, peers=warming) == \
+        pytest.approx(400.0, rel=0.1)
+    assert time_left(TIMES, values, 6.0, 87.0, cfg, before=as_high, peers=warming) == own
+    assert time_left(TIMES, values, 6.0, 87.0, cfg, peers=warming) == own  # no look-back
+    cooling = [60.0 - 0.005 * t for t in TIMES]
+    assert time_left(TIMES, values, 6.0, 87.0, cfg, before=usual, peers=cooling) == own
+    off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, peer_rise=0.0)
+    assert time_left(TIMES, values, 6.0, 87.0, off, before=usual, peers=warming) == own
+    with pytest.raises(ValueError):
+        DriftConfig(peer_rise=1.5)
+
+
+def test_the_drift_window_keeps_the_peers_median_beside_each_point():
+    window = LoadedWindow(600.0)
+    for i in range(100):
+        window.push(10.0 * i, float(i), loaded_s=10.0 * i, peer=2.0 * i)
+    assert list(window.peers) == [2.0 * v for v in window.values]
