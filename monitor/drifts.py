@@ -28,9 +28,10 @@ the fits from before it count once load is back.
 The time left is then the time the GPU takes to cover its distance to the limit at the
 second half's slope, speeding up as it did from the first half to the second (a drift that
 accelerates gets there sooner than its slope says). Once the GPU has left its usual level,
-that slope takes in ``peer_rise`` of its peers' own rise too: the distance is its whole
-signal's, which a warming fleet lifts with the rest (a healthy GPU in a warm-up, at its
-usual level against its peers, keeps its own part's slope). And
+that slope is carried to the window's end at that acceleration (``slope_lead``: a fit's
+slope is its middle's) and takes in ``peer_rise`` of its peers' own rise too: the distance
+is its whole signal's, which a warming fleet lifts with the rest (a healthy GPU in a
+warm-up, at its usual level against its peers, keeps its own part's slope). And
 :func:`drift_severity` ramps from 0 at ``horizon_s[0]`` left to 1 at ``horizon_s[1]``: with
 the defaults a drift alerts with about 10 minutes left by its estimate, a quarter or more of
 a 20-30 minute drift's span. The estimate runs long for a drift that accelerates (its first
@@ -84,6 +85,12 @@ class DriftConfig:
     too (a fleet warming). Only once the GPU has left its usual level (``excursion_*``): in
     a warm-up a healthy hot GPU's own part wanders up too. Only the estimate: whether there
     is a trend stays the GPU's own part's business. 0: the GPU's part alone."""
+    slope_lead: float = 0.25
+    """How far past the second half's middle, in windows, its slope is carried at the
+    acceleration from the first half's: a fit's slope is that of its middle, so 0.25 gives
+    the slope at the window's end, where the distance is measured from. Only once the GPU
+    has left its usual level (``excursion_*``): a healthy GPU's part in a warm-up speeds up
+    now and then too. 0: the second half's slope as it is."""
     steady: float = 0.75
     """The second half's slope over the first's, at least: below, the rise is settling."""
     settle_sigmas: float = 2.0
@@ -138,6 +145,8 @@ class DriftConfig:
                              "its look-back must be positive and its share in [0, 1), got "
                              f"{self.late_min_t}, {self.excursion_sigmas}, "
                              f"{self.excursion_lookback_s} s and {self.excursion_share}")
+        if not 0 <= self.slope_lead <= 0.25:
+            raise ValueError(f"the slope's lead must be in [0, 0.25] windows, got {self.slope_lead}")
         if not 0 <= self.peer_rise <= 1:
             raise ValueError(f"the peers' rise share must be in [0, 1], got {self.peer_rise}")
         if not 0 < self.clock_floor < 1:
@@ -194,8 +203,10 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     late = max(late, whole)
     # Constant acceleration from the first half's slope to the second's (half a window apart).
     acceleration = max(0.0, (late - early) / ((times[-1] - times[0]) / 2))
-    if peers is not None and cfg.peer_rise > 0 and len(peers) == len(times) and \
-            _excursion(before, times, values, fits[0][0], distance, toward, cfg):
+    left_usual = _excursion(before, times, values, fits[0][0], distance, toward, cfg)
+    if left_usual:
+        late += acceleration * cfg.slope_lead * (times[-1] - times[0])
+    if peers is not None and cfg.peer_rise > 0 and len(peers) == len(times) and left_usual:
         theirs = _fit([t for t in times if t >= middle],
                       [v for t, v in zip(times, peers) if t >= middle])
         if theirs is not None:

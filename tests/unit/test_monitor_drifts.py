@@ -226,7 +226,7 @@ def test_the_peers_own_rise_shortens_the_time_left_once_the_gpu_left_its_usual_l
     """The trend is the GPU's part against its peers, the distance its whole signal's: in a
     fleet that warms, its signal rises by its peers' rise too. That counts only for a GPU that
     left its usual level: a healthy GPU in a warm-up keeps its own estimate."""
-    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0)
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, slope_lead=0.0)
     values = [0.01 * t + wiggle(i) for i, t in enumerate(TIMES)]  # 0.6 C a minute
     warming = [60.0 + 0.005 * t for t in TIMES]  # the peers: 0.3 C a minute
     past_times = [10.0 * i - 1200.0 for i in range(120)]
@@ -240,7 +240,8 @@ def test_the_peers_own_rise_shortens_the_time_left_once_the_gpu_left_its_usual_l
     assert time_left(TIMES, values, 6.0, 87.0, cfg, peers=warming) == own  # no look-back
     cooling = [60.0 - 0.005 * t for t in TIMES]
     assert time_left(TIMES, values, 6.0, 87.0, cfg, before=usual, peers=cooling) == own
-    off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, peer_rise=0.0)
+    off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, peer_rise=0.0,
+                      slope_lead=0.0)
     assert time_left(TIMES, values, 6.0, 87.0, off, before=usual, peers=warming) == own
     with pytest.raises(ValueError):
         DriftConfig(peer_rise=1.5)
@@ -251,3 +252,20 @@ def test_the_drift_window_keeps_the_peers_median_beside_each_point():
     for i in range(100):
         window.push(10.0 * i, float(i), loaded_s=10.0 * i, peer=2.0 * i)
     assert list(window.peers) == [2.0 * v for v in window.values]
+
+
+def test_an_accelerating_drift_is_timed_at_its_slope_at_the_windows_end_once_it_left_its_level():
+    """A fit's slope is that of its middle: a drift that speeds up is faster at the window's
+    end, where its distance is measured from, by a quarter-window of its acceleration. That
+    lead counts only for a GPU that left its usual level (a warm-up's wander accelerates too)."""
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0)
+    values = [(t / 600) ** 2 * 6 + wiggle(i) for i, t in enumerate(TIMES)]
+    past_times = [10.0 * i - 1200.0 for i in range(120)]
+    usual = (past_times, [wiggle(i) for i in range(120)])
+    led = time_left(TIMES, values, 6.0, 87.0, cfg, before=usual)
+    unled = time_left(TIMES, values, 6.0, 87.0, cfg)  # no look-back: no excursion known
+    off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, slope_lead=0.0)
+    assert led is not None and unled is not None and led < 0.9 * unled
+    assert time_left(TIMES, values, 6.0, 87.0, off, before=usual) == unled
+    with pytest.raises(ValueError):
+        DriftConfig(slope_lead=0.3)
