@@ -194,16 +194,18 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     whole, early, late = (toward * slope for slope, _ in fits)
     noise = (fits[1][1] ** 2 + fits[2][1] ** 2) ** 0.5
     settling = late < cfg.steady * early and early - late > cfg.settle_sigmas * noise
+    if whole < cfg.min_t * fits[0][1] or late <= 0 or settling:
+        return None
     floor = cfg.min_slope * abs(scale) / 60.0
-    slow = whole < floor and not (
-        cfg.late_min_t > 0 and late >= floor and late >= cfg.late_min_t * fits[2][1]
-        and _excursion(before, times, values, fits[0][0], distance, toward, cfg))
-    if slow or whole < cfg.min_t * fits[0][1] or late <= 0 or settling:
+    late_trend = cfg.late_min_t > 0 and late >= floor and late >= cfg.late_min_t * fits[2][1]
+    if whole < floor and not late_trend:
+        return None
+    left_usual = _excursion(before, times, values, fits[0][0], distance, toward, cfg)
+    if whole < floor and not left_usual:
         return None
     late = max(late, whole)
     # Constant acceleration from the first half's slope to the second's (half a window apart).
     acceleration = max(0.0, (late - early) / ((times[-1] - times[0]) / 2))
-    left_usual = _excursion(before, times, values, fits[0][0], distance, toward, cfg)
     if left_usual:
         late += acceleration * cfg.slope_lead * (times[-1] - times[0])
     if peers is not None and cfg.peer_rise > 0 and len(peers) == len(times) and left_usual:
