@@ -183,39 +183,85 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
-    middle = times[-1] - (times[-1] - times[0]) / 2
-    first = [(t, v) for t, v in zip(times, values) if t < middle]
-    second = [(t, v) for t, v in zip(times, values) if t >= middle]
     toward = 1.0 if rising else -1.0
-    fits = [_fit(*zip(*part)) if part else None
-            for part in (list(zip(times, values)), first, second)]
-    if None in fits:
-        return None
-    whole, early, late = (toward * slope for slope, _ in fits)
-    noise = (fits[1][1] ** 2 + fits[2][1] ** 2) ** 0.5
-    settling = late < cfg.steady * early and early - late > cfg.settle_sigmas * noise
-    if whole < cfg.min_t * fits[0][1] or late <= 0 or settling:
+    fits = _WindowFits.of(times, values, toward)
+    if fits is None or not fits.rises_unsettled(cfg):
         return None
     floor = cfg.min_slope * abs(scale) / 60.0
-    late_trend = cfg.late_min_t > 0 and late >= floor and late >= cfg.late_min_t * fits[2][1]
-    if whole < floor and not late_trend:
+    if fits.whole < floor and not fits.late_rises(floor, cfg):
         return None
-    left_usual = _excursion(before, times, values, fits[0][0], distance, toward, cfg)
-    if whole < floor and not left_usual:
+    left_usual = _excursion(before, times, values, toward * fits.whole, distance, toward, cfg)
+    if fits.whole < floor and not left_usual:
         return None
-    late = max(late, whole)
-    # Constant acceleration from the first half's slope to the second's (half a window apart).
-    acceleration = max(0.0, (late - early) / ((times[-1] - times[0]) / 2))
-    if left_usual:
-        late += acceleration * cfg.slope_lead * (times[-1] - times[0])
-    if peers is not None and cfg.peer_rise > 0 and len(peers) == len(times) and left_usual:
-        theirs = _fit([t for t in times if t >= middle],
-                      [v for t, v in zip(times, peers) if t >= middle])
-        if theirs is not None:
-            late += cfg.peer_rise * max(0.0, toward * theirs[0])
+    slope, acceleration = fits.closing_pace(peers, left_usual, cfg)
     if acceleration <= 0:
-        return abs(distance) / late
-    return (-late + (late * late + 2 * acceleration * abs(distance)) ** 0.5) / acceleration
+        return abs(distance) / slope
+    return (-slope + (slope * slope + 2 * acceleration * abs(distance)) ** 0.5) / acceleration
+
+
+@dataclass(frozen=True)
+class _WindowFits:
+    """A window's least-squares fits, their slopes per second toward the limit: over the
+    whole window and over each half."""
+
+    times: Sequence[float]
+    toward: float
+    whole: float
+    early: float
+    late: float
+    whole_error: float
+    early_error: float
+    late_error: float
+
+    @classmethod
+    def of(cls, times: Sequence[float], values: Sequence[float], toward: float) -> "_WindowFits | None":
+        middle = cls.middle_of(times)
+        first = [(t, v) for t, v in zip(times, values) if t < middle]
+        second = [(t, v) for t, v in zip(times, values) if t >= middle]
+        fits = [_fit(*zip(*part)) if part else None
+                for part in (list(zip(times, values)), first, second)]
+        if None in fits:
+            return None
+        (whole, whole_error), (early, early_error), (late, late_error) = fits
+        return cls(times, toward, toward * whole, toward * early, toward * late,
+                   whole_error, early_error, late_error)
+
+    @staticmethod
+    def middle_of(times: Sequence[float]) -> float:
+        return times[-1] - (times[-1] - times[0]) / 2
+
+    def rises_unsettled(self, cfg: DriftConfig) -> bool:
+        """Whether the window rises by ``min_t`` of its errors, its second half rises too, and
+        not as a step settles (clearly slower than its first)."""
+        noise = (self.early_error ** 2 + self.late_error ** 2) ** 0.5
+        settling = self.late < cfg.steady * self.early and \
+            self.early - self.late > cfg.settle_sigmas * noise
+        return self.whole >= cfg.min_t * self.whole_error and self.late > 0 and not settling
+
+    def late_rises(self, floor: float, cfg: DriftConfig) -> bool:
+        """Whether the second half alone rises at ``floor``, by ``late_min_t`` of its error."""
+        return cfg.late_min_t > 0 and self.late >= floor and \
+            self.late >= cfg.late_min_t * self.late_error
+
+    def closing_pace(self, peers: Sequence[float] | None, left_usual: bool,
+                     cfg: DriftConfig) -> tuple[float, float]:
+        """The slope the distance is covered at, and its acceleration: constant, from the
+        first half's slope to the second's (half a window apart); once the GPU has left its
+        usual level, carried ``slope_lead`` on and with ``peer_rise`` of the ``peers``'
+        rise over the second half."""
+        span = self.times[-1] - self.times[0]
+        slope = max(self.late, self.whole)
+        acceleration = max(0.0, (slope - self.early) / (span / 2))
+        if not left_usual:
+            return slope, acceleration
+        slope += acceleration * cfg.slope_lead * span
+        if peers is not None and cfg.peer_rise > 0 and len(peers) == len(self.times):
+            middle = self.middle_of(self.times)
+            theirs = _fit([t for t in self.times if t >= middle],
+                          [v for t, v in zip(self.times, peers) if t >= middle])
+            if theirs is not None:
+                slope += cfg.peer_rise * max(0.0, self.toward * theirs[0])
+        return slope, acceleration
 
 
 def _excursion(past: tuple[Sequence[float], Sequence[float]] | None, times: Sequence[float],
