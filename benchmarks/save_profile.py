@@ -37,7 +37,8 @@ STEPS = ("state-dict", "preprocess", "metadata-exchange", "planning", "write", "
 WRITER_KINDS = ("serialisation", "writing", "hashing", "fsync")
 
 
-def saves(hidden: int, count: int, tier: str, root: Path, shm: Path) -> list[dict]:
+def saves(hidden: int, count: int, tier: str, root: Path, shm: Path,
+          extra: list[str]) -> list[dict]:
     save, run_dir = root / f"h{hidden}", root / f"run-h{hidden}"
     if tier == "disk":
         where = ["--save", str(save), "--save-interval", "1"]
@@ -46,7 +47,7 @@ def saves(hidden: int, count: int, tier: str, root: Path, shm: Path) -> list[dic
                  "global", "--non-persistent-global-ckpt-dir", str(shm / f"memory-h{hidden}"),
                  "--non-persistent-save-interval", "1"]
     result = run_trainer(RANKS, model_args(hidden) + SCHEDULE + where
-                         + ["--train-iters", str(count + 1)], timeout=3600,
+                         + ["--train-iters", str(count + 1), *extra], timeout=3600,
                          FTMASTER_RUN_DIR=str(run_dir))
     assert result.returncode == 0, result.stdout[-3000:]
     return [e for e in runfiles.read_events(run_dir)
@@ -71,6 +72,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--tier", choices=("disk", "memory"), default="disk")
+    parser.add_argument("--constant-structure", action="store_true",
+                        help="train with Megatron-LM's --ckpt-assume-constant-structure: no "
+                             "fingerprint of the state's structure, nor its agreement, per save")
     options = parser.parse_args()
     short = {"state-dict": "state", "preprocess": "prep", "metadata-exchange": "exch",
              "planning": "plan", "write": "write", "finalize": "final", "agreement": "agree",
@@ -81,7 +85,8 @@ def main() -> None:
     with (tempfile.TemporaryDirectory(prefix="ftmaster-save-profile-") as tmp,
           tempfile.TemporaryDirectory(prefix="ftmaster-save-profile-", dir=SHM) as shm):
         for hidden in options.hidden:
-            found = saves(hidden, options.saves + 1, options.tier, Path(tmp), Path(shm))
+            extra = ["--ckpt-assume-constant-structure"] if options.constant_structure else []
+            found = saves(hidden, options.saves + 1, options.tier, Path(tmp), Path(shm), extra)
             print(line("first", found[:1]))
             print(line("median", found[1:]), flush=True)
 
