@@ -84,7 +84,8 @@ class DriftConfig:
     part against its peers, but the distance is its whole signal's, which rises with theirs
     too (a fleet warming). Only once the GPU has left its usual level (``excursion_*``): in
     a warm-up a healthy hot GPU's own part wanders up too. Only the estimate: whether there
-    is a trend stays the GPU's own part's business. 0: the GPU's part alone."""
+    is a trend stays the GPU's own part's business. For the clock floor, itself a share of
+    the peers' clock, only the rest of their fall closes the gap. 0: the GPU's part alone."""
     slope_lead: float = 0.25
     """How far past the second half's middle, in windows, its slope is carried at the
     acceleration from the first half's: a fit's slope is that of its middle, so 0.25 gives
@@ -170,7 +171,7 @@ def _fit(times: Sequence[float], values: Sequence[float]) -> tuple[float, float]
 def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
               cfg: DriftConfig, rising: bool = True,
               before: tuple[Sequence[float], Sequence[float]] | None = None,
-              peers: Sequence[float] | None = None) -> float | None:
+              peers: Sequence[float] | None = None, limit_follows: float = 0.0) -> float | None:
     """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
     else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
     signal); None when there is no trend toward it, or it is past the limit already (the
@@ -179,7 +180,9 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     ``late_min_t`` (none: no excursion is known, and only the whole window's slope counts).
     ``peers``: the peers' median at each of ``times``, whose rise over the second half adds
     ``peer_rise`` of itself to the slope the distance is covered at, once the GPU has left
-    its usual level (``before``)."""
+    its usual level (``before``). ``limit_follows``: the share of the peers' level the limit
+    itself moves with (the clock floor, a share of the peers' clock), so that their rise closes
+    the distance by only the rest of it."""
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
@@ -193,7 +196,7 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     left_usual = _excursion(before, times, values, toward * fits.whole, distance, toward, cfg)
     if fits.whole < floor and not left_usual:
         return None
-    slope, acceleration = fits.closing_pace(peers, left_usual, cfg)
+    slope, acceleration = fits.closing_pace(peers, left_usual, cfg, 1.0 - limit_follows)
     if acceleration <= 0:
         return abs(distance) / slope
     return (-slope + (slope * slope + 2 * acceleration * abs(distance)) ** 0.5) / acceleration
@@ -243,12 +246,12 @@ class _WindowFits:
         return cfg.late_min_t > 0 and self.late >= floor and \
             self.late >= cfg.late_min_t * self.late_error
 
-    def closing_pace(self, peers: Sequence[float] | None, left_usual: bool,
-                     cfg: DriftConfig) -> tuple[float, float]:
+    def closing_pace(self, peers: Sequence[float] | None, left_usual: bool, cfg: DriftConfig,
+                     peers_closing: float) -> tuple[float, float]:
         """The slope the distance is covered at, and its acceleration: constant, from the
         first half's slope to the second's (half a window apart); once the GPU has left its
         usual level, carried ``slope_lead`` on and with ``peer_rise`` of the ``peers``'
-        rise over the second half."""
+        rise over the second half, of which ``peers_closing`` closes the distance."""
         span = self.times[-1] - self.times[0]
         slope = max(self.late, self.whole)
         acceleration = max(0.0, (slope - self.early) / (span / 2))
@@ -260,7 +263,7 @@ class _WindowFits:
             theirs = _fit([t for t in self.times if t >= middle],
                           [v for t, v in zip(self.times, peers) if t >= middle])
             if theirs is not None:
-                slope += cfg.peer_rise * max(0.0, self.toward * theirs[0])
+                slope += cfg.peer_rise * peers_closing * max(0.0, self.toward * theirs[0])
         return slope, acceleration
 
 

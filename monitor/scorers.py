@@ -365,13 +365,15 @@ def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
     Temperature only once the GPU is ``warm`` again after a dip: before, its window holds the
     trend from before the dip while the GPU still climbs back to its level."""
     usual_clock = peer_clock if peer_clock is not None else track.clock_baseline
-    limits = ((track.drift_temp, s.temperature if warm else None, cfg.temperature_limit_c, True),
-              (track.drift_power, s.power_draw, s.power_limit, True),
+    # Against its peers the clock floor is a share of their clock, and moves with it.
+    clock_follows = cfg.clock_floor if peer_clock is not None else 0.0
+    limits = ((track.drift_temp, s.temperature if warm else None, cfg.temperature_limit_c, True, 0.0),
+              (track.drift_power, s.power_draw, s.power_limit, True, 0.0),
               (track.drift_clock, s.sm_clock,
-               None if usual_clock is None else cfg.clock_floor * usual_clock, False))
+               None if usual_clock is None else cfg.clock_floor * usual_clock, False, clock_follows))
     left = [time_left(window.times, window.values, limit - now, limit, cfg, rising,
-                      (window.before_times, window.before), window.peers)
-            for window, now, limit, rising in limits
+                      (window.before_times, window.before), window.peers, follows)
+            for window, now, limit, rising, follows in limits
             if limit is not None and now is not None and window.times]
     known = [seconds for seconds in left if seconds is not None]
     return min(known) if known else None

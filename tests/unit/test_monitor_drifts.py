@@ -247,6 +247,23 @@ def test_the_peers_own_rise_shortens_the_time_left_once_the_gpu_left_its_usual_l
         DriftConfig(peer_rise=1.5)
 
 
+def test_a_limit_that_follows_the_peers_is_closed_on_by_only_the_rest_of_their_fall():
+    """The clock floor, taken against the peers, is a share of their clock: when the fleet's
+    clock falls, the floor falls with it, and only the rest of their fall closes the gap."""
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, slope_lead=0.0)
+    values = [-0.1 * t + wiggle(i) for i, t in enumerate(TIMES)]  # its own part: -6 MHz a minute
+    falling = [1400.0 - 0.05 * t for t in TIMES]  # the peers' clock: -3 MHz a minute
+    past_times = [10.0 * i - 1200.0 for i in range(120)]
+    usual = (past_times, [wiggle(i) for i in range(120)])
+
+    def left(**follows):
+        return time_left(TIMES, values, -60.0, 980.0, cfg, False, usual, falling, **follows)
+
+    assert left() == pytest.approx(60.0 / (0.1 + 0.05), rel=0.1)
+    assert left(limit_follows=0.7) == pytest.approx(60.0 / (0.1 + 0.3 * 0.05), rel=0.1)
+    assert left(limit_follows=1.0) == time_left(TIMES, values, -60.0, 980.0, cfg, False, usual)
+
+
 def test_the_drift_window_keeps_the_peers_median_beside_each_point():
     window = LoadedWindow(600.0)
     for i in range(100):
