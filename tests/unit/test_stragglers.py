@@ -107,12 +107,26 @@ def test_the_watch_maps_ranks_to_gpus_and_measures_the_step_before_and_after():
     watch.new_attempt([4, 5, 6, 7], 0)
     found = []
     for it in range(1, 31):  # 1 s per iteration, 2 s once rank 1 slows at 12
-        time_s = it + max(0, it - 12)
+        time_s = it + max(0, it - 11)  # a heartbeat is written as its iteration ends
         found += watch.observe(beat(it, time_s, {it - 1: slow_rows(12, 40)[it - 1]} if it > 1 else None))
     (straggler,) = found
     assert straggler.gpu == 5 and straggler.straggler.since == 12
     assert straggler.healthy_step_s == pytest.approx(1.0)
     assert straggler.step_s == pytest.approx(2.0)
+
+
+def test_the_step_before_the_slowdown_holds_no_slow_iteration():
+    """Resumed at 7, so after the warm-up one healthy step precedes the slowdown at 12: the
+    step that ends at iteration 12's heartbeat is the first slow one, not a healthy one (with
+    it the median read 1.5 s), so there is no healthy measure."""
+    watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
+    watch.new_attempt([0, 1, 2, 3], 0)
+    found, time_s = [], 0.0
+    for it in range(7, 30):
+        time_s += 2.0 if it >= 12 else 1.0
+        found += watch.observe(beat(it, time_s, {it - 1: slow_rows(12, 40)[it - 1]} if it > 7 else None))
+    (straggler,) = found
+    assert straggler.straggler.since == 12 and straggler.healthy_step_s is None
 
 
 def test_a_straggler_on_another_node_is_compared_but_left_to_that_node_to_name():

@@ -101,8 +101,9 @@ class StragglerWatch:
         local = straggler.rank - self.rank_offset
         if not 0 <= local < len(self.gpus):
             return None
+        # A heartbeat is written as its iteration ends: the step up to ``since``'s is slow.
         return Found(self.gpus[local], straggler, self.step_seconds(since=straggler.since),
-                     self.step_seconds(until=straggler.since))
+                     self.step_seconds(until=straggler.since - 1))
 
     def step_seconds(self, since: int | None = None, until: int | None = None,
                      least: int = 2) -> float | None:
