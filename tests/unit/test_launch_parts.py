@@ -175,6 +175,36 @@ def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_sai
     assert kept["gpu"] == 2 and "GPU 1 is slower and weighed first" in kept["reason"]
 
 
+def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(tmp_path):
+    """The job ran 1.0 s/iteration on its 4 GPUs, lost GPU 3, and runs 3; then GPU 1 slows
+    it. The planner's measured step is the original layout's: calibrated on the 3 GPUs' own
+    step instead, the estimate for the 2 GPUs left came out scaled by the wrong layout, and
+    a job slowed to between the two estimates was decided the wrong way."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.recovery.planner import plan_layout
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    three = plan_layout(MODEL, 3, original_world_size=4, measured_step_s=1.0)
+    right, wrong = (plan_layout(MODEL, 2, original_world_size=4, measured_step_s=measured)
+                    .estimated_step_seconds for measured in (1.0, three.estimated_step_seconds))
+    assert wrong != pytest.approx(right)
+    slowed = (right + wrong) / 2
+    supervisor.plan, supervisor.retired, supervisor._original_step_s = three, {3: "lost"}, 1.0
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2))
+    supervisor._straggler_to_drain = Found(1, Straggler(1, 20, 14, 1.8, None, 18.0, 10.0, 18.0),
+                                           slowed, three.estimated_step_seconds)
+    drained = supervisor._drain_straggler() is Trigger.CRITICAL_GPU
+    assert drained is (right < slowed)
+    (decided,) = [e for e in runfiles.read_events(tmp_path)
+                  if e["event"] in ("drain", "straggler_kept")]
+    line = decided["decided_by" if drained else "reason"]
+    assert f"estimates {right:.3f} s/iteration on the 2 GPUs left" in line
+    assert "calibrated on the original layout's 1.000 s/iteration" in line
+
+
 def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):
     """2.53 GiB a GPU: the 4 GPUs fit, 3 do not. Draining one gave the job up."""
     from ftmaster.monitor.daemon import Alert

@@ -168,13 +168,14 @@ def found_with(step_s, healthy=1.0):
 @pytest.mark.parametrize("found, estimate, drain, words", [
     (found_with(2.0), lambda: _Plan(1.33), True, r"^draining GPU 1: the job runs 2.000 s/iteration"
                                                   r".* estimates 1.330 s/iteration on the 3 GPUs"
-                                                  r".*calibrated on 1.000 s/iteration without the"),
+                                                  r".*calibrated on the original layout's "
+                                                  r"1.000 s/iteration without the slowdown$"),
     (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
     (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
      r"the 3 GPUs left cannot run the job \(no layout fits\)"),
 ])
 def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, drain, words):
-    decision = decide_drain(found, 3, estimate)
+    decision = decide_drain(found, 3, estimate, 1.0)
     assert decision.drain is drain
     assert re.search(words, decision.line), decision.line
     assert "\n" not in decision.line

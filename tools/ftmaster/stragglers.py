@@ -138,11 +138,11 @@ class DrainDecision:
     estimated_step_s: float | None = None
 
 
-def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
+def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | None) -> DrainDecision:
     """Whether the job runs faster without ``found``'s GPU, whose step time with it is
-    measured. ``estimate()`` is the planner on the GPUs left, calibrated on
-    :meth:`Found.calibration_s`: a Plan, or ValueError (PlanError) when they cannot run the
-    job."""
+    measured. ``estimate()`` is the planner on the GPUs left, calibrated on ``calibration``,
+    the original layout's step without the slowdown (None: uncalibrated): a Plan, or
+    ValueError (PlanError) when they cannot run the job."""
     gpu, now = found.gpu, found.step_s
     try:
         plan = estimate()
@@ -156,10 +156,10 @@ def decide_drain(found: Found, gpus_left: int, estimate) -> DrainDecision:
         return DrainDecision(False, f"keeping GPU {gpu}: the planner has no step estimate for "
                                     f"the {gpus_left} GPUs left")
     verdict = "draining" if left < now else "keeping"
-    calibration = found.calibration_s()
     return DrainDecision(left < now, (
         f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
         f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
         f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})")
-        + ("" if calibration is None else f", calibrated on {calibration:.3f} s/iteration "
-                                          f"without the slowdown"), left)
+        + (", uncalibrated (no step of the original layout measured)" if calibration is None
+           else f", calibrated on the original layout's {calibration:.3f} s/iteration without "
+                f"the slowdown"), left)

@@ -1037,11 +1037,14 @@ class Supervisor:
             self._straggler_to_drain = found
             return None
         left = [g for g in self.config.gpus if g not in self.retired and g != found.gpu]
-        calibration = found.calibration_s() or self._original_step_s
+        # The planner calibrates on the original layout's step: this attempt's own measure
+        # without the slowdown is that only while the attempt runs the original layout.
+        unslowed = found.calibration_s() if self._on_original_layout() else None
+        calibration = unslowed or self._original_step_s
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus), measured_step_s=calibration,
-            **self._planner_options()))
+            **self._planner_options()), calibration)
         log.warning("straggler: %s", decision.line)
         if not decision.drain:
             self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
@@ -1186,9 +1189,7 @@ class Supervisor:
         """The step time of an attempt on the original layout (median of its logged
         iterations after the first two, or without a straggler drained from it), which
         calibrates the planner's cost model."""
-        original = self.config.first_plan
-        if (self.attempt is None or original is None or self.plan is None
-                or self.plan.as_json() != original.as_json()):
+        if self.attempt is None or not self._on_original_layout():
             return
         if self._unslowed_step_s is not None:  # the drain's decision line and the plan agree
             self._original_step_s = self._unslowed_step_s
@@ -1196,6 +1197,12 @@ class Supervisor:
         steady = self.progress.steady_step_s()
         if steady is not None:
             self._original_step_s = steady
+
+    def _on_original_layout(self) -> bool:
+        """Whether the attempt runs the original layout, whose step calibrates the planner."""
+        original = self.config.first_plan
+        return original is not None and self.plan is not None and \
+            self.plan.as_json() == original.as_json()
 
     def _plan_event(self, available: list[int], **fields) -> None:
         for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
