@@ -165,7 +165,7 @@ def found_with(step_s, healthy=1.0):
     return Found(1, Straggler(1, 13, 8, 2.0, 2.0, 20.0, 10.0), step_s, healthy)
 
 
-@pytest.mark.parametrize("found, estimate, drain, words", [
+@pytest.mark.parametrize("found, estimate, drain, words", [  # calibrated on 1.0 s
     (found_with(2.0), lambda: _Plan(1.33), True, r"^draining GPU 1: the job runs 2.000 s/iteration"
                                                   r".* estimates 1.330 s/iteration on the 3 GPUs"
                                                   r".*calibrated on the original layout's "
@@ -179,6 +179,14 @@ def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, dra
     assert decision.drain is drain
     assert re.search(words, decision.line), decision.line
     assert "\n" not in decision.line
+
+
+def test_an_uncalibrated_cost_model_drains_nothing():
+    """Its seconds are not this host's: 1.33 estimated against 2.0 measured says nothing."""
+    decision = decide_drain(found_with(2.0), 3, lambda: _Plan(1.33), None)
+    assert not decision.drain
+    assert decision.line.startswith("keeping GPU 1: no step of the original layout without the "
+                                    "slowdown is measured"), decision.line
 
 
 def test_one_drain_per_window():

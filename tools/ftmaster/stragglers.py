@@ -141,9 +141,13 @@ class DrainDecision:
 def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | None) -> DrainDecision:
     """Whether the job runs faster without ``found``'s GPU, whose step time with it is
     measured. ``estimate()`` is the planner on the GPUs left, calibrated on ``calibration``,
-    the original layout's step without the slowdown (None: uncalibrated): a Plan, or
-    ValueError (PlanError) when they cannot run the job."""
+    the original layout's step without the slowdown: a Plan, or ValueError (PlanError) when
+    they cannot run the job. Uncalibrated, the model's seconds are not this host's: kept."""
     gpu, now = found.gpu, found.step_s
+    if calibration is None:
+        return DrainDecision(False, f"keeping GPU {gpu}: no step of the original layout "
+                                    f"without the slowdown is measured to calibrate the cost "
+                                    f"model on")
     try:
         plan = estimate()
     except ValueError as error:
@@ -160,6 +164,5 @@ def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | No
         f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
         f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
         f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})")
-        + (", uncalibrated (no step of the original layout measured)" if calibration is None
-           else f", calibrated on the original layout's {calibration:.3f} s/iteration without "
-                f"the slowdown"), left)
+        + f", calibrated on the original layout's {calibration:.3f} s/iteration without the "
+          f"slowdown", left)
