@@ -130,6 +130,10 @@ class StragglerTracker:
             found += self._judge(iteration)
         return found
 
+    def still_slow(self, rank: int) -> bool:
+        """Whether ``rank``, once named, has not been fast for ``iterations`` in a row since."""
+        return rank in self._reported
+
     def _history(self) -> dict[int, list[float]]:
         history: dict[int, list[float]] = {}
         for ranks in self._figures.values():

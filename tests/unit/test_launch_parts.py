@@ -175,6 +175,17 @@ def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_sai
     assert kept["gpu"] == 2 and "GPU 1 is slower and weighed first" in kept["reason"]
 
 
+def name_slow_rank(watch, gpus, rank, until=20):
+    """Heartbeats in which ``rank`` computes 2x its peers from iteration 5: the watch's
+    tracker names it (and holds it named while it stays slow)."""
+    watch.new_attempt(gpus, 0)
+    for it in range(1, until):
+        ms = [20.0 if r == rank and it - 1 >= 5 else 10.0 for r in range(len(gpus))]
+        watch.observe({"iteration": it, "time": float(it),
+                       "compute": {"stages": [0] * len(gpus), "ms": {str(it - 1): ms}}})
+    assert watch.tracker.still_slow(rank)
+
+
 def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(tmp_path):
     """The job ran 1.0 s/iteration on its 4 GPUs, lost GPU 3, and runs 3; then GPU 1 slows
     it. The planner's measured step is the original layout's: calibrated on the 3 GPUs' own
@@ -194,6 +205,8 @@ def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(
     slowed = (right + wrong) / 2
     supervisor.plan, supervisor.retired, supervisor._original_step_s = three, {3: "lost"}, 1.0
     supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2))
+    name_slow_rank(supervisor.stragglers, (0, 1, 2), 1)
+    supervisor.stragglers.remeasured = lambda found: found  # the step is the table's
     supervisor._straggler_to_drain = Found(1, Straggler(1, 20, 14, 1.8, None, 18.0, 10.0, 18.0),
                                            slowed, three.estimated_step_seconds)
     drained = supervisor._drain_straggler() is Trigger.CRITICAL_GPU
@@ -203,6 +216,52 @@ def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(
     line = decided["decided_by" if drained else "reason"]
     assert f"estimates {right:.3f} s/iteration on the 2 GPUs left" in line
     assert "calibrated on the original layout's 1.000 s/iteration" in line
+
+
+def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_path):
+    """Kept while a drain is recent (said once), weighed when the window ends if still slow;
+    before, it was kept for the rest of the attempt however slow it stayed."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True,
+                              straggler_drain_window_s=600.0)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    name_slow_rank(supervisor.stragglers, (0, 1, 2, 3), 2)
+    supervisor.stragglers.drained(time.time(), 1.0)  # a drain a moment ago
+    found = Found(2, Straggler(2, 12, 5, 2.0, None, 20.0, 10.0, 20.0), 2.0, 1.0)
+    supervisor._straggler_to_drain = found
+    assert supervisor._drain_straggler() is None and supervisor._drain_straggler() is None
+    kept = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"]
+    assert len(kept) == 1 and "weighed again once that is over" in kept[0]["reason"]
+    assert supervisor._straggler_to_drain is found
+    supervisor.stragglers.drained(time.time() - 601.0, 1.0)  # the window is over
+    supervisor._drain_straggler()
+    said = [e for e in runfiles.read_events(tmp_path) if e["event"] in ("drain", "straggler_kept")]
+    assert len(said) == 2  # the window's, then the cost model's decision
+    assert "the cost model estimates" in (said[1].get("decided_by") or said[1]["reason"])
+
+
+def test_a_straggler_fast_again_before_it_is_weighed_is_let_go(tmp_path):
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    watch = supervisor.stragglers
+    name_slow_rank(watch, (0, 1, 2, 3), 2)
+    for it in range(20, 40):  # fast again
+        watch.observe({"iteration": it, "time": float(it),
+                       "compute": {"stages": [0] * 4, "ms": {str(it - 1): [10.0] * 4}}})
+    assert not watch.tracker.still_slow(2)
+    supervisor._straggler_to_drain = Found(2, Straggler(2, 12, 5, 2.0, None, 20.0, 10.0, 20.0),
+                                           2.0, 1.0)
+    assert supervisor._drain_straggler() is None and supervisor._straggler_to_drain is None
+    assert not [e for e in runfiles.read_events(tmp_path) if e["event"] in ("drain", "straggler_kept")]
 
 
 def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):

@@ -318,6 +318,8 @@ class Supervisor:
         self.stragglers = StragglerWatch(config.stragglers, config.drain_stragglers,
                                          config.straggler_drain_window_s)
         self._straggler_to_drain: Found | None = None
+        self._straggler_waiting: Found | None = None
+        """The straggler kept for the drain window, to be weighed once it is over."""
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self._drain_step_s: float | None = None  # a straggler's: the job's step with it
         self._unslowed_step_s: float | None = None
@@ -868,7 +870,8 @@ class Supervisor:
                                world=self.world, starter=warm)
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
-        self._straggler_to_drain = None  # found on the last attempt's figures: weighed no more
+        # Found on the last attempt's figures: weighed no more.
+        self._straggler_to_drain = self._straggler_waiting = None
         self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -1028,9 +1031,15 @@ class Supervisor:
             self._keep_straggler(found.gpu, f"no restart left (--max-restarts "
                                             f"{self.config.max_restarts})")
             return None
+        if not self.stragglers.tracker.still_slow(found.straggler.rank):
+            return None  # fast again since it was named: a new slowdown names it anew
         if not self.stragglers.drain_allowed(now):
-            self._keep_straggler(found.gpu, f"a straggler was drained less than "
-                                            f"{self.config.straggler_drain_window_s:g} s ago")
+            if found is not self._straggler_waiting:  # said once; weighed when the window ends
+                self._straggler_waiting = found
+                self._keep_straggler(found.gpu, f"a straggler was drained less than "
+                                                f"{self.config.straggler_drain_window_s:g} s ago; "
+                                                f"weighed again once that is over, if still slow")
+            self._straggler_to_drain = found
             return None
         found = self.stragglers.remeasured(found)
         if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
