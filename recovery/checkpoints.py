@@ -93,6 +93,18 @@ def read_tracker(save_dir: Path) -> int | None:
     return read_tracker_state(save_dir).iteration
 
 
+def newest_on_disk(save_dir: Path) -> int | None:
+    """The newest checkpoint a load would take from ``save_dir``: the tracker's, or without a
+    usable one the newest complete folder's (:func:`loading_candidates`)."""
+    tracked = read_tracker(save_dir)
+    return tracked if tracked is not None else _newest_complete(save_dir)
+
+
+def _newest_complete(save_dir: Path) -> int | None:
+    return next((it for it in list_iterations(save_dir) if is_complete(iteration_dir(save_dir, it))),
+                None)
+
+
 def list_iterations(save_dir: Path) -> list[int]:
     """Iterations with an ``iter_XXXXXXX`` folder, newest first."""
     save_dir = Path(save_dir)

@@ -95,6 +95,26 @@ def test_the_disk_tracker_never_moves_backwards(tmp_path):
     assert read_tracker(disk) == 10 and list_iterations(disk) == [10, 8]
 
 
+@pytest.mark.parametrize("tracker", [None, "garbage\n"])
+def test_without_a_usable_disk_tracker_a_persist_never_hides_a_newer_complete_folder(tmp_path, tracker):
+    """A load then takes the newest complete folder: an older memory copy is not wanted, and
+    a tracker naming it would have hidden the newer one."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(disk, 10, kind="periodic")
+    if tracker is None:
+        tracker_path(disk).unlink()
+    else:
+        tracker_path(disk).write_text(tracker)
+    fake_checkpoint(memory, 8)
+    assert not Persister(memory, disk).needs_copy(8)
+    persist(memory, disk, 8)  # as a copy started before the folder appeared would
+    assert tier_candidates(disk, None).candidates[0].iteration == 10
+    assert read_tracker(disk) is None
+    fake_checkpoint(memory, 12)
+    persist(memory, disk, 12)
+    assert read_tracker(disk) == 12
+
+
 def test_a_memory_copy_set_aside_during_the_copy_is_not_put_in_place(tmp_path):
     """A resume that discarded the memory copy's timeline sets it aside holding the disk
     tier's lock (as the trainer's Checkpointer does across both tiers); the copy then finds

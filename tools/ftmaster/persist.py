@@ -31,8 +31,8 @@ from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.lock import run_dir_in_use
 from ftmaster.runfiles import atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
-                                           advance_tracker, advance_tracker_locked, is_complete,
-                                           iteration_dir, list_iterations, newest_held, pin,
+                                           advance_tracker_locked, is_complete, iteration_dir,
+                                           list_iterations, newest_held, newest_on_disk, pin,
                                            read_tracker, tracker_lock, unpin)
 from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
@@ -175,7 +175,7 @@ def _owner(folder: Path) -> dict | None:
 
 def _take_over(folder: Path, save_dir: Path, resumes: bool, say: Callable[[str], None]) -> int:
     """1 when ``folder`` was removed, else 0."""
-    newest, disk = newest_held(folder), read_tracker(save_dir)
+    newest, disk = newest_held(folder), newest_on_disk(save_dir)
     if newest is not None and (disk is None or newest > disk):
         if not resumes:
             say(f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
@@ -236,7 +236,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     the one kept beside them). Raises PersistError (the disk tier unchanged)."""
     source, target = iteration_dir(memory_dir, iteration), iteration_dir(save_dir, iteration)
     if is_complete(target):  # a copy killed after its rename, or the trainer's own save
-        advance_tracker(save_dir, iteration)
+        with tracker_lock(save_dir):
+            _advance_disk_tracker_locked(save_dir, iteration)
         return None
     manifest_name = known_manifest_name(source) if fetch is not None else MANIFEST_NAME
     manifest = read_manifest(source, manifest_name) if manifest_name else None
@@ -287,7 +288,14 @@ def _move_into_place(source: Path, partial: Path, target: Path) -> None:
             raise PersistError(f"{target} appeared while the copy was made")
         os.rename(partial, target)
         fsync_path(target.parent)
-        advance_tracker_locked(target.parent, int(target.name.removeprefix("iter_")))
+        _advance_disk_tracker_locked(target.parent, int(target.name.removeprefix("iter_")))
+
+
+def _advance_disk_tracker_locked(save_dir: Path, iteration: int) -> None:
+    """The disk tracker moved to a copied ``iteration``. Without a usable tracker a load takes
+    the newest complete folder, which a tracker naming an older copy would hide."""
+    if (newest_on_disk(save_dir) or -1) <= iteration:
+        advance_tracker_locked(save_dir, iteration)
 
 
 def remove_partial_copies(save_dir: Path) -> None:
@@ -343,7 +351,7 @@ class Persister:
         if not retry_now and self._retry is not None and iteration == self._retry[0] \
                 and time.monotonic() < self._retry[1]:
             return False
-        disk = read_tracker(self.save_dir)
+        disk = newest_on_disk(self.save_dir)
         return disk is None or iteration > disk
 
     def start(self, iteration: int, fetch: Fetch | None = None) -> bool:

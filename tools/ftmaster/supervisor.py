@@ -87,8 +87,8 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
-                                           list_iterations, newest_held, read_save_kind,
-                                           read_tracker, unmark_peer_copies)
+                                           list_iterations, newest_held, newest_on_disk,
+                                           read_save_kind, read_tracker, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -785,7 +785,7 @@ class Supervisor:
             return
         # A part of a checkpoint newer than disk counts: a run that gave up across nodes
         # may still persist it from the peers.
-        newest, disk = newest_held(folder), read_tracker(self.tiers.disk)
+        newest, disk = newest_held(folder), newest_on_disk(self.tiers.disk)
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
