@@ -418,7 +418,8 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]
 
 
-def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = True) -> Supervisor:
+def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = True,
+                           save_interval: int | None = None) -> Supervisor:
     """A supervisor of a 4-GPU run with a memory tier in ``memory`` (one ftmaster picked, with
     ``scratch``) over ``disk``."""
     from ftmaster.launch import check_layout
@@ -426,6 +427,8 @@ def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = T
 
     command = MODEL + ["--save", str(disk), "--non-persistent-ckpt-type", "global",
                        "--non-persistent-global-ckpt-dir", str(memory)]
+    if save_interval is not None:
+        command += ["--save-interval", str(save_interval)]
     return Supervisor(SupervisorConfig(
         run_dir=tmp_path / "run", command=tuple(command), gpus=(0, 1, 2, 3),
         first_plan=check_layout(command, 4, None, None),
@@ -442,6 +445,27 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     fake_checkpoint(disk, on_disk)
     memory_tier_supervisor(tmp_path, memory, disk)._remove_scratch_memory()
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
+
+
+def test_a_persist_given_up_for_a_newer_checkpoint_takes_the_newer_one_at_once(tmp_path):
+    """The peers pruned the checkpoint being copied: they hold newer ones, which waited a
+    whole --save-interval of time after it, as if its copy had landed."""
+    import time
+
+    from ftmaster.persist import PersistSuperseded
+    from ftmaster.recovery.checkpoints import read_tracker
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk, save_interval=20)
+    supervisor.progress = SimpleNamespace(seconds_per_iteration=1.0)  # due every 20 s
+    supervisor._last_persist_start = time.monotonic()  # the copy of iteration 2 started
+    supervisor.persister._results.put(PersistSuperseded("iteration 2 is no longer held"))
+    fake_checkpoint(memory, 4, kind="periodic")  # an emergency one is due at once anyway
+    supervisor._persist_when_due()
+    assert supervisor.persister.last_requested == 4
+    supervisor.persister.wait(10)
+    assert read_tracker(disk) == 4
 
 
 @pytest.mark.parametrize("held_manifest, removed", [(True, False), (False, True)])

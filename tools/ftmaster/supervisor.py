@@ -758,6 +758,7 @@ class Supervisor:
             elif isinstance(result, PersistSuperseded):
                 self._event("persist_superseded", reason=str(result))
                 log.info("a memory checkpoint was not persisted: %s", result)
+                self._last_persist_start = float("-inf")  # no copy landed: the newer one is due
                 if self.agreement is not None:
                     self.agreement.outdated()
             elif isinstance(result, PersistError):
