@@ -194,6 +194,37 @@ def test_the_dump_does_not_wait_for_the_culprits_rank(tmp_path):
     assert recovery._all_answered(attempt, tmp_path, [3])  # local rank 1 runs on GPU 3
 
 
+def test_a_merge_that_crashed_says_why_in_the_fallback(tmp_path):
+    """Its stderr was dropped: the fallback said only "exit status 1"."""
+    import subprocess
+    import sys
+
+    from ftmaster.replica_recovery import Merging
+
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append(fields["reason"]))
+    crash = subprocess.Popen([sys.executable, "-c", "raise OSError('no room in /dev/shm')"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert recovery.finish_merge(Merging(tmp_path / "dumps", crash, 0.0)) is None
+    assert "exit status 1: OSError: no room in /dev/shm" in said[0], said
+
+
+def test_a_warm_merge_worker_that_ended_before_its_output_is_a_fallback(tmp_path):
+    """Reading the output it never opened raised out of the supervisor."""
+    from types import SimpleNamespace
+
+    from ftmaster.replica_recovery import Merging
+
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append(fields["reason"]))
+    ended = SimpleNamespace(returncode=1, poll=lambda: 1, kill=lambda: None)
+    merging = Merging(tmp_path / "dumps", ended, 0.0, tmp_path / "merge_1" / "output.log")
+    assert recovery.finish_merge(merging) is None
+    assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
+
+
 def test_kill_points_arm_only_this_local_rank(monkeypatch):
     monkeypatch.setenv(rehearsal.KILL_ENV, "1:4:forward,0:5:update")
     rehearsal.arm_kill_points(1)

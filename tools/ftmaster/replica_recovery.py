@@ -54,11 +54,11 @@ class Merging:
     """Where a warm worker writes the merge's output; None: the process's stdout pipe."""
 
 
-def merge_output(merging: Merging) -> str:
-    """What the merge printed, once it ended (subprocess.TimeoutExpired past the timeout)."""
+def merge_output(merging: Merging) -> tuple[str, str]:
+    """What the merge printed, and what it said besides (its stderr; a warm worker writes both
+    to one file), once it ended (subprocess.TimeoutExpired past the timeout)."""
     if merging.output is None:
-        stdout, _ = merging.process.communicate(timeout=MERGE_TIMEOUT_S)
-        return stdout
+        return merging.process.communicate(timeout=MERGE_TIMEOUT_S)
     deadline = time.monotonic() + MERGE_TIMEOUT_S
     while not _said_it(merging.output) and merging.process.poll() is None:
         if time.monotonic() > deadline:
@@ -67,7 +67,16 @@ def merge_output(merging: Merging) -> str:
     # Its answer is its last act: the worker's own exit (the async writers' Manager it started
     # shutting down) would add a second to the recovery.
     merging.process.kill()
-    return merging.output.read_text(errors="replace")
+    try:
+        said = merging.output.read_text(errors="replace")
+    except OSError:  # a worker that ended before it opened its output said nothing
+        said = ""
+    return said, said
+
+
+def _last_words(said: str) -> str:
+    lines = [line for line in said.splitlines() if line.strip()]
+    return f": {lines[-1][-300:]}" if lines else ""
 
 
 def _said_it(output: Path) -> bool:
@@ -157,15 +166,17 @@ class ReplicaRecovery:
 
     def finish_merge(self, merging: "Merging") -> int | None:
         """The merged checkpoint's iteration, or None after saying why there is none."""
+        said = besides = ""
         try:
-            result = json.loads(merge_output(merging).strip().splitlines()[-1])
+            said, besides = merge_output(merging)
+            result = json.loads(said.strip().splitlines()[-1])
         except subprocess.TimeoutExpired as error:
             merging.process.kill()
             merging.process.wait()
             result = {"refused": f"the merge did not finish: {error}"}
         except (ValueError, IndexError) as error:
             result = {"refused": f"the merge said nothing readable ({error}); exit status "
-                                 f"{merging.process.returncode}"}
+                                 f"{merging.process.returncode}{_last_words(besides)}"}
         finally:
             shutil.rmtree(merging.folder, ignore_errors=True)  # the merged files are hard links
         if "refused" in result:
