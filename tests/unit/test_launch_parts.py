@@ -264,6 +264,45 @@ def test_a_straggler_fast_again_before_it_is_weighed_is_let_go(tmp_path):
     assert not [e for e in runfiles.read_events(tmp_path) if e["event"] in ("drain", "straggler_kept")]
 
 
+class AnnouncingMembership:
+    """Announcements between the nodes' supervisors, as the job's store holds them."""
+
+    def __init__(self):
+        self.said, self.waited_for = {}, []
+
+    def announce(self, name, value):
+        self.said[name] = value
+
+    def announcement(self, name, timeout_s):
+        self.waited_for.append(name)
+        return self.said.get(name)
+
+
+def test_a_node_that_dumped_waits_for_the_merge_only_from_a_merger_that_can_say_it(tmp_path):
+    """The new round's rank 0 is on node 0, which fell back (a hang with no culprit) and has
+    no dump: it says so at once, where node 1, which dumped as a peer, waited 320 s for a word
+    that never came. A node whose rank 0 is on a node that was not in the failed round (node
+    2, back from a restart) is not waited for at all."""
+    from ftmaster.membership import NodeRecord, Round
+
+    nodes = tuple(NodeRecord(rank, f"node{rank}", (0, 1), 1000 + rank) for rank in range(3))
+    store = AnnouncingMembership()
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisors = [Supervisor(config, StubMonitor(False)) for _ in range(2)]
+    for supervisor in supervisors:
+        supervisor.membership, supervisor.replicas = store, object()
+    failed = Round(3, nodes[:2], 0)
+    supervisors[0]._merge_dumps_across_nodes(nodes[0], True, failed)
+    assert store.said == {"replica_merge/3": "none"}
+    for merger, waited in ((nodes[0], ["replica_merge/3"]), (nodes[2], [])):
+        store.waited_for.clear()
+        supervisors[1]._dumped = (3, tmp_path / "dumps", failed.nodes, (2, 2))
+        (tmp_path / "dumps").mkdir()
+        supervisors[1]._merge_dumps_across_nodes(merger, False, failed)
+        assert store.waited_for == waited and not (tmp_path / "dumps").exists()
+
+
 def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):
     """2.53 GiB a GPU: the 4 GPUs fit, 3 do not. Draining one gave the job up."""
     from ftmaster.monitor.daemon import Alert

@@ -79,7 +79,8 @@ from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_sig
 from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, new_events
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
-from ftmaster.membership import JobEnded, JoinTimedOut, NodeMembership, Round, StoreLost
+from ftmaster.membership import (JobEnded, JoinTimedOut, NodeMembership, NodeRecord, Round,
+                                 StoreLost)
 from ftmaster.metrics import Observer
 from ftmaster.monitor.backends.bounded import CallTimeout, Worker
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
@@ -1236,7 +1237,7 @@ class Supervisor:
             return Trigger.NO_LAYOUT
         if joined is None:
             return Trigger.SIGNALLED
-        self.round = joined
+        previous, self.round = self.round, joined
         self.restarts = joined.number - 1
         self._event("round", number=joined.number, nodes=[n.node_rank for n in joined.nodes],
                     node_gpus=list(joined.node_gpus), seconds=round(time.monotonic() - started, 3))
@@ -1254,7 +1255,8 @@ class Supervisor:
         if self.replication is not None and joined.secret is not None:
             rank0_here = bool(active) and active[0] == joined.me
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
-            self._merge_dumps_across_nodes(joined, rank0_here)
+            self._merge_dumps_across_nodes(joined.nodes[active[0]] if active else None,
+                                           rank0_here, previous)
             self._catch_up_on_agreed_memory(joined, rank0_here)
             self._persists_here = rank0_here
         if self.replicas is not None and mine:
@@ -1284,19 +1286,29 @@ class Supervisor:
                     iteration=None if agreed is None else agreed.iteration)
         self._report_replicated(self.replication.catch_up(agreed, chooses=rank0_here))
 
-    def _merge_dumps_across_nodes(self, joined: Round, rank0_here: bool) -> None:
-        """Replica recovery across nodes: the node of the new round's rank 0 gathers every
-        live node's dumps of the failed round and merges them (the relaunch's catch-up then
-        copies the merged checkpoint to every node); the others wait for its word."""
+    def _merge_dumps_across_nodes(self, merger: NodeRecord | None, rank0_here: bool,
+                                  previous: Round | None) -> None:
+        """Replica recovery across nodes: ``merger``, the node of the new round's rank 0,
+        gathers every live node's dumps of the failed round and merges them (the relaunch's
+        catch-up then copies the merged checkpoint to every node); the others wait for its
+        word, if it was in that round. Without dumps of its own it says "none" at once: it
+        fell back (a hang with no culprit), and a node that dumped waited out the whole merge
+        timeout (320 s)."""
         if self._dumped is None:
+            if rank0_here and previous is not None and self.replicas is not None:
+                self.membership.announce(f"replica_merge/{previous.number}", "none")
             return
         number, folder, nodes, ranks_per_node = self._dumped
         self._dumped = None
         word = f"replica_merge/{number}"
         if not rank0_here:
-            said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S)
-            log.info("replica recovery: the merge on rank 0's node %s", "said " + said
-                     if said is not None else "said nothing in time")
+            if merger is not None and merger.node_rank in {node.node_rank for node in nodes}:
+                said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S)
+                log.info("replica recovery: the merge on rank 0's node %s", "said " + said
+                         if said is not None else "said nothing in time")
+            else:
+                log.info("replica recovery: rank 0's node was not in round %d, whose dumps "
+                         "are dropped", number)
             shutil.rmtree(folder, ignore_errors=True)
             return
         for result in self.replication.gather_dumps(folder, nodes, ranks_per_node):
