@@ -161,3 +161,43 @@ def test_a_round_that_never_formed_says_how_long_it_waited_for_how_many():
 
     with pytest.raises(JoinTimedOut, match="^fewer than 2 node\\(s\\) within join_timeout 45 s$"):
         membership._call(never_formed)
+
+
+def test_a_node_that_died_before_its_record_is_left_to_the_next_round(monkeypatch):
+    """The round completed with 2 nodes, then one died before it published its record: the
+    wait for it timed out, which read as a lost store (every node exited 75 for a requeue).
+    The live node joins the next round, which forms without it. A store that is really gone
+    is still lost."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    from ftmaster import membership as membership_module
+    from ftmaster.membership import StoreLost
+
+    monkeypatch.setattr(membership_module, "RECORD_TIMEOUT_S", 0.3)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5),
+                           wait_for_workers=False)
+    rounds = iter([("r1/", 2), ("r2/", 1)])
+
+    def next_rendezvous():
+        prefix, world_size = next(rounds)
+        return SimpleNamespace(store=dist.PrefixStore(prefix, server), rank=0,
+                               world_size=world_size,
+                               bootstrap_store_info=RendezvousStoreInfo("127.0.0.1", 0))
+
+    membership = NodeMembership.__new__(NodeMembership)
+    membership.config = RendezvousConfig("127.0.0.1:1", "job", 1, 2, 0, local_addr="127.0.0.1")
+    membership.launch_gpus, membership.args = 2, ()
+    membership.handler = SimpleNamespace(next_rendezvous=next_rendezvous)
+    joined = membership.join([0, 1])
+    assert [node.node_rank for node in joined.nodes] == [0]
+
+    class Gone:  # what a TCPStore client raises once its server is gone
+        def wait(self, keys, timeout):
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes")
+
+    with pytest.raises(StoreLost):
+        membership._call(membership_module.records_in_time, Gone(), ["ftmaster/node/0"])

@@ -309,6 +309,19 @@ def load_torch_quietly() -> None:
         del os.environ[CPP_LOG_LEVEL_ENV]
 
 
+def records_in_time(store, keys: list[str]) -> bool:
+    """Whether every node of a round published its record in time. One that died between the
+    round's completion and its record never will: the wait times out (the store is not lost),
+    and the next round goes on without it."""
+    from torch.distributed import DistStoreError
+
+    try:
+        store.wait(keys, timedelta(seconds=RECORD_TIMEOUT_S))
+    except (DistStoreError, LookupError):  # the c10d stores' timeout; etcd's
+        return False
+    return True
+
+
 class NodeMembership:
     """This node's seat in the job's rendezvous."""
 
@@ -345,14 +358,18 @@ class NodeMembership:
     def join(self, gpus: Sequence[int], warm: bool = False, peer_url: str | None = None) -> Round:
         """Join the next round with these schedulable GPUs, saying whether this node could
         start warm and where it serves its memory tier; blocks until the round completes."""
-        info = self._call(self.handler.next_rendezvous)
-        store = info.store
-        me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
-                        free_port(self.config.address), warm, peer_url, self.launch_gpus,
-                        self.args)
-        keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
-        self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
-        self._call(store.wait, keys, timedelta(seconds=RECORD_TIMEOUT_S))
+        while True:
+            info = self._call(self.handler.next_rendezvous)
+            store = info.store
+            me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
+                            free_port(self.config.address), warm, peer_url, self.launch_gpus,
+                            self.args)
+            keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
+            self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
+            if self._call(records_in_time, store, keys):
+                break
+            log.warning("a node of the round never said what it holds within %g s (it died "
+                        "after the round completed): joining the next round", RECORD_TIMEOUT_S)
         records = [parse_record(self._call(store.get, key)) for key in keys]
         check_same_arguments(me, records)
         if info.rank == 0:
