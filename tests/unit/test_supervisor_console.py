@@ -468,6 +468,29 @@ def test_a_persist_given_up_for_a_newer_checkpoint_takes_the_newer_one_at_once(t
     assert read_tracker(disk) == 4
 
 
+def test_a_save_folder_that_stopped_answering_does_not_hold_up_the_supervisor(tmp_path, monkeypatch):
+    """Whether the newest memory checkpoint needs a copy is read from --save: on a hung
+    mount the supervisor's loop (hang detection, failure handling) stopped with it."""
+    import threading
+    import time
+
+    from ftmaster import persist as persist_module
+    from ftmaster import supervisor as supervisor_module
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 4)
+    hung = threading.Event()
+    monkeypatch.setattr(persist_module, "newest_on_disk", lambda save_dir: hung.wait(30))
+    monkeypatch.setattr(supervisor_module, "CHECKPOINT_LOOK_S", 0.2)
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    started = time.monotonic()
+    supervisor._persist_when_due()
+    supervisor._persist_when_due()  # while the first look is stuck
+    hung.set()
+    assert time.monotonic() - started < 5 and supervisor.persister.last_requested is None
+
+
 @pytest.mark.parametrize("held_manifest, removed", [(True, False), (False, True)])
 def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_disk(
         tmp_path, held_manifest, removed):

@@ -728,8 +728,12 @@ class Supervisor:
             agreed = self.agreement.current(self.round.number,
                                             [node.node_rank for node in self.round.nodes])
             newest = None if agreed is None else agreed.iteration
-        if not self.persister.needs_copy(newest, retry_now=now):
-            return
+        try:  # it reads --save, which must not hold up the supervisor (a hung mount)
+            if not self._checkpoint_looks.call(CHECKPOINT_LOOK_S, self.persister.needs_copy,
+                                               newest, now):
+                return
+        except CallTimeout:
+            return  # asked again at the next poll
         if newest not in self._memory_kinds:
             self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
         due = (now or self._memory_kinds[newest] == "emergency"
