@@ -128,6 +128,19 @@ def test_replica_recovery_merges_the_survivors_dumps_of_every_node(tmp_path):
     assert unequal_tensors(held, iteration_dir(reference, merged["iteration"])) == []
 
 
+def persisted_while_running(nodes: Nodes, iteration: int) -> bool:
+    """Whether node 0 persisted a checkpoint and saved ``iteration``; a run that ended first
+    fails the test at once, with node 0's persist attempts, rather than at the wait's end."""
+    ended = {rank: p.returncode for rank, p in nodes.processes.items() if p.poll() is not None}
+    if ended or nodes.events(0, "complete"):
+        tried = [e for name in ("persisted", "persist_superseded", "persist_failed")
+                 for e in nodes.events(0, name)]
+        raise AssertionError(f"the run ended (exit codes {ended}) before node 0 persisted and "
+                             f"saved iteration {iteration}; its persists: {tried}")
+    return bool(nodes.events(0, "persisted")) and any(
+        e["iteration"] >= iteration for e in nodes.events(0, "periodic_save"))
+
+
 def test_three_nodes_with_one_replica_persist_and_resume_from_the_nodes_that_hold_each_file(
         tmp_path):
     """3 nodes x 1 CPU rank at DP3, one replica: each node holds its own shards and its next
@@ -141,9 +154,8 @@ def test_three_nodes_with_one_replica_persist_and_resume_from_the_nodes_that_hol
     with two_nodes(Nodes(tmp_path, 1, args, nnodes="2:3"), ending=(0, 2),
                    started=(0, 1, 2)) as nodes:
         nodes.start_all(3, (), ("--inject", "slow:gpu=0,factor=3,at=iter:1"))
-        wait_until(lambda: nodes.events(0, "persisted") and any(
-                       e["iteration"] >= 8 for e in nodes.events(0, "periodic_save")),
-                   timeout=300, interval=0.05, what="node 0's persist, and its save of iteration 8")
+        wait_until(lambda: persisted_while_running(nodes, 8), timeout=300, interval=0.05,
+                   what="node 0's persist, and its save of iteration 8")
         os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainer dies with it
         assert not nodes.events(0, "complete"), "the run ended before node 1 was killed"
     first_round = [p for p in nodes.events(0, "plan") if p["round"] == 1]
