@@ -431,6 +431,60 @@ def test_an_alert_that_shows_the_fault_itself_is_its_earliest_evidence(tmp_path)
     assert failure["detection_latency"] == {"seconds": pytest.approx(1.5), "since": "monitor: GPU 1 xid_79"}
 
 
+def test_a_fault_injected_after_a_failure_is_not_its_cause(tmp_path):
+    """A crash with no injection, then an injected fault on the same GPU in the relaunch: the
+    first failure's window runs on to the second, and its detection came out at -80 s."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), event("resumed", 5, attempt=1, iteration=1),
+              event("failure", 20, attempt=1, iteration=15, cause="exit", gpus=[0],
+                    exit_codes={"0": 1}),
+              plan(21, [0, 1], 1, 1, 2), launch(22, 2, [0, 1], 1, 1, 2),
+              event("resumed", 30, attempt=2, iteration=1),
+              event("fault_injected", 100, kind="fail", gpu=0, spec="fail:gpu=0,at=100s"),
+              event("failure", 101, attempt=2, iteration=60, cause="exit", gpus=[0],
+                    exit_codes={"0": -9}),
+              event("gave_up", 102, reason="no GPUs left")]
+    logs = {1: [iteration_line(n, 100, 1000) for n in range(1, 16)],
+            2: [iteration_line(n, 100, 1000) for n in range(1, 61)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    assert run_report(run_dir).exit_code == 0
+    first, second = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert first["detection_latency"]["since"] == "last progress (estimated)"
+    assert 0 <= first["detection_latency"]["seconds"] <= 15
+    assert second["detection_latency"] == {"seconds": pytest.approx(1.0),
+                                           "since": "fault_injected fail on GPU 0"}
+
+
+def test_a_replayed_traces_sample_time_is_not_the_faults(tmp_path):
+    """With --monitor-backend replay:PATH the samples carry the recording's times: a
+    device_lost sampled years before the run made detection 91918740 s."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), event("resumed", 5, attempt=1, iteration=1),
+              alert(51, 1, ["device_lost"], sample_at=-10 ** 8),
+              event("failure", 52, attempt=1, iteration=5, cause="device_lost", gpus=[1],
+                    exit_codes={})]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 5, 200) for n in range(1, 6)]})
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(1.0),
+                                            "since": "monitor: GPU 1 device_lost"}
+
+
+def test_an_armed_injection_is_no_sign_of_progress(tmp_path):
+    """A slow:...,at=iter:10 is armed at the launch, its event naming iteration 10: the last
+    progress before a hang at iteration 12 was taken from the launch, not from iteration 12's
+    end (0.1 + 2 iterations of the log, where training was really 1 s in)."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("fault_injected", 0.1, kind="slow", gpu=1, iteration=10, armed=True,
+                    spec="slow:gpu=1,factor=50,at=iter:10"),
+              event("resumed", 5, attempt=1, iteration=1),
+              event("failure", 100, attempt=1, iteration=12, cause="hang", gpus=[], exit_codes={})]
+    logs = {1: [iteration_line(n, 100, 1000) for n in range(1, 13)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(100 - (5 + 11)),
+                                            "since": "last progress (estimated)"}
+
+
 def test_timeline_labels_say_what_happened(tmp_path):
     """A final save is no periodic one, a memory save is complete (not durable), a failure on
     no GPU names none, and a nan fault armed at a launch says so (it fires later)."""

@@ -343,12 +343,15 @@ def _on_failed_gpu(event: dict, failure: dict, gpu: Any) -> bool:
         failure.get("cause") == PEER or gpu in set(failure.get("gpus") or ()))
 
 
-def _sample_time(alert: dict) -> float:
-    """A risk_alert's sample time (its ISO ``timestamp``), else the event's own time."""
+def _sample_time(alert: dict, earliest: float) -> float:
+    """A risk_alert's sample time (its ISO ``timestamp``) when it lies between ``earliest``
+    and the event's own time, else the event's time: a replayed trace's samples carry the
+    recording's times."""
     try:
-        return datetime.fromisoformat(str(alert["timestamp"])).timestamp()
+        sampled = datetime.fromisoformat(str(alert["timestamp"])).timestamp()
     except (KeyError, ValueError):
         return alert["time"]
+    return sampled if earliest <= sampled <= alert["time"] else alert["time"]
 
 
 def _is_fault_evidence(alert: dict) -> bool:
@@ -361,11 +364,11 @@ def _is_fault_evidence(alert: dict) -> bool:
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
     """Where the fault's own time is known: injected, or the monitor saw it (the GPU gone or
     wedged, an XID)."""
-    for event in window:
+    for event in window:  # the window runs on to the next failure: a later fault is its
         if event["event"] == "fault_injected" and event.get("kind") in FAULT_KINDS \
-                and _on_failed_gpu(event, failure, event.get("gpu")):
+                and event["time"] <= failure["time"] and _on_failed_gpu(event, failure, event.get("gpu")):
             return event["time"], f"fault_injected {event['kind']} on {_gpu_name(event, event['gpu'])}"
-    seen = [(_sample_time(e), e["gpu"], e) for e in window if e["event"] == "risk_alert"
+    seen = [(_sample_time(e, window[0]["time"]), e["gpu"], e) for e in window if e["event"] == "risk_alert"
             and _is_fault_evidence(e) and _on_failed_gpu(e, failure, e.get("gpu"))]
     seen = [(t, gpu, e) for t, gpu, e in seen if t <= failure["time"]]
     if seen:
@@ -380,10 +383,12 @@ def _last_progress(attempt_events: list[dict], failure: dict, log: AttemptLog) -
     if not isinstance(target, int):
         launches = [e["time"] for e in attempt_events if e["event"] == "launch"]
         return launches[0] if launches else None
+    # An armed injection's event is written at the launch, its iteration still to come
     anchors = [(e["iteration"], e.get("started_at", e["time"]) if e["event"] in SAVES else e["time"])
                for e in attempt_events
                if e["event"] in (*SAVES, "resumed", "save_deferred", "fault_injected")
-               and isinstance(e.get("iteration"), int) and e["iteration"] <= target]
+               and not e.get("armed") and isinstance(e.get("iteration"), int)
+               and e["iteration"] <= target]
     if not anchors:
         return None
     iteration, when = max(anchors, key=lambda a: (a[0], -a[1]))
