@@ -88,6 +88,18 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
                              "directory); give a writable --run-dir\n")
 
 
+def test_an_unwritable_tensorboard_dir_is_one_line(tmp_path):
+    """ftmaster writes its own scalars beside the trainer's: it met the folder first, with a
+    traceback."""
+    parent = tmp_path / "a_file"
+    parent.write_text("")
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL, "--tensorboard-dir", str(parent / "tb"))
+    assert result.exit_code != 0
+    assert result.stderr == (f"Error: --tensorboard-dir: cannot write to {parent / 'tb'} (Not a "
+                             "directory)\n")
+
+
 @pytest.mark.parametrize("entry,kind,problem", [
     ("flags", "file", "flags is not a folder"),
     ("logs", "file", "logs is not a folder"),

@@ -307,7 +307,14 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
         runfiles.append_event(config.run_dir, "metrics", url=url)
         logging.getLogger("ftmaster").info("metrics: serving %s", url)
         observers.append(metrics)
-    board = RunBoard.for_command(list(config.command), node_rank)
+    try:
+        board = RunBoard.for_command(list(config.command), node_rank)
+    except OSError as error:  # e.g. a path under a file, or a folder it may not write to
+        for observer in observers:
+            observer.close()
+        monitor.close()
+        raise click.ClickException(f"--tensorboard-dir: cannot write to {error.filename} "
+                                   f"({error.strerror or error})") from None
     if board is not None:
         observers.append(board)
     for observer in observers:
