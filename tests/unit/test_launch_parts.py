@@ -620,6 +620,23 @@ def test_a_save_folder_that_cannot_be_written_is_one_line(tmp_path):
 
 
 # -- guards: real processes ------------------------------------------------------------------
+def test_a_guard_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once():
+    """ftmaster started the guard and died while its interpreter started: read then,
+    getppid() named init, the check passed, and torchrun trained on as an orphan."""
+    started = subprocess.run(
+        [PY, "-c", "import os, subprocess, sys\n"
+                   "guard = subprocess.Popen([sys.executable, '-m', 'ftmaster.guard', 'exec', "
+                   "'sleep', '37'], env={**os.environ, 'FTMASTER_GUARD_PARENT': str(os.getpid())},"
+                   " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+                   "print(guard.pid)"], capture_output=True, text=True, check=True)
+    orphan = psutil.Process(int(started.stdout))
+    try:
+        assert wait_until_dead([orphan], timeout=10) == []
+    finally:
+        if orphan.is_running():
+            orphan.kill()
+
+
 def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")

@@ -24,7 +24,7 @@ import psutil
 
 from ftmaster import runfiles
 from ftmaster.exit_codes import TRAINER_CAUSES
-from ftmaster.guard import RANK_DIR_ENV, error_file_path, rank_record_path
+from ftmaster.guard import GUARD_PARENT_ENV, RANK_DIR_ENV, error_file_path, rank_record_path
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from ftmaster.warm import WarmStarter
 
@@ -223,7 +223,8 @@ class Attempt:
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
         env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
-               runfiles.RUN_DIR_ENV: str(run_dir), runfiles.LAUNCHED_AT_ENV: repr(self.started_at)}
+               GUARD_PARENT_ENV: str(os.getpid()), runfiles.RUN_DIR_ENV: str(run_dir),
+               runfiles.LAUNCHED_AT_ENV: repr(self.started_at)}
         # The first launch is cold (DESIGN): the pool starts importing beside it.
         warm = (starter.start(self.command, len(self.gpus), env, self.rank_dir, self.log_path, world)
                 if starter is not None and number > 1 else None)

@@ -8,7 +8,9 @@ therefore starts each attempt as a chain in which every process dies with its pa
 
 Each link asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and
 checks afterwards that the parent is still the one it was started by, so a parent that died
-in between is not missed:
+in between is not missed. That parent is named in ``$FTMASTER_GUARD_PARENT`` by the one who
+started it (ftmaster for ``exec``, the ``exec`` guard, which becomes torchrun, for ``rank``):
+read after the interpreter started, ``getppid()`` would already name init.
 
 - ``python -m ftmaster.guard exec CMD...`` sets the signal, then ``exec``s CMD. The setting
   survives ``exec``, so torchrun dies when ftmaster does.
@@ -44,6 +46,7 @@ from ftmaster.runfiles import atomic_write_text
 
 PR_SET_PDEATHSIG = 1
 RANK_DIR_ENV = "FTMASTER_RANK_DIR"
+GUARD_PARENT_ENV = "FTMASTER_GUARD_PARENT"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 USAGE = "usage: python -m ftmaster.guard exec CMD... | rank SCRIPT ARGS..."
 
@@ -105,8 +108,16 @@ def _write_record(record: dict) -> None:
         write_rank_record(Path(rank_dir), record)
 
 
+def _started_by() -> int:
+    """The parent that started this guard (see the module docstring); ``getppid()`` when the
+    environment does not say (started by hand, or by ``srun``)."""
+    named = os.environ.get(GUARD_PARENT_ENV, "")
+    return int(named) if named.isdigit() else os.getppid()
+
+
 def run_exec(command: list[str]) -> None:
-    die_with_parent(os.getppid())
+    die_with_parent(_started_by())
+    os.environ[GUARD_PARENT_ENV] = str(os.getpid())  # torchrun's, once exec'd: its ranks' parent
     os.execvp(command[0], command)
 
 
@@ -123,7 +134,7 @@ def _error_file_env(local_rank: int) -> tuple[dict[str, str], Path | None, str |
 
 
 def run_rank(script_args: list[str]) -> int:
-    die_with_parent(os.getppid())
+    die_with_parent(_started_by())
     guard_pid = os.getpid()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env, error_file, torchrun_error_file = _error_file_env(local_rank)
