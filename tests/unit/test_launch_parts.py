@@ -637,6 +637,28 @@ def test_a_guard_whose_parent_died_before_it_asked_to_die_with_it_dies_at_once()
             orphan.kill()
 
 
+def test_a_stop_terminates_the_ranks_it_knows_without_waiting_for_a_record_that_never_comes():
+    """With the run directory out of room a rank's record may never be written: the known
+    ranks trained on until the stop's deadline, then were SIGKILLed with no time to save."""
+    from ftmaster.attempt import RankRecord
+
+    saver = subprocess.Popen([PY, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                              "print('ready', flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    assert saver.stdout.readline() == "ready\n"
+    attempt = Attempt.__new__(Attempt)
+    attempt.gpus, attempt.kill = (0, 1), lambda: None
+    attempt.ranks = lambda: {0: RankRecord(0, 0, saver.pid, saver.pid)}  # rank 1's never comes
+    attempt.process = types.SimpleNamespace(poll=saver.poll, wait=saver.wait)
+    started = time.monotonic()
+    try:
+        assert attempt.stop(20) == 0  # torchrun's status: here the rank's own
+        assert time.monotonic() - started < 10
+    finally:
+        saver.kill()
+
+
 def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")

@@ -351,9 +351,7 @@ class Attempt:
         Returns torchrun's exit status when it ended in time, else None.
         """
         deadline = time.monotonic() + deadline_s
-        self._wait_for_every_rank(deadline)
-        self.signal_ranks(signal.SIGCONT)
-        self.signal_ranks(signal.SIGTERM)
+        self._terminate_every_rank(deadline)
         try:
             return self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -361,12 +359,23 @@ class Attempt:
         finally:
             self.kill()
 
-    def _wait_for_every_rank(self, deadline: float) -> None:
-        """Right after a launch torchrun may not have started every rank yet; one started after
-        the SIGTERM would train on until the deadline. (Signalling torchrun instead is no
-        better: it SIGKILLs its workers 30 s later, in the middle of their save.)"""
-        while (len(self.ranks()) < len(self.gpus) and self.process.poll() is None
-               and time.monotonic() < deadline):
+    def _terminate_every_rank(self, deadline: float) -> None:
+        """SIGTERM each rank as soon as its record names it. Right after a launch torchrun may
+        not have started every rank yet, and one started after the SIGTERM would train on
+        until the deadline. (Signalling torchrun instead is no better: it SIGKILLs its workers
+        30 s later, in the middle of their save.) The ranks signalled first do not wait for
+        the others' records: one the run directory had no room for never comes, and they
+        would have been left the deadline's last instant to save in (the ranks agree to save
+        and exit together, so the signalled ones take it along)."""
+        signalled: set[int] = set()
+        while self.process.poll() is None and time.monotonic() < deadline:
+            for local_rank, record in self.ranks().items():
+                if local_rank not in signalled and record.exit_code is None:
+                    send_signal(record.pid, signal.SIGCONT)
+                    send_signal(record.pid, signal.SIGTERM)
+                signalled.add(local_rank)
+            if len(signalled) >= len(self.gpus):
+                return
             time.sleep(0.05)
 
 
