@@ -390,15 +390,22 @@ class WarmPool:
         self.workers = []
 
 
-def kill_sessions(workers: Sequence[WarmWorker]) -> None:
-    """SIGKILL each worker's session (what it started too) and reap the worker."""
+def kill_sessions(workers: Sequence[WarmWorker], reap_s: float = 2.0) -> None:
+    """SIGKILL each worker's session (what it started too) and reap the workers that end
+    within ``reap_s``. A rank stuck in the driver (uninterruptible sleep) outlives SIGKILL: a
+    wait without a deadline hung the supervisor, and :meth:`Attempt.kill` decides what such
+    a survivor means (its GPU retired)."""
     for worker in workers:
         try:
             os.killpg(worker.process.pid, signal.SIGKILL)
         except OSError:
             pass
+    deadline = time.monotonic() + reap_s
     for worker in workers:
-        worker.process.wait()
+        try:
+            worker.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 # ---- one attempt on warm workers --------------------------------------------------------------
@@ -437,9 +444,9 @@ class WarmRanks:
         """Hand every worker its rank; OSError (and every worker killed) when one could not
         take it: a worker that died after it was picked."""
         self.workers = workers
-        for env in envs:
-            Path(env[ERROR_FILE_ENV]).unlink(missing_ok=True)
         try:
+            for env in envs:
+                Path(env[ERROR_FILE_ENV]).unlink(missing_ok=True)
             for worker, env in zip(workers, envs):
                 worker.process.stdin.write(json.dumps({"env": env, "argv": list(command),
                                                        "cwd": os.getcwd(), "log": str(log_path)}) + "\n")
@@ -508,12 +515,17 @@ class WarmStarter:
                    f"{READY_TIMEOUT_S:g} s")
             log.warning("%s: attempt starts cold, under torchrun", why)
             return None
-        port = free_port("127.0.0.1") if world is None else world.master_port
-        envs = [rank_env(env, r, nproc, rank_dir, self.run_id, world, port) for r in range(nproc)]
+        try:
+            port = free_port("127.0.0.1") if world is None else world.master_port
+            envs = [rank_env(env, r, nproc, rank_dir, self.run_id, world, port)
+                    for r in range(nproc)]
+        except BaseException:  # taken from the pool: no one else would ever end them
+            kill_sessions(workers)
+            raise
         try:
             return WarmRanks(workers, rank_dir, envs, command, log_path)
         except OSError as error:
-            log.warning("a warm worker died as it was handed its rank (%s): attempt starts cold, "
+            log.warning("a warm worker could not be handed its rank (%s): attempt starts cold, "
                         "under torchrun", error)
             return None
 

@@ -1,0 +1,55 @@
+"""Warm workers' kill and hand-over, on real processes standing in for workers (no torch)."""
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ftmaster import warm
+from ftmaster.warm import WarmStarter, WarmWorker, kill_sessions
+
+
+class StuckInTheDriver:
+    """A rank SIGKILL cannot end (uninterruptible sleep): it is never reaped."""
+
+    pid = 2 ** 22 + 1  # no such session: the SIGKILL goes nowhere
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("waited for a process that may never end, without a deadline")
+        time.sleep(timeout)
+        raise subprocess.TimeoutExpired("rank", timeout)
+
+
+def test_a_rank_that_outlives_sigkill_does_not_hold_up_the_kill():
+    """The supervisor hung there, before its own bounded wait could retire the GPU."""
+    started = time.monotonic()
+    kill_sessions([WarmWorker(StuckInTheDriver())])
+    assert time.monotonic() - started < 5
+
+
+def sleeping_worker() -> WarmWorker:
+    return WarmWorker(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                       start_new_session=True))
+
+
+def test_workers_taken_for_a_launch_that_failed_before_the_hand_over_are_ended(tmp_path, monkeypatch):
+    """Taken from the pool, then a port could not be had: they waited on, holding torch, until
+    ftmaster exited."""
+    workers = [sleeping_worker(), sleeping_worker()]
+    starter = WarmStarter.__new__(WarmStarter)
+    starter.pool, starter.run_id = SimpleNamespace(take=lambda nproc: workers), "run"
+
+    def no_port(address):
+        raise OSError("no free port")
+
+    monkeypatch.setattr(warm, "free_port", no_port)
+    try:
+        with pytest.raises(OSError, match="no free port"):
+            starter.start(["train.py"], 2, {}, tmp_path, tmp_path / "log", None)
+        assert all(worker.process.poll() is not None for worker in workers)
+    finally:
+        for worker in workers:
+            worker.process.kill()
