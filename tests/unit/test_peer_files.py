@@ -68,7 +68,8 @@ def test_only_files_under_the_folder_are_served_and_nothing_is_written(served, t
     (tmp_path / "secret.txt").write_text("not the tier's")
     (tier / "out").symlink_to(tmp_path / "secret.txt")
     auth = {"Authorization": f"Bearer {SECRET}"}
-    for path in ("/../secret.txt", "/%2E%2E/secret.txt", "/out", f"/{folder.name}", "/missing"):
+    for path in ("/../secret.txt", "/%2E%2E/secret.txt", "/out", f"/{folder.name}", "/missing",
+                 f"/{folder.name}/__1_0.distcp%00x"):  # a NUL broke the request off unanswered
         assert raw_get(server.url, path, auth)[0] == 404, path
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=5)
@@ -86,6 +87,21 @@ def test_a_range_read_returns_exactly_those_bytes(served):
     assert client.read(name, len(data) - 10) == data[-10:]
     with pytest.raises(PeerError, match="416"):
         client.read(name, len(data) + 1, 5)
+
+
+def test_a_peers_file_reads_as_a_file_does_at_its_end_and_for_nothing(served):
+    """A zero-length item's read(0), and BufferedReader's read to the end, raised a 416."""
+    import io
+
+    from ftmaster.peer_files import PeerFile
+
+    tier, server = served
+    data = (checkpoint(tier, sizes=(100,)) / "__0_0.distcp").read_bytes()
+    peer = PeerFile([PeerClient(server.url, SECRET)], "iter_0000006/__0_0.distcp")
+    assert peer.read(0) == b""
+    assert io.BufferedReader(peer).read() == data
+    peer.seek(100)
+    assert peer.read(5) == b""
 
 
 def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path):
@@ -202,6 +218,43 @@ def test_the_rate_limit_paces_what_the_server_sends(tmp_path):
         assert time.monotonic() - started >= 0.25
     finally:
         server.close()
+
+
+def test_under_the_rate_limit_every_reader_gets_bytes_in_turn(tmp_path):
+    """A sender slept holding the limit's lock, a whole MiB at a time, and the lock is not
+    fair: of 16 readers of 1 MiB each at 4 MiB/s, with 2 s to get their bytes going,
+    some heard nothing in time."""
+    tier = tmp_path / "peer"
+    checkpoint(tier, sizes=(1 << 20,))
+    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=4 << 20))
+    failed = []
+
+    def read():
+        try:
+            PeerClient(server.url, SECRET, timeout_s=2).read("iter_0000006/__0_0.distcp")
+        except PeerError as error:
+            failed.append(str(error))
+
+    try:
+        readers = [threading.Thread(target=read) for _ in range(16)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(60)
+        assert failed == []
+    finally:
+        server.close()
+
+
+def test_the_peer_list_is_written_afresh_for_the_user_alone(tmp_path):
+    """A leftover temporary file kept its mode, and the job's secret went into it."""
+    from ftmaster.peer_files import PEERS_FILE, write_peer_list
+
+    leftover = tmp_path / f".{PEERS_FILE}.{os.getpid()}"
+    leftover.write_text("")
+    leftover.chmod(0o644)
+    write_peer_list(tmp_path, SECRET, ["http://127.0.0.1:1"])
+    assert (tmp_path / PEERS_FILE).stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -53,6 +53,7 @@ from ftmaster.runfiles import atomic_write_text
 log = logging.getLogger("ftmaster")
 
 _CHUNK = 1 << 20
+_PACED_CHUNK = 64 << 10
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 
@@ -99,15 +100,19 @@ class RateLimit:
         self._at = time.monotonic()
 
     def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may go. Each sender books its bytes under the lock and waits
+        outside it, so senders go in the order they asked, as on a link: one that slept
+        holding the lock (which is not fair) held every other up, past a peer's timeout."""
         if self.rate is None:
             return
-        with self._lock:  # one sender at a time: the others queue behind it, as on a link
+        with self._lock:
             now = time.monotonic()
             self._tokens = min(self.rate / 4, self._tokens + (now - self._at) * self.rate)
             self._at = now
             self._tokens -= nbytes
-            if self._tokens < 0:
-                time.sleep(-self._tokens / self.rate)
+            wait = -self._tokens / self.rate
+        if wait > 0:
+            time.sleep(wait)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -167,9 +172,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return (start, end) if start < end or (start == end == size == 0) else None
 
     def _send(self, handle, start: int, end: int) -> None:
+        # Paced in small steps under a rate limit: each request's next bytes then wait for
+        # the others' steps, not their whole chunks
+        step = _CHUNK if self.server.limit.rate is None else _PACED_CHUNK
         handle.seek(start)
         while start < end:
-            chunk = handle.read(min(_CHUNK, end - start))
+            chunk = handle.read(min(step, end - start))
             if not chunk:
                 raise OSError("the file shrank while it was sent")
             self.server.limit.take(len(chunk))
@@ -202,7 +210,7 @@ class _Server(http.server.ThreadingHTTPServer):
         """The regular file under the root that ``url_path`` names, or None."""
         try:
             path = (self.root / url_path.lstrip("/")).resolve(strict=True)
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the path
             return None
         inside = path == self.root or self.root in path.parents
         return path if inside and path.is_file() else None
@@ -245,6 +253,10 @@ class PeerMissing(PeerError):
 
 class PeerUnauthorized(PeerError):
     """The peer refused the secret (401)."""
+
+
+class PeerPastEnd(PeerError):
+    """The range asked for starts at or past the file's end (416)."""
 
 
 class PeerClient:
@@ -325,7 +337,8 @@ class _Response:
             status = self._response.status
             if status not in (200, 206):
                 reason = self._response.read().decode(errors="replace").strip()
-                kind = {404: PeerMissing, 401: PeerUnauthorized}.get(status, PeerError)
+                kind = {404: PeerMissing, 401: PeerUnauthorized, 416: PeerPastEnd}.get(
+                    status, PeerError)
                 raise kind(f"{self.where}: {status} {reason}")
         except (OSError, http.client.HTTPException) as error:
             self.connection.close()
@@ -384,11 +397,16 @@ class PeerFile(io.RawIOBase):
         return data
 
     def _range(self, start: int, length: int | None) -> bytes:
+        """As a file reads: ``b""`` for nothing asked, or from its end on."""
+        if length == 0:
+            return b""
         for client in [self._holder] if self._holder else self._clients:
             try:
                 data = client.read(self._relative, start, length)
             except PeerMissing:
                 continue
+            except PeerPastEnd:
+                data = b""
             self._holder = client
             if self._on_read is not None:
                 self._on_read(len(data))
@@ -405,7 +423,10 @@ def write_peer_list(run_dir: Path, secret: str, urls: Sequence[str]) -> None:
     path = Path(run_dir) / PEERS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{PEERS_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Made afresh, never a leftover (which kept its mode) nor a link placed there: it gets
+    # the job's secret
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
         json.dump({"secret": secret, "peers": list(urls)}, handle)
     os.replace(tmp, path)
