@@ -159,6 +159,26 @@ def test_a_peer_that_is_gone_is_a_failed_copy_not_a_crash(tmp_path):
     assert not (iteration_dir(folders[0], 4) / "__2_0.distcp").exists()
 
 
+def test_a_copy_that_got_nothing_from_a_peer_that_pruned_it_is_a_failed_copy(tmp_path):
+    """It was a `replicated` event with 0 bytes: a copy said made that made nothing."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    for shard in iteration_dir(folders[1], 4).glob("__[23]_0.distcp"):
+        shard.unlink()  # its slot refilled since the save
+    replication = Replication(ReplicationConfig(folders[0], tmp_path / "run0", 0, timeout_s=2))
+    peer = PeerServer(PeerServeConfig(folders[1], SECRET))
+    try:
+        replication.new_round(SECRET, (replace(nodes(2)[0], peer_url=replication.url),
+                                       replace(nodes(2)[1], peer_url=peer.url)), 0, [2, 2])
+        replication.saved(4)
+        (failed,) = wait_until(lambda: replication.take_results(), timeout=30, what="the failure")
+    finally:
+        replication.close()
+        peer.close()
+    assert isinstance(failed, ReplicationFailed) and failed.iteration == 4
+    assert failed.reason == "node 1 no longer holds __2_0.distcp, __3_0.distcp"
+
+
 def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_path):
     """Node 1 comes back with nothing: before the launch it copies what node 0's memory
     tracker names, every file, from node 0; asked again, it copies nothing."""

@@ -469,14 +469,13 @@ class Replication:
             write_manifest(folder, manifest, HELD_MANIFEST_NAME)
         if peers.rank0 is not None:
             own_files = [name for name in files if writer_rank(name) is None]
-            self._results.put((peers.rank0[0], fill_from_peer(
+            self._report(peers.rank0[0], fill_from_peer(
                 self._client(peers.rank0[1], peers), iteration, self.config.memory_dir,
-                manifest, own_files)))
+                manifest, own_files))
         for node_rank, url, ranks in peers.sources:
             shards = [name for name in files if writer_rank(name) in ranks]
-            copied = fill_from_peer(self._client(url, peers), iteration, self.config.memory_dir,
-                                    manifest, shards)
-            self._results.put((node_rank, copied))
+            self._report(node_rank, fill_from_peer(self._client(url, peers), iteration,
+                                                   self.config.memory_dir, manifest, shards))
         if peers.rank0 is not None and (folder / MANIFEST_NAME).is_file():
             advance_tracker(self.config.memory_dir, iteration)  # this node's copy is whole
             (folder / HELD_MANIFEST_NAME).unlink(missing_ok=True)
@@ -484,6 +483,15 @@ class Replication:
             # Kept from the trainer's next slot refill: on the node of rank 0 the tracker
             # names the newest save, whole here or not.
             mark_whole(self.config.memory_dir, iteration)
+
+    def _report(self, node_rank: int, copied: Copied) -> None:
+        """A copy that got nothing because the peer holds none of what it lacked any more (a
+        slot refilled, a checkpoint pruned) is a failed copy, not a ``replicated`` event."""
+        if copied.missing and not copied.bytes:
+            self._results.put(ReplicationFailed(copied.iteration, (
+                f"node {node_rank} no longer holds {', '.join(copied.missing)}")))
+        else:
+            self._results.put((node_rank, copied))
 
     def _client(self, url: str, peers: Peers) -> PeerClient:
         # Every node of the round has the secret; one may start serving with it a moment
