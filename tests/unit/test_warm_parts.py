@@ -53,3 +53,30 @@ def test_workers_taken_for_a_launch_that_failed_before_the_hand_over_are_ended(t
     finally:
         for worker in workers:
             worker.process.kill()
+
+
+class RefusedAutogroup:
+    """/proc/PID/autogroup refusing its first ``refusals`` writes, as the kernel does to
+    writers without CAP_SYS_ADMIN beyond one write per 100 ms across the machine."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals, self.written = refusals, None
+
+    def __call__(self, path):
+        return self
+
+    def write_text(self, text):
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise BlockingIOError
+        self.written = text
+
+
+def test_a_rank_keeps_asking_for_its_session_nice_while_the_others_ask_too(monkeypatch):
+    """8 ranks and the 8 workers started to replace them all ask at once: after 20 tries a
+    rank gave up silently and trained at nice 19."""
+    autogroup = RefusedAutogroup(25)
+    monkeypatch.setattr(warm, "Path", autogroup)
+    assert warm.set_session_nice(1234, 0) and autogroup.written == "0"
+    monkeypatch.setattr(warm, "Path", RefusedAutogroup(10 ** 6))
+    assert not warm.set_session_nice(1234, 0, deadline_s=0.3)

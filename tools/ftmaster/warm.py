@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def _may_leave_idle_policy() -> bool:
     return bool(effective >> CAP_SYS_NICE & 1)
 
 
-def set_session_nice(pid: int, nice: int, attempts: int = 20) -> None:
+def set_session_nice(pid: int, nice: int, deadline_s: float = 5.0) -> bool:
     """The nice value of the process's session as a whole (``/proc/PID/autogroup``).
 
     With autogroups on (sched(7); the default of most distributions), the scheduler first
@@ -104,17 +105,21 @@ def set_session_nice(pid: int, nice: int, attempts: int = 20) -> None:
     alone made it the lowest only among itself: measured on 2 cores, a 4-rank attempt's
     imports took 13 s beside 4 workers importing, and 6 s without them. A nice of 0 or more
     needs no privilege; writers without CAP_SYS_ADMIN are held to one write per 100 ms across
-    the machine (EAGAIN), hence the retries. Nothing to do where there is no autogroup (a
-    cgroup with its own CPU controller shares the CPU instead)."""
-    path = Path(f"/proc/{pid}/autogroup")
-    for _ in range(attempts):
+    the machine (EAGAIN), hence the retries, jittered: every rank of a node and the workers
+    started to replace them ask at once. False if it is still not set at ``deadline_s``.
+    Nothing to do where there is no autogroup (a cgroup with its own CPU controller shares
+    the CPU instead)."""
+    path, deadline = Path(f"/proc/{pid}/autogroup"), time.monotonic() + deadline_s
+    while True:
         try:
             path.write_text(str(nice))
-            return
+            return True
         except BlockingIOError:
-            time.sleep(0.1)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(random.uniform(0.05, 0.15))
         except OSError:
-            return
+            return True
 
 
 def _idle_priority_reversibly() -> bool:
@@ -175,7 +180,7 @@ def _take_assignment(assignment: dict, idle: bool) -> None:
     os.environ.update(assignment["env"])
     os.environ[runfiles.ASSIGNED_AT_ENV] = repr(time.time())
     os.chdir(assignment["cwd"])
-    set_session_nice(os.getpid(), 0)
+    restored = set_session_nice(os.getpid(), 0)
     if idle:  # the worker and what WARM_UP started
         import psutil
         for pid in [0, *(child.pid for child in psutil.Process().children(recursive=True))]:
@@ -190,6 +195,10 @@ def _take_assignment(assignment: dict, idle: bool) -> None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.close(null_fd)
+    if not restored:  # said in the rank's own log, where a slow rank is looked into
+        print(f"warning: this rank's session is left at nice {IDLE_SESSION_NICE} (the kernel "
+              f"kept refusing the change): under CPU contention it trains slower",
+              file=sys.stderr, flush=True)
     sys.argv = list(assignment["argv"])
     _show_command(assignment["argv"])
 
