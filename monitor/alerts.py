@@ -4,7 +4,9 @@ A GPU alerts when its score reaches the threshold while it is armed and its cool
 passed. Alerting disarms it; it re-arms once its score falls below ``threshold -
 rearm_margin`` (or half the threshold, if lower). A hard reason that this GPU has not alerted on since it last re-armed
 (a new XID, a double-bit error after a thermal alert, the device disappearing) alerts at
-once, whatever the cooldown: those are the alerts a checkpoint request cannot wait for.
+once, whatever the cooldown: those are the alerts a checkpoint request cannot wait for. A
+sample of which nothing was read (``telemetry_unknown``) neither alerts nor re-arms: unknown
+is not healthy, nor is it risk.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ class AlertPolicy:
         return state is not None and not state.armed
 
     def decide(self, gpu: int, time_s: float, assessment: Assessment) -> bool:
-        """Whether this assessment is an alert; updates the GPU's arming state."""
+        """Whether this assessment is an alert; updates the GPU's arming state. A sample of
+        which nothing was read is neither: its 0.5 re-armed a GPU that had alerted (a dying
+        GPU's reads fail), and at a threshold of 0.5 or less it alerted on no data."""
+        if assessment.unknown:
+            return False
         cfg = self.config
         state = self._gpus.setdefault(gpu, _GpuAlertState())
         # The margin never takes the re-arm level below half the threshold (low thresholds).

@@ -58,6 +58,7 @@ from ftmaster.monitor.sample import GpuSample
 from ftmaster.monitor.signals import BAD_THROTTLE_MASK, hard_reasons, remember_counters
 
 UNKNOWN_SCORE = 0.5
+UNKNOWN_REASON = "telemetry_unknown"
 SCORER_NAMES = ("adaptive", "paper")
 REASON_FLOOR = 0.25  # soft signals weaker than this are not named as reasons
 
@@ -67,6 +68,11 @@ class Assessment:
     score: float
     reasons: tuple[str, ...] = ()
     hard_reasons: tuple[str, ...] = ()
+
+    @property
+    def unknown(self) -> bool:
+        """Whether nothing was read (``UNKNOWN_SCORE``): a score of no GPU state at all."""
+        return self.reasons == (UNKNOWN_REASON,)
 
 
 class Scorer(Protocol):
@@ -165,7 +171,7 @@ class PaperScorer:
         out = {}
         for sample in samples:
             if _no_telemetry(sample):
-                out[sample.gpu_id] = Assessment(UNKNOWN_SCORE, ("telemetry_unknown",))
+                out[sample.gpu_id] = Assessment(UNKNOWN_SCORE, (UNKNOWN_REASON,))
                 continue
             history = self._history.setdefault(sample.gpu_id, deque(maxlen=self.config.window_samples))
             history.append(sample)
@@ -686,7 +692,7 @@ class AdaptiveScorer:
             track.score = 1.0
             return Assessment(1.0, tuple(hard), tuple(hard))
         if _no_telemetry(s):
-            return Assessment(UNKNOWN_SCORE, ("telemetry_unknown",))
+            return Assessment(UNKNOWN_SCORE, (UNKNOWN_REASON,))
         raw = 1.0 - math.prod(1.0 - v for v in severities.values())
         track.score = max(raw, track.score - self.config.score_decay_per_min * dt / 60.0)
         reasons = tuple(k for k, v in sorted(severities.items(), key=lambda kv: -kv[1])

@@ -9,7 +9,7 @@ from ftmaster.monitor.alerts import AlertConfig, AlertPolicy
 from ftmaster.monitor.evaluate import evaluate
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.monitor.scorers import (AdaptiveConfig, AdaptiveScorer, Assessment, PaperConfig, PaperScorer,
-                                      make_scorer)
+                                      UNKNOWN_SCORE, make_scorer)
 from ftmaster.monitor.signals import hard_reasons, worst_xid
 
 T0 = 1_750_000_000.0
@@ -116,6 +116,19 @@ def test_a_gpu_stays_alerting_until_its_score_falls_to_the_rearm_level():
     assert policy.still_alerting(0)
     policy.decide(0, 20, Assessment(0.5))
     assert not policy.still_alerting(0) and not policy.still_alerting(1)
+
+
+def test_a_sample_of_which_nothing_was_read_neither_rearms_nor_alerts():
+    """Its 0.5 read as a score fallen below the re-arm level: a GPU with a sticky hard reason
+    (a reset required) whose reads failed now and then alerted again each time, and a drain
+    was cancelled as "risk fell"; at a threshold of 0.5 a failed read alone was an alert."""
+    hard = Assessment(1.0, ("recovery_action_1",), ("recovery_action_1",))
+    unknown = Assessment(UNKNOWN_SCORE, ("telemetry_unknown",))
+    policy = AlertPolicy(AlertConfig(threshold=0.95))
+    assert policy.decide(0, 0.0, hard)
+    assert not policy.decide(0, 10.0, unknown) and policy.still_alerting(0)
+    assert not policy.decide(0, 20.0, hard)
+    assert not AlertPolicy(AlertConfig(threshold=0.5)).decide(0, 0.0, unknown)
 
 
 def test_hot_but_steady_gpu_with_noise_never_alerts():
