@@ -82,6 +82,9 @@ class SmiBackend:
         self._gpu_ids = None if gpu_ids is None else frozenset(gpu_ids)
         self._selected = self._gpu_ids
         self._excluded: frozenset[int] = frozenset()
+        self._stuck: subprocess.Popen | None = None
+        """An nvidia-smi that outlived its SIGKILL (a wedged driver): none is started while it
+        lives, or every sample would leave one more behind."""
 
     def close(self) -> None:
         pass
@@ -133,20 +136,14 @@ class SmiBackend:
                 "--format=csv,noheader,nounits"]
         if ids is not None:
             argv.append("--id=" + ",".join(map(str, ids)))
+        if self._stuck is not None and self._stuck.poll() is None:
+            raise BackendError(f"{self.executable} (pid {self._stuck.pid}) has not ended since "
+                               f"it was killed; no other is started meanwhile")
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        except OSError as exc:
-            raise BackendError(f"cannot run {self.executable}: {exc.strerror or exc}") from None
-        try:
-            out, err = proc.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # it may have exited just now
-                os.killpg(proc.pid, signal.SIGKILL)
-            _reap_killed(proc)
-            raise BackendError(f"{self.executable} did not answer within {self.timeout_s:g} s; "
-                               f"killed it (pid {proc.pid})") from None
-        return proc.returncode, out, err
+            return run_killable(argv, self.timeout_s)
+        except Unanswered as unanswered:
+            self._stuck = unanswered.process if unanswered.process.poll() is None else None
+            raise
 
     def _parse(self, line: str, now: float) -> GpuSample:
         cells = [c.strip() for c in line.split(",")]
@@ -158,6 +155,35 @@ class SmiBackend:
             raise BackendError(f"unparseable nvidia-smi line (bad GPU index): {line[:120]!r}")
         parsed = {name: _cell(name, text) for name, text in values.items()}
         return GpuSample(timestamp=now, **parsed)
+
+
+class Unanswered(BackendError):
+    """A command that did not answer in time, killed (``process``: it may live on)."""
+
+    def __init__(self, message: str, process: subprocess.Popen) -> None:
+        super().__init__(message)
+        self.process = process
+
+
+def run_killable(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """Run ``argv`` in a session of its own; its exit status and output. BackendError when it
+    cannot start, Unanswered when it did not answer within ``timeout_s``: then its session is
+    SIGKILLed and it is never waited for without a deadline (``subprocess.run`` would: in
+    uninterruptible sleep, in a wedged driver, it outlives SIGKILL)."""
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    except OSError as exc:
+        raise BackendError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # it may have exited just now
+            os.killpg(proc.pid, signal.SIGKILL)
+        _reap_killed(proc)
+        raise Unanswered(f"{argv[0]} did not answer within {timeout_s:g} s; killed it "
+                         f"(pid {proc.pid})", proc) from None
+    return proc.returncode, out, err
 
 
 def _without_rejected(fields: tuple[tuple[str, str], ...], message: str) -> tuple[tuple[str, str], ...]:

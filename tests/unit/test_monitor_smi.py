@@ -1,5 +1,6 @@
 """The smi backend against fake ``nvidia-smi`` scripts put first on PATH."""
 
+import contextlib
 import os
 import signal
 import stat
@@ -93,13 +94,45 @@ def test_a_killed_nvidia_smi_that_will_not_die_is_not_waited_on(fake_smi, monkey
     monkeypatch.setattr(os, "killpg", lambda pgid, sig: survivors.append(pgid))
     fake_smi("sleep 20\n")
     began = time.monotonic()
+    backend = SmiBackend(timeout_s=0.3)
     try:
         with pytest.raises(BackendError, match="did not answer within 0.3 s; killed it"):
-            SmiBackend(timeout_s=0.3).sample()
+            backend.sample()
         assert time.monotonic() - began < 5
+        # Every sample started one more that would not die either, each with its reaper
+        with pytest.raises(BackendError, match="has not ended since it was killed"):
+            backend.sample()
+        assert len(survivors) == 1
     finally:
         for pgid in survivors:
             kill(pgid, signal.SIGKILL)
+
+
+def test_the_gpu_count_from_nvidia_smi_is_never_waited_for_without_a_deadline(fake_smi,
+                                                                              monkeypatch):
+    """NVML timed out (a wedged driver), and subprocess.run waits for nvidia-smi -L without
+    a deadline once it killed it: the launch hung where it should have said one line."""
+    from ftmaster import gpus
+
+    def wedged(timeout_s):
+        raise BackendError("nvmlInit did not return")
+
+    kills = (os.killpg, os.kill)
+    survivors = []
+    for name in ("killpg", "kill"):  # in uninterruptible sleep: no kill takes
+        monkeypatch.setattr(os, name, lambda pid, sig: survivors.append(pid))
+    monkeypatch.setattr(gpus, "probe_gpus", wedged)
+    monkeypatch.setattr(gpus, "NVIDIA_SMI_TIMEOUT_S", 0.3)
+    fake_smi("sleep 20\n")
+    began = time.monotonic()
+    try:
+        assert gpus.probe() is None
+        assert time.monotonic() - began < 5
+    finally:
+        for pid in survivors:
+            for kill in kills:
+                with contextlib.suppress(OSError):
+                    kill(pid, signal.SIGKILL)
 
 
 def test_missing_nvidia_smi_is_refused_at_once_and_one_that_goes_is_reported(fake_smi,

@@ -16,12 +16,12 @@ empty for every attempt, so no real GPU is ever exposed behind the user's back.
 from __future__ import annotations
 
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ftmaster.monitor.backends import BackendError
 from ftmaster.monitor.backends.nvml import GpuIdentity, index_for_uuid, probe_gpus
+from ftmaster.monitor.backends.smi import run_killable
 
 NVIDIA_SMI_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 30.0
@@ -65,10 +65,11 @@ def probe(timeout_s: float = PROBE_TIMEOUT_S) -> list[GpuIdentity] | None:
         pass
     if shutil.which("nvidia-smi") is None:
         return None
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                                 timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    try:  # when NVML timed out, the driver may be wedged, and nvidia-smi stuck in it
+        code, listing, _ = run_killable(["nvidia-smi", "-L"], NVIDIA_SMI_TIMEOUT_S)
+    except BackendError:
+        return None
+    if code != 0:
         return None
     count = sum(line.startswith("GPU ") for line in listing.splitlines())
     return [GpuIdentity(index, None, None) for index in range(count)]
