@@ -123,8 +123,11 @@ class MetricsWriter:
             self._drop_torn_tail()
 
     def _check_header(self) -> None:
-        with self.path.open(newline="", errors="replace") as handle:  # a binary file: not ours
-            header = next(csv.reader(handle), [])
+        try:
+            with self.path.open(newline="", errors="replace") as handle:  # binary: not ours
+                header = next(csv.reader(handle), [])
+        except csv.Error:  # e.g. an unclosed quote running past the field size limit
+            header = []
         if tuple(header) != CSV_COLUMNS:
             os.close(self._fd)
             raise MetricsFileError(f"{self.path} has other columns than gpu_metrics.csv's; "
@@ -137,10 +140,15 @@ class MetricsWriter:
         return buffer.getvalue().encode()
 
     def _drop_torn_tail(self) -> None:
-        """A row cut short (a writer killed mid-write) would run into the first one appended."""
+        """A row cut short (a writer killed mid-write) would run into the first one appended.
+        A header whose line ended there is whole (its columns were checked): it is ended, not
+        cut, which left rows without a header."""
         size = os.fstat(self._fd).st_size
         tail = os.pread(self._fd, min(size, 1 << 16), max(0, size - (1 << 16)))
         if tail.endswith(b"\n"):
+            return
+        if b"\n" not in tail and size == len(tail):
+            self._write_whole(b"\n")
             return
         keep = size - len(tail) + tail.rfind(b"\n") + 1
         log.warning("%s ended in a torn row (%d bytes): dropped", self.path, size - keep)

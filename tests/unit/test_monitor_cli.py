@@ -89,7 +89,8 @@ def test_replaying_into_its_own_file_is_refused(tmp_path):
                    "own gpu_metrics.csv")
 
 
-@pytest.mark.parametrize("content", [b"a,b\n1,2\n", b"\x89PNG\r\n\x1a\n\xff\xfe"])
+@pytest.mark.parametrize("content", [b"a,b\n1,2\n", b"\x89PNG\r\n\x1a\n\xff\xfe",
+                                     b'"' + b"x" * 200_000 + b"\n"])  # past csv's field limit
 def test_foreign_csv_in_the_run_dir_is_refused(tmp_path, content):
     (tmp_path / "gpu_metrics.csv").write_bytes(content)
     one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"), "other columns")

@@ -397,6 +397,20 @@ def test_the_csv_is_whole_rows_after_a_write_cut_short_or_a_writer_killed_mid_ro
     assert all(len(row) == len(CSV_COLUMNS) for row in rows) and len(rows) == 1 + 4 * 3
 
 
+def test_a_header_whose_line_was_cut_is_kept_and_ended(tmp_path):
+    """Taken for a torn row, the whole file was cut: the rows went on without a header."""
+    import csv
+
+    from ftmaster.monitor.daemon import MetricsWriter
+    from ftmaster.monitor.schema import CSV_COLUMNS
+
+    path = runfiles.metrics_csv_path(tmp_path)
+    path.write_text(",".join(CSV_COLUMNS))
+    MetricsWriter(path).write([GpuSample(timestamp=1750000000.0, gpu_id=0, temperature=60.0)])
+    rows = list(csv.reader(path.open()))
+    assert tuple(rows[0]) == CSV_COLUMNS and len(rows) == 2 and rows[1][1] == "0"
+
+
 def test_a_stop_during_a_long_first_sample_closes_the_readers_without_a_traceback(tmp_path):
     """The stop closes the backend while the sampler still starts GPU readers (20000 GPUs
     at the monitor's 5 s join: "dictionary changed size during iteration")."""

@@ -131,6 +131,8 @@ def _header(csv_path: Path) -> list[str]:
         raise NoSamples(f"cannot read {csv_path}: {exc.strerror}") from None
     except OSError as exc:
         raise _fail(f"cannot read {csv_path}: {exc.strerror}") from None
+    except csv.Error as exc:  # e.g. an unclosed quote running past the field size limit
+        raise _fail(f"{csv_path} is not a gpu_metrics.csv: {exc}") from None
     if not header:
         raise NoSamples(f"{csv_path} is empty: expected a gpu_metrics.csv header and samples")
     missing = [c for c in REQUIRED if c not in header]
