@@ -118,7 +118,7 @@ class NvmlBackend(PerGpuBackend):
         self._unsupported: set[tuple[int, str]] = set()
         self._missing_functions: set[str] = set()
         self._names: dict[int, str] = {}
-        self._driver: str | None = None
+        self._driver = self._driver_version()
         self._drain = None  # an XID read that overran its deadline, until its codes are taken
         self._events = self._open_event_set()
 
@@ -136,6 +136,15 @@ class NvmlBackend(PerGpuBackend):
         if missing:
             raise BackendError(f"NVML sees {count} GPU(s); no GPU with index {missing}")
         return wanted
+
+    def _driver_version(self) -> str | None:
+        """The driver's version (a Table I column); None when it cannot be read now (read
+        again with the XIDs: it was read only there, so never without an event set)."""
+        try:
+            return _text(self._system.call(self.bounds.setup_timeout_s,
+                                           self._nvml.nvmlSystemGetDriverVersion))
+        except Exception:
+            return None
 
     def _open_event_set(self) -> Any:
         """An XID event set, or None: then no GPU reports XIDs (and the monitor says so)."""

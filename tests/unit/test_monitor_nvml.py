@@ -181,6 +181,15 @@ def test_xids_are_reported_only_when_some_gpu_registered_for_them():
     assert "xid" in sampled(one_registered).reported_fields
 
 
+def test_the_driver_version_is_read_without_an_xid_event_set():
+    """It was read only with the XIDs: in a container without events, every row lacked it."""
+    backend = NvmlBackend(nvml=fake_nvml(nvmlEventSetCreate=raises(NOT_SUPPORTED)))
+    try:
+        assert {s.driver_version for s in backend.sample()} == {"570.1"}
+    finally:
+        backend.close()
+
+
 def test_an_xid_whose_index_lookup_fails_is_kept():
     nvml = fake_nvml(nvmlDeviceGetIndex=raises(UNKNOWN))
     assert by_gpu(NvmlBackend(nvml=nvml).sample())[1].xid == 79  # placed by its handle
