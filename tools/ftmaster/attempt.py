@@ -320,11 +320,6 @@ class Attempt:
                     continue
         return live
 
-    def signal_ranks(self, sig: int) -> None:
-        for record in self.ranks().values():
-            if record.exit_code is None:
-                send_signal(record.pid, sig)
-
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL the whole tree (stopped processes included) and wait until it is gone."""
         processes = self._live_processes()

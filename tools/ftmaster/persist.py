@@ -346,11 +346,18 @@ class Persister:
         """Whether ``iteration`` is newer than the disk tier's and not being copied; one whose
         copy just failed waits before it is tried again (a damaged checkpoint was re-read at
         every poll), unless ``retry_now``."""
+        return self.may_need_copy(iteration, retry_now) and self.newer_than_disk(iteration)
+
+    def may_need_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
+        """:meth:`needs_copy` without its read of ``--save``: False in the common case, at
+        every poll (already requested, or waiting to be tried again)."""
         if iteration is None or iteration == self.last_requested:
-            return False  # the common case, every poll: no read of --save
-        if not retry_now and self._retry is not None and iteration == self._retry[0] \
-                and time.monotonic() < self._retry[1]:
             return False
+        return retry_now or self._retry is None or iteration != self._retry[0] \
+            or time.monotonic() >= self._retry[1]
+
+    def newer_than_disk(self, iteration: int) -> bool:
+        """Whether ``iteration`` is newer than what a load would take from ``--save``."""
         disk = newest_on_disk(self.save_dir)
         return disk is None or iteration > disk
 

@@ -728,9 +728,11 @@ class Supervisor:
             agreed = self.agreement.current(self.round.number,
                                             [node.node_rank for node in self.round.nodes])
             newest = None if agreed is None else agreed.iteration
-        try:  # it reads --save, which must not hold up the supervisor (a hung mount)
-            if not self._checkpoint_looks.call(CHECKPOINT_LOOK_S, self.persister.needs_copy,
-                                               newest, now):
+        if not self.persister.may_need_copy(newest, retry_now=now):
+            return
+        try:  # a read of --save, which must not hold up the supervisor (a hung mount)
+            if not self._checkpoint_looks.call(CHECKPOINT_LOOK_S, self.persister.newer_than_disk,
+                                               newest):
                 return
         except CallTimeout:
             return  # asked again at the next poll
