@@ -149,8 +149,11 @@ def test_three_nodes_with_one_replica_persist_and_resume_from_the_nodes_that_hol
     between them, agree on one through the store, and both resume from memory at DP2, each
     reading from the other the shards it lacks."""
     save = tmp_path / "ckpt"
-    # Persists are due every --save-interval steps' worth of time (20: the first at once)
-    args = train_args(save, 40, 1, 1, 20, *MEMORY_TIER, global_batch=12)
+    # Persists are due every --save-interval steps' worth of time (the first at once). At 40,
+    # no disk save comes before the end: at 20 one could land before node 1 was killed (the
+    # first persist waits up to 2 s for the nodes' holdings, 20 iterations on a fast run),
+    # and the resume then came from disk, newer than any memory checkpoint.
+    args = train_args(save, 40, 1, 1, 40, *MEMORY_TIER, global_batch=12)
     with two_nodes(Nodes(tmp_path, 1, args, nnodes="2:3"), ending=(0, 2),
                    started=(0, 1, 2)) as nodes:
         nodes.start_all(3, (), ("--inject", "slow:gpu=0,factor=3,at=iter:1"))
