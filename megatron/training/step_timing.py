@@ -8,12 +8,15 @@ the waits for activations from the neighbouring stage; peers are compared only w
 stage, where those waits are alike.
 
 On CUDA the host only queues kernels, so the time is taken between two CUDA events on the
-current stream and read one iteration later (by then they completed long ago: the loss and
-the NaN guard synchronise): no added synchronisation. On CPU, by the clock, less the time
-the rank's thread waited for a core (``/proc/thread-self/schedstat``'s run-queue wait): on a
-host with more ranks than cores that wait is the host's contention, not the rank's compute,
-and it moved a healthy rank's figure by 2x from one iteration to the next on the project's
-2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
+current stream and read one iteration later: no added synchronisation. By then they have
+usually completed (the loss and the NaN guard synchronise), but not always: with
+``--clip-grad 0`` and the guard off nothing synchronises a first pipeline stage, which
+computes no loss. An iteration the device has not finished has no figure.
+
+On CPU, by the clock, less the time the rank's thread waited for a core
+(``/proc/thread-self/schedstat``'s run-queue wait): on a host with more ranks than cores that
+wait is the host's contention, not the rank's compute, and it moved a healthy rank's figure
+by 2x from one iteration to the next on the project's 2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
 sleep counts.
 
 The figures of every rank travel with the save agreement (one all-reduce per iteration that
@@ -75,7 +78,8 @@ class ComputeTimer:
             return 0
         start, entered = self._previous
         if self.cuda:
-            return max(1, int(start.elapsed_time(entered) * 1000))
+            # elapsed_time raises (cudaErrorNotReady) before the device reached the event.
+            return max(1, int(start.elapsed_time(entered) * 1000)) if entered.query() else 0
         return max(1, int((entered - start) * 1e6))
 
 

@@ -255,3 +255,34 @@ def test_the_step_after_a_drain_is_a_median_no_save_in_two_steps_decides():
     for iteration, at in ((23, 9.5), (24, 10.7), (25, 11.9)):
         watch.observe(beat(iteration, at, None))
     assert watch.step_seconds(least=5) == pytest.approx(1.2)
+
+
+class _PendingEvent:
+    """A CUDA event the device has not reached yet: ``elapsed_time`` raises, as CUDA's
+    ``cudaErrorNotReady`` does."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+    def elapsed_time(self, other) -> float:
+        raise RuntimeError("CUDA error: device not ready")
+
+
+def test_a_cuda_iteration_the_device_has_not_finished_has_no_figure_yet(monkeypatch):
+    """With --clip-grad 0 and the NaN guard off, nothing synchronises a first pipeline stage
+    (its loss is not computed there): its last iteration may still be on the device when
+    the next one starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", _PendingEvent)
+    timer = ComputeTimer(cuda=True)
+    timer.start()
+    timer.reduction_entered()
+    timer.start()
+    assert timer.previous_microseconds() == 0
