@@ -352,21 +352,40 @@ class Janitor:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._removals: dict[Path, threading.Event] = {}
+        """Failed saves' folders queued for removal (training thread only)."""
 
-    def submit(self, job: Callable, *args) -> None:
+    def submit(self, job: Callable, *args) -> threading.Event:
+        """Queue ``job(*args)``; the event is set once it has run."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="checkpoint-janitor",
                                             daemon=True)
             self._thread.start()
-        self._jobs.put((job, args))
+        done = threading.Event()
+        self._jobs.put((job, args, done))
+        return done
+
+    def remove_failed_save(self, folder: Path, iteration: int) -> None:
+        self._removals = {path: done for path, done in self._removals.items() if not done.is_set()}
+        self._removals[folder] = self.submit(_remove_unless_tracked, folder, iteration)
+
+    def wait_for_removal(self, folder: Path) -> None:
+        """Before a save makes ``folder`` again (one at the same iteration, as the
+        --exit-interval save after a failed periodic one): the removal would otherwise take
+        the new checkpoint's files, after its tracker moved or while it writes them."""
+        removal = self._removals.pop(folder, None)
+        if removal is not None:
+            removal.wait()
 
     def _serve(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, args = item
+            job, args, done = item
             try:
                 job(*args)
             except Exception as error:  # a failed clean-up must not end training
                 log_rank0(f"warning: {getattr(job, '__name__', job)} failed: {describe_error(error)}")
+            finally:
+                done.set()
 
     def finish(self, timeout_s: float = 300.0) -> None:
         """Let the queued work finish (at the end of training)."""
@@ -689,6 +708,7 @@ class _Save:
     def _make_folder(self, previous: int | None) -> tuple[str | None, bool]:
         """Rank 0: the problem, if any, and whether a slot's files are refilled."""
         try:
+            self.checkpointer.janitor.wait_for_removal(self.path)
             if self.slots is not None and self.slots.claim(previous, self.path):
                 return None, True
             self.path.mkdir(parents=True, exist_ok=True)
@@ -828,7 +848,7 @@ class _Save:
 
     def remove_partial_folder(self) -> None:
         # In the janitor, the tracker read too: a failed save's file system may hang.
-        self.checkpointer.janitor.submit(_remove_unless_tracked, self.path, self.iteration)
+        self.checkpointer.janitor.remove_failed_save(self.path, self.iteration)
 
 
 def _folder_written_at(save: _Save) -> float | None:

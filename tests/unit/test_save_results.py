@@ -132,3 +132,29 @@ def test_the_prune_before_a_save_keeps_the_checkpoint_training_resumed_from(tmp_
     assert "has 0 bytes free" in checkpointing._Save(checkpointer, 25, "periodic", "memory",
                                                      None)._room_problem()
     assert list_iterations(memory) == [20, 10]
+
+
+def test_a_save_into_the_folder_of_a_failed_one_waits_for_its_removal(tmp_path):
+    """A failed save's folder is removed by the janitor; a save at the same iteration (the
+    --exit-interval save after a failed periodic one) made the folder again meanwhile, and
+    the removal then took the new checkpoint's files from under it, tracker and all."""
+    import threading
+
+    gate = threading.Event()
+    janitor = checkpointing.Janitor()
+    janitor.submit(gate.wait)  # the janitor busy with older work
+    checkpointer = types.SimpleNamespace(group=None, folder_of=lambda tier: tmp_path, slots=None,
+                                         async_saves=None, disk_records=None, janitor=janitor,
+                                         memory_owner=None)
+    failed = checkpointing._Save(checkpointer, 30, "periodic", "disk", None)
+    failed.path.mkdir()
+    (failed.path / "__0_0.distcp").write_bytes(b"part of a failed save")
+    failed.remove_partial_folder()
+    again = checkpointing._Save(checkpointer, 30, "exit", "disk", None)
+    made = threading.Thread(target=again._make_folder, args=(None,))
+    made.start()
+    made.join(0.2)
+    gate.set()
+    made.join()
+    janitor.finish()
+    assert again.path.is_dir() and not any(again.path.iterdir())
