@@ -144,3 +144,29 @@ def test_the_page_tells_a_straggler_and_its_drain(tmp_path):
     assert "<h2>Stragglers</h2>" in body and "straggler: GPU 1 computed 2.1x slower" in body
     assert "0.8 s/iteration after the drain" in body
     assert "<td>drain</td><td>gpu 1, reason straggler, decided_by the job runs" in body
+
+
+def test_the_runs_goodput_counts_only_the_iterations_it_trained():
+    """A run that started from a checkpoint (``--load`` of an earlier job) trained the
+    iterations after it: those before it took none of this run's wall time."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "checkpoint_loaded", "time": 5.0, "iteration": 1000},
+              {"event": "complete", "time": 205.0, "iteration": 1100}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert (seen["iterations"], seen["useful_s"]) == (100, 100.0)
+    assert seen["goodput"] == pytest.approx(100 / 205)
+
+
+def test_a_relaunchs_load_is_not_the_runs_start():
+    """Iterations redone after a failure are lost work, not a later start."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "failure", "time": 50.0, "iteration": 40, "attempt": 1},
+              {"event": "launch", "time": 60.0, "attempt": 2},
+              {"event": "checkpoint_loaded", "time": 65.0, "iteration": 30},
+              {"event": "complete", "time": 135.0, "iteration": 100}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert (seen["iterations"], seen["useful_s"]) == (100, 100.0)

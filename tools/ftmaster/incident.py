@@ -279,16 +279,30 @@ def _risk_around(failure: dict, frame) -> str:
 # ---- goodput -----------------------------------------------------------------------------------
 
 def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
-    """The completed iterations at the run's median step time, over its wall time."""
+    """The iterations the run completed, from where its first attempt started, at its median
+    step time, over its wall time."""
     done = [e.get("iteration") for e in events if e["event"] in ("complete", "stopped", "failure")
             and isinstance(e.get("iteration"), int)]
     launches = [e["time"] for e in events if e["event"] == "launch"]
     if not done or not launches or "iteration_s" not in measured:
         return None
     wall = events[-1]["time"] - launches[0]
-    useful = max(done) * measured["iteration_s"]
+    iterations = max(0, max(done) - _started_from(events))
+    useful = iterations * measured["iteration_s"]
     return {"goodput": min(1.0, useful / wall) if wall > 0 else None, "wall_s": wall,
-            "useful_s": useful, "iterations": max(done), "iteration_s": measured["iteration_s"]}
+            "useful_s": useful, "iterations": iterations, "iteration_s": measured["iteration_s"]}
+
+
+def _started_from(events: list[dict]) -> int:
+    """The iteration the first attempt loaded (0: from scratch). A run may start from an
+    earlier job's checkpoint, whose iterations took none of its wall time; a load after an
+    attempt ended is a relaunch's, whose redone iterations are lost work."""
+    for event in events:
+        if event["event"] in ("failure", "complete", "stopped", "gave_up", "store_lost"):
+            return 0
+        if event["event"] == "checkpoint_loaded" and isinstance(event.get("iteration"), int):
+            return event["iteration"]
+    return 0
 
 
 def job_gpus(events: list[dict]) -> int:
