@@ -4,10 +4,10 @@ As in Megatron-LM (``training_log``), the last rank writes: it holds the loss. E
 ``--tensorboard-log-interval`` iterations: ``learning-rate``, ``batch-size``, ``lm loss``,
 ``grad-norm``, ``loss-scale`` (fp16 only) and ``iteration-time``; after an evaluation,
 ``lm loss validation``. Every scalar is keyed by iteration, so a relaunch into the same
-folder continues the same curves: a resumed writer marks a restart at its first iteration
+folder continues the same curves: every writer marks a restart at its first iteration
 (``SummaryWriter``'s ``purge_step``), and TensorBoard's reader drops what earlier attempts
 wrote from that step on (the iterations it repeats), so each series holds each iteration
-once. Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which
+once. A relaunch that found no checkpoint starts again from iteration 1 and marks it too. Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which
 that mark would purge too. What a relaunch can resume from is flushed with each durable
 checkpoint, so a killed attempt leaves no gap before it.
 """
@@ -27,7 +27,7 @@ def tensorboard_installed() -> bool:
 class Board:
     """The last rank's writer; on every other rank (or without ``--tensorboard-dir``) a no-op."""
 
-    def __init__(self, args, first_iteration: int, resumed: bool) -> None:
+    def __init__(self, args, first_iteration: int) -> None:
         self.interval = args.tensorboard_log_interval
         self.writer = None
         import torch  # here: ftmaster launch checks the arguments without importing torch
@@ -37,7 +37,7 @@ class Board:
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
                                         max_queue=args.tensorboard_queue_size,
-                                        purge_step=first_iteration if resumed else None)
+                                        purge_step=first_iteration)
 
     def due(self, iteration: int) -> bool:
         """Whether this rank writes ``iteration``'s scalars (the caller gathers them only then:
