@@ -168,3 +168,22 @@ def test_watching_a_monitor_labels_each_gpu_with_the_uuid_its_backend_knows():
     names = {sample.labels["gpu"]: sample.labels["UUID"] for family in m.registry.collect()
              for sample in family.samples if sample.name == "ftmaster_gpu_failure_risk"}
     assert names == {"0": "GPU-aaaa", "1": "GPU-bbbb"}
+
+
+def test_a_resume_from_an_older_checkpoint_forgets_the_discarded_ones(monkeypatch):
+    """A node took the memory tier's 20-40 with it and the job resumed from disk's 10: those
+    are set aside, so they neither wait for a persist nor stay the tier's newest save."""
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 100.0)
+    for event in ({"event": "periodic_save", "tier": "memory", "iteration": 10, "time": 10.0},
+                  {"event": "periodic_save", "tier": "memory", "iteration": 20, "time": 20.0},
+                  {"event": "persisted", "iteration": 10, "time": 25.0},
+                  {"event": "periodic_save", "tier": "memory", "iteration": 30, "time": 30.0},
+                  {"event": "periodic_save", "tier": "memory", "iteration": 40, "time": 40.0},
+                  {"event": "failure", "cause": "peer", "iteration": 42, "time": 45.0},
+                  {"event": "checkpoint_loaded", "tier": "disk", "iteration": 10, "time": 50.0},
+                  {"event": "periodic_save", "tier": "memory", "iteration": 20, "time": 90.0}):
+        m.observe_event(event)
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="memory") == 10.0
+    assert value(m, "ftmaster_persist_lag_seconds") == 10.0
+    assert value(m, "ftmaster_persist_lag_iterations") == 10

@@ -294,6 +294,8 @@ class Metrics:
             self._saved({**event, "tier": "memory"})
         elif kind == "persisted":
             self._persisted(event.get("iteration"))
+        elif kind == "checkpoint_loaded":
+            self._resumed_from(event.get("iteration"))
 
     def _recovered(self, recovered: Recovered) -> None:
         self.rto.labels(*self._node).observe(recovered.rto_s)
@@ -337,6 +339,21 @@ class Metrics:
             self._on_disk = iteration if self._on_disk is None else max(self._on_disk, iteration)
         if taken is not None:
             self._newest("disk", iteration, taken)
+        self._update_lag_iterations()
+
+    def _resumed_from(self, iteration) -> None:
+        """Training loaded ``iteration``: any newer checkpoint was set aside (a node took it
+        with it, or it failed its checksums), so it is never persisted nor on disk, and the
+        saves of the iterations redone from here are each tier's newest."""
+        if not isinstance(iteration, int):
+            return
+        with self._lock:
+            for newer in [i for i in self._unpersisted if i > iteration]:
+                del self._unpersisted[newer]
+            for tier, (newest, taken) in self._saves.items():
+                self._saves[tier] = (min(newest, iteration), taken)
+            if self._on_disk is not None:
+                self._on_disk = min(self._on_disk, iteration)
         self._update_lag_iterations()
 
     def _update_lag_iterations(self) -> None:
