@@ -7,8 +7,9 @@ As in Megatron-LM (``training_log``), the last rank writes: it holds the loss. E
 folder continues the same curves: every writer marks a restart at its first iteration
 (``SummaryWriter``'s ``purge_step``), and TensorBoard's reader drops what earlier attempts
 wrote from that step on (the iterations it repeats), so each series holds each iteration
-once. A relaunch that found no checkpoint starts again from iteration 1 and marks it too. Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which
-that mark would purge too. What a relaunch can resume from is flushed with each durable
+once. A relaunch that found no checkpoint starts again from iteration 1 and marks it too.
+Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which that
+mark would purge too. What a relaunch can resume from is flushed with each durable
 checkpoint, so a killed attempt leaves no gap before it.
 """
 
