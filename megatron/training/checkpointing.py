@@ -706,7 +706,8 @@ class _Save:
         return self.problem is None
 
     def _make_folder(self, previous: int | None) -> tuple[str | None, bool]:
-        """Rank 0: the problem, if any, and whether a slot's files are refilled."""
+        """Rank 0: the problem, if any, and whether a slot's files are refilled. Never
+        raises an OSError: the other ranks wait for this answer in a collective."""
         try:
             self.checkpointer.janitor.wait_for_removal(self.path)
             if self.slots is not None and self.slots.claim(previous, self.path):
@@ -714,7 +715,10 @@ class _Save:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             return f"creating {self.path}: {describe_error(error)}", False
-        return (self._room_problem() if self.tier == "memory" else None), False
+        try:
+            return (self._room_problem() if self.tier == "memory" else None), False
+        except OSError as error:  # a tmpfs gone or unreadable under the pruning
+            return f"making room in {self.path.parent}: {describe_error(error)}", False
 
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes

@@ -158,3 +158,21 @@ def test_a_save_into_the_folder_of_a_failed_one_waits_for_its_removal(tmp_path):
     made.join()
     janitor.finish()
     assert again.path.is_dir() and not any(again.path.iterdir())
+
+
+def test_a_room_check_that_fails_is_the_saves_problem_not_an_exception(tmp_path, monkeypatch):
+    """Rank 0 alone makes the folder and checks the room while the other ranks wait for its
+    answer in a broadcast: an OSError there must become the save's problem, or they would
+    wait out the distributed timeout."""
+    def gone(path):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", gone)
+    checkpointer = types.SimpleNamespace(
+        group=None, folder_of=lambda tier: tmp_path, async_saves=None, disk_records=None,
+        janitor=checkpointing.Janitor(), last_bytes=100, last_durable_iteration=20,
+        slots=types.SimpleNamespace(claim=lambda previous, path: False,
+                                    kept_iterations=lambda: set()))
+    problem, refilled = checkpointing._Save(checkpointer, 25, "periodic", "memory",
+                                            None)._make_folder(20)
+    assert problem.startswith(f"making room in {tmp_path}: ") and not refilled
