@@ -68,7 +68,7 @@ def _schedule_number(text: str) -> int:
     multiplier = _SUFFIXES.get(text[-1:], 1)
     try:
         return int(float(text[:-1] if multiplier > 1 else text) * multiplier)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf" and "1e400" parse as floats
         raise ValueError(f"{STEP_SCHEDULE_FLAG} has a bad number {text!r}") from None
 
 

@@ -268,6 +268,11 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
      "and --pipeline-model-parallel-layout may be given (Megatron-LM refuses more)"),
     (BASE + ["--pipeline-model-parallel-layout", "Et|t|tL"],
      "--pipeline-model-parallel-layout has 3 decoder layers, --num-layers is 4"),
+    # float("inf") parses, then int() of it overflows: still a one-line ValueError.
+    (BASE[:-2] + ["--step-batch-size-schedule", "0:8 inf:16"],
+     "--step-batch-size-schedule has a bad number 'INF'"),
+    (BASE[:-2] + ["--step-batch-size-schedule", "0:8 1e400:16"],
+     "--step-batch-size-schedule has a bad number '1E400'"),
 ])
 def test_read_script_args_errors(args, message):
     with pytest.raises(ValueError) as raised:
