@@ -47,8 +47,9 @@ largest the nodes allow downwards. An upper bound on a split's throughput at a D
 plus bubble with a one-sample micro-batch and no communication) grows with DP, so once it
 falls below the best estimate found minus the tie band, no smaller DP of that split can
 enter the ranking and the split is left; splits are visited in order of their bound. A split
-is also left at the first DP where even micro-batch 1 does not fit: memory only grows as DP
-shrinks (larger optimizer shards, more micro-batches in flight). Paper mode keeps the largest
+is also left at the first DP where even micro-batch 1 with one distributed-optimizer instance
+does not fit: memory only grows as DP shrinks (larger optimizer shards, more micro-batches in
+flight; a smaller DP may run fewer instances, never shard wider). Paper mode keeps the largest
 DP of each split. This keeps 131,072 GPUs under 0.1 s (``benchmarks/planner_speed.py``).
 """
 
@@ -400,13 +401,17 @@ def _evaluate(problem: _Problem, model: _SplitModel, dp: int, batch: int, batche
 # -- the search -------------------------------------------------------------------------------
 
 def _never_fits(problem: _Problem, model: _SplitModel, dp: int, batches: _Batches) -> bool:
-    """Whether even micro-batch 1 exceeds the memory at this DP. Memory then exceeds it at
-    every smaller DP too: the optimizer shards grow and more micro-batches are in flight."""
+    """Whether even micro-batch 1 exceeds the memory at this DP with one distributed-optimizer
+    instance. Memory then exceeds it at every smaller DP too: the optimizer shards grow and
+    more micro-batches are in flight. One instance, because a smaller DP may run fewer
+    instances than this one (they must divide it), and so shard wider than this DP does."""
     if problem.memory_limit is None:
         return False
+    memory = replace(problem.facts.memory, optimizer_instances=1)
+    widest = replace(problem, facts=replace(problem.facts, memory=memory))
     vpp = min(_virtual_options(model))
     micro_batches = min(batches.for_data_parallel(dp)) // dp  # the fewest in flight
-    return _memory(problem, model, dp, vpp, 1, micro_batches) > problem.memory_limit
+    return _memory(widest, model, dp, vpp, 1, micro_batches) > problem.memory_limit
 
 
 def _split_model(problem: _Problem, split: ModelSplit) -> _SplitModel:

@@ -104,3 +104,16 @@ def test_the_first_stage_holds_pp_micro_batches_and_the_estimate_drops_them_with
 def test_micro_batch_is_lowered_to_fit_and_plans_report_the_estimate():
     plan = plan_layout(["t.py", *BASE, "--micro-batch-size", "4"], 32, 8, gpu_memory_gb=24)
     assert plan.micro_batch_size < 4 and plan.estimated_memory_gib + 2.5 <= 24
+
+
+def test_a_data_parallel_size_with_fewer_optimizer_instances_is_not_pruned():
+    # One attention head and a prime layer count leave only TP1 x PP1. At DP 8 four instances
+    # shard Adam over 2 ranks and micro-batch 1 needs ~29 GiB; at DP 5 no instance count
+    # divides, so one instance shards it over 5 and ~21 GiB fits. DP 8 not fitting must not
+    # end the search.
+    args = ["t.py", "--num-layers", "31", "--hidden-size", "2560", "--num-attention-heads", "1",
+            "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "40",
+            "--bf16", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "4",
+            "--recompute-granularity", "full", "--recompute-method", "uniform"]
+    plan = plan_layout(args, 8, gpu_memory_gb=28)
+    assert plan.data_parallel_size == 5 and plan.estimated_memory_gib + 2.5 <= 28
