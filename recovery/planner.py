@@ -340,7 +340,10 @@ def _eval_micro_batch(problem: _Problem, pp: int, vpp: int, dp: int, micro_batch
     """(possible, the value to write or None) for ``--eval-micro-batch-size`` (validate_args;
     the interleaved schedule's rule applies to evaluation too)."""
     original = problem.facts.original
-    eval_batch = original.eval_global_batch_size or batch
+    # The eval batch defaults to Megatron's global batch, which with a step schedule (no
+    # --global-batch-size allowed) is micro-batch x DP, not the scheduled batch.
+    global_batch = micro_batch * dp if problem.facts.step_schedule is not None else batch
+    eval_batch = original.eval_global_batch_size or global_batch
     default = original.eval_micro_batch_size or micro_batch
     if eval_batch % dp:
         return False, None

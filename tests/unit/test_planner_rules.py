@@ -296,6 +296,18 @@ def test_step_schedule_batches_from_the_resume_point(consumed, batch, divisible_
     assert "--global-batch-size" not in plan.command  # validate_args forbids it with a schedule
 
 
+def test_with_a_step_schedule_the_eval_batch_is_micro_batch_times_dp():
+    # validate_args: the eval global batch defaults to the global batch, which with a schedule
+    # (no --global-batch-size allowed) is micro-batch x DP, not the scheduled batch. At DP 4
+    # the micro-batch falls to 3: eval global 12 is not divisible by eval micro 2 x DP 4.
+    args = [*SMALL, "--micro-batch-size", "4", "--eval-micro-batch-size", "2",
+            "--step-batch-size-schedule", "0:24"]
+    plan = plan_layout(args, 4)
+    assert (plan.data_parallel_size, plan.micro_batch_size) == (4, 3)
+    eval_micro = int(flag_value(plan.command, "--eval-micro-batch-size"))
+    assert (plan.micro_batch_size * plan.data_parallel_size) % (eval_micro * plan.data_parallel_size) == 0
+
+
 def test_tolerance_is_not_applied_with_a_step_schedule():
     args = [*SMALL, "--micro-batch-size", "1", "--step-batch-size-schedule", "0:7"]
     plan = plan_layout(args, 6, global_batch_tolerance_pct=20)
