@@ -95,9 +95,9 @@ def _rewrite_virtual_pipeline(args: list[str], pp: int, vpp: int) -> list[str]:
     per_rank_layers_flag = flag_value(args, LAYERS_PER_VIRTUAL_STAGE_FLAG)
     if per_rank_layers_flag is not None:
         layers = int_flag(args, "--num-layers", 1)
-        embedding_and_loss = sum(
-            token in ("--account-for-embedding-in-pipeline-split",
-                      "--account-for-loss-in-pipeline-split") for token in args)
+        embedding_and_loss = sum(  # each a layer once, however often it is repeated
+            flag_present(args, flag) for flag in ("--account-for-embedding-in-pipeline-split",
+                                                  "--account-for-loss-in-pipeline-split"))
         chunk = (layers + embedding_and_loss) // pp // vpp
         return args if chunk == int(per_rank_layers_flag) else set_flag(
             args, LAYERS_PER_VIRTUAL_STAGE_FLAG, str(chunk))

@@ -189,6 +189,11 @@ def test_rewrite_argv_exact(args, expected):
     pytest.param(["--num-layers", "12", "--eval-global-batch-size", "6"],
                  Layout(1, 1, 3, 1, 12, eval_micro_batch_size=2),
                  "--eval-micro-batch-size", "2", id="eval-micro-batch-added"),
+    # A repeated store_true flag still counts one layer: (11 + 1) layers on the one stage.
+    pytest.param(["--num-layers", "11", "--num-layers-per-virtual-pipeline-stage", "3",
+                  "--account-for-embedding-in-pipeline-split",
+                  "--account-for-embedding-in-pipeline-split"], Layout(1, 1, 1, 1, 12),
+                 "--num-layers-per-virtual-pipeline-stage", "12", id="vpp-repeated-account-flag"),
 ])
 def test_rewrite_argv_changes_only_what_the_layout_needs(args, layout, flag, expected):
     assert flag_value(rewrite_argv(args, layout), flag) == expected
