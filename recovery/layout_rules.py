@@ -49,6 +49,7 @@ instances, expert DP too     a relaunch lowers the instances to the most the new
 activations
 --tp-comm-overlap            ``validate_args``: SP is switched off at TP 1, then the overlap asserts
 --use-torch-fsdp2            ``validate_args``: PP == 1 and EP == 1
+--ckpt-format torch_dcp      ``validate_args``: TP == 1 and PP == 1
 --cpu-offloading             ``TransformerConfig.__post_init__``: PP == 1
 --defer-embedding-wgrad-     ``ModelParallelConfig.__post_init__``: PP > 1
 compute
@@ -158,6 +159,8 @@ class RuleFlags:
     """``--tp-comm-overlap``: needs TP > 1."""
     torch_fsdp2: bool = False
     """``--use-torch-fsdp2``: needs PP 1 and EP 1."""
+    torch_dcp: bool = False
+    """``--ckpt-format torch_dcp``: needs TP 1 and PP 1."""
     cpu_offloading: bool = False
     """``--cpu-offloading`` (or ``--cpu-offloading-num-layers`` > 0): needs PP 1."""
     defer_embedding_wgrad: bool = False
@@ -253,6 +256,7 @@ def read_rule_flags(args: Sequence[str]) -> RuleFlags:
         distribute_saved_activations=flag_present(args, "--distribute-saved-activations"),
         tp_comm_overlap=flag_present(args, "--tp-comm-overlap"),
         torch_fsdp2=flag_present(args, "--use-torch-fsdp2"),
+        torch_dcp=flag_value(args, "--ckpt-format") == "torch_dcp",
         cpu_offloading=(flag_present(args, "--cpu-offloading")
                         or (int_flag(args, "--cpu-offloading-num-layers", 0, positive=False) or 0) > 0),
         defer_embedding_wgrad=flag_present(args, "--defer-embedding-wgrad-compute"),
@@ -296,6 +300,8 @@ def tensor_sizes(shape: ModelShape, original: OriginalLayout, rules: RuleFlags) 
         if shape.experts and shape.experts.shared_expert_size % tp:
             continue
         if tp == 1 and (rules.distribute_saved_activations or rules.tp_comm_overlap):
+            continue
+        if tp > 1 and rules.torch_dcp:
             continue
         if original.expert_tensor_parallel_size is None and not expert_tensor_allowed(shape, tp):
             continue  # the expert TP follows TP
@@ -416,7 +422,8 @@ def pipeline_splits(shape: ModelShape, flags: PipelineFlags, rules: RuleFlags,
     most_stages = len(flags.layout) if flags.layout else shape.num_layers + 2
     splits = []
     for pp in range(1, min(max_size, most_stages) + 1):
-        if pp > 1 and (rules.torch_fsdp2 or rules.cpu_offloading or rules.hybrid_context_parallel):
+        if pp > 1 and (rules.torch_fsdp2 or rules.torch_dcp or rules.cpu_offloading
+                       or rules.hybrid_context_parallel):
             break
         if pp == 1 and rules.defer_embedding_wgrad:
             continue

@@ -329,6 +329,18 @@ def test_flags_that_constrain_the_pipeline(flag, gpus, pp_allowed):
         assert plan_layout(args, gpus, mode=mode).pipeline_model_parallel_size in pp_allowed
 
 
+def test_torch_dcp_checkpoints_keep_tp_and_pp_at_1():
+    # validate_args: --ckpt-format torch_dcp asserts TP <= 1 and PP <= 1. At 6 GPUs and
+    # global batch 64, TP3 x DP2 would use them all; TP1 x DP4 is what Megatron-LM runs.
+    args = ["t.py", "--num-layers", "4", "--hidden-size", "768", "--num-attention-heads", "12",
+            "--seq-length", "1024", "--vocab-size", "512", "--micro-batch-size", "4",
+            "--global-batch-size", "64", "--use-torch-fsdp2", "--ckpt-format=torch_dcp",
+            "--untie-embeddings-and-output-weights"]
+    for mode in ("closest", "paper"):
+        plan = plan_layout(args, 6, mode=mode)
+        assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size) == (1, 1)
+
+
 # -- flags the planner does not model ----------------------------------------------------------
 
 @pytest.mark.parametrize("flag, warning", [
