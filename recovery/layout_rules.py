@@ -50,6 +50,8 @@ activations
 --tp-comm-overlap            ``validate_args``: SP is switched off at TP 1, then the overlap asserts
 --use-torch-fsdp2            ``validate_args``: PP == 1 and EP == 1
 --ckpt-format torch_dcp      ``validate_args``: TP == 1 and PP == 1
+--overlap-param-gather-      ``validate_args``: VPP > 1 (interleaving is kept on)
+with-optimizer-step
 --cpu-offloading             ``TransformerConfig.__post_init__``: PP == 1
 --defer-embedding-wgrad-     ``ModelParallelConfig.__post_init__``: PP > 1
 compute
@@ -66,7 +68,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 from .argv_flags import flag_present, flag_value, int_flag
@@ -161,6 +163,8 @@ class RuleFlags:
     """``--use-torch-fsdp2``: needs PP 1 and EP 1."""
     torch_dcp: bool = False
     """``--ckpt-format torch_dcp``: needs TP 1 and PP 1."""
+    needs_interleaving: bool = False
+    """``--overlap-param-gather-with-optimizer-step``: needs VPP > 1."""
     cpu_offloading: bool = False
     """``--cpu-offloading`` (or ``--cpu-offloading-num-layers`` > 0): needs PP 1."""
     defer_embedding_wgrad: bool = False
@@ -257,6 +261,7 @@ def read_rule_flags(args: Sequence[str]) -> RuleFlags:
         tp_comm_overlap=flag_present(args, "--tp-comm-overlap"),
         torch_fsdp2=flag_present(args, "--use-torch-fsdp2"),
         torch_dcp=flag_value(args, "--ckpt-format") == "torch_dcp",
+        needs_interleaving=flag_present(args, "--overlap-param-gather-with-optimizer-step"),
         cpu_offloading=(flag_present(args, "--cpu-offloading")
                         or (int_flag(args, "--cpu-offloading-num-layers", 0, positive=False) or 0) > 0),
         defer_embedding_wgrad=flag_present(args, "--defer-embedding-wgrad-compute"),
@@ -428,6 +433,9 @@ def pipeline_splits(shape: ModelShape, flags: PipelineFlags, rules: RuleFlags,
         if pp == 1 and rules.defer_embedding_wgrad:
             continue
         split = pipeline_split(shape, flags, pp)
+        if split is not None and rules.needs_interleaving:
+            split = (replace(split, can_stop_interleaving=False) if split.virtual_size > 1
+                     else None)
         if split is not None:
             splits.append(split)
     return splits

@@ -14,7 +14,7 @@ from ftmaster.recovery.layout_rules import (ModelSplit, PipelineFlags, RuleFlags
                                             sequence_parallel_allows, tensor_sizes)
 from ftmaster.recovery.megatron_args import (ExpertShape, ModelShape, OriginalLayout, flag_value,
                                              read_script_args)
-from ftmaster.recovery.planner import plan_layout, plan_nodes
+from ftmaster.recovery.planner import PlanError, plan_layout, plan_nodes
 
 ORIGINAL = OriginalLayout(1, 1, 1, 8)
 
@@ -339,6 +339,22 @@ def test_torch_dcp_checkpoints_keep_tp_and_pp_at_1():
     for mode in ("closest", "paper"):
         plan = plan_layout(args, 6, mode=mode)
         assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size) == (1, 1)
+
+
+def test_overlapping_the_param_gather_with_the_optimizer_step_keeps_interleaving():
+    # validate_args: --overlap-param-gather-with-optimizer-step asserts a virtual pipeline.
+    args = ["t.py", "--num-layers", "8", "--hidden-size", "768", "--num-attention-heads", "12",
+            "--seq-length", "1024", "--vocab-size", "512", "--micro-batch-size", "1",
+            "--global-batch-size", "64", "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "2", "--use-distributed-optimizer",
+            "--overlap-grad-reduce", "--overlap-param-gather",
+            "--overlap-param-gather-with-optimizer-step"]
+    for gpus in (3, 8):
+        for mode in ("closest", "paper"):
+            plan = plan_layout(args, gpus, mode=mode)
+            assert (plan.virtual_pipeline_model_parallel_size or 1) > 1, (gpus, mode)
+    with pytest.raises(PlanError):
+        plan_layout(args, 1)  # no pipeline at all
 
 
 # -- flags the planner does not model ----------------------------------------------------------
