@@ -48,7 +48,9 @@ _LOCK_NAME = ".ftmaster_tracker.lock"
 _PIN_NAME = ".ftmaster_persisting"
 _WHOLE_NAME = ".ftmaster_whole"
 _REPLICATED_NAME = ".ftmaster_replicated"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+# The names iteration_dir gives: {:07d} is a minimum width, so iteration 10,000,000 is
+# iter_10000000; a longer name with a leading zero is no save's (nor are non-ASCII digits).
+_ITER_DIR = re.compile(r"^iter_([0-9]{7}|[1-9][0-9]{7,})$")
 COMMON_FILE = "common.pt"  # the non-sharded state, torch.save'd by rank 0
 CONFIG_FILE = "metadata.json"  # megatron-core's CheckpointingConfig
 DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's global plan

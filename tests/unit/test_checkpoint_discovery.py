@@ -264,3 +264,13 @@ def test_prunable_emergency_checkpoints(tmp_path, kinds, tracked, keep, expected
 
     make_kinds(tmp_path, kinds, tracked)
     assert prunable_emergency_checkpoints(tmp_path, keep) == expected
+
+
+def test_an_iteration_past_seven_digits_is_found_under_its_megatron_name(tmp_path):
+    """Megatron names iteration 10,000,000 iter_10000000 ({:07d} is a minimum width)."""
+    write_checkpoint(tmp_path, 9_999_990)
+    write_checkpoint(tmp_path, 10_000_000)
+    tracker_path(tmp_path).write_text("10000000\n")
+    (tmp_path / "iter_00000020").mkdir()  # not a name any save gives: not iteration 20
+    assert loading_candidates(tmp_path).iterations == (10_000_000, 9_999_990)
+    assert find_loadable_checkpoint(tmp_path).path == tmp_path / "iter_10000000"
