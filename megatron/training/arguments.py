@@ -544,6 +544,10 @@ def _validate_load(args):
     _require(load.is_dir() or first_run,
              f"--load {load} does not exist: give the folder to resume from, or the --save "
              f"folder (which may not exist yet on a first run)")
+    # The checkpoint search lists it on rank 0: unreadable, it would raise there mid-start.
+    _require(not load.is_dir() or os.access(load, os.R_OK | os.X_OK),
+             f"--load {load} cannot be read (no permission to list it): give a folder you can "
+             f"read, or have its owner grant read access")
 
 
 def _validate_memory_tier(args):

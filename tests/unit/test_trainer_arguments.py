@@ -1,7 +1,10 @@
 """pretrain_gpt.py argument validation: every bad input is one line and a non-zero exit."""
 
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +223,43 @@ def test_tensorboard_flags_take_megatron_names_and_need_the_package(monkeypatch,
     with pytest.raises(ArgumentError, match="--tensorboard-dir needs the tensorboard package"):
         parse_args(with_args("--tensorboard-dir", str(tmp_path)), world_size=1)
     assert parse_args(with_args(), world_size=1).tensorboard_dir is None  # no package needed
+
+
+def refusal_as_another_user(argv) -> str:
+    """What parse_args refuses, in a child that is not root (root reads any folder); "" when
+    it accepts."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.close(read)
+        said = ""
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            parse_args(argv, world_size=1)
+        except ArgumentError as problem:
+            said = str(problem)
+        except BaseException as error:
+            said = f"raised {type(error).__name__}: {error}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+def test_a_load_folder_this_user_cannot_list_is_refused_in_one_line():
+    """Another user's checkpoint folder (or one without read permission): the checkpoint
+    search would list it and raise PermissionError on rank 0, a traceback."""
+    with tempfile.TemporaryDirectory() as base:
+        os.chmod(base, 0o777)  # the child may make its --save there
+        theirs = Path(base) / "theirs"
+        theirs.mkdir()
+        (theirs / "latest_checkpointed_iteration.txt").write_text("10\n")
+        theirs.chmod(0o300)  # neither its owner nor others may list it
+        said = refusal_as_another_user(with_args("--load", str(theirs), "--save", f"{base}/mine"))
+        theirs.chmod(0o700)
+    assert said.startswith(f"--load {theirs} cannot be read"), said
