@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Protocol
 
 from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, drift_severity,
@@ -466,6 +466,7 @@ class _Track:
 
     def __init__(self, cfg: AdaptiveConfig, t: float) -> None:
         self.first = self.last = t
+        self.shift = 0.0  # added to its sample times since its clock last stepped back
         self.loaded_s = 0.0  # time spent at or above loaded_util
         self.loaded_since: float | None = None  # start of the current unbroken loaded stretch
         self.warm_level: float | None = None  # its temperature as its last settled load broke
@@ -512,6 +513,7 @@ class AdaptiveScorer:
         peer_temp, peer_util = others_median(temps), others_median(utils)
         peers = Peers.of(samples, cfg.loaded_util)
         features, hard, dts = {}, {}, {}
+        samples = [self._on_steady_clock(s) for s in samples]
         for s in samples:
             track = self._tracks.get(s.gpu_id)
             if track is None:
@@ -548,6 +550,16 @@ class AdaptiveScorer:
                                          severities.get("power_instability", 0.0))
             out[gpu] = self._assess(track, s, severities, hard[gpu], dts[gpu])
         return out
+
+    def _on_steady_clock(self, s: GpuSample) -> GpuSample:
+        """``s`` at a time that never goes back for its GPU. A wall clock stepped back (NTP)
+        made the loaded time negative and left every window holding "later" points: no soft
+        signal counted until the clock caught up. Its later times are shifted on by the step."""
+        track = self._tracks.get(s.gpu_id)
+        if track is None:
+            return s
+        track.shift = max(track.shift, track.last - s.timestamp)
+        return replace(s, timestamp=s.timestamp + track.shift) if track.shift else s
 
     def _warm(self, track: _Track, t: float) -> bool:
         return track.loaded_s >= self.config.warmup_s or t - track.first >= 3 * self.config.warmup_s

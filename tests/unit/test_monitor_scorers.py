@@ -161,3 +161,17 @@ def test_adaptive_meets_its_goals_on_generated_traces_and_paper_cannot(tmp_path)
     assert adaptive["false_per_100_gpu_hours"] <= 1.0, adaptive
     paper = evaluate(traces, PaperScorer, AlertConfig())
     assert paper["predicted"] == 0  # capped at 0.75, it never reaches 0.95
+
+
+def test_a_clock_stepped_back_keeps_the_soft_signals_on():
+    """A wall clock stepped back an hour (NTP) made the loaded time negative and left every
+    window holding "later" points: no soft signal counted until the clock caught up (found in
+    review)."""
+    scorer = AdaptiveScorer()
+    for k in range(240):  # 40 minutes at 10 s: warm
+        scorer.update([sample(T0 + 10 * k, gpu=g) for g in range(4)])
+    back = T0 + 2400 - 3600
+    for k in range(30):  # five minutes of hardware slowdown on GPU 0 after the step
+        batch = [sample(back + 10 * k, gpu=g, throttle_reasons=0x8 if g == 0 else 0) for g in range(4)]
+        assessment = scorer.update(batch)[0]
+    assert "throttling" in assessment.reasons and assessment.score >= 0.95
