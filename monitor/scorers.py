@@ -142,7 +142,8 @@ def paper_factors(history: list[GpuSample], cfg: PaperConfig) -> dict[str, float
     if len(powers) > 1:
         mean = sum(powers) / len(powers)
         if mean > 0:
-            std = math.sqrt(sum((p - mean) ** 2 for p in powers) / len(powers))
+            # hypot scales as it sums: squaring an absurd reading (a corrupt cell) overflowed
+            std = math.hypot(*(p - mean for p in powers)) / math.sqrt(len(powers))
             factors["power"] = ramp(std / mean, 0.0, cfg.power_cv_full)
     utils = [s.gpu_utilization for s in history if s.gpu_utilization is not None]
     if utils and now.gpu_utilization is not None:

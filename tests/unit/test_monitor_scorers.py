@@ -175,3 +175,13 @@ def test_a_clock_stepped_back_keeps_the_soft_signals_on():
         batch = [sample(back + 10 * k, gpu=g, throttle_reasons=0x8 if g == 0 else 0) for g in range(4)]
         assessment = scorer.update(batch)[0]
     assert "throttling" in assessment.reasons and assessment.score >= 0.95
+
+
+def test_a_huge_power_reading_does_not_crash_the_paper_scorer():
+    """A finite but absurd cell (a corrupt replayed row) raised OverflowError in the power
+    spread: replay ended in a traceback, a live monitor failed every step for a window
+    (found in review)."""
+    scorer = PaperScorer()
+    scorer.update([sample(T0, power_draw=1e200)])
+    (assessment,) = scorer.update([sample(T0 + 10, power_draw=500.0)]).values()
+    assert "power" in assessment.reasons
