@@ -83,6 +83,14 @@ def backoff_delay(failures: int, interval_s: float, max_backoff_s: float) -> flo
     return min(max_backoff_s, max(interval_s, 0.1) * 2 ** min(failures, MAX_DOUBLINGS))
 
 
+def next_due(due: float, began: float, interval_s: float) -> float:
+    """When the step after one due at ``due`` that began at ``began`` is due: a period after
+    ``due``, since waiting a period from ``began`` added every late wake-up to the schedule (a
+    drift). A step that began early (a refresh) or a period late or more (a backoff, a long
+    step) restarts the schedule from ``began``, with no burst to catch up."""
+    return due + interval_s if 0.0 <= began - due < interval_s else began + interval_s
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     interval_s: float = 10.0
@@ -438,6 +446,7 @@ class Monitor:
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         failures = 0
+        due = time.monotonic()  # when the current step was due
         while not self._stop.is_set():
             began = time.monotonic()
             with self._steps:
@@ -459,7 +468,8 @@ class Monitor:
                                        retry_in_s=round(delay, 3))
             else:
                 failures = 0
-                delay = max(0.0, self.config.interval_s - (time.monotonic() - began))
+                due = next_due(due, began, self.config.interval_s)
+                delay = max(0.0, due - time.monotonic())
             self._wake.wait(delay)
             self._wake.clear()
 

@@ -4,6 +4,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from ftmaster import runfiles
 from ftmaster.faults import parse_injection
 from ftmaster.monitor.anomalies import PagesPending, ThermalRunaway
@@ -435,3 +437,47 @@ def test_a_stop_during_a_long_first_sample_closes_the_readers_without_a_tracebac
         assert "closed" in str(error)
     else:
         raise AssertionError("a closed reader started new reads")
+
+
+def test_the_sampling_period_does_not_drift(tmp_path, monkeypatch):
+    """Each wait was the interval less the step, from when the step began: every wake-up's
+    lateness added up, so samples fell further behind their period each time (found in review)."""
+    import types
+
+    from ftmaster.monitor import daemon
+
+    class LateClock:
+        """Steps take 0.2 s and every wait wakes 0.05 s late; nothing sleeps."""
+
+        def __init__(self):
+            self.now = 100.0
+
+        def wait(self, seconds):
+            self.now += seconds + 0.05
+
+        def set(self):
+            pass
+
+        def clear(self):
+            pass
+
+    clock, starts = LateClock(), []
+
+    class TimedBackend:
+        name = "timed"
+
+        def sample(self):
+            starts.append(clock.now)
+            clock.now += 0.2
+            if len(starts) == 200:
+                monitor._stop.set()
+            return [GpuSample(timestamp=1_750_000_000.0 + clock.now, gpu_id=0, temperature=60.0)]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(daemon, "time", types.SimpleNamespace(monotonic=lambda: clock.now, time=time.time))
+    monitor = Monitor(TimedBackend(), None, config=MonitorConfig(interval_s=10.0))
+    monitor._wake = clock
+    monitor._loop()
+    assert starts[-1] - starts[0] == pytest.approx(199 * 10.0, abs=0.1)
