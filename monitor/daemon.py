@@ -66,7 +66,7 @@ from ftmaster.monitor.anomalies import AnomalyOverlay
 from ftmaster.monitor.backends import Backend, TraceEnded
 from ftmaster.monitor.health import (GpuEvidence, HealthConfig, observe_conditions, observe_sample,
                                      unschedulable_reason)
-from ftmaster.monitor.sample import GpuSample, iso_time, to_row
+from ftmaster.monitor.sample import GpuSample, iso_time, to_row, unknown_if_not_finite
 from ftmaster.monitor.schema import CSV_COLUMNS
 from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
 from ftmaster.monitor.signals import unavailable_hard_signals
@@ -324,7 +324,7 @@ class Monitor:
     # -- one sample ------------------------------------------------------------------------
     def step(self) -> list[Alert]:
         """Take, score and record one sample; returns its alerts. Backend errors propagate."""
-        samples = self.backend.sample()
+        samples = [unknown_if_not_finite(s) for s in self.backend.sample()]
         conditions = dict(getattr(self.backend, "conditions", None) or {})
         now = max((s.timestamp for s in samples), default=time.time())
         if self._started_at is None:

@@ -102,6 +102,16 @@ def to_row(sample: GpuSample) -> list[str]:
     return cells
 
 
+def unknown_if_not_finite(sample: GpuSample) -> GpuSample:
+    """``sample`` with each NaN or infinite number made None (unknown): taken as read, a NaN
+    kept as a counter's level hid every later rise, and in a window it kept the score NaN."""
+    for name in _INTEGER | _FLOAT:
+        value = getattr(sample, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            setattr(sample, name, None)
+    return sample
+
+
 def _number(text: str | None, integer: bool) -> float | int | None:
     """A numeric cell, or None for empty, N/A-like or malformed text (unknown, not zero)."""
     if text is None:

@@ -481,3 +481,33 @@ def test_the_sampling_period_does_not_drift(tmp_path, monkeypatch):
     monitor._wake = clock
     monitor._loop()
     assert starts[-1] - starts[0] == pytest.approx(199 * 10.0, abs=0.1)
+
+
+def test_a_nan_reading_is_unknown_not_a_level_or_a_score(tmp_path):
+    """A backend's NaN was taken as read: kept as the error counter's level it hid every later
+    rise (no ecc_dbe alert, nor evidence), and in the scorer's windows it kept the score NaN,
+    which never alerts (found in review)."""
+    nan = float("nan")
+
+    class NanBackend:
+        name = "nan"
+
+        def __init__(self):
+            self.readings = [dict(errors=0), dict(errors=nan, temperature=nan), dict(errors=1)]
+
+        def sample(self):
+            values = self.readings.pop(0)
+            t = 1_750_000_000.0 + 10 * (3 - len(self.readings))
+            return [GpuSample(timestamp=t, gpu_id=g, **{"temperature": 60.0, "power_draw": 300.0,
+                                                        "gpu_utilization": 95.0, **(values if g == 0 else {})})
+                    for g in range(4)]
+
+        def close(self):
+            pass
+
+    monitor = Monitor(NanBackend(), tmp_path)
+    run(monitor, 2)
+    (alert,) = monitor.step()
+    assert alert.gpu == 0 and alert.reasons == ("ecc_dbe",)
+    assert monitor.unschedulable_gpus() == {0: "ecc_dbe"}
+    assert "nan" not in runfiles.metrics_csv_path(tmp_path).read_text()
