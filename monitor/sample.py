@@ -137,10 +137,10 @@ def from_row(row: dict[str, str | None]) -> GpuSample:
     stamp, gpu = row.get("timestamp"), row.get("gpu_id")
     if not stamp:
         raise RowError("missing timestamp")
-    gpu_id = _number(gpu, integer=True)
-    if gpu_id is None or gpu_id < 0:
+    gpu_id = _number(gpu, integer=False)  # not truncated: 1.5 would join GPU 1's series
+    if gpu_id is None or gpu_id < 0 or gpu_id % 1:
         raise RowError(f"gpu_id {gpu!r} is not a GPU index")
-    values: dict[str, object] = {"timestamp": parse_time(stamp), "gpu_id": gpu_id}
+    values: dict[str, object] = {"timestamp": parse_time(stamp), "gpu_id": int(gpu_id)}
     for name in _TEXT:
         text = (row.get(name) or "").strip()
         values[name] = text or None

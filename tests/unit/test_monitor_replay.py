@@ -184,3 +184,12 @@ def test_a_full_trace_has_every_hard_signal_even_without_xids(tmp_path):
     monitor.run_to_end()
     monitor.close()
     assert coverage_events(tmp_path / "run") == []
+
+
+def test_a_fractional_gpu_id_is_a_skipped_row_not_another_gpus(tmp_path):
+    """gpu_id 1.5 was truncated to GPU 1: its readings joined GPU 1's series (the analyzer
+    refuses such a file for that reason) (found in review)."""
+    rows = [[iso_time(T0), "0", "60"], [iso_time(T0), "1", "61"], [iso_time(T0), "1.5", "99"]]
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature"], rows))
+    assert [(s.gpu_id, s.temperature) for s in backend.sample()] == [(0, 60), (1, 61)]
+    assert backend.skipped == 1 and "not a GPU index" in backend.problems[0]
