@@ -54,8 +54,9 @@ def judge(alerts: list[Alert], failures: list[dict], grace_s: float, episode_gap
     """Match one trace's alerts to its labelled failures (see the module docstring)."""
     predicted, leads, alerted = 0, [], 0
     false: dict[int, list[float]] = {}
-    windows = [(f["gpu"], f["precursor_start"] or f["failure_time"], f["failure_time"] + grace_s)
-               for f in failures]
+    # None, not 0 (a trace timed from 0), means no precursor
+    windows = [(f["gpu"], f["failure_time"] if f["precursor_start"] is None else f["precursor_start"],
+                f["failure_time"] + grace_s) for f in failures]
     for alert in alerts:
         if not any(g == alert.gpu and lo <= alert.time <= hi for g, lo, hi in windows):
             false.setdefault(alert.gpu, []).append(alert.time)

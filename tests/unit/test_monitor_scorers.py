@@ -185,3 +185,16 @@ def test_a_huge_power_reading_does_not_crash_the_paper_scorer():
     scorer.update([sample(T0, power_draw=1e200)])
     (assessment,) = scorer.update([sample(T0 + 10, power_draw=500.0)]).values()
     assert "power" in assessment.reasons
+
+
+def test_a_precursor_starting_at_time_zero_opens_its_window_there():
+    """A precursor_start of 0 (a trace timed from 0) read as none: its window began at the
+    failure, so an alert during the precursor was false and the failure not predicted (found
+    in review)."""
+    from ftmaster.monitor.daemon import Alert
+    from ftmaster.monitor.evaluate import judge
+
+    failure = {"gpu": 0, "failure_time": 600.0, "has_precursor": True, "precursor_start": 0.0}
+    result = judge([Alert(0, 0.97, ("temperature_trend",), 120.0)], [failure], grace_s=60.0,
+                   episode_gap_s=1800.0)
+    assert (result.predicted, result.leads_s, result.false_episodes) == (1, [480.0], 0)
