@@ -282,14 +282,15 @@ class Window:
     def mean(self) -> float:
         return sum(self.values) / len(self.values)
 
-    def mean_since(self, t: float) -> float:
+    def mean_since(self, t: float) -> float | None:
+        """The mean of the points from ``t`` on; None without one (the reads since failed)."""
         total, count = 0.0, 0
         for when, value in zip(reversed(self.times), reversed(self.values)):
             if when < t:
                 break
             total += value
             count += 1
-        return total / count
+        return total / count if count else None
 
     def slope_per_min(self) -> float:
         n = len(self.times)
@@ -633,12 +634,12 @@ class AdaptiveScorer:
         cfg, t = self.config, s.timestamp
         f = Features()
         if track.residual.times:
-            if track.baseline is not None and track.loaded_baseline is not None:
+            level = track.residual.mean_since(t - cfg.level_window_s)
+            if level is not None and track.baseline is not None and track.loaded_baseline is not None:
                 # Both must agree: hotter than its peers usually are, and hotter than it itself
                 # runs under load. Checkpoint and eval dips only cool, so they never pass the
                 # second; the first ignores warm rooms and every fleet-wide ramp.
-                f.excess = min(track.residual.mean_since(t - cfg.level_window_s) - track.baseline,
-                               track.raw.mean() - track.loaded_baseline)
+                f.excess = min(level - track.baseline, track.raw.mean() - track.loaded_baseline)
             if track.residual.trusted(cfg.min_coverage):
                 f.slope = track.residual.slope_per_min()
         if track.throttle.trusted(cfg.min_coverage, 3):
@@ -671,6 +672,8 @@ class AdaptiveScorer:
         cfg, t = self.config, s.timestamp
         weight = 1.0 - math.exp(-dt / (cfg.baseline_tau_s if self._warm(track, t) else cfg.level_window_s))
         level = track.residual.mean_since(t - cfg.level_window_s)
+        if level is None:
+            return  # no temperature read within the level window: nothing to learn
         track.baseline = level if track.baseline is None else track.baseline + (level - track.baseline) * weight
         if track.loaded_since is not None and t - track.loaded_since >= min(cfg.settle_s, track.loaded_s):
             raw = track.raw.mean()

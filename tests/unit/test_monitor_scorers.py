@@ -198,3 +198,17 @@ def test_a_precursor_starting_at_time_zero_opens_its_window_there():
     result = judge([Alert(0, 0.97, ("temperature_trend",), 120.0)], [failure], grace_s=60.0,
                    episode_gap_s=1800.0)
     assert (result.predicted, result.leads_s, result.false_episodes) == (1, [480.0], 0)
+
+
+def test_a_temperature_unread_for_a_minute_is_unknown_not_a_crash():
+    """With no temperature read within the level window, its mean divided by zero: the whole
+    update raised, so the monitor scored, recorded and alerted on no GPU until the reads came
+    back, a lost or failing peer's hard signal included (found in review)."""
+    scorer = AdaptiveScorer()
+    for k in range(100):
+        scorer.update([sample(T0 + 10 * k, gpu=g) for g in range(4)])
+    for k in range(100, 112):  # two minutes without GPU 0's temperature
+        batch = [sample(T0 + 10 * k, gpu=g, temperature=None if g == 0 else 65.0,
+                        xid=79 if (g, k) == (1, 111) else None) for g in range(4)]
+        out = scorer.update(batch)
+    assert out[1].hard_reasons == ("xid_79",) and out[0].score < 0.95
