@@ -125,6 +125,8 @@ def _number(text: str | None, integer: bool) -> float | int | None:
         return None
     if not math.isfinite(value):
         return None
+    if integer and abs(value) >= 2 ** 64:  # no NVML counter or bitmask is wider: garbage
+        return None
     return int(value) if integer else value
 
 

@@ -193,3 +193,13 @@ def test_a_fractional_gpu_id_is_a_skipped_row_not_another_gpus(tmp_path):
     backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature"], rows))
     assert [(s.gpu_id, s.temperature) for s in backend.sample()] == [(0, 60), (1, 61)]
     assert backend.skipped == 1 and "not a GPU index" in backend.problems[0]
+
+
+def test_a_counter_beyond_64_bits_is_unknown_not_a_crash(tmp_path):
+    """No NVML counter or bitmask exceeds 64 bits, yet a cell of 1e308 was taken as that
+    count: two such rises overflowed the corrected-error rate and the replay ended in a
+    traceback (found in review)."""
+    rows = [[str(T0 + 10 * k), "0", "60", "1e308" if k % 2 else "0"] for k in range(6)]
+    path = write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature", "ecc_sbe"], rows)
+    assert [b[0].ecc_sbe for b in drain(ReplayBackend(path))] == [0, None] * 3
+    Monitor(ReplayBackend(path), None, config=MonitorConfig(interval_s=0.0)).run_to_end()
