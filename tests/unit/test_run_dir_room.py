@@ -83,3 +83,15 @@ def test_a_rank_that_died_in_a_full_run_directory_gives_up_on_it_not_on_a_gpu(fu
     assert f"the run directory cannot take training's output: {full_run_dir} has 0 bytes free" in text
     assert f"cannot write {full_run_dir / 'events.jsonl'} (ENOSPC" in text
     assert "giving up: the run directory is out of room or read-only" in text
+
+
+def test_an_event_a_full_disk_cuts_short_is_said_and_costs_no_later_event(tmp_path):
+    with small_tmpfs(tmp_path / "run", "1m") as run_dir:
+        runfiles.append_event(run_dir, "first")  # events.jsonl's first page, mostly free
+        full(run_dir)
+        with pytest.raises(OSError) as raised:  # the page takes part of it, then none is left
+            runfiles.append_event(run_dir, "cut_short", reason="x" * 6000)
+        assert raised.value.errno == errno.ENOSPC
+        (run_dir / "filler").unlink()
+        runfiles.append_event(run_dir, "after", iteration=3)
+        assert [event["event"] for event in runfiles.read_events(run_dir)] == ["first", "after"]

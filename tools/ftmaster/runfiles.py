@@ -204,16 +204,25 @@ def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
 
 
 def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
-    """Append one event line to ``events.jsonl``; one ``write`` call keeps lines whole."""
+    """Append one event line to ``events.jsonl``; one ``write`` call keeps lines whole.
+
+    A full disk may take only part of a line (the room left in the file's last block): that
+    raises ENOSPC, and the next append ends the torn line first, so that it loses only itself.
+    """
     record = {"event": event, "time": time.time(), **fields}
     path = events_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line  # glued to a torn line, this event would be unreadable too
+        written = os.write(fd, line)
     finally:
         os.close(fd)
+    if written < len(line):  # another writer may append meanwhile: the rest cannot follow
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return record
 
 
