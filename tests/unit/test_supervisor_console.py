@@ -160,6 +160,21 @@ def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path)
     assert "| resumed from checkpoint 4 |" in line  # a resume's, until its first save
 
 
+@pytest.mark.parametrize("loss, shown", [("NAN", "nan"), ("-INF", "-inf"), ("INF", "inf")])
+def test_a_non_finite_loss_as_megatron_logs_it_is_shown(tmp_path, loss, shown):
+    """Megatron formats the loss with ``{:.6E}``: a NaN is ``NAN``. Such a line was not read at
+    all, and the progress line kept the last finite loss while training diverged."""
+    log_path = tmp_path / "attempt_1.log"
+    log_path.write_text("".join(
+        f"iteration {it}/30 | consumed samples: {24 * it} | elapsed time per iteration (ms): "
+        f"250.0 | learning rate: 1.0E-03 | global batch size: 24 | lm loss: {value} |\n"
+        for it, value in ((10, "3.912345E+00"), (20, loss))))
+    progress = Progress(log_path, interval_s=5, started_at=0.0)
+    line = progress.line({"iteration": 20, "time": 100.0}, now=6.0)
+    assert f"| lm loss {shown} (iteration 20) |" in line
+    assert progress.steps_logged == 2
+
+
 def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
     """Across nodes the last rank, which logs the iterations, may run on another node: the
     persist cadence went by no pace at all and copied every memory checkpoint to disk."""

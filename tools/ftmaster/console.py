@@ -21,9 +21,10 @@ from typing import Any
 
 log = logging.getLogger("ftmaster")
 
+# Megatron formats the loss with {:.6E}, which writes a NaN as NAN and an infinity as -INF.
 _ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
-    r".*?lm loss: ([0-9.eE+-]+|nan|inf) \|")
+    r".*?lm loss: ([0-9.eE+-]+|-?(?i:nan|inf)) \|")
 SAVE_EVENTS = ("emergency_save", "periodic_save")
 
 
