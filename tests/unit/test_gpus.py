@@ -42,6 +42,13 @@ def test_hidden_gpus_stay_hidden_in_every_attempt():
     assert job.hidden and job.cuda_env((0, 1)) == {"CUDA_VISIBLE_DEVICES": ""}
 
 
+@pytest.mark.parametrize("value, entries", [("-1", ()), ("0,2,-1,1", ("0", "2")), ("1, -3", ("1",))])
+def test_cuda_sees_no_gpu_from_an_invalid_index_on(value, entries):
+    """CUDA stops at the first invalid index: ``-1`` is the usual way to hide every GPU. It
+    was taken for a UUID, and the launch refused ("names a GPU by UUID")."""
+    assert visible_entries(value) == entries
+    assert choose_job_gpus(2, visible_entries("-1"), None).cuda_env((0, 1)) == {"CUDA_VISIBLE_DEVICES": ""}
+
 def test_unusable_gpus_are_left_out_with_their_reason():
     node = [*NODE[:2], GpuIdentity(2, "GPU-2", False, "reset_required"), NODE[3]]
     job = choose_job_gpus(None, None, node)

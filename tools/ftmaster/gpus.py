@@ -15,6 +15,7 @@ empty for every attempt, so no real GPU is ever exposed behind the user's back.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -50,10 +51,12 @@ class JobGpus:
 
 
 def visible_entries(value: str | None) -> tuple[str, ...] | None:
-    """``CUDA_VISIBLE_DEVICES`` as entries; None when unset, () when set but empty."""
+    """``CUDA_VISIBLE_DEVICES`` as entries; None when unset, () when set but empty. As for
+    CUDA, a negative index ends the list: ``-1`` is the usual way to hide every GPU."""
     if value is None:
         return None
-    return tuple(entry.strip() for entry in value.split(",") if entry.strip())
+    entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+    return tuple(itertools.takewhile(lambda entry: not entry.startswith("-"), entries))
 
 
 def probe(timeout_s: float = PROBE_TIMEOUT_S) -> list[GpuIdentity] | None:
