@@ -67,6 +67,8 @@ def test_unusable_gpus_are_left_out_with_their_reason():
     (None, ("GPU-ff",), NODE, "no GPU has UUID GPU-ff"),
     (None, ("7",), NODE, "CUDA_VISIBLE_DEVICES names GPU 7, which NVML does not see (it sees 4)"),
     (2, ("GPU-1a",), None, "names a GPU by UUID; mapping it needs NVML"),
+    (None, ("1", "GPU-1aaa"), NODE, "CUDA_VISIBLE_DEVICES names GPU 1 twice"),
+    (2, ("0", "0"), None, "CUDA_VISIBLE_DEVICES names GPU 0 twice"),
 ])
 def test_choose_job_gpus_refuses_in_one_line(nproc, entries, identities, message):
     with pytest.raises(ValueError) as refused:

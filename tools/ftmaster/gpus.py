@@ -95,6 +95,9 @@ def choose_job_gpus(nproc: int | None, entries: tuple[str, ...] | None,
     known = {g.index: g for g in identities or ()}
     candidates = ([_index(entry, identities) for entry in entries] if entries is not None
                   else sorted(known))
+    twice = next((gpu for index, gpu in enumerate(candidates) if gpu in candidates[:index]), None)
+    if twice is not None:  # two local ranks on one GPU: the plan would count it twice
+        raise ValueError(f"CUDA_VISIBLE_DEVICES names GPU {twice} twice")
     unknown = [gpu for gpu in candidates if known and gpu not in known]
     if unknown:
         raise ValueError(f"CUDA_VISIBLE_DEVICES names GPU {unknown[0]}, which NVML does not see "
