@@ -68,6 +68,12 @@ def _stream_copy():
 copy_bytes = _stream_copy()
 
 
+def _row_major_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in row-major order, as a flat uint8 tensor where the tensor is (a
+    strided one made contiguous there first, on the current stream)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 class _SlotFile:
     """One rank's tensor file in one slot, mapped for refills."""
 
@@ -125,14 +131,20 @@ class _SlotFile:
         event per tensor, so each is hashed as soon as it has landed."""
         done = []
         for record, tensor in ordered:
-            self._target(record).copy_(tensor.detach(), non_blocking=True)
+            self._target(record, tensor).copy_(_row_major_bytes(tensor), non_blocking=True)
             done.append(torch.cuda.Event())
             done[-1].record()
         return done
 
-    def _target(self, record: Record) -> torch.Tensor:
-        return self._bytes[record.data_offset:record.data_offset + record.nbytes] \
-            .view(record.dtype).view(record.shape)
+    def _target(self, record: Record, tensor: torch.Tensor) -> torch.Tensor:
+        """The record's bytes in the mapping, as bytes: torch_dist lays records end to end,
+        so a record's data sits at any offset, and viewing it as the tensor's dtype raised
+        for every one not aligned to its element size."""
+        if tensor.numel() * tensor.element_size() != record.nbytes \
+                or record.data_offset + record.nbytes > len(self._map):
+            raise ValueError(f"{tensor.dtype} {tuple(tensor.shape)} does not fit its record "
+                             f"({record.nbytes} bytes at {record.data_offset})")
+        return self._bytes[record.data_offset:record.data_offset + record.nbytes]
 
     def _copy_and_hash(self, record: Record, tensor: torch.Tensor, view: memoryview,
                        hashers: tuple) -> None:

@@ -141,3 +141,60 @@ def test_the_refill_copy_copies_every_byte_whatever_the_alignment(length, misali
     copy_bytes(target.data_ptr() + misaligned, source.data_ptr() + 3, length)
     assert torch.equal(target[misaligned:misaligned + length], source[3:3 + length])
     assert not target[:misaligned].any() and not target[misaligned + length:].any()
+
+
+class _LandedEvent:
+    """A CUDA event on a CPU build (whose ``torch.cuda.Event`` cannot be made): the copy it
+    follows, host to host, has already landed."""
+
+    waited = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _LandedEvent.waited += 1
+
+
+def test_the_pinned_refill_lays_each_tensors_bytes_at_its_record_whatever_the_offset(tmp_path, monkeypatch):
+    """The refill's CUDA path (a pinned mapping, ``copy_`` into each record, one event per
+    tensor), run with CPU tensors and the driver calls stood in for: torch_dist's records sit
+    at any byte offset, so a record's bytes cannot be viewed as its dtype (a float32 record
+    at offset 2281 raised "storage_offset() must be divisible by 4")."""
+    from torch.cuda import _pin_memory_utils
+
+    pinned = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _LandedEvent)
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", lambda ptr, size: pinned.update({ptr: size}))
+    monkeypatch.setattr(_pin_memory_utils, "unpin_memory", lambda ptr: pinned.pop(ptr))
+
+    def odd_state(seed: int) -> dict:  # odd lengths: every record after the first is unaligned
+        generator = torch.Generator().manual_seed(seed)
+        return {"a_half": torch.randn(3, generator=generator).to(torch.bfloat16),
+                "b_weight": torch.randn(5, 7, generator=generator),
+                "c_bytes": torch.randint(-100, 100, (3,), generator=generator, dtype=torch.int8),
+                "d_double": torch.randn(17, generator=generator).double(),
+                "e_strided": torch.randn(4, 6, generator=generator).t(),
+                "f_flags": torch.rand(5, generator=generator) > 0.5}
+
+    slots = MemorySlots(tmp_path)
+    try:
+        for iteration in (1, 2, 3):
+            refilled, written = save(slots, tmp_path, iteration, odd_state(iteration))
+        assert refilled and pinned  # the slot's mapping was registered
+        _LandedEvent.waited = 0
+        refilled, written = save(slots, tmp_path, 4, odd_state(4))
+        assert refilled and _LandedEvent.waited == len(odd_state(4))
+        folder = iteration_dir(tmp_path, 4)
+        for result in written:
+            if result.index.fqn != "rng":
+                assert torch.equal(read_back(folder, result), odd_state(4)[result.index.fqn]), \
+                    result.index.fqn
+        assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
+    finally:
+        slots.close()
+    assert not pinned  # unregistered when the slot closed
