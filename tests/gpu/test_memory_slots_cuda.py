@@ -2,10 +2,14 @@
 the slot's mapping, registered with the driver as pinned memory (no staging copy), and hashed
 once it has landed; then the trainer's own refilled memory checkpoint, resumed on the GPU."""
 
+import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import digest_file
@@ -55,3 +59,56 @@ def test_the_trainers_refilled_memory_checkpoint_resumes_on_the_gpu(tmp_path):
     assert second.returncode == 0, second.stdout[-3000:]
     assert f"loaded checkpoint from {iteration_dir(memory, 7)}" in second.stdout  # a refill
     assert min(iterations(second.stdout)) == 8
+
+
+def odd_device_state(seed: int) -> dict:
+    """Odd-sized tensors of six dtypes, so every record after the first sits at a byte offset
+    its dtype does not divide; one stays on the host, as a state may hold."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return {"a_half": torch.randn(3, device="cuda", generator=generator).to(torch.bfloat16),
+            "b_weight": torch.randn(517, 7, device="cuda", generator=generator),
+            "c_bytes": torch.randint(-100, 100, (3,), device="cuda", generator=generator,
+                                     dtype=torch.int8),
+            "d_double": torch.randn(17, device="cuda", generator=generator).double(),
+            "e_strided": torch.randn(40, 6, device="cuda", generator=generator).t(),
+            "f_flags": torch.rand(5, device="cuda", generator=generator) > 0.5,
+            "g_host": torch.randn(9, generator=torch.Generator().manual_seed(seed))}
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_a_refill_from_the_device_lays_odd_sized_tensors_at_unaligned_records(tmp_path, where):
+    """The CUDA refill copies each tensor's bytes into its record as bytes: torch_dist's
+    records sit end to end, at any offset (the mapping viewed as a float32 at an odd offset
+    raised). In the folder the tier usually has (/dev/shm) and on a disk-backed one, the
+    slot's mapping is registered as pinned memory."""
+    if where == "shm":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ftmaster-gpu-"))
+    else:
+        memory = tmp_path
+    slots = MemorySlots(memory)
+    try:
+        for iteration in (1, 2, 3):
+            refilled, written = save(slots, memory, iteration, odd_device_state(iteration))
+        assert refilled
+        slot_file = next(iter(slots._files[0].values()))
+        assert slot_file._bytes.is_pinned()
+        offsets = sorted(r.data_offset for r in slot_file.records.values())
+        assert any(offset % 2 for offset in offsets[1:]), offsets  # the case is the one meant
+        folder = iteration_dir(memory, 3)
+        expected = odd_device_state(3)
+        for result in written:
+            if result.index.fqn != "rng":
+                assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu()), \
+                    result.index.fqn
+        reported = slots.digests[SHARD]
+        assert reported.digest == digest_file(folder / SHARD)
+        data = (folder / SHARD).read_bytes()
+        for offset, item in reported.items.items():
+            assert xxhash.xxh3_64(data[offset:offset + item.bytes]).hexdigest() == item.digest
+    finally:
+        slots.close()
+        if where == "shm":
+            shutil.rmtree(memory, ignore_errors=True)
