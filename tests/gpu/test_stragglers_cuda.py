@@ -43,6 +43,35 @@ def test_compute_is_the_devices_time_between_the_marks_not_the_hosts():
     assert measured == pytest.approx(reference, rel=0.2)
 
 
+@needs_gpus(1)
+def test_an_iteration_still_on_the_device_has_no_figure_until_it_lands():
+    """``previous_microseconds`` asks the event first: before the device reaches it the
+    figure is 0 (``elapsed_time`` would raise cudaErrorNotReady), and the same marks read
+    the device's time once it has."""
+    torch.cuda.init()
+    reference = device_seconds(lambda: torch.cuda._sleep(BUSY_CYCLES))
+    timer = ComputeTimer(cuda=True)
+    timer.start()
+    torch.cuda._sleep(BUSY_CYCLES)
+    timer.reduction_entered()
+    timer.start()  # nothing synchronised: the last iteration is still on the device
+    assert timer.previous_microseconds() == 0
+    torch.cuda.synchronize()
+    assert timer.previous_microseconds() / 1e6 == pytest.approx(reference, rel=0.2)
+
+
+@needs_gpus(1)
+def test_the_compute_so_far_waits_for_the_device():
+    """A rehearsal's slowdown sleeps in proportion to ``seconds_so_far``: on CUDA it drains
+    the device first, so queued work counts, not just the host's queuing of it."""
+    torch.cuda.init()
+    reference = device_seconds(lambda: torch.cuda._sleep(BUSY_CYCLES))
+    timer = ComputeTimer(cuda=True)
+    timer.start()
+    torch.cuda._sleep(BUSY_CYCLES)
+    assert timer.seconds_so_far() >= 0.8 * reference
+
+
 @needs_gpus(4)
 def test_a_gpu_slowed_2x_is_named_a_straggler(tmp_path):
     run_dir = tmp_path / "run"
