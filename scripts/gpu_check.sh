@@ -10,9 +10,15 @@
 #   replica recovery on 4 GPUs (NCCL survivors dump, the relaunch loads the merge; also with
 #   the distributed optimizer in two instances, its shards put together), the
 #   memory tier's refill from device memory into its pinned slot, and its checkpoint resumed,
-#   the stragglers' compute timed between CUDA events and a GPU slowed 2x named on 4 GPUs;
+#   the same refill of odd-sized tensors at unaligned records (in /dev/shm and on disk), a
+#   disk save's records written from device tensors, the CUDA RNG streams saved and
+#   restored, prefetched batches pinned and copied to the GPU, the stragglers' compute timed
+#   between CUDA events (0 while the device has not reached them; the compute so far drains
+#   the device) and a GPU slowed 2x named on 4 GPUs;
 #   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
-# Ends with a summary table. Without CUDA it says so and exits 0 (nothing to check).
+# Ends with a summary table naming every test. Without CUDA and without an NVIDIA driver it
+# says no GPU test ran and exits 0 (nothing to check); with a driver listing GPUs that torch
+# cannot use, or a torch that does not import, it fails.
 #   scripts/gpu_check.sh [pytest options]     e.g. -k distributed_optimizer
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,9 +26,21 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py=.venv/bin/python
 
-if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check: skipped: torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
-         "sees no CUDA device (a CPU build, no driver, or CUDA_VISIBLE_DEVICES hides them all)"
+if ! torch_version="$("$py" -c 'import torch; print(torch.__version__)')"; then
+    echo "gpu_check: FAILED: torch does not import in $py" >&2
+    exit 1
+fi
+if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    # A driver that lists GPUs while torch sees none is a broken set-up, not a CPU machine:
+    # passing there would tell the GPU owner their GPUs were checked.
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+        echo "gpu_check: FAILED: nvidia-smi lists GPUs but torch $torch_version sees no CUDA" \
+             "device (a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them all)" >&2
+        exit 1
+    fi
+    echo "gpu_check: SKIPPED: no GPU test ran (tests/gpu, benchmarks/nvml_vs_smi.py):" \
+         "torch $torch_version sees no CUDA device and no NVIDIA driver lists a GPU" \
+         "(nothing to check on this machine)"
     exit 0
 fi
 
