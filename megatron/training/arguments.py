@@ -309,6 +309,7 @@ def _require(condition: bool, message: str) -> None:
 def validate_args(args: argparse.Namespace) -> None:
     """Reject impossible combinations with one line each, before any process group exists."""
     _validate_positive(args)
+    _validate_model_numbers(args)
     _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)
@@ -334,6 +335,18 @@ def _validate_positive(args):
     for name in ("train_iters", "train_samples"):
         value = getattr(args, name)
         _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def _validate_model_numbers(args):
+    """Values torch refuses only once the model is built, with a traceback from deep inside
+    megatron-core (NaN fails every comparison, so it is refused too)."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        _require_number(args, name, lambda p: 0 <= p <= 1, "a probability between 0 and 1")
+
+
+def _require_number(args, name: str, allowed, wanted: str) -> None:
+    value = getattr(args, name)
+    _require(allowed(value), f"--{name.replace('_', '-')} must be {wanted}, got {value}")
 
 
 def _validate_world_size(args):

@@ -107,6 +107,14 @@ def test_invalid_combinations_are_rejected(argv, world_size, message):
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize("flag, value", [("--hidden-dropout", "2"), ("--attention-dropout", "-0.5"),
+                                         ("--hidden-dropout", "nan")])
+def test_a_dropout_that_is_no_probability_is_refused(flag, value):
+    # torch's Dropout refused it only once the model was built, in a traceback
+    with pytest.raises(ArgumentError, match=f"{flag} must be a probability between 0 and 1, got"):
+        parse_args(with_args(flag, value), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
