@@ -342,6 +342,8 @@ def _validate_model_numbers(args):
     megatron-core (NaN fails every comparison, so it is refused too)."""
     for name in ("hidden_dropout", "attention_dropout"):
         _require_number(args, name, lambda p: 0 <= p <= 1, "a probability between 0 and 1")
+    _require_number(args, "init_method_std", lambda std: 0 <= std < math.inf,
+                    "a finite standard deviation >= 0")
 
 
 def _require_number(args, name: str, allowed, wanted: str) -> None:

@@ -115,6 +115,14 @@ def test_a_dropout_that_is_no_probability_is_refused(flag, value):
         parse_args(with_args(flag, value), world_size=1)
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_an_init_method_std_that_is_no_deviation_is_refused(value):
+    # a negative one was a traceback from torch's normal_ as the model was built
+    with pytest.raises(ArgumentError, match=f"--init-method-std must be a finite standard "
+                                            f"deviation >= 0, got {value}"):
+        parse_args(with_args("--init-method-std", value), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
