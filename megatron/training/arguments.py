@@ -344,6 +344,9 @@ def _validate_model_numbers(args):
         _require_number(args, name, lambda p: 0 <= p <= 1, "a probability between 0 and 1")
     _require_number(args, "init_method_std", lambda std: 0 <= std < math.inf,
                     "a finite standard deviation >= 0")
+    # Taken as given, these made the first loss NaN, blamed on the training ("non-finite loss")
+    _require_number(args, "norm_epsilon", lambda eps: 0 <= eps < math.inf, "a finite number >= 0")
+    _require_number(args, "rotary_base", lambda base: base > 0, "a positive integer")
 
 
 def _require_number(args, name: str, allowed, wanted: str) -> None:

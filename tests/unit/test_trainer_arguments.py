@@ -123,6 +123,15 @@ def test_an_init_method_std_that_is_no_deviation_is_refused(value):
         parse_args(with_args("--init-method-std", value), world_size=1)
 
 
+@pytest.mark.parametrize("flag, value, wanted", [
+    ("--norm-epsilon", "-1", "a finite number >= 0"), ("--norm-epsilon", "nan", "a finite number >= 0"),
+    ("--rotary-base", "0", "a positive integer")])
+def test_a_norm_epsilon_or_rotary_base_that_makes_the_loss_nan_is_refused(flag, value, wanted):
+    # taken, the first loss was NaN and the run ended as if the training had diverged
+    with pytest.raises(ArgumentError, match=f"{flag} must be {wanted}, got"):
+        parse_args(with_args(flag, value, "--position-embedding-type", "rope"), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
