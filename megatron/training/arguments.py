@@ -310,6 +310,7 @@ def validate_args(args: argparse.Namespace) -> None:
     """Reject impossible combinations with one line each, before any process group exists."""
     _validate_positive(args)
     _validate_model_numbers(args)
+    _validate_adam(args)
     _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)
@@ -347,6 +348,14 @@ def _validate_model_numbers(args):
     # Taken as given, these made the first loss NaN, blamed on the training ("non-finite loss")
     _require_number(args, "norm_epsilon", lambda eps: 0 <= eps < math.inf, "a finite number >= 0")
     _require_number(args, "rotary_base", lambda base: base > 0, "a positive integer")
+
+
+def _validate_adam(args):
+    """torch's Adam rules, which it raised only as the optimizer was built (a traceback)."""
+    for name in ("adam_beta1", "adam_beta2"):
+        _require_number(args, name, lambda beta: 0 <= beta < 1, "in [0, 1)")
+    for name in ("adam_eps", "weight_decay"):
+        _require_number(args, name, lambda value: 0 <= value < math.inf, "a finite number >= 0")
 
 
 def _require_number(args, name: str, allowed, wanted: str) -> None:

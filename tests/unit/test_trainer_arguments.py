@@ -1,6 +1,7 @@
 """pretrain_gpt.py argument validation: every bad input is one line and a non-zero exit."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,16 @@ def test_a_norm_epsilon_or_rotary_base_that_makes_the_loss_nan_is_refused(flag, 
     # taken, the first loss was NaN and the run ended as if the training had diverged
     with pytest.raises(ArgumentError, match=f"{flag} must be {wanted}, got"):
         parse_args(with_args(flag, value, "--position-embedding-type", "rope"), world_size=1)
+
+
+@pytest.mark.parametrize("flag, value, wanted", [
+    ("--adam-beta1", "1.5", "in [0, 1)"), ("--adam-beta2", "-1", "in [0, 1)"),
+    ("--adam-beta2", "nan", "in [0, 1)"), ("--adam-eps", "-1", "a finite number >= 0"),
+    ("--weight-decay", "-1", "a finite number >= 0")])
+def test_adam_settings_torch_refuses_are_refused_before_the_launch(flag, value, wanted):
+    # torch's Adam raised them as the optimizer was built, in a traceback
+    with pytest.raises(ArgumentError, match=re.escape(f"{flag} must be {wanted}, got")):
+        parse_args(with_args(flag, value), world_size=1)
 
 
 def test_missing_data_path_names_the_file(tmp_path):
