@@ -324,7 +324,8 @@ def _validate_positive(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "ffn_hidden_size", "num_query_groups",
-                 "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+                 "log_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                 "make_vocab_size_divisible_by"):
         value = getattr(args, name)
         _require(value is not None and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")

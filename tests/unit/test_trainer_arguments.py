@@ -143,6 +143,15 @@ def test_adam_settings_torch_refuses_are_refused_before_the_launch(flag, value, 
         parse_args(with_args(flag, value), world_size=1)
 
 
+@pytest.mark.parametrize("value", ["0", "-64"])
+def test_a_vocab_padding_multiple_below_one_is_refused(value):
+    # 0 divided by zero as the vocabulary was padded; -64 padded it below the tokenizer's
+    # size, and the embedding's lookup failed with an IndexError
+    with pytest.raises(ArgumentError, match=f"--make-vocab-size-divisible-by must be a positive "
+                                            f"integer, got {value}"):
+        parse_args(with_args("--make-vocab-size-divisible-by", value), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
