@@ -311,6 +311,9 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_positive(args)
     _validate_model_numbers(args)
     _validate_adam(args)
+    # gloo refused a negative one, timedelta a nan or infinite one: tracebacks at the launch
+    _require_number(args, "distributed_timeout_minutes", lambda minutes: 0 <= minutes < math.inf,
+                    "a finite number of minutes >= 0")
     _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)

@@ -152,6 +152,14 @@ def test_a_vocab_padding_multiple_below_one_is_refused(value):
         parse_args(with_args("--make-vocab-size-divisible-by", value), world_size=1)
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_distributed_timeout_that_is_no_duration_is_refused(value):
+    # the process group's set-up raised them (gloo: "Invalid timeout"; timedelta: nan, inf)
+    with pytest.raises(ArgumentError, match=f"--distributed-timeout-minutes must be a finite "
+                                            f"number of minutes >= 0, got"):
+        parse_args(with_args("--distributed-timeout-minutes", value), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
