@@ -557,8 +557,10 @@ def _validate_checkpointing(args):
              f"{args.async_save_timeout}")
     _require(args.keep_emergency is None or args.keep_emergency >= 0,
              f"--keep-emergency must be >= 0, got {args.keep_emergency}")
-    _require(args.emergency_save_gap_frac >= 0,
-             f"--emergency-save-gap-frac must be >= 0, got {args.emergency_save_gap_frac}")
+    # infinite: the save-request filter's ceil(frac x interval) overflowed at start-up
+    _require(0 <= args.emergency_save_gap_frac < math.inf,
+             f"--emergency-save-gap-frac must be a finite number >= 0, got "
+             f"{args.emergency_save_gap_frac}")
     _validate_memory_tier(args)
 
 

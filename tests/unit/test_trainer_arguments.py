@@ -160,6 +160,14 @@ def test_a_distributed_timeout_that_is_no_duration_is_refused(value):
         parse_args(with_args("--distributed-timeout-minutes", value), world_size=1)
 
 
+def test_an_infinite_emergency_gap_is_refused(tmp_path):
+    # inf was taken, and ceil(inf x --save-interval) overflowed as the trainer started
+    with pytest.raises(ArgumentError, match=f"--emergency-save-gap-frac must be a finite number "
+                                            f">= 0, got"):
+        parse_args(with_args("--emergency-save-gap-frac", "inf", "--save", str(tmp_path),
+                             "--save-interval", "2"), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
