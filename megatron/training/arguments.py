@@ -397,6 +397,10 @@ def _validate_layout(args):
                  f"({heads}); give --kv-channels for another head size")
         args.kv_channels = args.hidden_size // heads
     _validate_pipeline(args)
+    # numpy's seed range, for every pipeline rank's seed (--seed + 100 x its rank); outside
+    # it numpy.random.seed raised a traceback once the process group was up
+    top = 2**32 - 1 - 100 * (args.pipeline_model_parallel_size - 1)
+    _require(0 <= args.seed <= top, f"--seed must be between 0 and {top}, got {args.seed}")
     _require(args.max_position_embeddings >= args.seq_length,
              f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
              f"--seq-length ({args.seq_length})")
