@@ -321,6 +321,10 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_data(args)
     _validate_checkpointing(args)
     _require(args.tensorboard_dir is None or tensorboard_installed(), NEEDS_PACKAGE)
+    # The writer makes it on the last rank only, after the model is built: a traceback there
+    _require(args.tensorboard_dir is None or _is_writable_dir(Path(args.tensorboard_dir)),
+             f"--tensorboard-dir {args.tensorboard_dir} is not writable: choose a directory you "
+             f"can write to")
 
 
 def _validate_positive(args):

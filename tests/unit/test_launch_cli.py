@@ -90,14 +90,14 @@ def test_unwritable_run_dir_is_one_line(tmp_path):
 
 def test_an_unwritable_tensorboard_dir_is_one_line(tmp_path):
     """ftmaster writes its own scalars beside the trainer's: it met the folder first, with a
-    traceback."""
+    traceback. The trainer's arguments now refuse it, before anything starts."""
     parent = tmp_path / "a_file"
     parent.write_text("")
     result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
                     PRETRAIN, *MODEL, "--tensorboard-dir", str(parent / "tb"))
     assert result.exit_code != 0
-    assert result.stderr == (f"Error: --tensorboard-dir: cannot write to {parent / 'tb'} (Not a "
-                             "directory)\n")
+    assert result.stderr == (f"Error: training arguments: --tensorboard-dir {parent / 'tb'} is "
+                             f"not writable: choose a directory you can write to\n")
 
 
 @pytest.mark.parametrize("entry,kind,problem", [

@@ -212,6 +212,13 @@ def test_unwritable_save_directory(tmp_path):
         parse_args(with_args("--save", str(blocker / "ckpt")), world_size=1)
 
 
+def test_a_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
+    # SummaryWriter's makedirs raised FileExistsError on the last rank, a traceback
+    (tmp_path / "board").write_text("a file")
+    with pytest.raises(ArgumentError, match="--tensorboard-dir .*board is not writable"):
+        parse_args(with_args("--tensorboard-dir", str(tmp_path / "board")), world_size=1)
+
+
 def test_a_load_folder_that_cannot_hold_checkpoints_is_refused(tmp_path):
     (tmp_path / "weights.pt").write_text("a file, not a checkpoint folder")
     with pytest.raises(ArgumentError, match="--load .*weights.pt is a file: give the checkpoint folder"):
