@@ -411,8 +411,7 @@ def _validate_layout(args):
     _require(not args.sequence_parallel or args.seq_length % tp == 0,
              f"--sequence-parallel splits the sequence over TP: --seq-length ({args.seq_length}) "
              f"is not divisible by --tensor-model-parallel-size ({tp})")
-    _require(args.recompute_method is None or args.recompute_granularity == "full",
-             "--recompute-method needs --recompute-granularity full")
+    _validate_recompute(args)
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     # Megatron-LM's validate_args asserts the same.
     _require(not args.overlap_param_gather or args.use_distributed_optimizer,
@@ -420,6 +419,23 @@ def _validate_layout(args):
     _validate_optimizer_instances(args)
     _require(not args.fp16 or _cuda_available(),
              "--fp16 needs CUDA (its loss scaling is not tried on CPU); use --bf16 or fp32 on CPU")
+
+
+def _validate_recompute(args):
+    """megatron-core's TransformerConfig refuses full without a method, and its uniform method
+    indexes past the chunk's last layer (IndexError) when the groups do not tile it: tracebacks
+    once the model is built."""
+    method = args.recompute_method
+    _require(method is None or args.recompute_granularity == "full",
+             "--recompute-method needs --recompute-granularity full")
+    _require(method is not None or args.recompute_granularity != "full",
+             "--recompute-granularity full needs --recompute-method uniform or block")
+    layers = args.num_layers // (args.pipeline_model_parallel_size
+                                 * (args.virtual_pipeline_model_parallel_size or 1))
+    group = args.recompute_num_layers or 1
+    _require(method != "uniform" or layers % group == 0,
+             f"--recompute-method uniform recomputes groups of --recompute-num-layers ({group}) "
+             f"layers, which must divide the {layers} layers of each pipeline chunk")
 
 
 def _validate_optimizer_instances(args):

@@ -176,6 +176,22 @@ def test_a_seed_numpy_refuses_is_refused(seed, pp, top):
                    world_size=pp)
 
 
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--recompute-granularity", "full"], 1,
+     "--recompute-granularity full needs --recompute-method uniform or block"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+      "3"], 1, "groups of --recompute-num-layers (3) layers, which must divide the 4 layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+      "4", "--pipeline-model-parallel-size", "2"], 2,
+     "must divide the 2 layers of each pipeline chunk"),
+])
+def test_a_full_recompute_megatron_core_cannot_run_is_refused(extra, world_size, message):
+    # megatron-core raised these once the model was built: a ValueError, or an IndexError
+    # from the uniform method's last group reaching past the chunk's layers
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_args(with_args(*extra), world_size=world_size)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
