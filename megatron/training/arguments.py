@@ -341,7 +341,10 @@ def _validate_positive(args):
         value = getattr(args, name)
         _require(value is None or value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    for name in ("train_iters", "train_samples"):
+    # A negative decay was blamed on "--train-iters 0"; a negative warm-up or exit interval
+    # was taken (no warm-up; an exit at multiples of its absolute value)
+    for name in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                 "lr_warmup_iters", "lr_warmup_samples", "exit_interval"):
         value = getattr(args, name)
         _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
 

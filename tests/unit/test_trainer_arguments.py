@@ -192,6 +192,19 @@ def test_a_full_recompute_megatron_core_cannot_run_is_refused(extra, world_size,
         parse_args(with_args(*extra), world_size=world_size)
 
 
+@pytest.mark.parametrize("extra, refused", [
+    (["--lr-decay-iters", "-5"], "--lr-decay-iters must be >= 0, got -5"),
+    (["--lr-warmup-iters", "-2"], "--lr-warmup-iters must be >= 0, got -2"),
+    (["--exit-interval", "-1"], "--exit-interval must be >= 0, got -1"),
+    (["--train-samples", "8", "--lr-warmup-samples", "-4"], "--lr-warmup-samples must be >= 0"),
+])
+def test_a_negative_schedule_length_is_refused(extra, refused):
+    # a negative decay was blamed on "--train-iters 0"; the others were taken
+    argv = with_args(*extra, drop=("--train-iters",) if "--train-samples" in extra else ())
+    with pytest.raises(ArgumentError, match=refused):
+        parse_args(argv, world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
