@@ -4,7 +4,6 @@ streams saved and restored (and left alone for a checkpoint saved on CPU), and t
 prefetcher pinning the host batches the iteration copies to the GPU without blocking."""
 
 import copy
-import queue
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from ftmaster.recovery.manifest import digest_file
 from helpers.gpu import needs_gpus
-from helpers.slots import SHARD, buckets, read_back
+from helpers.slots import SHARD, disk_save, read_back
 from megatron.training import training
 from megatron.training.checkpointing import _restore_rng, rng_state
 from megatron.training.data import BatchPrefetcher
@@ -28,16 +27,6 @@ def device_state(seed: int) -> dict:
             "b_weight": torch.randn(517, 7, device="cuda", generator=generator),
             "c_strided": torch.randn(40, 6, device="cuda", generator=generator).t(),
             "d_double": torch.randn(17, device="cuda", generator=generator).double()}
-
-
-def disk_save(records: DiskRecords, folder, tensors: dict) -> list:
-    folder.mkdir(parents=True)
-    records.begin(True)
-    results = queue.Queue()
-    records.write(folder, 1, 0, buckets(tensors, b"rng state"), results)
-    written = results.get_nowait()
-    assert not isinstance(written, Exception), written
-    return [result for results in written.values() for result in results]
 
 
 @needs_gpus(1)

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME
 from megatron.training.memory_slots import MemorySlots
+from megatron.training.records import DiskRecords
 
 SHARD = "__0_0.distcp"
 
@@ -44,3 +45,14 @@ def read_back(folder, result):
     if result.index.fqn == "rng":
         return data
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def disk_save(records: DiskRecords, folder, tensors: dict, kept: bool = True) -> list:
+    """One disk save of ``tensors`` (and an object) through ``records``; its write results."""
+    folder.mkdir(parents=True)
+    records.begin(kept)
+    results = queue.Queue()
+    records.write(folder, 1, 0, buckets(tensors, b"rng state"), results)
+    written = results.get_nowait()
+    assert not isinstance(written, Exception), written
+    return [result for results in written.values() for result in results]

@@ -17,19 +17,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ftmaster.recovery.manifest import digest_file
 from ftmaster.recovery.writeback import STEP
-from helpers.slots import SHARD, buckets, read_back
+from helpers.slots import SHARD, buckets, disk_save, read_back
 from megatron.training import checksums
 from megatron.training.records import DiskRecords, objects_file
-
-
-def disk_save(records: DiskRecords, folder, tensors: dict, kept: bool = True) -> list:
-    folder.mkdir(parents=True)
-    records.begin(kept)
-    results = queue.Queue()
-    records.write(folder, 1, 0, buckets(tensors, b"rng state"), results)
-    written = results.get_nowait()
-    assert not isinstance(written, Exception), written
-    return [result for results in written.values() for result in results]
 
 
 def state(seed: int, rows: int = 4) -> dict:
