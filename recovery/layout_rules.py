@@ -52,6 +52,8 @@ activations
 --ckpt-format torch_dcp      ``validate_args``: TP == 1 and PP == 1
 --overlap-param-gather-      ``validate_args``: VPP > 1 (interleaving is kept on)
 with-optimizer-step
+--recompute-method uniform   megatron/core/transformer/transformer_block.py ``_checkpointed_forward``:
+                             groups of --recompute-num-layers tile each chunk (else IndexError)
 --cpu-offloading             ``TransformerConfig.__post_init__``: PP == 1
 --defer-embedding-wgrad-     ``ModelParallelConfig.__post_init__``: PP > 1
 compute
@@ -165,6 +167,9 @@ class RuleFlags:
     """``--ckpt-format torch_dcp``: needs TP 1 and PP 1."""
     needs_interleaving: bool = False
     """``--overlap-param-gather-with-optimizer-step``: needs VPP > 1."""
+    recompute_group: int = 1
+    """``--recompute-method uniform``'s ``--recompute-num-layers``: it divides each pipeline
+    chunk's layers (1: no such rule)."""
     cpu_offloading: bool = False
     """``--cpu-offloading`` (or ``--cpu-offloading-num-layers`` > 0): needs PP 1."""
     defer_embedding_wgrad: bool = False
@@ -262,6 +267,8 @@ def read_rule_flags(args: Sequence[str]) -> RuleFlags:
         torch_fsdp2=flag_present(args, "--use-torch-fsdp2"),
         torch_dcp=flag_value(args, "--ckpt-format") == "torch_dcp",
         needs_interleaving=flag_present(args, "--overlap-param-gather-with-optimizer-step"),
+        recompute_group=(int_flag(args, "--recompute-num-layers", 1)
+                         if flag_value(args, "--recompute-method") == "uniform" else 1),
         cpu_offloading=(flag_present(args, "--cpu-offloading")
                         or (int_flag(args, "--cpu-offloading-num-layers", 0, positive=False) or 0) > 0),
         defer_embedding_wgrad=flag_present(args, "--defer-embedding-wgrad-compute"),
@@ -436,9 +443,24 @@ def pipeline_splits(shape: ModelShape, flags: PipelineFlags, rules: RuleFlags,
         if split is not None and rules.needs_interleaving:
             split = (replace(split, can_stop_interleaving=False) if split.virtual_size > 1
                      else None)
+        if split is not None and rules.recompute_group > 1:
+            split = _tiled_by_recompute_groups(split, rules.recompute_group)
         if split is not None:
             splits.append(split)
     return splits
+
+
+def _tiled_by_recompute_groups(split: PipelineSplit, group: int) -> PipelineSplit | None:
+    """``split`` if groups of ``group`` layers tile each of its chunks (uniform recompute walks
+    a chunk in such groups from its first layer and indexes past its last otherwise), and
+    keeps doing so should interleaving stop; else None."""
+    def tiled(virtual_size: int) -> bool:
+        return all(layers % virtual_size == 0 and layers // virtual_size % group == 0
+                   for layers in split.stage_layers if layers)
+
+    if not tiled(split.virtual_size):
+        return None
+    return split if tiled(1) else replace(split, can_stop_interleaving=False)
 
 
 def interleaving_allows(flags: PipelineFlags, pp: int, vpp: int,

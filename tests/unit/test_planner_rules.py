@@ -399,3 +399,19 @@ def test_a_relaunch_keeps_the_optimizer_instances_when_dp_allows_else_the_most_i
     said = (f"--num-distributed-optimizer-instances {instances} does not divide the new layout's "
             f"data-parallel size: the relaunch runs {kept}")
     assert (said in plan.warnings) == (kept != instances), plan.warnings
+
+
+def test_uniform_recompute_groups_tile_every_pipeline_chunk():
+    # transformer_block.py _checkpointed_forward (uniform) walks each chunk in groups of
+    # --recompute-num-layers from its first layer: a chunk they do not tile indexes past its
+    # last layer (IndexError in the first forward). 12 layers in groups of 3: PP 2 (6 a
+    # stage) and PP 4 (3) tile; PP 3 (4 a stage) and PP 6 (2) do not.
+    args = [*SMALL[:1], "--num-layers", "12", *SMALL[3:], "--micro-batch-size", "1",
+            "--global-batch-size", "12", "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "3"]
+    for gpus in range(1, 13):
+        for mode in ("closest", "paper"):
+            plan = plan_layout(args, gpus, mode=mode)
+            chunk = 12 // plan.pipeline_model_parallel_size // (
+                plan.virtual_pipeline_model_parallel_size or 1)
+            assert chunk % 3 == 0, (gpus, mode, plan.pipeline_model_parallel_size)
