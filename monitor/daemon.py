@@ -203,6 +203,7 @@ class Monitor:
         self.health = health or HealthConfig()
         self.overlay = AnomalyOverlay(seed=seed)
         self.pending_injections = list(injections)
+        self._injected_gpus = {i.gpu: i for i in self.pending_injections}
         self.on_alert, self.on_lost = on_alert, on_lost
         self.sample_listeners: list[Callable[[list[GpuSample], list[Alert]], None]] = []
         """Called with each step's scored samples and its alerts (metrics, TensorBoard)."""
@@ -355,6 +356,7 @@ class Monitor:
         if samples and not self._coverage_checked:
             self._coverage_checked = True
             self._report_coverage(samples)
+            self._report_unsampled_injections(samples)
         for listener in self.sample_listeners:
             listener(samples, alerts)
         for gpu in newly_lost:
@@ -423,6 +425,19 @@ class Monitor:
                     ", ".join(unavailable))
         if self.run_dir is not None:
             self._append_event("monitor_coverage", unavailable=unavailable)
+
+    def _report_unsampled_injections(self, samples: list[GpuSample]) -> None:
+        """An injection for a GPU that is not sampled would never show, and the rehearsal
+        would pass for one that ran: the sim backend's GPUs are checked before the start, but
+        NVML's and a replay's are known only from their first sample."""
+        sampled = sorted({s.gpu_id for s in samples})
+        for gpu, injection in self._injected_gpus.items():
+            if gpu not in sampled:
+                log.warning("--inject %s: GPU %d is not among the sampled GPUs %s; it changes "
+                            "nothing", injection, gpu, sampled)
+                if self.run_dir is not None:
+                    self._append_event("injection_unsampled", gpu=gpu, spec=str(injection),
+                                       sampled=sampled)
 
     def _decide(self, gpu: int, when: float, assessment: Assessment) -> list[Alert]:
         if not self.policy.decide(gpu, when, assessment):

@@ -511,3 +511,15 @@ def test_a_nan_reading_is_unknown_not_a_level_or_a_score(tmp_path):
     assert alert.gpu == 0 and alert.reasons == ("ecc_dbe",)
     assert monitor.unschedulable_gpus() == {0: "ecc_dbe"}
     assert "nan" not in runfiles.metrics_csv_path(tmp_path).read_text()
+
+
+def test_an_injection_for_a_gpu_that_is_not_sampled_is_said_once(tmp_path, caplog):
+    """A real backend's GPUs are known only from its first sample: an injection for one it
+    does not have ran to the end with no word, and never fired."""
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=9,at=2s", "degrade:gpu=1,at=1s"])
+    run(monitor, 4)
+    said = [r.getMessage() for r in caplog.records if "is not among the sampled" in r.getMessage()]
+    assert said == ["--inject fail:gpu=9,at=2s: GPU 9 is not among the sampled GPUs "
+                    "[0, 1, 2, 3]; it changes nothing"]
+    (event,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "injection_unsampled"]
+    assert (event["gpu"], event["sampled"]) == (9, [0, 1, 2, 3])
