@@ -318,6 +318,56 @@ def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):
     assert cancelled["gpu"] == 1 and "no layout fits 3 GPUs" in cancelled["reason"]
 
 
+class RoundMembership:
+    """A rendezvous whose every round is ``joined``; it keeps how the job ended."""
+
+    def __init__(self, joined, max_nodes):
+        self.joined, self.ended = joined, []
+        self.config = types.SimpleNamespace(join_timeout_s=5.0, max_nodes=max_nodes, node_rank=0,
+                                            endpoint="store:29400")
+
+    def join(self, gpus, warm, peer_url):
+        return self.joined
+
+    def end_job(self, outcome):
+        self.ended.append(outcome)
+
+
+class PlanningMonitor(StubMonitor):
+    def refresh(self, timeout_s):
+        pass
+
+
+def two_nodes(gpus):
+    """The first round of two nodes launched with ``gpus`` GPUs each, seen from node 0."""
+    from ftmaster.membership import NodeRecord, Round
+
+    return Round(1, tuple(NodeRecord(rank, f"node{rank}", tuple(range(gpus)), 1000 + rank,
+                                     launch_gpus=gpus) for rank in range(2)), 0)
+
+
+# Megatron's default global batch: micro-batch x DP of the original launch.
+NO_GLOBAL_BATCH = tuple(MODEL[:11]) + tuple(MODEL[13:])
+
+
+def test_arguments_the_planner_refuses_across_nodes_end_the_job_in_one_line(tmp_path):
+    """Across nodes no check at launch reads the arguments as the planner does: the first
+    round's plan is the first. Two nodes of 3 GPUs at TP 2 x PP 2 without --global-batch-size
+    (6 GPUs: no DP) raised the planner's ValueError, a traceback on every node."""
+    from ftmaster import exit_codes
+    from ftmaster.states import State, exit_status
+
+    membership = RoundMembership(two_nodes(3), max_nodes=2)
+    config = SupervisorConfig(run_dir=tmp_path, command=NO_GLOBAL_BATCH, gpus=(0, 1, 2),
+                              first_plan=None)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership)
+    assert supervisor._plan() is Trigger.NO_LAYOUT
+    gave_up = runfiles.read_events(tmp_path)[-1]
+    assert gave_up["event"] == "gave_up" and "not a multiple of TP x PP = 4" in gave_up["reason"]
+    assert len(membership.ended) == 1  # the other nodes end alike
+    assert exit_status(State.GAVE_UP, None, supervisor._requeue_helps) == exit_codes.DO_NOT_REQUEUE
+
+
 def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tmp_path):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))

@@ -1256,6 +1256,9 @@ class Supervisor:
         except PlanError as error:
             self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
             return Trigger.NO_LAYOUT
+        except ValueError as error:  # the arguments, which across nodes no launch check read
+            self._give_up(f"invalid layout: {error}", requeue_helps=False)
+            return Trigger.NO_LAYOUT
         mine = plan.ranks_per_node[joined.me]
         active = [i for i, ranks in enumerate(plan.ranks_per_node) if ranks]
         if self.replication is not None and joined.secret is not None:
