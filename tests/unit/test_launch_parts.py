@@ -368,6 +368,23 @@ def test_arguments_the_planner_refuses_across_nodes_end_the_job_in_one_line(tmp_
     assert exit_status(State.GAVE_UP, None, supervisor._requeue_helps) == exit_codes.DO_NOT_REQUEUE
 
 
+def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_round(tmp_path):
+    """Two nodes of 4 GPUs at TP 4 x PP 2 without --global-batch-size: the check planned this
+    node's GPUs alone as the job (4 GPUs, no multiple of 8), and the planner's ValueError
+    ended ftmaster with a traceback while training ran. The next round has 7 GPUs."""
+    from ftmaster.monitor.daemon import Alert
+
+    command = (*NO_GLOBAL_BATCH[:-4], "--tensor-model-parallel-size", "4",
+               "--pipeline-model-parallel-size", "2")
+    config = SupervisorConfig(run_dir=tmp_path, command=command, gpus=(0, 1, 2, 3),
+                              first_plan=None, policy="drain")
+    supervisor = Supervisor(config, StubMonitor(True), RoundMembership(two_nodes(4), 2))
+    supervisor.round = two_nodes(4)
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    supervisor._alerts.append(Alert(1, 1.0, ("xid_79",), 0.0))
+    assert supervisor._critical_gpu() is Trigger.CRITICAL_GPU
+
+
 def test_resumed_names_the_first_iteration_even_when_the_poll_saw_a_later_one(tmp_path):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))

@@ -1098,14 +1098,26 @@ class Supervisor:
         """Whether the planner has a layout for the GPUs left without ``gpu``; said when not."""
         left = [g for g in self.config.gpus if g not in self.retired and g != gpu]
         try:
-            plan_layout(self.config.command, len(left), self.config.gpus_per_node,
-                        original_world_size=len(self.config.gpus), **self._planner_options())
+            self._next_plan(len(left))
         except PlanError as error:
             log.warning("keeping GPU %d despite its alert: without it no layout fits (%s)",
                         gpu, error)
             self._event("drain_cancelled", gpu=gpu, reason=f"no layout without it: {error}")
             return False
         return True
+
+    def _next_plan(self, gpus_here: int) -> Plan:
+        """The plan of a relaunch with ``gpus_here`` GPUs on this node. Across nodes it is the
+        next round's: the other nodes' GPUs count too, and the job's original size is theirs
+        together (this node's alone is no job Megatron ran, and can refuse the arguments)."""
+        if self.round is None:
+            return plan_layout(self.config.command, gpus_here, self.config.gpus_per_node,
+                               original_world_size=len(self.config.gpus), **self._planner_options())
+        node_gpus = list(self.round.node_gpus)
+        node_gpus[self.round.me] = gpus_here
+        return plan_nodes(self.config.command, node_gpus,
+                          original_world_size=self.round.original_world_size(
+                              self.membership.config.max_nodes), **self._planner_options())
 
     def _drained(self) -> Trigger | None:
         if not self._saved_since(self._drain_since):
