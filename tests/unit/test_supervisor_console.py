@@ -619,6 +619,43 @@ def test_a_waiting_peer_stops_the_attempt_at_once_or_after_an_agreed_save(tmp_pa
     assert runfiles.trigger_flag_path(tmp_path).exists() == (policy == "at-save")
 
 
+class LaunchedAttempt(FakeAttempt):
+    """What ``Supervisor._launch`` starts, without processes."""
+
+    def __init__(self, run_dir, number, command, gpus, env, world=None, starter=None):
+        import time
+
+        self.number, self.gpus, self.argv = number, tuple(gpus), list(command)
+        self.log_path = Path(run_dir) / "logs" / f"attempt_{number}.log"
+        self.started_at = time.time()
+
+
+class WatchingMonitor(QuietMonitor):
+    def watch(self, gpus):
+        pass
+
+
+def test_a_save_asked_for_a_waiting_peer_is_asked_again_of_the_next_attempt(tmp_path, monkeypatch):
+    """--scale-up at-save: the attempt that asked for a save failed as it landed (its peer on
+    another node saw it first and stopped). The next peer's wait found that old save, newer
+    than the old request, and stopped the relaunched attempt at once, nothing saved for it."""
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    monkeypatch.setattr(supervisor_module, "Attempt", LaunchedAttempt)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, WatchingMonitor())
+    supervisor.attempt = FakeAttempt()
+    assert supervisor._rejoin(7) is None  # a save asked for
+    runfiles.append_event(tmp_path, "periodic_save", iteration=8)  # unseen: the attempt failed
+    supervisor._launch()
+    assert not runfiles.trigger_flag_path(tmp_path).exists()  # the old request, cleared
+    assert supervisor._rejoin(9) is None and not supervisor.attempt.killed
+    assert runfiles.trigger_flag_path(tmp_path).exists()  # asked anew
+
+
 @pytest.mark.parametrize("save, completes", [
     ({"kind": "final", "iteration": 8}, True),
     ({"kind": "periodic", "iteration": 10}, True),  # at --train-iters: the schedule's end

@@ -867,6 +867,9 @@ class Supervisor:
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
         self._schedule_saved = None
+        # A save asked of the last attempt for a waiting peer is not this one's: any save since
+        # would let the next peer's wait stop it at once, with no save of its own.
+        self._rejoin_requested_at = None
         command = self._command_for(number, plan)
         self._training_command = command = with_exit_signal_handler(command)
         self._clear_previous_attempt()
