@@ -819,6 +819,41 @@ def test_a_give_up_lists_the_runs_failures_and_quotes_no_log_when_ftmaster_ended
     assert "root_cause" not in runfiles.read_events(tmp_path)[-1]  # nor for the report
 
 
+class ResetNeededMonitor(FailingMonitor):
+    """GPU 0 needs a reset (the XID its rank raised): it is never planned on again."""
+
+    def unschedulable_gpus(self):
+        return {0: "xid_79"}
+
+    def exclude_gpus(self, gpus):
+        pass
+
+
+def test_a_failure_no_layout_is_left_for_ends_the_run_with_its_root_cause(tmp_path, caplog):
+    """A rank's XID took its GPU out and the 3 GPUs left fit no layout (2.53 GiB each): that
+    give-up, from planning rather than from the failure's own decision, neither said the
+    rank's error on the console nor kept it for the report."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), gpu_memory_gb=2.53)
+    supervisor = Supervisor(config, ResetNeededMonitor())
+    supervisor.attempt = RankEndingAttempt()
+    said = "local rank 0 (GPU 0) raised RuntimeError: CUDA error: uncorrectable ECC error"
+    supervisor.attempt.root_cause = lambda rank, lines: said
+    supervisor.attempt.log_path = tmp_path / "attempt_1.log"
+    supervisor.progress = Progress(supervisor.attempt.log_path, 10, 0)
+    assert supervisor._check_training() is Trigger.FAILURE
+    assert supervisor._decide() is Trigger.RETRY
+    assert supervisor._plan() is Trigger.NO_LAYOUT
+    gave_up = runfiles.read_events(tmp_path)[-1]
+    assert (gave_up["event"], gave_up.get("root_cause")) == ("gave_up", said)
+    assert "the run's failures: attempt 1 failed (exit)" in caplog.text
+    assert f"root cause, from {supervisor.attempt.log_path}:\n{said}" in caplog.text
+
+
 def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):
     from ftmaster.launch import check_layout
     from ftmaster.states import State

@@ -314,6 +314,7 @@ class Supervisor:
         self._nonfinite_again = False
         self._last_failure: tuple[str, int | None] = ("exit", None)  # cause, first local rank
         self._failures: list[str] = []  # each failure's line, for the give-up's summary
+        self._failed_since_launch = False  # a give-up now ends the run on that failure
         self._last_checkpoint: dict | None = None
         self._original_step_s: float | None = None  # measured on the original layout
         self.stragglers = StragglerWatch(config.stragglers, config.drain_stragglers,
@@ -819,6 +820,7 @@ class Supervisor:
             log.error("the run directory cannot take training's output: %s", room)
             cause, gpus = "run_dir", []
         self._last_failure = (cause, first_local_rank)
+        self._failed_since_launch = True
         if self.membership is not None:
             self.membership.announce_failure(cause)  # the other nodes stop (and dump) now
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
@@ -866,7 +868,7 @@ class Supervisor:
         plan, gpus = self.plan, self.next_gpus
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
-        self._schedule_saved = None
+        self._schedule_saved, self._failed_since_launch = None, False
         # A save asked of the last attempt for a waiting peer is not this one's: any save since
         # would let the next peer's wait stop it at once, with no save of its own.
         self._rejoin_requested_at = None
@@ -1144,23 +1146,19 @@ class Supervisor:
                    for e in runfiles.read_events(self.run_dir))
 
     def _decide(self) -> Trigger:
-        cause, first_rank = self._last_failure
+        cause, _ = self._last_failure
         outcome = after_failure(restarts_done=self.restarts, max_restarts=self.config.max_restarts,
                                 early_exits_in_row=self.early_exits_in_row,
                                 policy=self.config.policy, lost_gpus=self._waitable_gpus(),
                                 cause=cause, nonfinite_again=self._nonfinite_again)
         if outcome.trigger is Trigger.GIVE_UP:
-            log.error("the run's failures: %s", "; ".join(self._failures))
-            if first_rank is not None:  # a rank ended it: its own words (ftmaster's are above)
-                root_cause = self.attempt.root_cause(first_rank, LOG_TAIL_LINES)
-                log.error("root cause, from %s:\n%s", self.attempt.log_path, root_cause)
-            else:  # a GPU lost or a hang has no words of training's own, unless it said some
-                root_cause = self.attempt.stated_errors()
-            self._give_up(outcome.reason, outcome.requeue_helps, root_cause)
+            self._give_up(outcome.reason, outcome.requeue_helps)
         return outcome.trigger
 
-    def _give_up(self, reason: str, requeue_helps: bool = True, root_cause: str | None = None) -> None:
-        """``root_cause``: what training said of the last failure, for the report."""
+    def _give_up(self, reason: str, requeue_helps: bool = True) -> None:
+        """A give-up before a failure was relaunched (its decision, or the plan for it, a wait
+        included) ends the run on that failure: its root cause is said, and kept for the report."""
+        root_cause = self._say_failures() if self._failed_since_launch else None
         self._requeue_helps = requeue_helps
         advice = requeue_advice(requeue_helps)
         self._event("gave_up", reason=reason, requeue=requeue_helps,
@@ -1169,6 +1167,17 @@ class Supervisor:
         if self.membership is not None:
             self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: "
                                     f"{reason}; {advice}")
+
+    def _say_failures(self) -> str | None:
+        """The run's failures in one line; returns what training said of the last one."""
+        _, first_rank = self._last_failure
+        log.error("the run's failures: %s", "; ".join(self._failures))
+        if first_rank is not None:  # a rank ended it: its own words (ftmaster's are above)
+            root_cause = self.attempt.root_cause(first_rank, LOG_TAIL_LINES)
+            log.error("root cause, from %s:\n%s", self.attempt.log_path, root_cause)
+        else:  # a GPU lost or a hang has no words of training's own, unless it said some
+            root_cause = self.attempt.stated_errors()
+        return root_cause
 
     def _wait(self) -> Trigger:
         waited_for = sorted(self._waitable_gpus())
