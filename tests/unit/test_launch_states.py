@@ -27,6 +27,8 @@ LEGAL = [
     (S.PLANNING, T.PLANNED, S.RELAUNCHING),
     (S.PLANNING, T.NO_LAYOUT, S.GAVE_UP),
     (S.RELAUNCHING, T.LAUNCHED, S.RUNNING),
+    (S.STARTING, T.GIVE_UP, S.GAVE_UP),  # the attempt could not be started
+    (S.RELAUNCHING, T.GIVE_UP, S.GAVE_UP),
     (S.STOPPING, T.STOPPED, S.INTERRUPTED),
     # nothing is training: a signal ends the run at once
     (S.STARTING, T.SIGNALLED, S.INTERRUPTED),

@@ -854,6 +854,41 @@ def test_a_failure_no_layout_is_left_for_ends_the_run_with_its_root_cause(tmp_pa
     assert f"root cause, from {supervisor.attempt.log_path}:\n{said}" in caplog.text
 
 
+class RelaunchingMonitor(FailingMonitor):
+    def watch(self, gpus):
+        pass
+
+
+def test_a_relaunch_that_cannot_start_gives_up_on_the_failure_in_one_line(
+        tmp_path, monkeypatch, caplog):
+    """A run directory out of room (or quota) refuses the new attempt's folder: the OSError
+    was a traceback out of the supervisor, the failure it was to resume from unsaid."""
+    import errno
+    import os
+
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State, Trigger, advance
+    from test_launch_parts import MODEL
+
+    def out_of_room(run_dir, number, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir / "ranks"))
+
+    monkeypatch.setattr(supervisor_module, "Attempt", out_of_room)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, RelaunchingMonitor())
+    supervisor.attempt = RankEndingAttempt()
+    supervisor.attempt.root_cause = lambda rank, lines: "local rank 0 (GPU 0) raised OSError"
+    supervisor.attempt.log_path = tmp_path / "attempt_1.log"
+    assert supervisor._check_training() is Trigger.FAILURE
+    assert supervisor._decide() is Trigger.RETRY
+    assert advance(State.RELAUNCHING, supervisor._launch()) is State.GAVE_UP
+    gave_up = runfiles.read_events(tmp_path)[-1]
+    assert gave_up["event"] == "gave_up" and gave_up["root_cause"].endswith("raised OSError")
+    assert "attempt 2 could not start: [Errno 28] No space left on device" in gave_up["reason"]
+
+
 def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):
     from ftmaster.launch import check_layout
     from ftmaster.states import State

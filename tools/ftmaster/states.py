@@ -23,8 +23,10 @@ rendezvous round with the other nodes, and three more paths exist::
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
 or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if
 that GPU's risk is still critical; a risk that fell back (a false alarm) leaves training
-running. In the states where no training runs (``IDLE_STATES``: STARTING and RELAUNCHING
-before their launch, FAILED, WAITING, PLANNING) a signal leads straight to INTERRUPTED.
+running. An attempt that cannot be started at all (its folders, its processes) gives up
+from STARTING or RELAUNCHING. In the states where no training runs (``IDLE_STATES``:
+STARTING and RELAUNCHING before their launch, FAILED, WAITING, PLANNING) a signal leads
+straight to INTERRUPTED.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.PLANNING, T.PLANNED): S.RELAUNCHING,
     (S.PLANNING, T.NO_LAYOUT): S.GAVE_UP,
     (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
+    (S.STARTING, T.GIVE_UP): S.GAVE_UP,
+    (S.RELAUNCHING, T.GIVE_UP): S.GAVE_UP,
     (S.STOPPING, T.STOPPED): S.INTERRUPTED,
     **{(state, T.SIGNALLED): S.INTERRUPTED for state in IDLE_STATES},
     (S.RUNNING, T.PEERS_WAITING): S.PLANNING,

@@ -868,7 +868,7 @@ class Supervisor:
         plan, gpus = self.plan, self.next_gpus
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
-        self._schedule_saved, self._failed_since_launch = None, False
+        self._schedule_saved = None
         # A save asked of the last attempt for a waiting peer is not this one's: any save since
         # would let the next peer's wait stop it at once, with no save of its own.
         self._rejoin_requested_at = None
@@ -879,8 +879,13 @@ class Supervisor:
         self.monitor.watch(gpus)
         # Across nodes, warm only when every node of the round starts warm (Round.warm).
         warm = self.starter if self.round is None or self.round.warm else None
-        self.attempt = Attempt(self.run_dir, number, command, gpus, self._attempt_env(devices, gpus),
-                               world=self.world, starter=warm)
+        try:
+            attempt = Attempt(self.run_dir, number, command, gpus,
+                              self._attempt_env(devices, gpus), world=self.world, starter=warm)
+        except OSError as error:  # its folders (a run directory out of room) or its processes
+            self._give_up(f"attempt {number} could not start: {error}")
+            return Trigger.GIVE_UP
+        self.attempt, self._failed_since_launch = attempt, False
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         # Found on the last attempt's figures: weighed no more.
