@@ -10,6 +10,7 @@ any DP therefore continues at sample ``consumed_samples``, with nothing repeated
 from __future__ import annotations
 
 import argparse
+import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
@@ -18,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import get_bin_path
 from megatron.core.datasets.utils import get_blend_from_list
 from torch.utils.data import default_collate
 
@@ -58,10 +60,32 @@ def build_datasets(args: argparse.Namespace, tokenizer):
     if args.mock_data:
         return builder.build()
     try:
+        for prefix in config.blend[0]:
+            _check_corpus(prefix, config)
         return builder.build()
     except (OSError, ValueError, AssertionError, IndexError, struct.error) as error:
         raise DataError(f"cannot read the training data {' '.join(args.data_path)}: "
                         f"{type(error).__name__}: {error}") from error
+
+
+def _check_corpus(prefix: str, config: GPTDatasetConfig) -> None:
+    """A DataError for a corpus that megatron-core would accept and only fail on later, on
+    whichever rank first reads the bytes that are missing."""
+    corpus = GPTDataset.build_low_level_dataset(prefix, config)
+    _check_complete(prefix, corpus.index)
+
+
+def _check_complete(prefix: str, index) -> None:
+    """The .bin must hold every sequence its index points to: megatron-core maps it without
+    looking at its size, and a read past its end is a numpy ValueError mid-training."""
+    if not len(index):
+        return
+    # The index writer lays the sequences out in order: the last one ends the data.
+    needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+    size = os.path.getsize(get_bin_path(prefix))
+    if size < needed:
+        raise DataError(f"the training data {get_bin_path(prefix)} is truncated: {size} bytes, "
+                        f"where its index needs {needed}")
 
 
 def check_tokens(batch: dict[str, torch.Tensor], vocab_size: int) -> None:

@@ -1,0 +1,50 @@
+"""Real training data (``--data-path``): a corpus megatron-core cannot use is one DataError at
+start-up, never a hang or an error on the first rank that reads its bad bytes."""
+
+import argparse
+import re
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from megatron.training.data import DataError, build_datasets
+from megatron.training.tokenizer import ByteLevelTokenizer
+
+
+def write_corpus(prefix: Path, documents: int, tokens: int = 40) -> str:
+    """``documents`` documents of ``tokens`` byte tokens each, ending with end-of-document."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for document in range(documents):
+        ids = [(document + i) % 256 for i in range(tokens - 1)] + [ByteLevelTokenizer.eod]
+        builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def data_args(prefix: str, tmp_path: Path, **overrides) -> argparse.Namespace:
+    args = dict(seed=1, seq_length=16, mock_data=False, data_path=[prefix], split="98,2,0",
+                data_cache_path=str(tmp_path / "cache"), train_samples=64, global_batch_size=8,
+                eval_interval=4, eval_iters=1)
+    return argparse.Namespace(**{**args, **overrides})
+
+
+def test_a_whole_corpus_builds(tmp_path):
+    prefix = write_corpus(tmp_path / "corpus", 100)
+    train, valid, _ = build_datasets(data_args(prefix, tmp_path), ByteLevelTokenizer())
+    assert len(train) >= 64 and len(valid) >= 1
+    assert int(train[63]["tokens"].max()) < ByteLevelTokenizer.vocab_size
+
+
+def test_a_truncated_bin_is_a_data_error_at_start_up(tmp_path):
+    """megatron-core maps the .bin without checking its size: the dataset built, and the first
+    read past the cut raised numpy's "buffer is smaller than requested size" mid-training."""
+    prefix = write_corpus(tmp_path / "corpus", 100)
+    data = Path(prefix + ".bin")
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:size // 2])
+    said = f"the training data {data} is truncated: {size // 2} bytes, where its index needs {size}"
+    with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
+        build_datasets(data_args(prefix, tmp_path), ByteLevelTokenizer())
