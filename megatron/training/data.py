@@ -69,10 +69,11 @@ def build_datasets(args: argparse.Namespace, tokenizer):
 
 
 def _check_corpus(prefix: str, config: GPTDatasetConfig) -> None:
-    """A DataError for a corpus that megatron-core would accept and only fail on later, on
-    whichever rank first reads the bytes that are missing."""
+    """A DataError for a corpus that megatron-core would accept and then fail on later (on
+    whichever rank first reads the bytes that are missing) or hang on."""
     corpus = GPTDataset.build_low_level_dataset(prefix, config)
     _check_complete(prefix, corpus.index)
+    _check_split(prefix, GPTDataset.numel_low_level_dataset(corpus), config)
 
 
 def _check_complete(prefix: str, index) -> None:
@@ -86,6 +87,18 @@ def _check_complete(prefix: str, index) -> None:
     if size < needed:
         raise DataError(f"the training data {get_bin_path(prefix)} is truncated: {size} bytes, "
                         f"where its index needs {needed}")
+
+
+def _check_split(prefix: str, sequences: int, config: GPTDatasetConfig) -> None:
+    """Each part of --split must get a sequence of the corpus. megatron-core adds epochs until
+    a part holds the samples asked for, and one with no sequence adds 0 tokens an epoch:
+    start-up hung, on a corpus of under 500 sequences with the default --split 969,30,1."""
+    for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
+        # the builder's own rounding (_build_megatron_dataset_splits)
+        if bounds is not None and round(bounds[0] * sequences) == round(bounds[1] * sequences):
+            raise DataError(f"--split {config.split} gives the {name} part none of the "
+                            f"{sequences} sequences of {prefix}: give a larger corpus, or a "
+                            f"--split that gives that part more or leaves it out (0)")
 
 
 def check_tokens(batch: dict[str, torch.Tensor], vocab_size: int) -> None:

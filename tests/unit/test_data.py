@@ -48,3 +48,21 @@ def test_a_truncated_bin_is_a_data_error_at_start_up(tmp_path):
     said = f"the training data {data} is truncated: {size // 2} bytes, where its index needs {size}"
     with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
         build_datasets(data_args(prefix, tmp_path), ByteLevelTokenizer())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sequences, split, eval_iters, part", [
+    (300, "969,30,1", 1, "test"),  # the default --split: 0.999 x 300 rounds to 300
+    (30, "99,1,0", 0, "validation"),  # built even without evaluation
+])
+def test_a_split_part_without_a_sequence_is_a_data_error_not_a_hang(tmp_path, sequences, split,
+                                                                    eval_iters, part):
+    """megatron-core adds epochs until a part holds the samples asked for: with no sequence
+    it added 0 tokens an epoch, forever, and start-up hung."""
+    prefix = write_corpus(tmp_path / "corpus", sequences)
+    said = (f"--split {split} gives the {part} part none of the {sequences} sequences of "
+            f"{prefix}: give a larger corpus, or a --split that gives that part more or leaves "
+            f"it out (0)")
+    with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
+        build_datasets(data_args(prefix, tmp_path, split=split, eval_iters=eval_iters),
+                       ByteLevelTokenizer())
