@@ -6,8 +6,8 @@
 Without torchrun it trains as a single process. Expected failures end with one line on
 stderr and an exit status that tells ftmaster what happened (``ftmaster.exit_codes``):
 
-- 2: bad arguments (before any process group exists), or a checkpoint that cannot continue
-  under them;
+- 2: bad arguments (before any process group exists), a checkpoint that cannot continue
+  under them, or a --vocab-file/--merge-file that cannot be read as GPT-2's;
 - 65: a NaN/Inf loss or gradient norm; nothing was updated or saved;
 - 66: the load folder holds checkpoints and none can be loaded; nothing was changed;
 - 74: the final (or SIGTERM) checkpoint could not be written;
@@ -45,12 +45,13 @@ def main(argv: list[str]) -> int:
         from megatron.training.checkpointing import CheckpointMismatch, NoLoadableCheckpoint
         from megatron.training.data import DataError
         from megatron.training.nonfinite import NonFiniteLoss
+        from megatron.training.tokenizer import TokenizerFileError
         from megatron.training.training import FinalSaveFailed, pretrain
     startup.mark("imports")
 
     expected = {CheckpointMismatch: exit_codes.USAGE, NoLoadableCheckpoint: exit_codes.NO_CHECKPOINT,
                 NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE,
-                DataError: exit_codes.DATA}
+                DataError: exit_codes.DATA, TokenizerFileError: exit_codes.USAGE}
     try:
         pretrain(args)
     except tuple(expected) as problem:

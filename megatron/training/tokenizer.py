@@ -68,17 +68,42 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, codes)))
 
 
+class TokenizerFileError(ValueError):
+    """A --vocab-file or --merge-file that is not GPT-2's: bad arguments, alike on every rank."""
+
+
+def _read_text(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise TokenizerFileError(f"cannot read {flag} {path}: {error}") from None
+
+
+def _read_vocab(path: str) -> dict[str, int]:
+    """GPT-2's vocab.json: a JSON object of token -> id."""
+    text = _read_text("--vocab-file", path)
+    try:
+        vocab = json.loads(text)
+    except ValueError as error:
+        raise TokenizerFileError(f"--vocab-file {path} is not JSON ({error}): give GPT-2's "
+                                 f"vocab.json") from None
+    if not (vocab and isinstance(vocab, dict)
+            and all(type(token_id) is int for token_id in vocab.values())):
+        raise TokenizerFileError(f"--vocab-file {path} is not a JSON object of token ids: give "
+                                 f"GPT-2's vocab.json")
+    return vocab
+
+
 class GPT2BPETokenizer(_Tokenizer):
     """GPT-2 byte-level BPE from a ``vocab.json`` and a ``merges.txt``."""
 
     def __init__(self, vocab_file: str, merge_file: str):
         import regex  # only this tokenizer needs Unicode classes in its pattern
 
-        with open(vocab_file, encoding="utf-8") as handle:
-            self.encoder: dict[str, int] = json.load(handle)
+        self.encoder = _read_vocab(vocab_file)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
-        with open(merge_file, encoding="utf-8") as handle:
-            lines = [line.split() for line in handle.read().splitlines()]
+        lines = [line.split() for line in _read_text("--merge-file", merge_file).splitlines()]
         merges = [tuple(pair) for pair in lines if len(pair) == 2 and not pair[0].startswith("#")]
         self.merge_ranks = {pair: rank for rank, pair in enumerate(merges)}
         self.byte_encoder = _bytes_to_unicode()
