@@ -564,7 +564,10 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
         except ValueError:
             raise ArgumentError(f"--data-path: {weight!r} is not a weight; a weighted list "
                                 f"alternates WEIGHT PREFIX") from None
+        _require(math.isfinite(value), f"--data-path weight {weight} is not a finite number")
         _require(value >= 0, f"--data-path weight {weight} is negative")
+        # megatron-core's BlendedDataset asserts each weight is above 0, with no message
+        _require(value > 0, f"--data-path weight {weight} is 0: leave its prefix out instead")
     return list(data_path[1::2])
 
 

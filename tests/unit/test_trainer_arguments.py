@@ -222,6 +222,12 @@ def test_real_data_names_its_tokenizer(tmp_path):
     (["1.0", "a", "2.0"], "needs WEIGHT PREFIX pairs, got 3 values"),
     (["1.0", "a", "b", "c"], "'b' is not a weight"),
     (["1.0", "a", "-2", "c"], "--data-path weight -2 is negative"),
+    # these reached megatron-core's blend: "cannot read the training data ...: AssertionError: "
+    # (exit 79, as if the corpus were corrupt), or "weight nan is negative"
+    (["0", "a", "1", "c"], "--data-path weight 0 is 0: leave its prefix out instead"),
+    (["0", "a"], "--data-path weight 0 is 0"),
+    (["inf", "a", "1", "c"], "--data-path weight inf is not a finite number"),
+    (["1", "a", "nan", "c"], "--data-path weight nan is not a finite number"),
 ])
 def test_weighted_data_path_must_pair_weights_and_prefixes(data_path, message):
     argv = [a for a in BASE if a != "--mock-data"] + ["--tokenizer-type", "ByteLevelTokenizer",
