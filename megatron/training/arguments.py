@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -538,10 +539,12 @@ def _validate_split(args):
     by commas or slashes; training needs a train part, evaluation a validation part."""
     parts = args.split.replace("/", ",").split(",")
     try:
-        weights = [float(part) for part in parts]
+        # Plain decimals only: megatron-core reads the runs of digits and dots, so 1e2,1 would
+        # split 1:2:1 there and 1e2,1,1 would be four numbers (an AssertionError).
+        weights = [float(part) for part in parts if re.fullmatch(r"\s*[0-9.]+\s*", part)]
     except ValueError:
         weights = []
-    _require(0 < len(weights) <= 3 and all(math.isfinite(w) and w >= 0 for w in weights),
+    _require(0 < len(weights) == len(parts) <= 3 and all(map(math.isfinite, weights)),
              f"--split must be up to three non-negative numbers such as 969,30,1, got {args.split!r}")
     weights += [0.0] * (3 - len(weights))
     _require(weights[0] > 0, f"--split {args.split!r} leaves no training data")

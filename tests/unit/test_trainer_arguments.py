@@ -54,6 +54,9 @@ def with_args(*extra, drop=()):
      "world size 1 is not divisible by tensor (2) x pipeline (1) parallel size"),
     (with_args("--split", "abc"), 1, "--split must be up to three non-negative numbers"),
     (with_args("--split", "1,2,3,4"), 1, "--split must be up to three non-negative numbers"),
+    # megatron-core reads runs of digits and dots: 1e2,1 split 1:2:1 there, 1e2,1,1 asserted
+    *((with_args("--split", split), 1, "--split must be up to three non-negative numbers")
+      for split in ("1e2,1", "1e2,1,1", "1_0,1", "inf,1")),
     (with_args("--split", "0,100,0"), 1, "leaves no training data"),
     (with_args("--split", "100,0,0", "--eval-iters", "2"), 1, "leaves no validation data"),
     (with_args("--eval-iters", "2", "--eval-interval", "0"), 1, "--eval-interval must be a positive"),
