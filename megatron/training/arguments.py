@@ -520,6 +520,9 @@ def _validate_data(args):
              f"--data-path needs --tokenizer-type, the one tools/preprocess_data.py used "
              f"({', '.join(TOKENIZER_TYPES[1:])})")
     _validate_split(args)
+    # megatron-core writes its index cache there, and wraps a failure in a bare Exception
+    _require(args.data_cache_path is None or _is_writable_dir(Path(args.data_cache_path)),
+             f"--data-cache-path {args.data_cache_path} is not a folder you can write to")
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None and args.vocab_size > 1,
                  "--tokenizer-type NullTokenizer needs --vocab-size N (N > 1)")

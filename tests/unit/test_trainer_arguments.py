@@ -239,6 +239,17 @@ def test_weighted_data_path_must_pair_weights_and_prefixes(data_path, message):
         parse_args(argv, world_size=1)
 
 
+def test_a_data_cache_path_that_is_no_folder_is_refused(tmp_path):
+    # megatron-core's dataset builder failed on it with a bare Exception, mock data or real
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "file", tmp_path / "file" / "cache"):
+        with pytest.raises(ArgumentError, match=f"--data-cache-path {path} is not a folder you "
+                                                f"can write to"):
+            parse_args(with_args("--data-cache-path", str(path)), world_size=1)
+    cache = tmp_path / "new" / "cache"
+    assert parse_args(with_args("--data-cache-path", str(cache)), world_size=1).data_cache_path
+
+
 def test_split_takes_slashes_and_fewer_parts():
     assert parse_args(with_args("--split", "90/10", "--eval-iters", "1"), world_size=1).split == "90/10"
 
