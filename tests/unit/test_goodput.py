@@ -161,6 +161,15 @@ def test_the_optimum_of_a_long_mtbf_is_searched_within_the_run(mtbf_hours):
     assert 1 <= best["save_interval"] <= 100 * 3600 / 2 * 1.08 + 2
 
 
+@pytest.mark.parametrize("args", [["--iteration-s", "1e-310"], ["--run-hours", "1e308"]])
+def test_a_run_of_more_iterations_than_a_float_holds_is_one_line(args):
+    # each input finite, the run's iterations not: an OverflowError traceback from round()
+    bad = CliRunner().invoke(main, ["goodput", "--runs", "0", *args])
+    assert bad.exit_code == 1 and not isinstance(bad.exception, OverflowError)
+    assert bad.output == ("Error: --run-hours / --iteration-s (the run's iterations) must be a "
+                          "finite number\n")
+
+
 def test_cli_table_and_one_line_errors():
     runner = CliRunner()
     out = runner.invoke(main, ["goodput", "--runs", "20", "--run-hours", "100"])

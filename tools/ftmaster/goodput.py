@@ -190,6 +190,9 @@ class GoodputInputs:
                      f"{name} must be between 0 and 1")
         _require(self.save_persist_s >= self.save_block_s,
                  "save_persist_s (until durable) must be >= save_block_s (blocked)")
+        # the run's length in iterations, which the model rounds to integers
+        _require(math.isfinite(self.run_hours * HOUR / self.iteration_s),
+                 "run_hours / iteration_s (the run's iterations) must be a finite number")
 
     @property
     def failure_rate_s(self) -> float:
