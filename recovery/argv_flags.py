@@ -10,6 +10,11 @@ from __future__ import annotations
 from typing import Sequence
 
 
+MAX_INT = 10**12
+"""Far above any model size, batch or layout; the planner lists divisors by trial division
+(a million at this bound), and --global-batch-size 10^23 hung it."""
+
+
 def require_positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value}")
@@ -53,6 +58,8 @@ def int_flag(args: Sequence[str], flag: str, default: int | None = None, *,
         value = int(text)
     except ValueError:
         raise ValueError(f"{flag} must be an integer, got {text!r}") from None
+    if abs(value) > MAX_INT:
+        raise ValueError(f"{flag} must be at most 10^12, got {text}")
     if positive:
         require_positive(flag, value)
     return value

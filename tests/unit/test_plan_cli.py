@@ -124,6 +124,10 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "a measured step time needs the original GPU count"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers=x"], 2,
      "--num-layers must be an integer, got 'x'"),
+    # the planner's trial division of a 10^23 batch never ended
+    pytest.param(["--gpus", "3", "--", *SCRIPT_ARGS, "--global-batch-size", "1" + "0" * 23], 2,
+                 "--global-batch-size must be at most 10^12, got 1" + "0" * 23,
+                 marks=pytest.mark.timeout(30)),
     (["--gpus", "3", "--", *SCRIPT_ARGS[:1], *SCRIPT_ARGS[3:]], 2,
      "the training arguments need --num-layers N"),
     (["--gpus", "3", "--gpu-memory-gb", "0.001", "--", *SCRIPT_ARGS], 1,
