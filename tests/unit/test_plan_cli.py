@@ -125,6 +125,9 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers=x"], 2,
      "--num-layers must be an integer, got 'x'"),
     # the planner's trial division of a 10^23 batch never ended
+    pytest.param(["--gpus", "1000000001", "--gpus-per-node", "1000", "--", *SCRIPT_ARGS], 2,
+                 "--gpus 1000000001 with --gpus-per-node 1000 is more than 10^6 nodes",
+                 marks=pytest.mark.timeout(30)),  # a node list of 10^9 ran out of memory
     pytest.param(["--gpus", "3", "--", *SCRIPT_ARGS, "--global-batch-size", "1" + "0" * 23], 2,
                  "--global-batch-size must be at most 10^12, got 1" + "0" * 23,
                  marks=pytest.mark.timeout(30)),
