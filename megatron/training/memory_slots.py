@@ -68,12 +68,6 @@ def _stream_copy():
 copy_bytes = _stream_copy()
 
 
-def _row_major_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes in row-major order, as a flat uint8 tensor where the tensor is (a
-    strided one made contiguous there first, on the current stream)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 class _SlotFile:
     """One rank's tensor file in one slot, mapped for refills."""
 
@@ -131,7 +125,7 @@ class _SlotFile:
         event per tensor, so each is hashed as soon as it has landed."""
         done = []
         for record, tensor in ordered:
-            self._target(record, tensor).copy_(_row_major_bytes(tensor), non_blocking=True)
+            self._target(record, tensor).copy_(records.flat_bytes(tensor), non_blocking=True)
             done.append(torch.cuda.Event())
             done[-1].record()
         return done
@@ -140,11 +134,16 @@ class _SlotFile:
         """The record's bytes in the mapping, as bytes: torch_dist lays records end to end,
         so a record's data sits at any offset, and viewing it as the tensor's dtype raised
         for every one not aligned to its element size."""
+        self._check_fits(record, tensor)
+        return self._bytes[record.data_offset:record.data_offset + record.nbytes]
+
+    def _check_fits(self, record: Record, tensor: torch.Tensor) -> None:
+        """Raw bytes are copied, so both ends are checked first (``Tensor.copy_`` would have
+        raised)."""
         if tensor.numel() * tensor.element_size() != record.nbytes \
                 or record.data_offset + record.nbytes > len(self._map):
             raise ValueError(f"{tensor.dtype} {tuple(tensor.shape)} does not fit its record "
                              f"({record.nbytes} bytes at {record.data_offset})")
-        return self._bytes[record.data_offset:record.data_offset + record.nbytes]
 
     def _copy_and_hash(self, record: Record, tensor: torch.Tensor, view: memoryview,
                        hashers: tuple) -> None:
@@ -162,10 +161,8 @@ class _SlotFile:
         making it a byte view took four dispatcher calls per tensor, a tenth of a small
         model's refill."""
         source = tensor if tensor.is_cpu and tensor.is_contiguous() else records.host_bytes(tensor)
+        self._check_fits(record, tensor)
         nbytes, data_offset = record.nbytes, record.data_offset
-        if source.numel() * source.element_size() != nbytes or data_offset + nbytes > len(self._map):
-            raise ValueError(f"{tensor.dtype} {tuple(tensor.shape)} does not fit its record "
-                             f"({nbytes} bytes at {data_offset})")
         source_address, target_address = source.data_ptr(), self._address + data_offset
         seconds = self._seconds
         source_view = memoryview((ctypes.c_char * nbytes).from_address(source_address)).cast("B")

@@ -143,9 +143,15 @@ def in_file_order(records: dict[MetadataIndex, Record], tensor_data: list) -> li
                   key=lambda pair: pair[0].offset)
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in row-major order, as a flat uint8 tensor where it is (a strided
+    one copied contiguous there first)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes in row-major order, as a flat uint8 tensor on the host."""
-    return tensor.detach().to("cpu").reshape(-1).view(torch.uint8)
+    return flat_bytes(tensor.detach().to("cpu"))
 
 
 class RecordWriter:
