@@ -67,6 +67,10 @@ class StepEstimate:
     """TP, EP and pipeline transfers on the critical path plus exposed gradient reduction."""
     bubble_fraction: float
     """Idle share of the pipeline slots."""
+    gradient_seconds: float = 0.0
+    """The whole gradient reduction, hidden or not."""
+    overlap_seconds: float = 0.0
+    """Compute the reduction hides behind (``--overlap-grad-reduce``); scales with the rate."""
 
     @property
     def seconds(self) -> float:
@@ -182,19 +186,26 @@ def estimate_step(cost: SplitCost, split: ModelSplit, hardware: Hardware, *, dp:
                  + _ring_seconds(dense_ranks // (split.expert_tensor * split.expert),
                                  cost.expert_gradient_bytes,
                                  _bandwidth(hardware, dense_ranks, node_size)))
-    if overlap_grad_reduce:
-        gradients = max(0.0, gradients - 2 / 3 * compute)
-    return StepEstimate(slots * compute, slots * per_micro_batch + gradients,
-                        (pp - 1) / vpp / slots)
+    overlap = 2 / 3 * compute if overlap_grad_reduce else 0.0
+    return StepEstimate(slots * compute, slots * per_micro_batch + max(0.0, gradients - overlap),
+                        (pp - 1) / vpp / slots, gradients, overlap)
 
 
 def calibrated(hardware: Hardware, predicted: StepEstimate, measured_seconds: float) -> Hardware:
     """``hardware`` rescaled so that ``predicted`` becomes ``measured_seconds``."""
     if measured_seconds <= 0:
         raise ValueError(f"a measured step time must be positive, got {measured_seconds:g} s")
-    if measured_seconds > predicted.communication_seconds * 1.05:
-        rate = predicted.compute_seconds / (measured_seconds - predicted.communication_seconds)
-        return replace(hardware, flops=hardware.flops * rate)
+    exposed = max(0.0, predicted.gradient_seconds - predicted.overlap_seconds)
+    fixed = predicted.communication_seconds - exposed
+    unhidden = fixed + predicted.gradient_seconds  # with no compute left to hide behind
+    if measured_seconds > unhidden * 1.05:
+        # measured = k * compute + fixed + max(0, gradients - k * overlap): the hidden part of
+        # the reduction shrinks as the compute time k grows, so solve for k piecewise.
+        scale = (measured_seconds - fixed) / predicted.compute_seconds
+        if scale * predicted.overlap_seconds < predicted.gradient_seconds:
+            scale = ((measured_seconds - unhidden)
+                     / (predicted.compute_seconds - predicted.overlap_seconds))
+        return replace(hardware, flops=hardware.flops / scale)
     scale = predicted.seconds / measured_seconds
     return Hardware(hardware.flops * scale, hardware.intra_node_bandwidth * scale,
                     hardware.inter_node_bandwidth * scale)

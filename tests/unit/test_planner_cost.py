@@ -102,3 +102,14 @@ def test_a_measured_step_time_calibrates_the_plan():
 def test_a_measured_step_time_needs_a_layout_megatron_would_run():
     with pytest.raises(ValueError, match="the measured step time is for the original layout"):
         plan_layout(layout(pp=5), 32, 8, original_world_size=30, measured_step_s=1.0)
+
+
+@pytest.mark.parametrize("factor", [0.8, 1.5, 3.0])
+def test_calibration_reproduces_a_step_whose_gradient_reduction_is_partly_hidden(factor):
+    """Data parallelism across nodes with --overlap-grad-reduce: part of the reduction hides
+    behind the backward pass, and how much depends on the compute rate being calibrated."""
+    args = layout(gbs=8, extra=("--seq-length", "1024"))
+    modelled = plan_layout(args, 8, 2, original_world_size=8).estimated_step_seconds
+    measured = modelled * factor
+    plan = plan_layout(args, 8, 2, original_world_size=8, measured_step_s=measured)
+    assert math.isclose(plan.estimated_step_seconds, measured, rel_tol=1e-4)
