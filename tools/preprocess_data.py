@@ -51,8 +51,12 @@ def text_documents(path: Path, split_on_lines: bool) -> Iterator[str]:
 
 
 def jsonl_documents(path: Path, keys: list[str]) -> Iterator[tuple[str, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with path.open("rb") as handle:  # decoded line by line, to name the line that is not UTF-8
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{path}:{number} is not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
