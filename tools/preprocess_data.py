@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from typing import Iterator
 
 import numpy
 import torch
+
+
+PARTIAL_SUFFIX = ".partial"
 
 
 class InputError(ValueError):
@@ -101,11 +105,26 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
         keys = ["text"]
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in keys}
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=_dtype_for(tokenizer.vocab_size))
-                for key, prefix in prefixes.items()}
-    _fill(builders, documents, tokenizer, args)
-    for key, builder in builders.items():
-        builder.finalize(prefixes[key] + ".idx")
+    # Written under temporary names and renamed once all are complete: a run that fails
+    # half-way must not truncate an earlier dataset's .bin beside its old .idx.
+    partial = {path: path + PARTIAL_SUFFIX
+               for prefix in prefixes.values() for path in (prefix + ".bin", prefix + ".idx")}
+    builders = {}
+    try:
+        for key, prefix in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(partial[prefix + ".bin"],
+                                                  dtype=_dtype_for(tokenizer.vocab_size))
+        _fill(builders, documents, tokenizer, args)
+        for key, builder in builders.items():
+            builder.finalize(partial[prefixes[key] + ".idx"])
+    except BaseException:
+        for builder in builders.values():
+            builder.data_file.close()
+        for temporary in partial.values():
+            Path(temporary).unlink(missing_ok=True)
+        raise
+    for path, temporary in partial.items():
+        os.replace(temporary, path)
     return prefixes
 
 

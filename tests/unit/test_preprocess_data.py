@@ -26,3 +26,19 @@ def test_a_jsonl_file_that_is_not_utf8_is_one_line(preprocess_data, tmp_path, ca
     assert run(preprocess_data, source, tmp_path / "out" / "docs") == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and "UTF-8" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("bad", ['{"text": "new"}\n{"body": "no text field"}\n', ""])
+def test_a_failed_run_leaves_an_earlier_dataset_whole_and_writes_nothing(
+        preprocess_data, tmp_path, bad):
+    prefix = tmp_path / "out" / "docs"
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    assert run(preprocess_data, good, prefix) == 0
+    written = {path.name: path.read_bytes() for path in prefix.parent.iterdir()}
+    source = tmp_path / "bad.jsonl"
+    source.write_text(bad)
+    assert run(preprocess_data, source, prefix) == 2
+    assert {path.name: path.read_bytes() for path in prefix.parent.iterdir()} == written
+    assert run(preprocess_data, source, tmp_path / "other" / "docs") == 2
+    assert not list((tmp_path / "other").iterdir())
