@@ -32,6 +32,16 @@ class InputError(ValueError):
     pass
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:  # it divides the document count
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--input", required=True, help="a .txt or .jsonl file")
@@ -44,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split-on-lines", action="store_true",
                         help="plain text: one document per line instead of per paragraph")
     parser.add_argument("--no-append-eod", dest="append_eod", action="store_false")
-    parser.add_argument("--log-interval", type=int, default=10000, help="documents per progress line")
+    parser.add_argument("--log-interval", type=_positive_int, default=10000,
+                        help="documents per progress line")
     return parser
 
 

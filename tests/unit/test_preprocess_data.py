@@ -42,3 +42,12 @@ def test_a_failed_run_leaves_an_earlier_dataset_whole_and_writes_nothing(
     assert {path.name: path.read_bytes() for path in prefix.parent.iterdir()} == written
     assert run(preprocess_data, source, tmp_path / "other" / "docs") == 2
     assert not list((tmp_path / "other").iterdir())
+
+
+@pytest.mark.parametrize("interval", ["0", "-1"])
+def test_a_log_interval_below_one_is_a_usage_error(preprocess_data, tmp_path, capsys, interval):
+    source = tmp_path / "docs.txt"
+    source.write_text("hello\n")
+    with pytest.raises(SystemExit) as exit_:
+        run(preprocess_data, source, tmp_path / "docs", "--log-interval", interval)
+    assert exit_.value.code == 2 and "--log-interval" in capsys.readouterr().err
