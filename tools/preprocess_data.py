@@ -90,14 +90,17 @@ def _dtype_for(vocab_size: int):
 
 
 def _make_tokenizer(args):
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import TokenizerFileError, build_tokenizer
 
     if args.tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
             if not path or not Path(path).is_file():
                 raise InputError(f"GPT2BPETokenizer needs {flag} pointing to an existing file")
-    return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file)
+    try:
+        return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file)
+    except TokenizerFileError as error:  # a file that is there but not GPT-2's
+        raise InputError(str(error)) from None
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, str]:

@@ -51,3 +51,14 @@ def test_a_log_interval_below_one_is_a_usage_error(preprocess_data, tmp_path, ca
     with pytest.raises(SystemExit) as exit_:
         run(preprocess_data, source, tmp_path / "docs", "--log-interval", interval)
     assert exit_.value.code == 2 and "--log-interval" in capsys.readouterr().err
+
+
+def test_a_vocab_file_that_is_not_gpt2s_is_one_line(preprocess_data, tmp_path, capsys):
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "hello"}\n')
+    (tmp_path / "vocab.json").write_text("not json")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    assert run(preprocess_data, source, tmp_path / "docs", "--tokenizer-type", "GPT2BPETokenizer",
+               "--vocab-file", str(tmp_path / "vocab.json"),
+               "--merge-file", str(tmp_path / "merges.txt")) == 2
+    assert "--vocab-file" in capsys.readouterr().err
