@@ -76,7 +76,7 @@ def jsonl_documents(path: Path, keys: list[str]) -> Iterator[tuple[str, str]]:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deep to decode
                 raise InputError(f"{path}:{number} is not valid JSON") from None
             for key in keys:
                 if not isinstance(record, dict) or not isinstance(record.get(key), str):

@@ -62,3 +62,10 @@ def test_a_vocab_file_that_is_not_gpt2s_is_one_line(preprocess_data, tmp_path, c
                "--vocab-file", str(tmp_path / "vocab.json"),
                "--merge-file", str(tmp_path / "merges.txt")) == 2
     assert "--vocab-file" in capsys.readouterr().err
+
+
+def test_json_nested_too_deep_to_decode_is_one_line(preprocess_data, tmp_path, capsys):
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "hello"}\n' + "[" * 200_000 + "\n")
+    assert run(preprocess_data, source, tmp_path / "docs") == 2
+    assert ":2 is not valid JSON" in capsys.readouterr().err
