@@ -11,7 +11,8 @@
 - Unknown columns are ignored; a missing optional column, an empty cell or a malformed
   number is unknown.
 - A row without a usable ``timestamp`` or ``gpu_id`` cannot be placed; it is skipped and
-  counted (``skipped``, with the first few reasons in ``problems``). A file without those
+  counted (``skipped``, with the first few reasons in ``problems``), and so is a row that
+  repeats another's GPU and time (the first one plays). A file without those
   columns, or with no usable row at all, is an error (:class:`ReplayError`).
 - ``reported_fields`` names the sample fields the file has columns for, so the monitor can
   say which signals it cannot see.
@@ -91,6 +92,7 @@ class ReplayBackend:
             raise ReplayError(f"{self.path} lacks the column(s) {', '.join(missing)}; "
                               f"is it a gpu_metrics.csv?")
         self.reported_fields = frozenset(header) & frozenset(FIELD_NAMES)
+        placed: dict[tuple[int, float], int] = {}  # (GPU, time) -> the line that gave it
         while True:
             try:
                 cells = next(reader)
@@ -109,11 +111,21 @@ class ReplayBackend:
             except RowError as exc:
                 self._skip(reader.line_num, str(exc))
                 continue
+            first = placed.setdefault((sample.gpu_id, sample.timestamp), reader.line_num)
+            if first != reader.line_num:
+                # A second row of one GPU at one time would begin a sample of its own, and
+                # every other GPU would be missing from it (lost, at the end of the file).
+                self._count_skipped(reader.line_num, f"repeats line {first}: GPU "
+                                                     f"{sample.gpu_id} at the same time")
+                continue
             self._ends_in_skipped_rows = False
             yield sample
 
     def _skip(self, line: int, reason: str) -> None:
         self._ends_in_skipped_rows = True
+        self._count_skipped(line, reason)
+
+    def _count_skipped(self, line: int, reason: str) -> None:
         self.skipped += 1
         if len(self.problems) < MAX_PROBLEMS_KEPT:
             self.problems.append(f"{self.path}:{line}: {reason}")

@@ -203,3 +203,17 @@ def test_a_counter_beyond_64_bits_is_unknown_not_a_crash(tmp_path):
     path = write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature", "ecc_sbe"], rows)
     assert [b[0].ecc_sbe for b in drain(ReplayBackend(path))] == [0, None] * 3
     Monitor(ReplayBackend(path), None, config=MonitorConfig(interval_s=0.0)).run_to_end()
+
+
+def test_a_row_written_twice_is_skipped_not_a_sample_that_loses_the_other_gpus(tmp_path):
+    """GPU 1's last row written twice began a sample of its own, GPU 1 alone: GPU 0, missing
+    from that last sample of a clean file, was replayed as lost (found in review)."""
+    rows = two_gpu_rows(3)
+    rows.append(rows[-1])
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, rows))
+    monitor = Monitor(backend, None, config=MonitorConfig(interval_s=0))
+    monitor.run_to_end()
+    assert monitor.lost_gpus() == set() and monitor.alerts == []
+    assert backend.skipped == 1 and "line 7" in backend.problems[0]
+    batches = drain(ReplayBackend(tmp_path / "m.csv"))
+    assert [[s.gpu_id for s in b] for b in batches] == [[0, 1]] * 3
