@@ -54,7 +54,8 @@ GIB = 2**30
 RESERVE_GIB = 2.5
 """CUDA context (~0.5 GiB), NCCL communicators and workspaces outside PyTorch's allocator."""
 ASSUMED_VOCAB_SIZE = 50257
-"""Used when ``--vocab-size`` is absent: GPT-2's BPE, Megatron's usual tokenizer."""
+"""Used when the vocabulary is unknown (no ``--vocab-size``, a tokenizer file): GPT-2's BPE,
+Megatron's usual tokenizer."""
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 
 # Flags that change memory in ways the estimate ignores: a warning names them when a memory

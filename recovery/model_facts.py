@@ -62,7 +62,7 @@ class ModelShape:
     seq_length: int
     """Tokens per sample."""
     vocab_size: int | None = None
-    """``--vocab-size`` when given (memory and compute only)."""
+    """The tokenizer's vocabulary when the command says it (memory and compute only)."""
     kv_channels: int | None = None
     """``--kv-channels`` (the head size); None: hidden / heads, as Megatron derives it."""
     swiglu: bool = False
@@ -186,6 +186,25 @@ def _read_experts(args: Sequence[str], ffn: int, num_layers: int) -> ExpertShape
         moe_layers=moe_layer_count(flag_value(args, "--moe-layer-freq"), num_layers))
 
 
+BYTE_LEVEL_VOCAB_SIZE = 257
+"""The trainer's ``ByteLevelTokenizer``: 256 bytes and end-of-document."""
+
+
+def _tokenizer_vocab_size(args: Sequence[str]) -> int | None:
+    """The vocabulary the tokenizer builds, which Megatron pads: ``NullTokenizer`` adds its
+    end-of-document id to ``--vocab-size`` (Megatron-LM's does too). None: unknown (a
+    tokenizer file's)."""
+    kind = flag_value(args, "--tokenizer-type")
+    if kind is None and flag_present(args, "--mock-data"):
+        kind = "NullTokenizer"  # the trainer's default with mock data
+    vocab = int_flag(args, "--vocab-size")
+    if kind == "NullTokenizer" and vocab is not None:
+        return vocab + 1
+    if kind == "ByteLevelTokenizer":
+        return BYTE_LEVEL_VOCAB_SIZE
+    return vocab
+
+
 def read_model_shape(args: Sequence[str]) -> ModelShape:
     hidden = required_int_flag(args, "--hidden-size")
     heads = required_int_flag(args, "--num-attention-heads")
@@ -197,7 +216,7 @@ def read_model_shape(args: Sequence[str]) -> ModelShape:
     return ModelShape(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=_query_groups(args, heads), seq_length=seq,
-        vocab_size=int_flag(args, "--vocab-size"), kv_channels=int_flag(args, "--kv-channels"),
+        vocab_size=_tokenizer_vocab_size(args), kv_channels=int_flag(args, "--kv-channels"),
         swiglu=swiglu, untied_embeddings=flag_present(args, "--untie-embeddings-and-output-weights"),
         vocab_divisible_by=int_flag(args, "--make-vocab-size-divisible-by", 128),
         position_embeddings=(int_flag(args, "--max-position-embeddings", seq) if learned else 0),

@@ -117,3 +117,27 @@ def test_a_data_parallel_size_with_fewer_optimizer_instances_is_not_pruned():
             "--recompute-granularity", "full", "--recompute-method", "uniform"]
     plan = plan_layout(args, 8, gpu_memory_gb=28)
     assert plan.data_parallel_size == 5 and plan.estimated_memory_gib + 2.5 <= 28
+
+
+@pytest.mark.parametrize("tokenizer", [("--mock-data", "--vocab-size", "128"),
+                                       ("--tokenizer-type", "NullTokenizer", "--vocab-size", "512"),
+                                       ("--tokenizer-type", "ByteLevelTokenizer")])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_padded_vocabulary_is_the_one_the_trainer_builds(tokenizer, tp):
+    """NullTokenizer's vocabulary is --vocab-size plus its end-of-document id (Megatron-LM's
+    is too), the byte-level one's 257: the planner padded --vocab-size, or GPT-2's 50257."""
+    import argparse
+
+    from megatron.training.arguments import padded_vocab_size
+    from megatron.training.tokenizer import build_tokenizer
+
+    from ftmaster.recovery.memory_estimate import ASSUMED_VOCAB_SIZE
+    from ftmaster.recovery.model_facts import read_model_shape
+
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", *tokenizer]
+    kind = args[args.index("--tokenizer-type") + 1] if "--tokenizer-type" in args else "NullTokenizer"
+    vocab = int(args[args.index("--vocab-size") + 1]) if "--vocab-size" in args else None
+    trainer = padded_vocab_size(build_tokenizer(kind, vocab).vocab_size, argparse.Namespace(
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp))
+    assert read_model_shape(args).padded_vocab_size(tp, ASSUMED_VOCAB_SIZE) == trainer
