@@ -97,11 +97,19 @@ class SplitCost:
     """False for models under ``COMMUNICATION_MIN_PARAMETERS``."""
 
 
+def _moe_layers(shape: ModelShape) -> int:
+    """MoE layers of the model: every layer without ``--moe-layer-freq`` (None), and a
+    pattern may give none (0)."""
+    if shape.experts is None:
+        return 0
+    return shape.num_layers if shape.experts.moe_layers is None else shape.experts.moe_layers
+
+
 def total_parameters(shape: ModelShape, vocab: int) -> float:
     """Parameters of the whole model (all experts), for the small-model rule."""
     whole = ModelSplit(1, 1, PipelineSplit(1, (shape.num_layers,) * 3, 1, True))
     dense, moe, routed = layer_parameters(shape, whole)
-    moe_layers = 0 if shape.experts is None else (shape.experts.moe_layers or shape.num_layers)
+    moe_layers = _moe_layers(shape)
     embeddings = vocab * shape.hidden_size * (2 if shape.untied_embeddings else 1)
     return (shape.num_layers - moe_layers) * dense + moe_layers * (moe + routed) + embeddings
 
@@ -127,8 +135,7 @@ def split_cost(shape: ModelShape, flags: MemoryFlags, split: ModelSplit, vocab: 
     tokens = shape.seq_length / cp
     passes = 4 if flags.recompute == "full" else 3
     dense_flops, moe_flops = _forward_flops_per_token(shape)
-    moe_share = 0.0 if shape.experts is None else (
-        (shape.experts.moe_layers or shape.num_layers) / shape.num_layers)
+    moe_share = _moe_layers(shape) / shape.num_layers
     layer_flops = (1 - moe_share) * dense_flops + moe_share * moe_flops
     first, middle, last = split.pipeline.stage_layers
     logits = 2 * shape.hidden_size * vocab

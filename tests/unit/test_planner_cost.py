@@ -113,3 +113,19 @@ def test_calibration_reproduces_a_step_whose_gradient_reduction_is_partly_hidden
     measured = modelled * factor
     plan = plan_layout(args, 8, 2, original_world_size=8, measured_step_s=measured)
     assert math.isclose(plan.estimated_step_seconds, measured, rel_tol=1e-4)
+
+
+def test_a_moe_layer_pattern_without_moe_layers_costs_what_the_dense_model_costs():
+    """``moe_layers`` 0 was read as "not given", so every layer was costed as a MoE layer."""
+    from ftmaster.recovery.cost_model import split_cost, total_parameters
+    from ftmaster.recovery.layout_rules import ModelSplit, PipelineSplit
+    from ftmaster.recovery.memory_estimate import MemoryFlags
+    from ftmaster.recovery.model_facts import read_model_shape
+
+    dense = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8",
+             "--seq-length", "128", "--vocab-size", "1024"]
+    no_moe_layers = read_model_shape([*dense, "--num-experts", "8", "--moe-layer-freq", "([0]*4)"])
+    split = ModelSplit(1, 1, PipelineSplit(1, (4, 4, 4), 1, True))
+    assert total_parameters(no_moe_layers, 1024) == total_parameters(read_model_shape(dense), 1024)
+    assert (split_cost(no_moe_layers, MemoryFlags(), split, 1024).stage_flops
+            == split_cost(read_model_shape(dense), MemoryFlags(), split, 1024).stage_flops)
