@@ -6,7 +6,8 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
 
 A ``.txt`` input holds one document per blank-line-separated paragraph (``--split-on-lines``:
-one per line); a ``.jsonl`` input holds one JSON object per line. Each document ends with the
+one per line); a ``.jsonl`` or ``.json`` input holds one JSON object per line (Megatron-LM's
+preprocess_data reads its ``--input my-corpus.json`` so). Each document ends with the
 tokenizer's end-of-document token (``--append-eod``, on by default), as Megatron-LM does.
 Train with ``--data-path PREFIX_text_document`` and the same ``--tokenizer-type``.
 """
@@ -26,6 +27,7 @@ import torch
 
 
 PARTIAL_SUFFIX = ".partial"
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
 
 
 class InputError(ValueError):
@@ -44,7 +46,8 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--input", required=True, help="a .txt or .jsonl file")
+    parser.add_argument("--input", required=True,
+                        help="a .txt file, or a .jsonl/.json file of JSON lines")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
@@ -111,7 +114,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     tokenizer = _make_tokenizer(args)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # slow import
 
-    if source.suffix == ".jsonl":
+    if source.suffix.lower() in JSON_LINES_SUFFIXES:
         documents = jsonl_documents(source, args.json_keys)
         keys = args.json_keys
     else:

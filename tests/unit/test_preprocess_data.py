@@ -69,3 +69,16 @@ def test_json_nested_too_deep_to_decode_is_one_line(preprocess_data, tmp_path, c
     source.write_text('{"text": "hello"}\n' + "[" * 200_000 + "\n")
     assert run(preprocess_data, source, tmp_path / "docs") == 2
     assert ":2 is not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["corpus.json", "corpus.JSONL"])
+def test_a_json_file_as_megatron_lms_docs_name_it_holds_json_lines(preprocess_data, tmp_path, name):
+    """Megatron-LM's README runs ``--input my-corpus.json``: that file was read as plain text,
+    and the dataset held the JSON syntax, braces and keys, as one document."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    source = tmp_path / name
+    source.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    assert run(preprocess_data, source, tmp_path / "docs") == 0
+    dataset = IndexedDataset(str(tmp_path / "docs_text_document"))
+    assert [bytes(dataset[i][:-1].tolist()) for i in range(len(dataset))] == [b"hello", b"world"]
