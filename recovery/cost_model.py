@@ -152,7 +152,10 @@ def split_cost(shape: ModelShape, flags: MemoryFlags, split: ModelSplit, vocab: 
     sp = tp if flags.sequence_parallel else 1
     pipeline_bytes = 2 * 2 * shape.hidden_size * tokens / sp if pp > 1 else 0.0
     dense, moe, routed = layer_parameters(shape, split)
-    per_gpu_dense = busiest_layers * ((1 - moe_share) * dense + moe_share * moe) + vocab * shape.hidden_size / tp
+    # The embedding, and at PP 1 an untied output layer beside it (at PP > 1 each end has one).
+    vocab_copies = 2 if pp == 1 and shape.untied_embeddings else 1
+    per_gpu_dense = (busiest_layers * ((1 - moe_share) * dense + moe_share * moe)
+                     + vocab_copies * vocab * shape.hidden_size / tp)
     gather = flags.model_bytes if flags.distributed_optimizer else flags.grad_bytes
     return SplitCost(
         stage_flops=tokens * stage_flops * passes / tp,

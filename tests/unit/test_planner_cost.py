@@ -129,3 +129,20 @@ def test_a_moe_layer_pattern_without_moe_layers_costs_what_the_dense_model_costs
     assert total_parameters(no_moe_layers, 1024) == total_parameters(read_model_shape(dense), 1024)
     assert (split_cost(no_moe_layers, MemoryFlags(), split, 1024).stage_flops
             == split_cost(read_model_shape(dense), MemoryFlags(), split, 1024).stage_flops)
+
+
+def test_an_untied_output_layer_at_pp1_is_reduced_with_the_other_gradients():
+    """At PP 1 an untied model holds the embedding and the output layer: both gradients are
+    reduced over DP (the memory estimate counts both; the cost model counted one)."""
+    from ftmaster.recovery.cost_model import split_cost
+    from ftmaster.recovery.layout_rules import ModelSplit, PipelineSplit
+    from ftmaster.recovery.memory_estimate import MemoryFlags
+    from ftmaster.recovery.model_facts import read_model_shape
+
+    base = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8",
+            "--seq-length", "128", "--vocab-size", "32000"]
+    split = ModelSplit(2, 1, PipelineSplit(1, (4, 4, 4), 1, True))
+    tied = split_cost(read_model_shape(base), MemoryFlags(), split, 32000)
+    untied = split_cost(read_model_shape([*base, "--untie-embeddings-and-output-weights"]),
+                        MemoryFlags(), split, 32000)
+    assert untied.gradient_bytes - tied.gradient_bytes == 32000 * 1024 / 2 * 4
