@@ -32,6 +32,7 @@ measurement is below the modelled communication alone, every rate is scaled inst
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from .layout_rules import ModelSplit, PipelineSplit
 from .memory_estimate import MemoryFlags, layer_parameters
@@ -215,8 +216,15 @@ def calibrated(hardware: Hardware, predicted: StepEstimate, measured_seconds: fl
         if scale * predicted.overlap_seconds < predicted.gradient_seconds:
             scale = ((measured_seconds - unhidden)
                      / (predicted.compute_seconds - predicted.overlap_seconds))
-        return replace(hardware, flops=hardware.flops / scale)
-    scale = predicted.seconds / measured_seconds
-    return Hardware(hardware.flops * scale, hardware.intra_node_bandwidth * scale,
-                    hardware.inter_node_bandwidth * scale)
+        rescaled = replace(hardware, flops=hardware.flops / scale)
+    else:
+        scale = predicted.seconds / measured_seconds
+        rescaled = Hardware(hardware.flops * scale, hardware.intra_node_bandwidth * scale,
+                            hardware.inter_node_bandwidth * scale)
+    # An infinite rate makes every step 0 s, and throughput a division by zero.
+    if not all(math.isfinite(rate) for rate in (rescaled.flops, rescaled.intra_node_bandwidth,
+                                                 rescaled.inter_node_bandwidth)):
+        raise ValueError(f"a measured step time of {measured_seconds:g} s is too short to "
+                         f"calibrate the cost model on")
+    return rescaled
 

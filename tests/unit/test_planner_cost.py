@@ -146,3 +146,11 @@ def test_an_untied_output_layer_at_pp1_is_reduced_with_the_other_gradients():
     untied = split_cost(read_model_shape([*base, "--untie-embeddings-and-output-weights"]),
                         MemoryFlags(), split, 32000)
     assert untied.gradient_bytes - tied.gradient_bytes == 32000 * 1024 / 2 * 4
+
+
+@pytest.mark.parametrize("measured", [1e-300, 5e-324])
+def test_a_step_time_too_short_to_calibrate_on_is_refused_in_one_line(measured):
+    """Scaled by modelled / measured, the rates overflowed to infinity; every step was then
+    0 s and samples/s divided by it (ZeroDivisionError from ftmaster plan) (found in review)."""
+    with pytest.raises(ValueError, match="too short"):
+        plan_layout(layout(pp=4, gbs=32), 31, 8, original_world_size=32, measured_step_s=measured)
