@@ -63,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def text_documents(path: Path, split_on_lines: bool) -> Iterator[str]:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:  # never train on replacement characters
+        line = data.count(b"\n", 0, error.start) + 1
+        raise InputError(f"{path}:{line} is not UTF-8 text") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as read_text
     pieces = text.splitlines() if split_on_lines else text.split("\n\n")
     return (piece.strip() for piece in pieces if piece.strip())
 

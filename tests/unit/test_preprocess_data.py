@@ -82,3 +82,15 @@ def test_a_json_file_as_megatron_lms_docs_name_it_holds_json_lines(preprocess_da
     assert run(preprocess_data, source, tmp_path / "docs") == 0
     dataset = IndexedDataset(str(tmp_path / "docs_text_document"))
     assert [bytes(dataset[i][:-1].tolist()) for i in range(len(dataset))] == [b"hello", b"world"]
+
+
+def test_a_text_file_that_is_not_utf8_is_one_line_not_replacement_characters(
+        preprocess_data, tmp_path, capsys):
+    """A Latin-1 corpus was decoded with errors="replace": the dataset silently held U+FFFD
+    where its accented letters were."""
+    source = tmp_path / "corpus.txt"
+    source.write_bytes("first paragraph\n\ncafé au lait\n".encode("latin-1"))
+    assert run(preprocess_data, source, tmp_path / "out" / "docs") == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and ":3 is not UTF-8" in error and "\n" not in error
+    assert not (tmp_path / "out" / "docs_text_document.bin").exists()
