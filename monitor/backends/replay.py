@@ -83,7 +83,7 @@ class ReplayBackend:
     def _rows(self, handle):
         reader = csv.reader(handle)
         try:
-            header = next(reader)
+            header = next(row for row in reader if row)  # past blank lines before it
         except (StopIteration, csv.Error):
             raise ReplayError(f"{self.path} is empty or not CSV") from None
         header = [h.strip() for h in header]

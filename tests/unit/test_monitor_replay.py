@@ -217,3 +217,15 @@ def test_a_row_written_twice_is_skipped_not_a_sample_that_loses_the_other_gpus(t
     assert backend.skipped == 1 and "line 7" in backend.problems[0]
     batches = drain(ReplayBackend(tmp_path / "m.csv"))
     assert [[s.gpu_id for s in b] for b in batches] == [[0, 1]] * 3
+
+
+def test_blank_lines_before_the_header_are_skipped(tmp_path):
+    """The first line was taken as the header even when blank: the file "lacked the columns
+    timestamp, gpu_id", and one of blank lines only was not "empty" (found in review)."""
+    path = tmp_path / "m.csv"
+    path.write_text("\n\ntimestamp,gpu_id,temperature\n1750000000,0,60\n")
+    (sample,) = ReplayBackend(path).sample()
+    assert sample.temperature == 60
+    path.write_text("\n\n")
+    with pytest.raises(ReplayError, match="empty"):
+        ReplayBackend(path)
