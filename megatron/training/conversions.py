@@ -10,7 +10,7 @@ optimizer states are updated in place, so each shard's data is the same memory.
 :class:`ConversionCache` keeps, for one save strategy (so for one structure: a new structure
 gets a new strategy, see :mod:`save_structure`), each key's converted tensor, and reuses it
 when every shard's data is the very memory it was built from: same address, shape, strides
-and dtype. Holding the converted tensor holds that memory, so an address cannot be recycled
+and dtype (and contiguous: a converted copy of other data would hold stale values). Holding the converted tensor holds that memory, so an address cannot be recycled
 for other bytes in between. Memory is held only while its owner lives: once a save has handed
 its tensors over, a key whose data was made for that save alone (the distributed optimizer's
 gathered state, say) is let go (:meth:`ConversionCache.forget_copies`), and converted afresh
@@ -41,8 +41,13 @@ _active = threading.local()
 def _memory(shards: list) -> tuple | None:
     """Where each shard's bytes are and where they sit in the global tensor, or None when the
     key holds no plain shards. The placement is the strategy's structure already; it is
-    compared too, so that a reuse never rests on ``--ckpt-assume-constant-structure`` alone."""
-    if not all(isinstance(shard, ShardedTensor) and shard.data is not None for shard in shards):
+    compared too, so that a reuse never rests on ``--ckpt-assume-constant-structure`` alone.
+
+    None too for a shard whose data is not contiguous: megatron-core's conversion of a stacked
+    shard (``prepend_axis_num``) writes a contiguous copy of it, made at that save, and a reuse
+    would hand every later save that first save's values."""
+    if not all(isinstance(shard, ShardedTensor) and shard.data is not None
+               and shard.data.is_contiguous() for shard in shards):
         return None
     return tuple((shard.data.data_ptr(), tuple(shard.data.shape), shard.data.stride(),
                   shard.data.dtype, shard.data.device, shard.global_shape, shard.global_offset,

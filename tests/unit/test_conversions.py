@@ -46,6 +46,18 @@ def test_a_shard_in_the_same_memory_is_converted_once_and_reads_its_current_byte
     assert torch.equal(local_values(first), parameter.reshape(-1))
 
 
+def test_a_shard_whose_data_is_not_contiguous_is_converted_afresh_with_its_current_values(group):
+    """megatron-core writes a contiguous copy of such a shard at its conversion: kept, that copy
+    would hand every later save the first save's values."""
+    cache, storage = conversions.ConversionCache(), torch.zeros(6, 4)
+    parameter = storage.t()  # lives on, in the same memory, not contiguous
+    converted(cache, parameter)
+    storage.add_(7.0)  # an optimizer step, in place
+    second = converted(cache, parameter)
+    assert cache.reused == 0
+    assert torch.equal(local_values(second), parameter.reshape(-1))
+
+
 def test_a_shard_copied_for_each_save_is_let_go_once_handed_over_and_converted_afresh(group):
     cache, parameter = conversions.ConversionCache(), torch.zeros(4, 6)
     converted(cache, parameter.clone())
