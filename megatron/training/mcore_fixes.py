@@ -11,7 +11,11 @@ bugs of the pinned release, not CPU adaptations (those are in :mod:`cpu_compat`)
    fp32 master weights. Silent; the checkpoint is wrong on disk. Here the world tensors are
    laid out at the buckets' own offsets first. Upstream fixed it in NVIDIA/Megatron-LM
    32a03b77c5 ("Fix bugs in re-sharding DistributedOptimizer state in torch_dist checkpoint",
-   2026-08-21), in no release yet.
+   2026-08-21), in no release yet, the other way round: the world tensors stay packed and the
+   slices skip the padding. On top of that fix this re-layout would again hand parameters
+   other parameters' state, so it is applied only where the installed method is seen to get
+   it wrong: :func:`_reshards_correctly` runs it on two padded buckets of a small stand-in
+   optimizer (no communication), before and with the fix.
 
 Without Apex or Transformer Engine (``distrib_optimizer.HAVE_APEX_OR_TE`` False: the CPU, or
 a CUDA install without either), the distributed optimizer runs ``torch.optim.Adam``, whose
@@ -27,7 +31,12 @@ per-parameter ``step`` the code does not expect:
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import torch
+
+from .console import local_rank
 
 _applied = False
 
@@ -39,7 +48,8 @@ def _at_buffer_offsets(optimizer, state):
             if not world:
                 continue
             for key in ("param", "exp_avg", "exp_avg_sq"):
-                packed, padded, start = world[key], torch.zeros(buffer.numel), 0
+                packed, start = world[key], 0
+                padded = packed.new_zeros(buffer.numel)
                 for bucket in buffer.buckets:
                     padded[bucket.offset:bucket.offset + bucket.numel_unpadded] = (
                         packed[start:start + bucket.numel_unpadded])
@@ -62,6 +72,68 @@ def _with_world_tensors_at_buffer_offsets(fully_reshardable):
         finally:
             del self.get_parameter_state_dp_zero
     return wrapped
+
+
+class _TwoBuckets:
+    """A distributed optimizer's layout as ``sharded_param_state_fully_reshardable`` reads it:
+    one buffer, two buckets of one parameter each, each bucket padded at its end (3 + 5 of 8
+    and 5 + 3 of 8), and ``get_parameter_state_dp_zero``'s world tensors as megatron-core 0.16.1
+    packs them, without that padding. Each state value is unique: ``param`` is 1-8, the
+    moments 101-108 and 201-208, in parameter order."""
+
+    KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+    def __init__(self) -> None:
+        from megatron.core.optimizer.distrib_optimizer import Range
+
+        self.params = [torch.zeros(3), torch.zeros(5)]
+        spans, buckets, param_maps = [(0, 3), (8, 13)], [], []
+        for index, (param, (start, end)) in enumerate(zip(self.params, spans)):
+            offset, numel = index * 8, end - start
+            buckets.append(SimpleNamespace(offset=offset, numel_unpadded=numel, bucket_id=index,
+                                           grad_data=torch.zeros(8), params=[param]))
+            local = Range(start - offset, end - offset)
+            param_maps.append({"param_map": {param: {
+                "gbuf_world": Range(start, end), "gbuf_world_in_bucket": local,
+                "gbuf_local": local, "param": Range(0, numel)}}})
+        self.buffers = [SimpleNamespace(
+            numel=16, numel_unpadded=8, buckets=buckets, bucket_indices=[(0, 8), (8, 16)],
+            param_index_map={param: (*span, index)
+                             for index, (param, span) in enumerate(zip(self.params, spans))})]
+        self.gbuf_ranges = [{torch.float32: param_maps}]
+        self.per_bucket_numel, self.per_bucket_numel_unpadded = [{torch.float32: [8, 8]}], [
+            {torch.float32: [3, 5]}]
+
+    def get_parameter_state_dp_zero(self, use_gloo_comm=True, empty_data=False,
+                                    return_on_all_ranks=False):
+        world = {key: torch.arange(1.0, 9.0) + 100 * index for index, key in enumerate(self.KEYS)}
+        return {"buckets_coalesced": True, 0: {torch.float32: {**world, "numel_unpadded": 8}}}
+
+    def expected(self) -> list[dict[str, torch.Tensor]]:
+        packed = self.get_parameter_state_dp_zero()[0][torch.float32]
+        return [{key: packed[key][start:end] for key in self.KEYS}
+                for start, end in [(0, 3), (3, 8)]]
+
+
+def _reshards_correctly(fully_reshardable) -> bool:
+    """Whether ``fully_reshardable`` gives each parameter of :class:`_TwoBuckets` its own
+    state. megatron-core's warning of a range past the world tensor (its own symptom of the
+    bug) is kept out of the log meanwhile."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer import distrib_optimizer
+
+    probe = _TwoBuckets()
+    model = {name: ShardedTensor.from_rank_offsets(name, param)
+             for name, param in zip(("first", "second"), probe.params)}
+    log = logging.getLogger(distrib_optimizer.__name__)
+    was_disabled, log.disabled = log.disabled, True
+    try:
+        state = fully_reshardable(probe, model, False, {})
+    finally:
+        log.disabled = was_disabled
+    return len(state) == 2 and all(
+        torch.equal(state[index][key].data.reshape(-1), values)
+        for index, expected in enumerate(probe.expected()) for key, values in expected.items())
 
 
 def _with_fresh_adam_state(state_dict):
@@ -103,8 +175,22 @@ def apply() -> None:
     from megatron.core.optimizer import distrib_optimizer
 
     optimizer = distrib_optimizer.DistributedOptimizer
-    optimizer.sharded_param_state_fully_reshardable = _with_world_tensors_at_buffer_offsets(
-        optimizer.sharded_param_state_fully_reshardable)
+    installed = optimizer.sharded_param_state_fully_reshardable
+    fixed = _with_world_tensors_at_buffer_offsets(installed)
+    try:
+        needed = not _reshards_correctly(installed)
+        works = needed and _reshards_correctly(fixed)
+    except Exception as error:  # another megatron-core than the one this fix was made for
+        needed, works = True, False
+        problem = f"its check failed ({type(error).__name__}: {error})"
+    else:
+        problem = "it does not help this megatron-core"
+    if needed and works:
+        optimizer.sharded_param_state_fully_reshardable = fixed
+    elif needed and local_rank() == 0:
+        print("warning: megatron-core's fully reshardable distributed optimizer state is not "
+              f"fixed here: {problem}; with more than one gradient bucket its checkpoints may "
+              "hold parameters' state at the wrong offsets", flush=True)
     if not distrib_optimizer.HAVE_APEX_OR_TE:
         optimizer.state_dict = _with_fresh_adam_state(optimizer.state_dict)
         optimizer._set_main_param_and_optimizer_states = _keeping_step(
