@@ -1,7 +1,8 @@
 """The NaN/Inf guard (Megatron-LM's ``--check-for-nan-in-loss-and-grad``, on by default).
 
 An optimizer step is split where Megatron's own ``step()`` would run it: gradients prepared
-(an fp16 overflow still skips the step, as the loss scaler wants), the gradient norm taken,
+(an fp16 overflow still skips the step, as the loss scaler wants, but a non-finite loss is
+still one), the gradient norm taken,
 then **every rank agrees**, in one MAX all-reduce of two flags on the control group, whether
 any rank saw a non-finite loss or gradient norm. Only then are gradients clipped and the
 update applied. A non-finite iteration raises :class:`NonFiniteLoss` on every rank at the same
@@ -67,6 +68,11 @@ def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | No
     and the gradient norm where it was computed.
     """
     if optimizer.prepare_grads():
+        # An fp16 overflow: the loss scale made the gradients infinite and the step is
+        # skipped. A non-finite loss is the forward's own, which no loss scale mends (Megatron
+        # checks the loss in its loss function, whatever the gradients): checked here too, on
+        # every rank alike, as the overflow is agreed across ranks.
+        guard.check(iteration, loss, None)
         return False, None
     if poison:
         poison_gradients(p for sub in _sub_optimizers(optimizer) for p in sub.get_parameters())
