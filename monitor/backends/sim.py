@@ -133,7 +133,9 @@ class SimBackend(PerGpuBackend):
             self._start = now
         dt = 1.0 if self._last is None else max(1e-3, now - self._last)
         self._last = now
-        ramp = 1.0 if self.warmup_s <= 0 else min(1.0, (now - self._start) / self.warmup_s)
+        # Clamped at 0 too: a wall clock stepped back past the start (NTP) made the load, and
+        # with it the power draw, negative.
+        ramp = 1.0 if self.warmup_s <= 0 else min(1.0, max(0.0, (now - self._start) / self.warmup_s))
         load = 0.1 + 0.86 * ramp
         stepped = {s.gpu_id: s for s in self.fleet.step(now, dt, {gpu: load for gpu in self.fleet.states})}
 

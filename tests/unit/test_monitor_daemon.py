@@ -523,3 +523,13 @@ def test_an_injection_for_a_gpu_that_is_not_sampled_is_said_once(tmp_path, caplo
                     "[0, 1, 2, 3]; it changes nothing"]
     (event,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "injection_unsampled"]
     assert (event["gpu"], event["sampled"]) == (9, [0, 1, 2, 3])
+
+
+def test_a_sim_clock_stepped_back_past_the_start_reads_no_negative_power():
+    times = iter([1000.0, 1010.0, 950.0, 960.0])  # NTP steps the wall clock back a minute
+    backend = SimBackend(num_gpus=2, seed=0, clock=lambda: next(times))
+    try:
+        samples = [s for _ in range(4) for s in backend.sample()]
+    finally:
+        backend.close()
+    assert all(s.power_draw > 0 and s.gpu_utilization >= 0 for s in samples)
