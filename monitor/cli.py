@@ -71,7 +71,7 @@ def monitor_command(backend_spec: str, run_dir: Path, interval: float, scorer: s
             runfiles.metrics_csv_path(run_dir).resolve():
         raise click.UsageError("replay:PATH is this run dir's own gpu_metrics.csv; "
                                "give another --run-dir")
-    if (problem := runfiles.layout_problem(run_dir)) is not None:
+    if (problem := _layout_problem(run_dir)) is not None:
         raise click.ClickException(problem)
     backend = _backend(backend_spec, num_gpus, seed)  # a bad one leaves no run directory
     try:
@@ -89,6 +89,16 @@ def _backend(backend_spec: str, num_gpus: int, seed: int) -> Backend:
         raise (click.ClickException if isinstance(exc, ReplayError) else click.UsageError)(str(exc)) from None
     except BackendError as exc:
         raise click.ClickException(f"{backend_spec} backend unavailable: {exc}") from None
+
+
+def _layout_problem(run_dir: Path) -> str | None:
+    """As :func:`runfiles.layout_problem`, with a run directory that cannot even be looked at
+    (a name too long, a folder without search permission) as its problem: it is looked at
+    before it is made, and its OSError came out as a traceback."""
+    try:
+        return runfiles.layout_problem(run_dir)
+    except OSError as error:
+        return f"run directory {run_dir} is not usable ({error.strerror}); give another --run-dir"
 
 
 @contextlib.contextmanager

@@ -107,3 +107,9 @@ def test_a_file_where_the_flags_go_is_refused(tmp_path):
     (tmp_path / "flags").write_text("")
     one_line_error(invoke("--backend", "sim", "--run-dir", str(tmp_path), "--duration", "0"),
                    f"({tmp_path / 'flags'} is not a folder)")
+
+
+def test_a_run_dir_that_cannot_be_looked_at_is_refused_in_one_line(tmp_path):
+    run_dir = tmp_path / ("x" * 300)  # past NAME_MAX: every look inside it fails
+    one_line_error(invoke("--backend", "sim", "--run-dir", str(run_dir), "--duration", "0"),
+                   "is not usable (File name too long); give another --run-dir")
