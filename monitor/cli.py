@@ -37,7 +37,7 @@ from ftmaster.recovery.cli import FiniteFloatRange
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",
               help=f"Fault to lay over the telemetry (repeatable); KIND: {TELEMETRY_KINDS} "
-                   f"(xid also takes code=N: xid:gpu=G,code=N,at=...); no after=.")
+                   f"(xid needs code=N too: xid:gpu=G,code=N,at=...); no after=.")
 @click.option("--duration", default=None, type=FiniteFloatRange(min=0),
               help="Stop after this many seconds (live backends; default: until interrupted).")
 @click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
