@@ -70,6 +70,12 @@ def test_a_value_slurm_gives_that_cannot_be_read_is_unknown(change, field):
     assert defaults.rdzv_id == "6"
 
 
+def test_the_largest_node_list_expands_and_a_larger_one_gives_no_endpoint():
+    assert len(expand_nodelist("n[1-65536]")) == 65536
+    environ = {**STEP_ON_TWO_NODES, "SLURM_STEP_NODELIST": "n[1-99999999999]"}
+    assert slurm_defaults(environ, expand_nodelist).rdzv_endpoint is None
+
+
 def test_a_node_list_that_expands_to_nothing_gives_no_endpoint():
     assert slurm_defaults(STEP_ON_TWO_NODES, lambda nodelist: []).rdzv_endpoint is None
 
@@ -116,6 +122,9 @@ NODELISTS = [
     ("r[1-2]-n[1-2]", ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]),
     ("dgx[7],dgx[09-10]", ["dgx7", "dgx09", "dgx10"]),
     ("a,,b", ["a", "b"]),
+    ("node[01-03,07],gpu-a[1-2]", ["node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2"]),
+    ("n[1-2]-ib", ["n1-ib", "n2-ib"]),
+    ("n[08-10]", ["n08", "n09", "n10"]),
 ]
 
 
@@ -134,6 +143,13 @@ def test_node_lists_expand_without_scontrol(nodelist, hosts):
     ("n[5-3]", "cannot read the range '5-3'"),
     ("n[1-4:2]", "cannot read the range '1-4:2'"),
     ("n[a-c]", "cannot read the range 'a-c'"),
+    ("n[\u0663]", "cannot read the range"),  # a digit, but not one SLURM reads
+    ("n[1-123456789012345678901]", "cannot read the range"),
+    # SLURM expands at most 65536 hosts from a range; listing 10^11 took all the memory
+    ("n[1-99999999999]", "names more than 65536 hosts"),
+    ("n[0-65536]", "names more than 65536 hosts"),
+    ("a[1-300]-b[1-300]", "names more than 65536 hosts"),
+    ("n[1-60000],m[1-60000]", "names more than 65536 hosts"),
 ])
 def test_node_lists_it_cannot_read_are_refused_rather_than_guessed(nodelist, message):
     with pytest.raises(ValueError, match=message):

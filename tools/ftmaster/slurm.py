@@ -120,14 +120,21 @@ def scontrol_hostnames(nodelist: str, timeout_s: float = SCONTROL_TIMEOUT_S) -> 
     return hosts
 
 
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_RANGE = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")  # ASCII digits, strtoul's 64 bits
+MAX_HOSTS = 65536
+"""The most hosts a node list may name here: SLURM's ``MAX_SLURM_NODES``, which is also the
+most hosts scontrol expands from one range ("Too many hosts in range"). A larger list is
+refused before it is listed: ``n[1-99999999999]`` took all the memory there was."""
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's host list syntax without ``scontrol``: ``n[1-3,5]``, ``gpu-[01-04]`` (zero
     padding kept), ``a1,b2``, ``r[1-2]-n[1-2]`` (every combination, in SLURM's order).
-    ValueError (one line) for a list it cannot read, rather than a wrong host."""
-    hosts = [host for item in _split_top_level(nodelist) for host in _expand_item(item, nodelist)]
+    ValueError (one line) for a list it cannot read, rather than a wrong host, and for one
+    that names more than :data:`MAX_HOSTS`."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts += _expand_item(item, nodelist, MAX_HOSTS - len(hosts))
     if not hosts:
         raise ValueError(f"node list {nodelist!r} names no host")
     return hosts
@@ -147,25 +154,35 @@ def _split_top_level(nodelist: str) -> list[str]:
     return [item.strip() for item in [*items, nodelist[start:]] if item.strip()]
 
 
-def _expand_item(item: str, nodelist: str) -> list[str]:
+def _expand_item(item: str, nodelist: str, room: int) -> list[str]:
+    """The hosts of one item, at most ``room`` of them (else ValueError): each count is
+    checked before its hosts are listed."""
     # re.split alternates the text around brackets with what is inside them.
     pieces = re.split(r"\[([^\[\]]*)\]", item)
     hosts = [""]
     for index, piece in enumerate(pieces):
-        choices = _expand_ranges(piece, nodelist) if index % 2 else [piece]
+        choices = _expand_ranges(piece, nodelist, room) if index % 2 else [piece]
+        if len(hosts) * len(choices) > room:
+            raise _too_many(nodelist)
         hosts = [host + choice for host in hosts for choice in choices]
     return hosts
 
 
-def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
-    numbers = []
+def _expand_ranges(ranges: str, nodelist: str, room: int) -> list[str]:
+    numbers: list[str] = []
     for part in ranges.split(","):
         match = _RANGE.fullmatch(part.strip())
         if match is None or (match[2] is not None and int(match[2]) < int(match[1])):
             raise ValueError(f"node list {nodelist!r}: cannot read the range {part!r}")
         low, high = match[1], match[2] or match[1]
+        if len(numbers) + int(high) - int(low) + 1 > room:
+            raise _too_many(nodelist)
         numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
     return numbers
+
+
+def _too_many(nodelist: str) -> ValueError:
+    return ValueError(f"node list {nodelist!r} names more than {MAX_HOSTS} hosts")
 
 
 def _first_host(nodelist: str, hostnames: Callable[[str], list[str]]) -> str | None:
