@@ -43,6 +43,12 @@ def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
     torchrun restart would reuse the layout of the GPU that was just lost. ``--log-dir``
     keeps torch elastic's folder (each rank's ``error.json``) with the attempt: without it,
     every torchrun leaves a ``torchelastic_*`` folder in the system's temporary directory.
+
+    The rendezvous is spelled out whole (``--rdzv-backend static``, its endpoint, an empty
+    ``--rdzv-conf``): torchrun takes an option left out from ``PET_<OPTION>`` in the
+    environment, which the attempt inherits, and a Kubeflow PyTorchJob, say, sets
+    ``PET_RDZV_BACKEND=c10d`` and ``PET_RDZV_ENDPOINT``: that turned each node's static
+    torchrun into a c10d rendezvous at the job's endpoint.
     """
     if nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be a positive integer, got {nproc_per_node}")
@@ -51,8 +57,11 @@ def torchrun_argv(command: Sequence[str], nproc_per_node: int, *,
     if world is None:
         nodes = ["--standalone", "--nnodes", "1"]
     else:
+        # The endpoint torch makes of --master-addr and --master-port for a static rendezvous.
         nodes = ["--nnodes", str(world.nnodes), "--node-rank", str(world.node_rank),
+                 "--rdzv-backend", "static",
+                 "--rdzv-endpoint", f"{world.master_addr}:{world.master_port}",
                  "--master-addr", world.master_addr, "--master-port", str(world.master_port)]
     logs = [] if log_dir is None else ["--log-dir", str(log_dir)]
-    return [python, "-m", "torch.distributed.run", *nodes, "--nproc-per-node",
-            str(nproc_per_node), "--max-restarts", "0", *logs, *command]
+    return [python, "-m", "torch.distributed.run", *nodes, "--rdzv-conf", "",
+            "--nproc-per-node", str(nproc_per_node), "--max-restarts", "0", *logs, *command]

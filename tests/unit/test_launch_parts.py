@@ -48,7 +48,7 @@ def test_a_rank_outside_the_attempt_has_no_gpu():
 def test_attempt_argv_guards_torchrun_and_every_rank():
     assert attempt_argv(["train.py", "--lr", "1e-3"], 3, python="py", log_dir=Path("R/t")) == [
         "py", "-m", "ftmaster.guard", "exec",
-        "py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--rdzv-conf", "",
         "--nproc-per-node", "3", "--max-restarts", "0", "--log-dir", "R/t",
         "-m", "ftmaster.guard", "rank", "train.py", "--lr", "1e-3"]
 

@@ -108,10 +108,29 @@ def test_each_node_runs_a_static_torchrun_for_its_generation():
     world = StaticWorld(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29555)
     assert torchrun_argv(["train.py"], 1, python="py", world=world) == [
         "py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
-        "--master-addr", "10.0.0.1", "--master-port", "29555", "--nproc-per-node", "1",
-        "--max-restarts", "0", "train.py"]
+        "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29555",
+        "--master-addr", "10.0.0.1", "--master-port", "29555", "--rdzv-conf", "",
+        "--nproc-per-node", "1", "--max-restarts", "0", "train.py"]
     with pytest.raises(ValueError, match="node rank 2 is outside 2 nodes"):
         StaticWorld(2, 2, "a", 1)
+
+
+@pytest.mark.parametrize("world", [None, StaticWorld(2, 1, "10.0.0.1", 29555)])
+def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
+    """torchrun takes an option left out from PET_<OPTION>; a Kubeflow PyTorchJob sets these,
+    and they turned each node's static torchrun into a c10d rendezvous elsewhere."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "elsewhere:29400")
+    monkeypatch.setenv("PET_RDZV_CONF", "is_host=0,timeout=5")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config, _, _ = config_from_args(parse_args(torchrun_argv(["train.py"], 1, world=world)[3:]))
+    if world is None:  # --standalone: its own store on a free local port, whatever the backend
+        assert config.rdzv_configs == {"timeout": 900}
+    else:
+        assert (config.rdzv_backend, config.rdzv_endpoint, config.rdzv_configs) == (
+            "static", "10.0.0.1:29555", {"rank": 1, "timeout": 900})
 
 
 @pytest.mark.parametrize("options, message", [

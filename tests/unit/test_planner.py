@@ -287,5 +287,5 @@ def test_read_script_args_errors(args, message):
 
 def test_torchrun_argv():
     assert torchrun_argv(["pretrain_gpt.py", "--lr", "1"], 3, python="/py") == [
-        "/py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        "/py", "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--rdzv-conf", "",
         "--nproc-per-node", "3", "--max-restarts", "0", "pretrain_gpt.py", "--lr", "1"]
