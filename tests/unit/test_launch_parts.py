@@ -514,6 +514,35 @@ def test_an_unreadable_trigger_is_a_request_too(tmp_path):
     assert runfiles.save_now_flag_path(tmp_path).exists()
 
 
+@pytest.mark.parametrize("body", [b'{"gpu": 1, "reasons": ["\xff"]}', b"[" * 100_000])
+def test_a_trigger_that_is_not_utf8_or_json_at_all_is_a_request_too(tmp_path, body):
+    """It raised out of the listener's thread, which ended: no later request was moved."""
+    runfiles.flags_dir(tmp_path).mkdir()
+    runfiles.trigger_flag_path(tmp_path).write_bytes(body)
+    event = move_request(tmp_path)
+    assert (event["source"], event["gpu"]) == ("unknown", None)
+    assert runfiles.save_now_flag_path(tmp_path).read_bytes() == body
+
+
+def test_the_listener_outlives_any_error_of_one_poll(tmp_path, monkeypatch, caplog):
+    polls = []
+
+    def move(run_dir):
+        polls.append(run_dir)
+        if len(polls) == 1:
+            raise ValueError("a flag the reader chokes on")
+        return None
+
+    monkeypatch.setattr("ftmaster.listener.move_request", move)
+    listener = Listener(tmp_path, interval_s=0.01)
+    listener.start()
+    try:
+        wait_until(lambda: len(polls) >= 3, timeout=5, what="polls after the error")
+    finally:
+        listener.stop()
+    assert "cannot move the checkpoint trigger: ValueError: a flag the reader chokes on" in caplog.text
+
+
 def test_listener_moves_a_trigger_within_one_second(tmp_path):
     listener = Listener(tmp_path)
     listener.start()

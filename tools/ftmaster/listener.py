@@ -34,7 +34,10 @@ def move_request(run_dir: Path) -> dict | None:
         os.replace(trigger, save_now)
     except FileNotFoundError:
         return None
-    body = runfiles.read_flag(save_now) or {"unreadable": True}
+    try:
+        body = runfiles.read_flag(save_now) or {"unreadable": True}
+    except (ValueError, RecursionError):  # bytes that are not UTF-8, JSON nested too deep
+        body = {"unreadable": True}
     return runfiles.append_event(run_dir, "checkpoint_request", source=request_source(body),
                                  gpu=body.get("gpu"))
 
@@ -63,8 +66,10 @@ class Listener:
         while not self._stop.is_set():
             try:
                 event = move_request(self.run_dir)
-            except OSError as error:  # a full disk must not end supervision
-                log.error("cannot move the checkpoint trigger: %s", error)
+            except Exception as error:  # a full disk, a bad flag: neither may end the thread,
+                # and with it every later request of the run
+                log.error("cannot move the checkpoint trigger: %s: %s", type(error).__name__,
+                          error)
                 event = None
             if event is not None:
                 gpu = "" if event["gpu"] is None else f" (GPU {event['gpu']})"
