@@ -1,0 +1,61 @@
+"""ftmaster's own TensorBoard scalars (RunBoard): what they write, and a writer that fails."""
+
+import errno
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from ftmaster.board import RunBoard  # noqa: E402
+
+
+def scalars(folder, tag):
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [(e.step, e.value) for e in accumulator.Scalars(tag)]
+
+
+def test_risk_once_per_iteration_and_failures_at_their_iteration(tmp_path):
+    board = RunBoard(tmp_path)
+    board.observe_heartbeat({"iteration": 3})
+    sample = SimpleNamespace(gpu_id=1, failure_risk=0.25)
+    board.observe_samples([sample], [])
+    board.observe_samples([sample], ["alert"])
+    board.observe_event({"event": "failure", "iteration": 2, "time": 10.0})
+    board.close()
+    assert scalars(tmp_path, "ftmaster/risk/gpu1") == [(3, 0.25)]
+    assert scalars(tmp_path, "ftmaster/alerts") == [(3, 1.0)]
+    assert scalars(tmp_path, "ftmaster/failures") == [(2, 1.0)]
+
+
+class FullDisk:
+    """tensorboard's writer once its thread failed: every call raises the error again."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _fail(self, *args, **kwargs):
+        self.calls += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    add_scalar = flush = close = _fail
+
+
+def test_a_writer_that_fails_is_said_once_and_never_raises_into_the_run(tmp_path, caplog):
+    """It raised out of the monitor's step (whose lost GPUs were then never told) and out of
+    the supervisor, which ended the run."""
+    board = RunBoard(tmp_path)
+    board.writer.close()
+    board.writer = FullDisk()
+    with caplog.at_level(logging.ERROR, logger="ftmaster"):
+        board.observe_samples([SimpleNamespace(gpu_id=0, failure_risk=0.5)], ["alert"])
+        board.observe_event({"event": "failure", "iteration": 1, "time": 1.0})
+        board.observe_event({"event": "resumed", "iteration": 2, "time": 5.0})
+        board.close()
+    assert board.writer.calls == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ftmaster's TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
+        "left on device"]
