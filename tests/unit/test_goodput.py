@@ -170,6 +170,24 @@ def test_a_run_of_more_iterations_than_a_float_holds_is_one_line(args):
                           "finite number\n")
 
 
+@pytest.mark.parametrize("args, message", [
+    # numpy's own words, naming no option: "Error: expected non-negative integer"
+    (["--runs", "2", "--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0."),
+    # 10^12 raised numpy's MemoryError, 10^9 was killed for its memory
+    (["--runs", "1000000000000"], "--runs must be at most 1000000 (each run's state is held in "
+                                  "memory), not 1000000000000"),
+    (["--runs", "1000001"], "not 1000001"),
+    # the job's failure rate underflows to 0: a ZeroDivisionError traceback from the model
+    (["--runs", "0", "--gpu-mtbf-hours", "1.7e308", "--run-hours", "1e-9"],
+     "the goodput model cannot evaluate these inputs (ZeroDivisionError: float division by "
+     "zero): --gpu-mtbf-hours 1.7e+308, --run-hours 1e-09"),
+])
+def test_inputs_the_model_cannot_take_are_one_line(args, message):
+    bad = CliRunner().invoke(main, ["goodput", *args])
+    assert bad.exit_code != 0 and isinstance(bad.exception, SystemExit), bad.exception
+    assert message in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
 def test_cli_table_and_one_line_errors():
     runner = CliRunner()
     out = runner.invoke(main, ["goodput", "--runs", "20", "--run-hours", "100"])

@@ -27,6 +27,10 @@ from ftmaster.goodput import GoodputInputs
 from ftmaster.recovery.cli import FiniteFloatRange
 
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): " + report.DECIMAL)
+MAX_RUNS = 1_000_000
+"""The most Monte Carlo runs. The simulation holds about 30 numbers per run: 10^9 runs were
+killed for their memory, 10^12 raised numpy's MemoryError. 10^6 take 0.4 GB and, with the
+default inputs, about half an hour for the three simulations (10^5: 2.5 minutes)."""
 
 
 def _median(values: list[float]) -> float | None:
@@ -284,8 +288,8 @@ def _input_options(command):
 @click.option("--gpu-failure-rate", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Failures per GPU-hour; the same as --gpu-mtbf-hours 1/RATE.")
 @click.option("--runs", type=int, default=200, show_default=True,
-              help="Monte Carlo runs: 0 for the analytic model only, else at least 2.")
-@click.option("--seed", type=int, default=0, show_default=True)
+              help=f"Monte Carlo runs: 0 for the analytic model only, else 2 to {MAX_RUNS}.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_input_options
 def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
@@ -294,6 +298,9 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     if runs < 0 or runs == 1:
         raise click.ClickException(f"--runs must be 0 (analytic model only) or at least 2 (the "
                                    f"Monte Carlo's standard error needs two runs), not {runs}")
+    if runs > MAX_RUNS:
+        raise click.ClickException(f"--runs must be at most {MAX_RUNS} (each run's state is held "
+                                   f"in memory), not {runs}")
     explicit = {k: v for k, v in given.items() if v is not None}
     if gpu_failure_rate is not None:
         if "gpu_mtbf_hours" in explicit:
@@ -307,6 +314,13 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
             result = _report(x, runs, seed)
     except (ValueError, RuntimeError) as exc:
         raise click.ClickException(in_option_names(str(exc), measured, run_dir)) from None
+    except ArithmeticError as exc:  # inputs the model's own checks let through
+        inputs = [f"{_option(name)} {value:g}" for name, value in explicit.items()]
+        inputs += [f"{_option(name)} {value:g} (measured in {run_dir})"
+                   for name, value in measured.items()]
+        raise click.ClickException(
+            f"the goodput model cannot evaluate these inputs ({type(exc).__name__}: {exc}): "
+            + (", ".join(inputs) if inputs else "the defaults")) from None
     if as_json:
         click.echo(json.dumps(_json_body(x, measured, result), indent=2, allow_nan=False))
     else:
