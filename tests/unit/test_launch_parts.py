@@ -524,6 +524,15 @@ def test_a_trigger_that_is_not_utf8_or_json_at_all_is_a_request_too(tmp_path, bo
     assert runfiles.save_now_flag_path(tmp_path).read_bytes() == body
 
 
+@pytest.mark.parametrize("body", [b'{"folder": "\xff"}', b"[" * 100_000])
+def test_read_flag_never_raises_for_a_flag_it_cannot_read(tmp_path, body):
+    """Every reader relies on it: the listener's thread, and each rank's replica-dump thread,
+    which polls its request flag and would end, never dumping, on a raise."""
+    flag = tmp_path / "dump.flag"
+    flag.write_bytes(body)
+    assert runfiles.read_flag(flag) == {"unreadable": True}
+
+
 def test_the_listener_outlives_any_error_of_one_poll(tmp_path, monkeypatch, caplog):
     polls = []
 

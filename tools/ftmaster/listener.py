@@ -34,10 +34,7 @@ def move_request(run_dir: Path) -> dict | None:
         os.replace(trigger, save_now)
     except FileNotFoundError:
         return None
-    try:
-        body = runfiles.read_flag(save_now) or {"unreadable": True}
-    except (ValueError, RecursionError):  # bytes that are not UTF-8, JSON nested too deep
-        body = {"unreadable": True}
+    body = runfiles.read_flag(save_now) or {"unreadable": True}
     return runfiles.append_event(run_dir, "checkpoint_request", source=request_source(body),
                                  gpu=body.get("gpu"))
 

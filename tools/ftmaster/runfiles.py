@@ -159,18 +159,19 @@ def write_flag(path: Path, **reason: Any) -> None:
 def read_flag(path: Path) -> dict[str, Any] | None:
     """Return the flag's request, or None when there is no flag.
 
-    A flag that exists but is empty, malformed or unreadable is still a request: it comes
-    back as ``{"unreadable": True}`` instead of raising.
+    A flag that exists but is empty, malformed or unreadable (not UTF-8, JSON nested past
+    the parser's depth) is still a request: it comes back as ``{"unreadable": True}`` instead
+    of raising.
     """
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
         return None
-    except OSError:
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return {"unreadable": True}
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"unreadable": True}
     return body if isinstance(body, dict) else {"unreadable": True}
 
