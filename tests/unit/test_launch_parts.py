@@ -524,6 +524,15 @@ def test_a_trigger_that_is_not_utf8_or_json_at_all_is_a_request_too(tmp_path, bo
     assert runfiles.save_now_flag_path(tmp_path).read_bytes() == body
 
 
+def test_an_attempt_inherits_no_torchrun_option_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PETS", "kept")
+    env = attempt_module.inherited_environment()
+    assert "PET_STANDALONE" not in env and "PET_RDZV_BACKEND" not in env
+    assert env["PETS"] == "kept" and env["PATH"] == os.environ["PATH"]
+
+
 @pytest.mark.parametrize("body", [b'{"folder": "\xff"}', b"[" * 100_000])
 def test_read_flag_never_raises_for_a_flag_it_cannot_read(tmp_path, body):
     """Every reader relies on it: the listener's thread, and each rank's replica-dump thread,

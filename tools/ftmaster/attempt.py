@@ -203,6 +203,14 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def inherited_environment() -> dict[str, str]:
+    """This process's environment for an attempt, without torchrun's ``PET_<OPTION>``
+    variables: torchrun takes any option its argv leaves out from them (a Kubeflow
+    PyTorchJob sets ``PET_NNODES``, ``PET_RDZV_BACKEND``...), and flags such as
+    ``PET_STANDALONE`` or ``PET_NO_PYTHON`` cannot be switched off from the argv."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("PET_")}
+
+
 class Attempt:
     """A started attempt; ``gpus[r]`` is the GPU of local rank ``r``, as ``env`` (with
     ``CUDA_VISIBLE_DEVICES``, see :class:`ftmaster.gpus.JobGpus`) tells CUDA. With a
@@ -222,7 +230,7 @@ class Attempt:
         self.started_at = time.time()
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
-        env = {**os.environ, **env, RANK_DIR_ENV: str(self.rank_dir),
+        env = {**inherited_environment(), **env, RANK_DIR_ENV: str(self.rank_dir),
                GUARD_PARENT_ENV: str(os.getpid()), runfiles.RUN_DIR_ENV: str(run_dir),
                runfiles.LAUNCHED_AT_ENV: repr(self.started_at)}
         # The first launch is cold (DESIGN): the pool starts importing beside it.
