@@ -10,12 +10,16 @@ wrote from that step on (the iterations it repeats), so each series holds each i
 once. A relaunch that found no checkpoint starts again from iteration 1 and marks it too.
 Megatron-LM's ``... vs samples`` variants are left out: their steps are samples, which that
 mark would purge too. What a relaunch can resume from is flushed with each durable
-checkpoint, so a killed attempt leaves no gap before it.
+checkpoint, so a killed attempt leaves no gap before it. A write that fails (a full disk
+under the folder) is said in one line and the scalars stop there; training goes on
+(:class:`ftmaster.scalar_writer.GuardedWriter`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+from ftmaster.scalar_writer import GuardedWriter
 
 NEEDS_PACKAGE = ("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
                  "(scripts/setup.sh installs ftmaster's tensorboard extra)")
@@ -36,9 +40,11 @@ class Board:
         if args.tensorboard_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir,
-                                        max_queue=args.tensorboard_queue_size,
-                                        purge_step=first_iteration)
+            self.writer = GuardedWriter(
+                SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size,
+                              purge_step=first_iteration),
+                f"TensorBoard scalars in {args.tensorboard_dir}",
+                lambda line: print(f"warning: {line}", flush=True))
 
     def due(self, iteration: int) -> bool:
         """Whether this rank writes ``iteration``'s scalars (the caller gathers them only then:

@@ -48,14 +48,14 @@ def test_a_writer_that_fails_is_said_once_and_never_raises_into_the_run(tmp_path
     """It raised out of the monitor's step (whose lost GPUs were then never told) and out of
     the supervisor, which ended the run."""
     board = RunBoard(tmp_path)
-    board.writer.close()
-    board.writer = FullDisk()
+    board.writer.inner.close()
+    full = board.writer.inner = FullDisk()
     with caplog.at_level(logging.ERROR, logger="ftmaster"):
         board.observe_samples([SimpleNamespace(gpu_id=0, failure_risk=0.5)], ["alert"])
         board.observe_event({"event": "failure", "iteration": 1, "time": 1.0})
         board.observe_event({"event": "resumed", "iteration": 2, "time": 5.0})
         board.close()
-    assert board.writer.calls == 1
+    assert full.calls == 1
     assert [r.getMessage() for r in caplog.records] == [
         f"ftmaster's TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
         "left on device"]

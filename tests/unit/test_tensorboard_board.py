@@ -45,3 +45,32 @@ def test_a_relaunch_from_a_checkpoint_continues_the_curve(tmp_path, last_rank):
     attempt(tmp_path, 1, 6)
     attempt(tmp_path, 5, 9)  # loaded iteration 4
     assert steps(tmp_path) == list(range(1, 10))
+
+
+def test_a_full_disk_under_the_folder_is_one_line_and_training_goes_on(tmp_path, last_rank, capsys):
+    """tensorboard's writer raises its thread's error again at every later call: out of the
+    last rank's iteration, that ended training, and each relaunch into the full disk too."""
+    class FullDisk:
+        calls = 0
+
+        def add_scalar(self, *args):
+            FullDisk.calls += 1
+            raise OSError(28, "No space left on device")
+
+        flush = close = add_scalar
+
+    args = SimpleNamespace(tensorboard_dir=str(tmp_path), tensorboard_log_interval=1,
+                           tensorboard_queue_size=1000)
+    board = Board(args, 1)
+    board.writer.inner.close()
+    board.writer.inner = FullDisk()
+    for iteration in (1, 2):
+        board.iteration(iteration, loss=1.0, learning_rate=1e-3, batch_size=8, grad_norm=None,
+                        loss_scale=None, seconds=0.1)
+    board.validation(2, 1.0)
+    board.flush()
+    board.close()
+    assert FullDisk.calls == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
+        "left on device"]
