@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ from ftmaster.recovery.replicas import (
     report_path,
 )
 
-from .checkpointing import clean_content_metadata, rng_state
+from .checkpointing import CHECKPOINT_ERRORS, clean_content_metadata, describe_error, rng_state
 from .console import log_rank0
 
 POLL_INTERVAL_S = 0.05
@@ -170,8 +171,10 @@ class ReplicaDumper:
             sharded = self.state_dict(iteration, consumed, self.cut.rng)
             slices = None if self.optimizer_slices is None else self.optimizer_slices(sharded)
             written = write_dump(rank_dump_dir(folder, self.coordinates["rank"]), sharded, slices)
-        except Exception as error:  # reported: the merge then falls back
-            return {**report, "refused": f"the dump failed: {type(error).__name__}: {error}"}
+        except CHECKPOINT_ERRORS as error:  # reported: the merge then falls back
+            # What was written is never merged, and may hold the room the report needs.
+            shutil.rmtree(rank_dump_dir(folder, self.coordinates["rank"]), ignore_errors=True)
+            return {**report, "refused": f"the dump failed: {describe_error(error)}"}
         finally:
             self.cut.lock.release()
         return {**report, "iteration": iteration, "consumed_samples": consumed, **written,

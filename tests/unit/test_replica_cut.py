@@ -245,3 +245,31 @@ def test_the_merged_metadata_json_is_megatron_cores_own():
 
     strategy = get_default_save_sharded_strategy("torch_dist")
     assert CHECKPOINTING_CONFIG == asdict(CheckpointingConfig(strategy.backend, strategy.version))
+
+
+def test_a_dump_that_torch_dist_failed_to_write_is_reported_and_removed(tmp_path, monkeypatch):
+    """torch raises a failed write as a CheckpointException, a BaseException: it escaped the
+    dump thread with a traceback, no report was written (the fallback then blamed a missing
+    survivor, after the whole dump timeout) and the partial dump kept the memory it filled."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ftmaster import runfiles
+    from ftmaster.recovery.replicas import REQUEST_FLAG, rank_dump_dir, read_reports
+    from megatron.training import replicas
+
+    def write_dump(folder, sharded_state_dict, optimizer_slices=None):
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(bytes(4096))  # as far as the space went
+        raise CheckpointException("", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(replicas, "write_dump", write_dump)
+    monkeypatch.setattr(replicas, "layout_coordinates", lambda: {
+        "rank": 0, "tp": 0, "pp": 0, "dp": 0, "tp_size": 1, "pp_size": 1, "dp_size": 2})
+    state = type("State", (), {"iteration": 3, "consumed_train_samples": 24})()
+    dumper = replicas.ReplicaDumper(tmp_path / "run", replicas.Cut(True), state, lambda *a: {})
+    folder = tmp_path / "dumps"
+    runfiles.write_flag(runfiles.flags_dir(tmp_path / "run") / REQUEST_FLAG, folder=str(folder))
+    assert dumper.done.wait(10)
+    (report,) = read_reports(folder)
+    assert report.refused == "the dump failed: ENOSPC (No space left on device)"
+    assert not rank_dump_dir(folder, 0).exists()
