@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -27,6 +28,9 @@ DUMPS_SUBDIR = "replicas"
 """In the memory tier: ``replicas/attempt_<N>/`` holds one attempt's dumps."""
 SHARD_FILE = "optimizer_shard.pt"
 """In a rank's dump, with the distributed optimizer: its slices of the optimizer state."""
+STAGING_PREFIX = ".replica-"
+"""A merge builds ``iter_<N>`` in ``.iter_<N>.replica-<id>`` beside it (never loaded); a merge
+killed or crashed mid-write leaves that folder, which holds links to the chosen shards."""
 
 
 def dump_folder(memory_dir: Path, attempt: int) -> Path:
@@ -36,6 +40,12 @@ def dump_folder(memory_dir: Path, attempt: int) -> Path:
 def round_dump_folder(memory_dir: Path, round_number: int) -> Path:
     """Across nodes: one failed round's dumps, each node's in its own memory tier."""
     return Path(memory_dir) / DUMPS_SUBDIR / f"round_{round_number}"
+
+
+def remove_merge_leftovers(memory_dir: Path) -> None:
+    """What merges that never finished left in the memory tier (run when none is running)."""
+    for leftover in Path(memory_dir).glob(f".iter_*{STAGING_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def rank_dump_dir(folder: Path, rank: int) -> Path:

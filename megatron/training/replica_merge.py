@@ -63,6 +63,7 @@ from ftmaster.recovery.checkpoints import (
 from ftmaster.recovery.manifest import FileDigest, digest_bytes, digest_file, write_manifest
 from ftmaster.recovery.replicas import (
     SHARD_FILE,
+    STAGING_PREFIX,
     NoCut,
     Report,
     choose_cut,
@@ -298,7 +299,7 @@ def _write_checkpoint(folder: Path, memory_dir: Path, iteration: int, metadata: 
                       chunks: list[Chunk]) -> tuple[Path, int]:
     """Build it beside its place, then rename it in and advance the tracker (one lock)."""
     target = iteration_dir(memory_dir, iteration)
-    staging = target.with_name(f".{target.name}.replica-{uuid.uuid4().hex[:8]}")
+    staging = target.with_name(f".{target.name}{STAGING_PREFIX}{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
         written = {OPTIMIZER_FILE: _write_chunks(staging / OPTIMIZER_FILE, chunks, metadata)

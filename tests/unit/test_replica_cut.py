@@ -273,3 +273,26 @@ def test_a_dump_that_torch_dist_failed_to_write_is_reported_and_removed(tmp_path
     (report,) = read_reports(folder)
     assert report.refused == "the dump failed: ENOSPC (No space left on device)"
     assert not rank_dump_dir(folder, 0).exists()
+
+
+def test_a_merge_killed_mid_write_leaves_nothing_in_the_memory_tier(tmp_path):
+    """Its checkpoint under construction (the chosen shards hard-linked) stayed for good, and
+    with it the node memory of every shard it linked: removing the dumps freed none of it."""
+    import subprocess
+    import sys
+
+    from ftmaster.replica_recovery import Merging
+
+    memory = tmp_path / "memory"
+    staging = memory / ".iter_0000016.replica-0123abcd"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import os, pathlib, signal; p = pathlib.Path(os.sys.argv[1]); "
+         "p.mkdir(parents=True); (p / '__0_0.distcp').write_bytes(bytes(64)); "
+         "os.kill(os.getpid(), signal.SIGKILL)", str(staging)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []
+    recovery = ReplicaRecovery(tmp_path, memory, tmp_path / "save",
+                               lambda name, **fields: said.append(fields["reason"]))
+    assert recovery.finish_merge(Merging(tmp_path / "dumps", killed, 0.0)) is None
+    assert "exit status -9" in said[0], said
+    assert not staging.exists()

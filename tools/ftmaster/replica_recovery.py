@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
 from ftmaster.recovery.checkpoints import read_tracker
-from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports, report_path,
-                                       round_dump_folder)
+from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports,
+                                       remove_merge_leftovers, report_path, round_dump_folder)
 from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
@@ -179,6 +179,7 @@ class ReplicaRecovery:
                                  f"{merging.process.returncode}{_last_words(besides)}"}
         finally:
             shutil.rmtree(merging.folder, ignore_errors=True)  # the merged files are hard links
+            remove_merge_leftovers(self.memory_dir)  # the merge has ended, killed or not
         if "refused" in result:
             self.fall_back(result["refused"])
             return None
