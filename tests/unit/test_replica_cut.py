@@ -296,3 +296,23 @@ def test_a_merge_killed_mid_write_leaves_nothing_in_the_memory_tier(tmp_path):
     assert recovery.finish_merge(Merging(tmp_path / "dumps", killed, 0.0)) is None
     assert "exit status -9" in said[0], said
     assert not staging.exists()
+
+
+def test_a_warm_merge_never_answers_with_an_earlier_merges_output(tmp_path):
+    """The worker appends to ``ranks/merge_<folder>/output.log``; a folder name seen before
+    (across nodes, the round numbers restart in a requeued job) found the earlier merge's
+    line there: the new merge was killed at once, and its recovery reported that old
+    iteration as merged."""
+    from types import SimpleNamespace
+
+    said = []
+    ended = SimpleNamespace(returncode=1, poll=lambda: 1, kill=lambda: None)
+    starter = SimpleNamespace(run_module=lambda argv, folder: ended)
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append(fields.get("reason")), starter)
+    folder = tmp_path / "memory" / "replicas" / "round_3"
+    earlier = tmp_path / "ranks" / "merge_round_3" / "output.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{"iteration": 16, "shards": 2, "seconds": 0.01, "path": "p", "bytes": 1}\n')
+    assert recovery.finish_merge(recovery.start_merge(folder)) is None
+    assert said == ["the merge said nothing readable (list index out of range); exit status 1"]

@@ -157,6 +157,9 @@ class ReplicaRecovery:
                   *(["--newest", str(newest)] if newest is not None else [])]
         started = time.monotonic()
         helper = self.run_dir / "ranks" / f"merge_{folder.name}"
+        # The worker appends to its output, and a folder's name may come back (across nodes
+        # the round numbers restart in a requeued job): an earlier merge's line is no answer.
+        (helper / "output.log").unlink(missing_ok=True)
         warm = self.starter.run_module(module, helper) if self.starter is not None else None
         if warm is not None:
             return Merging(folder, warm, started, helper / "output.log")
