@@ -183,6 +183,20 @@ def test_when_the_supervisor_asks_for_a_dump(tmp_path, cause, culprits, iteratio
     assert said == [] if not expected else expected in said[0]
 
 
+def test_a_dump_folder_that_cannot_be_made_is_a_fallback(tmp_path):
+    """Its OSError raised out of the supervisor's failure handling (a memory tier that is a
+    file, gone, or full), which ended ftmaster launch with a traceback."""
+    from types import SimpleNamespace
+
+    said = []
+    (tmp_path / "memory").write_text("not a folder")
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append(fields["reason"]))
+    attempt = SimpleNamespace(number=2, gpus=[0, 1], ranks=lambda: {})
+    assert recovery.dump_if_useful(attempt, "device_lost", [1], 16, 2) is None
+    assert len(said) == 1 and said[0].startswith("the dump could not be asked for: "), said
+
+
 def test_the_dump_does_not_wait_for_the_culprits_rank(tmp_path):
     """A hung rank is stopped and never answers: the dump waited out its whole timeout (20 s)."""
     from types import SimpleNamespace

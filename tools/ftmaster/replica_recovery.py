@@ -115,7 +115,10 @@ class ReplicaRecovery:
         elif cause == "hang" and not culprits:
             self.fall_back("a hang with no known culprit: any rank may hold a half-done iteration")
         else:
-            return self.dump(attempt, culprits)
+            try:
+                return self.dump(attempt, culprits)
+            except OSError as error:  # the memory tier gone or full: the checkpoint still serves
+                self.fall_back(f"the dump could not be asked for: {error}")
         return None
 
     def dump(self, attempt: Attempt, culprits: Sequence[int] = ()) -> Path:
