@@ -153,9 +153,15 @@ class ReplicaDumper:
             time.sleep(POLL_INTERVAL_S)
         folder = Path(request["folder"])
         report = self._dump(folder)
-        runfiles.atomic_write_text(report_path(folder, self.coordinates["rank"]),
-                                   json.dumps(report) + "\n", durable=False)
-        self.done.set()
+        try:
+            runfiles.atomic_write_text(report_path(folder, self.coordinates["rank"]),
+                                       json.dumps(report) + "\n", durable=False)
+        except OSError as error:  # no report is no dump to the merge: it falls back
+            print(f"replica recovery: rank {self.coordinates['rank']}'s dump report could not be "
+                  f"written: {describe_error(error)}", flush=True)
+        finally:
+            # A parked rank ends now, so the supervisor does not wait out its dump timeout.
+            self.done.set()
 
     def _dump(self, folder: Path) -> dict:
         start = time.perf_counter()

@@ -289,6 +289,25 @@ def test_a_dump_that_torch_dist_failed_to_write_is_reported_and_removed(tmp_path
     assert not rank_dump_dir(folder, 0).exists()
 
 
+def test_a_dump_report_that_cannot_be_written_still_ends_the_parked_rank(tmp_path, monkeypatch, capsys):
+    """The dump thread died before ``done``: the rank stayed parked its whole timeout, and the
+    supervisor waited out its dump timeout (20 s) for a rank that would never answer."""
+    from ftmaster import runfiles
+    from ftmaster.recovery.replicas import REQUEST_FLAG
+    from megatron.training import replicas
+
+    monkeypatch.setattr(replicas, "layout_coordinates", lambda: {
+        "rank": 0, "tp": 0, "pp": 0, "dp": 0, "tp_size": 1, "pp_size": 1, "dp_size": 2})
+    state = type("State", (), {"iteration": 3, "consumed_train_samples": 24})()
+    dumper = replicas.ReplicaDumper(tmp_path / "run", replicas.Cut(True), state, lambda *a: {},
+                                    refusal="no replica here")
+    folder = tmp_path / "dumps"
+    folder.write_text("a file where the dump folder should be")
+    runfiles.write_flag(runfiles.flags_dir(tmp_path / "run") / REQUEST_FLAG, folder=str(folder))
+    assert dumper.done.wait(10)
+    assert "rank 0's dump report could not be written" in capsys.readouterr().out
+
+
 def test_a_merge_killed_mid_write_leaves_nothing_in_the_memory_tier(tmp_path):
     """Its checkpoint under construction (the chosen shards hard-linked) stayed for good, and
     with it the node memory of every shard it linked: removing the dumps freed none of it."""
