@@ -56,6 +56,16 @@ def test_a_simulation_of_millions_of_events_is_refused_up_front():
         goodput.simulate(x, runs=2, max_events=1000)
 
 
+@pytest.mark.parametrize("case, message", [
+    (replace(BASE, gpu_mtbf_hours=3.0), "never end: failures outpace progress"),
+    (replace(BASE, gpu_mtbf_hours=3.0).single_tier().periodic_only(), r"about 8\.7e\+87 events"),
+])
+def test_a_simulation_whose_failures_outpace_progress_is_refused_up_front(case, message):
+    """It played its whole event budget (10^7 steps, over an hour) before saying so."""
+    with pytest.raises(ValueError, match=message):
+        goodput.simulate(case, runs=2)
+
+
 @pytest.mark.parametrize("model", sorted(goodput.PAPER_TABLE_III))
 def test_reproduces_paper_table_iii(model):
     checkpoint_s = goodput.paper_checkpoint_s(model)

@@ -718,10 +718,13 @@ MAX_EVENTS_PER_RUN = 1_000_000  # a step costs about 80 us for 200 runs: over a 
 
 
 def expected_events_per_run(x: GoodputInputs) -> float:
-    """About how many events one simulated run plays: saves, failures, alarms."""
+    """About how many events one simulated run plays: saves, alarms, and the failures the
+    model expects over the wall time (restarts and rework included: where failures outpace
+    progress they have no end, and each simulated run would play its whole event budget)."""
     cycle_s = x.save_interval * x.iteration_s
     memory = 1 / (x.memory_interval * x.iteration_s) if x.tiered else 0.0
-    return x.run_hours * HOUR * (1 / cycle_s + memory + x.failure_rate_s + x.false_alarm_rate_s)
+    failures = float(np.max(analytic(x)["failures"]))
+    return x.run_hours * HOUR * (1 / cycle_s + memory + x.false_alarm_rate_s) + failures
 
 
 def simulate(x: GoodputInputs, runs: int = 200, seed: int = 0,
@@ -733,6 +736,9 @@ def simulate(x: GoodputInputs, runs: int = 200, seed: int = 0,
     if x.tiered:
         _require_no_predictor(x)
     events = expected_events_per_run(x)
+    _require(math.isfinite(events),
+             "the Monte Carlo would never end: failures outpace progress (the model's goodput "
+             "is 0: a run fails, on average, before it saves); skip the simulation (--runs 0)")
     _require(events <= MAX_EVENTS_PER_RUN,
              f"the Monte Carlo would play about {events:.2g} events per run, over its limit "
              f"of {MAX_EVENTS_PER_RUN:.0e} (a periodic save per save_interval x iteration_s "
