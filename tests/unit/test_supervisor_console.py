@@ -942,6 +942,23 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_not_the_peer_it_left(tmp_pa
     assert "Connection reset by peer" in attempt.root_cause(0, 20)  # alive: its output speaks
 
 
+def test_the_root_cause_of_many_failed_saves_ends_with_the_error_that_ended_training(tmp_path):
+    """A --save that filled up for a while: the first failed saves said an older newest
+    checkpoint; the line that ended the run (its last save failed) must be shown too."""
+    attempt = Attempt.__new__(Attempt)
+    attempt.gpus, attempt.rank_dir = (0, 1), tmp_path / "ranks"
+    attempt.log_path = tmp_path / "attempt_1.log"
+    failed = [f"error: periodic checkpoint at iteration {it} not saved: ENOSPC; the newest "
+              f"checkpoint is still iteration {4 if it < 22 else 30}" for it in (6, 8, 10, 12, 40)]
+    last = "error: training ended at iteration 40 without its last checkpoint: ENOSPC"
+    attempt.log_path.write_text("\n".join([*failed, "iteration 40/40", last]) + "\n")
+    said = attempt.root_cause(None, 20).splitlines()
+    assert said[:3] == failed[:3]
+    assert said[-1] == last
+    assert said[3] == "... (2 more error line(s) in the log)"
+    assert attempt.stated_errors() == "\n".join(said)
+
+
 @pytest.mark.parametrize("finished, state, trigger", [
     (True, "running", "completed"), (False, "running", "store_lost"),
     (True, "planning", "store_lost")])  # a heartbeat left by an attempt that is over

@@ -288,7 +288,7 @@ class Attempt:
         return self._stated(text) or "\n".join(training_output_tail(text, tail_lines))
 
     def stated_errors(self) -> str | None:
-        """The errors the trainer stated itself (its first three), or None."""
+        """The errors the trainer stated itself (its first three, and its last), or None."""
         try:
             return self._stated(self.log_path.read_text(errors="replace"))
         except OSError:
@@ -297,7 +297,9 @@ class Attempt:
     @staticmethod
     def _stated(text: str) -> str | None:
         said = [line for line in text.splitlines() if line.startswith(TRAINER_ERROR_PREFIX)]
-        return "\n".join(said[:3]) or None
+        if len(said) > 4:  # the last is the one that ended training (a final save that failed)
+            said = [*said[:3], f"... ({len(said) - 4} more error line(s) in the log)", said[-1]]
+        return "\n".join(said) or None
 
     def pid_on_gpu(self, gpu: int) -> int | None:
         """The training process bound to ``gpu``, or None when it is not (yet) known."""
