@@ -211,7 +211,8 @@ def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
      "folder, newest first"),
     ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/c/iter_0000012",
       "moved_to": None}, logging.WARNING,
-     "/c/iter_0000012 removed (it held no file): newer than the resumed iteration 9"),
+     "/c/iter_0000012 removed (left by a save that never finished: nothing in it could be "
+     "loaded): newer than the resumed iteration 9"),
 ])
 def test_trainer_events_become_one_console_line(event, level, text):
     assert describe_event(event) == (level, text)

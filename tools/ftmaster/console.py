@@ -118,7 +118,8 @@ def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
         return logging.WARNING, f"checkpoint tracker: {event.get('reason')}"
     if name == "checkpoint_set_aside":
         moved = event.get("moved_to")
-        done = f"set aside as {moved}" if moved else "removed (it held no file)"
+        done = (f"set aside as {moved}" if moved else
+                "removed (left by a save that never finished: nothing in it could be loaded)")
         return logging.WARNING, (f"{event.get('path')} {done}: newer than the resumed iteration "
                                  f"{it}")
     if name == "save_deferred":
