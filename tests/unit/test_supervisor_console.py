@@ -453,7 +453,7 @@ def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = T
 
 @pytest.mark.parametrize("on_disk, removed", [(8, True), (6, False)])
 def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it_all(
-        tmp_path, on_disk, removed):
+        tmp_path, on_disk, removed, caplog):
     from test_persist import fake_checkpoint
 
     memory, disk = tmp_path / "shm", tmp_path / "ckpt"
@@ -461,6 +461,12 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     fake_checkpoint(disk, on_disk)
     memory_tier_supervisor(tmp_path, memory, disk)._remove_scratch_memory()
     assert memory.exists() is not removed  # a memory checkpoint newer than disk is kept
+    # ... and said to be there alone (a full --save made its persist copy fail): a user who
+    # removed it, or a reboot, would lose the run's newest checkpoint unawares
+    kept = (f"kept the memory tier {memory}: its checkpoint of iteration 8 is not on disk (the "
+            f"newest in {disk} is iteration 6); launch again with --run-dir {tmp_path / 'run'} "
+            "to resume from it")
+    assert (kept in caplog.text) is not removed
 
 
 def test_a_persist_given_up_for_a_newer_checkpoint_takes_the_newer_one_at_once(tmp_path):

@@ -798,6 +798,11 @@ class Supervisor:
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
+        else:  # node RAM holds the run's newest checkpoint alone: say where, before a reboot
+            log.warning("kept the memory tier %s: its checkpoint of iteration %d is not on disk "
+                        "(the newest in %s is %s); launch again with --run-dir %s to resume "
+                        "from it", folder, newest, self.tiers.disk,
+                        "none" if disk is None else f"iteration {disk}", self.run_dir)
 
     def _finish_persisting(self) -> None:
         """The end of the run waits for its last copy; the newest memory checkpoint is made
