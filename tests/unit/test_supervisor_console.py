@@ -663,6 +663,33 @@ def test_a_save_asked_for_a_waiting_peer_is_asked_again_of_the_next_attempt(tmp_
     assert runfiles.trigger_flag_path(tmp_path).exists()  # asked anew
 
 
+class CancelledAttempt(LaunchedAttempt):
+    def __init__(self, *args, **kwargs):
+        from ftmaster.warm import LaunchCancelled
+
+        raise LaunchCancelled("ftmaster is stopping")
+
+
+def test_a_stop_while_a_relaunch_waits_for_warm_workers_launches_nothing(tmp_path, monkeypatch):
+    """SIGTERM during the relaunch's wait for a warm set: the wait ends (``WarmStarter``), and
+    the run ends interrupted with nothing started; it used to start training to stop it."""
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State, Trigger, advance
+    from test_launch_parts import MODEL
+
+    monkeypatch.setattr(supervisor_module, "Attempt", CancelledAttempt)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, WatchingMonitor())
+    supervisor.attempt, supervisor.signum = FakeAttempt(), 15
+    trigger = supervisor._launch()
+    assert trigger is Trigger.SIGNALLED
+    assert advance(State.RELAUNCHING, trigger) is State.INTERRUPTED
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert (stopped["event"], stopped["signal"], stopped["state"]) == ("stopped", 15, "relaunching")
+
+
 @pytest.mark.parametrize("save, completes", [
     ({"kind": "final", "iteration": 8}, True),
     ({"kind": "periodic", "iteration": 10}, True),  # at --train-iters: the schedule's end

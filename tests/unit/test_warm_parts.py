@@ -80,3 +80,24 @@ def test_a_rank_keeps_asking_for_its_session_nice_while_the_others_ask_too(monke
     assert warm.set_session_nice(1234, 0) and autogroup.written == "0"
     monkeypatch.setattr(warm, "Path", RefusedAutogroup(10 ** 6))
     assert not warm.set_session_nice(1234, 0, deadline_s=0.3)
+
+
+def test_a_launch_waiting_for_workers_still_importing_ends_its_wait_on_a_stop(tmp_path, monkeypatch):
+    """SIGTERM to ftmaster while a relaunch waited for its warm set: the wait went on for up to
+    120 s (READY_TIMEOUT_S), then training started only to be stopped; under a scheduler's
+    grace period that wait could use up the time the ranks have to save."""
+    import threading
+
+    monkeypatch.setattr(warm.WarmPool, "fill", lambda self: None)  # no real workers
+    monkeypatch.setattr(warm.WarmPool, "_hurry", lambda self: None)
+    starter = WarmStarter.__new__(WarmStarter)
+    starter.pool, starter.run_id = warm.WarmPool.__new__(warm.WarmPool), "run"
+    pool = starter.pool
+    pool.size, pool.workers, pool.deaths_before_ready, pool.cancelled = 2, [], 0, None
+    stop = threading.Event()
+    starter.stop_waiting_on(stop)
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(warm.LaunchCancelled):  # the supervisor then launches nothing
+        starter.start(["train.py"], 2, {}, tmp_path, tmp_path / "log", None)
+    assert time.monotonic() - started < 5

@@ -100,7 +100,7 @@ from ftmaster.replica_recovery import (DUMP_TIMEOUT_S, MERGE_TIMEOUT_S, ReplicaR
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
                              after_failure, exit_status, requeue_advice)
 from ftmaster.stragglers import Found, StragglerWatch, decide_drain
-from ftmaster.warm import WarmStarter
+from ftmaster.warm import LaunchCancelled, WarmStarter
 
 # Read by megatron.training.rehearsal (the trainer side of injected faults).
 NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
@@ -302,6 +302,8 @@ class Supervisor:
         self._rehearses_xids = any(i.kind is Fault.XID for i in config.injections)
         self.signum: int | None = None
         self._stop_requested = threading.Event()
+        if starter is not None:
+            starter.stop_waiting_on(self._stop_requested)
         self._alerts: deque[Alert] = deque()
         self._started = time.monotonic()
         self._progress: tuple[int | None, float] = (None, 0.0)
@@ -890,6 +892,10 @@ class Supervisor:
         except OSError as error:  # its folders (a run directory out of room) or its processes
             self._give_up(f"attempt {number} could not start: {error}")
             return Trigger.GIVE_UP
+        except LaunchCancelled:  # stopped while it waited for warm workers: nothing trains
+            self._event("stopped", signal=self.signum, exit_code=None,
+                        iteration=self._state_iteration(), state=State.RELAUNCHING.value)
+            return Trigger.SIGNALLED
         self.attempt, self._failed_since_launch = attempt, False
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)

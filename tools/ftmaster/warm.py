@@ -310,6 +310,8 @@ class WarmPool:
         self.workers: list[WarmWorker] = []
         self.replaced = 0
         self.deaths_before_ready = 0
+        self.cancelled: threading.Event | None = None
+        """Set (ftmaster's stop request): a :meth:`take` waiting for a set ends at once."""
         self.fill()
 
     @property
@@ -387,11 +389,15 @@ class WarmPool:
                     worker.process.stdout.close()  # its ready line is read; it writes no more
                 self.fill()
                 return taken
-            if self.broken or time.monotonic() >= deadline:
+            if self.broken or time.monotonic() >= deadline or self.stop_waiting:
                 self.fill()
                 return None
             self._hurry()
             time.sleep(0.02)
+
+    @property
+    def stop_waiting(self) -> bool:
+        return self.cancelled is not None and self.cancelled.is_set()
 
     def close(self) -> None:
         """SIGKILL every waiting worker: none holds anything to clean up."""
@@ -506,6 +512,10 @@ def _record_exit(process: subprocess.Popen, rank_dir: Path, record: dict) -> Non
     write_rank_record(rank_dir, {**record, "exit_code": code, "ended_at": time.time()})
 
 
+class LaunchCancelled(Exception):
+    """A launch that waited for warm workers was given up: ftmaster was asked to stop."""
+
+
 class WarmStarter:
     """Hands attempts to a :class:`WarmPool` of one worker per GPU of this node; cold (torchrun)
     when no set is ready in time, saying so in one line."""
@@ -515,9 +525,17 @@ class WarmStarter:
         self.pool = WarmPool(gpus_on_node, run_dir, on_ready=on_ready, warm_up=warm_up)
         self.run_id = Path(run_dir).name
 
+    def stop_waiting_on(self, stop: threading.Event) -> None:
+        """A launch waiting for a set still importing ends its wait once ``stop`` is set (a
+        SIGTERM or SIGINT to ftmaster), and :meth:`start` raises :class:`LaunchCancelled`: it
+        waited up to 120 s, then started training only to stop it."""
+        self.pool.cancelled = stop
+
     def start(self, command: Sequence[str], nproc: int, env: dict[str, str], rank_dir: Path,
               log_path: Path, world: StaticWorld | None) -> WarmRanks | None:
         workers = self.pool.take(nproc)
+        if workers is None and self.pool.stop_waiting:  # nothing to start training for
+            raise LaunchCancelled("ftmaster is stopping")
         if workers is None:
             why = (f"{self.pool.deaths_before_ready} warm workers died before they were ready"
                    if self.pool.broken else f"no {nproc} warm workers ready within "
