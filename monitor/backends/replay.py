@@ -12,8 +12,8 @@
   number is unknown.
 - A row without a usable ``timestamp`` or ``gpu_id`` cannot be placed; it is skipped and
   counted (``skipped``, with the first few reasons in ``problems``), and so is a row that
-  repeats another's GPU and time (the first one plays). A file without those
-  columns, or with no usable row at all, is an error (:class:`ReplayError`).
+  repeats the GPU of a row just before it at the same time (the first one plays). A file
+  without those columns, or with no usable row at all, is an error (:class:`ReplayError`).
 - ``reported_fields`` names the sample fields the file has columns for, so the monitor can
   say which signals it cannot see.
 - The file is read as UTF-8; a leading byte-order mark is dropped.
@@ -92,7 +92,10 @@ class ReplayBackend:
             raise ReplayError(f"{self.path} lacks the column(s) {', '.join(missing)}; "
                               f"is it a gpu_metrics.csv?")
         self.reported_fields = frozenset(header) & frozenset(FIELD_NAMES)
-        placed: dict[tuple[int, float], int] = {}  # (GPU, time) -> the line that gave it
+        # GPU -> the line that gave it, at the time of the newest row: a repeat is written
+        # beside its original, and a map of every row would grow with the file (10^8 rows).
+        placed: dict[int, int] = {}
+        placed_at: float | None = None
         while True:
             try:
                 cells = next(reader)
@@ -111,7 +114,9 @@ class ReplayBackend:
             except RowError as exc:
                 self._skip(reader.line_num, str(exc))
                 continue
-            first = placed.setdefault((sample.gpu_id, sample.timestamp), reader.line_num)
+            if sample.timestamp != placed_at:
+                placed, placed_at = {}, sample.timestamp
+            first = placed.setdefault(sample.gpu_id, reader.line_num)
             if first != reader.line_num:
                 # A second row of one GPU at one time would begin a sample of its own, and
                 # every other GPU would be missing from it (lost, at the end of the file).
