@@ -46,6 +46,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class DriftConfig:
@@ -154,18 +156,19 @@ class DriftConfig:
             raise ValueError(f"the clock floor must be a share in (0, 1), got {self.clock_floor}")
 
 
-def _fit(times: Sequence[float], values: Sequence[float]) -> tuple[float, float] | None:
+def _fit(times: np.ndarray, values: np.ndarray) -> tuple[float, float] | None:
     """The least-squares slope per second and its standard error."""
     n = len(times)
     if n < 4:
         return None
-    mean_t, mean_v = sum(times) / n, sum(values) / n
-    sxx = sum((t - mean_t) ** 2 for t in times)
+    dt = times - times.sum() / n
+    sxx = float(dt @ dt)
     if sxx <= 0:
         return None
-    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(times, values)) / sxx
-    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in zip(times, values))
-    return slope, (residual / (n - 2) / sxx) ** 0.5
+    dv = values - values.sum() / n
+    slope = float(dt @ dv) / sxx
+    residual = dv - slope * dt
+    return slope, (float(residual @ residual) / (n - 2) / sxx) ** 0.5
 
 
 def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
@@ -207,7 +210,7 @@ class _WindowFits:
     """A window's least-squares fits, their slopes per second toward the limit: over the
     whole window and over each half."""
 
-    times: Sequence[float]
+    times: np.ndarray
     toward: float
     whole: float
     early: float
@@ -218,15 +221,16 @@ class _WindowFits:
 
     @classmethod
     def of(cls, times: Sequence[float], values: Sequence[float], toward: float) -> "_WindowFits | None":
-        middle = cls.middle_of(times)
-        first = [(t, v) for t, v in zip(times, values) if t < middle]
-        second = [(t, v) for t, v in zip(times, values) if t >= middle]
-        fits = [_fit(*zip(*part)) if part else None
-                for part in (list(zip(times, values)), first, second)]
+        # Arrays: the fits run at every evaluation of every GPU's three windows, and walked in
+        # Python they were most of a replay's time.
+        t = np.fromiter(times, float, len(times))
+        v = np.fromiter(values, float, len(values))
+        second = t >= cls.middle_of(times)
+        fits = [_fit(t, v), _fit(t[~second], v[~second]), _fit(t[second], v[second])]
         if None in fits:
             return None
         (whole, whole_error), (early, early_error), (late, late_error) = fits
-        return cls(times, toward, toward * whole, toward * early, toward * late,
+        return cls(t, toward, toward * whole, toward * early, toward * late,
                    whole_error, early_error, late_error)
 
     @staticmethod
@@ -259,9 +263,8 @@ class _WindowFits:
             return slope, acceleration
         slope += acceleration * cfg.slope_lead * span
         if peers is not None and cfg.peer_rise > 0 and len(peers) == len(self.times):
-            middle = self.middle_of(self.times)
-            theirs = _fit([t for t in self.times if t >= middle],
-                          [v for t, v in zip(self.times, peers) if t >= middle])
+            second = self.times >= self.middle_of(self.times)
+            theirs = _fit(self.times[second], np.fromiter(peers, float, len(peers))[second])
             if theirs is not None:
                 slope += cfg.peer_rise * peers_closing * max(0.0, self.toward * theirs[0])
         return slope, acceleration
