@@ -60,6 +60,8 @@ def test_at_once_keeps_the_fault_and_fires_now():
     ("slow:gpu=1,factor=1,at=iter:8", "factor must be a number above 1"),
     ("slow:gpu=1,factor=fast,at=iter:8", "factor must be a number above 1"),
     ("slow:gpu=1,factor=nan,at=iter:8", "factor must be a number above 1"),
+    # beyond, the trainer's sleep overflows: the rank died of an OverflowError traceback
+    ("slow:gpu=1,factor=1e300,at=iter:8", "factor must be a number above 1 and at most 1000"),
     ("fail:gpu=1,factor=2,at=iter:8", "factor= is only for slow"),
     ("xid:gpu=1,code=79,factor=2,at=iter:8", "factor= is only for slow"),
     # str.isdigit takes a superscript, and int() refuses 5000 digits in words of its own

@@ -56,9 +56,13 @@ TELEMETRY_KINDS = ", ".join(kind.value for kind in Fault if kind not in TRAINING
 # through (DESIGN's event contract).
 AFTER_EVENTS = ("risk_alert", "checkpoint_request", "emergency_save", "periodic_save",
                 "persisted", "checkpoint_loaded", "resumed", "warm_ready")
+MAX_SLOW_FACTOR = 1000.0
+"""The most a ``slow`` slows a rank by: beyond, its iterations outlast any hang timeout (a
+``hang``'s business), and the trainer's sleep overflows (``time.sleep`` refuses 1e300 s)."""
 GRAMMAR = (f"KIND:gpu=G,at=iter:K or KIND:gpu=G,at=Ns, optionally ,after=EVENT (KIND: {KINDS}; "
            f"xid also needs code=N, e.g. xid:gpu=1,code=79,at=iter:8; slow needs factor=F "
-           f"above 1, e.g. slow:gpu=1,factor=2,at=iter:8; nan takes no after=; EVENT: "
+           f"above 1 (at most {MAX_SLOW_FACTOR:g}), e.g. slow:gpu=1,factor=2,at=iter:8; nan takes "
+           f"no after=; EVENT: "
            f"{', '.join(AFTER_EVENTS)})")
 
 
@@ -92,8 +96,9 @@ class Injection:
             raise ValueError(f"code= is only for xid, not {self.kind.value}")
         if (self.kind is Fault.SLOW) != (self.factor is not None):
             raise ValueError("factor= is for slow, which needs it")
-        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 1):
-            raise ValueError(f"factor must be a finite number above 1, got {self.factor}")
+        if self.factor is not None and not 1 < self.factor <= MAX_SLOW_FACTOR:
+            raise ValueError(f"factor must be a number above 1 and at most {MAX_SLOW_FACTOR:g}, "
+                             f"got {self.factor}")
         if self.after is not None and self.after not in AFTER_EVENTS:
             raise ValueError(f"after= takes one of {', '.join(AFTER_EVENTS)}, got {self.after!r}")
         if self.after is not None and self.kind is Fault.NAN:
@@ -196,9 +201,9 @@ def _parse_factor(spec: str, text: str) -> float:
         factor = float(text)
     except ValueError:
         factor = math.nan
-    if not (math.isfinite(factor) and factor > 1):
-        raise ValueError(f"bad --inject {spec!r}: factor must be a number above 1 like "
-                         f"factor=2, got {text!r}")
+    if not 1 < factor <= MAX_SLOW_FACTOR:
+        raise ValueError(f"bad --inject {spec!r}: factor must be a number above 1 and at most "
+                         f"{MAX_SLOW_FACTOR:g}, like factor=2, got {text!r}")
     return factor
 
 
