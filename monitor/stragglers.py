@@ -19,11 +19,14 @@ twice) and reports a rank once its slowdown has stayed at or above ``ratio`` for
 ``iterations`` iterations in a row; it re-arms once the rank has stayed below the ratio as
 long (a straggler that dips for an iteration is the same straggler).
 Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
-run of slow iterations as it was.
+run of slow iterations as it was. So is a figure that is no time (not a finite number above
+0: a NaN compared as slow for every rank it was a peer of), and a rank whose pipeline stage is
+unknown has no peers.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -84,19 +87,32 @@ class Straggler:
     robust sign that it is slow at every iteration, and understates that cost)."""
 
 
+def known_ms(value) -> float | None:
+    """A compute time as a heartbeat carries it, or None (unknown) for anything but a finite
+    number above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        ms = float(value)
+    except OverflowError:  # an integer past any float
+        return None
+    return ms if math.isfinite(ms) and ms > 0 else None
+
+
 def assess(history: dict[int, list[float]], stages: dict[int, int],
            config: StragglerConfig) -> list[Assessment]:
     """Every rank with a full window and at least one peer with one. ``history``: per rank,
     its compute times in iteration order (newest last); ``stages``: per rank, its pipeline
-    stage (ranks of different stages do different work and are never compared)."""
+    stage (ranks of different stages do different work and are never compared; a rank of
+    unknown stage is compared with none)."""
     full = {rank: times[-config.window:] for rank, times in history.items()
-            if len(times) >= config.window}
+            if len(times) >= config.window and rank in stages}
     recent = {rank: statistics.median(times) for rank, times in full.items()}
     assessments = []
     for rank, times in sorted(full.items()):
         mine = min(times)
         peers = [value for other, value in recent.items()
-                 if other != rank and stages.get(other) == stages.get(rank)]
+                 if other != rank and stages[other] == stages[rank]]
         if not peers or statistics.median(peers) <= 0:
             continue
         earlier = history[rank][:-config.window]
@@ -124,7 +140,8 @@ class StragglerTracker:
         self._stages.update(stages)
         found = []
         for iteration in sorted(i for i in figures if not self._figures or i > next(reversed(self._figures))):
-            self._figures[iteration] = dict(figures[iteration])
+            self._figures[iteration] = {rank: ms for rank, value in figures[iteration].items()
+                                        if (ms := known_ms(value)) is not None}
             while len(self._figures) > self.config.history:
                 self._figures.popitem(last=False)
             found += self._judge(iteration)

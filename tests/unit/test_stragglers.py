@@ -82,6 +82,42 @@ def test_a_straggler_that_recovers_rearms_after_as_many_fast_iterations():
     assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [9]
 
 
+def test_a_figure_that_is_no_time_is_unknown_never_slow_nor_fast():
+    """A NaN (JSON takes one) compared as slow for every rank it was a peer of: the healthy
+    ranks 0, 2 and 3 were named with a slowdown of nan. A negative one made a slow rank fast."""
+    for bad in (float("nan"), float("inf"), -5.0, 0, "20", True, None, 10 ** 400):
+        rows = slow_rows(8, 30)
+        for it in range(10, 30):
+            rows[it][2] = bad  # a peer's
+        assert [s.rank for s in StragglerTracker().observe(figures(rows), FOUR)] == [1], bad
+        rows = slow_rows(8, 30)
+        rows[13][1] = bad  # the straggler's own, in its slow run: the run waits an iteration
+        assert [(s.rank, s.iteration, s.slowdown) for s in StragglerTracker().observe(
+            figures(rows), FOUR)] == [(1, 15, 2.0)], bad
+
+
+def test_a_rank_of_unknown_stage_has_no_peers():
+    """Ranks 1 and 3, of unknown stages, were compared as if of one (rank 1 named 3x)."""
+    history = {0: [10, 10, 10], 1: [30, 30, 30], 2: [10, 10, 10], 3: [10, 10, 10]}
+    judged = {a.rank: a.slowdown for a in assess(history, {0: 0, 2: 0}, THREE_WIDE)}
+    assert judged == {0: 1.0, 2: 1.0}
+
+
+@pytest.mark.parametrize("compute", [
+    [1, 2], "x", {"ms": [1, 2]}, {"ms": {"abc": [1, 2]}}, {"ms": {"10.0": [1, 2]}},
+    {"ms": {"10": None}}, {"ms": {"10": 5}}, {"stages": 3, "ms": {}}, {"stages": "ab", "ms": {}},
+    {"ms": {"9" * 5000: [1, 2]}},
+])
+def test_a_heartbeat_the_trainer_did_not_write_names_no_one_and_ends_nothing(compute):
+    watch = StragglerWatch(StragglerConfig(), drain=False, drain_window_s=600)
+    watch.new_attempt([0, 1, 2, 3], 0)
+    for it in range(1, 30):
+        assert watch.observe({"iteration": it, "time": float(it), "compute": compute}) == []
+    assert watch.observe({"iteration": 30, "time": None}) == []
+    assert watch.observe({"iteration": 31, "time": "soon"}) == []
+    assert watch.observe({"iteration": 32, "time": 10 ** 400}) == []
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"ratio": 1.0}, "ratio must be above 1"),
     ({"iterations": 0}, "iterations must be at least 1"),

@@ -17,6 +17,7 @@ wrongly, when the second alone decided), then 0.47 and 0.60 s against 0.61 and 0
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -76,21 +77,26 @@ class StragglerWatch:
         self._first: int | None = None
 
     def observe(self, heartbeat: dict | None) -> list[Found]:
-        """One heartbeat; the stragglers it revealed."""
+        """One heartbeat; the stragglers it revealed. What it holds that is not what the
+        trainer writes (``step_timing``) is unknown: it names no one and ends nothing."""
         if not heartbeat or not isinstance(heartbeat.get("iteration"), int):
             return []
         iteration = heartbeat["iteration"]
-        if iteration not in self._beats:
-            self._beats[iteration] = float(heartbeat.get("time", time.time()))
+        at = heartbeat.get("time", time.time())
+        if iteration not in self._beats and _number(at):
+            self._beats[iteration] = float(at)
             while len(self._beats) > KEPT_BEATS:  # in iteration order: the oldest go
                 del self._beats[next(iter(self._beats))]
         self._first = iteration if self._first is None else self._first
-        compute = heartbeat.get("compute") or {}
-        figures = {int(it): {rank: ms for rank, ms in enumerate(values) if ms}
-                   for it, values in (compute.get("ms") or {}).items()
-                   if int(it) >= self._first + WARMUP_ITERATIONS}
-        stages = dict(enumerate(compute.get("stages") or []))
-        found = [f for f in map(self._found, self.tracker.observe(figures, stages)) if f is not None]
+        compute = heartbeat.get("compute")
+        compute = compute if isinstance(compute, dict) else {}
+        rows = compute.get("ms")
+        figures = {it: dict(enumerate(values)) for key, values in
+                   (rows.items() if isinstance(rows, dict) else ())
+                   if (it := _iteration(key)) is not None and isinstance(values, list)
+                   and it >= self._first + WARMUP_ITERATIONS}
+        found = [f for f in map(self._found, self.tracker.observe(
+            figures, _per_rank(compute.get("stages")))) if f is not None]
         self.found += found
         return found
 
@@ -128,6 +134,27 @@ class StragglerWatch:
 
     def drained(self, now: float, step_s: float | None) -> None:
         self._last_drain, self._slowed_step_s = now, step_s
+
+
+def _number(value) -> bool:
+    """Whether ``value`` is a time a heartbeat may carry (an int past any float is none)."""
+    return (isinstance(value, float) and math.isfinite(value)) or (
+        isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2 ** 53)
+
+
+def _iteration(key) -> int | None:
+    """A heartbeat's iteration key (``"12"``), or None (``int`` refuses 5000 digits)."""
+    return (int(key) if isinstance(key, str) and key.isascii() and key.isdigit()
+            and len(key) <= 18 else None)
+
+
+def _per_rank(values) -> dict[int, int]:
+    """A per-rank list of whole numbers (stages, replicas) as rank -> value; a rank whose
+    entry is not one is unknown."""
+    if not isinstance(values, list):
+        return {}
+    return {rank: value for rank, value in enumerate(values)
+            if isinstance(value, int) and not isinstance(value, bool)}
 
 
 @dataclass(frozen=True)
