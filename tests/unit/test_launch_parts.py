@@ -244,6 +244,23 @@ def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_pa
     assert "the cost model estimates" in (said[1].get("decided_by") or said[1]["reason"])
 
 
+def test_across_nodes_a_straggler_is_named_and_never_weighed(tmp_path):
+    """--drain-stragglers drains on one node only: across nodes one straggler was said kept
+    because another was 'weighed first', when none ever is."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.membership = object()
+    supervisor.stragglers.new_attempt((0, 1, 2, 3), 0)
+    for it in range(1, 20):
+        ms = [20.0 if r in (1, 2) and it - 1 >= 5 else 10.0 for r in range(4)]
+        supervisor._watch_stragglers({"iteration": it, "time": float(it), "compute": {
+            "stages": [0] * 4, "ms": {str(it - 1): ms}}})
+    said = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert said.count("straggler") == 2 and "straggler_kept" not in said
+    assert supervisor._straggler_to_drain is None
+
+
 def test_a_straggler_fast_again_before_it_is_weighed_is_let_go(tmp_path):
     from ftmaster.monitor.stragglers import Straggler
     from ftmaster.stragglers import Found

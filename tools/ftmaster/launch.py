@@ -488,6 +488,9 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     for key in unread_conf_keys(rendezvous.conf if rendezvous is not None else {}):
         logging.getLogger("ftmaster").warning("--rdzv-conf %s: torch reads no such setting; "
                                               "it is ignored", key)
+    if rendezvous is not None and options["drain_stragglers"]:
+        logging.getLogger("ftmaster").warning("--drain-stragglers drains on one node only: "
+                                              "across nodes stragglers are named, not drained")
     devices = job_gpus(options["nproc_per_node"], options["monitor_backend"])
     config = supervisor_config(argv, devices, rendezvous, options)
     for note in slurm_notes:

@@ -1016,7 +1016,7 @@ class Supervisor:
                         peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
                         step_s=found.step_s,
                         healthy_step_s=found.healthy_step_s)
-            if self.config.drain_stragglers:
+            if self.config.drain_stragglers and self.membership is None:  # one node only
                 self._weigh_first(found)
         self._report_drain_result()
 
