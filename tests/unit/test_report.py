@@ -536,3 +536,36 @@ def test_a_straggler_is_drained_only_once_its_gpu_left_and_its_result_is_its_own
     assert (first["action"], first["step_s_after_drain"]) == (
         "drain decided, not done (the attempt ended first)", None)
     assert (second["action"], second["step_s_after_drain"]) == ("drained", 0.9)
+
+
+def test_a_gpu_named_again_is_judged_on_what_followed_each_naming():
+    """GPU 1 was named, kept by the cost model, fast again, then named again and drained: the
+    first naming was kept, not drained (it took the later naming's drain before)."""
+    from ftmaster.report import stragglers
+
+    def straggler(at, **fields):
+        return event("straggler", at, gpu=1, rank=1, iteration=14, since=8, slowdown=2.0,
+                     step_s=1.3, healthy_step_s=0.5, **fields)
+
+    events = [straggler(10), event("straggler_kept", 11, gpu=1, reason="k1"),
+              straggler(40), event("drain", 41, gpu=1, reason="straggler", decided_by="d2"),
+              event("straggler_drained", 45, gpu=1)]
+    first, second = stragglers(events)
+    assert (first["action"], first["decided_by"]) == ("kept", "k1")
+    assert (second["action"], second["decided_by"]) == ("drained", "d2")
+
+
+def test_a_kept_straggler_names_its_gpu_and_an_unmeasured_step_says_so():
+    """The timeline read 'GPU 0 is slower and weighed first' for GPU 1 kept, and 'the job ran
+    1.765 s/iteration, None before'."""
+    from ftmaster.report import describe
+
+    assert describe(event("straggler_kept", 1, gpu=1, reason="GPU 0 is slower and weighed "
+                          "first (one drain at a time)")) == \
+        "keeping GPU 1: GPU 0 is slower and weighed first (one drain at a time)"
+    line = "keeping GPU 1: the job runs 2.000 s/iteration with it"
+    assert describe(event("straggler_kept", 1, gpu=1, reason=line)) == line
+    text = describe(event("straggler", 1, gpu=1, rank=1, slowdown=2.0, compute_ms=20.0,
+                          peers_ms=10.0, since=8, step_s=None, healthy_step_s=None))
+    assert text.endswith("the job ran at a step not yet measured, not measured before")
+    assert "None" not in text

@@ -739,9 +739,9 @@ TEMPLATES = {
     "nonfinite": "non-finite {what} at iteration {iteration}, nothing updated or saved",
     "startup": "{seconds} s from the launch to the first iteration (warm: {warm})",
     "straggler": "GPU {gpu} (rank {rank}) computes {slowdown}x slower than its peers ({compute_ms} "
-                 "ms against {peers_ms} ms) since iteration {since}; the job ran {step_s} "
-                 "s/iteration, {healthy_step_s} before",
-    "straggler_kept": "{reason}",
+                 "ms against {peers_ms} ms) since iteration {since}; the job ran {ran}, "
+                 "{before}",
+    "straggler_kept": "{kept}",
     "straggler_drain_result": "attempt {attempt} runs {step_s} s/iteration, against "
                               "{slowed_step_s} with the straggler",
 }
@@ -761,6 +761,18 @@ class _Fields(dict):
         return "disk" if key == "tier" else "?"  # saves before the memory tier went to disk
 
 
+def _ran(step_s) -> str:
+    """The job's step since a straggler slowed it: none is measured when it was named within
+    two heartbeats of the slowdown."""
+    return "at a step not yet measured" if step_s is None else f"{step_s} s/iteration"
+
+
+def _before(healthy_step_s) -> str:
+    """The job's step before a straggler slowed it: none is measured when the slowdown began
+    within an attempt's first iterations."""
+    return "not measured before" if healthy_step_s is None else f"{healthy_step_s} before"
+
+
 def _derived(event: dict) -> dict:
     """Words that depend on several fields: a memory save is complete, not durable; a failure
     on no GPU (storage, a NaN) names none; a stop says how training ended."""
@@ -771,6 +783,12 @@ def _derived(event: dict) -> dict:
     if event["event"] == "failure":
         gpus = event.get("gpus")
         return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
+    if event["event"] == "straggler":
+        return {"ran": _ran(event.get("step_s")), "before": _before(event.get("healthy_step_s"))}
+    if event["event"] == "straggler_kept":  # the cost model's line names the GPU, the rest not
+        reason = str(event.get("reason"))
+        return {"kept": reason if reason.startswith("keeping GPU")
+                else f"keeping GPU {event.get('gpu')}: {reason}"}
     if event["event"] == "stopped":  # training's exit status, not ftmaster's (128 + signal)
         code = event.get("exit_code")
         return {"training": f"training exited with status {code}" if code is not None
@@ -843,9 +861,14 @@ def build_report(run_dir: Path) -> dict:
 def stragglers(events: list[dict]) -> list[dict]:
     """Each straggler found, what was done about it, and the step times around it."""
     found = []
-    for event in (e for e in events if e["event"] == "straggler"):
-        later = [e for e in events if e["time"] >= event["time"]]
-        mine = [e for e in later if e.get("gpu") == event.get("gpu")]
+    named = [e for e in events if e["event"] == "straggler"]
+    for event in named:
+        # Until the GPU is named again (slow again after it was fast): what follows is that
+        # naming's, not this one's.
+        again = next((e["time"] for e in named if e["time"] > event["time"]
+                      and _same_gpu(e, event)), math.inf)
+        later = [e for e in events if event["time"] <= e["time"] < again]
+        mine = [e for e in later if _same_gpu(e, event)]
         drain = next((e for e in mine if e["event"] == "drain" and e.get("reason") == "straggler"),
                      None)
         drained = next((e for e in mine if e["event"] == "straggler_drained"), None)
@@ -863,6 +886,10 @@ def stragglers(events: list[dict]) -> list[dict]:
             "decided_by": (drain or {}).get("decided_by") or (kept or {}).get("reason"),
             "step_s_after_drain": (result or {}).get("step_s")})
     return found
+
+
+def _same_gpu(event: dict, other: dict) -> bool:
+    return event.get("gpu") == other.get("gpu") and event.get("node") == other.get("node")
 
 
 # ---- text --------------------------------------------------------------------------------------
@@ -961,7 +988,7 @@ def _timeline_line(row: dict) -> str:
 def straggler_text(s: dict) -> str:
     line = (f"straggler: GPU {s['gpu']} computed {s['slowdown']}x slower than its peers from "
             f"iteration {s['since']} (found at {s['iteration']}); the job ran "
-            f"{s['step_s']} s/iteration with it, {s['healthy_step_s']} before; {s['action']}")
+            f"{_ran(s['step_s'])} with it, {_before(s['healthy_step_s'])}; {s['action']}")
     if s["decided_by"]:
         line += f" ({s['decided_by']})"
     if s["step_s_after_drain"] is not None:
