@@ -22,6 +22,14 @@ Missing figures are unknown, never fast: an iteration without a rank's figure le
 run of slow iterations as it was. So is a figure that is no time (not a finite number above
 0: a NaN compared as slow for every rank it was a peer of), and a rank whose pipeline stage is
 unknown has no peers.
+
+A rank's compute holds what it waits for inside its model replica (the ranks of its data-
+parallel index): its tensor-parallel partners' all-reduces in every layer, its neighbouring
+stages' activations and gradients. A slow GPU therefore slows its replica mates' figures too,
+as much as its own under tensor parallelism (4 CPU ranks, one slowed in every forward: its TP
+partner was named 1.43x within an iteration of it at TP2 x DP2, the next stage's rank of its
+pipeline 1.48x at PP2 x DP2). A straggler named while a replica mate is slow too is therefore
+ambiguous (:attr:`Straggler.slow_mates`): either may hold the other up.
 """
 
 from __future__ import annotations
@@ -85,6 +93,9 @@ class Straggler:
     typical_ms: float | None = None
     """Its median recent compute time: what it costs an iteration (the least, above, is the
     robust sign that it is slow at every iteration, and understates that cost)."""
+    slow_mates: tuple[int, ...] = ()
+    """The ranks of its model replica slow too when it was named: then the figures cannot
+    tell which one holds the others up (see the module docstring)."""
 
 
 def known_ms(value) -> float | None:
@@ -129,15 +140,21 @@ class StragglerTracker:
         self.config = config or StragglerConfig()
         self._figures: OrderedDict[int, dict[int, float]] = OrderedDict()
         self._stages: dict[int, int] = {}
+        self._replicas: dict[int, int] = {}
+        self._slowdown: dict[int, float] = {}
+        """Each rank's slowdown at the last iteration it had a figure."""
         self._slow_run: dict[int, int] = {}
         self._run_start: dict[int, int] = {}
         self._fast_run: dict[int, int] = {}
         self._reported: set[int] = set()
 
-    def observe(self, figures: dict[int, dict[int, float]], stages: dict[int, int]) -> list[Straggler]:
-        """``figures``: iteration -> {rank: compute ms}, iterations already seen ignored.
+    def observe(self, figures: dict[int, dict[int, float]], stages: dict[int, int],
+                replicas: dict[int, int] | None = None) -> list[Straggler]:
+        """``figures``: iteration -> {rank: compute ms}, iterations already seen ignored;
+        ``replicas``: per rank, its model replica (its data-parallel index), where known.
         Returns the ranks that became stragglers."""
         self._stages.update(stages)
+        self._replicas.update(replicas or {})
         found = []
         for iteration in sorted(i for i in figures if not self._figures or i > next(reversed(self._figures))):
             self._figures[iteration] = {rank: ms for rank, value in figures[iteration].items()
@@ -151,6 +168,17 @@ class StragglerTracker:
         """Whether ``rank``, once named, has not been fast for ``iterations`` in a row since."""
         return rank in self._reported
 
+    def slow_mates(self, rank: int) -> tuple[int, ...]:
+        """The other ranks of ``rank``'s model replica that are slow now: named and not fast
+        again since, or at or above the ratio at their last figure."""
+        replica = self._replicas.get(rank)
+        if replica is None:
+            return ()
+        return tuple(sorted(other for other, theirs in self._replicas.items()
+                            if theirs == replica and other != rank
+                            and (other in self._reported
+                                 or self._slowdown.get(other, 0.0) >= self.config.ratio)))
+
     def _history(self) -> dict[int, list[float]]:
         history: dict[int, list[float]] = {}
         for ranks in self._figures.values():
@@ -161,9 +189,10 @@ class StragglerTracker:
     def _judge(self, iteration: int) -> list[Straggler]:
         history = self._history()
         found = []
-        for judged in assess(history, self._stages, self.config):
-            if judged.rank not in self._figures[iteration]:
-                continue  # unknown this iteration: its run stays as it was
+        judged_now = [judged for judged in assess(history, self._stages, self.config)
+                      if judged.rank in self._figures[iteration]]  # unknown: its run stays
+        self._slowdown.update((judged.rank, judged.slowdown) for judged in judged_now)
+        for judged in judged_now:
             if judged.slowdown < self.config.ratio:
                 self._slow_run[judged.rank] = 0
                 self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1
@@ -182,5 +211,6 @@ class StragglerTracker:
                 found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
                                        None if judged.drift is None else round(judged.drift, 3),
                                        round(mine, 3), round(mine / judged.slowdown, 3),
-                                       round(statistics.median(window), 3)))
+                                       round(statistics.median(window), 3),
+                                       self.slow_mates(judged.rank)))
         return found

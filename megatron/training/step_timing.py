@@ -19,6 +19,12 @@ wait is the host's contention, not the rank's compute, and it moved a healthy ra
 by 2x from one iteration to the next on the project's 2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
 sleep counts.
 
+The compute also holds what the rank waits for inside its model replica: its tensor-parallel
+partners in every layer's all-reduce, its neighbouring stages' activations and gradients. A
+slow GPU slows its replica mates' figures too, so the heartbeat says each rank's replica (its
+data-parallel index), and the supervisor does not take one of two slow mates for the culprit
+(``ftmaster.monitor.stragglers``).
+
 The figures of every rank travel with the save agreement (one all-reduce per iteration that
 runs anyway, ``save_requests``), one iteration late, and local rank 0 puts them in the
 heartbeat (:meth:`ComputeFigures.heartbeat`).
@@ -95,9 +101,11 @@ def _runqueue_wait_s() -> float:
 class ComputeFigures:
     """Every rank's compute per iteration, as the agreements bring them (rank 0's view)."""
 
-    def __init__(self, stage: list[int]) -> None:
+    def __init__(self, stage: list[int], replica: list[int] | None = None) -> None:
         self.stage = stage
         """Each global rank's pipeline stage."""
+        self.replica = replica
+        """Each global rank's model replica (data-parallel index)."""
         self._kept: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
 
     def record(self, iteration: int, microseconds: list[int]) -> None:
@@ -108,9 +116,11 @@ class ComputeFigures:
                 self._kept.popitem(last=False)
 
     def heartbeat(self) -> dict | None:
-        """``{"stages": [...], "ms": {iteration: [ms per rank, None unknown]}}``."""
+        """``{"stages": [...], "replicas": [...], "ms": {iteration: [ms per rank, None
+        unknown]}}``."""
         if not self._kept:
             return None
         return {"stages": self.stage,
+                **({} if self.replica is None else {"replicas": self.replica}),
                 "ms": {str(it): [round(us / 1000, 3) if us else None for us in values]
                        for it, values in self._kept.items()}}

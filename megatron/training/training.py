@@ -227,7 +227,7 @@ class Trainer:
             can_save=args.save is not None, group=self.control_group,
             memory_interval=args.non_persistent_save_interval,
             ranks=torch.distributed.get_world_size(), rank=torch.distributed.get_rank())
-        self.figures = ComputeFigures(self._pipeline_stages())
+        self.figures = ComputeFigures(*self._stages_and_replicas())
         self.guard = NonFiniteGuard(self.control_group, args.check_for_nan_in_loss_and_grad)
         self.cut = Cut(enabled=args.replica_recovery)
         self.replicas = self._replica_dumper()
@@ -284,12 +284,14 @@ class Trainer:
 
         self.config.finalize_model_grads_func = finalize_timed
 
-    def _pipeline_stages(self) -> list[int]:
-        """Every rank's pipeline stage (straggler detection compares ranks of one stage)."""
-        stages = [0] * torch.distributed.get_world_size()
+    def _stages_and_replicas(self) -> tuple[list[int], list[int]]:
+        """Every rank's pipeline stage and model replica (straggler detection compares ranks
+        of one stage, and knows that ranks of one replica wait for each other)."""
+        ranks = [(0, 0)] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(
-            stages, parallel_state.get_pipeline_model_parallel_rank(), group=self.control_group)
-        return stages
+            ranks, (parallel_state.get_pipeline_model_parallel_rank(),
+                    parallel_state.get_data_parallel_rank()), group=self.control_group)
+        return [stage for stage, _ in ranks], [replica for _, replica in ranks]
 
     def _flag_path(self) -> Path | None:
         if self.args.emergency_save_flag_dir:

@@ -244,6 +244,41 @@ def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_pa
     assert "the cost model estimates" in (said[1].get("decided_by") or said[1]["reason"])
 
 
+def test_a_straggler_whose_replica_mate_is_slow_too_is_kept_until_the_mate_is_fast(tmp_path):
+    """TP2 x DP2, GPUs 0 and 1 one replica, both slow: either may be the one the other waits
+    for (the one named first was drained, however healthy). Said once; weighed once the mate
+    is fast again."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), number=1)
+    supervisor.stragglers.new_attempt((0, 1, 2, 3), 0)
+
+    def beats(first, last, slow):
+        for it in range(first, last):
+            ms = [20.0 if r in slow and it - 1 >= 5 else 10.0 for r in range(4)]
+            supervisor._watch_stragglers({"iteration": it, "time": float(it), "compute": {
+                "stages": [0] * 4, "replicas": [0, 0, 1, 1], "ms": {str(it - 1): ms}}})
+
+    beats(1, 20, slow={0, 1})
+    named = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler"]
+    assert [(e["gpu"], e["slow_mates"]) for e in named] == [(0, [1]), (1, [0])]
+    supervisor.stragglers.remeasured = lambda found: found
+    assert supervisor._drain_straggler() is None and supervisor._drain_straggler() is None
+    (kept,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"
+               and "replica" in e["reason"]]
+    assert "of its model replica is slow too" in kept["reason"]
+    assert "cannot tell which one holds the job up" in kept["reason"]
+    assert not [e for e in runfiles.read_events(tmp_path) if e["event"] == "drain"]
+    weighed = supervisor._straggler_to_drain
+    beats(20, 40, slow={weighed.straggler.rank})  # the mate is fast again
+    supervisor._straggler_to_drain = weighed
+    supervisor._drain_straggler()
+    decided = [e for e in runfiles.read_events(tmp_path) if e["event"] == "drain"
+               or (e["event"] == "straggler_kept" and "cost model" in e["reason"])]
+    assert len(decided) == 1 and decided[0]["gpu"] == weighed.gpu
+
+
 def test_across_nodes_a_straggler_is_named_and_never_weighed(tmp_path):
     """--drain-stragglers drains on one node only: across nodes one straggler was said kept
     because another was 'weighed first', when none ever is."""

@@ -540,19 +540,23 @@ def test_a_straggler_is_drained_only_once_its_gpu_left_and_its_result_is_its_own
 
 def test_a_gpu_named_again_is_judged_on_what_followed_each_naming():
     """GPU 1 was named, kept by the cost model, fast again, then named again and drained: the
-    first naming was kept, not drained (it took the later naming's drain before)."""
-    from ftmaster.report import stragglers
+    first naming was kept, not drained (it took the later naming's drain before), and a
+    naming with a slow replica mate says so."""
+    from ftmaster.report import straggler_text, stragglers
 
     def straggler(at, **fields):
         return event("straggler", at, gpu=1, rank=1, iteration=14, since=8, slowdown=2.0,
                      step_s=1.3, healthy_step_s=0.5, **fields)
 
-    events = [straggler(10), event("straggler_kept", 11, gpu=1, reason="k1"),
+    events = [straggler(10, slow_mates=[0]), event("straggler_kept", 11, gpu=1, reason="k1"),
               straggler(40), event("drain", 41, gpu=1, reason="straggler", decided_by="d2"),
               event("straggler_drained", 45, gpu=1)]
     first, second = stragglers(events)
     assert (first["action"], first["decided_by"]) == ("kept", "k1")
     assert (second["action"], second["decided_by"]) == ("drained", "d2")
+    assert "(found at 14; rank 0 of its model replica slow too, either may hold the other up)" \
+        in straggler_text(first)
+    assert "replica" not in straggler_text(second)
 
 
 def test_a_kept_straggler_names_its_gpu_and_an_unmeasured_step_says_so():

@@ -118,6 +118,21 @@ def test_a_heartbeat_the_trainer_did_not_write_names_no_one_and_ends_nothing(com
     assert watch.observe({"iteration": 32, "time": 10 ** 400}) == []
 
 
+def test_a_straggler_whose_replica_mate_is_slow_too_says_so():
+    """TP2 x DP2: ranks 0 and 1 are one replica. Rank 0 slows in every layer and rank 1, its
+    tensor-parallel partner, waits for it in every all-reduce: both are slow against ranks 2
+    and 3, and neither can be told for the culprit."""
+    tracker = StragglerTracker(StragglerConfig(ratio=1.3, iterations=4, window=3))
+    rows = {it: [20.0 if it >= 8 else 10.0] * 2 + [10.0, 10.0] for it in range(1, 30)}
+    found = tracker.observe(figures(rows), FOUR, {0: 0, 1: 0, 2: 1, 3: 1})
+    assert [(s.rank, s.slow_mates) for s in found] == [(0, (1,)), (1, (0,))]
+    assert tracker.slow_mates(0) == (1,) and tracker.slow_mates(2) == ()
+    # alone in its replica (DP only), a straggler has none
+    tracker = StragglerTracker(StragglerConfig(ratio=1.3, iterations=4, window=3))
+    (alone,) = tracker.observe(figures(slow_rows(8, 30)), FOUR, {0: 0, 1: 1, 2: 2, 3: 3})
+    assert alone.slow_mates == ()
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"ratio": 1.0}, "ratio must be above 1"),
     ({"iterations": 0}, "iterations must be at least 1"),
@@ -246,13 +261,14 @@ def test_a_slowdown_is_armed_at_its_iteration_or_read_from_its_file(tmp_path, mo
 
 
 def test_the_heartbeat_keeps_the_last_iterations_figures_in_ms():
-    figures = ComputeFigures([0, 0, 1, 1])
+    figures = ComputeFigures([0, 0, 1, 1], [0, 1, 0, 1])
     assert figures.heartbeat() is None
     figures.record(0, [0, 0, 0, 0])  # nothing measured: nothing kept
     for iteration in range(1, KEPT + 5):
         figures.record(iteration, [1500, 0, 2500, 3000])
     body = figures.heartbeat()
     assert body["stages"] == [0, 0, 1, 1] and len(body["ms"]) == KEPT
+    assert body["replicas"] == [0, 1, 0, 1]
     assert body["ms"][str(KEPT + 4)] == [1.5, None, 2.5, 3.0]
 
 

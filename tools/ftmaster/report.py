@@ -185,7 +185,7 @@ FIELD_TYPES = {
     "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
     "save_deferred": {"iteration": INT_OR_NULL},
     "startup": {"seconds": NUMBER},
-    "straggler": {"gpu": INT_OR_NULL},
+    "straggler": {"gpu": INT_OR_NULL, "slow_mates": INT_LIST},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
 }
 
@@ -884,7 +884,8 @@ def stragglers(events: list[dict]) -> list[dict]:
             "action": ("drained" if drained else "drain decided, not done (the attempt ended "
                        "first)" if drain else "kept" if kept else "reported"),
             "decided_by": (drain or {}).get("decided_by") or (kept or {}).get("reason"),
-            "step_s_after_drain": (result or {}).get("step_s")})
+            "step_s_after_drain": (result or {}).get("step_s"),
+            "slow_mates": event.get("slow_mates") or []})
     return found
 
 
@@ -986,8 +987,11 @@ def _timeline_line(row: dict) -> str:
 
 
 def straggler_text(s: dict) -> str:
+    mates = s.get("slow_mates") or []
+    with_mates = (f"; rank{'s' if len(mates) > 1 else ''} {', '.join(map(str, mates))} of its "
+                  f"model replica slow too, either may hold the other up" if mates else "")
     line = (f"straggler: GPU {s['gpu']} computed {s['slowdown']}x slower than its peers from "
-            f"iteration {s['since']} (found at {s['iteration']}); the job ran "
+            f"iteration {s['since']} (found at {s['iteration']}{with_mates}); the job ran "
             f"{_ran(s['step_s'])} with it, {_before(s['healthy_step_s'])}; {s['action']}")
     if s["decided_by"]:
         line += f" ({s['decided_by']})"

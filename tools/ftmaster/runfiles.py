@@ -185,8 +185,9 @@ def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
     may first see a later one, and a relaunch's ``resumed`` event needs the first.
     ``finished``: training ended and its last checkpoint is durable; only the exit remains,
     which is never a hang. ``compute``: every rank's compute time of the last iterations,
-    ``{"stages": [pipeline stage per rank], "ms": {"<iteration>": [ms per rank or null]}}``
-    (straggler detection; absent when not measured).
+    ``{"stages": [pipeline stage per rank], "replicas": [data-parallel index per rank],
+    "ms": {"<iteration>": [ms per rank or null]}}`` (straggler detection; absent when not
+    measured).
     """
     body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
             "pid": os.getpid(), "first_iteration": first_iteration, "finished": finished}

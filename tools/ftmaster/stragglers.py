@@ -96,19 +96,30 @@ class StragglerWatch:
                    if (it := _iteration(key)) is not None and isinstance(values, list)
                    and it >= self._first + WARMUP_ITERATIONS}
         found = [f for f in map(self._found, self.tracker.observe(
-            figures, _per_rank(compute.get("stages")))) if f is not None]
+            figures, _per_rank(compute.get("stages")), _per_rank(compute.get("replicas"))))
+                 if f is not None]
         self.found += found
         return found
+
+    def gpu_of(self, rank: int) -> int | None:
+        """The GPU of this node that ``rank`` runs on; None for another node's rank."""
+        local = rank - self.rank_offset
+        return self.gpus[local] if 0 <= local < len(self.gpus) else None
+
+    def describe_ranks(self, ranks: Sequence[int]) -> str:
+        """``GPU 1``, or ``rank 5 (another node's)``, for each of ``ranks``."""
+        return ", ".join(f"GPU {gpu}" if (gpu := self.gpu_of(rank)) is not None
+                         else f"rank {rank} (another node's)" for rank in ranks)
 
     def _found(self, straggler: Straggler) -> Found | None:
         """The straggler, if it is one of this node's ranks: every node's heartbeat carries
         every rank's figures (all are peers to compare), but only the node that holds a GPU
         names it, reports it and may drain it, so a straggler is one event, not one per node."""
-        local = straggler.rank - self.rank_offset
-        if not 0 <= local < len(self.gpus):
+        gpu = self.gpu_of(straggler.rank)
+        if gpu is None:
             return None
         # A heartbeat is written as its iteration ends: the step up to ``since``'s is slow.
-        return Found(self.gpus[local], straggler, self.step_seconds(since=straggler.since),
+        return Found(gpu, straggler, self.step_seconds(since=straggler.since),
                      self.step_seconds(until=straggler.since - 1))
 
     def step_seconds(self, since: int | None = None, until: int | None = None,

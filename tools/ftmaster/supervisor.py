@@ -324,6 +324,8 @@ class Supervisor:
         self._straggler_to_drain: Found | None = None
         self._straggler_waiting: Found | None = None
         """The straggler kept for the drain window, to be weighed once it is over."""
+        self._straggler_ambiguous: Found | None = None
+        """The straggler kept while a rank of its model replica is slow too (said once)."""
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self._drain_step_s: float | None = None  # a straggler's: the job's step with it
         self._unslowed_step_s: float | None = None
@@ -900,7 +902,7 @@ class Supervisor:
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         # Found on the last attempt's figures: weighed no more.
-        self._straggler_to_drain = self._straggler_waiting = None
+        self._straggler_to_drain = self._straggler_waiting = self._straggler_ambiguous = None
         self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -1006,16 +1008,19 @@ class Supervisor:
     def _watch_stragglers(self, heartbeat: dict | None) -> None:
         for found in self.stragglers.observe(heartbeat):
             straggler = found.straggler
+            mates = straggler.slow_mates
             log.warning("straggler: GPU %d computes %.2fx slower than its peers (%.1f ms against "
-                        "%.1f ms per iteration) since iteration %d", found.gpu, straggler.slowdown,
-                        straggler.compute_ms, straggler.peers_ms, straggler.since)
+                        "%.1f ms per iteration) since iteration %d%s", found.gpu,
+                        straggler.slowdown, straggler.compute_ms, straggler.peers_ms,
+                        straggler.since, f"; {self._slow_too(mates)}, and either may hold the "
+                                         "other up" if mates else "")
             self._event("straggler", gpu=found.gpu, rank=straggler.rank,
                         slowdown=straggler.slowdown, iteration=straggler.iteration,
                         since=straggler.since,
                         drift=straggler.drift, compute_ms=straggler.compute_ms,
                         peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
                         step_s=found.step_s,
-                        healthy_step_s=found.healthy_step_s)
+                        healthy_step_s=found.healthy_step_s, slow_mates=list(mates))
             if self.config.drain_stragglers and self.membership is None:  # one node only
                 self._weigh_first(found)
         self._report_drain_result()
@@ -1028,6 +1033,12 @@ class Supervisor:
         if kept is not None:
             self._keep_straggler(kept.gpu, f"GPU {self._straggler_to_drain.gpu} is slower and "
                                            "weighed first (one drain at a time)")
+
+    def _slow_too(self, mates: Sequence[int]) -> str:
+        """Ranks of a straggler's model replica slow with it: they wait for each other."""
+        return (f"{self.stragglers.describe_ranks(mates)} of its model replica "
+                f"{'is' if len(mates) == 1 else 'are'} slow too (tensor-parallel partners and "
+                f"pipeline neighbours wait for each other)")
 
     def _keep_straggler(self, gpu: int, why: str) -> None:
         log.info("keeping GPU %d: %s", gpu, why)
@@ -1068,6 +1079,14 @@ class Supervisor:
                 self._keep_straggler(found.gpu, f"a straggler was drained less than "
                                                 f"{self.config.straggler_drain_window_s:g} s ago; "
                                                 f"weighed again once that is over, if still slow")
+            self._straggler_to_drain = found
+            return None
+        mates = self.stragglers.tracker.slow_mates(found.straggler.rank)
+        if mates:  # weighed again once they are fast: draining the wrong one gains nothing
+            if found is not self._straggler_ambiguous:  # said once
+                self._straggler_ambiguous = found
+                self._keep_straggler(found.gpu, f"{self._slow_too(mates)}: the figures cannot "
+                                                f"tell which one holds the job up")
             self._straggler_to_drain = found
             return None
         found = self.stragglers.remeasured(found)
