@@ -97,8 +97,10 @@ def test_a_healthy_run_raises_no_straggler_with_margin(tmp_path):
 
     watcher = threading.Thread(target=collect, daemon=True)
     watcher.start()
-    code, output = watched_launch(run_dir, 4, straggler_args(tmp_path / "ckpt", 100),
-                                  stop_watching=done.set, timeout=900)
+    # One micro-batch a rank: the least compute, so the host's noise weighs the most (and the
+    # run takes half the time of three).
+    args = straggler_args(tmp_path / "ckpt", 100, global_batch=8)
+    code, output = watched_launch(run_dir, 4, args, stop_watching=done.set, timeout=900)
     assert code == 0, output[-4000:]
     assert events(run_dir, "straggler") == [], output[-4000:]
     assert len(figures) >= 90, sorted(figures)
