@@ -145,6 +145,10 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
       "--rdzv-conf", "keep_alive_interval=0.5"],
      "--rdzv-conf keep_alive_interval='0.5': expected whole seconds"),
+    # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
+      "127.0.0.1:29400", "--local-addr", "192.0.2.1"],
+     "--local-addr 192.0.2.1 is not an address of this host"),
 ])
 def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
     options = [str(tmp_path / o) if o == "R" else o for o in options]

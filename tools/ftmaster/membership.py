@@ -261,6 +261,18 @@ def free_port(addr: str) -> int:
         return sock.getsockname()[1]
 
 
+def check_address(config: RendezvousConfig) -> None:
+    """ValueError (one line) when this node cannot bind its address: every round offers a
+    port there, which raised a traceback once the first round had formed."""
+    try:
+        free_port(config.address)
+    except OSError as error:
+        given = (f"--local-addr {config.address}" if config.local_addr else
+                 f"this host's name {config.address} (the default --local-addr)")
+        raise ValueError(f"{given} is not an address of this host ({error.strerror or error}): "
+                         "give the address other nodes reach this one at") from None
+
+
 def order_records(records: Sequence[NodeRecord]) -> tuple[NodeRecord, ...]:
     """The round's nodes by node rank; ValueError when two claim the same one."""
     ordered = tuple(sorted(records, key=lambda r: r.node_rank))
@@ -335,6 +347,7 @@ class NodeMembership:
         self._waiting, self._peer_failure = False, None
         self._round: Round | None = None
         self._round_store = None
+        check_address(config)
         os.environ[SHARE_STORE_ENV] = "1"
         self.handler = self._create_handler()
 
