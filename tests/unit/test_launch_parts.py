@@ -638,6 +638,23 @@ def test_a_second_lock_on_the_same_run_dir_is_refused(tmp_path):
         pass
 
 
+def test_a_lock_held_from_another_host_names_that_host(tmp_path):
+    """A run directory on a shared filesystem: the holder's pid alone pointed at no process,
+    or at an unrelated one, on the host where the launch was refused."""
+    holder = subprocess.Popen([PY, "-c", "import socket, sys, time; "
+                               "socket.gethostname = lambda: 'node-b.cluster'; "
+                               "from ftmaster.lock import RunDirLock; "
+                               "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); "
+                               "time.sleep(60)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirLocked, match=f"\\(pid {holder.pid} on host node-b.cluster\\)"):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_lock_of_a_killed_holder_is_free(tmp_path):
     holder = subprocess.Popen([PY, "-c", "import sys, time; from ftmaster.lock import RunDirLock; "
                                "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); "

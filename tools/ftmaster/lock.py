@@ -44,12 +44,12 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            holder = _run_dir_holder(os.read(fd, 512).decode(errors="replace"))
             os.close(fd)
-            raise RunDirLocked(f"another ftmaster (pid {holder}) is using {self.path.parent}; "
+            raise RunDirLocked(f"another ftmaster ({holder}) is using {self.path.parent}; "
                                "wait for it to end or give another --run-dir") from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
@@ -63,6 +63,15 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _run_dir_holder(text: str) -> str:
+    """``pid N``, and its host when that is another one (a run directory on a shared
+    filesystem: the pid alone names no process here, or an unrelated one)."""
+    pid, _, host = text.strip().partition(" ")
+    if host and host != socket.gethostname():
+        return f"pid {pid} on host {host}"
+    return f"pid {pid or 'unknown'}"
 
 
 def run_dir_in_use(run_dir: Path) -> bool:
