@@ -224,3 +224,23 @@ def test_a_node_that_died_before_its_record_is_left_to_the_next_round(monkeypatc
 
     with pytest.raises(StoreLost):
         membership._call(membership_module.records_in_time, Gone(), ["ftmaster/node/0"])
+
+
+def test_an_etcd_store_that_cannot_be_reached_is_lost_not_a_traceback():
+    """torch's EtcdStore lets python-etcd's own errors through (torch's etcd backend wraps
+    them for the handler, not for the store): a standby node reading the job's outcome from
+    an etcd server that went down ended in a traceback, not exit 75 for a requeue."""
+    from types import SimpleNamespace
+
+    etcd = pytest.importorskip("etcd", reason="python-etcd is not installed")
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    from ftmaster.membership import StoreLost, free_port
+
+    port = free_port("127.0.0.1")  # nobody serves there
+    membership = NodeMembership.__new__(NodeMembership)
+    membership.config = RendezvousConfig(f"127.0.0.1:{port}", "job", 1, 2, 0, backend="etcd-v2")
+    store = EtcdStore(etcd.Client(host="127.0.0.1", port=port), "/torch/elastic/store")
+    membership._round_store = SimpleNamespace(underlying_store=store)
+    with pytest.raises(StoreLost, match="unreachable \\(EtcdConnectionFailed"):
+        membership.outcome()

@@ -334,6 +334,18 @@ def records_in_time(store, keys: list[str]) -> bool:
     return True
 
 
+def _etcd_errors() -> tuple[type[Exception], ...]:
+    """What python-etcd raises for a server it cannot reach: torch's etcd backend wraps these
+    for the handler (``etcd_rendezvous_backend.py``), but its ``EtcdStore`` lets them
+    through every store call."""
+    try:
+        import etcd
+        import urllib3.exceptions
+    except ImportError:  # no etcd-v2 backend either
+        return ()
+    return etcd.EtcdException, urllib3.exceptions.TimeoutError
+
+
 class NodeMembership:
     """This node's seat in the job's rendezvous."""
 
@@ -526,7 +538,7 @@ class NodeMembership:
                                f"within join_timeout "
                                f"{self.config.seconds('join_timeout', 600):g} s") from None
         except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
-                ConnectionError, CallTimeout) as error:
+                ConnectionError, CallTimeout, *_etcd_errors()) as error:
             raise StoreLost(f"the rendezvous store at {self.config.endpoint} is unreachable "
                             f"({type(error).__name__}: {error})") from None
 
