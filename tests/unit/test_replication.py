@@ -541,3 +541,22 @@ def test_a_node_that_holds_no_part_of_the_replicated_checkpoint_lets_go_of_its_m
         folders[1], tmp_path / "run1", 1)))
     agreement.keep_replicated(1, [0, 1, 2], decides=False)
     assert replicated_here(folders[1]) is None
+
+
+def test_a_full_run_directory_leaves_the_peer_list_unwritten_not_the_supervisor_dead(
+        tmp_path, caplog):
+    """A new round writes the peer list into the node's run folder: on a full one that raised
+    OSError out of the round's planning, a traceback where every other write there is said
+    and skipped."""
+    from helpers.tmpfs import small_tmpfs
+    from test_run_dir_room import full
+
+    with small_tmpfs(tmp_path / "run", "1m") as run_dir:
+        full(run_dir)
+        replication = Replication(ReplicationConfig(tmp_path / "memory", run_dir, 0))
+        try:
+            replication.new_round(SECRET, nodes(2), 0, [2, 2])
+        finally:
+            replication.close()
+    assert replication._peers.sources  # the round's copies go on
+    assert "peers.json" in caplog.text and "No space left" in caplog.text

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ftmaster.membership import StoreLost
-from ftmaster.peer_files import (Copied, PeerClient, PeerError, PeerMissing, PeerServeConfig,
-                                 PeerServer, fill_from_peer, manifest_files, write_manifest,
-                                 write_peer_list)
+from ftmaster.peer_files import (PEERS_FILE, Copied, PeerClient, PeerError, PeerMissing,
+                                 PeerServeConfig, PeerServer, fill_from_peer, manifest_files,
+                                 write_manifest, write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
                                            kept_memory_checkpoints, list_iterations,
                                            mark_replicated, mark_whole, replicated_here,
@@ -267,7 +267,11 @@ class Replication:
         others = tuple((node.node_rank, node.peer_url) for i, node in enumerate(nodes)
                        if i != me and node.peer_url)
         self._peers = Peers(secret, sources, rank0, others)
-        write_peer_list(self.config.run_dir, secret, [url for _, url in others])
+        try:
+            write_peer_list(self.config.run_dir, secret, [url for _, url in others])
+        except OSError as error:  # a full run folder: the copies go on, loads read what is here
+            log.warning("cannot write %s (%s): this node's ranks may not read from its peers",
+                        Path(self.config.run_dir) / PEERS_FILE, error.strerror or error)
 
     def catch_up(self, agreed: Agreed | None, chooses: bool
                  ) -> list[tuple[int, Copied] | ReplicationFailed]:
