@@ -244,3 +244,32 @@ def test_an_etcd_store_that_cannot_be_reached_is_lost_not_a_traceback():
     membership._round_store = SimpleNamespace(underlying_store=store)
     with pytest.raises(StoreLost, match="unreachable \\(EtcdConnectionFailed"):
         membership.outcome()
+
+
+def test_a_node_that_learns_of_the_end_once_the_store_is_gone_acknowledges_quietly():
+    """The rendezvous closed (another node ended the job); the node hosting the store read it
+    first and exited, taking the store: this node's acknowledgement raised DistNetworkError,
+    a traceback at the end of a job that had ended."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import time; from datetime import timedelta; import torch.distributed as dist; "
+        "store = dist.TCPStore('127.0.0.1', 0, 2, True, timeout=timedelta(seconds=5), "
+        "wait_for_workers=False); print(store.port, flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=5))
+        membership = NodeMembership.__new__(NodeMembership)
+        membership.config = RendezvousConfig(f"127.0.0.1:{port}", "job", 1, 2, 1)
+        membership._round_store = SimpleNamespace(underlying_store=client)
+    finally:
+        host.kill()
+        host.wait()
+    assert membership.outcome_after_close() == "ended"
+    membership.acknowledge()

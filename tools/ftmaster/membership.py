@@ -520,8 +520,12 @@ class NodeMembership:
     def acknowledge(self) -> None:
         """Say this node read the job's outcome; a node that never completed a round (the job
         ended while it waited for its first) is not waited for, so has nothing to say."""
-        if self._round_store is not None:
+        if self._round_store is None:
+            return
+        try:
             self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+        except Exception as error:  # the store's host read the end first and left with it
+            log.info("rendezvous at the end of the job: %s", error)
 
     def _call(self, fn, *args):
         from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
