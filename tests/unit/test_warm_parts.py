@@ -94,6 +94,7 @@ def test_a_launch_waiting_for_workers_still_importing_ends_its_wait_on_a_stop(tm
     starter.pool, starter.run_id = warm.WarmPool.__new__(warm.WarmPool), "run"
     pool = starter.pool
     pool.size, pool.workers, pool.deaths_before_ready, pool.cancelled = 2, [], 0, None
+    pool.unclean = False
     stop = threading.Event()
     starter.stop_waiting_on(stop)
     threading.Timer(0.3, stop.set).start()
@@ -101,3 +102,24 @@ def test_a_launch_waiting_for_workers_still_importing_ends_its_wait_on_a_stop(tm
     with pytest.raises(warm.LaunchCancelled):  # the supervisor then launches nothing
         starter.start(["train.py"], 2, {}, tmp_path, tmp_path / "log", None)
     assert time.monotonic() - started < 5
+
+
+def test_workers_ready_holding_cuda_stop_warm_starts_at_once(tmp_path):
+    """A worker whose imports initialised CUDA (or a process group) is never handed a rank,
+    but it kept its place in the pool: every relaunch waited the whole READY_TIMEOUT_S for a
+    set that could never be ready, then started cold, while the worker held its CUDA context
+    beside training."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
+                           "\"cuda_initialized\": true, \"process_group\": false}'\nexec sleep 60\n")
+    fake_python.chmod(0o755)
+    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    worker = pool.workers[0]
+    try:
+        started = time.monotonic()
+        assert pool.take(1, timeout_s=10) is None
+        assert time.monotonic() - started < 5
+        assert worker.process.poll() is not None and pool.workers == [] and pool.broken
+    finally:
+        pool.close()
+        worker.process.kill()

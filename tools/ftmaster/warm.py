@@ -284,8 +284,14 @@ class WarmWorker:
     @property
     def usable(self) -> bool:
         """Ready, alive and clean: never handed a rank otherwise."""
-        return (self.alive and self.ready is not None and not self.ready["cuda_initialized"]
-                and not self.ready["process_group"])
+        return self.alive and self.ready is not None and not self.unclean
+
+    @property
+    def unclean(self) -> bool:
+        """Ready holding CUDA or a process group: what its imports did, as they will in
+        every worker."""
+        return self.ready is not None and bool(self.ready["cuda_initialized"]
+                                               or self.ready["process_group"])
 
 
 class WarmPool:
@@ -310,15 +316,17 @@ class WarmPool:
         self.workers: list[WarmWorker] = []
         self.replaced = 0
         self.deaths_before_ready = 0
+        self.unclean = False
+        """Workers were ready holding CUDA or a process group: no more are started."""
         self.cancelled: threading.Event | None = None
         """Set (ftmaster's stop request): a :meth:`take` waiting for a set ends at once."""
         self.fill()
 
     @property
     def broken(self) -> bool:
-        """Workers keep dying before they are ready (an import that crashes): stop starting
-        them; launches go cold."""
-        return self.deaths_before_ready >= MAX_DEATHS_BEFORE_READY
+        """Workers keep dying before they are ready (an import that crashes), or are ready
+        unclean: stop starting them; launches go cold."""
+        return self.deaths_before_ready >= MAX_DEATHS_BEFORE_READY or self.unclean
 
     def fill(self) -> None:
         """Replace the dead, and start workers until there are ``size``. Started from the
@@ -330,6 +338,13 @@ class WarmPool:
             self.workers.remove(worker)
             self.replaced += 1
             self.deaths_before_ready += worker.ready is None
+        unclean = [w for w in self.workers if w.unclean]
+        if unclean:  # never usable: a launch waited its whole timeout for them, every time
+            log.warning("warm workers hold CUDA or a process group once imported (pid %s): "
+                        "no more warm starts", ", ".join(str(w.process.pid) for w in unclean))
+            kill_sessions(unclean)
+            self.workers = [w for w in self.workers if w not in unclean]
+            self.unclean = True
         if self.broken:
             return
         while len(self.workers) < self.size:
@@ -537,7 +552,9 @@ class WarmStarter:
         if workers is None and self.pool.stop_waiting:  # nothing to start training for
             raise LaunchCancelled("ftmaster is stopping")
         if workers is None:
-            why = (f"{self.pool.deaths_before_ready} warm workers died before they were ready"
+            why = ("warm workers hold CUDA or a process group once imported"
+                   if self.pool.unclean else
+                   f"{self.pool.deaths_before_ready} warm workers died before they were ready"
                    if self.pool.broken else f"no {nproc} warm workers ready within "
                    f"{READY_TIMEOUT_S:g} s")
             log.warning("%s: attempt starts cold, under torchrun", why)
