@@ -160,12 +160,13 @@ class ReplicaRecovery:
                   *(["--newest", str(newest)] if newest is not None else [])]
         started = time.monotonic()
         helper = self.run_dir / "ranks" / f"merge_{folder.name}"
+        output = helper / "output.log"  # where run_module has the worker write
         # The worker appends to its output, and a folder's name may come back (across nodes
         # the round numbers restart in a requeued job): an earlier merge's line is no answer.
-        (helper / "output.log").unlink(missing_ok=True)
+        output.unlink(missing_ok=True)
         warm = self.starter.run_module(module, helper) if self.starter is not None else None
         if warm is not None:
-            return Merging(folder, warm, started, helper / "output.log")
+            return Merging(folder, warm, started, output)
         process = subprocess.Popen([sys.executable, *module], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         return Merging(folder, process, started)
