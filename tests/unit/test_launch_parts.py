@@ -142,6 +142,35 @@ def test_a_drain_whose_save_was_trainings_last_lets_it_complete(tmp_path):
     assert supervisor._drained() is None and not supervisor.attempt.killed
 
 
+class StoppedAttempt(StubAttempt):
+    """An attempt whose ranks had ended (or saved and exited) by the time it was stopped."""
+
+    number = 1
+
+    def stop(self, deadline_s):
+        return 0
+
+
+@pytest.mark.parametrize("save, finished, trigger, event", [
+    ({"iteration": 40, "kind": "final"}, True, Trigger.COMPLETED, "complete"),
+    ({"iteration": 17, "kind": "exit"}, False, Trigger.STOPPED, "stopped"),
+])
+def test_a_signal_after_trainings_last_checkpoint_was_durable_completes_the_run(
+        tmp_path, save, finished, trigger, event):
+    """One that came before ftmaster saw training's exit reported the complete run stopped
+    ('interrupted', exit status 143)."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = StoppedAttempt()
+    supervisor.request_stop(signal.SIGTERM)
+    runfiles.append_event(tmp_path, "periodic_save", tier="disk", **save)
+    runfiles.write_heartbeat(tmp_path, iteration=save["iteration"], consumed_samples=0,
+                             finished=finished)
+    assert supervisor._stop() is trigger
+    assert runfiles.read_events(tmp_path)[-1]["event"] == event
+
+
 def test_a_straggler_drain_counts_once_its_gpu_is_retired_not_when_decided(tmp_path):
     """One cut short by another failure used up the drain window and claimed a result."""
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),

@@ -30,6 +30,7 @@ LEGAL = [
     (S.STARTING, T.GIVE_UP, S.GAVE_UP),  # the attempt could not be started
     (S.RELAUNCHING, T.GIVE_UP, S.GAVE_UP),
     (S.STOPPING, T.STOPPED, S.INTERRUPTED),
+    (S.STOPPING, T.COMPLETED, S.SUCCEEDED),  # the signal came after training's last checkpoint
     # nothing is training: a signal ends the run at once
     (S.STARTING, T.SIGNALLED, S.INTERRUPTED),
     (S.RELAUNCHING, T.SIGNALLED, S.INTERRUPTED),

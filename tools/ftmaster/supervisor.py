@@ -597,6 +597,12 @@ class Supervisor:
         heartbeat = runfiles.read_heartbeat(self.run_dir)
         return heartbeat is None or heartbeat.get("finished") is not False
 
+    def _training_finished(self) -> bool:
+        """Whether training's schedule ended: its last checkpoint durable on disk, or (without
+        ``--save``) its last heartbeat saying so."""
+        return self._schedule_saved is not None or bool(
+            (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
+
     def _ends_the_schedule(self, save: dict) -> bool:
         """Whether ``save`` is training's last, on disk: its final save, or the periodic one at
         ``--train-iters``."""
@@ -1448,6 +1454,9 @@ class Supervisor:
         code = self.attempt.stop(self.config.stop_timeout_s)
         self._track_progress(runfiles.read_heartbeat(self.run_dir))
         self._follow_events()
+        if self._training_finished():  # the signal came too late to stop anything
+            log.info("training had finished before the signal: nothing was stopped")
+            return self._complete()
         if code is None:
             log.error("training did not save and exit within --stop-timeout %g s: killed; the "
                       "newest checkpoint is %s", self.config.stop_timeout_s,
