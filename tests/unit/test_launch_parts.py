@@ -871,6 +871,31 @@ def test_a_stop_terminates_the_ranks_it_knows_without_waiting_for_a_record_that_
         saver.kill()
 
 
+SUPERVISED_HANG_UP = """
+import os, signal, sys, time, types
+from ftmaster.launch import _supervise
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+stopped = []
+def run():
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(0.5)
+    return stopped[0] if stopped else 0
+supervisor = types.SimpleNamespace(request_stop=stopped.append, run=run)
+idle = types.SimpleNamespace(start=lambda: None, stop=lambda: None)
+print(_supervise(supervisor, idle, idle))
+"""
+
+
+@pytest.mark.parametrize("disposition, stopped_by", [("default", signal.SIGHUP), ("nohup", 0)])
+def test_a_hang_up_stops_training_as_sigterm_does_unless_ignored(disposition, stopped_by):
+    """A closed terminal or ssh session ended ftmaster at once, and every rank with it
+    (they die with their parent), with no save and no record of the stop."""
+    done = subprocess.run([PY, "-c", SUPERVISED_HANG_UP, disposition], capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, str(int(stopped_by))), done.stderr
+
+
 def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")

@@ -6,8 +6,8 @@ the injections, the GPU count, the layout (through the planner), the script's ow
 directory, the lock and the monitor backend. Each problem ends in one line on stderr and a
 non-zero exit, in seconds rather than after two failed launches.
 
-Training gets ``--exit-signal-handler`` added when absent, so that SIGINT or SIGTERM to
-ftmaster (passed on as SIGTERM to every rank) makes training save and exit; SIGKILL follows
+Training gets ``--exit-signal-handler`` added when absent, so that SIGINT, SIGTERM or SIGHUP
+to ftmaster (passed on as SIGTERM to every rank) makes training save and exit; SIGKILL follows
 after ``--stop-timeout`` seconds.
 """
 
@@ -322,9 +322,18 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
     return observers
 
 
+def stop_signals() -> list[int]:
+    """The signals that stop training with a save: SIGINT, SIGTERM, and SIGHUP (a closed
+    terminal or ssh session, as torchrun takes it) unless ignored, as under ``nohup``. By
+    default SIGHUP ended ftmaster at once, and its ranks with it (``PR_SET_PDEATHSIG``),
+    unsaved."""
+    hang_up = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGINT, signal.SIGTERM, *hang_up]
+
+
 def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> int:
     previous = {sig: signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in stop_signals()}
     monitor.start()
     listener.start()
     try:
@@ -396,7 +405,7 @@ def _console_logging() -> None:
 @click.option("--wait-timeout", default=600.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="Policy wait: seconds to wait for lost GPUs before relaunching without them.")
 @click.option("--stop-timeout", default=120.0, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
-              help="On SIGINT/SIGTERM: seconds training may take to save and exit before SIGKILL.")
+              help="On SIGINT/SIGTERM/SIGHUP: seconds training may take to save and exit before SIGKILL.")
 @click.option("--plan-mode", default="closest", show_default=True, type=click.Choice(MODES),
               help="The planner's ranking for relaunches.")
 @click.option("--gpu-memory-gb", default=None, type=FiniteFloatRange(min=0, min_open=True),
