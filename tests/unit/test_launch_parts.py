@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -24,7 +25,7 @@ from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layo
 from ftmaster.listener import Listener, move_request
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
-from ftmaster.states import Trigger
+from ftmaster.states import State, Trigger
 from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
                                  last_checkpoint_write)
 from helpers.trainer import wait_until
@@ -169,6 +170,24 @@ def test_a_signal_after_trainings_last_checkpoint_was_durable_completes_the_run(
                              finished=finished)
     assert supervisor._stop() is trigger
     assert runfiles.read_events(tmp_path)[-1]["event"] == event
+
+
+def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):
+    """The wait saw the signal itself and ended the run with no 'stopped' event: the report
+    ran the failure's recovery on into the next launch on the run directory, its RTO and
+    failure-to-plan counting the time between the two ftmasters."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), policy="wait",
+                              poll_interval_s=0.05)
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.injected_lost = {1}
+    supervisor._handlers.update({State.STARTING: lambda: Trigger.LAUNCHED,
+                                 State.RUNNING: lambda: Trigger.FAILURE})
+    stop = threading.Timer(0.5, supervisor.request_stop, [signal.SIGTERM])
+    stop.start()
+    assert supervisor.run() == 128 + signal.SIGTERM
+    ends = runfiles.read_events(tmp_path)[-2:]
+    assert [(e["event"], e.get("state")) for e in ends] == [("waiting", None), ("stopped", "waiting")]
 
 
 def test_a_straggler_drain_counts_once_its_gpu_is_retired_not_when_decided(tmp_path):

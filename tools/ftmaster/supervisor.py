@@ -381,11 +381,8 @@ class Supervisor:
             while state not in TERMINAL:
                 # A signal where nothing trains needs no handler: nothing to save or stop.
                 idle_stop = state in IDLE_STATES and self._stop_requested.is_set()
-                if idle_stop:  # recorded as a stop of training is, so the run has its end
-                    self._event("stopped", signal=self.signum, exit_code=None,
-                                iteration=self._state_iteration(), state=state.value)
                 try:
-                    trigger = Trigger.SIGNALLED if idle_stop else self._handlers[state]()
+                    trigger = self._stopped_idle(state) if idle_stop else self._handlers[state]()
                 except StoreLost as lost:
                     trigger = self._store_lost(lost, state)
                 new_state = advance(state, trigger)
@@ -405,6 +402,15 @@ class Supervisor:
         # the check below keeps it while it holds a checkpoint the disk tier lacks.
         self._remove_scratch_memory()
         return exit_status(state, self.signum, self._requeue_helps)
+
+    def _stopped_idle(self, state: State) -> Trigger:
+        """A signal where nothing trains, seen before a handler or by one that waits (for
+        GPUs, warm workers, a rendezvous round, as a spare): recorded as a stop of training
+        is, so the run has its end (a report would run the last failure's recovery on into
+        the next launch on the run directory)."""
+        self._event("stopped", signal=self.signum, exit_code=None,
+                    iteration=self._state_iteration(), state=state.value)
+        return Trigger.SIGNALLED
 
     # -- shared checks --------------------------------------------------------------------------
     def _on_alert(self, alert: Alert) -> None:
@@ -901,9 +907,7 @@ class Supervisor:
             self._give_up(f"attempt {number} could not start: {error}")
             return Trigger.GIVE_UP
         except LaunchCancelled:  # stopped while it waited for warm workers: nothing trains
-            self._event("stopped", signal=self.signum, exit_code=None,
-                        iteration=self._state_iteration(), state=State.RELAUNCHING.value)
-            return Trigger.SIGNALLED
+            return self._stopped_idle(State.RELAUNCHING)
         self.attempt, self._failed_since_launch = attempt, False
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
@@ -1226,7 +1230,7 @@ class Supervisor:
         deadline = time.monotonic() + self.config.wait_timeout_s
         while True:
             if self._stop_requested.is_set():
-                return Trigger.SIGNALLED
+                return self._stopped_idle(State.WAITING)
             self._apply_injections(self._heartbeat_iteration())
             if not self._waitable_gpus():
                 self._event("gpus_back", gpus=waited_for)
@@ -1307,7 +1311,7 @@ class Supervisor:
             self._give_up(str(error), requeue_helps=False)
             return Trigger.NO_LAYOUT
         if joined is None:
-            return Trigger.SIGNALLED
+            return self._stopped_idle(State.PLANNING)
         previous, self.round = self.round, joined
         self.restarts = joined.number - 1
         self._event("round", number=joined.number, nodes=[n.node_rank for n in joined.nodes],
@@ -1447,7 +1451,7 @@ class Supervisor:
                 return self._job_ended(outcome)
             if self.membership.peers_waiting():
                 return Trigger.PEERS_WAITING
-        return Trigger.SIGNALLED
+        return self._stopped_idle(State.STANDBY)
 
     def _stop(self) -> Trigger:
         log.warning("signal %s: asking training to save and exit", self.signum)
