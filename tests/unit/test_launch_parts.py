@@ -172,6 +172,20 @@ def test_a_signal_after_trainings_last_checkpoint_was_durable_completes_the_run(
     assert runfiles.read_events(tmp_path)[-1]["event"] == event
 
 
+def test_a_second_signal_during_a_stop_leaves_the_first_as_the_one_that_stopped_the_run(tmp_path):
+    """SIGTERM, then a Ctrl-C while training saved: the console said signal 15, the
+    'stopped' event and the exit status (130) SIGINT."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = StoppedAttempt()
+    supervisor.request_stop(signal.SIGTERM)
+    supervisor.attempt.stop = lambda deadline_s: supervisor.request_stop(signal.SIGINT) or 0
+    assert supervisor._stop() is Trigger.STOPPED
+    assert runfiles.read_events(tmp_path)[-1]["signal"] == signal.SIGTERM
+    assert supervisor.signum == signal.SIGTERM
+
+
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):
     """The wait saw the signal itself and ended the run with no 'stopped' event: the report
     ran the failure's recovery on into the next launch on the run directory, its RTO and

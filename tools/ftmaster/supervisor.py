@@ -368,8 +368,11 @@ class Supervisor:
 
     # -- entry points --------------------------------------------------------------------------
     def request_stop(self, signum: int) -> None:
-        """From a signal handler: stop training gracefully and end."""
-        self.signum = signum
+        """From a signal handler: stop training gracefully and end. A second signal (an
+        impatient Ctrl-C) changes nothing: the first is the one that stopped the run, said
+        on the console, and its number is in the exit status and the ``stopped`` event."""
+        if self.signum is None:
+            self.signum = signum
         self._stop_requested.set()
 
     def run(self) -> int:
