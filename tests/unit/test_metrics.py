@@ -187,3 +187,17 @@ def test_a_resume_from_an_older_checkpoint_forgets_the_discarded_ones(monkeypatc
     assert value(m, "ftmaster_checkpoint_age_seconds", tier="memory") == 10.0
     assert value(m, "ftmaster_persist_lag_seconds") == 10.0
     assert value(m, "ftmaster_persist_lag_iterations") == 10
+
+
+def test_an_xid_stays_on_its_gpu_until_another_comes_as_dcgm_exporter_keeps_it():
+    """A sample carries an XID only in the interval it came; a scrape after the next sample
+    (Prometheus every 15 s, the monitor every 10 s) missed it altogether."""
+    m = metrics()
+    m.observe_samples([GpuSample(1.0, 0, "H100", failure_risk=0.0)], [])
+    assert value(m, "DCGM_FI_DEV_XID_ERRORS", **gpu(0)) is None  # none seen yet
+    m.observe_samples([GpuSample(2.0, 0, "H100", xid=48, failure_risk=1.0)], [])
+    m.observe_samples([GpuSample(3.0, 0, "H100", failure_risk=0.99)], [])
+    assert value(m, "DCGM_FI_DEV_XID_ERRORS", **gpu(0)) == 48
+    m.observe_samples([GpuSample(4.0, 0, "H100", xid=13, failure_risk=0.5)], [])
+    m.observe_samples([GpuSample(5.0, 1, "H100", failure_risk=0.0)], [])  # GPU 0 lost
+    assert value(m, "DCGM_FI_DEV_XID_ERRORS", **gpu(0)) is None

@@ -8,7 +8,8 @@ Names and labels follow NVIDIA's DCGM exporter where it has them, so dashboards 
 read ftmaster's series too: telemetry as ``DCGM_FI_DEV_*`` gauges, per GPU labels ``gpu``,
 ``UUID`` (empty where the backend knows none), ``modelName`` and ``Hostname``, plus
 ``node_rank``. A reading the backend could not take removes its series: unknown is absent,
-never a stale or zero value. What DCGM has no name for is ``ftmaster_*``:
+never a stale or zero value. ``DCGM_FI_DEV_XID_ERRORS`` is the last XID the GPU raised, as
+DCGM exporter keeps it (absent until one comes). What DCGM has no name for is ``ftmaster_*``:
 
 * ``ftmaster_gpu_failure_risk`` (0-1) and ``ftmaster_gpu_alerts_total``, per GPU;
 * ``ftmaster_supervisor_state`` (an enum), ``ftmaster_attempt``, ``ftmaster_attempts_total``,
@@ -146,6 +147,7 @@ class Metrics:
         self._uuids: dict[int, str] = {}
         self._names: dict[int, str] = {}
         self._with_series: set[int] = set()  # the GPUs the last sample gave values
+        self._xids: dict[int, int] = {}  # GPU -> the last XID it raised
         self._lock = threading.Lock()
         self.risk = Gauge("ftmaster_gpu_failure_risk", "The monitor's failure risk score (0-1).",
                           GPU_LABELS, registry=registry)
@@ -226,12 +228,23 @@ class Metrics:
         for sample in samples:
             self._names.setdefault(sample.gpu_id, sample.gpu_name or "")
             sampled.add(sample.gpu_id)
-            self._set_gpu(sample.gpu_id, lambda name: getattr(sample, name))
+            self._set_gpu(sample.gpu_id, lambda name: self._reading(sample, name))
         for gpu in self._with_series - sampled:
             self._set_gpu(gpu, lambda name: None)
         self._with_series = sampled
         for alert in alerts:
             self.alerts.labels(*self._gpu_labels(alert.gpu)).inc()
+
+    def _reading(self, sample, name: str):
+        """The sample's ``name``; for the XID, the last one the GPU raised, as DCGM exporter
+        keeps it: a sample holds one only in the interval it came, which a scrape between
+        two samples (every 15 s against the monitor's 10) would miss."""
+        value = getattr(sample, name)
+        if name != "xid":
+            return value
+        if value is not None:
+            self._xids[sample.gpu_id] = value
+        return self._xids.get(sample.gpu_id)
 
     def _set_gpu(self, gpu: int, value_of: Callable[[str], object]) -> None:
         labels = self._gpu_labels(gpu)
