@@ -190,6 +190,10 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
      '"gpus" of a launch event must be a list of integers, not 5'),
     ('{"event": "launch", "time": 1, "attempt": 1, "gpus": "01"}\n', 'not "01"'),
     ('{"event": "straggler", "time": 2, "gpu": "1", "slowdown": 2}\n', '"gpu" of a straggler event'),
+    ('{"event": "replica_merge", "time": 2, "iteration": 5, "seconds": "0.5"}\n',
+     '"seconds" of a replica_merge event must be a finite number, not "0.5"'),
+    ('{"event": "replica_merge", "time": 2, "iteration": 5, "merge_seconds": null}\n',
+     '"merge_seconds" of a replica_merge event'),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:

@@ -187,6 +187,7 @@ FIELD_TYPES = {
     "startup": {"seconds": NUMBER},
     "straggler": {"gpu": INT_OR_NULL, "slow_mates": INT_LIST},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
+    "replica_merge": {"iteration": INT_OR_NULL, "seconds": NUMBER, "merge_seconds": NUMBER},
 }
 
 
