@@ -577,3 +577,26 @@ def test_a_kept_straggler_names_its_gpu_and_an_unmeasured_step_says_so():
                           peers_ms=10.0, since=8, step_s=None, healthy_step_s=None))
     assert text.endswith("the job ran at a step not yet measured, not measured before")
     assert "None" not in text
+
+
+def test_a_checkpoint_set_aside_by_a_resume_is_no_later_failures_last_checkpoint(tmp_path):
+    """Iteration 20 failed its checksums, the relaunch resumed from 10 (20 set aside), and
+    the relaunch failed at 15 before saving again: its last checkpoint is 10, and 5 iterations
+    are lost; the report named the discarded 20 and said none were."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              save("periodic_save", 5, 10, 0.2, 0.2), save("periodic_save", 9, 20, 0.1, 0.1),
+              event("failure", 10, attempt=1, iteration=25, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(10.1, [0], 1, 1, 1), launch(10.2, 2, [0], 1, 1, 1),
+              event("checkpoint_skipped", 13, iteration=20, path="ckpt/iter_0000020", reason="checksum"),
+              event("checkpoint_loaded", 14, iteration=10, path="ckpt/iter_0000010", seconds=0.25),
+              event("resumed", 14.5, attempt=2, iteration=11),
+              event("failure", 15, attempt=2, iteration=15, cause="exit", gpus=[0], exit_codes={}),
+              event("gave_up", 15.1, reason="restart budget spent")]
+    run_dir = write_run(tmp_path / "run", events,
+                        {1: [iteration_line(n, 40, 100) for n in range(1, 26)],
+                         2: [loaded_line(10, 0.25, 4096), *(iteration_line(n, 40, 100) for n in range(11, 16))]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    second = json.loads((run_dir / "report.json").read_text())["failures"][1]
+    assert second["checkpoint"]["iteration"] == 10
+    assert second["lost_iterations"] == 5

@@ -18,7 +18,8 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   (not ``device_lost``) on a failed GPU since the previous failure and before that moment.
   Null when no alert came first.
 * **checkpoint**: the newest ``emergency_save``/``periodic_save`` event (written once the
-  checkpoint is durable) before the failure. **restarted from**: the iteration of the
+  checkpoint is durable) before the failure, leaving out those a resume since set aside
+  (newer than the ``checkpoint_loaded`` iteration). **restarted from**: the iteration of the
   relaunch log's ``loaded checkpoint`` line.
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
   training restarted from (else the checkpoint's, else 0); ``lost_seconds`` adds up the failed
@@ -421,8 +422,14 @@ def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | Non
 
 
 def _checkpoint(events: list[dict], failure: dict) -> dict | None:
-    saves = [e for e in events if e["event"] in SAVES and e["time"] <= failure["time"]
-             and isinstance(e.get("iteration"), int)]
+    saves = []
+    for event in (e for e in events if e["time"] <= failure["time"]):
+        if event["event"] in SAVES and isinstance(event.get("iteration"), int):
+            saves.append(event)
+        elif event["event"] == "checkpoint_loaded" and is_int(event.get("iteration")):
+            # a resume sets every newer checkpoint aside (it failed its checks, or its
+            # timeline was discarded): none of them is there for a later failure
+            saves = [e for e in saves if e["iteration"] <= event["iteration"]]
     if not saves:
         return None
     newest = max(saves, key=lambda e: (e["iteration"], e["time"]))
