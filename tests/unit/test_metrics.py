@@ -201,3 +201,16 @@ def test_an_xid_stays_on_its_gpu_until_another_comes_as_dcgm_exporter_keeps_it()
     m.observe_samples([GpuSample(4.0, 0, "H100", xid=13, failure_risk=0.5)], [])
     m.observe_samples([GpuSample(5.0, 1, "H100", failure_risk=0.0)], [])  # GPU 0 lost
     assert value(m, "DCGM_FI_DEV_XID_ERRORS", **gpu(0)) is None
+
+
+def test_after_a_resume_from_an_older_checkpoint_its_age_is_that_checkpoints(monkeypatch):
+    """Iteration 20 failed its checksums and the relaunch loaded 10: until the next save the
+    disk tier's newest is 10, taken at 100, not the set-aside 20's time (a younger age)."""
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)
+    for event in ({"event": "periodic_save", "tier": "disk", "iteration": 10, "time": 100.0},
+                  {"event": "periodic_save", "tier": "disk", "iteration": 20, "time": 900.0},
+                  {"event": "failure", "cause": "device_lost", "iteration": 25, "time": 950.0},
+                  {"event": "checkpoint_loaded", "iteration": 10, "time": 990.0}):
+        m.observe_event(event)
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 900.0

@@ -188,6 +188,7 @@ class Metrics:
         self.step_seconds = Gauge("ftmaster_step_seconds", "Seconds per iteration, between "
                                   "the last two heartbeats.", NODE_LABELS, registry=registry)
         self._saves: dict[str, tuple[int, float]] = {}  # tier -> (iteration, time) newest
+        self._taken: dict[str, dict[int, float]] = {}  # tier -> iteration -> when it was taken
         self._unpersisted: dict[int, float] = {}  # memory saves newer than the disk's: time
         self._recoveries = Recoveries()
         self._on_disk: int | None = None  # the newest iteration durable on disk
@@ -333,6 +334,7 @@ class Metrics:
     def _newest(self, tier: str, iteration: int, taken: float) -> None:
         """The tier's newest checkpoint is ``iteration``, taken at ``taken``."""
         with self._lock:
+            self._taken.setdefault(tier, {})[iteration] = taken
             first = tier not in self._saves
             if first or iteration >= self._saves[tier][0]:
                 self._saves[tier] = (iteration, taken)
@@ -364,7 +366,12 @@ class Metrics:
             for newer in [i for i in self._unpersisted if i > iteration]:
                 del self._unpersisted[newer]
             for tier, (newest, taken) in self._saves.items():
-                self._saves[tier] = (min(newest, iteration), taken)
+                kept = {i: t for i, t in self._taken.get(tier, {}).items() if i <= iteration}
+                self._taken[tier] = kept
+                if kept:  # the age is the newest kept save's: a set-aside one was younger
+                    self._saves[tier] = (max(kept), kept[max(kept)])
+                else:
+                    self._saves[tier] = (min(newest, iteration), taken)
             if self._on_disk is not None:
                 self._on_disk = min(self._on_disk, iteration)
         self._update_lag_iterations()
