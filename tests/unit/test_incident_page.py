@@ -170,3 +170,18 @@ def test_a_relaunchs_load_is_not_the_runs_start():
               {"event": "complete", "time": 135.0, "iteration": 100}]
     seen = observed_goodput({"iteration_s": 1.0}, events)
     assert (seen["iterations"], seen["useful_s"]) == (100, 100.0)
+
+
+def test_iterations_a_run_redid_and_then_gave_up_on_are_not_its_progress():
+    """Attempt 1 reached 25; the relaunch resumed from 10 and the run gave up at 15: it got
+    to iteration 15, not 25 (the page said 25 iterations of useful work)."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "failure", "time": 50.0, "iteration": 25, "attempt": 1},
+              {"event": "launch", "time": 60.0, "attempt": 2},
+              {"event": "checkpoint_loaded", "time": 65.0, "iteration": 10},
+              {"event": "failure", "time": 70.0, "iteration": 15, "attempt": 2},
+              {"event": "gave_up", "time": 70.1, "reason": "restart budget spent"}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert seen["iterations"] == 15

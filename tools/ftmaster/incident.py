@@ -279,15 +279,17 @@ def _risk_around(failure: dict, frame) -> str:
 # ---- goodput -----------------------------------------------------------------------------------
 
 def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
-    """The iterations the run completed, from where its first attempt started, at its median
-    step time, over its wall time."""
-    done = [e.get("iteration") for e in events if e["event"] in ("complete", "stopped", "failure")
-            and isinstance(e.get("iteration"), int)]
+    """The iterations the run completed, from where its first attempt started to where it
+    ended, at its median step time, over its wall time."""
+    # The last one: an attempt that got further before failing had its iterations past the
+    # relaunch's load redone or lost; a standby node's completion says where it last trained.
+    done = [e["iteration"] for e in events if e["event"] in ("complete", "stopped", "failure")
+            and isinstance(e.get("iteration"), int) and not e.get("on_other_nodes")]
     launches = [e["time"] for e in events if e["event"] == "launch"]
     if not done or not launches or "iteration_s" not in measured:
         return None
     wall = events[-1]["time"] - launches[0]
-    iterations = max(0, max(done) - _started_from(events))
+    iterations = max(0, done[-1] - _started_from(events))
     useful = iterations * measured["iteration_s"]
     return {"goodput": min(1.0, useful / wall) if wall > 0 else None, "wall_s": wall,
             "useful_s": useful, "iterations": iterations, "iteration_s": measured["iteration_s"]}
