@@ -214,3 +214,19 @@ def test_after_a_resume_from_an_older_checkpoint_its_age_is_that_checkpoints(mon
                   {"event": "checkpoint_loaded", "iteration": 10, "time": 990.0}):
         m.observe_event(event)
     assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 900.0
+
+
+def test_the_save_times_kept_for_a_resume_stay_few_in_a_long_run(monkeypatch):
+    """Every save's time was kept for the life of the run (a save every few minutes for
+    weeks); the newest few date a resume, an older one the newest save's time."""
+    from ftmaster.metrics import KEPT_SAVE_TIMES
+
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1e6)
+    for n in range(1, 3 * KEPT_SAVE_TIMES):
+        m.observe_event({"event": "periodic_save", "tier": "disk", "iteration": 10 * n,
+                         "time": float(n)})
+    assert len(m._taken["disk"]) == KEPT_SAVE_TIMES
+    kept = 10 * (3 * KEPT_SAVE_TIMES - 5)
+    m.observe_event({"event": "checkpoint_loaded", "iteration": kept, "time": 1e6})
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 1e6 - kept / 10

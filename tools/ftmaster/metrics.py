@@ -59,6 +59,7 @@ DCGM_FIELDS = {
                          "Throttling reasons bitmask (NVML clocks event reasons)."),
 }
 SAVE_EVENTS = ("emergency_save", "periodic_save")
+KEPT_SAVE_TIMES = 64
 RTO_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
 RPO_ITERATION_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 RPO_SECOND_BUCKETS = (0, 1, 5, 10, 30, 60, 300, 600, 1800, 3600, 7200)
@@ -189,6 +190,8 @@ class Metrics:
                                   "the last two heartbeats.", NODE_LABELS, registry=registry)
         self._saves: dict[str, tuple[int, float]] = {}  # tier -> (iteration, time) newest
         self._taken: dict[str, dict[int, float]] = {}  # tier -> iteration -> when it was taken
+        """The newest ``KEPT_SAVE_TIMES`` saves of each tier: a resume from one older than those
+        (every newer one failing its checks) dates the age from the newest save's time."""
         self._unpersisted: dict[int, float] = {}  # memory saves newer than the disk's: time
         self._recoveries = Recoveries()
         self._on_disk: int | None = None  # the newest iteration durable on disk
@@ -334,7 +337,10 @@ class Metrics:
     def _newest(self, tier: str, iteration: int, taken: float) -> None:
         """The tier's newest checkpoint is ``iteration``, taken at ``taken``."""
         with self._lock:
-            self._taken.setdefault(tier, {})[iteration] = taken
+            times = self._taken.setdefault(tier, {})
+            times[iteration] = taken
+            if len(times) > KEPT_SAVE_TIMES:  # a long run saves for weeks
+                del times[min(times)]
             first = tier not in self._saves
             if first or iteration >= self._saves[tier][0]:
                 self._saves[tier] = (iteration, taken)
