@@ -78,7 +78,7 @@ from megatron.core.dist_checkpointing.validation import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster import runfiles
-from ftmaster.guard import die_with_parent
+from ftmaster.guard import exit_with_parent
 from ftmaster.peer_files import peer_clients
 from ftmaster.persist import CHECKPOINT_BYTES_PER_PARAMETER
 from ftmaster.recovery.checkpoints import (
@@ -278,7 +278,7 @@ def start_writer_results_queue() -> None:
     a busy host), so a round trip of a real ``WriteResult`` pays them at start-up instead.
 
     Its Manager server also outlives a rank killed by a signal (about 270 MB each, and a lost
-    rank is exactly what ftmaster recovers from), so ours asks for SIGKILL when its rank dies.
+    rank is exactly what ftmaster recovers from), so ours asks to exit when its rank dies.
     It holds nothing of a rank, so a warm worker starts it before it is given one
     (``ftmaster.warm.WARM_UP``).
     """
@@ -291,7 +291,7 @@ def start_writer_results_queue() -> None:
     if filesystem_async._results_queue is not None:
         return
     _writers_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    _writers_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    _writers_manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
     queue = _writers_manager.Queue()
     queue.put({0: [WriteResult(MetadataIndex("warm-up"), 0, _StorageInfo("warm-up", 0, 0))]})
     queue.get()

@@ -5,7 +5,12 @@ memory tier."""
 
 import queue
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -78,15 +83,40 @@ def test_a_writers_server_that_died_is_started_again_for_the_next_async_save(mon
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
     monkeypatch.setattr(checkpointing, "_writers_manager", None)
     checkpointing.start_writer_results_queue()
+    killed = Path(checkpointing._writers_manager.address).parent
     try:
         checkpointing._writers_manager._process.kill()
         checkpointing._writers_manager._process.join(10)
+        shutil.rmtree(killed)  # what its exit handlers would have removed
         results = checkpointing.results_queue_of_one_save(in_rank=False)
         results.put("the writers' results")
         assert results.get(timeout=10) == "the writers' results"
         assert "the async writers' result server is gone" in capsys.readouterr().err
     finally:
         checkpointing._writers_manager.shutdown()
+
+
+_RANK_KILLED_WITH_A_WRITERS_SERVER = """
+import os, signal
+from megatron.training import checkpointing
+checkpointing.start_writer_results_queue()
+print(checkpointing._writers_manager.address, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_rank_killed_leaves_no_folder_of_its_writers_server_in_tmp():
+    """The server listens in a pymp-* folder of /tmp that only its exit handlers remove; killed
+    with its rank, it left one behind per rank lost (56 after two days of suites here)."""
+    rank = subprocess.run([sys.executable, "-c", _RANK_KILLED_WITH_A_WRITERS_SERVER],
+                          capture_output=True, text=True, timeout=120)
+    assert rank.returncode == -signal.SIGKILL, rank.stderr
+    server_folder = Path(rank.stdout.strip()).parent
+    assert server_folder.name.startswith("pymp-")
+    deadline = time.monotonic() + 20
+    while server_folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not server_folder.exists()
 
 
 def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, monkeypatch):

@@ -60,6 +60,20 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def exit_with_parent(expected_parent: int) -> None:
+    """Ask to exit, through Python's exit handlers, when the parent dies.
+
+    For a multiprocessing Manager's server: it listens on a socket in a ``pymp-*`` folder of
+    its own in /tmp, which its exit handlers remove. Killed with its rank (SIGKILL), it left
+    one folder behind per rank lost, and a long-lived node collected them."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    die_with_parent(expected_parent, signal.SIGTERM)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)
+
+
 _forking_pid: int | None = None
 
 
