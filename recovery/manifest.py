@@ -202,7 +202,10 @@ def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
         items = {name: {int(offset): FileDigest(int(size), str(digest))
                         for offset, size, digest in entries}
                  for name, entries in (body.get("items") or {}).items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    # OverflowError: a size or offset of 1e999 (inf); RecursionError: JSON nested past the
+    # parser's depth. Raised, either ended the load or the supervisor in a traceback.
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
+            RecursionError):
         return None
     if body.get("checksum", CHECKSUM) != CHECKSUM:
         return None

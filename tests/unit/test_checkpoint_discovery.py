@@ -173,6 +173,8 @@ def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_
     lambda data: b"",                                          # emptied
     lambda data: data.replace(b'"files"', b'"fil\xffs"'),     # a byte flipped
     lambda data: data.replace(b"xxh3_64", b"sha1"),            # a checksum this build cannot check
+    lambda data: data.replace(b'"bytes": ', b'"bytes": 1e999', 1),  # a size no int can hold
+    lambda data: b"[" * 100_000,                               # nested past the parser's depth
 ])
 def test_a_damaged_manifest_is_never_a_checkpoint_without_one(save_dir, damage):
     path = iteration_dir(save_dir, 30)
