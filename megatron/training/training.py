@@ -384,8 +384,7 @@ class Trainer:
         if failure.tier == "memory":  # the request goes to disk instead
             self._retry_on_disk = failure.kind
             return
-        if self.writes_run_files:
-            self.requests.consume()
+        self._consume_answered_flag()
         if failure.kind in ("final", "exit") or (self._training_done()
                                                  and failure.iteration == self.state.iteration):
             self._final_save_failure = failure  # no second try at the same iteration
@@ -406,14 +405,19 @@ class Trainer:
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})
-        if self.writes_run_files:
-            self.requests.consume()
+        self._consume_answered_flag()
         if self.board is not None:  # what a relaunch resumes from is on disk in the curves too
             self.board.flush()
         if (self.args.keep_emergency is not None and done.tier == "disk"
                 and torch.distributed.get_rank() == 0):
             self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
                                              self.args.keep_emergency)
+
+    def _consume_answered_flag(self) -> None:
+        """Each node's local rank 0 removes the flag its ranks answered, with or without a run
+        directory (``--emergency-save-flag-dir`` alone)."""
+        if local_rank() == 0:
+            self.requests.consume()
 
     def _heartbeat(self, finished: bool = False) -> None:
         if self.writes_run_files:

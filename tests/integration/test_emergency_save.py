@@ -140,3 +140,16 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(tmp_path):
     result = run_trainer(1, wider + BATCH + ["--train-iters", "5", "--load", str(save),
                                              "--override-opt-param-scheduler"])
     assert result.returncode == 0 and min(iterations(result.stdout)) == 5, result.stdout[-3000:]
+
+
+def test_a_trainer_without_ftmaster_removes_the_flag_it_answered(tmp_path):
+    """--emergency-save-flag-dir and no run directory: the answered flag is removed all the
+    same, or the next run on that folder takes an emergency save it was never asked for."""
+    flag, save = tmp_path / "flags" / runfiles.SAVE_NOW_FLAG, tmp_path / "save"
+    runfiles.write_flag(flag, source="test")
+    result = run_trainer(1, SMALL_GPT + BATCH + [
+        "--train-iters", "3", "--save", str(save), "--emergency-save-gap-frac", "0",
+        "--emergency-save-flag-dir", str(flag.parent)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "saved emergency checkpoint at iteration 1" in result.stdout
+    assert not flag.exists()
