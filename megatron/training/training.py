@@ -443,7 +443,8 @@ class Trainer:
         self._save_on_disk_after_memory_failure()
         if decision.exit:
             log_rank0(f"exiting on SIGTERM after iteration {self.state.iteration}")
-            self._stopped_on_signal = True
+            # Agreed at the last iteration, the exit save is training's final checkpoint.
+            self._stopped_on_signal = not self._training_done()
         return decision.exit or self._exit_interval_reached()
 
     def _tier(self, decision) -> str:

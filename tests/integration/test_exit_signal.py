@@ -1,13 +1,16 @@
 """--exit-signal-handler: on SIGTERM every rank saves at the same iteration and exits 0."""
 
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
 
 from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import checkpoint_problem, iteration_dir, read_tracker
-from helpers.trainer import SMALL_GPT, kill_session, start_trainer, wait_until
+from helpers.trainer import (PRETRAIN, REPO, SMALL_GPT, kill_session, start_trainer,
+                             trainer_env, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +57,36 @@ def test_a_rank_killed_by_sigkill_leaves_no_helper_process(tmp_path):
         assert not alive, [p.cmdline() for p in alive]
     finally:
         kill_session(process)
+
+
+SIGNALLED_AT = """
+import os, runpy, signal, sys
+from megatron.training import training
+step = training.Trainer.train_step
+def train_step(self):
+    loss = step(self)
+    if self.state.iteration == {iteration}:  # after this iteration's agreement was sampled
+        os.kill(os.getpid(), signal.SIGTERM)
+    return loss
+training.Trainer.train_step = train_step
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_sigterm_agreed_at_the_last_iteration_finishes_training(tmp_path):
+    """A SIGTERM during iteration 4 of 5 is agreed at the end of 5, the last: the exit save is
+    training's last checkpoint, and the heartbeat says training finished, so a supervisor
+    that did not send the signal does not take it for a stop and relaunch."""
+    save, run_dir, script = tmp_path / "save", tmp_path / "run", tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_AT.format(iteration=4, script=PRETRAIN))
+    result = subprocess.run(
+        [sys.executable, str(script), *SMALL_GPT, "--micro-batch-size", "2", "--train-iters",
+         "5", "--lr", "1e-3", "--save", str(save), "--exit-signal-handler"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=trainer_env(FTMASTER_RUN_DIR=str(run_dir)))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "exiting on SIGTERM after iteration 5" in result.stdout
+    assert read_tracker(save) == 5
+    heartbeat = runfiles.read_heartbeat(run_dir)
+    assert (heartbeat["iteration"], heartbeat["finished"]) == (5, True)
