@@ -207,12 +207,19 @@ def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
             RecursionError):
         return None
-    if body.get("checksum", CHECKSUM) != CHECKSUM:
+    if body.get("checksum", CHECKSUM) != CHECKSUM or \
+            not all(map(is_plain_file_name, files.keys() | items.keys())):
         return None
     kind = body.get("kind")
     iteration = body.get("iteration")
     return Manifest(kind if kind in SAVE_KINDS else None,
                     iteration if isinstance(iteration, int) else None, files, items)
+
+
+def is_plain_file_name(name: str) -> bool:
+    """Whether a manifest's file name names a file in its checkpoint's folder: a damaged or
+    hand-edited one could lead a check, a persist copy or a peer copy outside it."""
+    return name not in ("", ".", "..") and "\0" not in name and Path(name).name == name
 
 
 def known_manifest_name(folder: Path) -> str | None:

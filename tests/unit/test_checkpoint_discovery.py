@@ -175,6 +175,7 @@ def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_
     lambda data: data.replace(b"xxh3_64", b"sha1"),            # a checksum this build cannot check
     lambda data: data.replace(b'"bytes": ', b'"bytes": 1e999', 1),  # a size no int can hold
     lambda data: b"[" * 100_000,                               # nested past the parser's depth
+    lambda data: data.replace(b'"files": {"', b'"files": {"../', 1),  # a file outside its folder
 ])
 def test_a_damaged_manifest_is_never_a_checkpoint_without_one(save_dir, damage):
     path = iteration_dir(save_dir, 30)

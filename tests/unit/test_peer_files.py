@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerServer,
-                                 copy_checkpoint, fill_from_peer, new_secret)
+                                 copy_checkpoint, fill_from_peer, manifest_files, new_secret)
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
 
@@ -295,3 +295,15 @@ def test_a_client_may_wait_for_a_peer_to_take_up_the_secret(tmp_path):
     finally:
         server.close()
     assert data == (folder / MANIFEST_NAME).read_bytes()
+
+
+@pytest.mark.parametrize(("files", "problem"), [
+    ('{"../escape": {"bytes": 1, "digest": "0"}}', "names a file outside its folder"),
+    ('{"a\\u0000b": {"bytes": 1, "digest": "0"}}', "names a file outside its folder"),
+    ('{"__0_0.distcp": {"bytes": 1e999, "digest": "0"}}', "cannot be read"),
+    ("[" * 100_000, "cannot be read"),
+])
+def test_a_peers_damaged_manifest_is_refused_in_one_line(files, problem):
+    manifest = f'{{"kind": "periodic", "iteration": 6, "checksum": "xxh3_64", "files": {files}}}'
+    with pytest.raises(PeerError, match=f"peer: the manifest of iteration 6 {problem}"):
+        manifest_files(manifest.encode(), 6, "peer")

@@ -47,7 +47,8 @@ import xxhash
 
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
-                                        digest_bytes, digest_file, size_problem)
+                                        digest_bytes, digest_file, is_plain_file_name,
+                                        size_problem)
 from ftmaster.runfiles import atomic_write_text
 
 log = logging.getLogger("ftmaster")
@@ -506,12 +507,12 @@ def manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileD
         body = json.loads(manifest)
         files = {name: FileDigest(int(e["bytes"]), str(e["digest"]))
                  for name, e in body["files"].items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         raise PeerError(f"{url}: the manifest of iteration {iteration} cannot be read") from None
     if body.get("iteration") != iteration or body.get("checksum") != CHECKSUM or not files:
         raise PeerError(f"{url}: the manifest of iteration {iteration} describes another "
                         f"checkpoint or has no checksums")
-    if any(Path(name).name != name or name in ("", ".", "..") for name in files):
+    if not all(map(is_plain_file_name, files)):
         raise PeerError(f"{url}: the manifest of iteration {iteration} names a file outside "
                         f"its folder")
     return files
