@@ -25,6 +25,7 @@ import csv
 import statistics
 from pathlib import Path
 
+from ftmaster import runfiles
 from ftmaster.monitor.backends import TraceEnded
 from ftmaster.monitor.sample import FIELD_NAMES, GpuSample, RowError, from_row
 
@@ -70,17 +71,18 @@ class ReplayBackend:
 
     def _load(self) -> list[list[GpuSample]]:
         try:
-            handle = self.path.open(newline="", encoding="utf-8-sig", errors="replace")
+            handle, torn = runfiles.open_whole_lines(self.path, newline="", encoding="utf-8-sig",
+                                                     errors="replace")
         except OSError as exc:
             raise ReplayError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         with handle:
-            samples = sorted(self._rows(handle), key=lambda s: s.timestamp)
+            samples = sorted(self._rows(handle, torn), key=lambda s: s.timestamp)
         if not samples:
             raise ReplayError(f"{self.path} has no usable rows"
                               + (f" ({self.problems[0]})" if self.problems else ""))
         return _fill_gaps(_group(samples), last_is_complete=not self._ends_in_skipped_rows)
 
-    def _rows(self, handle):
+    def _rows(self, handle, torn: int):
         reader = csv.reader(handle)
         try:
             header = next(row for row in reader if row)  # past blank lines before it
@@ -100,6 +102,8 @@ class ReplayBackend:
             try:
                 cells = next(reader)
             except StopIteration:
+                if torn:  # a cell cut short may still make a row of the header's length
+                    self._skip(reader.line_num + 1, "incomplete last line (no newline)")
                 return
             except csv.Error as exc:
                 self._skip(reader.line_num, str(exc))

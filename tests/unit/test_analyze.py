@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from ftmaster import runfiles
 from ftmaster.cli import main
+from ftmaster.monitor.schema import CSV_COLUMNS
 from helpers.synth_run import failing_spec, write_run_dir
 
 RUN = failing_spec(gpus=4, hours=0.5, interval_s=5.0, failing_gpu=2)
@@ -96,6 +97,25 @@ def test_damaged_events_spoil_only_their_own_lines(run_copy, tmp_path, analysed)
     before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")["alerts"]
     after = pd.read_csv(out / "summary.csv", index_col="gpu")["alerts"]
     assert after.to_dict() == {**before.to_dict(), 2: before[2] + 1}
+
+
+def test_a_torn_last_row_is_left_out_and_said_in_one_line(run_copy, tmp_path, analysed):
+    """A live monitor's (or a killed one's) last row without its newline: read, its value
+    cut short ("8" of GPU 1's memory_total) gave a headroom of minus most of the memory."""
+    csv_path = runfiles.metrics_csv_path(run_copy)
+    row = csv_path.read_text().splitlines()[-1].split(",")
+    cut = row[:CSV_COLUMNS.index("memory_total")] + ["8"]
+    with csv_path.open("a") as handle:
+        handle.write(",".join(cut))
+    out = tmp_path / "analysis"
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {csv_path}: its last line is incomplete (no newline: "
+                             "still being written, or cut short), skipped\n")
+    before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")
+    after = pd.read_csv(out / "summary.csv", index_col="gpu")
+    assert after.loc[int(row[1]), "memory_headroom_min_mib"] > 0
+    pd.testing.assert_frame_equal(after, before)
 
 
 def test_an_events_file_that_cannot_be_read_is_one_line(run_copy, tmp_path):

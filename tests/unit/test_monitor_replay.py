@@ -142,6 +142,20 @@ def test_a_torn_last_row_is_unknown_not_a_lost_gpu(tmp_path):
     assert [(s.gpu_id, s.temperature) for s in last] == [(0, 65.0), (1, None)]
 
 
+def test_a_last_row_cut_within_its_last_cell_is_skipped_not_read_short(tmp_path):
+    """A row torn inside its last cell has the header's length: its cut value ("8" of "85")
+    passed for a whole one."""
+    header = ["timestamp", "gpu_id", "temperature"]
+    rows = [[iso_time(T0 + 10 * k), str(gpu), "85"] for k in range(2) for gpu in (0, 1)]
+    path = write_csv(tmp_path / "m.csv", header, rows)
+    path.write_text(path.read_text()[:-2])  # "85\n" -> "8"
+    backend = ReplayBackend(path)
+    last = drain(backend)[-1]
+    assert [(s.gpu_id, s.temperature) for s in last] == [(0, 85.0), (1, None)]
+    assert backend.skipped == 1
+    assert backend.problems == [f"{path}:5: incomplete last line (no newline)"]
+
+
 def test_a_gpu_missing_from_a_clean_files_last_sample_is_lost(tmp_path):
     backend = ReplayBackend(write_csv(tmp_path / "m.csv", CSV_COLUMNS, two_gpu_rows(3)[:-1]))
     monitor = Monitor(backend, None, config=MonitorConfig(interval_s=0))

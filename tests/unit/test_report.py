@@ -174,7 +174,8 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
 @pytest.mark.parametrize("content, expected", [
     (None, "events.jsonl does not exist"),
     ("", "has no events"),
-    ('{"event": "launch", "time": 1}\n{"event": "launch", "ti', "line 2 is not a JSON object"),
+    ('{"event": "launch", "time": 1}\n{"event": "launch", "ti\n{"event": "launch", "time": 3}\n',
+     "line 2 is not a JSON object"),
     ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
     ('[1, 2]\n', "line 1 is not a JSON object"),
     ('{"event": "launch", "time": 1}\n{"event": "failure", "time": 2, "gpus": 3}\n',
@@ -203,6 +204,22 @@ def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expec
     assert result.stdout == ""
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_a_torn_last_line_is_left_out_and_said_in_one_line(tmp_path):
+    """A live run (or one killed mid-write) leaves a last line without its newline: the
+    report is of everything before it, not an error."""
+    run_dir = two_failures(tmp_path / "run")
+    assert run_report(run_dir).exit_code == 0
+    whole = (run_dir / "report.json").read_text()
+    events = run_dir / "events.jsonl"
+    with events.open("a") as handle:
+        handle.write('{"event": "failure", "time": 170, "attempt": 3, "itera')
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {events}: its last line is incomplete (no newline: still "
+                             "being written, or cut short), skipped\n")
+    assert (run_dir / "report.json").read_text() == whole
 
 
 def test_a_garbled_iteration_line_is_not_read(tmp_path):

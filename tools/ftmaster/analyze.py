@@ -125,7 +125,9 @@ LATEST_TIME = 4e9
 
 def _header(csv_path: Path) -> list[str]:
     try:
-        with open(csv_path, newline="", encoding="utf-8-sig", errors="replace") as handle:
+        handle, _ = runfiles.open_whole_lines(csv_path, newline="", encoding="utf-8-sig",
+                                              errors="replace")  # a torn header is none
+        with handle:
             header = next(csv.reader(handle), [])
     except FileNotFoundError as exc:
         raise NoSamples(f"cannot read {csv_path}: {exc.strerror}") from None
@@ -153,22 +155,26 @@ def _parse_times(stamps: pd.Series) -> pd.Series:
 
 
 def load_metrics(csv_path: Path) -> pd.DataFrame:
-    """The CSV's needed columns: ``time`` (unix s, float64), ``gpu_id`` and float32 metrics."""
+    """The CSV's needed columns: ``time`` (unix s, float64), ``gpu_id`` and float32 metrics.
+    A torn last row (a live monitor's, or a killed one's) is left out, and said on stderr."""
     header = _header(csv_path)
     numeric = [c for c in NUMERIC if c in header]
     dtypes = {"timestamp": str, "gpu_id": "float64", **{c: "float32" for c in numeric}}
     chunks = []
+    handle, torn = runfiles.open_whole_lines(csv_path, encoding="utf-8-sig", newline="")
     try:
-        reader = pd.read_csv(csv_path, usecols=[*REQUIRED, *numeric], dtype=dtypes,
-                             encoding="utf-8-sig",
-                             chunksize=CHUNK_ROWS, keep_default_na=False,
-                             na_values=["", "nan", "NaN", "N/A", "[N/A]"])
-        for chunk in reader:
-            chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
-            chunks.append(chunk.dropna(subset=["time", "gpu_id"]))
+        with handle:
+            reader = pd.read_csv(handle, usecols=[*REQUIRED, *numeric], dtype=dtypes,
+                                 chunksize=CHUNK_ROWS, keep_default_na=False,
+                                 na_values=["", "nan", "NaN", "N/A", "[N/A]"])
+            for chunk in reader:
+                chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
+                chunks.append(chunk.dropna(subset=["time", "gpu_id"]))
     except (ValueError, pd.errors.ParserError) as exc:
         reason = str(exc).splitlines()[0]
         raise _fail(f"{csv_path} is malformed ({reason}); expected gpu_metrics.csv rows") from None
+    if torn:
+        click.echo(f"warning: {runfiles.torn_line_note(csv_path)}", err=True)
     frame = pd.concat(chunks, ignore_index=True) if chunks else pd.DataFrame()
     if frame.empty:
         raise NoSamples(f"{csv_path} has no samples with a valid timestamp (ISO 8601, or unix "

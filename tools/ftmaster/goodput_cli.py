@@ -71,11 +71,10 @@ def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
     return _median(values)
 
 
-def measure(run_dir: Path) -> dict[str, float]:
-    """Inputs found in a run directory: events.jsonl save, persist and restart times (read as
-    strictly as ``ftmaster report`` does), log iteration times. Only what was found is
-    returned."""
-    events = report.load_events(run_dir)
+def measure(run_dir: Path, events: list[dict]) -> dict[str, float]:
+    """Inputs found in a run directory: save, persist and restart times from its ``events``
+    (:func:`ftmaster.report.load_events`: read as strictly as ``ftmaster report`` does), log
+    iteration times. Only what was found is returned."""
     iteration_s = _iteration_s(run_dir)
     found = {"iteration_s": iteration_s,
              "save_block_s": _event_field(events, SAVES, "seconds", "disk"),
@@ -306,7 +305,7 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
         if "gpu_mtbf_hours" in explicit:
             raise click.ClickException("give --gpu-mtbf-hours or --gpu-failure-rate, not both")
         explicit["gpu_mtbf_hours"] = 1 / gpu_failure_rate
-    measured = measure(run_dir) if run_dir else {}
+    measured = measure(run_dir, report.load_events(run_dir)) if run_dir else {}
     measured = {k: v for k, v in measured.items() if k not in explicit}
     try:
         x = model_inputs(explicit, measured)

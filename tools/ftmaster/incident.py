@@ -323,7 +323,7 @@ def job_gpus(events: list[dict]) -> int:
 
 
 def _goodput(run_dir: Path, events: list[dict]) -> str:
-    measured = goodput_cli.measure(run_dir)
+    measured = goodput_cli.measure(run_dir, events)
     seen = observed_goodput(measured, events)
     lines = ["<h2>Goodput</h2>\n"]
     if seen is None:

@@ -1,6 +1,8 @@
 """``ftmaster report RUN_DIR``: a run's timeline and, per failure, what it cost (RTO and RPO).
 
 Reads ``RUN_DIR/events.jsonl`` (DESIGN's events table) and ``RUN_DIR/logs/attempt_<N>.log``.
+A line that is not an event is an error, except a torn last line (no newline: the run is still
+writing, or a writer was killed mid-write), which is left out with a warning.
 Times are unix seconds; the timeline shows them relative to the first event. Per ``failure``
 event (``fault_at`` is the moment the fault happened, where it is known):
 
@@ -232,13 +234,18 @@ def _at_its_moment(event: dict) -> dict:
 
 
 def _read_events_file(path: Path) -> list[dict] | None:
-    """One events.jsonl's events, in file order; None when the file does not exist."""
+    """One events.jsonl's events, in file order; None when the file does not exist. A torn
+    last line (a live run's, or a killed writer's) is left out, and said on stderr."""
     try:
-        lines = path.read_text().splitlines()
+        handle, torn = runfiles.open_whole_lines(path)
+        with handle:
+            lines = handle.read().splitlines()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"cannot read {path}: {exc}") from None
+    if torn:
+        click.echo(f"warning: {runfiles.torn_line_note(path)}", err=True)
     return [_parse_event(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
 
 
@@ -852,8 +859,8 @@ def failure_reports(run_dir: Path, events: list[dict]) -> list[dict]:
     return [failure_report(run_dir, events, i, rounds) for i in range(len(rounds))]
 
 
-def build_report(run_dir: Path) -> dict:
-    events, nodes = _load_run(run_dir)
+def build_report(run_dir: Path, events: list[dict], nodes: list[dict] | None) -> dict:
+    """The report of what :func:`_load_run` read from ``run_dir``."""
     start = events[0]["time"]
     return {
         "run_dir": str(run_dir), "start_time": start,
@@ -1041,13 +1048,14 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     json_out = json_out or run_dir / "report.json"
     if _is_run_file(json_out, run_dir):
         raise ReportError(f"--json-out {json_out} is one of the run's own files: give another path")
-    report = build_report(run_dir)
+    events, nodes = _load_run(run_dir)
+    report = build_report(run_dir, events, nodes)
     try:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
     except OSError as exc:
         raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
     try:
-        page = write_incident_page(run_dir, report, _load_run(run_dir)[0], _samples(run_dir))
+        page = write_incident_page(run_dir, report, events, _samples(run_dir))
     except OSError as exc:
         raise ReportError(f"cannot make the incident page: {exc.filename}: {exc.strerror}") from None
     click.echo(format_report(report))

@@ -17,13 +17,14 @@ Every writer here is atomic or append-only, so a reader never sees half a record
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TextIO, TypeVar
 
 _T = TypeVar("_T")
 
@@ -296,3 +297,65 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and "event" in record:
             events.append(record)
     return events
+
+
+TAIL_BLOCK = 1 << 16
+"""How much of a file's end is read at a time to find its last newline."""
+
+
+def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
+    """``path`` opened for reading as text (``text``: ``open``'s ``encoding``, ``errors`` and
+    ``newline``) up to the end of its last whole line, and how many bytes follow it.
+
+    Those bytes are a torn last line, of a writer killed mid-write or one still writing: read
+    as a line, a value cut short ("8" of "80000") would pass for a whole one. What is appended
+    after the open is not read either.
+    """
+    raw = open(path, "rb", buffering=0)
+    try:
+        size = raw.seek(0, os.SEEK_END)
+        end = _whole_lines_end(raw, size)
+        raw.seek(0)
+        return io.TextIOWrapper(io.BufferedReader(_Prefix(raw, end)), **text), size - end
+    except BaseException:
+        raw.close()
+        raise
+
+
+def torn_line_note(path: Path) -> str:
+    """What a reader of :func:`open_whole_lines` says of a torn last line it left out."""
+    return (f"{path}: its last line is incomplete (no newline: still being written, or cut "
+            "short), skipped")
+
+
+def _whole_lines_end(raw: io.RawIOBase, size: int) -> int:
+    """Just past the last newline of the ``size``-byte file ``raw``; 0 when it has none."""
+    end = size
+    while end > 0:
+        start = max(0, end - TAIL_BLOCK)
+        raw.seek(start)
+        newline = raw.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+class _Prefix(io.RawIOBase):
+    """The first ``size`` bytes of the binary file ``raw``, which it closes."""
+
+    def __init__(self, raw: io.RawIOBase, size: int) -> None:
+        super().__init__()
+        self._raw, self._left = raw, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = self._raw.readinto(memoryview(buffer)[:self._left]) if self._left else 0
+        self._left -= count
+        return count
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
