@@ -236,9 +236,15 @@ def test_a_garbled_iteration_line_is_not_read(tmp_path):
     assert json.loads(result.stdout)["inputs"]["iteration_s"] == 0.05
 
 
-@pytest.mark.parametrize("own", ["events.jsonl", "logs/attempt_1.log", "report.html",
-                                 "heartbeat.json", "ftmaster.lock", "flags/save_now.flag"])
-def test_the_json_is_never_written_over_the_runs_own_files(tmp_path, own):
+@pytest.mark.parametrize("own, problem", [
+    ("events.jsonl", "is one of the run's own files"),
+    ("report.html", "is one of the run's own files"),
+    ("heartbeat.json", "is one of the run's own files"),
+    ("ftmaster.lock", "is one of the run's own files"),
+    ("logs/attempt_1.log", "is in {run_dir}/logs, a folder the run writes or reads"),
+    ("flags/save_now.flag", "is in {run_dir}/flags, a folder the run writes or reads"),
+])
+def test_the_json_is_never_written_over_the_runs_own_files(tmp_path, own, problem):
     """Nor over the incident page written beside it, nor what a live run reads (any
     ``save_now`` flag is a save request)."""
     run_dir = two_failures(tmp_path / "run")
@@ -248,15 +254,19 @@ def test_the_json_is_never_written_over_the_runs_own_files(tmp_path, own):
     before = (run_dir / own).read_bytes()
     result = run_report(run_dir, "--json-out", run_dir / own)
     assert result.exit_code == 1
-    assert result.stderr.strip() == (f"Error: --json-out {run_dir / own} is one of the run's own "
-                                     "files: give another path")
+    assert result.stderr.strip() == (f"Error: --json-out {run_dir / own} "
+                                     f"{problem.format(run_dir=run_dir)}: give another path")
     assert (run_dir / own).read_bytes() == before
 
 
-def test_the_json_may_go_into_the_run_dir_under_a_name_of_its_own(tmp_path):
+@pytest.mark.parametrize("name", ["incident-2.json", "analysis/report.json"])
+def test_the_json_may_go_into_the_run_dir_under_a_name_of_its_own(tmp_path, name):
+    """In a folder of its own too: that is no file of the run's."""
     run_dir = two_failures(tmp_path / "run")
-    assert run_report(run_dir, "--json-out", run_dir / "incident-2.json").exit_code == 0
-    assert json.loads((run_dir / "incident-2.json").read_text())["failures"]
+    (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+    result = run_report(run_dir, "--json-out", run_dir / name)
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / name).read_text())["failures"]
 
 
 def test_a_missing_run_dir_is_one_line(tmp_path):

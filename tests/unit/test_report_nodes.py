@@ -76,6 +76,25 @@ def test_one_recovery_with_the_gpu_loss_as_root_and_the_peer_as_consequence(two_
     assert [n["node"] for n in report["nodes"]] == [0, 1] and report["nodes"][1]["events"] == 11
 
 
+@pytest.mark.parametrize("name, problem", [
+    ("node_1/events.jsonl", "is one of the run's own files"),
+    ("node_1/peers.json", "is one of the run's own files"),
+    ("node_0/logs/report.json", "is in {run_dir}/node_0/logs, a folder the run writes or reads"),
+    ("node_1/analysis/report.json", None),
+])
+def test_a_nodes_own_files_are_refused_for_the_json_and_its_other_folders_are_not(tmp_path, name,
+                                                                                  problem):
+    run_dir = gpu_loss_on_node_1(tmp_path / "run")
+    (run_dir / name).parent.mkdir(exist_ok=True)
+    result = run_report(run_dir, "--json-out", run_dir / name)
+    if problem is None:
+        assert result.exit_code == 0, result.output
+        assert json.loads((run_dir / name).read_text())["failures"]
+    else:
+        assert result.stderr.strip() == (f"Error: --json-out {run_dir / name} "
+                                         f"{problem.format(run_dir=run_dir)}: give another path")
+
+
 def test_detection_and_lead_time_use_the_root_nodes_own_gpu(two_nodes):
     _, report = two_nodes
     (round_,) = report["failures"]

@@ -224,7 +224,7 @@ class Attempt:
         self.gpus = tuple(gpus)
         self.command = list(command)
         self.log_path = runfiles.logs_dir(run_dir) / f"attempt_{number}.log"
-        self.rank_dir = Path(run_dir) / "ranks" / f"attempt_{number}"
+        self.rank_dir = runfiles.ranks_dir(run_dir) / f"attempt_{number}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started_at = time.time()

@@ -159,7 +159,7 @@ class ReplicaRecovery:
         module = ["-m", "megatron.training.replica_merge", str(folder), str(self.memory_dir),
                   *(["--newest", str(newest)] if newest is not None else [])]
         started = time.monotonic()
-        helper = self.run_dir / "ranks" / f"merge_{folder.name}"
+        helper = runfiles.ranks_dir(self.run_dir) / f"merge_{folder.name}"
         output = helper / "output.log"  # where run_module has the worker write
         # The worker appends to its output, and a folder's name may come back (across nodes
         # the round numbers restart in a requeued job): an earlier merge's line is no answer.

@@ -109,6 +109,7 @@ import click
 
 from ftmaster import runfiles
 from ftmaster.lock import LOCK_NAME
+from ftmaster.peer_files import PEERS_FILE
 
 INCIDENT_PAGE = "report.html"
 SAVES = ("emergency_save", "periodic_save")
@@ -1046,8 +1047,8 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     from ftmaster.incident import write_incident_page
 
     json_out = json_out or run_dir / "report.json"
-    if _is_run_file(json_out, run_dir):
-        raise ReportError(f"--json-out {json_out} is one of the run's own files: give another path")
+    if (problem := _run_file_problem(json_out, run_dir)) is not None:
+        raise ReportError(f"--json-out {json_out} {problem}: give another path")
     events, nodes = _load_run(run_dir)
     report = build_report(run_dir, events, nodes)
     try:
@@ -1062,16 +1063,27 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     click.echo(f"\nwrote {json_out} and {page}")
 
 
-def _is_run_file(path: Path, run_dir: Path) -> bool:
-    """Whether ``path`` is a file of the run's own, or in one of its folders: the report's
-    inputs (events, samples, logs), what a live run reads (heartbeat, lock, flags: any
-    ``save_now`` flag is a save request) and the incident page written beside the JSON."""
+def _run_file_problem(path: Path, run_dir: Path) -> str | None:
+    """Why ``path`` must not be written, when it is a file of the run's own or in one of its
+    folders: the report's inputs (events, samples, logs), what a live run reads (heartbeat,
+    lock, peer list, flags: any ``save_now`` flag is a save request) and the incident page
+    written beside the JSON. A node's folder holds the same. None for any other path, in a
+    folder of the run's or not (``RUN_DIR/analysis/``)."""
     path, run_dir = path.resolve(), run_dir.resolve()
-    if path.parent != run_dir:
-        return run_dir in path.parents
-    own = (runfiles.events_path(run_dir), runfiles.metrics_csv_path(run_dir),
-           runfiles.heartbeat_path(run_dir), run_dir / LOCK_NAME, run_dir / INCIDENT_PAGE)
-    return path.name in {p.name for p in own}
+    if path.parent == run_dir:
+        own = (runfiles.events_path(run_dir), runfiles.metrics_csv_path(run_dir),
+               runfiles.heartbeat_path(run_dir), run_dir / LOCK_NAME, run_dir / PEERS_FILE,
+               run_dir / INCIDENT_PAGE)
+        return "is one of the run's own files" if path in own else None
+    if run_dir not in path.parents:
+        return None
+    folder = run_dir / path.relative_to(run_dir).parts[0]
+    if folder in (runfiles.node_dir(run_dir, node) for node in runfiles.node_ranks(run_dir)):
+        return _run_file_problem(path, folder)
+    if folder in (runfiles.flags_dir(run_dir), runfiles.logs_dir(run_dir),
+                  runfiles.ranks_dir(run_dir)):
+        return f"is in {folder}, a folder the run writes or reads"
+    return None
 
 
 def _samples(run_dir: Path):

@@ -8,6 +8,7 @@ Layout (``FTMASTER_RUN_DIR``)::
     events.jsonl                    one JSON object per line, each with "event" and "time"
     heartbeat.json                  training progress, written by local rank 0 every iteration
     logs/                           one training log per launch attempt
+    ranks/                          each attempt's rank records
 
 With ``ftmaster launch --nnodes``, each node keeps this layout in ``RUN_DIR/node_<R>/``.
 
@@ -81,6 +82,11 @@ def heartbeat_path(run_dir: Path) -> Path:
 
 def logs_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "logs"
+
+
+def ranks_dir(run_dir: Path) -> Path:
+    """Each attempt's rank records and error files, and the replica merges' output."""
+    return Path(run_dir) / "ranks"
 
 
 def layout_problem(run_dir: Path) -> str | None:
