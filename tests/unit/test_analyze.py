@@ -179,6 +179,20 @@ def test_an_out_folder_that_cannot_be_made_is_one_line(generated, tmp_path):
         f"Error: cannot create --out {blocker / 'o'}: Not a directory"]
 
 
+@pytest.mark.parametrize("target", [".", "gpu_metrics.csv"])
+def test_a_run_directory_is_no_out_folder(run_copy, target):
+    """There ftmaster report writes its incident page, report.html: one overwrote the other."""
+    page = run_copy / "report.html"
+    assert CliRunner().invoke(main, ["report", str(run_copy)]).exit_code == 0
+    before = page.read_bytes()
+    result = CliRunner().invoke(main, ["analyze", str(run_copy / target), "--out", str(run_copy)])
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        f"Error: --out {run_copy} is a run directory, where ftmaster report writes its incident "
+        f"page, report.html: give a folder of its own, e.g. {run_copy / 'analysis'}"]
+    assert page.read_bytes() == before
+
+
 def analyze_csv(tmp_path, lines):
     """ftmaster analyze on a CSV of ``lines``; (summary.csv as text, summary.md)."""
     csv_path = tmp_path / "gpu_metrics.csv"

@@ -11,6 +11,8 @@ Writes into DIR:
   failures, plans and launches;
 * ``report.html``: the tables and the PNGs (base64), one self-contained file.
 
+DIR is never a run directory: there ``report.html`` is ``ftmaster report``'s incident page.
+
 Large traces (a week at 1 s for 8 GPUs is about 4.8 M rows) stay cheap: only the needed
 columns are read, with explicit dtypes and in chunks (so the timestamp strings of only one
 chunk are alive at a time), and plots are drawn from at most ``PLOT_BINS`` time bins per GPU,
@@ -406,6 +408,13 @@ def _make_output_folder(out: Path) -> None:
         raise _fail(f"cannot write to --out {out}: permission denied")
 
 
+def _is_run_dir(folder: Path) -> bool:
+    """Whether ``folder`` holds a run (its events, its samples or node folders)."""
+    return folder.is_dir() and (runfiles.events_path(folder).exists()
+                                or runfiles.metrics_csv_path(folder).exists()
+                                or bool(runfiles.node_ranks(folder)))
+
+
 def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
     """Run the whole analysis of a :func:`load_trace`; returns what was written."""
     _make_output_folder(out)
@@ -429,6 +438,9 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
 def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
     """Summarise and plot a gpu_metrics.csv (or a run directory holding one, or the
     node_<R> folders of a multi-node run, merged)."""
+    if _is_run_dir(out):
+        raise _fail(f"--out {out} is a run directory, where ftmaster report writes its incident "
+                    f"page, report.html: give a folder of its own, e.g. {out / 'analysis'}")
     trace = load_trace(target)
     for note in trace.notes:
         click.echo(f"warning: {note}", err=True)
