@@ -83,6 +83,15 @@ def test_the_modelled_goodput_counts_the_jobs_gpus_once(events, gpus):
     assert job_gpus(events) == gpus
 
 
+def test_lists_read_as_their_items_not_as_python(page):
+    """A reason, a layout's GPUs, a failure's: ``xid_92``, not ``['xid_92']``."""
+    body = text_of(page[0].read_text())
+    assert "reasons ecc_sbe_rate, xid_92<" in body
+    assert "GPUs 0, 1, 2, 3<" in body and "gpus_available 0, 2, 3," in body
+    assert "Failure 1: device_lost on GPU(s) 1 at" in body and "gpus 1, iteration 16" in body
+    assert not re.search(r"\[[^\]]*\]", re.sub(r"<[^>]*>", "", body.split("<body>")[-1]))
+
+
 def test_no_number_on_the_page_is_unrounded(page):
     path, _ = page
     body = text_of(path.read_text())

@@ -333,7 +333,7 @@ def test_the_incident_page_says_whose_each_row_and_failure_is_and_counts_the_job
     reported(run_dir)
     page = (run_dir / "report.html").read_text()
     assert "<th>node</th>" in page and "<td class='n'>1</td><td>failure</td>" in page
-    assert "Failure 1: node 1 device_lost on GPU(s) [1]" in page
+    assert "Failure 1: node 1 device_lost on GPU(s) 1 at" in page
     assert "also failed        node 0: peer" not in page and "also failed node 0: peer" in page
     assert "4 GPU(s)" in page  # 2 on each node, not the 2 of one
 

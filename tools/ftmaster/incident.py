@@ -117,7 +117,12 @@ def _marker_kind(event: dict) -> str | None:
 def _layout_label(launch: dict) -> str:
     return (f"attempt {launch.get('attempt')}: TP{launch.get('tensor_model_parallel_size')} x "
             f"PP{launch.get('pipeline_model_parallel_size')} x "
-            f"DP{launch.get('data_parallel_size')}, GPUs {launch.get('gpus')}")
+            f"DP{launch.get('data_parallel_size')}, GPUs {_items(launch.get('gpus'))}")
+
+
+def _items(value) -> str:
+    """A list as a person reads it, its items joined (``xid_92``, not ``['xid_92']``)."""
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _timeline(events: list[dict], start: float) -> str:
@@ -187,7 +192,7 @@ def _event_text(event: dict) -> str:
             "drain": ("gpu", "reason", "decided_by"), "straggler_drained": ("gpu",),
             "straggler_kept": ("gpu", "reason"),
             "straggler_drain_result": ("step_s", "slowed_step_s")}
-    return ", ".join(f"{key} {human(event[key]) if not isinstance(event[key], (list, str)) else html.escape(str(event[key]))}"
+    return ", ".join(f"{key} {human(event[key]) if not isinstance(event[key], (list, str)) else html.escape(_items(event[key]))}"
                      for key in keys.get(kind, ()) if key in event)
 
 
@@ -208,7 +213,7 @@ def _failures(report: dict, frame, start: float) -> str:
         return "<h2>Failures</h2>\n<p>none</p>\n"
     parts = ["<h2>Failures</h2>\n"]
     for number, failure in enumerate(report["failures"], 1):
-        where = f" on GPU(s) {html.escape(str(failure['gpus']))}" if failure["gpus"] else ""
+        where = f" on GPU(s) {html.escape(_items(failure['gpus']))}" if failure["gpus"] else ""
         parts.append(f"<div class='failure'><h3>Failure {number}: {_node_prefix(failure)}"
                      f"{html.escape(str(failure['cause']))}{where} at "
                      f"{human(failure['time'] - start, 's')}</h3>\n")
