@@ -5,6 +5,7 @@ before the first launch."""
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,6 +274,29 @@ def test_a_lost_attempt_whose_heartbeat_cannot_be_read_ended_at_an_unknown_itera
     Supervisor(config, QuietMonitor())
     lost = runfiles.read_events(tmp_path)[-1]
     assert (lost["cause"], lost["iteration"]) == ("supervisor_lost", None)  # not 0: none lost
+
+
+def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_read(tmp_path):
+    """The copy's result is read at the supervisor's next poll of training, which a launch
+    waiting for warm workers held off (15.6 s in a real run): the event was dated then."""
+    from ftmaster.launch import check_layout
+    from ftmaster.persist import Persister
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    fake_checkpoint(tmp_path / "memory", 8)
+    supervisor.persister = Persister(tmp_path / "memory", tmp_path / "disk")
+    assert supervisor.persister.start(8)
+    supervisor.persister.wait(10)
+    finished_by = time.time()
+    time.sleep(0.5)  # the launch's wait
+    supervisor._report_persisted()
+    persisted = runfiles.read_events(tmp_path)[-1]
+    assert (persisted["event"], persisted["iteration"]) == ("persisted", 8)
+    assert persisted["time"] <= finished_by
 
 
 class FinishedAttempt:

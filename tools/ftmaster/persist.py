@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import Callable, Sequence
@@ -215,6 +215,9 @@ class Persisted:
     bytes: int
     fetched_bytes: int = 0
     """What came from the peers that hold the files this node's folder lacks."""
+    finished_at: float = field(default_factory=time.time)
+    """Unix time the copy was durable, when this is made: its result may be read much later
+    (a launch waits for warm workers before the supervisor polls again)."""
 
 
 def _copy_verified(source: Path, target: Path, expected) -> None:

@@ -776,9 +776,11 @@ class Supervisor:
     def _report_persisted(self) -> None:
         for result in self.persister.take_results():
             if isinstance(result, Persisted):
-                self._event("persisted", iteration=result.iteration, path=str(result.path),
-                            seconds=round(result.seconds, 4), bytes=result.bytes,
-                            fetched_bytes=result.fetched_bytes)
+                # Dated when the copy finished, as a launch is when it began: read here, it
+                # waited for this poll, which a launch's wait for warm workers holds off.
+                self._event("persisted", time=result.finished_at, iteration=result.iteration,
+                            path=str(result.path), seconds=round(result.seconds, 4),
+                            bytes=result.bytes, fetched_bytes=result.fetched_bytes)
                 log.info("persisted the memory checkpoint of iteration %d to %s in %.2f s "
                          "(%.1f MB)", result.iteration, result.path, result.seconds,
                          result.bytes / 1e6)
