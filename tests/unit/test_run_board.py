@@ -31,6 +31,20 @@ def test_risk_once_per_iteration_and_failures_at_their_iteration(tmp_path):
     assert scalars(tmp_path, "ftmaster/failures") == [(2, 1.0)]
 
 
+def test_the_risk_at_an_iteration_is_its_highest_sample(tmp_path):
+    """Samples between two heartbeats (a slow iteration, or training stalled before a failure)
+    kept only the first: the peak between them was never on the curve."""
+    board = RunBoard(tmp_path)
+    board.observe_heartbeat({"iteration": 3})
+    for risk in (0.25, 0.875, 0.5):
+        board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=risk)], [])
+    board.observe_heartbeat({"iteration": 4})
+    board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=0.5)], [])
+    board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=1.0)], [])
+    board.close()
+    assert scalars(tmp_path, "ftmaster/risk/gpu1") == [(3, 0.875), (4, 1.0)]
+
+
 class FullDisk:
     """tensorboard's writer once its thread failed: every call raises the error again."""
 

@@ -3,7 +3,8 @@ training command): the risk per GPU and the recoveries, keyed by training iterat
 line up with ``lm loss``.
 
 They go to ``TENSORBOARD_DIR/ftmaster`` (``ftmaster_node<R>`` across nodes), a run of its
-own in TensorBoard's list: ``ftmaster/risk/gpu<G>`` (once per iteration per GPU),
+own in TensorBoard's list: ``ftmaster/risk/gpu<G>`` (per iteration per GPU, the highest of
+its samples, written once the iteration is over),
 ``ftmaster/alerts`` and ``ftmaster/failures`` (running counts, at the iteration they came
 at), ``ftmaster/rto_seconds`` and ``ftmaster/rpo_iterations`` (at the iteration a relaunch
 resumed from).
@@ -31,7 +32,9 @@ class RunBoard:
         self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
                                     f"ftmaster's TensorBoard scalars in {folder}", log.error)
         self.iteration = 0
-        self._risk_written: dict[int, int] = {}  # GPU -> the last iteration written
+        # GPU -> (iteration, its highest risk yet), written once a sample comes at another
+        # iteration, or at close: the monitor's thread's alone until then
+        self._risk_peak: dict[int, tuple[int, float]] = {}
         self._alerts = self._failures = 0
         self._recoveries = Recoveries()
 
@@ -48,13 +51,19 @@ class RunBoard:
 
     def observe_samples(self, samples, alerts) -> None:
         for sample in samples:
-            if sample.failure_risk is not None and self._risk_written.get(sample.gpu_id) != self.iteration:
-                self._risk_written[sample.gpu_id] = self.iteration
-                self.writer.add_scalar(f"ftmaster/risk/gpu{sample.gpu_id}", sample.failure_risk,
-                                       self.iteration)
+            if sample.failure_risk is None:
+                continue
+            at, peak = self._risk_peak.get(sample.gpu_id, (self.iteration, sample.failure_risk))
+            if at != self.iteration:
+                self._write_risk(sample.gpu_id, at, peak)
+                at, peak = self.iteration, sample.failure_risk
+            self._risk_peak[sample.gpu_id] = (at, max(peak, sample.failure_risk))
         for _ in alerts:
             self._alerts += 1
             self.writer.add_scalar("ftmaster/alerts", self._alerts, self.iteration)
+
+    def _write_risk(self, gpu: int, iteration: int, risk: float) -> None:
+        self.writer.add_scalar(f"ftmaster/risk/gpu{gpu}", risk, iteration)
 
     def observe_heartbeat(self, heartbeat: dict | None) -> None:
         if heartbeat:
@@ -78,4 +87,7 @@ class RunBoard:
             self.writer.flush()
 
     def close(self) -> None:
+        # a copy: a monitor whose stop timed out may still add to it
+        for gpu, (iteration, peak) in list(self._risk_peak.items()):
+            self._write_risk(gpu, iteration, peak)
         self.writer.close()
