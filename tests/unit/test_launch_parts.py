@@ -929,6 +929,51 @@ def test_a_hang_up_stops_training_as_sigterm_does_unless_ignored(disposition, st
     assert (done.returncode, done.stdout.strip()) == (0, str(int(stopped_by))), done.stderr
 
 
+def test_a_signal_while_the_launch_closes_after_its_outcome_changes_nothing(tmp_path, monkeypatch):
+    """The caller's handlers came back before the launch closed its observers, warm workers
+    and membership: a SIGTERM there ended a completed run with status 143."""
+    from click.testing import CliRunner
+    from ftmaster import launch
+    from ftmaster.cli import main
+    from helpers.trainer import PRETRAIN
+
+    while_closing = []
+    observer = types.SimpleNamespace(
+        close=lambda: while_closing.append(signal.getsignal(signal.SIGTERM)))
+    monkeypatch.setattr(launch, "_observers", lambda *args: [observer])
+    monkeypatch.setattr(launch, "Supervisor", lambda *args: types.SimpleNamespace(
+        run=lambda: 0, request_stop=lambda signum: None))
+    callers = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(main, [
+        "launch", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2",
+        "--monitor-backend", "sim", "--cold-restart", "--", PRETRAIN, "--num-layers", "2",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "100"])
+    assert result.exit_code == 0, result.output
+    assert while_closing and while_closing[0] not in (signal.SIG_DFL, callers)
+    assert signal.getsignal(signal.SIGTERM) is callers  # nothing left to the caller
+
+
+SIGTERM_IN_TEARDOWN = """
+import os, signal
+class SigtermOnTeardown:  # deleted with __main__'s globals, once Python's handlers are gone
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+at_teardown = SigtermOnTeardown()
+from ftmaster.cli import main
+main(["--version"])
+"""
+
+
+def test_a_sigterm_once_ftmasters_exit_status_is_decided_leaves_it_as_it_is():
+    """The interpreter's teardown (half a second once torch is loaded) ran with the default
+    handlers: a SIGTERM there made a completed launch's exit status 143."""
+    done = subprocess.run([PY, "-c", SIGTERM_IN_TEARDOWN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_rank_guard_records_the_pid_and_the_signal_that_killed_the_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")

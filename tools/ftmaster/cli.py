@@ -8,8 +8,10 @@ start of every ``ftmaster launch``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
+import signal
 
 import click
 
@@ -48,6 +50,19 @@ class LazyGroup(click.Group):
     def invoke(self, ctx: click.Context):
         with _one_line_usage_errors():  # a subcommand's parsing and its own checks
             return super().invoke(ctx)
+
+    def __call__(self, *args, **kwargs):
+        """The program itself (tests call :meth:`main`)."""
+        atexit.register(_ignore_stop_signals)
+        return super().__call__(*args, **kwargs)
+
+
+def _ignore_stop_signals() -> None:
+    """At exit the status is decided and said: a SIGTERM in the interpreter's teardown (half
+    a second once torch is loaded, with Python's handlers already gone) turned a completed
+    run's 0 into 143. An ignored signal stays ignored through the teardown."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -331,9 +331,24 @@ def stop_signals() -> list[int]:
     return [signal.SIGINT, signal.SIGTERM, *hang_up]
 
 
+@contextlib.contextmanager
+def _callers_signal_handlers():
+    """The caller's handlers of the stop signals, back once the launch has closed all it
+    opened: until then a signal after the outcome is final changes nothing (with the
+    defaults back there, a SIGTERM made a completed run's exit status 143)."""
+    callers = {sig: signal.getsignal(sig) for sig in stop_signals()}
+    try:
+        yield
+    finally:
+        for sig, handler in callers.items():
+            signal.signal(sig, handler)
+
+
 def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> int:
-    previous = {sig: signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
-                for sig in stop_signals()}
+    """Run ``supervisor``; its handlers of the stop signals stay until
+    :func:`_callers_signal_handlers` puts the caller's back."""
+    for sig in stop_signals():
+        signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
     monitor.start()
     listener.start()
     try:
@@ -341,8 +356,6 @@ def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> 
     finally:
         listener.stop()
         monitor.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def default_run_dir() -> Path:
@@ -486,6 +499,7 @@ def _console_logging() -> None:
 @click.pass_context
 def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> None:
     """Train SCRIPT under torchrun; on a failure, replan TP/PP/DP and resume unattended."""
+    ctx.with_resource(_callers_signal_handlers())  # back as click closes the context
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
