@@ -906,7 +906,7 @@ def test_a_stop_terminates_the_ranks_it_knows_without_waiting_for_a_record_that_
 
 SUPERVISED_HANG_UP = """
 import os, signal, sys, time, types
-from ftmaster.launch import _supervise
+from ftmaster.launch import StopSignals, _supervise
 # Either way, whatever this test inherited (a suite started under nohup ignores SIGHUP).
 signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == "nohup" else signal.SIG_DFL)
 stopped = []
@@ -916,7 +916,7 @@ def run():
     return stopped[0] if stopped else 0
 supervisor = types.SimpleNamespace(request_stop=stopped.append, run=run)
 idle = types.SimpleNamespace(start=lambda: None, stop=lambda: None)
-print(_supervise(supervisor, idle, idle))
+print(_supervise(supervisor, idle, idle, StopSignals()))
 """
 
 
@@ -953,6 +953,44 @@ def test_a_signal_while_the_launch_closes_after_its_outcome_changes_nothing(tmp_
     assert result.exit_code == 0, result.output
     assert while_closing and while_closing[0] not in (signal.SIG_DFL, callers)
     assert signal.getsignal(signal.SIGTERM) is callers  # nothing left to the caller
+
+
+def test_a_ctrl_c_before_the_supervisor_exists_stops_the_run_as_one_after(tmp_path, monkeypatch):
+    """Before ftmaster's handlers (the first second or two: torch's import, the GPU probe)
+    a Ctrl-C was click's "Aborted!" and exit 1, or an abort inside torch's import."""
+    from click.testing import CliRunner
+    from ftmaster import launch
+    from ftmaster.cli import main
+    from helpers.trainer import PRETRAIN
+
+    def interrupted_probe(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        return probe(*args)
+
+    probe = launch.job_gpus
+    monkeypatch.setattr(launch, "job_gpus", interrupted_probe)
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "launch", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+        "--monitor-backend", "sim", "--cold-restart", "--", PRETRAIN, "--num-layers", "2",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "100"])
+    assert result.exit_code == 128 + signal.SIGINT, result.output
+    assert [(e["event"], e["signal"], e["state"]) for e in runfiles.read_events(run_dir)] == \
+        [("stopped", signal.SIGINT, "starting")]  # nothing launched
+
+
+def test_a_ctrl_c_while_ftmaster_imports_the_command_exits_130(monkeypatch):
+    from click.testing import CliRunner
+    from ftmaster import cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    result = CliRunner().invoke(cli.main, ["launch", "--", "train.py"])
+    assert (result.exit_code, result.output) == (128 + signal.SIGINT, "")  # not "Aborted!"
 
 
 SIGTERM_IN_TEARDOWN = """

@@ -48,8 +48,8 @@ class LazyGroup(click.Group):
             return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
-        with _one_line_usage_errors():  # a subcommand's parsing and its own checks
-            return super().invoke(ctx)
+        with _one_line_usage_errors(), _interrupted_as_shells_expect():
+            return super().invoke(ctx)  # a subcommand's import, parsing and own checks
 
     def __call__(self, *args, **kwargs):
         """The program itself (tests call :meth:`main`)."""
@@ -63,6 +63,17 @@ def _ignore_stop_signals() -> None:
     run's 0 into 143. An ignored signal stays ignored through the teardown."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _interrupted_as_shells_expect():
+    """A Ctrl-C that no handler of ftmaster's takes (while ``launch``'s module is imported,
+    before it installs its own; in the other commands) exits 130, 128 + SIGINT, as a shell
+    expects; click said "Aborted!" and exited 1."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise click.exceptions.Exit(128 + signal.SIGINT) from None
 
 
 @contextlib.contextmanager

@@ -331,24 +331,38 @@ def stop_signals() -> list[int]:
     return [signal.SIGINT, signal.SIGTERM, *hang_up]
 
 
-@contextlib.contextmanager
-def _callers_signal_handlers():
-    """The caller's handlers of the stop signals, back once the launch has closed all it
-    opened: until then a signal after the outcome is final changes nothing (with the
-    defaults back there, a SIGTERM made a completed run's exit status 143)."""
-    callers = {sig: signal.getsignal(sig) for sig in stop_signals()}
-    try:
-        yield
-    finally:
-        for sig, handler in callers.items():
+class StopSignals:
+    """ftmaster's handlers of the stop signals from the start of a launch to its end, the
+    caller's back after it. Each signal asks the supervisor to stop. One that comes before
+    the supervisor exists waits for it, which records the stop and launches nothing (a
+    Ctrl-C there was click's "Aborted!" and exit 1, or an abort inside torch's import); one
+    after the outcome is final changes nothing (with the defaults back there, a SIGTERM
+    made a completed run's exit status 143)."""
+
+    def __init__(self) -> None:
+        self._supervisor: Supervisor | None = None
+        self._early: int | None = None
+        self._callers = {sig: signal.signal(sig, self._caught) for sig in stop_signals()}
+
+    def _caught(self, signum: int, frame) -> None:
+        if self._supervisor is None:
+            self._early = self._early or signum  # the first, as request_stop keeps it
+        else:
+            self._supervisor.request_stop(signum)
+
+    def hand_to(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+        if self._early is not None:
+            supervisor.request_stop(self._early)
+
+    def close(self) -> None:
+        for sig, handler in self._callers.items():
             signal.signal(sig, handler)
 
 
-def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener) -> int:
-    """Run ``supervisor``; its handlers of the stop signals stay until
-    :func:`_callers_signal_handlers` puts the caller's back."""
-    for sig in stop_signals():
-        signal.signal(sig, lambda signum, frame: supervisor.request_stop(signum))
+def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener,
+               stops: StopSignals) -> int:
+    stops.hand_to(supervisor)
     monitor.start()
     listener.start()
     try:
@@ -499,7 +513,8 @@ def _console_logging() -> None:
 @click.pass_context
 def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> None:
     """Train SCRIPT under torchrun; on a failure, replan TP/PP/DP and resume unattended."""
-    ctx.with_resource(_callers_signal_handlers())  # back as click closes the context
+    stops = StopSignals()
+    ctx.call_on_close(stops.close)
     argv = script_command(ctx, command)
     if not Path(argv[0]).is_file():
         raise InputError(f"training script {argv[0]!r} not found")
@@ -538,7 +553,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
             on_ready=lambda fields: run_files.append_event(config.run_dir, "warm_ready", **fields))
         try:
             code = _supervise(Supervisor(config, monitor, membership, starter, observers,
-                                         replication), monitor, Listener(config.run_dir))
+                                         replication), monitor, Listener(config.run_dir), stops)
         finally:
             for observer in observers:
                 observer.close()
