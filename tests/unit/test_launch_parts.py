@@ -17,8 +17,8 @@ import pytest
 
 from ftmaster import attempt as attempt_module
 from ftmaster import runfiles
-from ftmaster.attempt import Attempt, attempt_argv, gpu_of_local_rank, read_rank_records, \
-    training_output_tail, wait_until_dead, with_exit_signal_handler
+from ftmaster.attempt import Attempt, RankRecord, attempt_argv, gpu_of_local_rank, \
+    read_rank_records, training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layout
@@ -184,6 +184,36 @@ def test_a_second_signal_during_a_stop_leaves_the_first_as_the_one_that_stopped_
     assert supervisor._stop() is Trigger.STOPPED
     assert runfiles.read_events(tmp_path)[-1]["signal"] == signal.SIGTERM
     assert supervisor.signum == signal.SIGTERM
+
+
+class AttemptWithAFailedRank(StoppedAttempt):
+    """Local rank 1 was SIGKILLed; torchrun has not noticed yet."""
+
+    gpus = (0, 1, 2, 3)
+
+    def exit_code(self):
+        return None
+
+    def failed_ranks(self):
+        return {1: RankRecord(1, 1, 101, 100, exit_code=-signal.SIGKILL, ended_at=time.time())}
+
+    def recorded_errors(self, local_ranks):
+        return {}
+
+
+def test_a_rank_that_failed_within_the_poll_before_a_signal_is_the_runs_failure(tmp_path):
+    """The signal was seen first: the run was only 'stopped', with torchrun's exit status 1,
+    and which rank failed, and how, was lost."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.monitor.refresh = lambda timeout_s: None
+    supervisor.attempt = AttemptWithAFailedRank()
+    supervisor.request_stop(signal.SIGTERM)
+    assert supervisor._watch() is Trigger.FAILURE  # then the stop, from FAILED
+    failure = runfiles.read_events(tmp_path)[-1]
+    assert (failure["event"], failure["gpus"], failure["exit_codes"]) == \
+        ("failure", [1], {"1": -signal.SIGKILL})
 
 
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):

@@ -1014,11 +1014,19 @@ class Supervisor:
         """Poll training until it ends, fails, is signalled, or ``check`` returns a trigger."""
         while True:
             if self._stop_requested.is_set():
-                return Trigger.SIGNALLED
+                return self._failed_before_the_stop() or Trigger.SIGNALLED
             outcome = self._check_training() or check()
             if outcome is not None:
                 return outcome
             self._sleep()
+
+    def _failed_before_the_stop(self) -> Trigger | None:
+        """A rank that failed since the last poll, before the signal, is the run's failure
+        with its root cause, as it is a poll earlier (the stop then ends the run from FAILED);
+        it was recorded only as a 'stopped' event with torchrun's non-zero exit status."""
+        if not self.attempt.failed_ranks() and self.attempt.exit_code() in (None, 0):
+            return None
+        return self._check_training()
 
     def _watch_stragglers(self, heartbeat: dict | None) -> None:
         for found in self.stragglers.observe(heartbeat):
