@@ -639,6 +639,21 @@ def test_an_armed_injection_for_a_gpu_left_out_waits_for_an_attempt_on_it():
     assert injector.take_armed([0, 1]) == [nan]
 
 
+@pytest.mark.parametrize("spec", ["slow:gpu=1,factor=2,at=5s", "hang:gpu=1,at=5s"])
+def test_a_ranks_fault_for_a_gpu_no_rank_trains_on_says_it_was_not_injected(tmp_path, spec, caplog):
+    """A relaunch without GPU 1: the fault was said 'injected' and recorded, and did nothing."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.monitor.pending_injections = []
+    supervisor.attempt = StoppedAttempt()
+    supervisor.attempt.gpus = (0, 2)
+    with caplog.at_level("INFO", logger="ftmaster"):
+        assert supervisor._apply(parse_injection(spec))  # dropped, as for a retired GPU
+    assert "fault_injected" not in [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert f"not injected: {spec}: no rank trains on GPU 1" in caplog.messages
+
+
 # -- listener --------------------------------------------------------------------------------
 def test_move_request_moves_the_body_and_logs_the_request(tmp_path):
     assert move_request(tmp_path) is None

@@ -493,8 +493,11 @@ class Supervisor:
         if gpu in self.retired and kind is not Fault.RECOVER:
             log.warning("not injected: %s: GPU %d is retired (%s)", injection, gpu, self.retired[gpu])
             return True
-        if kind in (Fault.FAIL, Fault.HANG, Fault.XID, Fault.SLOW) and self.attempt is not None \
-                and gpu in self.attempt.gpus:
+        on_attempt = self.attempt is not None and gpu in self.attempt.gpus
+        if kind in (Fault.HANG, Fault.SLOW) and not on_attempt:  # a rank's fault: none to take it
+            log.warning("not injected: %s: no rank trains on GPU %d", injection, gpu)
+            return True
+        if kind in (Fault.FAIL, Fault.HANG, Fault.XID, Fault.SLOW) and on_attempt:
             pid = self.attempt.pid_on_gpu(gpu)
             if pid is None:
                 return False
