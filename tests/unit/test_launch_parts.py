@@ -296,7 +296,7 @@ def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(
     assert wrong != pytest.approx(right)
     slowed = (right + wrong) / 2
     supervisor.plan, supervisor.retired, supervisor._original_step_s = three, {3: "lost"}, 1.0
-    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2), stuck_gpus={})
     name_slow_rank(supervisor.stragglers, (0, 1, 2), 1)
     supervisor.stragglers.remeasured = lambda found: found  # the step is the table's
     supervisor._straggler_to_drain = Found(1, Straggler(1, 20, 14, 1.8, None, 18.0, 10.0, 18.0),
@@ -310,6 +310,29 @@ def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(
     assert "calibrated on the original layout's 1.000 s/iteration" in line
 
 
+def test_a_straggler_drain_is_weighed_without_a_gpu_lost_but_not_yet_retired(tmp_path):
+    """GPU 3, left idle by the 3-GPU layout, was lost (retired only by the next plan): the
+    cost model weighed the 3 GPUs 0, 2 and 3 left, where the relaunch would get 2."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.recovery.planner import plan_layout
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.plan = plan_layout(MODEL, 3, original_world_size=4, measured_step_s=1.0)
+    supervisor._original_step_s, supervisor.injected_lost = 1.0, {3}
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2), stuck_gpus={})
+    name_slow_rank(supervisor.stragglers, (0, 1, 2), 1)
+    supervisor.stragglers.remeasured = lambda found: found  # the step is the table's
+    supervisor._straggler_to_drain = Found(1, Straggler(1, 20, 14, 1.8, None, 18.0, 10.0, 18.0),
+                                           2.0, 1.0)
+    supervisor._drain_straggler()
+    (decided,) = [e for e in runfiles.read_events(tmp_path)
+                  if e["event"] in ("drain", "straggler_kept")]
+    assert "on the 2 GPUs left" in decided.get("decided_by", decided.get("reason"))
+
+
 def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_path):
     """Kept while a drain is recent (said once), weighed when the window ends if still slow;
     before, it was kept for the rest of the attempt however slow it stayed."""
@@ -320,7 +343,7 @@ def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_pa
                               first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True,
                               straggler_drain_window_s=600.0)
     supervisor = Supervisor(config, StubMonitor(True))
-    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), stuck_gpus={})
     name_slow_rank(supervisor.stragglers, (0, 1, 2, 3), 2)
     supervisor.stragglers.drained(time.time(), 1.0)  # a drain a moment ago
     found = Found(2, Straggler(2, 12, 5, 2.0, None, 20.0, 10.0, 20.0), 2.0, 1.0)
@@ -343,7 +366,7 @@ def test_a_straggler_whose_replica_mate_is_slow_too_is_kept_until_the_mate_is_fa
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
     supervisor = Supervisor(config, StubMonitor(True))
-    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), number=1)
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), number=1, stuck_gpus={})
     supervisor.stragglers.new_attempt((0, 1, 2, 3), 0)
 
     def beats(first, last, slow):
@@ -455,7 +478,7 @@ def test_policy_drain_keeps_a_gpu_without_which_no_layout_fits(tmp_path):
                               first_plan=check_layout(MODEL, 4, None, None), policy="drain",
                               gpu_memory_gb=2.53, max_restarts=3)
     supervisor = Supervisor(config, StubMonitor(True))
-    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), stuck_gpus={})
     supervisor._alerts.append(Alert(1, 1.0, ("xid_79",), 0.0))
     assert supervisor._critical_gpu() is None
     (cancelled,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "drain_cancelled"]
@@ -524,7 +547,7 @@ def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_rou
                               first_plan=None, policy="drain")
     supervisor = Supervisor(config, StubMonitor(True), RoundMembership(two_nodes(4), 2))
     supervisor.round = two_nodes(4)
-    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), stuck_gpus={})
     supervisor._alerts.append(Alert(1, 1.0, ("xid_79",), 0.0))
     assert supervisor._critical_gpu() is Trigger.CRITICAL_GPU
 

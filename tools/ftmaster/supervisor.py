@@ -1119,7 +1119,7 @@ class Supervisor:
         if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
             self._straggler_to_drain = found
             return None
-        left = [g for g in self.config.gpus if g not in self.retired and g != found.gpu]
+        left = self._gpus_left_without(found.gpu)
         # The planner calibrates on the original layout's step: this attempt's own measure
         # without the slowdown is that only while the attempt runs the original layout.
         unslowed = found.calibration_s() if self._on_original_layout() else None
@@ -1160,9 +1160,15 @@ class Supervisor:
                 return Trigger.CRITICAL_GPU
         return None
 
+    def _gpus_left_without(self, gpu: int) -> list[int]:
+        """The GPUs a relaunch without ``gpu`` plans on. One lost while no rank used it is
+        retired only by that plan: counted, a drain was weighed on a GPU it would not get."""
+        out = {*self.retired, *self._unfit_gpus(), gpu}
+        return [g for g in self.config.gpus if g not in out]
+
     def _runs_without(self, gpu: int) -> bool:
         """Whether the planner has a layout for the GPUs left without ``gpu``; said when not."""
-        left = [g for g in self.config.gpus if g not in self.retired and g != gpu]
+        left = self._gpus_left_without(gpu)
         try:
             self._next_plan(len(left))
         except PlanError as error:
