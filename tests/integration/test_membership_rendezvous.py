@@ -9,9 +9,9 @@ CONF = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "6
         "read_timeout": "10"}
 
 
-def seat(port: int, node_rank: int) -> NodeMembership:
+def seat(port: int, node_rank: int, nodes: int = 2) -> NodeMembership:
     conf = {**CONF, "is_host": str(int(node_rank == 0))}
-    config = RendezvousConfig(f"127.0.0.1:{port}", "job", 2, 2, node_rank,
+    config = RendezvousConfig(f"127.0.0.1:{port}", "job", nodes, nodes, node_rank,
                               local_addr="127.0.0.1", conf=conf)
     return NodeMembership(config, poll_s=0.0)
 
@@ -51,6 +51,64 @@ def test_a_node_waiting_in_the_next_join_learns_the_outcome_of_a_peer_that_gave_
     assert second["ended"].outcome == "gave up on node 1: the arguments need fixing"
     for node in seats:
         node.stop_keep_alive()
+
+
+# Node 0, hosting the store, in a process of its own: the store goes when it exits.
+STORE_HOST = """
+import sys
+from ftmaster.membership import JobEnded, NodeMembership, RendezvousConfig
+conf = {**CONF, "is_host": "1"}
+node = NodeMembership(RendezvousConfig(f"127.0.0.1:{sys.argv[1]}", "job", 3, 3, 0,
+                                       local_addr="127.0.0.1", conf=conf), poll_s=0.0)
+print("serving", flush=True)
+node.join([0])
+try:
+    node.join([0])
+except JobEnded:
+    print("ended", flush=True)
+    node.acknowledge()  # as the supervisor's _job_ended does
+node.stop_keep_alive()
+"""
+
+
+def test_the_store_host_that_learns_of_the_end_stays_until_every_node_has_read_it():
+    """Three nodes; node 1 gives up saying a requeue would not help, while node 0, which
+    hosts the store, waits in the next join. Node 0 acknowledged the end and exited at once,
+    taking the store: node 2, a few seconds slower to look, found the store gone and exited
+    75 (requeue) for a job that had said not to."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", f"CONF = {CONF!r}\n{STORE_HOST}", str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    seats = {}
+    try:
+        assert host.stdout.readline() == "serving\n"
+        seats.update({rank: seat(port, rank, nodes=3) for rank in (1, 2)})
+        joins = [threading.Thread(target=seats[rank].join, args=([0],)) for rank in (1, 2)]
+        for thread in joins:
+            thread.start()
+        for thread in joins:
+            thread.join(timeout=60)
+        gave_up = "gave up on node 1: the arguments need fixing; do not requeue"
+        ending = threading.Thread(target=seats[1].end_job, args=(gave_up,))
+        ending.start()
+        assert host.stdout.readline() == "ended\n"
+        try:
+            host.wait(timeout=3)  # node 2 looks 3 s later, or once the host has left
+        except subprocess.TimeoutExpired:
+            pass
+        assert seats[2].outcome() == gave_up
+        seats[2].acknowledge()
+        assert host.wait(timeout=30) == 0
+        ending.join(timeout=30)
+        assert not ending.is_alive()
+    finally:
+        host.kill()
+        host.wait()
+        for node in seats.values():
+            node.stop_keep_alive()
 
 
 def test_a_store_nobody_serves_is_one_line_and_a_requeue(tmp_path):

@@ -485,23 +485,20 @@ class NodeMembership:
         return self._call(base.get, key).decode()
 
     def end_job(self, outcome: str) -> None:
-        """Say how the job ended, close the rendezvous, then wait (bounded) until every node
-        of the round has read the outcome. Any node that ends the job closes: a peer already
-        waiting in the next round's join learns of the end only from the close. The node
-        hosting the store waits here too, so it does not take the store away while a peer
-        still needs it."""
+        """Say how the job ended, close the rendezvous, then acknowledge it as every node
+        does (:meth:`acknowledge`). Any node that ends the job closes: a peer already waiting
+        in the next round's join learns of the end only from the close."""
         if self._round_store is None:
             return
         base = self._round_store.underlying_store
         try:
             if not base.check([self._job_key("outcome")]):
                 base.set(self._job_key("outcome"), outcome)
-            self.acknowledge()
             self.handler.shutdown()
-            acks = [self._job_key(f"ack/{node.node_rank}") for node in self._round.nodes]
-            base.wait(acks, timedelta(seconds=ACK_TIMEOUT_S))
         except Exception as error:  # the job is over; a store gone now changes nothing
             log.info("rendezvous at the end of the job: %s", error)
+            return
+        self.acknowledge()
 
     def stop_keep_alive(self) -> None:
         """Stop the handler's keep-alive thread and wait for it, before the interpreter exits.
@@ -518,12 +515,18 @@ class NodeMembership:
             log.info("the rendezvous keep-alive did not stop within %g s", KEEP_ALIVE_STOP_TIMEOUT_S)
 
     def acknowledge(self) -> None:
-        """Say this node read the job's outcome; a node that never completed a round (the job
-        ended while it waited for its first) is not waited for, so has nothing to say."""
+        """Say this node read the job's outcome, then wait (bounded) until every node of the
+        round has: whichever node hosts the store takes it away as it exits, and a peer that
+        had not read the outcome by then took the lost store for a requeue (exit 75 after a
+        give-up that said not to). A node that never completed a round (the job ended while
+        it waited for its first) is not waited for, so has nothing to say."""
         if self._round_store is None:
             return
+        base = self._round_store.underlying_store
         try:
-            self._round_store.underlying_store.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+            base.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+            acks = [self._job_key(f"ack/{node.node_rank}") for node in self._round.nodes]
+            base.wait(acks, timedelta(seconds=ACK_TIMEOUT_S))
         except Exception as error:  # the store's host read the end first and left with it
             log.info("rendezvous at the end of the job: %s", error)
 
