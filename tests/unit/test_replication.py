@@ -560,3 +560,37 @@ def test_a_full_run_directory_leaves_the_peer_list_unwritten_not_the_supervisor_
             replication.close()
     assert replication._peers.sources  # the round's copies go on
     assert "peers.json" in caplog.text and "No space left" in caplog.text
+
+
+def test_a_node_serves_no_dumps_an_earlier_ftmaster_left_under_a_round_number_of_this_job(
+        tmp_path):
+    """Round numbers restart in a requeued job, and a node's memory folder in /dev/shm is the
+    run's own, kept across the requeue. Node 1 did not dump in round 2 of this job (say, a
+    hang with no culprit there), but its folder held replicas/round_2 of an earlier job,
+    killed between its dumps and their merge: node 0's merge of round 2 gathered that earlier
+    job's state beside this one's."""
+    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
+    from ftmaster.replica_recovery import ReplicaRecovery
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    earlier = rank_dump_dir(round_dump_folder(folders[1], 2), 2)
+    earlier.mkdir(parents=True)
+    (earlier / "state.pt").write_bytes(b"an earlier job's state")
+    report_path(earlier.parent, 2).write_text(json.dumps(
+        {"rank": 2, "files": {"state.pt": digest_file(earlier / "state.pt").as_json()}}))
+    # Node 1's ftmaster of this job starts, with replica recovery, on that folder
+    ReplicaRecovery(tmp_path / "run1", folders[1], tmp_path / "save", lambda *a, **k: None)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
+                    for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        dumps = round_dump_folder(folders[0], 2)  # node 0's own dumps of round 2
+        dumps.mkdir(parents=True)
+        gathered = replications[0].gather_dumps(dumps, records, [2, 2])
+    finally:
+        for replication in replications:
+            replication.close()
+    assert [(g.node_rank, g.bytes) for g in gathered] == [(1, 0)]
+    assert list(dumps.iterdir()) == []

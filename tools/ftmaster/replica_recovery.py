@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
 from ftmaster.recovery.checkpoints import read_tracker
-from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports,
+from ftmaster.recovery.replicas import (DUMPS_SUBDIR, REQUEST_FLAG, dump_folder, read_reports,
                                        remove_merge_leftovers, report_path, round_dump_folder)
 from ftmaster.warm import WarmRanks, WarmStarter
 
@@ -102,6 +102,10 @@ class ReplicaRecovery:
         self.starter = starter
         self.round: tuple[int, int] | None = None
         """Across nodes: the current round's number and this node's first global rank."""
+        # Dumps there are an earlier ftmaster's, never merged (it was killed or requeued between
+        # its dumps and their merge): across nodes the round numbers restart in a requeued job,
+        # and a peer's merge would gather them as this job's from a node that did not dump.
+        shutil.rmtree(Path(memory_dir) / DUMPS_SUBDIR, ignore_errors=True)
 
     def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
                        iteration: int | None, data_parallel_size: int) -> Path | None:
