@@ -104,6 +104,43 @@ def test_a_peers_file_reads_as_a_file_does_at_its_end_and_for_nothing(served):
     assert peer.read(5) == b""
 
 
+class Unreachable(PeerClient):
+    """A peer whose server cannot be reached: each ask is counted, and refused."""
+
+    def __init__(self):
+        super().__init__(f"http://127.0.0.1:{unserved_port()}", SECRET)
+        self.asked = 0
+
+    def read(self, relative, start=0, length=None):
+        self.asked += 1
+        return super().read(relative, start, length)
+
+
+def unserved_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_file_is_read_from_another_peer_that_holds_it_when_the_first_cannot_be_reached(
+        served):
+    """Two peers hold the shards a load lacks; the first listed cannot be reached: the load
+    failed with its connection error, the second peer never asked. The next files of the
+    same load ask the peer that answered first, without waiting on the other again."""
+    from ftmaster.peer_files import PeerFile
+
+    tier, server = served
+    folder = checkpoint(tier, sizes=(1000, 2000))
+    down = Unreachable()
+    peers = [down, PeerClient(server.url, SECRET)]
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        with PeerFile(peers, f"{folder.name}/{name}") as stream:
+            assert stream.read() == (folder / name).read_bytes()
+    assert down.asked == 1
+    with pytest.raises(PeerError, match="Connection refused"):
+        PeerFile([Unreachable()], f"{folder.name}/__0_0.distcp").read()
+
+
 def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path):
     tier, server = served
     source = checkpoint(tier)

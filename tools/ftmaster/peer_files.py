@@ -361,15 +361,25 @@ class _Response:
         self.connection.close()
 
 
+def none_served(name: str, failures: Sequence[PeerError]) -> PeerError:
+    """The error for a file no peer asked gave: PeerMissing when every one answered that it
+    no longer holds it (pruned, not lost), else PeerError with each one's reason."""
+    pruned = failures and all(isinstance(error, PeerMissing) for error in failures)
+    return (PeerMissing if pruned else PeerError)(
+        f"{name}: no live holder serves it ({'; '.join(map(str, failures)) or 'none left'})")
+
+
 class PeerFile(io.RawIOBase):
     """A checkpoint file this node lacks, read from whichever peer holds it: each ``read``
     after a ``seek`` is one range request, so a load fetches only the items it reads (and
     checks each against the manifest as it does locally)."""
 
-    def __init__(self, clients: Sequence[PeerClient], relative: str,
+    def __init__(self, clients: list[PeerClient], relative: str,
                  on_read: Callable[[int], None] | None = None) -> None:
         super().__init__()
-        self._clients, self._relative = list(clients), relative
+        self._clients, self._relative = clients, relative
+        """``clients`` are shared by the files of one load: a peer that cannot be reached
+        is moved last, so the next files do not wait out its timeout before asking another."""
         self._holder: PeerClient | None = None
         self._position = 0
         self._on_read = on_read
@@ -401,18 +411,25 @@ class PeerFile(io.RawIOBase):
         """As a file reads: ``b""`` for nothing asked, or from its end on."""
         if length == 0:
             return b""
-        for client in [self._holder] if self._holder else self._clients:
+        failures = []
+        for client in sorted(self._clients, key=lambda peer: peer is not self._holder):
             try:
                 data = client.read(self._relative, start, length)
-            except PeerMissing:
-                continue
             except PeerPastEnd:
                 data = b""
+            except PeerMissing as missing:
+                failures.append(missing)
+                continue
+            except PeerError as unreachable:  # another peer may hold the file too
+                failures.append(unreachable)
+                self._clients.remove(client)
+                self._clients.append(client)
+                continue
             self._holder = client
             if self._on_read is not None:
                 self._on_read(len(data))
             return data
-        raise PeerMissing(f"no live peer holds {self._relative}")
+        raise none_served(self._relative, failures)
 
 
 PEERS_FILE = "peers.json"

@@ -40,7 +40,7 @@ from typing import Sequence
 from ftmaster.membership import StoreLost
 from ftmaster.peer_files import (PEERS_FILE, Copied, PeerClient, PeerError, PeerMissing,
                                  PeerServeConfig, PeerServer, fill_from_peer, manifest_files,
-                                 write_manifest, write_peer_list)
+                                 none_served, write_manifest, write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
                                            kept_memory_checkpoints, list_iterations,
                                            mark_replicated, mark_whole, replicated_here,
@@ -363,10 +363,7 @@ class Replication:
                     return
                 except PeerError as error:
                     failures.append(error)
-            # Every live holder answered that it no longer has it: pruned, not lost
-            pruned = failures and all(isinstance(error, PeerMissing) for error in failures)
-            raise (PeerMissing if pruned else PeerError)(
-                f"{name}: no live holder serves it ({'; '.join(map(str, failures)) or 'none left'})")
+            raise none_served(name, failures)
         return fetch
 
     def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
