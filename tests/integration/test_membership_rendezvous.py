@@ -129,3 +129,58 @@ def test_a_store_nobody_serves_is_one_line_and_a_requeue(tmp_path):
     assert result.returncode == exit_codes.REQUEUE
     assert result.stderr.count("\n") == 1, result.stderr
     assert f"cannot reach the rendezvous store at 127.0.0.1:{port}" in result.stderr
+
+
+def test_a_join_tried_again_after_a_node_died_mid_round_is_not_a_lost_store(tmp_path,
+                                                                           monkeypatch):
+    """Three nodes formed a round late (two came 16 s after the first); one of them died
+    before it said what it holds. The others waited for its record, then joined the next
+    round, which formed once its keep-alive expired. The supervisor bounded both tries by
+    one try's deadline (join_timeout + read_timeout + 5 s = 27 s here): a join about to
+    succeed ended as a lost store, 'requeue the job (exit status 75)', on every node."""
+    import time
+    from types import SimpleNamespace
+
+    from ftmaster import membership as membership_module
+    from ftmaster.supervisor import Supervisor, SupervisorConfig
+
+    monkeypatch.setattr(membership_module, "RECORD_TIMEOUT_S", 2.0)
+    port, conf = free_port(), {**CONF, "join_timeout": "20", "read_timeout": "2",
+                               "last_call_timeout": "3", "keep_alive_max_attempt": "15"}
+
+    def slow_seat(node_rank):
+        config = RendezvousConfig(f"127.0.0.1:{port}", "job", 2, 3, node_rank,
+                                  local_addr="127.0.0.1",
+                                  conf={**conf, "is_host": str(int(node_rank == 0))})
+        return NodeMembership(config, poll_s=0.0)
+
+    seats = [slow_seat(0)]
+    supervisor = Supervisor(SupervisorConfig(run_dir=tmp_path, command=("t.py",), gpus=(0,),
+                                             first_plan=None),
+                            SimpleNamespace(on_alert=None), seats[0])
+    joined = {}
+
+    def dies_once_the_round_formed():
+        seats[2].handler.next_rendezvous()
+        seats[2].stop_keep_alive()
+
+    def the_late_two():
+        time.sleep(16)
+        seats.extend([slow_seat(1), slow_seat(2)])
+        dying = threading.Thread(target=dies_once_the_round_formed)
+        dying.start()
+        joined[1] = seats[1].join([0])
+        dying.join()
+
+    late = threading.Thread(target=the_late_two)
+    late.start()
+    try:
+        started = time.monotonic()
+        joined[0] = supervisor._join([0])
+        assert time.monotonic() - started > 27
+        assert [node.node_rank for node in joined[0].nodes] == [0, 1]
+    finally:
+        late.join(timeout=60)
+        for node in seats:
+            node.stop_keep_alive()
+    assert joined[1].nodes == joined[0].nodes  # the first round that completed: number 1

@@ -490,6 +490,7 @@ class RoundMembership:
 
     def __init__(self, joined, max_nodes):
         self.joined, self.ended = joined, []
+        self.try_started_at = float("-inf")
         self.config = types.SimpleNamespace(join_timeout_s=5.0, max_nodes=max_nodes, node_rank=0,
                                             endpoint="store:29400")
 

@@ -171,7 +171,7 @@ class RendezvousConfig:
 
     @property
     def join_timeout_s(self) -> float:
-        """The longest a join may take, store trouble included."""
+        """The longest one try at a round may take, store trouble included."""
         return self.seconds("join_timeout", 600) + self.store_timeout_s
 
 
@@ -359,6 +359,9 @@ class NodeMembership:
         self._waiting, self._peer_failure = False, None
         self._round: Round | None = None
         self._round_store = None
+        self.try_started_at = float("-inf")
+        """When :meth:`join`'s current try began: a round one of whose nodes died before it
+        said what it holds is tried again, with torch's whole join_timeout."""
         check_address(config)
         os.environ[SHARE_STORE_ENV] = "1"
         self.handler = self._create_handler()
@@ -384,6 +387,7 @@ class NodeMembership:
         """Join the next round with these schedulable GPUs, saying whether this node could
         start warm and where it serves its memory tier; blocks until the round completes."""
         while True:
+            self.try_started_at = time.monotonic()
             info = self._call(self.handler.next_rendezvous)
             store = info.store
             me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),

@@ -1440,12 +1440,15 @@ class Supervisor:
 
         log.info("joining a rendezvous round with GPU(s) %s", available)
         thread = threading.Thread(target=join, name="ftmaster-rendezvous", daemon=True)
+        started = time.monotonic()
         thread.start()
-        deadline = time.monotonic() + self.membership.config.join_timeout_s
         while thread.is_alive():
             if self._stop_requested.wait(self.config.poll_interval_s):
                 return None
-            if time.monotonic() > deadline:  # stuck on a store no packet reaches
+            # Each try at a round has its deadline (the earlier join's try is no start for this one)
+            try_started = max(started, self.membership.try_started_at)
+            if time.monotonic() > try_started + self.membership.config.join_timeout_s:
+                # stuck on a store no packet reaches
                 raise StoreLost(f"joining the rendezvous at {self.membership.config.endpoint} "
                                 f"did not end within {self.membership.config.join_timeout_s:g} s")
         if isinstance(outcome[0], BaseException):
