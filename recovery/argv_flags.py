@@ -37,6 +37,16 @@ def flag_present(args: Sequence[str], flag: str) -> bool:
     return any(token == flag or token.startswith(flag + "=") for token in args)
 
 
+def switched_on(args: Sequence[str], flag: str) -> bool:
+    """Whether the store_true ``flag`` is on: given, and not turned off by a later
+    ``--no-`` form (the trainer's opt-outs, such as ``--no-use-distributed-optimizer``)."""
+    last = None
+    for token in args:
+        if token in (flag, "--no-" + flag[2:]):
+            last = token
+    return last == flag
+
+
 def flag_value(args: Sequence[str], flag: str) -> str | None:
     """The value of the last ``flag`` in ``args``, or None when the flag is absent."""
     found = _occurrences(args, flag)

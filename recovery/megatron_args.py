@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from .argv_flags import flag_present, flag_value, int_flag, remove_flag, set_flag
+from .argv_flags import flag_present, flag_value, int_flag, remove_flag, set_flag, switched_on
 from .batch_schedule import StepSchedule, change_global_batch, read_step_schedule
 from .layout_rules import (FIRST_STAGE_FLAG, LAST_STAGE_FLAG, LAYERS_PER_VIRTUAL_STAGE_FLAG,
                            VIRTUAL_STAGES_FLAG, PipelineFlags, RuleFlags, read_pipeline_flags,
@@ -86,7 +86,7 @@ def read_script_args(args: Sequence[str], original_world_size: int | None = None
         global_batch_given=flag_value(args, GLOBAL_BATCH_FLAG) is not None,
         save=flag_value(args, "--save"), load=flag_value(args, "--load"),
         pipeline=pipeline, rules=read_rule_flags(args), memory=read_memory_flags(args),
-        step_schedule=schedule, overlap_grad_reduce=flag_present(args, "--overlap-grad-reduce"),
+        step_schedule=schedule, overlap_grad_reduce=switched_on(args, "--overlap-grad-reduce"),
         warnings=warnings)
 
 

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .argv_flags import flag_present, flag_value, float_flag, int_flag
+from .argv_flags import flag_present, flag_value, float_flag, int_flag, switched_on
 from .layout_rules import ModelSplit, most_instances
 from .model_facts import ModelShape
 
@@ -121,7 +121,7 @@ def read_memory_flags(args: Sequence[str]) -> MemoryFlags:
     half = flag_present(args, "--bf16") or flag_present(args, "--fp16")
     return MemoryFlags(
         sequence_parallel=flag_present(args, "--sequence-parallel"),
-        distributed_optimizer=flag_present(args, "--use-distributed-optimizer"),
+        distributed_optimizer=switched_on(args, "--use-distributed-optimizer"),
         optimizer_instances=int_flag(args, "--num-distributed-optimizer-instances", 1),
         recompute=granularity,
         recompute_method=flag_value(args, "--recompute-method"),

@@ -46,6 +46,8 @@ def test_overlapping_the_gradient_reduction_hides_it():
              if token != "--overlap-grad-reduce"]
     overlapped = layout(gbs=8, extra=("--seq-length", "1024"))
     assert samples_per_second(overlapped, 8, 2) > samples_per_second(plain, 8, 2)
+    opted_out = [*overlapped, "--no-overlap-grad-reduce"]  # the trainer's opt-out, last wins
+    assert samples_per_second(opted_out, 8, 2) == samples_per_second(plain, 8, 2)
 
 
 def test_tensor_parallelism_costs_communication_inside_the_node():

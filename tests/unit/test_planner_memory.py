@@ -65,6 +65,8 @@ def memory(*extra, gpus=32, base=BASE):
                  "same", id="selective-recompute-drops-the-scores"),
     pytest.param(("--fp8-format", "hybrid"), "less", id="fp8-gemm-inputs"),
     pytest.param(("--hidden-dropout", "0.1"), "more", id="dropout-masks"),
+    pytest.param(("--use-distributed-optimizer", "--no-use-distributed-optimizer"), "same",
+                 id="the-later-opt-out-wins"),
 ])
 def test_each_flag_moves_the_estimate(extra, direction):
     before, after = memory(), memory(*extra)
