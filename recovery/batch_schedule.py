@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .argv_flags import flag_value, set_flag
+from .argv_flags import flag_value, int_flag, set_flag
 from .model_facts import GLOBAL_BATCH_FLAG, STEP_SCHEDULE_FLAG
 
 ITERATION_TO_SAMPLE_FLAGS = (
@@ -113,8 +113,8 @@ def change_global_batch(args: Sequence[str], batch_so_far: int, new_batch: int) 
     """``args`` running at ``new_batch`` from now on, ending at the same sample count."""
     args = list(args)
     for iterations_flag, samples_flag in ITERATION_TO_SAMPLE_FLAGS:
-        text = flag_value(args, iterations_flag)
-        if text is not None:
-            args = _rename(args, iterations_flag, samples_flag, str(int(text) * batch_so_far))
+        iterations = int_flag(args, iterations_flag, positive=False)
+        if iterations is not None:
+            args = _rename(args, iterations_flag, samples_flag, str(iterations * batch_so_far))
     return set_flag(args, GLOBAL_BATCH_FLAG, str(new_batch))
 

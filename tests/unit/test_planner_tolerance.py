@@ -112,6 +112,11 @@ def test_change_global_batch(args, expected):
     assert change_global_batch(args, 64, 63) == expected
 
 
+def test_a_malformed_iteration_count_is_named_in_the_error():
+    with pytest.raises(ValueError, match=r"^--lr-warmup-iters must be an integer, got '1.5'$"):
+        change_global_batch(["--train-iters", "10", "--lr-warmup-iters", "1.5"], 64, 63)
+
+
 def test_tolerance_on_a_derived_global_batch_pins_the_new_one():
     args = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "1",
             "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "1",
