@@ -24,6 +24,12 @@ from .optimizer_shards import STATE_KEYS, distributed_optimizers, sharding_by_pa
 KEY = "optimizer_from_distributed"
 """Where the template puts the tensors (the load's result has them at the same place)."""
 
+STEP_PER_PARAMETER = (torch.optim.Adam, torch.optim.AdamW)
+"""torch's Adams count their step per parameter. Transformer Engine's and apex's FusedAdam
+(megatron-core's Adam wherever either is installed) count it per param group, as the saved
+param groups hold it, and their ``state_dict`` reads every per-parameter entry as a moment
+(KeyError 'step' for any other)."""
+
 
 def _main_params(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
     """(model parameter, the parameter Adam updates, that Adam) for every parameter."""
@@ -71,6 +77,10 @@ def apply(optimizer, loaded: dict, step: float) -> None:
         state = tensors[index]
         with torch.no_grad():
             main.copy_(state["param"].view_as(main))
-        adam.state[main] = {"step": torch.tensor(step),
-                            "exp_avg": state["exp_avg"].view_as(main).to(main.dtype).clone(),
+        adam.state[main] = {"exp_avg": state["exp_avg"].view_as(main).to(main.dtype).clone(),
                             "exp_avg_sq": state["exp_avg_sq"].view_as(main).to(main.dtype).clone()}
+        if isinstance(adam, STEP_PER_PARAMETER):
+            adam.state[main]["step"] = torch.tensor(step)
+        else:
+            for group in adam.param_groups:
+                group["step"] = int(step)
