@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .argv_flags import flag_value, int_flag, set_flag
+from .argv_flags import MAX_INT, flag_value, int_flag, set_flag
 from .model_facts import GLOBAL_BATCH_FLAG, STEP_SCHEDULE_FLAG
 
 ITERATION_TO_SAMPLE_FLAGS = (
@@ -50,6 +50,8 @@ class StepSchedule:
             raise ValueError(f"{STEP_SCHEDULE_FLAG} thresholds must be strictly increasing")
         if any(batch < 1 for _, batch in self.entries):
             raise ValueError(f"{STEP_SCHEDULE_FLAG} batch sizes must be positive")
+        if any(batch > MAX_INT for _, batch in self.entries):  # as --global-batch-size
+            raise ValueError(f"{STEP_SCHEDULE_FLAG} batch sizes must be at most 10^12")
 
     def batch_at(self, consumed_samples: int) -> int:
         """The global batch in effect after ``consumed_samples`` (``_get_batch_size_for_samples``)."""
