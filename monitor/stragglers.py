@@ -98,9 +98,9 @@ class Straggler:
     tell which one holds the others up (see the module docstring)."""
 
 
-def known_ms(value) -> float | None:
-    """A compute time as a heartbeat carries it, or None (unknown) for anything but a finite
-    number above 0."""
+def positive_figure(value) -> float | None:
+    """A compute time or a time of day as a heartbeat carries it, or None (unknown) for
+    anything but a finite number above 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
@@ -158,7 +158,7 @@ class StragglerTracker:
         found = []
         for iteration in sorted(i for i in figures if not self._figures or i > next(reversed(self._figures))):
             self._figures[iteration] = {rank: ms for rank, value in figures[iteration].items()
-                                        if (ms := known_ms(value)) is not None}
+                                        if (ms := positive_figure(value)) is not None}
             while len(self._figures) > self.config.history:
                 self._figures.popitem(last=False)
             found += self._judge(iteration)

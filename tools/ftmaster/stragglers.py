@@ -17,13 +17,13 @@ wrongly, when the second alone decided), then 0.47 and 0.60 s against 0.61 and 0
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker
+from ftmaster.monitor.stragglers import (Straggler, StragglerConfig, StragglerTracker,
+                                        positive_figure)
 
 KEPT_BEATS = 256
 """Heartbeats kept per attempt for step times (the detector's window is far shorter)."""
@@ -83,8 +83,8 @@ class StragglerWatch:
             return []
         iteration = heartbeat["iteration"]
         at = heartbeat.get("time", time.time())
-        if iteration not in self._beats and _number(at):
-            self._beats[iteration] = float(at)
+        if iteration not in self._beats and (seconds := positive_figure(at)) is not None:
+            self._beats[iteration] = seconds
             while len(self._beats) > KEPT_BEATS:  # in iteration order: the oldest go
                 del self._beats[next(iter(self._beats))]
         self._first = iteration if self._first is None else self._first
@@ -145,12 +145,6 @@ class StragglerWatch:
 
     def drained(self, now: float, step_s: float | None) -> None:
         self._last_drain, self._slowed_step_s = now, step_s
-
-
-def _number(value) -> bool:
-    """Whether ``value`` is a time a heartbeat may carry (an int past any float is none)."""
-    return (isinstance(value, float) and math.isfinite(value)) or (
-        isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2 ** 53)
 
 
 def _iteration(key) -> int | None:
