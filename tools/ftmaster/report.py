@@ -432,7 +432,7 @@ def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | Non
 def _checkpoint(events: list[dict], failure: dict) -> dict | None:
     saves = []
     for event in (e for e in events if e["time"] <= failure["time"]):
-        if event["event"] in SAVES and isinstance(event.get("iteration"), int):
+        if event["event"] in SAVES and is_int(event.get("iteration")):
             saves.append(event)
         elif event["event"] == "checkpoint_loaded" and is_int(event.get("iteration")):
             # a resume sets every newer checkpoint aside (it failed its checks, or its
