@@ -51,7 +51,7 @@ def microseconds(action, repeats: int = 20000) -> float:
 
 
 def overhead(ranks: int = 4) -> dict[str, float]:
-    timer, figures = ComputeTimer(cuda=False), ComputeFigures([0] * ranks)
+    timer, figures = ComputeTimer(cuda=False), ComputeFigures([0] * ranks, list(range(ranks)))
     for iteration in range(KEPT):
         figures.record(iteration, [40_000 + r for r in range(ranks)])
 

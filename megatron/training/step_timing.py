@@ -101,7 +101,7 @@ def _runqueue_wait_s() -> float:
 class ComputeFigures:
     """Every rank's compute per iteration, as the agreements bring them (rank 0's view)."""
 
-    def __init__(self, stage: list[int], replica: list[int] | None = None) -> None:
+    def __init__(self, stage: list[int], replica: list[int]) -> None:
         self.stage = stage
         """Each global rank's pipeline stage."""
         self.replica = replica
@@ -121,6 +121,6 @@ class ComputeFigures:
         if not self._kept:
             return None
         return {"stages": self.stage,
-                **({} if self.replica is None else {"replicas": self.replica}),
+                "replicas": self.replica,
                 "ms": {str(it): [round(us / 1000, 3) if us else None for us in values]
                        for it, values in self._kept.items()}}
