@@ -159,11 +159,21 @@ def set_optimizer_instances(args: Sequence[str], instances: int) -> tuple[list[s
             f"the relaunch runs {instances}")
 
 
+STARTING_WEIGHTS_ONLY = ("--no-load-optim", "--no-load-rng")
+"""Flags that say what to take of the weights a run starts from (a fine-tune leaves the
+pretraining's Adam moments behind); its own checkpoints' optimizer and RNG are its own."""
+
+
 def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str]:
     """The arguments of a relaunch: ``--load`` is the ``--save`` folder once that holds a
     checkpoint, even where ``--load`` named another folder (the weights the run started
-    from), which would otherwise be reloaded and everything trained since thrown away."""
+    from), which would otherwise be reloaded and everything trained since thrown away. The
+    flags of :data:`STARTING_WEIGHTS_ONLY` then go: kept, every recovery restarted Adam from
+    zero moments. With ``--load`` already the ``--save`` folder they stay as given."""
     save = flag_value(args, "--save")
-    if save is None or not save_has_checkpoint:
+    if save is None or not save_has_checkpoint or flag_value(args, "--load") == save:
         return list(args)
-    return set_flag(list(args), "--load", save)
+    resumed = set_flag(list(args), "--load", save)
+    for flag in STARTING_WEIGHTS_ONLY:
+        resumed = remove_flag(resumed, flag, takes_value=False)
+    return resumed

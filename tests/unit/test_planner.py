@@ -205,6 +205,14 @@ def test_rewrite_argv_changes_only_what_the_layout_needs(args, layout, flag, exp
     (["--load", "/base", "--save", "/run"], False, ["--load", "/base", "--save", "/run"]),
     (["--save", "/run"], True, ["--save", "/run", "--load", "/run"]),
     (["--load", "/base"], True, ["--load", "/base"]),  # nothing saved, nothing to resume
+    # a fine-tune's flags for the weights it started from: the run's own Adam is its own
+    (["--load", "/base", "--no-load-optim", "--save", "/run", "--no-load-rng"], True,
+     ["--load", "/run", "--save", "/run"]),
+    (["--load", "/base", "--no-load-optim", "--save", "/run"], False,
+     ["--load", "/base", "--no-load-optim", "--save", "/run"]),
+    # resuming its own folder, the user asked for a fresh Adam: as given
+    (["--load", "/run", "--no-load-optim", "--save", "/run"], True,
+     ["--load", "/run", "--no-load-optim", "--save", "/run"]),
 ])
 def test_a_relaunch_resumes_from_save_once_it_holds_a_checkpoint(args, has_checkpoint, expected):
     assert resume_from_save(args, has_checkpoint) == expected

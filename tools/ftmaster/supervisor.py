@@ -87,10 +87,11 @@ from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
+from ftmaster.recovery.argv_flags import flag_present
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
                                            read_save_kind, read_tracker, unmark_peer_copies)
-from ftmaster.recovery.megatron_args import flag_value, resume_from_save
+from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld
@@ -986,7 +987,10 @@ class Supervisor:
             self._resume_point = max(read_tracker(folder) or 0 for folder in held)
         resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
         if resumed != list(command):
-            log.warning("relaunching with --load %s: the newest checkpoint is there", save)
+            dropped = [flag for flag in STARTING_WEIGHTS_ONLY if flag_present(command, flag)]
+            log.warning("relaunching with --load %s: the newest checkpoint is there%s", save,
+                        f" (without {' '.join(dropped)}, given for the weights the run started "
+                        "from)" if dropped else "")
         return resumed
 
     def _warn_if_memory_tier_lost(self, held: list[Path]) -> None:
