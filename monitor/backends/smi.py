@@ -9,8 +9,10 @@ thread to reap, so it never blocks the monitor.
 
 Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` (``retired_pages.pending``
 on H100, say) are unknown (None). A line that reports a lost GPU leaves that GPU out, so the
-monitor reports it lost. A driver that rejects an extra field by name loses that field only
-(for good); one that rejects a field without naming it gets the paper's Table I fields.
+monitor reports it lost. A ``WARNING:`` line among the rows (a corrupted infoROM, say) is
+logged once and costs no GPU its sample. A driver that rejects an extra field by name loses
+that field only (for good); one that rejects a field without naming it gets the paper's
+Table I fields.
 
 With ``gpu_ids`` (or :meth:`SmiBackend.select_gpus`) only those GPUs are queried
 (``nvidia-smi -i``): other jobs' GPUs on the node never reach the monitor. One process reads
@@ -21,6 +23,7 @@ the ``nvml`` backend.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -34,6 +37,8 @@ from typing import Iterable, Sequence
 
 from ftmaster.monitor.backends import BackendError
 from ftmaster.monitor.sample import GpuSample
+
+log = logging.getLogger("ftmaster.monitor")
 
 # (nvidia-smi field, GpuSample field); the first block is the paper's Table I.
 BASE_FIELDS = (
@@ -62,6 +67,9 @@ _TEXT = {"gpu_name", "driver_version"}
 NO_HANDLE = ("lost", "unable to determine the device handle")
 _INTEGER = {"errors", "ecc_sbe", "ecc_dbe", "throttle_reasons"}
 _YES_NO = {"yes": 1, "no": 0}
+# nvidia-smi's notes among the rows ("WARNING: infoROM is corrupted at gpu 0000:3B:00.0"):
+# about one GPU, not a row of any; the rows around them stand.
+WARNING = "warning:"
 KILL_GRACE_S = 1.0  # how long a killed nvidia-smi gets to exit before it is left behind
 # nvidia-smi's words for a field the driver does not know: Field "x" is not a valid field to query.
 _REJECTED_FIELD = re.compile(r'field "([^"]+)" is not a valid field', re.IGNORECASE)
@@ -85,6 +93,7 @@ class SmiBackend:
         self._stuck: subprocess.Popen | None = None
         """An nvidia-smi that outlived its SIGKILL (a wedged driver): none is started while it
         lives, or every sample would leave one more behind."""
+        self._warnings: set[str] = set()  # logged once each, not every sample
 
     def close(self) -> None:
         pass
@@ -110,6 +119,9 @@ class SmiBackend:
         for line in out.splitlines():
             if not line.strip():
                 continue
+            if line.lower().lstrip().startswith(WARNING):
+                self._log_warning(line.strip())
+                continue
             listed += 1
             if any(words in line.lower() for words in NO_HANDLE):
                 continue  # "Unable to determine the device handle ... GPU is lost": left out
@@ -122,6 +134,11 @@ class SmiBackend:
             raise BackendError(f"nvidia-smi exited with {code} and listed no GPU: "
                                f"{detail[0] if detail else 'no output'}")
         return samples
+
+    def _log_warning(self, line: str) -> None:
+        if line not in self._warnings:
+            self._warnings.add(line)
+            log.warning("nvidia-smi: %s", line)
 
     def _query_known_fields(self, ids: list[int] | None) -> tuple[int, str, str]:
         """Query, dropping each extra field the driver rejects (one at a time, remembered)."""

@@ -182,3 +182,17 @@ def test_a_rejected_extra_field_is_dropped_alone(fake_smi, tmp_path):
     assert "throttle_reasons" not in backend.reported_fields
     backend.sample()
     assert len((tmp_path / "runs").read_text().split()) == 3  # rejected once, then never asked
+
+
+def test_a_warning_line_costs_no_gpu_its_sample(fake_smi):
+    """nvidia-smi prints "WARNING: infoROM is corrupted at gpu ..." among the CSV rows (and
+    exits 14): that line failed every sample as unparseable, so one GPU's infoROM blinded
+    the monitor to every GPU."""
+    fake_smi(f"echo 'WARNING: infoROM is corrupted at gpu 0000:3B:00.0'\ncat <<'EOF'\n{GOOD}EOF\nexit 14\n")
+    assert [s.gpu_id for s in SmiBackend().sample()] == [0, 1]
+
+
+def test_warnings_alone_are_no_gpu_listed(fake_smi):
+    fake_smi("echo 'WARNING: infoROM is corrupted at gpu 0000:3B:00.0'\nexit 14\n")
+    with pytest.raises(BackendError, match="listed no GPU"):
+        SmiBackend().sample()
