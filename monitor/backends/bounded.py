@@ -239,7 +239,7 @@ class PerGpuReads:
         for gpu in selected:
             job, reading, deadline = jobs.get(gpu) or self._stuck[gpu]
             if job.done.is_set():
-                samples[gpu] = self._finished(gpu, job, reading)
+                samples[gpu] = self._finished(gpu, job, reading, fresh=gpu in jobs, now=now)
             else:
                 overran.append(gpu)
                 samples[gpu] = self._overran(gpu, (job, reading, deadline), fresh=gpu in jobs, now=now)
@@ -285,7 +285,11 @@ class PerGpuReads:
             gate.wait()
         read_one(gpu, reading)
 
-    def _finished(self, gpu: int, job: _Job, reading: Reading) -> GpuSample | None:
+    def _finished(self, gpu: int, job: _Job, reading: Reading, fresh: bool,
+                  now: float) -> GpuSample | None:
+        """The sample of a GPU whose read returned: None (left out) when it found the GPU
+        gone; unknown when it was stuck and returned only while this sample waited, since what
+        it read belongs to the sample it began in (and carries that sample's time)."""
         self._stuck_samples.pop(gpu, None)
         self._wedged.discard(gpu)
         if isinstance(job.error, GpuGone):  # how it went comes first: it is why it is lost
@@ -294,7 +298,7 @@ class PerGpuReads:
             return None
         if job.error is not None:  # a bug or an odd binding: what was read stands, the rest is unknown
             log.debug("%s: reading GPU %d failed: %r", self.name, gpu, job.error)
-        return reading.sample
+        return reading.sample if fresh else GpuSample(timestamp=now, gpu_id=gpu)
 
     def _overran(self, gpu: int, stuck: tuple[_Job, Reading, float], fresh: bool,
                  now: float) -> GpuSample | None:

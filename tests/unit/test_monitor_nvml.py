@@ -485,3 +485,30 @@ def test_every_gpu_stuck_is_a_wedged_driver_not_every_gpu_lost():
         release.set()
     backend._nvml.nvmlDeviceGetPowerUsage = lambda h: 300_000
     assert wait_for_gpu(backend, 1).power_draw == 300.0
+
+
+def test_a_read_that_returns_during_a_later_sample_is_not_dated_back():
+    """A stuck read that returned while the sampler waited for the other GPUs gave its
+    sample dated when it began, samples ago: a row (and any alert) out of time order."""
+    release, opened = threading.Event(), []
+
+    def temperature(h, sensor):
+        if h == 0:
+            opened.append(h)
+            if len(opened) == 2:  # in the second sample, GPU 1's stuck read returns
+                release.set()
+                time.sleep(0.1)
+        return 60 + h
+    nvml = fake_nvml(count=2, nvmlDeviceGetTemperature=temperature,
+                     nvmlDeviceGetPowerUsage=stuck_on(1, release, 300_000))
+    backend = NvmlBackend(nvml=nvml, bounds=QUICK)
+    try:
+        first = by_gpu(backend.sample())
+        time.sleep(0.05)
+        second = by_gpu(backend.sample())
+    finally:
+        release.set()
+    assert first[1].power_draw is None  # stuck
+    assert second[1].timestamp == second[0].timestamp > first[1].timestamp
+    assert second[1].power_draw is None  # read for a past sample: unknown in this one
+    assert by_gpu(backend.sample())[1].power_draw == 300.0  # and read afresh in the next
