@@ -8,11 +8,12 @@ so. The monitor records that and retries with backoff. A killed process stuck in
 thread to reap, so it never blocks the monitor.
 
 Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` (``retired_pages.pending``
-on H100, say) are unknown (None). A line that reports a lost GPU leaves that GPU out, so the
-monitor reports it lost. A ``WARNING:`` line among the rows (a corrupted infoROM, say) is
-logged once and costs no GPU its sample. A driver that rejects an extra field by name loses
-that field only (for good); one that rejects a field without naming it gets the paper's
-Table I fields.
+on H100, say) are unknown (None). A GPU whose cells say ``[GPU requires reset]`` is kept with
+the condition ``reset_required``, as the ``nvml`` backend keeps it. A line that reports a
+lost GPU leaves that GPU out, so the monitor reports it lost. A ``WARNING:`` line among the
+rows (a corrupted infoROM, say) is logged once and costs no GPU its sample. A driver that
+rejects an extra field by name loses that field only (for good); one that rejects a field
+without naming it gets the paper's Table I fields.
 
 With ``gpu_ids`` (or :meth:`SmiBackend.select_gpus`) only those GPUs are queried
 (``nvidia-smi -i``): other jobs' GPUs on the node never reach the monitor. One process reads
@@ -36,6 +37,7 @@ import time
 from typing import Iterable, Sequence
 
 from ftmaster.monitor.backends import BackendError
+from ftmaster.monitor.backends.nvml import RESET_REQUIRED
 from ftmaster.monitor.sample import GpuSample
 
 log = logging.getLogger("ftmaster.monitor")
@@ -67,6 +69,8 @@ _TEXT = {"gpu_name", "driver_version"}
 NO_HANDLE = ("lost", "unable to determine the device handle")
 _INTEGER = {"errors", "ecc_sbe", "ecc_dbe", "throttle_reasons"}
 _YES_NO = {"yes": 1, "no": 0}
+# nvidia-smi's cell for NVML_ERROR_RESET_REQUIRED: unknown, and evidence the GPU needs a reset.
+RESET_CELL = "[gpu requires reset]"
 # nvidia-smi's notes among the rows ("WARNING: infoROM is corrupted at gpu 0000:3B:00.0"):
 # about one GPU, not a row of any; the rows around them stand.
 WARNING = "warning:"
@@ -94,6 +98,8 @@ class SmiBackend:
         """An nvidia-smi that outlived its SIGKILL (a wedged driver): none is started while it
         lives, or every sample would leave one more behind."""
         self._warnings: set[str] = set()  # logged once each, not every sample
+        self.conditions: dict[int, tuple[str, ...]] = {}
+        """Per GPU, the driver conditions of the latest sample (see the backends' contract)."""
 
     def close(self) -> None:
         pass
@@ -110,6 +116,7 @@ class SmiBackend:
 
     def sample(self) -> list[GpuSample]:
         now = time.time()
+        self.conditions = {}
         selected, excluded = self._selected, self._excluded
         ids = None if selected is None else sorted(selected - excluded)
         if ids == []:
@@ -128,6 +135,8 @@ class SmiBackend:
             sample = self._parse(line, now)
             if sample.gpu_id not in excluded:  # without --id, every GPU answers
                 samples.append(sample)
+                if RESET_CELL in line.lower():
+                    self.conditions[sample.gpu_id] = (RESET_REQUIRED,)
         if not listed:
             # Silence is not "every GPU is gone": only an explicit lost line says that.
             detail = (err or out).strip().splitlines()

@@ -196,3 +196,19 @@ def test_warnings_alone_are_no_gpu_listed(fake_smi):
     fake_smi("echo 'WARNING: infoROM is corrupted at gpu 0000:3B:00.0'\nexit 14\n")
     with pytest.raises(BackendError, match="listed no GPU"):
         SmiBackend().sample()
+
+
+def test_a_gpu_that_needs_a_reset_is_evidence_not_just_unknown(fake_smi, tmp_path):
+    """nvidia-smi's cells read "[GPU requires reset]" (NVML's RESET_REQUIRED): the GPU was
+    only unknown, so a relaunch planned on it again, where the nvml backend retires it."""
+    from ftmaster.monitor.daemon import Monitor
+    reset = "[GPU requires reset]"
+    fake_smi(f"cat <<'EOF'\n{GOOD.splitlines()[0]}\n"
+             f"1, NVIDIA H100 80GB HBM3, 570.1, {reset}, {reset}, {reset}, {reset}, 0, 81559, "
+             f"{reset}, {reset}, {reset}, {reset}, 700.00, {reset}, {reset}\nEOF\n")
+    backend = SmiBackend()
+    monitor = Monitor(backend, tmp_path / "run")
+    monitor.step()
+    assert monitor.unschedulable_gpus() == {1: "reset_required"}
+    assert backend.conditions == {1: ("reset_required",)}
+    assert monitor.lost_gpus() == frozenset()  # kept, with its fields unknown
