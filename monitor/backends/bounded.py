@@ -251,9 +251,11 @@ class PerGpuReads:
                 raise BackendError(f"all {len(selected)} GPUs have been stuck in the driver for "
                                    f"several deadlines: the driver looks wedged, not one GPU")
             # Every GPU is stuck, some only a little less long: the driver, not one GPU, until
-            # the others answer; naming the first one wedged would retire a healthy GPU.
-            samples.update({gpu: GpuSample(timestamp=now, gpu_id=gpu) for gpu in wedged})
-            wedged = []
+            # the others answer; naming the first one wedged would retire a healthy GPU. One
+            # named already stays out: brought back, it would be reported lost again next time.
+            held_back = [gpu for gpu in wedged if gpu not in self._wedged]
+            samples.update({gpu: GpuSample(timestamp=now, gpu_id=gpu) for gpu in held_back})
+            wedged = [gpu for gpu in wedged if gpu in self._wedged]
         for gpu in wedged:
             conditions[gpu] = (WEDGED,)
         self._report_wedged(wedged)

@@ -512,3 +512,37 @@ def test_a_read_that_returns_during_a_later_sample_is_not_dated_back():
     assert second[1].timestamp == second[0].timestamp > first[1].timestamp
     assert second[1].power_draw is None  # read for a past sample: unknown in this one
     assert by_gpu(backend.sample())[1].power_draw == 300.0  # and read afresh in the next
+
+
+def test_a_gpu_reported_wedged_stays_lost_while_another_is_slow(tmp_path):
+    """Once GPU 0 was reported wedged, one slow read on GPU 1 made every GPU "stuck": GPU 0
+    came back as unknown ("reports again") and was lost anew at the next sample, a second
+    device_lost alert and emergency save for the same wedged GPU."""
+    from ftmaster.monitor.daemon import Monitor
+    wedged, slow = threading.Event(), threading.Event()
+
+    def power(h):
+        if h == 0:
+            wedged.wait(60)
+        elif slow.is_set():
+            time.sleep(QUICK.read_timeout_s * 2)
+        return 300_000
+    nvml = fake_nvml(count=2, nvmlDeviceGetPowerUsage=power)
+    nvml.events.clear()
+    monitor = Monitor(NvmlBackend(nvml=nvml, bounds=QUICK), tmp_path)
+    try:
+        for _ in range(500):
+            monitor.step()
+            if 0 in monitor.lost_gpus():
+                break
+            time.sleep(0.01)
+        slow.set()  # GPU 1 overruns one deadline
+        monitor.step()
+        assert monitor.lost_reasons() == {0: "wedged"}
+        slow.clear()
+        time.sleep(QUICK.read_timeout_s * 2)
+        monitor.step()
+        monitor.step()
+    finally:
+        wedged.set()
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(0, ("device_lost", "wedged"))]
