@@ -276,9 +276,12 @@ def test_a_lost_attempt_whose_heartbeat_cannot_be_read_ended_at_an_unknown_itera
     assert (lost["cause"], lost["iteration"]) == ("supervisor_lost", None)  # not 0: none lost
 
 
-def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_read(tmp_path):
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_read(tmp_path,
+                                                                                 damaged):
     """The copy's result is read at the supervisor's next poll of training, which a launch
-    waiting for warm workers held off (15.6 s in a real run): the event was dated then."""
+    waiting for warm workers held off (15.6 s in a real run): the event was dated then. A
+    failed copy's too."""
     from ftmaster.launch import check_layout
     from ftmaster.persist import Persister
     from test_launch_parts import MODEL
@@ -287,7 +290,9 @@ def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_rea
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, QuietMonitor())
-    fake_checkpoint(tmp_path / "memory", 8)
+    source = fake_checkpoint(tmp_path / "memory", 8)
+    if damaged:  # a shard other than its manifest says: the copy fails its check
+        (source / "common.pt").write_bytes(b"x" * 100)
     supervisor.persister = Persister(tmp_path / "memory", tmp_path / "disk")
     assert supervisor.persister.start(8)
     supervisor.persister.wait(10)
@@ -295,7 +300,8 @@ def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_rea
     time.sleep(0.5)  # the launch's wait
     supervisor._report_persisted()
     persisted = runfiles.read_events(tmp_path)[-1]
-    assert (persisted["event"], persisted["iteration"]) == ("persisted", 8)
+    assert (persisted["event"], persisted.get("iteration")) == \
+        (("persist_failed", None) if damaged else ("persisted", 8))
     assert persisted["time"] <= finished_by
 
 

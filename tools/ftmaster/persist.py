@@ -201,6 +201,11 @@ def _take_over(folder: Path, save_dir: Path, resumes: bool, say: Callable[[str],
 class PersistError(Exception):
     """A copy that did not complete; the disk tier is unchanged (one line)."""
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.finished_at = time.time()
+        """Unix time the copy ended, as :attr:`Persisted.finished_at`."""
+
 
 class PersistSuperseded(PersistError):
     """A copy from the peers given up because they pruned the checkpoint: they hold newer

@@ -780,8 +780,8 @@ class Supervisor:
     def _report_persisted(self) -> None:
         for result in self.persister.take_results():
             if isinstance(result, Persisted):
-                # Dated when the copy finished, as a launch is when it began: read here, it
-                # waited for this poll, which a launch's wait for warm workers holds off.
+                # Each result is dated when the copy ended, as a launch is when it began: read
+                # here, it waited for this poll, which a launch's wait for warm workers holds off.
                 self._event("persisted", time=result.finished_at, iteration=result.iteration,
                             path=str(result.path), seconds=round(result.seconds, 4),
                             bytes=result.bytes, fetched_bytes=result.fetched_bytes)
@@ -789,13 +789,13 @@ class Supervisor:
                          "(%.1f MB)", result.iteration, result.path, result.seconds,
                          result.bytes / 1e6)
             elif isinstance(result, PersistSuperseded):
-                self._event("persist_superseded", reason=str(result))
+                self._event("persist_superseded", time=result.finished_at, reason=str(result))
                 log.info("a memory checkpoint was not persisted: %s", result)
                 self._last_persist_start = float("-inf")  # no copy landed: the newer one is due
                 if self.agreement is not None:
                     self.agreement.outdated()
             elif isinstance(result, PersistError):
-                self._event("persist_failed", reason=str(result))
+                self._event("persist_failed", time=result.finished_at, reason=str(result))
                 log.warning("persisting a memory checkpoint failed: %s", result)
 
     def _report_replicated(self, results: list) -> None:
