@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
-from ftmaster.membership import (JoinTimedOut, NodeMembership, NodeRecord, RendezvousConfig,
-                                 Round, check_same_arguments, order_records, parse_conf,
-                                 parse_nnodes, parse_record, unread_conf_keys)
+from ftmaster.membership import (RECORD_TIMEOUT_S, JoinTimedOut, NodeMembership, NodeRecord,
+                                 RendezvousConfig, Round, check_same_arguments, order_records,
+                                 parse_conf, parse_nnodes, parse_record, unread_conf_keys)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
@@ -102,6 +102,12 @@ def test_rendezvous_config_validates():
         RendezvousConfig("h:1", "job", 1, 2, 0, backend="etcd")
     with pytest.raises(ValueError, match="--node-rank"):
         RendezvousConfig("h:1", "job", 1, 2, -1)
+
+
+def test_a_try_at_a_round_may_take_the_join_and_the_wait_for_every_record():
+    config = RendezvousConfig("h:1", "job", 1, 2, 0, conf={"join_timeout": "30",
+                                                            "read_timeout": "5"})
+    assert config.join_timeout_s == 30 + RECORD_TIMEOUT_S + 5 + 5  # the store's margin
 
 
 def test_each_node_runs_a_static_torchrun_for_its_generation():

@@ -171,8 +171,11 @@ class RendezvousConfig:
 
     @property
     def join_timeout_s(self) -> float:
-        """The longest one try at a round may take, store trouble included."""
-        return self.seconds("join_timeout", 600) + self.store_timeout_s
+        """The longest one try at a round may take: torch's join, then the wait for every
+        node's record (:func:`records_in_time`), store trouble included. Without the records'
+        wait, a round that formed late was cut short as a lost store when a node died before
+        its record, under a ``read_timeout`` below that wait."""
+        return self.seconds("join_timeout", 600) + RECORD_TIMEOUT_S + self.store_timeout_s
 
 
 @dataclass(frozen=True)
