@@ -57,8 +57,10 @@ def test_a_simulation_of_millions_of_events_is_refused_up_front():
 
 
 @pytest.mark.parametrize("case, message", [
-    (replace(BASE, gpu_mtbf_hours=3.0), "never end: failures outpace progress"),
+    # with a predictor, the first-order model has no estimate there: periodic-only's stands in
+    (replace(BASE, gpu_mtbf_hours=3.0), r"about 8\.7e\+87 events"),
     (replace(BASE, gpu_mtbf_hours=3.0).single_tier().periodic_only(), r"about 8\.7e\+87 events"),
+    (replace(BASE, gpu_mtbf_hours=0.3), "never end: failures outpace progress"),
 ])
 def test_a_simulation_whose_failures_outpace_progress_is_refused_up_front(case, message):
     """It played its whole event budget (10^7 steps, over an hour) before saying so."""
@@ -264,6 +266,19 @@ def test_the_json_is_valid_where_the_save_costs_the_mtbf_and_names_what_has_no_e
     table = CliRunner().invoke(main, args[:-1])
     assert "proactive: a save interval with its save spans" in table.output
     assert "Daly's exact optimum" in table.output
+
+
+def test_the_monte_carlo_plays_the_predictor_where_the_proactive_model_has_no_estimate():
+    """The first-order model's infinite failure count there is no reason to refuse it."""
+    args = ["goodput", "--gpus", "1", "--gpu-mtbf-hours", "1", "--save-block-s", "3600",
+            "--save-persist-s", "3600", "--iteration-s", "10", "--save-interval", "300",
+            "--restart-s", "60", "--run-hours", "20", "--runs", "20", "--json"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    body = strict_json(out.output)
+    assert body["proactive"]["analytic"] is None and body["proactive"]["no_estimate"]
+    assert body["proactive"]["monte_carlo"]["goodput"] == pytest.approx(
+        body["periodic_only"]["monte_carlo"]["goodput"], rel=0.1)
 
 
 def test_a_value_without_a_finite_estimate_is_null_and_named():

@@ -723,7 +723,10 @@ def expected_events_per_run(x: GoodputInputs) -> float:
     progress they have no end, and each simulated run would play its whole event budget)."""
     cycle_s = x.save_interval * x.iteration_s
     memory = 1 / (x.memory_interval * x.iteration_s) if x.tiered else 0.0
-    failures = float(np.max(analytic(x)["failures"]))
+    # where the first-order (proactive) model has no estimate, periodic-only's exact one
+    # stands in: a predictor's saves make what a failure restores newer, not older
+    model = x.periodic_only() if first_order_breakdown(x) else x
+    failures = float(np.max(analytic(model)["failures"]))
     return x.run_hours * HOUR * (1 / cycle_s + memory + x.false_alarm_rate_s) + failures
 
 
