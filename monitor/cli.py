@@ -17,7 +17,7 @@ from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
-from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
+from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig, injections_log
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.lock import RunDirLock, RunDirLocked
 from ftmaster.recovery.cli import FiniteFloatRange
@@ -122,6 +122,7 @@ def _monitor(backend: Backend, backend_spec: str, run_dir: Path, interval: float
     replaying = backend_spec.startswith("replay:")
     logging.basicConfig(level=logging.ERROR if replaying else logging.WARNING,
                         format="%(asctime)s monitor %(levelname)s %(message)s")
+    injections_log.setLevel(logging.WARNING)  # a replay's injection that changes nothing too
     try:
         monitor = Monitor(backend, run_dir, scorer=make_scorer(scorer),
                           alert_config=AlertConfig(threshold=risk_threshold),

@@ -72,6 +72,9 @@ from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
 from ftmaster.monitor.signals import unavailable_hard_signals
 
 log = logging.getLogger("ftmaster.monitor")
+injections_log = logging.getLogger("ftmaster.monitor.injections")
+"""What a rehearsal's --inject will not do: said where the monitor's other warnings are kept
+quiet too (a replay's, whose alerts its summary line gives)."""
 
 DEVICE_LOST = "device_lost"
 # Past this many doublings every realistic backoff is at its cap; 2 ** 1024 overflows a float.
@@ -388,7 +391,8 @@ class Monitor:
         if backend_inject is not None:
             backend_inject(injection)
         elif injection.kind is Fault.WEDGE:
-            log.warning("the %s backend cannot wedge its reads: %s changes nothing", self.backend.name, injection)
+            injections_log.warning("the %s backend cannot wedge its reads: %s changes nothing",
+                                   self.backend.name, injection)
 
     def _track_presence(self, samples: list[GpuSample], conditions: dict[int, tuple[str, ...]]) -> list[int]:
         """Update the known/lost sets; returns the GPUs lost in this sample."""
@@ -433,8 +437,8 @@ class Monitor:
         sampled = sorted({s.gpu_id for s in samples})
         for gpu, injection in self._injected_gpus.items():
             if gpu not in sampled:
-                log.warning("--inject %s: GPU %d is not among the sampled GPUs %s; it changes "
-                            "nothing", injection, gpu, sampled)
+                injections_log.warning("--inject %s: GPU %d is not among the sampled GPUs %s; it "
+                                       "changes nothing", injection, gpu, sampled)
                 if self.run_dir is not None:
                     self._append_event("injection_unsampled", gpu=gpu, spec=str(injection),
                                        sampled=sampled)

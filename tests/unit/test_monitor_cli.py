@@ -1,6 +1,9 @@
 """``ftmaster monitor`` end to end through click."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -26,6 +29,25 @@ def test_replay_writes_csv_events_and_flag(tmp_path):
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert events and all(e["event"] == "risk_alert" and e["timestamp"].startswith("20") for e in events)
     assert json.loads((run / "flags" / "trigger_checkpoint.flag").read_text())["gpu"] in {f.gpu for f in spec.failures}
+
+
+def test_a_replay_says_which_injections_change_nothing(tmp_path):
+    """A replay keeps its alerts to the summary line; the warnings that an injection changes
+    nothing went with them. A subprocess: pytest's own log handlers make logging's set-up in
+    the command a no-op."""
+    trace = tmp_path / "trace.csv"
+    assert invoke("--backend", "sim", "--num-gpus", "2", "--interval", "0.01", "--duration",
+                  "0.1", "--run-dir", str(tmp_path / "sim")).exit_code == 0
+    (tmp_path / "sim" / "gpu_metrics.csv").rename(trace)
+    ftmaster = Path(sys.executable).with_name("ftmaster")
+    completed = subprocess.run(
+        [str(ftmaster), "monitor", "--backend", f"replay:{trace}", "--run-dir", str(tmp_path / "run"),
+         "--inject", "degrade:gpu=7,at=0s", "--inject", "wedge:gpu=1,at=0s"],
+        capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0, completed.stderr
+    assert "--inject degrade:gpu=7,at=0s: GPU 7 is not among the sampled GPUs [0, 1]" in completed.stderr
+    assert "the replay backend cannot wedge its reads: wedge:gpu=1,at=0s" in completed.stderr
+    assert len(completed.stdout.strip().splitlines()) == 1
 
 
 def test_sim_run_with_injection(tmp_path):
