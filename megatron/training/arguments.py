@@ -294,8 +294,10 @@ def _samples_from_iterations(args) -> None:
 
 
 def _as_given(args, name: str) -> str:
-    """A schedule length as the user gave it, e.g. ``--lr-warmup-iters (5)``."""
-    for flag in (f"{name}_iters", f"{name}_samples", "train_iters", "train_samples"):
+    """A schedule length as the user gave it, e.g. ``--lr-warmup-iters (5)``: in the unit of
+    the training length, since the other unit's values are derived from it."""
+    unit = "samples" if args.train_iters is None else "iters"
+    for flag in (f"{name}_{unit}", f"train_{unit}"):
         value = getattr(args, flag)
         if value:
             return f"--{flag.replace('_', '-')} ({value})"

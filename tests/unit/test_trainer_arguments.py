@@ -42,6 +42,9 @@ def with_args(*extra, drop=()):
      "give exactly one of --mock-data or --data-path PREFIX"),
     (with_args(drop=("--vocab-size",)), 1, "NullTokenizer needs --vocab-size"),
     (with_args("--lr-warmup-iters", "5", "--train-iters", "3"), 1, "--lr-warmup-iters (5)"),
+    # the decay the user gave in iterations, not the samples derived from it
+    (with_args("--lr-warmup-iters", "2", "--global-batch-size", "12"), 1,
+     "the warm-up --lr-warmup-iters (2) must be shorter than the decay --train-iters (2)"),
     # megatron-core's scheduler asserts a decay of a step or more, once launched
     (with_args("--train-iters", "0"), 1,
      "the learning rate's decay needs at least one step: with --train-iters 0 give --lr-decay-iters N"),
