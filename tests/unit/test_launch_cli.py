@@ -60,6 +60,10 @@ def launch(run_dir, *args, env=None):
       "--non-persistent-ckpt-type"], "--non-persistent-ckpt-type needs a value"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--save=",
       "--non-persistent-ckpt-type", "global"], "--save needs a folder, got an empty value"),
+    # the monitor's save requests go to RUN_DIR/flags: the trainer would never see one
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
+      "--emergency-save-flag-dir", "elsewhere"],
+     "--emergency-save-flag-dir elsewhere: under ftmaster launch the save requests go to"),
 ])
 def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"

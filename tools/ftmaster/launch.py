@@ -58,6 +58,9 @@ from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig,
 from ftmaster.replication import Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
+SAVE_REQUEST_DIR_FLAG = "--emergency-save-flag-dir"
+
+
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
     """The job's GPUs from ``CUDA_VISIBLE_DEVICES``, the driver (probed only when needed, and
     bounded) and ``--nproc-per-node``; one line on stderr when that fails."""
@@ -619,6 +622,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     else:
         run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
+    _check_save_requests_reach_training(argv, run_dir)
     _check_injections_fire(injections, argv, options["cold_restart"])
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
@@ -634,6 +638,16 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
                                    iterations=options["straggler_iterations"]),
         drain_stragglers=options["drain_stragglers"],
         straggler_drain_window_s=options["straggler_drain_window"])
+
+
+def _check_save_requests_reach_training(argv: list[str], run_dir: Path) -> None:
+    """The monitor's alerts, drains and agreed saves ask for a save in ``RUN_DIR/flags``: a
+    trainer watching another folder would never take one."""
+    watched = flag_value(argv[1:], SAVE_REQUEST_DIR_FLAG)
+    if watched is not None and Path(watched).resolve() != runfiles.flags_dir(run_dir).resolve():
+        raise InputError(f"{SAVE_REQUEST_DIR_FLAG} {watched}: under ftmaster launch the save "
+                         f"requests go to {runfiles.flags_dir(run_dir)}; give no "
+                         f"{SAVE_REQUEST_DIR_FLAG}")
 
 
 def _with_memory_tier(argv: list[str], run_dir: Path,
