@@ -72,7 +72,9 @@ def test_drain_stragglers_relaunches_without_the_gpu_when_the_cost_model_says_so
     (after,) = events(run_dir, "straggler_drain_result")
     assert after["attempt"] == 2 and after["slowed_step_s"] == drain["step_s"]
     (loaded,) = events(run_dir, "checkpoint_loaded")
-    assert loaded["iteration"] <= 20  # the drain's own save (or the periodic one), before the end
+    # The drain's own save (or the periodic one), before the end; named early, a straggler
+    # may be kept at first and drained when weighed again (supervisor.REWEIGH_ITERATIONS).
+    assert loaded["iteration"] < 40
     assert events(run_dir, "complete")
     text = report_text(run_dir)
     assert "drained (draining GPU 1" in text and "s/iteration after the drain" in text

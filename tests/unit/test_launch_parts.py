@@ -359,6 +359,44 @@ def test_a_straggler_kept_for_the_drain_window_is_weighed_once_it_is_over(tmp_pa
     assert "the cost model estimates" in (said[1].get("decided_by") or said[1]["reason"])
 
 
+def test_a_straggler_the_cost_model_kept_is_weighed_again_as_its_slowdown_shows(tmp_path):
+    """Named early, a 2x straggler on 4 CPU ranks measured 1.40x; the job ran 1.054
+    s/iteration against 1.109 estimated on the 3 GPUs left, so it was kept, and never weighed
+    again while it held the job at 1.3 s/iteration to the attempt's end. Kept once (said
+    once), it is weighed again REWEIGH_ITERATIONS later, and drained then."""
+    import dataclasses
+
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.recovery.planner import plan_layout
+    from ftmaster.stragglers import Found
+    from ftmaster.supervisor import REWEIGH_ITERATIONS
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor._original_step_s = 1.0
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), stuck_gpus={})
+    name_slow_rank(supervisor.stragglers, (0, 1, 2, 3), 1)
+    estimate = plan_layout(MODEL, 3, original_world_size=4,
+                           measured_step_s=1.0).estimated_step_seconds
+    measured = iter([0.95 * estimate, 1.2 * estimate])
+    supervisor.stragglers.remeasured = lambda found: dataclasses.replace(
+        found, step_s=next(measured))
+    # Calibrated on the step before the slowdown alone: its typical compute is its peers'.
+    named = Found(1, Straggler(1, 19, 5, 1.4, None, 14.0, 10.0, 10.0), None, 1.0)
+    supervisor._straggler_to_drain = named
+    assert supervisor._drain_straggler() is None  # kept: 0.95x the estimate
+    assert supervisor._drain_straggler() is None  # not weighed again before its time
+    assert supervisor._straggler_to_drain is named
+    for it in range(20, 20 + REWEIGH_ITERATIONS):  # still slow
+        supervisor.stragglers.observe({"iteration": it, "time": float(it), "compute": {
+            "stages": [0] * 4, "ms": {str(it - 1): [10.0, 20.0, 10.0, 10.0]}}})
+    assert supervisor._drain_straggler() is Trigger.CRITICAL_GPU  # 1.2x the estimate now
+    said = [e["event"] for e in runfiles.read_events(tmp_path)
+            if e["event"] in ("drain", "straggler_kept")]
+    assert said == ["straggler_kept", "drain"]
+
+
 def test_a_straggler_whose_replica_mate_is_slow_too_is_kept_until_the_mate_is_fast(tmp_path):
     """TP2 x DP2, GPUs 0 and 1 one replica, both slow: either may be the one the other waits
     for (the one named first was drained, however healthy). Said once; weighed once the mate

@@ -101,6 +101,11 @@ class StragglerWatch:
         self.found += found
         return found
 
+    @property
+    def last_iteration(self) -> int | None:
+        """The newest iteration this attempt's heartbeats reached; None before the first."""
+        return max(self._beats, default=None)
+
     def gpu_of(self, rank: int) -> int | None:
         """The GPU of this node that ``rank`` runs on; None for another node's rank."""
         local = rank - self.rank_offset

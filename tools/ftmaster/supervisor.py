@@ -129,6 +129,11 @@ log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
 DRAIN_RESULT_STEPS = 5
 """Steps between heartbeats the step time after a straggler's drain is the median of."""
+REWEIGH_ITERATIONS = 5
+"""Iterations after which a straggler the cost model kept is weighed again, on every step
+measured since it slowed the job: named early, its slowdown is under-measured (on 4 CPU ranks
+a 2x straggler was named at 1.40x and kept, then held the job at 1.3 s/iteration, against the
+1.1 estimated without it, to the attempt's end)."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +332,8 @@ class Supervisor:
         """The straggler kept for the drain window, to be weighed once it is over."""
         self._straggler_ambiguous: Found | None = None
         """The straggler kept while a rank of its model replica is slow too (said once)."""
+        self._straggler_kept: tuple[Found, int | None] | None = None
+        """The straggler the cost model kept, and the iteration it was weighed at."""
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self._drain_step_s: float | None = None  # a straggler's: the job's step with it
         self._unslowed_step_s: float | None = None
@@ -922,6 +929,7 @@ class Supervisor:
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         # Found on the last attempt's figures: weighed no more.
         self._straggler_to_drain = self._straggler_waiting = self._straggler_ambiguous = None
+        self._straggler_kept = None
         self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -1119,9 +1127,12 @@ class Supervisor:
                                                 f"tell which one holds the job up")
             self._straggler_to_drain = found
             return None
-        found = self.stragglers.remeasured(found)
-        if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
+        if self._weighed_lately(found):
             self._straggler_to_drain = found
+            return None
+        named, found = found, self.stragglers.remeasured(found)
+        if found.step_s is None:  # too few heartbeats since the slowdown: weighed at the next
+            self._straggler_to_drain = named
             return None
         left = self._gpus_left_without(found.gpu)
         # The planner calibrates on the original layout's step: this attempt's own measure
@@ -1132,10 +1143,10 @@ class Supervisor:
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus), measured_step_s=calibration,
             **self._planner_options()), calibration)
-        log.warning("straggler: %s", decision.line)
         if not decision.drain:
-            self._event("straggler_kept", gpu=found.gpu, reason=decision.line)
+            self._kept_by_the_cost_model(named, decision.line)
             return None
+        log.warning("straggler: %s", decision.line)
         self._drain_step_s, self._unslowed_step_s = found.step_s, calibration
         self._ask_for_a_save(source="straggler", gpu=found.gpu, reason=decision.line)
         self._drain_gpu, self._drain_since = found.gpu, now
@@ -1144,6 +1155,22 @@ class Supervisor:
         self._event("drain", gpu=found.gpu, reason="straggler", decided_by=decision.line,
                     step_s=found.step_s, estimated_step_s=decision.estimated_step_s)
         return Trigger.CRITICAL_GPU
+
+    def _weighed_lately(self, found: Found) -> bool:
+        """Whether the cost model kept ``found`` fewer than REWEIGH_ITERATIONS ago."""
+        if self._straggler_kept is None or self._straggler_kept[0] is not found:
+            return False
+        weighed_at, now = self._straggler_kept[1], self.stragglers.last_iteration
+        return weighed_at is None or now is None or now < weighed_at + REWEIGH_ITERATIONS
+
+    def _kept_by_the_cost_model(self, found: Found, line: str) -> None:
+        """Kept, and weighed again while it stays slow (REWEIGH_ITERATIONS); said once."""
+        if self._straggler_kept is None or self._straggler_kept[0] is not found:
+            log.warning("straggler: %s; weighed again every %d iterations while it stays slow",
+                        line, REWEIGH_ITERATIONS)
+            self._event("straggler_kept", gpu=found.gpu, reason=line)
+        self._straggler_kept = (found, self.stragglers.last_iteration)
+        self._straggler_to_drain = found
 
     def _critical_gpu(self) -> Trigger | None:
         """Policy drain: a GPU of this attempt that alerted, while restarts remain; and a
