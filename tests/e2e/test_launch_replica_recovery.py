@@ -3,14 +3,15 @@ the start (--save-interval 1000, no emergency save); the survivors dump, ftmaste
 the relaunch on the 3 GPUs left resumes at iteration 16 or 17, from a checkpoint whose every
 tensor equals the same iteration's checkpoint of an uninterrupted run. With the distributed
 optimizer in two instances (TP1 x PP1 x DP4) that includes its state, put together from the
-shards of both instances; the relaunch runs DP 3, so one instance."""
+shards of both instances; the relaunch runs DP 3, which two instances do not divide, so it
+runs one, says so, and resumes the two-instance checkpoint."""
 
 import pytest
 
 from ftmaster.recovery.checkpoints import iteration_dir
-from helpers.launch import events, run_launch, train_args
+from helpers.launch import attempt_log, events, run_launch, train_args
 from helpers.replicas import unequal_tensors
-from helpers.trainer import run_trainer
+from helpers.trainer import iterations, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +67,15 @@ def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, distributed, tmp_path):
     saves = events(run_dir, "emergency_save") + events(run_dir, "periodic_save")
     assert [s["iteration"] for s in saves] == [iters]  # only the final one, after the relaunch
     assert "replica recovery: merged the checkpoint of iteration" in result.stdout
-    if distributed:
+    if distributed:  # DP 3, which two instances do not divide: the relaunch runs one, and says so
         (plan,) = events(run_dir, "plan")
-        assert plan["num_gpus_used"] == 3 and any(
-            "the relaunch runs 1" in warning for warning in plan["warnings"])
+        said = ("--num-distributed-optimizer-instances 2 does not divide the new layout's "
+                "data-parallel size: the relaunch runs 1")
+        assert plan["num_gpus_used"] == 3 and said in plan["warnings"] and said in result.stdout
+        assert "DP 4, fp32, distributed (2 instances) optimizer state" in attempt_log(run_dir, 1)
+        relaunched = attempt_log(run_dir, 2)
+        assert "DP 3, fp32, distributed optimizer state" in relaunched
+        assert max(iterations(relaunched)) == iters
 
     reference = tmp_path / "reference"
     done = run_trainer(4, [*schedule(reference, tp, pp, merged["iteration"], iters, distributed),
