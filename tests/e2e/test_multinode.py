@@ -26,39 +26,6 @@ def plans(nodes, node_rank):
              p["data_parallel_size"]) for p in nodes.events(node_rank, "plan")]
 
 
-def test_a_lost_node_is_replanned_around_on_the_gpus_left(tmp_path):
-    """The issue's node loss: TP2 x PP1 x DP2 over 2 nodes, node 1's ftmaster SIGKILLed. Each
-    node serves its own metrics, labelled with its node rank."""
-    save = tmp_path / "ckpt"
-    nodes = Nodes(tmp_path, 2, train_args(save, 30, 2, 1, 5), "--metrics-port", "0")
-    try:
-        nodes.start_all(2)
-        # node 1 trains only in a round with node 0 (the first, unless it started late)
-        wait_until(lambda: nodes.iteration(1) >= 10, timeout=300, interval=0.1,
-                   what="iteration 10 on both nodes")
-        for node_rank in (0, 1):
-            (served,) = nodes.events(node_rank, "metrics")
-            text = urllib.request.urlopen(served["url"], timeout=5).read().decode()
-            assert f'ftmaster_iteration{{Hostname="{socket.gethostname()}",node_rank="{node_rank}"}}' in text
-        os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
-        assert nodes.wait(0) == 0, nodes.output(0)[-4000:]
-        assert nodes.processes[1].wait() == -signal.SIGKILL
-    finally:
-        nodes.kill_all()
-    assert [p[1:] for p in plans(nodes, 0)[-2:]] == [([0, 1], [2, 2], 2, 2), ([0], [2], 2, 1)]
-    lost = nodes.events(0, "failure")[-1]
-    assert (lost["cause"], lost["gpus"]) == ("peer", [])
-    # The newest complete checkpoint: none newer was set aside as a discarded timeline. (The
-    # save events cannot tell: the save at 10 can complete on every rank, and node 1 report
-    # iteration 10, while node 0's rank 0 has yet to write that save's event.)
-    loaded = nodes.events(0, "checkpoint_loaded")[-1]
-    assert loaded["iteration"] >= 5 and loaded["iteration"] % 5 == 0
-    assert [folder.name for folder in save.glob("iter_*.discarded-*") if is_complete(folder)] == []
-    assert nodes.events(0, "complete")[0]["iteration"] == 30
-    assert read_tracker(save) == 30 and checkpoint_problem(iteration_dir(save, 30)) is None
-    assert not processes_mentioning(f"{nodes.root}/")
-
-
 def test_uneven_nodes_after_a_gpu_loss_and_an_emergency_save_on_every_node(tmp_path):
     """Node 1 loses GPU 1: both replan to TP1 x PP1 x DP3, node 0 running 2 ranks, node 1 one.
     Before that, an alert on node 1's GPU 1 asks for an emergency save, which every node takes."""
@@ -165,16 +132,24 @@ def test_losing_the_node_that_hosts_the_store_makes_every_other_node_exit_75(tmp
                what="no process of the job left")
 
 
-def test_a_node_that_comes_back_rejoins_after_an_agreed_save(tmp_path):
+def test_a_lost_node_is_replanned_around_then_rejoins_after_an_agreed_save(tmp_path):
+    """The issue's node loss: TP2 x PP1 x DP2 over 2 nodes, node 1's ftmaster SIGKILLed; node
+    0 replans alone on the GPUs left. Then node 1 comes back and rejoins after a save agreed
+    for it. Each node serves its own metrics, labelled with its node rank."""
     save = tmp_path / "ckpt"
-    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 1, 10))
+    nodes = Nodes(tmp_path, 2, train_args(save, 40, 2, 1, 5), "--metrics-port", "0")
     try:
         nodes.start_all(2)
-        wait_until(lambda: nodes.iteration(1) >= 5, timeout=300, interval=0.1,
-                   what="training on both nodes")
+        # node 1 trains only in a round with node 0 (the first, unless it started late)
+        wait_until(lambda: nodes.iteration(1) >= 10, timeout=300, interval=0.1,
+                   what="iteration 10 on both nodes")
+        for node_rank in (0, 1):
+            (served,) = nodes.events(node_rank, "metrics")
+            text = urllib.request.urlopen(served["url"], timeout=5).read().decode()
+            assert f'ftmaster_iteration{{Hostname="{socket.gethostname()}",node_rank="{node_rank}"}}' in text
         rounds = len(nodes.events(0, "plan"))
-        os.kill(nodes.processes[1].pid, signal.SIGKILL)
-        nodes.processes[1].wait()
+        os.kill(nodes.processes[1].pid, signal.SIGKILL)  # its trainers die with it
+        assert nodes.processes[1].wait() == -signal.SIGKILL
         wait_until(lambda: len(nodes.events(0, "plan")) == rounds + 1, timeout=120, interval=0.2,
                    what="node 0 planning alone")
         back_at = time.time()
@@ -183,7 +158,17 @@ def test_a_node_that_comes_back_rejoins_after_an_agreed_save(tmp_path):
         assert nodes.wait(1) == 0, nodes.output(1)[-4000:]
     finally:
         nodes.kill_all()
-    assert [p[1:3] for p in plans(nodes, 0)[-3:]] == [([0, 1], [2, 2]), ([0], [2]), ([0, 1], [2, 2])]
+    assert [p[1:] for p in plans(nodes, 0)[-3:]] == [
+        ([0, 1], [2, 2], 2, 2), ([0], [2], 2, 1), ([0, 1], [2, 2], 2, 2)]
+    lost = [f for f in nodes.events(0, "failure") if f["time"] < back_at][-1]
+    assert (lost["cause"], lost["gpus"]) == ("peer", [])
+    # The newest complete checkpoint: none newer was set aside as a discarded timeline. (The
+    # save events cannot tell: the save at 10 can complete on every rank, and node 1 report
+    # iteration 10, while node 0's rank 0 has yet to write that save's event.)
+    loaded = next(e for e in nodes.events(0, "checkpoint_loaded") if e["time"] > lost["time"])
+    assert loaded["iteration"] >= 5 and loaded["iteration"] % 5 == 0
+    assert [folder.name for folder in save.glob("iter_*.discarded-*") if is_complete(folder)] == []
+
     rejoined = [f for f in nodes.events(0, "failure") if f["time"] > back_at]
     assert [f["cause"] for f in rejoined] == ["peer"]
     # at-save: a save after node 1 came back is durable before the new round. The one asked for
@@ -196,7 +181,10 @@ def test_a_node_that_comes_back_rejoins_after_an_agreed_save(tmp_path):
     back = nodes.events(1, "failure")
     assert back[0]["cause"] == "supervisor_lost"  # the killed node's own record, continued
     assert nodes.events(1, "checkpoint_loaded")[-1]["iteration"] == saved[0]["iteration"]
-    assert read_tracker(save) == 40
+    for node_rank in (0, 1):
+        assert nodes.events(node_rank, "complete")[0]["iteration"] == 40
+    assert read_tracker(save) == 40 and checkpoint_problem(iteration_dir(save, 40)) is None
+    assert not processes_mentioning(f"{nodes.root}/")
 
 
 def test_a_hang_on_one_node_makes_every_node_replan(tmp_path):
