@@ -67,6 +67,11 @@ def test_a_failed_gpu_costs_no_iteration(tp, pp, warm, distributed, tmp_path):
     saves = events(run_dir, "emergency_save") + events(run_dir, "periodic_save")
     assert [s["iteration"] for s in saves] == [iters]  # only the final one, after the relaunch
     assert "replica recovery: merged the checkpoint of iteration" in result.stdout
+    if tp == 2:  # the exact global batch (8) fits no DP 3 at TP1: the 3 GPUs run TP2 x DP1
+        (plan,) = events(run_dir, "plan")
+        assert (plan["num_gpus_used"], plan["global_batch_size"]) == (2, 8)
+        idle = "the exact global batch 8 leaves 1 of 3 GPUs (33.3%) idle"
+        assert any(idle in w for w in plan["warnings"]) and idle in result.stdout
     if distributed:  # DP 3, which two instances do not divide: the relaunch runs one, and says so
         (plan,) = events(run_dir, "plan")
         said = ("--num-distributed-optimizer-instances 2 does not divide the new layout's "
