@@ -141,6 +141,45 @@ def test_a_file_is_read_from_another_peer_that_holds_it_when_the_first_cannot_be
         PeerFile([Unreachable()], f"{folder.name}/__0_0.distcp").read()
 
 
+@pytest.fixture
+def blackholed():
+    """The address of a host that drops connections (no reset): a listener whose one-slot
+    queue is full, so the kernel drops every further SYN."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname())
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    filler.close()
+    listener.close()
+
+
+def test_a_peer_that_drops_connections_costs_the_connect_timeout_not_the_read_timeout(
+        served, blackholed):
+    """A dead host that drops SYNs held each load for the whole read timeout (30 s) before
+    the next peer was asked; a live peer accepts in milliseconds."""
+    from ftmaster.peer_files import PeerFile
+
+    tier, server = served
+    folder = checkpoint(tier, sizes=(1000,))
+    name = f"{folder.name}/__0_0.distcp"
+    dead = PeerClient(blackholed, SECRET, timeout_s=3600, connect_timeout_s=0.3)
+    with PeerFile([dead, PeerClient(server.url, SECRET)], name) as stream:
+        assert stream.read() == (folder / "__0_0.distcp").read_bytes()
+    with pytest.raises(PeerError, match="no connection within 0.3 s"):
+        PeerFile([dead], name).read()
+
+
+def test_a_connected_peer_keeps_the_read_timeout(served):
+    """The connect timeout bounds the connection only: reads wait up to ``timeout_s``."""
+    tier, server = served
+    folder = checkpoint(tier, sizes=(1000,))
+    client = PeerClient(server.url, SECRET, timeout_s=7.0, connect_timeout_s=0.3)
+    with client._open(f"{folder.name}/__0_0.distcp") as response:
+        assert response.connection.sock.gettimeout() == 7.0
+        assert len(response.chunk(None)) == 1000
+
+
 def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path):
     tier, server = served
     source = checkpoint(tier)

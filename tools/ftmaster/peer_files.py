@@ -260,16 +260,24 @@ class PeerPastEnd(PeerError):
     """The range asked for starts at or past the file's end (416)."""
 
 
+CONNECT_TIMEOUT_S = 5.0
+"""How long a peer may take to accept a connection. A live one on the job's network does in
+milliseconds (a lost SYN is resent after 1 s); a dead host that drops SYNs (no reset) held
+each load for the whole read timeout before the next peer was asked."""
+
+
 class PeerClient:
-    """Reads files from one peer's server, with the job's secret and a bounded timeout."""
+    """Reads files from one peer's server, with the job's secret and bounded timeouts."""
 
     def __init__(self, url: str, secret: str, timeout_s: float = 30.0,
-                 unauthorized_wait_s: float = 0.0) -> None:
+                 unauthorized_wait_s: float = 0.0,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.port is None:
             raise ValueError(f"a peer's address is http://HOST:PORT, got {url!r}")
         self.url, self._host, self._port = url, parts.hostname, parts.port
         self._secret, self.timeout_s = secret, timeout_s
+        self.connect_timeout_s = min(connect_timeout_s, timeout_s)
         self.unauthorized_wait_s = unauthorized_wait_s
         """How long a refusal (401) is retried: a peer of a round that just formed serves
         with the round's secret moments later than this node may ask."""
@@ -331,8 +339,9 @@ class _Response:
     def _get(self) -> "_Response":
         client = self.client
         self.connection = http.client.HTTPConnection(client._host, client._port,
-                                                     timeout=client.timeout_s)
+                                                     timeout=client.connect_timeout_s)
         try:
+            self._connect()
             self.connection.request("GET", self._path, headers=self._headers)
             self._response = self.connection.getresponse()
             status = self._response.status
@@ -349,6 +358,13 @@ class _Response:
             raise
         self.size = int(self._response.getheader("Content-Length", "0"))
         return self
+
+    def _connect(self) -> None:
+        try:
+            self.connection.connect()
+        except TimeoutError:
+            raise OSError(f"no connection within {self.client.connect_timeout_s:g} s") from None
+        self.connection.sock.settimeout(self.client.timeout_s)
 
     def chunk(self, size: int | None) -> bytes:
         """Up to ``size`` more bytes of the body (None: all the rest)."""
