@@ -1161,7 +1161,7 @@ class Supervisor:
         if self._straggler_kept is None or self._straggler_kept[0] is not found:
             return False
         weighed_at, now = self._straggler_kept[1], self.stragglers.last_iteration
-        return weighed_at is None or now is None or now < weighed_at + REWEIGH_ITERATIONS
+        return None not in (weighed_at, now) and now < weighed_at + REWEIGH_ITERATIONS
 
     def _kept_by_the_cost_model(self, found: Found, line: str) -> None:
         """Kept, and weighed again while it stays slow (REWEIGH_ITERATIONS); said once."""
