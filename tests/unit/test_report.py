@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
+from ftmaster.report import _startup_text
 from helpers.synth_run import (LAYOUT, alert, event, iteration_line, launch, loaded_line, plan, save,
                                write_run)
 
@@ -102,6 +103,14 @@ def test_second_failure_uses_the_device_lost_sample_time_and_only_its_own_window
     assert second["rto_from_fault_seconds"] == pytest.approx(30.5)  # the GPU vanished at 119.5
     assert second["new_layout"]["gpus"] == [0, 3] and second["new_layout"]["data_parallel_size"] == 2
     assert report["outcome"] == "complete: iteration 30"
+
+
+@pytest.mark.parametrize("ranks, ends", [(1, "its rank ends it"), (3, "the last of 3 ranks ends it")])
+def test_the_start_up_line_counts_the_ranks_a_phase_waits_for(ranks, ends):
+    startup = {"phases": {"launch": 0.05}, "seconds": 9.5, "warm": False, "ranks": ranks}
+    (line, _) = _startup_text(startup)
+    assert line == ("  start-up           9.500 s launch to first iteration (cold start; a phase "
+                    f"ends when {ends})")
 
 
 def test_text_has_a_timeline_line_per_event_and_a_block_per_failure(reported):

@@ -521,8 +521,10 @@ def _startup_text(startup: dict | None) -> list[str]:
     if not startup or not isinstance(startup.get("phases"), dict):
         return []
     how = "warm workers" if startup.get("warm") else "cold start"
+    ranks = startup.get("ranks")
+    ends = "its rank" if ranks == 1 else f"the last of {ranks} ranks"
     lines = [f"  start-up           {_s(startup.get('seconds'))} launch to first iteration "
-             f"({how}; a phase ends when the last of {startup.get('ranks')} ranks ends it)"]
+             f"({how}; a phase ends when {ends} ends it)"]
     return lines + [f"    {name:<40}{_s(value if _is_number(value) else None)}"
                     for name, value in startup["phases"].items()]
 
