@@ -47,7 +47,7 @@ setup(
         "etcd": ["python-etcd"],
         # the trainer's --tensorboard-dir writes through torch.utils.tensorboard
         "tensorboard": ["tensorboard"],
-        "test": ["pytest", "pytest-timeout", "python-etcd", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "python-etcd", "tensorboard"],
     },
     entry_points={"console_scripts": ["ftmaster=ftmaster.cli:main"]},
 )
