@@ -694,6 +694,14 @@ def _unchecked_memory_warning(problem: _Problem, chosen: _Candidate,
             f"{yardstick.memory_bytes / GIB:.1f} GiB; give --gpu-memory-gb")
 
 
+def _rounded(value: float, digits: int) -> float:
+    """``round(value, digits)``, but a positive value too small for ``digits`` keeps two
+    significant digits: a tiny model's step (under 0.5 us) or memory (under 5 MiB) read as
+    0, no time or memory at all."""
+    rounded = round(value, digits)
+    return rounded if rounded or value <= 0 else float(f"{value:.2g}")
+
+
 def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str],
           chosen: _Candidate, original: _Candidate | None, reason: str,
           warnings: tuple[str, ...]) -> Plan:
@@ -718,10 +726,10 @@ def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str]
                                     world),
         idle_gpus=sum(problem.request.node_gpus) - world,
         original_global_batch_size=problem.facts.original.global_batch_size,
-        estimated_step_seconds=round(chosen.step.seconds, 6),
+        estimated_step_seconds=_rounded(chosen.step.seconds, 6),
         throughput_vs_original=(None if original is None
                                 else round(chosen.throughput / original.throughput, 4)),
-        estimated_memory_gib=round(chosen.memory_bytes / GIB, 2),
+        estimated_memory_gib=_rounded(chosen.memory_bytes / GIB, 2),
         reason=reason, warnings=warnings)
 
 

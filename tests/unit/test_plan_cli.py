@@ -74,6 +74,21 @@ def test_a_throughput_with_nothing_to_compare_with_says_why(original, words):
     assert result.stderr.splitlines()[2].startswith(f"estimated throughput: {words}; step ")
 
 
+def test_a_tiny_models_step_and_memory_do_not_read_as_zero():
+    """Rounded to whole microseconds and hundredths of a GiB, they read "step 0 s, peak memory
+    0 GiB" (the JSON 0.0 too); a positive estimate keeps its two significant digits."""
+    result = run_plan("--gpus", "4", "--", "pretrain_gpt.py", "--num-layers", "2",
+                      "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "64",
+                      "--max-position-embeddings", "64", "--micro-batch-size", "1",
+                      "--global-batch-size", "8", "--vocab-size", "128")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert 0 < plan["estimated_step_seconds"] < 5e-7 and 0 < plan["estimated_memory_gib"] < 0.005
+    assert (f"step {plan['estimated_step_seconds']:.4g} s, peak memory "
+            f"{plan['estimated_memory_gib']:g} GiB;") in result.stderr.splitlines()[2]
+    assert " step 0 s" not in result.stderr and " 0 GiB" not in result.stderr
+
+
 def test_node_gpus_places_whole_tp_groups_and_keeps_spares():
     result = run_plan("--node-gpus", "2,1,2", "--mode", "paper", "--", *SCRIPT_ARGS)
     assert result.exit_code == 0, result.output
