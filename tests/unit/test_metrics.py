@@ -112,6 +112,17 @@ def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     assert value(m, "ftmaster_persist_lag_iterations") == 0
 
 
+def test_without_a_memory_checkpoint_the_persist_lag_is_absent_not_zero():
+    """0 reads as persisted with no lag: a run without a memory tier has no lag to show."""
+    m = metrics()
+    assert value(m, "ftmaster_persist_lag_seconds") is None
+    m.observe_event({"event": "periodic_save", "tier": "disk", "iteration": 10, "time": 900.0})
+    m.observe_event({"event": "persisted", "iteration": 10, "time": 950.0})
+    assert value(m, "ftmaster_persist_lag_seconds") is None
+    assert value(m, "ftmaster_persist_lag_iterations") is None
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") is not None
+
+
 def test_a_checkpoint_merged_from_replicas_is_the_memory_tiers_newest(monkeypatch):
     m = metrics()
     monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)

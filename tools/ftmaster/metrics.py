@@ -19,7 +19,8 @@ DCGM exporter keeps it (absent until one comes). What DCGM has no name for is ``
   and those at the step time measured before it), histograms observed at each resume;
 * ``ftmaster_checkpoint_age_seconds{tier}`` (since the newest save of the tier) and
   ``ftmaster_persist_lag_iterations`` / ``ftmaster_persist_lag_seconds`` (how far the disk
-  copy trails the memory tier);
+  copy trails the memory tier; absent until the memory tier's first checkpoint, so a run
+  without one shows no lag rather than a 0 that reads as persisted);
 * ``ftmaster_iteration``, ``ftmaster_samples_per_second``, ``ftmaster_step_seconds``.
 
 Everything is fed from what ftmaster already reads: the monitor's scored samples, the run's
@@ -197,7 +198,6 @@ class Metrics:
         self._on_disk: int | None = None  # the newest iteration durable on disk
         self._beat: tuple[int, int, float] | None = None  # iteration, samples, time
         self._step_s: float | None = None
-        self.persist_lag_seconds.labels(*self._node).set_function(self._lag_seconds)
 
     # -- serving ---------------------------------------------------------------------------
     def serve(self) -> str:
@@ -347,6 +347,8 @@ class Metrics:
         if first:
             self.checkpoint_age.labels(*self._node, tier).set_function(
                 lambda: time.time() - self._saves[tier][1])
+            if tier == "memory":  # no lag before the memory tier's first checkpoint: absent
+                self.persist_lag_seconds.labels(*self._node).set_function(self._lag_seconds)
 
     def _persisted(self, iteration) -> None:
         """A copy of ``iteration`` is durable on disk: a disk save, or a memory checkpoint
