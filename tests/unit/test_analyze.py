@@ -118,6 +118,21 @@ def test_a_torn_last_row_is_left_out_and_said_in_one_line(run_copy, tmp_path, an
     pd.testing.assert_frame_equal(after, before)
 
 
+def test_a_torn_last_event_is_left_out_and_said_in_one_line(run_copy, tmp_path, analysed):
+    """As ftmaster report says of it (one shared reader): a live run's (or a killed writer's)
+    last event without its newline, here whole but for it, was counted silently."""
+    events = runfiles.events_path(run_copy)
+    with events.open("a") as handle:
+        handle.write(json.dumps({"event": "risk_alert", "time": 1, "gpu": 2}))
+    out = tmp_path / "analysis"
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {events}: its last line is incomplete (no newline: "
+                             "still being written, or cut short), skipped\n")
+    before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")
+    pd.testing.assert_frame_equal(pd.read_csv(out / "summary.csv", index_col="gpu"), before)
+
+
 def test_an_events_file_that_cannot_be_read_is_one_line(run_copy, tmp_path):
     events = runfiles.events_path(run_copy)
     events.unlink()
@@ -191,6 +206,29 @@ def test_a_run_directory_is_no_out_folder(run_copy, target):
         f"Error: --out {run_copy} is a run directory, where ftmaster report writes its incident "
         f"page, report.html: give a folder of its own, e.g. {run_copy / 'analysis'}"]
     assert page.read_bytes() == before
+
+
+@pytest.mark.parametrize("out, folder, run_dir", [
+    ("logs", "logs", "."), ("flags", "flags", "."), ("ranks", "ranks", "."),
+    ("logs/analysis", "logs", "."), ("node_0/logs", "node_0/logs", "node_0"),
+])
+def test_a_folder_the_run_writes_is_no_out_folder(run_copy, out, folder, run_dir):
+    """As ftmaster report --json-out refuses them (the same check): analyze's files went among
+    the run's logs, flags or rank records."""
+    if run_dir == "node_0":  # a multi-node run: the node's folder holds the run's layout
+        (run_copy / "node_0").mkdir()
+        for name in ("events.jsonl", "gpu_metrics.csv"):
+            (run_copy / name).rename(run_copy / "node_0" / name)
+    out, folder, run_dir = run_copy / out, run_copy / folder, (run_copy / run_dir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    before = sorted(folder.iterdir())
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
+    assert result.exit_code != 0
+    where = "is" if out == folder else "is in"
+    assert result.output.strip().splitlines() == [
+        f"Error: --out {out} {where} {folder}, a folder the run writes or reads: give a folder "
+        f"of its own, e.g. {run_dir / 'analysis'}"]
+    assert sorted(folder.iterdir()) == before  # nothing written, not even --out made
 
 
 def analyze_csv(tmp_path, lines):

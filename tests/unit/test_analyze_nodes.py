@@ -144,7 +144,7 @@ def test_bad_multi_node_input_is_one_line(tmp_path, files, expected):
     for node in (0, 1):
         (run_dir / f"node_{node}").mkdir(parents=True)
         (run_dir / f"node_{node}" / "events.jsonl").write_text(json.dumps({"event": "launch",
-                                                                            "time": 0}))
+                                                                            "time": 0}) + "\n")
     for name, text in files.items():
         (run_dir / name).write_text(text)
     result = run_analyze(run_dir, tmp_path / "o")

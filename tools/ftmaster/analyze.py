@@ -11,7 +11,9 @@ Writes into DIR:
   failures, plans and launches;
 * ``report.html``: the tables and the PNGs (base64), one self-contained file.
 
-DIR is never a run directory: there ``report.html`` is ``ftmaster report``'s incident page.
+DIR is never a run directory: there ``report.html`` is ``ftmaster report``'s incident page. Nor
+is it a folder the run writes or reads (``flags/``, ``logs/``, ``ranks/``) or one inside it,
+as ``ftmaster report --json-out`` refuses them (the same check).
 
 Large traces (a week at 1 s for 8 GPUs is about 4.8 M rows) stay cheap: only the needed
 columns are read, with explicit dtypes and in chunks (so the timestamp strings of only one
@@ -54,7 +56,7 @@ from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
 from ftmaster.recovery.cli import FiniteFloatRange  # noqa: E402
-from ftmaster.report import is_int, node_folders  # noqa: E402
+from ftmaster.report import is_int, node_folders, run_path_problem  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
 INDEX_NAMES = {"node": "node", "gpu_id": "gpu"}  # series key column -> summary column
@@ -194,11 +196,20 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
 
 
 def load_events(csv_path: Path) -> list[dict]:
-    """events.jsonl beside the CSV, if any, keeping events with a numeric time."""
+    """events.jsonl beside the CSV, if any, keeping events with a numeric time. A torn last
+    line (a live run's, or a killed writer's) is left out and said on stderr, as ftmaster
+    report does; a damaged line before it is skipped (its markers and alerts only)."""
+    path = runfiles.events_path(csv_path.parent)
     try:
-        events = runfiles.read_events(csv_path.parent)
+        handle, torn = runfiles.open_whole_lines(path, errors="replace")
+        with handle:
+            events = runfiles.parse_events(handle.read().splitlines())
+    except FileNotFoundError:
+        return []
     except OSError as error:
-        raise _fail(f"cannot read {runfiles.events_path(csv_path.parent)}: {error.strerror}") from None
+        raise _fail(f"cannot read {path}: {error.strerror}") from None
+    if torn:
+        click.echo(f"warning: {runfiles.torn_line_note(path)}", err=True)
     return [e for e in events if _is_time(e.get("time"))]
 
 
@@ -208,18 +219,21 @@ def _is_time(value: object) -> bool:
             and 0 <= value <= LATEST_TIME)
 
 
-def load_trace(target: Path) -> Trace:
-    """A CSV, a run directory, or a multi-node run directory's nodes merged."""
+def load_trace(target: Path, with_events: bool = True) -> Trace:
+    """A CSV, a run directory, or a multi-node run directory's nodes merged. ``with_events``
+    False leaves the events out (ftmaster report reads them itself, and says of a torn line
+    once)."""
+    events_of = load_events if with_events else lambda csv_path: []
     if not target.is_dir():
-        return Trace(load_metrics(target), load_events(target), target)
+        return Trace(load_metrics(target), events_of(target), target)
     folders = node_folders(target, runfiles.metrics_csv_path(target).name)
     if None in folders:
         csv_path = runfiles.metrics_csv_path(target)
-        return Trace(load_metrics(csv_path), load_events(csv_path), csv_path)
+        return Trace(load_metrics(csv_path), events_of(csv_path), csv_path)
     frames, events, notes = [], [], []
     for node, folder in folders.items():
         csv_path = runfiles.metrics_csv_path(folder)
-        events += [{**e, "node": node} for e in load_events(csv_path)]
+        events += [{**e, "node": node} for e in events_of(csv_path)]
         try:
             frames.append(load_metrics(csv_path).assign(node=np.int32(node)))
         except NoSamples as exc:
@@ -409,10 +423,28 @@ def _make_output_folder(out: Path) -> None:
 
 
 def _is_run_dir(folder: Path) -> bool:
-    """Whether ``folder`` holds a run (its events, its samples or node folders)."""
-    return folder.is_dir() and (runfiles.events_path(folder).exists()
-                                or runfiles.metrics_csv_path(folder).exists()
-                                or bool(runfiles.node_ranks(folder)))
+    """Whether ``folder`` holds a run (its events, its samples or node folders); False for one
+    that cannot be looked into."""
+    try:
+        return folder.is_dir() and (runfiles.events_path(folder).exists()
+                                    or runfiles.metrics_csv_path(folder).exists()
+                                    or bool(runfiles.node_ranks(folder)))
+    except OSError:
+        return False
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why ``--out`` must not be written into, as the error message: a run directory, where
+    ``ftmaster report`` writes its incident page (``report.html``), or a folder a run writes
+    or reads (``flags/``, ``logs/``, ``ranks/``, also a node's), or one inside it, as
+    ``report --json-out`` refuses them. None for any other folder."""
+    if _is_run_dir(out):
+        return (f"--out {out} is a run directory, where ftmaster report writes its incident "
+                f"page, report.html: give a folder of its own, e.g. {out / 'analysis'}")
+    for run_dir in out.resolve().parents:
+        if _is_run_dir(run_dir) and (problem := run_path_problem(out, run_dir)) is not None:
+            return f"--out {out} {problem}: give a folder of its own, e.g. {run_dir / 'analysis'}"
+    return None
 
 
 def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
@@ -438,9 +470,8 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
 def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
     """Summarise and plot a gpu_metrics.csv (or a run directory holding one, or the
     node_<R> folders of a multi-node run, merged)."""
-    if _is_run_dir(out):
-        raise _fail(f"--out {out} is a run directory, where ftmaster report writes its incident "
-                    f"page, report.html: give a folder of its own, e.g. {out / 'analysis'}")
+    if (problem := _out_problem(out)) is not None:
+        raise _fail(problem)
     trace = load_trace(target)
     for note in trace.notes:
         click.echo(f"warning: {note}", err=True)

@@ -1049,7 +1049,7 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     from ftmaster.incident import write_incident_page
 
     json_out = json_out or run_dir / "report.json"
-    if (problem := _run_file_problem(json_out, run_dir)) is not None:
+    if (problem := run_path_problem(json_out, run_dir)) is not None:
         raise ReportError(f"--json-out {json_out} {problem}: give another path")
     events, nodes = _load_run(run_dir)
     report = build_report(run_dir, events, nodes)
@@ -1065,26 +1065,29 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     click.echo(f"\nwrote {json_out} and {page}")
 
 
-def _run_file_problem(path: Path, run_dir: Path) -> str | None:
-    """Why ``path`` must not be written, when it is a file of the run's own or in one of its
-    folders: the report's inputs (events, samples, logs), what a live run reads (heartbeat,
-    lock, peer list, flags: any ``save_now`` flag is a save request) and the incident page
-    written beside the JSON. A node's folder holds the same. None for any other path, in a
-    folder of the run's or not (``RUN_DIR/analysis/``)."""
+def run_path_problem(path: Path, run_dir: Path) -> str | None:
+    """Why ``path`` must not be written (a file, or a folder to write files into), when it is
+    a file of the run's own or one of its folders, or in one: the report's inputs (events,
+    samples, logs), what a live run reads (heartbeat, lock, peer list, flags: any
+    ``save_now`` flag is a save request) and the incident page written beside the JSON. A
+    node's folder holds the same. None for any other path, in a folder of the run's or not
+    (``RUN_DIR/analysis/``), and for ``run_dir`` itself (a folder to write into: the caller
+    says why not)."""
     path, run_dir = path.resolve(), run_dir.resolve()
     if path.parent == run_dir:
         own = (runfiles.events_path(run_dir), runfiles.metrics_csv_path(run_dir),
                runfiles.heartbeat_path(run_dir), run_dir / LOCK_NAME, run_dir / PEERS_FILE,
                run_dir / INCIDENT_PAGE)
-        return "is one of the run's own files" if path in own else None
+        if path in own:
+            return "is one of the run's own files"
     if run_dir not in path.parents:
         return None
     folder = run_dir / path.relative_to(run_dir).parts[0]
     if folder in (runfiles.node_dir(run_dir, node) for node in runfiles.node_ranks(run_dir)):
-        return _run_file_problem(path, folder)
+        return run_path_problem(path, folder)
     if folder in (runfiles.flags_dir(run_dir), runfiles.logs_dir(run_dir),
                   runfiles.ranks_dir(run_dir)):
-        return f"is in {folder}, a folder the run writes or reads"
+        return f"is {'' if path == folder else 'in '}{folder}, a folder the run writes or reads"
     return None
 
 
@@ -1093,6 +1096,6 @@ def _samples(run_dir: Path):
     from ftmaster.analyze import load_trace
 
     try:
-        return load_trace(run_dir).frame
+        return load_trace(run_dir, with_events=False).frame
     except click.ClickException:  # no CSV, or none with a sample: the page says so
         return None

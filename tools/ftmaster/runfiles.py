@@ -25,7 +25,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO, TypeVar
+from typing import Any, Callable, Iterable, TextIO, TypeVar
 
 _T = TypeVar("_T")
 
@@ -294,8 +294,14 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     path = events_path(run_dir)
     if not path.exists():
         return []
+    return parse_events(path.read_text(errors="replace").splitlines())
+
+
+def parse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The well-formed events among ``lines`` (of an ``events.jsonl``), in order; a torn or
+    foreign line is skipped."""
     events = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
