@@ -10,7 +10,16 @@ thread to reap, so it never blocks the monitor.
 Cells such as ``[N/A]``, ``[Not Supported]`` or ``[Unknown Error]`` (``retired_pages.pending``
 on H100, say) are unknown (None). A GPU whose cells say ``[GPU requires reset]`` is kept with
 the condition ``reset_required``, as the ``nvml`` backend keeps it. A line that reports a
-lost GPU leaves that GPU out, so the monitor reports it lost. A ``WARNING:`` line among the
+lost GPU leaves that GPU out, so the monitor reports it lost. That line names the GPU by its
+PCI bus id alone ("Unable to determine the device handle for GPU 0000:3B:00.0: GPU is
+lost"), so the first sample first learns each GPU's bus id (``nvidia-smi
+--query-gpu=index,pci.bus_id``). The GPU is then named by its index with the condition
+``gpu_is_lost`` (NVML's "GPU is lost", as the ``nvml`` backend names it) or, for another
+reason ("Unknown Error"), ``device_lost``, so it is reported lost even if it was never
+sampled (a spare not yet watched, say). A look-up that fails is logged and tried again every
+minute until it answers, and the samples go on meanwhile; one that hangs fails its sample,
+as a hung query would. A GPU that has no handle already at the look-up has no index to learn:
+it is logged, and reported lost only if it was sampled before. A ``WARNING:`` line among the
 rows (a corrupted infoROM, say) is logged once and costs no GPU its sample. A driver that
 rejects an extra field by name loses that field only (for good); one that rejects a field
 without naming it gets the paper's Table I fields.
@@ -37,7 +46,7 @@ import time
 from typing import Iterable, Sequence
 
 from ftmaster.monitor.backends import BackendError
-from ftmaster.monitor.backends.nvml import RESET_REQUIRED
+from ftmaster.monitor.backends.nvml import GPU_IS_LOST, RESET_REQUIRED
 from ftmaster.monitor.sample import GpuSample
 
 log = logging.getLogger("ftmaster.monitor")
@@ -77,6 +86,14 @@ WARNING = "warning:"
 KILL_GRACE_S = 1.0  # how long a killed nvidia-smi gets to exit before it is left behind
 # nvidia-smi's words for a field the driver does not know: Field "x" is not a valid field to query.
 _REJECTED_FIELD = re.compile(r'field "([^"]+)" is not a valid field', re.IGNORECASE)
+# A PCI bus id, domain:bus:device.function in hex: "00000000:3B:00.0" in --query-gpu's
+# pci.bus_id, "0000:3B:00.0" in the no-handle line.
+_BUS_ID = re.compile(r"([0-9a-f]{1,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", re.IGNORECASE)
+BUS_IDS_RETRY_S = 60.0  # how often a failed look-up of the GPUs' bus ids is tried again
+GPU_IS_LOST_WORDS = "gpu is lost"  # nvmlErrorString(NVML_ERROR_GPU_IS_LOST), as nvidia-smi prints it
+# The condition of a GPU left out for no handle other than "GPU is lost" (gpu_is_lost): the
+# monitor's own reason for a sampled GPU that went missing.
+DEVICE_LOST = "device_lost"
 
 
 class SmiBackend:
@@ -98,6 +115,8 @@ class SmiBackend:
         """An nvidia-smi that outlived its SIGKILL (a wedged driver): none is started while it
         lives, or every sample would leave one more behind."""
         self._warnings: set[str] = set()  # logged once each, not every sample
+        self._bus_ids: dict[tuple[int, int, int, int], int] = {}  # PCI bus id -> GPU index
+        self._bus_ids_due: float | None = 0.0  # when to look the bus ids up; None once learnt
         self.conditions: dict[int, tuple[str, ...]] = {}
         """Per GPU, the driver conditions of the latest sample (see the backends' contract)."""
 
@@ -121,6 +140,7 @@ class SmiBackend:
         ids = None if selected is None else sorted(selected - excluded)
         if ids == []:
             return []
+        self._learn_bus_ids()
         code, out, err = self._query_known_fields(ids)
         listed, samples = 0, []
         for line in out.splitlines():
@@ -131,7 +151,13 @@ class SmiBackend:
                 continue
             listed += 1
             if any(words in line.lower() for words in NO_HANDLE):
-                continue  # "Unable to determine the device handle ... GPU is lost": left out
+                # "Unable to determine the device handle ... GPU is lost": left out, named by
+                # its index where its bus id is known.
+                gpu = self._gpu_without_handle(line)
+                if gpu is not None and gpu not in excluded and (ids is None or gpu in ids):
+                    lost = GPU_IS_LOST_WORDS in line.lower()
+                    self.conditions[gpu] = (GPU_IS_LOST if lost else DEVICE_LOST,)
+                continue
             sample = self._parse(line, now)
             if sample.gpu_id not in excluded:  # without --id, every GPU answers
                 samples.append(sample)
@@ -149,6 +175,50 @@ class SmiBackend:
             self._warnings.add(line)
             log.warning("nvidia-smi: %s", line)
 
+    def _gpu_without_handle(self, line: str) -> int | None:
+        """The index of the GPU a no-handle line names by its bus id; None (logged once)
+        when that bus id was never learnt."""
+        bus = _bus_id(line)
+        gpu = None if bus is None else self._bus_ids.get(bus)
+        if gpu is None:
+            self._log_warning(f"{line.strip()} (no GPU index is known for it: it is reported lost "
+                              f"only if it was sampled before)")
+        return gpu
+
+    def _learn_bus_ids(self) -> None:
+        """Learn each of this backend's GPUs' PCI bus id, once, so that a GPU nvidia-smi has
+        no handle for can be named by its index. A look-up that fails is tried again every
+        ``BUS_IDS_RETRY_S``; one that hangs fails the sample (Unanswered), as the query would."""
+        if self._bus_ids_due is None or time.monotonic() < self._bus_ids_due:
+            return
+        self._bus_ids_due = time.monotonic() + BUS_IDS_RETRY_S
+        argv = [self.executable, "--query-gpu=index,pci.bus_id", "--format=csv,noheader"]
+        if self._gpu_ids is not None:
+            argv.append("--id=" + ",".join(map(str, sorted(self._gpu_ids))))
+        try:
+            code, out, err = self._run(argv)
+        except Unanswered:
+            raise
+        except BackendError as exc:
+            code, out, err = None, "", str(exc)
+        learnt = {}
+        for line in out.splitlines():
+            if any(words in line.lower() for words in NO_HANDLE):
+                self._log_warning(f"{line.strip()} (at start: its GPU index cannot be learnt)")
+                continue
+            cells = [c.strip() for c in line.split(",")]
+            bus = _bus_id(cells[1]) if len(cells) == 2 and cells[0].isdigit() else None
+            if bus is not None:
+                learnt[bus] = int(cells[0])
+        if learnt:
+            self._bus_ids.update(learnt)
+            self._bus_ids_due = None
+            return
+        detail = (err or out).strip().splitlines()
+        why = f"exit {code}: {detail[0] if detail else 'no output'}" if code is not None else err
+        self._log_warning(f"could not list the GPUs' PCI bus ids ({why}); a GPU lost before its "
+                          f"first sample cannot be named, tried again every {BUS_IDS_RETRY_S:g} s")
+
     def _query_known_fields(self, ids: list[int] | None) -> tuple[int, str, str]:
         """Query, dropping each extra field the driver rejects (one at a time, remembered)."""
         while True:
@@ -162,6 +232,10 @@ class SmiBackend:
                 "--format=csv,noheader,nounits"]
         if ids is not None:
             argv.append("--id=" + ",".join(map(str, ids)))
+        return self._run(argv)
+
+    def _run(self, argv: list[str]) -> tuple[int, str, str]:
+        """Run nvidia-smi, bounded; none while one that outlived its SIGKILL still lives."""
         if self._stuck is not None and self._stuck.poll() is None:
             raise BackendError(f"{self.executable} (pid {self._stuck.pid}) has not ended since "
                                f"it was killed; no other is started meanwhile")
@@ -210,6 +284,13 @@ def run_killable(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
         raise Unanswered(f"{argv[0]} did not answer within {timeout_s:g} s; killed it "
                          f"(pid {proc.pid})", proc) from None
     return proc.returncode, out, err
+
+
+def _bus_id(text: str) -> tuple[int, int, int, int] | None:
+    """The PCI bus id in ``text`` as numbers (domain, bus, device, function), or None:
+    ``00000000:3B:00.0`` and ``0000:3b:00.0`` are the same GPU."""
+    match = _BUS_ID.search(text)
+    return None if match is None else tuple(int(part, 16) for part in match.groups())
 
 
 def _without_rejected(fields: tuple[tuple[str, str], ...], message: str) -> tuple[tuple[str, str], ...]:

@@ -15,6 +15,9 @@ GOOD = """\
 0, NVIDIA H100 80GB HBM3, 570.1, 61, 312.55, 97, 41, 60000, 81559, 0, 7, 0, 0x0000000000000004, 700.00, 1980, No
 1, NVIDIA H100 80GB HBM3, 570.1, [N/A], [Unknown Error], 95, 40, 60000, 81559, [N/A], 0, 1, 0x0000000000000008, 700.00, 1755, Yes
 """
+# The start-up look-up of each GPU's PCI bus id, as nvidia-smi answers it.
+BUS_IDS = ("case \"$1\" in --query-gpu=index,pci.bus_id) "
+           "printf '0, 00000000:3B:00.0\\n1, 00000000:86:00.0\\n'; exit 0;; esac\n")
 
 
 @pytest.fixture
@@ -170,7 +173,7 @@ def test_make_backend_honours_gpu_ids_for_smi(fake_smi, tmp_path):
 
 def test_a_rejected_extra_field_is_dropped_alone(fake_smi, tmp_path):
     # Review point 14: one field the driver does not know must not cost every other extra.
-    fake_smi(f'echo x >> {tmp_path}/runs\n'
+    fake_smi(f'{BUS_IDS}echo x >> {tmp_path}/runs\n'
              'case "$1" in *clocks_throttle_reasons*) '
              'echo \'Field "clocks_throttle_reasons.active" is not a valid field to query.\'; exit 2;; esac\n'
              "echo '0, GPU, 570.1, 55, 200, 90, 30, 1000, 40000, 0, 7, 1, 700.00, 1980, [N/A]'\n")
@@ -212,3 +215,75 @@ def test_a_gpu_that_needs_a_reset_is_evidence_not_just_unknown(fake_smi, tmp_pat
     assert monitor.unschedulable_gpus() == {1: "reset_required"}
     assert backend.conditions == {1: ("reset_required",)}
     assert monitor.lost_gpus() == frozenset()  # kept, with its fields unknown
+
+
+# -- a GPU lost before its first sample ------------------------------------------------------
+def lost_line(why="GPU is lost.  Reboot the system to recover this GPU", bus="0000:3B:00.0"):
+    return f"echo 'Unable to determine the device handle for GPU {bus}: {why}'\n"
+
+
+def test_a_gpu_lost_before_its_first_sample_is_reported_lost_with_its_index(fake_smi, tmp_path):
+    """nvidia-smi names a GPU it has no handle for by its PCI bus id alone: one never sampled
+    was never reported lost, and a relaunch planned on it."""
+    from ftmaster.monitor.daemon import Monitor
+    fake_smi(BUS_IDS + lost_line() + f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    backend = SmiBackend()
+    monitor = Monitor(backend, tmp_path / "run")
+    monitor.step()
+    monitor.step()
+    assert backend.conditions == {0: ("gpu_is_lost",)}
+    assert monitor.lost_reasons() == {0: "gpu_is_lost"}
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(0, ("device_lost", "gpu_is_lost"))]
+    assert monitor.unschedulable_gpus() == {0: "gpu_is_lost"}  # as the nvml backend says it
+
+
+@pytest.mark.parametrize("bus", ["0000:3B:00.0", "00000000:3b:00.0"])
+def test_a_gpu_without_a_handle_for_another_reason_is_lost_not_unschedulable(fake_smi, tmp_path, bus):
+    from ftmaster.monitor.daemon import Monitor
+    fake_smi(BUS_IDS + lost_line("Unknown Error", bus=bus).replace("GPU ", "GPU") +
+             f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    monitor = Monitor(SmiBackend(), tmp_path / "run")
+    monitor.step()
+    assert monitor.lost_reasons() == {0: "device_lost"}  # as if it had been sampled and went
+    assert monitor.unschedulable_gpus() == {}
+
+
+def test_the_bus_ids_are_learnt_once_for_the_backends_gpus(fake_smi, tmp_path):
+    fake_smi(f'echo "$*" >> {tmp_path}/runs\n' + BUS_IDS + lost_line(bus="0000:86:00.0") +
+             f"cat <<'EOF'\n{GOOD.splitlines()[0]}\nEOF\n")
+    backend = SmiBackend(gpu_ids=[0, 1])
+    backend.select_gpus({0, 1}, excluded=set())
+    backend.sample()
+    assert backend.conditions == {1: ("gpu_is_lost",)}
+    backend.select_gpus({0}, excluded={1})  # the monitor retired it: no longer named
+    backend.sample()
+    assert backend.conditions == {}
+    runs = (tmp_path / "runs").read_text().splitlines()
+    assert runs[0] == "--query-gpu=index,pci.bus_id --format=csv,noheader --id=0,1"
+    assert sum("pci.bus_id" in run for run in runs) == 1 and len(runs) == 3
+
+
+def test_a_failed_bus_id_look_up_costs_only_the_naming_and_is_tried_again(fake_smi, tmp_path,
+                                                                        monkeypatch, caplog):
+    from ftmaster.monitor.backends import smi
+    fake_smi(f'if [ ! -e {tmp_path}/ready ]; then case "$1" in *pci.bus_id) '
+             "echo 'NVIDIA-SMI has failed' >&2; exit 9;; esac; fi\n" + BUS_IDS + lost_line() +
+             f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    monkeypatch.setattr(smi, "BUS_IDS_RETRY_S", 0.0)
+    backend = SmiBackend()
+    assert [s.gpu_id for s in backend.sample()] == [1]  # sampled all the same
+    assert backend.conditions == {}  # the lost GPU cannot be named yet, and is logged
+    assert any("could not list the GPUs' PCI bus ids (exit 9: NVIDIA-SMI has failed)" in r.getMessage()
+               for r in caplog.records)
+    assert any("no GPU index is known for it" in r.getMessage() for r in caplog.records)
+    (tmp_path / "ready").touch()
+    backend.sample()
+    assert backend.conditions == {0: ("gpu_is_lost",)}
+
+
+def test_a_bus_id_look_up_that_hangs_fails_the_sample_as_the_query_would(fake_smi):
+    fake_smi('case "$1" in *pci.bus_id) sleep 60;; esac\n' + f"cat <<'EOF'\n{GOOD}EOF\n")
+    backend = SmiBackend(timeout_s=0.3)
+    with pytest.raises(BackendError, match="did not answer within 0.3 s; killed it"):
+        backend.sample()
+    assert [s.gpu_id for s in backend.sample()] == [0, 1]  # not asked again at once
