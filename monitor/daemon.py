@@ -10,7 +10,10 @@ Outputs in ``RUN_DIR`` (DESIGN's run-directory contract):
   ``retry_in_s``) marks the start of a run of backend failures. A ``monitor_coverage`` event
   (``unavailable``: hard signals) says, once at the first sample, which hard signals the
   backend cannot show on any GPU; the risk then rests on soft signals for them, so a low
-  score is not the all-clear it looks like. A warning says the same.
+  score is not the all-clear it looks like. A warning says the same. One GPU's own gap (the
+  backend's ``unreported_fields``: an NVML GPU whose XID registration failed) is said when it
+  opens and when it closes, as a ``monitor_coverage`` event with ``gpu`` (``unavailable``
+  empty once the GPU shows them again).
 - ``flags/trigger_checkpoint.flag``: written atomically on every alert, JSON with ``gpu``,
   ``score``, ``reasons`` and ``timestamp``.
 
@@ -69,7 +72,7 @@ from ftmaster.monitor.health import (GpuEvidence, HealthConfig, observe_conditio
 from ftmaster.monitor.sample import GpuSample, iso_time, to_row, unknown_if_not_finite
 from ftmaster.monitor.schema import CSV_COLUMNS
 from ftmaster.monitor.scorers import AdaptiveScorer, Assessment, Scorer
-from ftmaster.monitor.signals import unavailable_hard_signals
+from ftmaster.monitor.signals import HARD_SIGNAL_FIELDS, unavailable_hard_signals
 
 log = logging.getLogger("ftmaster.monitor")
 injections_log = logging.getLogger("ftmaster.monitor.injections")
@@ -223,6 +226,7 @@ class Monitor:
         self._unschedulable_logged: set[int] = set()
         self._started_at: float | None = None
         self._coverage_checked = False
+        self._gpu_gaps: dict[int, tuple[str, ...]] = {}  # GPU -> hard signals it cannot show, as said
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._steps = threading.Condition()
@@ -360,6 +364,8 @@ class Monitor:
             self._coverage_checked = True
             self._report_coverage(samples)
             self._report_unsampled_injections(samples)
+        if samples:
+            self._report_gpu_coverage()
         for listener in self.sample_listeners:
             listener(samples, alerts)
         for gpu in newly_lost:
@@ -429,6 +435,32 @@ class Monitor:
                     ", ".join(unavailable))
         if self.run_dir is not None:
             self._append_event("monitor_coverage", unavailable=unavailable)
+
+    def _report_gpu_coverage(self) -> None:
+        """Say when a watched GPU's own coverage changes: hard signals the backend shows on
+        other GPUs but cannot show on this one now (its ``unreported_fields``). Unwatched GPUs
+        keep what was last said of them."""
+        gaps = getattr(self.backend, "unreported_fields", None)
+        if gaps is None:
+            return
+        with self._lock:
+            watched = {gpu for gpu in set(gaps) | set(self._gpu_gaps) if self._wanted(gpu)}
+        for gpu in sorted(watched):
+            fields = gaps.get(gpu, frozenset())
+            now = tuple(signal for signal, names in HARD_SIGNAL_FIELDS.items()
+                        if all(name in fields for name in names))
+            before = self._gpu_gaps.get(gpu, ())
+            if now == before:
+                continue
+            if now:
+                log.warning("GPU %d: hard signals unavailable (%s): its risk uses soft signals only for them",
+                            gpu, ", ".join(now))
+                self._gpu_gaps[gpu] = now
+            else:
+                log.info("GPU %d: hard signals available again (%s)", gpu, ", ".join(before))
+                del self._gpu_gaps[gpu]
+            if self.run_dir is not None:
+                self._append_event("monitor_coverage", gpu=gpu, unavailable=list(now))
 
     def _report_unsampled_injections(self, samples: list[GpuSample]) -> None:
         """An injection for a GPU that is not sampled would never show, and the rehearsal

@@ -9,11 +9,15 @@ The contract every backend keeps:
   :class:`BackendError`; the monitor retries with backoff;
 - a finite source (``replay:``) raises :class:`TraceEnded` when it has nothing left;
 - a backend may name the sample fields it can fill at all (``reported_fields``), so the
-  monitor can say which hard signals it cannot see;
+  monitor can say which hard signals it cannot see, and per GPU those of them it cannot fill
+  for that GPU now (``unreported_fields``: GPU id -> names; ``xid`` for an NVML GPU that is
+  not registered for XID events, whose empty ``xid`` would otherwise read as "none");
 - a backend may report driver states the CSV cannot hold (``conditions``: GPU id -> names,
-  for the latest sample): ``gpu_is_lost`` or ``wedged`` for a GPU it left out,
-  ``reset_required`` or ``row_remap_failure`` for one it kept. The monitor keeps them as
-  health evidence (:mod:`ftmaster.monitor.health`);
+  for the latest sample): ``gpu_is_lost`` or ``wedged`` for a GPU it left out (or
+  ``device_lost``: left out with no more to say, as nvidia-smi's "Unknown Error" line for a
+  GPU it has no handle for), ``reset_required`` or ``row_remap_failure`` for one it kept. A
+  GPU named left out is reported lost even if it was never sampled. The monitor keeps them
+  as health evidence (:mod:`ftmaster.monitor.health`);
 - a backend may read only some GPUs (``select_gpus(watched, excluded)``, ``watched`` None for
   all of its own): an excluded GPU then gets no call at all;
 - a backend may fake a fault in its own reads (``inject(injection)``: ``wedge`` blocks a GPU's

@@ -8,10 +8,15 @@
   in the driver reads as unknown, then is left out as ``wedged`` (the monitor reports it
   lost), while the others are sampled as usual; every GPU stuck at once is a wedged driver,
   a BackendError. A GPU that is not selected gets no call.
-- A call that fails gives ``None`` (unknown), never a healthy default. ``NOT_SUPPORTED`` is
-  remembered per GPU and field, so unsupported reads are not retried every sample. A function
-  the driver lacks (``FUNCTION_NOT_FOUND``) is remembered and its older equivalent used: the
-  binding may know a function the installed driver does not.
+- A call that fails gives ``None`` (unknown), never a healthy default. ``NOT_SUPPORTED`` (and
+  ``FUNCTION_NOT_FOUND``) is remembered per GPU and field, so unsupported reads are not
+  retried every sample.
+- Readings with a newer and an older NVML call (temperature: ``nvmlDeviceGetTemperatureV``
+  then ``nvmlDeviceGetTemperature``; throttle reasons: ``...ClocksEventReasons`` then
+  ``...ClocksThrottleReasons``) try the newest the binding has first. One the driver lacks
+  (``FUNCTION_NOT_FOUND``: the binding may be newer than the driver) is skipped on every GPU;
+  one the GPU does not support (``NOT_SUPPORTED``) is skipped on that GPU; either way the
+  older call is tried at once. The call that answered is remembered per GPU.
 - Driver states the CSV cannot hold reach the monitor as ``conditions``:
   ``NVML_ERROR_GPU_IS_LOST`` on any call leaves the GPU out (``gpu_is_lost``);
   ``NVML_ERROR_RESET_REQUIRED`` keeps it in with unknown fields (``reset_required``); a failed
@@ -19,6 +24,14 @@
 - XIDs come from an event set polled with ``nvmlEventSetWait(set, 0)``, which never blocks,
   on a worker of its own. An event is placed by its device handle, else by
   ``nvmlDeviceGetIndex``, else by UUID; one that none of them places is logged, not dropped.
+  Each GPU registers for XID events on its own worker (``nvmlDeviceRegisterEvents``), after
+  its reads; every operation on the set holds one lock (NVML's header up to API 12: "operations
+  on set are not thread safe"). A GPU whose registration failed reports no XIDs
+  (:attr:`NvmlBackend.unreported_fields` names it), and it registers again every
+  ``xid_retry_s`` (60 s) until it succeeds; ``NOT_SUPPORTED`` is for good ("None of the
+  requested eventTypes are registered", the set stays usable). After ``NVML_ERROR_UNKNOWN``
+  the set "is in undefined state and should be freed" (nvml.h): it is freed and a new one made
+  at the next sample, every GPU registers again, and until then no GPU's XIDs are known.
 - GPU ids are NVML indices (PCI bus order); ``ftmaster launch`` runs training with
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that ``CUDA_VISIBLE_DEVICES`` uses the same numbers.
   :func:`probe_gpus` gives the launcher each GPU's UUID and MIG mode, bounded;
@@ -53,6 +66,11 @@ GPU_IS_LOST, RESET_REQUIRED, ROW_REMAP_FAILURE = "gpu_is_lost", "reset_required"
 # Newest first: the binding may have a function the installed driver lacks.
 TEMPERATURE_FUNCTIONS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
 THROTTLE_FUNCTIONS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+# A GPU whose XID event registration failed tries again this often (seconds).
+XID_RETRY_S = 60.0
+# How long a GPU's registration waits for another's (or the XID drain) to let go of the event
+# set before it leaves its turn to the next sample.
+EVENT_SET_WAIT_S = 0.1
 
 
 class NvmlUnavailable(BackendError):
@@ -114,9 +132,15 @@ class NvmlBackend(PerGpuBackend):
         self._handles: dict[int, Any] = {}
         self._gpu_by_handle: dict[Any, int] = {}
         self._gpu_by_uuid: dict[str, int] = {}
-        self._xid_gpus: set[int] = set()  # GPUs registered for XID events
-        self._unsupported: set[tuple[int, str]] = set()
-        self._missing_functions: set[str] = set()
+        self._xid_gpus: set[int] = set()  # GPUs registered for XID events on the current set
+        self._xid_retry_at: dict[int, float] = {}  # GPU -> when its failed registration is retried
+        self.xid_retry_s = XID_RETRY_S
+        self._events_lock = threading.Lock()  # held by every operation on the event set
+        self._events_broken = False  # a registration said NVML_ERROR_UNKNOWN: the set is undefined
+        self._renew_at = 0.0  # when a broken set is next freed and made anew
+        self._unsupported: set[tuple[int, str]] = set()  # (GPU, field or NVML function)
+        self._missing_functions: set[str] = set()  # NVML functions the driver lacks
+        self._chosen: dict[tuple[int, str], str] = {}  # (GPU, field) -> the call that answered
         self._names: dict[int, str] = {}
         self._driver = self._driver_version()
         self._drain = None  # an XID read that overran its deadline, until its codes are taken
@@ -155,7 +179,8 @@ class NvmlBackend(PerGpuBackend):
             return None
 
     def _open(self, gpu: int, reading: Reading) -> Any:
-        """The GPU's handle, opened on its own worker with its UUID and XID registration."""
+        """The GPU's handle, opened on its own worker with its UUID (its XID registration
+        follows its first reads)."""
         n = self._nvml
         handle = self._read(reading, gpu, "handle", n.nvmlDeviceGetHandleByIndex, gpu)
         if handle is None:
@@ -164,24 +189,61 @@ class NvmlBackend(PerGpuBackend):
         uuid = self._read(reading, gpu, "uuid", n.nvmlDeviceGetUUID, handle)
         if uuid is not None:
             self._gpu_by_uuid[_text(uuid)] = gpu
-        if self._events is not None:
-            registered, _ = self._call(reading, gpu, "xid_events", n.nvmlDeviceRegisterEvents, handle,
-                                       n.nvmlEventTypeXidCriticalError, self._events)
-            if registered:
-                self._xid_gpus.add(gpu)
-            else:
-                log.warning("nvml: GPU %d cannot report XIDs (event registration failed)", gpu)
         self._handles[gpu] = handle
         return handle
 
+    def _register_xids(self, gpu: int, handle: Any, reading: Reading) -> None:
+        """Register the GPU for XID events when it is not and its turn has come: at its first
+        read, then every ``xid_retry_s`` after a failure. On the GPU's own worker."""
+        if self._events is None or self._events_broken or gpu in self._xid_gpus:
+            return
+        if (gpu, "xid_events") in self._unsupported or time.monotonic() < self._xid_retry_at.get(gpu, 0.0):
+            return
+        if not self._events_lock.acquire(timeout=EVENT_SET_WAIT_S):
+            return  # another registration or the drain has the set: this GPU's turn is next sample
+        n = self._nvml
+        try:
+            if self._events is None or self._events_broken:
+                return
+            registered, _, code = self._try(reading, n.nvmlDeviceRegisterEvents, handle,
+                                            n.nvmlEventTypeXidCriticalError, self._events)
+            if registered:
+                self._xid_gpus.add(gpu)
+            elif code == n.NVML_ERROR_UNKNOWN:
+                # nvml.h: "If function reports NVML_ERROR_UNKNOWN, event set is in undefined
+                # state and should be freed": no GPU's XIDs can be read from it any more.
+                self._events_broken = True
+                self._xid_gpus.clear()
+        finally:
+            self._events_lock.release()
+        if registered:
+            if self._xid_retry_at.pop(gpu, None) is not None:
+                log.info("nvml: GPU %d reports XIDs again (event registration succeeded)", gpu)
+        elif code in (n.NVML_ERROR_NOT_SUPPORTED, n.NVML_ERROR_FUNCTION_NOT_FOUND):
+            self._unsupported.add((gpu, "xid_events"))
+            log.warning("nvml: GPU %d cannot report XIDs (event registration not supported)", gpu)
+        else:
+            first = gpu not in self._xid_retry_at
+            self._xid_retry_at[gpu] = time.monotonic() + self.xid_retry_s
+            if first:
+                why = f"NVML error {code}" if code is not None else "not an NVML error"
+                log.warning("nvml: GPU %d cannot report XIDs for now (event registration failed: %s); "
+                            "its XIDs are unknown, and it tries again every %g s", gpu, why, self.xid_retry_s)
+            if self._events_broken:
+                log.warning("nvml: the XID event set is in an undefined state (NVML_ERROR_UNKNOWN); "
+                            "no GPU's XIDs are known until it is made anew")
+
     def close(self) -> None:
         # NVML stays initialised: the init is per process and other backends may share it.
-        if self._events is not None:
+        # A registration stuck in the driver keeps the set (it is not freed under a call on it).
+        if self._events is not None and self._events_lock.acquire(timeout=EVENT_SET_WAIT_S):
             try:
                 self._system.call(self.bounds.read_timeout_s, self._nvml.nvmlEventSetFree, self._events)
             except Exception:
                 pass
-            self._events = None
+            finally:
+                self._events = None
+                self._events_lock.release()
         self._reads.close()
         self._system.stop()
 
@@ -191,47 +253,83 @@ class NvmlBackend(PerGpuBackend):
 
     @property
     def reported_fields(self) -> frozenset[str]:
-        """The sample fields this backend can fill at all; XIDs need a GPU registered for them."""
+        """The sample fields this backend can fill at all: XIDs need an event set and a GPU
+        that did not refuse to register for them (which GPUs have them now:
+        :attr:`unreported_fields`)."""
         every = frozenset(FIELD_NAMES)
-        return every if self._events is not None and self._xid_gpus else every - {"xid"}
+        return every if self._xids_possible() else every - {"xid"}
+
+    @property
+    def unreported_fields(self) -> dict[int, frozenset[str]]:
+        """Per GPU, the :attr:`reported_fields` it cannot fill now: ``xid`` while it is not
+        registered for XID events (its registration failed, is still to come, or waits for a
+        new event set), since its empty ``xid`` would read as "no XID" where none can be seen."""
+        if not self._xids_possible():
+            return {}  # no GPU has them: reported_fields says so
+        registered = set(self._xid_gpus)
+        return {gpu: frozenset({"xid"}) for gpu in sorted(self._reads.gpus) if gpu not in registered}
+
+    def _xids_possible(self) -> bool:
+        """An event set exists (or is being made anew) and some GPU has not said NOT_SUPPORTED
+        to registering for XIDs on it."""
+        if self._events is None and not self._events_broken:
+            return False
+        return any((gpu, "xid_events") not in self._unsupported for gpu in self._reads.gpus)
 
     # -- reads ----------------------------------------------------------------------------
-    def _call(self, reading: Reading, gpu: int, field: str, fn: Callable[..., Any],
-              *args: Any) -> tuple[bool, Any]:
-        """One call on the GPU's worker: (True, value), or (False, None) when it failed.
+    def _try(self, reading: Reading, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any, int | None]:
+        """One call on the GPU's worker: (True, value, None), or (False, None, NVML error code,
+        None when it raised something else).
 
         GpuGone when the GPU is lost; RESET_REQUIRED is noted on the reading."""
-        if (gpu, field) in self._unsupported:
-            return False, None
         n = self._nvml
-        reading.calling = getattr(fn, "__name__", field)
+        reading.calling = getattr(fn, "__name__", repr(fn))
         try:
-            return True, fn(*args)
+            return True, fn(*args), None
         except n.NVMLError as exc:
             if exc.value == n.NVML_ERROR_GPU_IS_LOST:
                 raise GpuGone(GPU_IS_LOST) from None
             if exc.value == n.NVML_ERROR_RESET_REQUIRED:
                 reading.note(RESET_REQUIRED)
-            elif exc.value == n.NVML_ERROR_NOT_SUPPORTED:
-                self._unsupported.add((gpu, field))
-            elif exc.value == n.NVML_ERROR_FUNCTION_NOT_FOUND:
-                self._missing_functions.add(reading.calling)
-            return False, None
+            return False, None, exc.value
         except Exception:
-            return False, None
+            return False, None, None
+
+    def _unavailable(self, code: int | None) -> bool:
+        """The call can never answer here: the GPU does not support it, or the driver lacks it."""
+        return code in (self._nvml.NVML_ERROR_NOT_SUPPORTED, self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     def _read(self, reading: Reading, gpu: int, field: str, fn: Callable[..., Any], *args: Any) -> Any:
-        return self._call(reading, gpu, field, fn, *args)[1]
+        """``fn(*args)``, or None when it failed; one that cannot answer is not asked again."""
+        if (gpu, field) in self._unsupported:
+            return None
+        ok, value, code = self._try(reading, fn, *args)
+        if not ok and self._unavailable(code):
+            self._unsupported.add((gpu, field))
+        return value
 
     def _read_newest(self, reading: Reading, gpu: int, field: str, names: Sequence[str], *args: Any) -> Any:
-        """The first of ``names`` that both the binding and the driver have."""
-        for name in names:
+        """The reading from the first of ``names`` (newest first) that the binding, the driver
+        and this GPU have: one the driver lacks is skipped on every GPU, one the GPU does not
+        support on that GPU, and the next is asked at once. The call that answered is the
+        GPU's from then on; a call that fails otherwise is unknown this time, asked again next."""
+        chosen = self._chosen.get((gpu, field))
+        for name in (chosen,) if chosen is not None else names:
             fn = getattr(self._nvml, name, None)
-            if fn is None or name in self._missing_functions:
+            if fn is None or name in self._missing_functions or (gpu, name) in self._unsupported:
                 continue
-            value = self._read(reading, gpu, field, fn, *args)
-            if name not in self._missing_functions:
+            ok, value, code = self._try(reading, fn, *args)
+            if ok:
+                self._chosen[(gpu, field)] = name
                 return value
+            if not self._unavailable(code):
+                return None
+            if code == self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                self._missing_functions.add(name)
+            else:
+                self._unsupported.add((gpu, name))
+            if chosen is not None:  # it answered before: ask the others from the next sample
+                del self._chosen[(gpu, field)]
         return None
 
     def sample(self) -> list[GpuSample]:
@@ -279,6 +377,7 @@ class NvmlBackend(PerGpuBackend):
         s.pcie_replay = self._read(reading, gpu, "pcie_replay", n.nvmlDeviceGetPcieReplayCounter, handle)
         s.retired_pages_pending = self._pending(reading, gpu, handle)
         s.recovery_action = self._recovery_action(reading, gpu, handle)
+        self._register_xids(gpu, handle, reading)
 
     def _pending(self, reading: Reading, gpu: int, handle: Any) -> int | None:
         """1 when retired pages or remapped rows are pending (or a remap failed), else 0.
@@ -316,7 +415,9 @@ class NvmlBackend(PerGpuBackend):
     def _read_xids(self) -> dict[int, list[int]]:
         """XID codes per GPU since the last sample, read on the system worker within the read
         deadline; a read that overran hands its codes over once it returns."""
-        if self._events is None:
+        if self._events_broken:
+            self._renew_event_set()
+        if self._events is None or self._events_broken:
             return {}
         seen: dict[int, list[int]] = {}
         if self._drain is not None:
@@ -332,6 +433,31 @@ class NvmlBackend(PerGpuBackend):
             seen.setdefault(gpu, []).extend(codes)
         return seen
 
+    def _renew_event_set(self) -> None:
+        """Free the broken event set and make a new one (every GPU then registers again at its
+        next read); tried again every ``xid_retry_s`` while it fails."""
+        if time.monotonic() < self._renew_at or not self._events_lock.acquire(timeout=EVENT_SET_WAIT_S):
+            return
+        try:
+            old, self._events = self._events, None
+            self._xid_gpus.clear()
+            if old is not None:
+                try:
+                    self._system.call(self.bounds.read_timeout_s, self._nvml.nvmlEventSetFree, old)
+                except Exception:
+                    pass  # undefined already; a new set is what matters
+            try:
+                self._events = self._system.call(self.bounds.read_timeout_s, self._nvml.nvmlEventSetCreate)
+            except Exception as exc:
+                self._renew_at = time.monotonic() + self.xid_retry_s
+                log.warning("nvml: no new XID event set (%s); XIDs are unknown, tried again in %g s",
+                            exc, self.xid_retry_s)
+                return
+            self._events_broken = False  # the GPU whose registration broke it keeps its retry time
+            log.info("nvml: a new XID event set is made; each GPU registers for XIDs at its next read")
+        finally:
+            self._events_lock.release()
+
     def _drain_xids(self) -> dict[int, list[int]]:
         """XID codes per GPU since the last sample, without waiting (timeout 0); on the system worker."""
         n = self._nvml
@@ -341,17 +467,26 @@ class NvmlBackend(PerGpuBackend):
             except Exception:
                 pass
         seen: dict[int, list[int]] = {}
-        for _ in range(MAX_EVENTS_PER_SAMPLE):
-            try:
-                event = n.nvmlEventSetWait(self._events, 0)
-            except Exception:
-                break  # NVML_ERROR_TIMEOUT: nothing pending; anything else: try next sample
-            code = int(event.eventData)
-            gpu = self._gpu_of(event.device)
-            if gpu is None:
-                log.warning("nvml: XID %d on a GPU that NVML could not name", code)
-                continue
-            seen.setdefault(gpu, []).append(code)
+        # A registration stuck in the driver holds the set: its events stay queued in it
+        # (this GPU is reported wedged meanwhile); they are read once it lets go.
+        if not self._events_lock.acquire(timeout=self.bounds.read_timeout_s / 2):
+            return seen
+        try:
+            for _ in range(MAX_EVENTS_PER_SAMPLE):
+                if self._events is None or self._events_broken:
+                    break
+                try:
+                    event = n.nvmlEventSetWait(self._events, 0)
+                except Exception:
+                    break  # NVML_ERROR_TIMEOUT: nothing pending; anything else: try next sample
+                code = int(event.eventData)
+                gpu = self._gpu_of(event.device)
+                if gpu is None:
+                    log.warning("nvml: XID %d on a GPU that NVML could not name", code)
+                    continue
+                seen.setdefault(gpu, []).append(code)
+        finally:
+            self._events_lock.release()
         return seen
 
     def _gpu_of(self, device: Any) -> int | None:

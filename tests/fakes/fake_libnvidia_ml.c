@@ -4,7 +4,9 @@
  * GPUs, and a few fake_* controls the tests call through ctypes: wedge a GPU (every call on
  * it blocks until released, as in a wedged driver), make its calls fail with an NVML error,
  * slow down set-up calls, queue XID events, set remapped-row flags, MIG mode and the field
- * value type, and count the calls each GPU received.
+ * value type, make a GPU's XID registration fail or its newer calls unsupported, and count the
+ * calls each GPU received and the event sets made and freed. An XID is queued only for a GPU
+ * registered on the live event set, as the driver records only registered devices' events.
  *
  * Build with -DOLD_DRIVER to leave out nvmlDeviceGetTemperatureV and
  * nvmlDeviceGetCurrentClocksEventReasons, as a driver older than the binding would.
@@ -45,6 +47,8 @@ static int remap_pending[MAX_GPUS], remap_failure[MAX_GPUS], mig_mode[MAX_GPUS];
 static int init_delay_ms, open_delay_ms, index_error, field_type = 1;
 static struct { int gpu; unsigned long long code; } events[MAX_EVENTS];
 static int events_head, events_tail;
+static atomic_int register_error[MAX_GPUS], registered[MAX_GPUS], new_calls_unsupported[MAX_GPUS];
+static atomic_int sets_made, sets_freed;
 
 /* -- controls --------------------------------------------------------------------------- */
 void fake_configure(int count) {
@@ -60,7 +64,13 @@ void fake_index_error(int nvml_error) { index_error = nvml_error; }
 void fake_remap(int gpu, int pending, int failure) { remap_pending[gpu] = pending; remap_failure[gpu] = failure; }
 void fake_mig(int gpu, int on) { mig_mode[gpu] = on; }
 void fake_field_type(int type) { field_type = type; }
+void fake_register_error(int gpu, int nvml_error) { atomic_store(&register_error[gpu], nvml_error); }
+int fake_registered(int gpu) { return atomic_load(&registered[gpu]); }
+void fake_new_calls_unsupported(int gpu, int on) { atomic_store(&new_calls_unsupported[gpu], on); }
+int fake_sets_made(void) { return atomic_load(&sets_made); }
+int fake_sets_freed(void) { return atomic_load(&sets_freed); }
 void fake_push_xid(int gpu, unsigned long long code) {
+    if (!atomic_load(&registered[gpu])) return;  /* not recorded: nobody listens for it */
     events[events_tail % MAX_EVENTS].gpu = gpu;
     events[events_tail % MAX_EVENTS].code = code;
     events_tail++;
@@ -140,6 +150,7 @@ int nvmlDeviceGetName(device_t *device, char *name, unsigned size) {
 #ifndef OLD_DRIVER
 int nvmlDeviceGetTemperatureV(device_t *device, temperature_v1_t *temperature) {
     ENTER(device);
+    if (atomic_load(&new_calls_unsupported[device->index])) return NOT_SUPPORTED;
     temperature->temperature = 60 + device->index;
     return SUCCESS;
 }
@@ -166,7 +177,9 @@ int nvmlDeviceGetTotalEccErrors(device_t *device, unsigned type, unsigned counte
 }
 #ifndef OLD_DRIVER
 int nvmlDeviceGetCurrentClocksEventReasons(device_t *device, unsigned long long *reasons) {
-    ENTER(device); *reasons = 0x4; return SUCCESS;
+    ENTER(device);
+    if (atomic_load(&new_calls_unsupported[device->index])) return NOT_SUPPORTED;
+    *reasons = 0x4; return SUCCESS;
 }
 #endif
 int nvmlDeviceGetCurrentClocksThrottleReasons(device_t *device, unsigned long long *reasons) {
@@ -204,9 +217,19 @@ int nvmlDeviceGetFieldValues(device_t *device, int count, field_value_t *values)
 
 /* -- XID events ------------------------------------------------------------------------- */
 static int event_set_token;
-int nvmlEventSetCreate(void **set) { *set = &event_set_token; return SUCCESS; }
+static void forget_registrations(void) {
+    for (int i = 0; i < MAX_GPUS; i++) atomic_store(&registered[i], 0);
+    events_head = events_tail;  /* a freed set's events go with it */
+}
+int nvmlEventSetCreate(void **set) {
+    atomic_fetch_add(&sets_made, 1); forget_registrations(); *set = &event_set_token; return SUCCESS;
+}
 int nvmlDeviceRegisterEvents(device_t *device, unsigned long long types, void *set) {
-    (void)types; (void)set; ENTER(device); return SUCCESS;
+    (void)types; (void)set; ENTER(device);
+    int rc = atomic_load(&register_error[device->index]);
+    if (rc) return rc;
+    atomic_store(&registered[device->index], 1);
+    return SUCCESS;
 }
 int nvmlEventSetWait_v2(void *set, event_data_t *data, unsigned timeout_ms) {
     (void)set; (void)timeout_ms;
@@ -218,4 +241,6 @@ int nvmlEventSetWait_v2(void *set, event_data_t *data, unsigned timeout_ms) {
     data->gpu_instance = data->compute_instance = 0xFFFFFFFF;
     return SUCCESS;
 }
-int nvmlEventSetFree(void *set) { (void)set; return SUCCESS; }
+int nvmlEventSetFree(void *set) {
+    (void)set; atomic_fetch_add(&sets_freed, 1); forget_registrations(); return SUCCESS;
+}

@@ -18,6 +18,7 @@ from types import ModuleType
 
 SOURCE = Path(__file__).with_name("fake_libnvidia_ml.c")
 GPU_IS_LOST, RESET_REQUIRED, TIMEOUT = 15, 16, 10
+NOT_SUPPORTED, NO_PERMISSION, UNKNOWN = 3, 4, 999
 _copies = itertools.count()
 
 
@@ -92,4 +93,20 @@ class FakeNvml:
         self.lib.fake_field_type(value_type)
 
     def push_xid(self, gpu: int, code: int) -> None:
+        """Queue an XID on ``gpu``; dropped unless it is registered for events, as in the driver."""
         self.lib.fake_push_xid(gpu, code)
+
+    def register_error(self, gpu: int, nvml_error: int) -> None:
+        """Make ``nvmlDeviceRegisterEvents`` on ``gpu`` fail with ``nvml_error`` (0: succeed)."""
+        self.lib.fake_register_error(gpu, nvml_error)
+
+    def registered(self, gpu: int) -> bool:
+        return bool(self.lib.fake_registered(gpu))
+
+    def new_calls_unsupported(self, gpu: int, on: bool = True) -> None:
+        """``nvmlDeviceGetTemperatureV`` and ``...ClocksEventReasons`` say NOT_SUPPORTED on ``gpu``."""
+        self.lib.fake_new_calls_unsupported(gpu, int(on))
+
+    def event_sets(self) -> tuple[int, int]:
+        """(made, freed) event sets."""
+        return self.lib.fake_sets_made(), self.lib.fake_sets_freed()

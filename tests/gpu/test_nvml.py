@@ -38,6 +38,8 @@ def test_a_healthy_gpu_reads_healthy_with_xid_events_registered():
             time.sleep(0.5)
         samples = backend.sample()
         assert "xid" in backend.reported_fields, "XID events could not be registered on any GPU"
+        assert backend.unreported_fields == {}, \
+            f"XID events could not be registered on GPUs {sorted(backend.unreported_fields)}"
     finally:
         monitor.close()
     assert len(samples) == len(smi("index"))

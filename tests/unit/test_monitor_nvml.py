@@ -18,7 +18,9 @@ from ftmaster.monitor.backends.nvml import (GpuIdentity, NvmlBackend, NvmlUnavai
                                             probe_gpus)
 
 NOT_SUPPORTED, TIMEOUT, FUNCTION_NOT_FOUND, LOST, RESET_REQUIRED, UNKNOWN = 3, 10, 13, 15, 16, 999
+NO_PERMISSION = 4
 QUICK = ReadBounds(read_timeout_s=0.2, setup_timeout_s=0.4, wedged_after=3)  # generous for busy CI
+RETRY_S = 1.0  # a failed XID registration's cadence in tests: well past one busy sample
 
 
 class FakeError(Exception):
@@ -87,6 +89,7 @@ def fake_nvml(count=2, **overrides):
     module.__dict__.update(
         NVMLError=FakeError, NVML_ERROR_GPU_IS_LOST=LOST, NVML_ERROR_NOT_SUPPORTED=NOT_SUPPORTED,
         NVML_ERROR_RESET_REQUIRED=RESET_REQUIRED, NVML_ERROR_FUNCTION_NOT_FOUND=FUNCTION_NOT_FOUND,
+        NVML_ERROR_UNKNOWN=UNKNOWN,
         NVML_SUCCESS=0, NVML_TEMPERATURE_GPU=0, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1,
         NVML_CLOCK_SM=1, nvmlEventTypeXidCriticalError=8, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230,
@@ -176,9 +179,12 @@ def test_xids_are_reported_only_when_some_gpu_registered_for_them():
     # Review point 10: an event set on which every registration failed covers nothing.
     unregistered = NvmlBackend(nvml=fake_nvml(nvmlDeviceRegisterEvents=raises(NOT_SUPPORTED)))
     assert "xid" not in sampled(unregistered).reported_fields
-    one_registered = NvmlBackend(nvml=fake_nvml(
-        nvmlDeviceRegisterEvents=lambda h, t, s: (_ for _ in ()).throw(FakeError(UNKNOWN)) if h else None))
+    one_registered = NvmlBackend(nvml=fake_nvml(nvmlDeviceRegisterEvents=failing_registration(NO_PERMISSION)))
     assert "xid" in sampled(one_registered).reported_fields
+    assert one_registered.unreported_fields == {1: {"xid"}}  # but not on the GPU that failed
+    # Failed for now on every GPU (tried again later): each GPU's XIDs are named unknown.
+    none_yet = sampled(NvmlBackend(nvml=fake_nvml(nvmlDeviceRegisterEvents=raises(NO_PERMISSION))))
+    assert none_yet.unreported_fields == {0: {"xid"}, 1: {"xid"}}
 
 
 def test_the_driver_version_is_read_without_an_xid_event_set():
@@ -546,3 +552,137 @@ def test_a_gpu_reported_wedged_stays_lost_while_another_is_slow(tmp_path):
     finally:
         wedged.set()
     assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(0, ("device_lost", "wedged"))]
+
+
+# -- XID registration: a failure is unknown coverage, and is tried again ---------------------
+def failing_registration(code, gpu=1, times=1):
+    """nvmlDeviceRegisterEvents that fails with ``code`` on ``gpu`` its first ``times`` calls."""
+    left = {gpu: times}
+
+    def register(h, _types, _set):
+        if left.get(h, 0) > 0:
+            left[h] -= 1
+            raise FakeError(code)
+    return register
+
+
+def test_a_failed_xid_registration_is_that_gpus_unknown_and_is_tried_again():
+    """A GPU whose registration failed once read "no XID" for the whole run: it was never
+    registered again, and the backend still claimed XIDs for every GPU."""
+    nvml = fake_nvml(nvmlDeviceRegisterEvents=failing_registration(NO_PERMISSION))
+    nvml.events.clear()
+    backend = NvmlBackend(nvml=nvml)
+    backend.xid_retry_s = RETRY_S
+    backend.sample()
+    assert backend.unreported_fields == {1: {"xid"}} and "xid" in backend.reported_fields
+    backend.sample()
+    assert nvml.calls[("nvmlDeviceRegisterEvents", 1)] == 1  # not every sample: at its cadence
+    time.sleep(RETRY_S + 0.05)
+    backend.sample()
+    assert nvml.calls[("nvmlDeviceRegisterEvents", 1)] == 2
+    assert backend.unreported_fields == {}
+    nvml.events[:] = [SimpleNamespace(device=1, eventData=48)]
+    assert by_gpu(backend.sample())[1].xid == 48
+    assert nvml.calls[("nvmlDeviceRegisterEvents", 0)] == 1  # a registered GPU is left alone
+    assert "nvmlEventSetFree" not in nvml.calls  # the set stays usable after such a failure
+
+
+def test_an_unsupported_xid_registration_is_not_tried_again():
+    """NOT_SUPPORTED: "None of the requested eventTypes are registered", for good."""
+    nvml = fake_nvml(nvmlDeviceRegisterEvents=failing_registration(NOT_SUPPORTED, times=99))
+    backend = NvmlBackend(nvml=nvml)
+    backend.xid_retry_s = 0.0
+    for _ in range(3):
+        backend.sample()
+    assert nvml.calls[("nvmlDeviceRegisterEvents", 1)] == 1
+    assert backend.unreported_fields == {1: {"xid"}}
+
+
+def test_unknown_from_a_registration_renews_the_event_set():
+    """nvml.h: after NVML_ERROR_UNKNOWN "event set is in undefined state and should be freed":
+    it is, a new one is made, and every GPU registers on it (the one that failed, at its cadence)."""
+    made, waits = iter(["set-1", "set-2", "set-3"]), []
+
+    def event_wait(event_set, _timeout_ms):
+        waits.append(event_set)
+        raise FakeError(TIMEOUT)
+    nvml = fake_nvml(nvmlDeviceRegisterEvents=failing_registration(UNKNOWN), nvmlEventSetWait=event_wait,
+                     nvmlEventSetCreate=lambda: next(made))
+    backend = NvmlBackend(nvml=nvml)
+    backend.xid_retry_s = RETRY_S
+    backend.sample()
+    assert nvml.calls[("nvmlEventSetFree", "set-1")] == 1 and nvml.calls["nvmlEventSetCreate"] == 2
+    assert "set-1" not in waits  # the undefined set is never read
+    assert backend.unreported_fields == {0: {"xid"}, 1: {"xid"}}  # until they register on the new one
+    backend.sample()
+    assert nvml.calls[("nvmlDeviceRegisterEvents", 0)] == 2  # again, on the new set
+    assert backend.unreported_fields == {1: {"xid"}} and "xid" in backend.reported_fields
+    time.sleep(RETRY_S + 0.05)
+    backend.sample()
+    assert backend.unreported_fields == {} and nvml.calls[("nvmlDeviceRegisterEvents", 1)] == 2
+    assert nvml.calls["nvmlEventSetCreate"] == 2 and waits[-1] == "set-2"
+
+
+def test_the_monitor_says_when_a_gpu_cannot_show_xids_and_when_it_can_again(tmp_path):
+    from ftmaster import runfiles
+    from ftmaster.monitor.daemon import Monitor
+    nvml = fake_nvml(nvmlDeviceRegisterEvents=failing_registration(NO_PERMISSION))
+    nvml.events.clear()
+    backend = NvmlBackend(nvml=nvml)
+    backend.xid_retry_s = RETRY_S
+    monitor = Monitor(backend, tmp_path)
+    monitor.step()
+    monitor.step()
+    time.sleep(RETRY_S + 0.05)
+    monitor.step()
+    coverage = [e for e in runfiles.read_events(tmp_path) if e["event"] == "monitor_coverage"]
+    assert [(e.get("gpu"), e["unavailable"]) for e in coverage] == [(1, ["xid"]), (1, [])]
+
+
+# -- newer NVML calls with an older equivalent -----------------------------------------------
+def test_a_newer_call_the_gpu_does_not_support_falls_back_to_the_older_one():
+    """NOT_SUPPORTED from nvmlDeviceGetTemperatureV left the temperature unknown for good,
+    though nvmlDeviceGetTemperature answered on that GPU; likewise the throttle reasons."""
+    def unsupported_on_1(value):
+        def call(h, *_):
+            if h == 1:
+                raise FakeError(NOT_SUPPORTED)
+            return value
+        return call
+    nvml = fake_nvml(nvmlDeviceGetTemperatureV=unsupported_on_1(70),
+                     nvmlDeviceGetCurrentClocksEventReasons=unsupported_on_1(0x4),
+                     nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x8)
+    backend = NvmlBackend(nvml=nvml)
+    for _ in range(3):
+        samples = backend.sample()
+    assert [(s.temperature, s.throttle_reasons) for s in samples] == [(70, 0x4), (61, 0x8)]
+    assert nvml.calls[("nvmlDeviceGetTemperatureV", 1)] == 1  # the choice is remembered per GPU
+    assert nvml.calls[("nvmlDeviceGetTemperatureV", 0)] == 3
+    assert ("nvmlDeviceGetTemperature", 0) not in nvml.calls
+    assert nvml.calls[("nvmlDeviceGetCurrentClocksThrottleReasons", 1)] == 3
+    assert ("nvmlDeviceGetCurrentClocksThrottleReasons", 0) not in nvml.calls
+
+
+def test_a_reading_neither_call_supports_is_unknown_and_not_asked_again():
+    nvml = fake_nvml(nvmlDeviceGetTemperatureV=raises(FUNCTION_NOT_FOUND),
+                     nvmlDeviceGetTemperature=raises(NOT_SUPPORTED))
+    backend = NvmlBackend(nvml=nvml)
+    for _ in range(3):
+        assert [s.temperature for s in backend.sample()] == [None, None]
+    assert nvml.calls["nvmlDeviceGetTemperatureV"] == 1  # the driver lacks it: on no GPU again
+    assert nvml.calls["nvmlDeviceGetTemperature"] == 2  # once per GPU
+
+
+def test_a_newer_call_that_fails_otherwise_is_unknown_this_time_not_abandoned():
+    fails = {"left": 1}
+
+    def temperature_v(h, sensor):
+        if fails["left"]:
+            fails["left"] -= 1
+            raise FakeError(UNKNOWN)
+        return 70
+    nvml = fake_nvml(count=1, nvmlDeviceGetTemperatureV=temperature_v)
+    backend = NvmlBackend(nvml=nvml)
+    assert [s.temperature for s in backend.sample()] == [None]
+    assert [s.temperature for s in backend.sample()] == [70]
+    assert "nvmlDeviceGetTemperature" not in nvml.calls

@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from fakes.nvml_lib import GPU_IS_LOST, RESET_REQUIRED, FakeNvml, build
+from fakes.nvml_lib import GPU_IS_LOST, NO_PERMISSION, RESET_REQUIRED, UNKNOWN, FakeNvml, build
 from ftmaster.monitor.backends.bounded import ReadBounds
 from ftmaster.monitor.backends.nvml import GpuIdentity, NvmlBackend, index_for_uuid, probe_gpus
 from ftmaster.monitor.daemon import Monitor
 
 QUICK = ReadBounds(read_timeout_s=0.2, setup_timeout_s=0.5, wedged_after=3)  # generous for busy CI
+RETRY_S = 1.0  # a failed XID registration's cadence in tests: well past one busy sample
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +60,51 @@ def test_an_old_driver_gets_the_old_calls(fake):
     nvml = fake(1, driver="old")
     (sample,) = NvmlBackend(nvml=nvml.pynvml).sample()
     assert (sample.temperature, sample.throttle_reasons) == (50, 0x1)  # the deprecated calls answered
+
+
+def test_a_gpu_that_does_not_support_the_newer_calls_gets_the_older_ones(fake):
+    nvml = fake(2)
+    nvml.new_calls_unsupported(1)
+    backend = NvmlBackend(nvml=nvml.pynvml)
+    backend.sample()
+    s0, s1 = backend.sample()
+    assert (s0.temperature, s0.throttle_reasons) == (60, 0x4)  # the newer calls
+    assert (s1.temperature, s1.throttle_reasons) == (51, 0x1)  # the older ones, on that GPU only
+
+
+def test_a_gpu_whose_xid_registration_failed_is_registered_again(fake):
+    nvml = fake(2)
+    nvml.register_error(1, NO_PERMISSION)
+    backend = NvmlBackend(nvml=nvml.pynvml)
+    backend.xid_retry_s = RETRY_S
+    backend.sample()
+    assert not nvml.registered(1) and backend.unreported_fields == {1: {"xid"}}
+    nvml.register_error(1, 0)
+    time.sleep(RETRY_S + 0.05)
+    backend.sample()
+    assert nvml.registered(1) and backend.unreported_fields == {}
+    nvml.push_xid(1, 79)
+    assert by_gpu(backend.sample())[1].xid == 79
+    assert nvml.event_sets() == (1, 0)
+
+
+def test_unknown_from_a_registration_frees_the_set_and_makes_another(fake):
+    nvml = fake(2)
+    nvml.register_error(1, UNKNOWN)
+    backend = NvmlBackend(nvml=nvml.pynvml)
+    backend.xid_retry_s = RETRY_S
+    backend.sample()
+    assert nvml.event_sets() == (2, 1) and backend.unreported_fields == {0: {"xid"}, 1: {"xid"}}
+    nvml.register_error(1, 0)
+    backend.sample()
+    assert nvml.registered(0) and not nvml.registered(1)  # GPU 1 waits its turn
+    time.sleep(RETRY_S + 0.05)
+    backend.sample()
+    assert nvml.registered(1) and backend.unreported_fields == {}
+    nvml.push_xid(0, 48)
+    nvml.push_xid(1, 79)
+    samples = by_gpu(backend.sample())
+    assert (samples[0].xid, samples[1].xid) == (48, 79)
 
 
 def test_field_values_of_type_unsigned_short(fake):
