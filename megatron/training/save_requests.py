@@ -18,6 +18,11 @@ A flag that is empty, malformed or unreadable still counts: its existence is the
 The save answers the flag file as it is when the ranks decide (a rank that sampled before
 the flag appeared still knows which file it answered); that same file (same inode and mtime)
 is not a new request, while a flag written after the decision is, and is honoured next.
+A save of the run's last state (the final save, an exit save on SIGTERM or at
+``--exit-interval``, a save at the last iteration) answers the flag as it is when that save
+starts, whether its request still waits out the gap filter, was agreed or not yet seen: no
+later save would answer it, and left behind it would have the next run on that folder save
+unasked (:meth:`SaveRequests.answer_with_last_save`).
 
 The gap filter (the paper's rule) lets an emergency save happen only when
 ``iteration - last_checkpoint_iteration >= ceil(gap_frac x save_interval)``. A request that
@@ -164,6 +169,14 @@ class SaveRequests:
 
     def _due(self, interval: int | None, iteration: int) -> bool:
         return bool(self.can_save and interval and iteration % interval == 0)
+
+    def answer_with_last_save(self) -> None:
+        """Every rank, as a save of the run's last state starts: that save answers the flag
+        as it is now; a flag written after is kept (:meth:`consume`). With no flag now, the
+        answer of an earlier save still in flight is kept."""
+        seen = self._flag_identity()
+        if seen is not None:
+            self._answered_identity = seen
 
     def consume(self) -> None:
         """After the answering save is durable (rank 0): remove that flag, not a newer one."""

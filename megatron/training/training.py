@@ -369,6 +369,10 @@ class Trainer:
 
     def save(self, kind: str, tier: str = "disk") -> None:
         self.model.sync_params()
+        if kind in ("final", "exit") or self._training_done():
+            # No later save would answer a request standing now (one still waiting out the
+            # gap filter, say): this one does, or the next run on the folder saves unasked.
+            self.requests.answer_with_last_save()
         blocked = self.checkpointer.save(self.state, kind, tier, on_durable=self._on_durable,
                                          on_failed=self._on_save_failed)
         if self.checkpointer.async_saves is not None:

@@ -153,3 +153,20 @@ def test_a_trainer_without_ftmaster_removes_the_flag_it_answered(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     assert "saved emergency checkpoint at iteration 1" in result.stdout
     assert not flag.exists()
+
+
+@pytest.mark.parametrize("end, saved", [
+    (["--train-iters", "3"], "saved final checkpoint at iteration 3"),
+    (["--train-iters", "10", "--exit-interval", "2"], "saved exit checkpoint at iteration 2"),
+], ids=["final", "exit-interval"])
+def test_the_last_save_answers_a_request_still_waiting_out_the_gap(tmp_path, end, saved):
+    """The gap (25 iterations from the start) outlasts the run: the save that ends it answers
+    the request, and its flag goes with it, or the next run on the folder saves unasked."""
+    flag, save = tmp_path / "flags" / runfiles.SAVE_NOW_FLAG, tmp_path / "save"
+    runfiles.write_flag(flag, source="test")
+    result = run_trainer(1, SMALL_GPT + BATCH + end + [
+        "--save", str(save), "--save-interval", "100",
+        "--emergency-save-flag-dir", str(flag.parent)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert saved in result.stdout and "emergency checkpoint" not in result.stdout
+    assert not flag.exists()

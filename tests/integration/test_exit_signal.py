@@ -90,3 +90,22 @@ def test_sigterm_agreed_at_the_last_iteration_finishes_training(tmp_path):
     assert read_tracker(save) == 5
     heartbeat = runfiles.read_heartbeat(run_dir)
     assert (heartbeat["iteration"], heartbeat["finished"]) == (5, True)
+
+
+def test_the_exit_save_answers_a_request_still_waiting_out_the_gap(tmp_path):
+    """Without ftmaster (--emergency-save-flag-dir), a request waiting out the gap filter at a
+    SIGTERM is answered by the exit save: its flag is removed, or the next run on the folder
+    would save unasked."""
+    save, script = tmp_path / "save", tmp_path / "signalled.py"
+    flag = tmp_path / "flags" / runfiles.SAVE_NOW_FLAG
+    runfiles.write_flag(flag, source="test")
+    script.write_text(SIGNALLED_AT.format(iteration=2, script=PRETRAIN))
+    result = subprocess.run(
+        [sys.executable, str(script), *SMALL_GPT, "--micro-batch-size", "2", "--train-iters",
+         "10", "--lr", "1e-3", "--save", str(save), "--save-interval", "100",
+         "--exit-signal-handler", "--emergency-save-flag-dir", str(flag.parent)],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=trainer_env())
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "exiting on SIGTERM after iteration 3" in result.stdout
+    assert "emergency checkpoint" not in result.stdout and read_tracker(save) == 3
+    assert not flag.exists()

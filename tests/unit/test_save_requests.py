@@ -107,6 +107,40 @@ def test_consume_keeps_a_flag_written_after_the_decision(flag):
     assert flag.exists()
 
 
+def test_the_last_save_answers_a_request_still_waiting_out_the_gap(flag):
+    """Training ends (or exits) before the request's gap has passed: the save of the last
+    state answers it, so the flag does not ask the next run on the folder for a save."""
+    requests = make(flag)
+    write_flag(flag)
+    assert step(requests, 21, 20).deferred_until == 25
+    requests.answer_with_last_save()
+    requests.consume()
+    assert not flag.exists()
+
+
+def test_the_last_save_keeps_a_flag_written_after_it_started(flag):
+    requests = make(flag)
+    write_flag(flag)
+    assert not step(requests, 21, 20).save
+    requests.answer_with_last_save()
+    write_flag(flag, gpu=3)  # during the final save: not answered by it
+    requests.consume()
+    assert flag.exists()
+
+
+def test_the_last_save_keeps_the_answer_of_a_save_in_flight(flag):
+    requests = make(flag)
+    write_flag(flag)
+    assert step(requests, 10, 0).emergency  # in flight
+    requests.answer_with_last_save()  # the same file: the same answer
+    requests.consume()
+    assert not flag.exists()
+    requests.answer_with_last_save()  # no flag now: nothing new to answer
+    write_flag(flag, gpu=2)
+    requests.consume()
+    assert flag.exists()
+
+
 def test_gap_zero_saves_at_once(flag):
     requests = make(flag, gap_frac=0.0)
     write_flag(flag)
