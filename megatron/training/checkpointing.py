@@ -912,7 +912,8 @@ class Checkpointer:
         self.last_durable_iteration: int | None = None
         self._on_failed: Callable[[SaveFailure], None] | None = None
         self.structure = SaveStructure(self._new_save_strategy, self.group,
-                                       args.ckpt_assume_constant_structure)
+                                       args.ckpt_assume_constant_structure,
+                                       lambda: len(self.optimizer.state) > 0)
         if args.save:
             if args.async_save:
                 start_writer_results_queue()

@@ -9,11 +9,17 @@ plans' exchange), and ``FullyParallelSaveStrategyWrapper(do_cache_distribution=T
 who writes each replicated shard. The sharding validation (an all-gather of every shard's
 metadata) runs only when a strategy is new.
 
-With the flag, ftmaster does the same and trusts it. Without it, the strategy is kept only
-while the structure stays the same on every rank: a fingerprint of each shard's key, dtype,
-shapes, offsets and replica id is compared with the previous save's, and the ranks agree
-through one all-reduce. Any change on any rank (a new layout, a new optimizer state) and every
-rank plans afresh, so a reused plan never describes other tensors than those written.
+With the flag, ftmaster does the same and trusts it, as Megatron-LM does: the first save's
+plan is every later save's. A first save made while the optimizer holds no state (an fp16 run
+whose first steps the loss scaler skipped, so Adam has no moments yet) plans no moments, and
+no later save writes them; planning again would take the ranks' agreement that the structure
+changed, which is what the flag waives. That plan is told on rank 0, once, as a warning.
+
+Without the flag, the strategy is kept only while the structure stays the same on every rank:
+a fingerprint of each shard's key, dtype, shapes, offsets and replica id is compared with the
+previous save's, and the ranks agree through one all-reduce. Any change on any rank (a new
+layout, a new optimizer state) and every rank plans afresh, so a reused plan never describes
+other tensors than those written.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ import torch
 import xxhash
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+from .console import log_rank0
+
+STATELESS_OPTIMIZER_WARNING = (
+    "warning: --ckpt-assume-constant-structure: this save's plan is made while the optimizer "
+    "holds no state (no step taken yet, e.g. fp16 steps skipped by the loss scaler); later "
+    "saves reuse this plan and may omit the optimizer's moments; train without "
+    "--ckpt-assume-constant-structure to avoid it")
 
 
 def structure_fingerprint(sharded_part: dict) -> str:
@@ -48,12 +62,15 @@ class SaveStructure:
 
     ``new_strategy`` builds megatron-core's strategy with its caches on; ``group`` is the
     group on which every rank of the job agrees (all ranks call :meth:`strategy_for` at the
-    same save, as they call the save itself)."""
+    same save, as they call the save itself). ``optimizer_holds_state`` tells whether the
+    optimizer has any state yet (asked when a plan is made under the flag)."""
 
-    def __init__(self, new_strategy: Callable[[], object], group, assume_constant: bool) -> None:
+    def __init__(self, new_strategy: Callable[[], object], group, assume_constant: bool,
+                 optimizer_holds_state: Callable[[], bool] = lambda: True) -> None:
         self._new_strategy = new_strategy
         self._group = group
         self._assume_constant = assume_constant
+        self._optimizer_holds_state = optimizer_holds_state
         self._strategy = None
         self._fingerprint: str | None = None
 
@@ -62,6 +79,8 @@ class SaveStructure:
         validation reusable) rather than a new one."""
         if self._assume_constant:
             kept = self._strategy is not None
+            if not kept and not self._optimizer_holds_state():  # once: the flag plans once
+                log_rank0(STATELESS_OPTIMIZER_WARNING)
         else:
             kept = self._same_everywhere(sharded_part)
         if not kept:

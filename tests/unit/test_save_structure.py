@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from helpers.structure import sharded_state
-from megatron.training.save_structure import SaveStructure, structure_fingerprint
+from megatron.training.save_structure import (
+    STATELESS_OPTIMIZER_WARNING,
+    SaveStructure,
+    structure_fingerprint,
+)
 
 
 @pytest.mark.parametrize("changed", [
@@ -44,3 +48,26 @@ def test_assume_constant_structure_keeps_it_without_looking(group):
     first, kept = structure.strategy_for(sharded_state())
     assert not kept
     assert structure.strategy_for(sharded_state(shape=(9, 9))) == (first, True)  # trusted: the flag's contract
+
+
+def test_assume_constant_structure_warns_once_when_it_plans_without_optimizer_state(group, capsys):
+    """An fp16 run whose first steps the loss scaler skipped saves before Adam has moments:
+    the plan the flag keeps for every later save holds none, and the first save says so."""
+    structure = SaveStructure(object, group, assume_constant=True,
+                              optimizer_holds_state=lambda: False)
+    structure.strategy_for(sharded_state())
+    assert capsys.readouterr().out.splitlines() == [STATELESS_OPTIMIZER_WARNING]
+    structure.strategy_for(sharded_state(extra=True))  # the moments now: the plan is kept
+    assert capsys.readouterr().out == ""
+    assert "optimizer's moments" in STATELESS_OPTIMIZER_WARNING
+    assert "without --ckpt-assume-constant-structure" in STATELESS_OPTIMIZER_WARNING
+
+
+@pytest.mark.parametrize("assume_constant, holds_state", [(True, True), (False, False)])
+def test_no_warning_with_optimizer_state_or_without_the_flag(group, capsys, assume_constant,
+                                                              holds_state):
+    structure = SaveStructure(object, group, assume_constant=assume_constant,
+                              optimizer_holds_state=lambda: holds_state)
+    structure.strategy_for(sharded_state())
+    structure.strategy_for(sharded_state(extra=True))  # without the flag: planned afresh
+    assert capsys.readouterr().out == ""
