@@ -105,32 +105,30 @@ def test_a_torn_last_row_is_left_out_and_said_in_one_line(run_copy, tmp_path, an
     csv_path = runfiles.metrics_csv_path(run_copy)
     row = csv_path.read_text().splitlines()[-1].split(",")
     cut = row[:CSV_COLUMNS.index("memory_total")] + ["8"]
-    with csv_path.open("a") as handle:
-        handle.write(",".join(cut))
-    out = tmp_path / "analysis"
-    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    assert result.stderr == (f"warning: {csv_path}: its last line is incomplete (no newline: "
-                             "still being written, or cut short), skipped\n")
-    before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")
-    after = pd.read_csv(out / "summary.csv", index_col="gpu")
+    after = summary_with_a_torn_line(run_copy, tmp_path, csv_path, ",".join(cut))
     assert after.loc[int(row[1]), "memory_headroom_min_mib"] > 0
-    pd.testing.assert_frame_equal(after, before)
+    pd.testing.assert_frame_equal(after, pd.read_csv(analysed[1] / "summary.csv", index_col="gpu"))
 
 
 def test_a_torn_last_event_is_left_out_and_said_in_one_line(run_copy, tmp_path, analysed):
     """As ftmaster report says of it (one shared reader): a live run's (or a killed writer's)
     last event without its newline, here whole but for it, was counted silently."""
-    events = runfiles.events_path(run_copy)
-    with events.open("a") as handle:
-        handle.write(json.dumps({"event": "risk_alert", "time": 1, "gpu": 2}))
+    alert = json.dumps({"event": "risk_alert", "time": 1, "gpu": 2})
+    after = summary_with_a_torn_line(run_copy, tmp_path, runfiles.events_path(run_copy), alert)
+    pd.testing.assert_frame_equal(after, pd.read_csv(analysed[1] / "summary.csv", index_col="gpu"))
+
+
+def summary_with_a_torn_line(run_copy, tmp_path, path, line):
+    """analyze's summary.csv once ``line`` is appended to ``path`` without its newline, after
+    checking the one warning line it gave."""
+    with path.open("a") as handle:
+        handle.write(line)
     out = tmp_path / "analysis"
     result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert result.stderr == (f"warning: {events}: its last line is incomplete (no newline: "
+    assert result.stderr == (f"warning: {path}: its last line is incomplete (no newline: "
                              "still being written, or cut short), skipped\n")
-    before = pd.read_csv(analysed[1] / "summary.csv", index_col="gpu")
-    pd.testing.assert_frame_equal(pd.read_csv(out / "summary.csv", index_col="gpu"), before)
+    return pd.read_csv(out / "summary.csv", index_col="gpu")
 
 
 def test_an_events_file_that_cannot_be_read_is_one_line(run_copy, tmp_path):
