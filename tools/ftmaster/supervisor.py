@@ -1158,19 +1158,23 @@ class Supervisor:
 
     def _weighed_lately(self, found: Found) -> bool:
         """Whether the cost model kept ``found`` fewer than REWEIGH_ITERATIONS ago."""
-        if self._straggler_kept is None or self._straggler_kept[0] is not found:
+        if not self._kept_last(found):
             return False
         weighed_at, now = self._straggler_kept[1], self.stragglers.last_iteration
         return None not in (weighed_at, now) and now < weighed_at + REWEIGH_ITERATIONS
 
     def _kept_by_the_cost_model(self, found: Found, line: str) -> None:
         """Kept, and weighed again while it stays slow (REWEIGH_ITERATIONS); said once."""
-        if self._straggler_kept is None or self._straggler_kept[0] is not found:
+        if not self._kept_last(found):
             log.warning("straggler: %s; weighed again every %d iterations while it stays slow",
                         line, REWEIGH_ITERATIONS)
             self._event("straggler_kept", gpu=found.gpu, reason=line)
         self._straggler_kept = (found, self.stragglers.last_iteration)
         self._straggler_to_drain = found
+
+    def _kept_last(self, found: Found) -> bool:
+        """Whether ``found`` is the straggler the cost model kept last."""
+        return self._straggler_kept is not None and self._straggler_kept[0] is found
 
     def _critical_gpu(self) -> Trigger | None:
         """Policy drain: a GPU of this attempt that alerted, while restarts remain; and a
