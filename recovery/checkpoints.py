@@ -19,9 +19,10 @@ trainer's rank 0 and ftmaster's persist copy, so it moves under a lock and never
 (:func:`advance_tracker`), except when a resume discards a timeline.
 
 A candidate is valid when its files are all there, every shard byte range recorded in the
-torch_dist ``.metadata`` lies inside its file, and every file has the size its manifest
-(:mod:`ftmaster.recovery.manifest`) records: a few ``stat`` calls. Comparing checksums reads
-every byte, so the trainer does that itself, spread over its ranks.
+torch_dist ``.metadata`` lies inside its file and is listed in its manifest
+(:mod:`ftmaster.recovery.manifest`), and every file has the size the manifest records: a few
+``stat`` calls. Comparing checksums reads every byte, so the trainer does that itself, spread
+over its ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Iterable, Iterator
 
 from ftmaster.runfiles import atomic_write_text
 
-from .manifest import MANIFEST_NAME, known_manifest_name, read_manifest, size_problem
+from .manifest import MANIFEST_NAME, Manifest, known_manifest_name, read_manifest, size_problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
@@ -222,7 +223,20 @@ def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as error:  # an unreadable .metadata is exactly what we are looking for
         return f".metadata is unreadable ({type(error).__name__})"
-    return _shard_problem(path, storage.values(), elsewhere)
+    return (_unlisted_shard_problem(storage.values(), manifest)
+            or _shard_problem(path, storage.values(), elsewhere))
+
+
+def _unlisted_shard_problem(storage_infos, manifest: Manifest | None) -> str | None:
+    """The first shard ``.metadata`` points at that a checksummed manifest does not list: the
+    load checks the files the manifest lists, so this one's bytes would go unchecked (a
+    manifest written incomplete, a folder changed by hand or by a tool)."""
+    if manifest is None or not manifest.files:
+        return None
+    unlisted = sorted({info.relative_path for info in storage_infos} - manifest.files.keys())
+    if not unlisted:
+        return None
+    return f"shard {unlisted[0]} is not in {MANIFEST_NAME}, so its checksum cannot be checked"
 
 
 def _shard_problem(path: Path, storage_infos, elsewhere: bool = False) -> str | None:

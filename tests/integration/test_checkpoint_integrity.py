@@ -128,6 +128,20 @@ def test_same_size_corruption_falls_back_to_the_previous_checkpoint(save, traine
     assert len(discarded) == 1  # the corrupt one is kept aside, not deleted
 
 
+def test_a_shard_the_manifest_does_not_list_falls_back_to_the_previous_checkpoint(save, tmp_path):
+    manifest_path = iteration_dir(save, 6) / MANIFEST_NAME
+    body = json.loads(manifest_path.read_text())
+    shard = sorted(name for name in body["files"] if name.endswith(".distcp"))[1]
+    del body["files"][shard], body["items"][shard]  # an incomplete manifest: nothing checks it
+    manifest_path.write_text(json.dumps(body))
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (skipped,) = events(tmp_path / "run", "checkpoint_skipped")
+    assert skipped["iteration"] == 6 and skipped["reason"] == \
+        f"shard {shard} is not in {MANIFEST_NAME}, so its checksum cannot be checked"
+    assert f"loaded checkpoint from {iteration_dir(save, 4)} at iteration 4" in result.stdout
+
+
 def test_a_load_that_raises_falls_back_even_without_checksums(save, tmp_path):
     folder = iteration_dir(save, 6)
     (folder / MANIFEST_NAME).write_text(json.dumps({"kind": "periodic"}))  # as before checksums

@@ -168,6 +168,17 @@ def test_a_manifest_catches_a_wrong_size_with_stats_and_a_same_size_change_with_
     assert checkpoint_problem(path) == f"{shard.name} has {len(data) + 1} bytes, the manifest says {len(data)}"
 
 
+def test_a_shard_the_metadata_names_but_the_manifest_does_not_is_never_loaded_unchecked(save_dir):
+    path = iteration_dir(save_dir, 30)
+    shard = next(path.glob("*.distcp"))
+    files = {entry.name: digest_file(entry) for entry in path.iterdir() if entry != shard}
+    write_manifest(path, "periodic", 30, files)
+    assert checkpoint_problem(path) == \
+        f"shard {shard.name} is not in {MANIFEST_NAME}, so its checksum cannot be checked"
+    choice = find_loadable_checkpoint(save_dir)
+    assert choice.iteration == 20 and choice.skipped[0][0] == 30
+
+
 @pytest.mark.parametrize("damage", [
     lambda data: data[:100],                                   # truncated
     lambda data: b"",                                          # emptied
