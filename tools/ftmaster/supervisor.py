@@ -87,6 +87,7 @@ from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
+from ftmaster.retirements import boot_id, carried_over
 from ftmaster.recovery.argv_flags import flag_present
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
@@ -385,8 +386,9 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until a terminal state; returns ftmaster's exit status."""
-        # Across nodes even the first layout is agreed in a rendezvous round.
-        state = State.STARTING if self.membership is None else State.PLANNING
+        # Across nodes even the first layout is agreed in a rendezvous round; and the first
+        # plan leaves out GPUs an earlier supervisor on this run directory retired.
+        state = State.STARTING if self.membership is None and not self.retired else State.PLANNING
         self._tell("observe_state", state)
         try:
             while state not in TERMINAL:
@@ -471,6 +473,10 @@ class Supervisor:
         launches = [e for e in events if e["event"] == "launch" and isinstance(e.get("attempt"), int)]
         if not launches:
             return 0
+        carried = carried_over(events, boot_id(), self.config.gpus)
+        if carried:
+            self._retire({gpu: f"retired by the ftmaster before this one ({why})"
+                          for gpu, why in carried.items()})
         last = max(launches, key=lambda e: e["attempt"])
         ended = any(e["event"] in ("failure", "complete", "stopped") and e.get("attempt", last["attempt"])
                     == last["attempt"] and e["time"] >= last["time"] for e in events)
@@ -1350,7 +1356,7 @@ class Supervisor:
     def _plan_event(self, available: list[int], **fields) -> None:
         for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
             log.warning("plan: %s", warning)
-        self._event("plan", gpus_available=available,
+        self._event("plan", gpus_available=available, boot=boot_id(),
                     gpus_retired=[{"gpu": g, "reason": why} for g, why in sorted(self.retired.items())],
                     **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
 

@@ -1,0 +1,38 @@
+"""Retirements carried over to a supervisor started again on a run directory: only within the
+boot that recorded them."""
+
+import pytest
+
+from ftmaster.retirements import boot_id, carried_over
+
+BOOT = "7f1c0c52-6a0e-4c8b-9b5e-0d6f1f2a9c11"
+
+
+def plan(boot, *retired):
+    return {"event": "plan", "time": 1.0, "boot": boot,
+            "gpus_retired": [{"gpu": gpu, "reason": why} for gpu, why in retired]}
+
+
+@pytest.mark.parametrize("events, boot, expected", [
+    ([plan(BOOT, (1, "drained: a straggler"))], BOOT, {1: "drained: a straggler"}),
+    # the last plan's list is the whole of it: GPU 2 retired before is in it again
+    ([plan(BOOT, (2, "lost")), plan(BOOT, (1, "hang"), (2, "lost"))], BOOT, {1: "hang", 2: "lost"}),
+    ([plan(BOOT, (1, "lost"))], "another-boot", {}),  # rebooted since: the GPUs are reset
+    ([plan(None, (1, "lost"))], BOOT, {}),  # an older ftmaster's event: no boot to compare
+    ([plan(BOOT, (1, "lost"))], None, {}),  # this kernel gives no boot id
+    ([{"event": "launch", "time": 0.0}], BOOT, {}),  # no plan: nothing was retired
+    ([plan(BOOT, (7, "lost"))], BOOT, {}),  # not a GPU of this supervisor's
+    ([{**plan(BOOT), "gpus_retired": "garbled"}], BOOT, {}),
+    ([{**plan(BOOT), "gpus_retired": [3, {"reason": "no gpu"}, {"gpu": 1}]}], BOOT, {1: "retired"}),
+])
+def test_only_the_last_plans_retirements_of_the_same_boot_carry_over(events, boot, expected):
+    assert carried_over(events, boot, gpus=[0, 1, 2, 3]) == expected
+
+
+def test_the_boot_id_is_the_kernels_or_unknown(tmp_path):
+    path = tmp_path / "boot_id"
+    path.write_text(f"{BOOT}\n")
+    assert boot_id(path) == BOOT
+    assert boot_id(tmp_path / "missing") is None
+    path.write_text("")
+    assert boot_id(path) is None
