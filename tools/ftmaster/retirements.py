@@ -36,6 +36,7 @@ def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int]) 
     if boot is None or not plans or plans[-1].get("boot") != boot:
         return {}
     retired = plans[-1].get("gpus_retired")
+    if not isinstance(retired, list):
+        return {}
     return {entry["gpu"]: str(entry.get("reason", "retired"))
-            for entry in retired if isinstance(entry, dict) and entry.get("gpu") in gpus} \
-        if isinstance(retired, list) else {}
+            for entry in retired if isinstance(entry, dict) and entry.get("gpu") in gpus}
