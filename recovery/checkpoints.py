@@ -32,13 +32,15 @@ import errno
 import fcntl
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 from ftmaster.runfiles import atomic_write_text
 
-from .manifest import MANIFEST_NAME, Manifest, known_manifest_name, read_manifest, size_problem
+from .manifest import (MANIFEST_NAME, Manifest, is_plain_file_name, known_manifest_name,
+                       read_manifest, size_problem)
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
@@ -222,29 +224,55 @@ def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
 
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as error:  # an unreadable .metadata is exactly what we are looking for
-        return f".metadata is unreadable ({type(error).__name__})"
-    return (_unlisted_shard_problem(storage.values(), manifest)
-            or _shard_problem(path, storage.values(), elsewhere))
+        return f"{DCP_METADATA_FILE} is unreadable ({type(error).__name__})"
+    try:
+        ends = _shard_ends(storage)
+    except _DamagedMetadata as damage:
+        return f"{DCP_METADATA_FILE} is damaged: it {damage}"
+    return _unlisted_shard_problem(ends, manifest) or _shard_problem(path, ends, elsewhere)
 
 
-def _unlisted_shard_problem(storage_infos, manifest: Manifest | None) -> str | None:
+class _DamagedMetadata(ValueError):
+    """A ``.metadata`` that unpickles (damaged, or made by hand or by another tool) but whose
+    storage entries no load could follow."""
+
+
+def _shard_ends(storage_data) -> dict[str, int]:
+    """Each shard ``.metadata`` reads from -> the end of the last byte range it reads there."""
+    if not isinstance(storage_data, Mapping):
+        raise _DamagedMetadata(f"has storage data {reprlib.repr(storage_data)}, not a table of shards")
+    ends: dict[str, int] = {}
+    for info in storage_data.values():
+        name, offset, length = (getattr(info, field, None)
+                                for field in ("relative_path", "offset", "length"))
+        if not (isinstance(name, str) and is_plain_file_name(name)):
+            # A path outside the folder would have the load read another checkpoint's bytes.
+            raise _DamagedMetadata(f"names shard {reprlib.repr(name)}, not a file of its folder")
+        if not (_is_byte_count(offset) and _is_byte_count(length)):
+            raise _DamagedMetadata(f"has a byte range {reprlib.repr(offset)} + "
+                                   f"{reprlib.repr(length)} in shard {name}")
+        ends[name] = max(ends.get(name, 0), offset + length)
+    return ends
+
+
+def _is_byte_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unlisted_shard_problem(shards: Iterable[str], manifest: Manifest | None) -> str | None:
     """The first shard ``.metadata`` points at that a checksummed manifest does not list: the
     load checks the files the manifest lists, so this one's bytes would go unchecked (a
     manifest written incomplete, a folder changed by hand or by a tool)."""
     if manifest is None or not manifest.files:
         return None
-    unlisted = sorted({info.relative_path for info in storage_infos} - manifest.files.keys())
+    unlisted = sorted(set(shards) - manifest.files.keys())
     if not unlisted:
         return None
     return f"shard {unlisted[0]} is not in {MANIFEST_NAME}, so its checksum cannot be checked"
 
 
-def _shard_problem(path: Path, storage_infos, elsewhere: bool = False) -> str | None:
-    needed: dict[str, int] = {}
-    for info in storage_infos:
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, end in sorted(needed.items()):
+def _shard_problem(path: Path, ends: dict[str, int], elsewhere: bool = False) -> str | None:
+    for name, end in sorted(ends.items()):
         shard = path / name
         if not shard.is_file():
             if elsewhere:

@@ -1,8 +1,10 @@
 """Finding the newest loadable checkpoint: tracker rule, bad trackers, truncation, missing
 files, manifests and checksums."""
 
+import dataclasses
 import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -79,6 +81,39 @@ def test_missing_side_file_is_reported(save_dir, victim):
 def test_garbled_metadata_is_unreadable_not_fatal(save_dir):
     (iteration_dir(save_dir, 30) / ".metadata").write_bytes(b"\x00garbage")
     assert "unreadable" in checkpoint_problem(iteration_dir(save_dir, 30))
+
+
+def _rewrite_metadata(path, change):
+    """Unpickle ``path``'s ``.metadata``, let ``change`` damage it, pickle it back."""
+    metadata_file = path / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    change(metadata)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+def _set_entries(**fields):
+    return lambda metadata: metadata.storage_data.update(
+        {index: dataclasses.replace(info, **fields) for index, info in metadata.storage_data.items()})
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_set_entries(relative_path=7), "names shard 7, not a file of its folder"),
+    (_set_entries(relative_path=None), "names shard None, not a file of its folder"),
+    (_set_entries(relative_path="../iter_0000020/__0_0.distcp"),
+     "names shard '../iter_0000020/__0_0.distcp', not a file of its folder"),
+    (_set_entries(offset="0", length=16), "has a byte range '0' + 16 in shard __0_0.distcp"),
+    (_set_entries(length=-1), "has a byte range 0 + -1 in shard __0_0.distcp"),
+    (lambda metadata: setattr(metadata, "storage_data", None),
+     "has storage data None, not a table of shards"),
+    (lambda metadata: metadata.storage_data.update({key: "junk" for key in metadata.storage_data}),
+     "names shard None, not a file of its folder"),
+])
+def test_a_damaged_metadata_that_unpickles_is_not_valid_and_says_why(save_dir, damage, reason):
+    path = iteration_dir(save_dir, 30)
+    _rewrite_metadata(path, damage)
+    assert checkpoint_problem(path) == f".metadata is damaged: it {reason}"
+    choice = find_loadable_checkpoint(save_dir)
+    assert choice.iteration == 20 and choice.skipped[0][0] == 30
 
 
 @pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n"])
