@@ -12,6 +12,7 @@ from typing import Iterator
 import click
 
 from ftmaster import runfiles
+from ftmaster.console import gpus_text
 from ftmaster.faults import TELEMETRY_KINDS, TRAINING_FAULTS, parse_injection
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
@@ -162,7 +163,7 @@ def _run_live(monitor: Monitor, duration: float | None) -> None:
 def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:
     alerted = sorted({a.gpu for a in monitor.alerts})
     text = (f"{backend_spec}: {monitor.samples_seen} GPU samples, {len(monitor.alerts)} alert(s)"
-            f" on GPU(s) {alerted}, lost GPU(s) {sorted(monitor.lost_gpus())}")
+            f" on {gpus_text(alerted)}, lost {gpus_text(sorted(monitor.lost_gpus()))}")
     unschedulable = monitor.unschedulable_gpus()
     if unschedulable:
         text += ", unschedulable " + ", ".join(f"GPU {gpu} ({reason})" for gpu, reason in unschedulable.items())

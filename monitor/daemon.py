@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ftmaster import runfiles
+from ftmaster.console import gpus_text
 from ftmaster.faults import Fault, Injection
 from ftmaster.monitor.alerts import AlertConfig, AlertPolicy
 from ftmaster.monitor.anomalies import AnomalyOverlay
@@ -469,8 +470,8 @@ class Monitor:
         sampled = sorted({s.gpu_id for s in samples})
         for gpu, injection in self._injected_gpus.items():
             if gpu not in sampled:
-                injections_log.warning("--inject %s: GPU %d is not among the sampled GPUs %s; it "
-                                       "changes nothing", injection, gpu, sampled)
+                injections_log.warning("--inject %s: GPU %d is not among the sampled %s; it "
+                                       "changes nothing", injection, gpu, gpus_text(sampled))
                 if self.run_dir is not None:
                     self._append_event("injection_unsampled", gpu=gpu, spec=str(injection),
                                        sampled=sampled)

@@ -88,7 +88,7 @@ def test_lists_read_as_their_items_not_as_python(page):
     body = text_of(page[0].read_text())
     assert "reasons ecc_sbe_rate, xid_92<" in body
     assert "GPUs 0, 1, 2, 3<" in body and "gpus_available 0, 2, 3," in body
-    assert "Failure 1: device_lost on GPU(s) 1 at" in body and "gpus 1, iteration 16" in body
+    assert "Failure 1: device_lost on GPU 1 at" in body and "gpus 1, iteration 16" in body
     assert not re.search(r"\[[^\]]*\]", re.sub(r"<[^>]*>", "", body.split("<body>")[-1]))
 
 

@@ -45,7 +45,7 @@ def test_a_replay_says_which_injections_change_nothing(tmp_path):
          "--inject", "degrade:gpu=7,at=0s", "--inject", "wedge:gpu=1,at=0s"],
         capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0, completed.stderr
-    assert "--inject degrade:gpu=7,at=0s: GPU 7 is not among the sampled GPUs [0, 1]" in completed.stderr
+    assert "--inject degrade:gpu=7,at=0s: GPU 7 is not among the sampled GPUs 0, 1" in completed.stderr
     assert "the replay backend cannot wedge its reads: wedge:gpu=1,at=0s" in completed.stderr
     assert len(completed.stdout.strip().splitlines()) == 1
 
@@ -54,7 +54,7 @@ def test_sim_run_with_injection(tmp_path):
     result = invoke("--backend", "sim", "--run-dir", str(tmp_path), "--interval", "0.1", "--num-gpus", "2",
                     "--duration", "1.5", "--inject", "degrade:gpu=1,at=0.3s")
     assert result.exit_code == 0, result.output
-    assert "on GPU(s) [1]" in result.output
+    assert "on GPU 1" in result.output
 
 
 def test_a_run_dir_another_ftmaster_uses_is_refused(tmp_path):

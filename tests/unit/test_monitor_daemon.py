@@ -520,7 +520,7 @@ def test_an_injection_for_a_gpu_that_is_not_sampled_is_said_once(tmp_path, caplo
     run(monitor, 4)
     said = [r.getMessage() for r in caplog.records if "is not among the sampled" in r.getMessage()]
     assert said == ["--inject fail:gpu=9,at=2s: GPU 9 is not among the sampled GPUs "
-                    "[0, 1, 2, 3]; it changes nothing"]
+                    "0, 1, 2, 3; it changes nothing"]
     (event,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "injection_unsampled"]
     assert (event["gpu"], event["sampled"]) == (9, [0, 1, 2, 3])
 

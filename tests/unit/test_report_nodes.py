@@ -132,15 +132,15 @@ def test_text_has_a_node_column_and_the_round_block(two_nodes):
     timeline = [line for line in text.splitlines() if line.lstrip().startswith("+")]
     assert len(timeline) == len(report["timeline"]) == 20
     assert {row["node"] for row in report["timeline"]} == {0, 1}
-    assert "    +70.25 s  node 1   failure            attempt 1 device_lost on GPU(s) [1], last " \
+    assert "    +70.25 s  node 1   failure            attempt 1 device_lost on GPU 1, last " \
            "iteration 16" in text
     assert "1 failure(s); outcome complete: iteration 30 (node 1)" in text
-    assert "failure 1: node 1, attempt 1, device_lost on GPU(s) [1] at +70.25 s" in text
-    assert ("  also failed        node 0: peer (attempt 1, GPU(s) [0, 1]) at +70.80 s, 0.550 s "
+    assert "failure 1: node 1, attempt 1, device_lost on GPU 1 at +70.25 s" in text
+    assert ("  also failed        node 0: peer (attempt 1, GPUs 0, 1) at +70.80 s, 0.550 s "
             "after") in text
     assert "first risk_alert: node 1 GPU 1 score 0.9 at +50.00 s" in text
     assert "RTO                25.000 s to iteration 13 (node 0 attempt 2)" in text
-    assert "GPU(s) node 0 [0, 1], node 1 [0]" in text
+    assert "node 0 GPUs 0, 1; node 1 GPU 0" in text
 
 
 def three_nodes_two_rounds(run_dir, hung_node_cause="hang"):
@@ -179,7 +179,7 @@ def test_three_nodes_two_rounds_and_the_hang_is_the_root_despite_an_earlier_peer
     assert "root cause         unknown" not in text
     assert [(c["node"], c["cause"]) for c in second["consequences"]] == [(2, "exit"), (1, "peer")]
     assert second["consequences"][0]["after_root_seconds"] == pytest.approx(-30.0)
-    assert ("  also failed        node 2: exit (attempt 2, GPU(s) [0]) at +150.00 s, 30.000 s "
+    assert ("  also failed        node 2: exit (attempt 2, GPU 0) at +150.00 s, 30.000 s "
             "before") in text
     assert second["detection_latency"] == {"seconds": pytest.approx(60.0),
                                            "since": "fault_injected hang on node 0 GPU 0"}
@@ -333,9 +333,9 @@ def test_the_incident_page_says_whose_each_row_and_failure_is_and_counts_the_job
     reported(run_dir)
     page = (run_dir / "report.html").read_text()
     assert "<th>node</th>" in page and "<td class='n'>1</td><td>failure</td>" in page
-    assert "Failure 1: node 1 device_lost on GPU(s) 1 at" in page
+    assert "Failure 1: node 1 device_lost on GPU 1 at" in page
     assert "also failed        node 0: peer" not in page and "also failed node 0: peer" in page
-    assert "4 GPU(s)" in page  # 2 on each node, not the 2 of one
+    assert "4 GPUs" in page  # 2 on each node, not the 2 of one
 
 
 def test_a_marker_goes_on_its_own_nodes_row():

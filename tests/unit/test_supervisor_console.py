@@ -14,7 +14,7 @@ import pytest
 from ftmaster import exit_codes, runfiles
 from ftmaster.attempt import Attempt, RankRecord, classify_exits, error_summary
 from ftmaster.guard import write_rank_record
-from ftmaster.console import FileTail, Progress, describe_event, duration, new_events
+from ftmaster.console import FileTail, Progress, describe_event, duration, gpus_text, new_events
 from ftmaster.launch import needs_gpu_probe, uses_trainer_parser
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.supervisor import Supervisor, SupervisorConfig
@@ -139,6 +139,12 @@ def test_a_file_tail_returns_whole_new_lines_and_starts_over_on_a_new_file(tmp_p
                                            (3 * 3600 + 125, "3 h 02 min")])
 def test_duration(seconds, text):
     assert duration(seconds) == text
+
+
+@pytest.mark.parametrize("gpus, text", [([3], "GPU 3"), ((0, 1), "GPUs 0, 1"), ([], "no GPU"),
+                                        ("7", "GPU 7")])  # a hand-edited event's field
+def test_gpu_ids_read_as_an_operator_writes_them(gpus, text):
+    assert gpus_text(gpus) == text
 
 
 def test_a_progress_line_shows_iteration_loss_speed_checkpoint_and_eta(tmp_path):
@@ -877,7 +883,7 @@ def test_a_give_up_lists_the_runs_failures_and_quotes_no_log_when_ftmaster_ended
     supervisor.attempt.stated_errors = lambda: None  # the trainer said nothing of its own
     supervisor._failure("device_lost", 30, [1], {})
     assert supervisor._decide() is Trigger.GIVE_UP
-    assert "the run's failures: attempt 1 failed (device_lost) after iteration 30 on GPU(s) [1]" \
+    assert "the run's failures: attempt 1 failed (device_lost) after iteration 30 on GPU 1" \
         in caplog.text
     assert "root cause" not in caplog.text and "an ordinary line" not in caplog.text
     assert "root_cause" not in runfiles.read_events(tmp_path)[-1]  # nor for the report

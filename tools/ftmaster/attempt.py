@@ -23,6 +23,7 @@ from typing import Sequence
 import psutil
 
 from ftmaster import runfiles
+from ftmaster.console import gpus_text
 from ftmaster.exit_codes import TRAINER_CAUSES
 from ftmaster.guard import GUARD_PARENT_ENV, RANK_DIR_ENV, error_file_path, rank_record_path
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
@@ -341,8 +342,9 @@ class Attempt:
         self.stuck_gpus = self._gpus_of(survivors)
         if survivors:
             log.warning("attempt %d: process(es) %s survived SIGKILL for %g s (uninterruptible "
-                        "sleep, usually in the GPU driver); their GPU(s) %s are not used again",
-                        self.number, sorted(p.pid for p in survivors), timeout, sorted(self.stuck_gpus))
+                        "sleep, usually in the GPU driver); their %s will not be used again",
+                        self.number, sorted(p.pid for p in survivors), timeout,
+                        gpus_text(sorted(self.stuck_gpus)))
 
     def _gpus_of(self, processes: list[psutil.Process]) -> dict[int, str]:
         """The GPUs of training processes among ``processes``, with the reason to retire them."""

@@ -17,7 +17,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger("ftmaster")
 
@@ -83,6 +83,19 @@ def duration(seconds: float) -> str:
         return f"{minutes} min {seconds:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def gpus_text(gpus) -> str:
+    """``GPU 3``, ``GPUs 0, 1``, ``no GPU``: GPU ids as an operator writes them, not as a
+    Python list; anything not a list (a hand-edited event's field) as it is."""
+    ids = list(gpus) if isinstance(gpus, Sequence) and not isinstance(gpus, str) else [gpus]
+    if not ids:
+        return "no GPU"
+    return f"GPU {ids[0]}" if len(ids) == 1 else f"GPUs {', '.join(map(str, ids))}"
+
+
+def gpu_count_text(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:

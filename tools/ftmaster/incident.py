@@ -26,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ftmaster import goodput, goodput_cli  # noqa: E402
+from ftmaster.console import gpu_count_text, gpus_text  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.report import INCIDENT_PAGE, event_label, round_text, straggler_text  # noqa: E402
 
@@ -117,7 +118,7 @@ def _marker_kind(event: dict) -> str | None:
 def _layout_label(launch: dict) -> str:
     return (f"attempt {launch.get('attempt')}: TP{launch.get('tensor_model_parallel_size')} x "
             f"PP{launch.get('pipeline_model_parallel_size')} x "
-            f"DP{launch.get('data_parallel_size')}, GPUs {_items(launch.get('gpus'))}")
+            f"DP{launch.get('data_parallel_size')}, {gpus_text(launch.get('gpus'))}")
 
 
 def _items(value) -> str:
@@ -213,7 +214,7 @@ def _failures(report: dict, frame, start: float) -> str:
         return "<h2>Failures</h2>\n<p>none</p>\n"
     parts = ["<h2>Failures</h2>\n"]
     for number, failure in enumerate(report["failures"], 1):
-        where = f" on GPU(s) {html.escape(_items(failure['gpus']))}" if failure["gpus"] else ""
+        where = f" on {html.escape(gpus_text(failure['gpus']))}" if failure["gpus"] else ""
         parts.append(f"<div class='failure'><h3>Failure {number}: {_node_prefix(failure)}"
                      f"{html.escape(str(failure['cause']))}{where} at "
                      f"{human(failure['time'] - start, 's')}</h3>\n")
@@ -352,7 +353,7 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
         value = None if why else goodput.analytic(case)["goodput"]
         rows.append(f"<tr><td>{name}</td><td class='n'>{human(value) if why is None else 'no estimate'}"
                     f"</td></tr>\n")
-    lines.append(f"<p>modelled (<code>ftmaster goodput</code>, {gpus} GPU(s), measured here: "
+    lines.append(f"<p>modelled (<code>ftmaster goodput</code>, {gpu_count_text(gpus)}, measured here: "
                  f"{html.escape(', '.join(sorted(measured)) or 'nothing')}; defaults otherwise):</p>\n"
                  f"<table><tr><th>checkpointing</th><th>goodput</th></tr>\n{''.join(rows)}</table>\n")
     return "".join(lines)

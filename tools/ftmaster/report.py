@@ -108,6 +108,7 @@ from typing import Any, NamedTuple
 import click
 
 from ftmaster import runfiles
+from ftmaster.console import gpus_text
 from ftmaster.lock import LOCK_NAME
 from ftmaster.peer_files import PEERS_FILE
 
@@ -724,7 +725,7 @@ def _resumed_through_later_failures(recovery: dict, after: list[dict], events: l
 # ---- the whole run ---------------------------------------------------------------------------
 
 TEMPLATES = {
-    "launch": "attempt {attempt} on GPU(s) {gpus}: TP {tensor_model_parallel_size} x "
+    "launch": "attempt {attempt} on {gpus}: TP {tensor_model_parallel_size} x "
               "PP {pipeline_model_parallel_size} x DP {data_parallel_size}",
     "fault_injected": "{kind} on GPU {gpu} at iteration {iteration}",
     "risk_alert": "GPU {gpu} score {score} ({reasons})",
@@ -744,7 +745,7 @@ TEMPLATES = {
     "stopped": "signal {signal} at iteration {iteration}: {training}",
     "plan": "TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size} x DP "
             "{data_parallel_size}, micro-batch {micro_batch_size}, global batch "
-            "{global_batch_size} on {num_gpus_used} of GPU(s) {gpus_available}",
+            "{global_batch_size} on {num_gpus_used} of {gpus_available}",
     "resumed": "attempt {attempt} completed iteration {iteration}",
     "complete": "iteration {iteration}{where}",
     "gave_up": "{reason}",
@@ -800,7 +801,11 @@ def _derived(event: dict) -> dict:
         return {"where": " here, then on the other nodes" if event.get("on_other_nodes") else ""}
     if event["event"] == "failure":
         gpus = event.get("gpus")
-        return {"on_gpus": f" on GPU(s) {gpus}" if gpus else ""}
+        return {"on_gpus": f" on {gpus_text(gpus)}" if gpus else ""}
+    if event["event"] == "launch":
+        return {"gpus": gpus_text(event.get("gpus", "?"))}
+    if event["event"] == "plan":
+        return {"gpus_available": gpus_text(event.get("gpus_available", "?"))}
     if event["event"] == "straggler":
         return {"ran": _ran(event.get("step_s")), "before": _before(event.get("healthy_step_s"))}
     if event["event"] == "straggler_kept":  # the cost model's line names the GPU, the rest not
@@ -919,8 +924,8 @@ def _s(seconds: float | None) -> str:
 
 def round_text(f: dict, start: float) -> list[str]:
     """The lines a multi-node round adds: its other failures and its silent nodes."""
-    lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, GPU(s) "
-             f"{c['gpus']}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
+    lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, "
+             f"{gpus_text(c['gpus'])}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
              + ("after" if c["after_root_seconds"] >= 0 else "before") for c in f["consequences"]]
     if f["cause"] == PEER and f["detection_latency"]["since"] == LAST_PROGRESS:  # no fault seen
         lines.append("  root cause         unknown: every node that recorded this failure says "
@@ -933,9 +938,9 @@ def round_text(f: dict, start: float) -> list[str]:
 
 def _gpus_text(layout: dict) -> str:
     if "gpus" in layout:
-        return f"GPU(s) {layout['gpus']}"
-    return "GPU(s) " + (", ".join(f"node {n['node']} {n['gpus']}" for n in layout["gpus_by_node"])
-                        or "none launched")
+        return gpus_text(layout["gpus"])
+    return ("; ".join(f"node {n['node']} {gpus_text(n['gpus'])}" for n in layout["gpus_by_node"])
+            or "no GPU launched")
 
 
 def _replica_text(replica: dict | None) -> list[str]:
@@ -955,7 +960,7 @@ def _replica_text(replica: dict | None) -> list[str]:
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
-    where = f" on GPU(s) {f['gpus']}" if f["gpus"] else ""
+    where = f" on {gpus_text(f['gpus'])}" if f["gpus"] else ""
     lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']}{where} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
              *(round_text(f, start) if node else ()),

@@ -76,7 +76,8 @@ from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_signal_handler
-from ftmaster.console import SAVE_EVENTS, FileTail, Progress, describe_event, new_events
+from ftmaster.console import (SAVE_EVENTS, FileTail, Progress, describe_event, gpus_text,
+                              new_events)
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import (JobEnded, JoinTimedOut, NodeMembership, NodeRecord, Round,
@@ -874,7 +875,7 @@ class Supervisor:
                     unfit_gpus=[{"gpu": g, "reason": why} for g, why in sorted(unfit.items())])
         when = ("before its first iteration" if iteration is None
                 else f"after iteration {iteration}")
-        where = f" on GPU(s) {gpus}" if gpus else ""
+        where = f" on {gpus_text(gpus)}" if gpus else ""
         hardware = "; hardware: " + ", ".join(f"GPU {g} {why}" for g, why in sorted(unfit.items()))
         failed = f"attempt {attempt.number} failed ({cause}) {when}{where}"
         self._failures.append(failed)
@@ -945,9 +946,9 @@ class Supervisor:
                     tensor_model_parallel_size=plan.tensor_model_parallel_size,
                     pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                     data_parallel_size=plan.data_parallel_size, command=self.attempt.argv)
-        log.info("attempt %d: TP %d x PP %d x DP %d on GPU(s) %s; log %s", number,
+        log.info("attempt %d: TP %d x PP %d x DP %d on %s; log %s", number,
                     plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
-                    plan.data_parallel_size, list(gpus), self.attempt.log_path)
+                    plan.data_parallel_size, gpus_text(gpus), self.attempt.log_path)
         return Trigger.LAUNCHED
 
     def _command_for(self, number: int, plan: Plan) -> list[str]:
@@ -975,7 +976,7 @@ class Supervisor:
         for injection in armed:
             self._event("fault_injected", kind=injection.kind.value, gpu=injection.gpu,
                         spec=str(injection), iteration=injection.at_iteration, armed=True)
-            log.info("armed %s for the attempt on GPU(s) %s", injection, list(gpus))
+            log.info("armed %s for the attempt on %s", injection, gpus_text(gpus))
         for kind, variable in ((Fault.NAN, NAN_INJECTION_ENV), (Fault.SLOW, SLOW_INJECTION_ENV)):
             specs = [f"{list(gpus).index(i.gpu)}:{i.at_iteration}"
                      + ("" if i.factor is None else f":{i.factor}") for i in armed if i.kind is kind]
@@ -1323,7 +1324,7 @@ class Supervisor:
                                original_world_size=len(self.config.gpus),
                                measured_step_s=self._original_step_s, **self._planner_options())
         except (PlanError, ValueError) as error:
-            self._give_up(f"no layout for GPU(s) {available}: {error}")
+            self._give_up(f"no layout for {gpus_text(available)}: {error}")
             return Trigger.NO_LAYOUT
         self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
         self.restarts += 1
@@ -1386,7 +1387,8 @@ class Supervisor:
                                   self.membership.config.max_nodes),
                               **self._planner_options())
         except PlanError as error:
-            self._give_up(f"no layout for the nodes' GPUs {list(joined.node_gpus)}: {error}")
+            self._give_up(f"no layout for nodes of {', '.join(map(str, joined.node_gpus))} GPUs: "
+                          f"{error}")
             return Trigger.NO_LAYOUT
         except ValueError as error:  # the arguments, which across nodes no launch check read
             self._give_up(f"invalid layout: {error}", requeue_helps=False)
@@ -1479,7 +1481,7 @@ class Supervisor:
             except BaseException as error:  # handed to the supervisor's thread
                 outcome.append(error)
 
-        log.info("joining a rendezvous round with GPU(s) %s", available)
+        log.info("joining a rendezvous round with %s", gpus_text(available))
         thread = threading.Thread(target=join, name="ftmaster-rendezvous", daemon=True)
         started = time.monotonic()
         thread.start()
