@@ -179,7 +179,8 @@ class SaveRequests:
             self._answered_identity = seen
 
     def consume(self) -> None:
-        """After the answering save is durable (rank 0): remove that flag, not a newer one."""
+        """After the answering save is durable (each node's local rank 0, for its node's flag
+        folder): remove that flag, not a newer one."""
         if self._answered_identity is None:
             return
         if self._flag_identity() == self._answered_identity:
