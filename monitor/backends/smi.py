@@ -18,8 +18,10 @@ lost"), so the first sample first learns each GPU's bus id (``nvidia-smi
 reason ("Unknown Error"), ``device_lost``, so it is reported lost even if it was never
 sampled (a spare not yet watched, say). A look-up that fails is logged and tried again every
 minute until it answers, and the samples go on meanwhile; one that hangs fails its sample,
-as a hung query would. A GPU that has no handle already at the look-up has no index to learn:
-it is logged, and reported lost only if it was sampled before. A ``WARNING:`` line among the
+as a hung query would. A GPU that has no handle already at the look-up is named by its place
+in that list (nvidia-smi lists the GPUs in index order, those of ``--id`` ascending) when
+every other GPU there is where its own index says; when the list contradicts that, it is
+logged, and reported lost only if it was sampled before. A ``WARNING:`` line among the
 rows (a corrupted infoROM, say) is logged once and costs no GPU its sample. A driver that
 rejects an extra field by name loses that field only (for good); one that rejects a field
 without naming it gets the paper's Table I fields.
@@ -150,7 +152,7 @@ class SmiBackend:
                 self._log_warning(line.strip())
                 continue
             listed += 1
-            if any(words in line.lower() for words in NO_HANDLE):
+            if _without_handle(line):
                 # "Unable to determine the device handle ... GPU is lost": left out, named by
                 # its index where its bus id is known.
                 gpu = self._gpu_without_handle(line)
@@ -201,15 +203,7 @@ class SmiBackend:
             raise
         except BackendError as exc:
             code, out, err = None, "", str(exc)
-        learnt = {}
-        for line in out.splitlines():
-            if any(words in line.lower() for words in NO_HANDLE):
-                self._log_warning(f"{line.strip()} (at start: its GPU index cannot be learnt)")
-                continue
-            cells = [c.strip() for c in line.split(",")]
-            bus = _bus_id(cells[1]) if len(cells) == 2 and cells[0].isdigit() else None
-            if bus is not None:
-                learnt[bus] = int(cells[0])
+        learnt = self._bus_ids_listed(out)
         if learnt:
             self._bus_ids.update(learnt)
             self._bus_ids_due = None
@@ -218,6 +212,33 @@ class SmiBackend:
         why = f"exit {code}: {detail[0] if detail else 'no output'}" if code is not None else err
         self._log_warning(f"could not list the GPUs' PCI bus ids ({why}); a GPU lost before its "
                           f"first sample cannot be named, tried again every {BUS_IDS_RETRY_S:g} s")
+
+    def _bus_ids_listed(self, out: str) -> dict[tuple[int, int, int, int], int]:
+        """Bus id -> index of each GPU the look-up lists. One without a handle is listed by
+        its bus id alone, and named by its place in the list: else it would never be watched,
+        nor reported lost. Only when the list is in the order its indices say, so that no
+        place names the wrong GPU."""
+        rows = [line.strip() for line in out.splitlines()
+                if line.strip() and not line.lower().lstrip().startswith(WARNING)]
+        order = list(range(len(rows))) if self._gpu_ids is None else sorted(self._gpu_ids)
+        in_order = len(rows) == len(order)
+        listed, unnamed = {}, []
+        for place, row in enumerate(rows):
+            if _without_handle(row):
+                unnamed.append((place, row))
+                continue
+            cells = [c.strip() for c in row.split(",")]
+            bus = _bus_id(cells[1]) if len(cells) == 2 and cells[0].isdigit() else None
+            if bus is not None:
+                listed[bus] = int(cells[0])
+            in_order = in_order and bus is not None and int(cells[0]) == order[place]
+        for place, row in unnamed:
+            bus = _bus_id(row)
+            if in_order and bus is not None:
+                listed[bus] = order[place]
+            else:
+                self._log_warning(f"{row} (at start: its GPU index cannot be learnt)")
+        return listed
 
     def _query_known_fields(self, ids: list[int] | None) -> tuple[int, str, str]:
         """Query, dropping each extra field the driver rejects (one at a time, remembered)."""
@@ -284,6 +305,10 @@ def run_killable(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
         raise Unanswered(f"{argv[0]} did not answer within {timeout_s:g} s; killed it "
                          f"(pid {proc.pid})", proc) from None
     return proc.returncode, out, err
+
+
+def _without_handle(line: str) -> bool:
+    return any(words in line.lower() for words in NO_HANDLE)
 
 
 def _bus_id(text: str) -> tuple[int, int, int, int] | None:

@@ -248,6 +248,43 @@ def test_a_gpu_without_a_handle_for_another_reason_is_lost_not_unschedulable(fak
     assert monitor.unschedulable_gpus() == {}
 
 
+def look_up_answers(*rows):
+    """The bus-id look-up answering ``rows`` (nvidia-smi's lines, in its order)."""
+    return ("case \"$1\" in --query-gpu=index,pci.bus_id) cat <<'EOF'\n" + "".join(
+        f"{row}\n" for row in rows) + "EOF\nexit 0;; esac\n")
+
+
+NO_HANDLE_AT_LOOK_UP = "Unable to determine the device handle for GPU 0000:3B:00.0: Unknown Error"
+
+
+@pytest.mark.parametrize("gpu_ids", [None, [0, 1]])
+def test_a_gpu_without_a_handle_at_the_look_up_is_named_by_its_place_and_reported_lost(
+        fake_smi, tmp_path, gpu_ids):
+    """nvidia-smi lists the GPUs in index order: one it had no handle for already at the
+    look-up got no index, so it never reached the monitor at all, a GPU silently unwatched."""
+    from ftmaster.monitor.daemon import Monitor
+    fake_smi(look_up_answers("WARNING: infoROM is corrupted at gpu 0000:86:00.0",
+                             NO_HANDLE_AT_LOOK_UP, "1, 00000000:86:00.0")
+             + lost_line("Unknown Error") + f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    monitor = Monitor(SmiBackend(gpu_ids=gpu_ids), tmp_path / "run")
+    monitor.step()
+    assert monitor.lost_reasons() == {0: "device_lost"}
+
+
+@pytest.mark.parametrize("rows", [
+    (NO_HANDLE_AT_LOOK_UP, "0, 00000000:86:00.0"),   # the others' places do not match their index
+    (NO_HANDLE_AT_LOOK_UP, "1, 00000000:86:00.0", "2, 00000000:AF:00.0"),  # more than --id asked
+])
+def test_a_gpu_without_a_handle_is_never_named_by_a_place_the_listing_contradicts(
+        fake_smi, caplog, rows):
+    fake_smi(look_up_answers(*rows) + lost_line("Unknown Error")
+             + f"cat <<'EOF'\n{GOOD.splitlines()[1]}\nEOF\nexit 15\n")
+    backend = SmiBackend(gpu_ids=[0, 1])
+    backend.sample()
+    assert backend.conditions == {}
+    assert any("its GPU index cannot be learnt" in r.getMessage() for r in caplog.records)
+
+
 def test_the_bus_ids_are_learnt_once_for_the_backends_gpus(fake_smi, tmp_path):
     fake_smi(f'echo "$*" >> {tmp_path}/runs\n' + BUS_IDS + lost_line(bus="0000:86:00.0") +
              f"cat <<'EOF'\n{GOOD.splitlines()[0]}\nEOF\n")
