@@ -43,7 +43,13 @@ def test_a_slowed_gpu_is_named_a_straggler_and_reported(tmp_path):
     assert found["gpu"] == 1 and found["iteration"] <= 14 and found["slowdown"] >= 1.3
     # Both step times are measured; the one before the slowdown is no reference (at iteration
     # 3-8 a run may still be warming up: 0.35 s/iteration there against 0.33 slowed, once).
-    assert found["step_s"] > 0 and found["healthy_step_s"] > 0
+    # It needs two steps between the warm-up (iterations 1-3) and the first slow iteration: on
+    # a busy host rank 1 once computed slowly from 6 and was named from there, leaving one
+    # step, so none was measured (unit: test_a_straggler_slow_from_just_after_the_warm_up_...).
+    # Named from 8, the heartbeats of 4-7 precede it, and polls 0.1 s apart read 3 of them.
+    healthy = found["healthy_step_s"]
+    assert found["step_s"] > 0
+    assert healthy > 0 if found["since"] >= 8 else healthy is None or healthy > 0
     assert "straggler: GPU 1 computes" in result.stdout
     assert len(events(run_dir, "launch")) == 1 and not events(run_dir, "drain")
     assert "straggler: GPU 1 computed" in report_text(run_dir)

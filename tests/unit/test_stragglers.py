@@ -180,6 +180,37 @@ def test_the_step_before_the_slowdown_holds_no_slow_iteration():
     assert straggler.straggler.since == 12 and straggler.healthy_step_s is None
 
 
+def watch_slowed_at_8(first_polled, noisy_from=8):
+    """4 ranks at 1 s per iteration, 2 s once rank 1 is slowed at 8; rank 1's own figures are
+    slow from ``noisy_from`` (a busy host); polled first at ``first_polled``, every iteration on,
+    each heartbeat carrying the last 16 iterations' figures as the trainer writes them."""
+    watch = StragglerWatch(StragglerConfig(), drain=False, drain_window_s=600)
+    watch.new_attempt([0, 1, 2, 3], 0)
+    rows, found = slow_rows(noisy_from, 40), []
+    for it in range(first_polled, 31):
+        body = beat(it, it + max(0, it - 7), {i: rows[i] for i in range(max(1, it - 16), it)})
+        found += watch.observe({**body, "first_iteration": 1})
+    (straggler,) = found
+    return straggler
+
+
+def test_the_warm_up_counts_from_the_attempts_first_iteration_not_the_first_one_polled():
+    """A supervisor that first reads iteration 4's heartbeat still has iterations 4-7 healthy
+    after the attempt's 3 warm-up iterations (the heartbeat says the attempt began at 1)."""
+    straggler = watch_slowed_at_8(first_polled=4)
+    assert straggler.straggler.since == 8
+    assert straggler.healthy_step_s == pytest.approx(1.0)
+
+
+def test_a_straggler_slow_from_just_after_the_warm_up_has_no_healthy_step():
+    """Rank 1 computed slowly from iteration 6 (a busy host), so the window names it from 6:
+    after the warm-up (iterations 1-3) only the step from 4 to 5 precedes it, one step, no
+    median. The e2e run that saw ``since`` 6 had this, not a missed measurement."""
+    straggler = watch_slowed_at_8(first_polled=1, noisy_from=6)
+    assert straggler.straggler.since == 6 and straggler.healthy_step_s is None
+    assert watch_slowed_at_8(first_polled=1, noisy_from=7).healthy_step_s == pytest.approx(1.0)
+
+
 def test_a_straggler_on_another_node_is_compared_but_left_to_that_node_to_name():
     """Node 1 holds global ranks 2 and 3 on its GPUs 0 and 1; rank 1 (node 0's) slows."""
     found = {}

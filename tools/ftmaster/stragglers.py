@@ -87,7 +87,7 @@ class StragglerWatch:
             self._beats[iteration] = seconds
             while len(self._beats) > KEPT_BEATS:  # in iteration order: the oldest go
                 del self._beats[next(iter(self._beats))]
-        self._first = iteration if self._first is None else self._first
+        self._first = _first_completed(heartbeat) if self._first is None else self._first
         compute = heartbeat.get("compute")
         compute = compute if isinstance(compute, dict) else {}
         rows = compute.get("ms")
@@ -150,6 +150,15 @@ class StragglerWatch:
 
     def drained(self, now: float, step_s: float | None) -> None:
         self._last_drain, self._slowed_step_s = now, step_s
+
+
+def _first_completed(heartbeat: dict) -> int:
+    """The attempt's first completed iteration, which its warm-up counts from: the one the
+    trainer names (a poll may first read a later heartbeat, and the warm-up would then also
+    swallow healthy iterations), else the one this heartbeat ends."""
+    iteration, first = heartbeat["iteration"], heartbeat.get("first_iteration")
+    named = isinstance(first, int) and not isinstance(first, bool) and 0 < first <= iteration
+    return first if named else iteration
 
 
 def _iteration(key) -> int | None:
