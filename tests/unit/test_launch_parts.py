@@ -151,6 +151,9 @@ class StoppedAttempt(StubAttempt):
     def stop(self, deadline_s):
         return 0
 
+    def failed_ranks(self):
+        return {}
+
 
 @pytest.mark.parametrize("save, finished, trigger, event", [
     ({"iteration": 40, "kind": "final"}, True, Trigger.COMPLETED, "complete"),
@@ -214,6 +217,32 @@ def test_a_rank_that_failed_within_the_poll_before_a_signal_is_the_runs_failure(
     failure = runfiles.read_events(tmp_path)[-1]
     assert (failure["event"], failure["gpus"], failure["exit_codes"]) == \
         ("failure", [1], {"1": -signal.SIGKILL})
+
+
+class AttemptWithARankCrashedInItsStop(AttemptWithAFailedRank):
+    """Asked to stop, local rank 0 was ended by the SIGTERM before its handler was set, and
+    local rank 2 died of a SIGSEGV within it; torchrun ended with 1."""
+
+    def stop(self, deadline_s):
+        return 1
+
+    def failed_ranks(self):
+        return {0: RankRecord(0, 0, 100, 99, exit_code=-signal.SIGTERM, ended_at=time.time()),
+                2: RankRecord(2, 2, 102, 98, exit_code=-signal.SIGSEGV, ended_at=time.time())}
+
+
+def test_a_rank_that_crashed_during_the_stop_is_the_runs_failure_then_the_stop(tmp_path):
+    """It was recorded only as 'stopped' with torchrun's exit status 1."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.monitor.refresh = lambda timeout_s: None
+    supervisor.attempt = AttemptWithARankCrashedInItsStop()
+    supervisor.request_stop(signal.SIGTERM)
+    assert supervisor._stop() is Trigger.FAILURE  # then the stop, from FAILED
+    failure = runfiles.read_events(tmp_path)[-1]
+    assert (failure["event"], failure["cause"], failure["gpus"], failure["exit_codes"]) == \
+        ("failure", "exit", [2], {"2": -signal.SIGSEGV})
 
 
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):

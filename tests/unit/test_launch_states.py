@@ -31,6 +31,7 @@ LEGAL = [
     (S.RELAUNCHING, T.GIVE_UP, S.GAVE_UP),
     (S.STOPPING, T.STOPPED, S.INTERRUPTED),
     (S.STOPPING, T.COMPLETED, S.SUCCEEDED),  # the signal came after training's last checkpoint
+    (S.STOPPING, T.FAILURE, S.FAILED),  # a rank failed on its own during the stop
     # nothing is training: a signal ends the run at once
     (S.STARTING, T.SIGNALLED, S.INTERRUPTED),
     (S.RELAUNCHING, T.SIGNALLED, S.INTERRUPTED),

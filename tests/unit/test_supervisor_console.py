@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from ftmaster import exit_codes, runfiles
-from ftmaster.attempt import Attempt, RankRecord, classify_exits, error_summary
+from ftmaster.attempt import Attempt, RankRecord, classify_exits, error_summary, \
+    failed_despite_the_stop
 from ftmaster.guard import write_rank_record
 from ftmaster.console import FileTail, Progress, describe_event, duration, gpus_text, new_events
 from ftmaster.launch import needs_gpu_probe, uses_trainer_parser
@@ -45,6 +46,34 @@ def test_the_first_failed_rank_names_the_cause(failed, cause, gpus, first):
     assert (report.cause, report.first_local_rank) == (cause, first)
     assert report.gpus == tuple(sorted(gpus))
     assert report.exit_codes == {str(r.rank): r.exit_code for r in failed.values()}
+
+
+LOST_PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+
+
+@pytest.mark.parametrize("codes, errors, killed, expected", [
+    # saved and exited, or ended by the SIGTERM itself (before the trainer's handler was set)
+    ({0: 0, 1: -signal.SIGTERM}, {}, False, set()),
+    # killed at the stop's deadline by ftmaster's own SIGKILL
+    ({0: -signal.SIGKILL, 1: -signal.SIGKILL}, {}, True, set()),
+    # a crash racing the stop: another signal, the OOM killer's SIGKILL, an error of its own
+    ({0: -signal.SIGTERM, 1: -signal.SIGSEGV}, {}, False, {1}),
+    ({0: 0, 1: -signal.SIGKILL}, {}, False, {1}),
+    ({0: 0, 1: -signal.SIGABRT}, {}, True, {1}),
+    ({0: 1, 1: -signal.SIGTERM}, {0: "RuntimeError: CUDA error: an illegal memory access"},
+     False, {0}),
+    ({0: exit_codes.STORAGE}, {}, False, {0}),  # the exit save could not be written
+    # the peers it left stay with it, so that the first to end is found among them
+    ({0: 1, 1: -signal.SIGBUS}, {0: LOST_PEER}, False, {0, 1}),
+    # only a peer lost to the stop (a rank its SIGTERM ended): no failure
+    ({0: 1, 1: -signal.SIGTERM}, {0: LOST_PEER}, False, set()),
+])
+def test_a_rank_that_fails_while_a_stop_is_under_way_is_a_failure_not_a_stop(
+        codes, errors, killed, expected):
+    """Only the ends a stop asks for are a stop: the rest were recorded as 'stopped' with
+    torchrun's exit status, the crash and its GPU lost."""
+    failed = {rank: record(rank, code, 1.0 + rank) for rank, code in codes.items() if code}
+    assert set(failed_despite_the_stop(failed, errors, killed_at_deadline=killed)) == expected
 
 
 def test_a_rank_that_lost_a_peer_points_elsewhere():

@@ -161,6 +161,20 @@ def _failed_because_of_another(record: RankRecord, error: str | None) -> bool:
     return record.exit_code == -signal.SIGTERM
 
 
+def failed_despite_the_stop(failed: dict[int, RankRecord], errors: dict[int, str],
+                            killed_at_deadline: bool) -> dict[int, RankRecord]:
+    """The failed ranks (by local rank) of an attempt ftmaster stopped, when one of them failed
+    on its own while the stop was under way; else none. A stop ends a rank with its SIGTERM
+    (the trainer saves and exits 0; before its handler is set the signal ends it) and, past
+    its deadline (``killed_at_deadline``), its SIGKILL. Any other end raced the stop: another
+    signal (a SIGSEGV, the OOM killer's SIGKILL), an error, an exit status of the trainer's
+    (its exit save failed). The peers such a rank left stay with it, for the root cause."""
+    stop_ends = {-signal.SIGTERM, -signal.SIGKILL} if killed_at_deadline else {-signal.SIGTERM}
+    raced = {r: rec for r, rec in failed.items() if rec.exit_code not in stop_ends}
+    on_its_own = any(not PEER_LOST.search(errors.get(r, "")) for r in raced)
+    return raced if on_its_own else {}
+
+
 def error_summary(error_file: Path, traceback_lines: int = 4) -> str | None:
     """The exception a rank recorded (torch elastic's error file), with the innermost frames
     of its traceback; None when it left no readable file."""

@@ -11,7 +11,9 @@ Pure: no processes, files or clocks, so every transition and decision is table-t
                            │  └─critical_gpu─> DRAINING ─drained─> PLANNING   (policy drain)
                            │                        └─risk_cleared─> RUNNING
                            └─signalled─> STOPPING ─stopped─> INTERRUPTED
-                                            └─completed─> SUCCEEDED   (training had finished)
+                                            ├─completed─> SUCCEEDED   (training had finished)
+                                            └─failure─> FAILED ─signalled─> INTERRUPTED
+                                                (a rank failed on its own during the stop)
 
 Across nodes (``--nnodes``) the supervisor starts in PLANNING, whose plan is agreed in a
 rendezvous round with the other nodes, and three more paths exist::
@@ -100,6 +102,7 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.RELAUNCHING, T.GIVE_UP): S.GAVE_UP,
     (S.STOPPING, T.STOPPED): S.INTERRUPTED,
     (S.STOPPING, T.COMPLETED): S.SUCCEEDED,  # the signal came after training's last checkpoint
+    (S.STOPPING, T.FAILURE): S.FAILED,  # a rank crashed during the stop: recorded, then stopped
     **{(state, T.SIGNALLED): S.INTERRUPTED for state in IDLE_STATES},
     (S.RUNNING, T.PEERS_WAITING): S.PLANNING,
     (S.DRAINING, T.PEERS_WAITING): S.PLANNING,

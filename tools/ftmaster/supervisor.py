@@ -75,7 +75,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftmaster import runfiles
-from ftmaster.attempt import Attempt, classify_exits, send_signal, with_exit_signal_handler
+from ftmaster.attempt import (Attempt, classify_exits, failed_despite_the_stop, send_signal,
+                              with_exit_signal_handler)
 from ftmaster.console import (SAVE_EVENTS, FileTail, Progress, describe_event, gpus_text,
                               new_events)
 from ftmaster.faults import Fault, Injection
@@ -560,10 +561,7 @@ class Supervisor:
         code = attempt.exit_code()  # first: the records are complete once the ranks have ended
         failed = attempt.failed_ranks()
         if failed or (code is not None and code != 0):
-            report = classify_exits(failed, attempt.gpus,
-                                    attempt.recorded_errors(range(len(attempt.gpus))))
-            return self._failure(report.cause, iteration, list(report.gpus),
-                                 report.exit_codes or {"torchrun": code}, report.first_local_rank)
+            return self._ranks_failed(failed, self._recorded_errors(), code, iteration)
         if code == 0:
             return self._complete() if self._finished() else self._stopped_early(iteration)
         lost = sorted(self.lost_gpus() & set(attempt.gpus))
@@ -581,6 +579,17 @@ class Supervisor:
         if self.membership is not None and self.membership.peers_waiting():
             return self._rejoin(iteration)
         return None
+
+    def _ranks_failed(self, failed: dict, errors: dict[int, str], torchrun_code: int | None,
+                      iteration: int | None) -> Trigger:
+        """The failure of the ``failed`` ranks (none: of torchrun), the first one's cause."""
+        report = classify_exits(failed, self.attempt.gpus, errors)
+        return self._failure(report.cause, iteration, list(report.gpus),
+                             report.exit_codes or {"torchrun": torchrun_code},
+                             report.first_local_rank)
+
+    def _recorded_errors(self) -> dict[int, str]:
+        return self.attempt.recorded_errors(range(len(self.attempt.gpus)))
 
     def _peer_grace_over(self) -> bool:
         """Whether this attempt's ranks had PEER_FAILURE_GRACE_S since a peer's failure was
@@ -1524,7 +1533,7 @@ class Supervisor:
     def _stop(self) -> Trigger:
         log.warning("signal %s: asking training to save and exit", self.signum)
         code = self.attempt.stop(self.config.stop_timeout_s)
-        self._track_progress(runfiles.read_heartbeat(self.run_dir))
+        iteration = self._track_progress(runfiles.read_heartbeat(self.run_dir))
         self._follow_events()
         if self._training_finished():  # the signal came too late to stop anything
             log.info("training had finished before the signal: nothing was stopped")
@@ -1533,6 +1542,11 @@ class Supervisor:
             log.error("training did not save and exit within --stop-timeout %g s: killed; the "
                       "newest checkpoint is %s", self.config.stop_timeout_s,
                       self._newest_checkpoint_text())
+        failed = self.attempt.failed_ranks()
+        errors = self._recorded_errors() if failed else {}
+        raced = failed_despite_the_stop(failed, errors, killed_at_deadline=code is None)
+        if raced:  # the run's failure, with its root cause; the stop then ends it from FAILED
+            return self._ranks_failed(raced, errors, code, iteration)
         self._event("stopped", signal=self.signum, exit_code=code,
                     iteration=self._state_iteration())
         return Trigger.STOPPED
