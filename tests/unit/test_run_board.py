@@ -24,11 +24,11 @@ def test_risk_once_per_iteration_and_failures_at_their_iteration(tmp_path):
     sample = SimpleNamespace(gpu_id=1, failure_risk=0.25)
     board.observe_samples([sample], [])
     board.observe_samples([sample], ["alert"])
-    board.observe_event({"event": "failure", "iteration": 2, "time": 10.0})
+    board.observe_event({"event": "failure", "iteration": 3, "time": 10.0})
     board.close()
     assert scalars(tmp_path, "ftmaster/risk/gpu1") == [(3, 0.25)]
     assert scalars(tmp_path, "ftmaster/alerts") == [(3, 1.0)]
-    assert scalars(tmp_path, "ftmaster/failures") == [(2, 1.0)]
+    assert scalars(tmp_path, "ftmaster/failures") == [(3, 1.0)]
 
 
 def test_the_risk_at_an_iteration_is_its_highest_sample(tmp_path):
@@ -43,6 +43,37 @@ def test_the_risk_at_an_iteration_is_its_highest_sample(tmp_path):
     board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=1.0)], [])
     board.close()
     assert scalars(tmp_path, "ftmaster/risk/gpu1") == [(3, 0.875), (4, 1.0)]
+
+
+def shown(points):
+    """The points TensorBoard plots: its data server takes a step written again for a job
+    restarted from a checkpoint, and drops every earlier point at or after that step
+    (tensorboard/data/server/reservoir.rs, "preemption")."""
+    kept = []
+    for step, value in points:
+        kept = [point for point in kept if point[0] < step] + [(step, value)]
+    return kept
+
+
+def test_a_relaunch_from_an_older_checkpoint_keeps_the_risk_before_the_failure(tmp_path):
+    """GPU 1's risk rose to 0.875 at iteration 17, then it failed and training resumed from
+    iteration 10: its risk was written again at 11 and 12, and TensorBoard dropped the points
+    from 11 on, the failure's peak with them. Samples while the run redoes iterations count
+    at the furthest iteration it reached; new ones from there on."""
+    board = RunBoard(tmp_path)
+    for iteration, risk in ((15, 0.25), (16, 0.5), (17, 0.875)):
+        board.observe_heartbeat({"iteration": iteration})
+        board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=risk)], ["alert"] * (risk > 0.8))
+    board.observe_event({"event": "failure", "iteration": 17, "time": 10.0})
+    for iteration, risk in ((11, 0.125), (12, 0.125), (16, 0.125), (17, 0.125), (18, 0.25)):
+        board.observe_heartbeat({"iteration": iteration})
+        board.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=risk)], ["alert"] * (iteration == 12))
+    board.observe_event({"event": "failure", "iteration": 12, "time": 20.0})
+    board.close()
+    risk = scalars(tmp_path, "ftmaster/risk/gpu1")
+    assert shown(risk) == risk == [(15, 0.25), (16, 0.5), (17, 0.875), (18, 0.25)]
+    assert shown(scalars(tmp_path, "ftmaster/alerts")) == [(17, 2.0)]
+    assert shown(scalars(tmp_path, "ftmaster/failures")) == [(17, 1.0), (18, 2.0)]
 
 
 class FullDisk:

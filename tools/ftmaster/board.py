@@ -9,6 +9,12 @@ its samples, written once the iteration is over),
 at), ``ftmaster/rto_seconds`` and ``ftmaster/rpo_iterations`` (at the iteration a relaunch
 resumed from).
 
+The iteration of the risk and the counts is the furthest the run reached, never one it
+redoes: TensorBoard takes a step written again for a job restarted from a checkpoint and drops
+every point at or after it, so a relaunch from an older checkpoint would drop the risk that
+came before the failure. What is sampled while the run redoes iterations (or while nothing
+trains) counts at the furthest one.
+
 They are never worth the run: the first write that fails (a full disk under the folder) is
 said in one line, and the scalars stop there.
 """
@@ -32,6 +38,7 @@ class RunBoard:
         self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
                                     f"ftmaster's TensorBoard scalars in {folder}", log.error)
         self.iteration = 0
+        """The furthest iteration the run reached (see the module docstring)."""
         # GPU -> (iteration, its highest risk yet), written once a sample comes at another
         # iteration, or at close: the monitor's thread's alone until then
         self._risk_peak: dict[int, tuple[int, float]] = {}
@@ -67,7 +74,10 @@ class RunBoard:
 
     def observe_heartbeat(self, heartbeat: dict | None) -> None:
         if heartbeat:
-            self.iteration = heartbeat["iteration"]
+            self._reached(heartbeat["iteration"])
+
+    def _reached(self, iteration: int) -> None:
+        self.iteration = max(self.iteration, iteration)
 
     def observe_state(self, state) -> None:
         """Nothing: the state lives in the metrics."""
@@ -75,9 +85,9 @@ class RunBoard:
     def observe_event(self, event: dict) -> None:
         if event.get("event") == "failure":
             self._failures += 1
-            iteration = event.get("iteration")
-            self.writer.add_scalar("ftmaster/failures", self._failures,
-                                   iteration if isinstance(iteration, int) else self.iteration)
+            if isinstance(event.get("iteration"), int):
+                self._reached(event["iteration"])
+            self.writer.add_scalar("ftmaster/failures", self._failures, self.iteration)
         recovered = self._recoveries.observe(event)
         if recovered is not None:
             at = self.iteration if recovered.loaded is None else recovered.loaded
