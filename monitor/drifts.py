@@ -77,6 +77,15 @@ class DriftConfig:
     excursion_sigmas: float = 2.5
     """The window's end level (its fit's) must stand above that usual level, toward the
     limit, by this many standard deviations of the look-back (its noise and wander)..."""
+    power_spread_block_s: float = 60.0
+    """For power, the look-back's spread is that of its means over consecutive stretches this
+    long. The end level it is compared with is a fit's, far steadier than one sample, and one
+    power sample swings by tens of watts (4% of the cap) about a level that wanders far less:
+    the samples' own spread set the bar 2-3x too high (an accelerating power drift to the cap,
+    seed 230 of ``benchmarks/slow_drifts.py``, alerted with 13% of its span left; by the
+    means', with 28%). Temperature
+    keeps its samples' spread: a degree of noise is about its level's wander, and the bar is
+    what keeps a hot GPU's rise in a warm-up quiet. 0: the samples' own spread for power too."""
     excursion_share: float = 0.4
     """...and by this share of the distance to the limit it started from (the rise plus the
     distance left)."""
@@ -148,6 +157,9 @@ class DriftConfig:
                              "its look-back must be positive and its share in [0, 1), got "
                              f"{self.late_min_t}, {self.excursion_sigmas}, "
                              f"{self.excursion_lookback_s} s and {self.excursion_share}")
+        if self.power_spread_block_s < 0:
+            raise ValueError(f"the power spread's stretches must not be negative, got "
+                             f"{self.power_spread_block_s} s")
         if not 0 <= self.slope_lead <= 0.25:
             raise ValueError(f"the slope's lead must be in [0, 0.25] windows, got {self.slope_lead}")
         if not 0 <= self.peer_rise <= 1:
@@ -174,7 +186,8 @@ def _fit(times: np.ndarray, values: np.ndarray) -> tuple[float, float] | None:
 def time_left(times: Sequence[float], values: Sequence[float], distance: float, scale: float,
               cfg: DriftConfig, rising: bool = True,
               before: tuple[Sequence[float], Sequence[float]] | None = None,
-              peers: Sequence[float] | None = None, limit_follows: float = 0.0) -> float | None:
+              peers: Sequence[float] | None = None, limit_follows: float = 0.0,
+              spread_block_s: float = 0.0) -> float | None:
     """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
     else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
     signal); None when there is no trend toward it, or it is past the limit already (the
@@ -185,7 +198,8 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     ``peer_rise`` of itself to the slope the distance is covered at, once the GPU has left
     its usual level (``before``). ``limit_follows``: the share of the peers' level the limit
     itself moves with (the clock floor, a share of the peers' clock), so that their rise closes
-    the distance by only the rest of it."""
+    the distance by only the rest of it. ``spread_block_s``: the stretches over whose means
+    the look-back's spread is taken (0: its samples')."""
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
@@ -196,7 +210,8 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     floor = cfg.min_slope * abs(scale) / 60.0
     if fits.whole < floor and not fits.late_rises(floor, cfg):
         return None
-    left_usual = _excursion(before, times, values, toward * fits.whole, distance, toward, cfg)
+    left_usual = _excursion(before, times, values, toward * fits.whole, distance, toward, cfg,
+                            spread_block_s)
     if fits.whole < floor and not left_usual:
         return None
     slope, acceleration = fits.closing_pace(peers, left_usual, cfg, 1.0 - limit_follows)
@@ -272,18 +287,33 @@ class _WindowFits:
 
 def _excursion(past: tuple[Sequence[float], Sequence[float]] | None, times: Sequence[float],
                values: Sequence[float], slope: float, distance: float, toward: float,
-               cfg: DriftConfig) -> bool:
+               cfg: DriftConfig, spread_block_s: float = 0.0) -> bool:
     """Whether the window's end level (its fit's) stands above the GPU's own usual level, the
     median of the look-back ``past`` (which must cover ``min_coverage`` of it), by
-    ``excursion_sigmas`` of that look-back's spread and by ``excursion_share`` of the
-    distance it started from. ``slope``: the window's fitted slope (per second, signed)."""
+    ``excursion_sigmas`` of that look-back's spread (over ``spread_block_s`` means) and by
+    ``excursion_share`` of the distance it started from. ``slope``: the window's fitted
+    slope (per second, signed)."""
     if not past or len(past[1]) < 8 or \
             past[0][-1] - past[0][0] < cfg.min_coverage * cfg.excursion_lookback_s:
         return False
     end_level = statistics.fmean(values) + slope * (times[-1] - statistics.fmean(times))
     rise = toward * (end_level - statistics.median(past[1]))
-    return rise > 0 and rise >= cfg.excursion_sigmas * statistics.stdev(past[1]) and \
+    return rise > 0 and rise >= cfg.excursion_sigmas * _block_spread(past, spread_block_s) and \
         rise >= cfg.excursion_share * (rise + abs(distance))
+
+
+def _block_spread(past: tuple[Sequence[float], Sequence[float]], block_s: float) -> float:
+    """The standard deviation of the means of ``past``'s values over consecutive ``block_s``
+    stretches; the values' own with fewer than three stretches (or ``block_s`` 0)."""
+    values = np.fromiter(past[1], float, len(past[1]))
+    if block_s > 0:
+        times = np.fromiter(past[0], float, len(past[0]))
+        block = ((times - times[0]) // block_s).astype(int)
+        counts = np.bincount(block)
+        means = np.bincount(block, values)[counts > 0] / counts[counts > 0]
+        if len(means) >= 3:
+            return float(means.std(ddof=1))
+    return float(values.std(ddof=1))
 
 
 def drift_severity(seconds_left: float | None, cfg: DriftConfig) -> float:

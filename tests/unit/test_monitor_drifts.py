@@ -9,8 +9,8 @@ import pytest
 
 from ftmaster.monitor import tracegen
 from ftmaster.monitor.alerts import AlertConfig
-from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, drift_severity,
-                                     time_left)
+from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, _excursion,
+                                     drift_severity, time_left)
 from ftmaster.monitor.evaluate import replay
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow, Peers
@@ -81,6 +81,7 @@ def test_a_trend_fitted_every_30_s_counts_once_it_held_in_four_fits():
     ({"horizon_s": (300.0, 600.0)}, "horizon must fall"),
     ({"clock_floor": 1.2}, "clock floor"),
     ({"window_s": 0}, "window must be positive"),
+    ({"power_spread_block_s": -60.0}, "power spread"),
 ])
 def test_the_drift_config_is_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -212,6 +213,19 @@ def test_a_drift_that_began_within_the_window_counts_once_the_gpu_left_its_usual
     assert time_left(TIMES, values, 1.0, 87.0, cfg, before=as_hot) is None
     off = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0, late_min_t=0.0)
     assert time_left(TIMES, values, 1.0, 87.0, off, before=usual) is None  # that path off
+
+
+def test_a_power_level_has_left_its_usual_one_by_the_spread_of_its_minute_means():
+    """Power's samples swing by +-25 W about a level that barely wanders: against their own
+    spread a 40 W rise is inside the noise (2.5 of 25 W is 62 W), against the spread of its
+    minute means (about 8 W) it stands clear, as the fitted end level it is compared with does."""
+    cfg = DriftConfig(window_s=600.0, excursion_lookback_s=1200.0)
+    noise = [25.0 * (1 if i % 2 else -1) * (0.5 + (i * 7919 % 11) / 10) for i in range(180)]
+    past = ([10.0 * i - 1200.0 for i in range(120)], noise[:120])
+    values = [40.0 * t / 600.0 + noise[120 + i % 60] for i, t in enumerate(TIMES)]
+    slope = 40.0 / 600.0
+    assert _excursion(past, TIMES, values, slope, 50.0, 1.0, cfg, spread_block_s=60.0)
+    assert not _excursion(past, TIMES, values, slope, 50.0, 1.0, cfg)  # the samples' spread
 
 
 def test_the_points_before_the_drift_window_are_kept_for_its_look_back():
