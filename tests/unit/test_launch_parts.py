@@ -204,21 +204,6 @@ class AttemptWithAFailedRank(StoppedAttempt):
         return {}
 
 
-def test_a_rank_that_failed_within_the_poll_before_a_signal_is_the_runs_failure(tmp_path):
-    """The signal was seen first: the run was only 'stopped', with torchrun's exit status 1,
-    and which rank failed, and how, was lost."""
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None))
-    supervisor = Supervisor(config, StubMonitor(False))
-    supervisor.monitor.refresh = lambda timeout_s: None
-    supervisor.attempt = AttemptWithAFailedRank()
-    supervisor.request_stop(signal.SIGTERM)
-    assert supervisor._watch() is Trigger.FAILURE  # then the stop, from FAILED
-    failure = runfiles.read_events(tmp_path)[-1]
-    assert (failure["event"], failure["gpus"], failure["exit_codes"]) == \
-        ("failure", [1], {"1": -signal.SIGKILL})
-
-
 class AttemptWithARankCrashedInItsStop(AttemptWithAFailedRank):
     """Asked to stop, local rank 0 was ended by the SIGTERM before its handler was set, and
     local rank 2 died of a SIGSEGV within it; torchrun ended with 1."""
@@ -231,18 +216,25 @@ class AttemptWithARankCrashedInItsStop(AttemptWithAFailedRank):
                 2: RankRecord(2, 2, 102, 98, exit_code=-signal.SIGSEGV, ended_at=time.time())}
 
 
-def test_a_rank_that_crashed_during_the_stop_is_the_runs_failure_then_the_stop(tmp_path):
-    """It was recorded only as 'stopped' with torchrun's exit status 1."""
+@pytest.mark.parametrize("attempt, seen_by, gpu, exit_code", [
+    # The signal was seen first: the run was only 'stopped', with torchrun's exit status 1,
+    # and which rank failed, and how, was lost.
+    (AttemptWithAFailedRank, "_watch", 1, -signal.SIGKILL),
+    # A rank that crashed during the stop was likewise recorded only as 'stopped'.
+    (AttemptWithARankCrashedInItsStop, "_stop", 2, -signal.SIGSEGV),
+])
+def test_a_rank_failing_just_before_or_during_a_stop_is_the_runs_failure_then_the_stop(
+        tmp_path, attempt, seen_by, gpu, exit_code):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, StubMonitor(False))
     supervisor.monitor.refresh = lambda timeout_s: None
-    supervisor.attempt = AttemptWithARankCrashedInItsStop()
+    supervisor.attempt = attempt()
     supervisor.request_stop(signal.SIGTERM)
-    assert supervisor._stop() is Trigger.FAILURE  # then the stop, from FAILED
+    assert getattr(supervisor, seen_by)() is Trigger.FAILURE  # then the stop, from FAILED
     failure = runfiles.read_events(tmp_path)[-1]
     assert (failure["event"], failure["cause"], failure["gpus"], failure["exit_codes"]) == \
-        ("failure", "exit", [2], {"2": -signal.SIGSEGV})
+        ("failure", "exit", [gpu], {str(gpu): exit_code})
 
 
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):
