@@ -184,6 +184,26 @@ def test_a_checkpoint_pruned_before_it_is_pinned_is_not_copied(tmp_path):
     assert not (memory / ".ftmaster_persisting").exists()
 
 
+def test_a_full_memory_tier_that_cannot_take_the_pin_is_a_failed_copy_not_a_dead_supervisor(
+        tmp_path, monkeypatch):
+    """The pin is a few bytes written into the memory folder: a full /dev/shm refuses them."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 6)
+    persister = Persister(memory, disk)
+
+    def full(path, text, durable=True):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr("ftmaster.recovery.checkpoints.atomic_write_text", full)
+    assert not persister.start(6) and not persister.busy
+    (failure,) = persister.take_results()
+    assert isinstance(failure, PersistError) and "No space left" in str(failure)
+    assert not persister.needs_copy(6)  # waits before it is tried again, as a failed copy
+    monkeypatch.undo()
+    assert persister.needs_copy(6, retry_now=True) and persister.start(6)
+    persister.wait(30)
+    assert persister.take_results()[0].iteration == 6 and read_tracker(disk) == 6
+
+
 def test_a_failed_copy_is_tried_again(tmp_path):
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     source = fake_checkpoint(memory, 6)

@@ -373,7 +373,15 @@ class Persister:
         """Copy ``iteration`` in the background (what this node lacks through ``fetch``)
         unless a copy is running or it was pruned meanwhile; True if started. It is pinned
         before this returns, so pruning spares it."""
-        if self.busy or not pin(self.memory_dir, iteration):
+        if self.busy:
+            return False
+        try:
+            pinned = pin(self.memory_dir, iteration)
+        except OSError as error:  # a full /dev/shm refuses the pin's few bytes
+            self._failed(iteration, PersistError(f"pinning iteration {iteration} in "
+                                                 f"{self.memory_dir}: {error}"))
+            return False
+        if not pinned:
             return False
         self.last_requested = iteration
         self._thread = threading.Thread(target=self._copy, args=(iteration, fetch),
@@ -386,16 +394,19 @@ class Persister:
             self._results.put(persist(self.memory_dir, self.save_dir, iteration, fetch))
             self._failures, self._retry = 0, None
         except Exception as error:  # a copier that dies must still say why
-            failure = error if isinstance(error, PersistError) else PersistError(
-                f"{type(error).__name__}: {error}")
-            if not isinstance(failure, PersistSuperseded):  # that one cannot come back
-                self.last_requested = None  # try again (at the end of the run at the latest)
-                self._failures += 1
-                wait = min(RETRY_WAIT_S[1], RETRY_WAIT_S[0] * 2 ** (self._failures - 1))
-                self._retry = (iteration, time.monotonic() + wait)
-            self._results.put(failure)
+            self._failed(iteration, error if isinstance(error, PersistError) else PersistError(
+                f"{type(error).__name__}: {error}"))
         finally:
             unpin(self.memory_dir)
+
+    def _failed(self, iteration: int, failure: PersistError) -> None:
+        """Report ``failure``; the copy is tried again after a wait, unless superseded."""
+        if not isinstance(failure, PersistSuperseded):  # that one cannot come back
+            self.last_requested = None  # try again (at the end of the run at the latest)
+            self._failures += 1
+            wait = min(RETRY_WAIT_S[1], RETRY_WAIT_S[0] * 2 ** (self._failures - 1))
+            self._retry = (iteration, time.monotonic() + wait)
+        self._results.put(failure)
 
     def wait(self, timeout_s: float | None = None) -> None:
         if self._thread is not None:
