@@ -24,7 +24,7 @@ from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iterati
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
 from megatron.training.checkpointing import prune_memory_checkpoints, set_aside_newer
-from ftmaster.recovery.manifest import digest_bytes, read_manifest, write_manifest
+from ftmaster.recovery.manifest import digest_bytes, read_manifest, size_problem, write_manifest
 from helpers.trainer import wait_until
 
 
@@ -160,6 +160,46 @@ def test_a_persist_killed_mid_copy_leaves_the_tracker_on_the_previous_checkpoint
         assert not list(disk.glob(".iter_*"))
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def many_file_checkpoint(folder: Path, iteration: int, count: int) -> None:
+    path = iteration_dir(folder, iteration)
+    path.mkdir(parents=True)
+    files = {}
+    for index in range(count):
+        data = os.urandom(4000)
+        (path / f"__{index}_0.distcp").write_bytes(data)
+        files[f"__{index}_0.distcp"] = digest_bytes(data)
+    write_manifest(path, "emergency", iteration, files)
+    advance_tracker(folder, iteration)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_a_peer_node_ftmaster_starting_mid_copy_never_leaves_a_tracked_checkpoint_short_of_files(
+        tmp_path, trial):
+    """Across nodes every node's ftmaster makes a Persister, which removes the --save's
+    .partial folders it finds: on a node (re)started while rank 0's node copies, that is a
+    live copy's folder, emptied while the copy goes on writing into it."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    many_file_checkpoint(memory, 8, 300)
+
+    def peer_starts():
+        wait_until(lambda: len(list(disk.glob(".iter_0000008.partial-*/*"))) >= 50, timeout=30,
+                   interval=0.0005, what="the copy to be under way")
+        remove_partial_copies(disk)
+
+    cleaner = threading.Thread(target=peer_starts)
+    cleaner.start()
+    try:
+        persist(memory, disk, 8)
+    except PersistError:
+        pass  # a copy undone is tried again; the disk tier must be as it was
+    cleaner.join()
+    if read_tracker(disk) is None:
+        assert list_iterations(disk) == []
+    else:
+        target = iteration_dir(disk, 8)
+        assert size_problem(target, read_manifest(target)) is None
 
 
 def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path):

@@ -307,10 +307,21 @@ def _advance_disk_tracker_locked(save_dir: Path, iteration: int) -> None:
 
 
 def remove_partial_copies(save_dir: Path) -> None:
-    """The leftovers of copies that were killed (never loaded: not named ``iter_*``)."""
+    """The leftovers of copies that were killed (never loaded: not named ``iter_*``).
+
+    One may be a live copy's: across nodes every node's ftmaster removes them from the shared
+    ``--save`` as it starts, while rank 0's node may be copying. Each is renamed away before
+    it is emptied: of that rename and the copy's own into place only one succeeds, so the copy
+    either fails or lands whole. Emptied where it is, the copy went on writing into it (its
+    files are written one after the other), and landed short of the files removed."""
     if Path(save_dir).is_dir():
         for leftover in Path(save_dir).glob(".iter_*.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            doomed = leftover.with_name(f"{leftover.name}.removed-{uuid.uuid4().hex[:8]}")
+            try:
+                leftover.rename(doomed)
+            except OSError:  # landed or removed meanwhile
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 RETRY_WAIT_S = (5.0, 300.0)
