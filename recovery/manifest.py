@@ -196,7 +196,16 @@ def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
     """The manifest (or the one under ``name``), or None when there is none or it cannot be
     parsed."""
     try:
-        body = json.loads((Path(folder) / name).read_text())
+        text = (Path(folder) / name).read_text()
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    return parse_manifest(text)
+
+
+def parse_manifest(text: str | bytes) -> Manifest | None:
+    """:func:`read_manifest` of a manifest's text, for a caller that keeps that text."""
+    try:
+        body = json.loads(text)
         files = {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
                  for name, entry in (body.get("files") or {}).items()}
         items = {name: {int(offset): FileDigest(int(size), str(digest))
@@ -204,8 +213,7 @@ def read_manifest(folder: Path, name: str = MANIFEST_NAME) -> Manifest | None:
                  for name, entries in (body.get("items") or {}).items()}
     # OverflowError: a size or offset of 1e999 (inf); RecursionError: JSON nested past the
     # parser's depth. Raised, either ended the load or the supervisor in a traceback.
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
-            RecursionError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return None
     if body.get("checksum", CHECKSUM) != CHECKSUM or \
             not all(map(is_plain_file_name, files.keys() | items.keys())):

@@ -139,6 +139,29 @@ def test_a_memory_copy_set_aside_during_the_copy_is_not_put_in_place(tmp_path):
     assert list_iterations(disk) == [] and read_tracker(disk) is None
 
 
+def test_a_memory_copy_replaced_by_another_timelines_during_the_copy_is_not_put_in_place(
+        tmp_path, monkeypatch):
+    """A resume set the copied checkpoint aside and the new timeline saved the same iteration
+    again before the copy ended: its files were copied, the new one's manifest was not to be
+    put beside them, nor the discarded checkpoint to land as the disk tier's newest."""
+    import ftmaster.persist as persist_module
+
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    source = fake_checkpoint(memory, 8)
+    copy_file = persist_module._copy_verified
+
+    def copy_then_replace(reader, target, expected):
+        copy_file(reader, target, expected)
+        if target.name == "metadata.json":  # the last of the files, before the manifest
+            source.rename(source.with_name(source.name + ".discarded-x"))
+            fake_checkpoint(memory, 8)
+
+    monkeypatch.setattr(persist_module, "_copy_verified", copy_then_replace)
+    with pytest.raises(PersistError, match="was set aside while it was copied"):
+        persist(memory, disk, 8)
+    assert list_iterations(disk) == [] and read_tracker(disk) is None
+
+
 def test_a_persist_killed_mid_copy_leaves_the_tracker_on_the_previous_checkpoint(tmp_path):
     """SIGKILL of the process copying (ftmaster's supervisor) half way through a large shard."""
     memory, disk = Path("/dev/shm") / f"ftmaster-test-{os.getpid()}", tmp_path / "disk"

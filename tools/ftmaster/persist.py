@@ -3,9 +3,10 @@ becomes durable (ftmaster's supervisor, which imports no torch and outlives ever
 
 A copy goes into ``SAVE/.iter_XXXXXXX.partial-<id>/``: every file the checkpoint's manifest
 lists, each hashed as it is copied and compared with the manifest's digest (a memory copy
-that was torn or corrupted is never persisted), then fsynced; the folder is fsynced and,
-under the tracker lock, renamed into place as ``iter_XXXXXXX`` (only while the memory copy
-still exists under its name: a resume that discarded that timeline renames it first), the
+that was torn or corrupted is never persisted), then fsynced; the manifest those digests came from is written last, the folder is fsynced
+and, under the tracker lock, renamed into place as ``iter_XXXXXXX`` (only while the memory
+copy still holds that manifest: a resume that discarded its timeline renames it first, and
+the new timeline may save that iteration again), the
 save folder is fsynced, and the disk tracker moves to it unless it names a later checkpoint
 already. A copy that is killed leaves at most a ``.partial`` folder, which no loader reads
 and the next persister removes. While a copy reads a memory checkpoint it is pinned, so the
@@ -29,14 +30,14 @@ from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.lock import run_dir_in_use
-from ftmaster.runfiles import atomic_write_text, fsync_path
+from ftmaster.runfiles import atomic_write_bytes, atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk, pin,
                                            read_tracker, tracker_lock, unpin)
 from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
-                                        known_manifest_name, read_manifest)
+                                        known_manifest_name, parse_manifest, read_manifest)
 
 _CHUNK = 16 << 20
 _PARTIAL = ".iter_{:07d}.partial-"
@@ -225,14 +226,14 @@ class Persisted:
     (a launch waits for warm workers before the supervisor polls again)."""
 
 
-def _copy_verified(source: Path, target: Path, expected) -> None:
+def _copy_verified(source: Path, target: Path, expected: FileDigest) -> None:
     with open(source, "rb") as reader, DigestingWriter(target) as writer:
         while chunk := reader.read(_CHUNK):
             writer.write(chunk)
         writer.flush()
         os.fsync(writer.fileno())
         copied = writer.digest()
-    if expected is not None and copied != expected:
+    if copied != expected:
         raise PersistError(f"{source.name} does not match its checksum (memory copy damaged)")
 
 
@@ -248,7 +249,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
             _advance_disk_tracker_locked(save_dir, iteration)
         return None
     manifest_name = known_manifest_name(source) if fetch is not None else MANIFEST_NAME
-    manifest = read_manifest(source, manifest_name) if manifest_name else None
+    text = _read_bytes(source / manifest_name) if manifest_name else None
+    manifest = parse_manifest(text) if text is not None else None
     if manifest is None or not manifest.files:
         raise PersistError(f"{source} has no checksummed manifest: not a complete checkpoint")
     start = time.perf_counter()
@@ -267,10 +269,9 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
                 _copy_verified(source / name, partial / name, digest)
         for name in remote:
             fsync_path(partial / name)
-        # written last
-        _copy_verified(source / manifest_name, partial / MANIFEST_NAME, None)
-        fsync_path(partial)
-        _move_into_place(source, partial, target)
+        # written last, and the very text the files were checked against
+        atomic_write_bytes(partial / MANIFEST_NAME, text)
+        _move_into_place(source, text, partial, target)
     except PeerMissing as error:
         raise PersistSuperseded(f"iteration {iteration} is no longer held by the peers (pruned "
                                 f"after newer checkpoints): {error}") from None
@@ -284,12 +285,21 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
                      sum(digest.bytes for digest in remote.values()))
 
 
-def _move_into_place(source: Path, partial: Path, target: Path) -> None:
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _move_into_place(source: Path, manifest: bytes, partial: Path, target: Path) -> None:
     """Rename and tracker in one hold of the disk tier's lock, which a resume holds while it
     sets both tiers' discarded timelines aside: a copy of a discarded checkpoint never lands,
-    and a tracker never names a folder set aside in between."""
+    and a tracker never names a folder set aside in between. The source must still hold the
+    ``manifest`` copied: the new timeline may have saved the same iteration there since."""
     with tracker_lock(target.parent):
-        if not source.is_dir():
+        held = known_manifest_name(source)  # either kind: the same text
+        if held is None or _read_bytes(source / held) != manifest:
             raise PersistError(f"{source} was set aside while it was copied (a resume discarded "
                                f"its timeline)")
         if target.exists():
