@@ -216,6 +216,42 @@ def test_a_folder_is_filled_with_what_the_peer_holds_and_whole_only_when_nothing
     assert not (mine / "__2_0.distcp").exists()
 
 
+def test_a_slot_the_trainer_refills_as_the_copy_ends_gets_no_manifest_of_the_old_iteration(
+        served, tmp_path, monkeypatch):
+    """The trainer's claim of a slot (under the tier's lock: manifest removed, folder renamed
+    to the new iteration) came between the copy's check that the folder is whole and its
+    write of the manifest, which made the old folder again, holding the manifest alone."""
+    import ftmaster.peer_files as peer_files
+    from megatron.training.memory_slots import MemorySlots
+
+    tier, server = served
+    source = checkpoint(tier, sizes=(5000, 6000))
+    mine = tmp_path / "mine"
+    iteration_dir(mine, 6).mkdir(parents=True)
+    shutil.copy(source / "__0_0.distcp", iteration_dir(mine, 6))  # this node's own shard
+    whole = peer_files._whole
+
+    def whole_then_claimed(folder, files):
+        found = whole(folder, files)
+        claim = threading.Thread(target=MemorySlots(mine, {0}).claim, args=(6, iteration_dir(mine, 10)))
+        claim.start()
+        claim.join(0.5)  # as long as the lock lets it
+        return found
+
+    monkeypatch.setattr(peer_files, "_whole", whole_then_claimed)
+    try:
+        fill_from_peer(PeerClient(server.url, SECRET), 6, mine,
+                       (source / MANIFEST_NAME).read_bytes())
+    except OSError:
+        pass  # a copy that lost its folder fails; it must not name it
+    wait = time.monotonic() + 5
+    while iteration_dir(mine, 6).exists() and not iteration_dir(mine, 10).exists() \
+            and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert not (iteration_dir(mine, 6) / MANIFEST_NAME).exists()
+    assert not (iteration_dir(mine, 10) / MANIFEST_NAME).exists()
+
+
 def test_a_copy_corrupted_at_rest_is_refused_and_leaves_no_manifest(served, tmp_path):
     tier, server = served
     shard = checkpoint(tier) / "__0_0.distcp"

@@ -45,7 +45,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
 
-from ftmaster.recovery.checkpoints import iteration_dir
+from ftmaster.recovery.checkpoints import iteration_dir, tracker_lock
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
                                         digest_bytes, digest_file, is_plain_file_name,
                                         size_problem)
@@ -523,9 +523,12 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
             missing.append(file)
             continue
         copied += expected.bytes
-    if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
-        write_manifest(folder, manifest)
-        copied += len(manifest)
+    # Under the tier's lock, as the trainer claims a slot to refill it: between the check and
+    # the write it could rename the folder, which the write would then make again, empty.
+    with tracker_lock(into):
+        if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
+            write_manifest(folder, manifest)
+            copied += len(manifest)
     return Copied(iteration, folder, copied, time.perf_counter() - started, tuple(missing))
 
 
