@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ftmaster import persist as persist_module
 from ftmaster.peer_files import PeerMissing
 from ftmaster.lock import RunDirLock
 from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
@@ -223,6 +224,28 @@ def test_a_peer_node_ftmaster_starting_mid_copy_never_leaves_a_tracked_checkpoin
     else:
         target = iteration_dir(disk, 8)
         assert size_problem(target, read_manifest(target)) is None
+
+
+def test_a_copy_whose_folder_is_taken_away_before_its_manifest_lands_nothing(tmp_path,
+                                                                             monkeypatch):
+    """Removed after its last file and before the manifest (a peer node's ftmaster starting),
+    the folder was made again around the manifest alone, renamed into place and tracked."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 8)
+    copy_file = persist_module._copy_verified
+    left = len(read_manifest(iteration_dir(memory, 8)).files)
+
+    def copy_then_lose_the_folder(source, target, expected):
+        nonlocal left
+        copy_file(source, target, expected)
+        left -= 1
+        if left == 0:
+            remove_partial_copies(disk)
+
+    monkeypatch.setattr(persist_module, "_copy_verified", copy_then_lose_the_folder)
+    with pytest.raises(PersistError):
+        persist(memory, disk, 8)
+    assert read_tracker(disk) is None and list_iterations(disk) == []
 
 
 def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path):

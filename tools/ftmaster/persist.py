@@ -3,14 +3,14 @@ becomes durable (ftmaster's supervisor, which imports no torch and outlives ever
 
 A copy goes into ``SAVE/.iter_XXXXXXX.partial-<id>/``: every file the checkpoint's manifest
 lists, each hashed as it is copied and compared with the manifest's digest (a memory copy
-that was torn or corrupted is never persisted), then fsynced; the manifest those digests came from is written last, the folder is fsynced
-and, under the tracker lock, renamed into place as ``iter_XXXXXXX`` (only while the memory
-copy still holds that manifest: a resume that discarded its timeline renames it first, and
-the new timeline may save that iteration again), the
-save folder is fsynced, and the disk tracker moves to it unless it names a later checkpoint
-already. A copy that is killed leaves at most a ``.partial`` folder, which no loader reads
-and the next persister removes. While a copy reads a memory checkpoint it is pinned, so the
-trainer's pruning spares it.
+that was torn or corrupted is never persisted), then fsynced; the manifest those digests
+came from is written last, into that folder only, the folder is fsynced and, under the
+tracker lock, renamed into place as ``iter_XXXXXXX`` (only while the memory copy still holds
+that manifest: a resume that discarded its timeline renames it first, and the new timeline
+may save that iteration again), the save folder is fsynced, and the disk tracker moves to it
+unless it names a later checkpoint already. A copy that is killed leaves at most a
+``.partial`` folder, which no loader reads and the next persister removes. While a copy
+reads a memory checkpoint it is pinned, so the trainer's pruning spares it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.lock import run_dir_in_use
-from ftmaster.runfiles import atomic_write_bytes, atomic_write_text, fsync_path
+from ftmaster.runfiles import atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
                                            advance_tracker_locked, is_complete, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk, pin,
@@ -269,8 +269,7 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
                 _copy_verified(source / name, partial / name, digest)
         for name in remote:
             fsync_path(partial / name)
-        # written last, and the very text the files were checked against
-        atomic_write_bytes(partial / MANIFEST_NAME, text)
+        _write_manifest_last(partial, text)
         _move_into_place(source, text, partial, target)
     except PeerMissing as error:
         raise PersistSuperseded(f"iteration {iteration} is no longer held by the peers (pruned "
@@ -283,6 +282,20 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
         shutil.rmtree(partial, ignore_errors=True)
     return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes,
                      sum(digest.bytes for digest in remote.values()))
+
+
+def _write_manifest_last(partial: Path, text: bytes) -> None:
+    """The very manifest the files were checked against, into the copy's own folder only:
+    taken away under the copy (a peer node's ftmaster starting removes leftovers), the folder
+    must not be made again around the manifest alone, which would then land as complete."""
+    try:
+        with open(partial / MANIFEST_NAME, "xb") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise PersistError(f"writing the manifest into {partial}: {error}") from None
+    fsync_path(partial)
 
 
 def _read_bytes(path: Path) -> bytes | None:
