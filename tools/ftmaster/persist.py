@@ -406,7 +406,8 @@ class Persister:
     def start(self, iteration: int, fetch: Fetch | None = None) -> bool:
         """Copy ``iteration`` in the background (what this node lacks through ``fetch``)
         unless a copy is running or it was pruned meanwhile; True if started. It is pinned
-        before this returns, so pruning spares it."""
+        before this returns, so pruning spares it; a pin the tier has no room for is a failed
+        copy, reported and tried again as any other."""
         if self.busy:
             return False
         try:
