@@ -324,7 +324,7 @@ def _data_parallel_sizes(batches: _Batches, dp_max: int) -> Iterator[int]:
         limit = math.gcd(batches.original, batches.divides)
         yield from (dp for dp in reversed(divisors(limit)) if dp <= dp_max)
         return
-    for dp in range(dp_max, 0, -1):
+    for dp in range(min(dp_max, batches.high), 0, -1):  # a larger DP divides no batch
         if batches.divides % dp == 0 and batches.high // dp * dp >= batches.low:
             yield dp
 
