@@ -223,6 +223,23 @@ class ModelSplit:
 
 # -- reading the flags ----------------------------------------------------------------------
 
+MAX_LAYOUT_LENGTH = 10**6
+"""Letters a pipeline layout may expand to, far beyond any model's layers: expanding
+``Et*99999999999|L`` ran out of memory."""
+
+
+def _repeated(pattern: str, text: str) -> str:
+    """``text`` with each ``pattern`` match (a piece and its count) repeated, refused before
+    it is built when it would exceed :data:`MAX_LAYOUT_LENGTH`."""
+    matches = list(re.finditer(pattern, text))
+    # float: a count of thousands of digits is inf here, where int() would refuse to parse it
+    length = len(text) + sum(len(match.group(1)) * float(match.group(2)) - len(match.group(0))
+                             for match in matches)
+    if length > MAX_LAYOUT_LENGTH:
+        raise ValueError(f"{PIPELINE_LAYOUT_FLAG} expands to more than 10^6 layers")
+    return re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
+
+
 def parse_pipeline_layout(text: str) -> tuple[int, ...]:
     """Decoder layers per stage of a ``--pipeline-model-parallel-layout`` string.
 
@@ -232,7 +249,7 @@ def parse_pipeline_layout(text: str) -> tuple[int, ...]:
     """
     text = text.replace(",", "")
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
+        text = _repeated(pattern, text)
     stages = text.split("|")
     unknown = set("".join(stages)) - set("ELtm")
     if unknown:

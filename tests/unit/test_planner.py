@@ -281,6 +281,12 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
      "and --pipeline-model-parallel-layout may be given (Megatron-LM refuses more)"),
     (BASE + ["--pipeline-model-parallel-layout", "Et|t|tL"],
      "--pipeline-model-parallel-layout has 3 decoder layers, --num-layers is 4"),
+    (BASE + ["--pipeline-model-parallel-layout", "Et*99999999999|L"],
+     "--pipeline-model-parallel-layout expands to more than 10^6 layers"),
+    (BASE + ["--pipeline-model-parallel-layout", "E(t*1000|)*1000tL"],
+     "--pipeline-model-parallel-layout expands to more than 10^6 layers"),
+    (BASE + ["--pipeline-model-parallel-layout", "Et*" + "9" * 5000 + "|L"],
+     "--pipeline-model-parallel-layout expands to more than 10^6 layers"),
     # float("inf") parses, then int() of it overflows: still a one-line ValueError.
     (BASE[:-2] + ["--step-batch-size-schedule", "0:8 inf:16"],
      "--step-batch-size-schedule has a bad number 'INF'"),
