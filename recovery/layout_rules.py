@@ -371,9 +371,10 @@ def expert_sizes(shape: ModelShape, rules: RuleFlags) -> list[int]:
 
 # -- pipeline ---------------------------------------------------------------------------------
 
-def _largest_divisor_at_most(values: Sequence[int], limit: int) -> int:
-    """The largest d <= limit dividing every value (1 always does)."""
-    return max(d for d in range(1, max(limit, 1) + 1) if all(v % d == 0 for v in values))
+def largest_divisor_at_most(values: Sequence[int], limit: int) -> int:
+    """The largest d <= limit dividing every value (1 always does). Found among the
+    divisors, not by counting up to ``limit``: a mistyped 10^12 hung the planner."""
+    return max(d for d in divisors(math.gcd(*values)) if d <= max(limit, 1))
 
 
 def _interleaving_allowed(flags: PipelineFlags, pp: int) -> bool:
@@ -405,7 +406,7 @@ def _uneven_split(shape: ModelShape, flags: PipelineFlags, pp: int) -> PipelineS
     counts = [count for count in (first, last, per_middle or None) if count]
     vpp = 1
     if flags.virtual_stages_per_rank and _interleaving_allowed(flags, pp):
-        vpp = _largest_divisor_at_most(counts, flags.virtual_stages_per_rank)
+        vpp = largest_divisor_at_most(counts, flags.virtual_stages_per_rank)
     stages = (first if first is not None else per_middle, per_middle or (first or last),
               last if last is not None else per_middle)
     return PipelineSplit(pp, stages, vpp, True)
@@ -421,10 +422,10 @@ def _even_split(shape: ModelShape, flags: PipelineFlags, pp: int) -> PipelineSpl
     vpp = 1
     if _interleaving_allowed(flags, pp):
         if flags.layers_per_virtual_stage:
-            chunk = _largest_divisor_at_most([per_rank], flags.layers_per_virtual_stage)
+            chunk = largest_divisor_at_most([per_rank], flags.layers_per_virtual_stage)
             vpp = per_rank // chunk
         elif flags.virtual_stages_per_rank:
-            vpp = _largest_divisor_at_most([per_rank], flags.virtual_stages_per_rank)
+            vpp = largest_divisor_at_most([per_rank], flags.virtual_stages_per_rank)
     if pp == 1:
         stages = (shape.num_layers,) * 3
     return PipelineSplit(pp, stages, vpp, True)
@@ -530,5 +531,5 @@ def optimizer_instances_for(split: ModelSplit, rules: RuleFlags, dp: int) -> int
 
 def most_instances(asked: int, dp_x_cp: int, expert_dp: int) -> int:
     """The most instances, up to ``asked``, that divide both data-parallel sizes."""
-    return max(n for n in range(1, asked + 1) if dp_x_cp % n == 0 and expert_dp % n == 0)
+    return largest_divisor_at_most([dp_x_cp, expert_dp], asked)
 

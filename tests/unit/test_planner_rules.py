@@ -4,6 +4,8 @@ Citations: NVIDIA/Megatron-LM main, commit d98e8a6 (August 2026); megatron-core 
 the same checks in the same functions.
 """
 
+import time
+
 import pytest
 
 from ftmaster.recovery.layout_rules import (ModelSplit, PipelineFlags, RuleFlags,
@@ -415,3 +417,18 @@ def test_uniform_recompute_groups_tile_every_pipeline_chunk():
             chunk = 12 // plan.pipeline_model_parallel_size // (
                 plan.virtual_pipeline_model_parallel_size or 1)
             assert chunk % 3 == 0, (gpus, mode, plan.pipeline_model_parallel_size)
+
+
+@pytest.mark.parametrize("flag", ["--num-virtual-stages-per-pipeline-rank",
+                                  "--num-layers-per-virtual-pipeline-stage",
+                                  "--num-distributed-optimizer-instances"])
+def test_a_huge_count_is_capped_by_what_divides_not_searched_one_by_one(flag):
+    # Each of these asks for the largest divisor up to the flag's value; counting up to a
+    # mistyped 10^12 hung the planner.
+    args = ["x.py", "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+            "--seq-length", "512", "--micro-batch-size", "1", "--global-batch-size", "16",
+            "--pipeline-model-parallel-size", "2", flag, "999999999999"]
+    started = time.perf_counter()
+    plan = plan_layout(args, 8)
+    assert time.perf_counter() - started < 1
+    assert plan.num_gpus_used == 8
