@@ -374,7 +374,8 @@ def expert_sizes(shape: ModelShape, rules: RuleFlags) -> list[int]:
 def largest_divisor_at_most(values: Sequence[int], limit: int) -> int:
     """The largest d <= limit dividing every value (1 always does). Found among the
     divisors, not by counting up to ``limit``: a mistyped 10^12 hung the planner."""
-    return max(d for d in divisors(math.gcd(*values)) if d <= max(limit, 1))
+    common = math.gcd(*values) or max(limit, 1)  # every d divides 0
+    return max(d for d in divisors(common) if d <= max(limit, 1))
 
 
 def _interleaving_allowed(flags: PipelineFlags, pp: int) -> bool:

@@ -4,7 +4,6 @@ Citations: NVIDIA/Megatron-LM main, commit d98e8a6 (August 2026); megatron-core 
 the same checks in the same functions.
 """
 
-import time
 
 import pytest
 
@@ -422,13 +421,12 @@ def test_uniform_recompute_groups_tile_every_pipeline_chunk():
 @pytest.mark.parametrize("flag", ["--num-virtual-stages-per-pipeline-rank",
                                   "--num-layers-per-virtual-pipeline-stage",
                                   "--num-distributed-optimizer-instances"])
+@pytest.mark.timeout(20)  # it plans in milliseconds; before, it hung
 def test_a_huge_count_is_capped_by_what_divides_not_searched_one_by_one(flag):
     # Each of these asks for the largest divisor up to the flag's value; counting up to a
     # mistyped 10^12 hung the planner.
     args = ["x.py", "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
             "--seq-length", "512", "--micro-batch-size", "1", "--global-batch-size", "16",
             "--pipeline-model-parallel-size", "2", flag, "999999999999"]
-    started = time.perf_counter()
     plan = plan_layout(args, 8)
-    assert time.perf_counter() - started < 1
     assert plan.num_gpus_used == 8

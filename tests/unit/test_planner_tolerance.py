@@ -2,7 +2,6 @@
 idle-GPU warning and hot spares."""
 
 import math
-import time
 
 import pytest
 
@@ -128,13 +127,12 @@ def test_tolerance_on_a_derived_global_batch_pins_the_new_one():
     assert flag_value(plan.command, "--train-samples") == "80"  # 10 iterations of 8
 
 
-def test_a_huge_node_with_a_tolerance_is_planned_in_well_under_a_second():
+@pytest.mark.timeout(20)  # it plans in milliseconds; before, it ran for minutes
+def test_a_huge_node_with_a_tolerance_is_planned_without_walking_every_dp_size():
     # Each split's DP sizes were walked down from what the node allows, 10^8 here, though
     # no DP above the largest allowed batch can divide one: the idle warning's tolerance
     # ladder ran for minutes.
     small = ["x.py", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads",
              "32", "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "64"]
-    started = time.perf_counter()
     plan = plan_layout(small, 10**8)
-    assert time.perf_counter() - started < 1
     assert plan.global_batch_size == 64
