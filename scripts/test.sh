@@ -3,9 +3,10 @@
 #
 # With no arguments it runs in two passes. tests/unit and tests/integration go to pytest-xdist
 # workers, one per core up to 4 (FTMASTER_TEST_WORKERS overrides): most of their tests keep one
-# core busy or wait on a rendezvous. tests/e2e and tests/gpu then run in one process: each
-# launch keeps every core busy, and their rehearsals time training against the monitor's
-# interval and the supervisor's deadlines. The exit status is the first failing pass's.
+# core busy or wait on a rendezvous. tests/e2e and tests/gpu (and the warm workers' tests) then
+# run in one process: each launch keeps every core busy, and their rehearsals time training
+# against the monitor's interval and the supervisor's deadlines. The exit status is the first
+# failing pass's.
 # With arguments it is pytest with those arguments, in one process.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,8 +20,12 @@ workers="${FTMASTER_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
 case "$workers" in ''|*[!0-9]*|0)
     echo "test.sh: FTMASTER_TEST_WORKERS needs a whole number >= 1, got '$workers'" >&2; exit 2 ;;
 esac
+# Warm workers wait at the scheduler's least weight (a nice-19 session, as they do beside
+# training): beside another worker's tests they took over 120 s to import, so they run alone.
+idle_only=tests/integration/test_warm_workers.py
 status=0
 # loadfile: a file's tests share one worker, so a module-scoped fixture (a reference run) runs once
-"$py" -m pytest -n "$workers" --dist loadfile tests/unit tests/integration || status=$?
-"$py" -m pytest tests/e2e tests/gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+"$py" -m pytest -n "$workers" --dist loadfile --ignore="$idle_only" tests/unit tests/integration \
+    || status=$?
+"$py" -m pytest "$idle_only" tests/e2e tests/gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"
