@@ -594,3 +594,34 @@ def test_a_node_serves_no_dumps_an_earlier_ftmaster_left_under_a_round_number_of
             replication.close()
     assert [(g.node_rank, g.bytes) for g in gathered] == [(1, 0)]
     assert list(dumps.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["..", "../state.pt", "sub/state.pt"])
+def test_a_dump_report_naming_a_file_outside_its_rank_folder_is_refused(tmp_path, name):
+    """A peer's dump report names the files its rank dumped; one naming ``..`` passed the
+    check that the name is a plain file name (``Path('..').name`` is ``..``). Only the peer's
+    server stood between it and a copy into the round's folder itself (it answered 404, and
+    the merge's reason named a missing file, not the report)."""
+    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
+                    for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        theirs = rank_dump_dir(round_dump_folder(folders[1], 2), 2)
+        theirs.mkdir(parents=True)
+        (theirs / "state.pt").write_bytes(b"rank 2's state")
+        report_path(theirs.parent, 2).write_text(json.dumps(
+            {"rank": 2, "files": {name: digest_file(theirs / "state.pt").as_json()}}))
+        dumps = round_dump_folder(folders[0], 2)
+        dumps.mkdir(parents=True)
+        gathered = replications[0].gather_dumps(dumps, records, [2, 2])
+    finally:
+        for replication in replications:
+            replication.close()
+    assert len(gathered) == 1 and "outside its dump" in gathered[0].reason
+    assert [p.name for p in dumps.iterdir()] in ([], [rank_dump_dir(dumps, 2).name])
+    assert not any(p.is_file() for p in dumps.rglob("*"))

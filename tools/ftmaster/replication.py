@@ -46,7 +46,7 @@ from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
                                            mark_replicated, mark_whole, replicated_here,
                                            set_tracker, unmark_replicated, unmark_whole)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
-                                        digest_bytes, known_manifest_name)
+                                        digest_bytes, is_plain_file_name, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
@@ -400,7 +400,7 @@ class Replication:
         target = rank_dump_dir(folder, rank)
         target.mkdir(parents=True, exist_ok=True)
         for name, entry in files.items():
-            if Path(name).name != name:
+            if not is_plain_file_name(name):
                 raise ValueError(f"rank {rank}'s report names a file outside its dump: {name!r}")
             client.fetch(f"{relative}/{target.name}/{name}", target / name,
                          FileDigest(int(entry["bytes"]), str(entry["digest"])))
