@@ -8,12 +8,14 @@ import pytest
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.summary.writer.record_writer import RecordWriter  # noqa: E402
 
 from ftmaster.board import RunBoard  # noqa: E402
 
 
-def scalars(folder, tag):
-    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+def scalars(path, tag):
+    """The points of ``tag`` in the event files of a folder, or in one event file."""
+    accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
     accumulator.Reload()
     return [(e.step, e.value) for e in accumulator.Scalars(tag)]
 
@@ -74,6 +76,65 @@ def test_a_relaunch_from_an_older_checkpoint_keeps_the_risk_before_the_failure(t
     assert shown(risk) == risk == [(15, 0.25), (16, 0.5), (17, 0.875), (18, 0.25)]
     assert shown(scalars(tmp_path, "ftmaster/alerts")) == [(17, 2.0)]
     assert shown(scalars(tmp_path, "ftmaster/failures")) == [(17, 1.0), (18, 2.0)]
+
+
+def event_file(folder):
+    (path,) = folder.glob("*tfevents*")
+    return path
+
+
+def test_a_second_launch_on_the_folder_continues_after_the_first(tmp_path):
+    """A SLURM requeue, or an operator relaunching after gave_up, starts another ftmaster on
+    the same folder. Its board began at iteration 0 with both counts at 0: the risk sampled
+    before its first heartbeat went to step 0 and TensorBoard dropped the first launch's whole
+    curve, and the counts began again at 1. It continues at the furthest iteration and the
+    counts the folder holds; GPU 1's peak there (the failure's) stays the highest sample."""
+    first = RunBoard(tmp_path)
+    for iteration, risk in ((15, 0.25), (16, 0.875)):
+        first.observe_heartbeat({"iteration": iteration})
+        first.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=risk)], ["alert"])
+    first.observe_event({"event": "failure", "iteration": 16, "time": 10.0})
+    first.close()
+    first_file = event_file(tmp_path)
+    second = RunBoard(tmp_path)
+    second.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=0.125)], ["alert"])
+    second.observe_heartbeat({"iteration": 11})
+    second.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=0.125)], [])
+    second.observe_event({"event": "failure", "iteration": 11, "time": 20.0})
+    second.observe_heartbeat({"iteration": 17})
+    second.observe_samples([SimpleNamespace(gpu_id=1, failure_risk=0.5)], [])
+    second.close()
+    (second_file,) = set(tmp_path.glob("*tfevents*")) - {first_file}
+
+    def across_launches(tag):
+        written = scalars(second_file, tag)
+        assert min(step for step, _ in written) >= 16
+        return shown(scalars(first_file, tag) + written)
+
+    assert across_launches("ftmaster/risk/gpu1") == [(15, 0.25), (16, 0.875), (17, 0.5)]
+    assert across_launches("ftmaster/alerts") == [(15, 1.0), (16, 3.0)]
+    assert across_launches("ftmaster/failures") == [(16, 2.0)]
+
+
+def test_a_file_it_cannot_read_to_the_end_counts_for_what_it_read(tmp_path, caplog):
+    """A launch killed mid-write leaves a truncated record; another tool's file may hold no
+    events at all. Neither may end the launch: what they hold before the fault counts."""
+    first = RunBoard(tmp_path)
+    for iteration in (5, 9):
+        first.observe_event({"event": "failure", "iteration": iteration, "time": 1.0})
+    first.close()
+    killed = event_file(tmp_path)
+    killed.write_bytes(killed.read_bytes()[:-3])  # the failure at 9 is cut
+    with open(tmp_path / "events.out.tfevents.9999999999.other", "wb") as other:
+        RecordWriter(other).write(b"\xff" * 16)  # framed, but not an event
+    with caplog.at_level(logging.WARNING, logger="ftmaster"):
+        board = RunBoard(tmp_path)
+    assert board.iteration == 5
+    assert len(caplog.records) == 1 and "DecodeError" in caplog.text
+    board.observe_event({"event": "failure", "time": 2.0})
+    board.close()
+    (written,) = set(tmp_path.glob("*tfevents*")) - {killed, tmp_path / other.name}
+    assert scalars(written, "ftmaster/failures") == [(5, 2.0)]
 
 
 class FullDisk:

@@ -15,6 +15,11 @@ every point at or after it, so a relaunch from an older checkpoint would drop th
 came before the failure. What is sampled while the run redoes iterations (or while nothing
 trains) counts at the furthest one.
 
+Another launch on the folder (a SLURM requeue, a relaunch after ``gave_up``) writes a new event
+file beside the earlier ones, and TensorBoard reads them as one run: its board continues where
+they end, at the furthest iteration and with the counts they hold, the risk there a peak its
+samples can only raise. A file it cannot read to the end counts for what it read.
+
 They are never worth the run: the first write that fails (a full disk under the folder) is
 said in one line, and the scalars stop there.
 """
@@ -31,18 +36,56 @@ from ftmaster.scalar_writer import GuardedWriter
 log = logging.getLogger("ftmaster")
 
 
+RISK = "ftmaster/risk/gpu"
+ALERTS = "ftmaster/alerts"
+FAILURES = "ftmaster/failures"
+Point = tuple[int, float]  # (step, value)
+
+
+def last_points(folder: Path) -> dict[str, Point]:
+    """Each ftmaster tag's last point in the event files of ``folder``, read in
+    TensorBoard's order (by file name): where its curve ends. A truncated tail (a launch
+    killed mid-write) is left off, as TensorBoard leaves it."""
+    # imports tensorboard: only with a board
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    last: dict[str, Point] = {}
+    for path in sorted(folder.glob("*tfevents*")):
+        try:
+            for event in LegacyEventFileLoader(str(path)).Load():
+                for value in event.summary.value:
+                    if value.tag.startswith("ftmaster/") and value.HasField("simple_value"):
+                        last[value.tag] = (event.step, value.simple_value)
+        except Exception as error:  # foreign bytes, or the file system's error: the run goes on
+            log.warning("ftmaster's TensorBoard scalars: %s is unreadable past %s: %s",
+                        path, type(error).__name__, error)
+    return last
+
+
+def risk_peaks_at(points: dict[str, Point], iteration: int) -> dict[int, Point]:
+    """The risk points among ``points`` at ``iteration``, by GPU: the peaks samples there raise."""
+    peaks = {}
+    for tag, point in points.items():
+        gpu = tag.removeprefix(RISK)
+        if tag.startswith(RISK) and gpu.isdigit() and point[0] == iteration:
+            peaks[int(gpu)] = point
+    return peaks
+
+
 class RunBoard:
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
+        earlier = last_points(folder)
         self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
                                     f"ftmaster's TensorBoard scalars in {folder}", log.error)
-        self.iteration = 0
+        self.iteration = max((step for step, _ in earlier.values()), default=0)
         """The furthest iteration the run reached (see the module docstring)."""
         # GPU -> (iteration, its highest risk yet), written once a sample comes at another
         # iteration, or at close: the monitor's thread's alone until then
-        self._risk_peak: dict[int, tuple[int, float]] = {}
-        self._alerts = self._failures = 0
+        self._risk_peak = risk_peaks_at(earlier, self.iteration)
+        self._alerts = int(earlier.get(ALERTS, (0, 0))[1])
+        self._failures = int(earlier.get(FAILURES, (0, 0))[1])
         self._recoveries = Recoveries()
 
     @classmethod
@@ -67,10 +110,10 @@ class RunBoard:
             self._risk_peak[sample.gpu_id] = (at, max(peak, sample.failure_risk))
         for _ in alerts:
             self._alerts += 1
-            self.writer.add_scalar("ftmaster/alerts", self._alerts, self.iteration)
+            self.writer.add_scalar(ALERTS, self._alerts, self.iteration)
 
     def _write_risk(self, gpu: int, iteration: int, risk: float) -> None:
-        self.writer.add_scalar(f"ftmaster/risk/gpu{gpu}", risk, iteration)
+        self.writer.add_scalar(f"{RISK}{gpu}", risk, iteration)
 
     def observe_heartbeat(self, heartbeat: dict | None) -> None:
         if heartbeat:
@@ -87,7 +130,7 @@ class RunBoard:
             self._failures += 1
             if isinstance(event.get("iteration"), int):
                 self._reached(event["iteration"])
-            self.writer.add_scalar("ftmaster/failures", self._failures, self.iteration)
+            self.writer.add_scalar(FAILURES, self._failures, self.iteration)
         recovered = self._recoveries.observe(event)
         if recovered is not None:
             at = self.iteration if recovered.loaded is None else recovered.loaded
