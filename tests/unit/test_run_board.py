@@ -2,6 +2,7 @@
 
 import errno
 import logging
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -135,6 +136,26 @@ def test_a_file_it_cannot_read_to_the_end_counts_for_what_it_read(tmp_path, capl
     board.close()
     (written,) = set(tmp_path.glob("*tfevents*")) - {killed, tmp_path / other.name}
     assert scalars(written, "ftmaster/failures") == [(5, 2.0)]
+
+
+def test_a_record_whose_length_is_damaged_ends_the_file_where_it_lies(tmp_path, caplog):
+    """A flipped bit in a record's length would read the rest of the file out of step: every
+    later event garbage, or a step far beyond the run's."""
+    first = RunBoard(tmp_path)
+    for iteration in (5, 9):
+        first.observe_event({"event": "failure", "iteration": iteration, "time": 1.0})
+    first.close()
+    damaged = event_file(tmp_path)
+    data = bytearray(damaged.read_bytes())
+    starts = [0]
+    while starts[-1] < len(data):  # each record: length (8), its CRC (4), body, body's CRC (4)
+        starts.append(starts[-1] + 16 + struct.unpack_from("<Q", data, starts[-1])[0])
+    data[starts[-2]] ^= 0x01  # the last record's length: the failure at 9
+    damaged.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ftmaster"):
+        board = RunBoard(tmp_path)
+    assert board.iteration == 5 and "damaged length" in caplog.text
+    board.close()
 
 
 class FullDisk:

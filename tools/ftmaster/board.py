@@ -27,6 +27,7 @@ said in one line, and the scalars stop there.
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 from ftmaster.metrics import Recoveries
@@ -46,13 +47,10 @@ def last_points(folder: Path) -> dict[str, Point]:
     """Each ftmaster tag's last point in the event files of ``folder``, read in
     TensorBoard's order (by file name): where its curve ends. A truncated tail (a launch
     killed mid-write) is left off, as TensorBoard leaves it."""
-    # imports tensorboard: only with a board
-    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
-
     last: dict[str, Point] = {}
     for path in sorted(folder.glob("*tfevents*")):
         try:
-            for event in LegacyEventFileLoader(str(path)).Load():
+            for event in _events(path):
                 for value in event.summary.value:
                     if value.tag.startswith("ftmaster/") and value.HasField("simple_value"):
                         last[value.tag] = (event.step, value.simple_value)
@@ -60,6 +58,27 @@ def last_points(folder: Path) -> dict[str, Point]:
             log.warning("ftmaster's TensorBoard scalars: %s is unreadable past %s: %s",
                         path, type(error).__name__, error)
     return last
+
+
+def _events(path: Path):
+    """The events of a TFRecord file up to a truncated tail. Only each record's length is
+    checked against its CRC, which keeps the framing honest: tensorboard's own reader checks
+    every record's body too, in pure Python: 3.1 s against 0.9 s here for the 200,000 risk
+    points of 25,000 iterations on 8 GPUs, read on the launch's way to its first attempt."""
+    # imports tensorboard: only with a board
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    data, at = path.read_bytes(), 0
+    while at + 16 <= len(data):
+        header = data[at:at + 8]
+        if masked_crc32c(header) != struct.unpack_from("<I", data, at + 8)[0]:
+            raise ValueError(f"the record at byte {at} has a damaged length")
+        end = at + 12 + struct.unpack("<Q", header)[0]
+        if end + 4 > len(data):
+            return
+        yield Event.FromString(data[at + 12:end])
+        at = end + 4
 
 
 def risk_peaks_at(points: dict[str, Point], iteration: int) -> dict[int, Point]:
