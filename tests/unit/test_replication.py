@@ -569,29 +569,13 @@ def test_a_node_serves_no_dumps_an_earlier_ftmaster_left_under_a_round_number_of
     hang with no culprit there), but its folder held replicas/round_2 of an earlier job,
     killed between its dumps and their merge: node 0's merge of round 2 gathered that earlier
     job's state beside this one's."""
-    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
     from ftmaster.replica_recovery import ReplicaRecovery
 
     folders = [tmp_path / "node0", tmp_path / "node1"]
-    earlier = rank_dump_dir(round_dump_folder(folders[1], 2), 2)
-    earlier.mkdir(parents=True)
-    (earlier / "state.pt").write_bytes(b"an earlier job's state")
-    report_path(earlier.parent, 2).write_text(json.dumps(
-        {"rank": 2, "files": {"state.pt": digest_file(earlier / "state.pt").as_json()}}))
+    dump_rank_2_of_round_2(folders[1], "state.pt")
     # Node 1's ftmaster of this job starts, with replica recovery, on that folder
     ReplicaRecovery(tmp_path / "run1", folders[1], tmp_path / "save", lambda *a, **k: None)
-    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
-                    for r in (0, 1)]
-    try:
-        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
-        for r in (0, 1):
-            replications[r].new_round(SECRET, records, r, [2, 2])
-        dumps = round_dump_folder(folders[0], 2)  # node 0's own dumps of round 2
-        dumps.mkdir(parents=True)
-        gathered = replications[0].gather_dumps(dumps, records, [2, 2])
-    finally:
-        for replication in replications:
-            replication.close()
+    gathered, dumps = gather_round_2(tmp_path, folders)
     assert [(g.node_rank, g.bytes) for g in gathered] == [(1, 0)]
     assert list(dumps.iterdir()) == []
 
@@ -602,26 +586,41 @@ def test_a_dump_report_naming_a_file_outside_its_rank_folder_is_refused(tmp_path
     check that the name is a plain file name (``Path('..').name`` is ``..``). Only the peer's
     server stood between it and a copy into the round's folder itself (it answered 404, and
     the merge's reason named a missing file, not the report)."""
-    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
+    from ftmaster.recovery.replicas import rank_dump_dir
 
     folders = [tmp_path / "node0", tmp_path / "node1"]
+    dump_rank_2_of_round_2(folders[1], name)
+    gathered, dumps = gather_round_2(tmp_path, folders)
+    assert len(gathered) == 1 and "outside its dump" in gathered[0].reason
+    assert [p.name for p in dumps.iterdir()] in ([], [rank_dump_dir(dumps, 2).name])
+    assert not any(p.is_file() for p in dumps.rglob("*"))
+
+
+def dump_rank_2_of_round_2(memory_dir: Path, listed_as: str) -> None:
+    """Rank 2's dump of round 2 in ``memory_dir``: one file, its report naming it ``listed_as``."""
+    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
+
+    dump = rank_dump_dir(round_dump_folder(memory_dir, 2), 2)
+    dump.mkdir(parents=True)
+    (dump / "state.pt").write_bytes(b"rank 2's state")
+    report_path(dump.parent, 2).write_text(json.dumps(
+        {"rank": 2, "files": {listed_as: digest_file(dump / "state.pt").as_json()}}))
+
+
+def gather_round_2(tmp_path: Path, folders: list[Path]) -> tuple[list, Path]:
+    """Node 0's gathering of round 2's dumps from node 1 (2 ranks each): what it returned, and
+    node 0's dump folder it gathered into."""
+    from ftmaster.recovery.replicas import round_dump_folder
+
     replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
                     for r in (0, 1)]
     try:
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        theirs = rank_dump_dir(round_dump_folder(folders[1], 2), 2)
-        theirs.mkdir(parents=True)
-        (theirs / "state.pt").write_bytes(b"rank 2's state")
-        report_path(theirs.parent, 2).write_text(json.dumps(
-            {"rank": 2, "files": {name: digest_file(theirs / "state.pt").as_json()}}))
-        dumps = round_dump_folder(folders[0], 2)
+        dumps = round_dump_folder(folders[0], 2)  # node 0's own dumps of round 2
         dumps.mkdir(parents=True)
-        gathered = replications[0].gather_dumps(dumps, records, [2, 2])
+        return replications[0].gather_dumps(dumps, records, [2, 2]), dumps
     finally:
         for replication in replications:
             replication.close()
-    assert len(gathered) == 1 and "outside its dump" in gathered[0].reason
-    assert [p.name for p in dumps.iterdir()] in ([], [rank_dump_dir(dumps, 2).name])
-    assert not any(p.is_file() for p in dumps.rglob("*"))
