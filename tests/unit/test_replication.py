@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import threading
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_cl
 import json
 
 from ftmaster.persist import PersistError, PersistSuperseded, persist
-from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
+from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iteration_dir,
                                            kept_memory_checkpoints, mark_replicated, mark_whole,
                                            read_tracker, replicated_here, whole_here)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
@@ -177,6 +178,82 @@ def test_a_copy_that_got_nothing_from_a_peer_that_pruned_it_is_a_failed_copy(tmp
         peer.close()
     assert isinstance(failed, ReplicationFailed) and failed.iteration == 4
     assert failed.reason == "node 1 no longer holds __2_0.distcp, __3_0.distcp"
+
+
+def copying_node_1(tmp_path):
+    """Node 1 (ranks 2-3) about to copy iteration 4 from node 0 (ranks 0-1, rank 0's files)."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    replication = Replication(ReplicationConfig(folders[1], tmp_path / "run1", 1, timeout_s=5))
+    peer = PeerServer(PeerServeConfig(folders[0], SECRET))
+    replication.new_round(SECRET, (replace(nodes(2)[0], peer_url=peer.url),
+                                   replace(nodes(2)[1], peer_url=replication.url)), 1, [2, 2])
+    return folders[1], replication, peer
+
+
+def trainer_claims_as_the_copy_checks(monkeypatch, path, found, claim):
+    """The trainer (another process) claims a slot just as the copy finds whether ``path`` is
+    a file (``found``): it goes ahead at once, or as soon as the tier's lock lets it."""
+    is_file, claims = Path.is_file, []
+
+    def checked(self):
+        answer = is_file(self)
+        if self == path and answer == found and not claims:
+            claims.append(threading.Thread(target=claim))
+            claims[0].start()
+            claims[0].join(0.5)
+        return answer
+
+    monkeypatch.setattr(Path, "is_file", checked)
+    return claims
+
+
+def test_a_slot_refilled_as_a_copy_turns_whole_is_never_named_by_the_nodes_tracker(
+        tmp_path, monkeypatch):
+    """A copy that lasted two memory intervals: the trainer took the slot for its next save
+    between the copy's finding its manifest and its moving the tracker, which then named a
+    folder gone (and, on a rollback saving that iteration again, one being written)."""
+    folder, replication, peer = copying_node_1(tmp_path)
+    claims = trainer_claims_as_the_copy_checks(
+        monkeypatch, iteration_dir(folder, 4) / MANIFEST_NAME, True,
+        lambda: MemorySlots(folder, {2, 3}).claim(4, iteration_dir(folder, 6)))
+    try:
+        replication._copy(4, replication._peers)
+    finally:
+        replication.close()
+        peer.close()
+    claims[0].join()
+    tracked = read_tracker(folder)
+    assert tracked is None or is_complete(iteration_dir(folder, tracked))
+
+
+def test_a_copy_whose_slot_the_trainer_refills_fails_and_never_makes_its_folder_again(
+        tmp_path, monkeypatch):
+    """Taken between the copy's looking for a manifest and its writing the held one, the
+    folder was made again around that manifest and filled with the peer's copies: memory no
+    checkpoint used, published as a part this node holds."""
+    import ftmaster.replication as replication_module
+
+    folder, replication, peer = copying_node_1(tmp_path)
+    claims = trainer_claims_as_the_copy_checks(
+        monkeypatch, iteration_dir(folder, 4) / MANIFEST_NAME, False,
+        lambda: MemorySlots(folder, {2, 3}).claim(4, iteration_dir(folder, 6)))
+    fill = replication_module.fill_from_peer
+
+    def fill_once_claimed(*args, **kwargs):
+        claims[0].join()  # the claim, let go by the tier's lock, has renamed the folder
+        return fill(*args, **kwargs)
+
+    monkeypatch.setattr(replication_module, "fill_from_peer", fill_once_claimed)
+    try:
+        with pytest.raises(OSError, match="taken by this node's trainer"):
+            replication._copy(4, replication._peers)
+    finally:
+        replication.close()
+        peer.close()
+    assert not iteration_dir(folder, 4).exists()
+    assert sorted(p.name for p in iteration_dir(folder, 6).iterdir()) == [
+        "__2_0.distcp", "__3_0.distcp"]
 
 
 def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_path):

@@ -500,19 +500,21 @@ def write_manifest(folder: Path, manifest: bytes, name: str = MANIFEST_NAME) -> 
 
 
 def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: bytes,
-                   names: Iterable[str] | None = None) -> Copied:
+                   names: Iterable[str] | None = None, make_folder: bool = True) -> Copied:
     """Fetch into ``into``'s folder of ``iteration`` every file ``manifest`` lists (or those of
     ``names`` it lists) that is not already there, verified on arrival; a file the peer lacks
     too is left missing. Once the folder holds every file of the manifest, the manifest is
     written, last, so a copy with one is whole and verified, as a checkpoint written in place
     is. A file already there with the manifest's size and digest is kept, so a copy resumes
     where one broke. Raises PeerError for an unusable manifest, a peer that cannot be read,
-    or a file that does not match."""
+    or a file that does not match. Without ``make_folder``, a folder that is gone (taken by a
+    newer save) is not made again: the next file's fetch raises FileNotFoundError."""
     started = time.perf_counter()
     folder = iteration_dir(into, iteration)
     files = manifest_files(manifest, iteration, client.url)
     wanted = files if names is None else {n: files[n] for n in names if n in files}
-    folder.mkdir(parents=True, exist_ok=True)
+    if make_folder:
+        folder.mkdir(parents=True, exist_ok=True)
     copied, missing = 0, []
     for file, expected in sorted(wanted.items()):
         if _holds(folder / file, expected):

@@ -41,10 +41,11 @@ from ftmaster.membership import StoreLost
 from ftmaster.peer_files import (PEERS_FILE, Copied, PeerClient, PeerError, PeerMissing,
                                  PeerServeConfig, PeerServer, fill_from_peer, manifest_files,
                                  none_served, write_manifest, write_peer_list)
-from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir,
-                                           kept_memory_checkpoints, list_iterations,
-                                           mark_replicated, mark_whole, replicated_here,
-                                           set_tracker, unmark_replicated, unmark_whole)
+from ftmaster.recovery.checkpoints import (advance_tracker, advance_tracker_locked,
+                                           iteration_dir, kept_memory_checkpoints,
+                                           list_iterations, mark_replicated, mark_whole,
+                                           replicated_here, set_tracker, tracker_lock,
+                                           unmark_replicated, unmark_whole)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
                                         digest_bytes, is_plain_file_name, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
@@ -103,6 +104,12 @@ def known_manifest(folder: Path) -> bytes | None:
         return None if name is None else (folder / name).read_bytes()
     except OSError:  # pruned meanwhile
         return None
+
+
+def _taken(folder: Path) -> OSError:
+    return FileNotFoundError(f"{folder} was taken by this node's trainer (a newer save's slot "
+                             f"refill, pruning, or a resume setting it aside) before its copy "
+                             f"ended")
 
 
 def _has_size(path: Path, size: int) -> bool:
@@ -465,25 +472,53 @@ class Replication:
         else:
             manifest = self._client(peers.rank0[1], peers).read(f"{folder.name}/{MANIFEST_NAME}")
         listed = manifest_files(manifest, iteration, "the manifest")
-        files = sorted(listed)
-        if not (folder / MANIFEST_NAME).is_file():  # what the peers read to copy or persist
-            write_manifest(folder, manifest, HELD_MANIFEST_NAME)
+        self._hold_manifest(folder, manifest)
+        try:
+            self._fill(iteration, peers, manifest, sorted(listed))
+        except FileNotFoundError:
+            if folder.is_dir():
+                raise
+            raise _taken(folder) from None
         if peers.rank0 is not None:
-            own_files = [name for name in files if writer_rank(name) is None]
-            self._report(peers.rank0[0], fill_from_peer(
-                self._client(peers.rank0[1], peers), iteration, self.config.memory_dir,
-                manifest, own_files))
-        for node_rank, url, ranks in peers.sources:
-            shards = [name for name in files if writer_rank(name) in ranks]
-            self._report(node_rank, fill_from_peer(self._client(url, peers), iteration,
-                                                   self.config.memory_dir, manifest, shards))
-        if peers.rank0 is not None and (folder / MANIFEST_NAME).is_file():
-            advance_tracker(self.config.memory_dir, iteration)  # this node's copy is whole
-            (folder / HELD_MANIFEST_NAME).unlink(missing_ok=True)
+            self._track_whole_copy(folder, iteration)
         if all(_has_size(folder / name, expected.bytes) for name, expected in listed.items()):
             # Kept from the trainer's next slot refill: on the node of rank 0 the tracker
             # names the newest save, whole here or not.
             mark_whole(self.config.memory_dir, iteration)
+
+    def _hold_manifest(self, folder: Path, manifest: bytes) -> None:
+        """The manifest beside this node's part, for the peers to read what to copy or
+        persist. Under the tier's lock, as the trainer takes a slot to refill it or prunes:
+        a copy that outlasted two memory saves finds its folder taken, and must not make it
+        again (around the held manifest, then filled with peer copies nothing loads)."""
+        with tracker_lock(self.config.memory_dir):
+            if not folder.is_dir():
+                raise _taken(folder)
+            if not (folder / MANIFEST_NAME).is_file():
+                write_manifest(folder, manifest, HELD_MANIFEST_NAME)
+
+    def _fill(self, iteration: int, peers: Peers, manifest: bytes, files: list[str]) -> None:
+        """Rank 0's files from its node, then the shards of this node's sources; into the
+        folder this node's ranks saved, never made again once the trainer took it."""
+        if peers.rank0 is not None:
+            own_files = [name for name in files if writer_rank(name) is None]
+            self._report(peers.rank0[0], fill_from_peer(
+                self._client(peers.rank0[1], peers), iteration, self.config.memory_dir,
+                manifest, own_files, make_folder=False))
+        for node_rank, url, ranks in peers.sources:
+            shards = [name for name in files if writer_rank(name) in ranks]
+            self._report(node_rank, fill_from_peer(self._client(url, peers), iteration,
+                                                   self.config.memory_dir, manifest, shards,
+                                                   make_folder=False))
+
+    def _track_whole_copy(self, folder: Path, iteration: int) -> None:
+        """This node's copy is whole: its tracker names it (and so keeps it). The check and
+        the move under the tier's lock, as the trainer takes a slot to refill it: taken in
+        between, the tracker named a folder gone."""
+        with tracker_lock(self.config.memory_dir):
+            if (folder / MANIFEST_NAME).is_file():
+                advance_tracker_locked(self.config.memory_dir, iteration)
+                (folder / HELD_MANIFEST_NAME).unlink(missing_ok=True)
 
     def _report(self, node_rank: int, copied: Copied) -> None:
         """A copy that got nothing because the peer holds none of what it lacked any more (a
