@@ -405,9 +405,14 @@ def newest_held(memory_dir: Path) -> int | None:
     """The newest memory checkpoint a tier holds whole or in part: its tracker's, or a later
     folder with a manifest of either kind (across nodes a folder that is never whole has no
     tracker, but its part may still be fetched from it)."""
-    held = [it for it in list_iterations(memory_dir)
-            if known_manifest_name(iteration_dir(memory_dir, it)) is not None]
-    return max([read_tracker(memory_dir) or 0, *held]) or None
+    return next(iter(held_iterations(memory_dir)), None)
+
+
+def held_iterations(memory_dir: Path) -> list[int]:
+    """Every memory checkpoint :func:`newest_held` counts, newest first."""
+    held = {it for it in list_iterations(memory_dir)
+            if known_manifest_name(iteration_dir(memory_dir, it)) is not None}
+    return sorted(held | {read_tracker(memory_dir) or 0} - {0}, reverse=True)
 
 
 def unmark_peer_copies(memory_dir: Path) -> None:

@@ -542,6 +542,23 @@ def test_a_relaunch_under_another_run_directory_persists_what_a_killed_run_left_
     assert removed_behind.startswith(f"removed {behind}: ")
 
 
+def test_a_left_memory_tier_whose_newest_cannot_be_persisted_gives_the_resume_its_next_one(
+        tmp_path):
+    """The stopped run's two slots, both newer than disk, the newest damaged in memory: the
+    take-over gave up on the folder, and the relaunch resumed from disk's older checkpoint,
+    though the other slot's persisted fine. The folder stays: its newest is not on disk."""
+    shm, save = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(save, 6)
+    left = left_memory_tier(shm, "ftmaster-old-2", save, tmp_path / "old-run", 8)
+    (fake_checkpoint(left, 9) / "__0_0.distcp").write_bytes(b"torn")
+    lines = []
+    assert persist_left_behind(None, save, True, lines.append, shm) == 0
+    assert read_tracker(save) == 8 and is_complete(iteration_dir(save, 8))
+    assert is_complete(iteration_dir(left, 9))
+    assert lines[-1] == (f"warning: {left} is left in place: its iteration 9 could not be "
+                         f"persisted, and is newer than disk's 8")
+
+
 def test_a_fresh_start_on_the_same_save_leaves_a_newer_memory_tier_in_place_and_says_so(tmp_path):
     """Without --load the run starts fresh: persisting would give --save checkpoints, and a
     fresh start refuses such a --save. The folder stays, and the warning says how to resume."""

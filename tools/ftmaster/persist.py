@@ -32,9 +32,9 @@ from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.lock import run_dir_in_use
 from ftmaster.runfiles import atomic_write_text, fsync_path
 from ftmaster.recovery.checkpoints import (MEMORY_HEADROOM, NON_PERSISTENT_SUBDIR,
-                                           advance_tracker_locked, is_complete, iteration_dir,
-                                           list_iterations, newest_held, newest_on_disk, pin,
-                                           read_tracker, tracker_lock, unpin)
+                                           advance_tracker_locked, held_iterations, is_complete,
+                                           iteration_dir, list_iterations, newest_on_disk,
+                                           pin, read_tracker, tracker_lock, unpin)
 from ftmaster.peer_files import PeerError, PeerMissing
 from ftmaster.recovery.manifest import (MANIFEST_NAME, DigestingWriter, FileDigest, is_whole,
                                         known_manifest_name, parse_manifest, read_manifest)
@@ -137,12 +137,14 @@ def persist_left_behind(own: Path | None, save_dir: Path, resumes: bool,
     killed, and this launch under another run directory, as a relaunch without ``--run-dir``
     is). When this run ``resumes`` from ``save_dir`` (its ``--load``), each one's newest
     checkpoint is persisted there when disk lacks it, then the folder removed: the relaunch
-    resumes from it and the node's memory is freed. A run that starts fresh leaves a newer
-    one in place (its checkpoints would make the fresh start refuse ``--save``), said as a
-    warning. Each step is told to ``say`` (``warning: `` first for one left in place).
-    Only folders of this user's, not writable by others, whose run directory exists and is
-    held by no ftmaster, are taken (``/dev/shm`` is everyone's). Call with ``save_dir``
-    claimed (no other job writes it). Returns how many folders were removed."""
+    resumes from it and the node's memory is freed (the older ones are older than that on
+    disk then). When that one cannot be persisted, the next newer than disk is, and the
+    folder stays. A run that starts fresh leaves a newer one in place (its checkpoints would
+    make the fresh start refuse ``--save``), said as a warning. Each step is told to ``say``
+    (``warning: `` first for one left in place). Only folders of this user's, not writable
+    by others, whose run directory exists and is held by no ftmaster, are taken
+    (``/dev/shm`` is everyone's). Call with ``save_dir`` claimed (no other job writes it).
+    Returns how many folders were removed."""
     save, removed = str(Path(save_dir).resolve()), 0
     for folder in sorted(Path(shm).glob("ftmaster-*")):
         owner = _owner(folder) if folder != own and _ours_alone(folder) else None
@@ -175,28 +177,40 @@ def _owner(folder: Path) -> dict | None:
 
 
 def _take_over(folder: Path, save_dir: Path, resumes: bool, say: Callable[[str], None]) -> int:
-    """1 when ``folder`` was removed, else 0."""
-    newest, disk = newest_held(folder), newest_on_disk(save_dir)
-    if newest is not None and (disk is None or newest > disk):
-        if not resumes:
-            say(f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
-                f"iteration {newest}, newer than disk's {disk}: give --load {save_dir} to resume "
-                f"from it (it is persisted first), or remove it")
-            return 0
-        say(f"persisting iteration {newest} to {save_dir} before training starts: {folder}, "
-            f"the memory tier a stopped run on this --save left, holds it (disk: {disk})")
-        try:
-            copied = persist(folder, save_dir, newest)
-        except (PersistError, OSError) as error:
-            say(f"warning: iteration {newest} could not be persisted ({error}): {folder} is "
-                f"left in place")
-            return 0
-        if copied is not None:
-            say(f"persisted iteration {newest}: {copied.bytes / 1e6:.1f} MB in "
-                f"{copied.seconds:.2f} s")
+    """1 when ``folder`` was removed, else 0. Its checkpoints newer than disk's are tried
+    newest first, as a load falls back to the next: one that cannot be persisted (damaged in
+    memory, say) leaves the resume the next one. The folder goes only once its newest is on
+    disk: a failed copy may have been the disk's fault, not the checkpoint's."""
+    disk = newest_on_disk(save_dir)
+    newer = [it for it in held_iterations(folder) if disk is None or it > disk]
+    if newer and not resumes:
+        say(f"warning: {folder}, the memory tier a stopped run on this --save left, holds "
+            f"iteration {newer[0]}, newer than disk's {disk}: give --load {save_dir} to resume "
+            f"from it (it is persisted first), or remove it")
+        return 0
+    landed = next((it for it in newer if _persisted_left(folder, save_dir, it, disk, say)), None)
+    if newer and landed != newer[0]:
+        say(f"warning: {folder} is left in place: its iteration {newer[0]} could not be "
+            f"persisted, and is newer than disk's {newest_on_disk(save_dir)}")
+        return 0
     shutil.rmtree(folder, ignore_errors=True)
     say(f"removed {folder}: the memory tier a stopped run on this --save left")
     return 1
+
+
+def _persisted_left(folder: Path, save_dir: Path, iteration: int, disk: int | None,
+                    say: Callable[[str], None]) -> bool:
+    say(f"persisting iteration {iteration} to {save_dir} before training starts: {folder}, "
+        f"the memory tier a stopped run on this --save left, holds it (disk: {disk})")
+    try:
+        copied = persist(folder, save_dir, iteration)
+    except (PersistError, OSError) as error:
+        say(f"warning: iteration {iteration} could not be persisted ({error})")
+        return False
+    if copied is not None:
+        say(f"persisted iteration {iteration}: {copied.bytes / 1e6:.1f} MB in "
+            f"{copied.seconds:.2f} s")
+    return True
 
 
 class PersistError(Exception):
