@@ -21,7 +21,8 @@ long (a straggler that dips for an iteration is the same straggler).
 Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
 run of slow iterations as it was. So is a figure that is no time (not a finite number above
 0: a NaN compared as slow for every rank it was a peer of), and a rank whose pipeline stage is
-unknown has no peers.
+unknown has no peers. A peer with no figure over the iterations of a rank's window is no
+peer of it there.
 
 A rank's compute holds what it waits for inside its model replica (the ranks of its data-
 parallel index): its tensor-parallel partners' all-reduces in every layer, its neighbouring
@@ -110,27 +111,52 @@ def positive_figure(value) -> float | None:
     return ms if math.isfinite(ms) and ms > 0 else None
 
 
-def assess(history: dict[int, list[float]], stages: dict[int, int],
+def assess(figures: dict[int, dict[int, float]], stages: dict[int, int],
            config: StragglerConfig) -> list[Assessment]:
-    """Every rank with a full window and at least one peer with one. ``history``: per rank,
-    its compute times in iteration order (newest last); ``stages``: per rank, its pipeline
-    stage (ranks of different stages do different work and are never compared; a rank of
-    unknown stage is compared with none)."""
-    full = {rank: times[-config.window:] for rank, times in history.items()
-            if len(times) >= config.window and rank in stages}
-    recent = {rank: statistics.median(times) for rank, times in full.items()}
+    """Every rank with a full window and at least one peer with a figure within it.
+    ``figures``: iteration -> {rank: compute ms}; ``stages``: per rank, its pipeline stage
+    (ranks of different stages do different work and are never compared; a rank of unknown
+    stage is compared with none). A peer stands by its figures of the iterations the rank's
+    window spans: its older ones, from before a hot room slowed every rank, would make the
+    rank look slow."""
+    series = _series(figures)
+    spans = {rank: (times[-config.window][0], times[-1][0]) for rank, times in series.items()
+             if len(times) >= config.window and rank in stages}
+    medians: dict[tuple[int, int], dict[int, float]] = {}
     assessments = []
-    for rank, times in sorted(full.items()):
-        mine = min(times)
-        peers = [value for other, value in recent.items()
-                 if other != rank and stages[other] == stages[rank]]
-        if not peers or statistics.median(peers) <= 0:
+    for rank, span in sorted(spans.items()):
+        if span not in medians:
+            medians[span] = _medians_within(series, span)
+        within = medians[span]
+        peers = [value for other, value in within.items()
+                 if other != rank and stages.get(other) == stages[rank]]
+        if not peers:
             continue
-        earlier = history[rank][:-config.window]
-        drift = (mine / statistics.median(earlier)
-                 if len(earlier) >= config.window and statistics.median(earlier) > 0 else None)
+        times = [ms for _, ms in series[rank]]
+        mine, earlier = min(times[-config.window:]), times[:-config.window]
+        drift = mine / statistics.median(earlier) if len(earlier) >= config.window else None
         assessments.append(Assessment(rank, mine / statistics.median(peers), drift))
     return assessments
+
+
+def _series(figures: dict[int, dict[int, float]]) -> dict[int, list[tuple[int, float]]]:
+    """Per rank, its (iteration, compute ms) pairs in iteration order, unknown figures left
+    out."""
+    series: dict[int, list[tuple[int, float]]] = {}
+    for iteration in sorted(figures):
+        for rank, value in figures[iteration].items():
+            if (ms := positive_figure(value)) is not None:
+                series.setdefault(rank, []).append((iteration, ms))
+    return series
+
+
+def _medians_within(series: dict[int, list[tuple[int, float]]],
+                    span: tuple[int, int]) -> dict[int, float]:
+    """Per rank with a figure in ``span`` (first and last iteration), their median."""
+    first, last = span
+    within = {rank: [ms for iteration, ms in times if first <= iteration <= last]
+              for rank, times in series.items()}
+    return {rank: statistics.median(values) for rank, values in within.items() if values}
 
 
 class StragglerTracker:
@@ -179,17 +205,9 @@ class StragglerTracker:
                             and (other in self._reported
                                  or self._slowdown.get(other, 0.0) >= self.config.ratio)))
 
-    def _history(self) -> dict[int, list[float]]:
-        history: dict[int, list[float]] = {}
-        for ranks in self._figures.values():
-            for rank, value in ranks.items():
-                history.setdefault(rank, []).append(value)
-        return history
-
     def _judge(self, iteration: int) -> list[Straggler]:
-        history = self._history()
         found = []
-        judged_now = [judged for judged in assess(history, self._stages, self.config)
+        judged_now = [judged for judged in assess(self._figures, self._stages, self.config)
                       if judged.rank in self._figures[iteration]]  # unknown: its run stays
         self._slowdown.update((judged.rank, judged.slowdown) for judged in judged_now)
         for judged in judged_now:
@@ -205,7 +223,7 @@ class StragglerTracker:
             self._slow_run[judged.rank] = self._slow_run.get(judged.rank, 0) + 1
             if self._slow_run[judged.rank] >= self.config.iterations and judged.rank not in self._reported:
                 self._reported.add(judged.rank)
-                window = history[judged.rank][-self.config.window:]
+                window = [ms for _, ms in _series(self._figures)[judged.rank][-self.config.window:]]
                 mine = min(window)
                 since = self._run_start[judged.rank] - self.config.window + 1
                 found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),

@@ -112,11 +112,10 @@ def test_a_healthy_run_raises_no_straggler_with_margin(tmp_path):
     assert code == 0, output[-4000:]
     assert events(run_dir, "straggler") == [], output[-4000:]
     assert len(figures) >= 90, sorted(figures)
-    config, history, slow_run, longest = StragglerConfig(), {}, {}, 0
+    config, seen, slow_run, longest = StragglerConfig(), {}, {}, 0
     for iteration in sorted(figures)[3:]:
-        for rank, ms in enumerate(figures[iteration]):
-            history.setdefault(rank, []).append(ms)
-        for judged in assess(history, stages, config):
+        seen[iteration] = dict(enumerate(figures[iteration]))
+        for judged in assess(seen, stages, config):
             slow_run[judged.rank] = slow_run.get(judged.rank, 0) + 1 if (
                 judged.slowdown >= config.ratio) else 0
             longest = max(longest, slow_run[judged.rank])

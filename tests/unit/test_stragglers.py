@@ -19,6 +19,12 @@ def figures(rows: dict[int, list[float]]) -> dict[int, dict[int, float]]:
     return {it: dict(enumerate(ms)) for it, ms in rows.items()}
 
 
+def by_iteration(history: dict[int, list[float]]) -> dict[int, dict[int, float]]:
+    """Per-rank compute times, all of the same iterations, as a heartbeat carries them."""
+    return {it: {rank: times[it] for rank, times in history.items() if it < len(times)}
+            for it in range(max(map(len, history.values())))}
+
+
 @pytest.mark.parametrize("history, stages, expected", [
     # the least of the window against the peers' medians
     ({0: [10, 10, 10], 1: [20, 25, 30], 2: [10, 11, 9], 3: [10, 10, 10]}, FOUR, {1: 2.0}),
@@ -31,7 +37,7 @@ def figures(rows: dict[int, list[float]]) -> dict[int, dict[int, float]]:
     ({0: [10, 10], 1: [30, 30]}, FOUR, {}),
 ])
 def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, stages, expected):
-    judged = {a.rank: a.slowdown for a in assess(history, stages, THREE_WIDE)}
+    judged = {a.rank: a.slowdown for a in assess(by_iteration(history), stages, THREE_WIDE)}
     for rank, slowdown in expected.items():
         assert judged[rank] == pytest.approx(slowdown)
     assert expected or not judged
@@ -39,7 +45,7 @@ def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, st
 
 def test_drift_is_against_the_ranks_own_earlier_median():
     history = {0: [10, 10, 10, 20, 20, 20], 1: [20] * 6}
-    (zero, one) = assess(history, FOUR, THREE_WIDE)
+    (zero, one) = assess(by_iteration(history), FOUR, THREE_WIDE)
     assert zero.drift == pytest.approx(2.0) and one.drift == pytest.approx(1.0)
 
 
@@ -96,10 +102,23 @@ def test_a_figure_that_is_no_time_is_unknown_never_slow_nor_fast():
             figures(rows), FOUR)] == [(1, 15, 2.0)], bad
 
 
+def test_a_peer_without_recent_figures_is_no_yardstick_when_every_rank_slows():
+    """PP2 x DP2, a hot room: every rank computes 2x slower from iteration 30, and rank 1,
+    rank 0's only peer, has had no figure since 20 (unknown). Rank 0 was named 2x slower
+    than rank 1's figures of before 20."""
+    rows = {it: [10.0 * (2 if it >= 30 else 1), 10.0, 30.0 * (2 if it >= 30 else 1), 30.0]
+            for it in range(4, 60)}
+    for it in range(20, 60):
+        rows[it][1] = None
+        rows[it][3] = 60.0 if it >= 30 else 30.0
+    found = StragglerTracker().observe(figures(rows), {0: 0, 1: 0, 2: 1, 3: 1})
+    assert found == []
+
+
 def test_a_rank_of_unknown_stage_has_no_peers():
     """Ranks 1 and 3, of unknown stages, were compared as if of one (rank 1 named 3x)."""
     history = {0: [10, 10, 10], 1: [30, 30, 30], 2: [10, 10, 10], 3: [10, 10, 10]}
-    judged = {a.rank: a.slowdown for a in assess(history, {0: 0, 2: 0}, THREE_WIDE)}
+    judged = {a.rank: a.slowdown for a in assess(by_iteration(history), {0: 0, 2: 0}, THREE_WIDE)}
     assert judged == {0: 1.0, 2: 1.0}
 
 
