@@ -7,6 +7,7 @@ import re
 import pytest
 
 from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker, assess
+from ftmaster.recovery.planner import PlanError
 from ftmaster.stragglers import Found, StragglerWatch, decide_drain
 from megatron.training.rehearsal import Slowdown
 from megatron.training.step_timing import KEPT, ComputeFigures, ComputeTimer
@@ -272,14 +273,28 @@ def found_with(step_s, healthy=1.0):
                                                   r".*calibrated on the original layout's "
                                                   r"1.000 s/iteration without the slowdown$"),
     (found_with(1.2), lambda: _Plan(1.33), False, "^keeping GPU 1: the job runs 1.200"),
-    (found_with(2.0), lambda: (_ for _ in ()).throw(ValueError("no layout fits")), False,
+    (found_with(2.0), lambda: (_ for _ in ()).throw(PlanError("no layout fits")), False,
      r"the 3 GPUs left cannot run the job \(no layout fits\)"),
+    (found_with(2.0), lambda: _Plan(None), False,
+     r"^keeping GPU 1: the cost model has no step estimate for the 3 GPUs left$"),
 ])
 def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, drain, words):
     decision = decide_drain(found, 3, estimate, 1.0)
     assert decision.drain is drain
     assert re.search(words, decision.line), decision.line
     assert "\n" not in decision.line
+
+
+def test_a_cost_model_that_gives_no_estimate_is_not_said_to_find_no_layout():
+    """A step the model could not be calibrated on read as "the 3 GPUs left cannot run the
+    job", though the planner had a layout for them."""
+    too_short = ValueError("a measured step time of 1e-300 s is too short to calibrate the "
+                           "cost model on")
+    decision = decide_drain(found_with(2.0), 3, lambda: (_ for _ in ()).throw(too_short), 1e-300)
+    assert not decision.drain
+    assert decision.line == ("keeping GPU 1: the cost model has no step estimate for the 3 GPUs "
+                             "left (a measured step time of 1e-300 s is too short to calibrate "
+                             "the cost model on)"), decision.line
 
 
 def test_an_uncalibrated_cost_model_drains_nothing():

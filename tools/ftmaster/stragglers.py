@@ -24,6 +24,7 @@ from typing import Sequence
 
 from ftmaster.monitor.stragglers import (Straggler, StragglerConfig, StragglerTracker,
                                         positive_figure)
+from ftmaster.recovery.planner import PlanError
 
 KEPT_BEATS = 256
 """Heartbeats kept per attempt for step times (the detector's window is far shorter)."""
@@ -187,24 +188,28 @@ class DrainDecision:
 def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | None) -> DrainDecision:
     """Whether the job runs faster without ``found``'s GPU, whose step time with it is
     measured. ``estimate()`` is the planner on the GPUs left, calibrated on ``calibration``,
-    the original layout's step without the slowdown: a Plan, or ValueError (PlanError) when
-    they cannot run the job. Uncalibrated, the model's seconds are not this host's: kept."""
+    the original layout's step without the slowdown: a Plan, PlanError when they cannot run
+    the job, or ValueError when the cost model cannot be calibrated on it. Uncalibrated, the
+    model's seconds are not this host's: kept."""
     gpu, now = found.gpu, found.step_s
     if calibration is None:
         return DrainDecision(False, f"keeping GPU {gpu}: no step of the original layout "
                                     f"without the slowdown is measured to calibrate the cost "
                                     f"model on")
+    no_estimate = (f"keeping GPU {gpu}: the cost model has no step estimate for the "
+                   f"{gpus_left} GPUs left")
     try:
         plan = estimate()
-    except ValueError as error:
+    except PlanError as error:
         return DrainDecision(False, f"keeping GPU {gpu}: the {gpus_left} GPUs left cannot run "
                                     f"the job ({error})")
+    except ValueError as error:
+        return DrainDecision(False, f"{no_estimate} ({error})")
     left = plan.estimated_step_seconds
+    if left is None:
+        return DrainDecision(False, no_estimate)
     layout = (f"TP{plan.tensor_model_parallel_size} x PP{plan.pipeline_model_parallel_size} "
               f"x DP{plan.data_parallel_size}")
-    if left is None:
-        return DrainDecision(False, f"keeping GPU {gpu}: the planner has no step estimate for "
-                                    f"the {gpus_left} GPUs left")
     verdict = "draining" if left < now else "keeping"
     return DrainDecision(left < now, (
         f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
