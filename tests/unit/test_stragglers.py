@@ -285,6 +285,17 @@ def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, dra
     assert "\n" not in decision.line
 
 
+def test_a_gain_the_line_cannot_show_drains_nothing_and_a_tie_says_so():
+    """An estimate 0.4 ms under the step now drained GPU 1 on a line that read 1.200 against
+    1.200: a restart for no gain the line could show."""
+    for estimate in (1.2, 1.1996):
+        decision = decide_drain(found_with(1.2), 3, lambda: _Plan(estimate), 1.0)
+        assert not decision.drain
+        assert re.search(r"^keeping GPU 1: the job runs 1.200 s/iteration with it .*; the cost "
+                         r"model estimates the same 1.200 s/iteration on the 3 GPUs left",
+                         decision.line), decision.line
+
+
 def test_a_cost_model_that_gives_no_estimate_is_not_said_to_find_no_layout():
     """A step the model could not be calibrated on read as "the 3 GPUs left cannot run the
     job", though the planner had a layout for them."""

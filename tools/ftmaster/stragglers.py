@@ -210,10 +210,12 @@ def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | No
         return DrainDecision(False, no_estimate)
     layout = (f"TP{plan.tensor_model_parallel_size} x PP{plan.pipeline_model_parallel_size} "
               f"x DP{plan.data_parallel_size}")
-    verdict = "draining" if left < now else "keeping"
-    return DrainDecision(left < now, (
-        f"{verdict} GPU {gpu}: the job runs {now:.3f} s/iteration with it "
-        f"({found.straggler.slowdown:.2f}x its peers' compute); the cost model estimates "
-        f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})")
+    # In milliseconds, as the line says them: a gain it cannot show is no reason for a restart.
+    faster, tie = round(left, 3) < round(now, 3), round(left, 3) == round(now, 3)
+    return DrainDecision(faster, (
+        f"{'draining' if faster else 'keeping'} GPU {gpu}: the job runs {now:.3f} s/iteration "
+        f"with it ({found.straggler.slowdown:.2f}x its peers' compute); the cost model "
+        f"estimates {'the same ' if tie else ''}{left:.3f} s/iteration on the {gpus_left} GPUs "
+        f"left ({layout})")
         + f", calibrated on the original layout's {calibration:.3f} s/iteration without the "
           f"slowdown", left)
