@@ -17,7 +17,8 @@ On CPU, by the clock, less the time the rank's thread waited for a core
 (``/proc/thread-self/schedstat``'s run-queue wait): on a host with more ranks than cores that
 wait is the host's contention, not the rank's compute, and it moved a healthy rank's figure
 by 2x from one iteration to the next on the project's 2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
-sleep counts.
+sleep counts. An iteration whose wait was read at one end and not at the other has no
+figure: the thread's whole wait since it started would count as that iteration's.
 
 The compute also holds what the rank waits for inside its model replica: its tensor-parallel
 partners in every layer's all-reduce, its neighbouring stages' activations and gradients. A
@@ -53,7 +54,7 @@ class ComputeTimer:
 
     def _mark(self):
         if not self.cuda:
-            return time.perf_counter() - _runqueue_wait_s()
+            return time.perf_counter(), _runqueue_wait_s()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -76,7 +77,7 @@ class ComputeTimer:
         if self.cuda:
             torch.cuda.synchronize()
             return time.perf_counter() - self._host_start
-        return 0.0 if self._start is None else self._mark() - self._start
+        return 0.0 if self._start is None else _cpu_compute_s(self._start, self._mark()) or 0.0
 
     def previous_microseconds(self) -> int:
         """The last complete iteration's compute; 0 when unknown."""
@@ -86,16 +87,31 @@ class ComputeTimer:
         if self.cuda:
             # elapsed_time raises (cudaErrorNotReady) before the device reached the event.
             return max(1, int(start.elapsed_time(entered) * 1000)) if entered.query() else 0
-        return max(1, int((entered - start) * 1e6))
+        seconds = _cpu_compute_s(start, entered)
+        return max(1, int(seconds * 1e6)) if seconds is not None and seconds > 0 else 0
 
 
-def _runqueue_wait_s() -> float:
-    """Seconds this thread has waited on a run queue so far; 0 where Linux does not say."""
+def _cpu_compute_s(start: tuple[float, float | None],
+                   end: tuple[float, float | None]) -> float | None:
+    """The clock's seconds between two CPU marks less the thread's waits for a core between
+    them; None when only one mark could read its waits: the other's would take the thread's
+    whole wait since it started for this iteration's."""
+    (started, waited_before), (ended, waited_by) = start, end
+    if waited_before is None and waited_by is None:  # where Linux does not say, the clock
+        return ended - started
+    if waited_before is None or waited_by is None:
+        return None
+    return ended - started - (waited_by - waited_before)
+
+
+def _runqueue_wait_s() -> float | None:
+    """Seconds this thread has waited on a run queue so far; None when unreadable (Linux
+    without schedstats, or the read failed)."""
     try:
         with open("/proc/thread-self/schedstat") as stats:
             return int(stats.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
-        return 0.0
+        return None
 
 
 class ComputeFigures:

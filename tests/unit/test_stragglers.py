@@ -359,6 +359,31 @@ def test_the_compute_timer_reads_the_last_complete_iteration():
     assert timer.previous_microseconds() == 0
 
 
+@pytest.mark.parametrize("waits", [["0 5000000000 9", OSError], [OSError, "0 5000000000 9"]])
+def test_a_cpu_figure_whose_wait_for_a_core_was_read_at_one_mark_only_is_unknown(
+        monkeypatch, waits):
+    """/proc/thread-self/schedstat read at one mark and not at the other: the figure took the
+    thread's whole wait since it started (5 s) as this iteration's, and the rank read 5 s
+    slow, or (less it) 1 us fast."""
+    import io
+
+    from megatron.training import step_timing
+
+    def schedstat(path):
+        wait = waits.pop(0)
+        if wait is OSError:
+            raise OSError("Too many open files")
+        return io.StringIO(wait)
+
+    monkeypatch.setattr(step_timing, "open", schedstat, raising=False)
+    timer = ComputeTimer(cuda=False)
+    timer.start()
+    timer.reduction_entered()
+    monkeypatch.setattr(step_timing, "open", lambda path: io.StringIO("0 0 9"), raising=False)
+    timer.start()
+    assert timer.previous_microseconds() == 0
+
+
 def test_the_calibration_is_the_lesser_of_the_step_before_and_the_step_now_less_the_extra():
     found = Found(1, Straggler(1, 13, 8, 2.0, 2.0, 500.0, 250.0), 0.6, 0.9)
     assert found.without_extra_s() == pytest.approx(0.35)
