@@ -16,8 +16,9 @@ iterations, an event needs 7 in a row, and a rank slowed 2x from iteration 8 is 
 at iteration 14. :class:`StragglerTracker` keeps the
 figures per iteration (heartbeats are polled, so some iterations arrive together and some
 twice) and reports a rank once its slowdown has stayed at or above ``ratio`` for
-``iterations`` iterations in a row; it re-arms once the rank has stayed below the ratio as
-long (a straggler that dips for an iteration is the same straggler).
+``iterations`` iterations in a row; it re-arms once the rank's own figure has stayed below
+the ratio as long (a straggler that dips for an iteration is the same straggler: its window's
+least stays below the ratio for ``window`` iterations after a single fast one).
 Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
 run of slow iterations as it was. So is a figure that is no time (not a finite number above
 0: a NaN compared as slow for every rank it was a peer of), and a rank whose pipeline stage is
@@ -75,6 +76,9 @@ class Assessment:
     """Its least recent compute over its peers' recent medians (1: as fast as they are)."""
     drift: float | None
     """Its least recent compute over its own earlier median; None until it has one."""
+    latest: float
+    """Its newest compute over its peers' recent medians: whether it is slow at this
+    iteration alone."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,8 @@ def assess(figures: dict[int, dict[int, float]], stages: dict[int, int],
         times = [ms for _, ms in series[rank]]
         mine, earlier = min(times[-config.window:]), times[:-config.window]
         drift = mine / statistics.median(earlier) if len(earlier) >= config.window else None
-        assessments.append(Assessment(rank, mine / statistics.median(peers), drift))
+        peers_ms = statistics.median(peers)
+        assessments.append(Assessment(rank, mine / peers_ms, drift, times[-1] / peers_ms))
     return assessments
 
 
@@ -211,13 +216,10 @@ class StragglerTracker:
                       if judged.rank in self._figures[iteration]]  # unknown: its run stays
         self._slowdown.update((judged.rank, judged.slowdown) for judged in judged_now)
         for judged in judged_now:
+            self._count_fast(judged)
             if judged.slowdown < self.config.ratio:
                 self._slow_run[judged.rank] = 0
-                self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1
-                if self._fast_run[judged.rank] >= self.config.iterations:
-                    self._reported.discard(judged.rank)
                 continue
-            self._fast_run[judged.rank] = 0
             if not self._slow_run.get(judged.rank):
                 self._run_start[judged.rank] = iteration
             self._slow_run[judged.rank] = self._slow_run.get(judged.rank, 0) + 1
@@ -232,3 +234,13 @@ class StragglerTracker:
                                        round(statistics.median(window), 3),
                                        self.slow_mates(judged.rank)))
         return found
+
+    def _count_fast(self, judged: Assessment) -> None:
+        """A named rank is let go once its own figure stayed under the ratio ``iterations``
+        in a row. Not its window's least: a single fast iteration keeps that under the ratio
+        for ``window`` iterations, and a straggler slow 7 iterations in 8 was named anew every
+        8."""
+        fast = judged.latest < self.config.ratio
+        self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1 if fast else 0
+        if self._fast_run[judged.rank] >= self.config.iterations:
+            self._reported.discard(judged.rank)

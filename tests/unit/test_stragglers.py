@@ -89,6 +89,19 @@ def test_a_straggler_that_recovers_rearms_after_as_many_fast_iterations():
     assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [9]
 
 
+def test_a_straggler_that_dips_for_an_iteration_is_the_same_straggler():
+    """By default one fast iteration (20) made a 4-iteration window's least fast 4 times in a
+    row: rank 1 was let go as fast again and named anew at 27, one event every 8 iterations
+    for a rank slow 7 iterations in 8."""
+    tracker = StragglerTracker()
+    rows = slow_rows(8, 40)
+    rows[20][1] = 10.0
+    assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [14]
+    assert tracker.still_slow(1)
+    slow_7_in_8 = {it: [10.0, 10.0 if it % 8 == 0 else 20.0, 10.0, 10.0] for it in range(1, 200)}
+    assert len(StragglerTracker().observe(figures(slow_7_in_8), FOUR)) == 1
+
+
 def test_a_figure_that_is_no_time_is_unknown_never_slow_nor_fast():
     """A NaN (JSON takes one) compared as slow for every rank it was a peer of: the healthy
     ranks 0, 2 and 3 were named with a slowdown of nan. A negative one made a slow rank fast."""
