@@ -1,6 +1,7 @@
 """Pieces of ftmaster launch: GPU choice and mapping, argv, injections, listener, lock, guards."""
 
 import errno
+import json
 import os
 import signal
 import socket
@@ -270,6 +271,23 @@ def test_a_straggler_drain_counts_once_its_gpu_is_retired_not_when_decided(tmp_p
     assert runfiles.read_events(tmp_path)[-1]["event"] == "straggler_drained"
     supervisor.stragglers.new_attempt((0, 2, 3), 0)
     assert supervisor.stragglers.drained_step_s == 1.3
+
+
+@pytest.mark.parametrize("drained_ago, allowed", [(100.0, False), (700.0, True)])
+def test_a_supervisor_started_again_keeps_the_last_ones_drain_window(tmp_path, drained_ago,
+                                                                     allowed):
+    """A supervisor started again on the run directory (killed, requeued) drained another
+    straggler at once, a second GPU within --straggler-drain-window."""
+    runfiles.append_event(tmp_path, "launch", attempt=1, gpus=[0, 1, 2, 3])
+    runfiles.append_event(tmp_path, "straggler_drained", gpu=1)
+    events = runfiles.read_events(tmp_path)
+    events[-1]["time"] = time.time() - drained_ago
+    runfiles.events_path(tmp_path).write_text("".join(json.dumps(e) + "\n" for e in events))
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True,
+                              straggler_drain_window_s=600.0)
+    supervisor = Supervisor(config, StubMonitor(True))
+    assert supervisor.stragglers.drain_allowed(time.time()) is allowed
 
 
 def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_said_kept(tmp_path):

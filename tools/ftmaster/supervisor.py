@@ -479,6 +479,7 @@ class Supervisor:
         if carried:
             self._retire({gpu: f"retired by the ftmaster before this one ({why})"
                           for gpu, why in carried.items()})
+        self._carry_over_the_drain_window(events)
         last = max(launches, key=lambda e: e["attempt"])
         ended = any(e["event"] in ("failure", "complete", "stopped") and e.get("attempt", last["attempt"])
                     == last["attempt"] and e["time"] >= last["time"] for e in events)
@@ -495,6 +496,14 @@ class Supervisor:
                         "at an unknown iteration" if iteration is None
                         else f"after iteration {iteration}", last["attempt"] + 1)
         return last["attempt"]
+
+    def _carry_over_the_drain_window(self, events: list[dict]) -> None:
+        """A straggler the ftmaster before this one drained holds the window still: started
+        again (killed, requeued), a supervisor drained a second GPU at once."""
+        drained = [e["time"] for e in events if e["event"] == "straggler_drained"
+                   and isinstance(e.get("time"), (int, float))]
+        if drained:
+            self.stragglers.drained(max(drained), None)
 
     def _apply_injections(self, iteration: int | None) -> None:
         """``iteration``: the one this poll read (read again, the heartbeat may be a step on
