@@ -225,7 +225,8 @@ class StragglerTracker:
             self._slow_run[judged.rank] = self._slow_run.get(judged.rank, 0) + 1
             if self._slow_run[judged.rank] >= self.config.iterations and judged.rank not in self._reported:
                 self._reported.add(judged.rank)
-                window = [ms for _, ms in _series(self._figures)[judged.rank][-self.config.window:]]
+                recent = _series(self._figures)[judged.rank][-self.config.window:]
+                window = [ms for _, ms in recent]
                 mine = min(window)
                 since = self._run_start[judged.rank] - self.config.window + 1
                 found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
