@@ -272,8 +272,8 @@ def test_a_drain_is_weighed_on_the_steps_seen_since_the_slowdown_until_now():
 class _Plan:
     tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size = 1, 1, 3
 
-    def __init__(self, step):
-        self.estimated_step_seconds = step
+    def __init__(self, step, global_batch_size=16):
+        self.estimated_step_seconds, self.global_batch_size = step, global_batch_size
 
 
 def found_with(step_s, healthy=1.0):
@@ -292,7 +292,7 @@ def found_with(step_s, healthy=1.0):
      r"^keeping GPU 1: the cost model has no step estimate for the 3 GPUs left$"),
 ])
 def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, drain, words):
-    decision = decide_drain(found, 3, estimate, 1.0)
+    decision = decide_drain(found, 3, estimate, 1.0, 16)
     assert decision.drain is drain
     assert re.search(words, decision.line), decision.line
     assert "\n" not in decision.line
@@ -302,11 +302,27 @@ def test_a_gain_the_line_cannot_show_drains_nothing_and_a_tie_says_so():
     """An estimate 0.4 ms under the step now drained GPU 1 on a line that read 1.200 against
     1.200: a restart for no gain the line could show."""
     for estimate in (1.2, 1.1996):
-        decision = decide_drain(found_with(1.2), 3, lambda: _Plan(estimate), 1.0)
+        decision = decide_drain(found_with(1.2), 3, lambda: _Plan(estimate), 1.0, 16)
         assert not decision.drain
         assert re.search(r"^keeping GPU 1: the job runs 1.200 s/iteration with it .*; the cost "
                          r"model estimates the same 1.200 s/iteration on the 3 GPUs left",
                          decision.line), decision.line
+
+
+def test_the_gpus_left_are_weighed_on_the_jobs_global_batch():
+    """--global-batch-tolerance 10, 4 GPUs at batch 16 slowed to 1.3 s/iteration: the 3 left
+    train batch 15 at 1.25 s/iteration, fewer samples an iteration, 1.333 s for 16. GPU 1 was
+    drained on 1.25 against 1.3, for a job that then trained slower."""
+    decision = decide_drain(found_with(1.3), 3, lambda: _Plan(1.25, global_batch_size=15), 1.0,
+                            16)
+    assert not decision.drain
+    assert re.search(r"^keeping GPU 1: the job runs 1.300 s/iteration with it .*; the cost "
+                     r"model estimates 1.250 s/iteration on the 3 GPUs left \(TP1 x PP1 x DP3, "
+                     r"global batch 15\): 1.333 s for the job's 16 samples, calibrated",
+                     decision.line), decision.line
+    decision = decide_drain(found_with(1.4), 3, lambda: _Plan(1.25, global_batch_size=15), 1.0,
+                            16)
+    assert decision.drain and "1.333 s for the job's 16 samples" in decision.line
 
 
 def test_a_cost_model_that_gives_no_estimate_is_not_said_to_find_no_layout():
@@ -314,7 +330,8 @@ def test_a_cost_model_that_gives_no_estimate_is_not_said_to_find_no_layout():
     job", though the planner had a layout for them."""
     too_short = ValueError("a measured step time of 1e-300 s is too short to calibrate the "
                            "cost model on")
-    decision = decide_drain(found_with(2.0), 3, lambda: (_ for _ in ()).throw(too_short), 1e-300)
+    decision = decide_drain(found_with(2.0), 3, lambda: (_ for _ in ()).throw(too_short), 1e-300,
+                            16)
     assert not decision.drain
     assert decision.line == ("keeping GPU 1: the cost model has no step estimate for the 3 GPUs "
                              "left (a measured step time of 1e-300 s is too short to calibrate "
@@ -323,7 +340,7 @@ def test_a_cost_model_that_gives_no_estimate_is_not_said_to_find_no_layout():
 
 def test_an_uncalibrated_cost_model_drains_nothing():
     """Its seconds are not this host's: 1.33 estimated against 2.0 measured says nothing."""
-    decision = decide_drain(found_with(2.0), 3, lambda: _Plan(1.33), None)
+    decision = decide_drain(found_with(2.0), 3, lambda: _Plan(1.33), None, 16)
     assert not decision.drain
     assert decision.line.startswith("keeping GPU 1: no step of the original layout without the "
                                     "slowdown is measured"), decision.line

@@ -1167,7 +1167,7 @@ class Supervisor:
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus), measured_step_s=calibration,
-            **self._planner_options()), calibration)
+            **self._planner_options()), calibration, self.plan.global_batch_size)
         if not decision.drain:
             self._kept_by_the_cost_model(named, decision.line)
             return None
