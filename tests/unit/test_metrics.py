@@ -95,6 +95,21 @@ def test_a_relaunch_from_scratch_loses_every_iteration_and_an_earlier_load_is_no
     assert value(m, "ftmaster_rpo_iterations_sum") == 2 + 30  # from scratch: all 30 lost
 
 
+def test_a_spare_nodes_failure_is_not_timed_to_its_next_rounds_resume():
+    """Node 1 stood by after its peer failure (no ranks in the plan): the job resumed on the
+    other nodes. Its next resume, a later round's, answers no failure of its own."""
+    m = metrics()
+    for event in ({"event": "failure", "cause": "peer", "iteration": 16, "time": 70.0},
+                  {"event": "plan", "nodes": [0, 1, 2], "ranks_per_node": [2, 0, 2], "time": 72.0},
+                  {"event": "plan", "nodes": [0, 1], "ranks_per_node": [2, 2], "time": 5000.0},
+                  {"event": "launch", "attempt": 2, "time": 5001.0},
+                  {"event": "checkpoint_loaded", "iteration": 400, "time": 5010.0},
+                  {"event": "resumed", "attempt": 2, "iteration": 401, "time": 5012.0}):
+        m.observe_event(event)
+    assert value(m, "ftmaster_rto_seconds_count") is None  # never observed
+    assert value(m, "ftmaster_rpo_iterations_count") is None
+
+
 def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     m = metrics()
     monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)

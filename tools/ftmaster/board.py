@@ -92,7 +92,7 @@ def risk_peaks_at(points: dict[str, Point], iteration: int) -> dict[int, Point]:
 
 
 class RunBoard:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, node_rank: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
         earlier = last_points(folder)
@@ -105,7 +105,7 @@ class RunBoard:
         self._risk_peak = risk_peaks_at(earlier, self.iteration)
         self._alerts = int(earlier.get(ALERTS, (0, 0))[1])
         self._failures = int(earlier.get(FAILURES, (0, 0))[1])
-        self._recoveries = Recoveries()
+        self._recoveries = Recoveries(node_rank)
 
     @classmethod
     def for_command(cls, command: list[str], node_rank: int | None) -> RunBoard | None:
@@ -113,7 +113,8 @@ class RunBoard:
         folder = flag_value(command[1:], "--tensorboard-dir")
         if folder is None:
             return None
-        return cls(Path(folder) / ("ftmaster" if node_rank is None else f"ftmaster_node{node_rank}"))
+        return cls(Path(folder) / ("ftmaster" if node_rank is None else f"ftmaster_node{node_rank}"),
+                   node_rank)
 
     def watch(self, monitor) -> None:
         monitor.sample_listeners.append(self.observe_samples)

@@ -16,7 +16,8 @@ DCGM exporter keeps it (absent until one comes). What DCGM has no name for is ``
   ``ftmaster_failures_total{cause}``;
 * ``ftmaster_rto_seconds`` (a failure to its first resumed iteration, the report's RTO),
   ``ftmaster_rpo_iterations`` and ``ftmaster_rpo_seconds`` (iterations a failure threw away,
-  and those at the step time measured before it), histograms observed at each resume;
+  and those at the step time measured before it), histograms observed at each resume (a
+  node left as a spare by the round's plan observes none for its failure);
 * ``ftmaster_checkpoint_age_seconds{tier}`` (since the newest save of the tier) and
   ``ftmaster_persist_lag_iterations`` / ``ftmaster_persist_lag_seconds`` (how far the disk
   copy trails the memory tier; absent until the memory tier's first checkpoint, so a run
@@ -90,9 +91,11 @@ class Recovered:
 
 
 class Recoveries:
-    """Pairs each round of failures with the resume that ends it, from the run's events."""
+    """Pairs each round of failures with the resume that ends it, from one node's events."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_rank: int | None = None) -> None:
+        """``node_rank``: this node's across nodes (None on a single node)."""
+        self._node_rank = node_rank
         self._failure: dict | None = None
         self._loaded: int | None = None
 
@@ -102,6 +105,10 @@ class Recoveries:
         if kind == "failure":
             if self._failure is None:  # the first of a round is its start
                 self._failure, self._loaded = event, None
+        elif kind == "plan" and self._stands_by(event):
+            # The job resumes on the other nodes, unseen here: this node's next resume is a
+            # later round's, and timing the failure to it would add the rounds between.
+            self._failure = None
         elif kind == "checkpoint_loaded":
             self._loaded = event.get("iteration")
         elif kind == "resumed" and self._failure is not None:
@@ -114,6 +121,14 @@ class Recoveries:
                              max(0, last - loaded) if isinstance(last, int) and loaded is not None
                              else None)
         return None
+
+    def _stands_by(self, plan: dict) -> bool:
+        """Whether ``plan`` gives this node no ranks (a spare for the round)."""
+        nodes, ranks = plan.get("nodes"), plan.get("ranks_per_node")
+        if self._node_rank is None or not isinstance(nodes, list) or not isinstance(ranks, list) \
+                or self._node_rank not in nodes or len(ranks) != len(nodes):
+            return False  # a single node, or a plan from before the fields: it runs here
+        return ranks[nodes.index(self._node_rank)] == 0
 
 
 @dataclass(frozen=True)
@@ -194,7 +209,7 @@ class Metrics:
         """The newest ``KEPT_SAVE_TIMES`` saves of each tier: a resume from one older than those
         (every newer one failing its checks) dates the age from the newest save's time."""
         self._unpersisted: dict[int, float] = {}  # memory saves newer than the disk's: time
-        self._recoveries = Recoveries()
+        self._recoveries = Recoveries(node_rank)
         self._on_disk: int | None = None  # the newest iteration durable on disk
         self._beat: tuple[int, int, float] | None = None  # iteration, samples, time
         self._step_s: float | None = None
