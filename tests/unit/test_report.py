@@ -159,6 +159,23 @@ def test_last_progress_estimate_without_a_known_fault_time(tmp_path):
     assert not (run_dir / "report.json").exists()
 
 
+def test_a_checkpoint_the_run_started_from_bounds_what_a_failure_before_any_save_lost(tmp_path):
+    """The run resumed an earlier job's checkpoint of 100 (no save event of it here), failed
+    at 105 before saving, and gave up: 5 iterations are lost, not 105."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("checkpoint_loaded", 5, iteration=100, path="ckpt/iter_0000100", tier="disk",
+                    seconds=0.5),
+              event("failure", 40, attempt=1, iteration=105, cause="exit", gpus=[1], exit_codes={}),
+              event("gave_up", 41, reason="no restarts left")]
+    logs = {1: [loaded_line(100, 0.5, 4096), *(iteration_line(n, 200, 100) for n in range(101, 106))]}
+    result = run_report(write_run(tmp_path / "run", events, logs))
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((tmp_path / "run" / "report.json").read_text())["failures"]
+    assert (failure["lost_iterations"], failure["lost_seconds"]) == (5, pytest.approx(0.5))
+    assert failure["checkpoint"]["iteration"] == 100
+    assert "  last checkpoint    iteration 100 (loaded, disk, durable at +5.00 s)" in result.stdout
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

@@ -21,8 +21,10 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   Null when no alert came first.
 * **checkpoint**: the newest ``emergency_save``/``periodic_save`` event (written once the
   checkpoint is durable) before the failure, leaving out those a resume since set aside
-  (newer than the ``checkpoint_loaded`` iteration). **restarted from**: the iteration of the
-  relaunch log's ``loaded checkpoint`` line.
+  (newer than the ``checkpoint_loaded`` iteration); a ``checkpoint_loaded`` of an iteration
+  with no save event (an earlier job's checkpoint the run started from) counts as one, of kind
+  ``loaded``. **restarted from**: the iteration of the relaunch log's ``loaded checkpoint``
+  line.
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
   training restarted from (else the checkpoint's, else 0); ``lost_seconds`` adds up the failed
   attempt's logged iteration times for them.
@@ -439,11 +441,14 @@ def _checkpoint(events: list[dict], failure: dict) -> dict | None:
             # a resume sets every newer checkpoint aside (it failed its checks, or its
             # timeline was discarded): none of them is there for a later failure
             saves = [e for e in saves if e["iteration"] <= event["iteration"]]
+            if all(e["iteration"] != event["iteration"] for e in saves):
+                saves.append(event)  # one this run never saved: an earlier job's
     if not saves:
         return None
     newest = max(saves, key=lambda e: (e["iteration"], e["time"]))
+    loaded = newest["event"] == "checkpoint_loaded"
     return {"iteration": newest["iteration"], "event": newest["event"],
-            "kind": newest.get("kind"), "tier": newest.get("tier", "disk"),
+            "kind": "loaded" if loaded else newest.get("kind"), "tier": newest.get("tier", "disk"),
             "durable_at": newest["time"]}
 
 
