@@ -176,6 +176,23 @@ def test_a_checkpoint_the_run_started_from_bounds_what_a_failure_before_any_save
     assert "  last checkpoint    iteration 100 (loaded, disk, durable at +5.00 s)" in result.stdout
 
 
+def test_a_failure_before_the_attempts_first_iteration_is_detected_since_its_launch(tmp_path):
+    """The supervisor records such a failure at the iteration the attempt resumes from, with
+    before_first_iteration: the last progress is the launch, not unknown."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 30, 10, 0.25, 0.5),
+              event("failure", 40, attempt=1, iteration=12, cause="exit", gpus=[1], exit_codes={}),
+              plan(41, [0], 1, 1, 1), launch(42, 2, [0], 1, 1, 1),
+              event("failure", 50, attempt=2, iteration=10, cause="exit", gpus=[0], exit_codes={},
+                    before_first_iteration=True),
+              event("gave_up", 50.5, reason="no GPUs left")]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 50, 200) for n in range(1, 13)]})
+    assert run_report(run_dir).exit_code == 0
+    second = json.loads((run_dir / "report.json").read_text())["failures"][1]
+    assert second["detection_latency"] == {"seconds": pytest.approx(8.0),
+                                           "since": "last progress (estimated)"}
+    assert second["lost_iterations"] == 0
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

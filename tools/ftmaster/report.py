@@ -393,7 +393,8 @@ def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None
 def _last_progress(attempt_events: list[dict], failure: dict, log: AttemptLog) -> float | None:
     """Estimated end of the failure's last completed iteration (see the module docstring)."""
     target = failure.get("iteration")
-    if not isinstance(target, int):
+    # before its first iteration the supervisor names the one the attempt resumes from
+    if not isinstance(target, int) or failure.get("before_first_iteration") is True:
         launches = [e["time"] for e in attempt_events if e["event"] == "launch"]
         return launches[0] if launches else None
     # An armed injection's event is written at the launch, its iteration still to come
