@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ftmaster import goodput, goodput_cli
+from ftmaster import goodput, goodput_cli, report
 from ftmaster.cli import main
 from ftmaster.goodput import GoodputInputs
 
@@ -151,6 +151,24 @@ def test_cli_reads_measured_inputs(tmp_path):
     assert body["inputs"]["save_persist_s"] == pytest.approx(9.0)
     assert body["inputs"]["save_block_s"] == 5.0  # the command line wins
     assert body["proactive"]["optimum"]["save_interval"] >= 1
+
+
+def test_a_restart_cut_short_by_another_failure_is_no_restart_time(tmp_path):
+    """The relaunch fails before its first iteration (fault at 209 s): the first failure's
+    RTO runs through the second's recovery, so it measures two restarts, not one. The restart
+    time is the second's alone: 1 s to detect, 80.5 s to resume, less one iteration."""
+    run_dir = _run_dir(tmp_path)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumed = events.pop()
+    events += [{"event": "fault_injected", "time": 209.0, "kind": "fail", "gpu": 0},
+               {"event": "failure", "time": 210.0, "attempt": 1, "iteration": 14, "gpus": [0],
+                "before_first_iteration": True},
+               {"event": "plan", "time": 211.0, "gpus_available": [1]},
+               {"event": "launch", "time": 212.0, "attempt": 2, "gpus": [1]},
+               {**resumed, "attempt": 2}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = goodput_cli.measure(run_dir, report.load_events(run_dir))
+    assert measured["restart_s"] == pytest.approx(1.0 + 80.5 - 0.5)
 
 
 def test_cli_says_which_input_in_an_error_was_measured(tmp_path):

@@ -52,9 +52,10 @@ def _iteration_s(run_dir: Path) -> float | None:
 def _restart_s(failures: list[dict], iteration_s: float | None) -> float | None:
     """Median time from a fault to its first resumed iteration, less that iteration: the
     report's RTO plus its detection latency where that is known or estimated, since the
-    model's restart cost runs from the fault."""
+    model's restart cost runs from the fault. An RTO through later failures of its relaunch
+    is left out: it spans their restarts too, each of which the model charges on its own."""
     gaps = [f["rto_seconds"] + (f["detection_latency"]["seconds"] or 0.0) - (iteration_s or 0.0)
-            for f in failures if f["rto_seconds"] is not None]
+            for f in failures if f["rto_seconds"] is not None and not f.get("later_failures")]
     return _median([max(gap, 0.0) for gap in gaps])
 
 
