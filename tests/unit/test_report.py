@@ -193,6 +193,24 @@ def test_a_failure_before_the_attempts_first_iteration_is_detected_since_its_lau
     assert second["lost_iterations"] == 0
 
 
+def test_a_non_finite_loss_is_detected_since_training_recorded_it(tmp_path):
+    """The trainer's nonfinite event is the fault's own time: detection is the supervisor's
+    1 s after it, not an estimate from the last completed iteration (unknown here: the log
+    has no times)."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("nonfinite", 40, iteration=14, what="loss"),
+              event("failure", 41, attempt=1, iteration=13, cause="nonfinite", gpus=[], exit_codes={}),
+              plan(42, [0, 1], 1, 1, 2), launch(43, 2, [0, 1], 1, 1, 2),
+              event("resumed", 52, attempt=2, iteration=11),
+              event("nonfinite", 55, iteration=14, what="loss")]
+    run_dir = write_run(tmp_path / "run", events, {})
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(1.0),
+                                            "since": "nonfinite loss at iteration 14"}
+    assert failure["rto_from_fault_seconds"] == pytest.approx(12.0)
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

@@ -8,7 +8,8 @@ event (``fault_at`` is the moment the fault happened, where it is known):
 
 * **detection latency**: failure event time minus the first of, in this order,
   1. a ``fault_injected`` event of kind ``fail`` or ``hang`` on a failed GPU since the previous
-     failure (``fault_at`` is its time);
+     failure (``fault_at`` is its time); for a ``nonfinite`` failure, training's ``nonfinite``
+     event on its node since the previous failure;
   2. a ``risk_alert`` with reason ``device_lost`` on a failed GPU, by the sample's own
      ``timestamp``, since the previous failure and not after this one (``fault_at`` is that);
   3. the last progress of the failed attempt, estimated (nothing records when an iteration
@@ -375,12 +376,15 @@ def _is_fault_evidence(alert: dict) -> bool:
 
 
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
-    """Where the fault's own time is known: injected, or the monitor saw it (the GPU gone or
-    wedged, an XID)."""
+    """Where the fault's own time is known: injected, training found a non-finite loss, or
+    the monitor saw it (the GPU gone or wedged, an XID)."""
     for event in window:  # the window runs on to the next failure: a later fault is its
         if event["event"] == "fault_injected" and event.get("kind") in FAULT_KINDS \
                 and event["time"] <= failure["time"] and _on_failed_gpu(event, failure, event.get("gpu")):
             return event["time"], f"fault_injected {event['kind']} on {_gpu_name(event, event['gpu'])}"
+        if event["event"] == "nonfinite" and failure.get("cause") == "nonfinite" \
+                and event["time"] <= failure["time"] and event.get("node") == failure.get("node"):
+            return event["time"], f"nonfinite {event.get('what')} at iteration {event.get('iteration')}"
     seen = [(_sample_time(e, window[0]["time"]), e["gpu"], e) for e in window if e["event"] == "risk_alert"
             and _is_fault_evidence(e) and _on_failed_gpu(e, failure, e.get("gpu"))]
     seen = [(t, gpu, e) for t, gpu, e in seen if t <= failure["time"]]
