@@ -194,3 +194,18 @@ def test_iterations_a_run_redid_and_then_gave_up_on_are_not_its_progress():
               {"event": "gave_up", "time": 70.1, "reason": "restart budget spent"}]
     seen = observed_goodput({"iteration_s": 1.0}, events)
     assert seen["iterations"] == 15
+
+
+def test_a_live_runs_progress_since_its_last_failure_counts():
+    """Still running: resumed after a failure at 40 and saved 300 since. Its progress is the
+    saved 300 over the 400 s so far, not the failure's 40."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "failure", "time": 50.0, "iteration": 40, "attempt": 1},
+              {"event": "launch", "time": 60.0, "attempt": 2},
+              {"event": "checkpoint_loaded", "time": 65.0, "iteration": 30},
+              {"event": "resumed", "time": 70.0, "iteration": 31, "attempt": 2},
+              {"event": "periodic_save", "time": 400.0, "iteration": 300}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert (seen["iterations"], seen["wall_s"]) == (300, 400.0)

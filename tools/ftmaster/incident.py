@@ -284,12 +284,17 @@ def _risk_around(failure: dict, frame) -> str:
 
 # ---- goodput -----------------------------------------------------------------------------------
 
+PROGRESS_EVENTS = ("complete", "stopped", "failure", "resumed", "emergency_save", "periodic_save")
+"""Events that name the iteration training had reached when they were written."""
+
+
 def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
     """The iterations the run completed, from where its first attempt started to where it
-    ended, at its median step time, over its wall time."""
+    ended (a live run: to its newest save or resume), at its median step time, over its wall
+    time."""
     # The last one: an attempt that got further before failing had its iterations past the
     # relaunch's load redone or lost; a standby node's completion says where it last trained.
-    done = [e["iteration"] for e in events if e["event"] in ("complete", "stopped", "failure")
+    done = [e["iteration"] for e in events if e["event"] in PROGRESS_EVENTS
             and isinstance(e.get("iteration"), int) and not e.get("on_other_nodes")]
     launches = [e["time"] for e in events if e["event"] == "launch"]
     if not done or not launches or "iteration_s" not in measured:
