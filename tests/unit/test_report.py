@@ -211,6 +211,22 @@ def test_a_non_finite_loss_is_detected_since_training_recorded_it(tmp_path):
     assert failure["rto_from_fault_seconds"] == pytest.approx(12.0)
 
 
+def test_a_relaunch_that_started_from_scratch_lost_every_iteration(tmp_path):
+    """The only checkpoint, in the memory tier, went with the failure; the relaunch loaded
+    nothing and resumed at iteration 1: all 16 iterations are lost, as the metrics say, not
+    the 2 after the checkpoint that was gone."""
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3),
+              {**save("periodic_save", 30, 14, 0.1, 0.2), "tier": "memory"},
+              event("failure", 40, attempt=1, iteration=16, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(41, [0, 2], 1, 1, 2), launch(42, 2, [0, 2], 1, 1, 2),
+              event("resumed", 50, attempt=2, iteration=1)]
+    logs = {1: [iteration_line(n, 20, 100) for n in range(1, 17)], 2: [iteration_line(1, 20, 100)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (failure["lost_iterations"], failure["lost_seconds"]) == (16, pytest.approx(1.6))
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

@@ -27,8 +27,9 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   ``loaded``. **restarted from**: the iteration of the relaunch log's ``loaded checkpoint``
   line.
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
-  training restarted from (else the checkpoint's, else 0); ``lost_seconds`` adds up the failed
-  attempt's logged iteration times for them.
+  training restarted from (else the one before the first resumed iteration, 0 for a relaunch
+  that loaded nothing; else, not resumed, the checkpoint's, else 0); ``lost_seconds`` adds up
+  the failed attempt's logged iteration times for them.
 * **RTO** (``rto_seconds``): from detection, i.e. the first ``resumed`` event after the
   failure minus the failure event, in phases failure -> ``plan`` (this includes any
   ``waiting`` for GPUs), plan -> ``launch``, launch -> checkpoint loaded, loaded -> first
@@ -652,7 +653,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
 
     checkpoint = _checkpoint(events, failure)
     restart_from = relaunch_log.loaded_iteration
-    base = restart_from if restart_from is not None else (checkpoint or {}).get("iteration", 0)
+    resumed = recovery["resumed"]
+    base = _went_on_from(restart_from, resumed, checkpoint)
     last = failure.get("iteration")
     if not isinstance(last, int):  # the heartbeat was unreadable: the log's last line, at least
         last = max(failed_log.iteration_s, default=None)
@@ -660,7 +662,6 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     lost = max(0, last - base) if isinstance(last, int) else None
     fault_to_failure = None if fault_at is None else failure["time"] - fault_at
     rto = recovery["rto_seconds"]
-    resumed = recovery["resumed"]
     return {
         "attempt": attempt, "time": failure["time"], "cause": failure.get("cause"),
         "gpus": failure.get("gpus"), "iteration": last, "fault_at": fault_at,
@@ -684,6 +685,17 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
         "later_failures": recovery.get("later_failures", 0),
         "new_layout": _layout(plan, relaunches),
     }
+
+
+def _went_on_from(loaded: int | None, resumed: dict | None, checkpoint: dict | None) -> int:
+    """The iteration training went on from after a failure: the relaunch's load, else the one
+    before its first resumed iteration (0: it loaded nothing), else, not resumed, the newest
+    checkpoint (0: none)."""
+    if loaded is not None:
+        return loaded
+    if resumed is not None and is_int(resumed.get("iteration")) and resumed["iteration"] >= 1:
+        return resumed["iteration"] - 1
+    return (checkpoint or {}).get("iteration", 0)
 
 
 def _ends_its_recovery(event: dict, failure: dict) -> bool:
