@@ -209,3 +209,16 @@ def test_a_live_runs_progress_since_its_last_failure_counts():
               {"event": "periodic_save", "time": 400.0, "iteration": 300}]
     seen = observed_goodput({"iteration_s": 1.0}, events)
     assert (seen["iterations"], seen["wall_s"]) == (300, 400.0)
+
+
+def test_a_drained_attempt_ends_where_its_relaunch_starts():
+    """A drain records no end of its own attempt: its bar ended at the run's end, under the
+    relaunch's."""
+    from ftmaster.incident import _attempts
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "drain", "time": 21.0, "gpu": 1, "reason": "straggler"},
+              {"event": "straggler_drained", "time": 26.0, "gpu": 1},
+              {"event": "launch", "time": 28.0, "attempt": 2},
+              {"event": "complete", "time": 100.0, "iteration": 50}]
+    assert [(a["attempt"], a["end"]) for a in _attempts(events)] == [(1, 28.0), (2, 100.0)]

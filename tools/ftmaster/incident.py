@@ -95,16 +95,20 @@ def _header(report: dict) -> str:
 # ---- the timeline ------------------------------------------------------------------------------
 
 def _attempts(events: list[dict]) -> list[dict]:
-    """Each launch with the time its attempt ended (its failure, completion or stop)."""
+    """Each launch with the time its attempt ended (its failure, completion or stop), at the
+    latest its node's next launch: a drained attempt records no end of its own."""
     launches = [e for e in events if e["event"] == "launch"]
     ends = [e for e in events if e["event"] in ("failure", "complete", "stopped", "gave_up")]
     attempts = []
     for launch in launches:
+        mine = launch.get("node")
+        relaunch = next((e["time"] for e in launches if e["time"] > launch["time"]
+                         and e.get("node") == mine), events[-1]["time"])
         end = next((e["time"] for e in ends if e["time"] >= launch["time"]
-                    and e.get("node") == launch.get("node")
+                    and e.get("node") == mine
                     and e.get("attempt", launch.get("attempt")) == launch.get("attempt")),
-                   events[-1]["time"])
-        attempts.append({**launch, "end": end})
+                   relaunch)
+        attempts.append({**launch, "end": min(end, relaunch)})
     return attempts
 
 
