@@ -227,6 +227,23 @@ def test_a_relaunch_that_started_from_scratch_lost_every_iteration(tmp_path):
     assert (failure["lost_iterations"], failure["lost_seconds"]) == (16, pytest.approx(1.6))
 
 
+def test_an_older_runs_failure_before_any_iteration_lost_nothing_after_its_load(tmp_path):
+    """Older supervisors recorded such a failure's iteration as null: its log, which loaded
+    10 and trained nothing, says where its state was."""
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3), save("periodic_save", 20, 10, 0.25, 0.5),
+              event("failure", 30, attempt=1, iteration=12, cause="exit", gpus=[1], exit_codes={}),
+              plan(31, [0, 2], 1, 1, 2), launch(32, 2, [0, 2], 1, 1, 2),
+              event("failure", 40, attempt=2, iteration=None, cause="exit", gpus=[2], exit_codes={}),
+              plan(41, [0], 1, 1, 1), launch(42, 3, [0], 1, 1, 1),
+              event("resumed", 50, attempt=3, iteration=11)]
+    logs = {1: [iteration_line(n, 20, 100) for n in range(1, 13)], 2: [loaded_line(10, 0.5, 4096)],
+            3: [loaded_line(10, 0.5, 4096), iteration_line(11, 20, 100)]}
+    run_dir = write_run(tmp_path / "run", events, logs)
+    assert run_report(run_dir).exit_code == 0
+    second = json.loads((run_dir / "report.json").read_text())["failures"][1]
+    assert (second["iteration"], second["lost_iterations"]) == (10, 0)
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

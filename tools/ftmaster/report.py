@@ -656,8 +656,10 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     resumed = recovery["resumed"]
     base = _went_on_from(restart_from, resumed, checkpoint)
     last = failure.get("iteration")
-    if not isinstance(last, int):  # the heartbeat was unreadable: the log's last line, at least
-        last = max(failed_log.iteration_s, default=None)
+    # Null: the heartbeat was unreadable, or an older supervisor's failure before the first
+    # iteration. The log's last iteration, at least; with none, the one it loaded.
+    if not isinstance(last, int):
+        last = max(failed_log.iteration_s, default=failed_log.loaded_iteration)
     # Survivors may have completed one more iteration than the last heartbeat said.
     lost = max(0, last - base) if isinstance(last, int) else None
     fault_to_failure = None if fault_at is None else failure["time"] - fault_at
