@@ -244,6 +244,23 @@ def test_an_older_runs_failure_before_any_iteration_lost_nothing_after_its_load(
     assert (second["iteration"], second["lost_iterations"]) == (10, 0)
 
 
+def test_a_checkpoint_gone_before_a_relaunch_from_scratch_is_no_later_failures(tmp_path):
+    """The relaunch after the memory checkpoint of 14 went with the failure trained from
+    iteration 1 and failed at 5 before saving: those 5 are lost, and there is no checkpoint
+    (the report said 14, and 0 lost)."""
+    events = [launch(0, 1, [0, 1, 2], 1, 1, 3),
+              {**save("periodic_save", 30, 14, 0.1, 0.2), "tier": "memory"},
+              event("failure", 40, attempt=1, iteration=16, cause="device_lost", gpus=[1], exit_codes={}),
+              plan(41, [0, 2], 1, 1, 2), launch(42, 2, [0, 2], 1, 1, 2),
+              event("resumed", 50, attempt=2, iteration=1),
+              event("failure", 60, attempt=2, iteration=5, cause="exit", gpus=[2], exit_codes={}),
+              event("gave_up", 61, reason="restart budget spent")]
+    run_dir = write_run(tmp_path / "run", events, {})
+    assert run_report(run_dir).exit_code == 0
+    second = json.loads((run_dir / "report.json").read_text())["failures"][1]
+    assert (second["checkpoint"], second["lost_iterations"]) == (None, 5)
+
+
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):
     events = [launch(0, 1, [0, 1], 1, 1, 2),
               {**save("periodic_save", 30, 10, 0.25, 0.5), "tier": "memory"},

@@ -24,7 +24,8 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   checkpoint is durable) before the failure, leaving out those a resume since set aside
   (newer than the ``checkpoint_loaded`` iteration); a ``checkpoint_loaded`` of an iteration
   with no save event (an earlier job's checkpoint the run started from) counts as one, of kind
-  ``loaded``. **restarted from**: the iteration of the relaunch log's ``loaded checkpoint``
+  ``loaded``, and a ``resumed`` sets aside those at or after its iteration (a relaunch that
+  loaded nothing resumes at 1). **restarted from**: the iteration of the relaunch log's ``loaded checkpoint``
   line.
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
   training restarted from (else the one before the first resumed iteration, 0 for a relaunch
@@ -449,6 +450,10 @@ def _checkpoint(events: list[dict], failure: dict) -> dict | None:
             saves = [e for e in saves if e["iteration"] <= event["iteration"]]
             if all(e["iteration"] != event["iteration"] for e in saves):
                 saves.append(event)  # one this run never saved: an earlier job's
+        elif event["event"] == "resumed" and is_int(event.get("iteration")):
+            # it went on from the iteration before: after a relaunch that loaded nothing,
+            # no checkpoint was left
+            saves = [e for e in saves if e["iteration"] < event["iteration"]]
     if not saves:
         return None
     newest = max(saves, key=lambda e: (e["iteration"], e["time"]))
