@@ -259,6 +259,12 @@ def test_a_checkpoint_gone_before_a_relaunch_from_scratch_is_no_later_failures(t
     assert run_report(run_dir).exit_code == 0
     second = json.loads((run_dir / "report.json").read_text())["failures"][1]
     assert (second["checkpoint"], second["lost_iterations"]) == (None, 5)
+    # the relaunch's own save, recorded before the supervisor saw its first iteration, stays
+    events.insert(5, {**save("periodic_save", 49, 1, 0.1, 0.2), "tier": "memory"})
+    run_dir = write_run(tmp_path / "again", events, {})
+    assert run_report(run_dir).exit_code == 0
+    second = json.loads((run_dir / "report.json").read_text())["failures"][1]
+    assert (second["checkpoint"]["iteration"], second["lost_iterations"]) == (1, 4)
 
 
 def test_a_memory_checkpoint_before_a_failure_is_complete_not_durable(tmp_path):

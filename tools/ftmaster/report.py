@@ -24,9 +24,9 @@ event (``fault_at`` is the moment the fault happened, where it is known):
   checkpoint is durable) before the failure, leaving out those a resume since set aside
   (newer than the ``checkpoint_loaded`` iteration); a ``checkpoint_loaded`` of an iteration
   with no save event (an earlier job's checkpoint the run started from) counts as one, of kind
-  ``loaded``, and a ``resumed`` sets aside those at or after its iteration (a relaunch that
-  loaded nothing resumes at 1). **restarted from**: the iteration of the relaunch log's ``loaded checkpoint``
-  line.
+  ``loaded``, and a ``resumed`` sets aside those from before its launch at or after its
+  iteration (a relaunch that loaded nothing resumes at 1). **restarted from**: the iteration
+  of the relaunch log's ``loaded checkpoint`` line.
 * **lost iterations (RPO)**: the failure's last completed iteration minus the iteration
   training restarted from (else the one before the first resumed iteration, 0 for a relaunch
   that loaded nothing; else, not resumed, the checkpoint's, else 0); ``lost_seconds`` adds up
@@ -440,9 +440,11 @@ def _lead_time(window: list[dict], failure: dict, fault_at: float) -> dict | Non
 
 
 def _checkpoint(events: list[dict], failure: dict) -> dict | None:
-    saves = []
+    saves, launched_at = [], -math.inf
     for event in (e for e in events if e["time"] <= failure["time"]):
-        if event["event"] in SAVES and is_int(event.get("iteration")):
+        if event["event"] == "launch":
+            launched_at = event["time"]
+        elif event["event"] in SAVES and is_int(event.get("iteration")):
             saves.append(event)
         elif event["event"] == "checkpoint_loaded" and is_int(event.get("iteration")):
             # a resume sets every newer checkpoint aside (it failed its checks, or its
@@ -451,9 +453,10 @@ def _checkpoint(events: list[dict], failure: dict) -> dict | None:
             if all(e["iteration"] != event["iteration"] for e in saves):
                 saves.append(event)  # one this run never saved: an earlier job's
         elif event["event"] == "resumed" and is_int(event.get("iteration")):
-            # it went on from the iteration before: after a relaunch that loaded nothing,
-            # no checkpoint was left
-            saves = [e for e in saves if e["iteration"] < event["iteration"]]
+            # it went on from the iteration before: after a relaunch that loaded nothing, no
+            # checkpoint from before its launch was left (its own may precede this event)
+            saves = [e for e in saves if e["iteration"] < event["iteration"]
+                     or e["time"] >= launched_at]
     if not saves:
         return None
     newest = max(saves, key=lambda e: (e["iteration"], e["time"]))
