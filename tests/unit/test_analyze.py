@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -138,6 +139,18 @@ def test_an_events_file_that_cannot_be_read_is_one_line(run_copy, tmp_path):
     result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(tmp_path / "a")])
     assert result.exit_code != 0
     assert result.output.strip() == f"Error: cannot read {events}: Is a directory"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["gpu_metrics.csv", "events.jsonl"])
+def test_a_fifo_in_a_files_place_is_one_line_not_a_wait_for_a_writer(run_copy, tmp_path, name):
+    fifo = run_copy / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(tmp_path / "a")])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: cannot read {fifo}: not a regular file (a FIFO, socket or "
+                             "device)\n")
 
 
 def test_missing_optional_columns_are_skipped(run_copy, tmp_path):

@@ -1,6 +1,7 @@
 """ftmaster report on generated run directories that follow DESIGN's events and log contract."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -339,6 +340,17 @@ def test_a_torn_last_line_is_left_out_and_said_in_one_line(tmp_path):
     assert result.stderr == (f"warning: {events}: its last line is incomplete (no newline: still "
                              "being written, or cut short), skipped\n")
     assert (run_dir / "report.json").read_text() == whole
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_for_the_events_file_is_one_line_not_a_wait_for_a_writer(tmp_path):
+    run_dir = two_failures(tmp_path / "run")
+    events = run_dir / "events.jsonl"
+    events.unlink()
+    os.mkfifo(events)
+    result = run_report(run_dir)
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: cannot read {events}: not a regular file (a FIFO, socket or device)\n"
 
 
 def test_a_garbled_iteration_line_is_not_read(tmp_path):

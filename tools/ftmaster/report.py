@@ -249,7 +249,9 @@ def _read_events_file(path: Path) -> list[dict] | None:
             lines = handle.read().splitlines()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
         raise ReportError(f"cannot read {path}: {exc}") from None
     if torn:
         click.echo(f"warning: {runfiles.torn_line_note(path)}", err=True)

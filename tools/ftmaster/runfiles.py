@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -321,9 +322,9 @@ def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
 
     Those bytes are a torn last line, of a writer killed mid-write or one still writing: read
     as a line, a value cut short ("8" of "80000") would pass for a whole one. What is appended
-    after the open is not read either.
+    after the open is not read either. Anything but a regular file raises an OSError.
     """
-    raw = open(path, "rb", buffering=0)
+    raw = open(_open_regular(path), "rb", buffering=0)
     try:
         size = raw.seek(0, os.SEEK_END)
         end = _whole_lines_end(raw, size)
@@ -332,6 +333,20 @@ def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
     except BaseException:
         raw.close()
         raise
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path``. The open does not wait: a FIFO in
+    the file's place would hold the open (then the read) until some writer came, forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", str(path))
 
 
 def torn_line_note(path: Path) -> str:
