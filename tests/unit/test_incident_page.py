@@ -42,6 +42,19 @@ def page(tmp_path):
     return run_dir / "report.html", json.loads((run_dir / "report.json").read_text())
 
 
+def test_samples_that_cannot_be_read_are_said_not_passed_off_as_none(tmp_path):
+    """A damaged gpu_metrics.csv (bytes that are no UTF-8, from a disk error or a bad copy)
+    leaves the page without risk plots: that is said, since the run did have samples."""
+    run_dir = with_samples(two_failures(tmp_path / "run"))
+    with (run_dir / "gpu_metrics.csv").open("ab") as handle:
+        handle.write(b"\xff\xfe garbage\n")
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith(f"warning: {run_dir / 'gpu_metrics.csv'} is malformed (")
+    assert result.stderr.endswith("; the incident page has no risk plots\n")
+    assert len(result.stderr.splitlines()) == 1
+
+
 def text_of(html_page):
     return re.sub(r'src="data:image/png;base64,[^"]*"', "", html_page)
 

@@ -239,7 +239,7 @@ def load_trace(target: Path, with_events: bool = True) -> Trace:
         except NoSamples as exc:
             notes.append(f"node {node} left out: {exc.message}")
     if not frames:
-        raise _fail(f"{target} has node folders ({', '.join(f.name for f in folders.values())}) "
+        raise NoSamples(f"{target} has node folders ({', '.join(f.name for f in folders.values())}) "
                     "but none holds a GPU sample: nothing to analyse")
     return Trace(pd.concat(frames, ignore_index=True), sorted(events, key=lambda e: e["time"]),
                  target, tuple(notes))

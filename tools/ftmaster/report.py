@@ -1131,10 +1131,14 @@ def run_path_problem(path: Path, run_dir: Path) -> str | None:
 
 
 def _samples(run_dir: Path):
-    """The monitor's samples for the page's risk plots; None when the run has none."""
-    from ftmaster.analyze import load_trace
+    """The monitor's samples for the page's risk plots; None when the run has none, or when
+    they cannot be read: that is said on stderr, as the page cannot tell it from none."""
+    from ftmaster.analyze import NoSamples, load_trace
 
     try:
         return load_trace(run_dir, with_events=False).frame
-    except click.ClickException:  # no CSV, or none with a sample: the page says so
+    except NoSamples:  # no CSV, or none with a sample: the page says so
+        return None
+    except click.ClickException as exc:
+        click.echo(f"warning: {exc.message}; the incident page has no risk plots", err=True)
         return None
