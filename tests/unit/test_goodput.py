@@ -171,6 +171,17 @@ def test_a_restart_cut_short_by_another_failure_is_no_restart_time(tmp_path):
     assert measured["restart_s"] == pytest.approx(1.0 + 80.5 - 0.5)
 
 
+def test_a_torn_last_log_line_is_no_iteration_time(tmp_path):
+    """A log cut short mid-line (a full disk, a killed rank): "(ms): 9" of "900.0" is no
+    9 ms iteration."""
+    run_dir = _run_dir(tmp_path)
+    with (run_dir / "logs" / "attempt_0.log").open("a") as log:
+        log.write("iteration 4/20 | consumed samples: 32 | elapsed time per iteration (ms): 9")
+    out = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--runs", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["inputs"]["iteration_s"] == pytest.approx(0.5)
+
+
 def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
     run_dir = _run_dir(tmp_path)  # its saves are durable 9 s after they start
     bad = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--save-block-s",

@@ -353,6 +353,20 @@ def test_a_fifo_for_the_events_file_is_one_line_not_a_wait_for_a_writer(tmp_path
     assert result.stderr == f"Error: cannot read {events}: not a regular file (a FIFO, socket or device)\n"
 
 
+def test_a_torn_last_log_line_is_not_read(tmp_path):
+    """A log cut short mid-line (a full disk, a killed rank) holds a figure cut short: "(ms): 2"
+    of "200.0" is no 2 ms iteration, but an unknown one, as if the line were not there."""
+    run_dir = two_failures(tmp_path / "run")
+    log = run_dir / "logs" / "attempt_2.log"
+    whole = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(whole[:-1]))
+    assert run_report(run_dir).exit_code == 0
+    without = (run_dir / "report.json").read_text()
+    log.write_text("".join(whole[:-1]) + whole[-1].split("(ms): ")[0] + "(ms): 2")
+    assert run_report(run_dir).exit_code == 0
+    assert (run_dir / "report.json").read_text() == without
+
+
 def test_a_garbled_iteration_line_is_not_read(tmp_path):
     """Ranks writing one log at once can garble a figure ("1.2.3"): such a line is skipped,
     as an unknown time, not read as a number nor a traceback."""

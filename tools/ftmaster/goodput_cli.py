@@ -44,7 +44,7 @@ def _iteration_s(run_dir: Path) -> float | None:
     logs = [log for folder in folders for log in sorted(runfiles.logs_dir(folder).glob("*.log"))
             if log.is_file()]
     for log in logs:
-        with open(log, errors="replace") as handle:
+        with report.open_log(log) as handle:
             times += [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]
     return _median(times)
 

@@ -108,7 +108,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import click
 
@@ -297,12 +297,20 @@ class AttemptLog:
         return sum(self.iteration_s[i] for i in wanted)
 
 
+def open_log(path: Path) -> TextIO:
+    """A training log's whole lines: its last line may be cut short (a full disk, a rank
+    killed mid-write, or still writing), and a figure in it too ("2" of "200.0")."""
+    handle, _ = runfiles.open_whole_lines(path, errors="replace")
+    return handle
+
+
 def read_attempt_log(folder: Path, attempt: Any) -> AttemptLog:
     """``folder/logs/attempt_<attempt>.log``; ``folder`` is the run directory or a node's."""
     log = AttemptLog()
     path = runfiles.logs_dir(folder) / f"attempt_{attempt}.log"
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open_log(path) as handle:
+            lines = handle.read().splitlines()
     except OSError:
         return log  # no log: the phases that need it are reported as unknown
     previous = None
