@@ -153,6 +153,14 @@ def test_a_fifo_in_a_files_place_is_one_line_not_a_wait_for_a_writer(run_copy, t
                              "device)\n")
 
 
+def test_a_source_whose_name_is_not_utf8_is_analysed(run_copy, tmp_path):
+    """A folder named on a machine with another locale (Latin-1 "été")."""
+    source = run_copy.rename(tmp_path / os.fsdecode(b"\xe9t\xe9"))
+    result = CliRunner().invoke(main, ["analyze", str(source), "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert os.fsencode(source) in (tmp_path / "a" / "report.html").read_bytes()
+
+
 def test_missing_optional_columns_are_skipped(run_copy, tmp_path):
     csv_path = runfiles.metrics_csv_path(run_copy)
     pd.read_csv(csv_path)[["timestamp", "gpu_id", "temperature"]].to_csv(csv_path, index=False)

@@ -367,6 +367,14 @@ def test_a_torn_last_log_line_is_not_read(tmp_path):
     assert (run_dir / "report.json").read_text() == without
 
 
+def test_a_run_dir_whose_name_is_not_utf8_gets_its_report_and_page(tmp_path):
+    """A folder named on a machine with another locale (Latin-1 "été")."""
+    run_dir = two_failures(tmp_path / os.fsdecode(b"\xe9t\xe9"))
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert os.fsencode(run_dir) in (run_dir / "report.html").read_bytes()
+
+
 def test_a_garbled_iteration_line_is_not_read(tmp_path):
     """Ranks writing one log at once can garble a figure ("1.2.3"): such a line is skipped,
     as an unknown time, not read as a number nor a traceback."""

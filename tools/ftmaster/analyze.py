@@ -56,7 +56,7 @@ from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
 from ftmaster.recovery.cli import FiniteFloatRange  # noqa: E402
-from ftmaster.report import is_int, node_folders, run_path_problem  # noqa: E402
+from ftmaster.report import is_int, node_folders, run_path_problem, write_for_people  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
 INDEX_NAMES = {"node": "node", "gpu_id": "gpu"}  # series key column -> summary column
@@ -410,7 +410,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:10
 {notes_html}{images}
 </body></html>
 """
-    path.write_text(body)
+    write_for_people(path, body)
 
 
 def _make_output_folder(out: Path) -> None:
@@ -453,7 +453,7 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
     table, alert_source = summarize(trace.frame, trace.events, threshold)
     table.to_csv(out / "summary.csv")
     notes = "".join(f"note: {note}\n" for note in trace.notes)
-    (out / "summary.md").write_text(to_markdown(table) + f"\nalerts: {alert_source}\n{notes}")
+    write_for_people(out / "summary.md", to_markdown(table) + f"\nalerts: {alert_source}\n{notes}")
     plots = plot_all(trace.frame, trace.events, out, threshold)
     write_html(out / "report.html", trace.source, table, alert_source, plots, trace.notes)
     return {"summary.csv": out / "summary.csv", "summary.md": out / "summary.md",

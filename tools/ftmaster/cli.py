@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import importlib
 import signal
+import sys
 
 import click
 
@@ -94,6 +95,16 @@ def _one_line_usage_errors():
 @click.version_option(__version__, prog_name="ftmaster")
 def main() -> None:
     """Proactive fault tolerance for Megatron training."""
+    _print_paths_as_the_file_system_has_them()
+
+
+def _print_paths_as_the_file_system_has_them() -> None:
+    """A path that is not UTF-8 (a folder named under another locale) prints with its own
+    bytes; under a UTF-8 locale Python's stdout would raise on it in the
+    middle of a report (stderr already writes it escaped)."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a stdout replaced may lack it
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
 
 
 if __name__ == "__main__":

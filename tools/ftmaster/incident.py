@@ -28,7 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ftmaster import goodput, goodput_cli  # noqa: E402
 from ftmaster.console import gpu_count_text, gpus_text  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
-from ftmaster.report import INCIDENT_PAGE, event_label, round_text, straggler_text  # noqa: E402
+from ftmaster.report import (INCIDENT_PAGE, event_label, round_text, straggler_text,  # noqa: E402
+                             write_for_people)
 
 RISK_WINDOW_BEFORE_S = 60.0
 """How long before a failure's fault its risk plot starts."""
@@ -79,7 +80,7 @@ img{{max-width:100%}}h2{{border-bottom:1px solid #ddd}}.failure{{margin-bottom:2
 </body></html>
 """
     path = run_dir / INCIDENT_PAGE
-    path.write_text(page)
+    write_for_people(path, page)
     return path
 
 

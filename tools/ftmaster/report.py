@@ -162,6 +162,12 @@ def _folder_names(nodes: list) -> str:
     return ", ".join(f"node_{node}" for node in nodes)
 
 
+def write_for_people(path: Path, text: str) -> None:
+    """A page or summary in UTF-8. The paths in it keep the bytes the file system holds: a
+    name that is not UTF-8 (a folder named under another locale) is no reason to fail."""
+    path.write_text(text, errors="surrogateescape")
+
+
 # ---- inputs ----------------------------------------------------------------------------------
 
 def is_int(value: Any) -> bool:
