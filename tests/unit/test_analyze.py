@@ -194,6 +194,19 @@ def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("stamp", ["0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z", "-5"])
+def test_a_timestamp_no_plot_can_draw_leaves_out_its_row_not_the_file(tmp_path, stamp):
+    """A year pandas cannot hold (another tool's zero time, a clock gone wrong) is no valid
+    timestamp, as garbage is not: its row is left out."""
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_text(f"timestamp,gpu_id,temperature\n{stamp},0,99\n"
+                        "2026-01-01T00:00:00Z,0,50\n2026-01-01T00:00:10Z,0,51\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(tmp_path / "o" / "summary.csv")
+    assert (summary["samples"][0], summary["temperature_max"][0]) == (2, 51)
+
+
 @pytest.mark.parametrize("time", [1e12, -1e12, float("nan"), float("inf"), True])
 def test_an_event_at_no_drawable_time_is_left_out_and_a_bom_is_read(tmp_path, time):
     csv_path = tmp_path / "gpu_metrics.csv"

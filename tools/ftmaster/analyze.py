@@ -151,7 +151,10 @@ def _header(csv_path: Path) -> list[str]:
 def _parse_times(stamps: pd.Series) -> pd.Series:
     """ISO 8601 (naive taken as UTC) or unix seconds -> float unix seconds; NaN if neither."""
     parsed = pd.to_datetime(stamps, format="ISO8601", utc=True, errors="coerce")
-    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    # the epoch in the stamps' own unit: in nanoseconds (Timestamp(0)'s), a year before 1678
+    # or after 2261 (another tool's zero time, a clock gone wrong) would overflow the whole file
+    epoch = pd.Timestamp(0, tz="UTC").as_unit(parsed.dt.unit)
+    seconds = (parsed - epoch).dt.total_seconds()
     missing = seconds.isna()
     if missing.any():  # parse as numbers only what ISO 8601 did not take
         seconds[missing] = pd.to_numeric(stamps[missing], errors="coerce")
