@@ -92,6 +92,7 @@ def test_damaged_events_spoil_only_their_own_lines(run_copy, tmp_path, analysed)
     with events.open("ab") as handle:
         handle.write(b'{"event": "risk_alert", "time": 1, "gpu": 2, "note": "\xff\xfe"}\n')
         handle.write(b'{"event": "risk_alert", "time": 2, "gpu": "x"}\n')
+        handle.write(b"[" * 100_000 + b"\n")  # nested past the parser's depth
     out = tmp_path / "analysis"
     result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
     assert result.exit_code == 0, result.output

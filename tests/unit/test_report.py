@@ -298,6 +298,7 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
      "line 2 is not a JSON object"),
     ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
     ('[1, 2]\n', "line 1 is not a JSON object"),
+    ("[" * 100_000 + "\n", "line 1 is not a JSON object"),  # nested past the parser's depth
     ('{"event": "launch", "time": 1}\n{"event": "failure", "time": 2, "gpus": 3}\n',
      'line 2: "gpus" of a failure event must be a list of integers, not 3'),
     ('{"event": "failure", "time": 2, "gpus": "13"}\n', 'must be a list of integers, not "13"'),

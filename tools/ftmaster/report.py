@@ -267,7 +267,7 @@ def _read_events_file(path: Path) -> list[dict] | None:
 def _parse_event(path: Path, number: int, line: str) -> dict:
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         record = None
     if not (isinstance(record, dict) and isinstance(record.get("event"), str)
             and _is_number(record.get("time"))):

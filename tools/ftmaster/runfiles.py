@@ -305,7 +305,7 @@ def parse_events(lines: Iterable[str]) -> list[dict[str, Any]]:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
             continue
         if isinstance(record, dict) and "event" in record:
             events.append(record)
