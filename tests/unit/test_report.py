@@ -294,7 +294,7 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
 @pytest.mark.parametrize("content, expected", [
     (None, "events.jsonl does not exist"),
     ("", "has no events"),
-    ('{"event": "launch", "time": 1}\n{"event": "launch", "ti\n{"event": "launch", "time": 3}\n',
+    ('{"event": "launch", "time": 1}\n{"event": "launch" "time": 2}\n{"event": "launch", "time": 3}\n',
      "line 2 is not a JSON object"),
     ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
     ('[1, 2]\n', "line 1 is not a JSON object"),
@@ -340,6 +340,24 @@ def test_a_torn_last_line_is_left_out_and_said_in_one_line(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stderr == (f"warning: {events}: its last line is incomplete (no newline: still "
                              "being written, or cut short), skipped\n")
+    assert (run_dir / "report.json").read_text() == whole
+
+
+def test_a_line_a_full_disk_cut_short_is_left_out_and_said_in_one_line(tmp_path):
+    """append_event, out of room, writes what fits of a line; the next event, once there is
+    room, ends it with a newline first, so that it loses only itself."""
+    run_dir = two_failures(tmp_path / "run")
+    assert run_report(run_dir).exit_code == 0
+    whole = (run_dir / "report.json").read_text()
+    events = run_dir / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    events.write_text("".join(lines[:5]) + '{"event": "fault_injected", "time": 1780000069.5, "ki\n'
+                      + "".join(lines[5:11]) + '{"event": "save_deferred", "time": 17800\n'
+                      + "".join(lines[11:]))
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {events} lines 6, 13: cut short (a write that failed, e.g. "
+                             "on a full disk), skipped\n")
     assert (run_dir / "report.json").read_text() == whole
 
 

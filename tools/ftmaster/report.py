@@ -248,7 +248,8 @@ def _at_its_moment(event: dict) -> dict:
 
 def _read_events_file(path: Path) -> list[dict] | None:
     """One events.jsonl's events, in file order; None when the file does not exist. A torn
-    last line (a live run's, or a killed writer's) is left out, and said on stderr."""
+    last line (a live run's, or a killed writer's) and lines a failed write cut short are
+    left out, and said on stderr; any other bad line is an error."""
     try:
         handle, torn = runfiles.open_whole_lines(path)
         with handle:
@@ -261,12 +262,22 @@ def _read_events_file(path: Path) -> list[dict] | None:
         raise ReportError(f"cannot read {path}: {exc}") from None
     if torn:
         click.echo(f"warning: {runfiles.torn_line_note(path)}", err=True)
-    return [_parse_event(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    events = {number: _parse_event(path, number, line)
+              for number, line in enumerate(lines, 1) if line.strip()}
+    if cut := [str(number) for number, event in events.items() if event is None]:
+        click.echo(f"warning: {path} line{'s' * (len(cut) > 1)} {', '.join(cut)}: cut short (a "
+                   "write that failed, e.g. on a full disk), skipped", err=True)
+    return [event for event in events.values() if event is not None]
 
 
-def _parse_event(path: Path, number: int, line: str) -> dict:
+def _parse_event(path: Path, number: int, line: str) -> dict | None:
+    """The event on ``line``; None when the line is one cut short."""
     try:
         record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        if _cut_short(line, exc):
+            return None
+        record = None
     except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         record = None
     if not (isinstance(record, dict) and isinstance(record.get("event"), str)
@@ -279,6 +290,14 @@ def _parse_event(path: Path, number: int, line: str) -> dict:
                               f"must be {expected.wording}, not {json.dumps(record[name])}; fix "
                               "or remove that line")
     return record
+
+
+def _cut_short(line: str, error: json.JSONDecodeError) -> bool:
+    """Whether ``line``, an object, failed to parse only for want of its end: what
+    :func:`runfiles.append_event` leaves of an event a full disk took part of (it ends such a
+    line before the next event, which the report then reads)."""
+    return line.startswith("{") and (error.pos >= len(line.rstrip())
+                                     or error.msg.startswith("Unterminated string"))
 
 
 @dataclass
