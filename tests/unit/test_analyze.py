@@ -284,6 +284,22 @@ def test_a_metric_one_gpu_never_knew_is_n_a_and_an_empty_csv_cell(tmp_path, gpu0
     assert "\n0,2,2026-01-01T00:00:00Z,2026-01-01T00:00:01Z,0.0,,,0\n" in summary_csv
 
 
+def test_a_cell_that_is_no_finite_number_is_unknown_not_an_extreme(tmp_path):
+    """inf, -inf and a value past float32 (1e39) are no reading: they neither make a mean or
+    a maximum infinite nor count as an alert; and nothing but the summary is printed."""
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_text("timestamp,gpu_id,temperature,power_draw,failure_risk\n"
+                        "2026-01-01T00:00:00Z,0,50,100,0.1\n2026-01-01T00:00:01Z,0,inf,1e39,inf\n"
+                        "2026-01-01T00:00:02Z,0,-inf,-inf,0.2\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    row = pd.read_csv(tmp_path / "o" / "summary.csv").iloc[0]
+    assert row["samples"] == 3
+    assert (row["temperature_mean"], row["temperature_max"]) == (50, 50)
+    assert (row["power_draw_mean"], row["power_draw_max"]) == (100, 100)
+    assert (row["failure_risk_max"], row["alerts"]) == (pytest.approx(0.2), 0)
+
+
 def test_an_entirely_empty_column_is_n_a_for_every_gpu(tmp_path):
     summary_csv, summary_md = analyze_csv(tmp_path, [
         "timestamp,gpu_id,temperature,power_draw",

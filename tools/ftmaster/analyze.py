@@ -170,12 +170,14 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
     chunks = []
     handle, torn = runfiles.open_whole_lines(csv_path, encoding="utf-8-sig", newline="")
     try:
-        with handle:
+        with handle, np.errstate(over="ignore"):  # a cell past float32 (1e39) reads as inf
             reader = pd.read_csv(handle, usecols=[*REQUIRED, *numeric], dtype=dtypes,
                                  chunksize=CHUNK_ROWS, keep_default_na=False,
                                  na_values=["", "nan", "NaN", "N/A", "[N/A]"])
             for chunk in reader:
                 chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
+                # an infinite cell is no reading: unknown, as an empty one, not an extreme
+                chunk[numeric] = chunk[numeric].where(np.isfinite(chunk[numeric]))
                 chunks.append(chunk.dropna(subset=["time", "gpu_id"]))
     except (ValueError, pd.errors.ParserError) as exc:
         reason = str(exc).splitlines()[0]
