@@ -63,7 +63,6 @@ class StragglerWatch:
 
     def __init__(self, config: StragglerConfig, drain: bool, drain_window_s: float) -> None:
         self.config, self.drain, self.drain_window_s = config, drain, drain_window_s
-        self.found: list[Found] = []
         self._last_drain: float | None = None
         self._slowed_step_s: float | None = None
         self.drained_step_s: float | None = None
@@ -96,11 +95,9 @@ class StragglerWatch:
                    (rows.items() if isinstance(rows, dict) else ())
                    if (it := _iteration(key)) is not None and isinstance(values, list)
                    and it >= self._first + WARMUP_ITERATIONS}
-        found = [f for f in map(self._found, self.tracker.observe(
+        return [f for f in map(self._found, self.tracker.observe(
             figures, _per_rank(compute.get("stages")), _per_rank(compute.get("replicas"))))
-                 if f is not None]
-        self.found += found
-        return found
+                if f is not None]
 
     @property
     def last_iteration(self) -> int | None:
