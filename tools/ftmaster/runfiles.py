@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import re
 import stat
@@ -205,12 +206,29 @@ def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
 
 
 def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
-    """The last heartbeat, or None when there is none yet or it cannot be read."""
+    """The last heartbeat, or None (unknown) when there is none yet, it cannot be read, or
+    a field the supervisor acts on is malformed: taken as it came, ``"iteration": true``
+    was progress to iteration 1 and ``"finished": "false"`` a finished schedule. A FIFO in
+    its place is unknown too, not a wait for a writer."""
     try:
-        body = json.loads(heartbeat_path(run_dir).read_text())
-    except (OSError, ValueError):
+        with open(_open_regular(heartbeat_path(run_dir)), "rb") as handle:
+            body = json.loads(handle.read())
+    except (OSError, ValueError, RecursionError):
         return None
-    return body if isinstance(body, dict) and isinstance(body.get("iteration"), int) else None
+    return body if isinstance(body, dict) and _well_formed_heartbeat(body) else None
+
+
+def _well_formed_heartbeat(body: dict[str, Any]) -> bool:
+    """Whether the fields :func:`write_heartbeat` writes have its types (an optional one
+    may be absent: a script writing its own heartbeat)."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    stamp = body.get("time", 0.0)
+    return (count(body.get("iteration"))
+            and (body.get("first_iteration") is None or count(body["first_iteration"]))
+            and isinstance(body.get("finished", False), bool)
+            and (count(stamp) or isinstance(stamp, float) and math.isfinite(stamp)))
 
 
 def append_event(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
