@@ -235,17 +235,21 @@ def load_trace(target: Path, with_events: bool = True) -> Trace:
     if None in folders:
         csv_path = runfiles.metrics_csv_path(target)
         return Trace(load_metrics(csv_path), events_of(csv_path), csv_path)
-    frames, events, notes = [], [], []
+    frames, events, notes, damaged = [], [], [], False
     for node, folder in folders.items():
         csv_path = runfiles.metrics_csv_path(folder)
         events += [{**e, "node": node} for e in events_of(csv_path)]
+        # a node whose file is empty, missing or damaged (its disk filled, say) is left out:
+        # the other nodes' samples still tell the run's story
         try:
             frames.append(load_metrics(csv_path).assign(node=np.int32(node)))
-        except NoSamples as exc:
+        except click.ClickException as exc:
             notes.append(f"node {node} left out: {exc.message}")
+            damaged |= not isinstance(exc, NoSamples)
     if not frames:
+        why = f" ({'; '.join(notes)})" if damaged else ""
         raise NoSamples(f"{target} has node folders ({', '.join(f.name for f in folders.values())}) "
-                    "but none holds a GPU sample: nothing to analyse")
+                        f"but none holds a GPU sample: nothing to analyse{why}")
     return Trace(pd.concat(frames, ignore_index=True), sorted(events, key=lambda e: e["time"]),
                  target, tuple(notes))
 
