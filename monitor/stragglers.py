@@ -20,7 +20,9 @@ twice) and reports a rank once its slowdown has stayed at or above ``ratio`` for
 the ratio as long (a straggler that dips for an iteration is the same straggler: its window's
 least stays below the ratio for ``window`` iterations after a single fast one).
 Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
-run of slow iterations as it was. So is a figure that is no time (not a finite number above
+run of slow iterations as it was; a rank without one over the ``window + iterations - 1``
+iterations a naming rests on is unknown, neither slow nor still a straggler, and judged
+afresh once its figures are back. So is a figure that is no time (not a finite number above
 0: a NaN compared as slow for every rank it was a peer of), and a rank whose pipeline stage is
 unknown has no peers. A peer with no figure over the iterations of a rank's window is no
 peer of it there.
@@ -210,7 +212,20 @@ class StragglerTracker:
                             and (other in self._reported
                                  or self._slowdown.get(other, 0.0) >= self.config.ratio)))
 
+    def _forget_the_silent(self) -> None:
+        """A rank without a figure over the span a naming rests on (the last ``window +
+        iterations - 1`` iterations seen) is unknown now, neither slow nor fast: named, it
+        stayed still slow for the rest of the attempt, a slow mate of any straggler of its
+        replica. Its figures, back, judge it afresh."""
+        span = self.config.window + self.config.iterations - 1
+        heard = set().union(*list(self._figures.values())[-span:])
+        for state in (self._slowdown, self._slow_run, self._run_start, self._fast_run):
+            for rank in state.keys() - heard:
+                del state[rank]
+        self._reported &= heard
+
     def _judge(self, iteration: int) -> list[Straggler]:
+        self._forget_the_silent()
         found = []
         judged_now = [judged for judged in assess(self._figures, self._stages, self.config)
                       if judged.rank in self._figures[iteration]]  # unknown: its run stays

@@ -166,6 +166,33 @@ def test_a_straggler_whose_replica_mate_is_slow_too_says_so():
     assert alone.slow_mates == ()
 
 
+def test_a_straggler_whose_figures_stop_is_unknown_not_still_slow():
+    """Rank 1 was named, then its figures stopped (iteration 20 on). It stayed slow for the
+    rest of the attempt: rank 0, of its replica, named at 35, was said to be slow beside it
+    (and kept from a drain for it). Back with slow figures, rank 1 is named anew."""
+    config = StragglerConfig(ratio=1.3, iterations=4, window=3)
+    tracker = StragglerTracker(config)
+    replicas = {0: 0, 1: 0, 2: 1, 3: 1}
+    rows = slow_rows(8, 40)
+    for it in range(20, 41):
+        rows[it][1] = None
+        rows[it][0] = 20.0 if it >= 30 else 10.0
+    found = tracker.observe(figures(rows), FOUR, replicas)
+    assert [(s.rank, s.iteration, s.slow_mates) for s in found] == [(1, 13, ()), (0, 35, ())]
+    assert not tracker.still_slow(1) and tracker.slow_mates(0) == ()
+    # a gap shorter than the span a naming rests on (window + iterations - 1) keeps it
+    short = StragglerTracker(config)
+    rows = slow_rows(8, 30)
+    for it in range(20, 25):  # 5 iterations, the span is 6
+        rows[it][1] = None
+    assert [s.iteration for s in short.observe(figures(rows), FOUR, replicas)] == [13]
+    assert short.still_slow(1)
+    # back and slow after the long gap: named anew
+    again = tracker.observe(figures({it: [20.0, 20.0, 10.0, 10.0] for it in range(41, 50)}),
+                            FOUR, replicas)
+    assert [(s.rank, s.slow_mates) for s in again] == [(1, (0,))]
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"ratio": 1.0}, "ratio must be above 1"),
     ({"iterations": 0}, "iterations must be at least 1"),
