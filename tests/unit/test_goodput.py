@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -192,7 +193,7 @@ def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
         f"(--save-persist-s 9: measured in {run_dir})")
 
 
-@pytest.mark.parametrize("mtbf_hours", [5e5, 1e12, 1e300])
+@pytest.mark.parametrize("mtbf_hours", [5e5, 1e12])
 def test_the_optimum_of_a_long_mtbf_is_searched_within_the_run(mtbf_hours):
     """An MTBF far beyond the run once made the search's grid as long as it (24 GB at 1e12
     hours): no interval beyond the run's iterations is tried."""
@@ -202,13 +203,43 @@ def test_the_optimum_of_a_long_mtbf_is_searched_within_the_run(mtbf_hours):
     assert 1 <= best["save_interval"] <= 100 * 3600 / 2 * 1.08 + 2
 
 
-@pytest.mark.parametrize("args", [["--iteration-s", "1e-310"], ["--run-hours", "1e308"]])
-def test_a_run_of_more_iterations_than_a_float_holds_is_one_line(args):
+RANGE = "(beyond any real run; the model's arithmetic overflows past it)"
+
+
+@pytest.mark.parametrize("args, message", [
     # each input finite, the run's iterations not: an OverflowError traceback from round()
+    (["--iteration-s", "1e-310"], "--iteration-s must be a number from 10^-12 to 10^12"),
+    (["--run-hours", "1e308"], "--run-hours must be a number from 10^-12 to 10^12"),
+    # the job's failure rate underflowed to 0: "cannot evaluate these inputs
+    # (ZeroDivisionError: float division by zero)"; or overflowed to infinity, the same
+    (["--gpu-mtbf-hours", "1e308"], "--gpu-mtbf-hours must be a number from 10^-12 to 10^12"),
+    (["--gpu-mtbf-hours", "5e-324"], "--gpu-mtbf-hours must be a number from 10^-12 to 10^12"),
+    (["--memory-save-s", "1e308"], "--memory-save-s must be a finite number >= 0, at most 10^12"),
+    (["--persist-s", "1e308"], "--persist-s must be a finite number >= 0, at most 10^12"),
+    # a traceback: the error's own message formatted the count as a float
+    (["--gpus", str(10**400)], "--gpus must be an integer from 1 to 10^12"),
+])
+def test_an_input_past_the_models_range_is_refused_with_the_reason(args, message):
     bad = CliRunner().invoke(main, ["goodput", "--runs", "0", *args])
-    assert bad.exit_code == 1 and not isinstance(bad.exception, OverflowError)
-    assert bad.output == ("Error: --run-hours / --iteration-s (the run's iterations) must be a "
-                          "finite number\n")
+    assert bad.exit_code == 1 and isinstance(bad.exception, SystemExit), bad.output
+    assert bad.output == f"Error: {message} {RANGE}\n"
+
+
+def test_a_failure_rate_past_the_models_range_is_refused_at_its_option():
+    bad = CliRunner().invoke(main, ["goodput", "--runs", "0", "--gpu-failure-rate", "1e-300"])
+    assert bad.exit_code == 2 and "'--gpu-failure-rate': 1e-300 is not in the range" in bad.output
+
+
+@pytest.mark.parametrize("args", [
+    ["--iteration-s", "1e-12"],  # an iteration of 10^-300 s printed a 300-digit wall time
+    ["--gpus", "1", "--gpu-mtbf-hours", "1e12", "--iteration-s", "1e-12", "--run-hours", "1e12",
+     "--save-block-s", "1e12", "--save-persist-s", "1e12"],
+    ["--iteration-s", "1e12", "--save-interval", str(10**12), "--run-hours", "1e12"],
+])
+def test_the_extremes_the_model_takes_print_no_number_longer_than_the_models_precision(args):
+    out = CliRunner().invoke(main, ["goodput", "--runs", "0", *args])
+    assert out.exit_code == 0, out.output
+    assert max(map(len, re.findall(r"\d+", out.output))) <= 13, out.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -218,10 +249,9 @@ def test_a_run_of_more_iterations_than_a_float_holds_is_one_line(args):
     (["--runs", "1000000000000"], "--runs must be at most 1000000 (each run's state is held in "
                                   "memory), not 1000000000000"),
     (["--runs", "1000001"], "not 1000001"),
-    # the job's failure rate underflows to 0: a ZeroDivisionError traceback from the model
+    # the job's failure rate underflowed to 0: a ZeroDivisionError traceback from the model
     (["--runs", "0", "--gpu-mtbf-hours", "1.7e308", "--run-hours", "1e-9"],
-     "the goodput model cannot evaluate these inputs (ZeroDivisionError: float division by "
-     "zero): --gpu-mtbf-hours 1.7e+308, --run-hours 1e-09"),
+     "--gpu-mtbf-hours must be a number from 10^-12 to 10^12"),
 ])
 def test_inputs_the_model_cannot_take_are_one_line(args, message):
     bad = CliRunner().invoke(main, ["goodput", *args])

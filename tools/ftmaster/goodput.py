@@ -116,6 +116,15 @@ MAX_SAVE_INTERVAL = 10**12
 """Iterations, far beyond any run's; the two-tier model lists the interval's divisors (a
 million trial divisions at this bound)."""
 
+MAX_INPUT = 10**12
+"""The most GPUs, seconds, hours or false alarms per GPU-hour an input may be, and the
+reciprocal of the least MTBF, iteration time or run length: far beyond any run's, and within
+float range through the model's arithmetic (an MTBF of 10^308 or 10^-323 hours made the job's
+failure rate 0 or infinite, then a division by zero; 10^400 GPUs are no float; an iteration
+of 10^-300 s had the table print a 300-digit wall time)."""
+
+_IN_RANGE = "beyond any real run; the model's arithmetic overflows past it"
+
 
 @dataclass(frozen=True)
 class GoodputInputs:
@@ -169,7 +178,8 @@ class GoodputInputs:
     system memory 2, i.e. 50 of 419. GPU, software and switch failures leave host RAM."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.gpus, int) and self.gpus >= 1, "gpus must be an integer >= 1")
+        _require(isinstance(self.gpus, int) and 1 <= self.gpus <= MAX_INPUT,
+                 f"gpus must be an integer from 1 to 10^12 ({_IN_RANGE})")
         _require(isinstance(self.save_interval, int) and 1 <= self.save_interval <= MAX_SAVE_INTERVAL,
                  "save_interval must be an integer from 1 to 10^12")
         _require(isinstance(self.memory_interval, int) and self.memory_interval >= 0,
@@ -179,20 +189,18 @@ class GoodputInputs:
                              f"({self.save_interval}), as every disk copy is of a memory save: "
                              f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
         for name in ("gpu_mtbf_hours", "iteration_s", "run_hours"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) > 0,
-                     f"{name} must be a finite number > 0")
+            _require(_finite(getattr(self, name))
+                     and 1 / MAX_INPUT <= getattr(self, name) <= MAX_INPUT,
+                     f"{name} must be a number from 10^-12 to 10^12 ({_IN_RANGE})")
         for name in ("save_block_s", "save_persist_s", "restart_s", "lead_s",
                      "false_alarm_rate", "memory_save_s", "persist_s"):
-            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0,
-                     f"{name} must be a finite number >= 0")
+            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) <= MAX_INPUT,
+                     f"{name} must be a finite number >= 0, at most 10^12 ({_IN_RANGE})")
         for name in ("recall", "gap_frac", "node_failure_share"):
             _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1,
                      f"{name} must be between 0 and 1")
         _require(self.save_persist_s >= self.save_block_s,
                  "save_persist_s (until durable) must be >= save_block_s (blocked)")
-        # the run's length in iterations, which the model rounds to integers
-        _require(math.isfinite(self.run_hours * HOUR / self.iteration_s),
-                 "run_hours / iteration_s (the run's iterations) must be a finite number")
 
     @property
     def failure_rate_s(self) -> float:
@@ -411,7 +419,7 @@ def first_order_breakdown(x: GoodputInputs) -> str | None:
                                    + x.save_persist_s)
     if exposure <= FIRST_ORDER_LIMIT:
         return None
-    return (f"a save interval with its save spans {exposure:.2f} of the job's MTBF, over the "
+    return (f"a save interval with its save spans {exposure:.3g} of the job's MTBF, over the "
             f"first-order model's {FIRST_ORDER_LIMIT:g}: the proactive model has no estimate "
             f"here (the Monte Carlo plays its rules; periodic-only is solved exactly)")
 
@@ -459,15 +467,16 @@ def optimal_interval(x: GoodputInputs, tune_gap: bool = False) -> dict:
     (every one, up to :data:`FINE_POINTS`).
     """
     fracs = np.linspace(0.05, 1.0, 20) if tune_gap else np.array([x.gap_frac])
-    # Up to 20 job MTBFs (Young's optimum is far below), and no further than the whole run:
-    # an interval beyond it never saves.
-    upper = max(10.0, min(20 * x.gpu_mtbf_hours * HOUR / x.gpus, x.run_hours * HOUR) / x.iteration_s)
+    # Up to 20 job MTBFs (Young's optimum is far below), and no further than the whole run
+    # (an interval beyond it never saves) or the longest interval the model takes.
+    upper = max(10.0, min(min(20 * x.gpu_mtbf_hours * HOUR / x.gpus, x.run_hours * HOUR)
+                          / x.iteration_s, MAX_SAVE_INTERVAL))
     # Neighbours at most 8% apart, as the fine search reaches; a bounded count however long
     # the MTBF (an array per point is several MB).
     points = max(200, math.ceil(math.log(upper) / math.log(1.08)) + 1)
     coarse = np.unique(np.geomspace(1, upper, points).astype(int))
     k, frac = _best(x, coarse, fracs)
-    low, high = max(1, int(k * 0.92)), int(k * 1.08) + 2
+    low, high = max(1, int(k * 0.92)), min(int(k * 1.08) + 2, MAX_SAVE_INTERVAL)
     fine = np.unique(np.linspace(low, high, min(high - low + 1, FINE_POINTS)).round().astype(int))
     k, frac = _best(x, fine, np.array([frac]))
     return {"save_interval": k, "gap_frac": frac,

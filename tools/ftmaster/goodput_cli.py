@@ -184,7 +184,7 @@ def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
         lines.append(_row("goodput (Monte Carlo)", [
             f"{m['goodput']:.4f} ± {m['goodput_stderr']:.4f}" if m else "-" for m in simulated]))
         lines.append(_row("lost work (h, Monte Carlo)",
-                          [f"{m['lost_hours']:.2f}" if m else "-" for m in simulated]))
+                          [_figure("{:.2f}", m["lost_hours"]) if m else "-" for m in simulated]))
     best = [c["optimum"] or {} for c in cases]
     lines.append(_row("optimal save interval (iterations)",
                       [str(best[0]["save_interval"]),
@@ -197,13 +197,13 @@ def _table(x: GoodputInputs, measured: dict, result: dict) -> str:
         lines.append(f"proactive: {cases[1]['no_estimate']}")
     lines += ["", *_two_tier_lines(x, tiers), "",
               f"Young/Daly sqrt(2 C MTBF_job), the periodic-only reference: "
-              f"{young['save_interval']:.0f} iterations ({young['interval_s']:.0f} s of compute "
-              "between saves)",
+              f"{_figure('{:.0f}', young['save_interval'])} iterations "
+              f"({_figure('{:.0f}', young['interval_s'])} s of compute between saves)",
               f"Daly's exact optimum (periodic-only is solved exactly): "
-              f"{young['daly_exact_save_interval']:.0f} iterations "
-              f"({young['daly_exact_interval_s']:.0f} s)",
+              f"{_figure('{:.0f}', young['daly_exact_save_interval'])} iterations "
+              f"({_figure('{:.0f}', young['daly_exact_interval_s'])} s)",
               f"paper-style worst case (an alert every gap, no failure): "
-              f"{result['worst_case_save_hours']:.2f} h of saves"]
+              f"{_figure('{:.2f}', result['worst_case_save_hours'])} h of saves"]
     return "\n".join(lines)
 
 
@@ -216,25 +216,34 @@ def _two_tier_lines(x: GoodputInputs, tiers: dict) -> list[str]:
              f"({chosen}), {x.memory_save_s:g} s blocked;",
              f"  the one every {model['disk_copy_interval']} iterations is copied to disk in the "
              f"background ({x.persist_s:g} s)",
-             f"  lost work per failure: {model['lost_per_rank_failure_s']:.0f} s when host RAM "
-             "survives (GPU or process failure),",
-             f"  {model['lost_per_node_crash_s']:.0f} s after a node crash "
+             f"  lost work per failure: {_figure('{:.0f}', model['lost_per_rank_failure_s'])} s "
+             "when host RAM survives (GPU or process failure),",
+             f"  {_figure('{:.0f}', model['lost_per_node_crash_s'])} s after a node crash "
              f"({x.node_failure_share:.0%} of failures: --node-failure-share)",
              "Young/Daly for the memory tier, sqrt(2 C_mem MTBF_job / (1 - node share)) with the",
              "  node-crash correction: " + (
-                 f"{young['memory_interval']:.0f} iterations ({young['interval_s']:.0f} s of "
-                 "compute between memory saves)" if young["interval_s"] is not None
+                 f"{_figure('{:.0f}', young['memory_interval'])} iterations "
+                 f"({_figure('{:.0f}', young['interval_s'])} s of compute between memory saves)"
+                 if young["interval_s"] is not None
                  else "none, every failure loses host RAM")]
     if "monte_carlo_skipped" in tiers:
         lines.append(f"  two-tier Monte Carlo left out: {tiers['monte_carlo_skipped']}")
     return lines
 
 
+LONGEST_FIGURE = 1e12
+"""From here on a figure is shown in three significant digits: '{:.2f}' of 4e33 hours was
+a 37-digit number, not the model's precision."""
+
+
 def _figure(fmt: str, value) -> str:
-    """A table cell: '-' for no estimate, 'unbounded' where the model has no finite value."""
+    """A number for the table: '-' for no estimate, 'unbounded' where the model has no finite
+    value, and a huge one in scientific notation."""
     if value is None:
         return "-"
-    return fmt.format(value) if math.isfinite(value) else "unbounded"
+    if not math.isfinite(value):
+        return "unbounded"
+    return fmt.format(value) if abs(value) < LONGEST_FIGURE else f"{value:.3g}"
 
 
 def _jsonable(value, path: str, unbounded: list[str]):
@@ -285,7 +294,8 @@ def _input_options(command):
 @click.command("goodput")
 @click.option("--run-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Read measured save, iteration and restart times from this run directory.")
-@click.option("--gpu-failure-rate", type=FiniteFloatRange(min=0, min_open=True), default=None,
+@click.option("--gpu-failure-rate", type=FiniteFloatRange(min=1 / goodput.MAX_INPUT,
+                                                          max=goodput.MAX_INPUT), default=None,
               help="Failures per GPU-hour; the same as --gpu-mtbf-hours 1/RATE.")
 @click.option("--runs", type=int, default=200, show_default=True,
               help=f"Monte Carlo runs: 0 for the analytic model only, else 2 to {MAX_RUNS}.")
