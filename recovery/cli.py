@@ -9,6 +9,7 @@ from itertools import groupby
 import click
 
 from .planner import MODES, Plan, PlanError, plan_nodes, uniform_nodes
+from .training_values import check_script_values
 
 SEPARATOR_KEY = "ftmaster.after_separator"
 MAX_NODES = 10**6
@@ -168,6 +169,7 @@ def plan_command(ctx: click.Context, gpus: int | None, gpus_per_node: int | None
     argv = script_command(ctx, command)
     nodes = _nodes(gpus, gpus_per_node, node_gpus)
     try:
+        check_script_values(argv[1:])
         plan = plan_nodes(argv, nodes, mode=mode, gpu_memory_gb=gpu_memory_gb,
                           original_world_size=original_gpus,
                           global_batch_tolerance_pct=tolerance_pct,

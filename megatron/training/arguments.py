@@ -25,6 +25,8 @@ from pathlib import Path
 
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
+from ftmaster.recovery.training_values import (check_learning_rate, check_lr_schedule,
+                                               check_positions)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -283,6 +285,7 @@ def _samples_from_iterations(args) -> None:
     if not by_samples and sample_forms:
         raise ArgumentError("with --train-iters give --lr-decay-iters/--lr-warmup-iters, not "
                             "the sample forms")
+    _validate_schedule_as_given(args)
     batch = args.global_batch_size or 0
     if args.train_samples is None and args.train_iters is not None:
         args.train_samples = args.train_iters * batch
@@ -293,20 +296,30 @@ def _samples_from_iterations(args) -> None:
         args.lr_warmup_samples = args.lr_warmup_iters * batch
 
 
-def _as_given(args, name: str) -> str:
-    """A schedule length as the user gave it, e.g. ``--lr-warmup-iters (5)``: in the unit of
-    the training length, since the other unit's values are derived from it."""
+def _validate_schedule_as_given(args) -> None:
+    """The schedule's lengths in the user's unit and values, before the sample forms are
+    derived (a derived length would be named as if given)."""
+    # A negative decay was blamed on "--train-iters 0"; a negative warm-up was taken (none)
+    for name in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                 "lr_warmup_iters", "lr_warmup_samples"):
+        value = getattr(args, name)
+        _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
     unit = "samples" if args.train_iters is None else "iters"
-    for flag in (f"{name}_{unit}", f"train_{unit}"):
-        value = getattr(args, flag)
-        if value:
-            return f"--{flag.replace('_', '-')} ({value})"
-    return "0"
+    _apply(check_lr_schedule, unit, *(getattr(args, f"{name}_{unit}")
+                                      for name in ("train", "lr_decay", "lr_warmup")))
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgumentError(message)
+
+
+def _apply(rule, *values) -> None:
+    """One of the rules ``ftmaster plan`` and ``launch`` apply too, refused as here."""
+    try:
+        rule(*values)
+    except ValueError as problem:
+        raise ArgumentError(str(problem)) from None
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -344,12 +357,9 @@ def _validate_positive(args):
         value = getattr(args, name)
         _require(value is None or value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    # A negative decay was blamed on "--train-iters 0"; a negative warm-up or exit interval
-    # was taken (no warm-up; an exit at multiples of its absolute value)
-    for name in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
-                 "lr_warmup_iters", "lr_warmup_samples", "exit_interval"):
-        value = getattr(args, name)
-        _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    # a negative one was taken: an exit at multiples of its absolute value
+    _require(args.exit_interval is None or args.exit_interval >= 0,
+             f"--exit-interval must be >= 0, got {args.exit_interval}")
 
 
 def _validate_model_numbers(args):
@@ -411,9 +421,7 @@ def _validate_layout(args):
     # it numpy.random.seed raised a traceback once the process group was up
     top = 2**32 - 1 - 100 * (args.pipeline_model_parallel_size - 1)
     _require(0 <= args.seed <= top, f"--seed must be between 0 and {top}, got {args.seed}")
-    _require(args.max_position_embeddings >= args.seq_length,
-             f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than "
-             f"--seq-length ({args.seq_length})")
+    _apply(check_positions, args.seq_length, args.max_position_embeddings)
     _require(not args.sequence_parallel or args.seq_length % tp == 0,
              f"--sequence-parallel splits the sequence over TP: --seq-length ({args.seq_length}) "
              f"is not divisible by --tensor-model-parallel-size ({tp})")
@@ -495,14 +503,7 @@ def _validate_batch(args):
 
 
 def _validate_schedule(args):
-    _require(args.lr >= args.min_lr >= 0, f"need --lr ({args.lr}) >= --min-lr ({args.min_lr}) >= 0")
-    # megatron-core's OptimizerParamScheduler asserts both, after the launch.
-    unit = "samples" if args.train_iters is None else "iters"
-    _require(args.lr_decay_samples > 0, f"the learning rate's decay needs at least one step: "
-             f"with --train-{unit} 0 give --lr-decay-{unit} N")
-    _require(args.lr_decay_samples > args.lr_warmup_samples,
-             f"the warm-up {_as_given(args, 'lr_warmup')} must be shorter than the decay "
-             f"{_as_given(args, 'lr_decay')}")
+    _apply(check_learning_rate, args.lr, args.min_lr)
     if args.save_interval is not None:
         _require(args.save_interval > 0,
                  f"--save-interval must be a positive integer, got {args.save_interval}")

@@ -74,6 +74,23 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("upstream", [False, True])
+def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream):
+    """Megatron-LM's own validate_args refuses it; relaunching cannot fix a typo. A script
+    with its own parser (upstream Megatron-LM's) would end every rank in an AssertionError."""
+    script = PRETRAIN
+    if upstream:
+        script = tmp_path / "pretrain_gpt.py"
+        script.write_text("from megatron.training import pretrain\n")
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    str(script), *MODEL, "--max-position-embeddings", "16")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "Error: training arguments: --max-position-embeddings (16) is smaller than "
+        "--seq-length (32)"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
     result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
                     env={"CUDA_VISIBLE_DEVICES": ""})

@@ -154,6 +154,17 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "the training arguments need --num-layers N"),
     (["--gpus", "3", "--gpu-memory-gb", "0.001", "--", *SCRIPT_ARGS], 1,
      "no layout fits 3 GPUs in 0.001 GiB per GPU"),
+    # Megatron-LM refuses these (validate_args, OptimizerParamScheduler) once launched: a plan
+    # for them is a relaunch that cannot start
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--max-position-embeddings", "1"], 2,
+     "--max-position-embeddings (1) is smaller than --seq-length (32)"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--lr", "nan"], 2, "need --lr (nan) >= --min-lr (0.0) >= 0"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--lr", "1e-3", "--min-lr", "-1"], 2,
+     "need --lr (0.001) >= --min-lr (-1.0) >= 0"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "-5"], 2,
+     "the learning rate's decay needs at least one step: --train-iters is -5"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-samples", "80", "--lr-warmup-samples", "80"], 2,
+     "the warm-up --lr-warmup-samples (80) must be shorter than the decay --train-samples (80)"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -161,6 +172,17 @@ def test_bad_input_is_one_line(args, exit_code, message):
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("Error: ") and message in result.stderr
+
+
+@pytest.mark.parametrize("schedule", [
+    # Megatron-LM takes each: a negative warm-up is none, and a negative length with a decay
+    # of its own trains nothing
+    ["--train-iters", "10", "--lr-warmup-iters", "-1"],
+    ["--train-iters", "-5", "--lr-decay-iters", "10"],
+    ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
+])
+def test_what_megatron_accepts_is_planned(schedule):
+    assert run_plan("--gpus", "3", "--json", "--", *SCRIPT_ARGS, *schedule).exit_code == 0
 
 
 def test_real_command_bad_input_one_line_on_stderr():

@@ -47,8 +47,13 @@ def with_args(*extra, drop=()):
      "the warm-up --lr-warmup-iters (2) must be shorter than the decay --train-iters (2)"),
     # megatron-core's scheduler asserts a decay of a step or more, once launched
     (with_args("--train-iters", "0"), 1,
-     "the learning rate's decay needs at least one step: with --train-iters 0 give --lr-decay-iters N"),
-    (with_args("--train-samples", "0", drop=("--train-iters",)), 1, "give --lr-decay-samples N"),
+     "the learning rate's decay needs at least one step: --train-iters is 0; give a positive one "
+     "or --lr-decay-iters N"),
+    (with_args("--train-samples", "0", drop=("--train-iters",)), 1, "or --lr-decay-samples N"),
+    # the lengths as given: no --lr-decay-samples was, and no --train-samples of -48
+    (with_args("--train-samples", "8", "--lr-warmup-samples", "8", drop=("--train-iters",)), 1,
+     "the warm-up --lr-warmup-samples (8) must be shorter than the decay --train-samples (8)"),
+    (with_args("--global-batch-size", "-12"), 1, "--global-batch-size must be a positive integer"),
     (with_args("--train-iters", "0", "--lr-decay-iters", "4", "--lr-warmup-iters", "4"), 1,
      "the warm-up --lr-warmup-iters (4) must be shorter than the decay --lr-decay-iters (4)"),
     (with_args("--bf16", "--fp16"), 1, "--bf16 and --fp16 are mutually exclusive"),

@@ -53,6 +53,7 @@ from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUA
 from ftmaster.recovery.megatron_args import read_script_args
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout)
+from ftmaster.recovery.training_values import check_script_values
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
 from ftmaster.replication import Replication, ReplicationConfig
@@ -614,6 +615,10 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     injections = _injections(options["inject_specs"], gpus)
     run_dir = options["run_dir"] or default_run_dir()
     world = len(gpus) if rendezvous is None else len(gpus) * rendezvous.max_nodes
+    try:
+        check_script_values(argv[1:])
+    except ValueError as error:
+        raise InputError(f"training arguments: {error}") from None
     argv, scratch = _with_memory_tier(argv, run_dir, rendezvous)
     first_plan = None
     if rendezvous is None:

@@ -1,0 +1,61 @@
+"""Megatron-LM's rules for training-argument values that no layout can repair.
+
+Megatron-LM refuses each once every rank has started (an AssertionError on every rank), so a
+launch or a relaunch planned for them cannot start. ``ftmaster plan`` and ``ftmaster launch``
+apply them to the argv of any script (:func:`check_script_values`), and the bundled trainer
+to its parsed arguments, so that all three refuse the same values with the same line. Each
+rule is only as strict as Megatron-LM (NVIDIA/Megatron-LM main d98e8a6): ftmaster must never
+refuse a command Megatron-LM accepts. Every error is one line (a ValueError) naming the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .argv_flags import flag_value, float_flag, int_flag
+
+
+def check_positions(seq_length: int, max_position_embeddings: int) -> None:
+    """``validate_args``: the position table must cover a whole sequence."""
+    if not max_position_embeddings >= seq_length:
+        raise ValueError(f"--max-position-embeddings ({max_position_embeddings}) is smaller "
+                         f"than --seq-length ({seq_length})")
+
+
+def check_learning_rate(lr: float, min_lr: float) -> None:
+    """``validate_args`` asserts ``min_lr <= lr``, megatron-core's ``OptimizerParamScheduler``
+    ``min_lr >= 0``; a NaN fails both."""
+    if not lr >= min_lr >= 0:
+        raise ValueError(f"need --lr ({lr}) >= --min-lr ({min_lr}) >= 0")
+
+
+def check_lr_schedule(unit: str, training: int, decay: int | None, warmup: int) -> None:
+    """``OptimizerParamScheduler`` asserts a decay of a step or more, and a warm-up shorter
+    than it. All three lengths are in ``unit`` (``iters`` or ``samples``, the training
+    length's), the same ordering as the scheduler's samples. An absent decay (None) is the
+    training length."""
+    given = decay is not None
+    flag, length = (f"--lr-decay-{unit}", decay) if given else (f"--train-{unit}", training)
+    if not length > 0:
+        fix = "" if given else f"; give a positive one or --lr-decay-{unit} N"
+        raise ValueError(f"the learning rate's decay needs at least one step: {flag} is "
+                         f"{length}{fix}")
+    if not warmup < length:
+        raise ValueError(f"the warm-up --lr-warmup-{unit} ({warmup}) must be shorter than the "
+                         f"decay {flag} ({length})")
+
+
+def check_script_values(args: Sequence[str]) -> None:
+    """The rules above, for the flags a Megatron-LM argv gives (an absent flag is left to the
+    script, which has its own default or refusal)."""
+    seq_length = int_flag(args, "--seq-length", positive=False)
+    max_positions = int_flag(args, "--max-position-embeddings", positive=False)
+    if seq_length is not None and max_positions is not None:
+        check_positions(seq_length, max_positions)
+    if flag_value(args, "--lr") is not None:
+        check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
+    for unit in ("iters", "samples"):
+        training = int_flag(args, f"--train-{unit}", positive=False)
+        if training is not None:
+            check_lr_schedule(unit, training, int_flag(args, f"--lr-decay-{unit}", positive=False),
+                              int_flag(args, f"--lr-warmup-{unit}", 0, positive=False))
