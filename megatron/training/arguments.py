@@ -504,6 +504,9 @@ def _validate_batch(args):
 
 def _validate_schedule(args):
     _apply(check_learning_rate, args.lr, args.min_lr)
+    # Megatron-LM takes it, then its first update makes every weight non-finite: a NaN loss
+    # at iteration 2, relaunched once before ftmaster gave up
+    _require_number(args, "lr", math.isfinite, "a finite number")
     if args.save_interval is not None:
         _require(args.save_interval > 0,
                  f"--save-interval must be a positive integer, got {args.save_interval}")

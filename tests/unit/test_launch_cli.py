@@ -56,6 +56,9 @@ def launch(run_dir, *args, env=None):
      "training arguments: unrecognized arguments: --bogus-flag"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--lr-decay-style",
       "sideways"], "training arguments: argument --lr-decay-style: invalid choice: 'sideways'"),
+    # trained iteration 1 into non-finite weights, then relaunched once on the NaN loss
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--lr", "inf"],
+     "training arguments: --lr must be a finite number, got inf"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--save", "ckpt",
       "--non-persistent-ckpt-type"], "--non-persistent-ckpt-type needs a value"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--save=",

@@ -216,6 +216,17 @@ def test_a_negative_schedule_length_is_refused(extra, refused):
         parse_args(argv, world_size=1)
 
 
+@pytest.mark.parametrize("lr, refused", [
+    ("nan", "need --lr (nan) >= --min-lr (0.0) >= 0"),
+    # Megatron-LM takes it, and its first update makes every weight non-finite: a NaN loss at
+    # iteration 2, relaunched once by ftmaster before it gave up
+    ("inf", "--lr must be a finite number, got inf"),
+])
+def test_a_learning_rate_that_cannot_train_is_refused(lr, refused):
+    with pytest.raises(ArgumentError, match=re.escape(refused)):
+        parse_args(with_args("--lr", lr), world_size=1)
+
+
 def test_missing_data_path_names_the_file(tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus"),
                                                       "--tokenizer-type", "ByteLevelTokenizer"]
