@@ -45,6 +45,12 @@ def check_lr_schedule(unit: str, training: int, decay: int | None, warmup: int) 
                          f"decay {flag} ({length})")
 
 
+def check_save_interval(interval: int) -> None:
+    """``validate_args`` asserts it with ``--save`` (the bundled trainer without it too)."""
+    if not interval > 0:
+        raise ValueError(f"--save-interval must be a positive integer, got {interval}")
+
+
 def check_script_values(args: Sequence[str]) -> None:
     """The rules above, for the flags a Megatron-LM argv gives (an absent flag is left to the
     script, which has its own default or refusal)."""
@@ -54,6 +60,9 @@ def check_script_values(args: Sequence[str]) -> None:
         check_positions(seq_length, max_positions)
     if flag_value(args, "--lr") is not None:
         check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
+    save_interval = int_flag(args, "--save-interval", positive=False)
+    if flag_value(args, "--save") is not None and save_interval is not None:
+        check_save_interval(save_interval)
     for unit in ("iters", "samples"):
         training = int_flag(args, f"--train-{unit}", positive=False)
         if training is not None:

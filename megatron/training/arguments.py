@@ -26,7 +26,7 @@ from pathlib import Path
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
 from ftmaster.recovery.training_values import (check_learning_rate, check_lr_schedule,
-                                               check_positions)
+                                               check_positions, check_save_interval)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -508,8 +508,7 @@ def _validate_schedule(args):
     # at iteration 2, relaunched once before ftmaster gave up
     _require_number(args, "lr", math.isfinite, "a finite number")
     if args.save_interval is not None:
-        _require(args.save_interval > 0,
-                 f"--save-interval must be a positive integer, got {args.save_interval}")
+        _apply(check_save_interval, args.save_interval)
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _require(args.eval_iters == 0 or args.eval_interval > 0,
              f"--eval-interval must be a positive integer, got {args.eval_interval} "

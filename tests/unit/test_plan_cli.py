@@ -165,6 +165,8 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "the learning rate's decay needs at least one step: --train-iters is -5"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-samples", "80", "--lr-warmup-samples", "80"], 2,
      "the warm-up --lr-warmup-samples (80) must be shorter than the decay --train-samples (80)"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--save-interval", "0"], 2,
+     "--save-interval must be a positive integer, got 0"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -183,6 +185,11 @@ def test_bad_input_is_one_line(args, exit_code, message):
 ])
 def test_what_megatron_accepts_is_planned(schedule):
     assert run_plan("--gpus", "3", "--json", "--", *SCRIPT_ARGS, *schedule).exit_code == 0
+
+
+def test_a_save_interval_without_save_is_left_to_the_script():
+    unsaved = [arg for arg in SCRIPT_ARGS if arg not in ("--save", "/ckpt")]
+    assert run_plan("--gpus", "3", "--json", "--", *unsaved, "--save-interval", "0").exit_code == 0
 
 
 def test_real_command_bad_input_one_line_on_stderr():
