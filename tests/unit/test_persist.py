@@ -535,11 +535,35 @@ def test_a_relaunch_under_another_run_directory_persists_what_a_killed_run_left_
     assert read_tracker(save) == 9 and is_complete(iteration_dir(save, 9))
     assert not left.exists() and not behind.exists()  # 4 is on disk's side already
     assert all(folder.exists() for folder in (other_save, live, own, unseen, shared))
-    persisting, persisted, removed_left, removed_behind = lines
+    persisting, persisted, removed_left, removed_behind, unseen_left = lines
     assert persisting.startswith(f"persisting iteration 9 to {save} before training starts: {left}")
     assert persisted.startswith("persisted iteration 9: ")
     assert removed_left == f"removed {left}: the memory tier a stopped run on this --save left"
     assert removed_behind.startswith(f"removed {behind}: ")
+    assert unseen_left.startswith(f"warning: {unseen}, ")  # left alone, but not unsaid
+
+
+def test_a_memory_tier_whose_run_directory_is_not_seen_is_left_alone_but_named(tmp_path):
+    """A folder on this --save whose run directory is gone (or not seen from this host) may
+    be a live run's, so it is not taken over; it was skipped without a word, though it holds
+    node memory and here a checkpoint newer than disk's, which the relaunch does not resume."""
+    shm, save = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(save, 6)
+    unseen = left_memory_tier(shm, "ftmaster-unseen-6", save, tmp_path / "gone-run", 13)
+    behind = left_memory_tier(shm, "ftmaster-behind-7", save, tmp_path / "gone-too", 4)
+    shutil.rmtree(tmp_path / "gone-run")
+    shutil.rmtree(tmp_path / "gone-too")
+    lines = []
+    assert persist_left_behind(None, save, True, lines.append, shm) == 0
+    assert unseen.exists() and behind.exists() and read_tracker(save) == 6
+    older, newer = lines
+    assert older == (f"warning: {behind}, a memory tier on this --save, is left alone: its run "
+                     f"directory {tmp_path / 'gone-too'} is not seen here (remove the folder "
+                     f"once no run uses it, to free its memory)")
+    assert newer == (f"warning: {unseen}, a memory tier on this --save, is left alone: its run "
+                     f"directory {tmp_path / 'gone-run'} is not seen here (remove the folder "
+                     f"once no run uses it, to free its memory); it holds iteration 13, newer "
+                     f"than disk's 6")
 
 
 def test_a_left_memory_tier_whose_newest_cannot_be_persisted_gives_the_resume_its_next_one(

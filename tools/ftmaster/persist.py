@@ -143,7 +143,8 @@ def persist_left_behind(own: Path | None, save_dir: Path, resumes: bool,
     make the fresh start refuse ``--save``), said as a warning. Each step is told to ``say``
     (``warning: `` first for one left in place). Only folders of this user's, not writable
     by others, whose run directory exists and is held by no ftmaster, are taken
-    (``/dev/shm`` is everyone's). Call with ``save_dir`` claimed (no other job writes it).
+    (``/dev/shm`` is everyone's); one whose run directory this host does not see is named
+    in a warning. Call with ``save_dir`` claimed (no other job writes it).
     Returns how many folders were removed."""
     save, removed = str(Path(save_dir).resolve()), 0
     for folder in sorted(Path(shm).glob("ftmaster-*")):
@@ -151,10 +152,22 @@ def persist_left_behind(own: Path | None, save_dir: Path, resumes: bool,
         if owner is None or owner.get("save") != save or not isinstance(owner.get("run_dir"), str):
             continue
         run_dir = Path(owner["run_dir"])
-        if not run_dir.is_dir() or run_dir_in_use(run_dir):
-            continue  # live, or not to be told (a run directory this host does not see)
-        removed += _take_over(folder, Path(save_dir), resumes, say)
+        if not run_dir.is_dir():
+            _warn_unseen(folder, run_dir, Path(save_dir), say)
+        elif not run_dir_in_use(run_dir):
+            removed += _take_over(folder, Path(save_dir), resumes, say)
     return removed
+
+
+def _warn_unseen(folder: Path, run_dir: Path, save_dir: Path, say: Callable[[str], None]) -> None:
+    """Name a folder left alone because it may be a live run's this host cannot tell: it
+    holds node memory, and maybe a checkpoint newer than any this launch can resume."""
+    newest, disk = next(iter(held_iterations(folder)), None), newest_on_disk(save_dir)
+    newer = (f"; it holds iteration {newest}, newer than disk's {disk}"
+             if newest is not None and (disk is None or newest > disk) else "")
+    say(f"warning: {folder}, a memory tier on this --save, is left alone: its run directory "
+        f"{run_dir} is not seen here (remove the folder once no run uses it, to free its "
+        f"memory){newer}")
 
 
 def _ours_alone(path: Path) -> bool:
