@@ -347,3 +347,18 @@ def test_a_marker_goes_on_its_own_nodes_row():
     attempts = _attempts(events)
     assert _row_at(attempts, events[2]) == 0  # node 0's, not node 1's later launch
     assert [a["end"] for a in attempts] == [5.0, 5.0]  # node 1's attempt ends with the last event
+
+
+def test_a_node_whose_samples_are_damaged_is_said_to_be_missing_from_the_risk_plots(tmp_path):
+    """The page's risk plots merge every node's gpu_metrics.csv; a node whose file is damaged
+    is left out of them with a note, which report dropped: the plots silently lacked it."""
+    from test_incident_page import with_samples
+
+    run_dir = gpu_loss_on_node_1(tmp_path / "run")
+    with_samples(run_dir / "node_0")
+    (run_dir / "node_1" / "gpu_metrics.csv").write_bytes(b"\xff\xfe garbage\n")
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"warning: node 1 left out: {run_dir / 'node_1' / 'gpu_metrics.csv'} ")
+    assert line.endswith("; the incident page's risk plots lack this node")

@@ -1165,13 +1165,17 @@ def run_path_problem(path: Path, run_dir: Path) -> str | None:
 
 def _samples(run_dir: Path):
     """The monitor's samples for the page's risk plots; None when the run has none, or when
-    they cannot be read: that is said on stderr, as the page cannot tell it from none."""
+    they cannot be read: that is said on stderr, as the page cannot tell it from none, and so
+    is each node left out of a multi-node run's."""
     from ftmaster.analyze import NoSamples, load_trace
 
     try:
-        return load_trace(run_dir, with_events=False).frame
+        trace = load_trace(run_dir, with_events=False)
     except NoSamples:  # no CSV, or none with a sample: the page says so
         return None
     except click.ClickException as exc:
         click.echo(f"warning: {exc.message}; the incident page has no risk plots", err=True)
         return None
+    for note in trace.notes:
+        click.echo(f"warning: {note}; the incident page's risk plots lack this node", err=True)
+    return trace.frame
