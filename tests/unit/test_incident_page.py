@@ -235,3 +235,37 @@ def test_a_drained_attempt_ends_where_its_relaunch_starts():
               {"event": "launch", "time": 28.0, "attempt": 2},
               {"event": "complete", "time": 100.0, "iteration": 50}]
     assert [(a["attempt"], a["end"]) for a in _attempts(events)] == [(1, 28.0), (2, 100.0)]
+
+
+def test_a_relaunch_that_loaded_nothing_reads_the_same_on_the_page_as_in_the_text(tmp_path):
+    """The relaunch after the failure loaded no checkpoint: the text said "no checkpoint
+    loaded", the page "restarted from iteration unknown", as if a load went unrecorded."""
+    from helpers.synth_run import event, launch, write_run
+
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 30, attempt=1, iteration=5, cause="exit", gpus=[1], exit_codes={}),
+              launch(31, 2, [0, 1], 1, 1, 2), event("resumed", 40, attempt=2, iteration=1),
+              event("complete", 60, iteration=10)]
+    run_dir = write_run(tmp_path / "run", events, {})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "restarted from     no checkpoint loaded" in result.stdout
+    body = text_of((run_dir / "report.html").read_text())
+    assert "restarted from: no checkpoint loaded;" in body and "iteration unknown" not in body
+
+
+def test_a_load_recorded_without_its_time_is_where_the_text_says_it_restarted(tmp_path):
+    """A checkpoint_loaded event whose seconds are not a number still names the iteration
+    loaded: the text said "no checkpoint loaded" while the page named the iteration."""
+    from helpers.synth_run import event, launch, write_run
+
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 30, attempt=1, iteration=5, cause="exit", gpus=[1], exit_codes={}),
+              launch(31, 2, [0, 1], 1, 1, 2),
+              event("checkpoint_loaded", 35, iteration=4, path="ckpt/iter_0000004", seconds=None),
+              event("resumed", 40, attempt=2, iteration=5), event("complete", 60, iteration=10)]
+    run_dir = write_run(tmp_path / "run", events, {})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "restarted from     iteration 4\n" in result.stdout
+    assert "restarted from: iteration 4;" in text_of((run_dir / "report.html").read_text())

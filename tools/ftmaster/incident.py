@@ -28,8 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ftmaster import goodput, goodput_cli  # noqa: E402
 from ftmaster.console import gpu_count_text, gpus_text  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
-from ftmaster.report import (INCIDENT_PAGE, event_label, round_text, straggler_text,  # noqa: E402
-                             write_for_people)
+from ftmaster.report import (INCIDENT_PAGE, event_label, restarted_from_text,  # noqa: E402
+                             round_text, straggler_text, write_for_people)
 
 RISK_WINDOW_BEFORE_S = 60.0
 """How long before a failure's fault its risk plot starts."""
@@ -232,7 +232,7 @@ def _failures(report: dict, frame, start: float) -> str:
             f"iteration; from the fault {human(failure['rto_from_fault_seconds'], 's')}); RPO "
             f"<b>{human(failure['lost_iterations'])} iteration(s)</b>"
             f"{'' if lost_s is None else ' (' + human(lost_s, 's') + ' of training)'}, restarted "
-            f"from iteration {human(failure['restarted_from_iteration'])}; outcome "
+            f"from: {html.escape(restarted_from_text(failure))}; outcome "
             f"{html.escape(failure['outcome'])}</p>\n")
         parts.append(_phases_bar(failure))
         parts.append(_risk_around(failure, frame))

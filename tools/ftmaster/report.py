@@ -1024,6 +1024,12 @@ def _replica_text(replica: dict | None) -> list[str]:
             f"starting its process)"]
 
 
+def restarted_from_text(failure: dict) -> str:
+    """What the relaunch after ``failure`` loaded, for the text and the incident page."""
+    iteration = failure["restarted_from_iteration"]
+    return "no checkpoint loaded" if iteration is None else f"iteration {iteration}"
+
+
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
@@ -1039,9 +1045,9 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
              "  last checkpoint    " + ("none" if ckpt is None else
                                         f"iteration {ckpt['iteration']} ({ckpt['kind'] or ckpt['event']}, "
                                         f"{ckpt['tier']}, {_save_state(ckpt)} at +{ckpt['durable_at'] - start:.2f} s)"),
-             "  restarted from     " + ("no checkpoint loaded" if f["load_seconds"] is None else
-                                        f"iteration {f['restarted_from_iteration']} (load "
-                                        f"{f['load_seconds']:.3f} s, {f['load_bytes']} bytes)"),
+             "  restarted from     " + restarted_from_text(f) + (
+                 "" if f["load_seconds"] is None else
+                 f" (load {f['load_seconds']:.3f} s, {f['load_bytes']} bytes)"),
              f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)",
              *_replica_text(f["replica"])]
     if f["outcome"] != "resumed":
