@@ -193,6 +193,24 @@ def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
         f"(--save-persist-s 9: measured in {run_dir})")
 
 
+@pytest.mark.parametrize("field", ["seconds", "persist_seconds"])
+def test_a_measured_time_past_float_range_is_refused_on_its_option(tmp_path, field):
+    """A save event whose time is an integer past float range (a damaged events.jsonl: JSON
+    integers have no bound) made an OverflowError that the message naming the inputs raised
+    again while formatting that very integer: a traceback."""
+    run_dir = _run_dir(tmp_path)
+    events = (run_dir / "events.jsonl").read_text().splitlines()
+    save = json.loads(events[1])
+    assert save["event"] == "periodic_save"
+    events[1] = json.dumps({**save, field: 10**400})
+    (run_dir / "events.jsonl").write_text("\n".join(events) + "\n")
+    bad = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--runs", "0"])
+    assert bad.exit_code == 1 and isinstance(bad.exception, SystemExit), bad.output
+    option = {"seconds": "--save-block-s", "persist_seconds": "--save-persist-s"}[field]
+    assert bad.output == (f"Error: {option} must be a finite number >= 0, at most 10^12 {RANGE} "
+                          f"({option} inf: measured in {run_dir})\n")
+
+
 @pytest.mark.parametrize("mtbf_hours", [5e5, 1e12])
 def test_the_optimum_of_a_long_mtbf_is_searched_within_the_run(mtbf_hours):
     """An MTBF far beyond the run once made the search's grid as long as it (24 GB at 1e12

@@ -66,10 +66,20 @@ def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
                  tier: str | None = None) -> float | None:
     """Median numeric ``key`` of the events of ``kinds``; with ``tier``, of the saves that went
     there (a save without a ``tier`` field predates the memory tier: it went to disk)."""
-    values = [e[key] for e in events if e["event"] in kinds
+    values = [_as_float(e[key]) for e in events if e["event"] in kinds
               and (tier is None or e.get("tier", "disk") == tier)
               and isinstance(e.get(key), (int, float))]
     return _median(values)
+
+
+def _as_float(value: int | float) -> float:
+    """A JSON number as a float; an integer past float range (JSON integers have no bound) is
+    infinite, which the model refuses by its option, not an OverflowError wherever it is
+    first used (even while the message naming the inputs formats it)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def measure(run_dir: Path, events: list[dict]) -> dict[str, float]:
