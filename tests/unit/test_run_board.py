@@ -186,3 +186,51 @@ def test_a_writer_that_fails_is_said_once_and_never_raises_into_the_run(tmp_path
     assert [r.getMessage() for r in caplog.records] == [
         f"ftmaster's TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
         "left on device"]
+
+
+def recover(board, failed_at, loaded, seconds, time):
+    """One failure at iteration ``failed_at`` and the relaunch that resumed from ``loaded``."""
+    board.observe_event({"event": "failure", "iteration": failed_at, "time": time})
+    board.observe_event({"event": "checkpoint_loaded", "iteration": loaded})
+    board.observe_event({"event": "resumed", "iteration": loaded + 1, "time": time + seconds})
+
+
+def test_two_recoveries_from_one_checkpoint_are_both_on_the_curves(tmp_path):
+    """A failure before the next checkpoint after a relaunch (or after a drain) resumes from
+    the checkpoint the first one did: both were written at its iteration, and TensorBoard kept
+    only the later. The second is one step past the first."""
+    board = RunBoard(tmp_path)
+    recover(board, failed_at=120, loaded=100, seconds=30.0, time=10.0)
+    recover(board, failed_at=105, loaded=100, seconds=20.0, time=100.0)
+    board.close()
+    assert shown(scalars(tmp_path, "ftmaster/rto_seconds")) == [(100, 30.0), (101, 20.0)]
+    assert shown(scalars(tmp_path, "ftmaster/rpo_iterations")) == [(100, 20.0), (101, 5.0)]
+
+
+def test_a_recovery_from_an_older_checkpoint_keeps_the_earlier_ones(tmp_path):
+    """The memory tier lost with a node, the relaunch resumed from disk, before the iteration an
+    earlier recovery resumed from: written at its own iteration it dropped that recovery's
+    point. It is keyed past it, as the risk is past the furthest iteration."""
+    board = RunBoard(tmp_path)
+    recover(board, failed_at=210, loaded=200, seconds=30.0, time=10.0)
+    recover(board, failed_at=230, loaded=100, seconds=90.0, time=100.0)
+    board.close()
+    assert shown(scalars(tmp_path, "ftmaster/rto_seconds")) == [(200, 30.0), (201, 90.0)]
+    assert shown(scalars(tmp_path, "ftmaster/rpo_iterations")) == [(200, 10.0), (201, 130.0)]
+
+
+def test_another_launch_keys_its_recoveries_past_the_earlier_launches(tmp_path):
+    """A requeue that resumes from the checkpoint the last launch's recovery did. The steps
+    moved past a shared one are not iterations the run reached: the risk stays at the
+    furthest iteration."""
+    first = RunBoard(tmp_path)
+    first.observe_heartbeat({"iteration": 100})
+    recover(first, failed_at=100, loaded=100, seconds=30.0, time=10.0)
+    recover(first, failed_at=100, loaded=100, seconds=40.0, time=100.0)
+    first.close()
+    second = RunBoard(tmp_path)
+    assert second.iteration == 100
+    recover(second, failed_at=100, loaded=100, seconds=50.0, time=200.0)
+    second.close()
+    assert shown(scalars(tmp_path, "ftmaster/rto_seconds")) == [(100, 30.0), (101, 40.0),
+                                                               (102, 50.0)]

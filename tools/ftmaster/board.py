@@ -7,13 +7,15 @@ own in TensorBoard's list: ``ftmaster/risk/gpu<G>`` (per iteration per GPU, the 
 its samples, written once the iteration is over),
 ``ftmaster/alerts`` and ``ftmaster/failures`` (running counts, at the iteration they came
 at), ``ftmaster/rto_seconds`` and ``ftmaster/rpo_iterations`` (at the iteration a relaunch
-resumed from).
+resumed from, or one step past the last recovery's when that is not past it).
 
 The iteration of the risk and the counts is the furthest the run reached, never one it
 redoes: TensorBoard takes a step written again for a job restarted from a checkpoint and drops
 every point at or after it, so a relaunch from an older checkpoint would drop the risk that
 came before the failure. What is sampled while the run redoes iterations (or while nothing
-trains) counts at the furthest one.
+trains) counts at the furthest one. For the same reason two recoveries never share a step (two
+from one checkpoint would keep only the later, one from an older checkpoint would drop those
+after it); the steps a recovery is moved to are not iterations the run reached.
 
 Another launch on the folder (a SLURM requeue, a relaunch after ``gave_up``) writes a new event
 file beside the earlier ones, and TensorBoard reads them as one run: its board continues where
@@ -40,6 +42,9 @@ log = logging.getLogger("ftmaster")
 RISK = "ftmaster/risk/gpu"
 ALERTS = "ftmaster/alerts"
 FAILURES = "ftmaster/failures"
+RTO = "ftmaster/rto_seconds"
+RPO = "ftmaster/rpo_iterations"
+PER_RECOVERY = (RTO, RPO)
 Point = tuple[int, float]  # (step, value)
 
 
@@ -98,8 +103,11 @@ class RunBoard:
         earlier = last_points(folder)
         self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
                                     f"ftmaster's TensorBoard scalars in {folder}", log.error)
-        self.iteration = max((step for step, _ in earlier.values()), default=0)
+        self.iteration = max((step for tag, (step, _) in earlier.items()
+                              if tag not in PER_RECOVERY), default=0)
         """The furthest iteration the run reached (see the module docstring)."""
+        self._recovery_step = max((earlier[tag][0] for tag in PER_RECOVERY if tag in earlier),
+                                  default=-1)
         # GPU -> (iteration, its highest risk yet), written once a sample comes at another
         # iteration, or at close: the monitor's thread's alone until then
         self._risk_peak = risk_peaks_at(earlier, self.iteration)
@@ -153,11 +161,18 @@ class RunBoard:
             self.writer.add_scalar(FAILURES, self._failures, self.iteration)
         recovered = self._recoveries.observe(event)
         if recovered is not None:
-            at = self.iteration if recovered.loaded is None else recovered.loaded
-            self.writer.add_scalar("ftmaster/rto_seconds", recovered.rto_s, at)
+            step = self._next_recovery_step(
+                self.iteration if recovered.loaded is None else recovered.loaded)
+            self.writer.add_scalar(RTO, recovered.rto_s, step)
             if recovered.lost_iterations is not None:
-                self.writer.add_scalar("ftmaster/rpo_iterations", recovered.lost_iterations, at)
+                self.writer.add_scalar(RPO, recovered.lost_iterations, step)
             self.writer.flush()
+
+    def _next_recovery_step(self, resumed_from: int) -> int:
+        """``resumed_from``, or one past the last recovery's step: TensorBoard keeps one point
+        per step and drops those at or after a step written again (see the module docstring)."""
+        self._recovery_step = max(resumed_from, self._recovery_step + 1)
+        return self._recovery_step
 
     def close(self) -> None:
         # a copy: a monitor whose stop timed out may still add to it
