@@ -12,6 +12,7 @@ from ftmaster.membership import (RECORD_TIMEOUT_S, JoinTimedOut, NodeMembership,
                                  RendezvousConfig, Round, check_same_arguments, order_records,
                                  parse_conf, parse_nnodes, parse_record, unread_conf_keys)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
+from helpers.ipv6 import needs_ipv6
 from helpers.trainer import PRETRAIN
 from test_launch_cli import MODEL
 
@@ -175,6 +176,23 @@ def test_the_node_at_the_endpoint_hosts_the_store(local_addr, endpoint, conf, is
 
     config = RendezvousConfig(endpoint, "job", 1, 2, 0, local_addr=local_addr, conf=conf)
     assert store_conf(config).get("is_host") == is_host
+
+
+@needs_ipv6
+@pytest.mark.parametrize("addr", ["::1", "::"])
+def test_a_node_at_an_ipv6_address_offers_a_port_there(addr):
+    """An IPv6 --local-addr was refused as no address of this host (a bind with an IPv4
+    socket: "Address family for hostname not supported")."""
+    from ftmaster.membership import check_address, free_port
+
+    check_address(RendezvousConfig("[::1]:29400", "job", 1, 2, 0, local_addr=addr))
+    assert 0 < free_port(addr) < 65536
+
+
+def test_a_name_with_an_ipv4_address_binds_it_as_before():
+    from ftmaster.membership import free_port
+
+    assert free_port("localhost") > 0
 
 
 def test_a_round_that_never_formed_says_how_long_it_waited_for_how_many():

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
+from ftmaster.addresses import bind_address
 from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
 from ftmaster.peer_files import new_secret
 
@@ -259,8 +260,9 @@ def parse_record(data: bytes) -> NodeRecord:
 
 
 def free_port(addr: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+    family, address = bind_address(addr, 0)
+    with socket.socket(family) as sock:
+        sock.bind(address)
         return sock.getsockname()[1]
 
 
