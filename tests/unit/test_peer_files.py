@@ -14,6 +14,7 @@ from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerSer
                                  copy_checkpoint, fill_from_peer, manifest_files, new_secret)
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
+from helpers.ipv6 import needs_ipv6
 
 SECRET = new_secret()
 
@@ -191,6 +192,33 @@ def test_a_checkpoint_is_copied_verified_with_its_manifest_last(served, tmp_path
     assert read_manifest(copied.path) == read_manifest(source)
     again = copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
     assert (again.bytes, again.missing) == (0, ())  # what it holds is kept
+
+
+@needs_ipv6
+def test_a_checkpoint_is_copied_from_a_peer_at_an_ipv6_address(tmp_path):
+    """The server bound IPv4 sockets only: "Address family for hostname not supported"."""
+    folder = checkpoint(tmp_path / "peer")
+    server = PeerServer(PeerServeConfig(tmp_path / "peer", SECRET, addr="::1"))
+    try:
+        assert server.url.startswith("http://[::1]:")
+        copied = copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
+        assert read_manifest(copied.path) == read_manifest(folder)
+    finally:
+        server.close()
+
+
+@needs_ipv6
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack sockets here")
+def test_a_server_on_every_ipv6_address_serves_ipv4_peers_too(tmp_path):
+    folder = checkpoint(tmp_path / "peer")
+    server = PeerServer(PeerServeConfig(tmp_path / "peer", SECRET, addr="::"))
+    try:
+        port = server.url.rpartition(":")[2]
+        for host in ("[::1]", "127.0.0.1"):
+            client = PeerClient(f"http://{host}:{port}", SECRET)
+            assert client.read(f"{folder.name}/{MANIFEST_NAME}") == (folder / MANIFEST_NAME).read_bytes()
+    finally:
+        server.close()
 
 
 def test_a_folder_is_filled_with_what_the_peer_holds_and_whole_only_when_nothing_is_missing(

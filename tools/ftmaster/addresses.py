@@ -6,6 +6,7 @@ An IPv6 address has colons of its own, so in ``host:port`` it goes in brackets
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 
@@ -18,3 +19,15 @@ def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
                                     found[0])
     return family, address
 
+
+def allow_ipv4_too(sock: socket.socket) -> None:
+    """An IPv6 socket bound to ``::`` takes IPv4 peers as well, where the OS allows it (Linux
+    does by default; the BSDs do not), as ``0.0.0.0`` would: called before ``bind``."""
+    if sock.family == socket.AF_INET6:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -45,6 +45,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import xxhash
 
+from ftmaster.addresses import allow_ipv4_too, bind_address, host_port
 from ftmaster.recovery.checkpoints import iteration_dir, tracker_lock
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
                                         digest_bytes, digest_file, is_plain_file_name,
@@ -202,7 +203,12 @@ class _Server(http.server.ThreadingHTTPServer):
         self.config, self.secret = config, config.secret
         self.root = config.root.resolve()
         self.limit = RateLimit(config.rate_bytes_s)
-        super().__init__((config.addr, config.port), _Handler)
+        self.address_family, address = bind_address(config.addr, config.port)
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        allow_ipv4_too(self.socket)
+        super().server_bind()
 
     def handle_error(self, request, client_address) -> None:
         log.debug("peer files: a request from %s broke off", client_address, exc_info=True)
@@ -223,7 +229,7 @@ class PeerServer:
     def __init__(self, config: PeerServeConfig) -> None:
         self._server = _Server(config)
         host, port = self._server.server_address[:2]
-        self.url = f"http://{_host_in_url(host)}:{port}"
+        self.url = f"http://{host_port(host, port)}"
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
                                         name="peer-files", daemon=True)
         self._thread.start()
@@ -238,10 +244,6 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
-
-
-def _host_in_url(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class PeerError(Exception):
