@@ -2,6 +2,7 @@
 forms, node order by node rank, and one-line refusals."""
 
 import json
+import re
 from dataclasses import asdict, replace
 
 import pytest
@@ -105,6 +106,19 @@ def test_rendezvous_config_validates():
         RendezvousConfig("h:1", "job", 1, 2, -1)
 
 
+@pytest.mark.parametrize("endpoint, message", [
+    ("fd00::1", "an IPv6 address goes in brackets"),  # torch reads host 'fd00:', port 1
+    ("::1", "an IPv6 address goes in brackets"),
+    ("h:99999", "the port must be 0-65535"),
+    ("h:", "the port must be 0-65535"),
+    ("[fd00::1]:x", "the port must be 0-65535"),
+    ("a b:1", "expected HOST[:PORT]"),
+])
+def test_an_endpoint_torch_would_misread_is_refused(endpoint, message):
+    with pytest.raises(ValueError, match=rf"^--rdzv-endpoint '{re.escape(endpoint)}': {re.escape(message)}"):
+        RendezvousConfig(endpoint, "job", 1, 2, 0)
+
+
 def test_a_try_at_a_round_may_take_the_join_and_the_wait_for_every_record():
     config = RendezvousConfig("h:1", "job", 1, 2, 0, conf={"join_timeout": "30",
                                                             "read_timeout": "5"})
@@ -152,6 +166,8 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
       "--rdzv-conf", "keep_alive_interval=0.5"],
      "--rdzv-conf keep_alive_interval='0.5': expected whole seconds"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "fd00::1"],
+     "--rdzv-endpoint 'fd00::1': an IPv6 address goes in brackets, as in [fd00::1]:29400"),
     # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
       "127.0.0.1:29400", "--local-addr", "192.0.2.1"],
@@ -170,6 +186,11 @@ def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
     ("10.0.0.2", "10.0.0.1:29400", {}, None),  # another node's: torch decides (a client)
     ("127.0.0.1", "127.0.0.1:29400", {}, None),  # loopback: the first to bind hosts
     ("10.0.0.1", "10.0.0.1:29400", {"is_host": "0"}, "0"),  # the user's word stands
+    ("10.0.0.1", "10.0.0.1", {}, "1"),  # torch's default port
+    ("fd00::1", "[fd00::1]:29400", {}, "1"),  # IPv6, in brackets as torch reads it
+    ("fd00::1", "[fd00::1]", {}, "1"),
+    ("fd00::1", "fd00::1:29400", {}, "1"),  # torch takes the last colon for the port's
+    ("fd00::2", "[fd00::1]:29400", {}, None),
 ])
 def test_the_node_at_the_endpoint_hosts_the_store(local_addr, endpoint, conf, is_host):
     from ftmaster.membership import store_conf

@@ -1,12 +1,14 @@
 """Addresses of IPv4 and IPv6 alike: where a server binds, and ``host:port`` text.
 
 An IPv6 address has colons of its own, so in ``host:port`` it goes in brackets
-(``[fd00::1]:29400``), as in a URL.
+(``[fd00::1]:29400``), as in a URL and as torch elastic reads a rendezvous endpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import re
 import socket
 
 
@@ -31,3 +33,39 @@ def allow_ipv4_too(sock: socket.socket) -> None:
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_HOST = re.compile(r"[\w.:-]+")  # torch's own check of an endpoint's host
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """``HOST[:PORT]`` as torch elastic reads a rendezvous endpoint (``parse_rendezvous_endpoint``
+    in torch/distributed/elastic/rendezvous/utils.py): the port after the last colon, unless
+    the text ends in the bracket of an IPv6 address; None when no port is given. ValueError (one
+    line, naming ``text``) for what torch refuses, and for an IPv6 address outside brackets
+    that torch would misread (``fd00::1`` as host ``fd00:``, port 1)."""
+    text = text.strip()
+    if text.endswith("]") or ":" not in text:
+        host, port = text, None
+    else:
+        host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host and not _is_ipv6(host):
+        raise ValueError(f"{text!r}: an IPv6 address goes in brackets, as in [fd00::1]:29400")
+    if not _HOST.fullmatch(host):
+        raise ValueError(f"{text!r}: expected HOST[:PORT] (a name, an IPv4 address or an "
+                         "IPv6 address in brackets)")
+    if port is None:
+        return host, None
+    if not _PORT.fullmatch(port) or int(port) > 65535:
+        raise ValueError(f"{text!r}: the port must be 0-65535")
+    return host, int(port)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False

@@ -485,8 +485,8 @@ def _console_logging() -> None:
               help="Nodes of the job, as torchrun takes them; each node runs one ftmaster. "
                    "Default (or 1): this node alone.")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST[:PORT]",
-              help=f"The rendezvous store (port {DEFAULT_PORT} by default); with c10d, the ftmaster "
-                   "on that host serves it.")
+              help=f"The rendezvous store (port {DEFAULT_PORT} by default; an IPv6 address in "
+                   "brackets, [fd00::1]:29400); with c10d, the ftmaster on that host serves it.")
 @click.option("--rdzv-backend", default="c10d", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--rdzv-id", default=None,
               help="The job's id, the same on every node. Default: the --run-dir's name.")

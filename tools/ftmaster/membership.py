@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
-from ftmaster.addresses import bind_address
+from ftmaster.addresses import bind_address, split_host_port
 from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
 from ftmaster.peer_files import new_secret
 
@@ -144,6 +144,10 @@ class RendezvousConfig:
             raise ValueError(f"--node-rank must be >= 0, got {self.node_rank}")
         if not self.endpoint or not self.run_id:
             raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
+        try:
+            split_host_port(self.endpoint)
+        except ValueError as error:
+            raise ValueError(f"--rdzv-endpoint {error}") from None
         for key in WHOLE_SECONDS_KEYS:
             if key in self.conf:
                 self.seconds(key, 0)
@@ -159,6 +163,10 @@ class RendezvousConfig:
             raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole seconds (torch "
                              f"reads an integer)")
         return number
+
+    @property
+    def endpoint_host(self) -> str:
+        return split_host_port(self.endpoint)[0]
 
     @property
     def address(self) -> str:
@@ -238,7 +246,7 @@ def store_conf(config: RendezvousConfig) -> dict[str, str]:
     addresses, which misses an address that only a container or network namespace has; left
     to torch on loopback, where every node matches and the first one to bind hosts."""
     conf = dict(config.conf)
-    host = config.endpoint.rsplit(":", 1)[0] if ":" in config.endpoint else config.endpoint
+    host = config.endpoint_host
     if ("is_host" not in conf and config.backend == "c10d" and config.local_addr == host
             and not ipaddress_is_loopback(host)):
         conf["is_host"] = "1"
