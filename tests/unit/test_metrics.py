@@ -13,6 +13,7 @@ from ftmaster.monitor.backends import make_backend
 from ftmaster.monitor.daemon import Alert, Monitor
 from ftmaster.monitor.sample import GpuSample
 from ftmaster.states import State
+from helpers.ipv6 import needs_ipv6
 
 NODE = {"Hostname": "node-a", "node_rank": "1"}
 
@@ -181,6 +182,16 @@ def test_a_port_in_use_is_one_clear_error(tmp_path):
                                         "--metrics-port", str(port), "--duration", "0"])
         assert out.exit_code != 0 and "cannot serve metrics" in out.output
         assert len(out.output.strip().splitlines()) == 1
+
+
+@needs_ipv6
+def test_a_port_in_use_at_an_ipv6_address_is_named_with_brackets():
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsUnavailable, match=rf"cannot serve metrics on \[::1\]:{port} "):
+            serve_metrics(port, "::1")
 
 
 def test_watching_a_monitor_labels_each_gpu_with_the_uuid_its_backend_knows():

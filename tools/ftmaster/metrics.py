@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Protocol
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import start_http_server
 
+from ftmaster.addresses import host_port
 from ftmaster.states import State
 
 GPU_LABELS = ("gpu", "UUID", "modelName", "Hostname", "node_rank")
@@ -221,7 +222,7 @@ class Metrics:
         assert self.config is not None, "metrics without a config are not served"
         server, _ = start_http_server(self.config.port, self.config.addr, registry=self.registry)
         host, port = server.server_address[:2]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"  # IPv6 in brackets
+        return f"http://{host_port(host, port)}/metrics"
 
     def close(self) -> None:
         """Nothing to flush: the server thread ends with the process."""
@@ -422,6 +423,6 @@ def serve_metrics(port: int, addr: str, node_rank: int | None = None) -> tuple[M
     except ValueError as error:
         raise MetricsUnavailable(str(error)) from None
     except OSError as error:
-        raise MetricsUnavailable(f"cannot serve metrics on {addr}:{port} "
+        raise MetricsUnavailable(f"cannot serve metrics on {host_port(addr, port)} "
                                  f"({error.strerror or error}); give another --metrics-port "
                                  f"or --metrics-addr") from None
