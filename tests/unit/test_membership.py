@@ -119,6 +119,15 @@ def test_an_endpoint_torch_would_misread_is_refused(endpoint, message):
         RendezvousConfig(endpoint, "job", 1, 2, 0)
 
 
+@pytest.mark.parametrize("endpoint", ["[fd00::1]:2379", "fd00::1:2379", "[::1]"])
+def test_an_etcd_server_at_an_ipv6_address_is_refused_up_front(endpoint):
+    """python-etcd writes the address into its URLs without brackets, which urllib3 cannot
+    parse: the rendezvous failed as a lost store (exit 75, requeued to fail again)."""
+    with pytest.raises(ValueError, match="^--rdzv-backend etcd-v2 cannot reach an IPv6 address"):
+        RendezvousConfig(endpoint, "job", 1, 2, 0, backend="etcd-v2")
+    RendezvousConfig("etcd.example:2379", "job", 1, 2, 0, backend="etcd-v2")
+
+
 def test_a_try_at_a_round_may_take_the_join_and_the_wait_for_every_record():
     config = RendezvousConfig("h:1", "job", 1, 2, 0, conf={"join_timeout": "30",
                                                             "read_timeout": "5"})

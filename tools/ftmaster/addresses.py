@@ -52,7 +52,7 @@ def split_host_port(text: str) -> tuple[str, int | None]:
         host, _, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    elif ":" in host and not _is_ipv6(host):
+    elif ":" in host and not is_ipv6(host):
         raise ValueError(f"{text!r}: an IPv6 address goes in brackets, as in [fd00::1]:29400")
     if not _HOST.fullmatch(host):
         raise ValueError(f"{text!r}: expected HOST[:PORT] (a name, an IPv4 address or an "
@@ -64,7 +64,7 @@ def split_host_port(text: str) -> tuple[str, int | None]:
     return host, int(port)
 
 
-def _is_ipv6(text: str) -> bool:
+def is_ipv6(text: str) -> bool:
     try:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
     except ValueError:

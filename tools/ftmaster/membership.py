@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
-from ftmaster.addresses import bind_address, split_host_port
+from ftmaster.addresses import bind_address, is_ipv6, split_host_port
 from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
 from ftmaster.peer_files import new_secret
 
@@ -145,9 +145,13 @@ class RendezvousConfig:
         if not self.endpoint or not self.run_id:
             raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
         try:
-            split_host_port(self.endpoint)
+            host, _ = split_host_port(self.endpoint)
         except ValueError as error:
             raise ValueError(f"--rdzv-endpoint {error}") from None
+        if self.backend == "etcd-v2" and is_ipv6(host):
+            raise ValueError("--rdzv-backend etcd-v2 cannot reach an IPv6 address (python-etcd "
+                             "writes it into its URLs without brackets): give the etcd "
+                             "server's host name in --rdzv-endpoint")
         for key in WHOLE_SECONDS_KEYS:
             if key in self.conf:
                 self.seconds(key, 0)
