@@ -3,6 +3,7 @@
 import threading
 
 from ftmaster.membership import JobEnded, NodeMembership, RendezvousConfig
+from helpers.ipv6 import needs_ipv6
 from helpers.trainer import free_port
 
 CONF = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60",
@@ -185,3 +186,32 @@ def test_a_join_tried_again_after_a_node_died_mid_round_is_not_a_lost_store(tmp_
         for node in seats:
             node.stop_keep_alive()
     assert joined[1].nodes == joined[0].nodes  # the first round that completed: number 1
+
+
+@needs_ipv6
+def test_nodes_at_ipv6_addresses_form_a_round(tmp_path):
+    """Each node at ::1, the store at [::1]:PORT, each serving its memory tier to the other."""
+    from ftmaster.membership import free_port as free_port_at
+    from ftmaster.peer_files import PeerServeConfig, PeerServer
+
+    port = free_port_at("::1")
+    seats = [NodeMembership(RendezvousConfig(f"[::1]:{port}", "job", 2, 2, rank, local_addr="::1",
+                                             conf={**CONF, "is_host": str(int(rank == 0))}),
+                            poll_s=0.0) for rank in (0, 1)]
+    servers = [PeerServer(PeerServeConfig(tmp_path, None, addr="::1")) for _ in seats]
+    rounds = [None, None]
+    joins = [threading.Thread(target=lambda r=r: rounds.__setitem__(
+        r, seats[r].join([0], peer_url=servers[r].url))) for r in (0, 1)]
+    try:
+        for thread in joins:
+            thread.start()
+        for thread in joins:
+            thread.join(timeout=60)
+        assert rounds[0].nodes == rounds[1].nodes
+        assert [(n.addr, n.peer_url) for n in rounds[0].nodes] == [
+            ("::1", server.url) for server in servers]
+    finally:
+        for node in seats:
+            node.stop_keep_alive()
+        for server in servers:
+            server.close()
