@@ -154,6 +154,18 @@ def test_a_fifo_in_a_files_place_is_one_line_not_a_wait_for_a_writer(run_copy, t
                              "device)\n")
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["summary.csv", "summary.md", "temperature.png", "report.html"])
+def test_a_fifo_in_an_outputs_place_is_one_line_not_a_wait_for_a_reader(run_copy, tmp_path, name):
+    out = tmp_path / "a"
+    out.mkdir()
+    os.mkfifo(out / name)
+    result = CliRunner().invoke(main, ["analyze", str(run_copy), "--out", str(out)])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: cannot write {out / name}: not a regular file (a FIFO, "
+                             "socket or device)\n")
+
+
 def test_a_source_whose_name_is_not_utf8_is_analysed(run_copy, tmp_path):
     """A folder named on a machine with another locale (Latin-1 "été")."""
     source = run_copy.rename(tmp_path / os.fsdecode(b"\xe9t\xe9"))

@@ -372,6 +372,20 @@ def test_a_fifo_for_the_events_file_is_one_line_not_a_wait_for_a_writer(tmp_path
     assert result.stderr == f"Error: cannot read {events}: not a regular file (a FIFO, socket or device)\n"
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fifo_name, message", [
+    ("out.json", "cannot write {fifo}"),
+    ("run/report.html", "cannot make the incident page: {fifo}")])
+def test_a_fifo_in_an_outputs_place_is_one_line_not_a_wait_for_a_reader(tmp_path, fifo_name, message):
+    run_dir = two_failures(tmp_path / "run")
+    fifo = tmp_path / fifo_name
+    os.mkfifo(fifo)
+    result = run_report(run_dir, "--json-out", tmp_path / "out.json")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (f"Error: {message.format(fifo=fifo)}: not a regular "
+                                              "file (a FIFO, socket or device)")
+
+
 def test_a_torn_last_log_line_is_not_read(tmp_path):
     """A log cut short mid-line (a full disk, a killed rank) holds a figure cut short: "(ms): 2"
     of "200.0" is no 2 ms iteration, but an unknown one, as if the line were not there."""

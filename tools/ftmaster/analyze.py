@@ -381,7 +381,8 @@ def plot_metric(binned: pd.DataFrame, metric: Metric, events: list[dict], path: 
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    with runfiles.open_output(path, "wb") as handle:
+        fig.savefig(handle, format="png")
     plt.close(fig)
 
 
@@ -460,7 +461,8 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
     """Run the whole analysis of a :func:`load_trace`; returns what was written."""
     _make_output_folder(out)
     table, alert_source = summarize(trace.frame, trace.events, threshold)
-    table.to_csv(out / "summary.csv")
+    with runfiles.open_output(out / "summary.csv", newline="") as handle:
+        table.to_csv(handle)
     notes = "".join(f"note: {note}\n" for note in trace.notes)
     write_for_people(out / "summary.md", to_markdown(table) + f"\nalerts: {alert_source}\n{notes}")
     plots = plot_all(trace.frame, trace.events, out, threshold)
@@ -484,5 +486,8 @@ def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
     trace = load_trace(target)
     for note in trace.notes:
         click.echo(f"warning: {note}", err=True)
-    written = analyze(trace, out, risk_threshold)
+    try:
+        written = analyze(trace, out, risk_threshold)
+    except OSError as exc:
+        raise _fail(f"cannot write {exc.filename or out}: {exc.strerror}") from None
     click.echo(f"wrote {len(written)} files to {out}: " + ", ".join(sorted(written)))

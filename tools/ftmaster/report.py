@@ -165,7 +165,8 @@ def _folder_names(nodes: list) -> str:
 def write_for_people(path: Path, text: str) -> None:
     """A page or summary in UTF-8. The paths in it keep the bytes the file system holds: a
     name that is not UTF-8 (a folder named under another locale) is no reason to fail."""
-    path.write_text(text, errors="surrogateescape")
+    with runfiles.open_output(path, errors="surrogateescape") as handle:
+        handle.write(text)
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -1132,7 +1133,8 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     events, nodes = _load_run(run_dir)
     report = build_report(run_dir, events, nodes)
     try:
-        json_out.write_text(json.dumps(report, indent=1) + "\n")
+        with runfiles.open_output(json_out) as handle:
+            handle.write(json.dumps(report, indent=1) + "\n")
     except OSError as exc:
         raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
     try:

@@ -27,7 +27,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO, TypeVar
+from typing import IO, Any, Callable, Iterable, TextIO, TypeVar
 
 _T = TypeVar("_T")
 
@@ -353,10 +353,30 @@ def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
         raise
 
 
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of the regular file ``path``. The open does not wait: a FIFO in
-    the file's place would hold the open (then the read) until some writer came, forever."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
+    """``path`` opened to be written from its start (``mode``: ``"w"`` or ``"wb"``; ``text``:
+    ``open``'s ``encoding``, ``errors`` and ``newline``), created if missing. Anything but a
+    regular file in its place raises an OSError before a byte is written, without waiting: a
+    FIFO would hold the open until some reader came, forever."""
+    fd = _open_regular(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 0)  # only now: a device or FIFO in its place is left as it was
+        return open(fd, mode, **text)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of the regular file ``path``, opened with ``flags``. The open does not
+    wait: a FIFO in the file's place would hold it (then the read or write) until some peer
+    came, forever."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o666)
+    except OSError as error:
+        if error.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise _not_regular(path) from None
+        raise
     mode = os.fstat(fd).st_mode
     if stat.S_ISREG(mode):
         os.set_blocking(fd, True)
@@ -364,7 +384,11 @@ def _open_regular(path: Path) -> int:
     os.close(fd)
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", str(path))
+    raise _not_regular(path)
+
+
+def _not_regular(path: Path) -> OSError:
+    return OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)", str(path))
 
 
 def torn_line_note(path: Path) -> str:
