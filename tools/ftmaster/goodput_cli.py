@@ -64,22 +64,33 @@ SAVES = ("emergency_save", "periodic_save")
 
 def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
                  tier: str | None = None) -> float | None:
-    """Median numeric ``key`` of the events of ``kinds``; with ``tier``, of the saves that went
-    there (a save without a ``tier`` field predates the memory tier: it went to disk)."""
-    values = [_as_float(e[key]) for e in events if e["event"] in kinds
-              and (tier is None or e.get("tier", "disk") == tier)
-              and isinstance(e.get(key), (int, float))]
-    return _median(values)
+    """Median ``key`` in seconds of the events of ``kinds``; with ``tier``, of the saves that
+    went there (a save without a ``tier`` field predates the memory tier: it went to disk). A
+    value that is no time is left out, said in one warning line: taken as it came, true was
+    1 s and a negative time shifted the median."""
+    given = [e[key] for e in events if e["event"] in kinds and e.get(key) is not None
+             and (tier is None or e.get("tier", "disk") == tier)]
+    times = [_seconds(value) for value in given]
+    bad = [value for value, seconds in zip(given, times) if seconds is None]
+    if bad:
+        example = json.dumps(bad[0])
+        click.echo(f"warning: {len(bad)} {'/'.join(sorted(kinds))} event(s) left out of the "
+                   f"measured times: their {key} is no time in seconds (such as "
+                   f"{example if len(example) <= 20 else example[:17] + '...'})", err=True)
+    return _median([seconds for seconds in times if seconds is not None])
 
 
-def _as_float(value: int | float) -> float:
-    """A JSON number as a float; an integer past float range (JSON integers have no bound) is
-    infinite, which the model refuses by its option, not an OverflowError wherever it is
-    first used (even while the message naming the inputs formats it)."""
+def _seconds(value) -> float | None:
+    """A JSON value as a time in seconds; None for true (an int to Python), a string, NaN,
+    an infinite or negative number, and an integer past float range (JSON integers have no
+    bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
     try:
-        return float(value)
+        seconds = float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return None
+    return seconds if 0 <= seconds < math.inf else None
 
 
 def measure(run_dir: Path, events: list[dict]) -> dict[str, float]:
