@@ -139,6 +139,18 @@ def test_a_node_with_a_damaged_csv_is_left_out_with_a_note(run_copy, tmp_path):
     assert "note: node 0 left out:" in (tmp_path / "o" / "summary.md").read_text()
 
 
+def test_a_node_entry_that_is_no_folder_is_said(run_copy, tmp_path):
+    """A node's folder that is a link to storage that is gone: its samples were silently
+    missing from the merged run."""
+    shutil.rmtree(run_copy / "node_2")
+    (run_copy / "node_2").symlink_to(tmp_path / "gone")
+    result = run_analyze(run_copy, tmp_path / "o")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {run_copy / 'node_2'} left out: not a node folder (a "
+                             "file, or a link to no folder)\n")
+    assert set(pd.read_csv(tmp_path / "o" / "summary.csv")["node"]) == {0, 1}
+
+
 def test_a_run_whose_every_node_is_damaged_is_one_line_naming_why(run_copy, tmp_path):
     for node in range(3):
         runfiles.metrics_csv_path(run_copy / f"node_{node}").write_text("time,gpu\n1,0\n")

@@ -280,6 +280,20 @@ def test_folders_that_are_not_node_ranks_leave_a_single_node_run_alone(tmp_path)
     assert "nodes" not in report and len(report["timeline"]) == 2
 
 
+@pytest.mark.parametrize("command", [["report"], ["goodput", "--runs", "0", "--run-dir"]])
+def test_a_node_entry_that_is_no_folder_is_said_once(tmp_path, command):
+    """A node's folder replaced by a file, or a link to storage that is gone: its events were
+    silently missing from the merged run."""
+    run_dir = gpu_loss_on_node_1(tmp_path / "run")
+    (run_dir / "node_2").write_text("a file, not a folder")
+    (run_dir / "node_3").symlink_to(tmp_path / "gone")
+    result = CliRunner().invoke(main, [*command, str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"warning: {run_dir / f'node_{node}'} left out: not a node folder (a file, or a link to "
+        "no folder)" for node in (2, 3)]
+
+
 def write_events(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

@@ -145,9 +145,10 @@ def node_folder(run_dir: Path, node: int | None) -> Path:
 def node_folders(run_dir: Path, own_file: str) -> dict[int | None, Path]:
     """Each node's folder by node rank: ``{None: run_dir}`` without ``node_<R>`` folders.
     ``own_file`` (the file the caller reads) in RUN_DIR itself beside node folders is refused:
-    which of them is meant is unknown."""
+    which of them is meant is unknown. A ``node_<R>`` entry beside them that is no folder is
+    left out, said on stderr."""
     try:
-        nodes = runfiles.node_ranks(run_dir)
+        nodes, strays = runfiles.node_ranks(run_dir), runfiles.stray_node_entries(run_dir)
     except OSError as exc:
         raise ReportError(f"cannot read {run_dir}: {exc.strerror}") from None
     if not nodes:
@@ -155,7 +156,19 @@ def node_folders(run_dir: Path, own_file: str) -> dict[int | None, Path]:
     if (run_dir / own_file).exists():
         raise ReportError(f"{run_dir} holds both {own_file} and node folders ({_folder_names(nodes)}): "
                           f"give one node's folder, e.g. {node_folder(run_dir, nodes[0])}")
+    for entry in strays:
+        _warn_once(f"warning: {entry} left out: not a node folder (a file, or a link to no folder)")
     return {node: node_folder(run_dir, node) for node in nodes}
+
+
+def _warn_once(line: str) -> None:
+    """``line`` on stderr, once in this command: it may read a run's folders more than once
+    (the report its events, then its samples for the page)."""
+    context = click.get_current_context(silent=True)
+    warned = context.meta.setdefault("ftmaster.warned", set()) if context else set()
+    if line not in warned:
+        warned.add(line)
+        click.echo(line, err=True)
 
 
 def _folder_names(nodes: list) -> str:

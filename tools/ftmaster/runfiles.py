@@ -115,11 +115,22 @@ def node_dir(run_dir: Path, node_rank: int) -> Path:
 
 def node_ranks(run_dir: Path) -> list[int]:
     """The node ranks with a folder in ``run_dir``, in order; [] for a single-node run."""
+    return [rank for rank, entry in _node_entries(run_dir) if entry.is_dir()]
+
+
+def stray_node_entries(run_dir: Path) -> list[Path]:
+    """The ``node_<R>`` entries of ``run_dir`` that are no folder (a file, a link to none), in
+    rank order: whatever that node wrote is not there."""
+    return [entry for _, entry in _node_entries(run_dir) if not entry.is_dir()]
+
+
+def _node_entries(run_dir: Path) -> list[tuple[int, Path]]:
     try:
-        names = [entry.name for entry in Path(run_dir).iterdir() if entry.is_dir()]
+        entries = list(Path(run_dir).iterdir())
     except FileNotFoundError:
         return []
-    return sorted(int(m.group(1)) for m in map(_NODE_DIR.fullmatch, names) if m)
+    return sorted((int(m.group(1)), entry) for entry in entries
+                  if (m := _NODE_DIR.fullmatch(entry.name)))
 
 
 def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
