@@ -114,6 +114,7 @@ def test_no_lead_means_no_gain():
     {"gpus": 0}, {"gpus": 2.5}, {"gpu_mtbf_hours": 0.0}, {"iteration_s": -1.0},
     {"recall": 1.5}, {"gap_frac": -0.1}, {"save_block_s": 30.0, "save_persist_s": 10.0},
     {"save_interval": 0}, {"lead_s": float("nan")}, {"run_hours": float("inf")},
+    {"restart_s": 10**400},  # an integer past float range, as JSON may hold
 ])
 def test_bad_inputs_are_rejected(bad):
     with pytest.raises(ValueError):

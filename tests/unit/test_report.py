@@ -297,6 +297,7 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "launch", "time": 1}\n{"event": "launch" "time": 2}\n{"event": "launch", "time": 3}\n',
      "line 2 is not a JSON object"),
     ('{"event": "launch", "time": "noon"}\n', "line 1 is not a JSON object"),
+    ('{"event": "launch", "time": 1%s}\n' % ("0" * 400), "line 1 is not a JSON object"),
     ('[1, 2]\n', "line 1 is not a JSON object"),
     ("[" * 100_000 + "\n", "line 1 is not a JSON object"),  # nested past the parser's depth
     ('{"event": "launch", "time": 1}\n{"event": "failure", "time": 2, "gpus": 3}\n',
@@ -308,6 +309,8 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "periodic_save", "time": 2, "started_at": "noon"}\n', "a finite number"),
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": "1.5"}\n',
      '"seconds" of a startup event must be a finite number, not "1.5"'),
+    ('{"event": "startup", "time": 2, "phases": {}, "seconds": 1%s}\n' % ("0" * 400),
+     '"seconds" of a startup event must be a finite number, not 1000'),
     ('{"event": "launch", "time": 1, "attempt": 1, "gpus": 5}\n',
      '"gpus" of a launch event must be a list of integers, not 5'),
     ('{"event": "launch", "time": 1, "attempt": 1, "gpus": "01"}\n', 'not "01"'),

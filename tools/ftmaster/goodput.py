@@ -109,6 +109,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ftmaster import runfiles
+
 HOUR = 3600.0
 
 
@@ -189,15 +191,15 @@ class GoodputInputs:
                              f"({self.save_interval}), as every disk copy is of a memory save: "
                              f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
         for name in ("gpu_mtbf_hours", "iteration_s", "run_hours"):
-            _require(_finite(getattr(self, name))
+            _require(runfiles.is_finite_number(getattr(self, name))
                      and 1 / MAX_INPUT <= getattr(self, name) <= MAX_INPUT,
                      f"{name} must be a number from 10^-12 to 10^12 ({_IN_RANGE})")
         for name in ("save_block_s", "save_persist_s", "restart_s", "lead_s",
                      "false_alarm_rate", "memory_save_s", "persist_s"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) <= MAX_INPUT,
+            _require(runfiles.is_finite_number(getattr(self, name)) and 0 <= getattr(self, name) <= MAX_INPUT,
                      f"{name} must be a finite number >= 0, at most 10^12 ({_IN_RANGE})")
         for name in ("recall", "gap_frac", "node_failure_share"):
-            _require(_finite(getattr(self, name)) and 0 <= getattr(self, name) <= 1,
+            _require(runfiles.is_finite_number(getattr(self, name)) and 0 <= getattr(self, name) <= 1,
                      f"{name} must be between 0 and 1")
         _require(self.save_persist_s >= self.save_block_s,
                  "save_persist_s (until durable) must be >= save_block_s (blocked)")
@@ -244,10 +246,6 @@ def gap_iterations(gap_frac, save_interval):
 
 def _nearest_divisor(number: int, near: int) -> int:
     return min(divisors(number), key=lambda d: (abs(d - near), d))
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -81,16 +81,9 @@ def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
 
 
 def _seconds(value) -> float | None:
-    """A JSON value as a time in seconds; None for true (an int to Python), a string, NaN,
-    an infinite or negative number, and an integer past float range (JSON integers have no
-    bound)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        seconds = float(value)
-    except OverflowError:
-        return None
-    return seconds if 0 <= seconds < math.inf else None
+    """A JSON value as a time in seconds; None for one that is no finite number (true, a
+    string, NaN, an integer past float range) or is negative."""
+    return float(value) if runfiles.is_finite_number(value) and value >= 0 else None
 
 
 def measure(run_dir: Path, events: list[dict]) -> dict[str, float]:

@@ -188,10 +188,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
 class FieldType(NamedTuple):
     """What an event field must hold: as the error message says it, and as a test."""
 
@@ -200,7 +196,7 @@ class FieldType(NamedTuple):
 
 
 INT_OR_NULL = FieldType("an integer or null", lambda v: v is None or is_int(v))
-NUMBER = FieldType("a finite number", _is_number)
+NUMBER = FieldType("a finite number", runfiles.is_finite_number)
 INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(is_int, v)))
 STR_LIST = FieldType("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
@@ -255,7 +251,7 @@ def _at_its_moment(event: dict) -> dict:
     successor recorded it: there its node went silent and the others recovered without it,
     while at the record it stood for a second failure, on the node's rejoin."""
     lost_at = event.get("lost_at")
-    if event.get("cause") != "supervisor_lost" or not _is_number(lost_at):
+    if event.get("cause") != "supervisor_lost" or not runfiles.is_finite_number(lost_at):
         return event
     return {**event, "time": lost_at, "recorded_at": event["time"]}
 
@@ -295,7 +291,7 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
     except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         record = None
     if not (isinstance(record, dict) and isinstance(record.get("event"), str)
-            and _is_number(record.get("time"))):
+            and runfiles.is_finite_number(record.get("time"))):
         raise ReportError(f"{path} line {number} is not a JSON object with a string \"event\" "
                           "and a numeric \"time\"; fix or remove that line")
     for name, expected in FIELD_TYPES.get(record["event"], {}).items():
@@ -576,7 +572,7 @@ def _total_bytes(events: list[dict]) -> int:
 
 def _most(values) -> float | None:
     """The largest of the numbers among ``values`` (steps that ran in parallel), or None."""
-    return max((v for v in values if _is_number(v)), default=None)
+    return max((v for v in values if runfiles.is_finite_number(v)), default=None)
 
 
 def _startup(after: list[dict], relaunch: dict | None) -> dict | None:
@@ -594,7 +590,7 @@ def _startup_text(startup: dict | None) -> list[str]:
     ends = "its rank" if ranks == 1 else f"the last of {ranks} ranks"
     lines = [f"  start-up           {_s(startup.get('seconds'))} launch to first iteration "
              f"({how}; a phase ends when {ends} ends it)"]
-    return lines + [f"    {name:<40}{_s(value if _is_number(value) else None)}"
+    return lines + [f"    {name:<40}{_s(value if runfiles.is_finite_number(value) else None)}"
                     for name, value in startup["phases"].items()]
 
 
@@ -774,7 +770,7 @@ def _with_load_event(log: AttemptLog, after: list[dict], relaunch: dict | None) 
         return log
     seconds, size = loaded.get("seconds"), loaded.get("bytes")
     return replace(log, loaded_iteration=loaded["iteration"],
-                   load_seconds=seconds if _is_number(seconds) else None,
+                   load_seconds=seconds if runfiles.is_finite_number(seconds) else None,
                    load_bytes=size if is_int(size) else None)
 
 

@@ -58,6 +58,18 @@ def hang_timeout_from_env() -> float | None:
     return seconds if 0 < seconds < float("inf") else None
 
 
+def is_finite_number(value: Any) -> bool:
+    """Whether a JSON value is a finite number: not true or false (ints to Python), NaN or
+    infinite, nor an integer past float range (JSON integers have no bound), on which
+    ``math.isfinite`` and float arithmetic raise OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def flags_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "flags"
 
