@@ -385,8 +385,24 @@ def test_a_fifo_in_an_outputs_place_is_one_line_not_a_wait_for_a_reader(tmp_path
     os.mkfifo(fifo)
     result = run_report(run_dir, "--json-out", tmp_path / "out.json")
     assert result.exit_code == 1
-    assert result.stderr.splitlines()[-1] == (f"Error: {message.format(fifo=fifo)}: not a regular "
-                                              "file (a FIFO, socket or device)")
+    assert result.stderr.splitlines()[-1] == (f"Error: {message.format(fifo=fifo)}: a FIFO "
+                                              "nobody reads (or a socket)")
+
+
+@pytest.mark.timeout(30)
+def test_the_json_goes_to_dev_null_or_a_fifo_someone_reads(tmp_path):
+    """What a shell user writes to: /dev/null, and a pipe (``--json-out /dev/stdout | jq``)."""
+    run_dir = two_failures(tmp_path / "run")
+    assert run_report(run_dir, "--json-out", "/dev/null").exit_code == 0
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the reader is there first
+    try:
+        result = run_report(run_dir, "--json-out", fifo)  # a few KB: within the pipe's buffer
+        assert result.exit_code == 0, result.output
+        assert json.loads(os.read(reader, 1 << 16))["failures"]
+    finally:
+        os.close(reader)
 
 
 def test_a_torn_last_log_line_is_not_read(tmp_path):

@@ -378,26 +378,37 @@ def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
 
 def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
     """``path`` opened to be written from its start (``mode``: ``"w"`` or ``"wb"``; ``text``:
-    ``open``'s ``encoding``, ``errors`` and ``newline``), created if missing. Anything but a
-    regular file in its place raises an OSError before a byte is written, without waiting: a
-    FIFO would hold the open until some reader came, forever."""
-    fd = _open_regular(path, os.O_WRONLY | os.O_CREAT)
+    ``open``'s ``encoding``, ``errors`` and ``newline``), created if missing. A FIFO someone
+    reads and a character device (``/dev/null``, ``/dev/stdout`` piped or on a terminal) are
+    written as they are. A FIFO nobody reads would hold the open until some reader came,
+    forever: it raises an OSError without waiting, as a socket or a block device does, before
+    a byte is written."""
     try:
-        os.ftruncate(fd, 0)  # only now: a device or FIFO in its place is left as it was
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+    except OSError as error:
+        if error.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, "a FIFO nobody reads (or a socket)", str(path)) from None
+        raise
+    try:
+        kind = os.fstat(fd).st_mode
+        if stat.S_ISREG(kind):
+            os.ftruncate(fd, 0)
+        elif not (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind)):
+            raise _not_regular(path)
+        os.set_blocking(fd, True)
         return open(fd, mode, **text)
     except BaseException:
         os.close(fd)
         raise
 
 
-def _open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
-    """A descriptor of the regular file ``path``, opened with ``flags``. The open does not
-    wait: a FIFO in the file's place would hold it (then the read or write) until some peer
-    came, forever."""
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path``. The open does not wait: a FIFO in
+    the file's place would hold the open (then the read) until some writer came, forever."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK, 0o666)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
-        if error.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+        if error.errno == errno.ENXIO:  # a socket
             raise _not_regular(path) from None
         raise
     mode = os.fstat(fd).st_mode
