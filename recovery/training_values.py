@@ -1,7 +1,8 @@
 """Megatron-LM's rules for training-argument values that no layout can repair.
 
-Megatron-LM refuses each once every rank has started (an AssertionError on every rank), so a
-launch or a relaunch planned for them cannot start. ``ftmaster plan`` and ``ftmaster launch``
+Megatron-LM refuses each once every rank has started, at the latest at the first iteration
+(an AssertionError, a ZeroDivisionError or torch's ValueError on every rank), so a launch or
+a relaunch planned for them cannot start. File and line references are to that commit. ``ftmaster plan`` and ``ftmaster launch``
 apply them to the argv of any script (:func:`check_script_values`), and the bundled trainer
 to its parsed arguments, so that all three refuse the same values with the same line. Each
 rule is only as strict as Megatron-LM (NVIDIA/Megatron-LM main d98e8a6): ftmaster must never
@@ -51,6 +52,14 @@ def check_save_interval(interval: int) -> None:
         raise ValueError(f"--save-interval must be a positive integer, got {interval}")
 
 
+def check_log_interval(interval: int) -> None:
+    """The first iteration's log (``training_log``, megatron/training/training.py:3539) takes
+    ``iteration % args.log_interval``, and passes it to megatron-core's ``Timers.log``, which
+    asserts ``normalizer > 0.0`` (megatron/core/timers.py:406)."""
+    if not interval > 0:
+        raise ValueError(f"--log-interval must be a positive integer, got {interval}")
+
+
 def check_script_values(args: Sequence[str]) -> None:
     """The rules above, for the flags a Megatron-LM argv gives (an absent flag is left to the
     script, which has its own default or refusal)."""
@@ -60,6 +69,9 @@ def check_script_values(args: Sequence[str]) -> None:
         check_positions(seq_length, max_positions)
     if flag_value(args, "--lr") is not None:
         check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
+    log_interval = int_flag(args, "--log-interval", positive=False)
+    if log_interval is not None:
+        check_log_interval(log_interval)
     save_interval = int_flag(args, "--save-interval", positive=False)
     if flag_value(args, "--save") is not None and save_interval is not None:
         check_save_interval(save_interval)

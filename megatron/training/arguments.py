@@ -25,8 +25,9 @@ from pathlib import Path
 
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
-from ftmaster.recovery.training_values import (check_learning_rate, check_lr_schedule,
-                                               check_positions, check_save_interval)
+from ftmaster.recovery.training_values import (check_learning_rate, check_log_interval,
+                                               check_lr_schedule, check_positions,
+                                               check_save_interval)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -347,7 +348,7 @@ def _validate_positive(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "ffn_hidden_size", "num_query_groups",
-                 "log_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                 "tensorboard_log_interval", "tensorboard_queue_size",
                  "make_vocab_size_divisible_by"):
         value = getattr(args, name)
         _require(value is not None and value > 0,
@@ -357,6 +358,7 @@ def _validate_positive(args):
         value = getattr(args, name)
         _require(value is None or value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    _apply(check_log_interval, args.log_interval)
     # a negative one was taken: an exit at multiples of its absolute value
     _require(args.exit_interval is None or args.exit_interval >= 0,
              f"--exit-interval must be >= 0, got {args.exit_interval}")

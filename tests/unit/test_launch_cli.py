@@ -77,20 +77,24 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("value, message", [
+    (["--max-position-embeddings", "16"],
+     "--max-position-embeddings (16) is smaller than --seq-length (32)"),
+    (["--log-interval", "0"], "--log-interval must be a positive integer, got 0"),
+])
 @pytest.mark.parametrize("upstream", [False, True])
-def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream):
-    """Megatron-LM's own validate_args refuses it; relaunching cannot fix a typo. A script
-    with its own parser (upstream Megatron-LM's) would end every rank in an AssertionError."""
+def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream, value,
+                                                                  message):
+    """Megatron-LM refuses it once every rank has started; relaunching cannot fix a typo. A
+    script with its own parser (upstream Megatron-LM's) is refused with the same line."""
     script = PRETRAIN
     if upstream:
         script = tmp_path / "pretrain_gpt.py"
         script.write_text("from megatron.training import pretrain\n")
     result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
-                    str(script), *MODEL, "--max-position-embeddings", "16")
+                    str(script), *MODEL, *value)
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == [
-        "Error: training arguments: --max-position-embeddings (16) is smaller than "
-        "--seq-length (32)"]
+    assert result.stderr.splitlines() == [f"Error: training arguments: {message}"]
     assert not (tmp_path / "run").exists()
 
 

@@ -167,6 +167,11 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "the warm-up --lr-warmup-samples (80) must be shorter than the decay --train-samples (80)"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--save-interval", "0"], 2,
      "--save-interval must be a positive integer, got 0"),
+    # the first iteration's log divided by it (0), or asserted a positive one (-1)
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--log-interval", "0"], 2,
+     "--log-interval must be a positive integer, got 0"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--log-interval=-1"], 2,
+     "--log-interval must be a positive integer, got -1"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
