@@ -46,6 +46,16 @@ def check_lr_schedule(unit: str, training: int, decay: int | None, warmup: int) 
                          f"decay {flag} ({length})")
 
 
+def check_warmup_fraction(fraction: float) -> None:
+    """``get_optimizer_param_scheduler`` makes the warm-up this fraction of the decay
+    (megatron/training/training.py:2567 and 2582), which ``OptimizerParamScheduler`` asserts
+    shorter than it (megatron/core/optimizer_param_scheduler.py:160): a fraction of 1 or more
+    fails, and a NaN. A negative one is taken (no warm-up)."""
+    if not fraction < 1:
+        raise ValueError(f"--lr-warmup-fraction must be below 1 (a warm-up shorter than the "
+                         f"decay), got {fraction}")
+
+
 def check_save_interval(interval: int) -> None:
     """``validate_args`` asserts it with ``--save`` (the bundled trainer without it too)."""
     if not interval > 0:
@@ -69,6 +79,8 @@ def check_script_values(args: Sequence[str]) -> None:
         check_positions(seq_length, max_positions)
     if flag_value(args, "--lr") is not None:
         check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
+    if flag_value(args, "--lr-warmup-fraction") is not None:
+        check_warmup_fraction(float_flag(args, "--lr-warmup-fraction", 0.0))
     log_interval = int_flag(args, "--log-interval", positive=False)
     if log_interval is not None:
         check_log_interval(log_interval)

@@ -172,6 +172,11 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "--log-interval must be a positive integer, got 0"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--log-interval=-1"], 2,
      "--log-interval must be a positive integer, got -1"),
+    # the warm-up, this fraction of the decay, must be shorter than it
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "10", "--lr-warmup-fraction", "1"], 2,
+     "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got 1.0"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-samples", "80", "--lr-warmup-fraction", "nan"],
+     2, "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got nan"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -185,6 +190,8 @@ def test_bad_input_is_one_line(args, exit_code, message):
     # Megatron-LM takes each: a negative warm-up is none, and a negative length with a decay
     # of its own trains nothing
     ["--train-iters", "10", "--lr-warmup-iters", "-1"],
+    ["--train-iters", "10", "--lr-warmup-fraction", "-0.5"],
+    ["--train-iters", "10", "--lr-warmup-fraction", "0.99"],
     ["--train-iters", "-5", "--lr-decay-iters", "10"],
     ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
 ])
