@@ -56,6 +56,15 @@ def check_warmup_fraction(fraction: float) -> None:
                          f"decay), got {fraction}")
 
 
+def check_weight_decay(weight_decay: float) -> None:
+    """With the default ``--weight-decay-incr-style constant``, ``validate_args`` makes it the
+    scheduler's start and end (megatron/training/arguments.py:1393-1397), and
+    ``OptimizerParamScheduler`` asserts ``start_wd >= 0.0``
+    (megatron/core/optimizer_param_scheduler.py:168); a NaN fails too."""
+    if not weight_decay >= 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {weight_decay}")
+
+
 def check_save_interval(interval: int) -> None:
     """``validate_args`` asserts it with ``--save`` (the bundled trainer without it too)."""
     if not interval > 0:
@@ -81,6 +90,8 @@ def check_script_values(args: Sequence[str]) -> None:
         check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
     if flag_value(args, "--lr-warmup-fraction") is not None:
         check_warmup_fraction(float_flag(args, "--lr-warmup-fraction", 0.0))
+    if flag_value(args, "--weight-decay-incr-style") in (None, "constant"):
+        check_weight_decay(float_flag(args, "--weight-decay", 0.0))
     log_interval = int_flag(args, "--log-interval", positive=False)
     if log_interval is not None:
         check_log_interval(log_interval)

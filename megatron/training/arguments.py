@@ -27,7 +27,7 @@ from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
 from ftmaster.recovery.training_values import (check_learning_rate, check_log_interval,
                                                check_lr_schedule, check_positions,
-                                               check_save_interval)
+                                               check_save_interval, check_weight_decay)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -380,8 +380,10 @@ def _validate_adam(args):
     """torch's Adam rules, which it raised only as the optimizer was built (a traceback)."""
     for name in ("adam_beta1", "adam_beta2"):
         _require_number(args, name, lambda beta: 0 <= beta < 1, "in [0, 1)")
-    for name in ("adam_eps", "weight_decay"):
-        _require_number(args, name, lambda value: 0 <= value < math.inf, "a finite number >= 0")
+    _require_number(args, "adam_eps", lambda eps: 0 <= eps < math.inf, "a finite number >= 0")
+    _apply(check_weight_decay, args.weight_decay)
+    # Megatron-LM takes an infinite one, whose first update leaves every weight non-finite
+    _require_number(args, "weight_decay", math.isfinite, "a finite number")
 
 
 def _require_number(args, name: str, allowed, wanted: str) -> None:

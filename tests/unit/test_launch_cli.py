@@ -83,6 +83,7 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     (["--log-interval", "0"], "--log-interval must be a positive integer, got 0"),
     (["--lr-warmup-fraction", "1.5"],
      "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got 1.5"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
 ])
 @pytest.mark.parametrize("upstream", [False, True])
 def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream, value,

@@ -177,6 +177,11 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got 1.0"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-samples", "80", "--lr-warmup-fraction", "nan"],
      2, "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got nan"),
+    # the scheduler's constant weight decay
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--weight-decay", "-0.1"], 2,
+     "--weight-decay must be >= 0, got -0.1"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--weight-decay", "nan", "--weight-decay-incr-style",
+      "constant"], 2, "--weight-decay must be >= 0, got nan"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -192,6 +197,9 @@ def test_bad_input_is_one_line(args, exit_code, message):
     ["--train-iters", "10", "--lr-warmup-iters", "-1"],
     ["--train-iters", "10", "--lr-warmup-fraction", "-0.5"],
     ["--train-iters", "10", "--lr-warmup-fraction", "0.99"],
+    # a weight decay that changes takes its values from --start/--end-weight-decay
+    ["--train-iters", "10", "--weight-decay", "-0.1", "--weight-decay-incr-style", "linear",
+     "--start-weight-decay", "0", "--end-weight-decay", "0.1"],
     ["--train-iters", "-5", "--lr-decay-iters", "10"],
     ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
 ])

@@ -147,7 +147,7 @@ def test_a_norm_epsilon_or_rotary_base_that_makes_the_loss_nan_is_refused(flag, 
 @pytest.mark.parametrize("flag, value, wanted", [
     ("--adam-beta1", "1.5", "in [0, 1)"), ("--adam-beta2", "-1", "in [0, 1)"),
     ("--adam-beta2", "nan", "in [0, 1)"), ("--adam-eps", "-1", "a finite number >= 0"),
-    ("--weight-decay", "-1", "a finite number >= 0")])
+    ("--weight-decay", "-1", ">= 0"), ("--weight-decay", "inf", "a finite number")])
 def test_adam_settings_torch_refuses_are_refused_before_the_launch(flag, value, wanted):
     # torch's Adam raised them as the optimizer was built, in a traceback
     with pytest.raises(ArgumentError, match=re.escape(f"{flag} must be {wanted}, got")):
