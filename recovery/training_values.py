@@ -71,6 +71,16 @@ def check_save_interval(interval: int) -> None:
         raise ValueError(f"--save-interval must be a positive integer, got {interval}")
 
 
+def check_dropout(flag: str, probability: float) -> None:
+    """torch's ``Dropout`` refuses it (a NaN too) as megatron-core builds the model: for
+    ``--hidden-dropout`` the embedding's (megatron/core/models/common/embeddings/
+    language_model_embedding.py:90), for ``--attention-dropout`` the local attention's
+    (megatron/core/transformer/dot_product_attention.py:114) and Transformer Engine's unfused
+    attention, which its ``DotProductAttention`` always builds."""
+    if not 0 <= probability <= 1:
+        raise ValueError(f"{flag} must be a probability between 0 and 1, got {probability}")
+
+
 def check_log_interval(interval: int) -> None:
     """The first iteration's log (``training_log``, megatron/training/training.py:3539) takes
     ``iteration % args.log_interval``, and passes it to megatron-core's ``Timers.log``, which
@@ -92,6 +102,9 @@ def check_script_values(args: Sequence[str]) -> None:
         check_warmup_fraction(float_flag(args, "--lr-warmup-fraction", 0.0))
     if flag_value(args, "--weight-decay-incr-style") in (None, "constant"):
         check_weight_decay(float_flag(args, "--weight-decay", 0.0))
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        if flag_value(args, flag) is not None:
+            check_dropout(flag, float_flag(args, flag, 0.0))
     log_interval = int_flag(args, "--log-interval", positive=False)
     if log_interval is not None:
         check_log_interval(log_interval)

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
-from ftmaster.recovery.training_values import (check_learning_rate, check_log_interval,
-                                               check_lr_schedule, check_positions,
-                                               check_save_interval, check_weight_decay)
+from ftmaster.recovery.training_values import (check_dropout, check_learning_rate,
+                                               check_log_interval, check_lr_schedule,
+                                               check_positions, check_save_interval,
+                                               check_weight_decay)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -368,7 +369,7 @@ def _validate_model_numbers(args):
     """Values torch refuses only once the model is built, with a traceback from deep inside
     megatron-core (NaN fails every comparison, so it is refused too)."""
     for name in ("hidden_dropout", "attention_dropout"):
-        _require_number(args, name, lambda p: 0 <= p <= 1, "a probability between 0 and 1")
+        _apply(check_dropout, f"--{name.replace('_', '-')}", getattr(args, name))
     _require_number(args, "init_method_std", lambda std: 0 <= std < math.inf,
                     "a finite standard deviation >= 0")
     # Taken as given, these made the first loss NaN, blamed on the training ("non-finite loss")

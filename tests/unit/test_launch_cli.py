@@ -84,6 +84,8 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     (["--lr-warmup-fraction", "1.5"],
      "--lr-warmup-fraction must be below 1 (a warm-up shorter than the decay), got 1.5"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    (["--hidden-dropout", "-0.1"], "--hidden-dropout must be a probability between 0 and 1, "
+                                   "got -0.1"),
 ])
 @pytest.mark.parametrize("upstream", [False, True])
 def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream, value,

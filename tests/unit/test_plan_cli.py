@@ -182,6 +182,11 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "--weight-decay must be >= 0, got -0.1"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--weight-decay", "nan", "--weight-decay-incr-style",
       "constant"], 2, "--weight-decay must be >= 0, got nan"),
+    # torch's Dropout, as the model is built
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--hidden-dropout", "1.5"], 2,
+     "--hidden-dropout must be a probability between 0 and 1, got 1.5"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--attention-dropout=nan"], 2,
+     "--attention-dropout must be a probability between 0 and 1, got nan"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -200,6 +205,7 @@ def test_bad_input_is_one_line(args, exit_code, message):
     # a weight decay that changes takes its values from --start/--end-weight-decay
     ["--train-iters", "10", "--weight-decay", "-0.1", "--weight-decay-incr-style", "linear",
      "--start-weight-decay", "0", "--end-weight-decay", "0.1"],
+    ["--train-iters", "10", "--hidden-dropout", "1", "--attention-dropout", "0"],
     ["--train-iters", "-5", "--lr-decay-iters", "10"],
     ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
 ])
