@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .argv_flags import flag_value, float_flag, int_flag
+from .argv_flags import flag_value, float_flag, int_flag, switched_on
 
 
 def check_positions(seq_length: int, max_position_embeddings: int) -> None:
@@ -65,6 +65,17 @@ def check_weight_decay(weight_decay: float) -> None:
         raise ValueError(f"--weight-decay must be >= 0, got {weight_decay}")
 
 
+def check_eval_interval(interval: int) -> None:
+    """``get_train_valid_test_num_samples`` sizes the validation data with
+    ``args.train_iters // args.eval_interval`` (megatron/training/training.py:5436) as the
+    datasets are built, whether or not any evaluation runs: a ZeroDivisionError. Not with
+    ``--full-validation`` or ``--skip-train`` (training.py:5429-5433), nor
+    ``--perform-rl-step``, which builds no datasets (training.py:5508)."""
+    if interval == 0:
+        raise ValueError("--eval-interval must not be 0: Megatron-LM divides by it to size the "
+                         "validation data")
+
+
 def check_save_interval(interval: int) -> None:
     """``validate_args`` asserts it with ``--save`` (the bundled trainer without it too)."""
     if not interval > 0:
@@ -108,6 +119,11 @@ def check_script_values(args: Sequence[str]) -> None:
     log_interval = int_flag(args, "--log-interval", positive=False)
     if log_interval is not None:
         check_log_interval(log_interval)
+    sized_by_interval = not any(switched_on(args, flag) for flag in
+                                ("--full-validation", "--skip-train", "--perform-rl-step"))
+    eval_interval = int_flag(args, "--eval-interval", positive=False)
+    if eval_interval is not None and sized_by_interval:
+        check_eval_interval(eval_interval)
     save_interval = int_flag(args, "--save-interval", positive=False)
     if flag_value(args, "--save") is not None and save_interval is not None:
         check_save_interval(save_interval)

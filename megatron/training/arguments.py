@@ -25,10 +25,10 @@ from pathlib import Path
 
 from ftmaster.recovery.checkpoints import NON_PERSISTENT_SUBDIR
 from ftmaster.recovery.model_facts import default_ffn_hidden_size
-from ftmaster.recovery.training_values import (check_dropout, check_learning_rate,
-                                               check_log_interval, check_lr_schedule,
-                                               check_positions, check_save_interval,
-                                               check_weight_decay)
+from ftmaster.recovery.training_values import (check_dropout, check_eval_interval,
+                                               check_learning_rate, check_log_interval,
+                                               check_lr_schedule, check_positions,
+                                               check_save_interval, check_weight_decay)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -515,6 +515,7 @@ def _validate_schedule(args):
     if args.save_interval is not None:
         _apply(check_save_interval, args.save_interval)
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _apply(check_eval_interval, args.eval_interval)
     _require(args.eval_iters == 0 or args.eval_interval > 0,
              f"--eval-interval must be a positive integer, got {args.eval_interval} "
              f"(or pass --eval-iters 0)")

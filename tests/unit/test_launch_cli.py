@@ -86,6 +86,8 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
     (["--hidden-dropout", "-0.1"], "--hidden-dropout must be a probability between 0 and 1, "
                                    "got -0.1"),
+    (["--eval-interval", "0"],
+     "--eval-interval must not be 0: Megatron-LM divides by it to size the validation data"),
 ])
 @pytest.mark.parametrize("upstream", [False, True])
 def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream, value,

@@ -187,6 +187,9 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "--hidden-dropout must be a probability between 0 and 1, got 1.5"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--attention-dropout=nan"], 2,
      "--attention-dropout must be a probability between 0 and 1, got nan"),
+    # sizing the validation data as the datasets are built, evaluations or not
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--eval-iters", "0", "--eval-interval", "0"], 2,
+     "--eval-interval must not be 0: Megatron-LM divides by it to size the validation data"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -206,6 +209,9 @@ def test_bad_input_is_one_line(args, exit_code, message):
     ["--train-iters", "10", "--weight-decay", "-0.1", "--weight-decay-incr-style", "linear",
      "--start-weight-decay", "0", "--end-weight-decay", "0.1"],
     ["--train-iters", "10", "--hidden-dropout", "1", "--attention-dropout", "0"],
+    # neither sizes the validation data by the interval
+    ["--train-iters", "10", "--eval-interval", "0", "--full-validation"],
+    ["--train-iters", "10", "--eval-interval", "0", "--skip-train"],
     ["--train-iters", "-5", "--lr-decay-iters", "10"],
     ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
 ])

@@ -67,7 +67,12 @@ def with_args(*extra, drop=()):
       for split in ("1e2,1", "1e2,1,1", "1_0,1", "inf,1")),
     (with_args("--split", "0,100,0"), 1, "leaves no training data"),
     (with_args("--split", "100,0,0", "--eval-iters", "2"), 1, "leaves no validation data"),
-    (with_args("--eval-iters", "2", "--eval-interval", "0"), 1, "--eval-interval must be a positive"),
+    (with_args("--eval-iters", "2", "--eval-interval", "-1"), 1,
+     "--eval-interval must be a positive"),
+    # Megatron-LM divides by it without evaluations too
+    *((with_args("--eval-iters", iters, "--eval-interval", "0"), 1,
+       "--eval-interval must not be 0: Megatron-LM divides by it to size the validation data")
+      for iters in ("2", "0")),
     (with_args("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"), 1,
      "mutually exclusive"),
     # Megatron-LM's recipe flags
