@@ -209,6 +209,11 @@ def test_bad_input_is_one_line(args, exit_code, message):
     ["--train-iters", "10", "--weight-decay", "-0.1", "--weight-decay-incr-style", "linear",
      "--start-weight-decay", "0", "--end-weight-decay", "0.1"],
     ["--train-iters", "10", "--hidden-dropout", "1", "--attention-dropout", "0"],
+    # no clipping (it clips only above 0), and Transformer Engine's FusedAdam checks nothing
+    ["--train-iters", "10", "--clip-grad", "nan"],
+    ["--train-iters", "10", "--clip-grad", "-1"],
+    ["--train-iters", "10", "--adam-beta1", "1.5", "--adam-beta2", "1", "--adam-eps", "0"],
+    ["--train-iters", "10", "--weight-decay", "inf"],
     # neither sizes the validation data by the interval
     ["--train-iters", "10", "--eval-interval", "0", "--full-validation"],
     ["--train-iters", "10", "--eval-interval", "0", "--skip-train"],
