@@ -103,32 +103,45 @@ def check_log_interval(interval: int) -> None:
 def check_script_values(args: Sequence[str]) -> None:
     """The rules above, for the flags a Megatron-LM argv gives (an absent flag is left to the
     script, which has its own default or refusal)."""
+    _check_model_values(args)
+    _check_optimizer_values(args)
+    _check_interval_values(args)
+
+
+def _check_model_values(args: Sequence[str]) -> None:
     seq_length = int_flag(args, "--seq-length", positive=False)
     max_positions = int_flag(args, "--max-position-embeddings", positive=False)
     if seq_length is not None and max_positions is not None:
         check_positions(seq_length, max_positions)
-    if flag_value(args, "--lr") is not None:
-        check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
-    if flag_value(args, "--lr-warmup-fraction") is not None:
-        check_warmup_fraction(float_flag(args, "--lr-warmup-fraction", 0.0))
-    if flag_value(args, "--weight-decay-incr-style") in (None, "constant"):
-        check_weight_decay(float_flag(args, "--weight-decay", 0.0))
     for flag in ("--hidden-dropout", "--attention-dropout"):
         if flag_value(args, flag) is not None:
             check_dropout(flag, float_flag(args, flag, 0.0))
-    log_interval = int_flag(args, "--log-interval", positive=False)
-    if log_interval is not None:
-        check_log_interval(log_interval)
-    sized_by_interval = not any(switched_on(args, flag) for flag in
-                                ("--full-validation", "--skip-train", "--perform-rl-step"))
-    eval_interval = int_flag(args, "--eval-interval", positive=False)
-    if eval_interval is not None and sized_by_interval:
-        check_eval_interval(eval_interval)
-    save_interval = int_flag(args, "--save-interval", positive=False)
-    if flag_value(args, "--save") is not None and save_interval is not None:
-        check_save_interval(save_interval)
+
+
+def _check_optimizer_values(args: Sequence[str]) -> None:
+    if flag_value(args, "--lr") is not None:
+        check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
     for unit in ("iters", "samples"):
         training = int_flag(args, f"--train-{unit}", positive=False)
         if training is not None:
             check_lr_schedule(unit, training, int_flag(args, f"--lr-decay-{unit}", positive=False),
                               int_flag(args, f"--lr-warmup-{unit}", 0, positive=False))
+    if flag_value(args, "--lr-warmup-fraction") is not None:
+        check_warmup_fraction(float_flag(args, "--lr-warmup-fraction", 0.0))
+    constant_decay = flag_value(args, "--weight-decay-incr-style") in (None, "constant")
+    if flag_value(args, "--weight-decay") is not None and constant_decay:
+        check_weight_decay(float_flag(args, "--weight-decay", 0.0))
+
+
+def _check_interval_values(args: Sequence[str]) -> None:
+    log_interval = int_flag(args, "--log-interval", positive=False)
+    if log_interval is not None:
+        check_log_interval(log_interval)
+    save_interval = int_flag(args, "--save-interval", positive=False)
+    if flag_value(args, "--save") is not None and save_interval is not None:
+        check_save_interval(save_interval)
+    eval_interval = int_flag(args, "--eval-interval", positive=False)
+    sized_by_interval = not any(switched_on(args, flag) for flag in
+                                ("--full-validation", "--skip-train", "--perform-rl-step"))
+    if eval_interval is not None and sized_by_interval:
+        check_eval_interval(eval_interval)
