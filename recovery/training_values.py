@@ -2,16 +2,17 @@
 
 Megatron-LM refuses each once every rank has started, at the latest at the first iteration
 (an AssertionError, a ZeroDivisionError or torch's ValueError on every rank), so a launch or
-a relaunch planned for them cannot start. File and line references are to that commit. ``ftmaster plan`` and ``ftmaster launch``
-apply them to the argv of any script (:func:`check_script_values`), and the bundled trainer
-to its parsed arguments, so that all three refuse the same values with the same line. Each
-rule is only as strict as Megatron-LM (NVIDIA/Megatron-LM main d98e8a6): ftmaster must never
-refuse a command Megatron-LM accepts. Every error is one line (a ValueError) naming the flag.
+a relaunch planned for them cannot start. ``ftmaster plan`` and ``ftmaster launch`` apply
+them to the argv of any script (:func:`check_script_values`), and the bundled trainer to its
+parsed arguments, so that all three refuse the same values with the same line. Each rule is
+only as strict as Megatron-LM (NVIDIA/Megatron-LM main d98e8a6, whose files and lines the
+rules cite): ftmaster must never refuse a command Megatron-LM accepts. Every error is one
+line (a ValueError) naming the flag.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .argv_flags import flag_value, float_flag, int_flag, switched_on
 
@@ -44,6 +45,29 @@ def check_lr_schedule(unit: str, training: int, decay: int | None, warmup: int) 
     if not warmup < length:
         raise ValueError(f"the warm-up --lr-warmup-{unit} ({warmup}) must be shorter than the "
                          f"decay {flag} ({length})")
+
+
+def check_schedule_unit(unit: str, given: Callable[[str], int | None]) -> None:
+    """``validate_args`` asserts the whole schedule in the unit of the training length
+    (megatron/training/arguments.py:1276-1302, not with ``--skip-train``): with
+    ``--train-iters`` no ``--train-samples``, ``--lr-decay-samples`` or non-zero
+    ``--lr-warmup-samples``, and the reverse. ``given(name)``: the integer ``--name`` was
+    given, None when absent."""
+    other = "samples" if unit == "iters" else "iters"
+    mixed = [f"--{name}-{other}" for name in ("train", "lr-decay")
+             if given(f"{name}-{other}") is not None]
+    if given(f"lr-warmup-{other}"):
+        mixed.append(f"--lr-warmup-{other}")
+    if mixed:
+        raise ValueError(f"with --train-{unit} give the learning rate's schedule in {unit} too, "
+                         f"not {' and '.join(mixed)}")
+
+
+def check_warmup_given_once(unit: str, warmup: int) -> None:
+    """With ``--lr-warmup-fraction`` ``validate_args`` asserts ``--lr-warmup-<unit>`` 0, the
+    unit of the training length (megatron/training/arguments.py:1285-1287 and 1299-1302)."""
+    if warmup:
+        raise ValueError(f"give either --lr-warmup-fraction or --lr-warmup-{unit}, not both")
 
 
 def check_warmup_fraction(fraction: float) -> None:
@@ -119,6 +143,7 @@ def _check_model_values(args: Sequence[str]) -> None:
 
 
 def _check_optimizer_values(args: Sequence[str]) -> None:
+    _check_schedule_units(args)
     if flag_value(args, "--lr") is not None:
         check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
     for unit in ("iters", "samples"):
@@ -131,6 +156,20 @@ def _check_optimizer_values(args: Sequence[str]) -> None:
     constant_decay = flag_value(args, "--weight-decay-incr-style") in (None, "constant")
     if flag_value(args, "--weight-decay") is not None and constant_decay:
         check_weight_decay(float_flag(args, "--weight-decay", 0.0))
+
+
+def _check_schedule_units(args: Sequence[str]) -> None:
+    if switched_on(args, "--skip-train"):
+        return
+
+    def given(name: str) -> int | None:
+        return int_flag(args, f"--{name}", positive=False)
+
+    for unit in ("iters", "samples"):
+        if given(f"train-{unit}"):  # validate_args skips a length of 0 (``if args.train_iters``)
+            check_schedule_unit(unit, given)
+            if flag_value(args, "--lr-warmup-fraction") is not None:
+                check_warmup_given_once(unit, given(f"lr-warmup-{unit}"))
 
 
 def _check_interval_values(args: Sequence[str]) -> None:

@@ -28,7 +28,8 @@ from ftmaster.recovery.model_facts import default_ffn_hidden_size
 from ftmaster.recovery.training_values import (check_dropout, check_eval_interval,
                                                check_learning_rate, check_log_interval,
                                                check_lr_schedule, check_positions,
-                                               check_save_interval, check_weight_decay)
+                                               check_save_interval, check_schedule_unit,
+                                               check_weight_decay)
 
 from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
@@ -278,16 +279,9 @@ def _samples_from_iterations(args) -> None:
     validate_args, the schedule is in the unit of the training length."""
     _require((args.train_iters is None) != (args.train_samples is None),
              "give exactly one of --train-iters and --train-samples")
-    by_samples = args.train_iters is None
-    iteration_forms = args.lr_decay_iters is not None or bool(args.lr_warmup_iters)
-    sample_forms = args.lr_decay_samples is not None or bool(args.lr_warmup_samples)
-    if by_samples and iteration_forms:
-        raise ArgumentError("with --train-samples give --lr-decay-samples/--lr-warmup-samples, "
-                            "not the iteration forms")
-    if not by_samples and sample_forms:
-        raise ArgumentError("with --train-iters give --lr-decay-iters/--lr-warmup-iters, not "
-                            "the sample forms")
-    _validate_schedule_as_given(args)
+    unit = "samples" if args.train_iters is None else "iters"
+    _apply(check_schedule_unit, unit, lambda name: getattr(args, name.replace("-", "_")))
+    _validate_schedule_as_given(args, unit)
     batch = args.global_batch_size or 0
     if args.train_samples is None and args.train_iters is not None:
         args.train_samples = args.train_iters * batch
@@ -298,7 +292,7 @@ def _samples_from_iterations(args) -> None:
         args.lr_warmup_samples = args.lr_warmup_iters * batch
 
 
-def _validate_schedule_as_given(args) -> None:
+def _validate_schedule_as_given(args, unit: str) -> None:
     """The schedule's lengths in the user's unit and values, before the sample forms are
     derived (a derived length would be named as if given)."""
     # A negative decay was blamed on "--train-iters 0"; a negative warm-up was taken (none)
@@ -306,7 +300,6 @@ def _validate_schedule_as_given(args) -> None:
                  "lr_warmup_iters", "lr_warmup_samples"):
         value = getattr(args, name)
         _require(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    unit = "samples" if args.train_iters is None else "iters"
     _apply(check_lr_schedule, unit, *(getattr(args, f"{name}_{unit}")
                                       for name in ("train", "lr_decay", "lr_warmup")))
 

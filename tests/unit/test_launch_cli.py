@@ -88,6 +88,8 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
                                    "got -0.1"),
     (["--eval-interval", "0"],
      "--eval-interval must not be 0: Megatron-LM divides by it to size the validation data"),
+    (["--lr-decay-samples", "60"],
+     "with --train-iters give the learning rate's schedule in iters too, not --lr-decay-samples"),
 ])
 @pytest.mark.parametrize("upstream", [False, True])
 def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upstream, value,

@@ -190,6 +190,18 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
     # sizing the validation data as the datasets are built, evaluations or not
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--eval-iters", "0", "--eval-interval", "0"], 2,
      "--eval-interval must not be 0: Megatron-LM divides by it to size the validation data"),
+    # validate_args: one unit for the whole schedule, and one way to give the warm-up
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "10", "--lr-warmup-samples", "5"], 2,
+     "with --train-iters give the learning rate's schedule in iters too, not "
+     "--lr-warmup-samples"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "10", "--train-samples", "80"], 2,
+     "with --train-iters give the learning rate's schedule in iters too, not --train-samples"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-samples", "80", "--lr-decay-iters", "2",
+      "--lr-warmup-iters", "1"], 2, "with --train-samples give the learning rate's schedule in "
+                                    "samples too, not --lr-decay-iters and --lr-warmup-iters"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "10", "--lr-warmup-fraction", "0.1",
+      "--lr-warmup-iters", "2"], 2, "give either --lr-warmup-fraction or --lr-warmup-iters, "
+                                    "not both"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -214,6 +226,9 @@ def test_bad_input_is_one_line(args, exit_code, message):
     ["--train-iters", "10", "--clip-grad", "-1"],
     ["--train-iters", "10", "--adam-beta1", "1.5", "--adam-beta2", "1", "--adam-eps", "0"],
     ["--train-iters", "10", "--weight-decay", "inf"],
+    # validate_args checks the schedule's unit only for training
+    ["--train-iters", "10", "--lr-warmup-samples", "5", "--skip-train"],
+    ["--train-iters", "10", "--lr-warmup-samples", "0", "--lr-warmup-fraction", "0.1"],
     # neither sizes the validation data by the interval
     ["--train-iters", "10", "--eval-interval", "0", "--full-validation"],
     ["--train-iters", "10", "--eval-interval", "0", "--skip-train"],
