@@ -171,15 +171,6 @@ def clean_content_metadata(common: dict) -> None:
         common[_CONTENT_METADATA_KEY] = _clean_metadata_for_serialization(common[_CONTENT_METADATA_KEY])
 
 
-def _reads_checked_against(manifest: Manifest | None, peers: list):
-    """Each item checked as it is read when the manifest has item checksums (see
-    :func:`checksums.verifying_reads`), the shards this node lacks read from ``peers``; else
-    a plain load, its files checked beforehand."""
-    if manifest is not None and manifest.items:
-        return checksums.verifying_reads(manifest, peers)
-    return contextlib.nullcontext([0, 0])
-
-
 # ---- agreement on the control group ---------------------------------------------------------
 def _rank() -> int:
     return torch.distributed.get_rank()
@@ -1128,7 +1119,7 @@ class Checkpointer:
             template = self._state_dict(state, is_loading=True, with_rng=with_rng,
                                         with_optimizer=not self.args.no_load_optim,
                                         from_distributed=from_distributed)
-            with _reads_checked_against(manifest, peers) as read_on_the_way:
+            with checksums.reads_for_load(manifest, peers) as read_on_the_way:
                 loaded = dist_checkpointing.load(template, str(path),
                                                  sharded_strategy=self._load_strategy(path))
             self._apply(loaded, state, with_rng, from_distributed)

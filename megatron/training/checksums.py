@@ -34,7 +34,7 @@ from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
     CachedMetadataFileSystemReader,
 )
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.filesystem import _write_item as write_item
 
 from ftmaster.peer_files import PeerFile
@@ -259,16 +259,32 @@ class VerifyingReader(CachedMetadataFileSystemReader):
 
 
 @contextlib.contextmanager
-def verifying_reads(manifest: Manifest, peers: list = ()):
-    """Within it, megatron-core's torch_dist loads read through a :class:`VerifyingReader`;
-    yields a list counting the bytes checked and the bytes read from peers. megatron-core
-    builds its reader
-    inside ``TorchDistLoadShardedStrategy.load`` with the module function
-    ``_get_filesystem_reader``, so that name is the one seam (module-scoped, undone on exit)."""
+def reads_for_load(manifest: Manifest | None, peers: list = ()):
+    """Within it, megatron-core's torch_dist loads read each folder through one reader: a
+    :class:`VerifyingReader` when the manifest has item checksums (what this node lacks read
+    from ``peers``), else megatron-core's own (the files checked in full beforehand). Yields a
+    list counting the bytes checked as read and the bytes read from peers.
+
+    megatron-core builds its reader inside ``TorchDistLoadShardedStrategy.load`` with the
+    module function ``_get_filesystem_reader``, so that name is the one seam (module-scoped,
+    undone on exit). Its fully parallel load (more than one data-parallel rank) calls that
+    load twice, for the sharded objects and then the tensors: a reader each unpickled
+    ``.metadata`` twice, where one reader keeps what it read (it resets the rest per load)."""
     counter = [0, 0]
     original = torch_strategy._get_filesystem_reader
-    torch_strategy._get_filesystem_reader = (
-        lambda path, cache_metadata=False: VerifyingReader(path, manifest, counter, peers))
+    readers: dict[str, FileSystemReader] = {}
+
+    def new_reader(path) -> FileSystemReader:
+        if manifest is not None and manifest.items:
+            return VerifyingReader(path, manifest, counter, peers)
+        return original(path, cache_metadata=True)
+
+    def reader_of(path, cache_metadata: bool = False) -> FileSystemReader:
+        if str(path) not in readers:
+            readers[str(path)] = new_reader(path)
+        return readers[str(path)]
+
+    torch_strategy._get_filesystem_reader = reader_of
     try:
         yield counter
     finally:

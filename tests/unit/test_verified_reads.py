@@ -1,13 +1,18 @@
 """A load checks each item of a torch_dist shard as it reads it: the real DCP reader, one
-process, against a manifest of item checksums."""
+process, against a manifest of item checksums; and unpickles ``.metadata`` once."""
+
+import pickle
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster.recovery.manifest import Manifest, digest_bytes, digest_file
-from megatron.training.checksums import ChecksumMismatch, VerifyingReader
+from megatron.training.checksums import ChecksumMismatch, VerifyingReader, reads_for_load
 from megatron.training.checkpointing import describe_error
 
 STATE = {"weight": torch.arange(4096, dtype=torch.float32), "bias": torch.ones(300)}
@@ -67,3 +72,43 @@ def test_an_item_the_manifest_does_not_know_is_refused(saved):
     with pytest.raises(CheckpointException) as raised:
         load(path, lacking)
     assert describe_error(raised.value) == f"{name} has no item at byte 0 in the manifest"
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """megatron-core's load strategy asks for the rank: a gloo group of one."""
+    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def metadata_unpickles(monkeypatch) -> list[str]:
+    """The ``.metadata`` files unpickled from now on, one entry per unpickle."""
+    unpickled, load = [], pickle.load
+
+    def counting(file, *args, **kwargs):
+        if Path(getattr(file, "name", "")).name == ".metadata":
+            unpickled.append(file.name)
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(pickle, "load", counting)
+    return unpickled
+
+
+@pytest.mark.parametrize("checksummed", [True, False], ids=["item-checksums", "no-manifest"])
+def test_a_load_in_two_parts_unpickles_metadata_once(saved, process_group, monkeypatch,
+                                                     checksummed):
+    """megatron-core's fully parallel load (more than one data-parallel rank) loads the
+    sharded objects, then the tensors, each with a reader its load strategy asks for: one
+    unpickle of ``.metadata`` serves both, and every item is still checked as read."""
+    path, manifest = saved
+    unpickled = metadata_unpickles(monkeypatch)
+    strategy = TorchDistLoadShardedStrategy()
+    with reads_for_load(manifest if checksummed else None, []) as counter:
+        parts = [strategy.load({name: ShardedTensor.from_rank_offsets(
+            name, torch.zeros_like(STATE[name]))}, path) for name in ("bias", "weight")]
+    assert [part[name] for part, name in zip(parts, ("bias", "weight"))] == [
+        pytest.approx(STATE["bias"]), pytest.approx(STATE["weight"])]
+    assert counter[0] == (manifest.total_bytes if checksummed else 0)
+    assert unpickled == [str(path / ".metadata")]
