@@ -35,9 +35,11 @@ from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_read
     CachedMetadataFileSystemReader,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.filesystem import _write_item as write_item
 
 from ftmaster.peer_files import PeerFile
+from ftmaster.recovery.checkpoints import DCP_METADATA_FILE, unpickled_metadata
 from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, item_problem
 
 from . import rehearsal
@@ -231,8 +233,26 @@ class PeerFallbackFileSystem(FileSystem):
         self.counter[1] += size
 
 
-class VerifyingReader(CachedMetadataFileSystemReader):
-    """megatron-core's caching reader, checking each item against the manifest as it reads it.
+class SharedMetadataReader(CachedMetadataFileSystemReader):
+    """megatron-core's caching reader, whose ``.metadata`` is unpickled once for the structure
+    checks before the load and the load itself, while its bytes stay the same
+    (:func:`ftmaster.recovery.checkpoints.unpickled_metadata`)."""
+
+    def read_metadata(self) -> Metadata:
+        """torch's ``FileSystemReader.read_metadata``, the unpickle shared."""
+        if self._cached_metadata is None:
+            path = self.fs.concat_path(self.path, DCP_METADATA_FILE)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = unpickled_metadata(stream.read())
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._cached_metadata = metadata
+        return self._cached_metadata
+
+
+class VerifyingReader(SharedMetadataReader):
+    """The reader of a load, checking each item against the manifest as it reads it.
 
     torch's ``FileSystemReader.read_data`` asks ``_slice_file`` for each item's bytes. Reading
     them into memory here costs one memory copy before ``torch.load``; it lets the digest be
@@ -262,8 +282,9 @@ class VerifyingReader(CachedMetadataFileSystemReader):
 def reads_for_load(manifest: Manifest | None, peers: list = ()):
     """Within it, megatron-core's torch_dist loads read each folder through one reader: a
     :class:`VerifyingReader` when the manifest has item checksums (what this node lacks read
-    from ``peers``), else megatron-core's own (the files checked in full beforehand). Yields a
-    list counting the bytes checked as read and the bytes read from peers.
+    from ``peers``), else a :class:`SharedMetadataReader` (the files checked in full
+    beforehand). Yields a list counting the bytes checked as read and the bytes read from
+    peers.
 
     megatron-core builds its reader inside ``TorchDistLoadShardedStrategy.load`` with the
     module function ``_get_filesystem_reader``, so that name is the one seam (module-scoped,
@@ -277,7 +298,7 @@ def reads_for_load(manifest: Manifest | None, peers: list = ()):
     def new_reader(path) -> FileSystemReader:
         if manifest is not None and manifest.items:
             return VerifyingReader(path, manifest, counter, peers)
-        return original(path, cache_metadata=True)
+        return SharedMetadataReader(path)
 
     def reader_of(path, cache_metadata: bool = False) -> FileSystemReader:
         if str(path) not in readers:

@@ -116,6 +116,16 @@ def test_a_damaged_metadata_that_unpickles_is_not_valid_and_says_why(save_dir, d
     assert choice.iteration == 20 and choice.skipped[0][0] == 30
 
 
+def test_a_metadata_damaged_after_a_check_is_checked_afresh(save_dir):
+    """The unpickle a check keeps for the next (rank 0 checks the checkpoint it resumes twice)
+    serves only the same bytes."""
+    path = iteration_dir(save_dir, 30)
+    assert checkpoint_problem(path) is None
+    _rewrite_metadata(path, _set_entries(length=-1))
+    assert checkpoint_problem(path) == \
+        ".metadata is damaged: it has a byte range 0 + -1 in shard __0_0.distcp"
+
+
 @pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n"])
 def test_an_unusable_tracker_is_never_a_fresh_start(save_dir, tracker):
     tracker_path(save_dir).write_text(tracker)

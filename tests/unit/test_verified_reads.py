@@ -1,6 +1,7 @@
 """A load checks each item of a torch_dist shard as it reads it: the real DCP reader, one
 process, against a manifest of item checksums; and unpickles ``.metadata`` once."""
 
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
+from ftmaster.recovery.checkpoints import COMMON_FILE, CONFIG_FILE, checkpoint_problem
 from ftmaster.recovery.manifest import Manifest, digest_bytes, digest_file
 from megatron.training.checksums import ChecksumMismatch, VerifyingReader, reads_for_load
 from megatron.training.checkpointing import describe_error
@@ -83,32 +86,75 @@ def process_group(tmp_path_factory):
     torch.distributed.destroy_process_group()
 
 
-def metadata_unpickles(monkeypatch) -> list[str]:
-    """The ``.metadata`` files unpickled from now on, one entry per unpickle."""
-    unpickled, load = [], pickle.load
+def metadata_unpickles(monkeypatch) -> list[Metadata]:
+    """The ``.metadata`` unpickled from now on (by ``pickle.load`` or ``pickle.loads``), one
+    entry per unpickle."""
+    unpickled = []
 
-    def counting(file, *args, **kwargs):
-        if Path(getattr(file, "name", "")).name == ".metadata":
-            unpickled.append(file.name)
-        return load(file, *args, **kwargs)
+    def counting(unpickle):
+        def counted(*args, **kwargs):
+            result = unpickle(*args, **kwargs)
+            if isinstance(result, Metadata):
+                unpickled.append(result)
+            return result
+        return counted
 
-    monkeypatch.setattr(pickle, "load", counting)
+    monkeypatch.setattr(pickle, "load", counting(pickle.load))
+    monkeypatch.setattr(pickle, "loads", counting(pickle.loads))
     return unpickled
+
+
+def load_in_two_parts(path) -> None:
+    """Load as megatron-core's fully parallel load does (more than one data-parallel rank):
+    the sharded objects, then the tensors, each with a reader its strategy asks for."""
+    strategy = TorchDistLoadShardedStrategy()
+    parts = [strategy.load({name: ShardedTensor.from_rank_offsets(
+        name, torch.zeros_like(STATE[name]))}, path) for name in ("bias", "weight")]
+    assert [part[name] for part, name in zip(parts, ("bias", "weight"))] == [
+        pytest.approx(STATE["bias"]), pytest.approx(STATE["weight"])]
 
 
 @pytest.mark.parametrize("checksummed", [True, False], ids=["item-checksums", "no-manifest"])
 def test_a_load_in_two_parts_unpickles_metadata_once(saved, process_group, monkeypatch,
                                                      checksummed):
-    """megatron-core's fully parallel load (more than one data-parallel rank) loads the
-    sharded objects, then the tensors, each with a reader its load strategy asks for: one
-    unpickle of ``.metadata`` serves both, and every item is still checked as read."""
+    """One unpickle of ``.metadata`` serves both parts, and every item is still checked as
+    read."""
     path, manifest = saved
     unpickled = metadata_unpickles(monkeypatch)
-    strategy = TorchDistLoadShardedStrategy()
     with reads_for_load(manifest if checksummed else None, []) as counter:
-        parts = [strategy.load({name: ShardedTensor.from_rank_offsets(
-            name, torch.zeros_like(STATE[name]))}, path) for name in ("bias", "weight")]
-    assert [part[name] for part, name in zip(parts, ("bias", "weight"))] == [
-        pytest.approx(STATE["bias"]), pytest.approx(STATE["weight"])]
+        load_in_two_parts(path)
     assert counter[0] == (manifest.total_bytes if checksummed else 0)
-    assert unpickled == [str(path / ".metadata")]
+    assert len(unpickled) == 1
+
+
+def with_side_files(path: Path) -> Path:
+    """The torch_dist folder made a checkpoint the structure check accepts."""
+    torch.save({}, path / COMMON_FILE)
+    (path / CONFIG_FILE).write_text("{}")
+    return path
+
+
+def test_the_structure_checks_and_the_load_unpickle_metadata_once(saved, process_group,
+                                                                   monkeypatch):
+    """A relaunch's rank 0 checks the structure of the checkpoint it resumes when it reads
+    the saved arguments, again just before the load, then loads it: one unpickle serves all."""
+    path, manifest = saved
+    unpickled = metadata_unpickles(monkeypatch)
+    assert [checkpoint_problem(with_side_files(path)), checkpoint_problem(path)] == [None, None]
+    with reads_for_load(manifest, []):
+        load_in_two_parts(path)
+    assert len(unpickled) == 1
+
+
+def test_a_metadata_changed_after_its_check_is_what_the_load_reads(saved, process_group):
+    """The load reads the ``.metadata`` there is, not the one checked before: here rewritten
+    to point at a shard that is not there, which the load then fails to find."""
+    path, manifest = saved
+    assert checkpoint_problem(with_side_files(path)) is None
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path="gone.distcp")
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointException, match="gone.distcp"):
+        with reads_for_load(None, []):
+            load_in_two_parts(path)
