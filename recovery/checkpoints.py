@@ -155,6 +155,17 @@ def never_finished(folder: Path) -> bool:
                                  for entry in entries)
 
 
+def left_by_a_killed_save(folder: Path) -> str | None:
+    """Why ``folder`` is nothing any load could ever take, left by a save of ours that was
+    killed (at its ``mkdir``, or mid-write: :func:`never_finished`); None for any other, which
+    may be a checkpoint of another tool or format, and is never removed."""
+    if not any(path.is_file() for path in Path(folder).rglob("*")):
+        return "an empty folder left by a save that wrote nothing"
+    if never_finished(folder):
+        return "a save that never finished (no manifest, no .metadata)"
+    return None
+
+
 def holds_checkpoints(save_dir: Path) -> bool:
     """Whether the folder has a tracker (readable or not) or a complete ``iter_*`` folder:
     then it is never to be written over by a run that starts fresh."""
@@ -163,10 +174,12 @@ def holds_checkpoints(save_dir: Path) -> bool:
 
 
 def unfinished_saves(save_dir: Path) -> list[int]:
-    """``iter_*`` folders of saves that never finished, in a folder without a tracker."""
+    """``iter_*`` folders a killed save of ours left (:func:`left_by_a_killed_save`), in a
+    folder without a tracker."""
     if tracker_path(save_dir).exists():
         return []
-    return [it for it in list_iterations(save_dir) if not is_complete(iteration_dir(save_dir, it))]
+    return [it for it in list_iterations(save_dir)
+            if left_by_a_killed_save(iteration_dir(save_dir, it))]
 
 
 @dataclass(frozen=True)

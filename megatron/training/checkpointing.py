@@ -93,7 +93,7 @@ from ftmaster.recovery.checkpoints import (
     holds_checkpoints,
     iteration_dir,
     list_iterations,
-    never_finished,
+    left_by_a_killed_save,
     prunable_emergency_checkpoints,
     prunable_memory_checkpoints,
     read_tracker,
@@ -1268,7 +1268,7 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
     it when this tier has no such folder: the resume came from the other tier). A folder
     without a single file (a save killed at its ``mkdir``) holds nothing to keep and is
-    removed, as is one a save of ours killed mid-write left (:func:`never_finished`: it can
+    removed, as is one a save of ours killed mid-write left (:func:`left_by_a_killed_save`: it can
     never be loaded, and a failure during an async or emergency save left one per failure).
     Returns (folder, new name or None when removed). The caller holds
     ``tracker_lock(save_dir)``."""
@@ -1278,10 +1278,7 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
         return moved
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
         old = iteration_dir(save_dir, newer)
-        left = ("an empty folder left by a save that wrote nothing"
-                if not any(path.is_file() for path in old.rglob("*")) else
-                "a save that never finished (no manifest, no .metadata)"
-                if never_finished(old) else None)
+        left = left_by_a_killed_save(old)
         if left is not None:  # nothing any load could ever take
             shutil.rmtree(old, ignore_errors=True)
             moved.append((old, None))
@@ -1303,8 +1300,10 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
 
 def prepare_fresh_start(save_dir: str | None) -> None:
     """Rank 0, for a run that starts from scratch: refuse to write over a folder holding
-    checkpoints; remove the folders of saves that never finished (no tracker was ever
-    written), whose stale shards would otherwise mix with new ones of the same iteration."""
+    checkpoints; remove the folders of saves of ours that never finished (no tracker was ever
+    written), whose stale shards would otherwise mix with new ones of the same iteration. A
+    folder of another tool or format (a Megatron-LM checkpoint copied in without its tracker)
+    is kept: it is no candidate, but may be the only copy of someone's weights."""
     if not save_dir:
         return
     save_dir = Path(save_dir)

@@ -139,7 +139,10 @@ def test_without_a_tracker_only_complete_folders_are_checkpoints(save_dir):
     tracker_path(save_dir).unlink()
     assert loading_candidates(save_dir).iterations == ()  # no manifest: unfinished saves
     assert not holds_checkpoints(save_dir)
-    assert unfinished_saves(save_dir) == [30, 20, 10]
+    assert unfinished_saves(save_dir) == []  # whole but for a manifest: not a killed save's
+    for iteration in (30, 10):  # killed before their .metadata
+        (iteration_dir(save_dir, iteration) / ".metadata").unlink()
+    assert unfinished_saves(save_dir) == [30, 10]
     write_manifest(iteration_dir(save_dir, 20), "periodic", 20, {})
     candidates = loading_candidates(save_dir)
     assert candidates.iterations == (20,) and "is missing: trying the complete" in candidates.notes[0]

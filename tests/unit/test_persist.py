@@ -24,7 +24,8 @@ from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iterati
                                            list_iterations, mark_whole, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
-from megatron.training.checkpointing import prune_memory_checkpoints, set_aside_newer
+from megatron.training.checkpointing import (prepare_fresh_start, prune_memory_checkpoints,
+                                             set_aside_newer)
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, size_problem, write_manifest
 from helpers.trainer import wait_until
 
@@ -500,6 +501,29 @@ def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_leg
         assert moved[kept].name.startswith(f"iter_{iteration:07d}.discarded-") and moved[kept].is_dir()
     assert len([p for p in save.iterdir() if p.name.startswith("iter_")]) == 5
     assert read_tracker(save) == 6
+
+
+def test_a_fresh_start_removes_only_what_a_killed_save_of_ours_left(tmp_path):
+    """Without a tracker a folder lacking a manifest is no candidate, but only a killed save's
+    leftovers may go: a Megatron-LM checkpoint copied in without its tracker, another tool's
+    folder or one whose .metadata landed were removed by a run that started fresh over them."""
+    save = tmp_path / "save"
+    killed = iteration_dir(save, 10)
+    killed.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__0_0.distcp.digest", "common.pt"):
+        (killed / name).write_bytes(b"x" * 100)
+    empty = iteration_dir(save, 20)
+    empty.mkdir()
+    legacy = iteration_dir(save, 30) / "mp_rank_00" / "model_optim_rng.pt"
+    foreign = iteration_dir(save, 40) / "model.safetensors"
+    whole = iteration_dir(save, 50) / ".metadata"
+    for kept in (legacy, foreign, whole):
+        kept.parent.mkdir(parents=True)
+        kept.write_bytes(b"x" * 100)
+    (whole.parent / "__0_0.distcp").write_bytes(b"x" * 100)
+    prepare_fresh_start(str(save))
+    assert not killed.exists() and not empty.exists()
+    assert all(kept.read_bytes() == b"x" * 100 for kept in (legacy, foreign, whole))
 
 
 def left_memory_tier(shm: Path, name: str, save: Path, run_dir: Path, iteration: int) -> Path:
