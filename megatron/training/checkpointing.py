@@ -1055,7 +1055,7 @@ class Checkpointer:
         for candidate in found.candidates:
             problem = self._load_from(candidate.path, state, candidate.tier)
             if problem is None:
-                self._set_aside_newer(state.iteration)
+                self._set_aside_newer(state.iteration, candidate.tier)
                 return True
             where = "" if candidate.tier == "disk" else f"{candidate.tier} "
             skipped.append(f"{where}{candidate.path.name}: {problem}")
@@ -1184,12 +1184,12 @@ class Checkpointer:
         if refusal is not None:
             raise CheckpointMismatch(refusal)
 
-    def _set_aside_newer(self, iteration: int) -> None:
+    def _set_aside_newer(self, iteration: int, tier: str) -> None:
         """Rank 0 (and each node's owner of a node-local memory tier): checkpoints above the
         one resumed from belong to a discarded timeline; a new save at the same iteration
         must not mix with their files, nor a later load pick them. They are renamed, not
         deleted (but for what a save killed mid-write left: :func:`set_aside_newer`), and the
-        tracker comes back to ``iteration``."""
+        tracker comes back to ``iteration``, loaded from ``tier``."""
         moved = []
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
@@ -1197,12 +1197,12 @@ class Checkpointer:
             with tracker_lock(Path(self.args.save)) if self.args.save else contextlib.nullcontext():
                 if self.memory_dir is not None:
                     with tracker_lock(self.memory_dir):
-                        moved += set_aside_newer(self.memory_dir, iteration)
+                        moved += set_aside_newer(self.memory_dir, iteration, tier == "memory")
                 if self.args.save:
-                    moved += set_aside_newer(Path(self.args.save), iteration)
+                    moved += set_aside_newer(Path(self.args.save), iteration, tier == "disk")
         elif _rank() == self.memory_owner:  # another node's own memory folder
             with tracker_lock(self.memory_dir):
-                moved += set_aside_newer(self.memory_dir, iteration)
+                moved += set_aside_newer(self.memory_dir, iteration, tier == "memory")
         for old, new in moved:
             self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
                        moved_to=None if new is None else str(new))
@@ -1263,26 +1263,29 @@ class Checkpointer:
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
-def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | None]]:
+def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True
+                    ) -> list[tuple[Path, Path | None]]:
     """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
     it when this tier has no such folder: the resume came from the other tier). A folder
     without a single file (a save killed at its ``mkdir``) holds nothing to keep and is
     removed, as is one a save of ours killed mid-write left (:func:`left_by_a_killed_save`: it can
-    never be loaded, and a failure during an async or emergency save left one per failure).
+    never be loaded, and a failure during an async or emergency save left one per failure);
+    so is such a folder of ``iteration`` itself unless the resume came from this tier
+    (``resumed_here``): the tracker would name it, and a persist copy could not land there.
     Returns (folder, new name or None when removed). The caller holds
     ``tracker_lock(save_dir)``."""
     moved: list[tuple[Path, Path | None]] = []
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     if not Path(save_dir).is_dir():
         return moved
+    same = iteration_dir(save_dir, iteration)
+    if not resumed_here and same.is_dir() and _removed_if_left_by_a_killed_save(same):
+        moved.append((same, None))
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
         old = iteration_dir(save_dir, newer)
-        left = left_by_a_killed_save(old)
-        if left is not None:  # nothing any load could ever take
-            shutil.rmtree(old, ignore_errors=True)
+        if _removed_if_left_by_a_killed_save(old):
             moved.append((old, None))
-            log_rank0(f"removed {old}: {left}")
             continue
         new = old.with_name(f"{old.name}.discarded-{stamp}")
         old.rename(new)
@@ -1296,6 +1299,15 @@ def set_aside_newer(save_dir: Path, iteration: int) -> list[tuple[Path, Path | N
         else:  # resumed from the other tier: this one's complete folders are its candidates
             tracker_path(save_dir).unlink()
     return moved
+
+
+def _removed_if_left_by_a_killed_save(folder: Path) -> bool:
+    """Remove ``folder`` when it is nothing any load could ever take; whether it was."""
+    left = left_by_a_killed_save(folder)
+    if left is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        log_rank0(f"removed {folder}: {left}")
+    return left is not None
 
 
 def prepare_fresh_start(save_dir: str | None) -> None:

@@ -21,7 +21,7 @@ from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
                               remove_partial_copies, tiers_of, with_memory_dir)
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iteration_dir,
-                                           list_iterations, mark_whole, pin,
+                                           list_iterations, mark_whole, newest_on_disk, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
 from megatron.training.checkpointing import (prepare_fresh_start, prune_memory_checkpoints,
@@ -501,6 +501,24 @@ def test_a_resume_removes_newer_saves_killed_mid_write_and_keeps_complete_or_leg
         assert moved[kept].name.startswith(f"iter_{iteration:07d}.discarded-") and moved[kept].is_dir()
     assert len([p for p in save.iterdir() if p.name.startswith("iter_")]) == 5
     assert read_tracker(save) == 6
+
+
+def test_a_resume_from_memory_never_leaves_the_disk_tracker_on_a_killed_saves_folder(tmp_path):
+    """Resumed from memory checkpoint 8, the disk tier had a newer 9 (set aside) and a save
+    of 8 killed mid-write: its tracker went back to 8, so the disk counted 8 as persisted
+    (no copy was made, and the end of the run removed the memory tier holding 8 alone)."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 8)
+    fake_checkpoint(disk, 6)
+    fake_checkpoint(disk, 9)
+    killed = iteration_dir(disk, 8)
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"x" * 100)
+    moved = dict(set_aside_newer(disk, 8, resumed_here=False))
+    assert moved[killed] is None and not killed.exists()
+    assert newest_on_disk(disk) == 6
+    assert persist(memory, disk, 8).iteration == 8 and read_tracker(disk) == 8
+    assert set_aside_newer(memory, 8) == [] and is_complete(iteration_dir(memory, 8))
 
 
 def test_a_fresh_start_removes_only_what_a_killed_save_of_ours_left(tmp_path):
