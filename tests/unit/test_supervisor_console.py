@@ -578,6 +578,38 @@ def test_a_save_folder_that_stopped_answering_does_not_hold_up_the_supervisor(tm
     assert time.monotonic() - started < 5 and supervisor.persister.last_requested is None
 
 
+def test_a_save_folder_that_cannot_be_listed_is_a_failed_persist_not_a_dead_supervisor(
+        tmp_path, monkeypatch, caplog):
+    """Without a tracker, whether disk has the newest memory checkpoint is read by listing
+    --save: an EIO there (a flaky mount) raised out of the poll, killed the attempt and ended
+    the supervisor in a traceback, and again at the end of the run, as it decides whether the
+    memory tier it chose may go. Unknown is neither: the copy is tried (and says why it
+    failed), and the memory tier is kept."""
+    import errno
+
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 4)
+    disk.mkdir()
+    listing = Path.iterdir
+
+    def iterdir(folder):
+        if folder == disk:
+            raise OSError(errno.EIO, "Input/output error", str(folder))
+        return listing(folder)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    supervisor._persist_when_due()
+    supervisor.persister.wait(10)
+    assert supervisor.persister.last_requested is None  # failed, to be tried again
+    supervisor._report_persisted()
+    assert "persisting a memory checkpoint failed" in caplog.text
+    supervisor._remove_scratch_memory()
+    assert memory.exists() and "cannot be read" in caplog.text
+
+
 @pytest.mark.parametrize("held_manifest, removed", [(True, False), (False, True)])
 def test_a_node_whose_memory_folder_is_never_whole_keeps_its_parts_newer_than_disk(
         tmp_path, held_manifest, removed):

@@ -426,8 +426,12 @@ class Persister:
             or time.monotonic() >= self._retry[1]
 
     def newer_than_disk(self, iteration: int) -> bool:
-        """Whether ``iteration`` is newer than what a load would take from ``--save``."""
-        disk = newest_on_disk(self.save_dir)
+        """Whether ``iteration`` is newer than what a load would take from ``--save``; True
+        when ``--save`` cannot be read: the copy is tried, and fails saying why, or lands."""
+        try:
+            disk = newest_on_disk(self.save_dir)
+        except OSError:
+            return True
         return disk is None or iteration > disk
 
     def start(self, iteration: int, fetch: Fetch | None = None) -> bool:

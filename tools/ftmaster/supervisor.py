@@ -851,7 +851,14 @@ class Supervisor:
             return
         # A part of a checkpoint newer than disk counts: a run that gave up across nodes
         # may still persist it from the peers.
-        newest, disk = newest_held(folder), newest_on_disk(self.tiers.disk)
+        newest = newest_held(folder)
+        try:
+            disk = newest_on_disk(self.tiers.disk)
+        except OSError as error:  # unknown: the folder may hold the run's newest alone
+            log.warning("kept the memory tier %s: %s cannot be read (%s), so whether it holds "
+                        "every checkpoint in it is unknown", folder, self.tiers.disk,
+                        error.strerror or error)
+            return
         if newest is None or (disk is not None and disk >= newest):
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed the memory tier %s: every checkpoint in it is on disk", folder)
