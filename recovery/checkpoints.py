@@ -100,14 +100,15 @@ def read_tracker(save_dir: Path) -> int | None:
 
 
 def newest_on_disk(save_dir: Path) -> int | None:
-    """The newest checkpoint a load would take from ``save_dir``: the tracker's, or without a
-    usable one the newest complete folder's (:func:`loading_candidates`)."""
+    """The newest checkpoint a load would take from ``save_dir`` (:func:`loading_candidates`):
+    the tracker's; when its folder is gone (removed by hand, or set aside by a resume killed
+    before the tracker moved back), the newest complete folder below it; without a usable
+    tracker, the newest complete folder."""
     tracked = read_tracker(save_dir)
-    return tracked if tracked is not None else _newest_complete(save_dir)
-
-
-def _newest_complete(save_dir: Path) -> int | None:
-    return next((it for it in list_iterations(save_dir) if is_complete(iteration_dir(save_dir, it))),
+    if tracked is not None and iteration_dir(save_dir, tracked).is_dir():
+        return tracked
+    return next((it for it in list_iterations(save_dir)
+                 if (tracked is None or it < tracked) and is_complete(iteration_dir(save_dir, it))),
                 None)
 
 

@@ -117,6 +117,22 @@ def test_without_a_usable_disk_tracker_a_persist_never_hides_a_newer_complete_fo
     assert read_tracker(disk) == 12
 
 
+def test_a_tracked_folder_removed_by_hand_never_counts_as_on_disk(tmp_path):
+    """A user removed a bad iter_9 by hand and left its tracker: a load takes 6, but disk
+    counted as holding 9, so memory checkpoint 8 was never persisted, and a launch taking over
+    the memory tier a killed run left (or the end of a run, its /dev/shm tier) removed it."""
+    memory, disk, shm = tmp_path / "memory", tmp_path / "disk", tmp_path / "shm"
+    fake_checkpoint(disk, 6)
+    shutil.rmtree(fake_checkpoint(disk, 9))
+    assert newest_on_disk(disk) == 6
+    fake_checkpoint(memory, 8)
+    assert Persister(memory, disk).needs_copy(8)
+    left = left_memory_tier(shm, "ftmaster-old", disk, tmp_path / "old_run", 8)
+    persist_left_behind(None, disk, resumes=True, say=lambda line: None, shm=shm)
+    assert is_complete(iteration_dir(disk, 8)) and not left.exists()
+    assert [c.iteration for c in tier_candidates(disk, None).candidates] == [8, 6]
+
+
 def test_a_memory_copy_set_aside_during_the_copy_is_not_put_in_place(tmp_path):
     """A resume that discarded the memory copy's timeline sets it aside holding the disk
     tier's lock (as the trainer's Checkpointer does across both tiers); the copy then finds
