@@ -21,8 +21,9 @@ trainer's rank 0 and ftmaster's persist copy, so it moves under a lock and never
 A candidate is valid when its files are all there, every shard byte range recorded in the
 torch_dist ``.metadata`` lies inside its file and is listed in its manifest
 (:mod:`ftmaster.recovery.manifest`), and every file has the size the manifest records: a few
-``stat`` calls. Comparing checksums reads every byte, so the trainer does that itself, spread
-over its ranks.
+``stat`` calls, and the checksum of ``.metadata``, whose bytes are read to be unpickled anyway.
+Comparing the other checksums reads every byte, so the trainer does that itself, spread over
+its ranks.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from typing import Iterable, Iterator, Mapping
 
 from ftmaster.runfiles import atomic_write_text
 
-from .manifest import (MANIFEST_NAME, Manifest, is_plain_file_name, known_manifest_name,
-                       read_manifest, size_problem)
+from .manifest import (MANIFEST_NAME, ChecksumMismatch, FileDigest, Manifest, bytes_problem,
+                       is_plain_file_name, known_manifest_name, read_manifest, size_problem)
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's memory-tier folder under --save
@@ -235,7 +236,10 @@ def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
         if problem is not None:
             return problem
     try:
-        storage = unpickled_metadata((path / DCP_METADATA_FILE).read_bytes()).storage_data
+        storage = unpickled_metadata((path / DCP_METADATA_FILE).read_bytes(),
+                                     metadata_digest(manifest)).storage_data
+    except ChecksumMismatch as mismatch:
+        return str(mismatch)
     except Exception as error:  # an unreadable .metadata is exactly what we are looking for
         return f"{DCP_METADATA_FILE} is unreadable ({type(error).__name__})"
     try:
@@ -245,9 +249,18 @@ def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
     return _unlisted_shard_problem(ends, manifest) or _shard_problem(path, ends, elsewhere)
 
 
-def unpickled_metadata(data: bytes):
+def metadata_digest(manifest: Manifest | None) -> FileDigest | None:
+    """The manifest's digest of ``.metadata``; None without one (another tool's checkpoint, a
+    manifest from before checksums), when there is nothing to check it against."""
+    return None if manifest is None else manifest.files.get(DCP_METADATA_FILE)
+
+
+def unpickled_metadata(data: bytes, expected: FileDigest | None = None):
     """torch's ``Metadata`` from the bytes of a ``.metadata``: the object the previous call
-    gave when the bytes are the same, else a new unpickle.
+    gave when the bytes are the same, else a new unpickle. Bytes unlike ``expected``, the
+    manifest's digest, raise ChecksumMismatch before anything is unpickled: what is unpickled
+    is what was checked, not another read of a file that may have changed in between (3 us
+    for the 72 KB of an 8-layer GPT's, whose unpickle takes 1.3 ms).
 
     A relaunch's rank 0 checks the structure of the checkpoint it resumes when it reads the
     saved arguments, again just before the load, and then loads it (every rank waits for it);
@@ -255,6 +268,9 @@ def unpickled_metadata(data: bytes):
     4000. Comparing the bytes, not a file's name or times, makes a changed file always read
     afresh. Holders must not change the object (torch's reader sets only its load id)."""
     global _last_unpickled
+    problem = None if expected is None else bytes_problem(DCP_METADATA_FILE, data, expected)
+    if problem is not None:
+        raise ChecksumMismatch(problem)
     if _last_unpickled is None or _last_unpickled[0] != data:
         _last_unpickled = (data, pickle.loads(data))
     return _last_unpickled[1]
@@ -545,8 +561,8 @@ class CheckpointChoice:
 
 
 def find_loadable_checkpoint(save_dir: Path, memory_dir: Path | None = None) -> CheckpointChoice:
-    """The first candidate of either tier whose structure is valid (checksums are not
-    compared here)."""
+    """The first candidate of either tier whose structure is valid (of the checksums, only
+    ``.metadata``'s is compared here)."""
     found = tier_candidates(Path(save_dir), memory_dir)
     skipped = []
     for candidate in found.candidates:

@@ -274,15 +274,22 @@ def digest_problem(folder: Path, manifest: Manifest, names: Iterable[str]) -> st
     return None
 
 
+class ChecksumMismatch(ValueError):
+    """Bytes read are not what their writer wrote: its message says which."""
+
+
 def item_problem(manifest: Manifest, name: str, offset: int, data: bytes) -> str | None:
     """Whether the ``data`` read at ``offset`` of shard ``name`` is the item the writer wrote."""
     expected = manifest.items.get(name, {}).get(offset)
     if expected is None:
         return f"{name} has no item at byte {offset} in the manifest"
+    return bytes_problem(name, data, expected, f" in the item at byte {offset}")
+
+
+def bytes_problem(name: str, data: bytes, expected: FileDigest, where: str = "") -> str | None:
+    """Whether ``data``, read from ``name``, is what its writer wrote."""
     found = digest_bytes(data)
-    if found == expected:
-        return None
-    return _mismatch(name, found, expected, f" in the item at byte {offset}")
+    return None if found == expected else _mismatch(name, found, expected, where)
 
 
 def _mismatch(name: str, found: FileDigest, expected: FileDigest, where: str = "") -> str:

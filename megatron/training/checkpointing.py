@@ -1136,8 +1136,10 @@ class Checkpointer:
     def _checksum_problem(self, path: Path, manifest: Manifest, node_local: bool) -> str | None:
         """The checksum of every file the load will not check item by item as it reads it,
         the files spread over the ranks so each reads a share (each node's owner reads them
-        all in its own copy of a node-local memory checkpoint)."""
-        names = [name for name in sorted(manifest.files) if not manifest.items_cover(name)]
+        all in its own copy of a node-local memory checkpoint). ``.metadata`` is checked
+        wherever it is unpickled (:func:`checkpoint_problem`, the load's reader), not here."""
+        names = [name for name in sorted(manifest.files)
+                 if not manifest.items_cover(name) and name != DCP_METADATA_FILE]
         if node_local:
             mine = names if _rank() == self.memory_owner else []
         else:

@@ -39,8 +39,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.filesystem import _write_item as write_item
 
 from ftmaster.peer_files import PeerFile
-from ftmaster.recovery.checkpoints import DCP_METADATA_FILE, unpickled_metadata
-from ftmaster.recovery.manifest import DigestingWriter, FileDigest, Manifest, item_problem
+from ftmaster.recovery.checkpoints import DCP_METADATA_FILE, metadata_digest, unpickled_metadata
+from ftmaster.recovery.manifest import (ChecksumMismatch, DigestingWriter, FileDigest, Manifest,
+                                        item_problem)
 
 from . import rehearsal
 
@@ -207,10 +208,6 @@ def take_shard_digest(shard: Path) -> ShardDigest:
     return digest
 
 
-class ChecksumMismatch(ValueError):
-    """An item read from a shard is not what its writer wrote: its message says which."""
-
-
 class PeerFallbackFileSystem(FileSystem):
     """torch's local files, and a file this node lacks under ``root`` read from the peers
     that hold it (:class:`ftmaster.peer_files.PeerFile`: one range request per item)."""
@@ -236,14 +233,19 @@ class PeerFallbackFileSystem(FileSystem):
 class SharedMetadataReader(CachedMetadataFileSystemReader):
     """megatron-core's caching reader, whose ``.metadata`` is unpickled once for the structure
     checks before the load and the load itself, while its bytes stay the same
-    (:func:`ftmaster.recovery.checkpoints.unpickled_metadata`)."""
+    (:func:`ftmaster.recovery.checkpoints.unpickled_metadata`), and only once they match
+    ``expected_metadata``, the manifest's digest of the file (None: nothing to check)."""
+
+    def __init__(self, path, expected_metadata: FileDigest | None = None) -> None:
+        super().__init__(path)
+        self.expected_metadata = expected_metadata
 
     def read_metadata(self) -> Metadata:
-        """torch's ``FileSystemReader.read_metadata``, the unpickle shared."""
+        """torch's ``FileSystemReader.read_metadata``, the unpickle shared and checked."""
         if self._cached_metadata is None:
             path = self.fs.concat_path(self.path, DCP_METADATA_FILE)
             with self.fs.create_stream(path, "rb") as stream:
-                metadata = unpickled_metadata(stream.read())
+                metadata = unpickled_metadata(stream.read(), self.expected_metadata)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -260,7 +262,7 @@ class VerifyingReader(SharedMetadataReader):
 
     def __init__(self, path, manifest: Manifest, counter: list[int], peers: list = ()) -> None:
         """``counter``: the bytes checked as read, and (with ``peers``) those read from them."""
-        super().__init__(path)
+        super().__init__(path, metadata_digest(manifest))
         self.manifest = manifest
         self.counter = counter
         if peers:  # a node-local memory checkpoint: what this node lacks, its peers give
@@ -283,8 +285,8 @@ def reads_for_load(manifest: Manifest | None, peers: list = ()):
     """Within it, megatron-core's torch_dist loads read each folder through one reader: a
     :class:`VerifyingReader` when the manifest has item checksums (what this node lacks read
     from ``peers``), else a :class:`SharedMetadataReader` (the files checked in full
-    beforehand). Yields a list counting the bytes checked as read and the bytes read from
-    peers.
+    beforehand). Either checks the ``.metadata`` it unpickles against the manifest. Yields a
+    list counting the bytes checked as read and the bytes read from peers.
 
     megatron-core builds its reader inside ``TorchDistLoadShardedStrategy.load`` with the
     module function ``_get_filesystem_reader``, so that name is the one seam (module-scoped,
@@ -298,7 +300,7 @@ def reads_for_load(manifest: Manifest | None, peers: list = ()):
     def new_reader(path) -> FileSystemReader:
         if manifest is not None and manifest.items:
             return VerifyingReader(path, manifest, counter, peers)
-        return SharedMetadataReader(path)
+        return SharedMetadataReader(path, metadata_digest(manifest))
 
     def reader_of(path, cache_metadata: bool = False) -> FileSystemReader:
         if str(path) not in readers:

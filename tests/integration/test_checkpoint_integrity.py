@@ -128,6 +128,19 @@ def test_same_size_corruption_falls_back_to_the_previous_checkpoint(save, traine
     assert len(discarded) == 1  # the corrupt one is kept aside, not deleted
 
 
+def test_a_metadata_unlike_its_manifest_falls_back_to_the_previous_checkpoint(save, tmp_path):
+    """Checked where it is unpickled, before the load, not by a read of its own."""
+    metadata = iteration_dir(save, 6) / ".metadata"
+    data = metadata.read_bytes()
+    metadata.write_bytes(data.replace(b"decoder", b"decodeR", 1))  # same size, still a pickle
+    result = train(1, save, 8, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (skipped,) = events(tmp_path / "run", "checkpoint_skipped")
+    assert skipped["iteration"] == 6 and skipped["reason"].startswith(
+        ".metadata checksum mismatch (xxh3_64 ")
+    assert f"loaded checkpoint from {iteration_dir(save, 4)} at iteration 4" in result.stdout
+
+
 def test_a_shard_the_manifest_does_not_list_falls_back_to_the_previous_checkpoint(save, tmp_path):
     manifest_path = iteration_dir(save, 6) / MANIFEST_NAME
     body = json.loads(manifest_path.read_text())

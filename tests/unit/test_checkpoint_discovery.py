@@ -126,6 +126,19 @@ def test_a_metadata_damaged_after_a_check_is_checked_afresh(save_dir):
         ".metadata is damaged: it has a byte range 0 + -1 in shard __0_0.distcp"
 
 
+def test_a_metadata_unlike_its_manifest_is_refused_before_it_is_unpickled(save_dir, monkeypatch):
+    """The structure check unpickles ``.metadata`` only once its bytes are the manifest's."""
+    path = iteration_dir(save_dir, 30)
+    write_manifest(path, "periodic", 30, {entry.name: digest_file(entry) for entry in path.iterdir()})
+    metadata = path / ".metadata"
+    metadata.write_bytes(metadata.read_bytes().replace(b"weight", b"weighT"))  # same size
+    unpickled, unpickle = [], pickle.loads
+    monkeypatch.setattr(pickle, "loads", lambda data: unpickled.append(data) or unpickle(data))
+    assert checkpoint_problem(path).startswith(".metadata checksum mismatch (xxh3_64 ")
+    assert unpickled == []
+    assert find_loadable_checkpoint(save_dir).iteration == 20
+
+
 @pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n"])
 def test_an_unusable_tracker_is_never_a_fresh_start(save_dir, tracker):
     tracker_path(save_dir).write_text(tracker)

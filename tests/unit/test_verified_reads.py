@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ftmaster.recovery.checkpoints import COMMON_FILE, CONFIG_FILE, checkpoint_problem
-from ftmaster.recovery.manifest import Manifest, digest_bytes, digest_file
+from ftmaster.recovery.manifest import (Manifest, digest_bytes, digest_file, digest_problem,
+                                        write_manifest)
 from megatron.training.checksums import ChecksumMismatch, VerifyingReader, reads_for_load
 from megatron.training.checkpointing import describe_error
 
@@ -158,3 +159,32 @@ def test_a_metadata_changed_after_its_check_is_what_the_load_reads(saved, proces
     with pytest.raises(CheckpointException, match="gone.distcp"):
         with reads_for_load(None, []):
             load_in_two_parts(path)
+
+
+def replaced_metadata(path: Path) -> bytes:
+    """``path``'s ``.metadata`` as another writer might leave it: still one a load can follow,
+    marked so that an unpickle of it shows."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    metadata.replaced_after_its_check = True
+    return pickle.dumps(metadata)
+
+
+@pytest.mark.parametrize("with_items", [True, False], ids=["item-checksums", "file-checksums"])
+def test_a_metadata_replaced_after_its_checks_fails_the_load_unpickled(saved, process_group,
+                                                                      monkeypatch, with_items):
+    """What the load unpickles is what it compared with the manifest: a ``.metadata``
+    replaced between the checks before the load and the load's own read of it is a checksum
+    mismatch, as a damaged shard is, and its bytes are never unpickled."""
+    path, manifest = saved
+    files = {**manifest.files, ".metadata": digest_file(path / ".metadata")}
+    manifest = Manifest("periodic", 1, files, manifest.items if with_items else {})
+    write_manifest(with_side_files(path), "periodic", 1, files, manifest.items)
+    assert checkpoint_problem(path) is None
+    assert digest_problem(path, manifest, [".metadata"]) is None
+    (path / ".metadata").write_bytes(replaced_metadata(path))
+    unpickled = metadata_unpickles(monkeypatch)
+    with pytest.raises(CheckpointException) as raised:
+        with reads_for_load(manifest, []):
+            load_in_two_parts(path)
+    assert ".metadata checksum mismatch (" in describe_error(raised.value)  # within torch's words
+    assert not any(hasattr(metadata, "replaced_after_its_check") for metadata in unpickled)
