@@ -24,11 +24,12 @@ def check_positions(seq_length: int, max_position_embeddings: int) -> None:
                          f"than --seq-length ({seq_length})")
 
 
-def check_learning_rate(lr: float, min_lr: float) -> None:
+def check_learning_rate(lr: float, min_lr: float, *, scheduled: bool = True) -> None:
     """``validate_args`` asserts ``min_lr <= lr``, megatron-core's ``OptimizerParamScheduler``
-    ``min_lr >= 0``; a NaN fails both."""
-    if not lr >= min_lr >= 0:
-        raise ValueError(f"need --lr ({lr}) >= --min-lr ({min_lr}) >= 0")
+    ``min_lr >= 0`` when one is ``scheduled``; a NaN fails both."""
+    floor = " >= 0" if scheduled else ""
+    if not (lr >= min_lr and (min_lr >= 0 or not scheduled)):
+        raise ValueError(f"need --lr ({lr}) >= --min-lr ({min_lr}){floor}")
 
 
 def check_lr_schedule(unit: str, training: int, decay: int | None, warmup: int) -> None:
@@ -119,7 +120,8 @@ def check_dropout(flag: str, probability: float) -> None:
 def check_log_interval(interval: int) -> None:
     """The first iteration's log (``training_log``, megatron/training/training.py:3539) takes
     ``iteration % args.log_interval``, and passes it to megatron-core's ``Timers.log``, which
-    asserts ``normalizer > 0.0`` (megatron/core/timers.py:406)."""
+    asserts ``normalizer > 0.0`` (megatron/core/timers.py:406). Not with ``--skip-train``,
+    which runs no training loop, unless ``--perform-rl-step`` (training.py:2017)."""
     if not interval > 0:
         raise ValueError(f"--log-interval must be a positive integer, got {interval}")
 
@@ -144,8 +146,24 @@ def _check_model_values(args: Sequence[str]) -> None:
 
 def _check_optimizer_values(args: Sequence[str]) -> None:
     _check_schedule_units(args)
+    scheduled = _builds_optimizer(args)
     if flag_value(args, "--lr") is not None:
-        check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0))
+        check_learning_rate(float_flag(args, "--lr", 0.0), float_flag(args, "--min-lr", 0.0),
+                            scheduled=scheduled)
+    if scheduled:
+        _check_scheduler_values(args)
+
+
+def _builds_optimizer(args: Sequence[str]) -> bool:
+    """``setup_model_and_optimizer`` builds no optimizer, so no ``OptimizerParamScheduler``,
+    with ``--skip-train``, unless RL's ``--perform-rl-step`` without ``--no-load-optim``
+    (megatron/training/training.py:2679-2682)."""
+    if not switched_on(args, "--skip-train"):
+        return True
+    return switched_on(args, "--perform-rl-step") and not switched_on(args, "--no-load-optim")
+
+
+def _check_scheduler_values(args: Sequence[str]) -> None:
     for unit in ("iters", "samples"):
         training = int_flag(args, f"--train-{unit}", positive=False)
         if training is not None:
@@ -174,7 +192,9 @@ def _check_schedule_units(args: Sequence[str]) -> None:
 
 def _check_interval_values(args: Sequence[str]) -> None:
     log_interval = int_flag(args, "--log-interval", positive=False)
-    if log_interval is not None:
+    runs_training_loop = not switched_on(args, "--skip-train") or switched_on(
+        args, "--perform-rl-step")
+    if log_interval is not None and runs_training_loop:
         check_log_interval(log_interval)
     save_interval = int_flag(args, "--save-interval", positive=False)
     if flag_value(args, "--save") is not None and save_interval is not None:

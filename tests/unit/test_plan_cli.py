@@ -202,6 +202,15 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "10", "--lr-warmup-fraction", "0.1",
       "--lr-warmup-iters", "2"], 2, "give either --lr-warmup-fraction or --lr-warmup-iters, "
                                     "not both"),
+    # validate_args asserts min_lr <= lr with --skip-train too; RL builds its optimizer, so the
+    # scheduler, unless --no-load-optim, and runs the training loop
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--lr", "1e-3", "--min-lr", "1", "--skip-train"], 2,
+     "need --lr (0.001) >= --min-lr (1.0)"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--train-iters", "-5", "--skip-train",
+      "--perform-rl-step"], 2, "the learning rate's decay needs at least one step"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--log-interval", "0", "--skip-train",
+      "--perform-rl-step", "--no-load-optim"], 2,
+     "--log-interval must be a positive integer, got 0"),
 ])
 def test_bad_input_is_one_line(args, exit_code, message):
     result = run_plan(*args)
@@ -232,6 +241,14 @@ def test_bad_input_is_one_line(args, exit_code, message):
     # neither sizes the validation data by the interval
     ["--train-iters", "10", "--eval-interval", "0", "--full-validation"],
     ["--train-iters", "10", "--eval-interval", "0", "--skip-train"],
+    # --skip-train builds no optimizer, so no scheduler, and runs no training loop
+    ["--train-iters", "-5", "--skip-train"],
+    ["--train-samples", "80", "--lr-warmup-samples", "80", "--skip-train"],
+    ["--train-iters", "10", "--lr-warmup-fraction", "1", "--skip-train"],
+    ["--train-iters", "10", "--weight-decay", "-0.1", "--skip-train"],
+    ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "-1", "--skip-train"],
+    ["--train-iters", "10", "--log-interval", "0", "--skip-train"],
+    ["--train-iters", "-5", "--skip-train", "--perform-rl-step", "--no-load-optim"],
     ["--train-iters", "-5", "--lr-decay-iters", "10"],
     ["--train-iters", "10", "--lr", "1e-3", "--min-lr", "1e-3", "--max-position-embeddings", "32"],
 ])
