@@ -1,5 +1,8 @@
 """Bad input to ftmaster launch: one line on stderr, a non-zero exit, nothing launched."""
 
+import errno
+import os
+
 from click.testing import CliRunner
 
 import pytest
@@ -135,6 +138,19 @@ def test_an_unwritable_tensorboard_dir_is_one_line(tmp_path):
     assert result.exit_code != 0
     assert result.stderr == (f"Error: training arguments: --tensorboard-dir {parent / 'tb'} is "
                              f"not writable: choose a directory you can write to\n")
+
+
+def test_a_full_disk_under_the_tensorboard_dir_names_the_folder(tmp_path, monkeypatch):
+    """A write that fails names no file: the line read "cannot write to None"."""
+    def full_disk(command, node_rank):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("ftmaster.launch.RunBoard.for_command", full_disk)
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL, "--tensorboard-dir", str(tmp_path / "tb"))
+    assert result.exit_code != 0
+    assert result.stderr == (f"Error: --tensorboard-dir: cannot write to {tmp_path / 'tb' / 'ftmaster'} "
+                             "(No space left on device)\n")
 
 
 @pytest.mark.parametrize("entry,kind,problem", [

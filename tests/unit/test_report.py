@@ -389,6 +389,16 @@ def test_a_fifo_in_an_outputs_place_is_one_line_not_a_wait_for_a_reader(tmp_path
                                               "nobody reads (or a socket)")
 
 
+def test_a_full_disk_under_the_incident_page_names_the_page(tmp_path):
+    """A write that fails names no file: the line read "cannot make the incident page: None"."""
+    run_dir = two_failures(tmp_path / "run")
+    (run_dir / "report.html").symlink_to("/dev/full")  # every write: ENOSPC
+    result = run_report(run_dir)
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: cannot make the incident page: {run_dir / 'report.html'}: "
+                             "No space left on device\n")
+
+
 @pytest.mark.timeout(30)
 def test_the_json_goes_to_dev_null_or_a_fifo_someone_reads(tmp_path):
     """What a shell user writes to: /dev/null, and a pipe (``--json-out /dev/stdout | jq``)."""

@@ -489,5 +489,5 @@ def analyze_command(target: Path, out: Path, risk_threshold: float) -> None:
     try:
         written = analyze(trace, out, risk_threshold)
     except OSError as exc:
-        raise _fail(f"cannot write {exc.filename or out}: {exc.strerror}") from None
+        raise _fail(f"cannot write {runfiles.failed_path(exc, out)}: {exc.strerror}") from None
     click.echo(f"wrote {len(written)} files to {out}: " + ", ".join(sorted(written)))

@@ -118,11 +118,16 @@ class RunBoard:
     @classmethod
     def for_command(cls, command: list[str], node_rank: int | None) -> RunBoard | None:
         """The board of a training command with ``--tensorboard-dir``; None without."""
+        folder = cls.folder_for(command, node_rank)
+        return None if folder is None else cls(folder, node_rank)
+
+    @staticmethod
+    def folder_for(command: list[str], node_rank: int | None) -> Path | None:
+        """Where the board of a training command writes; None without ``--tensorboard-dir``."""
         folder = flag_value(command[1:], "--tensorboard-dir")
         if folder is None:
             return None
-        return cls(Path(folder) / ("ftmaster" if node_rank is None else f"ftmaster_node{node_rank}"),
-                   node_rank)
+        return Path(folder) / ("ftmaster" if node_rank is None else f"ftmaster_node{node_rank}")
 
     def watch(self, monitor) -> None:
         monitor.sample_listeners.append(self.observe_samples)

@@ -317,7 +317,9 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
         for observer in observers:
             observer.close()
         monitor.close()
-        raise click.ClickException(f"--tensorboard-dir: cannot write to {error.filename} "
+        folder = RunBoard.folder_for(list(config.command), node_rank)
+        raise click.ClickException(f"--tensorboard-dir: cannot write to "
+                                   f"{runfiles.failed_path(error, folder)} "
                                    f"({error.strerror or error})") from None
     if board is not None:
         observers.append(board)

@@ -1149,7 +1149,8 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     try:
         page = write_incident_page(run_dir, report, events, _samples(run_dir))
     except OSError as exc:
-        raise ReportError(f"cannot make the incident page: {exc.filename}: {exc.strerror}") from None
+        failed = runfiles.failed_path(exc, run_dir / INCIDENT_PAGE)
+        raise ReportError(f"cannot make the incident page: {failed}: {exc.strerror}") from None
     click.echo(format_report(report))
     click.echo(f"\nwrote {json_out} and {page}")
 

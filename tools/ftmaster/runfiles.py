@@ -402,6 +402,12 @@ def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
         raise
 
 
+def failed_path(error: OSError, path: Path | str) -> str:
+    """The file ``error`` names, else ``path``, the one being written: an OSError of a write or
+    a close (a full disk) names no file."""
+    return str(error.filename or path)
+
+
 def _open_regular(path: Path) -> int:
     """A read-only descriptor of the regular file ``path``. The open does not wait: a FIFO in
     the file's place would hold the open (then the read) until some writer came, forever."""
