@@ -7,6 +7,7 @@ one wins, as in argparse. Every error is one line (a ValueError).
 
 from __future__ import annotations
 
+import reprlib
 from typing import Sequence
 
 
@@ -67,9 +68,9 @@ def int_flag(args: Sequence[str], flag: str, default: int | None = None, *,
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{flag} must be an integer, got {text!r}") from None
+        raise ValueError(f"{flag} must be an integer, got {reprlib.repr(text)}") from None
     if abs(value) > MAX_INT:
-        raise ValueError(f"{flag} must be at most 10^12, got {text}")
+        raise ValueError(f"{flag} must be at most 10^12, got {reprlib.repr(value)}")
     if positive:
         require_positive(flag, value)
     return value
@@ -89,7 +90,7 @@ def float_flag(args: Sequence[str], flag: str, default: float) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+        raise ValueError(f"{flag} must be a number, got {reprlib.repr(text)}") from None
 
 
 def set_flag(args: Sequence[str], flag: str, value: str) -> list[str]:

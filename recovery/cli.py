@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from itertools import groupby
 
 import click
@@ -41,7 +42,7 @@ class FiniteFloatRange(click.FloatRange):
     def convert(self, value, param, ctx):
         number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
+            self.fail(f"{reprlib.repr(value)} is not a finite number.", param, ctx)
         return super().convert(number, param, ctx)
 
 

@@ -195,6 +195,7 @@ def test_cli_leaves_out_a_two_tier_monte_carlo_too_long_to_run():
 
 @pytest.mark.parametrize("args, message", [
     (["--memory-interval", "300"], "must divide --save-interval (1000)"),
+    (["--memory-interval", str(10**400)], "--memory-interval (" + "1" + "0" * 17 + "..." + "0" * 19 + ") must divide"),
     (["--node-failure-share", "2"], "--node-failure-share must be between 0 and 1"),
     (["--memory-save-s", "-1"], "--memory-save-s must be a finite number >= 0"),
     (["--persist-s", "inf"], "--persist-s must be a finite number >= 0"),
@@ -203,6 +204,8 @@ def test_cli_leaves_out_a_two_tier_monte_carlo_too_long_to_run():
     (["--save-interval", str(10**20), "--memory-interval", "7"], "from 1 to 10^12"),
     # The option given is named, not the one it stands for.
     (["--gpu-failure-rate", "nan"], "'--gpu-failure-rate': 'nan' is not a finite number"),
+    (["--gpu-failure-rate", "1" * 400],
+     "'--gpu-failure-rate': '" + "1" * 12 + "..." + "1" * 13 + "' is not a finite number"),
     (["--gpu-failure-rate", "0"], "'--gpu-failure-rate': 0.0 is not in the range 1e-12<=x"),
 ])
 def test_cli_tier_errors_are_one_line(args, message):

@@ -139,6 +139,13 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
      "a measured step time needs the original GPU count"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers=x"], 2,
      "--num-layers must be an integer, got 'x'"),
+    # a value quoted whole made a 400-character line
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers", "1" * 400], 2,
+     "--num-layers must be at most 10^12, got " + "1" * 18 + "..." + "1" * 19 + "\n"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers", "x" * 400], 2,
+     "--num-layers must be an integer, got '" + "x" * 12 + "..." + "x" * 13 + "'\n"),
+    (["--gpus", "3", "--", *SCRIPT_ARGS, "--lr", "x" * 400], 2,
+     "--lr must be a number, got '" + "x" * 12 + "..." + "x" * 13 + "'\n"),
     # the planner's trial division of a 10^23 batch never ended
     pytest.param(["--gpus", "1000000001", "--gpus-per-node", "1000", "--", *SCRIPT_ARGS], 2,
                  "--gpus 1000000001 with --gpus-per-node 1000 is more than 10^6 nodes",

@@ -310,7 +310,10 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": "1.5"}\n',
      '"seconds" of a startup event must be a finite number, not "1.5"'),
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": 1%s}\n' % ("0" * 400),
-     '"seconds" of a startup event must be a finite number, not 1000'),
+     # a value quoted whole made a 400-character line
+     '"seconds" of a startup event must be a finite number, not ' + "1" + "0" * 17 + "..." + "0" * 19 + '; fix'),
+    ('{"event": "failure", "time": 2, "gpus": "%s"}\n' % ("x" * 400),
+     'must be a list of integers, not "' + "x" * 17 + "..." + "x" * 18 + '"; fix'),
     ('{"event": "launch", "time": 1, "attempt": 1, "gpus": 5}\n',
      '"gpus" of a launch event must be a list of integers, not 5'),
     ('{"event": "launch", "time": 1, "attempt": 1, "gpus": "01"}\n', 'not "01"'),

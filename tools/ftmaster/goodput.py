@@ -105,6 +105,7 @@ emergency save is taken and no failure happens; :func:`table_iii_overhead_s` rep
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -187,8 +188,9 @@ class GoodputInputs:
         _require(isinstance(self.memory_interval, int) and self.memory_interval >= 0,
                  "memory_interval must be an integer >= 0 (0: unset)")
         if self.memory_interval and self.save_interval % self.memory_interval:
-            raise ValueError(f"memory_interval ({self.memory_interval}) must divide save_interval "
-                             f"({self.save_interval}), as every disk copy is of a memory save: "
+            raise ValueError(f"memory_interval ({reprlib.repr(self.memory_interval)}) must divide "
+                             f"save_interval ({self.save_interval}), as every disk copy is of a "
+                             f"memory save: "
                              f"{_nearest_divisor(self.save_interval, self.memory_interval)} does")
         for name in ("gpu_mtbf_hours", "iteration_s", "run_hours"):
             _require(runfiles.is_finite_number(getattr(self, name))

@@ -73,10 +73,9 @@ def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
     times = [_seconds(value) for value in given]
     bad = [value for value, seconds in zip(given, times) if seconds is None]
     if bad:
-        example = json.dumps(bad[0])
         click.echo(f"warning: {len(bad)} {'/'.join(sorted(kinds))} event(s) left out of the "
                    f"measured times: their {key} is no time in seconds (such as "
-                   f"{example if len(example) <= 20 else example[:17] + '...'})", err=True)
+                   f"{runfiles.json_excerpt(bad[0])})", err=True)
     return _median([seconds for seconds in times if seconds is not None])
 
 

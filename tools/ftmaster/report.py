@@ -297,7 +297,7 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
     for name, expected in FIELD_TYPES.get(record["event"], {}).items():
         if name in record and not expected.test(record[name]):
             raise ReportError(f"{path} line {number}: \"{name}\" of a {record['event']} event "
-                              f"must be {expected.wording}, not {json.dumps(record[name])}; fix "
+                              f"must be {expected.wording}, not {runfiles.json_excerpt(record[name])}; fix "
                               "or remove that line")
     return record
 

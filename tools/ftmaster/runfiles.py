@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import stat
 import tempfile
 import time
@@ -68,6 +69,18 @@ def is_finite_number(value: Any) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def json_excerpt(value: Any) -> str:
+    """A file's JSON ``value`` as an error message quotes it: cut in its middle past 40
+    characters, as ``reprlib`` cuts a Python value, so that a 400-digit number or a long
+    string leaves the message one readable line."""
+    text = json.dumps(value)
+    limit = reprlib.aRepr.maxlong
+    if len(text) <= limit:
+        return text
+    head = (limit - 3) // 2
+    return f"{text[:head]}...{text[len(text) - (limit - 3 - head):]}"
 
 
 def flags_dir(run_dir: Path) -> Path:
