@@ -87,6 +87,7 @@ from ftmaster.recovery.checkpoints import (
     CONFIG_FILE,
     DCP_METADATA_FILE,
     advance_tracker,
+    advance_tracker_locked,
     checkpoint_problem,
     find_loadable_checkpoint,
     folder_written_at,
@@ -454,6 +455,9 @@ class DurableSave:
     """How much sooner rank 0 entered the save than the last rank (a slower pipeline stage
     still finishing its step): part of rank 0's blocked time, but not the save's own cost,
     since without the save rank 0 would wait for that stage in the next step anyway."""
+    already_on_disk: bool = False
+    """Nothing written: the folder already held a complete checkpoint of this iteration
+    (:meth:`_Save._made_unless_complete`)."""
 
 
 @dataclass(frozen=True)
@@ -618,6 +622,8 @@ class _Save:
         """Where this save's writers put their results (:func:`results_queue_of_one_save`)."""
         self.global_metadata = None
         """megatron-core's global metadata, from which rank 0 writes ``.metadata``."""
+        self.found_bytes: int | None = None
+        """The size of the complete checkpoint of this iteration found on disk, left as it is."""
         self.slots = checkpointer.slots if tier == "memory" else None
         self.synchronous = checkpointer.async_saves is None or self.slots is not None
         self.records = self.slots if self.slots is not None else (
@@ -680,7 +686,8 @@ class _Save:
 
     def _folder_made(self) -> bool:
         """The save's folder, made (or a slot's renamed to it) by rank 0, on every rank; in a
-        node-local memory tier by each node's owner, every owner's problem told to all."""
+        node-local memory tier by each node's owner, every owner's problem told to all. False
+        too when a complete checkpoint of this iteration is on disk already: nothing to write."""
         previous = self.records.begin(self.structure_kept) if self.records is not None else None
         owner = self.checkpointer.memory_owner if self.tier == "memory" else 0
         made = self._make_folder(previous) if _rank() == owner else None
@@ -690,26 +697,44 @@ class _Save:
             self.problem = next((m[0] for m in every if m is not None and m[0]), None)
             refilled = every[owner][1]
         else:
-            self.problem, refilled = broadcast_from_rank0(made, self.group)
+            self.problem, refilled, self.found_bytes = broadcast_from_rank0(made, self.group)
         if self.slots is not None:
             self.slots.use(refilled)
             self.slot = "refilled" if refilled else "new"
-        return self.problem is None
+        return self.problem is None and self.found_bytes is None
 
-    def _make_folder(self, previous: int | None) -> tuple[str | None, bool]:
-        """Rank 0: the problem, if any, and whether a slot's files are refilled. Never
-        raises an OSError: the other ranks wait for this answer in a collective."""
+    def _make_folder(self, previous: int | None) -> tuple[str | None, bool, int | None]:
+        """Rank 0: the problem, if any, whether a slot's files are refilled, and the size of
+        a complete checkpoint of this iteration already on disk. Never raises an OSError: the
+        other ranks wait for this answer in a collective."""
         try:
             self.checkpointer.janitor.wait_for_removal(self.path)
-            if self.slots is not None and self.slots.claim(previous, self.path):
-                return None, True
+            if self.tier == "disk":
+                return None, False, self._made_unless_complete()
+            if self.slots.claim(previous, self.path):
+                return None, True, None
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            return f"creating {self.path}: {describe_error(error)}", False
+            return f"creating {self.path}: {describe_error(error)}", False, None
         try:
-            return (self._room_problem() if self.tier == "memory" else None), False
+            return self._room_problem(), False, None
         except OSError as error:  # a tmpfs gone or unreadable under the pruning
-            return f"making room in {self.path.parent}: {describe_error(error)}", False
+            return f"making room in {self.path.parent}: {describe_error(error)}", False, None
+
+    def _made_unless_complete(self) -> int | None:
+        """Rank 0, a disk save: None once its folder is made; or, when the folder already
+        holds a complete checkpoint of this iteration (a memory checkpoint the supervisor
+        persisted, or the one resumed from), its size, with the tracker moved to it as the
+        save would have. Written over in place, a save that failed partway (killed, a full
+        disk) tore the only good copy while the tracker named it. Under the tracker lock,
+        which a persist copy lands under: it cannot land between the look and the mkdir."""
+        with tracker_lock(self.path.parent):
+            found = read_manifest(self.path) if checkpoint_problem(self.path) is None else None
+            if found is None:
+                self.path.mkdir(parents=True, exist_ok=True)
+                return None
+            advance_tracker_locked(self.path.parent, self.iteration)
+            return found.total_bytes
 
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes
@@ -806,6 +831,8 @@ class _Save:
 
     def _decide(self, reports: list[_RankReport]):
         """Rank 0: the durable save, or the failure's reason."""
+        if self.found_bytes is not None:
+            return self._left_as_found()
         problem = next((r.problem for r in reports if r.problem), None)
         if problem is None:
             try:
@@ -840,6 +867,11 @@ class _Save:
                            dict(self.phases), {**writer_phases, "writers": len(shards)},
                            self.structure_kept, self.slot,
                            max(0.0, reports[0].elapsed - min(r.elapsed for r in reports)))
+
+    def _left_as_found(self) -> DurableSave:
+        return DurableSave(self.iteration, self.path, self.kind, self.tier, self.started_at,
+                           time.perf_counter() - self.start, self.found_bytes, 0.0, 0.0,
+                           dict(self.phases), {}, self.structure_kept, already_on_disk=True)
 
     def remove_partial_folder(self) -> None:
         # In the janitor, the tracker read too: a failed save's file system may hang.
@@ -1000,7 +1032,10 @@ class Checkpointer:
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes
-            log_rank0(f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
+            log_rank0(f"{outcome.kind} checkpoint at iteration {outcome.iteration} not written: "
+                      f"{outcome.path} already holds a complete one ({outcome.bytes} bytes)"
+                      if outcome.already_on_disk else
+                      f"saved {outcome.kind} checkpoint at iteration {outcome.iteration} to "
                       f"{outcome.path} in {outcome.seconds_to_durable:.3f} s ({outcome.bytes} bytes)")
             if outcome.tier == "memory" and _rank() == self.memory_owner:
                 self.janitor.submit(prune_memory_checkpoints, self.memory_dir, outcome.iteration,

@@ -406,6 +406,7 @@ class Trainer:
                     writer_seconds=round(done.write_seconds, 4),
                     structure="same" if done.structure_kept else "new",
                     **({"slot": done.slot} if done.slot else {}),
+                    **({"already_on_disk": True} if done.already_on_disk else {}),
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})

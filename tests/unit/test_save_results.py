@@ -203,6 +203,6 @@ def test_a_room_check_that_fails_is_the_saves_problem_not_an_exception(tmp_path,
         janitor=checkpointing.Janitor(), last_bytes=100, last_durable_iteration=20,
         slots=types.SimpleNamespace(claim=lambda previous, path: False,
                                     kept_iterations=lambda: set()))
-    problem, refilled = checkpointing._Save(checkpointer, 25, "periodic", "memory",
-                                            None)._make_folder(20)
-    assert problem.startswith(f"making room in {tmp_path}: ") and not refilled
+    problem, refilled, found = checkpointing._Save(checkpointer, 25, "periodic", "memory",
+                                                   None)._make_folder(20)
+    assert problem.startswith(f"making room in {tmp_path}: ") and not refilled and found is None

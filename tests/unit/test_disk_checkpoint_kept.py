@@ -1,0 +1,71 @@
+"""A complete checkpoint on disk is neither torn nor removed by the trainer's own saves: a
+disk save at an iteration a persist copy already landed, and the clean-up of a failed save
+racing a persist copy of the same iteration."""
+
+import json
+import types
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
+from ftmaster.recovery.manifest import digest_file, digest_problem, read_manifest, write_manifest
+from megatron.training import checkpointing
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+def complete_checkpoint(save_dir, iteration, kind="periodic"):
+    """A real torch_dist folder with its side files and manifest, as a persist copy lands it."""
+    path = iteration_dir(save_dir, iteration)
+    dcp.save({"weight": torch.arange(4096, dtype=torch.float32)}, checkpoint_id=str(path),
+             no_dist=True)
+    torch.save({"iteration": iteration}, path / "common.pt")
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    files = {entry.name: digest_file(entry) for entry in path.iterdir()}
+    write_manifest(path, kind, iteration, files)
+    return path
+
+
+class Killed(BaseException):
+    """The rank killed (or its disk full) once the save had begun writing."""
+
+
+def disk_save(save_dir, group, iteration, outcomes):
+    def killed_at_the_shards(sharded_part, path):
+        raise Killed
+
+    strategy = types.SimpleNamespace(async_save=killed_at_the_shards, distribution_seconds=0.0)
+    checkpointer = types.SimpleNamespace(
+        group=group, folder_of=lambda tier: save_dir, slots=None, async_saves=None,
+        disk_records=None, janitor=checkpointing.Janitor(), memory_owner=None,
+        structure=types.SimpleNamespace(strategy_for=lambda sharded: (strategy, True)),
+        write_results_relay=checkpointing._WriteResultsRelay(),
+        saved=lambda save, outcome: outcomes.append(outcome))
+    return checkpointing._Save(checkpointer, iteration, "final", "disk", None)
+
+
+def test_a_disk_save_at_an_iteration_already_complete_on_disk_leaves_it_whole(tmp_path, group):
+    """A final save at a memory checkpoint's iteration the supervisor had persisted wrote
+    over it in place: killed partway, the tracker named a torn folder, the only good copy."""
+    path = complete_checkpoint(tmp_path, 12)
+    advance_tracker(tmp_path, 12)
+    outcomes = []
+    save = disk_save(tmp_path, group, 12, outcomes)
+    try:
+        save.request({"iteration": 12, "args": "the arguments of the relaunch"})
+    except Killed:
+        pass
+    manifest = read_manifest(path)
+    assert digest_problem(path, manifest, sorted(manifest.files)) is None
+    assert read_tracker(tmp_path) == 12
+    [outcome] = outcomes
+    assert isinstance(outcome, checkpointing.DurableSave) and outcome.already_on_disk
+    assert (outcome.iteration, outcome.kind, outcome.bytes) == (12, "final", manifest.total_bytes)
