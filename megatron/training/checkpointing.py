@@ -402,9 +402,9 @@ def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int]) -> 
 def prune_emergency_checkpoints(save_dir: Path, keep: int) -> None:
     """Remove emergency checkpoints a newer regular one supersedes, beyond the newest ``keep``."""
     for iteration in prunable_emergency_checkpoints(save_dir, keep):
-        shutil.rmtree(iteration_dir(save_dir, iteration), ignore_errors=True)
-        log_rank0(f"pruned emergency checkpoint iter_{iteration:07d}: a newer regular "
-                  f"checkpoint supersedes it (--keep-emergency {keep})")
+        if _remove_unless_tracked(iteration_dir(save_dir, iteration), iteration):
+            log_rank0(f"pruned emergency checkpoint iter_{iteration:07d}: a newer regular "
+                      f"checkpoint supersedes it (--keep-emergency {keep})")
 
 
 class CheckpointMismatch(Exception):
@@ -887,10 +887,15 @@ def _folder_written_at(save: _Save) -> float | None:
         return None
 
 
-def _remove_unless_tracked(folder: Path, iteration: int) -> None:
-    """A failed save's folder, removed; never one the tracker names (a complete checkpoint)."""
-    if read_tracker(folder.parent) != iteration:
+def _remove_unless_tracked(folder: Path, iteration: int) -> bool:
+    """``folder``, of ``iteration``, removed unless the tracker names it; whether it was. The
+    read and the removal in one hold of the tracker lock: a persist copy moves the tracker to
+    a complete folder under it, and between the two could make this one current."""
+    with tracker_lock(folder.parent):
+        if read_tracker(folder.parent) == iteration:
+            return False
         shutil.rmtree(folder, ignore_errors=True)
+        return True
 
 
 class Checkpointer:

@@ -3,6 +3,7 @@ disk save at an iteration a persist copy already landed, and the clean-up of a f
 racing a persist copy of the same iteration."""
 
 import json
+import threading
 import types
 
 import pytest
@@ -69,3 +70,35 @@ def test_a_disk_save_at_an_iteration_already_complete_on_disk_leaves_it_whole(tm
     [outcome] = outcomes
     assert isinstance(outcome, checkpointing.DurableSave) and outcome.already_on_disk
     assert (outcome.iteration, outcome.kind, outcome.bytes) == (12, "final", manifest.total_bytes)
+
+
+def test_a_failed_saves_clean_up_never_removes_a_folder_a_persist_copy_just_tracked(
+        tmp_path, monkeypatch):
+    """A disk save at 12 wrote its manifest and failed to move the tracker (a full disk); the
+    supervisor's copy of memory checkpoint 12 found the folder complete and moved the tracker
+    to it just after the clean-up had read the tracker, which then removed the folder the
+    tracker named: the next load found no iteration 12 and fell back."""
+    from ftmaster.persist import persist
+
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    complete_checkpoint(memory, 12)
+    complete_checkpoint(disk, 10)
+    advance_tracker(disk, 10)
+    failed = complete_checkpoint(disk, 12)
+    read = checkpointing.read_tracker
+
+    def copy_lands_after_the_read(save_dir):
+        tracked = read(save_dir)
+        copy = threading.Thread(target=persist, args=(memory, disk, 12))
+        copy.start()
+        copy.join(1.0)  # done, unless it waits for the clean-up's lock
+        lands.append(copy)
+        return tracked
+
+    lands = []
+    monkeypatch.setattr(checkpointing, "read_tracker", copy_lands_after_the_read)
+    checkpointing._remove_unless_tracked(failed, 12)
+    lands[0].join(10)
+    assert read_tracker(disk) == 12
+    manifest = read_manifest(failed)
+    assert manifest is not None and digest_problem(failed, manifest, sorted(manifest.files)) is None

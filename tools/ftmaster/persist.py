@@ -271,9 +271,8 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     peers that hold them (a node-local tier whose folder here is not whole: its manifest is
     the one kept beside them). Raises PersistError (the disk tier unchanged)."""
     source, target = iteration_dir(memory_dir, iteration), iteration_dir(save_dir, iteration)
-    if is_complete(target):  # a copy killed after its rename, or the trainer's own save
-        with tracker_lock(save_dir):
-            _advance_disk_tracker_locked(save_dir, iteration)
+    # A copy killed after its rename, or the trainer's own save (its lock taken only then)
+    if is_complete(target) and _tracked_if_complete(save_dir, iteration):
         return None
     manifest_name = known_manifest_name(source) if fetch is not None else MANIFEST_NAME
     text = _read_bytes(source / manifest_name) if manifest_name else None
@@ -309,6 +308,17 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
         shutil.rmtree(partial, ignore_errors=True)
     return Persisted(iteration, target, time.perf_counter() - start, manifest.total_bytes,
                      sum(digest.bytes for digest in remote.values()))
+
+
+def _tracked_if_complete(save_dir: Path, iteration: int) -> bool:
+    """Whether ``save_dir`` still holds ``iteration`` complete, the disk tracker then moved
+    to it. The look and the move in one hold of the lock, under which the trainer removes a
+    failed save's folder: seen complete just before, it could be gone once tracked."""
+    with tracker_lock(save_dir):
+        if not is_complete(iteration_dir(save_dir, iteration)):
+            return False
+        _advance_disk_tracker_locked(save_dir, iteration)
+        return True
 
 
 def _write_manifest_last(partial: Path, text: bytes) -> None:
