@@ -78,3 +78,26 @@ def test_a_memory_tier_too_small_sends_its_saves_to_disk(tmp_path, tiny_memory_t
     assert "needs about" in failed[1]["reason"] and "10% more to spare" in failed[1]["reason"]
     assert list_iterations(save) == [9, 8, 4] and read_tracker(save) == 9
     assert list_iterations(folder) == []
+
+
+def test_a_final_save_at_the_iteration_resumed_from_memory_leaves_the_disk_copy_alone(
+        tmp_path, shm_dir):
+    """--train-iters lowered to the memory checkpoint a relaunch resumes from, which disk holds
+    too (persisted by the supervisor, or here the --exit-interval save): the final save wrote
+    over that complete disk copy in place, and a failure partway tore the only copy on disk."""
+    save, run_dir = tmp_path / "save", tmp_path / "run"
+    args = SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1) + memory_tier(shm_dir, 4) + [
+        "--save", str(save), "--load", str(save), "--save-interval", "100"]
+    first = run_trainer(1, args + ["--exit-interval", "8"])
+    assert first.returncode == 0, first.stdout[-3000:]
+    written = {path.name: path.stat().st_mtime_ns for path in iteration_dir(save, 8).iterdir()}
+    lowered = run_trainer(1, args + ["--train-iters", "8", "--override-opt-param-scheduler"],
+                          FTMASTER_RUN_DIR=str(run_dir))
+    assert lowered.returncode == 0, lowered.stdout[-3000:]
+    assert f"loaded checkpoint from {iteration_dir(shm_dir, 8)}" in lowered.stdout
+    assert "final checkpoint at iteration 8 not written" in lowered.stdout
+    assert {path.name: path.stat().st_mtime_ns
+            for path in iteration_dir(save, 8).iterdir()} == written
+    assert read_tracker(save) == 8
+    [final] = [e for e in runfiles.read_events(run_dir) if e["event"] == "periodic_save"]
+    assert (final["kind"], final["tier"], final["already_on_disk"]) == ("final", "disk", True)
