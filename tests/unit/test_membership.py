@@ -177,6 +177,10 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
      "--rdzv-conf keep_alive_interval='0.5': expected whole seconds"),
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "fd00::1"],
      "--rdzv-endpoint 'fd00::1': an IPv6 address goes in brackets, as in [fd00::1]:29400"),
+    # torch's timedelta overflowed: a traceback from the first round
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
+      "--rdzv-conf", "join_timeout=99999999999999999999"],
+     "--rdzv-conf join_timeout='99999999999999999999': expected whole seconds up to 1000000000"),
     # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
       "127.0.0.1:29400", "--local-addr", "192.0.2.1"],

@@ -86,6 +86,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 # --rdzv-conf keys torch reads with get_as_int (dynamic_rendezvous.py, c10d_rendezvous_backend.py)
 WHOLE_SECONDS_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                       "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
+MAX_CONF_SECONDS = 10**9
+"""As ftmaster's own durations; torch's ``timedelta(seconds=...)`` overflows past a C int."""
 
 
 def parse_conf(text: str | None) -> dict[str, str]:
@@ -163,9 +165,9 @@ class RendezvousConfig:
             number = int(str(value))
         except ValueError:
             number = -1
-        if number < 0:
-            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole seconds (torch "
-                             f"reads an integer)")
+        if not 0 <= number <= MAX_CONF_SECONDS:
+            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole seconds up to "
+                             f"{MAX_CONF_SECONDS} (torch reads an integer)")
         return number
 
     @property
