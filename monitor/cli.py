@@ -21,7 +21,7 @@ from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig, injections_log
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.lock import RunDirLock, RunDirLocked
-from ftmaster.recovery.cli import FiniteFloatRange
+from ftmaster.recovery.cli import MAX_NODE_GPUS, FiniteFloatRange
 
 
 @click.command("monitor")
@@ -33,7 +33,8 @@ from ftmaster.recovery.cli import FiniteFloatRange
               help="Seconds between samples (live backends).")
 @click.option("--scorer", default="adaptive", show_default=True, type=click.Choice(SCORER_NAMES))
 @click.option("--risk-threshold", default=0.95, show_default=True, type=FiniteFloatRange(0, 1, min_open=True))
-@click.option("--num-gpus", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--num-gpus", default=8, show_default=True,
+              type=click.IntRange(min=1, max=MAX_NODE_GPUS),
               help="Virtual GPUs for the sim backend.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for sim and degrade.")
 @click.option("--inject", "inject_specs", multiple=True, metavar="KIND:gpu=G,at=iter:K|Ns",

@@ -16,6 +16,9 @@ SEPARATOR_KEY = "ftmaster.after_separator"
 MAX_NODES = 10**6
 """Far beyond any cluster. The planner keeps an entry per node: 10^7 nodes took 23 s and
 1.2 GB, and --gpus 10^9 --gpus-per-node 1 ran until killed."""
+MAX_NODE_GPUS = 1024
+"""Far beyond any node's GPUs. One node's GPUs are listed one by one (the job's, the sim's):
+--nproc-per-node 10^8 took 10 s and 4 GB before its first check, 10^20 overflowed ``range``."""
 
 
 class SeparatedCommand(click.Command):

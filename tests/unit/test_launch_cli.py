@@ -53,6 +53,9 @@ def launch(run_dir, *args, env=None):
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject",
       "fail:gpu=1,at=iter:3,after=persisted", "--", PRETRAIN, *MODEL],
      "nothing is persisted without the memory tier"),
+    # one entry per GPU: a traceback (10^20), or seconds and gigabytes before anything else
+    (["--nproc-per-node", "99999999999999999999", "--monitor-backend", "sim", "--", PRETRAIN,
+      *MODEL], "'--nproc-per-node': 99999999999999999999 is not in the range 1<=x<=1024"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],

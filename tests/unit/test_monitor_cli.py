@@ -101,6 +101,14 @@ def test_a_fault_on_a_gpu_the_sim_does_not_have_is_refused(tmp_path):
                    "GPU 2 is not one of the sim backend's GPUs 0-1 (--num-gpus 2)")
 
 
+@pytest.mark.parametrize("count", ["99999999999999999999", "10000000"])
+def test_more_sim_gpus_than_a_node_holds_are_refused(count, tmp_path):
+    """A list per GPU: the first was a traceback, the second a minute and gigabytes."""
+    one_line_error(invoke("--backend", "sim", "--num-gpus", count, "--run-dir", str(tmp_path),
+                          "--duration", "0"),
+                   f"'--num-gpus': {count} is not in the range 1<=x<=1024")
+
+
 def test_missing_replay_file(tmp_path):
     one_line_error(invoke("--backend", f"replay:{tmp_path}/nope.csv", "--run-dir", str(tmp_path / "r")),
                    "cannot read")

@@ -43,7 +43,8 @@ from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
-from ftmaster.recovery.cli import FiniteFloatRange, InputError, SeparatedCommand, script_command
+from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, InputError, SeparatedCommand,
+                                   script_command)
 from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
                               with_memory_dir)
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
@@ -412,7 +413,7 @@ def _console_logging() -> None:
 
 @click.command("launch", cls=SeparatedCommand,
                context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+@click.option("--nproc-per-node", type=click.IntRange(min=1, max=MAX_NODE_GPUS), default=None,
               help="Ranks (GPUs) of the first attempt. Default: the visible GPU count.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
               help="GPUs per node for the planner (TP stays in a node). Default: one node.")
