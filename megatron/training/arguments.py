@@ -330,6 +330,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_batch(args)
     _validate_schedule(args)
     _validate_data(args)
+    _validate_folders_given(args)
     _validate_checkpointing(args)
     _require(args.tensorboard_dir is None or tensorboard_installed(), NEEDS_PACKAGE)
     # The writer makes it on the last rank only, after the model is built: a traceback there
@@ -581,11 +582,14 @@ def _data_prefixes(data_path: list[str]) -> list[str]:
     return list(data_path[1::2])
 
 
-def _validate_checkpointing(args):
-    for name in ("save", "load", "non_persistent_global_ckpt_dir"):
+def _validate_folders_given(args):
+    for name in ("save", "load", "non_persistent_global_ckpt_dir", "tensorboard_dir"):
         # "--save=" would pass as the working directory to some checks and as no folder to others
         _require(getattr(args, name) != "", f"--{name.replace('_', '-')} needs a folder, got an "
                                              f"empty value")
+
+
+def _validate_checkpointing(args):
     _validate_load(args)
     if args.save is not None:
         _require(_is_writable_dir(Path(args.save)),

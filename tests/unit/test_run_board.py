@@ -21,6 +21,13 @@ def scalars(path, tag):
     return [(e.step, e.value) for e in accumulator.Scalars(tag)]
 
 
+def test_an_empty_tensorboard_dir_is_no_board(tmp_path, monkeypatch):
+    """As Megatron-LM takes it (no writer); Path("") wrote into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert RunBoard.for_command(["train.py", "--tensorboard-dir", ""], None) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_risk_once_per_iteration_and_failures_at_their_iteration(tmp_path):
     board = RunBoard(tmp_path)
     board.observe_heartbeat({"iteration": 3})

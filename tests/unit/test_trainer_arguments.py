@@ -112,6 +112,8 @@ def with_args(*extra, drop=()):
      "--num-distributed-optimizer-instances must be at least 1, not 0"),
     (with_args("--save="), 1, "--save needs a folder, got an empty value"),
     (with_args("--load", ""), 1, "--load needs a folder, got an empty value"),
+    # the trainer wrote no scalars, ftmaster its own into the working directory
+    (with_args("--tensorboard-dir", ""), 1, "--tensorboard-dir needs a folder, got an empty value"),
     (with_args("--save", "ckpt", "--non-persistent-ckpt-type", "global",
                "--non-persistent-global-ckpt-dir="), 1,
      "--non-persistent-global-ckpt-dir needs a folder, got an empty value"),

@@ -125,7 +125,7 @@ class RunBoard:
     def folder_for(command: list[str], node_rank: int | None) -> Path | None:
         """Where the board of a training command writes; None without ``--tensorboard-dir``."""
         folder = flag_value(command[1:], "--tensorboard-dir")
-        if folder is None:
+        if not folder:  # empty: no writer, as in Megatron-LM (Path("") is the working directory)
             return None
         return Path(folder) / ("ftmaster" if node_rank is None else f"ftmaster_node{node_rank}")
 
