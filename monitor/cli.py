@@ -21,13 +21,13 @@ from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig, injections_log
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.lock import RunDirLock, RunDirLocked
-from ftmaster.recovery.cli import MAX_NODE_GPUS, FiniteFloatRange
+from ftmaster.recovery.cli import MAX_NODE_GPUS, FiniteFloatRange, FolderPath
 
 
 @click.command("monitor")
 @click.option("--backend", "backend_spec", required=True, metavar="|".join(BACKEND_NAMES),
               help="Telemetry source; replay:PATH plays a recorded gpu_metrics.csv as fast as it can.")
-@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--run-dir", required=True, type=FolderPath(),
               help="Where gpu_metrics.csv, events.jsonl and flags/ go.")
 @click.option("--interval", default=10.0, show_default=True, type=FiniteFloatRange(min=0.01),
               help="Seconds between samples (live backends).")

@@ -6,6 +6,7 @@ import json
 import math
 import reprlib
 from itertools import groupby
+from pathlib import Path
 
 import click
 
@@ -47,6 +48,20 @@ class FiniteFloatRange(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{reprlib.repr(value)} is not a finite number.", param, ctx)
         return super().convert(number, param, ctx)
+
+
+class FolderPath(click.Path):
+    """click's ``Path`` for a folder ftmaster writes into, without the empty value: ``Path("")``
+    is the working directory, where an unset variable (``--run-dir "$RUN"``) put a run's
+    files unasked."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            self.fail("needs a folder, got an empty value", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class InputError(click.ClickException):

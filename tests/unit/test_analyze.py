@@ -238,6 +238,16 @@ def test_an_out_folder_that_cannot_be_made_is_one_line(generated, tmp_path):
         f"Error: cannot create --out {blocker / 'o'}: Not a directory"]
 
 
+def test_an_empty_out_is_refused_not_the_working_directory(generated, tmp_path, monkeypatch):
+    """An unset variable (--out "$OUT") wrote the ten files into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["analyze", str(generated), "--out", ""])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "Error: Invalid value for '--out': needs a folder, got an empty value"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("target", [".", "gpu_metrics.csv"])
 def test_a_run_directory_is_no_out_folder(run_copy, target):
     """There ftmaster report writes its incident page, report.html: one overwrote the other."""

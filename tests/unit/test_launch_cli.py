@@ -56,6 +56,10 @@ def launch(run_dir, *args, env=None):
     # one entry per GPU: a traceback (10^20), or seconds and gigabytes before anything else
     (["--nproc-per-node", "99999999999999999999", "--monitor-backend", "sim", "--", PRETRAIN,
       *MODEL], "'--nproc-per-node': 99999999999999999999 is not in the range 1<=x<=1024"),
+    # an unset variable: the run's files went into the working directory (here the layout
+    # that does not fit stops it before any is written)
+    (["--run-dir", "", "--nproc-per-node", "6", "--monitor-backend", "sim", "--", PRETRAIN,
+      *MODEL], "'--run-dir': needs a folder, got an empty value"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],

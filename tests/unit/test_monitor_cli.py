@@ -109,6 +109,13 @@ def test_more_sim_gpus_than_a_node_holds_are_refused(count, tmp_path):
                    f"'--num-gpus': {count} is not in the range 1<=x<=1024")
 
 
+def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(invoke("--backend", "sim", "--run-dir", "", "--duration", "0"),
+                   "'--run-dir': needs a folder, got an empty value")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_replay_file(tmp_path):
     one_line_error(invoke("--backend", f"replay:{tmp_path}/nope.csv", "--run-dir", str(tmp_path / "r")),
                    "cannot read")

@@ -55,7 +55,7 @@ import pandas as pd  # noqa: E402
 from ftmaster import runfiles  # noqa: E402
 from ftmaster.monitor.alerts import AlertConfig  # noqa: E402
 from ftmaster.monitor.schema import CSV_COLUMNS, RISK_COLUMN  # noqa: E402
-from ftmaster.recovery.cli import FiniteFloatRange  # noqa: E402
+from ftmaster.recovery.cli import FiniteFloatRange, FolderPath  # noqa: E402
 from ftmaster.report import is_int, node_folders, run_path_problem, write_for_people  # noqa: E402
 
 REQUIRED = ("timestamp", "gpu_id")
@@ -474,7 +474,7 @@ def analyze(trace: Trace, out: Path, threshold: float) -> dict[str, Path]:
 @click.command("analyze")
 @click.argument("target", metavar="CSV_OR_RUN_DIR",
                 type=click.Path(exists=True, path_type=Path))
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--out", required=True, type=FolderPath(),
               help="Folder for summary.csv/.md, the PNGs and report.html.")
 @click.option("--risk-threshold", type=FiniteFloatRange(0, 1), default=AlertConfig().threshold,
               show_default=True, help="Risk line on the plot; alerts counted without events.")

@@ -43,8 +43,8 @@ from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
-from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, InputError, SeparatedCommand,
-                                   script_command)
+from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, InputError,
+                                   SeparatedCommand, script_command)
 from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
                               with_memory_dir)
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
@@ -417,7 +417,7 @@ def _console_logging() -> None:
               help="Ranks (GPUs) of the first attempt. Default: the visible GPU count.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
               help="GPUs per node for the planner (TP stays in a node). Default: one node.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--run-dir", type=FolderPath(), default=None,
               help="Run directory (flags, events, metrics, logs). Default: runs/ftmaster-<UTC time>.")
 @click.option("--monitor-backend", default="nvml", show_default=True, metavar="|".join(BACKEND_NAMES),
               help="GPU telemetry; sim simulates one GPU per rank (CPU rehearsals).")
