@@ -128,6 +128,15 @@ def test_an_etcd_server_at_an_ipv6_address_is_refused_up_front(endpoint):
     RendezvousConfig("etcd.example:2379", "job", 1, 2, 0, backend="etcd-v2")
 
 
+@pytest.mark.parametrize("key, unit", [("keep_alive_interval", "seconds"),
+                                       ("keep_alive_max_attempt", "attempts")])
+def test_a_keep_alive_of_zero_is_refused(key, unit):
+    """torch takes it, and its keep-alive window, interval x attempts, is then 0: every node
+    counts as dead at once, and the round never formed ("too few nodes joined")."""
+    with pytest.raises(ValueError, match=f"--rdzv-conf {key}='0': expected whole {unit} from 1"):
+        RendezvousConfig("h:1", "job", 1, 2, 0, conf={key: "0"})
+
+
 def test_a_try_at_a_round_may_take_the_join_and_the_wait_for_every_record():
     config = RendezvousConfig("h:1", "job", 1, 2, 0, conf={"join_timeout": "30",
                                                             "read_timeout": "5"})
@@ -180,7 +189,7 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
     # torch's timedelta overflowed: a traceback from the first round
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
       "--rdzv-conf", "join_timeout=99999999999999999999"],
-     "--rdzv-conf join_timeout='99999999999999999999': expected whole seconds up to 1000000000"),
+     "--rdzv-conf join_timeout='99999999999999999999': expected whole seconds from 1 to 1000000000"),
     # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
       "127.0.0.1:29400", "--local-addr", "192.0.2.1"],

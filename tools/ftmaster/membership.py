@@ -83,7 +83,9 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return min_nodes, max_nodes
 
 
-# --rdzv-conf keys torch reads with get_as_int (dynamic_rendezvous.py, c10d_rendezvous_backend.py)
+# --rdzv-conf keys torch reads with get_as_int (dynamic_rendezvous.py, c10d_rendezvous_backend.py).
+# None may be 0: torch refuses a zero timeout, and takes a zero keep-alive, whose window
+# (interval x attempts) then counts every node as dead, so that no round ever forms.
 WHOLE_SECONDS_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                       "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
 MAX_CONF_SECONDS = 10**9
@@ -165,8 +167,9 @@ class RendezvousConfig:
             number = int(str(value))
         except ValueError:
             number = -1
-        if not 0 <= number <= MAX_CONF_SECONDS:
-            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole seconds up to "
+        if not 1 <= number <= MAX_CONF_SECONDS:
+            unit = "attempts" if key == "keep_alive_max_attempt" else "seconds"
+            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole {unit} from 1 to "
                              f"{MAX_CONF_SECONDS} (torch reads an integer)")
         return number
 
