@@ -5,10 +5,12 @@ import json
 import re
 from dataclasses import asdict, replace
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from ftmaster.cli import main
+from ftmaster.launch import rendezvous_config
 from ftmaster.membership import (RECORD_TIMEOUT_S, JoinTimedOut, NodeMembership, NodeRecord,
                                  RendezvousConfig, Round, check_same_arguments, order_records,
                                  parse_conf, parse_nnodes, parse_record, unread_conf_keys)
@@ -201,6 +203,31 @@ def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
                                        *options, "--", PRETRAIN, *MODEL])
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def rendezvous_options(tmp_path, **given):
+    options = dict(nnodes="1:2", node_rank=0, run_dir=tmp_path, rdzv_id=None,
+                   rdzv_backend="c10d", local_addr=None, rdzv_conf=None, metrics_port=None)
+    return {**options, **given}
+
+
+@pytest.mark.parametrize("endpoint", ["n1:29400", "n1", "[fd00::1]:29400"])
+def test_metrics_on_the_store_port_are_refused(tmp_path, endpoint):
+    """On the node at the endpoint the metrics took the port first, torch's store client
+    connected to them, and both waited for the other for good, deaf to SIGTERM."""
+    options = rendezvous_options(tmp_path, rdzv_endpoint=endpoint, metrics_port=29400)
+    with pytest.raises(click.ClickException, match=(
+            f"--metrics-port 29400 is the rendezvous store's port \\(--rdzv-endpoint "
+            f"{re.escape(endpoint)}\\): give another")):
+        rendezvous_config(options)
+
+
+@pytest.mark.parametrize("endpoint, backend, port", [
+    ("n1:29400", "c10d", 9100), ("n1:29400", "c10d", 0), ("n1:2379", "etcd-v2", 2379)])
+def test_metrics_on_another_port_or_beside_etcd_are_taken(tmp_path, endpoint, backend, port):
+    options = rendezvous_options(tmp_path, rdzv_endpoint=endpoint, rdzv_backend=backend,
+                                 metrics_port=port)
+    assert rendezvous_config(options).endpoint == endpoint
 
 
 @pytest.mark.parametrize("local_addr, endpoint, conf, is_host", [

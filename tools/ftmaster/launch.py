@@ -601,13 +601,20 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
                 raise ValueError(f"--nnodes {options['nnodes']} needs --{name.replace('_', '-')}"
                                  + (" (a folder every node can write, shared)" if name == "run_dir"
                                     else ""))
-        return RendezvousConfig(
+        config = RendezvousConfig(
             endpoint=options["rdzv_endpoint"], run_id=options["rdzv_id"] or options["run_dir"].name,
             min_nodes=min_nodes, max_nodes=max_nodes, node_rank=options["node_rank"],
             backend=options["rdzv_backend"], local_addr=options["local_addr"],
             conf=parse_conf(options["rdzv_conf"]))
     except ValueError as error:
         raise InputError(str(error)) from None
+    # With c10d the node at the endpoint serves the store there: metrics bound first took the
+    # port, and torch's store client, connected to them, waited for an answer for good.
+    port = options["metrics_port"]
+    if port and config.backend == "c10d" and port == config.store_port:
+        raise InputError(f"--metrics-port {port} is the rendezvous store's port "
+                         f"(--rdzv-endpoint {config.endpoint}): give another")
+    return config
 
 
 def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousConfig | None,
