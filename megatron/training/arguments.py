@@ -35,6 +35,8 @@ from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+MAX_DISTRIBUTED_TIMEOUT_MINUTES = 10**7
+"""19 years, below where torch's timeout in nanoseconds overflows (int64: 1.5e8 minutes)."""
 
 
 class ArgumentError(ValueError):
@@ -322,9 +324,12 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_positive(args)
     _validate_model_numbers(args)
     _validate_adam(args)
-    # gloo refused a negative one, timedelta a nan or infinite one: tracebacks at the launch
-    _require_number(args, "distributed_timeout_minutes", lambda minutes: 0 <= minutes < math.inf,
-                    "a finite number of minutes >= 0")
+    # gloo refused a negative one, timedelta a nan, infinite or too large one, and torch's
+    # nanoseconds overflowed past 1.5e8 minutes (its store "timed out after -8e15 ms"):
+    # tracebacks at the launch
+    _require_number(args, "distributed_timeout_minutes",
+                    lambda minutes: 0 <= minutes <= MAX_DISTRIBUTED_TIMEOUT_MINUTES,
+                    "a number of minutes from 0 to 10^7")
     _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)
