@@ -24,6 +24,11 @@ from ftmaster.cli import main
      "Invalid value for '--interval': 'nan' is not a finite number."),
     (["launch", "--replication-rate", "nan", "--", "x"],
      "Invalid value for '--replication-rate': 'nan' is not a finite number."),
+    # a paced chunk outlasted a peer's timeout, so no copy ever completed (and below 1e-288
+    # the pace's sleep overflowed, a traceback per copy)
+    (["launch", "--replication-rate", "0.001", "--", "x"],
+     "Invalid value for '--replication-rate': 0.001 is not in the range "
+     "0.01<=x<=1000000000.0."),
     (["launch", "--hang-timeout", "inf", "--", "x"],
      "Invalid value for '--hang-timeout': 'inf' is not a finite number."),
     (["plan", "--measured-step-s", "NaN", "--", "x"],

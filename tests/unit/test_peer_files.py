@@ -399,7 +399,9 @@ def test_the_peer_list_is_written_afresh_for_the_user_alone(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"secret": "short"}, "at least 32"),
-    ({"rate_bytes_s": 0}, "rate must be positive"),
+    ({"rate_bytes_s": 0}, "rate must send a 64 KiB chunk within the 30 s timeout"),
+    ({"rate_bytes_s": 2000}, "at least 2185 bytes/s, got 2000"),
+    ({"rate_bytes_s": 10_000, "timeout_s": 2}, "within the 2 s timeout"),
     ({"timeout_s": -1}, "timeout must be positive")])
 def test_the_serving_config_refuses_bad_values(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):

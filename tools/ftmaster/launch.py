@@ -57,7 +57,7 @@ from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan
 from ftmaster.recovery.training_values import check_script_values
 from ftmaster.states import POLICIES
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
-from ftmaster.replication import Replication, ReplicationConfig
+from ftmaster.replication import MIN_RATE_MB_S, Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
 SAVE_REQUEST_DIR_FLAG = "--emergency-save-flag-dir"
@@ -505,7 +505,7 @@ def _console_logging() -> None:
               help="Across nodes with the memory tier in ftmaster's node-local folders: how "
                    "many peers' shards each node holds a copy of (the next nodes by node rank).")
 @click.option("--replication-rate", default=1000.0, show_default=True,
-              type=FiniteFloatRange(min=0, min_open=True), metavar="MB/S",
+              type=FiniteFloatRange(min=MIN_RATE_MB_S), metavar="MB/S",
               help="The most each node sends to its peers' copies, in MB per second, so that "
                    "copies never take the network from training.")
 @click.option("--scale-up", default="at-save", show_default=True,

@@ -33,6 +33,7 @@ import http.server
 import io
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -85,10 +86,15 @@ class PeerServeConfig:
     def __post_init__(self) -> None:
         if self.secret is not None and len(self.secret) < 32:
             raise ValueError("the job's secret must have at least 32 characters")
-        if self.rate_bytes_s is not None and self.rate_bytes_s <= 0:
-            raise ValueError(f"the replication rate must be positive, got {self.rate_bytes_s}")
         if self.timeout_s <= 0:
             raise ValueError(f"the timeout must be positive, got {self.timeout_s}")
+        # Slower, every paced read timed out at its first chunk, and the pace's sleep
+        # overflowed (a traceback per request) below 1e-288 bytes/s
+        if self.rate_bytes_s is not None and not self.rate_bytes_s * self.timeout_s >= _PACED_CHUNK:
+            raise ValueError(f"the replication rate must send a {_PACED_CHUNK >> 10} KiB chunk "
+                             f"within the {self.timeout_s:g} s timeout: at least "
+                             f"{math.ceil(_PACED_CHUNK / self.timeout_s)} bytes/s, got "
+                             f"{self.rate_bytes_s:g}")
 
 
 class RateLimit:

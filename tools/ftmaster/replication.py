@@ -57,6 +57,9 @@ AUTHORIZE_WAIT_S = 10.0
 HOLDINGS_KEPT = 3  # as many checkpoints as a node's tier keeps (persist.MEMORY_COPIES)
 AGREE_TIMEOUT_S = 30.0  # how long a new round's nodes wait for each other's holdings
 AGREEMENT_POLL_S = 2.0  # how often a node reads the holdings while training
+MIN_RATE_MB_S = 0.01
+"""The slowest ``--replication-rate``: a paced 64 KiB chunk per 6.6 s, within a peer's 30 s
+timeout (a pace slower than a chunk per timeout completes no copy: :class:`PeerServeConfig`)."""
 
 
 def writer_rank(name: str) -> int | None:
