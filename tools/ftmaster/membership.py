@@ -182,15 +182,10 @@ class RendezvousConfig:
         return self.local_addr or socket.getfqdn()
 
     @property
-    def store_port(self) -> int | None:
-        """The endpoint's port as torch reads it (``parse_rendezvous_endpoint``: the text after
-        the last colon, unless the whole endpoint is a bracketed IPv6 address); None for a port
-        torch will refuse."""
-        endpoint = self.endpoint.strip()
-        if ":" not in endpoint or (endpoint.startswith("[") and endpoint.endswith("]")):
-            return DEFAULT_PORT
-        port = endpoint.rpartition(":")[2]
-        return int(port) if port.isascii() and port.isdigit() and len(port) <= 5 else None
+    def store_port(self) -> int:
+        """The endpoint's port as torch reads it (:func:`split_host_port`), or its default."""
+        port = split_host_port(self.endpoint)[1]
+        return DEFAULT_PORT if port is None else port
 
     @property
     def store_timeout_s(self) -> float:
