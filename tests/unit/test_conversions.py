@@ -10,17 +10,16 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 
 from megatron.training import conversions
 from megatron.training.checkpointing import _TimedParallelSave
+from helpers.process_group import process_group_of_one
 
 LAYERS_KEY = "decoder.layers.mlp.weight"
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    conversions.install()
-    yield torch.distributed.group.WORLD
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")) as world:
+        conversions.install()
+        yield world
 
 
 def stacked(data: torch.Tensor) -> ShardedTensor:

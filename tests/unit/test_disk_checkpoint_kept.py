@@ -13,14 +13,13 @@ import torch.distributed.checkpoint as dcp
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
 from ftmaster.recovery.manifest import digest_file, digest_problem, read_manifest, write_manifest
 from megatron.training import checkpointing
+from helpers.process_group import process_group_of_one
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield torch.distributed.group.WORLD
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")) as world:
+        yield world
 
 
 def complete_checkpoint(save_dir, iteration, kind="periodic"):

@@ -3,17 +3,15 @@
 import math
 
 import pytest
-import torch
 
 from megatron.training.nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
+from helpers.process_group import process_group_of_one
 
 
 @pytest.fixture(scope="module")
 def guard(tmp_path_factory):
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield NonFiniteGuard(torch.distributed.group.WORLD, enabled=True)
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")) as world:
+        yield NonFiniteGuard(world, enabled=True)
 
 
 class Optimizer:

@@ -4,18 +4,16 @@ import os
 import signal
 
 import pytest
-import torch
 
 from ftmaster.runfiles import write_flag
 from megatron.training.save_requests import Decision, SaveRequests, minimum_gap
+from helpers.process_group import process_group_of_one
 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group(tmp_path_factory):
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")):
+        yield
 
 
 @pytest.fixture

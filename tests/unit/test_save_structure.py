@@ -5,6 +5,7 @@ tests/integration/test_save_structure_ranks.py)."""
 import pytest
 import torch
 
+from helpers.process_group import process_group_of_one
 from helpers.structure import sharded_state
 from megatron.training.save_structure import (
     STATELESS_OPTIMIZER_WARNING,
@@ -27,10 +28,8 @@ def test_the_fingerprint_ignores_the_values():
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield torch.distributed.group.WORLD
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")) as world:
+        yield world
 
 
 def test_a_strategy_is_kept_while_the_structure_is(group):

@@ -18,6 +18,7 @@ from ftmaster.recovery.manifest import (Manifest, digest_bytes, digest_file, dig
                                         write_manifest)
 from megatron.training.checksums import ChecksumMismatch, VerifyingReader, reads_for_load
 from megatron.training.checkpointing import describe_error
+from helpers.process_group import process_group_of_one
 
 STATE = {"weight": torch.arange(4096, dtype=torch.float32), "bias": torch.ones(300)}
 
@@ -81,10 +82,8 @@ def test_an_item_the_manifest_does_not_know_is_refused(saved):
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
     """megatron-core's load strategy asks for the rank: a gloo group of one."""
-    store = torch.distributed.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
+    with process_group_of_one(tmp_path_factory.mktemp("pg")):
+        yield
 
 
 def metadata_unpickles(monkeypatch) -> list[Metadata]:
