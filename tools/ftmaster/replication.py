@@ -308,6 +308,12 @@ class Replication:
         live = dict(peers.others)
         try:
             manifest = self._agreed_manifest(agreed, folder, live, peers)
+            # No tracker_lock around the check and the rename: no other writer can act on
+            # the tier now. Every way into a round kills this node's attempt and waits for
+            # its ranks (their session's forked writers SIGKILLed too); the peers only read
+            # the folder; this node's copies wait on _folder_lock; the replica merge ended
+            # before the round was planned. A persist copy may still run, but it only reads:
+            # it checks each file's digest, and its manifest before it lands.
             if known_manifest(folder) not in (None, manifest):
                 folder.rename(folder.with_name(f"{folder.name}.discarded-{time.time_ns()}"))
             whole_files = not json.loads(manifest).get("items")  # loads check files whole
