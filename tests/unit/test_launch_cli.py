@@ -37,6 +37,11 @@ def launch(run_dir, *args, env=None):
      "invalid layout: the training arguments need --num-attention-heads N"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL[:-1], "3"],
      "invalid layout: TP 2 x PP 3 with micro-batch 2 and global batch 12 does not fit 4 GPUs"),
+    # the node runs all 4 ranks: TP 4 fits it, not the nodes of 2 the planner was told of
+    (["--nproc-per-node", "4", "--gpus-per-node", "2", "--monitor-backend", "sim", "--", PRETRAIN,
+      *MODEL[:-4], "--tensor-model-parallel-size", "4"],
+     "--gpus-per-node 2 splits this node's 4 GPUs (--nproc-per-node 4) into nodes of 2, where "
+     "TP 4 x PP 1 does not fit"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--gpu-memory-gb", "0.001", "--",
       PRETRAIN, *MODEL], "invalid layout: no layout fits 4 GPUs in 0.001 GiB per GPU"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "explode:gpu=1,at=iter:3",

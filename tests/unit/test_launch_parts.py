@@ -1351,3 +1351,26 @@ def test_a_launch_takes_over_a_stopped_runs_memory_tier_and_picks_dev_shm_once_i
     assert (flag_value(taken.first_plan.command, "--non-persistent-global-ckpt-dir")
             == str(shm)) is picked
     assert (shm / ".ftmaster_owner.json").exists() is picked
+
+
+@pytest.mark.parametrize("gpus_per_node, layout", [
+    # TP 4 fits the 4 GPUs of the node, not the nodes of 2 the planner was told of
+    (2, ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1"]),
+    # nodes of 3 and 1 GPUs: the second cannot host a TP group of 2
+    (3, []),
+])
+def test_check_layout_names_gpus_per_node_when_it_alone_makes_the_layout_unfit(gpus_per_node,
+                                                                              layout):
+    """One node runs every rank: the layout fit it, and the error blamed the layout and
+    offered another instead of naming --gpus-per-node."""
+    with pytest.raises(click.ClickException) as refused:
+        check_layout(MODEL + layout, 4, gpus_per_node, None)
+    assert refused.value.message.startswith(
+        f"--gpus-per-node {gpus_per_node} splits this node's 4 GPUs (--nproc-per-node 4) into "
+        f"nodes of {gpus_per_node}")
+    assert "\n" not in refused.value.message
+
+
+def test_check_layout_keeps_a_gpus_per_node_the_layout_fits():
+    plan = check_layout(MODEL, 4, 2, None)
+    assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size) == (2, 2)

@@ -51,7 +51,7 @@ from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
-from ftmaster.recovery.megatron_args import read_script_args
+from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout)
 from ftmaster.recovery.training_values import check_script_values
@@ -83,28 +83,47 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
 
     Mode ``closest`` picks the script's own layout whenever it is valid on ``gpus``.
     """
+    plan, facts = _first_plan(command, gpus, gpus_per_node, gpu_memory_gb)
+    if _is_own_layout(plan, command):
+        return plan
+    original = facts.original
+    if (gpus_per_node is not None and gpus_per_node < gpus
+            and _is_own_layout(_first_plan(command, gpus, None, gpu_memory_gb)[0], command)):
+        raise InputError(
+            f"--gpus-per-node {gpus_per_node} splits this node's {gpus} GPUs (--nproc-per-node "
+            f"{gpus}) into nodes of {gpus_per_node}, where TP "
+            f"{original.tensor_model_parallel_size} x PP {original.pipeline_model_parallel_size} "
+            f"does not fit: each node runs whole TP groups; give --gpus-per-node {gpus} (or "
+            f"none), or a --tensor-model-parallel-size that fits its nodes")
+    raise InputError(
+        f"invalid layout: TP {original.tensor_model_parallel_size} x PP "
+        f"{original.pipeline_model_parallel_size}"
+        f"{_extra_degrees(original.context_parallel_size, original.expert_model_parallel_size)}"
+        f"{_pipeline_and_eval(command)} with micro-batch {original.micro_batch_size} and "
+        f"global batch {original.global_batch_size} does not fit {gpus} GPUs; the planner "
+        f"suggests TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
+        f"{_extra_degrees(plan.context_parallel_size, 1)} x DP {plan.data_parallel_size}"
+        f"{_extra_degrees(1, plan.expert_model_parallel_size)}{_pipeline_and_eval(plan.command)}"
+        f" with micro-batch {plan.micro_batch_size}")
+
+
+def _first_plan(command: Sequence[str], gpus: int, gpus_per_node: int | None,
+                gpu_memory_gb: float | None) -> tuple[Plan, ScriptFacts]:
+    """The planner's first plan and the script's facts; one line when either is refused."""
     try:
         plan = plan_layout(command, gpus, gpus_per_node, mode="closest", gpu_memory_gb=gpu_memory_gb,
                            original_world_size=gpus)
-        facts = read_script_args(command[1:], original_world_size=gpus)
+        return plan, read_script_args(command[1:], original_world_size=gpus)
     except (PlanError, ValueError) as error:
         raise InputError(f"invalid layout: {error}") from None
-    # Anything but the script's own layout, unchanged, means Megatron would refuse it here
-    # (its context, expert or virtual pipeline size included, not only TP, PP and the batch;
-    # the planner takes the largest VPP that divides a stage where the command's does not).
-    if plan.reason != HOT_SPARE or _virtual_flags(plan.command) != _virtual_flags(command):
-        original = facts.original
-        raise InputError(
-            f"invalid layout: TP {original.tensor_model_parallel_size} x PP "
-            f"{original.pipeline_model_parallel_size}"
-            f"{_extra_degrees(original.context_parallel_size, original.expert_model_parallel_size)}"
-            f"{_pipeline_and_eval(command)} with micro-batch {original.micro_batch_size} and "
-            f"global batch {original.global_batch_size} does not fit {gpus} GPUs; the planner "
-            f"suggests TP {plan.tensor_model_parallel_size} x PP {plan.pipeline_model_parallel_size}"
-            f"{_extra_degrees(plan.context_parallel_size, 1)} x DP {plan.data_parallel_size}"
-            f"{_extra_degrees(1, plan.expert_model_parallel_size)}{_pipeline_and_eval(plan.command)}"
-            f" with micro-batch {plan.micro_batch_size}")
-    return plan
+
+
+def _is_own_layout(plan: Plan, command: Sequence[str]) -> bool:
+    """Whether ``plan`` is the command's own layout, unchanged. Anything else means Megatron
+    would refuse the command there (its context, expert or virtual pipeline size included,
+    not only TP, PP and the batch; the planner takes the largest VPP that divides a stage
+    where the command's does not)."""
+    return plan.reason == HOT_SPARE and _virtual_flags(plan.command) == _virtual_flags(command)
 
 
 def _pipeline_and_eval(argv: Sequence[str]) -> str:
