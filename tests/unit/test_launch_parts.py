@@ -1374,3 +1374,44 @@ def test_check_layout_names_gpus_per_node_when_it_alone_makes_the_layout_unfit(g
 def test_check_layout_keeps_a_gpus_per_node_the_layout_fits():
     plan = check_layout(MODEL, 4, 2, None)
     assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size) == (2, 2)
+
+
+def launch_options(*args):
+    """``ftmaster launch``'s options as the command passes them, for ``args``."""
+    from ftmaster.launch import launch_command
+
+    return launch_command.make_context("launch", [*args, "--", "t.py"]).params
+
+
+@pytest.mark.parametrize("nproc, tp", [
+    (2, 4),  # no node can host a TP group: the first round trained TP 1 x DP 4 instead
+    (6, 4),  # a node runs whole TP groups: TP 4 x DP 3 on 12 GPUs could never be placed
+])
+def test_across_nodes_nproc_per_node_not_a_multiple_of_tp_is_refused_before_the_rendezvous(
+        tmp_path, nproc, tp):
+    from ftmaster.gpus import JobGpus
+    from ftmaster.launch import supervisor_config
+    from ftmaster.membership import RendezvousConfig
+    from ftmaster.recovery.cli import InputError
+
+    argv = MODEL[:-4] + ["--tensor-model-parallel-size", str(tp)]
+    rendezvous = RendezvousConfig("127.0.0.1:29400", "job", 2, 2, 0)
+    options = launch_options("--nproc-per-node", str(nproc), "--run-dir", str(tmp_path / "run"))
+    with pytest.raises(InputError) as refused:
+        supervisor_config(argv, JobGpus(tuple(range(nproc))), rendezvous, options)
+    assert refused.value.message == (
+        f"--nproc-per-node {nproc} is not a multiple of --tensor-model-parallel-size {tp}: "
+        "across nodes each node runs whole TP groups (Megatron-LM keeps TP within a node), so "
+        f"the first round would train another layout; give a TP that divides {nproc}")
+
+
+def test_across_nodes_nproc_per_node_a_multiple_of_tp_is_taken(tmp_path):
+    from ftmaster.gpus import JobGpus
+    from ftmaster.launch import supervisor_config
+    from ftmaster.membership import RendezvousConfig
+
+    rendezvous = RendezvousConfig("127.0.0.1:29400", "job", 2, 2, 0)
+    config = supervisor_config(list(MODEL), JobGpus((0, 1, 2, 3)), rendezvous,
+                               launch_options("--nproc-per-node", "4", "--run-dir",
+                                              str(tmp_path / "run")))
+    assert config.first_plan is None and config.gpus == (0, 1, 2, 3)

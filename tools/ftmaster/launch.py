@@ -656,6 +656,8 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     else:
         run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
+    if rendezvous is not None and options["nproc_per_node"] is not None:
+        _check_whole_tensor_groups(argv, options["nproc_per_node"])
     _check_save_requests_reach_training(argv, run_dir)
     _check_injections_fire(injections, argv, options["cold_restart"])
     return SupervisorConfig(
@@ -672,6 +674,21 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
                                    iterations=options["straggler_iterations"]),
         drain_stragglers=options["drain_stragglers"],
         straggler_drain_window_s=options["straggler_drain_window"])
+
+
+def _check_whole_tensor_groups(argv: list[str], nproc: int) -> None:
+    """Across nodes no launch check plans the first layout (the first round does, on every
+    node's GPUs), and the planner keeps TP groups within nodes: with ranks per node that no
+    whole number of TP groups fills, the first round silently trained another layout."""
+    try:
+        tensor = int_flag(argv[1:], "--tensor-model-parallel-size", 1)
+    except ValueError as error:  # a script with its own parser: not checked before
+        raise InputError(f"training arguments: {error}") from None
+    if nproc % tensor:
+        raise InputError(f"--nproc-per-node {nproc} is not a multiple of "
+                         f"--tensor-model-parallel-size {tensor}: across nodes each node runs "
+                         "whole TP groups (Megatron-LM keeps TP within a node), so the first "
+                         f"round would train another layout; give a TP that divides {nproc}")
 
 
 def _check_save_requests_reach_training(argv: list[str], run_dir: Path) -> None:
