@@ -1415,3 +1415,24 @@ def test_across_nodes_nproc_per_node_a_multiple_of_tp_is_taken(tmp_path):
                                launch_options("--nproc-per-node", "4", "--run-dir",
                                               str(tmp_path / "run")))
     assert config.first_plan is None and config.gpus == (0, 1, 2, 3)
+
+
+def test_across_nodes_gpus_per_node_below_the_nodes_gpus_is_refused_not_ignored(tmp_path):
+    """The rounds plan on each node's GPUs as one node: nodes of 2 were never applied, and TP
+    4 ran across what the user had said were two nodes."""
+    from ftmaster.gpus import JobGpus
+    from ftmaster.launch import supervisor_config
+    from ftmaster.membership import RendezvousConfig
+    from ftmaster.recovery.cli import InputError
+
+    rendezvous = RendezvousConfig("127.0.0.1:29400", "job", 2, 2, 0)
+    options = launch_options("--nproc-per-node", "4", "--gpus-per-node", "2", "--run-dir",
+                             str(tmp_path / "run"))
+    with pytest.raises(InputError) as refused:
+        supervisor_config(list(MODEL), JobGpus((0, 1, 2, 3)), rendezvous, options)
+    assert refused.value.message == (
+        "--gpus-per-node 2 is below this node's 4 GPUs (--nproc-per-node): across nodes the "
+        "planner takes each node's GPUs as one node and would not apply it; give no "
+        "--gpus-per-node")
+    options["gpus_per_node"] = 4  # the node's own size says nothing new: taken
+    assert supervisor_config(list(MODEL), JobGpus((0, 1, 2, 3)), rendezvous, options).gpus_per_node == 4

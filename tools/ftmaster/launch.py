@@ -435,7 +435,8 @@ def _console_logging() -> None:
 @click.option("--nproc-per-node", type=click.IntRange(min=1, max=MAX_NODE_GPUS), default=None,
               help="Ranks (GPUs) of the first attempt. Default: the visible GPU count.")
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
-              help="GPUs per node for the planner (TP stays in a node). Default: one node.")
+              help="GPUs per node for the planner (TP stays in a node). Default: one node. "
+                   "Across nodes each node's GPUs are one node.")
 @click.option("--run-dir", type=FolderPath(), default=None,
               help="Run directory (flags, events, metrics, logs). Default: runs/ftmaster-<UTC time>.")
 @click.option("--monitor-backend", default="nvml", show_default=True, metavar="|".join(BACKEND_NAMES),
@@ -656,8 +657,8 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     else:
         run_dir = runfiles.node_dir(run_dir, rendezvous.node_rank)
     check_trainer_arguments(argv, world)
-    if rendezvous is not None and options["nproc_per_node"] is not None:
-        _check_whole_tensor_groups(argv, options["nproc_per_node"])
+    if rendezvous is not None:
+        _check_node_options(argv, len(gpus), options)
     _check_save_requests_reach_training(argv, run_dir)
     _check_injections_fire(injections, argv, options["cold_restart"])
     return SupervisorConfig(
@@ -676,10 +677,21 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
         straggler_drain_window_s=options["straggler_drain_window"])
 
 
+def _check_node_options(argv: list[str], node_gpus: int, options: dict) -> None:
+    """Across nodes no launch check plans the first layout: the first round does, taking
+    each node's GPUs as one node. Options that contradict that were silently not applied."""
+    per_node = options["gpus_per_node"]
+    if per_node is not None and per_node < node_gpus:
+        raise InputError(f"--gpus-per-node {per_node} is below this node's {node_gpus} GPUs "
+                         "(--nproc-per-node): across nodes the planner takes each node's GPUs "
+                         "as one node and would not apply it; give no --gpus-per-node")
+    if options["nproc_per_node"] is not None:
+        _check_whole_tensor_groups(argv, options["nproc_per_node"])
+
+
 def _check_whole_tensor_groups(argv: list[str], nproc: int) -> None:
-    """Across nodes no launch check plans the first layout (the first round does, on every
-    node's GPUs), and the planner keeps TP groups within nodes: with ranks per node that no
-    whole number of TP groups fills, the first round silently trained another layout."""
+    """The planner keeps TP groups within nodes: with ranks per node that no whole number of
+    TP groups fills, the first round silently trained another layout."""
     try:
         tensor = int_flag(argv[1:], "--tensor-model-parallel-size", 1)
     except ValueError as error:  # a script with its own parser: not checked before
