@@ -1353,18 +1353,27 @@ def test_a_launch_takes_over_a_stopped_runs_memory_tier_and_picks_dev_shm_once_i
     assert (shm / ".ftmaster_owner.json").exists() is picked
 
 
-@pytest.mark.parametrize("gpus_per_node, layout", [
+WIDE = ["t.py", "--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+        "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1"]
+
+
+@pytest.mark.parametrize("command, gpus_per_node, memory_gb", [
     # TP 4 fits the 4 GPUs of the node, not the nodes of 2 the planner was told of
-    (2, ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1"]),
+    (MODEL + ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1"], 2,
+     None),
     # nodes of 3 and 1 GPUs: the second cannot host a TP group of 2
-    (3, []),
+    (MODEL, 3, None),
+    # TP 1, all that nodes of 1 allow, fits no memory of 3.7 GiB: the error blamed the memory
+    (WIDE, 1, 3.7),
 ])
-def test_check_layout_names_gpus_per_node_when_it_alone_makes_the_layout_unfit(gpus_per_node,
-                                                                              layout):
+def test_check_layout_names_gpus_per_node_when_it_alone_makes_the_layout_unfit(
+        command, gpus_per_node, memory_gb):
     """One node runs every rank: the layout fit it, and the error blamed the layout and
-    offered another instead of naming --gpus-per-node."""
+    offered another (or blamed the memory) instead of naming --gpus-per-node."""
+    check_layout(command, 4, None, memory_gb)
     with pytest.raises(click.ClickException) as refused:
-        check_layout(MODEL + layout, 4, gpus_per_node, None)
+        check_layout(command, 4, gpus_per_node, memory_gb)
     assert refused.value.message.startswith(
         f"--gpus-per-node {gpus_per_node} splits this node's 4 GPUs (--nproc-per-node 4) into "
         f"nodes of {gpus_per_node}")

@@ -83,18 +83,15 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
 
     Mode ``closest`` picks the script's own layout whenever it is valid on ``gpus``.
     """
-    plan, facts = _first_plan(command, gpus, gpus_per_node, gpu_memory_gb)
+    try:
+        plan, facts = _first_plan(command, gpus, gpus_per_node, gpu_memory_gb)
+    except InputError:
+        _blame_gpus_per_node(command, gpus, gpus_per_node, gpu_memory_gb)
+        raise
     if _is_own_layout(plan, command):
         return plan
+    _blame_gpus_per_node(command, gpus, gpus_per_node, gpu_memory_gb)
     original = facts.original
-    if (gpus_per_node is not None and gpus_per_node < gpus
-            and _is_own_layout(_first_plan(command, gpus, None, gpu_memory_gb)[0], command)):
-        raise InputError(
-            f"--gpus-per-node {gpus_per_node} splits this node's {gpus} GPUs (--nproc-per-node "
-            f"{gpus}) into nodes of {gpus_per_node}, where TP "
-            f"{original.tensor_model_parallel_size} x PP {original.pipeline_model_parallel_size} "
-            f"does not fit: each node runs whole TP groups; give --gpus-per-node {gpus} (or "
-            f"none), or a --tensor-model-parallel-size that fits its nodes")
     raise InputError(
         f"invalid layout: TP {original.tensor_model_parallel_size} x PP "
         f"{original.pipeline_model_parallel_size}"
@@ -105,6 +102,22 @@ def check_layout(command: Sequence[str], gpus: int, gpus_per_node: int | None,
         f"{_extra_degrees(plan.context_parallel_size, 1)} x DP {plan.data_parallel_size}"
         f"{_extra_degrees(1, plan.expert_model_parallel_size)}{_pipeline_and_eval(plan.command)}"
         f" with micro-batch {plan.micro_batch_size}")
+
+
+def _blame_gpus_per_node(command: Sequence[str], gpus: int, gpus_per_node: int | None,
+                         gpu_memory_gb: float | None) -> None:
+    """Refuse naming ``--gpus-per-node`` when the layout its nodes refused (or no layout at
+    all) is the script's own on this one node, which runs every rank."""
+    if gpus_per_node is None or gpus_per_node >= gpus:
+        return
+    whole, _ = _first_plan(command, gpus, None, gpu_memory_gb)
+    if _is_own_layout(whole, command):
+        raise InputError(
+            f"--gpus-per-node {gpus_per_node} splits this node's {gpus} GPUs (--nproc-per-node "
+            f"{gpus}) into nodes of {gpus_per_node}, where TP {whole.tensor_model_parallel_size}"
+            f" x PP {whole.pipeline_model_parallel_size} does not fit: each node runs whole TP "
+            f"groups; give --gpus-per-node {gpus} (or none), or a --tensor-model-parallel-size "
+            "that fits its nodes")
 
 
 def _first_plan(command: Sequence[str], gpus: int, gpus_per_node: int | None,
