@@ -157,6 +157,27 @@ def call_once_bounded(name: str, timeout_s: float, fn: Callable[..., Any], *args
         worker.stop()
 
 
+class Abandoned(Exception):
+    """The caller stopped waiting for a call that still runs (left to its daemon thread)."""
+
+
+def call_while(name: str, wanted: Callable[[], bool], poll_s: float, fn: Callable[..., Any],
+               *args: Any) -> Any:
+    """``fn(*args)`` on a fresh daemon thread, asking ``wanted()`` every ``poll_s`` while it
+    runs; Abandoned once that says no (``wanted`` may raise too). For calls that block in C++,
+    such as torch's store, where a signal's Python handler runs only once they return."""
+    worker = Worker(name)
+    try:
+        job = worker.submit(fn, *args)
+        while not job.done.wait(poll_s):
+            if not wanted():
+                raise Abandoned(f"{job.name} abandoned after "
+                                f"{time.monotonic() - job.started:.1f} s")
+        return job.result()
+    finally:
+        worker.stop()
+
+
 @dataclass
 class Reading:
     """One GPU's read in progress: the sample it fills and the driver conditions it met

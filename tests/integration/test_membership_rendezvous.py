@@ -1,5 +1,6 @@
 """Two NodeMembership seats on torch elastic's real c10d rendezvous (loopback, one process)."""
 
+import os
 import threading
 
 from ftmaster.membership import JobEnded, NodeMembership, RendezvousConfig
@@ -112,24 +113,68 @@ def test_the_store_host_that_learns_of_the_end_stays_until_every_node_has_read_i
             node.stop_keep_alive()
 
 
+def node_1_without_a_store(port: int, read_timeout: int, run_dir) -> list[str]:
+    """``ftmaster launch`` of node 1 of 2, whose store (node 0's) nobody serves."""
+    import sys
+
+    from helpers.trainer import PRETRAIN, SMALL_GPT
+
+    return [sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", "2", "--node-rank", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-conf", f"read_timeout={read_timeout},join_timeout=60,is_host=0",
+            "--run-dir", str(run_dir), "--nproc-per-node", "1", "--monitor-backend", "sim",
+            "--", PRETRAIN, *SMALL_GPT, "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "5", "--lr", "1e-3"]
+
+
 def test_a_store_nobody_serves_is_one_line_and_a_requeue(tmp_path):
     """torch logged each try at the store with 40 lines of C++ stack on ftmaster's stderr."""
     import subprocess
-    import sys
 
     from ftmaster import exit_codes
-    from helpers.trainer import PRETRAIN, SMALL_GPT
 
     port = free_port()
-    result = subprocess.run(
-        [sys.executable, "-m", "ftmaster.cli", "launch", "--nnodes", "2", "--node-rank", "1",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "read_timeout=2,is_host=0",
-         "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "1", "--monitor-backend", "sim",
-         "--", PRETRAIN, *SMALL_GPT, "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--train-iters", "5", "--lr", "1e-3"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(node_1_without_a_store(port, 2, tmp_path / "run"),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == exit_codes.REQUEUE
     assert result.stderr.count("\n") == 1, result.stderr
     assert f"cannot reach the rendezvous store at 127.0.0.1:{port}" in result.stderr
+
+
+def test_sigterm_while_connecting_to_the_store_stops_at_once(tmp_path):
+    """scancel while node 1 waited for a store nobody serves: the signal waited for torch's
+    connect (read_timeout, here 60 s, plus its retries), then ftmaster said "requeue the job"
+    and exited 75, or was SIGKILLed at the end of the grace period with nothing recorded."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    from ftmaster.lock import RunDirLock
+    from helpers.trainer import wait_until
+
+    node_dir = tmp_path / "run" / "node_1"
+    node = subprocess.Popen(node_1_without_a_store(free_port(), 60, tmp_path / "run"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_until(lambda: (node_dir / "gpu_metrics.csv").exists(), timeout=60, interval=0.1,
+                   what="node 1 at its store")
+        time.sleep(1)
+        node.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = node.communicate(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert node.returncode == 128 + signal.SIGTERM, stderr
+    assert took < 5 and "Traceback" not in stderr, stderr
+    events = [json.loads(line) for line in (node_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["signal"], e["state"]) for e in events if e["event"] == "stopped"] == \
+        [(signal.SIGTERM, "planning")]
+    with RunDirLock(node_dir):  # released
+        pass
 
 
 def test_a_join_tried_again_after_a_node_died_mid_round_is_not_a_lost_store(tmp_path,

@@ -41,6 +41,7 @@ from ftmaster.board import RunBoard
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
+from ftmaster.monitor.backends.bounded import Abandoned, call_while
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, InputError,
@@ -61,6 +62,8 @@ from ftmaster.replication import MIN_RATE_MB_S, Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
 SAVE_REQUEST_DIR_FLAG = "--emergency-save-flag-dir"
+STOP_POLL_S = 0.1
+"""How often a wait before the supervisor exists looks for a stop signal."""
 
 
 def job_gpus(nproc: int | None, backend: str) -> JobGpus:
@@ -373,7 +376,8 @@ def stop_signals() -> list[int]:
 class StopSignals:
     """ftmaster's handlers of the stop signals from the start of a launch to its end, the
     caller's back after it. Each signal asks the supervisor to stop. One that comes before
-    the supervisor exists waits for it, which records the stop and launches nothing (a
+    the supervisor exists (cutting short the wait for a rendezvous store, :func:`_membership`)
+    waits for it, which records the stop and launches nothing (a
     Ctrl-C there was click's "Aborted!" and exit 1, or an abort inside torch's import); one
     after the outcome is final changes nothing (with the defaults back there, a SIGTERM
     made a completed run's exit status 143)."""
@@ -388,6 +392,10 @@ class StopSignals:
             self._early = self._early or signum  # the first, as request_stop keeps it
         else:
             self._supervisor.request_stop(signum)
+
+    def came_early(self) -> bool:
+        """Whether a signal came before the supervisor exists, to stop what it waits for."""
+        return self._early is not None
 
     def hand_to(self, supervisor: Supervisor) -> None:
         self._supervisor = supervisor
@@ -585,7 +593,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         observers = _observers(options, rendezvous, monitor, config)
-        membership = _membership(rendezvous, len(devices.ids), argv[1:])
+        membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
         replication = _replication(config, rendezvous, options)
         run_files = run_files_outage()
         starter = None if options["cold_restart"] else WarmStarter(
@@ -796,16 +804,24 @@ def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,
         options["memory_replicas"], options["replication_rate"] * 1e6, rendezvous.address))
 
 
-def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int,
-                args: Sequence[str]) -> NodeMembership | None:
+def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Sequence[str],
+                stops: StopSignals) -> NodeMembership | None:
     """This node's seat; ``args`` are the training arguments as given, before ftmaster set
-    this node's own (its memory folder), which every node's must match."""
+    this node's own (its memory folder), which every node's must match. A stop signal ends
+    the wait for the store at once (torch's connect blocks in C++ for ``read_timeout`` and
+    more, so scancel's SIGKILL came first, with nothing recorded): the seat is left
+    unconnected, and the supervisor, handed the stop, records it and never joins."""
     if rendezvous is None:
         return None
     try:
-        return NodeMembership(rendezvous, launch_gpus=launch_gpus, args=args)
+        seat = NodeMembership(rendezvous, launch_gpus=launch_gpus, args=args, connect=False)
+        call_while("ftmaster-rendezvous-store", lambda: not stops.came_early(), STOP_POLL_S,
+                   seat.connect)
+    except Abandoned:
+        pass
     except StoreLost as lost:
         logging.getLogger("ftmaster").error("%s; requeue the job (exit status 75)", lost)
         sys.exit(exit_codes.REQUEUE)
     except ValueError as error:
         raise InputError(str(error)) from None
+    return seat

@@ -378,7 +378,7 @@ class NodeMembership:
     """This node's seat in the job's rendezvous."""
 
     def __init__(self, config: RendezvousConfig, poll_s: float = 1.0, launch_gpus: int = 0,
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), connect: bool = True) -> None:
         self.config = config
         self.poll_s = poll_s
         self.launch_gpus, self.args = launch_gpus, tuple(args)
@@ -392,6 +392,14 @@ class NodeMembership:
         said what it holds is tried again, with torch's whole join_timeout."""
         check_address(config)
         os.environ[SHARE_STORE_ENV] = "1"
+        self.handler = None
+        """torch's rendezvous handler, once :meth:`connect` reached the store."""
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Reach the rendezvous store (or serve it), which may wait up to ``read_timeout``
+        and more inside torch; StoreLost when it cannot."""
         self.handler = self._create_handler()
 
     def _create_handler(self):
@@ -540,6 +548,8 @@ class NodeMembership:
         exception", SIGABRT) after the job ended well. torch elastic's own ``shutdown`` stops
         it the same way, but also closes the rendezvous, which only the end of the job may.
         Bounded: a keep-alive blocked on a store no packet reaches is left to it."""
+        if self.handler is None:  # never connected: no keep-alive either
+            return
         try:
             call_once_bounded("rendezvous-keep-alive-stop", KEEP_ALIVE_STOP_TIMEOUT_S,
                               self.handler._stop_heartbeats)

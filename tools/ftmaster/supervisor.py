@@ -84,7 +84,7 @@ from ftmaster.gpus import JobGpus
 from ftmaster.membership import (JobEnded, JoinTimedOut, NodeMembership, NodeRecord, Round,
                                  StoreLost)
 from ftmaster.metrics import Observer
-from ftmaster.monitor.backends.bounded import CallTimeout, Worker
+from ftmaster.monitor.backends.bounded import Abandoned, CallTimeout, Worker, call_while
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
@@ -1496,32 +1496,26 @@ class Supervisor:
     def _join(self, available: list[int]) -> Round | None:
         """Join the next round on a thread (it blocks until the round completes), so that a
         signal still ends the run at once; None when one did."""
-        outcome: list = []
-
-        def join() -> None:
-            try:
-                outcome.append(self.membership.join(
-                    available, self._can_start_warm(),
-                    None if self.replication is None else self.replication.url))
-            except BaseException as error:  # handed to the supervisor's thread
-                outcome.append(error)
-
-        log.info("joining a rendezvous round with %s", gpus_text(available))
-        thread = threading.Thread(target=join, name="ftmaster-rendezvous", daemon=True)
         started = time.monotonic()
-        thread.start()
-        while thread.is_alive():
-            if self._stop_requested.wait(self.config.poll_interval_s):
-                return None
+
+        def wanted() -> bool:
+            if self._stop_requested.is_set():
+                return False
             # Each try at a round has its deadline (the earlier join's try is no start for this one)
             try_started = max(started, self.membership.try_started_at)
             if time.monotonic() > try_started + self.membership.config.join_timeout_s:
                 # stuck on a store no packet reaches
                 raise StoreLost(f"joining the rendezvous at {self.membership.config.endpoint} "
                                 f"did not end within {self.membership.config.join_timeout_s:g} s")
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+            return True
+
+        log.info("joining a rendezvous round with %s", gpus_text(available))
+        try:
+            return call_while("ftmaster-rendezvous", wanted, self.config.poll_interval_s,
+                              self.membership.join, available, self._can_start_warm(),
+                              None if self.replication is None else self.replication.url)
+        except Abandoned:
+            return None
 
     def _job_ended(self, outcome: str) -> Trigger:
         """The job ended on other nodes while this one waited."""
