@@ -517,7 +517,7 @@ class AnnouncingMembership:
     def announce(self, name, value):
         self.said[name] = value
 
-    def announcement(self, name, timeout_s):
+    def announcement(self, name, timeout_s, stop=None):
         self.waited_for.append(name)
         return self.said.get(name)
 
@@ -611,6 +611,58 @@ def test_arguments_the_planner_refuses_across_nodes_end_the_job_in_one_line(tmp_
     assert gave_up["event"] == "gave_up" and "not a multiple of TP x PP = 4" in gave_up["reason"]
     assert len(membership.ended) == 1  # the other nodes end alike
     assert exit_status(State.GAVE_UP, None, supervisor._requeue_helps) == exit_codes.DO_NOT_REQUEUE
+
+
+def seat_in_a_silent_round(node_gpus, me):
+    """Node ``me`` of a second round with peer copies (nodes of ``node_gpus`` GPUs), whose
+    rendezvous store holds no other node's word and never will: every wait for one polls."""
+    import torch.distributed as dist
+
+    from ftmaster.membership import NodeMembership, NodeRecord, RendezvousConfig, Round
+
+    nodes = tuple(NodeRecord(rank, f"node{rank}", tuple(range(gpus)), 1000 + rank,
+                             peer_url=f"http://node{rank}:1", launch_gpus=gpus)
+                  for rank, gpus in enumerate(node_gpus))
+    joined = Round(2, nodes, me, secret="secret")
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, len(nodes), me,
+                                                 local_addr="127.0.0.1"), connect=False)
+    membership._round_store = types.SimpleNamespace(underlying_store=dist.HashStore())
+    membership.join = lambda gpus, warm, peer_url: joined
+    return membership, joined
+
+
+def stopped_while_planning(supervisor, after_s):
+    """``supervisor._plan()`` with a SIGTERM ``after_s`` into it: its trigger and seconds."""
+    stopping = threading.Timer(after_s, supervisor.request_stop, (signal.SIGTERM,))
+    stopping.start()
+    started = time.monotonic()
+    try:
+        return supervisor._plan(), time.monotonic() - started
+    finally:
+        stopping.cancel()
+
+
+def test_a_stop_while_a_node_waits_for_the_replica_merge_stops_it_at_once(tmp_path, monkeypatch):
+    """Node 1 dumped its ranks' state in a failed round and, in the next, waited for the
+    merge on rank 0's node for up to 320 s; a SIGTERM (scancel, a time limit) changed nothing
+    until then, past SLURM's grace period: SIGKILLed with no 'stopped' event."""
+    from ftmaster.states import advance, exit_status
+
+    monkeypatch.setattr("ftmaster.supervisor.MERGE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr("ftmaster.supervisor.DUMP_TIMEOUT_S", 0.0)
+    membership, joined = seat_in_a_silent_round((2, 2), me=1)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    replication = types.SimpleNamespace(url="http://node1:1", new_round=lambda *args: None)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    (tmp_path / "dumps").mkdir()
+    supervisor._dumped = (1, tmp_path / "dumps", joined.nodes, (2, 2))
+    trigger, seconds = stopped_while_planning(supervisor, after_s=0.3)
+    assert trigger is Trigger.SIGNALLED and seconds < 2.0
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert (stopped["event"], stopped["state"]) == ("stopped", "planning")
+    assert exit_status(advance(State.PLANNING, trigger), supervisor.signum) == 143
+    assert not (tmp_path / "dumps").exists()  # dropped as after the wait
 
 
 def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_round(tmp_path):

@@ -35,13 +35,14 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
 from ftmaster.addresses import bind_address, is_ipv6, split_host_port
-from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
+from ftmaster.monitor.backends.bounded import Abandoned, CallTimeout, call_once_bounded
 from ftmaster.peer_files import new_secret
 
 log = logging.getLogger("ftmaster")
@@ -53,6 +54,7 @@ DEFAULT_PORT = 29400
 RECORD_TIMEOUT_S = 60.0
 ACK_TIMEOUT_S = 30.0
 KEEP_ALIVE_STOP_TIMEOUT_S = 10.0
+ANNOUNCEMENT_POLL_S = 0.1
 
 
 class StoreLost(Exception):
@@ -474,15 +476,19 @@ class NodeMembership:
         """Tell every node of the job ``value`` under ``name``."""
         self._bounded(self._round_store.underlying_store.set, self._job_key(name), value)
 
-    def announcement(self, name: str, timeout_s: float) -> str | None:
+    def announcement(self, name: str, timeout_s: float,
+                     stop: threading.Event | None = None) -> str | None:
         """What a node announced under ``name``, waiting up to ``timeout_s``; None if nothing
-        came."""
+        came. Abandoned once ``stop`` is set (a signal to ftmaster): SLURM SIGKILLs ftmaster
+        a grace period after its SIGTERM, sooner than some waits for a peer's word end."""
         base, key = self._round_store.underlying_store, self._job_key(name)
         deadline = time.monotonic() + timeout_s
+        stop = stop or threading.Event()  # none: only the timeout ends the wait
         while not self._bounded(base.check, [key]):
             if time.monotonic() > deadline:
                 return None
-            time.sleep(0.1)
+            if stop.wait(ANNOUNCEMENT_POLL_S):
+                raise Abandoned(f"stopped waiting for the word {name!r}")
         return self._bounded(base.get, key).decode()
 
     def _bounded(self, fn, *args):

@@ -1423,9 +1423,12 @@ class Supervisor:
         if self.replication is not None and joined.secret is not None:
             rank0_here = bool(active) and active[0] == joined.me
             self.replication.new_round(joined.secret, joined.nodes, joined.me, plan.ranks_per_node)
-            self._merge_dumps_across_nodes(joined.nodes[active[0]] if active else None,
-                                           rank0_here, previous)
-            self._catch_up_on_agreed_memory(joined, rank0_here)
+            try:
+                self._merge_dumps_across_nodes(joined.nodes[active[0]] if active else None,
+                                               rank0_here, previous)
+                self._catch_up_on_agreed_memory(joined, rank0_here)
+            except Abandoned:  # a signal while it waited for another node's word
+                return self._stopped_idle(State.PLANNING)
             self._persists_here = rank0_here
         if self.replicas is not None and mine:
             self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
@@ -1470,14 +1473,10 @@ class Supervisor:
         self._dumped = None
         word = f"replica_merge/{number}"
         if not rank0_here:
-            if merger is not None and merger.node_rank in {node.node_rank for node in nodes}:
-                said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S)
-                log.info("replica recovery: the merge on rank 0's node %s", "said " + said
-                         if said is not None else "said nothing in time")
-            else:
-                log.info("replica recovery: rank 0's node was not in round %d, whose dumps "
-                         "are dropped", number)
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                self._wait_for_the_merge(word, merger, nodes, number)
+            finally:  # a stop too: the dumps are of use to the merger alone
+                shutil.rmtree(folder, ignore_errors=True)
             return
         for result in self.replication.gather_dumps(folder, nodes, ranks_per_node):
             if isinstance(result, ReplicationFailed):
@@ -1487,6 +1486,19 @@ class Supervisor:
                             seconds=round(result.seconds, 4))
         merged = self.replicas.finish_merge(self.replicas.start_merge(folder))
         self.membership.announce(word, "none" if merged is None else f"iteration {merged}")
+
+    def _wait_for_the_merge(self, word: str, merger: NodeRecord | None, nodes: Sequence,
+                            number: int) -> None:
+        """A node that dumped but merges nothing: the merger's word, if it was in the failed
+        round ``number`` of ``nodes``; Abandoned on a stop."""
+        if merger is not None and merger.node_rank in {node.node_rank for node in nodes}:
+            said = self.membership.announcement(word, MERGE_TIMEOUT_S + DUMP_TIMEOUT_S,
+                                                self._stop_requested)
+            log.info("replica recovery: the merge on rank 0's node %s", "said " + said
+                     if said is not None else "said nothing in time")
+        else:
+            log.info("replica recovery: rank 0's node was not in round %d, whose dumps "
+                     "are dropped", number)
 
     def _can_start_warm(self) -> bool:
         """Whether this node's next launch could be warm: not its first (DESIGN)."""
