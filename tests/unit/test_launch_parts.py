@@ -665,6 +665,26 @@ def test_a_stop_while_a_node_waits_for_the_replica_merge_stops_it_at_once(tmp_pa
     assert not (tmp_path / "dumps").exists()  # dropped as after the wait
 
 
+@pytest.mark.parametrize("me", [0, 1], ids=["deciding", "told"])
+def test_a_stop_while_the_nodes_agree_on_their_memory_checkpoint_stops_at_once(tmp_path,
+                                                                              monkeypatch, me):
+    """Once a round formed, the node of rank 0 waited up to 30 s for every node's holdings
+    and the others up to 60 s for its decision; a SIGTERM changed nothing until then."""
+    from ftmaster.replication import ReplicationConfig
+
+    monkeypatch.setattr("ftmaster.replication.AGREE_TIMEOUT_S", 3.0)
+    membership, joined = seat_in_a_silent_round((2, 2), me)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    replication = types.SimpleNamespace(url=f"http://node{me}:1", new_round=lambda *args: None,
+                                        config=ReplicationConfig(tmp_path / "memory",
+                                                                 tmp_path / "run", me))
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    trigger, seconds = stopped_while_planning(supervisor, after_s=0.3)
+    assert trigger is Trigger.SIGNALLED and seconds < 2.0
+    assert [e["event"] for e in runfiles.read_events(tmp_path)] == ["round", "stopped"]
+
+
 def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_round(tmp_path):
     """Two nodes of 4 GPUs at TP 4 x PP 2 without --global-batch-size: the check planned this
     node's GPUs alone as the job (4 GPUs, no multiple of 8), and the planner's ValueError

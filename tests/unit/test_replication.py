@@ -370,7 +370,7 @@ def test_the_holdings_read_while_training_are_read_again_once_outdated():
     published = {"memory/1/0": json.dumps({"4": held(["a", "b", "c"])})}
 
     class Store:
-        def announcement(self, key, timeout_s):
+        def announcement(self, key, timeout_s, stop=None):
             return published.get(key)
 
     agreement = MemoryAgreement(Store(), replication=None)
@@ -547,7 +547,7 @@ class AnnouncingStore:
     def announce(self, name, value):
         self.said[name] = value
 
-    def announcement(self, name, timeout_s):
+    def announcement(self, name, timeout_s, stop=None):
         return self.said.get(name)
 
 

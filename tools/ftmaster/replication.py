@@ -564,13 +564,15 @@ class MemoryAgreement:
         self.membership.announce(f"memory/{round_number}/{self.replication.config.node_rank}",
                                  json.dumps(held))
 
-    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> Agreed | None:
+    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool,
+               stop: threading.Event | None = None) -> Agreed | None:
         """At the start of a round, after :meth:`publish`: the agreed checkpoint, or None (no
-        memory checkpoint is complete: the relaunch loads from disk)."""
+        memory checkpoint is complete: the relaunch loads from disk). Abandoned once ``stop``
+        is set while it waits for the other nodes."""
         word = f"memory_agreed/{round_number}"
         if not decides:
-            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S))
-        agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S))
+            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S, stop))
+        agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S, stop))
         self.membership.announce(word, agreed.to_json() if agreed is not None else "none")
         return agreed
 
@@ -658,9 +660,10 @@ class MemoryAgreement:
         :meth:`current` reads them again."""
         self._read_at = (None, float("-inf"))
 
-    def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float
-                 ) -> dict[int, str | None]:
+    def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float,
+                 stop: threading.Event | None = None) -> dict[int, str | None]:
         deadline = time.monotonic() + timeout_s
         return {node_rank: self.membership.announcement(
-                    f"memory/{round_number}/{node_rank}", max(0.0, deadline - time.monotonic()))
+                    f"memory/{round_number}/{node_rank}", max(0.0, deadline - time.monotonic()),
+                    stop)
                 for node_rank in node_ranks}

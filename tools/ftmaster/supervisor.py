@@ -1452,7 +1452,7 @@ class Supervisor:
         checkpoint complete on the round's nodes, and each node makes it loadable here."""
         self.agreement.publish(joined.number)
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
-                                       rank0_here)
+                                       rank0_here, self._stop_requested)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
         self._report_replicated(self.replication.catch_up(agreed, chooses=rank0_here))
