@@ -320,6 +320,53 @@ def test_a_node_that_died_before_its_record_is_left_to_the_next_round(monkeypatc
         membership._call(membership_module.records_in_time, Gone(), ["ftmaster/node/0"])
 
 
+def cut_off_seat(cut):
+    """Node 1, whose every store read hangs until ``cut`` is set (read_timeout 1 s)."""
+    from types import SimpleNamespace
+
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1,
+                                                 local_addr="127.0.0.1",
+                                                 conf={"read_timeout": "1"}), connect=False)
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        check=lambda keys: cut.wait()))
+    return membership
+
+
+def test_a_stop_while_a_store_call_hangs_ends_the_wait_for_a_word_at_once():
+    """A store no packet reaches (its node's link cut) answers no poll: each read hung up to
+    read_timeout + 5 s (65 s by default) before the stop was looked at, and then counted as
+    a lost store (exit 75), past SLURM's grace period after a scancel."""
+    import threading
+    import time
+
+    from ftmaster.monitor.backends.bounded import Abandoned
+
+    cut = threading.Event()  # never set: the reply that never comes
+    membership = cut_off_seat(cut)
+    stop, stopped_at = threading.Event(), []
+    threading.Timer(0.3, lambda: (stopped_at.append(time.monotonic()), stop.set())).start()
+    try:
+        with pytest.raises(Abandoned):
+            membership.announcement("memory_agreed/2", 30.0, stop)
+        assert time.monotonic() - stopped_at[0] < 1.0
+    finally:
+        cut.set()  # lets the abandoned call's thread end
+
+
+def test_without_a_stop_a_store_call_that_hangs_is_a_lost_store(monkeypatch):
+    import threading
+
+    from ftmaster.membership import StoreLost
+
+    monkeypatch.setattr(RendezvousConfig, "store_timeout_s", property(lambda config: 0.3))
+    cut = threading.Event()
+    try:
+        with pytest.raises(StoreLost, match="unreachable .*did not return within 0.3 s"):
+            cut_off_seat(cut).announcement("memory_agreed/2", 30.0)
+    finally:
+        cut.set()
+
+
 def test_an_etcd_store_that_cannot_be_reached_is_lost_not_a_traceback():
     """torch's EtcdStore lets python-etcd's own errors through (torch's etcd backend wraps
     them for the handler, not for the store): a standby node reading the job's outcome from

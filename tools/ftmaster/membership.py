@@ -42,7 +42,8 @@ from datetime import timedelta
 from typing import Mapping, Sequence
 
 from ftmaster.addresses import bind_address, is_ipv6, split_host_port
-from ftmaster.monitor.backends.bounded import Abandoned, CallTimeout, call_once_bounded
+from ftmaster.monitor.backends.bounded import (Abandoned, CallTimeout, call_once_bounded,
+                                               call_while)
 from ftmaster.peer_files import new_secret
 
 log = logging.getLogger("ftmaster")
@@ -54,7 +55,7 @@ DEFAULT_PORT = 29400
 RECORD_TIMEOUT_S = 60.0
 ACK_TIMEOUT_S = 30.0
 KEEP_ALIVE_STOP_TIMEOUT_S = 10.0
-ANNOUNCEMENT_POLL_S = 0.1
+STORE_POLL_S = 0.1  # how often a wait on the store looks for a stop
 
 
 class StoreLost(Exception):
@@ -484,17 +485,25 @@ class NodeMembership:
         base, key = self._round_store.underlying_store, self._job_key(name)
         deadline = time.monotonic() + timeout_s
         stop = stop or threading.Event()  # none: only the timeout ends the wait
-        while not self._bounded(base.check, [key]):
+        while not self._bounded(base.check, [key], stop=stop):
             if time.monotonic() > deadline:
                 return None
-            if stop.wait(ANNOUNCEMENT_POLL_S):
+            if stop.wait(STORE_POLL_S):
                 raise Abandoned(f"stopped waiting for the word {name!r}")
-        return self._bounded(base.get, key).decode()
+        return self._bounded(base.get, key, stop=stop).decode()
 
-    def _bounded(self, fn, *args):
-        """A store call from the training loop, bounded as :meth:`peers_waiting` explains."""
-        return self._call(call_once_bounded, "rendezvous-store", self.config.store_timeout_s,
-                          fn, *args)
+    def _bounded(self, fn, *args, stop: threading.Event | None = None):
+        """A store call from the training loop, bounded as :meth:`peers_waiting` explains;
+        Abandoned once ``stop`` is set: a store no packet reaches holds the call that long."""
+        deadline = time.monotonic() + self.config.store_timeout_s
+
+        def wanted() -> bool:
+            if time.monotonic() > deadline:
+                raise CallTimeout(f"{getattr(fn, '__name__', 'a store call')} did not return "
+                                  f"within {self.config.store_timeout_s:g} s")
+            return stop is None or not stop.is_set()
+
+        return self._call(call_while, "rendezvous-store", wanted, STORE_POLL_S, fn, *args)
 
     def peers_waiting(self) -> bool:
         """Whether a node waits to form a new round (a peer failed, or one joined); polled at
