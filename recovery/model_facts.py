@@ -137,6 +137,14 @@ class OriginalLayout:
         return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
                 * self.context_parallel_size)
 
+    def describe(self) -> str:
+        """The layout and batch, as a message names them."""
+        cp, ep = self.context_parallel_size, self.expert_model_parallel_size
+        return (f"TP {self.tensor_model_parallel_size} x PP {self.pipeline_model_parallel_size}"
+                + (f" x CP {cp}" if cp > 1 else "") + (f", EP {ep}" if ep > 1 else "")
+                + f" with micro-batch {self.micro_batch_size} and global batch "
+                  f"{self.global_batch_size}")
+
 
 def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
     """megatron/training/arguments.py validate_args: ``int((4 * h * 2 / 3) / 64) * 64`` with
@@ -228,9 +236,9 @@ def _derived_global_batch(micro_batch: int, model_parallel_label: str,
                           original_world_size: int | None, model_parallel: int) -> int:
     """Megatron's default global batch: micro-batch x DP of the original launch."""
     if original_world_size is None:
-        raise ValueError(f"{GLOBAL_BATCH_FLAG} is absent, so it is micro-batch x data-parallel "
-                         "size of the original launch: give the original GPU count or add "
-                         f"{GLOBAL_BATCH_FLAG}")
+        raise ValueError(f"{GLOBAL_BATCH_FLAG} is absent, so it is {MICRO_BATCH_FLAG} "
+                         f"{micro_batch} x the data-parallel size of the original launch: give "
+                         f"--original-gpus N or add {GLOBAL_BATCH_FLAG}")
     if original_world_size % model_parallel:
         raise ValueError(f"the original {original_world_size} GPUs are not a multiple of "
                          f"{model_parallel_label} = {model_parallel}")

@@ -197,7 +197,8 @@ class PlanRequest:
         if self.consumed_samples is not None and self.consumed_samples < 0:
             raise ValueError(f"consumed samples cannot be negative, got {self.consumed_samples}")
         if self.measured_step_s is not None and self.original_world_size is None:
-            raise ValueError("a measured step time needs the original GPU count")
+            raise ValueError(f"--measured-step-s {self.measured_step_s:g} needs --original-gpus N, "
+                             "the GPU count that step was measured on")
 
 
 @dataclass(frozen=True)
@@ -628,8 +629,10 @@ def _calibrate(problem: _Problem, batches: _Batches) -> _Problem:
         return problem
     original = _original_candidate(replace(problem, memory_limit=None), batches)
     if original is None:
-        raise ValueError("the measured step time is for the original layout, which Megatron "
-                         "would not run at the original GPU count")
+        raise ValueError(f"--measured-step-s {measured:g} is a step of the command's "
+                         f"{problem.facts.original.describe()}, which Megatron would not run on "
+                         f"--original-gpus {problem.request.original_world_size}: give the GPU "
+                         "count that step was measured on")
     return replace(problem, hardware=calibrated(problem.hardware, original.step, measured))
 
 

@@ -136,7 +136,15 @@ def test_the_issues_llama3_70b_exact_rule_warns_in_one_line():
     (["--gpus", "3", "--global-batch-tolerance", "51", "--", *SCRIPT_ARGS], 2,
      "Invalid value for '--global-batch-tolerance'"),
     (["--gpus", "3", "--measured-step-s", "1", "--", *SCRIPT_ARGS], 2,
-     "a measured step time needs the original GPU count"),
+     "--measured-step-s 1 needs --original-gpus N, the GPU count that step was measured on"),
+    # TP 2 x PP 2 does not divide 6 GPUs: the message names the layout and both flags
+    (["--gpus", "6", "--original-gpus", "6", "--measured-step-s", "1", "--", *SCRIPT_ARGS], 2,
+     "--measured-step-s 1 is a step of the command's TP 2 x PP 2 with micro-batch 2 and global "
+     "batch 8, which Megatron would not run on --original-gpus 6: give the GPU count that step "
+     "was measured on"),
+    (["--gpus", "3", "--", *[arg for arg in SCRIPT_ARGS if arg not in ("--global-batch-size", "8")]],
+     2, "--global-batch-size is absent, so it is --micro-batch-size 2 x the data-parallel size "
+        "of the original launch: give --original-gpus N or add --global-batch-size"),
     (["--gpus", "3", "--", *SCRIPT_ARGS, "--num-layers=x"], 2,
      "--num-layers must be an integer, got 'x'"),
     # a value quoted whole made a 400-character line

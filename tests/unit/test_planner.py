@@ -127,7 +127,8 @@ def test_nothing_fits_because_of_a_rule_names_the_model_and_the_nodes():
     ({"global_batch_tolerance_pct": 60}, "the global batch tolerance must be within 0 and 50 "
                                          "percent, got 60"),
     ({"consumed_samples": -1}, "consumed samples cannot be negative, got -1"),
-    ({"measured_step_s": 1.0}, "a measured step time needs the original GPU count"),
+    ({"measured_step_s": 1.0}, "--measured-step-s 1 needs --original-gpus N, the GPU count that "
+                               "step was measured on"),
 ])
 def test_bad_planner_options(options, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
@@ -266,8 +267,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
     (BASE + ["--group-query-attention"], "--group-query-attention needs --num-query-groups N"),
     (BASE + ["--group-query-attention", "--num-query-groups", "3"],
      "8 attention heads are not divisible by 3 query groups"),
-    (BASE[:-2], "--global-batch-size is absent, so it is micro-batch x data-parallel size of "
-                "the original launch: give the original GPU count or add --global-batch-size"),
+    (BASE[:-2], "--global-batch-size is absent, so it is --micro-batch-size 2 x the "
+                "data-parallel size of the original launch: give --original-gpus N or add "
+                "--global-batch-size"),
     (BASE + ["--step-batch-size-schedule", "0:8"],
      "cannot use both --step-batch-size-schedule and --global-batch-size (Megatron-LM refuses it)"),
     (BASE + ["--tensor-parallel-num-weight-shards", "2"],

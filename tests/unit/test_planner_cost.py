@@ -102,7 +102,9 @@ def test_a_measured_step_time_calibrates_the_plan():
 
 
 def test_a_measured_step_time_needs_a_layout_megatron_would_run():
-    with pytest.raises(ValueError, match="the measured step time is for the original layout"):
+    with pytest.raises(ValueError, match=r"^--measured-step-s 1 is a step of the command's "
+                                         r"TP 1 x PP 5 with micro-batch 1 and global batch 16, "
+                                         r"which Megatron would not run on --original-gpus 30: "):
         plan_layout(layout(pp=5), 32, 8, original_world_size=30, measured_step_s=1.0)
 
 
