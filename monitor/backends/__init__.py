@@ -60,8 +60,8 @@ def make_backend(spec: str, *, num_gpus: int = 8, seed: int = 0,
                  gpu_ids: Sequence[int] | None = None, bounds: ReadBounds | None = None) -> Backend:
     """Build a backend from ``nvml``, ``smi``, ``sim`` or ``replay:PATH``; ValueError if unknown.
 
-    ``num_gpus`` and ``seed`` are for ``sim``; ``gpu_ids`` restricts ``nvml``/``smi``/``sim``
-    to those ids; ``bounds`` sets the read and set-up deadlines of ``nvml`` and ``sim``.
+    ``num_gpus`` and ``seed`` are for ``sim``; ``gpu_ids`` restricts every backend to those
+    ids; ``bounds`` sets the read and set-up deadlines of ``nvml`` and ``sim``.
     """
     if spec == "nvml":
         from ftmaster.monitor.backends.nvml import NvmlBackend
@@ -77,5 +77,5 @@ def make_backend(spec: str, *, num_gpus: int = 8, seed: int = 0,
         path = spec[len("replay:"):]
         if not path:
             raise ValueError("replay: needs a path, e.g. replay:runs/x/gpu_metrics.csv")
-        return ReplayBackend(Path(path))
+        return ReplayBackend(Path(path), gpu_ids)
     raise ValueError(f"unknown backend {spec!r}; choose one of {', '.join(BACKEND_NAMES)}")

@@ -17,6 +17,10 @@
 - ``reported_fields`` names the sample fields the file has columns for, so the monitor can
   say which signals it cannot see.
 - The file is read as UTF-8; a leading byte-order mark is dropped.
+- Given a job's ``gpu_ids``, only their rows play, as the other backends read only the job's
+  GPUs: another GPU's alert would ask the job for a save, before the supervisor says which
+  GPUs to watch. A trace with none of them is an error; ``recorded_gpus`` names every GPU
+  the file has rows for, so the caller can say which of the job's it lacks.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import csv
 import statistics
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from ftmaster import runfiles
+from ftmaster.console import gpus_text
 from ftmaster.monitor.backends import TraceEnded
 from ftmaster.monitor.sample import FIELD_NAMES, GpuSample, RowError, from_row
 
@@ -40,8 +46,10 @@ class ReplayError(ValueError):
 class ReplayBackend:
     name = "replay"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, gpu_ids: Iterable[int] | None = None) -> None:
         self.path = Path(path)
+        self._job_gpus = None if gpu_ids is None else frozenset(gpu_ids)
+        self.recorded_gpus: set[int] = set()
         self.skipped = 0
         self.problems: list[str] = []
         self.reported_fields: frozenset[str] = frozenset()
@@ -76,11 +84,23 @@ class ReplayBackend:
         except OSError as exc:
             raise ReplayError(f"cannot read {self.path}: {exc.strerror or exc}") from None
         with handle:
-            samples = sorted(self._rows(handle, torn), key=lambda s: s.timestamp)
+            samples = sorted(self._job_rows(self._rows(handle, torn)), key=lambda s: s.timestamp)
+        if not samples and self.recorded_gpus:
+            recorded = sorted(self.recorded_gpus)
+            raise ReplayError(f"{self.path} records {gpus_text(recorded)}, none of the job's "
+                              f"{gpus_text(sorted(self._job_gpus))}: replay a trace of the "
+                              "job's GPUs, or run the job on the trace's with "
+                              f"CUDA_VISIBLE_DEVICES={','.join(map(str, recorded))}")
         if not samples:
             raise ReplayError(f"{self.path} has no usable rows"
                               + (f" ({self.problems[0]})" if self.problems else ""))
         return _fill_gaps(_group(samples), last_is_complete=not self._ends_in_skipped_rows)
+
+    def _job_rows(self, samples: Iterable[GpuSample]) -> Iterator[GpuSample]:
+        for sample in samples:
+            self.recorded_gpus.add(sample.gpu_id)
+            if self._job_gpus is None or sample.gpu_id in self._job_gpus:
+                yield sample
 
     def _rows(self, handle, torn: int):
         reader = csv.reader(handle)

@@ -46,6 +46,29 @@ def test_a_rank_outside_the_attempt_has_no_gpu():
         gpu_of_local_rank((0, 2, 3), 3)
 
 
+def test_a_replayed_trace_without_some_of_the_jobs_gpus_says_which_at_launch(tmp_path, caplog):
+    """GPUs 2 and 3 had no rows: never sampled, they read as healthy for the whole run."""
+    from ftmaster.launch import _backend
+    from test_monitor_replay import trace_of
+
+    trace = trace_of(tmp_path, (0, 1, 9))
+    with caplog.at_level("INFO", logger="ftmaster"):
+        _backend(f"replay:{trace}", (0, 1, 2, 3), seed=0).close()
+    assert caplog.messages == [
+        f"--monitor-backend replay:{trace} records no row of GPUs 2, 3 of the job: their risk "
+        "is unknown for the whole run (no alert can come from them), not healthy",
+        f"--monitor-backend replay:{trace}: the rows of GPU 9 (not the job's) are not played"]
+
+
+def test_a_replayed_trace_with_none_of_the_jobs_gpus_is_refused_at_launch(tmp_path):
+    from ftmaster.launch import _backend
+    from test_monitor_replay import trace_of
+
+    trace = trace_of(tmp_path, (4, 5))
+    with pytest.raises(click.ClickException, match=f"^{trace} records GPUs 4, 5, none of the job's"):
+        _backend(f"replay:{trace}", (0, 1), seed=0)
+
+
 # -- argv ------------------------------------------------------------------------------------
 def test_attempt_argv_guards_torchrun_and_every_rank():
     assert attempt_argv(["train.py", "--lr", "1e-3"], 3, python="py", log_dir=Path("R/t")) == [

@@ -3,7 +3,7 @@
 import pytest
 
 from ftmaster import runfiles
-from ftmaster.monitor.backends import TraceEnded
+from ftmaster.monitor.backends import TraceEnded, make_backend
 from ftmaster.monitor.backends.replay import ReplayBackend, ReplayError
 from ftmaster.monitor.daemon import Monitor, MonitorConfig
 from ftmaster.monitor.sample import GpuSample, iso_time, to_row
@@ -243,3 +243,31 @@ def test_blank_lines_before_the_header_are_skipped(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(ReplayError, match="empty"):
         ReplayBackend(path)
+
+
+def trace_of(tmp_path, gpus, samples=3, **values_of_gpu):
+    rows = [to_row(full_sample(g, T0 + 10 * k, **values_of_gpu.get(f"gpu{g}", {})))
+            for k in range(samples) for g in gpus]
+    return write_csv(tmp_path / "trace.csv", CSV_COLUMNS, rows)
+
+
+def test_a_job_replays_only_its_own_gpus(tmp_path):
+    """GPU 9 is not the job's: its XID alerted at the first sample, before the supervisor
+    said which GPUs to watch, asked the job for a save and marked GPU 9 unschedulable."""
+    trace = trace_of(tmp_path, (0, 1, 9), gpu9={"xid": 79})
+    backend = make_backend(f"replay:{trace}", gpu_ids=(0, 1, 2, 3))
+    assert backend.recorded_gpus == {0, 1, 9}
+    monitor = Monitor(backend, tmp_path / "run")
+    assert monitor.step() == []
+    assert monitor.unschedulable_gpus() == {}
+    assert [[s.gpu_id for s in batch] for batch in drain(backend)] == [[0, 1], [0, 1]]
+    assert not runfiles.trigger_flag_path(tmp_path / "run").exists()
+
+
+def test_a_trace_with_none_of_the_jobs_gpus_is_refused(tmp_path):
+    trace = trace_of(tmp_path, (4, 5))
+    with pytest.raises(ReplayError, match=rf"^{trace} records GPUs 4, 5, none of the job's "
+                                          r"GPUs 0, 1: replay a trace of the job's GPUs, or "
+                                          r"run the job on the trace's with "
+                                          r"CUDA_VISIBLE_DEVICES=4,5$"):
+        make_backend(f"replay:{trace}", gpu_ids=(0, 1))

@@ -38,10 +38,12 @@ from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, Rendezv
                                  StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
                                  unread_conf_keys)
 from ftmaster.board import RunBoard
+from ftmaster.console import gpus_text
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
 from ftmaster.monitor.alerts import AlertConfig
 from ftmaster.monitor.backends import BACKEND_NAMES, Backend, BackendError, make_backend
 from ftmaster.monitor.backends.bounded import Abandoned, call_while
+from ftmaster.monitor.backends.replay import ReplayBackend
 from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, InputError,
@@ -311,12 +313,29 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
 
 def _backend(spec: str, gpus: tuple[int, ...], seed: int) -> Backend:
     try:
-        return make_backend(spec, num_gpus=len(gpus), seed=seed, gpu_ids=gpus)
+        backend = make_backend(spec, num_gpus=len(gpus), seed=seed, gpu_ids=gpus)
     except BackendError as error:
         raise click.ClickException(f"{spec} monitor backend unavailable ({error}); on a "
                                    "machine without NVIDIA GPUs use --monitor-backend sim") from None
     except ValueError as error:
         raise InputError(str(error)) from None
+    if isinstance(backend, ReplayBackend):
+        _say_which_gpus_replay(spec, backend.recorded_gpus, gpus)
+    return backend
+
+
+def _say_which_gpus_replay(spec: str, recorded: set[int], gpus: tuple[int, ...]) -> None:
+    """A job GPU the trace lacks is never sampled: it would pass for a healthy one."""
+    log = logging.getLogger("ftmaster")
+    unseen = [gpu for gpu in gpus if gpu not in recorded]
+    if unseen:
+        log.warning("--monitor-backend %s records no row of %s of the job: their risk is "
+                    "unknown for the whole run (no alert can come from them), not healthy",
+                    spec, gpus_text(unseen))
+    others = sorted(recorded - set(gpus))
+    if others:
+        log.info("--monitor-backend %s: the rows of %s (not the job's) are not played", spec,
+                 gpus_text(others))
 
 
 def _monitor(backend: Backend, run_dir: Path, seed: int, interval: float, scorer: str,
