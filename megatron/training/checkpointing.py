@@ -126,6 +126,11 @@ from .timers import seconds_into
 CHECKPOINT_VERSION = 3.0
 _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 _OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^\n']+?)(?:: '([^']+)')?(?:$|\n|')")
+# torch's load_state_dict catches what its reader's read_metadata raised and fails with an
+# AssertionError holding only the text of it (state_dict_loader.py, local_step).
+_READ_METADATA_FAILED = re.compile(
+    r"metadata is None; global metadata read failed: (.*?)(?:; rank local metadata read failed: .*)?",
+    re.DOTALL)
 
 # torch's CheckpointException (a write or read failure gathered from any rank) derives from
 # BaseException, not Exception.
@@ -147,7 +152,8 @@ def describe_error(error: BaseException) -> str:
         return describe_error(error.failures[min(error.failures)][0])
     if isinstance(error, checksums.ChecksumMismatch):
         return str(error)
-    text = f"{type(error).__name__}: {error}"
+    wrapped = _READ_METADATA_FAILED.fullmatch(str(error))
+    text = wrapped.group(1) if wrapped else f"{type(error).__name__}: {error}"
     found = _OS_ERROR.search(text)
     if found:
         number, message, filename = int(found.group(1)), found.group(2).strip(), found.group(3)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import io
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,7 +309,16 @@ def reads_for_load(manifest: Manifest | None, peers: list = ()):
         return readers[str(path)]
 
     torch_strategy._get_filesystem_reader = reader_of
+    logging.getLogger().addFilter(_no_traceback_of_a_mismatch)
     try:
         yield counter
     finally:
+        logging.getLogger().removeFilter(_no_traceback_of_a_mismatch)
         torch_strategy._get_filesystem_reader = original
+
+
+def _no_traceback_of_a_mismatch(record: logging.LogRecord) -> bool:
+    """Drops torch's warning, with a traceback, that the global metadata "is not found" when
+    the reader refused a ``.metadata`` unlike its manifest: the load fails with that mismatch
+    as its reason anyway (torch logs it on the root logger, in ``load_state_dict``)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], ChecksumMismatch))
