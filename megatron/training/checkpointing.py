@@ -1324,22 +1324,15 @@ def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True
     Returns (folder, new name or None when removed). The caller holds
     ``tracker_lock(save_dir)``."""
     moved: list[tuple[Path, Path | None]] = []
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     if not Path(save_dir).is_dir():
         return moved
     same = iteration_dir(save_dir, iteration)
-    if not resumed_here and same.is_dir() and _removed_if_left_by_a_killed_save(same):
-        moved.append((same, None))
+    if not resumed_here and same.is_dir() and left_by_a_killed_save(same) is not None:
+        moved.append((same, _removed_or_set_aside(same)))
     for newer in (it for it in list_iterations(save_dir) if it > iteration):
         old = iteration_dir(save_dir, newer)
-        if _removed_if_left_by_a_killed_save(old):
-            moved.append((old, None))
-            continue
-        new = old.with_name(f"{old.name}.discarded-{stamp}")
-        old.rename(new)
-        moved.append((old, new))
-        log_rank0(f"moved {old} to {new}: it is newer than the resumed iteration "
-                  f"{iteration}, from a discarded timeline")
+        moved.append((old, _removed_or_set_aside(
+            old, f"it is newer than the resumed iteration {iteration}, from a discarded timeline")))
     tracked = read_tracker(save_dir)
     if tracked is not None and tracked > iteration:
         if iteration_dir(save_dir, iteration).is_dir():
@@ -1349,21 +1342,33 @@ def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True
     return moved
 
 
-def _removed_if_left_by_a_killed_save(folder: Path) -> bool:
-    """Remove ``folder`` when it is nothing any load could ever take; whether it was."""
+def _removed_or_set_aside(folder: Path, why: str = "") -> Path | None:
+    """None once ``folder`` is removed, which it is when a save of ours killed mid-write left
+    it (:func:`left_by_a_killed_save`); else, or when it cannot be removed (a permission, a
+    busy NFS file), its new name ``<name>.discarded-<time>``: left under its own, it would be
+    a candidate of a load, or take a later save's files of its iteration among its own. An
+    OSError when the rename fails too. ``why`` it is set aside, for one that may be loadable."""
     left = left_by_a_killed_save(folder)
     if left is not None:
         shutil.rmtree(folder, ignore_errors=True)
-        log_rank0(f"removed {folder}: {left}")
-    return left is not None
+        if not folder.exists():
+            log_rank0(f"removed {folder}: {left}")
+            return None
+        why = f"{left}, and it could not be removed"
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    new = folder.with_name(f"{folder.name}.discarded-{stamp}")
+    folder.rename(new)
+    log_rank0(f"moved {folder} to {new}: {why}")
+    return new
 
 
 def prepare_fresh_start(save_dir: str | None) -> None:
     """Rank 0, for a run that starts from scratch: refuse to write over a folder holding
     checkpoints; remove the folders of saves of ours that never finished (no tracker was ever
-    written), whose stale shards would otherwise mix with new ones of the same iteration. A
-    folder of another tool or format (a Megatron-LM checkpoint copied in without its tracker)
-    is kept: it is no candidate, but may be the only copy of someone's weights."""
+    written), whose stale shards would otherwise mix with new ones of the same iteration (set
+    aside when they cannot be removed; refused when that fails too). A folder of another tool
+    or format (a Megatron-LM checkpoint copied in without its tracker) is kept: it is no
+    candidate, but may be the only copy of someone's weights."""
     if not save_dir:
         return
     save_dir = Path(save_dir)
@@ -1374,8 +1379,13 @@ def prepare_fresh_start(save_dir: str | None) -> None:
             f"--save {save_dir} already holds checkpoints ({held}) and none was loaded: pass "
             f"--load {save_dir} to resume from them, or give an empty --save folder")
     for iteration in unfinished_saves(save_dir):
-        shutil.rmtree(iteration_dir(save_dir, iteration), ignore_errors=True)
-        log_rank0(f"removed {iteration_dir(save_dir, iteration)}: a save that never finished")
+        folder = iteration_dir(save_dir, iteration)
+        try:
+            _removed_or_set_aside(folder)
+        except OSError as error:
+            raise CheckpointMismatch(
+                f"{folder}, a save that never finished, can be neither removed nor renamed "
+                f"({describe_error(error)}): remove it, or give an empty --save folder") from None
 
 
 def megatron_args(args: argparse.Namespace, state: TrainingState) -> argparse.Namespace:

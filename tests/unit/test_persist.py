@@ -24,8 +24,8 @@ from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iterati
                                            list_iterations, mark_whole, newest_on_disk, pin,
                                            prunable_memory_checkpoints, read_tracker,
                                            tier_candidates, tracker_lock, tracker_path)
-from megatron.training.checkpointing import (prepare_fresh_start, prune_memory_checkpoints,
-                                             set_aside_newer)
+from megatron.training.checkpointing import (CheckpointMismatch, prepare_fresh_start,
+                                             prune_memory_checkpoints, set_aside_newer)
 from ftmaster.recovery.manifest import digest_bytes, read_manifest, size_problem, write_manifest
 from helpers.trainer import wait_until
 
@@ -535,6 +535,64 @@ def test_a_resume_from_memory_never_leaves_the_disk_tracker_on_a_killed_saves_fo
     assert newest_on_disk(disk) == 6
     assert persist(memory, disk, 8).iteration == 8 and read_tracker(disk) == 8
     assert set_aside_newer(memory, 8) == [] and is_complete(iteration_dir(memory, 8))
+
+
+def rmtree_that_fails(monkeypatch) -> None:
+    """``shutil.rmtree`` as on a folder it cannot empty (a permission, a busy NFS file): with
+    ignore_errors it removes nothing and says nothing."""
+    def failing(path, ignore_errors=False, onerror=None):
+        if not ignore_errors:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(shutil, "rmtree", failing)
+
+
+def killed_save(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"x" * 100)
+    return folder
+
+
+def test_a_killed_save_that_cannot_be_removed_is_set_aside_not_reported_removed(
+        tmp_path, monkeypatch, capsys):
+    """A resume removing what a killed save left reported it removed (console line and a
+    checkpoint_set_aside event with moved_to None) when rmtree could not, and left it under
+    its name: in the resumed tier, a newer iter_* folder of a discarded timeline; in the
+    other tier, the resumed iteration's folder, which the tracker was then moved back to."""
+    disk = tmp_path / "disk"
+    fake_checkpoint(disk, 6)
+    fake_checkpoint(disk, 9)
+    newer, same = killed_save(iteration_dir(disk, 12)), killed_save(iteration_dir(disk, 8))
+    rmtree_that_fails(monkeypatch)
+    moved = dict(set_aside_newer(disk, 8, resumed_here=False))
+    for folder in (newer, same):
+        assert moved[folder].name.startswith(f"{folder.name}.discarded-")
+        assert moved[folder].is_dir() and not folder.exists()
+    assert "removed /" not in capsys.readouterr().out
+    assert list_iterations(disk) == [6] and read_tracker(disk) is None
+
+
+def test_a_fresh_start_sets_aside_a_killed_save_it_cannot_remove(tmp_path, monkeypatch, capsys):
+    save = tmp_path / "save"
+    killed = killed_save(iteration_dir(save, 10))
+    rmtree_that_fails(monkeypatch)
+    prepare_fresh_start(str(save))
+    assert not killed.exists() and list_iterations(save) == []
+    assert [p.name.startswith("iter_0000010.discarded-") for p in save.iterdir()] == [True]
+    assert f"removed {killed}" not in capsys.readouterr().out
+
+
+def test_a_fresh_start_over_a_killed_save_it_can_neither_remove_nor_rename_is_refused(
+        tmp_path, monkeypatch):
+    save = tmp_path / "save"
+    killed = killed_save(iteration_dir(save, 10))
+    rmtree_that_fails(monkeypatch)
+    def rename(path, _target):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(CheckpointMismatch, match=r"iter_0000010, a save that never finished, can "
+                       r"be neither removed nor renamed \(EACCES \(Permission denied\) on "):
+        prepare_fresh_start(str(save))
+    assert killed.is_dir()
 
 
 def test_a_fresh_start_removes_only_what_a_killed_save_of_ours_left(tmp_path):
