@@ -13,8 +13,9 @@ from ftmaster.membership import NodeRecord
 from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_clients
 import json
 
-from ftmaster.persist import PersistError, PersistSuperseded, persist
-from ftmaster.recovery.checkpoints import (advance_tracker, is_complete, iteration_dir,
+from ftmaster.persist import PersistError, Persister, PersistSuperseded, persist
+from ftmaster.recovery.checkpoints import (advance_tracker, checkpoint_problem, is_complete,
+                                           iteration_dir, tier_candidates,
                                            kept_memory_checkpoints, mark_replicated, mark_whole,
                                            read_tracker, replicated_here, whole_here)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
@@ -23,6 +24,7 @@ from ftmaster.replication import (Agreed, MemoryAgreement, Replication, Replicat
                                   ReplicationFailed, holdings_of, newest_complete, rank_ranges,
                                   writer_rank)
 from helpers.trainer import wait_until
+from megatron.training.checkpointing import set_aside_newer
 from megatron.training.memory_slots import MemorySlots
 
 SECRET = new_secret()
@@ -445,6 +447,51 @@ def test_a_checkpoint_a_live_node_no_longer_serves_is_a_failed_catch_up(tmp_path
             replication.close()
     assert failed.iteration == 4 and "no longer hold every file" in failed.reason
     assert read_tracker(folders[0]) is None
+
+
+def test_a_failed_catch_up_over_a_discarded_timeline_leaves_a_tier_loads_fall_back_from(tmp_path):
+    """Rank 0's node held iteration 4 of a discarded timeline, its tracker on it; the round
+    agreed on node 1's iteration 4, which node 1 stops serving during the fill. The old folder
+    is set aside and the new one lacks common.pt and a manifest while the tracker still names
+    4: a load skips 4 for the next older candidate, no persist copy takes it (nor the agreed
+    one, through this node's folder), the next agreement does not count it, and the load's
+    setting aside of what is newer than what it resumed brings the tracker back."""
+    folders, save = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "save"
+    shard_checkpoint(folders)
+    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
+    for path in mine.iterdir():  # node 1: the agreed timeline's iteration 4, whole
+        shutil.copy(path, theirs)
+    (mine / "common.pt").write_bytes(b"the discarded timeline's")
+    write_manifest(mine, "periodic", 4, {p.name: digest_file(p) for p in mine.iterdir()
+                                         if p.name != MANIFEST_NAME})
+    shard_checkpoint([folders[0]], iteration=2)
+    advance_tracker(folders[0], 4)
+    manifest = (theirs / MANIFEST_NAME).read_bytes()
+    agreed = Agreed(4, digest_bytes(manifest).digest,
+                    {p.name: (1,) for p in theirs.iterdir() if p.name != MANIFEST_NAME})
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        (theirs / "common.pt").unlink()  # pruned meanwhile
+        (failed,) = [x for x in replications[0].catch_up(agreed, True)
+                     if isinstance(x, ReplicationFailed)]
+        with pytest.raises(PersistError, match="no checksummed manifest"):
+            persist(folders[0], save, 4, replications[0].fetcher(agreed))
+    finally:
+        for replication in replications:
+            replication.close()
+    assert failed.iteration == 4 and read_tracker(folders[0]) == 4
+    assert [p.name.startswith("iter_0000004.discarded-") for p in folders[0].iterdir()
+            if p.name.startswith("iter_0000004.")] == [True]
+    assert not (mine / "common.pt").exists() and not (mine / MANIFEST_NAME).exists()
+    assert [c.iteration for c in tier_candidates(save, folders[0]).candidates] == [4, 2]
+    assert checkpoint_problem(mine, elsewhere=True) == "common.pt is missing"
+    assert Persister(folders[0], save).newest_memory_checkpoint() is None
+    assert "4" not in holdings_of(folders[0])
+    assert [old for old, _ in set_aside_newer(folders[0], 2)] == [mine]  # the load of 2's
+    assert read_tracker(folders[0]) == 2
 
 
 @pytest.mark.parametrize("peer", ["pruned", "gone"])
