@@ -125,7 +125,10 @@ from .timers import seconds_into
 
 CHECKPOINT_VERSION = 3.0
 _LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-_OS_ERROR = re.compile(r"\[Errno (\d+)\] ([^\n']+?)(?:: '([^']+)')?(?:$|\n|')")
+# An OSError's str(): its file names as repr() quotes them, the second one a rename's target.
+_QUOTED = r"""('[^'\n]*'|"[^"\n]*")"""
+_OS_ERROR = re.compile(
+    rf"\[Errno (\d+)\] ([^\n'\"]+?)(?:: {_QUOTED}(?: -> {_QUOTED})?)?(?:$|\n|['\"])")
 # torch's load_state_dict catches what its reader's read_metadata raised and fails with an
 # AssertionError holding only the text of it (state_dict_loader.py, local_step).
 _READ_METADATA_FAILED = re.compile(
@@ -152,14 +155,23 @@ def describe_error(error: BaseException) -> str:
         return describe_error(error.failures[min(error.failures)][0])
     if isinstance(error, checksums.ChecksumMismatch):
         return str(error)
+    if isinstance(error, OSError) and error.errno is not None:
+        return _os_error_line(error.errno, error.strerror or os.strerror(error.errno),
+                              error.filename, error.filename2)
     wrapped = _READ_METADATA_FAILED.fullmatch(str(error))
     text = wrapped.group(1) if wrapped else f"{type(error).__name__}: {error}"
     found = _OS_ERROR.search(text)
     if found:
-        number, message, filename = int(found.group(1)), found.group(2).strip(), found.group(3)
-        name = errno.errorcode.get(number, f"errno {number}")
-        return f"{name} ({message})" + (f" on {filename}" if filename else "")
+        names = (quoted and quoted[1:-1] for quoted in found.group(3, 4))
+        return _os_error_line(int(found.group(1)), found.group(2).strip(), *names)
     return text.strip().splitlines()[0][:300]
+
+
+def _os_error_line(number: int, message: str, filename=None, filename2=None) -> str:
+    """``ENOENT (No such file or directory) on a -> b``: the file, or both of a rename's."""
+    name = errno.errorcode.get(number, f"errno {number}")
+    files = " -> ".join(str(each) for each in (filename, filename2) if each is not None)
+    return f"{name} ({message})" + (f" on {files}" if files else "")
 
 
 def _bytes_read_by_this_process() -> int:
