@@ -249,6 +249,19 @@ def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
       "moved_to": None}, logging.WARNING,
      "/c/iter_0000012 removed (left by a save that never finished: nothing in it could be "
      "loaded): newer than the resumed iteration 9"),
+    ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/c/iter_0000012",
+      "moved_to": "/c/iter_0000012.discarded-x"}, logging.WARNING,
+     "/c/iter_0000012 set aside as /c/iter_0000012.discarded-x: newer than the resumed "
+     "iteration 9"),
+    # The tier not resumed from: its folder of the resumed iteration, a killed save's.
+    ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/m/iter_0000009",
+      "moved_to": None}, logging.WARNING,
+     "/m/iter_0000009 removed (left by a save that never finished: nothing in it could be "
+     "loaded): iteration 9 was resumed from the other tier"),
+    ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/m/iter_0000009",
+      "moved_to": "/m/iter_0000009.discarded-x"}, logging.WARNING,
+     "/m/iter_0000009 set aside as /m/iter_0000009.discarded-x (left by a save that never "
+     "finished, and it could not be removed): iteration 9 was resumed from the other tier"),
 ])
 def test_trainer_events_become_one_console_line(event, level, text):
     assert describe_event(event) == (level, text)

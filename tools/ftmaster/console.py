@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ftmaster.recovery.checkpoints import iteration_dir
+
 log = logging.getLogger("ftmaster")
 
 # Megatron formats the loss with {:.6E}, which writes a NaN as NAN and an infinity as -INF.
@@ -130,15 +132,24 @@ def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
     if name == "tracker_problem":
         return logging.WARNING, f"checkpoint tracker: {event.get('reason')}"
     if name == "checkpoint_set_aside":
-        moved = event.get("moved_to")
-        done = (f"set aside as {moved}" if moved else
-                "removed (left by a save that never finished: nothing in it could be loaded)")
-        return logging.WARNING, (f"{event.get('path')} {done}: newer than the resumed iteration "
-                                 f"{it}")
+        return logging.WARNING, _set_aside_text(str(event.get("path")), event.get("moved_to"), it)
     if name == "save_deferred":
         return logging.INFO, (f"emergency checkpoint deferred to iteration "
                               f"{event.get('until_iteration')} (gap filter)")
     return None
+
+
+def _set_aside_text(path: str, moved_to: str | None, resumed: Any) -> str:
+    """A resume sets aside the folders newer than the iteration it resumed; of that iteration
+    itself, only the other tier's folder a killed save left (its tracker would name it)."""
+    killed = "left by a save that never finished"
+    removed = f"removed ({killed}: nothing in it could be loaded)"
+    if isinstance(resumed, int) and Path(path) == iteration_dir(Path(path).parent, resumed):
+        done = (f"set aside as {moved_to} ({killed}, and it could not be removed)" if moved_to
+                else removed)
+        return f"{path} {done}: iteration {resumed} was resumed from the other tier"
+    done = f"set aside as {moved_to}" if moved_to else removed
+    return f"{path} {done}: newer than the resumed iteration {resumed}"
 
 
 @dataclass
