@@ -1249,7 +1249,25 @@ class Checkpointer:
         one resumed from belong to a discarded timeline; a new save at the same iteration
         must not mix with their files, nor a later load pick them. They are renamed, not
         deleted (but for what a save killed mid-write left: :func:`set_aside_newer`), and the
-        tracker comes back to ``iteration``, loaded from ``tier``."""
+        tracker comes back to ``iteration``, loaded from ``tier``. When that fails, every
+        rank refuses the resume with the reason (the others would wait for rank 0 until the
+        collective's timeout): left under its name, such a folder stays a load candidate."""
+        problem = None
+        try:
+            moved = self._set_aside_newer_here(iteration, tier)
+        except OSError as error:
+            moved, problem = [], (
+                f"resuming from iteration {iteration}: the checkpoints newer than it cannot be "
+                f"set aside ({describe_error(error)}), and left in place a later relaunch would "
+                f"load them: make the folder writable, or move them out of it")
+        for old, new in moved:
+            self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
+                       moved_to=None if new is None else str(new))
+        problem = first_problem(problem, self.group)
+        if problem is not None:
+            raise CheckpointMismatch(problem)
+
+    def _set_aside_newer_here(self, iteration: int, tier: str) -> list[tuple[Path, Path | None]]:
         moved = []
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
@@ -1263,10 +1281,7 @@ class Checkpointer:
         elif _rank() == self.memory_owner:  # another node's own memory folder
             with tracker_lock(self.memory_dir):
                 moved += set_aside_newer(self.memory_dir, iteration, tier == "memory")
-        for old, new in moved:
-            self.event("checkpoint_set_aside", iteration=iteration, path=str(old),
-                       moved_to=None if new is None else str(new))
-        torch.distributed.barrier(group=self.group)
+        return moved
 
     def _check_optimizer(self, saved: dict) -> bool:
         """Whether the distributed optimizer's state goes to the plain optimizer (see

@@ -1,0 +1,62 @@
+"""A resume whose set-aside of a discarded timeline fails (a read-only or full file system, a
+permission) fails on every rank with the same one-line reason: raised on rank 0 alone, it
+left the other ranks in the collective that follows until its timeout, reported as a hang."""
+
+import errno
+import os
+import pathlib
+import types
+
+import pytest
+
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
+from megatron.training import checkpointing
+from helpers.process_group import process_group_of_one
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    with process_group_of_one(tmp_path_factory.mktemp("pg")) as world:
+        yield world
+
+
+def complete_looking(save_dir, iteration):
+    path = iteration_dir(save_dir, iteration)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"written by a save that finished")
+    return path
+
+
+def read_only_rename(self, target):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self), None, str(target))
+
+
+def test_a_set_aside_that_cannot_rename_fails_the_resume_alike_on_every_rank(
+        tmp_path, group, monkeypatch):
+    complete_looking(tmp_path, 5)
+    newer = complete_looking(tmp_path, 7)
+    advance_tracker(tmp_path, 7)
+    shared, agree = [], checkpointing.first_problem
+
+    def recorded_first_problem(problem, group):
+        shared.append(problem)
+        return agree(problem, group)
+
+    monkeypatch.setattr(checkpointing, "first_problem", recorded_first_problem)
+    monkeypatch.setattr(pathlib.Path, "rename", read_only_rename)
+    events = []
+    checkpointer = object.__new__(checkpointing.Checkpointer)  # only what a set-aside reads
+    vars(checkpointer).update(
+        args=types.SimpleNamespace(save=str(tmp_path)), memory_dir=None, memory_owner=None,
+        group=group, event=lambda name, **fields: events.append(name))
+
+    with pytest.raises(checkpointing.CheckpointMismatch) as refused:
+        checkpointer._set_aside_newer(5, "disk")
+
+    reason = str(refused.value)
+    assert shared == [reason]  # went through the collective the other ranks wait in
+    assert "\n" not in reason
+    assert "EROFS (Read-only file system" in reason
+    assert "iteration 5" in reason
+    assert newer.is_dir() and read_tracker(tmp_path) == 7
+    assert events == []
