@@ -19,3 +19,15 @@ def test_an_endpoint_reads_as_torch_reads_it(endpoint):
 def test_host_port_reads_back(host, port):
     assert split_host_port(host_port(host, port)) == (host, port)
     assert host_port("fd00::1", 80) == "[fd00::1]:80"
+
+
+@pytest.mark.parametrize("first, second, same", [
+    ("10.0.0.1", "10.0.0.1", True), ("fd00::1", "[FD00:0::1]", True),
+    ("[fd00::1]", "fd00:0:0:0:0:0:0:1", True), ("::ffff:10.0.0.1", "10.0.0.1", True),
+    ("Node-1.cluster", "node-1.cluster", True),  # names are case-blind, resolved or not
+    ("10.0.0.1", "10.0.0.2", False), ("fd00::1", "fd00::2", False),
+    ("127.0.0.1", "127.0.0.1", False), ("[::1]", "::1", False), ("localhost", "localhost", False)])
+def test_two_addresses_are_compared_as_addresses(first, second, same):
+    from ftmaster.addresses import same_host
+
+    assert same_host(first, second) is same

@@ -414,3 +414,59 @@ def test_a_node_that_learns_of_the_end_once_the_store_is_gone_acknowledges_quiet
         host.wait()
     assert membership.outcome_after_close() == "ended"
     membership.acknowledge()
+
+
+HOSTS = {"node1": ["10.0.0.1"], "node1.cluster": ["10.0.0.1", "fd00::1"],
+         "node2": ["10.0.0.2"], "localhost": ["127.0.0.1", "::1"], "loop-name": ["127.0.1.1"]}
+
+
+@pytest.mark.parametrize("local_addr, endpoint, is_host", [
+    ("10.0.0.1", "node1:29400", "1"),  # the endpoint a name of this node's address
+    ("node1.cluster", "10.0.0.1:29400", "1"),  # --local-addr a name, the endpoint its address
+    ("fd00::1", "node1.cluster:29400", "1"),
+    ("node1", "node1.cluster", "1"),  # two names of one address
+    ("fd00::1", "[fd00:0:0::1]:29400", "1"),  # one IPv6 address written two ways
+    ("fd00::1", "[FD00::1]:29400", "1"),
+    ("10.0.0.2", "node1:29400", None),  # another node's: torch decides
+    ("10.0.0.1", "unknown:29400", None),  # no such name: torch decides, as before
+    ("127.0.0.1", "localhost:29400", None),  # loopback: the first to bind hosts
+    ("loop-name", "127.0.1.1:29400", None),
+])
+def test_the_node_at_the_endpoint_hosts_it_however_either_is_written(
+        fake_resolver, local_addr, endpoint, is_host):
+    from ftmaster.membership import store_conf
+
+    config = RendezvousConfig(endpoint, "job", 1, 2, 0, local_addr=local_addr)
+    assert store_conf(config).get("is_host") == is_host
+
+
+def test_a_resolver_that_hangs_leaves_the_decision_to_torch(monkeypatch):
+    import socket
+    import threading
+    import time
+
+    import ftmaster.addresses
+    from ftmaster.membership import store_conf
+
+    never = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: never.wait())
+    monkeypatch.setattr(ftmaster.addresses, "RESOLVE_TIMEOUT_S", 0.2)
+    started = time.monotonic()
+    config = RendezvousConfig("node1:29400", "job", 1, 2, 0, local_addr="10.0.0.1")
+    assert store_conf(config).get("is_host") is None
+    assert time.monotonic() - started < 2
+    never.set()
+
+
+@pytest.fixture
+def fake_resolver(monkeypatch):
+    """getaddrinfo from :data:`HOSTS`: no test asks a real resolver."""
+    import socket
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in HOSTS:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (ip, port or 0)) for ip in HOSTS[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)

@@ -1,4 +1,5 @@
-"""Addresses of IPv4 and IPv6 alike: where a server binds, and ``host:port`` text.
+"""Addresses of IPv4 and IPv6 alike: where a server binds, ``host:port`` text, and whether
+two hosts written differently are one.
 
 An IPv6 address has colons of its own, so in ``host:port`` it goes in brackets
 (``[fd00::1]:29400``), as in a URL and as torch elastic reads a rendezvous endpoint.
@@ -10,6 +11,12 @@ import contextlib
 import ipaddress
 import re
 import socket
+
+from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
+
+RESOLVE_TIMEOUT_S = 5.0
+"""The longest a name's resolution may take in :func:`same_host`: a resolver that hangs must
+not hang the launch (glibc waits 5 s per server and try)."""
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -69,3 +76,49 @@ def is_ipv6(text: str) -> bool:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
     except ValueError:
         return False
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def same_host(first: str, second: str) -> bool:
+    """Whether two hosts as written (a name, an IPv4 address, an IPv6 address in any of its
+    forms, in brackets or not) are one host to the other nodes: the same text or address, or
+    a name resolving to an address of the other. Never on loopback, which every node has; a
+    name that does not resolve within :data:`RESOLVE_TIMEOUT_S` only matches its own text."""
+    if is_loopback(first) or is_loopback(second):
+        return False
+    if first.lower() == second.lower():
+        return True
+    return not _addresses(first).isdisjoint(_addresses(second))
+
+
+def is_loopback(host: str) -> bool:
+    address = ip_address(host)
+    return host.lower() == "localhost" if address is None else address.is_loopback
+
+
+def ip_address(host: str) -> IPAddress | None:
+    """``host`` as an IP address (an IPv4-mapped IPv6 one as its IPv4 address), None for a
+    name."""
+    try:
+        address = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+def _addresses(host: str) -> set[IPAddress]:
+    """The non-loopback addresses ``host`` is or resolves to: none when it does not resolve
+    in time (a loopback address, such as Debian's 127.0.1.1 for the machine's own name, is
+    every node's)."""
+    address = ip_address(host)
+    if address is not None:
+        return {address}
+    try:
+        found = call_once_bounded(f"resolve {host}", RESOLVE_TIMEOUT_S, socket.getaddrinfo,
+                                  host, None, 0, socket.SOCK_STREAM)
+    except (OSError, ValueError, CallTimeout):  # ValueError: a name IDNA cannot encode
+        return set()
+    resolved = {ip_address(info[4][0]) for info in found}
+    return {address for address in resolved if address is not None and not address.is_loopback}

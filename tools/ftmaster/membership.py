@@ -29,7 +29,6 @@ and ``torch/distributed/run.py``).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
-from ftmaster.addresses import bind_address, is_ipv6, split_host_port
+from ftmaster.addresses import bind_address, is_ipv6, same_host, split_host_port
 from ftmaster.monitor.backends.bounded import (Abandoned, CallTimeout, call_once_bounded,
                                                call_while)
 from ftmaster.peer_files import new_secret
@@ -260,22 +259,15 @@ class Round:
 
 def store_conf(config: RendezvousConfig) -> dict[str, str]:
     """``--rdzv-conf``, plus ``is_host`` for the node whose ``--local-addr`` is the endpoint's
-    host. torch otherwise decides by comparing the endpoint with the machine's own names and
-    addresses, which misses an address that only a container or network namespace has; left
-    to torch on loopback, where every node matches and the first one to bind hosts."""
+    host, however either is written (:func:`same_host`). torch otherwise decides by comparing
+    the endpoint with the machine's own names and addresses, which misses an address that
+    only a container or network namespace has; left to torch on loopback, where every node
+    matches and the first one to bind hosts."""
     conf = dict(config.conf)
-    host = config.endpoint_host
-    if ("is_host" not in conf and config.backend == "c10d" and config.local_addr == host
-            and not ipaddress_is_loopback(host)):
+    if ("is_host" not in conf and config.backend == "c10d" and config.local_addr
+            and same_host(config.local_addr, config.endpoint_host)):
         conf["is_host"] = "1"
     return conf
-
-
-def ipaddress_is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def parse_record(data: bytes) -> NodeRecord:
