@@ -192,6 +192,11 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:1",
       "--rdzv-conf", "join_timeout=99999999999999999999"],
      "--rdzv-conf join_timeout='99999999999999999999': expected whole seconds from 1 to 1000000000"),
+    # The store bound a port of its own, which no other node knew: each lost the store
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:0"],
+     "--rdzv-endpoint 'h:0': port 0 is no port the other nodes can reach"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:65536"],
+     "--rdzv-endpoint 'h:65536': the port must be"),
     # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
       "127.0.0.1:29400", "--local-addr", "192.0.2.1"],

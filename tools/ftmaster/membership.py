@@ -151,9 +151,12 @@ class RendezvousConfig:
         if not self.endpoint or not self.run_id:
             raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
         try:
-            host, _ = split_host_port(self.endpoint)
+            host, port = split_host_port(self.endpoint)
         except ValueError as error:
             raise ValueError(f"--rdzv-endpoint {error}") from None
+        if port == 0:  # the c10d store would bind a port of its own, known to no other node
+            raise ValueError(f"--rdzv-endpoint {self.endpoint!r}: port 0 is no port the other "
+                             f"nodes can reach: give the store's ({DEFAULT_PORT} by default)")
         if self.backend == "etcd-v2" and is_ipv6(host):
             raise ValueError("--rdzv-backend etcd-v2 cannot reach an IPv6 address (python-etcd "
                              "writes it into its URLs without brackets): give the etcd "
