@@ -197,6 +197,10 @@ def test_torchrun_reads_no_rendezvous_from_the_environment(world, monkeypatch):
      "--rdzv-endpoint 'h:0': port 0 is no port the other nodes can reach"),
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint", "h:65536"],
      "--rdzv-endpoint 'h:65536': the port must be"),
+    # Was "not an address of this host": it is, written as in an endpoint
+    (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
+      "[::1]:29400", "--local-addr", "[::1]"],
+     "--local-addr '[::1]': an address alone goes without brackets (::1)"),
     # An address of no interface here (TEST-NET-1): the first round's bind raised a traceback
     (["--nnodes", "1:2", "--node-rank", "0", "--run-dir", "R", "--rdzv-endpoint",
       "127.0.0.1:29400", "--local-addr", "192.0.2.1"],

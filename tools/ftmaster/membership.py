@@ -161,6 +161,9 @@ class RendezvousConfig:
             raise ValueError("--rdzv-backend etcd-v2 cannot reach an IPv6 address (python-etcd "
                              "writes it into its URLs without brackets): give the etcd "
                              "server's host name in --rdzv-endpoint")
+        if self.local_addr and self.local_addr.startswith("["):
+            raise ValueError(f"--local-addr {self.local_addr!r}: an address alone goes without "
+                             f"brackets ({self.local_addr.strip('[]')})")
         for key in WHOLE_SECONDS_KEYS:
             if key in self.conf:
                 self.seconds(key, 0)
