@@ -716,6 +716,36 @@ def test_a_stop_while_the_nodes_agree_on_their_memory_checkpoint_stops_at_once(t
     assert [e["event"] for e in runfiles.read_events(tmp_path)] == ["round", "stopped"]
 
 
+def test_a_stop_while_a_spare_reads_the_jobs_outcome_from_a_store_that_hangs_stops_at_once(
+        tmp_path):
+    """A spare (no ranks this round) polls the store for the job's outcome: with the store's
+    node cut off (no packet, no reset) that read was bounded by nothing of ftmaster's and
+    looked at no stop, so a SIGTERM waited for torch's own timeout, past SLURM's grace."""
+    from ftmaster.membership import NodeMembership, RendezvousConfig
+    from ftmaster.states import advance, exit_status
+
+    cut = threading.Event()  # the reply that comes only with torch's own timeout, 3 s here
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1,
+                                                 local_addr="127.0.0.1"), connect=False)
+    membership._round_store = types.SimpleNamespace(underlying_store=types.SimpleNamespace(
+        check=lambda keys: cut.wait(3.0) and False))
+    membership.handler = types.SimpleNamespace(num_nodes_waiting=lambda: 0)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership)
+    stopped_at = []
+    threading.Timer(0.3, lambda: (stopped_at.append(time.monotonic()),
+                                  supervisor.request_stop(signal.SIGTERM))).start()
+    try:
+        trigger = supervisor._standby()
+        assert trigger is Trigger.SIGNALLED and time.monotonic() - stopped_at[0] < 1.0
+    finally:
+        cut.set()
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert stopped["event"] == "stopped" and stopped["state"] == "standby"
+    assert exit_status(advance(State.STANDBY, trigger), supervisor.signum) == 143
+
+
 def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_round(tmp_path):
     """Two nodes of 4 GPUs at TP 4 x PP 2 without --global-batch-size: the check planned this
     node's GPUs alone as the job (4 GPUs, no multiple of 8), and the planner's ValueError

@@ -376,6 +376,23 @@ def test_without_a_stop_a_store_call_that_hangs_is_a_lost_store(monkeypatch):
         cut.set()
 
 
+def test_a_spares_read_of_the_jobs_outcome_from_a_store_that_hangs_is_a_lost_store(monkeypatch):
+    """The outcome read a spare polls had no deadline of ftmaster's: a store no packet
+    reaches held it as long as torch's own timeout, if it has one."""
+    import threading
+
+    from ftmaster.membership import StoreLost
+
+    monkeypatch.setattr(RendezvousConfig, "store_timeout_s", property(lambda config: 0.3))
+    cut = threading.Event()
+    threading.Timer(5.0, cut.set).start()  # the old, unbounded, read ends here
+    try:
+        with pytest.raises(StoreLost, match="did not return within 0.3 s"):
+            cut_off_seat(cut).outcome()
+    finally:
+        cut.set()
+
+
 def test_an_etcd_store_that_cannot_be_reached_is_lost_not_a_traceback():
     """torch's EtcdStore lets python-etcd's own errors through (torch's etcd backend wraps
     them for the handler, not for the store): a standby node reading the job's outcome from

@@ -503,24 +503,25 @@ class NodeMembership:
 
         return self._call(call_while, "rendezvous-store", wanted, STORE_POLL_S, fn, *args)
 
-    def peers_waiting(self) -> bool:
+    def peers_waiting(self, stop: threading.Event | None = None) -> bool:
         """Whether a node waits to form a new round (a peer failed, or one joined); polled at
         most every ``poll_s`` seconds, since every poll reads the rendezvous state.
 
         Bounded: the handler's keep-alive thread holds the same lock while it retries a store
         that no packet reaches (a cut link sends no reset), which would block the caller for
-        good; past the store's timeout the store counts as lost."""
-        self._poll()
+        good; past the store's timeout the store counts as lost. Abandoned once ``stop`` is
+        set, as :meth:`announcement` is."""
+        self._poll(stop)
         return self._waiting
 
-    def _poll(self) -> None:
+    def _poll(self, stop: threading.Event | None = None) -> None:
         now = time.monotonic()
         if now - self._checked_at < self.poll_s:
             return
         self._checked_at = now
-        self._waiting = self._bounded(self.handler.num_nodes_waiting) > 0
+        self._waiting = self._bounded(self.handler.num_nodes_waiting, stop=stop) > 0
         if self._round is not None and self._peer_failure is None:
-            said = self.announcement(f"failed/{self._round.number}", 0.0)
+            said = self.announcement(f"failed/{self._round.number}", 0.0, stop)
             if said is not None:
                 parts = said.split(" ", 1)
                 self._peer_failure = parts[1] if len(parts) == 2 else "unknown"
@@ -529,13 +530,10 @@ class NodeMembership:
     def _job_key(self, name: str) -> str:
         return f"ftmaster.{self.config.run_id}.{name}"
 
-    def outcome(self) -> str | None:
-        """How the job ended, once a node said so (see :meth:`end_job`)."""
-        base = self._round_store.underlying_store
-        key = self._job_key("outcome")
-        if not self._call(base.check, [key]):
-            return None
-        return self._call(base.get, key).decode()
+    def outcome(self, stop: threading.Event | None = None) -> str | None:
+        """How the job ended, once a node said so (see :meth:`end_job`); bounded, and
+        Abandoned on a stop, as :meth:`announcement` is."""
+        return self.announcement("outcome", 0.0, stop)
 
     def end_job(self, outcome: str) -> None:
         """Say how the job ended, close the rendezvous, then acknowledge it as every node

@@ -1544,12 +1544,16 @@ class Supervisor:
 
     def _standby(self) -> Trigger:
         """No ranks here this round: a spare, until a new round or the end of the job."""
-        while not self._stop_requested.wait(self.config.poll_interval_s):
-            outcome = self.membership.outcome()
-            if outcome is not None:
-                return self._job_ended(outcome)
-            if self.membership.peers_waiting():
-                return Trigger.PEERS_WAITING
+        stop = self._stop_requested
+        try:
+            while not stop.wait(self.config.poll_interval_s):
+                outcome = self.membership.outcome(stop)
+                if outcome is not None:
+                    return self._job_ended(outcome)
+                if self.membership.peers_waiting(stop):
+                    return Trigger.PEERS_WAITING
+        except Abandoned:  # a signal while a store read hung
+            pass
         return self._stopped_idle(State.STANDBY)
 
     def _stop(self) -> Trigger:
