@@ -597,7 +597,7 @@ class RoundMembership:
     def join(self, gpus, warm, peer_url):
         return self.joined
 
-    def end_job(self, outcome):
+    def end_job(self, outcome, stop=None):
         self.ended.append(outcome)
 
 
@@ -744,6 +744,49 @@ def test_a_stop_while_a_spare_reads_the_jobs_outcome_from_a_store_that_hangs_sto
     stopped = runfiles.read_events(tmp_path)[-1]
     assert stopped["event"] == "stopped" and stopped["state"] == "standby"
     assert exit_status(advance(State.STANDBY, trigger), supervisor.signum) == 143
+
+
+@pytest.mark.parametrize("outcome, status", [
+    ("complete", 0),
+    ("gave up on node 0: the script failed; do not requeue: a requeue would fail the same way "
+     "(exit status 93)", 93)])
+def test_a_stop_while_a_node_waits_for_the_others_to_read_the_jobs_end_stops_the_wait_at_once(
+        tmp_path, monkeypatch, outcome, status):
+    """A node that learned how the job ended says it read it, then waited up to 30 s for
+    every node of the round to say so too; a SIGTERM changed nothing until then, SLURM's
+    grace period (30 s by default) over: SIGKILLed before it recorded the end. The end is
+    the job's: the stop changes nothing in it, and is never a requeue (75)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ftmaster.membership import NodeMembership, NodeRecord, RendezvousConfig, Round
+    from ftmaster.states import advance, exit_status
+
+    monkeypatch.setattr("ftmaster.membership.ACK_TIMEOUT_S", 3.0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5),
+                          wait_for_workers=False)
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1,
+                                                 local_addr="127.0.0.1"), connect=False)
+    nodes = tuple(NodeRecord(rank, f"node{rank}", (0, 1), 1000 + rank) for rank in range(2))
+    membership._round = Round(2, nodes, 1)  # node 0 never acknowledges
+    membership._round_store = types.SimpleNamespace(underlying_store=store)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership)
+    stopped_at = []
+    stopping = threading.Timer(0.3, lambda: (stopped_at.append(time.monotonic()),
+                                             supervisor.request_stop(signal.SIGTERM)))
+    stopping.start()
+    try:
+        trigger = supervisor._job_ended(outcome)
+    finally:
+        stopping.cancel()
+    assert stopped_at and time.monotonic() - stopped_at[0] < 1.0
+    assert store.get("ftmaster.job.ack/1") == b"1"  # said before the wait
+    assert runfiles.read_events(tmp_path)[-1]["event"] in ("complete", "gave_up")
+    assert exit_status(advance(State.STANDBY, trigger), supervisor.signum,
+                       supervisor._requeue_helps) == status
 
 
 def test_policy_drain_across_nodes_weighs_the_gpus_left_on_every_node_of_the_round(tmp_path):

@@ -481,14 +481,23 @@ class NodeMembership:
         came. Abandoned once ``stop`` is set (a signal to ftmaster): SLURM SIGKILLs ftmaster
         a grace period after its SIGTERM, sooner than some waits for a peer's word end."""
         base, key = self._round_store.underlying_store, self._job_key(name)
+        if not self._all_said([key], timeout_s, stop):
+            return None
+        return self._bounded(base.get, key, stop=stop).decode()
+
+    def _all_said(self, keys: list[str], timeout_s: float,
+                  stop: threading.Event | None) -> bool:
+        """Whether every one of ``keys`` is in the job's store within ``timeout_s``, polled
+        (a store's own wait blocks in C++, deaf to a stop); Abandoned once ``stop`` is set."""
+        base = self._round_store.underlying_store
         deadline = time.monotonic() + timeout_s
         stop = stop or threading.Event()  # none: only the timeout ends the wait
-        while not self._bounded(base.check, [key], stop=stop):
+        while not self._bounded(base.check, keys, stop=stop):
             if time.monotonic() > deadline:
-                return None
+                return False
             if stop.wait(STORE_POLL_S):
-                raise Abandoned(f"stopped waiting for the word {name!r}")
-        return self._bounded(base.get, key, stop=stop).decode()
+                raise Abandoned(f"stopped waiting for {', '.join(keys)}")
+        return True
 
     def _bounded(self, fn, *args, stop: threading.Event | None = None):
         """A store call from the training loop, bounded as :meth:`peers_waiting` explains;
@@ -535,10 +544,11 @@ class NodeMembership:
         Abandoned on a stop, as :meth:`announcement` is."""
         return self.announcement("outcome", 0.0, stop)
 
-    def end_job(self, outcome: str) -> None:
+    def end_job(self, outcome: str, stop: threading.Event | None = None) -> None:
         """Say how the job ended, close the rendezvous, then acknowledge it as every node
-        does (:meth:`acknowledge`). Any node that ends the job closes: a peer already waiting
-        in the next round's join learns of the end only from the close."""
+        does (:meth:`acknowledge`, which ``stop`` cuts short). Any node that ends the job
+        closes: a peer already waiting in the next round's join learns of the end only from
+        the close."""
         if self._round_store is None:
             return
         base = self._round_store.underlying_store
@@ -549,7 +559,7 @@ class NodeMembership:
         except Exception as error:  # the job is over; a store gone now changes nothing
             log.info("rendezvous at the end of the job: %s", error)
             return
-        self.acknowledge()
+        self.acknowledge(stop)
 
     def stop_keep_alive(self) -> None:
         """Stop the handler's keep-alive thread and wait for it, before the interpreter exits.
@@ -567,19 +577,24 @@ class NodeMembership:
         except CallTimeout:
             log.info("the rendezvous keep-alive did not stop within %g s", KEEP_ALIVE_STOP_TIMEOUT_S)
 
-    def acknowledge(self) -> None:
+    def acknowledge(self, stop: threading.Event | None = None) -> None:
         """Say this node read the job's outcome, then wait (bounded) until every node of the
         round has: whichever node hosts the store takes it away as it exits, and a peer that
         had not read the outcome by then took the lost store for a requeue (exit 75 after a
         give-up that said not to). A node that never completed a round (the job ended while
-        it waited for its first) is not waited for, so has nothing to say."""
+        it waited for its first) is not waited for, so has nothing to say. A stop ends the
+        wait at once: SLURM's SIGKILL would end it before it recorded the job's end, and a
+        peer stopped by the same scancel or time limit needs no outcome to stop."""
         if self._round_store is None:
             return
         base = self._round_store.underlying_store
         try:
-            base.set(self._job_key(f"ack/{self.config.node_rank}"), "1")
+            self._bounded(base.set, self._job_key(f"ack/{self.config.node_rank}"), "1", stop=stop)
             acks = [self._job_key(f"ack/{node.node_rank}") for node in self._round.nodes]
-            base.wait(acks, timedelta(seconds=ACK_TIMEOUT_S))
+            if not self._all_said(acks, ACK_TIMEOUT_S, stop):
+                log.info("not every node read the end of the job within %g s", ACK_TIMEOUT_S)
+        except Abandoned:
+            log.info("stopped waiting for the other nodes to read the end of the job")
         except Exception as error:  # the store's host read the end first and left with it
             log.info("rendezvous at the end of the job: %s", error)
 

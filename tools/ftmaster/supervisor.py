@@ -678,7 +678,7 @@ class Supervisor:
         self._event("complete", iteration=self._state_iteration())
         log.info("training complete at iteration %d", self._state_iteration())
         if tell_peers and self.membership is not None:
-            self.membership.end_job("complete")
+            self.membership.end_job("complete", self._stop_requested)
         return Trigger.COMPLETED
 
     def _store_lost(self, lost: StoreLost, state: State) -> Trigger:
@@ -1300,7 +1300,7 @@ class Supervisor:
         log.error("giving up: %s; %s", reason, advice)
         if self.membership is not None:
             self.membership.end_job(f"gave up on node {self.membership.config.node_rank}: "
-                                    f"{reason}; {advice}")
+                                    f"{reason}; {advice}", self._stop_requested)
 
     def _say_failures(self) -> str | None:
         """The run's failures in one line; returns what training said of the last one."""
@@ -1531,7 +1531,7 @@ class Supervisor:
 
     def _job_ended(self, outcome: str) -> Trigger:
         """The job ended on other nodes while this one waited."""
-        self.membership.acknowledge()
+        self.membership.acknowledge(self._stop_requested)
         if outcome == "complete":
             self._event("complete", iteration=self._state_iteration(), on_other_nodes=True)
             log.info("the job completed on the other nodes")
