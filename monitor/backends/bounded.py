@@ -157,6 +157,10 @@ def call_once_bounded(name: str, timeout_s: float, fn: Callable[..., Any], *args
         worker.stop()
 
 
+STOP_POLL_S = 0.1
+"""How often a wait that a stop signal abandons looks for it: well within SLURM's grace."""
+
+
 class Abandoned(Exception):
     """The caller stopped waiting for a call that still runs (left to its daemon thread)."""
 

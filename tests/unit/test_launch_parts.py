@@ -696,6 +696,60 @@ def test_a_stop_while_a_node_waits_for_the_replica_merge_stops_it_at_once(tmp_pa
     assert not (tmp_path / "dumps").exists()  # dropped as after the wait
 
 
+@pytest.mark.parametrize("stopped_in", ["gathering", "merging"])
+def test_a_stop_while_rank_0s_node_merges_the_dumps_stops_it_and_leaves_no_checkpoint(
+        tmp_path, monkeypatch, stopped_in):
+    """Rank 0's node gathers every node's dumps, then merges them, for up to 300 s; a SIGTERM
+    changed nothing until then, past SLURM's grace period: SIGKILLed with no 'stopped'
+    event. Stopped, the merge is killed and cleaned up as one past its timeout: no dumps, no
+    half-built checkpoint in the memory tier, the tracker untouched."""
+    import subprocess
+    import sys
+
+    from ftmaster.replica_recovery import Merging, ReplicaRecovery
+    from ftmaster.replication import Replication, ReplicationConfig
+
+    memory, released = tmp_path / "memory", threading.Event()
+    staging = memory / ".iter_0000016.replica-0123abcd"
+    merges = []
+
+    def start_merge(folder):  # a merge that builds its checkpoint for 3 s, and says nothing
+        merges.append(subprocess.Popen([sys.executable, "-c", (
+            "import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); p.mkdir(parents=True); "
+            "(p / '__0_0.distcp').write_bytes(bytes(64)); time.sleep(3)"), str(staging)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return Merging(folder, merges[-1], time.monotonic())
+
+    def fetch_all(folder, nodes, ranks_per_node, stop):  # a peer that sends for 3 s
+        released.wait(3.0 if stopped_in == "gathering" else 0.0)
+        return []
+
+    def gather_dumps(*args):  # Replication's own, around that fetch
+        return Replication.gather_dumps(types.SimpleNamespace(_gather_dumps=fetch_all), *args)
+
+    membership, joined = seat_in_a_silent_round((2, 2), me=0)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    replication = types.SimpleNamespace(url="http://node0:1", new_round=lambda *args: None,
+                                        gather_dumps=gather_dumps,
+                                        config=ReplicationConfig(memory, tmp_path / "run", 0))
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    supervisor.replicas = ReplicaRecovery(tmp_path, memory, tmp_path / "save", supervisor._event)
+    monkeypatch.setattr(supervisor.replicas, "start_merge", start_merge)
+    dumps = memory / "replicas" / "round_1"
+    dumps.mkdir(parents=True)
+    supervisor._dumped = (1, dumps, joined.nodes, (2, 2))
+    try:
+        trigger, seconds = stopped_while_planning(supervisor, after_s=0.5)
+    finally:
+        released.set()
+    assert trigger is Trigger.SIGNALLED and seconds < 1.0
+    assert [e["event"] for e in runfiles.read_events(tmp_path)] == ["round", "stopped"]
+    assert not dumps.exists() and not staging.exists()
+    assert all(merge.poll() is not None for merge in merges)  # none left building
+    assert sorted(p.name for p in memory.iterdir()) == ["replicas"]  # no iter_*, no tracker
+
+
 @pytest.mark.parametrize("me", [0, 1], ids=["deciding", "told"])
 def test_a_stop_while_the_nodes_agree_on_their_memory_checkpoint_stops_at_once(tmp_path,
                                                                               monkeypatch, me):

@@ -19,6 +19,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
+from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned
 from ftmaster.recovery.checkpoints import read_tracker
 from ftmaster.recovery.replicas import (DUMPS_SUBDIR, REQUEST_FLAG, dump_folder, read_reports,
                                        remove_merge_leftovers, report_path, round_dump_folder)
@@ -54,14 +56,34 @@ class Merging:
     """Where a warm worker writes the merge's output; None: the process's stdout pipe."""
 
 
-def merge_output(merging: Merging) -> tuple[str, str]:
+def merge_output(merging: Merging, stop: threading.Event | None = None) -> tuple[str, str]:
     """What the merge printed, and what it said besides (its stderr; a warm worker writes both
-    to one file), once it ended (subprocess.TimeoutExpired past the timeout)."""
-    if merging.output is None:
-        return merging.process.communicate(timeout=MERGE_TIMEOUT_S)
+    to one file), once it ended. Past the timeout (subprocess.TimeoutExpired) or once ``stop``
+    is set (Abandoned: SLURM's SIGKILL comes sooner) the merge is killed, which leaves its
+    checkpoint either whole (renamed into place) or a staging folder to remove."""
     deadline = time.monotonic() + MERGE_TIMEOUT_S
+    stop = stop or threading.Event()  # none: only the timeout ends the wait
+    try:
+        while True:
+            try:
+                return _output_by(merging, min(deadline, time.monotonic() + STOP_POLL_S))
+            except subprocess.TimeoutExpired:
+                if stop.is_set():
+                    raise Abandoned("stopped waiting for the replica merge") from None
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired("replica merge", MERGE_TIMEOUT_S) from None
+    except (subprocess.TimeoutExpired, Abandoned):
+        merging.process.kill()
+        merging.process.wait()
+        raise
+
+
+def _output_by(merging: Merging, until: float) -> tuple[str, str]:
+    """The merge's output if it ends by ``until``; subprocess.TimeoutExpired if not."""
+    if merging.output is None:  # communicate again after its timeout loses nothing
+        return merging.process.communicate(timeout=max(0.0, until - time.monotonic()))
     while not _said_it(merging.output) and merging.process.poll() is None:
-        if time.monotonic() > deadline:
+        if time.monotonic() > until:
             raise subprocess.TimeoutExpired("replica merge", MERGE_TIMEOUT_S)
         time.sleep(0.01)
     # Its answer is its last act: the worker's own exit (the async writers' Manager it started
@@ -175,15 +197,15 @@ class ReplicaRecovery:
                                    stderr=subprocess.PIPE, text=True)
         return Merging(folder, process, started)
 
-    def finish_merge(self, merging: "Merging") -> int | None:
-        """The merged checkpoint's iteration, or None after saying why there is none."""
+    def finish_merge(self, merging: "Merging", stop: threading.Event | None = None) -> int | None:
+        """The merged checkpoint's iteration, or None after saying why there is none.
+        Abandoned once ``stop`` is set: the merge is killed and cleaned up as one past its
+        timeout, so nothing half-built is left for a later launch to load."""
         said = besides = ""
         try:
-            said, besides = merge_output(merging)
+            said, besides = merge_output(merging, stop)
             result = json.loads(said.strip().splitlines()[-1])
         except subprocess.TimeoutExpired as error:
-            merging.process.kill()
-            merging.process.wait()
             result = {"refused": f"the merge did not finish: {error}"}
         except (ValueError, IndexError) as error:
             result = {"refused": f"the merge said nothing readable ({error}); exit status "

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ftmaster.membership import StoreLost
+from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned, call_while
 from ftmaster.peer_files import (PEERS_FILE, Copied, PeerClient, PeerError, PeerMissing,
                                  PeerServeConfig, PeerServer, fill_from_peer, manifest_files,
                                  none_served, write_manifest, write_peer_list)
@@ -382,13 +383,21 @@ class Replication:
             raise none_served(name, failures)
         return fetch
 
-    def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int]
-                     ) -> list[Gathered | ReplicationFailed]:
+    def gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int],
+                     stop: threading.Event | None = None) -> list[Gathered | ReplicationFailed]:
         """Replica recovery across nodes: into ``folder`` (this node's dump folder of the
         failed round, whose ``nodes`` ran ``ranks_per_node``), the dumps of the same name of
         every other node still in the round: each rank's report, and then the files it
         lists, each verified against the report (a rank without a report died before it
-        dumped). Returns what was copied, or why not."""
+        dumped). Returns what was copied, or why not. Abandoned once ``stop`` is set (dumps
+        sent at ``--replication-rate``, or by a peer no packet reaches, outlast SLURM's grace
+        period): the fetch under way is left to its daemon thread, which starts no other."""
+        stop = stop or threading.Event()  # none: the peers' timeouts alone bound the gather
+        return call_while("ftmaster-replica-gather", lambda: not stop.is_set(), STOP_POLL_S,
+                          self._gather_dumps, folder, nodes, ranks_per_node, stop)
+
+    def _gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int],
+                      stop: threading.Event) -> list[Gathered | ReplicationFailed]:
         peers, done = self._peers, []
         live = dict(peers.others)
         relative = folder.relative_to(self.config.memory_dir)
@@ -399,6 +408,8 @@ class Replication:
             client, started, fetched = self._client(url, peers), time.perf_counter(), 0
             try:
                 for rank in ranks:
+                    if stop.is_set():  # its caller has let go of it
+                        raise Abandoned("stopped gathering the dumps")
                     fetched += self._fetch_dump(client, relative, folder, rank)
             except (PeerError, OSError, ValueError) as error:
                 done.append(ReplicationFailed(-1, f"node {node_rank}'s dumps: {error}"))

@@ -1478,13 +1478,20 @@ class Supervisor:
             finally:  # a stop too: the dumps are of use to the merger alone
                 shutil.rmtree(folder, ignore_errors=True)
             return
-        for result in self.replication.gather_dumps(folder, nodes, ranks_per_node):
+        try:
+            gathered = self.replication.gather_dumps(folder, nodes, ranks_per_node,
+                                                     self._stop_requested)
+        except Abandoned:  # as after a merge, the dumps go: they are of use to no other
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        for result in gathered:
             if isinstance(result, ReplicationFailed):
                 log.warning("replica recovery: %s", result.reason)
             else:
                 self._event("replica_gathered", from_node=result.node_rank, bytes=result.bytes,
                             seconds=round(result.seconds, 4))
-        merged = self.replicas.finish_merge(self.replicas.start_merge(folder))
+        merged = self.replicas.finish_merge(self.replicas.start_merge(folder),
+                                            self._stop_requested)
         self.membership.announce(word, "none" if merged is None else f"iteration {merged}")
 
     def _wait_for_the_merge(self, word: str, merger: NodeRecord | None, nodes: Sequence,
