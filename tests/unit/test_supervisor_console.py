@@ -1122,6 +1122,29 @@ def test_a_lost_rendezvous_after_training_finished_is_the_jobs_end_not_a_requeue
     assert supervisor._store_lost(StoreLost("the store is gone"), State(state)).value == trigger
 
 
+@pytest.mark.parametrize("state", ["standby", "planning"])
+def test_a_lost_rendezvous_after_a_stop_signal_is_the_stop_not_a_requeue(tmp_path, state):
+    """scancel and a time limit signal every node: the store's host, no longer waiting for
+    the others' word, may exit first, and a spare's read of the store in flight then failed:
+    'store_lost' and exit 75, which the SLURM wrapper answers with a requeue of the job just
+    cancelled."""
+    import signal
+
+    from ftmaster.launch import check_layout
+    from ftmaster.membership import StoreLost
+    from ftmaster.states import State, advance, exit_status
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.request_stop(signal.SIGTERM)
+    trigger = supervisor._store_lost(StoreLost("the store is gone"), State(state))
+    assert exit_status(advance(State(state), trigger), supervisor.signum) == 143
+    stopped = runfiles.read_events(tmp_path)[-1]
+    assert (stopped["event"], stopped["state"]) == ("stopped", state)
+
+
 def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_nodes_left(tmp_path):
     """Only peer copies move ``.ftmaster_whole`` and ``.ftmaster_replicated``: left by an
     earlier run in a memory folder given again, they would keep their checkpoint from every

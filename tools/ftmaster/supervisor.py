@@ -683,7 +683,11 @@ class Supervisor:
 
     def _store_lost(self, lost: StoreLost, state: State) -> Trigger:
         """A requeue, unless this node's training had finished its schedule, its last
-        checkpoint durable: then the job is done, whatever became of its rendezvous."""
+        checkpoint durable: then the job is done, whatever became of its rendezvous; or
+        unless a stop signal came where nothing trains: the same scancel or time limit
+        stopped the store's host first, and a requeue would undo the cancel."""
+        if state in IDLE_STATES and self._stop_requested.is_set():
+            return self._stopped_idle(state)
         finished = (state in (State.RUNNING, State.DRAINING)
                     and (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
         if self.attempt is not None:
