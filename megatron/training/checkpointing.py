@@ -1251,12 +1251,14 @@ class Checkpointer:
         deleted (but for what a save killed mid-write left: :func:`set_aside_newer`), and the
         tracker comes back to ``iteration``, loaded from ``tier``. When that fails, every
         rank refuses the resume with the reason (the others would wait for rank 0 until the
-        collective's timeout): left under its name, such a folder stays a load candidate."""
-        problem = None
+        collective's timeout): left under its name, such a folder stays a load candidate. The
+        folders moved before a failure are events all the same (the operator looks for them
+        there), and so is the refusal (``load_failed``: this resume loads nothing)."""
+        problem, moved = None, []
         try:
-            moved = self._set_aside_newer_here(iteration, tier)
+            self._set_aside_newer_here(iteration, tier, moved)
         except OSError as error:
-            moved, problem = [], (
+            problem = (
                 f"resuming from iteration {iteration}: the checkpoints newer than it cannot be "
                 f"set aside ({describe_error(error)}), and left in place a later relaunch would "
                 f"load them: make the folder writable, or move them out of it")
@@ -1265,23 +1267,23 @@ class Checkpointer:
                        moved_to=None if new is None else str(new))
         problem = first_problem(problem, self.group)
         if problem is not None:
+            self.event("load_failed", path=str(self.args.load), reason=problem)
             raise CheckpointMismatch(problem)
 
-    def _set_aside_newer_here(self, iteration: int, tier: str) -> list[tuple[Path, Path | None]]:
-        moved = []
+    def _set_aside_newer_here(self, iteration: int, tier: str,
+                              moved: list[tuple[Path, Path | None]]) -> None:
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
             # checkpoint still stands and moves it into place under that lock.
             with tracker_lock(Path(self.args.save)) if self.args.save else contextlib.nullcontext():
                 if self.memory_dir is not None:
                     with tracker_lock(self.memory_dir):
-                        moved += set_aside_newer(self.memory_dir, iteration, tier == "memory")
+                        set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
                 if self.args.save:
-                    moved += set_aside_newer(Path(self.args.save), iteration, tier == "disk")
+                    set_aside_newer(Path(self.args.save), iteration, tier == "disk", moved)
         elif _rank() == self.memory_owner:  # another node's own memory folder
             with tracker_lock(self.memory_dir):
-                moved += set_aside_newer(self.memory_dir, iteration, tier == "memory")
-        return moved
+                set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
 
     def _check_optimizer(self, saved: dict) -> bool:
         """Whether the distributed optimizer's state goes to the plain optimizer (see
@@ -1338,7 +1340,8 @@ class Checkpointer:
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
-def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True
+def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True,
+                    moved: list[tuple[Path, Path | None]] | None = None
                     ) -> list[tuple[Path, Path | None]]:
     """Rename every ``iter_*`` folder above ``iteration`` to ``iter_*.discarded-<time>`` (kept,
     since any of them may be complete) and bring the tracker back to ``iteration`` (or remove
@@ -1348,9 +1351,10 @@ def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True
     never be loaded, and a failure during an async or emergency save left one per failure);
     so is such a folder of ``iteration`` itself unless the resume came from this tier
     (``resumed_here``): the tracker would name it, and a persist copy could not land there.
-    Returns (folder, new name or None when removed). The caller holds
-    ``tracker_lock(save_dir)``."""
-    moved: list[tuple[Path, Path | None]] = []
+    Returns (folder, new name or None when removed), appended to ``moved`` as each is done
+    when given: an OSError partway leaves the caller knowing where the earlier ones went.
+    The caller holds ``tracker_lock(save_dir)``."""
+    moved = [] if moved is None else moved
     if not Path(save_dir).is_dir():
         return moved
     same = iteration_dir(save_dir, iteration)

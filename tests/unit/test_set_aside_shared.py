@@ -47,8 +47,8 @@ def test_a_set_aside_that_cannot_rename_fails_the_resume_alike_on_every_rank(
     events = []
     checkpointer = object.__new__(checkpointing.Checkpointer)  # only what a set-aside reads
     vars(checkpointer).update(
-        args=types.SimpleNamespace(save=str(tmp_path)), memory_dir=None, memory_owner=None,
-        group=group, event=lambda name, **fields: events.append(name))
+        args=types.SimpleNamespace(save=str(tmp_path), load=str(tmp_path)), memory_dir=None,
+        memory_owner=None, group=group, event=lambda name, **fields: events.append(name))
 
     with pytest.raises(checkpointing.CheckpointMismatch) as refused:
         checkpointer._set_aside_newer(5, "disk")
@@ -59,4 +59,33 @@ def test_a_set_aside_that_cannot_rename_fails_the_resume_alike_on_every_rank(
     assert "EROFS (Read-only file system" in reason
     assert "iteration 5" in reason
     assert newer.is_dir() and read_tracker(tmp_path) == 7
-    assert events == []
+    assert events == ["load_failed"]
+
+
+def test_a_set_aside_that_fails_partway_records_each_folder_it_moved_and_the_refusal(
+        tmp_path, group, monkeypatch):
+    """The third of four newer folders cannot be renamed: the two already renamed are in
+    events.jsonl where the operator looks for them, and so is the refusal that follows."""
+    complete_looking(tmp_path, 5)
+    newer = [complete_looking(tmp_path, it) for it in (9, 8, 7, 6)]  # the order renamed in
+    advance_tracker(tmp_path, 9)
+    rename = pathlib.Path.rename
+
+    def third_is_read_only(self, target):
+        return (read_only_rename if self == newer[2] else rename)(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", third_is_read_only)
+    events = []
+    checkpointer = object.__new__(checkpointing.Checkpointer)  # only what a set-aside reads
+    vars(checkpointer).update(
+        args=types.SimpleNamespace(save=str(tmp_path), load=str(tmp_path)), memory_dir=None,
+        memory_owner=None, group=group, event=lambda name, **fields: events.append((name, fields)))
+
+    with pytest.raises(checkpointing.CheckpointMismatch) as refused:
+        checkpointer._set_aside_newer(5, "disk")
+
+    moved = [fields for name, fields in events if name == "checkpoint_set_aside"]
+    assert [m["path"] for m in moved] == [str(newer[0]), str(newer[1])]
+    assert all(pathlib.Path(m["moved_to"]).is_dir() for m in moved)
+    assert not newer[0].exists() and not newer[1].exists() and newer[2].is_dir()
+    assert events[-1] == ("load_failed", {"path": str(tmp_path), "reason": str(refused.value)})
