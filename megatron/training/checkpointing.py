@@ -448,6 +448,31 @@ class TrainingState:
     consumed_train_samples: int = 0
 
 
+class OwnStates:
+    """The checkpoints that hold this run's state at its current iteration: the one it loaded
+    and those it saved since, by folder and checksummed files. A complete checkpoint found
+    where a disk save of that iteration goes is this state only when it is one of them, or
+    has the same files (the supervisor's persisted copy of a memory one); else it is another
+    run's (``--save`` other than ``--load``), whose weights a later resume would load."""
+
+    def __init__(self) -> None:
+        self.iteration: int | None = None
+        self._folders: set[Path] = set()
+        self._files: list[dict[str, FileDigest]] = []
+
+    def add(self, iteration: int, folder: Path, files: dict[str, FileDigest]) -> None:
+        if iteration != self.iteration:
+            self.iteration, self._folders, self._files = iteration, set(), []
+        self._folders.add(Path(folder).resolve())
+        if files:  # a checkpoint written before checksums is told by its folder alone
+            self._files.append(dict(files))
+
+    def holds(self, iteration: int, folder: Path, manifest: Manifest) -> bool:
+        return iteration == self.iteration and (
+            Path(folder).resolve() in self._folders
+            or bool(manifest.files) and dict(manifest.files) in self._files)
+
+
 @dataclass(frozen=True)
 class DurableSave:
     """A checkpoint whose files are all on disk and which the tracker now names."""
@@ -748,11 +773,24 @@ class _Save:
         which a persist copy lands under: it cannot land between the look and the mkdir."""
         with tracker_lock(self.path.parent):
             found = read_manifest(self.path) if checkpoint_problem(self.path) is None else None
-            if found is None:
-                self.path.mkdir(parents=True, exist_ok=True)
-                return None
-            advance_tracker_locked(self.path.parent, self.iteration)
-            return found.total_bytes
+            if found is not None and self.checkpointer.own_states.holds(
+                    self.iteration, self.path, found):
+                advance_tracker_locked(self.path.parent, self.iteration)
+                return found.total_bytes
+            if found is not None:
+                self._set_aside_another_state()
+            self.path.mkdir(parents=True, exist_ok=True)
+            return None
+
+    def _set_aside_another_state(self) -> None:
+        """The complete checkpoint in this save's folder is another state of its iteration
+        (another run's, in a ``--save`` other than ``--load``): kept under another name, as a
+        resume keeps a discarded timeline's, and this run's state written in its place."""
+        why = (f"it holds another state of iteration {self.iteration} than this run's (not "
+               f"the checkpoint it loaded or saved there), set aside for this run's save")
+        moved_to = _removed_or_set_aside(self.path, why)
+        self.checkpointer.event("checkpoint_set_aside", iteration=self.iteration,
+                                path=str(self.path), moved_to=str(moved_to), reason=why)
 
     def _room_problem(self) -> str | None:
         """A memory save that would not fit is not even started (a full tmpfs also squeezes
@@ -871,6 +909,7 @@ class _Save:
             files = {**self.small_files, **{name: s.digest for name, s in shards.items()}}
             items = {name: shard.items for name, shard in shards.items() if shard.items}
             write_manifest(self.path, self.kind, self.iteration, files, items)
+            self.checkpointer.own_states.add(self.iteration, self.path, files)
             # Never backwards: a persisted memory checkpoint may be newer than this one.
             advance_tracker(self.path.parent, self.iteration)
         writer_phases = {}
@@ -948,6 +987,7 @@ class Checkpointer:
         self.slots = (MemorySlots(self.memory_dir, node_writers)
                       if self.memory_dir is not None else None)
         self.disk_records = DiskRecords()
+        self.own_states = OwnStates()
         self.write_results_relay = _WriteResultsRelay()
         self.metadata_bytes = MetadataBytes()
         self.last_bytes: int | None = None
@@ -1227,6 +1267,7 @@ class Checkpointer:
                    read_bytes=read_counts[2])
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         self._last_saved_tier, self.last_bytes = tier, size
+        self.own_states.add(state.iteration, path, manifest.files if manifest else {})
 
     def prepare_fresh_start(self) -> None:
         """Every rank, when nothing was loaded: rank 0 checks and cleans the save folder (see

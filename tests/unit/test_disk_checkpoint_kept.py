@@ -3,15 +3,19 @@ disk save at an iteration a persist copy already landed, and the clean-up of a f
 racing a persist copy of the same iteration."""
 
 import json
+import shutil
 import threading
 import types
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, read_tracker
-from ftmaster.recovery.manifest import digest_file, digest_problem, read_manifest, write_manifest
+from ftmaster.recovery.manifest import (MANIFEST_NAME, digest_file, digest_problem, read_manifest,
+                                        write_manifest)
 from megatron.training import checkpointing
 from helpers.process_group import process_group_of_one
 
@@ -38,7 +42,7 @@ class Killed(BaseException):
     """The rank killed (or its disk full) once the save had begun writing."""
 
 
-def disk_save(save_dir, group, iteration, outcomes):
+def disk_save(save_dir, group, iteration, outcomes, own_states=None, events=None):
     def killed_at_the_shards(sharded_part, path):
         raise Killed
 
@@ -48,6 +52,9 @@ def disk_save(save_dir, group, iteration, outcomes):
         disk_records=None, janitor=checkpointing.Janitor(), memory_owner=None,
         structure=types.SimpleNamespace(strategy_for=lambda sharded: (strategy, True)),
         write_results_relay=checkpointing._WriteResultsRelay(),
+        own_states=own_states or checkpointing.OwnStates(),
+        event=lambda name, **fields: (events if events is not None else []).append(
+            (name, fields)),
         saved=lambda save, outcome: outcomes.append(outcome))
     return checkpointing._Save(checkpointer, iteration, "final", "disk", None)
 
@@ -55,10 +62,14 @@ def disk_save(save_dir, group, iteration, outcomes):
 def test_a_disk_save_at_an_iteration_already_complete_on_disk_leaves_it_whole(tmp_path, group):
     """A final save at a memory checkpoint's iteration the supervisor had persisted wrote
     over it in place: killed partway, the tracker named a torn folder, the only good copy."""
-    path = complete_checkpoint(tmp_path, 12)
+    memory = complete_checkpoint(tmp_path / "memory", 12)  # this run's save, then persisted
+    path = iteration_dir(tmp_path, 12)
+    shutil.copytree(memory, path)
     advance_tracker(tmp_path, 12)
+    own_states = checkpointing.OwnStates()
+    own_states.add(12, memory, read_manifest(memory).files)
     outcomes = []
-    save = disk_save(tmp_path, group, 12, outcomes)
+    save = disk_save(tmp_path, group, 12, outcomes, own_states)
     try:
         save.request({"iteration": 12, "args": "the arguments of the relaunch"})
     except Killed:
@@ -69,6 +80,33 @@ def test_a_disk_save_at_an_iteration_already_complete_on_disk_leaves_it_whole(tm
     [outcome] = outcomes
     assert isinstance(outcome, checkpointing.DurableSave) and outcome.already_on_disk
     assert (outcome.iteration, outcome.kind, outcome.bytes) == (12, "final", manifest.total_bytes)
+
+
+def test_a_disk_save_over_another_runs_checkpoint_of_its_iteration_sets_it_aside(
+        tmp_path, group):
+    """--load X --save Y, Y holding another run's complete iteration 12, resumed at 12 from X:
+    the save kept Y's checkpoint as this run's and moved Y's tracker to it, so a later resume
+    from Y loaded the other run's weights. It is set aside, never written over, and this
+    run's state is written."""
+    loaded = complete_checkpoint(tmp_path / "load", 12)
+    foreign = complete_checkpoint(tmp_path / "save", 12)
+    (foreign / "common.pt").write_bytes(b"another run's common state")
+    write_manifest(foreign, "periodic", 12, {entry.name: digest_file(entry)
+                                             for entry in foreign.iterdir()
+                                             if entry.name != MANIFEST_NAME})
+    other = read_manifest(foreign)
+    own_states = checkpointing.OwnStates()
+    own_states.add(12, loaded, read_manifest(loaded).files)
+    outcomes, events = [], []
+    save = disk_save(tmp_path / "save", group, 12, outcomes, own_states, events)
+    with pytest.raises(Killed):  # it went on to write this run's state
+        save.request({"iteration": 12, "args": "this run's"})
+    [(name, fields)] = events
+    assert name == "checkpoint_set_aside" and fields["path"] == str(foreign)
+    kept = Path(fields["moved_to"])
+    assert kept.name.startswith("iter_0000012.discarded-")
+    assert digest_problem(kept, other, sorted(other.files)) is None
+    assert not outcomes
 
 
 def test_a_failed_saves_clean_up_never_removes_a_folder_a_persist_copy_just_tracked(

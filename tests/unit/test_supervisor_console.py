@@ -262,6 +262,11 @@ def test_the_pace_is_the_trainers_own_timing_else_the_heartbeats(tmp_path):
       "moved_to": "/m/iter_0000009.discarded-x"}, logging.WARNING,
      "/m/iter_0000009 set aside as /m/iter_0000009.discarded-x (left by a save that never "
      "finished, and it could not be removed): iteration 9 was resumed from the other tier"),
+    # A save's: another run's checkpoint of the iteration it saves, in a --save not --load.
+    ({"event": "checkpoint_set_aside", "iteration": 9, "path": "/s/iter_0000009",
+      "moved_to": "/s/iter_0000009.discarded-x", "reason": "it holds another state"},
+     logging.WARNING, "/s/iter_0000009 set aside as /s/iter_0000009.discarded-x: it holds "
+     "another state"),
 ])
 def test_trainer_events_become_one_console_line(event, level, text):
     assert describe_event(event) == (level, text)

@@ -131,6 +131,9 @@ def describe_event(event: dict[str, Any]) -> tuple[int, str] | None:
                               f"starting from scratch")
     if name == "tracker_problem":
         return logging.WARNING, f"checkpoint tracker: {event.get('reason')}"
+    if name == "checkpoint_set_aside" and event.get("reason"):  # not a resume's: a save's
+        return logging.WARNING, (f"{event.get('path')} set aside as {event.get('moved_to')}: "
+                                 f"{event['reason']}")
     if name == "checkpoint_set_aside":
         return logging.WARNING, _set_aside_text(str(event.get("path")), event.get("moved_to"), it)
     if name == "save_deferred":
