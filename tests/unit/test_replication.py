@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from ftmaster.membership import NodeRecord
-from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret, peer_clients
+from ftmaster import replication as replication_module
+from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerServer, new_secret,
+                               peer_clients)
 import json
 
 from ftmaster.persist import PersistError, Persister, PersistSuperseded, persist
@@ -748,3 +750,46 @@ def gather_round_2(tmp_path: Path, folders: list[Path]) -> tuple[list, Path]:
     finally:
         for replication in replications:
             replication.close()
+
+
+def test_a_brief_stall_of_the_peer_rank_0s_node_catches_up_from_is_tried_again(
+        tmp_path, monkeypatch):
+    """Node 0, rank 0's, lacks the agreed iteration 4, which node 1 holds whole; the first
+    fetch from node 1 stalls past its timeout. The failed catch-up left node 0's tier at 2,
+    its rank 0 resumed from 2, and that load's setting aside of what is newer renamed node
+    1's whole copy of 4 (pruned at the next memory save): the newest state was gone. The
+    catch-up is tried again: 4 is loaded, and node 1's copy stays where a relaunch finds it."""
+    folders, save = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "save"
+    shard_checkpoint(folders)
+    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
+    for path in mine.iterdir():
+        shutil.copy(path, theirs)
+    advance_tracker(folders[1], 4)
+    shutil.rmtree(mine)
+    shard_checkpoint([folders[0]], iteration=2)
+    advance_tracker(folders[0], 2)
+    agreed = agreed_on({0: folders[0], 1: folders[1]})
+    fetch, stalls = PeerClient.fetch, []
+
+    def stalls_once(self, *args, **kwargs):
+        if not stalls:
+            stalls.append(args)
+            raise PeerError(f"{self.url} sent nothing for 30 s")
+        return fetch(self, *args, **kwargs)
+
+    monkeypatch.setattr(PeerClient, "fetch", stalls_once)
+    monkeypatch.setattr(replication_module, "CATCH_UP_PAUSE_S", 0.0)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        caught_up = replications[0].catch_up(agreed, True)
+    finally:
+        for replication in replications:
+            replication.close()
+    assert stalls and not [x for x in caught_up if isinstance(x, ReplicationFailed)]
+    resumed = tier_candidates(save, folders[0]).candidates[0].iteration
+    assert resumed == 4 and read_tracker(folders[0]) == 4
+    set_aside_newer(folders[1], resumed)  # node 1's owner, once rank 0 loaded
+    assert "4" in holdings_of(folders[1]) and read_tracker(folders[1]) == 4

@@ -57,6 +57,12 @@ _WRITER = re.compile(r"__(\d+)_")
 AUTHORIZE_WAIT_S = 10.0
 HOLDINGS_KEPT = 3  # as many checkpoints as a node's tier keeps (persist.MEMORY_COPIES)
 AGREE_TIMEOUT_S = 30.0  # how long a new round's nodes wait for each other's holdings
+CATCH_UP_TRIES = 3
+CATCH_UP_PAUSE_S = 2.0
+"""A catch-up that a peer failed (a stall past its timeout, a reset connection) is tried
+again this many times in all, this far apart: given up, rank 0's node resumes from an older
+checkpoint, and that load sets aside every node's copy of the agreed one (pruned at the next
+memory save), however briefly the peer stalled."""
 AGREEMENT_POLL_S = 2.0  # how often a node reads the holdings while training
 MIN_RATE_MB_S = 0.01
 """The slowest ``--replication-rate``: a paced 64 KiB chunk per 6.6 s, within a peer's 30 s
@@ -295,17 +301,31 @@ class Replication:
         checksums (a checkpoint merged from replicas) every file is copied. A node that
         rejoins after missing saves needs this, and so does a rank-0 node whose folder lacks
         what its peers hold. The tracker is set where the load ``chooses`` (the node of rank
-        0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning."""
+        0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning. A
+        peer's failure is tried again (:data:`CATCH_UP_TRIES`)."""
         peers = self._peers
         if agreed is None or peers is None:
             return []
+        done: list[tuple[int, Copied] | ReplicationFailed] = []
         with self._folder_lock:
-            return self._catch_up(agreed, peers, chooses)
+            for tries_left in reversed(range(CATCH_UP_TRIES)):
+                try:
+                    self._catch_up(agreed, peers, chooses, done)
+                    break
+                except PeerError as error:  # what was copied is kept: the next try resumes
+                    if tries_left:
+                        log.warning("catching up on memory checkpoint %d: %s; trying again",
+                                    agreed.iteration, error)
+                        time.sleep(CATCH_UP_PAUSE_S)
+                    else:
+                        done.append(ReplicationFailed(agreed.iteration, str(error)))
+        return done
 
-    def _catch_up(self, agreed: Agreed, peers: Peers, chooses: bool
-                  ) -> list[tuple[int, Copied] | ReplicationFailed]:
-        memory, folder, done = self.config.memory_dir, iteration_dir(self.config.memory_dir,
-                                                                      agreed.iteration), []
+    def _catch_up(self, agreed: Agreed, peers: Peers, chooses: bool,
+                  done: list[tuple[int, Copied] | ReplicationFailed]) -> None:
+        """One try of :meth:`catch_up`, adding to ``done``; PeerError from a peer that failed."""
+        memory, folder = self.config.memory_dir, iteration_dir(self.config.memory_dir,
+                                                                agreed.iteration)
         live = dict(peers.others)
         try:
             manifest = self._agreed_manifest(agreed, folder, live, peers)
@@ -336,9 +356,8 @@ class Replication:
             else:
                 done.append(ReplicationFailed(agreed.iteration, "the live nodes no longer hold "
                                               "every file of the agreed checkpoint"))
-        except (PeerError, OSError) as error:
+        except OSError as error:  # this node's own folder: trying again would not help
             done.append(ReplicationFailed(agreed.iteration, str(error)))
-        return done
 
     @staticmethod
     def _holders_by_count(agreed: Agreed, live: dict[int, str]) -> list[int]:
