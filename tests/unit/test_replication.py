@@ -793,3 +793,34 @@ def test_a_brief_stall_of_the_peer_rank_0s_node_catches_up_from_is_tried_again(
     assert resumed == 4 and read_tracker(folders[0]) == 4
     set_aside_newer(folders[1], resumed)  # node 1's owner, once rank 0 loaded
     assert "4" in holdings_of(folders[1]) and read_tracker(folders[1]) == 4
+
+
+def test_a_stop_signal_ends_the_catch_ups_tries_at_once(tmp_path, monkeypatch):
+    """A peer that keeps failing is tried again, but not past a stop signal: SLURM's SIGKILL
+    follows its SIGTERM within a grace period that three tries of a stalled peer outlast."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
+    for path in mine.iterdir():
+        shutil.copy(path, theirs)
+    agreed = agreed_on({0: folders[0], 1: folders[1]})
+    shutil.rmtree(mine)
+    tries, stop = [], threading.Event()
+
+    def always_stalls(self, *args, **kwargs):
+        tries.append(args)
+        stop.set()  # the signal comes while the first try waits
+        raise PeerError(f"{self.url} sent nothing for 30 s")
+
+    monkeypatch.setattr(PeerClient, "fetch", always_stalls)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        caught_up = replications[0].catch_up(agreed, True, stop)
+    finally:
+        for replication in replications:
+            replication.close()
+    assert len(tries) == 1
+    assert [x for x in caught_up if isinstance(x, ReplicationFailed)]

@@ -290,8 +290,8 @@ class Replication:
             log.warning("cannot write %s (%s): this node's ranks may not read from its peers",
                         Path(self.config.run_dir) / PEERS_FILE, error.strerror or error)
 
-    def catch_up(self, agreed: Agreed | None, chooses: bool
-                 ) -> list[tuple[int, Copied] | ReplicationFailed]:
+    def catch_up(self, agreed: Agreed | None, chooses: bool,
+                 stop: threading.Event | None = None) -> list[tuple[int, Copied] | ReplicationFailed]:
         """Before a launch: the checkpoint the round agreed on made loadable here, so every
         node's ranks load it, rank 0's included, and its tracker set to it. What every rank's
         load opens on its own node comes from the live nodes that hold it (those holding the
@@ -302,8 +302,8 @@ class Replication:
         rejoins after missing saves needs this, and so does a rank-0 node whose folder lacks
         what its peers hold. The tracker is set where the load ``chooses`` (the node of rank
         0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning. A
-        peer's failure is tried again (:data:`CATCH_UP_TRIES`)."""
-        peers = self._peers
+        peer's failure is tried again (:data:`CATCH_UP_TRIES`), unless ``stop`` is set."""
+        peers, stop = self._peers, stop or threading.Event()
         if agreed is None or peers is None:
             return []
         done: list[tuple[int, Copied] | ReplicationFailed] = []
@@ -313,12 +313,12 @@ class Replication:
                     self._catch_up(agreed, peers, chooses, done)
                     break
                 except PeerError as error:  # what was copied is kept: the next try resumes
-                    if tries_left:
+                    if tries_left and not stop.is_set():
                         log.warning("catching up on memory checkpoint %d: %s; trying again",
                                     agreed.iteration, error)
-                        time.sleep(CATCH_UP_PAUSE_S)
-                    else:
+                    if not tries_left or stop.wait(CATCH_UP_PAUSE_S):
                         done.append(ReplicationFailed(agreed.iteration, str(error)))
+                        break
         return done
 
     def _catch_up(self, agreed: Agreed, peers: Peers, chooses: bool,

@@ -1459,7 +1459,7 @@ class Supervisor:
                                        rank0_here, self._stop_requested)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
-        self._report_replicated(self.replication.catch_up(agreed, chooses=rank0_here))
+        self._report_replicated(self.replication.catch_up(agreed, rank0_here, self._stop_requested))
 
     def _merge_dumps_across_nodes(self, merger: NodeRecord | None, rank0_here: bool,
                                   previous: Round | None) -> None:
