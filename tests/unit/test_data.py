@@ -58,11 +58,15 @@ def test_a_truncated_bin_is_a_data_error_at_start_up(tmp_path):
 def test_a_split_part_without_a_sequence_is_a_data_error_not_a_hang(tmp_path, sequences, split,
                                                                     eval_iters, part):
     """megatron-core adds epochs until a part holds the samples asked for: with no sequence
-    it added 0 tokens an epoch, forever, and start-up hung."""
+    it added 0 tokens an epoch, forever, and start-up hung. The line counts documents and says
+    that --split divides them: "none of the 1 sequences" of a corpus of 600,000 tokens in one
+    paragraph read as a count of --seq-length samples."""
     prefix = write_corpus(tmp_path / "corpus", sequences)
-    said = (f"--split {split} gives the {part} part none of the {sequences} sequences of "
-            f"{prefix}: give a larger corpus, or a --split that gives that part more or leaves "
-            f"it out (0)")
+    said = (f"--split {split} gives the {part} part none of the {sequences} documents of "
+            f"{prefix} (it divides whole documents, not --seq-length samples; "
+            f"tools/preprocess_data.py makes one per paragraph of a text file, or per line with "
+            f"--split-on-lines): give a larger corpus, or a --split that gives that part more "
+            f"or leaves it out (0)")
     with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
         build_datasets(data_args(prefix, tmp_path, split=split, eval_iters=eval_iters),
                        ByteLevelTokenizer())
