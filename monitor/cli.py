@@ -134,7 +134,7 @@ def _monitor(backend: Backend, backend_spec: str, run_dir: Path, interval: float
         raise click.ClickException(str(exc)) from None
     if metrics_port is not None:
         try:
-            metrics, url = serve_metrics(metrics_port, metrics_addr)
+            metrics, url = serve_metrics(metrics_port, metrics_addr, run_dir=run_dir)
         except MetricsUnavailable as exc:
             monitor.close()
             raise click.ClickException(str(exc)) from None

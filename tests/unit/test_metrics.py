@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
+from ftmaster import runfiles
 from ftmaster.cli import main
 from ftmaster.metrics import Metrics, MetricsConfig, MetricsUnavailable, serve_metrics
 from ftmaster.monitor.backends import make_backend
@@ -160,6 +161,17 @@ def test_served_on_loopback_by_default_and_scraped():
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     assert 'ftmaster_supervisor_state{Hostname="' in text and 'node_rank="1"' in text
+
+
+def test_ftmaster_monitor_names_a_free_port_in_a_metrics_event_as_launch_does(tmp_path):
+    """With --metrics-port 0 a scraper set up from events.jsonl found the URL of a launch's
+    metrics, but none of a standalone monitor's: it wrote the URL on the console alone."""
+    out = CliRunner().invoke(main, ["monitor", "--backend", "sim", "--num-gpus", "1",
+                                    "--run-dir", str(tmp_path), "--metrics-port", "0",
+                                    "--duration", "0"])
+    assert out.exit_code == 0, out.output
+    said = [e for e in runfiles.read_events(tmp_path) if e["event"] == "metrics"]
+    assert len(said) == 1 and f"metrics: serving {said[0]['url']}" in out.output
 
 
 def test_an_ipv6_address_is_served_at_a_url_one_can_open():

@@ -359,11 +359,10 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
     if options["metrics_port"] is not None:
         try:
             metrics, url = serve_metrics(options["metrics_port"], options["metrics_addr"],
-                                         node_rank)
+                                         node_rank, config.run_dir)
         except MetricsUnavailable as error:
             monitor.close()
             raise click.ClickException(str(error)) from None
-        runfiles.append_event(config.run_dir, "metrics", url=url)
         logging.getLogger("ftmaster").info("metrics: serving %s", url)
         observers.append(metrics)
     try:

@@ -34,11 +34,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import start_http_server
 
+from ftmaster import runfiles
 from ftmaster.addresses import host_port
 from ftmaster.states import State
 
@@ -415,14 +417,19 @@ class MetricsUnavailable(ValueError):
     """``--metrics-port``/``--metrics-addr`` cannot be served; the message says why."""
 
 
-def serve_metrics(port: int, addr: str, node_rank: int | None = None) -> tuple[Metrics, str]:
-    """Metrics served on ``addr:port``, and their URL."""
+def serve_metrics(port: int, addr: str, node_rank: int | None = None,
+                  run_dir: Path | None = None) -> tuple[Metrics, str]:
+    """Metrics served on ``addr:port``, and their URL, which ``run_dir``'s ``metrics`` event
+    names too: port 0 picks a free one, which a scraper set up from the events must learn."""
     try:
         metrics = Metrics(MetricsConfig(port=port, addr=addr, node_rank=node_rank))
-        return metrics, metrics.serve()
+        url = metrics.serve()
     except ValueError as error:
         raise MetricsUnavailable(str(error)) from None
     except OSError as error:
         raise MetricsUnavailable(f"cannot serve metrics on {host_port(addr, port)} "
                                  f"({error.strerror or error}); give another --metrics-port "
                                  f"or --metrics-addr") from None
+    if run_dir is not None:
+        runfiles.append_event(run_dir, "metrics", url=url)
+    return metrics, url
