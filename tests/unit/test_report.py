@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -416,6 +418,20 @@ def test_the_json_goes_to_dev_null_or_a_fifo_someone_reads(tmp_path):
         assert json.loads(os.read(reader, 1 << 16))["failures"]
     finally:
         os.close(reader)
+
+
+@pytest.mark.timeout(60)
+def test_json_out_to_stdout_leaves_the_pipe_to_the_json(tmp_path):
+    """``--json-out /dev/stdout | jq``, as the README shows it: the text report went to
+    stdout after the JSON, and jq (or json.load) met it as extra data. With the JSON on stdout
+    the text goes to stderr."""
+    run_dir = two_failures(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "ftmaster.cli", "report", str(run_dir),
+                           "--json-out", "/dev/stdout"], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["failures"]
+    assert "failure 1:" in done.stderr and "wrote /dev/stdout" in done.stderr
 
 
 def test_a_torn_last_log_line_is_not_read(tmp_path):

@@ -1144,6 +1144,7 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     try:
         with runfiles.open_output(json_out) as handle:
             handle.write(json.dumps(report, indent=1) + "\n")
+            text_to_stderr = runfiles.is_stdout(handle)
     except OSError as exc:
         raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
     try:
@@ -1151,8 +1152,8 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     except OSError as exc:
         failed = runfiles.failed_path(exc, run_dir / INCIDENT_PAGE)
         raise ReportError(f"cannot make the incident page: {failed}: {exc.strerror}") from None
-    click.echo(format_report(report))
-    click.echo(f"\nwrote {json_out} and {page}")
+    click.echo(format_report(report), err=text_to_stderr)
+    click.echo(f"\nwrote {json_out} and {page}", err=text_to_stderr)
 
 
 def run_path_problem(path: Path, run_dir: Path) -> str | None:

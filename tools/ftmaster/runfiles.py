@@ -25,6 +25,7 @@ import os
 import re
 import reprlib
 import stat
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -413,6 +414,16 @@ def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def is_stdout(handle: IO) -> bool:
+    """Whether ``handle`` writes where stdout does (``--json-out /dev/stdout``), so that a
+    command's text for people goes elsewhere and leaves the pipe to the data."""
+    try:
+        mine, out = os.fstat(handle.fileno()), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False  # no stdout file (closed, or a test's capture)
+    return (mine.st_dev, mine.st_ino) == (out.st_dev, out.st_ino)
 
 
 def failed_path(error: OSError, path: Path | str) -> str:
