@@ -172,4 +172,16 @@ def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:
     backend = monitor.backend
     if isinstance(backend, ReplayBackend) and backend.skipped:
         text += f"; skipped {backend.skipped} malformed row(s), first: {backend.problems[0]}"
-    return text
+    return text + _never_fired(monitor.pending_injections)
+
+
+def _never_fired(injections: list) -> str:
+    """The summary's note of the injections the run ended before: one at an iteration waits
+    for a trainer that the monitor alone may never see."""
+    if not injections:
+        return ""
+    note = f"; never fired: {', '.join(map(str, injections))}"
+    if any(injection.at_iteration is not None for injection in injections):
+        note += (" (at=iter:K waits for a trainer's heartbeat in the run directory to reach "
+                 "iteration K)")
+    return note

@@ -57,6 +57,18 @@ def test_sim_run_with_injection(tmp_path):
     assert "on GPU 1" in result.output
 
 
+def test_an_injection_that_never_came_due_is_named_in_the_summary(tmp_path):
+    """at=iter:K counts a trainer's iterations in the run directory's heartbeat: without a
+    trainer there, the fault never fired, and the summary read as if the rehearsal had run."""
+    result = invoke("--backend", "sim", "--run-dir", str(tmp_path), "--interval", "0.05",
+                    "--num-gpus", "2", "--duration", "0.3", "--inject", "fail:gpu=1,at=iter:3",
+                    "--inject", "degrade:gpu=0,at=0s")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith(
+        f"wrote {tmp_path}; never fired: fail:gpu=1,at=iter:3 (at=iter:K waits for a trainer's "
+        f"heartbeat in the run directory to reach iteration K)")
+
+
 def test_a_run_dir_another_ftmaster_uses_is_refused(tmp_path):
     """A launch's (or another monitor's): their rows and flags would interleave."""
     import os
