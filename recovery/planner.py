@@ -75,7 +75,9 @@ HOT_SPARE = "the original layout fits (hot spare)"
 """The plan's reason when it is the command's own layout, unchanged (mode ``closest``)."""
 THROUGHPUT_TIE = 0.02
 IDLE_WARNING_FRACTION = 0.10
-TOLERANCE_LADDER_PCT = (0.5, 1.0, 2.0, 5.0)
+TOLERANCE_LADDER_PCT = (0.5, 1.0, 2.0, 5.0, 10.0)
+"""The tolerances the idle warning tries, smallest first: a small job's batch moves in large
+steps (16 to 15 on 3 GPUs is 6.25%)."""
 MAX_TOLERANCE_PCT = 50.0
 UNCHECKED_MEMORY_GROWTH = 0.25
 """Without a memory size, a plan needing this much (and 1 GiB) more memory than the original
@@ -596,7 +598,7 @@ def _idle_warning(problem: _Problem, chosen: _Candidate, batches: _Batches) -> s
     idle = gpus - chosen.layout.num_gpus
     if idle <= IDLE_WARNING_FRACTION * gpus or batches.low != batches.high or batches.schedule:
         return None
-    advice = "no tolerance up to 5% would fix it"
+    advice = f"no tolerance up to {TOLERANCE_LADDER_PCT[-1]:g}% would fix it"
     for pct in TOLERANCE_LADDER_PCT:
         wider = _batches(problem.facts, problem.request, pct)
         candidates = _search(problem, wider)

@@ -42,6 +42,18 @@ def test_the_exact_rule_stands_with_tolerance_0_and_says_what_a_tolerance_would_
     assert "leaves 6136 of 16376 GPUs (37.5%) idle; --global-batch-tolerance 0.5 would use" in idle[0]
 
 
+def test_a_small_job_is_told_the_tolerance_that_fills_its_gpus():
+    """The README's case: 3 of 4 GPUs left with batch 16, where a tolerance of 10 trains DP3 at
+    batch 15. The warning stopped looking at 5% and said no tolerance would fix it."""
+    args = ["t.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--train-iters", "20"]
+    exact = plan_layout(args, 3, original_world_size=4)
+    idle = [w for w in exact.warnings if w.startswith("the exact global batch")]
+    assert idle == ["the exact global batch 16 leaves 1 of 3 GPUs (33.3%) idle; "
+                    "--global-batch-tolerance 10 would use 3 with global batch 15"]
+
+
 def test_a_spare_node_keeps_the_original_layout_whatever_the_tolerance():
     plan = plan_layout(LLAMA3_70B_TP8_PP8, 16392, 8, global_batch_tolerance_pct=5,
                        original_world_size=16384)
