@@ -20,6 +20,17 @@ STARTUP_PHASES = {"launch": 0.05, "interpreter": 0.0, "imports": 0.02, "process-
                   "first-iteration": 0.5}
 
 
+def test_lost_iterations_whose_time_the_log_lacks_say_so_in_words(tmp_path):
+    """The hung rank's last iteration is in the heartbeat, not in the log: the line read
+    "(RPO; unknown of training)"."""
+    run_dir = two_failures(tmp_path / "run")
+    log = run_dir / "logs" / "attempt_1.log"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))  # no iteration 16
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "  lost iterations    4 (RPO; training time unknown)\n" in result.output
+
+
 def two_failures(run_dir):
     """Attempt 1 (TP2 x PP2) loses GPU 1 to an injected fault after an alert and an emergency
     save; attempt 2 (DP3) loses GPU 2, which the monitor reports gone; attempt 3 (DP2) ends.

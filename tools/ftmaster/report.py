@@ -999,6 +999,10 @@ def _s(seconds: float | None) -> str:
     return "unknown" if seconds is None else f"{seconds:.3f} s"
 
 
+def _training_time(seconds: float | None) -> str:
+    return "training time unknown" if seconds is None else f"{seconds:.3f} s of training"
+
+
 def round_text(f: dict, start: float) -> list[str]:
     """The lines a multi-node round adds: its other failures and its silent nodes."""
     lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, "
@@ -1058,7 +1062,7 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
              "  restarted from     " + restarted_from_text(f) + (
                  "" if f["load_seconds"] is None else
                  f" (load {f['load_seconds']:.3f} s, {f['load_bytes']} bytes)"),
-             f"  lost iterations    {f['lost_iterations']} (RPO; {_s(f['lost_seconds'])} of training)",
+             f"  lost iterations    {f['lost_iterations']} (RPO; {_training_time(f['lost_seconds'])})",
              *_replica_text(f["replica"])]
     if f["outcome"] != "resumed":
         said = (f.get("root_cause") or "").splitlines()
