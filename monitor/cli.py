@@ -163,8 +163,10 @@ def _run_live(monitor: Monitor, duration: float | None) -> None:
 
 def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:
     alerted = sorted({a.gpu for a in monitor.alerts})
-    text = (f"{backend_spec}: {monitor.samples_seen} GPU samples, {len(monitor.alerts)} alert(s)"
-            f" on {gpus_text(alerted)}, lost {gpus_text(sorted(monitor.lost_gpus()))}")
+    alerts = (f"{len(monitor.alerts)} alert(s) on {gpus_text(alerted)}" if alerted
+              else "no alert")
+    text = (f"{backend_spec}: {monitor.samples_seen} GPU samples, {alerts}, "
+            f"lost {gpus_text(sorted(monitor.lost_gpus()))}")
     unschedulable = monitor.unschedulable_gpus()
     if unschedulable:
         text += ", unschedulable " + ", ".join(f"GPU {gpu} ({reason})" for gpu, reason in unschedulable.items())

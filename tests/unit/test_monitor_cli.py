@@ -69,6 +69,14 @@ def test_an_injection_that_never_came_due_is_named_in_the_summary(tmp_path):
         f"heartbeat in the run directory to reach iteration K)")
 
 
+def test_a_quiet_run_says_no_alert(tmp_path):
+    """It read '0 alert(s) on no GPU'."""
+    result = invoke("--backend", "sim", "--run-dir", str(tmp_path), "--interval", "0.05",
+                    "--num-gpus", "2", "--duration", "0.2")
+    assert result.exit_code == 0, result.output
+    assert ", no alert, lost no GPU; wrote" in result.output
+
+
 def test_a_run_dir_another_ftmaster_uses_is_refused(tmp_path):
     """A launch's (or another monitor's): their rows and flags would interleave."""
     import os
