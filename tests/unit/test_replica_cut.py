@@ -2,7 +2,11 @@
 hand-made plans, and when the supervisor asks for a dump at all."""
 
 import re
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -210,8 +214,6 @@ def test_the_dump_does_not_wait_for_the_culprits_rank(tmp_path):
 
 def test_a_merge_that_crashed_says_why_in_the_fallback(tmp_path):
     """Its stderr was dropped: the fallback said only "exit status 1"."""
-    import subprocess
-    import sys
 
     from ftmaster.replica_recovery import Merging
 
@@ -311,8 +313,6 @@ def test_a_dump_report_that_cannot_be_written_still_ends_the_parked_rank(tmp_pat
 def test_a_merge_killed_mid_write_leaves_nothing_in_the_memory_tier(tmp_path):
     """Its checkpoint under construction (the chosen shards hard-linked) stayed for good, and
     with it the node memory of every shard it linked: removing the dumps freed none of it."""
-    import subprocess
-    import sys
 
     from ftmaster.replica_recovery import Merging
 
@@ -349,3 +349,38 @@ def test_a_warm_merge_never_answers_with_an_earlier_merges_output(tmp_path):
     earlier.write_text('{"iteration": 16, "shards": 2, "seconds": 0.01, "path": "p", "bytes": 1}\n')
     assert recovery.finish_merge(recovery.start_merge(folder)) is None
     assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
+
+
+SUPERVISOR_THAT_MERGES = """
+import sys, time
+from pathlib import Path
+from ftmaster.replica_recovery import ReplicaRecovery
+root = Path(sys.argv[1])
+recovery = ReplicaRecovery(root, root / "memory", root / "save", lambda *a, **k: None)
+print(recovery.start_merge(root / "memory" / "replicas" / "attempt_1").process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_cold_merge_dies_with_a_killed_supervisor(tmp_path):
+    """ftmaster SIGKILLed while a merge it started cold was importing torch: the merge lived
+    on, an orphan writing a checkpoint into the memory tier under the next launch."""
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR_THAT_MERGES, str(tmp_path)],
+                                  stdout=subprocess.PIPE, text=True)
+    merge = psutil.Process(int(supervisor.stdout.readline()))
+    supervisor.kill()
+    supervisor.wait()
+    deadline = time.monotonic() + 1.0  # its import of torch alone takes longer
+    while _alive(merge) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if _alive(merge):
+        merge.kill()
+        pytest.fail("the merge outlived the supervisor that started it")
+
+
+def _alive(process) -> bool:
+    """Running: a zombie nobody reaps (a container's init may not) is dead."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -25,7 +25,8 @@ import psutil
 from ftmaster import runfiles
 from ftmaster.console import gpus_text
 from ftmaster.exit_codes import TRAINER_CAUSES
-from ftmaster.guard import GUARD_PARENT_ENV, RANK_DIR_ENV, error_file_path, rank_record_path
+from ftmaster.guard import (RANK_DIR_ENV, dying_with_this_process, error_file_path,
+                            naming_this_process, rank_record_path)
 from ftmaster.recovery.torchrun import StaticWorld, torchrun_argv
 from ftmaster.warm import WarmStarter
 
@@ -42,8 +43,8 @@ def attempt_argv(command: Sequence[str], nproc: int, python: str = sys.executabl
                  world: StaticWorld | None = None, log_dir: Path | None = None) -> list[str]:
     """``guard exec torchrun ... -m ftmaster.guard rank SCRIPT ARGS`` as one argv list."""
     guarded = ["-m", "ftmaster.guard", "rank", *command]
-    return [python, "-m", "ftmaster.guard", "exec",
-            *torchrun_argv(guarded, nproc, python=python, world=world, log_dir=log_dir)]
+    return dying_with_this_process(
+        torchrun_argv(guarded, nproc, python=python, world=world, log_dir=log_dir), python)
 
 
 def with_exit_signal_handler(command: Sequence[str]) -> list[str]:
@@ -245,9 +246,9 @@ class Attempt:
         self.started_at = time.time()
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
-        env = {**inherited_environment(), **env, RANK_DIR_ENV: str(self.rank_dir),
-               GUARD_PARENT_ENV: str(os.getpid()), runfiles.RUN_DIR_ENV: str(run_dir),
-               runfiles.LAUNCHED_AT_ENV: repr(self.started_at)}
+        env = naming_this_process({
+            **inherited_environment(), **env, RANK_DIR_ENV: str(self.rank_dir),
+            runfiles.RUN_DIR_ENV: str(run_dir), runfiles.LAUNCHED_AT_ENV: repr(self.started_at)})
         # The first launch is cold (DESIGN): the pool starts importing beside it.
         warm = (starter.start(self.command, len(self.gpus), env, self.rank_dir, self.log_path, world)
                 if starter is not None and number > 1 else None)

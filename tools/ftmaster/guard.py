@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from ftmaster.runfiles import atomic_write_text
 
@@ -127,6 +128,17 @@ def _started_by() -> int:
     environment does not say (started by hand, or by ``srun``)."""
     named = os.environ.get(GUARD_PARENT_ENV, "")
     return int(named) if named.isdigit() else os.getppid()
+
+
+def dying_with_this_process(command: Sequence[str], python: str = sys.executable) -> list[str]:
+    """``command`` under ``guard exec``, to be started with :func:`naming_this_process` in its
+    environment: it then dies with this process, SIGKILL included."""
+    return [python, "-m", "ftmaster.guard", "exec", *command]
+
+
+def naming_this_process(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` naming this process as the parent a guard started from here dies with."""
+    return {**env, GUARD_PARENT_ENV: str(os.getpid())}
 
 
 def run_exec(command: list[str]) -> None:

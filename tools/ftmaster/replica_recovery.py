@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 
 from ftmaster import runfiles
 from ftmaster.attempt import Attempt
+from ftmaster.guard import dying_with_this_process, naming_this_process
 from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned
 from ftmaster.recovery.checkpoints import read_tracker
 from ftmaster.recovery.replicas import (DUMPS_SUBDIR, REQUEST_FLAG, dump_folder, read_reports,
@@ -193,8 +195,10 @@ class ReplicaRecovery:
         warm = self.starter.run_module(module, helper) if self.starter is not None else None
         if warm is not None:
             return Merging(folder, warm, started, output)
-        process = subprocess.Popen([sys.executable, *module], stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+        # Under the guard: killed with ftmaster, it went on writing into the memory tier
+        process = subprocess.Popen(dying_with_this_process([sys.executable, *module]),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=naming_this_process(os.environ))
         return Merging(folder, process, started)
 
     def finish_merge(self, merging: "Merging", stop: threading.Event | None = None) -> int | None:
