@@ -552,6 +552,40 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     assert (kept in caplog.text) is not removed
 
 
+def test_a_supervisor_started_after_a_reboot_says_the_memory_tier_lost_the_killed_ones_newest(
+        tmp_path, caplog):
+    """A node reboot kills ftmaster and empties /dev/shm: the one started again resumed from
+    disk's older checkpoint without a word of the iterations that went with memory."""
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(disk, 20)
+    run_dir = tmp_path / "run"
+    runfiles.append_event(run_dir, "launch", attempt=1)
+    runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    supervisor._resuming(supervisor.config.command)
+    (lost,) = [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
+    assert (lost["path"], lost["iteration"]) == (str(memory), 24)
+    assert f"the memory tier {memory} no longer holds checkpoints (the newest was iteration 24)" \
+        in caplog.text
+
+
+def test_a_supervisor_started_after_one_that_ended_has_no_memory_tier_to_miss(tmp_path):
+    """A run that ends removes the memory folder it chose once disk holds it all."""
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(disk, 24)
+    run_dir = tmp_path / "run"
+    runfiles.append_event(run_dir, "launch", attempt=1)
+    runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
+    runfiles.append_event(run_dir, "failure", attempt=1, iteration=25, cause="exit")
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    supervisor._resuming(supervisor.config.command)
+    assert not [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
+
+
 def test_a_persist_given_up_for_a_newer_checkpoint_takes_the_newer_one_at_once(tmp_path):
     """The peers pruned the checkpoint being copied: they hold newer ones, which waited a
     whole --save-interval of time after it, as if its copy had landed."""

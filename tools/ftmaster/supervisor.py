@@ -484,6 +484,11 @@ class Supervisor:
         ended = any(e["event"] in ("failure", "complete", "stopped") and e.get("attempt", last["attempt"])
                     == last["attempt"] and e["time"] >= last["time"] for e in events)
         if not ended:
+            # Where its newest checkpoint went: a reboot that killed it emptied /dev/shm too,
+            # and the resume from disk's older one must say what was lost. (One that ended
+            # removed its memory folder only once disk held it all.)
+            self._last_checkpoint = next((e for e in reversed(events) if e["event"] in SAVE_EVENTS
+                                          and isinstance(e.get("iteration"), int)), None)
             heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
             iteration = heartbeat.get("iteration")  # unknown, not 0, when unreadable
             alive = [t for t in (heartbeat.get("time"), events[-1]["time"])
