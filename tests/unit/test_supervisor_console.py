@@ -1184,6 +1184,53 @@ def test_a_lost_rendezvous_after_a_stop_signal_is_the_stop_not_a_requeue(tmp_pat
     assert (stopped["event"], stopped["state"]) == ("stopped", state)
 
 
+class StoreGoneMembership:
+    """The store's host exited: every store call fails."""
+
+    def announce_failure(self, cause):
+        from ftmaster.membership import StoreLost
+
+        raise StoreLost("the store is gone")
+
+
+class CrashingInTheStopAttempt(RankEndingAttempt):
+    """Its rank 0 crashes (status 3) as the stop's SIGTERM asks it to save."""
+
+    stops = 0
+
+    def stop(self, deadline_s):
+        self.stops, self.ended = self.stops + 1, True
+        return 1
+
+
+def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not_a_requeue(
+        tmp_path):
+    """scancel signals every node; the store's host exits first, and a rank crashing during
+    the stop had ftmaster announce its failure on a store that is gone: 'store_lost' and
+    exit 75, which the SLURM wrapper answers with a requeue of the job just cancelled."""
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State, Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.membership = StoreGoneMembership()
+    attempt = CrashingInTheStopAttempt()
+
+    def launched():
+        supervisor.attempt = attempt
+        supervisor.request_stop(signal.SIGTERM)
+        return Trigger.LAUNCHED
+
+    supervisor._handlers[State.PLANNING] = lambda: Trigger.PLANNED
+    supervisor._handlers[State.RELAUNCHING] = launched
+    assert supervisor.run() == 128 + signal.SIGTERM
+    assert attempt.stops == 1  # the ranks were asked to save and exit, not just killed
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert events[-1] == "stopped" and "store_lost" not in events
+
+
 def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_nodes_left(tmp_path):
     """Only peer copies move ``.ftmaster_whole`` and ``.ftmaster_replicated``: left by an
     earlier run in a memory folder given again, they would keep their checkpoint from every

@@ -22,6 +22,7 @@ rendezvous round with the other nodes, and three more paths exist::
     PLANNING ─standby─> STANDBY ─peers_waiting─> PLANNING   (this node got no ranks: a spare)
                            ├─completed─> SUCCEEDED  ├─give_up─> GAVE_UP   (the job ended elsewhere)
     any live state ─store_lost─> REQUEUED             (exit 75: the rendezvous store is gone)
+                                (after a stop signal _store_lost gives the stop's trigger)
 
 DRAINING keeps training while it waits for the emergency save, so it can also fail, complete
 or be signalled like RUNNING. Once the save is durable it restarts without the GPU only if

@@ -44,7 +44,7 @@ joins the next round; a peer waiting for one (a failure elsewhere, or a node tha
 stops the local attempt and joins too: at once with ``scale_up="now"``, after an agreed save
 with ``"at-save"``. The restart budget counts rounds, job-wide. When the rendezvous store is
 gone, the local attempt is killed and the supervisor ends with exit status 75: requeue the
-job. Only the end of the whole job closes the rendezvous.
+job; after a stop signal it ends as the stop instead (a requeue would undo a scancel). Only the end of the whole job closes the rendezvous.
 
 **Continuity.** Attempt numbers continue those already in the run directory: a supervisor
 started again on it (after its predecessor was killed) records the attempt that died with it
@@ -689,12 +689,14 @@ class Supervisor:
     def _store_lost(self, lost: StoreLost, state: State) -> Trigger:
         """A requeue, unless this node's training had finished its schedule, its last
         checkpoint durable: then the job is done, whatever became of its rendezvous; or
-        unless a stop signal came where nothing trains: the same scancel or time limit
-        stopped the store's host first, and a requeue would undo the cancel."""
-        if state in IDLE_STATES and self._stop_requested.is_set():
-            return self._stopped_idle(state)
+        unless a stop signal came first: the same scancel or time limit stopped the store's
+        host sooner, and a requeue would undo the cancel."""
         finished = (state in (State.RUNNING, State.DRAINING)
                     and (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
+        if self._stop_requested.is_set() and not finished:
+            log.warning("the job's rendezvous is gone (%s) after signal %s: ending as the stop",
+                        lost, self.signum)
+            return self._stopped_without_the_store(state)
         if self.attempt is not None:
             self.attempt.kill()
         if finished:
@@ -703,6 +705,18 @@ class Supervisor:
         self._event("store_lost", reason=str(lost))
         log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
         return Trigger.STORE_LOST
+
+    def _stopped_without_the_store(self, state: State) -> Trigger:
+        """The stop a signal asked for, the store gone: training still running is stopped
+        as any signal stops it (STOPPING: its ranks save and exit); in STOPPING their stop
+        is over (the store went as a rank's failure during it was announced)."""
+        if state in IDLE_STATES:
+            return self._stopped_idle(state)
+        if state is not State.STOPPING:
+            return Trigger.SIGNALLED
+        self._event("stopped", signal=self.signum, exit_code=self.attempt.exit_code(),
+                    iteration=self._state_iteration())
+        return Trigger.STOPPED
 
     def _wait_for_exit_after_finishing(self) -> Trigger | None:
         """Training ended with its last checkpoint durable: only its exit remains. One that
