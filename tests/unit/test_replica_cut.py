@@ -4,6 +4,7 @@ hand-made plans, and when the supervisor asks for a dump at all."""
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -222,7 +223,7 @@ def test_a_merge_that_crashed_says_why_in_the_fallback(tmp_path):
                                lambda name, **fields: said.append(fields["reason"]))
     crash = subprocess.Popen([sys.executable, "-c", "raise OSError('no room in /dev/shm')"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert recovery.finish_merge(Merging(tmp_path / "dumps", crash, 0.0)) is None
+    assert recovery.finish_merge(Merging(tmp_path / "dumps", crash, 0.0), threading.Event()) is None
     assert "exit status 1: OSError: no room in /dev/shm" in said[0], said
 
 
@@ -237,7 +238,7 @@ def test_a_warm_merge_worker_that_ended_before_its_output_is_a_fallback(tmp_path
                                lambda name, **fields: said.append(fields["reason"]))
     ended = SimpleNamespace(returncode=1, poll=lambda: 1, kill=lambda: None)
     merging = Merging(tmp_path / "dumps", ended, 0.0, tmp_path / "merge_1" / "output.log")
-    assert recovery.finish_merge(merging) is None
+    assert recovery.finish_merge(merging, threading.Event()) is None
     assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
 
 
@@ -326,7 +327,7 @@ def test_a_merge_killed_mid_write_leaves_nothing_in_the_memory_tier(tmp_path):
     said = []
     recovery = ReplicaRecovery(tmp_path, memory, tmp_path / "save",
                                lambda name, **fields: said.append(fields["reason"]))
-    assert recovery.finish_merge(Merging(tmp_path / "dumps", killed, 0.0)) is None
+    assert recovery.finish_merge(Merging(tmp_path / "dumps", killed, 0.0), threading.Event()) is None
     assert "exit status -9" in said[0], said
     assert not staging.exists()
 
@@ -347,7 +348,7 @@ def test_a_warm_merge_never_answers_with_an_earlier_merges_output(tmp_path):
     earlier = tmp_path / "ranks" / "merge_round_3" / "output.log"
     earlier.parent.mkdir(parents=True)
     earlier.write_text('{"iteration": 16, "shards": 2, "seconds": 0.01, "path": "p", "bytes": 1}\n')
-    assert recovery.finish_merge(recovery.start_merge(folder)) is None
+    assert recovery.finish_merge(recovery.start_merge(folder), threading.Event()) is None
     assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
 
 

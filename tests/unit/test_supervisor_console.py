@@ -1231,6 +1231,44 @@ def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not
     assert events[-1] == "stopped" and "store_lost" not in events
 
 
+def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypatch):
+    """--replica-recovery on one node: a SIGTERM while the merge of the failed attempt's dumps
+    ran was heard only once the merge ended or its timeout (300 s) passed; SLURM SIGKILLs
+    ftmaster long before. The merge is killed and cleaned up, and the run ends as the stop."""
+    import subprocess
+    import sys
+    import threading
+
+    from ftmaster import replica_recovery
+    from ftmaster.launch import check_layout
+    from ftmaster.replica_recovery import Merging, ReplicaRecovery
+    from ftmaster.states import State, Trigger, advance
+    from test_launch_parts import MODEL
+
+    monkeypatch.setattr(replica_recovery, "MERGE_TIMEOUT_S", 5.0)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    supervisor.attempt = RankEndingAttempt()
+    dumps = tmp_path / "memory" / "replicas" / "attempt_1"
+    dumps.mkdir(parents=True)
+    merge = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    recovery = supervisor.replicas = ReplicaRecovery(tmp_path, tmp_path / "memory",
+                                                     tmp_path / "save", supervisor._event)
+    monkeypatch.setattr(recovery, "dump_if_useful", lambda *args: dumps)
+    monkeypatch.setattr(recovery, "start_merge", lambda folder: Merging(folder, merge, 0.0))
+    threading.Timer(0.3, supervisor.request_stop, (signal.SIGTERM,)).start()
+    started = time.monotonic()
+    assert supervisor._failure("exit", 16, [0], {"0": 3}) is Trigger.FAILURE
+    assert time.monotonic() - started < 3.0
+    assert merge.poll() is not None and not dumps.exists()  # killed, its dumps removed
+    # FAILED, where nothing trains, then ends the run as the stop
+    assert advance(State.FAILED, supervisor._stopped_idle(State.FAILED)) is State.INTERRUPTED
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert events[-2:] == ["failure", "stopped"] and "replica_merge" not in events
+
+
 def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_nodes_left(tmp_path):
     """Only peer copies move ``.ftmaster_whole`` and ``.ftmaster_replicated``: left by an
     earlier run in a memory folder given again, they would keep their checkpoint from every

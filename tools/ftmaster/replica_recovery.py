@@ -201,10 +201,12 @@ class ReplicaRecovery:
                                    env=naming_this_process(os.environ))
         return Merging(folder, process, started)
 
-    def finish_merge(self, merging: "Merging", stop: threading.Event | None = None) -> int | None:
+    def finish_merge(self, merging: "Merging", stop: threading.Event) -> int | None:
         """The merged checkpoint's iteration, or None after saying why there is none.
-        Abandoned once ``stop`` is set: the merge is killed and cleaned up as one past its
-        timeout, so nothing half-built is left for a later launch to load."""
+        Abandoned once ``stop`` is set (ftmaster's stop signal: every caller has one, as
+        SLURM's SIGKILL comes long before the merge's timeout): the merge is killed and
+        cleaned up as one past its timeout, so nothing half-built is left for a later
+        launch to load."""
         said = besides = ""
         try:
             said, besides = merge_output(merging, stop)

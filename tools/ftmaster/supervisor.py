@@ -936,7 +936,10 @@ class Supervisor:
         merging = self.replicas.start_merge(dump) if dump is not None else None
         attempt.kill()
         if merging is not None:
-            self.replicas.finish_merge(merging)
+            try:
+                self.replicas.finish_merge(merging, self._stop_requested)
+            except Abandoned:  # nothing will load it: FAILED ends the run as the stop
+                log.info("replica recovery: the merge was stopped by signal %s", self.signum)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
