@@ -393,6 +393,58 @@ def test_a_spares_read_of_the_jobs_outcome_from_a_store_that_hangs_is_a_lost_sto
         cut.set()
 
 
+def blackholed_end(cut, hanging):
+    """A seat at the end of the job whose ``hanging`` call (``check`` of the outcome, or the
+    handler's ``shutdown``) waits for ``cut``, as on a store no packet reaches."""
+    from types import SimpleNamespace
+
+    membership = cut_off_seat(cut)
+    calls = {"check": lambda keys: False, "set": lambda key, value: None,
+             "shutdown": lambda: True}
+    calls[hanging] = lambda *args: cut.wait()
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        check=calls["check"], set=calls["set"]))
+    membership.handler = SimpleNamespace(shutdown=calls["shutdown"])
+    membership.acknowledge = lambda stop=None: None  # bounded already; not what is tested here
+    return membership
+
+
+@pytest.mark.parametrize("hanging", ["check", "shutdown"])
+def test_the_end_of_the_job_on_a_store_that_hangs_is_bounded(monkeypatch, hanging):
+    """A store host blackholed at the end of the job: end_job's outcome check and set and the
+    rendezvous' shutdown had no deadline of ftmaster's, and the node's exit hung with them."""
+    import threading
+    import time
+
+    monkeypatch.setattr(RendezvousConfig, "store_timeout_s", property(lambda config: 0.3))
+    cut = threading.Event()
+    threading.Timer(5.0, cut.set).start()  # the old, unbounded, call ends here
+    started = time.monotonic()
+    try:
+        blackholed_end(cut, hanging).end_job("complete")
+        assert time.monotonic() - started < 2.0
+    finally:
+        cut.set()
+
+
+@pytest.mark.parametrize("hanging", ["check", "shutdown"])
+def test_a_stop_cuts_the_end_of_the_job_on_a_store_that_hangs_short(hanging):
+    """SLURM SIGKILLs ftmaster a grace period after its SIGTERM, sooner than the store's
+    timeout (65 s by default)."""
+    import threading
+    import time
+
+    cut, stop = threading.Event(), threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    threading.Timer(5.0, cut.set).start()
+    started = time.monotonic()
+    try:
+        blackholed_end(cut, hanging).end_job("complete", stop)
+        assert time.monotonic() - started < 1.5
+    finally:
+        cut.set()
+
+
 def test_an_etcd_store_that_cannot_be_reached_is_lost_not_a_traceback():
     """torch's EtcdStore lets python-etcd's own errors through (torch's etcd backend wraps
     them for the handler, not for the store): a standby node reading the job's outcome from

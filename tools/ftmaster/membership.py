@@ -546,16 +546,20 @@ class NodeMembership:
 
     def end_job(self, outcome: str, stop: threading.Event | None = None) -> None:
         """Say how the job ended, close the rendezvous, then acknowledge it as every node
-        does (:meth:`acknowledge`, which ``stop`` cuts short). Any node that ends the job
-        closes: a peer already waiting in the next round's join learns of the end only from
-        the close."""
+        does (:meth:`acknowledge`). Any node that ends the job closes: a peer already waiting
+        in the next round's join learns of the end only from the close. Each store call is
+        bounded, and ``stop`` cuts them short, as :meth:`announcement` explains: a store no
+        packet reaches held the node's exit."""
         if self._round_store is None:
             return
-        base = self._round_store.underlying_store
+        base, key = self._round_store.underlying_store, self._job_key("outcome")
         try:
-            if not base.check([self._job_key("outcome")]):
-                base.set(self._job_key("outcome"), outcome)
-            self.handler.shutdown()
+            if not self._bounded(base.check, [key], stop=stop):
+                self._bounded(base.set, key, outcome, stop=stop)
+            self._bounded(self.handler.shutdown, stop=stop)
+        except Abandoned:
+            log.info("stopped closing the rendezvous at the end of the job")
+            return
         except Exception as error:  # the job is over; a store gone now changes nothing
             log.info("rendezvous at the end of the job: %s", error)
             return
