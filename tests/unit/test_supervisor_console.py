@@ -450,7 +450,7 @@ class PeerFailedMembership:
     def peers_waiting(self):
         return True
 
-    def announce_failure(self, cause):
+    def announce_failure(self, cause, stop=None):
         pass
 
 
@@ -1187,7 +1187,7 @@ def test_a_lost_rendezvous_after_a_stop_signal_is_the_stop_not_a_requeue(tmp_pat
 class StoreGoneMembership:
     """The store's host exited: every store call fails."""
 
-    def announce_failure(self, cause):
+    def announce_failure(self, cause, stop=None):
         from ftmaster.membership import StoreLost
 
         raise StoreLost("the store is gone")
@@ -1229,6 +1229,48 @@ def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not
     assert attempt.stops == 1  # the ranks were asked to save and exit, not just killed
     events = [e["event"] for e in runfiles.read_events(tmp_path)]
     assert events[-1] == "stopped" and "store_lost" not in events
+
+
+def test_a_failure_announced_during_a_stop_on_a_store_that_hangs_ends_as_the_stop_at_once(
+        tmp_path):
+    """The store's host blackholed (no reset comes) as scancel signalled every node: the
+    announce of a rank's crash during the stop waited out the store's timeout (read_timeout
+    + 5 s, 65 s by default) twice, far past SLURM's grace period before its SIGKILL."""
+    import threading
+    from types import SimpleNamespace
+
+    from ftmaster.launch import check_layout
+    from ftmaster.membership import NodeMembership, RendezvousConfig, Round
+    from ftmaster.states import State, Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    cut = threading.Event()
+    membership = supervisor.membership = NodeMembership(
+        RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1",
+                         conf={"read_timeout": "1"}), connect=False)
+    membership._round = Round(1, (), 0)
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        add=lambda key, value: cut.wait()))
+    attempt = CrashingInTheStopAttempt()
+
+    def launched():
+        supervisor.attempt = attempt
+        supervisor.request_stop(signal.SIGTERM)
+        return Trigger.LAUNCHED
+
+    supervisor._handlers[State.PLANNING] = lambda: Trigger.PLANNED
+    supervisor._handlers[State.RELAUNCHING] = launched
+    started = time.monotonic()
+    try:
+        assert supervisor.run() == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 3.0
+    finally:
+        cut.set()
+    assert attempt.stops == 1
+    assert runfiles.read_events(tmp_path)[-1]["event"] == "stopped"
 
 
 def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypatch):

@@ -456,14 +456,17 @@ class NodeMembership:
             self._call(base.set, key, new_secret())
         return self._call(base.get, key).decode()
 
-    def announce_failure(self, cause: str) -> None:
+    def announce_failure(self, cause: str, stop: threading.Event | None = None) -> None:
         """Tell the other nodes that the current round failed here, and why: their ranks may
         be blocked on collectives with a dead peer until a timeout, or parked for a replica
         dump, and should be stopped (and dump) now. The first node to fail says it: a later
-        node's failure (cause ``peer``, or a hang) is a consequence."""
+        node's failure (cause ``peer``, or a hang) is a consequence. Abandoned once ``stop``
+        is set, as :meth:`announcement` is."""
         name = f"failed/{self._round.number}"
-        if self._bounded(self._round_store.underlying_store.add, self._job_key(f"{name}/n"), 1) == 1:
-            self.announce(name, f"{self.config.node_rank} {cause}")
+        first = self._bounded(self._round_store.underlying_store.add, self._job_key(f"{name}/n"),
+                              1, stop=stop)
+        if first == 1:
+            self.announce(name, f"{self.config.node_rank} {cause}", stop)
 
     def peer_failure(self) -> str | None:
         """The cause of the current round's failure another node announced, if one did
@@ -471,9 +474,10 @@ class NodeMembership:
         self._poll()
         return self._peer_failure
 
-    def announce(self, name: str, value: str) -> None:
-        """Tell every node of the job ``value`` under ``name``."""
-        self._bounded(self._round_store.underlying_store.set, self._job_key(name), value)
+    def announce(self, name: str, value: str, stop: threading.Event | None = None) -> None:
+        """Tell every node of the job ``value`` under ``name``; Abandoned once ``stop`` is set."""
+        self._bounded(self._round_store.underlying_store.set, self._job_key(name), value,
+                      stop=stop)
 
     def announcement(self, name: str, timeout_s: float,
                      stop: threading.Event | None = None) -> str | None:

@@ -400,6 +400,8 @@ class Supervisor:
                     trigger = self._stopped_idle(state) if idle_stop else self._handlers[state]()
                 except StoreLost as lost:
                     trigger = self._store_lost(lost, state)
+                except Abandoned:  # a store call that a stop signal cut short
+                    trigger = self._stopped_without_the_store(state)
                 new_state = advance(state, trigger)
                 log.info("state: %s -> %s (%s)", state.value, new_state.value, trigger.value)
                 state = new_state
@@ -707,9 +709,10 @@ class Supervisor:
         return Trigger.STORE_LOST
 
     def _stopped_without_the_store(self, state: State) -> Trigger:
-        """The stop a signal asked for, the store gone: training still running is stopped
-        as any signal stops it (STOPPING: its ranks save and exit); in STOPPING their stop
-        is over (the store went as a rank's failure during it was announced)."""
+        """The stop a signal asked for, the store gone or a call to it cut short by the
+        signal: training still running is stopped as any signal stops it (STOPPING: its
+        ranks save and exit); in STOPPING their stop is over (the store failed the announce
+        of a rank's failure during it)."""
         if state in IDLE_STATES:
             return self._stopped_idle(state)
         if state is not State.STOPPING:
@@ -914,7 +917,8 @@ class Supervisor:
         self._last_failure = (cause, first_local_rank)
         self._failed_since_launch = True
         if self.membership is not None:
-            self.membership.announce_failure(cause)  # the other nodes stop (and dump) now
+            # the other nodes stop (and dump) now; after a signal, only if the store answers at once
+            self.membership.announce_failure(cause, self._stop_requested)
         self.monitor.refresh(EVIDENCE_TIMEOUT_S)
         unfit = {g: why for g, why in self._unfit_gpus().items() if g in attempt.gpus}
         self._event("failure", attempt=attempt.number, iteration=self._state_iteration(),
