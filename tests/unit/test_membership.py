@@ -3,6 +3,8 @@ forms, node order by node rank, and one-line refusals."""
 
 import json
 import re
+import threading
+import time
 from dataclasses import asdict, replace
 
 import click
@@ -316,7 +318,7 @@ def test_a_node_that_died_before_its_record_is_left_to_the_next_round(monkeypatc
 
     membership = NodeMembership.__new__(NodeMembership)
     membership.config = RendezvousConfig("127.0.0.1:1", "job", 1, 2, 0, local_addr="127.0.0.1")
-    membership.launch_gpus, membership.args = 2, ()
+    membership.launch_gpus, membership.args, membership.bind_host = 2, (), "127.0.0.1"
     membership.handler = SimpleNamespace(next_rendezvous=next_rendezvous)
     joined = membership.join([0, 1])
     assert [node.node_rank for node in joined.nodes] == [0]
@@ -548,3 +550,56 @@ def fake_resolver(monkeypatch):
                  (ip, port or 0)) for ip in HOSTS[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def slow_resolver(monkeypatch, name: str) -> threading.Event:
+    """``socket.<name>`` blocks as behind an unreachable DNS server (until the returned event
+    is set, 3 s at most), and every lookup is bounded at 0.2 s."""
+    import socket
+
+    import ftmaster.addresses
+
+    answer = threading.Event()
+    real = getattr(socket, name)
+
+    def hangs(*args, **kwargs):
+        answer.wait(3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(socket, name, hangs)
+    monkeypatch.setattr(ftmaster.addresses, "RESOLVE_TIMEOUT_S", 0.2)
+    return answer
+
+
+@pytest.mark.parametrize("local_addr, named", [
+    ("localhost", "looking up localhost did not finish within 0.2 s"),
+    (None, "looking up this host's name did not finish within 0.2 s"),  # getfqdn's reverse lookup
+])
+def test_a_resolver_that_hangs_at_launch_is_one_line_naming_the_lookup(
+        monkeypatch, local_addr, named):
+    """The lookups of --local-addr (or of the host's own name) had no time limit: an
+    unreachable DNS server stalled the launch with no word."""
+    from ftmaster.membership import check_address
+
+    answer = slow_resolver(monkeypatch, "getaddrinfo" if local_addr else "getfqdn")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"^{named} "):
+        check_address(RendezvousConfig("node1:29400", "job", 1, 2, 0, local_addr=local_addr))
+    assert time.monotonic() - started < 2
+    answer.set()
+
+
+def test_the_rounds_offer_ports_at_the_address_resolved_at_launch(monkeypatch):
+    """Every round looked --local-addr (or the host's name, in reverse) up again: a resolver
+    that hung later held the round with no word. Resolved once, a round waits on none."""
+    import socket
+
+    from ftmaster.membership import free_port
+
+    config = RendezvousConfig("node1:29400", "job", 1, 2, 0)
+    monkeypatch.setattr(socket, "getfqdn", lambda *args: "localhost")
+    membership = NodeMembership(config, connect=False)
+    answer = slow_resolver(monkeypatch, "getaddrinfo")
+    assert config.address == "localhost"
+    assert 0 < free_port(membership.bind_host) < 65536
+    answer.set()

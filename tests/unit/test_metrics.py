@@ -279,3 +279,26 @@ def test_the_save_times_kept_for_a_resume_stay_few_in_a_long_run(monkeypatch):
     kept = 10 * (3 * KEPT_SAVE_TIMES - 5)
     m.observe_event({"event": "checkpoint_loaded", "iteration": kept, "time": 1e6})
     assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 1e6 - kept / 10
+
+
+def test_a_metrics_address_whose_lookup_hangs_is_one_line(monkeypatch):
+    """A --metrics-addr name went to prometheus_client's getaddrinfo with no time limit: an
+    unreachable DNS server stalled the launch with no word."""
+    import threading
+    import time
+
+    import ftmaster.addresses
+
+    answer, real = threading.Event(), socket.getaddrinfo
+
+    def hangs(*args, **kwargs):
+        answer.wait(3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hangs)
+    monkeypatch.setattr(ftmaster.addresses, "RESOLVE_TIMEOUT_S", 0.2)
+    started = time.monotonic()
+    with pytest.raises(MetricsUnavailable, match="looking up localhost did not finish within 0.2 s"):
+        serve_metrics(0, "localhost")
+    assert time.monotonic() - started < 2
+    answer.set()

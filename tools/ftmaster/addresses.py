@@ -11,19 +11,46 @@ import contextlib
 import ipaddress
 import re
 import socket
+from typing import Any, Callable
 
 from ftmaster.monitor.backends.bounded import CallTimeout, call_once_bounded
 
 RESOLVE_TIMEOUT_S = 5.0
-"""The longest a name's resolution may take in :func:`same_host`: a resolver that hangs must
-not hang the launch (glibc waits 5 s per server and try)."""
+"""The longest one name lookup of ftmaster's may take (:func:`lookup`): a resolver that hangs
+must not hang the launch (glibc waits 5 s per server and try, some set-ups far longer)."""
+
+
+class ResolveTimeout(OSError):
+    """A name lookup did not finish within :data:`RESOLVE_TIMEOUT_S`."""
+
+
+def lookup(name: str, resolve: Callable[..., Any], *args: Any) -> Any:
+    """``resolve(*args)``, a lookup of ``name``, on a thread of its own; ResolveTimeout (one
+    line naming ``name``) past :data:`RESOLVE_TIMEOUT_S`, the lookup left to its thread."""
+    try:
+        return call_once_bounded(f"resolve {name}", RESOLVE_TIMEOUT_S, resolve, *args)
+    except CallTimeout:
+        raise ResolveTimeout(f"looking up {name} did not finish within {RESOLVE_TIMEOUT_S:g} s "
+                             "(is the DNS server reachable?)") from None
+
+
+def this_host_name() -> str:
+    """The machine's FQDN, a reverse lookup bounded as :func:`lookup` is."""
+    return lookup("this host's name", socket.getfqdn)
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
     """The family and socket address a server for ``host`` binds: its IPv4 address when it
     has one (a dual-stack name binds as it did before IPv6 was supported), else its IPv6 one.
-    socket.gaierror (an OSError) when ``host`` does not resolve."""
-    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    An IP address needs no lookup; a name's is bounded (:func:`lookup`). OSError
+    (socket.gaierror, ResolveTimeout) when ``host`` does not resolve."""
+    ip = ip_address(host)
+    if ip is not None:
+        if ip.version == 4:
+            return socket.AF_INET, (str(ip), port)
+        return socket.AF_INET6, (str(ip), port, 0, 0)
+    found = lookup(host, socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM, 0,
+                   socket.AI_PASSIVE)
     family, _, _, _, address = next((info for info in found if info[0] == socket.AF_INET),
                                     found[0])
     return family, address
@@ -116,9 +143,8 @@ def _addresses(host: str) -> set[IPAddress]:
     if address is not None:
         return {address}
     try:
-        found = call_once_bounded(f"resolve {host}", RESOLVE_TIMEOUT_S, socket.getaddrinfo,
-                                  host, None, 0, socket.SOCK_STREAM)
-    except (OSError, ValueError, CallTimeout):  # ValueError: a name IDNA cannot encode
+        found = lookup(host, socket.getaddrinfo, host, None, 0, socket.SOCK_STREAM)
+    except (OSError, ValueError):  # ValueError: a name IDNA cannot encode
         return set()
     resolved = {ip_address(info[4][0]) for info in found}
     return {address for address in resolved if address is not None and not address.is_loopback}

@@ -612,7 +612,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
                            options["scorer"], options["risk_threshold"])
         observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
-        replication = _replication(config, rendezvous, options)
+        replication = _replication(config, membership, options)
         run_files = run_files_outage()
         starter = None if options["cold_restart"] else WarmStarter(
             len(devices.ids), config.run_dir, warm_up_for(config.command),
@@ -812,14 +812,15 @@ def _take_over_left_memory(config: SupervisorConfig, argv: list[str]) -> Supervi
     return config
 
 
-def _replication(config: SupervisorConfig, rendezvous: RendezvousConfig | None,
+def _replication(config: SupervisorConfig, membership: NodeMembership | None,
                  options: dict) -> Replication | None:
-    """Peer copies, for a memory tier in the node-local folder ftmaster picked."""
-    if rendezvous is None or config.scratch_memory_dir is None:
+    """Peer copies, for a memory tier in the node-local folder ftmaster picked, served at
+    the address the membership looked up."""
+    if membership is None or config.scratch_memory_dir is None:
         return None
     return Replication(ReplicationConfig(
-        config.scratch_memory_dir, config.run_dir, rendezvous.node_rank,
-        options["memory_replicas"], options["replication_rate"] * 1e6, rendezvous.address))
+        config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
+        options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))
 
 
 def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Sequence[str],

@@ -29,6 +29,7 @@ and ``torch/distributed/run.py``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
-from ftmaster.addresses import bind_address, is_ipv6, same_host, split_host_port
+from ftmaster.addresses import (ResolveTimeout, bind_address, is_ipv6, same_host, split_host_port,
+                                this_host_name)
 from ftmaster.monitor.backends.bounded import (Abandoned, CallTimeout, call_once_bounded,
                                                call_while)
 from ftmaster.peer_files import new_secret
@@ -185,9 +187,11 @@ class RendezvousConfig:
     def endpoint_host(self) -> str:
         return split_host_port(self.endpoint)[0]
 
-    @property
+    @functools.cached_property
     def address(self) -> str:
-        return self.local_addr or socket.getfqdn()
+        """``--local-addr``, else this host's FQDN, looked up once (the rounds wait on no
+        resolver): ResolveTimeout when the lookup hangs."""
+        return self.local_addr or this_host_name()
 
     @property
     def store_port(self) -> int:
@@ -290,11 +294,17 @@ def free_port(addr: str) -> int:
         return sock.getsockname()[1]
 
 
-def check_address(config: RendezvousConfig) -> None:
-    """ValueError (one line) when this node cannot bind its address: every round offers a
-    port there, which raised a traceback once the first round had formed."""
+def check_address(config: RendezvousConfig) -> str:
+    """The IP address this node offers its ports at, looked up once, at launch: a resolver
+    that hangs then stops the launch, never a round. ValueError (one line) when a lookup
+    hangs, or when this node cannot bind its address: every round offers a port there,
+    which raised a traceback once the first round had formed."""
     try:
-        free_port(config.address)
+        host = bind_address(config.address, 0)[1][0]
+        free_port(host)
+        return host
+    except ResolveTimeout as error:
+        raise ValueError(f"{error}: give --local-addr as this node's IP address") from None
     except OSError as error:
         given = (f"--local-addr {config.address}" if config.local_addr else
                  f"this host's name {config.address} (the default --local-addr)")
@@ -391,7 +401,8 @@ class NodeMembership:
         self.try_started_at = float("-inf")
         """When :meth:`join`'s current try began: a round one of whose nodes died before it
         said what it holds is tried again, with torch's whole join_timeout."""
-        check_address(config)
+        self.bind_host = check_address(config)
+        """Where this node offers its ports, so that no round looks its address up again."""
         os.environ[SHARE_STORE_ENV] = "1"
         self.handler = None
         """torch's rendezvous handler, once :meth:`connect` reached the store."""
@@ -428,7 +439,7 @@ class NodeMembership:
             info = self._call(self.handler.next_rendezvous)
             store = info.store
             me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
-                            free_port(self.config.address), warm, peer_url, self.launch_gpus,
+                            free_port(self.bind_host), warm, peer_url, self.launch_gpus,
                             self.args)
             keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
             self._call(store.set, keys[info.rank], json.dumps(asdict(me)))

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import start_http_server
 
 from ftmaster import runfiles
-from ftmaster.addresses import host_port
+from ftmaster.addresses import bind_address, host_port
 from ftmaster.states import State
 
 GPU_LABELS = ("gpu", "UUID", "modelName", "Hostname", "node_rank")
@@ -220,9 +220,11 @@ class Metrics:
     # -- serving ---------------------------------------------------------------------------
     def serve(self) -> str:
         """Start the HTTP server (a daemon thread); returns the URL it serves. OSError when the
-        address cannot be bound."""
+        address cannot be bound, or its name not looked up in time (:func:`bind_address`:
+        prometheus_client's own lookup would wait on a hung resolver for good)."""
         assert self.config is not None, "metrics without a config are not served"
-        server, _ = start_http_server(self.config.port, self.config.addr, registry=self.registry)
+        ip = bind_address(self.config.addr, self.config.port)[1][0]
+        server, _ = start_http_server(self.config.port, ip, registry=self.registry)
         host, port = server.server_address[:2]
         return f"http://{host_port(host, port)}/metrics"
 
