@@ -89,8 +89,11 @@ def parse_node_gpus(text: str) -> tuple[int, ...]:
         nodes = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise InputError(f"--node-gpus takes GPU counts separated by commas, got {text!r}") from None
-    if not nodes or any(gpus < 0 for gpus in nodes):
-        raise InputError(f"--node-gpus counts must be 0 or more, got {text!r}")
+    if not nodes or any(not 0 <= gpus <= MAX_NODE_GPUS for gpus in nodes):
+        raise InputError(f"--node-gpus counts must be 0 or more and at most {MAX_NODE_GPUS} "
+                         f"(a node's GPUs), got {reprlib.repr(text)}")
+    if len(nodes) > MAX_NODES:
+        raise InputError("--node-gpus lists more than 10^6 nodes")
     return nodes
 
 
@@ -140,6 +143,9 @@ def _nodes(gpus: int | None, gpus_per_node: int | None, node_gpus: str | None) -
         return parse_node_gpus(node_gpus)
     if gpus is None:
         raise InputError("give --gpus N (with --gpus-per-node M across nodes) or --node-gpus")
+    if gpus_per_node is None and gpus > MAX_NODE_GPUS:
+        raise InputError(f"--gpus {gpus} on one node is more than {MAX_NODE_GPUS} GPUs: give "
+                         f"--gpus-per-node M across nodes")
     if gpus_per_node is not None and -(-gpus // gpus_per_node) > MAX_NODES:
         raise InputError(f"--gpus {gpus} with --gpus-per-node {gpus_per_node} is more than "
                          f"10^6 nodes")
@@ -150,7 +156,7 @@ def _nodes(gpus: int | None, gpus_per_node: int | None, node_gpus: str | None) -
     "plan", cls=SeparatedCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--gpus", type=click.IntRange(min=1), default=None, help="GPUs available.")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None,
+@click.option("--gpus-per-node", type=click.IntRange(min=1, max=MAX_NODE_GPUS), default=None,
               help="GPUs per node, when the job spans nodes: TP stays within one node. "
                    "Default: a single node.")
 @click.option("--node-gpus", default=None, metavar="N,N,...",
