@@ -1,7 +1,9 @@
 """ftmaster report on generated run directories that follow DESIGN's events and log contract."""
 
+import html
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -872,3 +874,39 @@ def test_a_checkpoint_set_aside_by_a_resume_is_no_later_failures_last_checkpoint
     second = json.loads((run_dir / "report.json").read_text())["failures"][1]
     assert second["checkpoint"]["iteration"] == 10
     assert second["lost_iterations"] == 5
+
+
+def still_going(run_dir):
+    """A run whose last event is a save: no end event (yet)."""
+    return write_run(run_dir, [launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 5, 10, 0.2, 0.5)],
+                     {1: [iteration_line(n, 30, 100) for n in range(1, 11)]})
+
+
+@pytest.mark.parametrize("held, outcome", [
+    (True, f"no end event: still running (pid {os.getpid()} on host {socket.gethostname()})"),
+    (False, "no end event: ftmaster was killed (no live holder of the run directory lock)"),
+])
+def test_a_run_without_an_end_says_whether_its_ftmaster_lives(tmp_path, held, outcome):
+    """It said "still running, or ftmaster itself was killed" either way, while the run
+    directory's lock tells them apart: the kernel drops a killed holder's flock."""
+    from ftmaster.lock import RunDirLock
+
+    run_dir = still_going(tmp_path / "run")
+    lock = RunDirLock(run_dir)
+    lock.acquire()  # as the ftmaster of this run; released below, as at its SIGKILL
+    if not held:
+        lock.release()
+    result = run_report(run_dir)
+    lock.release()
+    assert result.exit_code == 0, result.output
+    assert f"outcome {outcome}\n" in result.output
+    assert json.loads((run_dir / "report.json").read_text())["outcome"] == outcome
+    assert html.escape(outcome) in (run_dir / "report.html").read_text()
+    with RunDirLock(run_dir):  # the report left the lock free
+        pass
+
+
+def test_a_run_directory_without_its_lock_file_cannot_tell(tmp_path):
+    run_dir = still_going(tmp_path / "run")  # copied without ftmaster.lock, say
+    result = run_report(run_dir)
+    assert "outcome no end event (still running, or ftmaster itself was killed)" in result.output

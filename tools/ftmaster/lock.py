@@ -65,11 +65,11 @@ class RunDirLock:
         self.release()
 
 
-def _run_dir_holder(text: str) -> str:
-    """``pid N``, and its host when that is another one (a run directory on a shared
-    filesystem: the pid alone names no process here, or an unrelated one)."""
+def _run_dir_holder(text: str, name_host: bool = False) -> str:
+    """``pid N``, and its host when asked or when that is another one (a run directory on a
+    shared filesystem: the pid alone names no process here, or an unrelated one)."""
     pid, _, host = text.strip().partition(" ")
-    if host and host != socket.gethostname():
+    if host and (name_host or host != socket.gethostname()):
         return f"pid {pid} on host {host}"
     return f"pid {pid or 'unknown'}"
 
@@ -81,6 +81,21 @@ def run_dir_in_use(run_dir: Path) -> bool:
         return _locked(Path(run_dir) / LOCK_NAME)
     except OSError:
         return True
+
+
+def run_dir_holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock (``pid N on host H``, as its file says); None when nobody
+    does: its ftmaster ended, or was killed, since the kernel drops a dead holder's flock.
+    A probe (:func:`_held`) that can never take a live holder's lock. OSError when it cannot
+    tell: no lock file (a copied run directory), one this user cannot read, or no locks on
+    that file system."""
+    fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    try:
+        if not _held(fd):
+            return None
+        return _run_dir_holder(os.read(fd, 512).decode(errors="replace"), name_host=True)
+    finally:
+        os.close(fd)
 
 
 class FolderInUse(RuntimeError):
@@ -186,11 +201,19 @@ def _locked(path: Path) -> bool:
     except OSError:
         return True
     try:
+        return _held(fd)
+    finally:
+        os.close(fd)
+
+
+def _held(fd: int) -> bool:
+    """Whether another open file holds a ``flock`` on ``fd``'s file: a shared lock, tried
+    without waiting, is refused while anyone holds the exclusive one, and when granted lasts
+    only until the caller closes ``fd``. OSError when the file system has no locks."""
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    finally:
-        os.close(fd)
     return False
 
 

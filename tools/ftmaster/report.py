@@ -104,7 +104,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -114,7 +114,7 @@ import click
 
 from ftmaster import runfiles
 from ftmaster.console import gpus_text
-from ftmaster.lock import LOCK_NAME
+from ftmaster.lock import LOCK_NAME, run_dir_holder
 from ftmaster.peer_files import PEERS_FILE
 
 INCIDENT_PAGE = "report.html"
@@ -238,7 +238,7 @@ def _load_run(run_dir: Path) -> tuple[list[dict], list[dict] | None]:
     merged, nodes = [], []
     for node, folder in folders.items():
         events = _read_events_file(runfiles.events_path(folder))
-        nodes.append({"node": node, "events": len(events or ()), "outcome": _node_outcome(events)})
+        nodes.append({"node": node, "events": len(events or ()), "outcome": _node_outcome(events, folder)})
         merged += [_at_its_moment({**e, "node": node}) for e in events or ()]
     if not merged:
         raise ReportError(f"{run_dir} has node folders ({_folder_names(list(folders))}) but none "
@@ -919,22 +919,43 @@ def describe(event: dict) -> str:
     return " ".join(f"{k}={fields[k]}" for k in event if k not in ("event", "time", "command", "node"))
 
 
-def _run_outcome(events: list[dict]) -> str:
-    """The last end event; across nodes one where the job ended, over a spare's that saw it."""
+def _run_outcome(events: list[dict], folders: Iterable[Path]) -> str:
+    """The last end event; across nodes one where the job ended, over a spare's that saw it.
+    Without one, whether the ftmaster of any of ``folders`` still lives (:func:`_without_end`)."""
     ends = [event for event in events if event["event"] in END_EVENTS]
     if not ends:
-        return "no end event (still running, or ftmaster itself was killed)"
+        return _without_end(folders)
     event = next((e for e in reversed(ends) if not e.get("on_other_nodes")), ends[-1])
     where = f" (node {event['node']})" if "node" in event else ""
     return f"{event['event']}: {describe(event)}{where}"
 
 
-def _node_outcome(events: list[dict] | None) -> str:
+def _without_end(folders: Iterable[Path]) -> str:
+    """A run with no end event: still running while a live ftmaster holds a run directory
+    lock, killed when none does. The locks are probed, never taken from a holder; one that
+    cannot be probed leaves it unknown."""
+    holders, unknown = [], False
+    for folder in folders:
+        try:
+            holder = run_dir_holder(folder)
+        except OSError:
+            unknown = True
+            continue
+        if holder is not None:
+            holders.append(holder)
+    if holders:
+        return f"no end event: still running ({'; '.join(holders)})"
+    if unknown:
+        return "no end event (still running, or ftmaster itself was killed)"
+    return "no end event: ftmaster was killed (no live holder of the run directory lock)"
+
+
+def _node_outcome(events: list[dict] | None, folder: Path) -> str:
     if events is None:
         return "no events.jsonl: this node recorded nothing"
     if not events:
         return "events.jsonl is empty: this node recorded nothing"
-    return _run_outcome(sorted(events, key=lambda e: e["time"]))
+    return _run_outcome(sorted(events, key=lambda e: e["time"]), [folder])
 
 
 def failure_reports(run_dir: Path, events: list[dict]) -> list[dict]:
@@ -954,7 +975,8 @@ def build_report(run_dir: Path, events: list[dict], nodes: list[dict] | None) ->
                       "label": event_label(e), "text": describe(e)} for e in events],
         "failures": failure_reports(run_dir, events),
         "stragglers": stragglers(events),
-        "outcome": _run_outcome(events),
+        "outcome": _run_outcome(
+            events, node_folders(run_dir, runfiles.events_path(run_dir).name).values()),
     }
 
 
