@@ -677,12 +677,25 @@ def _cuda_available() -> bool:
 
 
 def _is_writable_dir(path: Path) -> bool:
+    """Whether ``path`` is, or could be made as, a folder this process writes in. Nothing is
+    left behind: a command refused by a later check must not leave a (mistyped) folder, so
+    one that does not exist yet is checked at its nearest existing parent
+    (:func:`make_checkpoint_folders` makes it once every check passed)."""
+    existing = next(folder for folder in (path.absolute(), *path.absolute().parents)
+                    if os.path.lexists(folder))
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             return True
     except OSError:
         return False
+
+
+def make_checkpoint_folders(args: argparse.Namespace) -> None:
+    """``--save`` and the memory tier's folder, which the checks above only looked at
+    (TensorBoard's writer and megatron-core's index cache make their own)."""
+    for folder in (args.save, args.non_persistent_global_ckpt_dir):
+        if folder is not None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
 
 from . import console, cpu_compat, mcore_fixes, optimizer_shards, rehearsal, startup
-from .arguments import padded_vocab_size
+from .arguments import make_checkpoint_folders, padded_vocab_size
 from .checkpointing import (
     Checkpointer,
     DurableSave,
@@ -565,6 +565,7 @@ class Trainer:
 
 
 def pretrain(args: argparse.Namespace) -> None:
+    make_checkpoint_folders(args)
     initialize(args)
     trainer = Trainer(args)
     try:

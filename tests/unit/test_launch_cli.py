@@ -122,6 +122,18 @@ def test_a_value_megatron_lm_refuses_is_refused_before_any_launch(tmp_path, upst
     assert not (tmp_path / "run").exists()
 
 
+def test_a_launch_refused_after_the_trainer_checks_leaves_no_folder(tmp_path, monkeypatch):
+    """The trainer's checks made --save and the memory folder; a check after them refused
+    the launch and left both (the one in /dev/shm took its tmpfs room)."""
+    monkeypatch.chdir(tmp_path)
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim",
+                    "--", PRETRAIN, *MODEL, "--save", "ckpt", "--non-persistent-ckpt-type",
+                    "global", "--non-persistent-global-ckpt-dir", "memory",
+                    "--emergency-save-flag-dir", "elsewhere")
+    assert result.exit_code == 2, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
     result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
                     env={"CUDA_VISIBLE_DEVICES": ""})

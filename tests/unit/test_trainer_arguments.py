@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.arguments import ArgumentError, _is_writable_dir, parse_args
 
 from helpers.trainer import PRETRAIN, REPO
 
@@ -287,6 +287,35 @@ def test_unwritable_save_directory(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ArgumentError, match="is not writable"):
         parse_args(with_args("--save", str(blocker / "ckpt")), world_size=1)
+
+
+@pytest.mark.parametrize("refused", [
+    ["--non-persistent-ckpt-type", "local"],
+    ["--keep-emergency", "-1"],
+    ["--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir", "{tmp}/memory",
+     "--emergency-save-gap-frac", "inf"],
+    ["--data-cache-path", "{tmp}/cache", "--non-persistent-ckpt-type", "local"],
+])
+def test_a_refused_command_makes_no_folder(tmp_path, refused):
+    """The writability checks made the folders they checked: a launch refused by a later
+    check left a stray --save (a mistyped path stayed behind as a folder)."""
+    argv = with_args("--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"),
+                     *(arg.format(tmp=tmp_path) for arg in refused))
+    with pytest.raises(ArgumentError):
+        parse_args(argv, world_size=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_to_be_made_is_checked_at_its_nearest_existing_parent(tmp_path):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # mkdir would fail on it
+    for parent, writable in ((tmp_path, True), (tmp_path / "file", False),
+                             (tmp_path / "locked", os.geteuid() == 0),
+                             (tmp_path / "dangling", False)):
+        assert _is_writable_dir(parent / "a" / "b") == writable
+    assert not _is_writable_dir(tmp_path / "dangling")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dangling", "file", "locked"]
 
 
 def test_a_tensorboard_dir_that_is_a_file_is_refused(tmp_path):
