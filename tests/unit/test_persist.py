@@ -278,6 +278,17 @@ def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path)
     assert not (memory / ".ftmaster_persisting").exists()  # unpinned when done
 
 
+def test_a_pin_a_killed_ftmaster_left_is_let_go_when_the_next_one_starts(tmp_path):
+    """Its checkpoint was kept from pruning and slot refills, in /dev/shm, until the new
+    run's first copy (for good when none was ever due)."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    for iteration in (2, 4):
+        fake_checkpoint(memory, iteration)
+    assert pin(memory, 2)  # the killed ftmaster was copying it
+    Persister(memory, disk)
+    assert prunable_memory_checkpoints(memory, 4) == [2]
+
+
 def test_a_checkpoint_pruned_before_it_is_pinned_is_not_copied(tmp_path):
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     fake_checkpoint(memory, 6)

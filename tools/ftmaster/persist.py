@@ -16,6 +16,7 @@ reads a memory checkpoint it is pinned, so the trainer's pruning spares it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import shutil
@@ -401,6 +402,18 @@ class Persister:
         self._failures = 0  # copies failed in a row
         self._retry: tuple[int, float] | None = None  # the failed iteration, when to try again
         remove_partial_copies(self.save_dir)
+        self._let_go_of_a_dead_copys_pin()
+
+    def _let_go_of_a_dead_copys_pin(self) -> None:
+        """This folder is pinned by this persister alone (the run directory's lock and the
+        folder's claim keep other ftmasters out), and none of its copies runs yet: a pin is
+        a killed ftmaster's, which would keep its checkpoint from pruning and slot refills
+        in the tier until this one's first copy, and for good when none comes."""
+        try:
+            unpin(self.memory_dir)
+        except OSError as error:
+            logging.getLogger("ftmaster").warning(
+                "letting go of a killed ftmaster's persist pin in %s: %s", self.memory_dir, error)
 
     @property
     def busy(self) -> bool:
