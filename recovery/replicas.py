@@ -48,6 +48,14 @@ def remove_merge_leftovers(memory_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def remove_recovery_leftovers(memory_dir: Path) -> None:
+    """What a killed ftmaster's recovery left in its memory tier: dumps never merged and a
+    merge's half-built folder (whose links keep the dumps' bytes in memory). Run as an
+    ftmaster starts, when none of its dumps or merges runs yet."""
+    shutil.rmtree(Path(memory_dir) / DUMPS_SUBDIR, ignore_errors=True)
+    remove_merge_leftovers(memory_dir)
+
+
 def rank_dump_dir(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank_{rank}"
 

@@ -202,6 +202,17 @@ def test_a_dump_folder_that_cannot_be_made_is_a_fallback(tmp_path):
     assert len(said) == 1 and said[0].startswith("the dump could not be asked for: "), said
 
 
+def test_a_merge_folder_a_killed_ftmaster_left_is_removed_when_the_next_one_starts(tmp_path):
+    """Killed mid-merge, ftmaster left the half-built folder in the memory tier: hard links
+    keeping the dumps' bytes in /dev/shm after the dumps were removed, and the optimizer
+    state written into it. Only the next merge's end removed it, so each kill added one."""
+    staging = tmp_path / "memory" / ".iter_0000016.replica-0a1b2c3d"
+    staging.mkdir(parents=True)
+    (staging / "optimizer.pt").write_bytes(b"state")
+    ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save", lambda *a, **k: None)
+    assert list((tmp_path / "memory").iterdir()) == []
+
+
 def test_the_dump_does_not_wait_for_the_culprits_rank(tmp_path):
     """A hung rank is stopped and never answers: the dump waited out its whole timeout (20 s)."""
     from types import SimpleNamespace

@@ -31,8 +31,9 @@ from ftmaster.attempt import Attempt
 from ftmaster.guard import dying_with_this_process, naming_this_process
 from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned
 from ftmaster.recovery.checkpoints import read_tracker
-from ftmaster.recovery.replicas import (DUMPS_SUBDIR, REQUEST_FLAG, dump_folder, read_reports,
-                                       remove_merge_leftovers, report_path, round_dump_folder)
+from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports,
+                                       remove_merge_leftovers, remove_recovery_leftovers,
+                                       report_path, round_dump_folder)
 from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
@@ -129,7 +130,7 @@ class ReplicaRecovery:
         # Dumps there are an earlier ftmaster's, never merged (it was killed or requeued between
         # its dumps and their merge): across nodes the round numbers restart in a requeued job,
         # and a peer's merge would gather them as this job's from a node that did not dump.
-        shutil.rmtree(Path(memory_dir) / DUMPS_SUBDIR, ignore_errors=True)
+        remove_recovery_leftovers(memory_dir)
 
     def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
                        iteration: int | None, data_parallel_size: int) -> Path | None:
