@@ -134,6 +134,22 @@ def test_a_launch_refused_after_the_trainer_checks_leaves_no_folder(tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_launch_refused_for_a_save_in_use_leaves_no_run_directory(tmp_path):
+    """The run directory was made and locked before --save was claimed: each launch refused
+    for a --save another run writes left one (a new timestamped one without --run-dir)."""
+    from ftmaster.lock import FolderClaim
+
+    other = FolderClaim(tmp_path / "ckpt", "host:/elsewhere", tmp_path / "elsewhere")
+    other.acquire()
+    try:
+        result = launch(tmp_path / "runs" / "new", "--nproc-per-node", "4", "--monitor-backend",
+                        "sim", "--", PRETRAIN, *MODEL, "--save", str(tmp_path / "ckpt"))
+    finally:
+        other.release()
+    assert result.exit_code != 0 and "is written by another run" in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
     result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
                     env={"CUDA_VISIBLE_DEVICES": ""})

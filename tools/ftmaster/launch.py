@@ -33,7 +33,8 @@ from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
-from ftmaster.lock import NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked
+from ftmaster.lock import (LOCK_NAME, NO_LOCKS, FolderClaim, FolderInUse, RunDirLock,
+                           RunDirLocked)
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
                                  unread_conf_keys)
@@ -231,7 +232,10 @@ def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) ->
 
 def _hold_folders(config: SupervisorConfig,
                   rendezvous: RendezvousConfig | None) -> contextlib.ExitStack:
-    """The run directory's lock and the claims on the checkpoint folders, released together."""
+    """The run directory's lock and the claims on the checkpoint folders, released together.
+    A refused claim leaves no run directory this launch made (a mistyped --save's refusal
+    left one each time, a new timestamped one without --run-dir)."""
+    made = [folder for folder in (config.run_dir, *config.run_dir.parents) if not folder.exists()]
     held = contextlib.ExitStack()
     held.callback(_lock_run_dir(config.run_dir).release)
     try:
@@ -239,8 +243,19 @@ def _hold_folders(config: SupervisorConfig,
             held.callback(claim.release)
     except click.ClickException:
         held.close()
+        _remove_made_run_dir(made)
         raise
     return held
+
+
+def _remove_made_run_dir(made: list[Path]) -> None:
+    """``made``, the run directory and its parents this launch made (deepest first), which
+    hold nothing but its lock file."""
+    if made:
+        (made[0] / LOCK_NAME).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # no longer empty: another launch's now
+            for folder in made:
+                folder.rmdir()
 
 
 def _claim_checkpoint_folders(config: SupervisorConfig, rendezvous: RendezvousConfig | None):
