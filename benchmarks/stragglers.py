@@ -8,8 +8,8 @@ Latency: ``ftmaster launch`` on 4 CPU ranks (TP1 x PP1 x DP4, the e2e test's mod
 event less 8 ("-" when no event came before the run ended), medians over the repeats, at the
 default ``--straggler-ratio`` and ``--straggler-iterations``.
 
-Overhead: in this process, what each rank adds per iteration: the two timing marks (a clock
-and ``/proc/thread-self/schedstat`` each on CPU), reading the last iteration's figure,
+Overhead: in this process, what each rank adds per iteration: the two timing marks (the thread's
+CPU time each on CPU), reading the last iteration's figure,
 recording the figures, and local rank 0's heartbeat with them against one without (the
 figures ride the save agreement's all-reduce: its tensor grows by one int64 per rank).
 """

@@ -27,11 +27,11 @@ afresh once its figures are back. So is a figure that is no time (not a finite n
 unknown has no peers. A peer with no figure over the iterations of a rank's window is no
 peer of it there.
 
-A rank's compute holds what it waits for inside its model replica (the ranks of its data-
-parallel index): its tensor-parallel partners' all-reduces in every layer, its neighbouring
+On CUDA a rank's compute holds what it waits for inside its model replica (the ranks of its
+data-parallel index): its tensor-parallel partners' all-reduces in every layer, its neighbouring
 stages' activations and gradients. A slow GPU therefore slows its replica mates' figures too,
-as much as its own under tensor parallelism (4 CPU ranks, one slowed in every forward: its TP
-partner was named 1.43x within an iteration of it at TP2 x DP2, the next stage's rank of its
+as much as its own under tensor parallelism (4 CPU ranks while their figures were still clock
+time, one slowed in every forward: its TP partner was named 1.43x within an iteration of it at TP2 x DP2, the next stage's rank of its
 pipeline 1.48x at PP2 x DP2). A straggler named while a replica mate is slow too is therefore
 ambiguous (:attr:`Straggler.slow_mates`): either may hold the other up.
 """

@@ -13,16 +13,17 @@ usually completed (the loss and the NaN guard synchronise), but not always: with
 ``--clip-grad 0`` and the guard off nothing synchronises a first pipeline stage, which
 computes no loss. An iteration the device has not finished has no figure.
 
-On CPU, by the clock, less the time the rank's thread waited for a core
-(``/proc/thread-self/schedstat``'s run-queue wait): on a host with more ranks than cores that
-wait is the host's contention, not the rank's compute, and it moved a healthy rank's figure
-by 2x from one iteration to the next on the project's 2-core machine. A rank that sleeps (an injected ``slow``) does not wait for a core: its
-sleep counts. An iteration whose wait was read at one end and not at the other has no
-figure: the thread's whole wait since it started would count as that iteration's.
+On CPU, the CPU time of the rank's thread (``time.thread_time``): on a host with more ranks
+than cores, time off the core is the host's contention, not the rank's compute. The clock
+less the thread's wait on a run queue still counted the rest of it (a lock or a read that
+another thread, itself waiting for a core, held up): on the project's 2-core machine under
+load 11-16, healthy ranks of 2 and 3 read up to 1.62x their peers over a window of 4 and one
+was named at 1.35x; by CPU time at most 1.18x. A rehearsal's ``slow`` sleeps, which takes no
+CPU time: its sleep is added to the figure (:meth:`ComputeTimer.slow_down`).
 
-The compute also holds what the rank waits for inside its model replica: its tensor-parallel
-partners in every layer's all-reduce, its neighbouring stages' activations and gradients. A
-slow GPU slows its replica mates' figures too, so the heartbeat says each rank's replica (its
+On CUDA the compute also holds what the rank waits for inside its model replica: its
+tensor-parallel partners in every layer's all-reduce, its neighbouring stages' activations
+and gradients (on CPU the thread waits for them off its core, uncounted). A slow GPU slows its replica mates' figures too, so the heartbeat says each rank's replica (its
 data-parallel index), and the supervisor does not take one of two slow mates for the culprit
 (``ftmaster.monitor.stragglers``).
 
@@ -54,7 +55,7 @@ class ComputeTimer:
 
     def _mark(self):
         if not self.cuda:
-            return time.perf_counter(), _runqueue_wait_s()
+            return time.thread_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -70,14 +71,22 @@ class ComputeTimer:
             self._entered = self._mark()
 
     def seconds_so_far(self) -> float:
-        """The compute of the iteration under way until now, as its figure will count it: the
-        device drained first on CUDA, the waits for a core left out on CPU (a rehearsal's
-        slowdown: sleeping F - 1 times this makes the figure F times its own; never on the
-        measured path)."""
+        """The compute of the iteration under way until now, as its figure will count it (the
+        device drained first on CUDA; never on the measured path)."""
         if self.cuda:
             torch.cuda.synchronize()
             return time.perf_counter() - self._host_start
-        return 0.0 if self._start is None else _cpu_compute_s(self._start, self._mark()) or 0.0
+        return 0.0 if self._start is None else self._mark() - self._start
+
+    def slow_down(self, factor: float) -> None:
+        """A rehearsal's slowdown: sleep F - 1 times the compute so far, so that the figure is
+        F times its own."""
+        if self._start is None:
+            return
+        seconds = (factor - 1) * self.seconds_so_far()
+        time.sleep(seconds)
+        if not self.cuda:  # CUDA's events hold the sleep; the thread's CPU time does not
+            self._start -= seconds
 
     def previous_microseconds(self) -> int:
         """The last complete iteration's compute; 0 when unknown."""
@@ -87,31 +96,7 @@ class ComputeTimer:
         if self.cuda:
             # elapsed_time raises (cudaErrorNotReady) before the device reached the event.
             return max(1, int(start.elapsed_time(entered) * 1000)) if entered.query() else 0
-        seconds = _cpu_compute_s(start, entered)
-        return max(1, int(seconds * 1e6)) if seconds is not None and seconds > 0 else 0
-
-
-def _cpu_compute_s(start: tuple[float, float | None],
-                   end: tuple[float, float | None]) -> float | None:
-    """The clock's seconds between two CPU marks less the thread's waits for a core between
-    them; None when only one mark could read its waits: the other's would take the thread's
-    whole wait since it started for this iteration's."""
-    (started, waited_before), (ended, waited_by) = start, end
-    if waited_before is None and waited_by is None:  # where Linux does not say, the clock
-        return ended - started
-    if waited_before is None or waited_by is None:
-        return None
-    return ended - started - (waited_by - waited_before)
-
-
-def _runqueue_wait_s() -> float | None:
-    """Seconds this thread has waited on a run queue so far; None when unreadable (Linux
-    without schedstats, or the read failed)."""
-    try:
-        with open("/proc/thread-self/schedstat") as stats:
-            return int(stats.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
+        return max(1, int((entered - start) * 1e6))
 
 
 class ComputeFigures:

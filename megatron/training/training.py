@@ -276,7 +276,7 @@ class Trainer:
         def finalize_timed(*args, **kwargs):
             factor = self.slowdown.current(self.state.iteration + 1)
             if factor > 1:
-                time.sleep((factor - 1) * self.compute.seconds_so_far())
+                self.compute.slow_down(factor)
             self.compute.reduction_entered()
             if killing:
                 kill_point("grad-allreduce", self.state.iteration + 1)
