@@ -447,6 +447,19 @@ def test_json_out_to_stdout_leaves_the_pipe_to_the_json(tmp_path):
     assert "failure 1:" in done.stderr and "wrote /dev/stdout" in done.stderr
 
 
+@pytest.mark.timeout(60)
+def test_json_out_to_dev_null_with_stdout_there_too_prints_nothing_on_stderr(tmp_path):
+    """``--json-out /dev/null >/dev/null`` (the incident page alone, from cron or a batch
+    script): /dev/null is where stdout goes, so the text report went to stderr, into the
+    terminal or the job's error log. No reader shares a sink with the JSON."""
+    run_dir = two_failures(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "ftmaster.cli", "report", str(run_dir),
+                           "--json-out", os.devnull], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert "failure 1:" not in done.stderr and "wrote" not in done.stderr
+
+
 def test_a_torn_last_log_line_is_not_read(tmp_path):
     """A log cut short mid-line (a full disk, a killed rank) holds a figure cut short: "(ms): 2"
     of "200.0" is no 2 ms iteration, but an unknown one, as if the line were not there."""

@@ -418,12 +418,14 @@ def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
 
 def is_stdout(handle: IO) -> bool:
     """Whether ``handle`` writes where stdout does (``--json-out /dev/stdout``), so that a
-    command's text for people goes elsewhere and leaves the pipe to the data."""
+    command's text for people goes elsewhere and leaves the pipe to the data. Never
+    ``/dev/null``: nobody reads the data there, and text moved to stderr would be noise."""
     try:
         mine, out = os.fstat(handle.fileno()), os.fstat(sys.stdout.fileno())
+        sink = os.stat(os.devnull)
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         return False  # no stdout file (closed, or a test's capture)
-    return (mine.st_dev, mine.st_ino) == (out.st_dev, out.st_ino)
+    return os.path.samestat(mine, out) and not os.path.samestat(mine, sink)
 
 
 def failed_path(error: OSError, path: Path | str) -> str:
