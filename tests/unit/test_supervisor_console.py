@@ -571,7 +571,27 @@ def test_a_supervisor_started_after_a_reboot_says_the_memory_tier_lost_the_kille
         in caplog.text
 
 
-def test_a_supervisor_started_after_one_that_ended_has_no_memory_tier_to_miss(tmp_path):
+def test_a_supervisor_killed_after_its_attempt_failed_still_has_its_memory_loss_said(tmp_path):
+    """The attempt failed (its failure recorded), then the reboot killed ftmaster while it
+    planned the relaunch (waited for a round, merged replicas): a failed attempt counted as
+    a run that ended, so the ftmaster started again took no newest checkpoint from it and
+    resumed from disk's 20 without a word of memory's 24."""
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(disk, 20)
+    run_dir = tmp_path / "run"
+    runfiles.append_event(run_dir, "launch", attempt=1)
+    runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
+    runfiles.append_event(run_dir, "failure", attempt=1, iteration=25, cause="exit")
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    supervisor._resuming(supervisor.config.command)
+    (lost,) = [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
+    assert (lost["path"], lost["iteration"]) == (str(memory), 24)
+
+
+@pytest.mark.parametrize("end", ["complete", "gave_up", "stopped", "store_lost"])
+def test_a_supervisor_started_after_one_that_ended_has_no_memory_tier_to_miss(tmp_path, end):
     """A run that ends removes the memory folder it chose once disk holds it all."""
     from test_persist import fake_checkpoint
 
@@ -581,6 +601,7 @@ def test_a_supervisor_started_after_one_that_ended_has_no_memory_tier_to_miss(tm
     runfiles.append_event(run_dir, "launch", attempt=1)
     runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
     runfiles.append_event(run_dir, "failure", attempt=1, iteration=25, cause="exit")
+    runfiles.append_event(run_dir, end)
     supervisor = memory_tier_supervisor(tmp_path, memory, disk)
     supervisor._resuming(supervisor.config.command)
     assert not [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]

@@ -28,6 +28,8 @@ _ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
     r".*?lm loss: ([0-9.eE+-]+|-?(?i:nan|inf)) \|")
 SAVE_EVENTS = ("emergency_save", "periodic_save")
+END_EVENTS = ("complete", "gave_up", "stopped", "store_lost")
+"""The events an ftmaster that ran to its end wrote last."""
 
 
 class FileTail:

@@ -113,7 +113,7 @@ from typing import Any, NamedTuple, TextIO
 import click
 
 from ftmaster import runfiles
-from ftmaster.console import gpus_text
+from ftmaster.console import END_EVENTS, gpus_text
 from ftmaster.lock import LOCK_NAME, run_dir_holder
 from ftmaster.peer_files import PEERS_FILE
 
@@ -121,7 +121,6 @@ INCIDENT_PAGE = "report.html"
 SAVES = ("emergency_save", "periodic_save")
 FAULT_KINDS = ("fail", "hang", "xid", "wedge")  # injections that are the fault itself
 PEER = "peer"  # the cause a node records when it stopped because a peer node was waiting
-END_EVENTS = ("complete", "gave_up", "stopped", "store_lost")
 REPLICA_EVENTS = ("replica_dump", "replica_gathered", "replica_merge", "replica_fallback")
 LAST_PROGRESS = "last progress (estimated)"
 """Where detection is measured from when no evidence of the fault was recorded."""

@@ -77,7 +77,7 @@ from typing import Callable, Sequence
 from ftmaster import runfiles
 from ftmaster.attempt import (Attempt, classify_exits, failed_despite_the_stop, send_signal,
                               with_exit_signal_handler)
-from ftmaster.console import (SAVE_EVENTS, FileTail, Progress, describe_event, gpus_text,
+from ftmaster.console import (END_EVENTS, SAVE_EVENTS, FileTail, Progress, describe_event, gpus_text,
                               new_events)
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
@@ -483,14 +483,16 @@ class Supervisor:
                           for gpu, why in carried.items()})
         self._carry_over_the_drain_window(events)
         last = max(launches, key=lambda e: e["attempt"])
+        if not any(e["event"] in END_EVENTS and e["time"] >= last["time"] for e in events):
+            # Killed, maybe with its attempt failed: where its newest checkpoint went. A reboot
+            # that killed it emptied /dev/shm too, and the resume from disk's older one must
+            # say what was lost. (One that ran to its end removed its memory folder only once
+            # disk held it all.)
+            self._last_checkpoint = next((e for e in reversed(events) if e["event"] in SAVE_EVENTS
+                                          and isinstance(e.get("iteration"), int)), None)
         ended = any(e["event"] in ("failure", "complete", "stopped") and e.get("attempt", last["attempt"])
                     == last["attempt"] and e["time"] >= last["time"] for e in events)
         if not ended:
-            # Where its newest checkpoint went: a reboot that killed it emptied /dev/shm too,
-            # and the resume from disk's older one must say what was lost. (One that ended
-            # removed its memory folder only once disk held it all.)
-            self._last_checkpoint = next((e for e in reversed(events) if e["event"] in SAVE_EVENTS
-                                          and isinstance(e.get("iteration"), int)), None)
             heartbeat = runfiles.read_heartbeat(self.run_dir) or {}
             iteration = heartbeat.get("iteration")  # unknown, not 0, when unreadable
             alive = [t for t in (heartbeat.get("time"), events[-1]["time"])
