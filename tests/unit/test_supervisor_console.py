@@ -576,35 +576,33 @@ def test_a_supervisor_killed_after_its_attempt_failed_still_has_its_memory_loss_
     planned the relaunch (waited for a round, merged replicas): a failed attempt counted as
     a run that ended, so the ftmaster started again took no newest checkpoint from it and
     resumed from disk's 20 without a word of memory's 24."""
-    from test_persist import fake_checkpoint
-
-    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
-    fake_checkpoint(disk, 20)
-    run_dir = tmp_path / "run"
-    runfiles.append_event(run_dir, "launch", attempt=1)
-    runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
-    runfiles.append_event(run_dir, "failure", attempt=1, iteration=25, cause="exit")
-    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
-    supervisor._resuming(supervisor.config.command)
-    (lost,) = [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
+    memory, (lost,) = resumed_after_a_failed_attempt(tmp_path, 20)
     assert (lost["path"], lost["iteration"]) == (str(memory), 24)
 
 
 @pytest.mark.parametrize("end", ["complete", "gave_up", "stopped", "store_lost"])
 def test_a_supervisor_started_after_one_that_ended_has_no_memory_tier_to_miss(tmp_path, end):
     """A run that ends removes the memory folder it chose once disk holds it all."""
+    _, lost = resumed_after_a_failed_attempt(tmp_path, 24, end)
+    assert not lost
+
+
+def resumed_after_a_failed_attempt(tmp_path, on_disk: int, *ends: str):
+    """A run whose attempt saved 24 to memory and failed at 25, then ``ends``; disk holds
+    ``on_disk``. A supervisor started again on it resumes: its memory folder (empty, as after
+    a reboot) and its ``memory_tier_lost`` events."""
     from test_persist import fake_checkpoint
 
-    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
-    fake_checkpoint(disk, 24)
-    run_dir = tmp_path / "run"
+    memory, disk, run_dir = tmp_path / "shm", tmp_path / "ckpt", tmp_path / "run"
+    fake_checkpoint(disk, on_disk)
     runfiles.append_event(run_dir, "launch", attempt=1)
     runfiles.append_event(run_dir, "periodic_save", iteration=24, tier="memory", kind="periodic")
     runfiles.append_event(run_dir, "failure", attempt=1, iteration=25, cause="exit")
-    runfiles.append_event(run_dir, end)
+    for end in ends:
+        runfiles.append_event(run_dir, end)
     supervisor = memory_tier_supervisor(tmp_path, memory, disk)
     supervisor._resuming(supervisor.config.command)
-    assert not [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
+    return memory, [e for e in runfiles.read_events(run_dir) if e["event"] == "memory_tier_lost"]
 
 
 def test_a_persist_given_up_for_a_newer_checkpoint_takes_the_newer_one_at_once(tmp_path):
@@ -1224,11 +1222,9 @@ class CrashingInTheStopAttempt(RankEndingAttempt):
         return 1
 
 
-def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not_a_requeue(
-        tmp_path):
-    """scancel signals every node; the store's host exits first, and a rank crashing during
-    the stop had ftmaster announce its failure on a store that is gone: 'store_lost' and
-    exit 75, which the SLURM wrapper answers with a requeue of the job just cancelled."""
+def signalled_at_launch(tmp_path, membership):
+    """A supervisor on 4 GPUs whose first launch is an attempt crashing in its stop, with a
+    SIGTERM at once; its membership made by ``membership()``."""
     from ftmaster.launch import check_layout
     from ftmaster.states import State, Trigger
     from test_launch_parts import MODEL
@@ -1236,7 +1232,7 @@ def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, FailingMonitor())
-    supervisor.membership = StoreGoneMembership()
+    supervisor.membership = membership()
     attempt = CrashingInTheStopAttempt()
 
     def launched():
@@ -1246,6 +1242,15 @@ def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not
 
     supervisor._handlers[State.PLANNING] = lambda: Trigger.PLANNED
     supervisor._handlers[State.RELAUNCHING] = launched
+    return supervisor, attempt
+
+
+def test_a_rendezvous_lost_while_training_stops_on_a_signal_ends_as_the_stop_not_a_requeue(
+        tmp_path):
+    """scancel signals every node; the store's host exits first, and a rank crashing during
+    the stop had ftmaster announce its failure on a store that is gone: 'store_lost' and
+    exit 75, which the SLURM wrapper answers with a requeue of the job just cancelled."""
+    supervisor, attempt = signalled_at_launch(tmp_path, lambda: StoreGoneMembership())
     assert supervisor.run() == 128 + signal.SIGTERM
     assert attempt.stops == 1  # the ranks were asked to save and exit, not just killed
     events = [e["event"] for e in runfiles.read_events(tmp_path)]
@@ -1260,30 +1265,20 @@ def test_a_failure_announced_during_a_stop_on_a_store_that_hangs_ends_as_the_sto
     import threading
     from types import SimpleNamespace
 
-    from ftmaster.launch import check_layout
     from ftmaster.membership import NodeMembership, RendezvousConfig, Round
-    from ftmaster.states import State, Trigger
-    from test_launch_parts import MODEL
 
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None))
-    supervisor = Supervisor(config, FailingMonitor())
     cut = threading.Event()
-    membership = supervisor.membership = NodeMembership(
-        RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1",
-                         conf={"read_timeout": "1"}), connect=False)
-    membership._round = Round(1, (), 0)
-    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
-        add=lambda key, value: cut.wait()))
-    attempt = CrashingInTheStopAttempt()
 
-    def launched():
-        supervisor.attempt = attempt
-        supervisor.request_stop(signal.SIGTERM)
-        return Trigger.LAUNCHED
+    def hanging_membership():
+        membership = NodeMembership(
+            RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1",
+                             conf={"read_timeout": "1"}), connect=False)
+        membership._round = Round(1, (), 0)
+        membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+            add=lambda key, value: cut.wait()))
+        return membership
 
-    supervisor._handlers[State.PLANNING] = lambda: Trigger.PLANNED
-    supervisor._handlers[State.RELAUNCHING] = launched
+    supervisor, attempt = signalled_at_launch(tmp_path, hanging_membership)
     started = time.monotonic()
     try:
         assert supervisor.run() == 128 + signal.SIGTERM
