@@ -722,6 +722,48 @@ def test_a_dump_report_naming_a_file_outside_its_rank_folder_is_refused(tmp_path
     assert not any(p.is_file() for p in dumps.rglob("*"))
 
 
+def test_a_gather_abandoned_by_a_stop_leaves_no_dumps_behind_when_its_fetch_returns(
+        tmp_path, monkeypatch):
+    """A stop abandons the gather while a peer still sends rank 2's report; the supervisor
+    went on, its dump folder removed, while the gather's thread, once the report came, made
+    the folder again and filled it with rank 2's whole dump: a failed round's dump left in
+    the memory tier, its space counted, for a later merge to find."""
+    from ftmaster.monitor.backends.bounded import Abandoned
+    from ftmaster.recovery.replicas import round_dump_folder
+
+    folders, stop, released = [tmp_path / "node0", tmp_path / "node1"], threading.Event(), \
+        threading.Event()
+    dump_rank_2_of_round_2(folders[1], "state.pt")
+    read = PeerClient.read
+
+    def sent_after_the_stop(self, *args, **kwargs):
+        body = read(self, *args, **kwargs)
+        stop.set()  # the signal comes while the report is on its way
+        released.wait(10)
+        return body
+
+    monkeypatch.setattr(PeerClient, "read", sent_after_the_stop)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
+                    for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        dumps = round_dump_folder(folders[0], 2)
+        dumps.mkdir(parents=True)
+        with pytest.raises(Abandoned):
+            replications[0].gather_dumps(dumps, records, [2, 2], stop)
+        assert not dumps.exists()  # removed as the gather was let go
+        released.set()
+        for thread in threading.enumerate():
+            if thread.name.startswith("ftmaster-replica-gather"):
+                thread.join(10)
+    finally:
+        for replication in replications:
+            replication.close()
+    assert not dumps.exists()
+
+
 def dump_rank_2_of_round_2(memory_dir: Path, listed_as: str) -> None:
     """Rank 2's dump of round 2 in ``memory_dir``: one file, its report naming it ``listed_as``."""
     from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
@@ -733,7 +775,8 @@ def dump_rank_2_of_round_2(memory_dir: Path, listed_as: str) -> None:
         {"rank": 2, "files": {listed_as: digest_file(dump / "state.pt").as_json()}}))
 
 
-def gather_round_2(tmp_path: Path, folders: list[Path]) -> tuple[list, Path]:
+def gather_round_2(tmp_path: Path, folders: list[Path],
+                   stop: threading.Event | None = None) -> tuple[list, Path]:
     """Node 0's gathering of round 2's dumps from node 1 (2 ranks each): what it returned, and
     node 0's dump folder it gathered into."""
     from ftmaster.recovery.replicas import round_dump_folder
@@ -746,7 +789,7 @@ def gather_round_2(tmp_path: Path, folders: list[Path]) -> tuple[list, Path]:
             replications[r].new_round(SECRET, records, r, [2, 2])
         dumps = round_dump_folder(folders[0], 2)  # node 0's own dumps of round 2
         dumps.mkdir(parents=True)
-        return replications[0].gather_dumps(dumps, records, [2, 2]), dumps
+        return replications[0].gather_dumps(dumps, records, [2, 2], stop), dumps
     finally:
         for replication in replications:
             replication.close()

@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ def _taken(folder: Path) -> OSError:
     return FileNotFoundError(f"{folder} was taken by this node's trainer (a newer save's slot "
                              f"refill, pruning, or a resume setting it aside) before its copy "
                              f"ended")
+
+
+def _let_go_if_stopped(stop: threading.Event, folder: Path) -> None:
+    """Abandoned once ``stop`` is set, removing the gather's ``folder`` again: its caller
+    removed it on letting go, maybe before the write this follows, which would outlive it."""
+    if stop.is_set():
+        shutil.rmtree(folder, ignore_errors=True)
+        raise Abandoned("stopped gathering the dumps")
 
 
 def _has_size(path: Path, size: int) -> bool:
@@ -410,10 +419,16 @@ class Replication:
         lists, each verified against the report (a rank without a report died before it
         dumped). Returns what was copied, or why not. Abandoned once ``stop`` is set (dumps
         sent at ``--replication-rate``, or by a peer no packet reaches, outlast SLURM's grace
-        period): the fetch under way is left to its daemon thread, which starts no other."""
+        period), and ``folder`` removed: the dumps are of use to no other. The fetch under
+        way is left to its daemon thread, which starts no other and removes the folder again
+        after any write it still makes."""
         stop = stop or threading.Event()  # none: the peers' timeouts alone bound the gather
-        return call_while("ftmaster-replica-gather", lambda: not stop.is_set(), STOP_POLL_S,
-                          self._gather_dumps, folder, nodes, ranks_per_node, stop)
+        try:
+            return call_while("ftmaster-replica-gather", lambda: not stop.is_set(), STOP_POLL_S,
+                              self._gather_dumps, folder, nodes, ranks_per_node, stop)
+        except Abandoned:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
 
     def _gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int],
                       stop: threading.Event) -> list[Gathered | ReplicationFailed]:
@@ -427,9 +442,8 @@ class Replication:
             client, started, fetched = self._client(url, peers), time.perf_counter(), 0
             try:
                 for rank in ranks:
-                    if stop.is_set():  # its caller has let go of it
-                        raise Abandoned("stopped gathering the dumps")
-                    fetched += self._fetch_dump(client, relative, folder, rank)
+                    _let_go_if_stopped(stop, folder)
+                    fetched += self._fetch_dump(client, relative, folder, rank, stop)
             except (PeerError, OSError, ValueError) as error:
                 done.append(ReplicationFailed(-1, f"node {node_rank}'s dumps: {error}"))
                 continue
@@ -437,20 +451,24 @@ class Replication:
         return done
 
     @staticmethod
-    def _fetch_dump(client: PeerClient, relative: Path, folder: Path, rank: int) -> int:
+    def _fetch_dump(client: PeerClient, relative: Path, folder: Path, rank: int,
+                    stop: threading.Event) -> int:
         try:
             body = client.read(f"{relative}/{report_path(Path(), rank)}")
         except PeerMissing:
             return 0
         files = json.loads(body).get("files") or {}
         target = rank_dump_dir(folder, rank)
-        target.mkdir(parents=True, exist_ok=True)
+        target.mkdir(exist_ok=True)  # never the folder itself, which a stop removed
+        _let_go_if_stopped(stop, folder)
         for name, entry in files.items():
             if not is_plain_file_name(name):
                 raise ValueError(f"rank {rank}'s report names a file outside its dump: {name!r}")
             client.fetch(f"{relative}/{target.name}/{name}", target / name,
                          FileDigest(int(entry["bytes"]), str(entry["digest"])))
+            _let_go_if_stopped(stop, folder)
         report_path(folder, rank).write_bytes(body)  # last: the merge reads complete reports
+        _let_go_if_stopped(stop, folder)
         return len(body) + sum(int(entry["bytes"]) for entry in files.values())
 
     def used_bytes(self) -> int:

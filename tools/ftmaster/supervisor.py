@@ -1510,12 +1510,8 @@ class Supervisor:
             finally:  # a stop too: the dumps are of use to the merger alone
                 shutil.rmtree(folder, ignore_errors=True)
             return
-        try:
-            gathered = self.replication.gather_dumps(folder, nodes, ranks_per_node,
-                                                     self._stop_requested)
-        except Abandoned:  # as after a merge, the dumps go: they are of use to no other
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        gathered = self.replication.gather_dumps(folder, nodes, ranks_per_node,
+                                                 self._stop_requested)
         for result in gathered:
             if isinstance(result, ReplicationFailed):
                 log.warning("replica recovery: %s", result.reason)
