@@ -150,6 +150,49 @@ def test_a_launch_refused_for_a_save_in_use_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_launch_refused_after_its_claims_leaves_nothing_it_made(tmp_path):
+    """A --metrics-port in use is found once the run directory is locked, --save claimed and
+    the memory tier's folder picked: the refusal left the run directory (its lock and metrics
+    file), the claim's folders in a --save it made, and the memory folder in /dev/shm, whose
+    run directory a later launch then warned it could not see."""
+    import socket
+    from pathlib import Path
+
+    from ftmaster.persist import DIR_FLAG, flag_value, with_memory_dir
+
+    run_dir = tmp_path / "runs" / f"refused-{tmp_path.name}"
+    args, _ = with_memory_dir([*MODEL, "--non-persistent-ckpt-type", "global"], run_dir)
+    memory = Path(flag_value(args, DIR_FLAG) or tmp_path / "no room in /dev/shm")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim",
+                        "--metrics-port", str(taken.getsockname()[1]), "--", PRETRAIN, *MODEL,
+                        "--save", str(tmp_path / "ckpt" / "gpt"),
+                        "--non-persistent-ckpt-type", "global")
+    assert result.exit_code != 0 and "Address already in use" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == [] and not memory.exists()
+
+
+def test_a_refused_launch_keeps_what_was_there_before_it(tmp_path):
+    """Only what the launch made goes: a --run-dir and a --save that held an earlier run's
+    files keep them all."""
+    import socket
+
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    for folder in (run_dir, save):
+        folder.mkdir()
+        (folder / "earlier.txt").write_text("an earlier run's")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim",
+                        "--metrics-port", str(taken.getsockname()[1]), "--", PRETRAIN, *MODEL,
+                        "--save", str(save))
+    assert result.exit_code != 0 and "Address already in use" in result.stderr, result.stderr
+    assert (run_dir / "earlier.txt").exists() and (save / "earlier.txt").exists()
+
+
 def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
     result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
                     env={"CUDA_VISIBLE_DEVICES": ""})

@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from ftmaster.guard import RANK_DIR_ENV
 from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layout
 from ftmaster.listener import Listener, move_request
 from ftmaster.recovery.argv_flags import flag_value
-from ftmaster.lock import HOLDERS_DIR, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
+from ftmaster.lock import HOLDERS_DIR, HOLDERS_GUARD, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
 from ftmaster.states import State, Trigger
 from ftmaster.supervisor import (Injector, Supervisor, SupervisorConfig, is_hung,
                                  last_checkpoint_write)
@@ -1125,6 +1126,51 @@ def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):
     other.release()
 
 
+def test_a_withdrawn_claim_removes_the_folder_it_made_unless_another_node_claimed_it(tmp_path):
+    save = tmp_path / "new" / "ckpt"
+    node_0 = FolderClaim(save, "rendezvous job-a", tmp_path / "run" / "node_0")
+    node_1 = FolderClaim(save, "rendezvous job-a", tmp_path / "run" / "node_1")
+    node_0.acquire()
+    node_1.acquire()
+    node_0.withdraw()  # refused, its folder made; node 1's launch goes on
+    assert [p.name for p in (save / HOLDERS_DIR).iterdir()] == [node_1.path.name]
+    node_1.release()
+    alone = FolderClaim(save, "host:/elsewhere", tmp_path / "elsewhere")
+    shutil.rmtree(tmp_path / "new")
+    alone.acquire()
+    alone.withdraw()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_withdrawn_claim_keeps_a_folder_that_was_there(tmp_path):
+    claim = FolderClaim(tmp_path, "job a", tmp_path / "run")
+    claim.acquire()
+    claim.withdraw()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HOLDERS_DIR, HOLDERS_GUARD]
+
+
+def test_a_claim_that_waited_on_a_guard_removed_meanwhile_takes_the_new_one(tmp_path):
+    """A withdrawn claim removes the guard it holds; a launch that waited on that file
+    would list the holders beside one that opened the new file at its name."""
+    import fcntl
+
+    guard = tmp_path / HOLDERS_GUARD
+    withdrawing = os.open(guard, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(withdrawing, fcntl.LOCK_EX)
+    waiter = threading.Thread(target=FolderClaim(tmp_path, "job b", tmp_path / "b").acquire)
+    waiter.start()
+    time.sleep(0.2)  # it waits on the old guard
+    guard.unlink()
+    newer = os.open(guard, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(newer, fcntl.LOCK_EX)  # another launch now lists the holders
+    os.close(withdrawing)
+    waiter.join(1.0)
+    assert waiter.is_alive()
+    os.close(newer)
+    waiter.join(5.0)
+    assert not waiter.is_alive() and len(list((tmp_path / HOLDERS_DIR).iterdir())) == 1
+
+
 def test_a_claim_is_known_by_its_name_before_its_contents_can_be_read(tmp_path):
     """Over NFS another client may list a file before it sees its bytes."""
     first = FolderClaim(tmp_path, "job a", tmp_path / "a")
@@ -1574,7 +1620,8 @@ def test_a_launch_takes_over_a_stopped_runs_memory_tier_and_picks_dev_shm_once_i
                         lambda own, disk, resumes, say: asked.append((own, disk, resumes)) or removed)
     monkeypatch.setattr(launch, "_with_memory_tier", lambda args, run_dir, rendezvous: (
         [*args, "--non-persistent-global-ckpt-dir", str(shm)], shm))
-    taken = launch._take_over_left_memory(config, argv)
+    taken = launch._take_over_left_memory(config, argv,
+                                           types.SimpleNamespace(will_make=lambda folder: None))
     assert asked == [(None, save, load is not None)]
     assert (taken.scratch_memory_dir == shm) is picked
     assert (flag_value(taken.command, "--non-persistent-global-ckpt-dir") == str(shm)) is picked

@@ -14,7 +14,6 @@ after ``--stop-timeout`` seconds.
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -33,8 +32,8 @@ from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
-from ftmaster.lock import (LOCK_NAME, NO_LOCKS, FolderClaim, FolderInUse, RunDirLock,
-                           RunDirLocked)
+from ftmaster.lock import (NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked,
+                           missing_folders, remove_made)
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
                                  unread_conf_keys)
@@ -230,32 +229,44 @@ def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) ->
     return None
 
 
-def _hold_folders(config: SupervisorConfig,
-                  rendezvous: RendezvousConfig | None) -> contextlib.ExitStack:
+class HeldFolders:
     """The run directory's lock and the claims on the checkpoint folders, released together.
-    A refused claim leaves no run directory this launch made (a mistyped --save's refusal
-    left one each time, a new timestamped one without --run-dir)."""
-    made = [folder for folder in (config.run_dir, *config.run_dir.parents) if not folder.exists()]
-    held = contextlib.ExitStack()
-    held.callback(_lock_run_dir(config.run_dir).release)
-    try:
-        for claim in _claim_checkpoint_folders(config, rendezvous):
-            held.callback(claim.release)
-    except click.ClickException:
-        held.close()
-        _remove_made_run_dir(made)
-        raise
-    return held
+    A launch refused while it holds them withdraws them, and what it made goes with them:
+    the run directory, a claimed folder, the memory folder it picked; never what was there
+    before it (a refused launch left them each time: a new timestamped run directory without
+    --run-dir, a mistyped --save, a /dev/shm folder whose run a later launch could not find)."""
 
+    def __init__(self, config: SupervisorConfig, rendezvous: RendezvousConfig | None) -> None:
+        self._made = [missing_folders(config.run_dir)]
+        self._lock = _lock_run_dir(config.run_dir)
+        self._claims: list[FolderClaim] = []
+        try:
+            for claim in _claim_checkpoint_folders(config, rendezvous):
+                self._claims.append(claim)  # each as it is held: a later refusal withdraws it
+        except click.ClickException:
+            self.withdraw()
+            raise
 
-def _remove_made_run_dir(made: list[Path]) -> None:
-    """``made``, the run directory and its parents this launch made (deepest first), which
-    hold nothing but its lock file."""
-    if made:
-        (made[0] / LOCK_NAME).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # no longer empty: another launch's now
-            for folder in made:
-                folder.rmdir()
+    def will_make(self, folder: Path) -> None:
+        """``folder`` is about to be made, and goes on a withdrawal unless it exists now."""
+        self._made.append(missing_folders(folder))
+
+    def close(self) -> None:
+        for claim in reversed(self._claims):
+            claim.release()
+        self._claims = []
+        self._lock.release()
+
+    def withdraw(self) -> None:
+        """For a refused launch: released, and what it made removed (the run directory
+        under its lock, so no other launch writes there meanwhile)."""
+        for claim in reversed(self._claims):
+            claim.withdraw()
+        self._claims = []
+        for made in self._made:
+            remove_made(made)
+        self._made = []
+        self._lock.release()
 
 
 def _claim_checkpoint_folders(config: SupervisorConfig, rendezvous: RendezvousConfig | None):
@@ -616,17 +627,21 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         logging.getLogger("ftmaster").info(note)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
-        held = _hold_folders(config, rendezvous)
+        held = HeldFolders(config, rendezvous)
     except click.ClickException:
         backend.close()
         raise
-    if rendezvous is None:
-        config = _take_over_left_memory(config, argv)
     try:
+        if rendezvous is None:
+            config = _take_over_left_memory(config, argv, held)
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         observers = _observers(options, rendezvous, monitor, config)
         membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
+    except click.ClickException:
+        held.withdraw()
+        raise
+    try:
         replication = _replication(config, membership, options)
         run_files = run_files_outage()
         starter = None if options["cold_restart"] else WarmStarter(
@@ -788,7 +803,8 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
     return [argv[0], *chosen], None if picked is None else Path(picked)
 
 
-def _take_over_left_memory(config: SupervisorConfig, argv: list[str]) -> SupervisorConfig:
+def _take_over_left_memory(config: SupervisorConfig, argv: list[str],
+                           held: HeldFolders) -> SupervisorConfig:
     """On one node, with ``--save`` claimed and a memory folder not given: take over what a
     stopped run on the same ``--save`` left in ``/dev/shm`` under another run directory
     (:func:`persist_left_behind`), before training loads; pick ``/dev/shm`` again when that
@@ -820,6 +836,7 @@ def _take_over_left_memory(config: SupervisorConfig, argv: list[str]) -> Supervi
                 first_plan=plan and dataclasses.replace(plan, command=tuple(
                     set_flag(list(plan.command), DIR_FLAG, str(scratch)))))
     if config.scratch_memory_dir is not None:
+        held.will_make(config.scratch_memory_dir)
         try:
             mark_owner(config.scratch_memory_dir, tiers.disk, config.run_dir)
         except OSError as error:

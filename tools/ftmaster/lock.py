@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -25,6 +26,7 @@ LOCK_NAME = "ftmaster.lock"
 HOLDERS_DIR = ".ftmaster_jobs"
 HOLDERS_GUARD = ".ftmaster_jobs.lock"
 GUARD_WAIT_S = 120.0  # held for a listing and a file or two per launch; longer: a hung mount
+WITHDRAW_WAIT_S = 2.0  # a refused launch's tidying waits no longer: it may leave the folders
 # Where the filesystem has no locks (Lustre without -o flock, some FUSE mounts).
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
@@ -126,15 +128,15 @@ class FolderClaim:
                         "run_dir": str(run_dir)}
         self.path: Path | None = None
         self._fd: int | None = None
+        self._made: list[Path] = []
 
     def acquire(self) -> None:
         """Claim the folder or raise :class:`FolderInUse` naming the other job; OSError when
         the folder cannot be written or locked (``errno`` in :data:`NO_LOCKS`: no locks there;
         ``ETIMEDOUT``: the guard stayed taken)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        guard = _open_shared(self.folder.parent / HOLDERS_GUARD)
+        self._made = missing_folders(self.folder.parent)
+        guard = self._locked_guard()
         try:
-            _lock_within(guard, GUARD_WAIT_S)
             listed = sorted(self.folder.iterdir())
             # This host's files of this job: one nobody holds is an earlier ftmaster's that died
             # (SIGKILL, a requeue after preemption); no other job's launch would remove it.
@@ -163,6 +165,22 @@ class FolderClaim:
             raise
         self._fd, self.path = fd, Path(path)
 
+    def _locked_guard(self) -> int:
+        """The guard, locked. One a withdrawn claim removed while this waited for it guards
+        nothing any longer: the file at its name is opened and locked instead."""
+        guard_path = self.folder.parent / HOLDERS_GUARD
+        while True:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            guard = _open_shared(guard_path)
+            try:
+                _lock_within(guard, GUARD_WAIT_S)
+                if _is_at(guard, guard_path):
+                    return guard
+            except BaseException:
+                os.close(guard)
+                raise
+            os.close(guard)
+
     def release(self) -> None:
         """Removed before it is unlocked: a launch that opened it meanwhile finds it held."""
         if self._fd is not None:
@@ -170,6 +188,56 @@ class FolderClaim:
                 self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
+
+    def withdraw(self) -> None:
+        """Released, for a launch refused after its claim: and when the claim made the
+        folder, the holders' folder, the guard and the folder removed again, unless another
+        claim holds a file there by now (another node of the job). Under the guard, so no
+        other launch lists the holders meanwhile."""
+        self.release()
+        if not self._made:
+            return
+        guard_path = self.folder.parent / HOLDERS_GUARD
+        try:
+            guard = os.open(guard_path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            _lock_within(guard, WITHDRAW_WAIT_S)
+            self.folder.rmdir()
+            guard_path.unlink()
+        except OSError:
+            return  # in use again, or no locks there: all of it stays
+        finally:
+            os.close(guard)
+        remove_made(self._made, whole=False)
+
+
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist, deepest first: what making it
+    makes, for :func:`remove_made`."""
+    return [folder for folder in (path, *path.parents) if not folder.exists()]
+
+
+def remove_made(made: list[Path], whole: bool = True) -> None:
+    """The folders :func:`missing_folders` named, made since: the deepest with what is in it
+    (``whole``, for a folder its maker held locked all along), else only when empty, then
+    each parent left empty; one another launch writes by now stays."""
+    if made and whole:
+        shutil.rmtree(made[0], ignore_errors=True)
+        made = made[1:]
+    with contextlib.suppress(OSError):
+        for folder in made:
+            folder.rmdir()
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is the file at ``path`` still (not removed, or replaced, since)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _open_shared(path: Path) -> int:
