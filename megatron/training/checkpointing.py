@@ -1141,7 +1141,17 @@ class Checkpointer:
     def load(self, state: TrainingState) -> bool:
         """Load the newest checkpoint under ``--load`` that loads on every rank; False when
         there is none at all (a fresh start). NoLoadableCheckpoint when some exist and every
-        one fails."""
+        one fails; CheckpointMismatch when the resume is refused (its checkpoint cannot
+        continue under these arguments, or a discarded timeline cannot be set aside). Each
+        refusal is one ``load_failed`` event, with the reason the ranks exit with: every
+        refusal, as ftmaster's report and incident page say why the attempt failed from it."""
+        try:
+            return self._load_newest(state)
+        except (CheckpointMismatch, NoLoadableCheckpoint) as refusal:
+            self.event("load_failed", path=str(self.args.load), reason=str(refusal))
+            raise
+
+    def _load_newest(self, state: TrainingState) -> bool:
         found = broadcast_from_rank0(
             tier_candidates(Path(self.args.load), self.memory_dir) if _rank() == 0 else None,
             self.group)
@@ -1167,10 +1177,9 @@ class Checkpointer:
             log_rank0(f"no checkpoint in {folders}; starting from scratch")
             self.event("fresh_start", folders=[str(folder) for folder in found.folders])
             return False
-        message = (f"no checkpoint in {folders} can be loaded ({'; '.join(skipped)}); nothing "
-                   f"was changed: repair or move them, or give another --load")
-        self.event("load_failed", path=str(self.args.load), reason=message)
-        raise NoLoadableCheckpoint(message)
+        raise NoLoadableCheckpoint(
+            f"no checkpoint in {folders} can be loaded ({'; '.join(skipped)}); nothing was "
+            f"changed: repair or move them, or give another --load")
 
     def _load_from(self, path: Path, state: TrainingState, tier: str) -> str | None:
         """Load ``path`` on every rank, or the reason it cannot be (the same on every rank). A
@@ -1294,7 +1303,7 @@ class Checkpointer:
         rank refuses the resume with the reason (the others would wait for rank 0 until the
         collective's timeout): left under its name, such a folder stays a load candidate. The
         folders moved before a failure are events all the same (the operator looks for them
-        there), and so is the refusal (``load_failed``: this resume loads nothing)."""
+        there), and so is the refusal (:meth:`load`'s ``load_failed``)."""
         problem, moved = None, []
         try:
             self._set_aside_newer_here(iteration, tier, moved)
@@ -1308,7 +1317,6 @@ class Checkpointer:
                        moved_to=None if new is None else str(new))
         problem = first_problem(problem, self.group)
         if problem is not None:
-            self.event("load_failed", path=str(self.args.load), reason=problem)
             raise CheckpointMismatch(problem)
 
     def _set_aside_newer_here(self, iteration: int, tier: str,
