@@ -867,3 +867,39 @@ def test_a_stop_signal_ends_the_catch_ups_tries_at_once(tmp_path, monkeypatch):
             replication.close()
     assert len(tries) == 1
     assert [x for x in caught_up if isinstance(x, ReplicationFailed)]
+
+
+def test_a_stop_during_a_fetch_the_peer_stalls_ends_the_catch_up_within_a_second(tmp_path):
+    """Node 1 accepts the connection and then sends nothing: the stop was looked at only
+    between tries, so a signal during the stalled fetch waited out the peers' timeout
+    (30 s, past SLURM's grace period) before the catch-up ended."""
+    import socket
+    import time
+
+    from ftmaster.monitor.backends.bounded import Abandoned
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders)
+    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
+    for path in mine.iterdir():
+        shutil.copy(path, theirs)
+    agreed = agreed_on({0: folders[0], 1: folders[1]})
+    shutil.rmtree(mine)
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nothing is sent
+    stop = threading.Event()
+    replication = Replication(ReplicationConfig(folders[0], tmp_path / "run0", 0, timeout_s=5.0))
+    stopping = threading.Timer(0.3, stop.set)
+    try:
+        records = (nodes(2)[0], replace(nodes(2)[1],
+                                        peer_url=f"http://127.0.0.1:{silent.getsockname()[1]}"))
+        replication.new_round(SECRET, records, 0, [2, 2])
+        started = time.monotonic()
+        stopping.start()
+        with pytest.raises(Abandoned):
+            replication.catch_up(agreed, True, stop)
+        assert time.monotonic() - started < 1.3
+    finally:
+        stopping.cancel()
+        replication.close()
+        silent.close()
+    assert read_tracker(folders[0]) is None

@@ -311,10 +311,18 @@ class Replication:
         rejoins after missing saves needs this, and so does a rank-0 node whose folder lacks
         what its peers hold. The tracker is set where the load ``chooses`` (the node of rank
         0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning. A
-        peer's failure is tried again (:data:`CATCH_UP_TRIES`), unless ``stop`` is set."""
+        peer's failure is tried again (:data:`CATCH_UP_TRIES`), unless ``stop`` is set.
+        Abandoned once ``stop`` is set, within :data:`STOP_POLL_S` even while a peer stalls
+        a fetch (which only its timeout ends): that try is left to its daemon thread, which,
+        holding the folder's lock until it ends, tries no more."""
         peers, stop = self._peers, stop or threading.Event()
         if agreed is None or peers is None:
             return []
+        return call_while("ftmaster-catch-up", lambda: not stop.is_set(), STOP_POLL_S,
+                          self._catch_up_tries, agreed, peers, chooses, stop)
+
+    def _catch_up_tries(self, agreed: Agreed, peers: Peers, chooses: bool,
+                        stop: threading.Event) -> list[tuple[int, Copied] | ReplicationFailed]:
         done: list[tuple[int, Copied] | ReplicationFailed] = []
         with self._folder_lock:
             for tries_left in reversed(range(CATCH_UP_TRIES)):
