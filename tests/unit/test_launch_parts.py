@@ -771,6 +771,41 @@ def test_a_stop_while_the_nodes_agree_on_their_memory_checkpoint_stops_at_once(t
     assert [e["event"] for e in runfiles.read_events(tmp_path)] == ["round", "stopped"]
 
 
+@pytest.mark.parametrize("me", [0, 1], ids=["rank0s-node", "another-node"])
+def test_a_catch_up_given_up_fails_the_round_instead_of_resuming_from_an_older_checkpoint(
+        tmp_path, me):
+    """The round agreed on iteration 4, whole on the other node; a peer's fetch failed all
+    three tries. Launched anyway, the ranks could not load 4 here and every rank fell back to
+    2, and that load set aside every node's copy of 4 as newer than what it resumed from (the
+    next memory save pruned them): the newest state, whole on the other node, lost for one
+    flaky peer. The round fails here instead, says why, and tells the others, and the next
+    round agrees and catches up anew, within the restart budget."""
+    from ftmaster.replication import Agreed, ReplicationConfig, ReplicationFailed
+    from ftmaster.states import advance
+
+    membership, joined = seat_in_a_silent_round((2, 2), me)
+    membership._round = joined
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None, max_restarts=3)
+    failed = ReplicationFailed(4, "http://node1:1/iter_0000004/common.pt: timed out")
+    replication = types.SimpleNamespace(
+        url=f"http://node{me}:1", new_round=lambda *args: None,
+        config=ReplicationConfig(tmp_path / "memory", tmp_path / "run", me),
+        catch_up=lambda agreed, chooses, stop: [failed])
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    supervisor.agreement = types.SimpleNamespace(
+        publish=lambda number: None,
+        decide=lambda number, node_ranks, decides, stop: Agreed(4, "digest", {}))
+    trigger = supervisor._plan()
+    assert trigger is Trigger.FAILURE and supervisor.plan is None  # nothing launches
+    events = {e["event"]: e for e in runfiles.read_events(tmp_path)}
+    assert events["catch_up_failed"]["iteration"] == 4 and events["catch_up_failed"]["round"] == 2
+    assert "timed out" in events["catch_up_failed"]["reason"]
+    assert membership.announcement("failed/2", 0.0) == f"{me} catch_up"  # the others stop
+    assert supervisor._decide() is Trigger.RETRY
+    assert advance(advance(State.PLANNING, trigger), Trigger.RETRY) is State.PLANNING
+
+
 def test_a_stop_while_a_spare_reads_the_jobs_outcome_from_a_store_that_hangs_stops_at_once(
         tmp_path):
     """A spare (no ranks this round) polls the store for the job's outcome: with the store's

@@ -61,9 +61,9 @@ AGREE_TIMEOUT_S = 30.0  # how long a new round's nodes wait for each other's hol
 CATCH_UP_TRIES = 3
 CATCH_UP_PAUSE_S = 2.0
 """A catch-up that a peer failed (a stall past its timeout, a reset connection) is tried
-again this many times in all, this far apart: given up, rank 0's node resumes from an older
-checkpoint, and that load sets aside every node's copy of the agreed one (pruned at the next
-memory save), however briefly the peer stalled."""
+this many times in all, this far apart: given up, the node fails the round (the supervisor's
+``_catch_up_failed``), since a resume from an older checkpoint would set aside every node's
+copy of the agreed one."""
 AGREEMENT_POLL_S = 2.0  # how often a node reads the holdings while training
 MIN_RATE_MB_S = 0.01
 """The slowest ``--replication-rate``: a paced 64 KiB chunk per 6.6 s, within a peer's 30 s

@@ -98,6 +98,7 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.WAITING, T.WAIT_TIMED_OUT): S.PLANNING,
     (S.PLANNING, T.PLANNED): S.RELAUNCHING,
     (S.PLANNING, T.NO_LAYOUT): S.GAVE_UP,
+    (S.PLANNING, T.FAILURE): S.FAILED,  # across nodes: the agreed checkpoint not loadable here
     (S.RELAUNCHING, T.LAUNCHED): S.RUNNING,
     (S.STARTING, T.GIVE_UP): S.GAVE_UP,
     (S.RELAUNCHING, T.GIVE_UP): S.GAVE_UP,

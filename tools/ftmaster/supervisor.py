@@ -1458,9 +1458,11 @@ class Supervisor:
             try:
                 self._merge_dumps_across_nodes(joined.nodes[active[0]] if active else None,
                                                rank0_here, previous)
-                self._catch_up_on_agreed_memory(joined, rank0_here)
+                unloadable = self._catch_up_on_agreed_memory(joined, rank0_here)
             except Abandoned:  # a signal while it waited for another node's word
                 return self._stopped_idle(State.PLANNING)
+            if unloadable is not None:
+                return self._catch_up_failed(joined, unloadable)
             self._persists_here = rank0_here
         if self.replicas is not None and mine:
             self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
@@ -1479,15 +1481,37 @@ class Supervisor:
                  self.world.node_rank, master.addr, master.port)
         return Trigger.PLANNED
 
-    def _catch_up_on_agreed_memory(self, joined: Round, rank0_here: bool) -> None:
+    def _catch_up_on_agreed_memory(self, joined: Round,
+                                   rank0_here: bool) -> ReplicationFailed | None:
         """Every node says what its tier holds; the node of rank 0 names the newest memory
-        checkpoint complete on the round's nodes, and each node makes it loadable here."""
+        checkpoint complete on the round's nodes, and each node makes it loadable here.
+        Returns why it is not loadable here, if it is not."""
         self.agreement.publish(joined.number)
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
                                        rank0_here, self._stop_requested)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
-        self._report_replicated(self.replication.catch_up(agreed, rank0_here, self._stop_requested))
+        results = self.replication.catch_up(agreed, rank0_here, self._stop_requested)
+        self._report_replicated(results)
+        return next((r for r in results if isinstance(r, ReplicationFailed)), None)
+
+    def _catch_up_failed(self, joined: Round, failed: ReplicationFailed) -> Trigger:
+        """The agreed checkpoint cannot be loaded on this node: the round fails here, and the
+        next one agrees and catches up anew, within the restart budget. Launched, every rank
+        would skip it and resume from an older checkpoint, and that load sets aside every
+        node's copy of the agreed one as newer than what it resumed (the next memory save
+        prunes them): the newest state, whole on the other nodes, lost for one flaky peer."""
+        line = (f"round {joined.number} failed on this node: the agreed memory checkpoint of "
+                f"iteration {failed.iteration} could not be made loadable here ({failed.reason})")
+        log.error("%s; the round fails (a new one tries again, within --max-restarts) rather "
+                  "than resume from an older checkpoint, which would set it aside on every node",
+                  line)
+        self._failures.append(line)
+        self._last_failure = ("catch_up", None)
+        self._event("catch_up_failed", round=joined.number, iteration=failed.iteration,
+                    reason=failed.reason)
+        self.membership.announce_failure("catch_up", self._stop_requested)  # the others stop
+        return Trigger.FAILURE
 
     def _merge_dumps_across_nodes(self, merger: NodeRecord | None, rank0_here: bool,
                                   previous: Round | None) -> None:
