@@ -335,6 +335,9 @@ def cut_off_seat(cut):
     """Node 1, whose every store read hangs until ``cut`` is set (read_timeout 1 s)."""
     from types import SimpleNamespace
 
+    import torch.distributed.elastic.rendezvous  # noqa: F401 (loaded, as in a running ftmaster:
+    # its first load, in the first store call, takes a second the stop's timing would count)
+
     membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1,
                                                  local_addr="127.0.0.1",
                                                  conf={"read_timeout": "1"}), connect=False)
@@ -362,6 +365,28 @@ def test_a_stop_while_a_store_call_hangs_ends_the_wait_for_a_word_at_once():
         assert time.monotonic() - stopped_at[0] < 1.0
     finally:
         cut.set()  # lets the abandoned call's thread end
+
+
+@pytest.mark.parametrize("poll", ["peer_failure", "peers_waiting"])
+def test_a_stop_while_the_poll_of_the_peers_hangs_ends_it_at_once(poll):
+    """Training polls its peers (a failure announced, a node waiting) every tick: a store no
+    packet reaches held the poll until the store's timeout (65 s by default), and the stop
+    of the ranks a SIGTERM asks for waited as long, past SLURM's SIGKILL."""
+    from types import SimpleNamespace
+
+    from ftmaster.monitor.backends.bounded import Abandoned
+
+    cut = threading.Event()  # never set: the reply that never comes
+    membership = cut_off_seat(cut)
+    membership.handler = SimpleNamespace(num_nodes_waiting=lambda: cut.wait())
+    stop, stopped_at = threading.Event(), []
+    threading.Timer(0.3, lambda: (stopped_at.append(time.monotonic()), stop.set())).start()
+    try:
+        with pytest.raises(Abandoned):
+            getattr(membership, poll)(stop)
+        assert time.monotonic() - stopped_at[0] < 1.0
+    finally:
+        cut.set()
 
 
 def test_without_a_stop_a_store_call_that_hangs_is_a_lost_store(monkeypatch):

@@ -593,7 +593,7 @@ class AnnouncingStore:
     def __init__(self) -> None:
         self.said: dict[str, str] = {}
 
-    def announce(self, name, value):
+    def announce(self, name, value, stop=None):
         self.said[name] = value
 
     def announcement(self, name, timeout_s, stop=None):
@@ -667,6 +667,53 @@ def test_a_node_that_holds_no_part_of_the_replicated_checkpoint_lets_go_of_its_m
         folders[1], tmp_path / "run1", 1)))
     agreement.keep_replicated(1, [0, 1, 2], decides=False)
     assert replicated_here(folders[1]) is None
+
+
+class BlackholedAnnouncements:
+    """A round's announcements on a store no packet reaches: every call hangs until its
+    stop is set (Abandoned), else until the store's timeout (StoreLost)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def _hang(self, stop) -> None:
+        from ftmaster.membership import StoreLost
+        from ftmaster.monitor.backends.bounded import Abandoned
+
+        if (stop or threading.Event()).wait(self.timeout_s):
+            raise Abandoned("stopped")
+        raise StoreLost("did not return")
+
+    def announce(self, name, value, stop=None):
+        self._hang(stop)
+
+    def announcement(self, name, timeout_s, stop=None):
+        self._hang(stop)
+
+
+@pytest.mark.parametrize("call", ["publish", "current", "keep_replicated_deciding",
+                                  "keep_replicated"])
+def test_a_stop_ends_the_memory_agreements_store_calls_on_a_store_that_hangs(tmp_path, call):
+    """Training publishes and reads the memory holdings through the rendezvous store: on a
+    store no packet reaches each call waited out the store's timeout (65 s by default)
+    before a SIGTERM could stop the ranks, past SLURM's grace period."""
+    import contextlib
+    import time
+
+    from ftmaster.monitor.backends.bounded import Abandoned
+
+    stop = threading.Event()
+    agreement = MemoryAgreement(BlackholedAnnouncements(timeout_s=5.0), SimpleNamespace(
+        config=ReplicationConfig(tmp_path / "memory", tmp_path, 0)), stop)
+    calls = {"publish": lambda: agreement.publish(1),
+             "current": lambda: agreement.current(1, [0, 1, 2]),
+             "keep_replicated_deciding": lambda: agreement.keep_replicated(1, [0, 1, 2], True),
+             "keep_replicated": lambda: agreement.keep_replicated(1, [0, 1, 2], False)}
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with contextlib.suppress(Abandoned):
+        calls[call]()
+    assert time.monotonic() - started < 1.0
 
 
 def test_a_full_run_directory_leaves_the_peer_list_unwritten_not_the_supervisor_dead(

@@ -444,10 +444,10 @@ class PeerFailedMembership:
     def __init__(self, cause):
         self.cause = cause
 
-    def peer_failure(self):
+    def peer_failure(self, stop=None):
         return self.cause
 
-    def peers_waiting(self):
+    def peers_waiting(self, stop=None):
         return True
 
     def announce_failure(self, cause, stop=None):
@@ -1287,6 +1287,77 @@ def test_a_failure_announced_during_a_stop_on_a_store_that_hangs_ends_as_the_sto
         cut.set()
     assert attempt.stops == 1
     assert runfiles.read_events(tmp_path)[-1]["event"] == "stopped"
+
+
+class TrainingAttempt(FinishedAttempt):
+    """Trains until its stop, which it saves for and exits 0 on."""
+
+    stops, stuck_gpus = 0, {}
+
+    def stop(self, deadline_s):
+        self.stops += 1
+        return 0
+
+
+def cut_off_membership(cut):
+    """Node 1 of a round of 3 on a store no packet reaches: every call waits for ``cut``."""
+    from ftmaster.membership import NodeMembership, NodeRecord, RendezvousConfig, Round
+
+    import torch.distributed.elastic.rendezvous  # noqa: F401 (loaded, as in a running ftmaster)
+
+    def hang(*args):
+        return cut.wait()
+
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 3, 1,
+                                                 local_addr="127.0.0.1",
+                                                 conf={"read_timeout": "1"}), connect=False)
+    membership._round = Round(1, tuple(NodeRecord(r, "127.0.0.1", (0, 1), 1) for r in range(3)), 1)
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        add=hang, set=hang, get=hang, check=hang))
+    membership.handler = SimpleNamespace(num_nodes_waiting=hang)
+    return membership
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_stop_signal_while_trainings_poll_of_a_hung_store_waits_stops_the_ranks_at_once(
+        tmp_path, replicated):
+    """The store's host blackholed (a cut link, no reset) while training ran: each poll of
+    the peers and of the memory agreement waited out the store's timeout (read_timeout + 5 s,
+    65 s by default) before a SIGTERM was acted on. SLURM's SIGKILL, 30 s after it, came
+    first: the ranks were never asked to save, and nothing recorded the stop."""
+    import threading
+
+    from ftmaster.launch import check_layout
+    from ftmaster.replication import ReplicationConfig
+    from ftmaster.states import State, Trigger
+    from test_launch_parts import MODEL
+
+    cut = threading.Event()
+    membership = cut_off_membership(cut)
+    replication = SimpleNamespace(config=ReplicationConfig(tmp_path / "memory", tmp_path, 1),
+                                  take_results=list, close=lambda: None) if replicated else None
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor(), membership, replication=replication)
+    attempt, signalled_at = TrainingAttempt(), []
+
+    def launched():
+        supervisor.attempt, supervisor.round = attempt, membership._round
+        supervisor._progress = (None, time.monotonic())
+        threading.Timer(0.3, lambda: (signalled_at.append(time.monotonic()),
+                                      supervisor.request_stop(signal.SIGTERM))).start()
+        return Trigger.LAUNCHED
+
+    supervisor._handlers[State.PLANNING] = lambda: Trigger.PLANNED
+    supervisor._handlers[State.RELAUNCHING] = launched
+    try:
+        assert supervisor.run() == 128 + signal.SIGTERM
+        assert time.monotonic() - signalled_at[0] < 1.5
+    finally:
+        cut.set()
+    assert attempt.stops == 1  # asked to save and exit
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert events[-1] == "stopped" and "store_lost" not in events
 
 
 def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypatch):

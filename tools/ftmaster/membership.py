@@ -479,10 +479,10 @@ class NodeMembership:
         if first == 1:
             self.announce(name, f"{self.config.node_rank} {cause}", stop)
 
-    def peer_failure(self) -> str | None:
+    def peer_failure(self, stop: threading.Event | None = None) -> str | None:
         """The cause of the current round's failure another node announced, if one did
-        (polled with :meth:`peers_waiting`)."""
-        self._poll()
+        (polled with :meth:`peers_waiting`, bounded and Abandoned on a stop as it is)."""
+        self._poll(stop)
         return self._peer_failure
 
     def announce(self, name: str, value: str, stop: threading.Event | None = None) -> None:

@@ -605,10 +605,14 @@ class MemoryAgreement:
     """Which memory checkpoint is complete on the live nodes, agreed through the rendezvous
     store: each node publishes its holdings per round (``memory/<round>/<node rank>``); the
     deciding node (that of rank 0) reads those of the round's nodes and announces the newest
-    complete checkpoint (``memory_agreed/<round>``), which every node then loads."""
+    complete checkpoint (``memory_agreed/<round>``), which every node then loads.
 
-    def __init__(self, membership, replication: Replication) -> None:
-        self.membership, self.replication = membership, replication
+    Every store call it makes is Abandoned once ``stop`` is set (a signal to ftmaster): a
+    store no packet reaches holds one for the store's timeout, past SLURM's grace period."""
+
+    def __init__(self, membership, replication: Replication,
+                 stop: threading.Event | None = None) -> None:
+        self.membership, self.replication, self.stop = membership, replication, stop
         self._read_at, self._read = (None, float("-inf")), {}  # (round, time), the records
         self._decided_on = self._read_at  # the read the deciding node last named one from
         self._told: tuple | None = None  # (round, iteration, manifest) it last announced
@@ -618,18 +622,18 @@ class MemoryAgreement:
         """Say what this node's tier holds now (after a copy, a catch-up, a merge)."""
         held = holdings_of(self.replication.config.memory_dir)
         self.membership.announce(f"memory/{round_number}/{self.replication.config.node_rank}",
-                                 json.dumps(held))
+                                 json.dumps(held), self.stop)
 
-    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool,
-               stop: threading.Event | None = None) -> Agreed | None:
+    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> Agreed | None:
         """At the start of a round, after :meth:`publish`: the agreed checkpoint, or None (no
-        memory checkpoint is complete: the relaunch loads from disk). Abandoned once ``stop``
-        is set while it waits for the other nodes."""
+        memory checkpoint is complete: the relaunch loads from disk)."""
         word = f"memory_agreed/{round_number}"
         if not decides:
-            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S, stop))
-        agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S, stop))
-        self.membership.announce(word, agreed.to_json() if agreed is not None else "none")
+            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S,
+                                                                 self.stop))
+        agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S))
+        self.membership.announce(word, agreed.to_json() if agreed is not None else "none",
+                                 self.stop)
         return agreed
 
     def current(self, round_number: int, node_ranks: Sequence[int]) -> Agreed | None:
@@ -675,7 +679,7 @@ class MemoryAgreement:
         told = (round_number, newest.iteration, newest.manifest)
         if told != self._told:
             self.membership.announce(f"memory_replicated/{round_number}", json.dumps(
-                {"iteration": newest.iteration, "manifest": newest.manifest}))
+                {"iteration": newest.iteration, "manifest": newest.manifest}), self.stop)
             self._told = told
         return newest.iteration, newest.manifest
 
@@ -684,7 +688,7 @@ class MemoryAgreement:
         if self._polled_at[0] == round_number and now - self._polled_at[1] < AGREEMENT_POLL_S:
             return None
         self._polled_at = (round_number, now)
-        text = self.membership.announcement(f"memory_replicated/{round_number}", 0.0)
+        text = self.membership.announcement(f"memory_replicated/{round_number}", 0.0, self.stop)
         try:
             announced = json.loads(text or "null")
             return int(announced["iteration"]), str(announced["manifest"])
@@ -706,7 +710,8 @@ class MemoryAgreement:
             self._read_at = (round_number, now)
             try:
                 self._read = self._records(round_number, node_ranks, 0.0)
-            except StoreLost as lost:  # the end of a run persists what it can without it
+            except (StoreLost, Abandoned) as lost:
+                # the end of a run, a stopped one too, persists what it can without it
                 log.warning("reading the memory holdings: %s", lost)
                 self._read = {}
         return self._read
@@ -716,10 +721,10 @@ class MemoryAgreement:
         :meth:`current` reads them again."""
         self._read_at = (None, float("-inf"))
 
-    def _records(self, round_number: int, node_ranks: Sequence[int], timeout_s: float,
-                 stop: threading.Event | None = None) -> dict[int, str | None]:
+    def _records(self, round_number: int, node_ranks: Sequence[int],
+                 timeout_s: float) -> dict[int, str | None]:
         deadline = time.monotonic() + timeout_s
         return {node_rank: self.membership.announcement(
                     f"memory/{round_number}/{node_rank}", max(0.0, deadline - time.monotonic()),
-                    stop)
+                    self.stop)
                 for node_rank in node_ranks}

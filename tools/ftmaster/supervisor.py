@@ -285,7 +285,8 @@ class Supervisor:
                  replication: Replication | None = None) -> None:
         self.config = config
         self.replication = replication  # peer copies of a node-local memory tier
-        self.agreement = (MemoryAgreement(membership, replication)
+        self._stop_requested = threading.Event()
+        self.agreement = (MemoryAgreement(membership, replication, self._stop_requested)
                           if replication is not None and membership is not None else None)
         self._dumped: tuple | None = None  # across nodes: (round, dump folder, nodes, ranks per node)
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
@@ -310,7 +311,6 @@ class Supervisor:
         self.injected_xids: dict[int, int] = {}  # GPU -> XID needing a reset, until a recover
         self._rehearses_xids = any(i.kind is Fault.XID for i in config.injections)
         self.signum: int | None = None
-        self._stop_requested = threading.Event()
         if starter is not None:
             starter.stop_waiting_on(self._stop_requested)
         self._alerts: deque[Alert] = deque()
@@ -589,12 +589,13 @@ class Supervisor:
             return self._wait_for_exit_after_finishing()
         if self._hung():
             return self._failure("hang", iteration, attempt.stopped_gpus(), {})
-        peer_failure = self.membership.peer_failure() if self.membership is not None else None
+        stop = self._stop_requested  # a store no packet reaches holds a call past SLURM's grace
+        peer_failure = self.membership.peer_failure(stop) if self.membership is not None else None
         if peer_failure is not None:
             if peer_failure in SHARED_CAUSES and not self._peer_grace_over():
                 return None
             return self._failure("peer", iteration, [], {})
-        if self.membership is not None and self.membership.peers_waiting():
+        if self.membership is not None and self.membership.peers_waiting(stop):
             return self._rejoin(iteration)
         return None
 
@@ -1488,7 +1489,7 @@ class Supervisor:
         Returns why it is not loadable here, if it is not."""
         self.agreement.publish(joined.number)
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
-                                       rank0_here, self._stop_requested)
+                                       rank0_here)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
         results = self.replication.catch_up(agreed, rank0_here, self._stop_requested)
