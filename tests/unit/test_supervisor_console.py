@@ -1360,6 +1360,33 @@ def test_a_stop_signal_while_trainings_poll_of_a_hung_store_waits_stops_the_rank
     assert events[-1] == "stopped" and "store_lost" not in events
 
 
+def test_a_stop_signal_while_the_merger_says_it_merges_nothing_on_a_hung_store_ends_it_at_once(
+        tmp_path):
+    """Rank 0's node, with no dumps of its own after a failed round, tells the others at once
+    that it merges nothing: on a store no packet reaches that word took no stop, and a
+    SIGTERM during it waited out the store's timeout (65 s by default), past SLURM's grace."""
+    import threading
+
+    from ftmaster.launch import check_layout
+    from ftmaster.monitor.backends.bounded import Abandoned
+    from test_launch_parts import MODEL
+
+    cut = threading.Event()
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor(), cut_off_membership(cut))
+    supervisor.replicas = SimpleNamespace()  # --replica-recovery
+    signalled_at = []
+    threading.Timer(0.3, lambda: (signalled_at.append(time.monotonic()),
+                                  supervisor.request_stop(signal.SIGTERM))).start()
+    try:
+        with pytest.raises(Abandoned):
+            supervisor._merge_dumps_across_nodes(None, True, supervisor.membership._round)
+        assert time.monotonic() - signalled_at[0] < 1.0
+    finally:
+        cut.set()
+
+
 def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypatch):
     """--replica-recovery on one node: a SIGTERM while the merge of the failed attempt's dumps
     ran was heard only once the merge ended or its timeout (300 s) passed; SLURM SIGKILLs

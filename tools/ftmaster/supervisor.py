@@ -1524,7 +1524,8 @@ class Supervisor:
         timeout (320 s)."""
         if self._dumped is None:
             if rank0_here and previous is not None and self.replicas is not None:
-                self.membership.announce(f"replica_merge/{previous.number}", "none")
+                self.membership.announce(f"replica_merge/{previous.number}", "none",
+                                         self._stop_requested)
             return
         number, folder, nodes, ranks_per_node = self._dumped
         self._dumped = None
@@ -1545,7 +1546,8 @@ class Supervisor:
                             seconds=round(result.seconds, 4))
         merged = self.replicas.finish_merge(self.replicas.start_merge(folder),
                                             self._stop_requested)
-        self.membership.announce(word, "none" if merged is None else f"iteration {merged}")
+        self.membership.announce(word, "none" if merged is None else f"iteration {merged}",
+                                 self._stop_requested)
 
     def _wait_for_the_merge(self, word: str, merger: NodeRecord | None, nodes: Sequence,
                             number: int) -> None:
