@@ -538,7 +538,7 @@ class AnnouncingMembership:
     def __init__(self):
         self.said, self.waited_for = {}, []
 
-    def announce(self, name, value):
+    def announce(self, name, value, stop=None):
         self.said[name] = value
 
     def announcement(self, name, timeout_s, stop=None):
@@ -795,7 +795,7 @@ def test_a_catch_up_given_up_fails_the_round_instead_of_resuming_from_an_older_c
     supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
     supervisor.agreement = types.SimpleNamespace(
         publish=lambda number: None,
-        decide=lambda number, node_ranks, decides, stop: Agreed(4, "digest", {}))
+        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
     trigger = supervisor._plan()
     assert trigger is Trigger.FAILURE and supervisor.plan is None  # nothing launches
     events = {e["event"]: e for e in runfiles.read_events(tmp_path)}
