@@ -1757,3 +1757,27 @@ def test_across_nodes_gpus_per_node_below_the_nodes_gpus_is_refused_not_ignored(
         "--gpus-per-node")
     options["gpus_per_node"] = 4  # the node's own size says nothing new: taken
     assert supervisor_config(list(MODEL), JobGpus((0, 1, 2, 3)), rendezvous, options).gpus_per_node == 4
+
+
+def test_the_events_of_a_catch_up_outlive_a_publish_a_stop_abandons(tmp_path):
+    """What a catch-up copied, and what failed, are events before this node publishes its
+    holdings: a stop signal abandons that publish on a hung store, which lost them."""
+    from ftmaster.monitor.backends.bounded import Abandoned
+    from ftmaster.peer_files import Copied
+    from ftmaster.replication import ReplicationFailed
+
+    def abandoned(number):
+        raise Abandoned("stopped waiting for memory/2/1")
+
+    membership, joined = seat_in_a_silent_round((2, 2), 1)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    replication = types.SimpleNamespace(url="http://node1:1", used_bytes=lambda: 10)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    supervisor.round, supervisor.agreement = joined, types.SimpleNamespace(publish=abandoned)
+    with pytest.raises(Abandoned):
+        supervisor._report_replicated([
+            ReplicationFailed(4, "timed out"),
+            (0, Copied(4, tmp_path / "iter_0000004", 10, 0.5, ()))])
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert events == ["replication_failed", "replicated"]

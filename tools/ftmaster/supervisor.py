@@ -860,8 +860,8 @@ class Supervisor:
                 log.warning("persisting a memory checkpoint failed: %s", result)
 
     def _report_replicated(self, results: list) -> None:
-        if results and self.round is not None:
-            self.agreement.publish(self.round.number)  # what this node holds changed
+        """The events of ``results``, then what this node holds now, published: the events
+        first, since a stop signal abandons a publish to a hung store."""
         for result in results:
             if isinstance(result, ReplicationFailed):
                 self._event("replication_failed", iteration=result.iteration, reason=result.reason)
@@ -873,6 +873,8 @@ class Supervisor:
                         to_node=self.membership.config.node_rank, bytes=copied.bytes,
                         seconds=round(copied.seconds, 4), missing=list(copied.missing),
                         memory_bytes=self.replication.used_bytes())
+        if results and self.round is not None:
+            self.agreement.publish(self.round.number)  # what this node holds changed
 
     def _remove_scratch_memory(self) -> None:
         folder = self.config.scratch_memory_dir
