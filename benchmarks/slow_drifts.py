@@ -1,6 +1,7 @@
 """Slow drifts: lead time as a share of each drift's span, and false alarms on look-alikes.
 
     .venv/bin/python benchmarks/slow_drifts.py [--traces 30] [--first-seed 0] [--existing 40]
+                                               [--set FIELD=VALUE ...]
 
 The trace set is generated (``ftmaster.monitor.tracegen.drift_spec``): each trace has one GPU
 drifting to a limit over 20-30 minutes (temperature to 87 C, power to its cap, clock down
@@ -13,10 +14,13 @@ outside any failure's window, per 100 GPU-hours.
 
 ``--existing N`` also replays the held-out set of ``benchmarks/monitor_quality.py`` (the
 failure types from before) and prints its recall and false alarms: the drift detector must
-not lower the one nor raise the other.
+not lower the one nor raise the other. ``--set`` replays with fields of the drift detector's
+:class:`~ftmaster.monitor.drifts.DriftConfig` changed (``--set excursion_share=0.3``), to
+weigh a change of its thresholds on the same traces.
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -25,20 +29,44 @@ from pathlib import Path
 
 from ftmaster.monitor import tracegen
 from ftmaster.monitor.alerts import AlertConfig
+from ftmaster.monitor.drifts import DriftConfig
 from ftmaster.monitor.evaluate import evaluate, judge, replay
-from ftmaster.monitor.scorers import AdaptiveScorer
+from ftmaster.monitor.scorers import AdaptiveConfig, AdaptiveScorer
 
 GOAL = 0.25
 
 
-def drift_results(seeds: range, folder: Path) -> tuple[list[dict], int, float]:
+def drift_config(settings: list[str]) -> DriftConfig:
+    """The default :class:`DriftConfig` with ``FIELD=VALUE`` settings; SystemExit naming a
+    bad one."""
+    defaults = DriftConfig()
+    kinds = {field.name: type(getattr(defaults, field.name))
+             for field in dataclasses.fields(DriftConfig)
+             if isinstance(getattr(defaults, field.name), (int, float))}
+    changed = {}
+    for setting in settings:
+        name, _, value = setting.partition("=")
+        if name not in kinds or not value:
+            raise SystemExit(f"--set {setting!r}: expected FIELD=VALUE, FIELD one of "
+                             f"{', '.join(sorted(kinds))}")
+        try:
+            changed[name] = kinds[name](value)
+        except ValueError:
+            raise SystemExit(f"--set {setting!r}: {value!r} is not a number") from None
+    try:
+        return dataclasses.replace(defaults, **changed)
+    except ValueError as error:
+        raise SystemExit(f"--set: {error}") from None
+
+
+def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[list[dict], int, float]:
     """Per drift: kind, shape, span, lead share; and the false episodes and GPU-hours."""
     drifts, episodes, gpu_hours = [], 0, 0.0
     for seed in seeds:
         spec = tracegen.drift_spec(seed)
         csv_path, labels_path = tracegen.write_trace(spec, folder)
         labels = json.loads(labels_path.read_text())
-        alerts, hours, _ = replay(csv_path, AdaptiveScorer(), AlertConfig())
+        alerts, hours, _ = replay(csv_path, AdaptiveScorer(config), AlertConfig())
         judged = judge(alerts, labels["failures"], grace_s=60.0, episode_gap_s=1800.0)
         episodes, gpu_hours = episodes + judged.false_episodes, gpu_hours + hours
         for failure, plan in zip(labels["failures"], spec.failures):
@@ -57,10 +85,13 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--existing", type=int, default=0, metavar="N",
                         help="also replay N held-out traces of the earlier failure types")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a DriftConfig field changed for the replays (repeatable)")
     options = parser.parse_args()
+    config = AdaptiveConfig(drift=drift_config(options.set))
     with tempfile.TemporaryDirectory(prefix="ftmaster-drifts-") as tmp:
         seeds = range(options.first_seed, options.first_seed + options.traces)
-        drifts, episodes, gpu_hours = drift_results(seeds, Path(tmp))
+        drifts, episodes, gpu_hours = drift_results(seeds, Path(tmp), config)
         by_kind = defaultdict(list)
         for drift in drifts:
             by_kind[(drift["kind"], drift["shape"])].append(drift["share"])
@@ -82,7 +113,7 @@ def main() -> None:
         if options.existing:
             specs = [tracegen.random_spec(seed) for seed in range(1000, 1000 + options.existing)]
             traces = [tracegen.write_trace(spec, Path(tmp) / "existing") for spec in specs]
-            r = evaluate(traces, AdaptiveScorer, AlertConfig())
+            r = evaluate(traces, lambda: AdaptiveScorer(config), AlertConfig())
             print(f"earlier failure types ({options.existing} held-out traces): recall "
                   f"{r['recall']:.1%} ({r['predicted']}/{r['precursor_failures']}), median lead "
                   f"{r['median_lead_s'] / 60:.1f} min, false-alarm episodes {r['false_episodes']} "
