@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
 
     from megatron.training.deferred_compile import compile_at_first_call
     with compile_at_first_call():  # heavy: the model stack
-        from megatron.training.checkpointing import CheckpointMismatch, NoLoadableCheckpoint
+        from megatron.training.checkpointing import (CheckpointMismatch, NoLoadableCheckpoint,
+                                                     PeerReadFailed)
         from megatron.training.data import DataError
         from megatron.training.nonfinite import NonFiniteLoss
         from megatron.training.tokenizer import TokenizerFileError
@@ -51,7 +52,8 @@ def main(argv: list[str]) -> int:
 
     expected = {CheckpointMismatch: exit_codes.USAGE, NoLoadableCheckpoint: exit_codes.NO_CHECKPOINT,
                 NonFiniteLoss: exit_codes.NONFINITE, FinalSaveFailed: exit_codes.STORAGE,
-                DataError: exit_codes.DATA, TokenizerFileError: exit_codes.USAGE}
+                DataError: exit_codes.DATA, TokenizerFileError: exit_codes.USAGE,
+                PeerReadFailed: exit_codes.PEER_READ}
     try:
         pretrain(args)
     except tuple(expected) as problem:

@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ftmaster import runfiles
 from ftmaster.guard import exit_with_parent
-from ftmaster.peer_files import peer_clients
+from ftmaster.peer_files import PeerError, PeerMissing, peer_clients
 from ftmaster.persist import CHECKPOINT_BYTES_PER_PARAMETER
 from ftmaster.recovery.checkpoints import (
     MEMORY_HEADROOM,
@@ -147,13 +147,20 @@ def layout_of(args: argparse.Namespace) -> dict[str, int]:
     return {key: getattr(args, key) for key in _LAYOUT_KEYS}
 
 
+def _failure_behind(error: BaseException) -> BaseException:
+    """The error a rank's read or write failed with, inside torch's CheckpointException (the
+    lowest failed rank's: every rank is handed them all)."""
+    while isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    return error
+
+
 def describe_error(error: BaseException) -> str:
     """One line for a failed read or write; an OS error by its errno name, e.g.
     ``ENOSPC (No space left on device)``, wherever in the exception it is buried (writer
     failures reach rank 0 as text inside a CheckpointException)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        return describe_error(error.failures[min(error.failures)][0])
-    if isinstance(error, checksums.ChecksumMismatch):
+    error = _failure_behind(error)
+    if isinstance(error, (checksums.ChecksumMismatch, PeerError)):  # each names its file
         return str(error)
     if isinstance(error, OSError) and error.errno is not None:
         return _os_error_line(error.errno, error.strerror or os.strerror(error.errno),
@@ -431,6 +438,26 @@ class CheckpointMismatch(Exception):
 
 class NoLoadableCheckpoint(Exception):
     """The load folder holds checkpoints and none of them can be loaded; nothing was touched."""
+
+
+class PeerReadFailed(Exception):
+    """A peer failed or stalled while the shards a node lacks of a node-local memory
+    checkpoint were read from it: nothing is known against the checkpoint, so the attempt
+    ends rather than resume an older one, which would set this one aside on every node."""
+
+
+class PeerReadProblem(str):
+    """A load's problem that is the peers', not its checkpoint's (see :class:`PeerReadFailed`).
+    A str, so that :func:`first_problem` hands it to every rank as it is."""
+
+
+def load_problem(error: BaseException) -> str:
+    """:func:`describe_error`'s line for a failed load; a PeerReadProblem when a peer failed
+    to give bytes, unless every peer asked answered it lacks the file (PeerMissing: the
+    checkpoint is not whole on the live nodes). A checksum mismatch is the checkpoint's."""
+    behind = _failure_behind(error)
+    peers_failed = isinstance(behind, PeerError) and not isinstance(behind, PeerMissing)
+    return (PeerReadProblem if peers_failed else str)(describe_error(behind))
 
 
 def schedule_differences(saved: dict, current: dict) -> list[str]:
@@ -1144,10 +1171,12 @@ class Checkpointer:
         one fails; CheckpointMismatch when the resume is refused (its checkpoint cannot
         continue under these arguments, or a discarded timeline cannot be set aside). Each
         refusal is one ``load_failed`` event, with the reason the ranks exit with: every
-        refusal, as ftmaster's report and incident page say why the attempt failed from it."""
+        refusal, as ftmaster's report and incident page say why the attempt failed from it.
+        PeerReadFailed, a refusal too, when a peer failed while a node-local memory
+        checkpoint was read from it: the next round agrees anew on what the nodes hold."""
         try:
             return self._load_newest(state)
-        except (CheckpointMismatch, NoLoadableCheckpoint) as refusal:
+        except (CheckpointMismatch, NoLoadableCheckpoint, PeerReadFailed) as refusal:
             self.event("load_failed", path=str(self.args.load), reason=str(refusal))
             raise
 
@@ -1165,6 +1194,11 @@ class Checkpointer:
             if problem is None:
                 self._set_aside_newer(state.iteration, candidate.tier)
                 return True
+            if isinstance(problem, PeerReadProblem):
+                raise PeerReadFailed(
+                    f"memory checkpoint {candidate.path} could not be read from the peers "
+                    f"({problem}): not resuming from an older one, which would set it aside on "
+                    f"every node; ftmaster's next round reads it again")
             where = "" if candidate.tier == "disk" else f"{candidate.tier} "
             skipped.append(f"{where}{candidate.path.name}: {problem}")
             log_rank0(f"warning: skipping checkpoint {candidate.path}: {problem}"
@@ -1184,7 +1218,7 @@ class Checkpointer:
     def _load_from(self, path: Path, state: TrainingState, tier: str) -> str | None:
         """Load ``path`` on every rank, or the reason it cannot be (the same on every rank). A
         node-local memory tier is read from each node's own copy, and what that copy lacks
-        from the peers ftmaster lists."""
+        from the peers ftmaster lists (a PeerReadProblem when they failed to give it)."""
         node_local = tier == "memory" and self.node_local_memory
         if tier == "memory":
             path = self.memory_dir / path.name
@@ -1231,7 +1265,7 @@ class Checkpointer:
                                                  sharded_strategy=self._load_strategy(path))
             self._apply(loaded, state, with_rng, from_distributed)
         except CHECKPOINT_ERRORS as error:
-            problem = describe_error(error)
+            problem = load_problem(error)
         problem = first_problem(problem, self.group)
         if problem is None:
             startup.mark("checkpoint-read")

@@ -98,6 +98,7 @@ def test_after_failure(restarts, early, policy, lost, trigger, reason):
     ("usage", False, T.GIVE_UP, "arguments"),
     ("data", False, T.GIVE_UP, "training data cannot be read"),  # on any GPU, on any node
     ("nonfinite", False, T.RETRY, None),  # once: from the newest valid checkpoint
+    ("peer_read", False, T.RETRY, None),  # the next round agrees anew on what nodes hold
     ("nonfinite", True, T.GIVE_UP, "non-finite loss again after resuming from the same"),
     ("exit", False, T.RETRY, None),
     ("hang", False, T.RETRY, None),

@@ -38,6 +38,8 @@ def record(local_rank, code, ended_at):
     ({0: record(0, exit_codes.USAGE, 2.0)}, "usage", (), 0),
     # a corrupt corpus, then the peers it left in a collective: no GPU named (issue 20's D10)
     ({1: record(1, exit_codes.DATA, 2.0), 0: record(0, 1, 2.3)}, "data", (), 1),
+    # a peer that failed while a memory checkpoint was read from it: no GPU at fault
+    ({0: record(0, exit_codes.PEER_READ, 2.0)}, "peer_read", (), 0),
     # a SIGTERMed peer that ended first does not hide the real cause... it is the first
     ({0: record(0, -15, 1.0), 1: record(1, exit_codes.STORAGE, 2.0)}, "exit", (5, 3), 0),
 ])

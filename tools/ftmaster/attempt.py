@@ -92,8 +92,8 @@ class ExitReport:
     cause: str
     """``exit`` (the process died: a GPU, the script or a signal), ``peer`` (it raised because
     a collective lost another process: the failure is elsewhere), or what the trainer's exit
-    status says (``nonfinite``, ``storage``, ``no_checkpoint``, ``usage``). Only ``exit`` is
-    put on a GPU."""
+    status says (``nonfinite``, ``storage``, ``no_checkpoint``, ``usage``, ``data``,
+    ``peer_read``). Only ``exit`` is put on a GPU."""
     gpus: tuple[int, ...]
     exit_codes: dict[str, int]
     """Exit status by global rank (negative: the signal that killed it)."""

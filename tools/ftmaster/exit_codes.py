@@ -13,6 +13,9 @@ NO_CHECKPOINT = 66
 DATA = 79
 """Outside sysexits.h (65, EX_DATAERR, is the NaN's): the training data cannot be read (a
 corrupt corpus, one made with another tokenizer); no GPU is at fault."""
+PEER_READ = 69
+"""EX_UNAVAILABLE: a peer failed or stalled while the shards this node lacks of a node-local
+memory checkpoint were read from it; the next round agrees anew on what the nodes hold."""
 STORAGE = 74
 """EX_IOERR: the final (or exit) checkpoint could not be written."""
 REQUEUE = 75
@@ -25,5 +28,5 @@ DO_NOT_REQUEUE = 93
 loadable checkpoint, a crash loop): NVIDIA's resiliency launcher's "do not requeue" status."""
 
 TRAINER_CAUSES = {NONFINITE: "nonfinite", NO_CHECKPOINT: "no_checkpoint", STORAGE: "storage",
-                  USAGE: "usage", DATA: "data"}
+                  USAGE: "usage", DATA: "data", PEER_READ: "peer_read"}
 """The failure cause the supervisor reports for each trainer exit status."""

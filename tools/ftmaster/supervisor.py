@@ -23,8 +23,9 @@ written for ``hang_timeout_s`` (``hang``; before the first heartbeat of an attem
 ``startup_timeout_s``), or a GPU of the attempt that the monitor reports lost or a ``fail``
 injection marks lost (``device_lost``). The rank that failed first names the cause: its exit
 status says whether the trainer stopped on a NaN loss (``nonfinite``), a storage error
-(``storage``), no loadable checkpoint (``no_checkpoint``) or its arguments (``usage``), none of
-which is put on a GPU, nor is a plain exit or hang while the run directory is out of room
+(``storage``), no loadable checkpoint (``no_checkpoint``), its arguments (``usage``) or a
+peer that failed while a memory checkpoint was read from it (``peer_read``), none of which is
+put on a GPU, nor is a plain exit or hang while the run directory is out of room
 (``run_dir``: each attempt's log is training's own output); anything else is an ``exit`` on
 that rank's GPU. The whole attempt is killed at once: gloo cannot abort a collective, so the
 survivors would otherwise wait out their timeout. A GPU lost at planning time is dropped for
@@ -117,12 +118,13 @@ from the moment it is due (``at=Ns`` or ``after=``; ``at=iter:K`` is armed at la
 # How long a decision waits for the monitor's fresh sample (reads are bounded well below).
 EVIDENCE_TIMEOUT_S = 5.0
 # How long a node lets its own ranks end on their own after a peer announced the round's
-# failure with a cause every rank shares (a refused fresh start, a non-finite loss): they
-# end on every node at once, and each node should report its own ranks' error, not "peer".
+# failure with a cause every rank shares (a refused fresh start, a non-finite loss, a peer
+# that failed a memory checkpoint's load): they end on every node at once, and each node
+# should report its own ranks' error, not "peer".
 # Any other cause stops the ranks at once (they may be blocked on a dead peer, or parked
 # for a replica dump).
 PEER_FAILURE_GRACE_S = 2.0
-SHARED_CAUSES = ("usage", "nonfinite")
+SHARED_CAUSES = ("usage", "nonfinite", "peer_read")
 SCALE_UP_POLICIES = ("now", "at-save")
 CHECKPOINT_LOOK_S = 5.0
 """How long a look at the checkpoint folders (is an idle attempt still writing a save?) may
