@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from ftmaster.runfiles import atomic_write_text
+from ftmaster.runfiles import atomic_write_text, remove_abandoned_temp_files
 
 from .manifest import (MANIFEST_NAME, ChecksumMismatch, FileDigest, Manifest, bytes_problem,
                        is_plain_file_name, known_manifest_name, read_manifest, size_problem)
@@ -120,6 +120,15 @@ def list_iterations(save_dir: Path) -> list[int]:
         return []
     found = (_ITER_DIR.match(entry.name) for entry in save_dir.iterdir() if entry.is_dir())
     return sorted((int(match.group(1)) for match in found if match), reverse=True)
+
+
+def remove_abandoned_writes(save_dir: Path, older_than: float) -> None:
+    """What writers killed mid-write left in a tier (see
+    :func:`ftmaster.runfiles.remove_abandoned_temp_files`): in the folder (a tracker, a mark)
+    and in its ``iter_*`` folders, where a peer copy's temp file is a whole shard, kept in a
+    memory tier for as long as its checkpoint is."""
+    for folder in (save_dir, *(iteration_dir(save_dir, it) for it in list_iterations(save_dir))):
+        remove_abandoned_temp_files(folder, older_than)
 
 
 def folder_written_at(folder: Path) -> float:

@@ -17,7 +17,9 @@ Every writer here is atomic or append-only, so a reader never sees half a record
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import io
 import json
 import math
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, TextIO, TypeVar
+from typing import IO, Any, Callable, Iterable, Iterator, TextIO, TypeVar
 
 _T = TypeVar("_T")
 
@@ -170,22 +172,73 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """:func:`atomic_write_text` for bytes."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, durable) as handle:
+        handle.write(data)
+
+
+TEMP_SUFFIX = ".ftmaster-tmp"
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}" + re.escape(TEMP_SUFFIX))
+"""The temp names :func:`atomic_file` gives: ``.<name>.<8 random>.ftmaster-tmp``."""
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, durable: bool = True, mode: int = 0o644) -> Iterator[IO[bytes]]:
+    """A new temp file beside ``path`` to write; renamed onto ``path`` when the block ends,
+    removed when it raises; FileNotFoundError when the folder is gone. Every atomic writer
+    goes through here, so a writer killed mid-write leaves only a name
+    :func:`remove_abandoned_temp_files` knows. The temp file is locked until it is renamed:
+    that tells a live writer's (on any node of a shared file system) from a dead one's.
+    ``durable`` as in :func:`atomic_write_text`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from other users' tools
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            _lock_if_possible(fd)
+            os.fchmod(fd, mode)  # mkstemp's 0600 would hide most files from other users' tools
+            yield handle
+            handle.flush()
             if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
+                os.fsync(fd)
+            os.replace(tmp, path)  # before the close, which lets go of the lock
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     if durable:
         fsync_path(path.parent)
+
+
+def _lock_if_possible(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+
+
+def remove_abandoned_temp_files(folder: Path, older_than: float) -> None:
+    """Remove from ``folder`` the temp files of :func:`atomic_file` that killed writers left:
+    made before ``older_than`` (the caller's start: a write under way is newer) and locked by
+    no live writer. One whose lock cannot be taken or tested (a file system without locks) is
+    kept: it may be a live writer's on another node."""
+    try:
+        entries = [entry for entry in Path(folder).iterdir() if _TEMP_NAME.fullmatch(entry.name)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            fd = os.open(entry, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < older_than:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                entry.unlink(missing_ok=True)
+        except OSError:  # held by a live writer, or no locks here
+            pass
+        finally:
+            os.close(fd)
 
 
 def fsync_path(path: Path) -> None:

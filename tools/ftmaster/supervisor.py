@@ -75,6 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import psutil
+
 from ftmaster import runfiles
 from ftmaster.attempt import (Attempt, classify_exits, failed_despite_the_stop, send_signal,
                               with_exit_signal_handler)
@@ -94,7 +96,8 @@ from ftmaster.retirements import boot_id, carried_over
 from ftmaster.recovery.argv_flags import flag_present
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
-                                           read_save_kind, read_tracker, unmark_peer_copies)
+                                           read_save_kind, read_tracker,
+                                           remove_abandoned_writes, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -345,6 +348,7 @@ class Supervisor:
         """The step this attempt's layout takes without the straggler it is draining (the
         drain's calibration): its own steps were slowed."""
         self.tiers = tiers_of(config.command[1:])
+        self._remove_abandoned_writes()
         if self.tiers is not None and replication is None:
             try:
                 unmark_peer_copies(self.tiers.memory)
@@ -470,6 +474,22 @@ class Supervisor:
     def _ask_for_a_save(self, **reason) -> None:
         flag = runfiles.trigger_flag_path(self.run_dir)
         self.run_files.write(flag, lambda: runfiles.write_flag(flag, **reason))
+
+    def _remove_abandoned_writes(self) -> None:
+        """The temp files of atomic writes killed mid-write (by an earlier ftmaster's end, its
+        trainers', its persist and peer copies') in the folders this ftmaster runs on: a
+        trainer writes its heartbeat every iteration, and a memory tier is RAM. One a live
+        writer holds (an orphaned trainer, another node's) is kept."""
+        started = psutil.Process().create_time()
+        for folder in (self.run_dir, runfiles.flags_dir(self.run_dir)):
+            runfiles.remove_abandoned_temp_files(folder, started)
+        save = flag_value(self.config.command[1:], "--save")
+        tiers = {Path(save)} if save else set()
+        for tier in tiers | ({self.tiers.memory} if self.tiers is not None else set()):
+            try:
+                remove_abandoned_writes(tier, started)
+            except OSError as error:
+                log.warning("removing what killed writes left in %s: %s", tier, error)
 
     def _take_over_previous_attempts(self) -> int:
         """How many attempts this run directory has seen; the last one, if it never ended,
