@@ -8,7 +8,9 @@ import time
 
 import psutil
 
-from ftmaster.recovery.checkpoints import iteration_dir
+from ftmaster.peer_files import PeerServeConfig, PeerServer, new_secret
+from ftmaster.recovery.checkpoints import iteration_dir, remove_abandoned_writes
+from ftmaster.recovery.manifest import digest_file
 from ftmaster.runfiles import atomic_file, remove_abandoned_temp_files
 
 
@@ -69,6 +71,36 @@ def test_a_temp_that_cannot_be_locked_is_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", no_locks)
     remove_abandoned_temp_files(tmp_path, time.time())
     assert len(hidden(tmp_path)) == 1
+
+
+def test_a_peer_copy_killed_mid_file_leaves_nothing_in_the_memory_tier_after_its_start(tmp_path):
+    """The shard being copied is the size of a checkpoint's part, in RAM, in a checkpoint's
+    folder the tier may keep for long; nothing took its temp file away."""
+    peer, here = tmp_path / "peer", tmp_path / "here"
+    shard = iteration_dir(peer, 6) / "__0_0.distcp"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"x" * (1 << 20))
+    kept = iteration_dir(here, 6)
+    kept.mkdir(parents=True)
+    (kept / "common.pt").write_bytes(b"common")
+    secret = new_secret()
+    server = PeerServer(PeerServeConfig(peer, secret))
+    try:
+        digest = digest_file(shard)
+        killed_before_the_rename(f"""
+            from ftmaster.peer_files import PeerClient
+            from ftmaster.recovery.manifest import FileDigest
+            PeerClient({server.url!r}, {secret!r}).fetch(
+                "iter_0000006/__0_0.distcp", Path({str(kept)!r}) / "__0_0.distcp",
+                FileDigest({digest.bytes}, {digest.digest!r}))
+        """)
+    finally:
+        server.close()
+    assert len(hidden(kept)) == 1
+
+    remove_abandoned_writes(here, time.time())
+
+    assert sorted(p.name for p in kept.iterdir()) == ["common.pt"]
 
 
 def test_ftmaster_starting_removes_what_killed_writers_left_in_its_run_folder_and_tiers(

@@ -14,6 +14,7 @@ from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerSer
                                  copy_checkpoint, fill_from_peer, manifest_files, new_secret)
 from ftmaster.recovery.checkpoints import iteration_dir
 from ftmaster.recovery.manifest import MANIFEST_NAME, digest_file, read_manifest, write_manifest
+from ftmaster.runfiles import TEMP_SUFFIX
 from helpers.ipv6 import needs_ipv6
 
 SECRET = new_secret()
@@ -290,7 +291,7 @@ def test_a_copy_corrupted_at_rest_is_refused_and_leaves_no_manifest(served, tmp_
         copy_checkpoint(PeerClient(server.url, SECRET), 6, tmp_path / "mine")
     copy = iteration_dir(tmp_path / "mine", 6)
     assert not (copy / "__0_0.distcp").exists() and not (copy / MANIFEST_NAME).exists()
-    assert not [p for p in copy.iterdir() if p.name.endswith(".part")]
+    assert not [p for p in copy.iterdir() if p.name.endswith(TEMP_SUFFIX)]
 
 
 class FlippingRelay:

@@ -19,8 +19,8 @@ the link's speed. What makes it safe to run beside training:
   training's own traffic.
 
 :func:`fill_from_peer` brings what a memory checkpoint's folder lacks from a peer: every
-file its manifest lists, each streamed to a temp file, checked against the manifest's size
-and xxh3 digest, and renamed into place; the manifest lands last, so a copy that has one is
+file its manifest lists, each streamed to a temp file (:func:`ftmaster.runfiles.atomic_file`),
+checked against the manifest's size and xxh3 digest, and renamed into place; the manifest lands last, so a copy that has one is
 whole and verified, as a checkpoint written in place is. :func:`copy_checkpoint` does the
 same from the peer's own manifest.
 """
@@ -51,7 +51,7 @@ from ftmaster.recovery.checkpoints import iteration_dir, tracker_lock
 from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
                                         digest_bytes, digest_file, is_plain_file_name,
                                         size_problem)
-from ftmaster.runfiles import atomic_write_text
+from ftmaster.runfiles import atomic_file, atomic_write_text
 
 log = logging.getLogger("ftmaster")
 
@@ -301,21 +301,16 @@ class PeerClient:
     def fetch(self, relative: str, dest: Path, expected: FileDigest) -> None:
         """Stream the file to ``dest`` (through a temp file beside it) and rename it into
         place only if its size and digest are ``expected``."""
-        tmp = dest.with_name(f".{dest.name}.part")
         hasher, size = xxhash.xxh3_64(), 0
-        try:
-            with self._open(relative) as response, open(tmp, "wb") as out:
-                while chunk := response.chunk(_CHUNK):
-                    hasher.update(chunk)
-                    size += out.write(chunk)
+        with self._open(relative) as response, atomic_file(dest, durable=False) as out:
+            while chunk := response.chunk(_CHUNK):
+                hasher.update(chunk)
+                size += out.write(chunk)
             found = FileDigest(size, hasher.hexdigest())
             if found != expected:
                 raise PeerError(f"{self.url}/{relative} does not match its manifest: "
                                 f"{found.bytes} bytes, {CHECKSUM} {found.digest}, expected "
                                 f"{expected.bytes} bytes, {expected.digest}")
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def _open(self, relative: str, start: int = 0, length: int | None = None) -> "_Response":
         return _Response(self, relative, start, length)
@@ -462,16 +457,11 @@ the other nodes' servers (readable by the job's user only)."""
 
 
 def write_peer_list(run_dir: Path, secret: str, urls: Sequence[str]) -> None:
-    path = Path(run_dir) / PEERS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{PEERS_FILE}.{os.getpid()}")
-    # Made afresh, never a leftover (which kept its mode) nor a link placed there: it gets
-    # the job's secret
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump({"secret": secret, "peers": list(urls)}, handle)
-    os.replace(tmp, path)
+    # A temp file made afresh (never a leftover, which kept its mode, nor a link placed
+    # there), for the user alone: it gets the job's secret
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with atomic_file(Path(run_dir) / PEERS_FILE, durable=False, mode=0o600) as handle:
+        handle.write(json.dumps({"secret": secret, "peers": list(urls)}).encode())
 
 
 def peer_clients(run_dir: Path | None, timeout_s: float = 30.0) -> list[PeerClient]:
