@@ -806,6 +806,40 @@ def test_a_catch_up_given_up_fails_the_round_instead_of_resuming_from_an_older_c
     assert advance(advance(State.PLANNING, trigger), Trigger.RETRY) is State.PLANNING
 
 
+def test_a_stop_between_catch_up_tries_stops_the_node_and_fails_no_round(tmp_path):
+    """A SIGTERM while the catch-up waits to try a failing peer again ended the tries with a
+    'failure': the round failed here (a catch_up_failed event, an error line) and told every
+    other node to stop and form a new round, for a signal that stopped this node alone."""
+    from ftmaster.peer_files import PeerError
+    from ftmaster.replication import Agreed, Replication, ReplicationConfig
+
+    membership, joined = seat_in_a_silent_round((2, 2), 1)
+    membership._round = joined
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None)
+    supervisor = None
+
+    def stalled_peer(agreed, peers, chooses, done):
+        supervisor.request_stop(signal.SIGTERM)  # the signal comes while the peer fails
+        raise PeerError("http://node0:1/iter_0000004/common.pt: timed out")
+
+    tries = types.SimpleNamespace(_folder_lock=threading.Lock(), _catch_up=stalled_peer)
+    replication = types.SimpleNamespace(
+        url="http://node1:1", new_round=lambda *args: None,
+        config=ReplicationConfig(tmp_path / "memory", tmp_path / "run", 1),
+        catch_up=lambda agreed, chooses, stop: Replication.catch_up(types.SimpleNamespace(
+            _peers=object(), _catch_up_tries=lambda *args: Replication._catch_up_tries(
+                tries, *args)), agreed, chooses, stop))
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    supervisor.agreement = types.SimpleNamespace(
+        publish=lambda number: None,
+        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
+    assert supervisor._plan() is Trigger.SIGNALLED
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert events == ["round", "memory_agreed", "stopped"]
+    assert membership.announcement("failed/2", 0.0) is None  # the others go on
+
+
 def test_a_stop_while_a_spare_reads_the_jobs_outcome_from_a_store_that_hangs_stops_at_once(
         tmp_path):
     """A spare (no ranks this round) polls the store for the job's outcome: with the store's

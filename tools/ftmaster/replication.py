@@ -312,9 +312,10 @@ class Replication:
         what its peers hold. The tracker is set where the load ``chooses`` (the node of rank
         0); elsewhere it moves only to a whole copy, since it keeps that copy from pruning. A
         peer's failure is tried again (:data:`CATCH_UP_TRIES`), unless ``stop`` is set.
-        Abandoned once ``stop`` is set, within :data:`STOP_POLL_S` even while a peer stalls
-        a fetch (which only its timeout ends): that try is left to its daemon thread, which,
-        holding the folder's lock until it ends, tries no more."""
+        Abandoned once ``stop`` is set, a failed try too (the stop ended the tries, not the
+        peer: no round should fail for it), within :data:`STOP_POLL_S` even while a peer
+        stalls a fetch (which only its timeout ends): that try is left to its daemon thread,
+        which, holding the folder's lock until it ends, tries no more."""
         peers, stop = self._peers, stop or threading.Event()
         if agreed is None or peers is None:
             return []
@@ -333,9 +334,13 @@ class Replication:
                     if tries_left and not stop.is_set():
                         log.warning("catching up on memory checkpoint %d: %s; trying again",
                                     agreed.iteration, error)
-                    if not tries_left or stop.wait(CATCH_UP_PAUSE_S):
-                        done.append(ReplicationFailed(agreed.iteration, str(error)))
-                        break
+                        if not stop.wait(CATCH_UP_PAUSE_S):
+                            continue
+                    if stop.is_set():
+                        raise Abandoned(f"stopped catching up on memory checkpoint "
+                                        f"{agreed.iteration}") from None
+                    done.append(ReplicationFailed(agreed.iteration, str(error)))
+                    break
         return done
 
     def _catch_up(self, agreed: Agreed, peers: Peers, chooses: bool,
