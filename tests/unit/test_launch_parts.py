@@ -1240,6 +1240,37 @@ def test_a_claim_that_waited_on_a_guard_removed_meanwhile_takes_the_new_one(tmp_
     assert not waiter.is_alive() and len(list((tmp_path / HOLDERS_DIR).iterdir())) == 1
 
 
+def test_a_withdrawal_that_waited_on_a_guard_removed_meanwhile_leaves_the_new_one(tmp_path):
+    """Two launches that found --save missing withdraw at once (every node of a job refused
+    alike): the one that waited on the guard the other removed then removed the new guard
+    at its name, the holders' folder and --save, while a third launch held that guard to
+    list the holders: it failed, or a fourth listed them beside it."""
+    import fcntl
+
+    save = tmp_path / "ckpt"
+    claim = FolderClaim(save, "job a", tmp_path / "a")
+    claim.acquire()
+    guard = save / HOLDERS_GUARD
+    other_withdrawal = os.open(guard, os.O_RDWR)
+    fcntl.flock(other_withdrawal, fcntl.LOCK_EX)
+    withdrawing = threading.Thread(target=claim.withdraw)
+    withdrawing.start()
+    time.sleep(0.2)  # it released its file and waits on the old guard
+    (save / HOLDERS_DIR).rmdir()
+    guard.unlink()
+    (save / HOLDERS_DIR).mkdir()  # a third launch, listing the holders under the new guard
+    listing = os.open(guard, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(listing, fcntl.LOCK_EX)
+    os.close(other_withdrawal)
+    withdrawing.join(5.0)
+    try:
+        assert not withdrawing.is_alive()
+        assert os.path.samestat(os.fstat(listing), os.stat(guard))
+        assert (save / HOLDERS_DIR).is_dir()
+    finally:
+        os.close(listing)
+
+
 def test_a_claim_is_known_by_its_name_before_its_contents_can_be_read(tmp_path):
     """Over NFS another client may list a file before it sees its bytes."""
     first = FolderClaim(tmp_path, "job a", tmp_path / "a")

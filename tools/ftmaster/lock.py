@@ -204,6 +204,8 @@ class FolderClaim:
             return
         try:
             _lock_within(guard, WITHDRAW_WAIT_S)
+            if not _is_at(guard, guard_path):
+                return  # another withdrawal removed it: a launch may hold the new one now
             self.folder.rmdir()
             guard_path.unlink()
         except OSError:
