@@ -806,6 +806,39 @@ def test_a_catch_up_given_up_fails_the_round_instead_of_resuming_from_an_older_c
     assert advance(advance(State.PLANNING, trigger), Trigger.RETRY) is State.PLANNING
 
 
+def test_a_catch_up_that_fails_again_for_the_same_checkpoint_launches_rather_than_give_up(
+        tmp_path):
+    """A peer this node cannot reach (a port its network drops) fails every catch-up: each
+    round failed in turn for the same checkpoint until --max-restarts was spent, and the job
+    gave up at its first GPU failure, where it had resumed from an older checkpoint. A second
+    round that fails for the checkpoint the last one failed for is launched instead."""
+    from ftmaster.membership import Round
+    from ftmaster.replication import Agreed, ReplicationConfig, ReplicationFailed
+
+    membership, joined = seat_in_a_silent_round((2, 2), 1)
+    rounds = iter([joined, Round(3, joined.nodes, 1, secret="secret")])
+
+    def join(gpus, warm, peer_url):
+        membership._round = next(rounds)
+        return membership._round
+
+    membership.join = join
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None, max_restarts=3)
+    replication = types.SimpleNamespace(
+        url="http://node1:1", new_round=lambda *args: None,
+        config=ReplicationConfig(tmp_path / "memory", tmp_path / "run", 1),
+        catch_up=lambda agreed, chooses, stop: [ReplicationFailed(4, "connection refused")])
+    supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
+    supervisor.agreement = types.SimpleNamespace(
+        publish=lambda number: None,
+        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
+    assert supervisor._plan() is Trigger.FAILURE
+    assert supervisor._plan() is Trigger.PLANNED and supervisor.plan is not None
+    failed = [e["round"] for e in runfiles.read_events(tmp_path) if e["event"] == "catch_up_failed"]
+    assert failed == [2]
+
+
 def test_a_stop_between_catch_up_tries_stops_the_node_and_fails_no_round(tmp_path):
     """A SIGTERM while the catch-up waits to try a failing peer again ended the tries with a
     'failure': the round failed here (a catch_up_failed event, an error line) and told every

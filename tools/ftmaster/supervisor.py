@@ -294,6 +294,7 @@ class Supervisor:
         self.agreement = (MemoryAgreement(membership, replication, self._stop_requested)
                           if replication is not None and membership is not None else None)
         self._dumped: tuple | None = None  # across nodes: (round, dump folder, nodes, ranks per node)
+        self._round_failed_for: int | None = None  # the agreed iteration a catch-up failed a round for
         self.observers = tuple(observers)  # the metrics endpoint, TensorBoard
         self.starter = starter  # warm workers; None: every attempt under torchrun
         self.run_dir = Path(config.run_dir)
@@ -1486,7 +1487,7 @@ class Supervisor:
                 unloadable = self._catch_up_on_agreed_memory(joined, rank0_here)
             except Abandoned:  # a signal while it waited for another node's word
                 return self._stopped_idle(State.PLANNING)
-            if unloadable is not None:
+            if unloadable is not None and self._fails_the_round(unloadable):
                 return self._catch_up_failed(joined, unloadable)
             self._persists_here = rank0_here
         if self.replicas is not None and mine:
@@ -1520,6 +1521,17 @@ class Supervisor:
         self._report_replicated(results)
         return next((r for r in results if isinstance(r, ReplicationFailed)), None)
 
+    def _fails_the_round(self, failed: ReplicationFailed) -> bool:
+        """Whether a catch-up given up fails the round: once per agreed checkpoint. Given up
+        for it in an earlier round too, the peer is more than flaky (a port its network
+        drops), and every round would fail until --max-restarts is spent: this one launches,
+        and the ranks resume from an older checkpoint."""
+        if failed.iteration != self._round_failed_for:
+            return True
+        log.warning("the catch-up on memory checkpoint %d failed in an earlier round too: "
+                    "launching; the ranks resume from an older checkpoint", failed.iteration)
+        return False
+
     def _catch_up_failed(self, joined: Round, failed: ReplicationFailed) -> Trigger:
         """The agreed checkpoint cannot be loaded on this node: the round fails here, and the
         next one agrees and catches up anew, within the restart budget. Launched, every rank
@@ -1532,7 +1544,7 @@ class Supervisor:
                   "than resume from an older checkpoint, which would set it aside on every node",
                   line)
         self._failures.append(line)
-        self._last_failure = ("catch_up", None)
+        self._last_failure, self._round_failed_for = ("catch_up", None), failed.iteration
         self._event("catch_up_failed", round=joined.number, iteration=failed.iteration,
                     reason=failed.reason)
         self.membership.announce_failure("catch_up", self._stop_requested)  # the others stop
