@@ -1304,6 +1304,30 @@ def test_a_withdrawal_that_waited_on_a_guard_removed_meanwhile_leaves_the_new_on
         os.close(listing)
 
 
+def test_a_claim_whose_folder_a_withdrawal_removed_before_it_opened_the_guard_makes_it_again(
+        tmp_path, monkeypatch):
+    """Another node's refused launch withdrew the --save it made (the holders' folder, the
+    guard, the folder) between this claim making the folders and opening the guard: the
+    launch was refused, 'cannot claim --save ... (No such file or directory); give a
+    writable --save'."""
+    import ftmaster.lock as lock
+
+    save, withdrawn = tmp_path / "ckpt", []
+    opened = lock._open_shared
+
+    def withdrawn_first(path):
+        if not withdrawn:
+            withdrawn.append(path)
+            shutil.rmtree(save)
+        return opened(path)
+
+    monkeypatch.setattr(lock, "_open_shared", withdrawn_first)
+    claim = FolderClaim(save, "job a", tmp_path / "a")
+    claim.acquire()
+    assert withdrawn and claim.path.exists()
+    claim.release()
+
+
 def test_a_claim_is_known_by_its_name_before_its_contents_can_be_read(tmp_path):
     """Over NFS another client may list a file before it sees its bytes."""
     first = FolderClaim(tmp_path, "job a", tmp_path / "a")

@@ -167,11 +167,17 @@ class FolderClaim:
 
     def _locked_guard(self) -> int:
         """The guard, locked. One a withdrawn claim removed while this waited for it guards
-        nothing any longer: the file at its name is opened and locked instead."""
+        nothing any longer: the file at its name is opened and locked instead; and a folder
+        it removed as this made it is made again."""
         guard_path = self.folder.parent / HOLDERS_GUARD
         while True:
             self.folder.mkdir(parents=True, exist_ok=True)
-            guard = _open_shared(guard_path)
+            try:
+                guard = _open_shared(guard_path)
+            except FileNotFoundError:
+                if self.folder.is_dir():  # not a withdrawal's doing (a dangling symlink)
+                    raise
+                continue
             try:
                 _lock_within(guard, GUARD_WAIT_S)
                 if _is_at(guard, guard_path):
