@@ -256,3 +256,17 @@ def test_a_run_dir_not_in_ftmasters_layout_is_one_line(tmp_path, entry, kind, pr
     assert result.stderr == (f"Error: run directory {run_dir} does not hold ftmaster's layout "
                              f"({run_dir / problem}); give another --run-dir\n")
     assert {path.name for path in run_dir.iterdir()} == {entry, "ftmaster.lock"}  # nothing launched
+
+
+def test_warm_workers_that_cannot_start_are_one_line_and_leave_nothing(tmp_path):
+    """The warm pool writes its workers' output to RUN_DIR/logs/warm_workers.log: a file it
+    could not open ended the launch in a traceback, leaving the --save claim behind."""
+    run_dir, save = tmp_path / "run", tmp_path / "ckpt"
+    (run_dir / "logs" / "warm_workers.log").mkdir(parents=True)
+    result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL, "--save", str(save))
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: cannot start the warm workers: "
+                             f"{run_dir / 'logs' / 'warm_workers.log'} (Is a directory); give "
+                             f"a --run-dir ftmaster can write, or --cold-restart\n")
+    assert not save.exists()

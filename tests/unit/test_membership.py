@@ -628,3 +628,29 @@ def test_the_rounds_offer_ports_at_the_address_resolved_at_launch(monkeypatch):
     assert config.address == "localhost"
     assert 0 < free_port(membership.bind_host) < 65536
     answer.set()
+
+
+def test_a_refusal_after_the_peer_server_started_leaves_no_memory_folder(tmp_path):
+    """The peer server made the node's memory folder in /dev/shm; warm workers that could not
+    start then refused the launch in a traceback, leaving the folder taking tmpfs room."""
+    import socket
+    from pathlib import Path
+
+    from ftmaster.persist import DIR_FLAG, flag_value, with_memory_dir
+
+    run_dir = tmp_path / f"refused-{tmp_path.name}"
+    (run_dir / "node_0" / "logs" / "warm_workers.log").mkdir(parents=True)
+    model = [*MODEL[:11], "16", *MODEL[12:], "--save", str(tmp_path / "ckpt"),
+             "--non-persistent-ckpt-type", "global"]
+    args, _ = with_memory_dir(model, run_dir, node_rank=0)
+    memory = Path(flag_value(args, DIR_FLAG) or tmp_path / "no room in /dev/shm")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    result = CliRunner().invoke(main, [
+        "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "1:2",
+        "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
+        "--run-dir", str(run_dir), "--", PRETRAIN, *model])
+    assert result.exit_code == 1, result.stderr
+    assert result.stderr.count("\n") == 1 and "cannot start the warm workers" in result.stderr
+    assert not memory.exists() and not (tmp_path / "ckpt").exists()

@@ -14,6 +14,7 @@ after ``--stop-timeout`` seconds.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -387,16 +388,13 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
             metrics, url = serve_metrics(options["metrics_port"], options["metrics_addr"],
                                          node_rank, config.run_dir)
         except MetricsUnavailable as error:
-            monitor.close()
             raise click.ClickException(str(error)) from None
         logging.getLogger("ftmaster").info("metrics: serving %s", url)
         observers.append(metrics)
     try:
         board = RunBoard.for_command(list(config.command), node_rank)
     except OSError as error:  # e.g. a path under a file, or a folder it may not write to
-        for observer in observers:
-            observer.close()
-        monitor.close()
+        _close_all(observers)
         folder = RunBoard.folder_for(list(config.command), node_rank)
         raise click.ClickException(f"--tensorboard-dir: cannot write to "
                                    f"{runfiles.failed_path(error, folder)} "
@@ -631,33 +629,33 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     except click.ClickException:
         backend.close()
         raise
+    refusal = contextlib.ExitStack()  # what a refused launch undoes, the newest first
+    refusal.callback(held.withdraw)
     try:
         if rendezvous is None:
             config = _take_over_left_memory(config, argv, held)
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
+        refusal.callback(monitor.close)
         observers = _observers(options, rendezvous, monitor, config)
+        refusal.callback(_close_all, observers)
         membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
+        replication = _replication(config, membership, options, held)
+        if replication is not None:
+            refusal.callback(replication.close)
+        starter = None if options["cold_restart"] else _warm_starter(config, len(devices.ids))
     except click.ClickException:
-        held.withdraw()
+        refusal.close()
         raise
     try:
-        replication = _replication(config, membership, options)
-        run_files = run_files_outage()
-        starter = None if options["cold_restart"] else WarmStarter(
-            len(devices.ids), config.run_dir, warm_up_for(config.command),
-            on_ready=lambda fields: run_files.append_event(config.run_dir, "warm_ready", **fields))
-        try:
-            code = _supervise(Supervisor(config, monitor, membership, starter, observers,
-                                         replication), monitor, Listener(config.run_dir), stops)
-        finally:
-            for observer in observers:
-                observer.close()
-            if starter is not None:
-                starter.close()
-            if membership is not None:
-                membership.stop_keep_alive()
+        code = _supervise(Supervisor(config, monitor, membership, starter, observers,
+                                     replication), monitor, Listener(config.run_dir), stops)
     finally:
+        _close_all(observers)
+        if starter is not None:
+            starter.close()
+        if membership is not None:
+            membership.stop_keep_alive()
         held.close()
     sys.exit(code)
 
@@ -845,14 +843,35 @@ def _take_over_left_memory(config: SupervisorConfig, argv: list[str],
 
 
 def _replication(config: SupervisorConfig, membership: NodeMembership | None,
-                 options: dict) -> Replication | None:
-    """Peer copies, for a memory tier in the node-local folder ftmaster picked, served at
-    the address the membership looked up."""
+                 options: dict, held: HeldFolders) -> Replication | None:
+    """Peer copies, for a memory tier in the node-local folder ftmaster picked (made here),
+    served at the address the membership looked up."""
     if membership is None or config.scratch_memory_dir is None:
         return None
+    held.will_make(config.scratch_memory_dir)
     return Replication(ReplicationConfig(
         config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
         options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))
+
+
+def _warm_starter(config: SupervisorConfig, gpus: int) -> WarmStarter:
+    """The warm pool, its workers started; one line when they cannot be (their output file
+    under the run directory cannot be opened, no process can be started)."""
+    run_files = run_files_outage()
+    try:
+        return WarmStarter(gpus, config.run_dir, warm_up_for(config.command),
+                           on_ready=lambda fields: run_files.append_event(config.run_dir,
+                                                                          "warm_ready", **fields))
+    except OSError as error:
+        where = f": {error.filename}" if error.filename else ""
+        raise click.ClickException(f"cannot start the warm workers{where} "
+                                   f"({error.strerror or error}); give a --run-dir ftmaster "
+                                   "can write, or --cold-restart") from None
+
+
+def _close_all(observers: Sequence) -> None:
+    for observer in observers:
+        observer.close()
 
 
 def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Sequence[str],
