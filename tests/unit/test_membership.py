@@ -216,6 +216,18 @@ def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+def test_a_refused_launch_leaves_no_tensorboard_folder(tmp_path):
+    """ftmaster's board was made before the rendezvous looked up --local-addr: the refusal
+    left an event file in TENSORBOARD_DIR/ftmaster_node0, a run of its own in TensorBoard."""
+    result = CliRunner().invoke(main, [
+        "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "1:2",
+        "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400", "--local-addr", "192.0.2.1",
+        "--run-dir", str(tmp_path / "run"), "--", PRETRAIN, *MODEL[:11], "16", *MODEL[12:],
+        "--tensorboard-dir", str(tmp_path / "tb")])
+    assert result.exit_code == 2 and "is not an address of this host" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def rendezvous_options(tmp_path, **given):
     options = dict(nnodes="1:2", node_rank=0, run_dir=tmp_path, rdzv_id=None,
                    rdzv_backend="c10d", local_addr=None, rdzv_conf=None, metrics_port=None)

@@ -377,10 +377,10 @@ def _monitor(backend: Backend, run_dir: Path, seed: int, interval: float, scorer
 
 
 def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Monitor,
-               config: SupervisorConfig) -> list:
+               config: SupervisorConfig, held: HeldFolders) -> list:
     """What watches the run beside the supervisor, fed by the monitor too: the metrics
     (``--metrics-port``, served) and ftmaster's TensorBoard scalars (the training command's
-    ``--tensorboard-dir``)."""
+    ``--tensorboard-dir``), whose folder a refused launch takes away again."""
     node_rank = None if rendezvous is None else rendezvous.node_rank
     observers = []
     if options["metrics_port"] is not None:
@@ -391,11 +391,13 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
             raise click.ClickException(str(error)) from None
         logging.getLogger("ftmaster").info("metrics: serving %s", url)
         observers.append(metrics)
+    folder = RunBoard.folder_for(list(config.command), node_rank)
+    if folder is not None:
+        held.will_make(folder)
     try:
         board = RunBoard.for_command(list(config.command), node_rank)
     except OSError as error:  # e.g. a path under a file, or a folder it may not write to
         _close_all(observers)
-        folder = RunBoard.folder_for(list(config.command), node_rank)
         raise click.ClickException(f"--tensorboard-dir: cannot write to "
                                    f"{runfiles.failed_path(error, folder)} "
                                    f"({error.strerror or error})") from None
@@ -637,7 +639,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         monitor = _monitor(backend, config.run_dir, options["seed"], options["monitor_interval"],
                            options["scorer"], options["risk_threshold"])
         refusal.callback(monitor.close)
-        observers = _observers(options, rendezvous, monitor, config)
+        observers = _observers(options, rendezvous, monitor, config, held)
         refusal.callback(_close_all, observers)
         membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
         replication = _replication(config, membership, options, held)
