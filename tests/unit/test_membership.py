@@ -666,3 +666,30 @@ def test_a_refusal_after_the_peer_server_started_leaves_no_memory_folder(tmp_pat
     assert result.exit_code == 1, result.stderr
     assert result.stderr.count("\n") == 1 and "cannot start the warm workers" in result.stderr
     assert not memory.exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_rendezvous_endpoint_that_never_answers_ends_the_launch(tmp_path):
+    """Another program listening at the endpoint's port (or a wedged store) takes torch's
+    connection and never answers it: torch's client waited for good, read_timeout or not,
+    saying nothing. Past read_timeout and a margin the store counts as lost."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        endpoint = "127.0.0.1:%d" % silent.getsockname()[1]
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "ftmaster.cli", "launch", "--nproc-per-node", "2",
+             "--monitor-backend", "sim", "--nnodes", "1:2", "--node-rank", "0",
+             "--rdzv-endpoint", endpoint, "--local-addr",
+             "127.0.0.1", "--rdzv-conf", "read_timeout=1", "--run-dir", str(tmp_path / "run"),
+             "--", PRETRAIN, *MODEL[:11], "16", *MODEL[12:]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = launch.communicate(timeout=40)
+        finally:
+            launch.kill()
+    assert launch.returncode == 75, stderr
+    assert f"the rendezvous store at {endpoint} did not answer within 6 s" in stderr

@@ -882,13 +882,24 @@ def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Seq
     this node's own (its memory folder), which every node's must match. A stop signal ends
     the wait for the store at once (torch's connect blocks in C++ for ``read_timeout`` and
     more, so scancel's SIGKILL came first, with nothing recorded): the seat is left
-    unconnected, and the supervisor, handed the stop, records it and never joins."""
+    unconnected, and the supervisor, handed the stop, records it and never joins. A store
+    silent past torch's ``read_timeout`` and a margin is lost: a listener that is no store
+    (another program at the endpoint's port) takes torch's connection and never answers,
+    and torch's client waited for it for good, saying nothing."""
     if rendezvous is None:
         return None
+    deadline = time.monotonic() + rendezvous.store_timeout_s
+
+    def wanted() -> bool:
+        if time.monotonic() > deadline:
+            raise StoreLost(f"the rendezvous store at {rendezvous.endpoint} did not answer "
+                            f"within {rendezvous.store_timeout_s:g} s (is another program "
+                            "listening at that port?)")
+        return not stops.came_early()
+
     try:
         seat = NodeMembership(rendezvous, launch_gpus=launch_gpus, args=args, connect=False)
-        call_while("ftmaster-rendezvous-store", lambda: not stops.came_early(), STOP_POLL_S,
-                   seat.connect)
+        call_while("ftmaster-rendezvous-store", wanted, STOP_POLL_S, seat.connect)
     except Abandoned:
         pass
     except StoreLost as lost:
