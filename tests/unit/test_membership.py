@@ -693,3 +693,23 @@ def test_a_rendezvous_endpoint_that_never_answers_ends_the_launch(tmp_path):
             launch.kill()
     assert launch.returncode == 75, stderr
     assert f"the rendezvous store at {endpoint} did not answer within 6 s" in stderr
+
+
+def test_a_store_port_in_use_on_the_stores_host_is_named(tmp_path, caplog):
+    """The node at the endpoint could not serve the store on a port another program holds:
+    the line read "(The connection to the C10d store has failed. See inner exception for
+    details.)", and no inner exception was shown."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = CliRunner().invoke(main, [
+            "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "1:2",
+            "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:%d" % taken.getsockname()[1],
+            "--local-addr", "127.0.0.1", "--rdzv-conf", "is_host=1,read_timeout=2",
+            "--run-dir", str(tmp_path / "run"), "--", PRETRAIN, *MODEL[:11], "16", *MODEL[12:]])
+    assert result.exit_code == 75, caplog.text
+    assert "See inner exception" not in caplog.text
+    assert "(DistNetworkError: The server socket has failed to listen" in caplog.text
+    assert "address already in use" in caplog.text

@@ -287,6 +287,15 @@ def parse_record(data: bytes) -> NodeRecord:
                       int(body.get("launch_gpus", 0)), tuple(body.get("args", ())))
 
 
+def store_failure(error: BaseException) -> str:
+    """``Type: message`` of what failed at the store. torch's rendezvous errors wrap it in
+    one that says only "See inner exception for details", which a line never showed (an
+    endpoint's port another program holds read as no reason at all)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {error}"
+
+
 def free_port(addr: str) -> int:
     family, address = bind_address(addr, 0)
     with socket.socket(family) as sock:
@@ -425,7 +434,8 @@ class NodeMembership:
         try:
             return rendezvous_handler_registry.create_handler(params)
         except RendezvousConnectionError as error:
-            raise StoreLost(f"cannot reach the rendezvous store at {c.endpoint} ({error})") from None
+            raise StoreLost(f"cannot reach the rendezvous store at {c.endpoint} "
+                            f"({store_failure(error)})") from None
         except ImportError as error:  # etcd-v2 needs python-etcd
             raise ValueError(f"the {c.backend} rendezvous backend needs {error.name} "
                              f"(pip install python-etcd)") from None
@@ -634,7 +644,7 @@ class NodeMembership:
         except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
                 ConnectionError, CallTimeout, *_etcd_errors()) as error:
             raise StoreLost(f"the rendezvous store at {self.config.endpoint} is unreachable "
-                            f"({type(error).__name__}: {error})") from None
+                            f"({store_failure(error)})") from None
 
     def outcome_after_close(self) -> str:
         try:
