@@ -713,3 +713,26 @@ def test_a_store_port_in_use_on_the_stores_host_is_named(tmp_path, caplog):
     assert "See inner exception" not in caplog.text
     assert "(DistNetworkError: The server socket has failed to listen" in caplog.text
     assert "address already in use" in caplog.text
+
+
+def test_an_etcd_store_nobody_serves_is_one_line(tmp_path):
+    """python-etcd and urllib3 logged their own retries and failures on ftmaster's console
+    ("ftmaster: warning: Retrying (Retry(total=0, ..." and an error of their own) before
+    ftmaster's line said the same."""
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("etcd")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        endpoint = "127.0.0.1:%d" % free.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "ftmaster.cli", "launch", "--nproc-per-node", "2",
+         "--monitor-backend", "sim", "--nnodes", "1:2", "--node-rank", "0", "--rdzv-backend",
+         "etcd-v2", "--rdzv-endpoint", endpoint, "--local-addr", "127.0.0.1",
+         "--run-dir", str(tmp_path / "run"), "--", PRETRAIN, *MODEL[:11], "16", *MODEL[12:]],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"cannot reach the rendezvous store at {endpoint}" in result.stderr

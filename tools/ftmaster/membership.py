@@ -382,6 +382,14 @@ def records_in_time(store, keys: list[str]) -> bool:
     return True
 
 
+def _quiet_store_clients() -> None:
+    """python-etcd's and urllib3's own logs off the console: every retry and failure at the
+    store they logged (as ``ftmaster: warning: Retrying (Retry(total=2, ...``) came before
+    ftmaster's one line saying the same (:class:`StoreLost`)."""
+    for name in ("etcd", "urllib3"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def _etcd_errors() -> tuple[type[Exception], ...]:
     """What python-etcd raises for a server it cannot reach: torch's etcd backend wraps these
     for the handler (``etcd_rendezvous_backend.py``), but its ``EtcdStore`` lets them
@@ -429,6 +437,7 @@ class NodeMembership:
                                                           rendezvous_handler_registry)
 
         c = self.config
+        _quiet_store_clients()
         params = RendezvousParameters(c.backend, c.endpoint, c.run_id, c.min_nodes, c.max_nodes,
                                       c.local_addr, **store_conf(c))
         try:
