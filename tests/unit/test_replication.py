@@ -1,5 +1,6 @@
 """Who copies from whom across nodes (pure), and one node's copies from two live peers."""
 
+import contextlib
 import os
 import shutil
 import threading
@@ -776,7 +777,6 @@ def test_a_gather_abandoned_by_a_stop_leaves_no_dumps_behind_when_its_fetch_retu
     the folder again and filled it with rank 2's whole dump: a failed round's dump left in
     the memory tier, its space counted, for a later merge to find."""
     from ftmaster.monitor.backends.bounded import Abandoned
-    from ftmaster.recovery.replicas import round_dump_folder
 
     folders, stop, released = [tmp_path / "node0", tmp_path / "node1"], threading.Event(), \
         threading.Event()
@@ -790,24 +790,14 @@ def test_a_gather_abandoned_by_a_stop_leaves_no_dumps_behind_when_its_fetch_retu
         return body
 
     monkeypatch.setattr(PeerClient, "read", sent_after_the_stop)
-    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
-                    for r in (0, 1)]
-    try:
-        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
-        for r in (0, 1):
-            replications[r].new_round(SECRET, records, r, [2, 2])
-        dumps = round_dump_folder(folders[0], 2)
-        dumps.mkdir(parents=True)
+    with round_2_seats(tmp_path, folders) as (replication, records, dumps):
         with pytest.raises(Abandoned):
-            replications[0].gather_dumps(dumps, records, [2, 2], stop)
+            replication.gather_dumps(dumps, records, [2, 2], stop)
         assert not dumps.exists()  # removed as the gather was let go
         released.set()
         for thread in threading.enumerate():
             if thread.name.startswith("ftmaster-replica-gather"):
                 thread.join(10)
-    finally:
-        for replication in replications:
-            replication.close()
     assert not dumps.exists()
 
 
@@ -826,6 +816,14 @@ def gather_round_2(tmp_path: Path, folders: list[Path],
                    stop: threading.Event | None = None) -> tuple[list, Path]:
     """Node 0's gathering of round 2's dumps from node 1 (2 ranks each): what it returned, and
     node 0's dump folder it gathered into."""
+    with round_2_seats(tmp_path, folders) as (replication, records, dumps):
+        return replication.gather_dumps(dumps, records, [2, 2], stop), dumps
+
+
+@contextlib.contextmanager
+def round_2_seats(tmp_path: Path, folders: list[Path]):
+    """Nodes 0 and 1 (2 ranks each) in round 2, their peer servers up: node 0's replication,
+    the round's records, and node 0's own dump folder of round 2."""
     from ftmaster.recovery.replicas import round_dump_folder
 
     replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
@@ -834,9 +832,9 @@ def gather_round_2(tmp_path: Path, folders: list[Path],
         records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
-        dumps = round_dump_folder(folders[0], 2)  # node 0's own dumps of round 2
+        dumps = round_dump_folder(folders[0], 2)
         dumps.mkdir(parents=True)
-        return replications[0].gather_dumps(dumps, records, [2, 2], stop), dumps
+        yield replications[0], records, dumps
     finally:
         for replication in replications:
             replication.close()
@@ -885,11 +883,9 @@ def test_a_brief_stall_of_the_peer_rank_0s_node_catches_up_from_is_tried_again(
     assert "4" in holdings_of(folders[1]) and read_tracker(folders[1]) == 4
 
 
-def test_a_stop_signal_ends_the_catch_ups_tries_at_once(tmp_path, monkeypatch):
-    """A peer that keeps failing is tried again, but not past a stop signal: SLURM's SIGKILL
-    follows its SIGTERM within a grace period that three tries of a stalled peer outlast."""
-    from ftmaster.monitor.backends.bounded import Abandoned
-
+def node_0_lacks_the_agreed_checkpoint(tmp_path: Path) -> tuple[list[Path], Agreed]:
+    """Two nodes' tiers, and iteration 4 agreed on while both held it whole; node 0's copy
+    gone since."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     shard_checkpoint(folders)
     mine, theirs = (iteration_dir(folder, 4) for folder in folders)
@@ -897,6 +893,15 @@ def test_a_stop_signal_ends_the_catch_ups_tries_at_once(tmp_path, monkeypatch):
         shutil.copy(path, theirs)
     agreed = agreed_on({0: folders[0], 1: folders[1]})
     shutil.rmtree(mine)
+    return folders, agreed
+
+
+def test_a_stop_signal_ends_the_catch_ups_tries_at_once(tmp_path, monkeypatch):
+    """A peer that keeps failing is tried again, but not past a stop signal: SLURM's SIGKILL
+    follows its SIGTERM within a grace period that three tries of a stalled peer outlast."""
+    from ftmaster.monitor.backends.bounded import Abandoned
+
+    folders, agreed = node_0_lacks_the_agreed_checkpoint(tmp_path)
     tries, stop = [], threading.Event()
 
     def always_stalls(self, *args, **kwargs):
@@ -927,13 +932,7 @@ def test_a_stop_during_a_fetch_the_peer_stalls_ends_the_catch_up_within_a_second
 
     from ftmaster.monitor.backends.bounded import Abandoned
 
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    shard_checkpoint(folders)
-    mine, theirs = (iteration_dir(folder, 4) for folder in folders)
-    for path in mine.iterdir():
-        shutil.copy(path, theirs)
-    agreed = agreed_on({0: folders[0], 1: folders[1]})
-    shutil.rmtree(mine)
+    folders, agreed = node_0_lacks_the_agreed_checkpoint(tmp_path)
     silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nothing is sent
     stop = threading.Event()
     replication = Replication(ReplicationConfig(folders[0], tmp_path / "run0", 0, timeout_s=5.0))
