@@ -37,10 +37,11 @@ import re
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from ftmaster.runfiles import atomic_write_text, remove_abandoned_temp_files
 
+from .argv_flags import flag_value
 from .manifest import (MANIFEST_NAME, ChecksumMismatch, FileDigest, Manifest, bytes_problem,
                        is_plain_file_name, known_manifest_name, read_manifest, size_problem)
 
@@ -111,6 +112,20 @@ def newest_on_disk(save_dir: Path) -> int | None:
     return next((it for it in list_iterations(save_dir)
                  if (tracked is None or it < tracked) and is_complete(iteration_dir(save_dir, it))),
                 None)
+
+
+def schedule_on_disk(args: Sequence[str]) -> int | None:
+    """``--train-iters`` when the newest checkpoint on training ``args``' ``--save`` is that
+    iteration's: the schedule ended, and a launch would only load it and end. None when not,
+    and when ``--save`` cannot be read (unknown)."""
+    train_iters, save = flag_value(args, "--train-iters"), flag_value(args, "--save")
+    if train_iters is None or save is None:
+        return None
+    try:
+        newest = newest_on_disk(Path(save))
+    except OSError:
+        return None
+    return newest if str(newest) == train_iters else None
 
 
 def list_iterations(save_dir: Path) -> list[int]:

@@ -1903,3 +1903,26 @@ def test_the_events_of_a_catch_up_outlive_a_publish_a_stop_abandons(tmp_path):
             (0, Copied(4, tmp_path / "iter_0000004", 10, 0.5, ()))])
     events = [e["event"] for e in runfiles.read_events(tmp_path)]
     assert events == ["replication_failed", "replicated"]
+
+
+@pytest.mark.parametrize("on_disk, status", [(40, 0), (30, 75)])
+def test_a_node_that_finds_no_store_and_the_schedules_last_checkpoint_on_disk_ends_well(
+        tmp_path, monkeypatch, on_disk, status):
+    """A node started again after its ftmaster was killed, once the other nodes had completed
+    the job and left with the store: it asked for a requeue (exit 75) of a finished job."""
+    from ftmaster import launch
+    from ftmaster.membership import NodeMembership, RendezvousConfig, StoreLost
+    from ftmaster.recovery.checkpoints import iteration_dir, tracker_path
+
+    def store_gone(self):
+        raise StoreLost("cannot reach the rendezvous store at 127.0.0.1:1")
+
+    monkeypatch.setattr(NodeMembership, "connect", store_gone)
+    save = tmp_path / "ckpt"
+    iteration_dir(save, on_disk).mkdir(parents=True)
+    tracker_path(save).write_text(str(on_disk))
+    rendezvous = RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1")
+    args = [*MODEL[1:], "--train-iters", "40", "--save", str(save)]
+    with pytest.raises(SystemExit) as ended:
+        launch._membership(rendezvous, 2, args, types.SimpleNamespace(came_early=lambda: False))
+    assert ended.value.code == status

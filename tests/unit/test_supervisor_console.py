@@ -1182,6 +1182,30 @@ def test_a_lost_rendezvous_after_training_finished_is_the_jobs_end_not_a_requeue
     assert supervisor._store_lost(StoreLost("the store is gone"), State(state)).value == trigger
 
 
+@pytest.mark.parametrize("on_disk, trigger", [(40, "completed"), (30, "store_lost")])
+def test_a_lost_rendezvous_with_the_schedules_last_checkpoint_on_disk_is_the_jobs_end(
+        tmp_path, on_disk, trigger):
+    """A node started again (its ftmaster killed) joined while the other node completed the
+    job and exited with the store: it asked for a requeue (exit 75) of a job whose final
+    checkpoint was durable on the shared --save."""
+    from ftmaster.launch import check_layout
+    from ftmaster.membership import StoreLost
+    from ftmaster.recovery.checkpoints import iteration_dir, tracker_path
+    from ftmaster.states import State
+    from test_launch_parts import MODEL
+
+    save = tmp_path / "ckpt"
+    command = (*MODEL, "--train-iters", "40", "--save", str(save))
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(list(command), 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    iteration_dir(save, on_disk).mkdir(parents=True)
+    tracker_path(save).write_text(str(on_disk))
+    assert supervisor._store_lost(StoreLost("the store is gone"), State.PLANNING).value == trigger
+    if trigger == "completed":
+        assert runfiles.read_events(tmp_path / "run")[-1]["iteration"] == 40
+
+
 @pytest.mark.parametrize("state", ["standby", "planning"])
 def test_a_lost_rendezvous_after_a_stop_signal_is_the_stop_not_a_requeue(tmp_path, state):
     """scancel and a time limit signal every node: the store's host, no longer waiting for

@@ -54,6 +54,7 @@ from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_o
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
+from ftmaster.recovery.checkpoints import schedule_on_disk
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
 from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
@@ -844,6 +845,19 @@ def _take_over_left_memory(config: SupervisorConfig, argv: list[str],
     return config
 
 
+def _end_without_the_store(lost: StoreLost, args: Sequence[str]) -> None:
+    """No store to join: a requeue, unless ``--save`` holds the schedule's last checkpoint
+    (the other nodes completed the job and left with the store before this node started)."""
+    log = logging.getLogger("ftmaster")
+    saved = schedule_on_disk(args)
+    if saved is None:
+        log.error("%s; requeue the job (exit status 75)", lost)
+        sys.exit(exit_codes.REQUEUE)
+    log.warning("%s, and --save holds training's last checkpoint, iteration %d: the job has "
+                "completed", lost, saved)
+    sys.exit(0)
+
+
 def _replication(config: SupervisorConfig, membership: NodeMembership | None,
                  options: dict, held: HeldFolders) -> Replication | None:
     """Peer copies, for a memory tier in the node-local folder ftmaster picked (made here),
@@ -903,8 +917,7 @@ def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Seq
     except Abandoned:
         pass
     except StoreLost as lost:
-        logging.getLogger("ftmaster").error("%s; requeue the job (exit status 75)", lost)
-        sys.exit(exit_codes.REQUEUE)
+        _end_without_the_store(lost, args)
     except ValueError as error:
         raise InputError(str(error)) from None
     return seat

@@ -96,8 +96,8 @@ from ftmaster.retirements import boot_id, carried_over
 from ftmaster.recovery.argv_flags import flag_present
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
-                                           read_save_kind, read_tracker,
-                                           remove_abandoned_writes, unmark_peer_copies)
+                                           read_save_kind, read_tracker, remove_abandoned_writes,
+                                           schedule_on_disk, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -716,19 +716,26 @@ class Supervisor:
 
     def _store_lost(self, lost: StoreLost, state: State) -> Trigger:
         """A requeue, unless this node's training had finished its schedule, its last
-        checkpoint durable: then the job is done, whatever became of its rendezvous; or
-        unless a stop signal came first: the same scancel or time limit stopped the store's
-        host sooner, and a requeue would undo the cancel."""
+        checkpoint durable, or ``--save`` holds that checkpoint (the other nodes completed
+        the job, and the store's host left with it, while this node joined): then the job
+        is done, whatever became of its rendezvous; or unless a stop signal came first: the
+        same scancel or time limit stopped the store's host sooner, and a requeue would undo
+        the cancel."""
         finished = (state in (State.RUNNING, State.DRAINING)
                     and (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
         if self._stop_requested.is_set() and not finished:
             log.warning("the job's rendezvous is gone (%s) after signal %s: ending as the stop",
                         lost, self.signum)
             return self._stopped_without_the_store(state)
+        saved = None if finished else schedule_on_disk(self._training_command[1:])
         if self.attempt is not None:
             self.attempt.kill()
-        if finished:
-            log.warning("the job's rendezvous is gone (%s), after training finished", lost)
+        if finished or saved is not None:
+            log.warning("the job's rendezvous is gone (%s), after training finished%s", lost,
+                        "" if saved is None else f": --save holds its last checkpoint, "
+                        f"iteration {saved}")
+            if saved is not None:
+                self._progress = (saved, time.monotonic())
             return self._complete(tell_peers=False)  # no store left to tell them through
         self._event("store_lost", reason=str(lost))
         log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
