@@ -36,3 +36,21 @@ def test_the_boot_id_is_the_kernels_or_unknown(tmp_path):
     assert boot_id(tmp_path / "missing") is None
     path.write_text("")
     assert boot_id(path) is None
+
+
+def failure(time, *unfit):
+    return {"event": "failure", "time": time,
+            "unfit_gpus": [{"gpu": gpu, "reason": why} for gpu, why in unfit]}
+
+
+@pytest.mark.parametrize("events, expected", [
+    # the node exited (75: the store's host was lost) before the round that would have planned
+    # without GPU 1: the requeued job trained on it again
+    ([plan(BOOT), failure(2.0, (1, "device_lost"))], {1: "device_lost"}),
+    ([plan(BOOT, (2, "hang")), failure(2.0, (1, "xid_79"))], {1: "xid_79", 2: "hang"}),
+    ([failure(0.5, (1, "device_lost")), plan(BOOT)], {}),  # planned after it: the plan says
+    ([plan(BOOT), {**failure(2.0), "unfit_gpus": "garbled"}], {}),
+    ([plan("another-boot"), failure(2.0, (1, "device_lost"))], {}),
+])
+def test_a_failures_unfit_gpus_not_yet_planned_without_carry_over(events, expected):
+    assert carried_over(events, BOOT, gpus=[0, 1, 2, 3]) == expected

@@ -30,13 +30,25 @@ def boot_id(path: Path = BOOT_ID_PATH) -> str | None:
 
 
 def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int]) -> dict[int, str]:
-    """The retirements of the last ``plan`` event among ``events``, GPU -> why, when it was
-    recorded in ``boot``; only those of ``gpus`` (the GPUs this supervisor was given)."""
-    plans = [e for e in events if e.get("event") == "plan"]
-    if boot is None or not plans or plans[-1].get("boot") != boot:
+    """The retirements of the last ``plan`` event among ``events`` and the unfit GPUs of the
+    failures after it (a supervisor that ended before its next plan: a store lost mid-round,
+    a kill), GPU -> why, when that plan was recorded in ``boot``; only those of ``gpus`` (the
+    GPUs this supervisor was given). Such a failure is that plan's supervisor's: a failure
+    with unfit GPUs follows a launch, and a launch its supervisor's plan."""
+    plans = [at for at, e in enumerate(events) if e.get("event") == "plan"]
+    if boot is None or not plans or events[plans[-1]].get("boot") != boot:
         return {}
-    retired = plans[-1].get("gpus_retired")
-    if not isinstance(retired, list):
+    last = events[plans[-1]]
+    failures = [e for e in events[plans[-1] + 1:] if e.get("event") == "failure"]
+    found: dict[int, str] = {}
+    for listed in (last.get("gpus_retired"), *(e.get("unfit_gpus") for e in failures)):
+        found.update(_listed_gpus(listed, gpus))
+    return found
+
+
+def _listed_gpus(listed: object, gpus: Sequence[int]) -> dict[int, str]:
+    """A ``[{gpu, reason}]`` list's GPUs among ``gpus``; nothing from a list that is none."""
+    if not isinstance(listed, list):
         return {}
     return {entry["gpu"]: str(entry.get("reason", "retired"))
-            for entry in retired if isinstance(entry, dict) and entry.get("gpu") in gpus}
+            for entry in listed if isinstance(entry, dict) and entry.get("gpu") in gpus}
