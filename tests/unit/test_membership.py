@@ -736,3 +736,33 @@ def test_an_etcd_store_nobody_serves_is_one_line(tmp_path):
     assert result.returncode == 75, result.stderr
     assert result.stderr.count("\n") == 1, result.stderr
     assert f"cannot reach the rendezvous store at {endpoint}" in result.stderr
+
+
+@pytest.mark.parametrize("participants, synced_round, waiting, dropped", [
+    (1, 7, 0, True),  # node 1's keep-alive expired: torch dropped it from the round
+    (2, 7, 0, False),  # both alive
+    (1, 8, 0, False),  # another round began: the peers say so by waiting or failing
+    (1, 7, 1, False),  # node 1 left the round to join the next one: it waits there
+])
+def test_a_node_the_rendezvous_dropped_from_the_round_is_seen(participants, synced_round,
+                                                              waiting, dropped):
+    """Node 1's ftmaster was killed between the round's plan and its ranks' start: node 0's
+    ranks waited in their process group's set-up for ranks that would never come, until
+    --distributed-timeout-minutes (10 by default), since no connection to them failed."""
+    from types import SimpleNamespace
+
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 0,
+                                                 local_addr="127.0.0.1"), poll_s=0.0,
+                                connect=False)
+    state = SimpleNamespace(round=7, participants={"node0": 0, "node1": 1})
+    membership.handler = SimpleNamespace(_state_holder=SimpleNamespace(state=state),
+                                         num_nodes_waiting=lambda: waiting)
+    membership._round = Round(3, (record(0), record(1)), 0)
+    membership._rendezvous_round = membership._synced_round()
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        check=lambda keys: False))
+    assert not membership.node_dropped()
+    state.participants = dict(list(state.participants.items())[:participants])
+    state.round = synced_round
+    # two polls apart: a node joining the next round waits there a sync after it left
+    assert [membership.node_dropped(), membership.node_dropped()] == [False, dropped]

@@ -413,6 +413,7 @@ class NodeMembership:
         """This node's GPUs as launched and its training arguments (:class:`NodeRecord`)."""
         self._checked_at = float("-inf")
         self._waiting, self._peer_failure = False, None
+        self._rendezvous_round, self._short_polls = None, 0
         self._round: Round | None = None
         self._round_store = None
         self.try_started_at = float("-inf")
@@ -476,6 +477,7 @@ class NodeMembership:
         secret = None if peer_url is None else self._job_secret(store)
         self._round, self._round_store = Round(number, nodes, nodes.index(me), secret), store
         self._checked_at, self._waiting, self._peer_failure = time.monotonic(), False, None
+        self._rendezvous_round, self._short_polls = self._synced_round(), 0
         return self._round
 
     def _job_secret(self, store) -> str:
@@ -557,12 +559,42 @@ class NodeMembership:
         self._poll(stop)
         return self._waiting
 
+    def node_dropped(self, stop: threading.Event | None = None) -> bool:
+        """Whether the rendezvous dropped a node of the current round, its keep-alive expired
+        (its ftmaster died). Before their first collective, the ranks of the nodes left wait
+        for the dead node's ranks until a timeout (``--distributed-timeout-minutes``): no
+        connection to them fails. Polled with :meth:`peers_waiting`, bounded as it is."""
+        self._poll(stop)
+        return self._short_polls >= 2
+
+    def _synced_state(self):
+        """torch elastic's rendezvous state as the handler last synced it: torch reads out
+        neither its round number nor its participants publicly (None where it has none)."""
+        return getattr(getattr(self.handler, "_state_holder", None), "state", None)
+
+    def _synced_round(self) -> int | None:
+        return getattr(self._synced_state(), "round", None)
+
+    def _participants_left(self) -> int | None:
+        """How many nodes of the round this node joined the rendezvous still counts: each
+        sync drops those whose keep-alive expired. None once another round began, or unknown."""
+        state = self._synced_state()
+        if state is None or state.round != self._rendezvous_round:
+            return None
+        return len(state.participants)
+
     def _poll(self, stop: threading.Event | None = None) -> None:
         now = time.monotonic()
         if now - self._checked_at < self.poll_s:
             return
         self._checked_at = now
         self._waiting = self._bounded(self.handler.num_nodes_waiting, stop=stop) > 0
+        left = self._participants_left()  # synced just now, by num_nodes_waiting
+        # A node that joins the next round also leaves this one's participants, and waits
+        # there a sync later: only a node gone without waiting, two polls apart, is dropped.
+        short = (self._round is not None and left is not None and not self._waiting
+                 and left < len(self._round.nodes))
+        self._short_polls = self._short_polls + 1 if short else 0
         if self._round is not None and self._peer_failure is None:
             said = self.announcement(f"failed/{self._round.number}", 0.0, stop)
             if said is not None:

@@ -620,6 +620,10 @@ class Supervisor:
             return self._failure("peer", iteration, [], {})
         if self.membership is not None and self.membership.peers_waiting(stop):
             return self._rejoin(iteration)
+        if iteration is None and self.membership is not None and self.membership.node_dropped(stop):
+            log.warning("a node of this round left the rendezvous (its keep-alive expired) "
+                        "before training's first iteration: its ranks will never start")
+            return self._failure("peer", iteration, [], {})
         return None
 
     def _ranks_failed(self, failed: dict, errors: dict[int, str], torchrun_code: int | None,
