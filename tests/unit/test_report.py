@@ -925,3 +925,17 @@ def test_a_run_directory_without_its_lock_file_cannot_tell(tmp_path):
     run_dir = still_going(tmp_path / "run")  # copied without ftmaster.lock, say
     result = run_report(run_dir)
     assert "outcome no end event (still running, or ftmaster itself was killed)" in result.output
+
+
+def test_a_checkpoint_removed_by_a_resume_reads_as_the_console_said_it():
+    """The timeline read 'checkpoint_set_aside iteration=10 path=.../iter_0000015
+    moved_to=None': the resumed iteration beside a newer folder, and Python's None, where the
+    console had said the folder was removed and why."""
+    from ftmaster.report import describe
+
+    text = describe(event("checkpoint_set_aside", 1, iteration=10,
+                          path="/ckpt/iter_0000015", moved_to=None))
+    assert text == ("/ckpt/iter_0000015 removed (left by a save that never finished: nothing "
+                    "in it could be loaded): newer than the resumed iteration 10")
+    assert describe(event("fresh_start", 1, folders=["/ckpt"])) == \
+        "no checkpoint in /ckpt; starting from scratch"

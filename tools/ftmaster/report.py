@@ -113,7 +113,7 @@ from typing import Any, NamedTuple, TextIO
 import click
 
 from ftmaster import runfiles
-from ftmaster.console import END_EVENTS, gpus_text
+from ftmaster.console import END_EVENTS, describe_event, gpus_text
 from ftmaster.lock import LOCK_NAME, run_dir_holder
 from ftmaster.peer_files import PEERS_FILE
 
@@ -907,7 +907,9 @@ def event_label(event: dict) -> str:
 
 
 def describe(event: dict) -> str:
-    """One event as text: its template, or its fields as key=value (the node has a column)."""
+    """One event as text: its template, else the console's line for it (a removed folder read
+    as 'iteration=10 path=.../iter_0000015 moved_to=None'), else its fields as key=value (the
+    node has a column)."""
     fields = _Fields({k: f"{v:g}" if isinstance(v, float) else
                       ", ".join(map(str, v)) if isinstance(v, list) and k == "reasons" else v
                       for k, v in event.items()})
@@ -915,6 +917,9 @@ def describe(event: dict) -> str:
     template = TEMPLATES.get("armed" if event.get("armed") else event["event"])
     if template is not None:
         return template.format_map(fields)
+    console_line = describe_event(event)
+    if console_line is not None:
+        return console_line[1]
     return " ".join(f"{k}={fields[k]}" for k in event if k not in ("event", "time", "command", "node"))
 
 
