@@ -939,3 +939,19 @@ def test_a_checkpoint_removed_by_a_resume_reads_as_the_console_said_it():
                     "in it could be loaded): newer than the resumed iteration 10")
     assert describe(event("fresh_start", 1, folders=["/ckpt"])) == \
         "no checkpoint in /ckpt; starting from scratch"
+
+
+def test_an_alert_the_fault_raised_is_no_lead_time_and_the_text_says_before_the_fault(tmp_path):
+    """An XID at +20 s raised its alert at +20.1 s and the rank died at +21 s: no lead time,
+    as the JSON says, but the text read 'no alert before the failure' above the alert that
+    came before it."""
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2),
+        event("fault_injected", 20, kind="xid", gpu=1, spec="xid:gpu=1,code=79,at=iter:9",
+              iteration=9),
+        alert(20.1, 1, ["xid_79"]),
+        event("failure", 21, attempt=1, iteration=9, cause="exit", gpus=[1], exit_codes={"1": 1}),
+    ], {1: [iteration_line(n, 20, 100.0) for n in range(1, 10)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "  lead time          no alert before the fault at +20.00 s\n" in result.output

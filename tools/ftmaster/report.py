@@ -1070,18 +1070,27 @@ def restarted_from_text(failure: dict) -> str:
     return "no checkpoint loaded" if iteration is None else f"iteration {iteration}"
 
 
+def _lead_text(f: dict, start: float) -> str:
+    """The lead time counts alerts before the fault where its moment is known: one the fault
+    itself raised (an XID's) comes before the failure but predicted nothing."""
+    lead = f["lead_time"]
+    if lead is not None:
+        return (f"{_s(lead['seconds'])} (first risk_alert: {_gpu_name(lead, lead['gpu'])} "
+                f"score {lead['score']} at +{lead['time'] - start:.2f} s)")
+    if f["fault_at"] is None:
+        return "no alert before the failure"
+    return f"no alert before the fault at +{f['fault_at'] - start:.2f} s"
+
+
 def _failure_text(number: int, f: dict, start: float) -> list[str]:
-    detection, lead, ckpt = f["detection_latency"], f["lead_time"], f["checkpoint"]
+    detection, ckpt = f["detection_latency"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
     where = f" on {gpus_text(f['gpus'])}" if f["gpus"] else ""
     lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']}{where} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
              *(round_text(f, start) if node else ()),
              f"  detection latency  {_s(detection['seconds'])} (since {detection['since']})",
-             "  lead time          " + ("no alert before the failure" if lead is None else
-                                        f"{_s(lead['seconds'])} (first risk_alert: "
-                                        f"{_gpu_name(lead, lead['gpu'])} score {lead['score']} "
-                                        f"at +{lead['time'] - start:.2f} s)"),
+             "  lead time          " + _lead_text(f, start),
              "  last checkpoint    " + ("none" if ckpt is None else
                                         f"iteration {ckpt['iteration']} ({ckpt['kind'] or ckpt['event']}, "
                                         f"{ckpt['tier']}, {_save_state(ckpt)} at +{ckpt['durable_at'] - start:.2f} s)"),
