@@ -955,3 +955,19 @@ def test_an_alert_the_fault_raised_is_no_lead_time_and_the_text_says_before_the_
     result = run_report(run_dir)
     assert result.exit_code == 0, result.output
     assert "  lead time          no alert before the fault at +20.00 s\n" in result.output
+
+
+def test_a_monitor_alone_that_ended_is_not_reported_as_a_killed_ftmaster(tmp_path):
+    """``ftmaster monitor --backend replay:...`` ran its trace to the end and exited, as it
+    does, with no end event: the report said 'ftmaster was killed'."""
+    from ftmaster.lock import RunDirLock
+
+    run_dir = write_run(tmp_path / "run", [alert(1, 1, ["xid_79"]), alert(2, 1, ["device_lost"])], {})
+    with RunDirLock(run_dir):  # as the monitor held it while it ran
+        pass
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    outcome = ("no launch event: no training ran here (a run directory of ftmaster monitor "
+               "alone, or an ftmaster launch killed before its first attempt)")
+    assert f"outcome {outcome}\n" in result.output
+    assert json.loads((run_dir / "report.json").read_text())["outcome"] == outcome

@@ -928,16 +928,17 @@ def _run_outcome(events: list[dict], folders: Iterable[Path]) -> str:
     Without one, whether the ftmaster of any of ``folders`` still lives (:func:`_without_end`)."""
     ends = [event for event in events if event["event"] in END_EVENTS]
     if not ends:
-        return _without_end(folders)
+        return _without_end(folders, launched=any(e["event"] == "launch" for e in events))
     event = next((e for e in reversed(ends) if not e.get("on_other_nodes")), ends[-1])
     where = f" (node {event['node']})" if "node" in event else ""
     return f"{event['event']}: {describe(event)}{where}"
 
 
-def _without_end(folders: Iterable[Path]) -> str:
+def _without_end(folders: Iterable[Path], launched: bool) -> str:
     """A run with no end event: still running while a live ftmaster holds a run directory
     lock, killed when none does. The locks are probed, never taken from a holder; one that
-    cannot be probed leaves it unknown."""
+    cannot be probed leaves it unknown. Without a launch nothing trained: ``ftmaster monitor``
+    alone ends with no end event, and was not killed."""
     holders, unknown = [], False
     for folder in folders:
         try:
@@ -949,6 +950,9 @@ def _without_end(folders: Iterable[Path]) -> str:
             holders.append(holder)
     if holders:
         return f"no end event: still running ({'; '.join(holders)})"
+    if not launched:
+        return ("no launch event: no training ran here (a run directory of ftmaster monitor "
+                "alone, or an ftmaster launch killed before its first attempt)")
     if unknown:
         return "no end event (still running, or ftmaster itself was killed)"
     return "no end event: ftmaster was killed (no live holder of the run directory lock)"
