@@ -971,3 +971,18 @@ def test_a_monitor_alone_that_ended_is_not_reported_as_a_killed_ftmaster(tmp_pat
                "alone, or an ftmaster launch killed before its first attempt)")
     assert f"outcome {outcome}\n" in result.output
     assert json.loads((run_dir / "report.json").read_text())["outcome"] == outcome
+
+
+def test_a_relaunch_killed_before_it_resumed_did_not_restart_from_scratch(tmp_path):
+    """ftmaster was killed while its relaunch started: the report said 'restarted from no
+    checkpoint loaded' (a fresh start, which would have lost 9 iterations) under a checkpoint
+    of iteration 5 and 4 lost iterations."""
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 5, 5, 0.1, 0.1),
+        event("failure", 10, attempt=1, iteration=9, cause="exit", gpus=[1], exit_codes={"1": 1}),
+        plan(10.5, [0], 1, 1, 1), launch(11, 2, [0], 1, 1, 1),
+    ], {1: [iteration_line(n, 20, 100.0) for n in range(1, 10)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert "  restarted from     nothing: no relaunch resumed\n" in result.output
+    assert "  lost iterations    4 (RPO;" in result.output

@@ -1069,9 +1069,13 @@ def _replica_text(replica: dict | None) -> list[str]:
 
 
 def restarted_from_text(failure: dict) -> str:
-    """What the relaunch after ``failure`` loaded, for the text and the incident page."""
+    """What the relaunch after ``failure`` loaded, for the text and the incident page. One
+    that loaded nothing and never resumed did not start afresh: it was still starting, or the
+    run gave up, was stopped or killed first (the failure's outcome says which)."""
     iteration = failure["restarted_from_iteration"]
-    return "no checkpoint loaded" if iteration is None else f"iteration {iteration}"
+    if iteration is not None:
+        return f"iteration {iteration}"
+    return "no checkpoint loaded" if failure["resumed"] else "nothing: no relaunch resumed"
 
 
 def _lead_text(f: dict, start: float) -> str:
