@@ -417,6 +417,24 @@ def test_a_full_disk_under_the_incident_page_names_the_page(tmp_path):
                              "No space left on device\n")
 
 
+def test_a_run_directory_that_takes_no_files_still_gets_its_report_read(tmp_path):
+    """A run directory on a read-only mount: the default JSON failed without a word of what
+    to do, and with --json-out elsewhere the incident page failed before any text, so no
+    report could be had at all. (/dev/full stands for the mount: every write fails.)"""
+    run_dir = two_failures(tmp_path / "run")
+    (run_dir / "report.json").symlink_to("/dev/full")
+    result = run_report(run_dir)
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (f"Error: cannot write {run_dir / 'report.json'}: No space left on "
+                             "device (--json-out FILE writes it elsewhere)\n")
+    (run_dir / "report.html").symlink_to("/dev/full")
+    result = run_report(run_dir, "--json-out", tmp_path / "out.json")
+    assert result.exit_code == 1
+    assert "failure 2:" in result.stdout and json.loads((tmp_path / "out.json").read_text())
+    assert result.stderr == (f"Error: cannot make the incident page: {run_dir / 'report.html'}: "
+                             "No space left on device\n")
+
+
 @pytest.mark.timeout(30)
 def test_the_json_goes_to_dev_null_or_a_fifo_someone_reads(tmp_path):
     """What a shell user writes to: /dev/null, and a pipe (``--json-out /dev/stdout | jq``)."""

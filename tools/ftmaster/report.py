@@ -1183,6 +1183,8 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
     # here, not at the top: the page's modules (analysis, goodput) import this one
     from ftmaster.incident import write_incident_page
 
+    # a run directory that takes no files (a read-only mount) can still be read: say how
+    elsewhere = "" if json_out else " (--json-out FILE writes it elsewhere)"
     json_out = json_out or run_dir / "report.json"
     if (problem := run_path_problem(json_out, run_dir)) is not None:
         raise ReportError(f"--json-out {json_out} {problem}: give another path")
@@ -1193,13 +1195,13 @@ def report_command(run_dir: Path, json_out: Path | None) -> None:
             handle.write(json.dumps(report, indent=1) + "\n")
             text_to_stderr = runfiles.is_stdout(handle)
     except OSError as exc:
-        raise ReportError(f"cannot write {json_out}: {exc.strerror}") from None
+        raise ReportError(f"cannot write {json_out}: {exc.strerror}{elsewhere}") from None
+    click.echo(format_report(report), err=text_to_stderr)  # before the page, which may fail
     try:
         page = write_incident_page(run_dir, report, events, _samples(run_dir))
     except OSError as exc:
         failed = runfiles.failed_path(exc, run_dir / INCIDENT_PAGE)
         raise ReportError(f"cannot make the incident page: {failed}: {exc.strerror}") from None
-    click.echo(format_report(report), err=text_to_stderr)
     click.echo(f"\nwrote {json_out} and {page}", err=text_to_stderr)
 
 
