@@ -184,6 +184,29 @@ def test_a_torn_last_log_line_is_no_iteration_time(tmp_path):
     assert json.loads(out.output)["inputs"]["iteration_s"] == pytest.approx(0.5)
 
 
+def test_a_log_that_cannot_be_read_is_left_out_in_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """A log ftmaster may not read (another user's, mode 600) ended goodput --run-dir in a
+    PermissionError traceback, and report's incident page in 'cannot make the incident page:
+    logs/attempt_0.log'. Its iteration times are unknown; the other logs still count."""
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "logs" / "attempt_1.log").write_text(
+        "iteration 4/20 | consumed samples: 32 | elapsed time per iteration (ms): 900.0 |\n")
+    unreadable = run_dir / "logs" / "attempt_0.log"
+    open_log = report.open_log
+
+    def denied(path):
+        if path == unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
+        return open_log(path)
+
+    monkeypatch.setattr(report, "open_log", denied)
+    out = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--runs", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["inputs"]["iteration_s"] == pytest.approx(0.9)
+    assert out.stderr == (f"warning: cannot read {unreadable}: Permission denied; its iteration "
+                          "times are left out of the measured ones\n")
+
+
 def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
     run_dir = _run_dir(tmp_path)  # its saves are durable 9 s after they start
     bad = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--save-block-s",

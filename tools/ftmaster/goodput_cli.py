@@ -39,14 +39,22 @@ def _median(values: list[float]) -> float | None:
 
 def _iteration_s(run_dir: Path) -> float | None:
     """Median ``elapsed time per iteration`` over every launch attempt's log (every node's)."""
-    times = []
     folders = [runfiles.node_dir(run_dir, r) for r in runfiles.node_ranks(run_dir)] or [run_dir]
     logs = [log for folder in folders for log in sorted(runfiles.logs_dir(folder).glob("*.log"))
             if log.is_file()]
-    for log in logs:
+    return _median([seconds for log in logs for seconds in _logged_step_s(log)])
+
+
+def _logged_step_s(log: Path) -> list[float]:
+    """A log's iteration times; none from a log that cannot be read (another user's), said in
+    one line: its times are unknown, and the other logs still measure the step."""
+    try:
         with report.open_log(log) as handle:
-            times += [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]
-    return _median(times)
+            return [float(m.group(1)) / 1000 for m in map(_ELAPSED.search, handle) if m]
+    except OSError as exc:
+        click.echo(f"warning: cannot read {log}: {exc.strerror}; its iteration times are left "
+                   "out of the measured ones", err=True)
+        return []
 
 
 def _restart_s(failures: list[dict], iteration_s: float | None) -> float | None:
