@@ -1004,3 +1004,35 @@ def test_a_relaunch_killed_before_it_resumed_did_not_restart_from_scratch(tmp_pa
     assert result.exit_code == 0, result.output
     assert "  restarted from     nothing: no relaunch resumed\n" in result.output
     assert "  lost iterations    4 (RPO;" in result.output
+
+
+@pytest.mark.parametrize("cause, reason, line", [
+    ("exit", "xid_79", "failure 1: attempt 1, exit on GPU 1 (hardware: GPU 1 xid_79) at +21.00 s"),
+    ("device_lost", "device_lost", "failure 1: attempt 1, device_lost on GPU 1 at +21.00 s")])
+def test_a_failure_names_the_hardware_evidence_the_console_named(tmp_path, cause, reason, line):
+    """XID 79 killed GPU 1's rank: the console said 'attempt 1 failed (exit) after iteration 9
+    on GPU 1; hardware: GPU 1 xid_79', the report only 'exit on GPU 1', in text and JSON. A
+    lost device, its own evidence, is not named twice."""
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2),
+        event("failure", 21, attempt=1, iteration=9, cause=cause, gpus=[1], exit_codes={},
+              unfit_gpus=[{"gpu": 1, "reason": reason}]),
+    ], {1: [iteration_line(n, 20, 100.0) for n in range(1, 10)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert f"{line}, last completed iteration 9\n" in result.output
+    failure = json.loads((run_dir / "report.json").read_text())["failures"][0]
+    assert failure["unfit_gpus"] == [{"gpu": 1, "reason": reason}]
+
+
+def test_unfit_gpus_that_are_no_list_of_gpus_and_reasons_are_refused_in_one_line(tmp_path):
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2),
+        event("failure", 21, attempt=1, iteration=9, cause="exit", gpus=[1], unfit_gpus=["1"]),
+    ], {})
+    result = run_report(run_dir)
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: {run_dir / 'events.jsonl'} line 2: \"unfit_gpus\" of a "
+                             "failure event must be a list of {\"gpu\": integer, \"reason\": "
+                             "string} objects, not [\"1\"]; fix or remove that line\n")
+

@@ -199,12 +199,17 @@ NUMBER = FieldType("a finite number", runfiles.is_finite_number)
 INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(is_int, v)))
 STR_LIST = FieldType("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
+UNFIT_LIST = FieldType('a list of {"gpu": integer, "reason": string} objects',
+                       lambda v: isinstance(v, list) and all(
+                           isinstance(u, dict) and is_int(u.get("gpu"))
+                           and isinstance(u.get("reason"), str) for u in v))
 SAVE_FIELDS = {"iteration": INT_OR_NULL, "started_at": NUMBER}
 # The fields the report computes with, per event: a wrong type would crash it or, worse,
 # silently mislead (a string of GPU digits iterates as characters). Absent is fine.
 FIELD_TYPES = {
     "launch": {"attempt": INT_OR_NULL, "gpus": INT_LIST},
-    "failure": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL, "gpus": INT_LIST},
+    "failure": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL, "gpus": INT_LIST,
+                "unfit_gpus": UNFIT_LIST},
     "resumed": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL},
     "fault_injected": {"gpu": INT_OR_NULL, "iteration": INT_OR_NULL},
     "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
@@ -718,7 +723,8 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     rto = recovery["rto_seconds"]
     return {
         "attempt": attempt, "time": failure["time"], "cause": failure.get("cause"),
-        "gpus": failure.get("gpus"), "iteration": last, "fault_at": fault_at,
+        "gpus": failure.get("gpus"), "unfit_gpus": failure.get("unfit_gpus") or [],
+        "iteration": last, "fault_at": fault_at,
         **_round_nodes(rounds[index], failure, before),
         "detection_latency": detection,
         "lead_time": _lead_time(window, failure, fault_at if fault_at is not None else failure["time"]),
@@ -1094,6 +1100,11 @@ def _failure_text(number: int, f: dict, start: float) -> list[str]:
     detection, ckpt = f["detection_latency"], f["checkpoint"]
     node = f"node {f['node']}, " if "node" in f else ""
     where = f" on {gpus_text(f['gpus'])}" if f["gpus"] else ""
+    # the evidence that retires GPUs, as the console gave it, where it says more than the cause
+    evidence = [f"{_gpu_name(f, u['gpu'])} {u['reason']}" for u in f["unfit_gpus"]
+                if u["reason"] != f["cause"]]
+    if evidence:
+        where += f" (hardware: {', '.join(evidence)})"
     lines = [f"failure {number}: {node}attempt {f['attempt']}, {f['cause']}{where} at "
              f"+{f['time'] - start:.2f} s, last completed iteration {f['iteration']}",
              *(round_text(f, start) if node else ()),
