@@ -115,17 +115,18 @@ def newest_on_disk(save_dir: Path) -> int | None:
 
 
 def schedule_on_disk(args: Sequence[str]) -> int | None:
-    """``--train-iters`` when the newest checkpoint on training ``args``' ``--save`` is that
-    iteration's: the schedule ended, and a launch would only load it and end. None when not,
-    and when ``--save`` cannot be read (unknown)."""
+    """``--train-iters`` when the checkpoint a load would take from training ``args``'
+    ``--save`` is that iteration's: the schedule ended, and a launch would only load it and
+    end. None when not (a torn one there is passed over by a load, which trains on from an
+    older one), and when ``--save`` cannot be read (unknown)."""
     train_iters, save = flag_value(args, "--train-iters"), flag_value(args, "--save")
     if train_iters is None or save is None:
         return None
     try:
-        newest = newest_on_disk(Path(save))
+        loaded = find_loadable_checkpoint(Path(save)).iteration
     except OSError:
         return None
-    return newest if str(newest) == train_iters else None
+    return loaded if str(loaded) == train_iters else None
 
 
 def list_iterations(save_dir: Path) -> list[int]:

@@ -349,3 +349,23 @@ def test_an_iteration_past_seven_digits_is_found_under_its_megatron_name(tmp_pat
     (tmp_path / "iter_00000020").mkdir()  # not a name any save gives: not iteration 20
     assert loading_candidates(tmp_path).iterations == (10_000_000, 9_999_990)
     assert find_loadable_checkpoint(tmp_path).path == tmp_path / "iter_10000000"
+
+
+@pytest.mark.parametrize("final, ended", [("whole", 40), ("torn", None), ("empty", None)])
+def test_the_schedules_last_checkpoint_counts_only_when_a_load_would_take_it(tmp_path, final,
+                                                                            ended):
+    """A lost store ends a node as complete when --save holds --train-iters' checkpoint: a
+    torn one there (a truncated shard, a folder with nothing in it) counted too, though a
+    requeue would load iteration 30 and train on to 40."""
+    from ftmaster.recovery.checkpoints import schedule_on_disk
+
+    write_checkpoint(tmp_path, 30)
+    path = write_checkpoint(tmp_path, 40)
+    if final == "torn":
+        shard = next(path.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    if final == "empty":
+        for entry in path.iterdir():
+            entry.unlink()
+    tracker_path(tmp_path).write_text("40\n")
+    assert schedule_on_disk(["--train-iters", "40", "--save", str(tmp_path)]) == ended

@@ -1912,14 +1912,15 @@ def test_a_node_that_finds_no_store_and_the_schedules_last_checkpoint_on_disk_en
     the job and left with the store: it asked for a requeue (exit 75) of a finished job."""
     from ftmaster import launch
     from ftmaster.membership import NodeMembership, RendezvousConfig, StoreLost
-    from ftmaster.recovery.checkpoints import iteration_dir, tracker_path
+    from ftmaster.recovery.checkpoints import tracker_path
+    from test_checkpoint_discovery import write_checkpoint
 
     def store_gone(self):
         raise StoreLost("cannot reach the rendezvous store at 127.0.0.1:1")
 
     monkeypatch.setattr(NodeMembership, "connect", store_gone)
     save = tmp_path / "ckpt"
-    iteration_dir(save, on_disk).mkdir(parents=True)
+    write_checkpoint(save, on_disk)  # whole: a load would take it
     tracker_path(save).write_text(str(on_disk))
     rendezvous = RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1")
     args = [*MODEL[1:], "--train-iters", "40", "--save", str(save)]

@@ -1190,7 +1190,8 @@ def test_a_lost_rendezvous_with_the_schedules_last_checkpoint_on_disk_is_the_job
     checkpoint was durable on the shared --save."""
     from ftmaster.launch import check_layout
     from ftmaster.membership import StoreLost
-    from ftmaster.recovery.checkpoints import iteration_dir, tracker_path
+    from ftmaster.recovery.checkpoints import tracker_path
+    from test_checkpoint_discovery import write_checkpoint
     from ftmaster.states import State
     from test_launch_parts import MODEL
 
@@ -1199,7 +1200,7 @@ def test_a_lost_rendezvous_with_the_schedules_last_checkpoint_on_disk_is_the_job
     config = SupervisorConfig(run_dir=tmp_path / "run", command=command, gpus=(0, 1, 2, 3),
                               first_plan=check_layout(list(command), 4, None, None))
     supervisor = Supervisor(config, QuietMonitor())
-    iteration_dir(save, on_disk).mkdir(parents=True)
+    write_checkpoint(save, on_disk)  # whole: a load would take it
     tracker_path(save).write_text(str(on_disk))
     assert supervisor._store_lost(StoreLost("the store is gone"), State.PLANNING).value == trigger
     if trigger == "completed":
