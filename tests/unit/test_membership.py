@@ -766,3 +766,37 @@ def test_a_node_the_rendezvous_dropped_from_the_round_is_seen(participants, sync
     state.round = synced_round
     # two polls apart: a node joining the next round waits there a sync after it left
     assert [membership.node_dropped(), membership.node_dropped()] == [False, dropped]
+
+
+@pytest.mark.parametrize("state", [
+    {"round": 7, "members": {"node0": 0}},  # participants renamed
+    {"epoch": 7, "participants": {"node0": 0}},  # round renamed
+])
+def test_a_torch_whose_rendezvous_state_reads_otherwise_leaves_a_dropped_node_unknown(state):
+    """The round and participants are torch elastic's private state: a torch that renamed
+    either ended every poll of the running round in an AttributeError."""
+    from types import SimpleNamespace
+
+    membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, 2, 0,
+                                                 local_addr="127.0.0.1"), poll_s=0.0,
+                                connect=False)
+    membership.handler = SimpleNamespace(
+        _state_holder=SimpleNamespace(state=SimpleNamespace(**state)),
+        num_nodes_waiting=lambda: 0)
+    membership._round = Round(3, (record(0), record(1)), 0)
+    membership._rendezvous_round = membership._synced_round()
+    membership._round_store = SimpleNamespace(underlying_store=SimpleNamespace(
+        check=lambda keys: False))
+    assert [membership.node_dropped(), membership.node_dropped()] == [False, False]
+
+
+def test_torch_keeps_the_rendezvous_state_a_dropped_node_is_read_from():
+    """What node_dropped reads is torch elastic's private state: a torch that moved it would
+    silently leave a node killed before the first iteration to the ranks' set-up timeout."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler, _BackendRendezvousStateHolder, _RendezvousState)
+
+    assert "_state_holder" in DynamicRendezvousHandler.__annotations__
+    assert isinstance(_BackendRendezvousStateHolder.state, property)
+    state = _RendezvousState()
+    assert state.round == 0 and state.participants == {}

@@ -577,11 +577,15 @@ class NodeMembership:
 
     def _participants_left(self) -> int | None:
         """How many nodes of the round this node joined the rendezvous still counts: each
-        sync drops those whose keep-alive expired. None once another round began, or unknown."""
-        state = self._synced_state()
-        if state is None or state.round != self._rendezvous_round:
+        sync drops those whose keep-alive expired. None once another round began, or unknown
+        (a torch whose private state reads otherwise)."""
+        state = self._synced_state()  # one read: the keep-alive thread's sync replaces it
+        torch_round = getattr(state, "round", None)
+        participants = getattr(state, "participants", None)
+        if (torch_round is None or torch_round != self._rendezvous_round
+                or not isinstance(participants, dict)):
             return None
-        return len(state.participants)
+        return len(participants)
 
     def _poll(self, stop: threading.Event | None = None) -> None:
         now = time.monotonic()
