@@ -800,3 +800,35 @@ def test_torch_keeps_the_rendezvous_state_a_dropped_node_is_read_from():
     assert isinstance(_BackendRendezvousStateHolder.state, property)
     state = _RendezvousState()
     assert state.round == 0 and state.participants == {}
+
+
+@pytest.mark.parametrize("on_disk, status, recorded", [
+    (10, 0, {"event": "complete", "iteration": 10, "on_other_nodes": True}),
+    (None, 75, {"event": "store_lost", "reason": "cannot reach the rendezvous store at x"})])
+def test_a_launch_that_finds_no_store_records_how_it_ended(tmp_path, monkeypatch, on_disk,
+                                                          status, recorded):
+    """A node started again once the other nodes had completed the job and left with the
+    store exited 0 as complete (or 75) recording nothing: its run directory still read as
+    the killed ftmaster's, with no end event, though the README says it records `complete`."""
+    from ftmaster import runfiles
+    from ftmaster.membership import StoreLost
+    from ftmaster.recovery.checkpoints import tracker_path
+    from test_checkpoint_discovery import write_checkpoint
+
+    def store_gone(self):
+        raise StoreLost("cannot reach the rendezvous store at x")
+
+    monkeypatch.setattr(NodeMembership, "connect", store_gone)
+    save = tmp_path / "ckpt"
+    if on_disk is not None:
+        write_checkpoint(save, on_disk)
+        tracker_path(save).write_text(str(on_disk))
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "2",
+        "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "--local-addr", "127.0.0.1",
+        "--cold-restart", "--run-dir", str(run_dir), "--", PRETRAIN, *MODEL[:11], "16",
+        *MODEL[12:], "--save", str(save)])
+    assert result.exit_code == status, result.stderr
+    ended = runfiles.read_events(run_dir / "node_1")[-1]
+    assert {key: ended.get(key) for key in recorded} == recorded

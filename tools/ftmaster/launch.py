@@ -642,7 +642,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         refusal.callback(monitor.close)
         observers = _observers(options, rendezvous, monitor, config, held)
         refusal.callback(_close_all, observers)
-        membership = _membership(rendezvous, len(devices.ids), argv[1:], stops)
+        membership = _membership(rendezvous, len(devices.ids), argv[1:], stops, config.run_dir)
         replication = _replication(config, membership, options, held)
         if replication is not None:
             refusal.callback(replication.close)
@@ -845,14 +845,18 @@ def _take_over_left_memory(config: SupervisorConfig, argv: list[str],
     return config
 
 
-def _end_without_the_store(lost: StoreLost, args: Sequence[str]) -> None:
+def _end_without_the_store(lost: StoreLost, args: Sequence[str], run_dir: Path) -> None:
     """No store to join: a requeue, unless ``--save`` holds the schedule's last checkpoint
-    (the other nodes completed the job and left with the store before this node started)."""
-    log = logging.getLogger("ftmaster")
+    (the other nodes completed the job and left with the store before this node started).
+    Recorded as the supervisor records a store lost later: else a node started again after
+    its ftmaster was killed still reads, in ``ftmaster report``, as killed."""
+    log, run_files = logging.getLogger("ftmaster"), run_files_outage()
     saved = schedule_on_disk(args)
     if saved is None:
+        run_files.append_event(run_dir, "store_lost", reason=str(lost))
         log.error("%s; requeue the job (exit status 75)", lost)
         sys.exit(exit_codes.REQUEUE)
+    run_files.append_event(run_dir, "complete", iteration=saved, on_other_nodes=True)
     log.warning("%s, and --save holds training's last checkpoint, iteration %d: the job has "
                 "completed", lost, saved)
     sys.exit(0)
@@ -891,7 +895,7 @@ def _close_all(observers: Sequence) -> None:
 
 
 def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Sequence[str],
-                stops: StopSignals) -> NodeMembership | None:
+                stops: StopSignals, run_dir: Path) -> NodeMembership | None:
     """This node's seat; ``args`` are the training arguments as given, before ftmaster set
     this node's own (its memory folder), which every node's must match. A stop signal ends
     the wait for the store at once (torch's connect blocks in C++ for ``read_timeout`` and
@@ -917,7 +921,7 @@ def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Seq
     except Abandoned:
         pass
     except StoreLost as lost:
-        _end_without_the_store(lost, args)
+        _end_without_the_store(lost, args, run_dir)
     except ValueError as error:
         raise InputError(str(error)) from None
     return seat
