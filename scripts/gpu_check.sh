@@ -11,6 +11,7 @@
 #   the distributed optimizer in two instances, its shards put together), the
 #   memory tier's refill from device memory into its pinned slot, and its checkpoint resumed,
 #   the same refill of odd-sized tensors at unaligned records (in /dev/shm and on disk), a
+#   slot the driver refuses to pin refilled through the host (CUDA working after it), a
 #   disk save's records written from device tensors, the CUDA RNG streams saved and
 #   restored, prefetched batches pinned and copied to the GPU, the stragglers' compute timed
 #   between CUDA events (0 while the device has not reached them; the compute so far drains

@@ -10,7 +10,8 @@ the same inside a regular ``torch_dist`` checkpoint, which still loads under any
 - Every later save into the slot copies each tensor's bytes to its place: on CPU a copy with
   streaming stores (``stream_copy.c``), each chunk hashed just before it is copied, and on
   CUDA a device-to-host copy straight into the mapping, registered with the driver as pinned
-  memory (as torch's own ``_state_dict_stager`` pins its shared memory), hashed once landed.
+  memory (as torch's own ``_state_dict_stager`` pins its shared memory), hashed once landed;
+  a mapping the driver refuses to pin is refilled as on CPU, each tensor brought to the host.
   The file's and each item's digest are taken while the bytes are in the cache.
 
 Slots are used in turn, so the newest complete checkpoint is never written over. Before a
@@ -30,6 +31,7 @@ stay until pruned, and the next two saves set up new ones.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import mmap
 import os
@@ -47,6 +49,7 @@ from ftmaster.recovery.manifest import MANIFEST_NAME, FileDigest
 from ftmaster.replication import writer_rank
 
 from . import checksums, records, rehearsal
+from .console import error_line
 from .records import Record, RecordWriter
 
 COPY_CHUNK = 512 << 10  # hashed twice, then copied while still in L2 (1.25x faster than 2 MB)
@@ -68,6 +71,43 @@ def _stream_copy():
 copy_bytes = _stream_copy()
 
 
+def _pinned(region: torch.Tensor) -> bool:
+    """Whether a slot's mapping is now registered with the driver as pinned memory, for the
+    device-to-host copies to land in directly. Never on CPU; not where the driver refuses it:
+    the refill then brings each tensor to the host first (correct, only slower)."""
+    if not torch.cuda.is_available():
+        return False
+    from torch.cuda import _pin_memory_utils
+
+    try:
+        _pin_memory_utils.pin_memory(region.data_ptr(), region.numel())
+    except RuntimeError as refusal:
+        _clear_pending_cuda_error()
+        _say_unpinned(str(refusal).split(".")[0])
+        return False
+    return True
+
+
+@functools.cache
+def _say_unpinned(reason: str) -> None:
+    """Once per rank and reason: every slot's set-up would say it again."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    error_line(f"warning: rank {rank}: the memory tier's files could not be pinned for device "
+               f"copies ({reason}): their saves bring each tensor to the host first")
+
+
+def _clear_pending_cuda_error() -> None:
+    """torch's ``cudaHostRegister`` binding returns a refusal unchecked
+    (``C10_CUDA_ERROR_HANDLED``), which leaves it pending on the thread, and the next kernel
+    launch's check (``C10_CUDA_KERNEL_LAUNCH_CHECK``, a ``cudaGetLastError``) would raise it
+    from whatever op came next. torch binds no ``cudaGetLastError``: a launch's check takes
+    it off here."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError:  # the refusal, reported once more and now cleared
+        pass
+
+
 class _SlotFile:
     """One rank's tensor file in one slot, mapped for refills."""
 
@@ -78,11 +118,7 @@ class _SlotFile:
         self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._address = self._bytes.data_ptr()
-        self._pinned = torch.cuda.is_available()
-        if self._pinned:
-            from torch.cuda import _pin_memory_utils
-
-            _pin_memory_utils.pin_memory(self._bytes.data_ptr(), size)
+        self._pinned = _pinned(self._bytes)
 
     @classmethod
     def set_up(cls, path: Path, storage_key: str, tensor_data: list,

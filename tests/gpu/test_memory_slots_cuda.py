@@ -80,8 +80,8 @@ def odd_device_state(seed: int) -> dict:
 def test_a_refill_from_the_device_lays_odd_sized_tensors_at_unaligned_records(tmp_path, where):
     """The CUDA refill copies each tensor's bytes into its record as bytes: torch_dist's
     records sit end to end, at any offset (the mapping viewed as a float32 at an odd offset
-    raised). In the folder the tier usually has (/dev/shm) and on a disk-backed one, the
-    slot's mapping is registered as pinned memory."""
+    raised). In the folder the tier usually has (/dev/shm) the slot's mapping is registered
+    as pinned memory; a disk-backed one may be, or be refilled through the host."""
     if where == "shm":
         if not os.path.isdir("/dev/shm"):
             pytest.skip("no /dev/shm")
@@ -94,7 +94,8 @@ def test_a_refill_from_the_device_lays_odd_sized_tensors_at_unaligned_records(tm
             refilled, written = save(slots, memory, iteration, odd_device_state(iteration))
         assert refilled
         slot_file = next(iter(slots._files[0].values()))
-        assert slot_file._bytes.is_pinned()
+        if where == "shm":  # a disk-backed mapping the driver refuses is refilled unpinned
+            assert slot_file._bytes.is_pinned()
         offsets = sorted(r.data_offset for r in slot_file.records.values())
         assert any(offset % 2 for offset in offsets[1:]), offsets  # the case is the one meant
         folder = iteration_dir(memory, 3)
@@ -112,3 +113,33 @@ def test_a_refill_from_the_device_lays_odd_sized_tensors_at_unaligned_records(tm
         slots.close()
         if where == "shm":
             shutil.rmtree(memory, ignore_errors=True)
+
+
+@needs_gpus(1)
+def test_a_slot_the_driver_refuses_to_pin_is_refilled_and_cuda_goes_on(tmp_path, monkeypatch):
+    """A real refusal (a flag the driver rejects): torch's ``cudaHostRegister`` binding leaves
+    the error pending on the thread, and the next kernel launch's check raised it from an
+    unrelated op. The slot is refilled through the host, and the kernels after it run."""
+    from torch.cuda import _pin_memory_utils
+
+    def refused(ptr: int, size: int) -> None:
+        code = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0x80000000))  # no such flag
+        assert code != 0, "the driver registered the mapping with an undefined flag"
+        raise RuntimeError(f"Registering memory failed with cudaError: {code}.")
+
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", refused)
+    slots = MemorySlots(tmp_path)
+    try:
+        for iteration in (1, 2, 3):
+            refilled, written = save(slots, tmp_path, iteration, odd_device_state(iteration))
+            assert torch.ones(8, device="cuda").sum().item() == 8  # a launch after the refusal
+        assert refilled and not next(iter(slots._files[0].values()))._bytes.is_pinned()
+        folder = iteration_dir(tmp_path, 3)
+        expected = odd_device_state(3)
+        for result in written:
+            if result.index.fqn != "rng":
+                assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu()), \
+                    result.index.fqn
+        assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
+    finally:
+        slots.close()

@@ -198,3 +198,38 @@ def test_the_pinned_refill_lays_each_tensors_bytes_at_its_record_whatever_the_of
     finally:
         slots.close()
     assert not pinned  # unregistered when the slot closed
+
+
+def test_a_slot_the_driver_will_not_pin_is_refilled_through_the_host(tmp_path, monkeypatch, capsys):
+    """``cudaHostRegister`` may refuse a slot's mapping. The save failed at every set-up, and
+    the refused call's error, which torch's binding leaves pending on the thread, would have
+    been raised by the next kernel launch, in whatever op came next. Now the slot is refilled
+    through the host (correct, slower), the pending error is taken off, and the rank says so."""
+    from torch.cuda import _pin_memory_utils
+
+    from megatron.training import memory_slots
+
+    def refuse(ptr: int, size: int) -> None:
+        raise RuntimeError("Registering memory failed with cudaError: 2.")
+
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", refuse)
+    monkeypatch.setattr(_pin_memory_utils, "unpin_memory",
+                        lambda ptr: pytest.fail("a mapping never pinned was unpinned"))
+    monkeypatch.setattr(memory_slots, "_clear_pending_cuda_error", lambda: cleared.append(1),
+                        raising=False)
+    slots = MemorySlots(tmp_path)
+    try:
+        for iteration in (1, 2, 3):
+            refilled, written = save(slots, tmp_path, iteration, state(iteration))
+        assert refilled and len(cleared) == 2  # both slots' set-ups were refused
+        folder = iteration_dir(tmp_path, 3)
+        for result in written:
+            if result.index.fqn != "rng":
+                assert torch.equal(read_back(folder, result), state(3)[result.index.fqn])
+        assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
+    finally:
+        slots.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "pinned" in line]
+    assert len(warnings) == 1 and "cudaError: 2" in warnings[0], warnings
