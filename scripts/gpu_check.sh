@@ -13,9 +13,10 @@
 #   the same refill of odd-sized tensors at unaligned records (in /dev/shm and on disk), a
 #   slot the driver refuses to pin refilled through the host (CUDA working after it), a
 #   disk save's records written from device tensors, the CUDA RNG streams saved and
-#   restored, prefetched batches pinned and copied to the GPU, the stragglers' compute timed
-#   between CUDA events (0 while the device has not reached them; the compute so far drains
-#   the device) and a GPU slowed 2x named on 4 GPUs;
+#   restored (a replica dump's from its rank's GPU), prefetched batches pinned and copied
+#   to the GPU, the stragglers' compute timed between CUDA events (0 while the device has
+#   not reached them; the compute so far drains the device) and a GPU slowed 2x named on 4
+#   GPUs;
 #   then benchmarks/nvml_vs_smi.py (NVML under load, one sample's cost against nvidia-smi's).
 # Ends with a summary table naming every test. Without CUDA and without an NVIDIA driver it
 # says no GPU test ran and exits 0 (nothing to check); with a driver listing GPUs that torch

@@ -141,11 +141,15 @@ class ReplicaDumper:
         self.cut, self.state, self.state_dict, self.refusal = cut, state, state_dict, refusal
         self.optimizer_slices = optimizer_slices
         self.coordinates = {**layout_coordinates(), **(coordinates or {})}
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        """The training thread's GPU: CUDA's current device is per thread, GPU 0 in a new one."""
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="replica-dump", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        if self.device is not None:  # the dump reads the current device's RNG stream, and
+            torch.cuda.set_device(self.device)  # megatron-core allocates on it
         while True:
             request = runfiles.read_flag(self.flag)
             if request is not None and "folder" in request:

@@ -1,22 +1,28 @@
 """The trainer's other CUDA paths, each in one process: a disk save's records written from
 device tensors (their bytes brought to the host as each one's turn comes), the device's RNG
-streams saved and restored (and left alone for a checkpoint saved on CPU), and the batch
-prefetcher pinning the host batches the iteration copies to the GPU without blocking."""
+streams saved and restored (and left alone for a checkpoint saved on CPU; a replica dump's,
+on its own thread, from the rank's GPU), and the batch prefetcher pinning the host batches
+the iteration copies to the GPU without blocking."""
 
 import copy
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import xxhash
 from megatron.core import parallel_state, tensor_parallel
 
+from ftmaster import runfiles
 from ftmaster.recovery.manifest import digest_file
+from ftmaster.recovery.replicas import REQUEST_FLAG
 from helpers.gpu import needs_gpus
 from helpers.slots import SHARD, disk_save, read_back
-from megatron.training import training
+from megatron.training import replicas, training
 from megatron.training.checkpointing import _restore_rng, rng_state
 from megatron.training.data import BatchPrefetcher
 from megatron.training.records import DiskRecords
+from megatron.training.replicas import Cut, ReplicaDumper
 
 pytestmark = pytest.mark.gpu
 
@@ -104,3 +110,30 @@ def test_prefetched_batches_are_pinned_and_reach_the_device_intact(monkeypatch):
     for host, device in zip(ahead, on_device):
         assert device["tokens"].is_cuda and torch.equal(device["tokens"].cpu(), host["tokens"])
     assert [row[0].item() for b in ahead for row in b["tokens"]] == [4, 5, 6, 7]
+
+
+@needs_gpus(2)
+def test_the_replica_dump_saves_the_cuda_rng_stream_of_its_ranks_gpu(tmp_path, monkeypatch):
+    """The dump runs on a thread of its own, and a new thread's current device is GPU 0: a
+    dump before any update had committed the streams saved GPU 0's CUDA RNG stream on every
+    rank. Here the rank's GPU is 1, its stream seeded apart from GPU 0's."""
+    monkeypatch.setattr(replicas, "layout_coordinates", lambda: {"rank": 1})
+    seen = []
+
+    def state_dict(iteration: int, consumed: int, rng: dict | None) -> dict:
+        seen.append(rng_state()["cuda_rng_state"])  # what the dump saves when rng is None
+        raise OSError("the dump stops here")
+
+    torch.cuda.set_device(1)
+    try:
+        torch.cuda.manual_seed(1234)  # GPU 1's stream only
+        dumper = ReplicaDumper(tmp_path, Cut(enabled=True),
+                               SimpleNamespace(iteration=5, consumed_train_samples=40), state_dict)
+        flag = runfiles.flags_dir(tmp_path) / REQUEST_FLAG
+        flag.parent.mkdir(parents=True)
+        flag.write_text(json.dumps({"folder": str(tmp_path / "dumps")}))
+        assert dumper.done.wait(30)
+        assert torch.equal(seen[0], torch.cuda.get_rng_state(1))
+        assert not torch.equal(seen[0], torch.cuda.get_rng_state(0))
+    finally:
+        torch.cuda.set_device(0)
