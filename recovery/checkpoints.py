@@ -511,19 +511,26 @@ def _marked(memory_dir: Path, name: str) -> int | None:
         return None
 
 
-def kept_memory_checkpoints(memory_dir: Path) -> set[int]:
+def kept_memory_checkpoints(memory_dir: Path, superseded_below: int | None = None) -> set[int]:
     """What neither pruning nor a slot refill may take: the one a persist copy reads, a
     node-local tier's newest whole copy and newest replicated checkpoint, and the one the
-    tracker names."""
+    tracker names unless it is below ``superseded_below`` (see
+    :func:`prunable_memory_checkpoints`)."""
+    tracked = read_tracker(memory_dir)
+    if tracked is not None and superseded_below is not None and tracked < superseded_below:
+        tracked = None
     return {it for it in (pinned(memory_dir), whole_here(memory_dir),
-                          replicated_here(memory_dir), read_tracker(memory_dir))
+                          replicated_here(memory_dir), tracked)
             if it is not None}
 
 
-def prunable_memory_checkpoints(memory_dir: Path, newest: int, kept: Iterable[int] = ()) -> list[int]:
+def prunable_memory_checkpoints(memory_dir: Path, newest: int, kept: Iterable[int] = (),
+                                superseded_below: int | None = None) -> list[int]:
     """Memory checkpoints older than ``newest`` (just completed), except those
-    :func:`kept_memory_checkpoints` names and those ``kept`` (the trainer's other slot)."""
-    keep = {newest, *kept_memory_checkpoints(memory_dir), *kept}
+    :func:`kept_memory_checkpoints` names and those ``kept`` (the trainer's other slot).
+    ``superseded_below``: a complete disk checkpoint of the run, which a load takes before
+    any older memory one; the tracked one below it may go too."""
+    keep = {newest, *kept_memory_checkpoints(memory_dir, superseded_below), *kept}
     return [it for it in list_iterations(memory_dir) if it < newest and it not in keep]
 
 

@@ -412,16 +412,23 @@ class Janitor:
             self._thread = None
 
 
-def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int]) -> None:
+def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int],
+                             superseded_below: int | None = None) -> None:
     """Keep the newest complete memory checkpoint, the tracked one, the one a persist copy
     reads and the other slot's (the tier holds at most two, and one being written: a pinned
     slot is not refilled); remove the rest, and what a resume set aside (node memory is scarce:
-    the disk tier keeps its discarded timelines)."""
+    the disk tier keeps its discarded timelines). With ``superseded_below`` (the run's newest
+    disk checkpoint) the tracked one goes too when older, and the tracker with it: a full
+    tier's saves went to disk, and the tier kept its last checkpoint, which no load would
+    take first, while every later memory save failed for want of its room."""
     with tracker_lock(memory_dir):  # as pin() marks: never between its check and its mark
-        doomed = [iteration_dir(memory_dir, it)
-                  for it in prunable_memory_checkpoints(memory_dir, newest, slots)]
+        doomed = [iteration_dir(memory_dir, it) for it in prunable_memory_checkpoints(
+            memory_dir, newest, slots, superseded_below)]
         for folder in doomed + list(Path(memory_dir).glob("iter_*.discarded-*")):
             shutil.rmtree(folder, ignore_errors=True)
+        tracked = read_tracker(memory_dir)
+        if tracked is not None and iteration_dir(memory_dir, tracked) in doomed:
+            tracker_path(memory_dir).unlink(missing_ok=True)
 
 
 def prune_emergency_checkpoints(save_dir: Path, keep: int) -> None:
@@ -825,12 +832,15 @@ class _Save:
         Short of room, what the janitor would have pruned after the newest save goes first:
         a slot passed over while a persist copy read it is pruned only after a memory save
         succeeds, so without this every later save would fail for want of the room that
-        checkpoint holds. The newest complete checkpoint (saved or loaded) always stays."""
+        checkpoint holds; so does a memory checkpoint older than the run's newest on disk,
+        tracked or not (the saves that did not fit went there). The newest complete
+        checkpoint (saved or loaded) always stays."""
         needed, newest = self.checkpointer.last_bytes, self.checkpointer.last_durable_iteration
         if not needed:
             return None
         if newest is not None and shutil.disk_usage(self.path).free < needed * MEMORY_HEADROOM:
-            prune_memory_checkpoints(self.path.parent, newest, self.slots.kept_iterations())
+            prune_memory_checkpoints(self.path.parent, newest, self.slots.kept_iterations(),
+                                     self.checkpointer.newest_disk_iteration)
         free = shutil.disk_usage(self.path).free
         if free < needed * MEMORY_HEADROOM:
             return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "
@@ -1023,6 +1033,8 @@ class Checkpointer:
         self._last_saved_tier: str | None = None
         """The newest checkpoint, counting a save in flight (what the gap filter counts from)."""
         self.last_durable_iteration: int | None = None
+        self.newest_disk_iteration: int | None = None
+        """The newest complete checkpoint of this run's state in ``--save`` (saved or loaded)."""
         self._on_failed: Callable[[SaveFailure], None] | None = None
         self.structure = SaveStructure(self._new_save_strategy, self.group,
                                        args.ckpt_assume_constant_structure,
@@ -1122,6 +1134,8 @@ class Checkpointer:
         if isinstance(outcome, DurableSave):
             self.last_durable_iteration = max(self.last_durable_iteration or 0, outcome.iteration)
             self.last_bytes = outcome.bytes
+            if outcome.tier == "disk":
+                self.newest_disk_iteration = max(self.newest_disk_iteration or 0, outcome.iteration)
             log_rank0(f"{outcome.kind} checkpoint at iteration {outcome.iteration} not written: "
                       f"{outcome.path} already holds a complete one ({outcome.bytes} bytes)"
                       if outcome.already_on_disk else
@@ -1310,6 +1324,8 @@ class Checkpointer:
                    read_bytes=read_counts[2])
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         self._last_saved_tier, self.last_bytes = tier, size
+        if tier == "disk":
+            self.newest_disk_iteration = state.iteration
         self.own_states.add(state.iteration, path, manifest.files if manifest else {})
 
     def prepare_fresh_start(self) -> None:

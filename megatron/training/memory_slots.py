@@ -24,8 +24,8 @@ accepts. The tier then holds two checkpoints plus the one being written, and tho
 persist or peer copy holds back (a kept slot is left to the pruning, and a fresh folder is
 written instead).
 
-A structure change (a new layout, a new optimizer state) drops both slots: their checkpoints
-stay until pruned, and the next two saves set up new ones.
+A structure change (a new layout, a new optimizer state) drops both slots, and so does a
+failed save: their checkpoints stay until pruned, and the next two saves set up new ones.
 """
 
 from __future__ import annotations
@@ -285,12 +285,16 @@ class MemorySlots(RecordWriter):
             self._drop(self._turn)
 
     def ended(self, iteration: int, complete: bool) -> None:
-        """The save's agreed outcome: the slot now holds ``iteration``, or nothing usable."""
+        """The save's agreed outcome: the slot now holds ``iteration``; or, after a failure
+        (a full tier, say), neither slot holds anything: the other's checkpoint is left to the
+        pruning, which may take it once a disk save supersedes it. Kept mapped, its pages
+        stayed held by every rank, and a short tier stayed short for good."""
         if complete:
             self._iterations[self._turn] = iteration
             self._turn ^= 1
         else:
-            self._drop(self._turn)
+            for slot in (0, 1):
+                self._drop(slot)
 
     def kept_iterations(self) -> set[int]:
         return {iteration for iteration in self._iterations if iteration is not None}

@@ -86,6 +86,18 @@ def test_a_new_structure_drops_both_slots(tmp_path, slots):
     assert slots.kept_iterations() == {3}
 
 
+def test_a_failed_save_lets_go_of_both_slots(tmp_path, slots):
+    """A save that failed (a full tier) leaves the other slot's checkpoint to the pruning: kept
+    mapped, its pages stayed held however superseded it was, and every later save was short."""
+    for iteration in (1, 2):
+        save(slots, tmp_path, iteration, state(iteration))
+    slots.use(slots.claim(slots.begin(True), iteration_dir(tmp_path, 3)))
+    slots.ended(3, complete=False)
+    assert slots.kept_iterations() == set()
+    refilled, _ = save(slots, tmp_path, 4, state(4))
+    assert not refilled and (iteration_dir(tmp_path, 2) / MANIFEST_NAME).exists()
+
+
 def test_a_pinned_tracked_or_whole_slot_is_never_refilled(tmp_path, slots):
     for iteration in (1, 2):
         save(slots, tmp_path, iteration, state(iteration))

@@ -393,6 +393,21 @@ def test_pruning_keeps_the_newest_the_pinned_the_whole_and_the_tracked(tmp_path)
     assert prunable_memory_checkpoints(memory, 8) == [1]
 
 
+def test_a_full_tier_prunes_a_tracked_memory_checkpoint_a_disk_one_supersedes(tmp_path):
+    """A memory save that did not fit went to disk: the memory tier's tracked checkpoint is
+    older than that one (a load takes the disk one first), and kept, it held the room every
+    later memory save lacked, for good (relaunches included). Pinned or whole ones stay."""
+    memory = tmp_path / "memory"
+    for iteration in (2, 4, 6):
+        fake_checkpoint(memory, iteration)
+    pin(memory, 2)
+    prune_memory_checkpoints(memory, 8, set(), superseded_below=8)
+    assert list_iterations(memory) == [2] and read_tracker(memory) is None
+    fake_checkpoint(memory, 10)
+    prune_memory_checkpoints(memory, 12, set(), superseded_below=8)
+    assert list_iterations(memory) == [10, 2] and read_tracker(memory) == 10
+
+
 def test_candidates_come_from_both_tiers_newest_first_memory_on_a_tie(tmp_path):
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     for iteration in (4, 8):

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, list_iterations
+from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, list_iterations, read_tracker
 from megatron.training import checkpointing
 
 DISK_RESULTS = {0: ["an async disk save's results"]}
@@ -136,7 +136,7 @@ def test_short_of_room_a_memory_save_first_prunes_what_no_slot_keeps(tmp_path, m
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", usage)
     checkpointer = types.SimpleNamespace(
         group=None, folder_of=lambda tier: memory, async_saves=None, disk_records=None,
-        last_bytes=100, last_durable_iteration=13,
+        last_bytes=100, last_durable_iteration=13, newest_disk_iteration=None,
         slots=types.SimpleNamespace(kept_iterations=lambda: {13}))
     save = checkpointing._Save(checkpointer, 14, "periodic", "memory", None)
     assert save._room_problem() is None
@@ -157,11 +157,35 @@ def test_the_prune_before_a_save_keeps_the_checkpoint_training_resumed_from(tmp_
                         lambda path: shutil._ntuple_diskusage(400, 400, 0))
     checkpointer = types.SimpleNamespace(
         group=None, folder_of=lambda tier: memory, async_saves=None, disk_records=None,
-        last_bytes=100, last_durable_iteration=20,
+        last_bytes=100, last_durable_iteration=20, newest_disk_iteration=None,
         slots=types.SimpleNamespace(kept_iterations=lambda: set()))
     assert "has 0 bytes free" in checkpointing._Save(checkpointer, 25, "periodic", "memory",
                                                      None)._room_problem()
     assert list_iterations(memory) == [20, 10]
+
+
+def test_short_of_room_a_memory_save_prunes_the_tracked_checkpoint_a_disk_save_superseded(
+        tmp_path, monkeypatch):
+    """A tier with room for one checkpoint: the save after the first did not fit and went to
+    disk (iteration 4). The tier's tracked iteration 2, which no load takes before 4, held
+    that room for the rest of the run (and of every relaunch): each memory save failed."""
+    memory = tmp_path / "memory"
+    folder = iteration_dir(memory, 2)
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(100))
+    advance_tracker(memory, 2)
+
+    def usage(path):
+        used = sum(f.stat().st_size for f in memory.rglob("*.distcp"))
+        return shutil._ntuple_diskusage(150, used, 150 - used)
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", usage)
+    checkpointer = types.SimpleNamespace(
+        group=None, folder_of=lambda tier: memory, async_saves=None, disk_records=None,
+        last_bytes=100, last_durable_iteration=4, newest_disk_iteration=4,
+        slots=types.SimpleNamespace(kept_iterations=lambda: set()))
+    assert checkpointing._Save(checkpointer, 6, "periodic", "memory", None)._room_problem() is None
+    assert list_iterations(memory) == [] and read_tracker(memory) is None
 
 
 def test_a_save_into_the_folder_of_a_failed_one_waits_for_its_removal(tmp_path):
