@@ -359,6 +359,24 @@ def test_a_copy_killed_after_its_rename_moves_the_tracker_on_the_next_try(tmp_pa
     assert persist(memory, disk, 8) is None and read_tracker(disk) == 8
 
 
+def test_a_copy_whose_tracker_cannot_be_written_leaves_the_disk_tier_as_it_was(
+        tmp_path, monkeypatch):
+    """A --save that fills up as the tracker moves: the copy failed (persist_failed), yet
+    its folder stayed in place, untracked, holding the room the next saves lacked; and the
+    next try only moved the tracker, so no event ever said the checkpoint was on disk."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 6)
+
+    def full(path, text, durable=True):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr("ftmaster.recovery.checkpoints.atomic_write_text", full)
+    with pytest.raises(PersistError, match="No space left"):
+        persist(memory, disk, 6)
+    assert list_iterations(disk) == [] and not list(disk.glob(".iter_*"))
+    monkeypatch.undo()
+    assert persist(memory, disk, 6).iteration == 6 and read_tracker(disk) == 6
+
+
 @pytest.mark.parametrize("code, locks", [(errno.ENOLCK, False), (errno.ENOSYS, False),
                                          (errno.EIO, True)])
 def test_a_filesystem_without_locks_still_moves_trackers(tmp_path, monkeypatch, code, locks):

@@ -347,7 +347,9 @@ def _move_into_place(source: Path, manifest: bytes, partial: Path, target: Path)
     """Rename and tracker in one hold of the disk tier's lock, which a resume holds while it
     sets both tiers' discarded timelines aside: a copy of a discarded checkpoint never lands,
     and a tracker never names a folder set aside in between. The source must still hold the
-    ``manifest`` copied: the new timeline may have saved the same iteration there since."""
+    ``manifest`` copied: the new timeline may have saved the same iteration there since.
+    A tracker that cannot move (a full ``--save``) takes the folder back out of place: a
+    failed copy leaves the disk tier as it was, and its room free."""
     with tracker_lock(target.parent):
         held = known_manifest_name(source)  # either kind: the same text
         if held is None or _read_bytes(source / held) != manifest:
@@ -355,9 +357,15 @@ def _move_into_place(source: Path, manifest: bytes, partial: Path, target: Path)
                                f"its timeline)")
         if target.exists():
             raise PersistError(f"{target} appeared while the copy was made")
+        iteration = int(target.name.removeprefix("iter_"))
         os.rename(partial, target)
-        fsync_path(target.parent)
-        _advance_disk_tracker_locked(target.parent, int(target.name.removeprefix("iter_")))
+        try:
+            fsync_path(target.parent)
+            _advance_disk_tracker_locked(target.parent, iteration)
+        except OSError:
+            if read_tracker(target.parent) != iteration:  # else it landed, durably or not
+                os.rename(target, partial)
+            raise
 
 
 def _advance_disk_tracker_locked(save_dir: Path, iteration: int) -> None:
