@@ -117,6 +117,12 @@ def positive_figure(value) -> float | None:
     return ms if math.isfinite(ms) and ms > 0 else None
 
 
+def has_peers(stages: dict[int, int]) -> bool:
+    """Whether two ranks share a pipeline stage. Without (TP1 x DP1: one rank a stage) no rank
+    has a peer to be compared with, and no straggler can be named."""
+    return len(set(stages.values())) < len(stages)
+
+
 def assess(figures: dict[int, dict[int, float]], stages: dict[int, int],
            config: StragglerConfig) -> list[Assessment]:
     """Every rank with a full window and at least one peer with a figure within it.

@@ -532,6 +532,28 @@ def test_a_straggler_fast_again_before_it_is_weighed_is_let_go(tmp_path):
     assert not [e for e in runfiles.read_events(tmp_path) if e["event"] in ("drain", "straggler_kept")]
 
 
+def test_a_layout_whose_ranks_have_no_peers_says_once_that_no_straggler_can_be_named(
+        tmp_path, caplog):
+    """TP1 x PP2 x DP1 on 2 GPUs: each pipeline stage holds one rank, so no rank has a peer to
+    be compared with. With GPU 1 slowed 2x under --drain-stragglers nothing was said at all,
+    as if it were healthy."""
+    pipeline = [*MODEL[:-3], "1", *MODEL[-2:]]  # TP1 x PP2
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(pipeline), gpus=(0, 1),
+                              first_plan=check_layout(pipeline, 2, None, None),
+                              drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.stragglers.new_attempt((0, 1), 0)
+    with caplog.at_level("INFO", logger="ftmaster"):
+        for it in range(1, 20):
+            supervisor._watch_stragglers({"iteration": it, "time": float(it), "compute": {
+                "stages": [0, 1], "replicas": [0, 0],
+                "ms": {str(it - 1): [10.0, 20.0 if it > 5 else 10.0]}}})
+    said = [m for m in caplog.messages if "no straggler can be named" in m]
+    assert len(said) == 1, caplog.messages
+    assert "each pipeline stage has one rank" in said[0]
+    assert caplog.records[0].levelname == "WARNING"  # --drain-stragglers can do nothing
+
+
 class AnnouncingMembership:
     """Announcements between the nodes' supervisors, as the job's store holds them."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ftmaster.monitor.stragglers import (Straggler, StragglerConfig, StragglerTracker,
-                                        positive_figure)
+                                        has_peers, positive_figure)
 from ftmaster.recovery.planner import PlanError
 
 KEPT_BEATS = 256
@@ -75,6 +75,9 @@ class StragglerWatch:
         self.tracker = StragglerTracker(self.config)
         self._beats: dict[int, float] = {}
         self._first: int | None = None
+        self.peerless: bool | None = None
+        """Whether no rank of this attempt has a peer (:func:`has_peers`); None until its
+        heartbeat says each rank's stage."""
 
     def observe(self, heartbeat: dict | None) -> list[Found]:
         """One heartbeat; the stragglers it revealed. What it holds that is not what the
@@ -90,13 +93,16 @@ class StragglerWatch:
         self._first = _first_completed(heartbeat) if self._first is None else self._first
         compute = heartbeat.get("compute")
         compute = compute if isinstance(compute, dict) else {}
+        stages = _per_rank(compute.get("stages"))
+        if self.peerless is None and len(stages) > 1:
+            self.peerless = not has_peers(stages)
         rows = compute.get("ms")
         figures = {it: dict(enumerate(values)) for key, values in
                    (rows.items() if isinstance(rows, dict) else ())
                    if (it := _iteration(key)) is not None and isinstance(values, list)
                    and it >= self._first + WARMUP_ITERATIONS}
         return [f for f in map(self._found, self.tracker.observe(
-            figures, _per_rank(compute.get("stages")), _per_rank(compute.get("replicas"))))
+            figures, stages, _per_rank(compute.get("replicas"))))
                 if f is not None]
 
     @property

@@ -1145,6 +1145,7 @@ class Supervisor:
         return self._check_training()
 
     def _watch_stragglers(self, heartbeat: dict | None) -> None:
+        layout_unknown = self.stragglers.peerless is None
         for found in self.stragglers.observe(heartbeat):
             straggler = found.straggler
             mates = straggler.slow_mates
@@ -1162,7 +1163,17 @@ class Supervisor:
                         healthy_step_s=found.healthy_step_s, slow_mates=list(mates))
             if self.config.drain_stragglers and self.membership is None:  # one node only
                 self._weigh_first(found)
+        if layout_unknown and self.stragglers.peerless:
+            self._say_no_straggler_can_be_named()
         self._report_drain_result()
+
+    def _say_no_straggler_can_be_named(self) -> None:
+        """Once per attempt: a slowed GPU of this layout goes unnamed (and undrained), which
+        silence would pass off as health."""
+        log.log(logging.WARNING if self.config.drain_stragglers else logging.INFO,
+                "stragglers: no straggler can be named on this layout: each pipeline stage has "
+                "one rank, so no rank has a peer doing the same work to be compared with%s",
+                " (--drain-stragglers drains none)" if self.config.drain_stragglers else "")
 
     def _weigh_first(self, found: Found) -> None:
         """One drain at a time: the slowest straggler is weighed; another is kept, and said."""
