@@ -868,6 +868,22 @@ def test_a_gpu_named_again_is_judged_on_what_followed_each_naming():
     assert "replica" not in straggler_text(second)
 
 
+def test_a_straggler_kept_for_the_window_then_weighed_is_reported_by_the_last_decision():
+    """GPU 2, named 28 s after a drain, was kept for the 35 s window, then weighed once it was
+    over and kept by the cost model: the report said only "weighed again once that is over",
+    as if it never had been."""
+    from ftmaster.report import stragglers
+
+    window = "a straggler was drained less than 35 s ago; weighed again once that is over"
+    weighed = "keeping GPU 2: the job runs 1.420 s/iteration with it; the cost model estimates"
+    events = [event("straggler", 54, gpu=2, rank=1, iteration=36, since=30, slowdown=1.9,
+                    step_s=1.28, healthy_step_s=0.87),
+              event("straggler_kept", 54.1, gpu=2, reason=window),
+              event("straggler_kept", 61.7, gpu=2, reason=weighed)]
+    (kept,) = stragglers(events)
+    assert (kept["action"], kept["decided_by"]) == ("kept", weighed)
+
+
 def test_a_kept_straggler_names_its_gpu_and_an_unmeasured_step_says_so():
     """The timeline read 'GPU 0 is slower and weighed first' for GPU 1 kept, and 'the job ran
     1.765 s/iteration, None before'."""

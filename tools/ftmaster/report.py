@@ -1008,7 +1008,8 @@ def stragglers(events: list[dict]) -> list[dict]:
         drain = next((e for e in mine if e["event"] == "drain" and e.get("reason") == "straggler"),
                      None)
         drained = next((e for e in mine if e["event"] == "straggler_drained"), None)
-        kept = next((e for e in mine if e["event"] == "straggler_kept"), None)
+        # The last: one kept for the window or a slow mate is weighed again once that is over.
+        kept = next((e for e in reversed(mine) if e["event"] == "straggler_kept"), None)
         # The next attempt's, after this GPU left (another drain's came before it did).
         result = None if drained is None else next(
             (e for e in later if e["event"] == "straggler_drain_result"
