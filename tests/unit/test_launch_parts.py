@@ -330,6 +330,22 @@ def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_sai
     assert kept["gpu"] == 2 and "GPU 1 is slower and weighed first" in kept["reason"]
 
 
+def test_a_straggler_named_while_another_gpu_drains_is_said_kept(tmp_path):
+    """GPU 1's drain waits for its save; GPU 2 is named meanwhile. It was weighed by no one
+    and dropped at the relaunch without a word: the report said 'reported', under
+    --drain-stragglers."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor._drain_gpu = 1  # decided: the agreed save is under way
+    supervisor._weigh_first(Found(2, Straggler(2, 16, 10, 1.9, 2.0, 19.0, 10.0), 1.0, 0.5))
+    (kept,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"]
+    assert kept["gpu"] == 2 and "GPU 1 is being drained" in kept["reason"]
+
+
 def name_slow_rank(watch, gpus, rank, until=20):
     """Heartbeats in which ``rank`` computes 2x its peers from iteration 5: the watch's
     tracker names it (and holds it named while it stays slow)."""

@@ -1030,6 +1030,7 @@ class Supervisor:
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         # Found on the last attempt's figures: weighed no more.
         self._straggler_to_drain = self._straggler_waiting = self._straggler_ambiguous = None
+        self._drain_gpu = None  # a drain ends with its attempt
         self._straggler_kept = None
         self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
@@ -1176,11 +1177,15 @@ class Supervisor:
                 " (--drain-stragglers drains none)" if self.config.drain_stragglers else "")
 
     def _weigh_first(self, found: Found) -> None:
-        """One drain at a time: the slowest straggler is weighed; another is kept, and said."""
+        """One drain at a time: the slowest straggler is weighed; another is kept, and said.
+        One named while a drain is under way waits for it (the next attempt names it anew)."""
         pending = self._straggler_to_drain
         slower = pending is None or found.straggler.slowdown > pending.straggler.slowdown
         kept, self._straggler_to_drain = (pending, found) if slower else (found, pending)
-        if kept is not None:
+        if self._drain_gpu is not None:
+            self._keep_straggler(found.gpu, f"GPU {self._drain_gpu} is being drained (one drain "
+                                            f"at a time); weighed after it, if still slow")
+        elif kept is not None:
             self._keep_straggler(kept.gpu, f"GPU {self._straggler_to_drain.gpu} is slower and "
                                            "weighed first (one drain at a time)")
 
@@ -1346,6 +1351,7 @@ class Supervisor:
         if self._drain_reason is None and not self.monitor.still_critical(self._drain_gpu):
             self._event("drain_cancelled", gpu=self._drain_gpu,
                         reason="risk fell below the re-arm level before the restart")
+            self._drain_gpu = None
             return Trigger.RISK_CLEARED
         self.attempt.kill()
         self._retire({self._drain_gpu: self._drain_reason
