@@ -511,6 +511,21 @@ def test_a_straggler_whose_replica_mate_is_slow_too_is_kept_until_the_mate_is_fa
     assert len(decided) == 1 and decided[0]["gpu"] == weighed.gpu
 
 
+def test_a_stragglers_slow_mates_are_named_by_gpu_in_its_event(tmp_path):
+    """Ranks are the attempt's: after GPU 1 left, rank 1 runs on GPU 2."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.stragglers.new_attempt((0, 2, 3), 0)
+    for it in range(1, 20):
+        ms = [20.0 if r < 2 and it - 1 >= 5 else 10.0 for r in range(3)]
+        supervisor._watch_stragglers({"iteration": it, "time": float(it), "compute": {
+            "stages": [0] * 3, "replicas": [0, 0, 1], "ms": {str(it - 1): ms}}})
+    named = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler"]
+    assert [(e["gpu"], e["slow_mates"], e["slow_mate_gpus"]) for e in named] == [
+        (0, [1], [2]), (2, [0], [0])]
+
+
 def test_across_nodes_a_straggler_is_named_and_never_weighed(tmp_path):
     """--drain-stragglers drains on one node only: across nodes one straggler was said kept
     because another was 'weighed first', when none ever is."""

@@ -884,6 +884,21 @@ def test_a_straggler_kept_for_the_window_then_weighed_is_reported_by_the_last_de
     assert (kept["action"], kept["decided_by"]) == ("kept", weighed)
 
 
+def test_a_straggler_names_its_slow_replica_mates_by_gpu_as_the_console_does():
+    """After GPU 1 was drained, attempt 2 ran ranks 0, 1, 2 on GPUs 0, 2, 3. The console said
+    'GPU 2 of its model replica is slow too'; the report said 'rank 1', which reads as the
+    drained GPU 1. An event from before slow_mate_gpus still names ranks."""
+    from ftmaster.report import straggler_text, stragglers
+
+    named = dict(gpu=0, rank=0, iteration=14, since=8, slowdown=1.5, step_s=1.3,
+                 healthy_step_s=0.5, slow_mates=[1])
+    (now,) = stragglers([event("straggler", 10, **named, slow_mate_gpus=[2])])
+    (older,) = stragglers([event("straggler", 10, **named)])
+    assert now["slow_mate_gpus"] == [2]
+    assert "(found at 14; GPU 2 of its model replica slow too" in straggler_text(now)
+    assert "(found at 14; rank 1 of its model replica slow too" in straggler_text(older)
+
+
 def test_a_kept_straggler_names_its_gpu_and_an_unmeasured_step_says_so():
     """The timeline read 'GPU 0 is slower and weighed first' for GPU 1 kept, and 'the job ran
     1.765 s/iteration, None before'."""

@@ -197,6 +197,8 @@ class FieldType(NamedTuple):
 INT_OR_NULL = FieldType("an integer or null", lambda v: v is None or is_int(v))
 NUMBER = FieldType("a finite number", runfiles.is_finite_number)
 INT_LIST = FieldType("a list of integers", lambda v: isinstance(v, list) and all(map(is_int, v)))
+GPU_LIST = FieldType("a list of integers or nulls",
+                     lambda v: isinstance(v, list) and all(g is None or is_int(g) for g in v))
 STR_LIST = FieldType("a list of strings",
                      lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
 UNFIT_LIST = FieldType('a list of {"gpu": integer, "reason": string} objects',
@@ -215,7 +217,7 @@ FIELD_TYPES = {
     "risk_alert": {"gpu": INT_OR_NULL, "reasons": STR_LIST},
     "save_deferred": {"iteration": INT_OR_NULL},
     "startup": {"seconds": NUMBER},
-    "straggler": {"gpu": INT_OR_NULL, "slow_mates": INT_LIST},
+    "straggler": {"gpu": INT_OR_NULL, "slow_mates": INT_LIST, "slow_mate_gpus": GPU_LIST},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
     "replica_merge": {"iteration": INT_OR_NULL, "seconds": NUMBER, "merge_seconds": NUMBER},
 }
@@ -1022,7 +1024,8 @@ def stragglers(events: list[dict]) -> list[dict]:
                        "first)" if drain else "kept" if kept else "reported"),
             "decided_by": (drain or {}).get("decided_by") or (kept or {}).get("reason"),
             "step_s_after_drain": (result or {}).get("step_s"),
-            "slow_mates": event.get("slow_mates") or []})
+            "slow_mates": event.get("slow_mates") or [],
+            "slow_mate_gpus": event.get("slow_mate_gpus")})
     return found
 
 
@@ -1151,10 +1154,19 @@ def _timeline_line(row: dict) -> str:
     return f"  {'+' + format(row['t'], '.2f'):>10} s  {node}{row['label']:<18} {row['text']}"
 
 
+def _mates_text(ranks: list[int], gpus: list | None) -> str:
+    """By GPU, as the console names them (a rank of a later attempt is not the GPU of that
+    number); by rank where the event has no GPUs (older) or a rank is another node's."""
+    if gpus is None or len(gpus) != len(ranks):
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    return ", ".join(f"GPU {gpu}" if gpu is not None else f"rank {rank} (another node's)"
+                     for rank, gpu in zip(ranks, gpus))
+
+
 def straggler_text(s: dict) -> str:
-    mates = s.get("slow_mates") or []
-    with_mates = (f"; rank{'s' if len(mates) > 1 else ''} {', '.join(map(str, mates))} of its "
-                  f"model replica slow too, either may hold the other up" if mates else "")
+    mates = _mates_text(s.get("slow_mates") or [], s.get("slow_mate_gpus"))
+    with_mates = (f"; {mates} of its model replica slow too, either may hold the other up"
+                  if mates else "")
     line = (f"straggler: GPU {s['gpu']} computed {s['slowdown']}x slower than its peers from "
             f"iteration {s['since']} (found at {s['iteration']}{with_mates}); the job ran "
             f"{_ran(s['step_s'])} with it, {_before(s['healthy_step_s'])}; {s['action']}")

@@ -1161,7 +1161,8 @@ class Supervisor:
                         drift=straggler.drift, compute_ms=straggler.compute_ms,
                         peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
                         step_s=found.step_s,
-                        healthy_step_s=found.healthy_step_s, slow_mates=list(mates))
+                        healthy_step_s=found.healthy_step_s, slow_mates=list(mates),
+                        slow_mate_gpus=[self.stragglers.gpu_of(rank) for rank in mates])
             if self.config.drain_stragglers and self.membership is None:  # one node only
                 self._weigh_first(found)
         if layout_unknown and self.stragglers.peerless:
