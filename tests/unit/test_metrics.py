@@ -85,6 +85,22 @@ def test_events_count_attempts_and_failures_and_time_rto_and_rpo():
     assert value(m, "ftmaster_rto_seconds_count") == 1  # no failure to answer
 
 
+def test_stragglers_named_and_drained_are_counted_per_gpu():
+    """A drain relaunched the job (attempts_total rose, no failure counted) and the endpoint
+    said nothing of the straggler the console, the events and the report all named."""
+    m = metrics()
+    for event in ({"event": "straggler", "gpu": 1, "slowdown": 1.9, "time": 10.0},
+                  {"event": "straggler", "gpu": 2, "slowdown": 1.5, "time": 10.0},
+                  {"event": "straggler_drained", "gpu": 1, "time": 12.0},
+                  {"event": "straggler", "gpu": "3", "time": 13.0}):  # not a GPU: not counted
+        m.observe_event(event)
+    assert value(m, "ftmaster_stragglers_total", **gpu(1, "")) == 1
+    assert value(m, "ftmaster_stragglers_total", **gpu(2, "")) == 1
+    assert value(m, "ftmaster_straggler_drains_total", **gpu(1, "")) == 1
+    assert value(m, "ftmaster_straggler_drains_total", **gpu(2, "")) is None
+    assert value(m, "ftmaster_stragglers_total", **gpu(3, "")) is None
+
+
 def test_a_relaunch_from_scratch_loses_every_iteration_and_an_earlier_load_is_not_its_own():
     m = metrics()
     for event in ({"event": "failure", "cause": "exit", "iteration": 12, "time": 102.0},

@@ -11,7 +11,8 @@ read ftmaster's series too: telemetry as ``DCGM_FI_DEV_*`` gauges, per GPU label
 never a stale or zero value. ``DCGM_FI_DEV_XID_ERRORS`` is the last XID the GPU raised, as
 DCGM exporter keeps it (absent until one comes). What DCGM has no name for is ``ftmaster_*``:
 
-* ``ftmaster_gpu_failure_risk`` (0-1) and ``ftmaster_gpu_alerts_total``, per GPU;
+* ``ftmaster_gpu_failure_risk`` (0-1), ``ftmaster_gpu_alerts_total``,
+  ``ftmaster_stragglers_total`` and ``ftmaster_straggler_drains_total``, per GPU;
 * ``ftmaster_supervisor_state`` (an enum), ``ftmaster_attempt``, ``ftmaster_attempts_total``,
   ``ftmaster_failures_total{cause}``;
 * ``ftmaster_rto_seconds`` (a failure to its first resumed iteration, the report's RTO),
@@ -154,6 +155,10 @@ class MetricsConfig:
             raise ValueError("--metrics-addr must name an address")
 
 
+def _is_gpu(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class Metrics:
     """The registry and its updates; :meth:`serve` starts the HTTP server."""
 
@@ -175,6 +180,10 @@ class Metrics:
                           for name, (dcgm, text) in DCGM_FIELDS.items()}
         self.alerts = Counter("ftmaster_gpu_alerts", "Risk alerts raised for the GPU.",
                               GPU_LABELS, registry=registry)
+        self.stragglers = Counter("ftmaster_stragglers", "Times the GPU was named a straggler.",
+                                  GPU_LABELS, registry=registry)
+        self.straggler_drains = Counter("ftmaster_straggler_drains", "Times the GPU was "
+                                        "drained as a straggler.", GPU_LABELS, registry=registry)
         self.state = Enum("ftmaster_supervisor_state", "The supervisor's state.", NODE_LABELS,
                           states=[s.value for s in State], registry=registry)
         self.attempt = Gauge("ftmaster_attempt", "The current attempt's number.", NODE_LABELS,
@@ -333,6 +342,9 @@ class Metrics:
             self._persisted(event.get("iteration"))
         elif kind == "checkpoint_loaded":
             self._resumed_from(event.get("iteration"))
+        elif kind in ("straggler", "straggler_drained") and _is_gpu(event.get("gpu")):
+            counter = self.stragglers if kind == "straggler" else self.straggler_drains
+            counter.labels(*self._gpu_labels(event["gpu"])).inc()
 
     def _recovered(self, recovered: Recovered) -> None:
         self.rto.labels(*self._node).observe(recovered.rto_s)
