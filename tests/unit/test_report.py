@@ -847,6 +847,27 @@ def test_a_straggler_is_drained_only_once_its_gpu_left_and_its_result_is_its_own
     assert (second["action"], second["step_s_after_drain"]) == ("drained", 0.9)
 
 
+def test_a_drain_whose_next_attempt_failed_early_takes_no_later_drains_result():
+    """GPU 1 was drained; attempt 2 failed before its step was measured, so GPU 1's drain has
+    no result. GPU 2 was drained from attempt 3 and attempt 4 measured 0.9 s: the report gave
+    that to GPU 1's drain too."""
+    from ftmaster.report import stragglers
+
+    def straggler(at, gpu):
+        return event("straggler", at, gpu=gpu, rank=gpu, iteration=14, since=8, slowdown=3.0,
+                     step_s=1.3, healthy_step_s=0.5)
+
+    events = [straggler(10, 1), event("drain", 11, gpu=1, reason="straggler", decided_by="d1"),
+              event("straggler_drained", 12, gpu=1),
+              event("failure", 20, attempt=2, iteration=22, cause="exit", gpus=[3]),
+              straggler(30, 2), event("drain", 31, gpu=2, reason="straggler", decided_by="d2"),
+              event("straggler_drained", 35, gpu=2),
+              event("straggler_drain_result", 50, attempt=4, step_s=0.9, slowed_step_s=1.3)]
+    first, second = stragglers(events)
+    assert (first["action"], first["step_s_after_drain"]) == ("drained", None)
+    assert (second["action"], second["step_s_after_drain"]) == ("drained", 0.9)
+
+
 def test_a_gpu_named_again_is_judged_on_what_followed_each_naming():
     """GPU 1 was named, kept by the cost model, fast again, then named again and drained: the
     first naming was kept, not drained (it took the later naming's drain before), and a

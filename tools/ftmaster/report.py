@@ -1012,10 +1012,12 @@ def stragglers(events: list[dict]) -> list[dict]:
         drained = next((e for e in mine if e["event"] == "straggler_drained"), None)
         # The last: one kept for the window or a slow mate is weighed again once that is over.
         kept = next((e for e in reversed(mine) if e["event"] == "straggler_kept"), None)
-        # The next attempt's, after this GPU left (another drain's came before it did).
-        result = None if drained is None else next(
-            (e for e in later if e["event"] == "straggler_drain_result"
-             and e["time"] >= drained["time"]), None)
+        # The next attempt's, after this GPU left: none once another drain came first (its
+        # own did, or this drain's next attempt failed before its step was measured).
+        following = None if drained is None else next(
+            (e for e in later if e["event"] in ("straggler_drain_result", "straggler_drained")
+             and e["time"] >= drained["time"] and e is not drained), None)
+        result = following if following and following["event"] == "straggler_drain_result" else None
         found.append({
             "gpu": event.get("gpu"), "rank": event.get("rank"), "iteration": event.get("iteration"),
             "since": event.get("since"), "slowdown": event.get("slowdown"),
