@@ -543,6 +543,32 @@ def test_across_nodes_a_straggler_is_named_and_never_weighed(tmp_path):
     assert supervisor._straggler_to_drain is None
 
 
+def test_a_straggler_kept_behind_a_slower_one_is_weighed_once_that_one_is_let_go(tmp_path):
+    """GPUs 1 (3x) and 2 (2x) slow: GPU 1 is weighed first, GPU 2 kept. GPU 1 then runs fast
+    again and is let go; GPU 2, still slow and named, was never weighed for the rest of the
+    attempt however long it held the job back."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(gpus=(0, 1, 2, 3), stuck_gpus={})
+    watch = supervisor.stragglers
+    watch.new_attempt((0, 1, 2, 3), 0)
+    for it in range(1, 40):  # GPU 1 slow from 5 to 20, GPU 2 from 5 on
+        ms = [10.0, 30.0 if 5 <= it - 1 < 20 else 10.0, 20.0 if it - 1 >= 5 else 10.0, 10.0]
+        watch.observe({"iteration": it, "time": float(it),
+                       "compute": {"stages": [0] * 4, "ms": {str(it - 1): ms}}})
+    assert not watch.tracker.still_slow(1) and watch.tracker.still_slow(2)
+    slower, less_slow = (Found(gpu, Straggler(gpu, 11, 5, factor, None, 10.0 * factor, 10.0),
+                               1.0, 0.5) for gpu, factor in ((1, 3.0), (2, 2.0)))
+    supervisor._weigh_first(slower)
+    supervisor._weigh_first(less_slow)
+    assert supervisor._drain_straggler() is None  # GPU 1: fast again, let go
+    assert supervisor._straggler_to_drain is less_slow
+
+
 def test_a_straggler_fast_again_before_it_is_weighed_is_let_go(tmp_path):
     from ftmaster.monitor.stragglers import Straggler
     from ftmaster.stragglers import Found

@@ -343,6 +343,8 @@ class Supervisor:
         """The straggler kept while a rank of its model replica is slow too (said once)."""
         self._straggler_kept: tuple[Found, int | None] | None = None
         """The straggler the cost model kept, and the iteration it was weighed at."""
+        self._stragglers_behind: list[Found] = []
+        """Stragglers kept while a slower one is weighed (one drain at a time)."""
         self._drain_reason: str | None = None  # why the GPU being drained goes
         self._drain_step_s: float | None = None  # a straggler's: the job's step with it
         self._unslowed_step_s: float | None = None
@@ -1031,7 +1033,7 @@ class Supervisor:
         # Found on the last attempt's figures: weighed no more.
         self._straggler_to_drain = self._straggler_waiting = self._straggler_ambiguous = None
         self._drain_gpu = None  # a drain ends with its attempt
-        self._straggler_kept = None
+        self._straggler_kept, self._stragglers_behind = None, []
         self._unslowed_step_s = None
         self.progress = Progress(self.attempt.log_path, self.config.progress_interval_s,
                                  time.time())
@@ -1189,6 +1191,15 @@ class Supervisor:
         elif kept is not None:
             self._keep_straggler(kept.gpu, f"GPU {self._straggler_to_drain.gpu} is slower and "
                                            "weighed first (one drain at a time)")
+        if kept is not None:
+            self._stragglers_behind.append(kept)
+
+    def _next_behind(self) -> Found | None:
+        """The slowest straggler kept behind another that is still slow, taken from the queue."""
+        still = [f for f in self._stragglers_behind
+                 if self.stragglers.tracker.still_slow(f.straggler.rank)]
+        self._stragglers_behind = sorted(still, key=lambda f: f.straggler.slowdown)
+        return self._stragglers_behind.pop() if self._stragglers_behind else None
 
     def _slow_too(self, mates: Sequence[int]) -> str:
         """Ranks of a straggler's model replica slow with it: they wait for each other."""
@@ -1228,7 +1239,9 @@ class Supervisor:
                                             f"{self.config.max_restarts})")
             return None
         if not self.stragglers.tracker.still_slow(found.straggler.rank):
-            return None  # fast again since it was named: a new slowdown names it anew
+            # Fast again since it was named (a new slowdown names it anew): the next in line.
+            self._straggler_to_drain = self._next_behind()
+            return None
         if not self.stragglers.drain_allowed(now):
             if found is not self._straggler_waiting:  # said once; weighed when the window ends
                 self._straggler_waiting = found
