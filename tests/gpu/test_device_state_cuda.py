@@ -5,24 +5,20 @@ on its own thread, from the rank's GPU), and the batch prefetcher pinning the ho
 the iteration copies to the GPU without blocking."""
 
 import copy
-import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 import xxhash
 from megatron.core import parallel_state, tensor_parallel
 
-from ftmaster import runfiles
 from ftmaster.recovery.manifest import digest_file
-from ftmaster.recovery.replicas import REQUEST_FLAG
 from helpers.gpu import needs_gpus
+from helpers.replicas import dump_once
 from helpers.slots import SHARD, disk_save, read_back
 from megatron.training import replicas, training
 from megatron.training.checkpointing import _restore_rng, rng_state
 from megatron.training.data import BatchPrefetcher
 from megatron.training.records import DiskRecords
-from megatron.training.replicas import Cut, ReplicaDumper
 
 pytestmark = pytest.mark.gpu
 
@@ -127,12 +123,7 @@ def test_the_replica_dump_saves_the_cuda_rng_stream_of_its_ranks_gpu(tmp_path, m
     torch.cuda.set_device(1)
     try:
         torch.cuda.manual_seed(1234)  # GPU 1's stream only
-        dumper = ReplicaDumper(tmp_path, Cut(enabled=True),
-                               SimpleNamespace(iteration=5, consumed_train_samples=40), state_dict)
-        flag = runfiles.flags_dir(tmp_path) / REQUEST_FLAG
-        flag.parent.mkdir(parents=True)
-        flag.write_text(json.dumps({"folder": str(tmp_path / "dumps")}))
-        assert dumper.done.wait(30)
+        dump_once(tmp_path, state_dict)
         assert torch.equal(seen[0], torch.cuda.get_rng_state(1))
         assert not torch.equal(seen[0], torch.cuda.get_rng_state(0))
     finally:

@@ -36,10 +36,7 @@ def test_a_refill_copies_device_tensors_into_the_pinned_slot(tmp_path):
             refilled, written = save(slots, tmp_path, iteration, device_state(iteration))
         assert refilled
         folder = iteration_dir(tmp_path, 3)
-        expected = device_state(3)
-        for result in written:
-            if result.index.fqn != "rng":
-                assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu())
+        assert_read_back(folder, written, device_state(3))
         assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
     finally:
         slots.close()
@@ -99,11 +96,7 @@ def test_a_refill_from_the_device_lays_odd_sized_tensors_at_unaligned_records(tm
         offsets = sorted(r.data_offset for r in slot_file.records.values())
         assert any(offset % 2 for offset in offsets[1:]), offsets  # the case is the one meant
         folder = iteration_dir(memory, 3)
-        expected = odd_device_state(3)
-        for result in written:
-            if result.index.fqn != "rng":
-                assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu()), \
-                    result.index.fqn
+        assert_read_back(folder, written, odd_device_state(3))
         reported = slots.digests[SHARD]
         assert reported.digest == digest_file(folder / SHARD)
         data = (folder / SHARD).read_bytes()
@@ -135,11 +128,15 @@ def test_a_slot_the_driver_refuses_to_pin_is_refilled_and_cuda_goes_on(tmp_path,
             assert torch.ones(8, device="cuda").sum().item() == 8  # a launch after the refusal
         assert refilled and not next(iter(slots._files[0].values()))._bytes.is_pinned()
         folder = iteration_dir(tmp_path, 3)
-        expected = odd_device_state(3)
-        for result in written:
-            if result.index.fqn != "rng":
-                assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu()), \
-                    result.index.fqn
+        assert_read_back(folder, written, odd_device_state(3))
         assert slots.digests[SHARD].digest == digest_file(folder / SHARD)
     finally:
         slots.close()
+
+
+def assert_read_back(folder, written, expected: dict) -> None:
+    """Every tensor the save wrote (the RNG state aside) reads back from its file as given."""
+    for result in written:
+        if result.index.fqn != "rng":
+            assert torch.equal(read_back(folder, result), expected[result.index.fqn].cpu()), \
+                result.index.fqn

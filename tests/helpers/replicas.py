@@ -3,7 +3,10 @@ and a torchrun run whose rank dies at a kill point, its survivors asked for thei
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import psutil
 import torch
@@ -72,3 +75,16 @@ def dump_after_a_kill(nproc: int, args: list[str], log: Path, run_dir: Path, fol
     finally:
         kill_session(torchrun)
     return read_reports(folder)
+
+
+def dump_once(run_dir: Path, state_dict: Callable) -> None:
+    """A trainer's dump thread asked for one dump at iteration 5; ``state_dict`` stands in
+    for the state it dumps (raise in it to stop the dump there)."""
+    from megatron.training.replicas import Cut, ReplicaDumper
+
+    dumper = ReplicaDumper(run_dir, Cut(enabled=True),
+                           SimpleNamespace(iteration=5, consumed_train_samples=40), state_dict)
+    flag = runfiles.flags_dir(run_dir) / REQUEST_FLAG
+    flag.parent.mkdir(parents=True)
+    flag.write_text(json.dumps({"folder": str(run_dir / "dumps")}))
+    assert dumper.done.wait(30)

@@ -1,15 +1,11 @@
 """The trainer's replica dump thread, with the state it dumps stood in for."""
 
-import json
 import threading
-from types import SimpleNamespace
 
 import torch
 
-from ftmaster import runfiles
-from ftmaster.recovery.replicas import REQUEST_FLAG
+from helpers.replicas import dump_once
 from megatron.training import replicas
-from megatron.training.replicas import Cut, ReplicaDumper
 
 
 def test_the_dump_thread_works_on_the_gpu_of_the_thread_that_made_it(tmp_path, monkeypatch):
@@ -29,10 +25,5 @@ def test_the_dump_thread_works_on_the_gpu_of_the_thread_that_made_it(tmp_path, m
         seen.append(torch.cuda.current_device())
         raise OSError("the dump stops here")
 
-    dumper = ReplicaDumper(tmp_path, Cut(enabled=True),
-                           SimpleNamespace(iteration=5, consumed_train_samples=40), state_dict)
-    flag = runfiles.flags_dir(tmp_path) / REQUEST_FLAG
-    flag.parent.mkdir(parents=True)
-    flag.write_text(json.dumps({"folder": str(tmp_path / "dumps")}))
-    assert dumper.done.wait(10)
+    dump_once(tmp_path, state_dict)
     assert seen == [3]
