@@ -359,9 +359,10 @@ def test_the_sbatch_script_requeues_the_job_when_ftmaster_loses_the_store(cluste
     fake.chmod(0o755)
     env = cluster.env(PATH=f"{bin_dir}:{os.environ['PATH']}", RUN_DIR=str(tmp_path / "run"),
                       SAVE_DIR=str(tmp_path / "ckpt"), MEGATRON_LM="/opt/Megatron-LM")
+    # The script's 10-minute warning would come as a 5-minute job starts: a shorter one.
     job = cluster.sbatch("--nodes=2", f"--gpus-per-node={GPUS_PER_NODE}", "--cpus-per-task=1",
-                         "--time=5", str(REPO / "scripts/slurm/train.sbatch"), cwd=tmp_path,
-                         env=env)
+                         "--time=5", "--signal=TERM@60", str(REPO / "scripts/slurm/train.sbatch"),
+                         cwd=tmp_path, env=env)
     log = (tmp_path / f"ftmaster-gpt-{job['JobId']}.out").read_text()
     assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1"), log
     assert sorted(path.name for path in records.iterdir()) == [

@@ -1,5 +1,6 @@
 """scripts/slurm/train.sbatch's per-node task, run by bash as srun runs it, with a stand-in
-ftmaster and scontrol: whether the job is requeued follows ftmaster's exit status."""
+ftmaster and scontrol: whether the job is requeued follows ftmaster's exit status. And the
+job's warning before its time limit, which alone leaves ftmaster time for its exit save."""
 
 import os
 import re
@@ -7,6 +8,7 @@ import subprocess
 
 import pytest
 
+from ftmaster.launch import launch_command
 from helpers.trainer import REPO
 
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -38,3 +40,21 @@ def test_the_node_task_requeues_only_what_a_requeue_may_cure(tmp_path, status, r
     assert result.returncode == status
     assert calls.exists() == requeued and (not requeued or calls.read_text() == "requeue 42\n")
     assert says in result.stderr
+
+
+def sbatch_option(name: str) -> str | None:
+    """The value of the script's last ``#SBATCH --NAME=VALUE`` line (``##SBATCH`` is off)."""
+    values = re.findall(rf"^#SBATCH --{name}=(\S+)", SBATCH.read_text(), re.M)
+    return values[-1] if values else None
+
+
+def test_the_steps_alone_are_warned_in_time_for_ftmasters_exit_save():
+    # At the time limit SLURM SIGTERMs the batch step too, and its srun answers a SIGTERM by
+    # SIGKILLing every task at once (srun_job.c): KillWait gives ftmaster nothing. Only a
+    # warning to the steps (no "B:", which would go to the batch shell, srun) comes in time.
+    warning = sbatch_option("signal")
+    assert warning is not None, "train.sbatch sends no warning before its time limit"
+    signal_name, _, lead = warning.partition("@")
+    assert signal_name == "TERM"
+    stop_timeout = next(p.default for p in launch_command.params if p.name == "stop_timeout")
+    assert int(lead) > stop_timeout  # the script leaves --stop-timeout at its default
