@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""How long torchrun's agent lets its workers end after a signal of its own before it
+SIGKILLs them (read since pytorch/pytorch#172596, 2026; before it the wait is always 30 s)."""
+SHUTDOWN_MARGIN_S = 30
+
+
+def shutdown_timeout_env(stop_timeout_s: float) -> dict[str, str]:
+    """torchrun's wait for its workers after a signal of its own, past ftmaster's deadline.
+
+    A SLURM step, or a systemd unit, signals every process in it, torchrun too: with torch's
+    30 s its agent SIGKILLed the ranks in the middle of a save that ``--stop-timeout``
+    allowed. Past the deadline, ftmaster's own kill comes first and is the one reported."""
+    return {SHUTDOWN_TIMEOUT_ENV: str(math.ceil(stop_timeout_s) + SHUTDOWN_MARGIN_S)}
 
 
 @dataclass(frozen=True)

@@ -513,10 +513,24 @@ def test_a_nan_injection_is_armed_for_the_attempt_on_its_gpu_once(tmp_path):
     devices = SimpleNamespace(cuda_env=lambda gpus: {"CUDA_VISIBLE_DEVICES": "0,2,3"})
     assert supervisor._attempt_env(devices, (0, 2, 3)) == {
         "CUDA_VISIBLE_DEVICES": "0,2,3", "FTMASTER_INJECT_NAN": "1:7",
-        "FTMASTER_HANG_TIMEOUT": "300.0"}  # the default --hang-timeout, for the blocking waits
+        "FTMASTER_HANG_TIMEOUT": "300.0",  # the default --hang-timeout, for the blocking waits
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "150"}  # the default --stop-timeout, 120 s, and 30
     supervisor.injector.trained(7)
     assert supervisor._armed_injections((0, 2, 3)) == {}  # handed over once, and reached
     assert [str(i) for i in supervisor.injector.pending] == ["fail:gpu=1,at=iter:9"]
+
+
+def test_torchrun_signalled_with_ftmaster_leaves_the_ranks_ftmasters_stop_timeout(tmp_path):
+    # SLURM signals every process of the step, torchrun too, and torchrun SIGKILLs its ranks
+    # 30 s after a signal of its own (torch's default), in the middle of a longer save.
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), stop_timeout_s=200.5)
+    devices = SimpleNamespace(cuda_env=lambda gpus: {})
+    env = Supervisor(config, QuietMonitor())._attempt_env(devices, (0, 1, 2, 3))
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "231"  # after ftmaster's own deadline
 
 
 def memory_tier_supervisor(tmp_path, memory: Path, disk: Path, scratch: bool = True,

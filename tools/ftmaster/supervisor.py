@@ -101,7 +101,7 @@ from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints,
 from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
-from ftmaster.recovery.torchrun import StaticWorld
+from ftmaster.recovery.torchrun import StaticWorld, shutdown_timeout_env
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import (DUMP_TIMEOUT_S, MERGE_TIMEOUT_S, ReplicaRecovery,
                                        request_flag_path)
@@ -1059,10 +1059,12 @@ class Supervisor:
         return self._resuming(plan.command)
 
     def _attempt_env(self, devices, gpus: Sequence[int]) -> dict[str, str]:
-        """The attempt's environment: its GPUs, the faults armed for it, and the hang timeout
-        a wait that blocks training must end before (``async_saves``)."""
+        """The attempt's environment: its GPUs, the faults armed for it, the hang timeout
+        a wait that blocks training must end before (``async_saves``), and torchrun's wait
+        for its ranks when it is signalled too."""
         return {**devices.cuda_env(gpus), **self._armed_injections(gpus),
-                runfiles.HANG_TIMEOUT_ENV: repr(self.config.hang_timeout_s)}
+                runfiles.HANG_TIMEOUT_ENV: repr(self.config.hang_timeout_s),
+                **shutdown_timeout_env(self.config.stop_timeout_s)}
 
     def _armed_injections(self, gpus: Sequence[int]) -> dict[str, str]:
         """The attempt's environment for injected faults on its GPUs: ``nan`` and ``slow`` at
