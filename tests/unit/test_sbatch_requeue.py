@@ -42,6 +42,29 @@ def test_the_node_task_requeues_only_what_a_requeue_may_cure(tmp_path, status, r
     assert says in result.stderr
 
 
+@pytest.mark.parametrize("restarts_now, says", [
+    ("1", "job 42 was requeued already"),  # another node's requeue came first
+    ("0", "scontrol requeue failed; resubmit the job"),
+])
+def test_a_requeue_refused_because_another_node_requeued_first_is_not_a_failure(
+        tmp_path, restarts_now, says):
+    # Every node whose ftmaster lost the store requeues: after the first, SLURM answers
+    # "Job is pending execution", and "resubmit the job" would have a second copy train.
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"""#!/bin/sh
+if [ "$1" = requeue ]; then echo "Requeue of job 42 failed: Job is pending execution" >&2; exit 1; fi
+echo "JobId=42 JobName=x Requeue=1 Restarts={restarts_now} BatchFlag=1 Reboot=0 ExitCode=0:0"
+""")
+    scontrol.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_NODEID": "2",
+           "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "0"}
+    result = subprocess.run(["bash", "-c", node_task(), "ftmaster-node", "sh", "-c", "exit 75"],
+                            env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 75
+    assert says in result.stderr
+    assert result.stderr.count("resubmit") == (restarts_now == "0")
+
+
 def sbatch_option(name: str) -> str | None:
     """The value of the script's last ``#SBATCH --NAME=VALUE`` line (``##SBATCH`` is off)."""
     values = re.findall(rf"^#SBATCH --{name}=(\S+)", SBATCH.read_text(), re.M)
