@@ -123,3 +123,41 @@ def test_workers_ready_holding_cuda_stop_warm_starts_at_once(tmp_path):
     finally:
         pool.close()
         worker.process.kill()
+
+
+def clean_ready_python(tmp_path):
+    """A stand-in interpreter: a clean ready line at once, then it waits."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
+                           "\"cuda_initialized\": false, \"process_group\": false}'\nexec sleep 60\n")
+    fake_python.chmod(0o755)
+    return str(fake_python)
+
+
+def test_a_waiting_worker_that_is_stopped_is_replaced_never_handed_a_rank(tmp_path, caplog):
+    """A SIGSTOPped worker is alive and was ready, so it was handed a rank: the attempt's
+    other ranks waited out the process-group timeout (66 s with a 0.5 min timeout here,
+    10 min by default) and the relaunch failed, a restart of the budget spent on it."""
+    import os
+    import signal
+
+    import psutil
+
+    pool = warm.WarmPool(2, tmp_path, python=clean_ready_python(tmp_path))
+    stopped = pool.workers[0]
+    taken = []
+    try:
+        deadline = time.monotonic() + 10
+        while not all(w.ready for w in pool.workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        status = psutil.Process(stopped.process.pid).status
+        while status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:  # delivered
+            time.sleep(0.01)
+        taken = pool.take(2, timeout_s=10) or []
+        assert len(taken) == 2 and stopped not in taken
+        assert stopped.process.poll() is not None  # ended, not left stopped beside training
+        assert f"warm worker {stopped.process.pid} is stopped" in caplog.text
+    finally:
+        pool.close()
+        kill_sessions([stopped, *taken])

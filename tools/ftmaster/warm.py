@@ -282,9 +282,20 @@ class WarmWorker:
         return self.process.poll() is None
 
     @property
+    def stopped(self) -> bool:
+        """Stopped (SIGSTOP, a debugger): a rank handed to it would never start, and its
+        peers would wait out the process-group timeout for it."""
+        import psutil
+        try:
+            return psutil.Process(self.process.pid).status() in (psutil.STATUS_STOPPED,
+                                                                 psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
+
+    @property
     def usable(self) -> bool:
-        """Ready, alive and clean: never handed a rank otherwise."""
-        return self.alive and self.ready is not None and not self.unclean
+        """Ready, alive, running and clean: never handed a rank otherwise."""
+        return self.alive and self.ready is not None and not self.unclean and not self.stopped
 
     @property
     def unclean(self) -> bool:
@@ -331,6 +342,7 @@ class WarmPool:
     def fill(self) -> None:
         """Replace the dead, and start workers until there are ``size``. Started from the
         thread that lives as long as ftmaster (the death signal follows the parent thread)."""
+        self._end_stopped()
         dead = [w for w in self.workers if not w.alive]
         for worker in dead:
             log.warning("warm worker %d died while waiting (exit status %s; see %s); replacing it",
@@ -351,6 +363,17 @@ class WarmPool:
             worker = self._spawn()
             with self._lock:
                 self.workers.append(worker)
+
+    def _end_stopped(self) -> None:
+        """Stopped workers are ended and replaced: one that is never continued would hold
+        its place, and a launch would wait for it, or hand it a rank."""
+        stopped = [w for w in self.workers if w.alive and w.stopped]
+        for worker in stopped:
+            log.warning("warm worker %d is stopped (SIGSTOP or a debugger) while waiting; "
+                        "ending and replacing it", worker.process.pid)
+        kill_sessions(stopped)
+        self.workers = [w for w in self.workers if w not in stopped]
+        self.replaced += len(stopped)
 
     def _spawn(self) -> WarmWorker:
         """A new worker; what it says before its rank (an import that fails) goes to
