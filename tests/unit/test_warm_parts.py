@@ -161,3 +161,25 @@ def test_a_waiting_worker_that_is_stopped_is_replaced_never_handed_a_rank(tmp_pa
     finally:
         pool.close()
         kill_sessions([stopped, *taken])
+
+
+def test_workers_that_died_before_ready_count_only_until_a_set_is_ready_again(tmp_path):
+    """Deaths before the ready line were counted over the whole run: three in all (a worker
+    killed while it imported, now and then over days) and warm starts were off for good, as
+    if imports crashed, though every set since had been ready."""
+    counter = tmp_path / "spawns"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(  # spawns 1, 2, 4 and 5 die while importing; 3 and 6 are ready
+        f"#!/bin/sh\necho x >> {counter}\ncase $(wc -l < {counter}) in *[1245]) exit 1;; esac\n"
+        "echo '{\"pid\": 1, \"import_s\": 0.1, \"cuda_initialized\": false, "
+        "\"process_group\": false}'\nexec sleep 60\n")
+    fake_python.chmod(0o755)
+    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    taken = []
+    try:
+        for _ in range(2):
+            taken += pool.take(1, timeout_s=10) or []
+        assert len(taken) == 2 and not pool.broken
+    finally:
+        pool.close()
+        kill_sessions(taken)

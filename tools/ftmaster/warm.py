@@ -66,7 +66,8 @@ here, and 4 ranks start 4 of them at once). Only for a command that saves asynch
 READY_TIMEOUT_S = 120.0
 """How long a launch waits for a set still importing before it starts cold instead."""
 MAX_DEATHS_BEFORE_READY = 3
-"""Workers that may die before their ready line until the pool gives up on warm starts."""
+"""Workers that may die before their ready line, with no full set ready in between, until the
+pool gives up on warm starts."""
 
 log = logging.getLogger("ftmaster")
 try:  # imported before the environment is replaced: it finds argv's memory through it
@@ -396,6 +397,7 @@ class WarmPool:
             if self._told_ready or len(workers) < self.size or not all(w.usable for w in workers):
                 return
             self._told_ready = True
+            self.deaths_before_ready = 0  # imports work: deaths from now on are counted anew
         if self.on_ready is not None:
             self.on_ready({"workers": len(workers),
                            "import_s": max(w.ready["import_s"] for w in workers)})
