@@ -1088,3 +1088,22 @@ def test_unfit_gpus_that_are_no_list_of_gpus_and_reasons_are_refused_in_one_line
                              "failure event must be a list of {\"gpu\": integer, \"reason\": "
                              "string} objects, not [\"1\"]; fix or remove that line\n")
 
+
+
+def test_a_node_whose_dumps_rank_0s_node_merged_is_not_said_to_have_fallen_back(tmp_path):
+    """One node's folder of a run across nodes: its ranks dumped, rank 0's node gathered and
+    merged them, and this node loaded the merged checkpoint (no iteration lost). It records no
+    merge of its own; the report said 'fell back: no merge' beside 'lost iterations 0'."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 30, attempt=1, iteration=10, cause="device_lost", gpus=[1], exit_codes={}),
+              event("replica_dump", 30.1, ranks=[2], seconds=0.1155, bytes=1_490_491, refused={}),
+              plan(34, [0], 1, 1, 1), launch(35, 2, [0], 1, 1, 1),
+              event("resumed", 40, attempt=2, iteration=11)]
+    run_dir = write_run(tmp_path / "run", events, {1: [], 2: [loaded_line(10, 0.1, 4096)]})
+    result = run_report(run_dir)
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert (failure["replica"]["iteration"], failure["replica"]["fallback"]) == (None, None)
+    assert "fell back" not in result.stdout
+    assert ("replica recovery   dump 0.116 s (1 rank(s), 1.5 MB); no merge or fallback recorded "
+            "here: stopped first, or merged on rank 0's node (across nodes; report the whole run "
+            "directory)") in result.stdout

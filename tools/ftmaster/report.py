@@ -1069,15 +1069,20 @@ def _gpus_text(layout: dict) -> str:
 def _replica_text(replica: dict | None) -> list[str]:
     if replica is None:
         return []
+    dump = (f"dump {_s(replica['dump_seconds'])} ({len(replica['ranks'] or [])} rank(s), "
+            f"{(replica['bytes'] or 0) / 1e6:.1f} MB)")
     if replica["iteration"] is None:
-        return [f"  replica recovery   fell back: {replica['fallback'] or 'no merge'}"]
+        if replica["fallback"] is not None:
+            return [f"  replica recovery   fell back: {replica['fallback']}"]
+        # Not a fallback: one node's folder, whose dumps rank 0's node merged, or a stop
+        return [f"  replica recovery   {dump}; no merge or fallback recorded here: stopped "
+                f"first, or merged on rank 0's node (across nodes; report the whole run "
+                f"directory)"]
     gathered = (f", gathered {replica['gathered_bytes'] / 1e6:.1f} MB from the other nodes in "
                 f"{_s(replica['gathered_seconds'])}" if replica.get("gathered_bytes") else "")
-    return [f"  replica recovery   iteration {replica['iteration']} from the survivors: dump "
-            f"{_s(replica['dump_seconds'])} ({len(replica['ranks'] or [])} rank(s), "
-            f"{(replica['bytes'] or 0) / 1e6:.1f} MB){gathered}, merge "
-            f"{_s(replica['merge_seconds'])} ({_s(replica.get('merge_wait_seconds'))} with "
-            f"starting its process)"]
+    return [f"  replica recovery   iteration {replica['iteration']} from the survivors: "
+            f"{dump}{gathered}, merge {_s(replica['merge_seconds'])} "
+            f"({_s(replica.get('merge_wait_seconds'))} with starting its process)"]
 
 
 def restarted_from_text(failure: dict) -> str:
