@@ -182,7 +182,7 @@ def test_when_the_supervisor_asks_for_a_dump(tmp_path, cause, culprits, iteratio
     said = []
     recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
                                lambda name, **fields: said.append(fields["reason"]))
-    recovery.dump = lambda attempt, culprits: "asked"
+    recovery.dump = lambda attempt, culprits, stop: "asked"
     asked = recovery.dump_if_useful(None, cause, culprits, iteration, dp)
     assert (asked == "asked") == (expected is None)
     assert said == [] if not expected else expected in said[0]
@@ -396,3 +396,21 @@ def _alive(process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_stop_signal_ends_the_wait_for_the_dumps_at_once(tmp_path):
+    """ftmaster signalled while a survivor was still dumping (a large state, or a rank whose
+    update holds the cut's lock) went on waiting up to the dump timeout (20 s) before it
+    stopped. Now the wait ends, and the merge, abandoned as the stop is set, removes the dumps
+    once the attempt is killed."""
+    from types import SimpleNamespace
+
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda *a, **k: None)
+    (tmp_path / "flags").mkdir()
+    attempt = SimpleNamespace(number=1, gpus=[0, 1], ranks=lambda: {0: SimpleNamespace(exit_code=None)})
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    assert recovery.dump_if_useful(attempt, "device_lost", [1], 16, 2, stop) is not None
+    assert time.monotonic() - started < 2

@@ -133,7 +133,8 @@ class ReplicaRecovery:
         remove_recovery_leftovers(memory_dir)
 
     def dump_if_useful(self, attempt: Attempt, cause: str, culprits: list[int],
-                       iteration: int | None, data_parallel_size: int) -> Path | None:
+                       iteration: int | None, data_parallel_size: int,
+                       stop: threading.Event | None = None) -> Path | None:
         """Before the kill: the dump folder, or None (with one line when the failure could
         have had one but has no replicas to give it)."""
         dumped = DUMPED_CAUSES if self.round is None else DUMPED_ACROSS_NODES
@@ -145,15 +146,18 @@ class ReplicaRecovery:
             self.fall_back("a hang with no known culprit: any rank may hold a half-done iteration")
         else:
             try:
-                return self.dump(attempt, culprits)
+                return self.dump(attempt, culprits, stop)
             except OSError as error:  # the memory tier gone or full: the checkpoint still serves
                 self.fall_back(f"the dump could not be asked for: {error}")
         return None
 
-    def dump(self, attempt: Attempt, culprits: Sequence[int] = ()) -> Path:
+    def dump(self, attempt: Attempt, culprits: Sequence[int] = (),
+             stop: threading.Event | None = None) -> Path:
         """Ask every rank of ``attempt`` for its dump; returns the dump folder. The ranks on
         the ``culprits`` GPUs are not waited for: a hung rank is stopped, and a failed GPU's
-        rank has no state worth a replica's place."""
+        rank has no state worth a replica's place. Nor are any once ``stop`` is set
+        (ftmaster's stop signal): the merge is then abandoned at once, and its end removes
+        the dumps after the attempt's kill, when no rank still writes one."""
         folder = (dump_folder(self.memory_dir, attempt.number) if self.round is None
                   else round_dump_folder(self.memory_dir, self.round[0]))
         shutil.rmtree(folder, ignore_errors=True)
@@ -162,8 +166,10 @@ class ReplicaRecovery:
         runfiles.write_flag(request_flag_path(self.run_dir), folder=str(folder),
                             attempt=attempt.number)
         deadline = start + DUMP_TIMEOUT_S
-        while time.monotonic() < deadline and not self._all_answered(attempt, folder, culprits):
-            time.sleep(0.02)
+        stop = stop or threading.Event()  # none: only the timeout ends the wait
+        while (time.monotonic() < deadline and not self._all_answered(attempt, folder, culprits)
+               and not stop.wait(0.02)):
+            pass
         seconds, reports = time.monotonic() - start, read_reports(folder)
         dumped = [r for r in reports if r.refused is None]
         size = sum(r.bytes for r in dumped)

@@ -998,7 +998,7 @@ class Supervisor:
         if self.replicas is None:
             return None
         return self.replicas.dump_if_useful(self.attempt, cause, culprits, iteration,
-                                            self.plan.data_parallel_size)
+                                            self.plan.data_parallel_size, self._stop_requested)
 
     def _sleep(self) -> None:
         self._stop_requested.wait(self.config.poll_interval_s)
