@@ -1,11 +1,13 @@
 """Which survivors make a checkpoint (the pure cut choice), the merge's coverage check on
 hand-made plans, and when the supervisor asks for a dump at all."""
 
+import json
 import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -355,12 +357,21 @@ def test_a_warm_merge_never_answers_with_an_earlier_merges_output(tmp_path):
     starter = SimpleNamespace(run_module=lambda argv, folder: ended)
     recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
                                lambda name, **fields: said.append(fields.get("reason")), starter)
-    folder = tmp_path / "memory" / "replicas" / "round_3"
+    folder = with_a_complete_cut(tmp_path / "memory" / "replicas" / "round_3")
     earlier = tmp_path / "ranks" / "merge_round_3" / "output.log"
     earlier.parent.mkdir(parents=True)
     earlier.write_text('{"iteration": 16, "shards": 2, "seconds": 0.01, "path": "p", "bytes": 1}\n')
     assert recovery.finish_merge(recovery.start_merge(folder), threading.Event()) is None
     assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
+
+
+def with_a_complete_cut(folder: Path) -> Path:
+    """``folder`` with the report of one rank that holds the whole state at iteration 16."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dumped = {"rank": 0, "tp": 0, "pp": 0, "dp": 0, "tp_size": 1, "pp_size": 1, "dp_size": 2,
+              "iteration": 16, "consumed_samples": 192, "items": {"w@0": "aa"}}
+    (folder / "rank_0.json").write_text(json.dumps(dumped) + "\n")
+    return folder
 
 
 SUPERVISOR_THAT_MERGES = """
@@ -369,7 +380,7 @@ from pathlib import Path
 from ftmaster.replica_recovery import ReplicaRecovery
 root = Path(sys.argv[1])
 recovery = ReplicaRecovery(root, root / "memory", root / "save", lambda *a, **k: None)
-print(recovery.start_merge(root / "memory" / "replicas" / "attempt_1").process.pid, flush=True)
+print(recovery.start_merge(root / "dumps").process.pid, flush=True)
 time.sleep(60)
 """
 
@@ -377,6 +388,7 @@ time.sleep(60)
 def test_a_cold_merge_dies_with_a_killed_supervisor(tmp_path):
     """ftmaster SIGKILLed while a merge it started cold was importing torch: the merge lived
     on, an orphan writing a checkpoint into the memory tier under the next launch."""
+    with_a_complete_cut(tmp_path / "dumps")  # outside the memory tier, which the start clears
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR_THAT_MERGES, str(tmp_path)],
                                   stdout=subprocess.PIPE, text=True)
     merge = psutil.Process(int(supervisor.stdout.readline()))
@@ -414,3 +426,22 @@ def test_a_stop_signal_ends_the_wait_for_the_dumps_at_once(tmp_path):
     started = time.monotonic()
     assert recovery.dump_if_useful(attempt, "device_lost", [1], 16, 2, stop) is not None
     assert time.monotonic() - started < 2
+
+
+def test_dumps_without_a_complete_cut_fall_back_without_starting_a_merge(tmp_path, monkeypatch):
+    """Every survivor refused (the distributed optimizer in one instance), or a shard lost in
+    all its replicas: the reports alone say there is no cut, yet a merge process was started
+    to say so, its interpreter's start (2-5 s cold) added to the recovery before the fallback."""
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append((name, fields["reason"])))
+    folder = tmp_path / "memory" / "replicas" / "attempt_1"
+    folder.mkdir(parents=True)
+    refused = {"rank": 0, "tp": 0, "pp": 0, "dp": 0, "tp_size": 1, "pp_size": 1, "dp_size": 2,
+               "refused": "replica recovery is unavailable: one instance"}
+    (folder / "rank_0.json").write_text(json.dumps(refused) + "\n")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a merge was started"))
+    assert recovery.start_merge(folder) is None
+    assert said == [("replica_fallback", "no survivor dumped its state "
+                                         "(rank 0: replica recovery is unavailable: one instance)")]
+    assert folder.exists()  # left for the caller to remove after the attempt's kill

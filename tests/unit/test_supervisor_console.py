@@ -1428,6 +1428,37 @@ def test_a_stop_signal_while_the_merger_says_it_merges_nothing_on_a_hung_store_e
         cut.set()
 
 
+def test_dumps_without_a_cut_are_removed_after_the_kill_not_before(tmp_path, monkeypatch):
+    """No merge starts when the reports hold no cut; a rank still writing its dump (stopped
+    waiting for, or past the dump timeout) until the kill left its folder in /dev/shm when
+    the dumps were removed before the kill."""
+    from ftmaster.launch import check_layout
+    from ftmaster.replica_recovery import ReplicaRecovery
+    from ftmaster.states import Trigger
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, FailingMonitor())
+    dumps = tmp_path / "memory" / "replicas" / "attempt_1"
+    late = dumps / "rank_2" / "__0_0.distcp"
+
+    class LateWriterAttempt(RankEndingAttempt):
+        def kill(self):  # rank 2 wrote on until it was killed
+            late.parent.mkdir(parents=True, exist_ok=True)
+            late.write_bytes(bytes(64))
+
+    supervisor.attempt = LateWriterAttempt()
+    dumps.mkdir(parents=True)
+    recovery = supervisor.replicas = ReplicaRecovery(tmp_path, tmp_path / "memory",
+                                                     tmp_path / "save", supervisor._event)
+    monkeypatch.setattr(recovery, "dump_if_useful", lambda *args: dumps)
+    assert supervisor._failure("exit", 16, [0], {"0": 3}) is Trigger.FAILURE
+    assert not dumps.exists()
+    (fallback,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "replica_fallback"]
+    assert fallback["reason"] == "no survivor reported"
+
+
 def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypatch):
     """--replica-recovery on one node: a SIGTERM while the merge of the failed attempt's dumps
     ran was heard only once the merge ended or its timeout (300 s) passed; SLURM SIGKILLs

@@ -31,9 +31,10 @@ from ftmaster.attempt import Attempt
 from ftmaster.guard import dying_with_this_process, naming_this_process
 from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned
 from ftmaster.recovery.checkpoints import read_tracker
-from ftmaster.recovery.replicas import (REQUEST_FLAG, dump_folder, read_reports,
-                                       remove_merge_leftovers, remove_recovery_leftovers,
-                                       report_path, round_dump_folder)
+from ftmaster.recovery.replicas import (REQUEST_FLAG, NoCut, choose_cut, dump_folder,
+                                       read_reports, remove_merge_leftovers,
+                                       remove_recovery_leftovers, report_path,
+                                       round_dump_folder)
 from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
@@ -187,9 +188,16 @@ class ReplicaRecovery:
                    or (local in records and records[local].exit_code is not None)
                    for local, gpu in enumerate(attempt.gpus))
 
-    def start_merge(self, folder: Path) -> "Merging":
+    def start_merge(self, folder: Path) -> "Merging | None":
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
-        imports torch) while the old attempt is killed."""
+        imports torch) while the old attempt is killed. None, after the fallback line, when
+        the reports alone show there is no complete cut: no process need start to say so.
+        The caller then removes the dumps once no rank still writes one (after the kill)."""
+        try:
+            choose_cut(read_reports(folder))
+        except NoCut as refusal:
+            self.fall_back(str(refusal))
+            return None
         newest = read_tracker(self.save_dir)  # the merge reads the memory tier's itself
         module = ["-m", "megatron.training.replica_merge", str(folder), str(self.memory_dir),
                   *(["--newest", str(newest)] if newest is not None else [])]

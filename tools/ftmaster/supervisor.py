@@ -985,6 +985,8 @@ class Supervisor:
                 self.replicas.finish_merge(merging, self._stop_requested)
             except Abandoned:  # nothing will load it: FAILED ends the run as the stop
                 log.info("replica recovery: the merge was stopped by signal %s", self.signum)
+        elif dump is not None:  # no cut: its dumps go, now that no rank writes one
+            shutil.rmtree(dump, ignore_errors=True)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
@@ -1624,8 +1626,11 @@ class Supervisor:
             else:
                 self._event("replica_gathered", from_node=result.node_rank, bytes=result.bytes,
                             seconds=round(result.seconds, 4))
-        merged = self.replicas.finish_merge(self.replicas.start_merge(folder),
-                                            self._stop_requested)
+        merging = self.replicas.start_merge(folder)
+        if merging is None:  # no cut: the failed round's ranks are gone, so are its dumps
+            shutil.rmtree(folder, ignore_errors=True)
+        merged = (None if merging is None
+                  else self.replicas.finish_merge(merging, self._stop_requested))
         self.membership.announce(word, "none" if merged is None else f"iteration {merged}",
                                  self._stop_requested)
 
