@@ -793,7 +793,7 @@ def test_a_stop_while_rank_0s_node_merges_the_dumps_stops_it_and_leaves_no_check
     staging = memory / ".iter_0000016.replica-0123abcd"
     merges = []
 
-    def start_merge(folder):  # a merge that builds its checkpoint for 3 s, and says nothing
+    def start_merge(folder, stop):  # a merge that builds its checkpoint for 3 s, and says nothing
         merges.append(subprocess.Popen([sys.executable, "-c", (
             "import pathlib, sys, time; p = pathlib.Path(sys.argv[1]); p.mkdir(parents=True); "
             "(p / '__0_0.distcp').write_bytes(bytes(64)); time.sleep(3)"), str(staging)],

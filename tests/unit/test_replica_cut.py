@@ -361,7 +361,8 @@ def test_a_warm_merge_never_answers_with_an_earlier_merges_output(tmp_path):
     earlier = tmp_path / "ranks" / "merge_round_3" / "output.log"
     earlier.parent.mkdir(parents=True)
     earlier.write_text('{"iteration": 16, "shards": 2, "seconds": 0.01, "path": "p", "bytes": 1}\n')
-    assert recovery.finish_merge(recovery.start_merge(folder), threading.Event()) is None
+    stop = threading.Event()
+    assert recovery.finish_merge(recovery.start_merge(folder, stop), stop) is None
     assert said == ["the merge said nothing readable (list index out of range); exit status 1"]
 
 
@@ -375,12 +376,12 @@ def with_a_complete_cut(folder: Path) -> Path:
 
 
 SUPERVISOR_THAT_MERGES = """
-import sys, time
+import sys, threading, time
 from pathlib import Path
 from ftmaster.replica_recovery import ReplicaRecovery
 root = Path(sys.argv[1])
 recovery = ReplicaRecovery(root, root / "memory", root / "save", lambda *a, **k: None)
-print(recovery.start_merge(root / "dumps").process.pid, flush=True)
+print(recovery.start_merge(root / "dumps", threading.Event()).process.pid, flush=True)
 time.sleep(60)
 """
 
@@ -413,8 +414,8 @@ def _alive(process) -> bool:
 def test_a_stop_signal_ends_the_wait_for_the_dumps_at_once(tmp_path):
     """ftmaster signalled while a survivor was still dumping (a large state, or a rank whose
     update holds the cut's lock) went on waiting up to the dump timeout (20 s) before it
-    stopped. Now the wait ends, and the merge, abandoned as the stop is set, removes the dumps
-    once the attempt is killed."""
+    stopped. Now the wait ends, and no merge starts: the supervisor removes the dumps once the
+    attempt is killed."""
     from types import SimpleNamespace
 
     recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
@@ -441,7 +442,23 @@ def test_dumps_without_a_complete_cut_fall_back_without_starting_a_merge(tmp_pat
                "refused": "replica recovery is unavailable: one instance"}
     (folder / "rank_0.json").write_text(json.dumps(refused) + "\n")
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a merge was started"))
-    assert recovery.start_merge(folder) is None
+    assert recovery.start_merge(folder, threading.Event()) is None
     assert said == [("replica_fallback", "no survivor dumped its state "
                                          "(rank 0: replica recovery is unavailable: one instance)")]
     assert folder.exists()  # left for the caller to remove after the attempt's kill
+
+
+def test_a_stop_during_the_dump_wait_says_no_fallback_and_starts_no_merge(tmp_path, monkeypatch):
+    """The stop signal ends the wait for the dumps before every survivor has reported: the
+    reports then showed no complete cut, and the run recorded a replica_fallback blaming the
+    survivors ('no survivor reported'), when the stop alone had cut the wait short."""
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append((name, fields["reason"])))
+    folder = tmp_path / "memory" / "replicas" / "attempt_1"
+    folder.mkdir(parents=True)  # the stop came before any survivor's report
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a merge was started"))
+    stop = threading.Event()
+    stop.set()
+    assert recovery.start_merge(folder, stop) is None
+    assert said == []

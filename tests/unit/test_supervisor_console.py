@@ -1485,7 +1485,8 @@ def test_a_stop_signal_during_a_replica_merge_ends_it_at_once(tmp_path, monkeypa
     recovery = supervisor.replicas = ReplicaRecovery(tmp_path, tmp_path / "memory",
                                                      tmp_path / "save", supervisor._event)
     monkeypatch.setattr(recovery, "dump_if_useful", lambda *args: dumps)
-    monkeypatch.setattr(recovery, "start_merge", lambda folder: Merging(folder, merge, 0.0))
+    monkeypatch.setattr(recovery, "start_merge",
+                        lambda folder, stop: Merging(folder, merge, 0.0))
     threading.Timer(0.3, supervisor.request_stop, (signal.SIGTERM,)).start()
     started = time.monotonic()
     assert supervisor._failure("exit", 16, [0], {"0": 3}) is Trigger.FAILURE

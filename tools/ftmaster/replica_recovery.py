@@ -157,8 +157,8 @@ class ReplicaRecovery:
         """Ask every rank of ``attempt`` for its dump; returns the dump folder. The ranks on
         the ``culprits`` GPUs are not waited for: a hung rank is stopped, and a failed GPU's
         rank has no state worth a replica's place. Nor are any once ``stop`` is set
-        (ftmaster's stop signal): the merge is then abandoned at once, and its end removes
-        the dumps after the attempt's kill, when no rank still writes one."""
+        (ftmaster's stop signal): no merge is then started (:meth:`start_merge`), and the
+        caller removes the dumps after the attempt's kill, when no rank still writes one."""
         folder = (dump_folder(self.memory_dir, attempt.number) if self.round is None
                   else round_dump_folder(self.memory_dir, self.round[0]))
         shutil.rmtree(folder, ignore_errors=True)
@@ -188,11 +188,16 @@ class ReplicaRecovery:
                    or (local in records and records[local].exit_code is not None)
                    for local, gpu in enumerate(attempt.gpus))
 
-    def start_merge(self, folder: Path) -> "Merging | None":
+    def start_merge(self, folder: Path, stop: threading.Event) -> "Merging | None":
         """Start the merge of ``folder``'s dumps; it needs only the reports, so it runs (and
         imports torch) while the old attempt is killed. None, after the fallback line, when
         the reports alone show there is no complete cut: no process need start to say so.
-        The caller then removes the dumps once no rank still writes one (after the kill)."""
+        None too once ``stop`` is set: the wait for the dumps ended on it, so a report
+        missing is no lost shard, and no fallback is said. The caller then removes the dumps
+        once no rank still writes one (after the kill)."""
+        if stop.is_set():
+            log.info("replica recovery: stopped by signal before the merge; no merge")
+            return None
         try:
             choose_cut(read_reports(folder))
         except NoCut as refusal:

@@ -978,14 +978,15 @@ class Supervisor:
             # Across nodes one merge runs over every node's dumps, after the next round formed
             self._dumped = (self.round.number, dump, self.round.nodes, self.plan.ranks_per_node)
             dump = None
-        merging = self.replicas.start_merge(dump) if dump is not None else None
+        merging = (self.replicas.start_merge(dump, self._stop_requested) if dump is not None
+                   else None)
         attempt.kill()
         if merging is not None:
             try:
                 self.replicas.finish_merge(merging, self._stop_requested)
             except Abandoned:  # nothing will load it: FAILED ends the run as the stop
                 log.info("replica recovery: the merge was stopped by signal %s", self.signum)
-        elif dump is not None:  # no cut: its dumps go, now that no rank writes one
+        elif dump is not None:  # no cut, or a stop: its dumps go, now that no rank writes one
             shutil.rmtree(dump, ignore_errors=True)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
         early = cause == "exit" and self._progress[0] is None and not unfit
@@ -1626,8 +1627,8 @@ class Supervisor:
             else:
                 self._event("replica_gathered", from_node=result.node_rank, bytes=result.bytes,
                             seconds=round(result.seconds, 4))
-        merging = self.replicas.start_merge(folder)
-        if merging is None:  # no cut: the failed round's ranks are gone, so are its dumps
+        merging = self.replicas.start_merge(folder, self._stop_requested)
+        if merging is None:  # no cut, or a stop: the failed round's ranks are gone, its dumps go
             shutil.rmtree(folder, ignore_errors=True)
         merged = (None if merging is None
                   else self.replicas.finish_merge(merging, self._stop_requested))
