@@ -346,6 +346,21 @@ def test_a_straggler_named_while_another_gpu_drains_is_said_kept(tmp_path):
     assert kept["gpu"] == 2 and "GPU 1 is being drained" in kept["reason"]
 
 
+def test_a_straggler_named_on_the_gpu_being_drained_is_not_said_kept(tmp_path):
+    """GPU 2's risk drain waits for its save (a hot GPU is slow too), and GPU 2 is named a
+    straggler meanwhile: the console and the report said 'keeping GPU 2: GPU 2 is being
+    drained', a GPU kept and drained in one line."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor._drain_gpu = 2  # its risk drain: the save is under way
+    supervisor._weigh_first(Found(2, Straggler(2, 16, 10, 1.9, 2.0, 19.0, 10.0), 1.0, 0.5))
+    assert not [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"]
+
+
 def name_slow_rank(watch, gpus, rank, until=20):
     """Heartbeats in which ``rank`` computes 2x its peers from iteration 5: the watch's
     tracker names it (and holds it named while it stays slow)."""

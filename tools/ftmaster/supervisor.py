@@ -1186,13 +1186,15 @@ class Supervisor:
 
     def _weigh_first(self, found: Found) -> None:
         """One drain at a time: the slowest straggler is weighed; another is kept, and said.
-        One named while a drain is under way waits for it (the next attempt names it anew)."""
+        One named while a drain is under way waits for it (the next attempt names it anew),
+        unless it is the GPU being drained: that one leaves, kept by nothing."""
         pending = self._straggler_to_drain
         slower = pending is None or found.straggler.slowdown > pending.straggler.slowdown
         kept, self._straggler_to_drain = (pending, found) if slower else (found, pending)
         if self._drain_gpu is not None:
-            self._keep_straggler(found.gpu, f"GPU {self._drain_gpu} is being drained (one drain "
-                                            f"at a time); weighed after it, if still slow")
+            if found.gpu != self._drain_gpu:
+                self._keep_straggler(found.gpu, f"GPU {self._drain_gpu} is being drained (one "
+                                                f"drain at a time); weighed after it, if still slow")
         elif kept is not None:
             self._keep_straggler(kept.gpu, f"GPU {self._straggler_to_drain.gpu} is slower and "
                                            "weighed first (one drain at a time)")
