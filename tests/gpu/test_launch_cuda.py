@@ -14,7 +14,9 @@ from helpers.gpu import gpu_count, needs_driver, needs_gpus
 from helpers.launch import attempt_log, events, start_launch, train_args
 from helpers.trainer import wait_until, worker_with_local_rank
 
-pytestmark = [pytest.mark.gpu, needs_gpus(2), needs_driver()]
+# Its waits add up to 25 minutes (a first CUDA start compiles and loads kernels): past the
+# suite's 10-minute default, pytest-timeout would end a slow but healthy launch.
+pytestmark = [pytest.mark.gpu, needs_gpus(2), needs_driver(), pytest.mark.timeout(1800)]
 
 
 def test_a_killed_rank_on_a_gpu_is_relaunched_from_the_checkpoint(tmp_path):
