@@ -326,6 +326,12 @@ def test_the_drain_decision_names_the_estimate_that_decided(found, estimate, dra
     assert "\n" not in decision.line
 
 
+def test_one_gpu_left_is_said_in_the_singular():
+    """Draining one of 2 GPUs read "on the 1 GPUs left"."""
+    decision = decide_drain(found_with(2.0), 1, lambda: _Plan(1.33), 1.0, 16)
+    assert "estimates 1.330 s/iteration on the GPU left (TP1" in decision.line, decision.line
+
+
 def test_a_gain_the_line_cannot_show_drains_nothing_and_a_tie_says_so():
     """An estimate 0.4 ms under the step now drained GPU 1 on a line that read 1.200 against
     1.200: a restart for no gain the line could show."""

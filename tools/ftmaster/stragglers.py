@@ -200,18 +200,22 @@ def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | No
         return DrainDecision(False, f"keeping GPU {gpu}: no step of the original layout "
                                     f"without the slowdown is measured to calibrate the cost "
                                     f"model on")
-    no_estimate = (f"keeping GPU {gpu}: the cost model has no step estimate for the "
-                   f"{gpus_left} GPUs left")
+    no_estimate = (f"keeping GPU {gpu}: the cost model has no step estimate for "
+                   f"{_left(gpus_left)}")
     try:
         plan = estimate()
     except PlanError as error:
-        return DrainDecision(False, f"keeping GPU {gpu}: the {gpus_left} GPUs left cannot run "
-                                    f"the job ({error})")
+        return DrainDecision(False, f"keeping GPU {gpu}: {_left(gpus_left)} cannot run the "
+                                    f"job ({error})")
     except ValueError as error:
         return DrainDecision(False, f"{no_estimate} ({error})")
     if plan.estimated_step_seconds is None:
         return DrainDecision(False, no_estimate)
     return _weighed(found, plan, gpus_left, calibration, global_batch)
+
+
+def _left(gpus: int) -> str:
+    return "the GPU left" if gpus == 1 else f"the {gpus} GPUs left"
 
 
 def _weighed(found: Found, plan, gpus_left: int, calibration: float,
@@ -226,9 +230,9 @@ def _weighed(found: Found, plan, gpus_left: int, calibration: float,
     same = "the same " if tie else ""
     layout = (f"TP{plan.tensor_model_parallel_size} x PP{plan.pipeline_model_parallel_size} "
               f"x DP{plan.data_parallel_size}")
-    estimated = (f"{same}{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout})"
+    estimated = (f"{same}{left:.3f} s/iteration on {_left(gpus_left)} ({layout})"
                  if batch == global_batch else
-                 f"{left:.3f} s/iteration on the {gpus_left} GPUs left ({layout}, global batch "
+                 f"{left:.3f} s/iteration on {_left(gpus_left)} ({layout}, global batch "
                  f"{batch}): {same}{compared:.3f} s for the job's {global_batch} samples")
     return DrainDecision(faster, (
         f"{'draining' if faster else 'keeping'} GPU {found.gpu}: the job runs {now:.3f} "
