@@ -342,3 +342,15 @@ def test_error_counters_count_only_errors_during_the_trace(tmp_path):
     rows = pd.read_csv(io.StringIO(summary_csv), index_col="gpu")
     assert rows.loc[0, "ecc_dbe_new"] == 3
     assert pd.isna(rows.loc[1, "ecc_dbe_new"])
+
+
+def test_the_xid_codes_each_gpu_reported_are_listed_in_the_order_first_seen(tmp_path):
+    summary_csv, summary_md = analyze_csv(tmp_path, [
+        "timestamp,gpu_id,xid",
+        "2026-01-01T00:00:00Z,0,", "2026-01-01T00:00:00Z,1,",
+        "2026-01-01T00:00:02Z,1,79", "2026-01-01T00:00:01Z,1,48",  # rows out of time order
+        "2026-01-01T00:00:03Z,1,48", "2026-01-01T00:00:03Z,0,[N/A]"])
+    rows = pd.read_csv(io.StringIO(summary_csv), index_col="gpu", dtype={"xids": str})
+    assert rows.loc[1, "xids"] == "48 79"
+    assert pd.isna(rows.loc[0, "xids"])
+    assert "| 48 79 |" in summary_md

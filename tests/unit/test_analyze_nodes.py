@@ -41,7 +41,8 @@ def analysed(generated):
     result = run_analyze(generated, out)
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
-    return pd.read_csv(out / "summary.csv", index_col=["node", "gpu"]), out
+    summary = pd.read_csv(out / "summary.csv", index_col=["node", "gpu"], dtype={"xids": str})
+    return summary.fillna({"xids": ""}), out  # an empty cell: no XID, as the table has it
 
 
 def node_data(run_dir, node):
@@ -62,6 +63,8 @@ def test_a_row_per_node_and_gpu_from_that_nodes_own_samples_and_alerts(generated
         expected = alerts.value_counts().reindex(range(2), fill_value=0)
         assert rows["alerts"].to_dict() == expected.to_dict()
     assert summary.loc[(1, 1), "alerts"] >= 2  # the ECC burst's warning, then the lost device
+    assert summary.loc[(1, 1), "xids"] == "48"  # the burst's double-bit ECC error
+    assert (summary.drop(index=(1, 1))["xids"] == "").all()
     assert summary.loc[(0, 1), "alerts"] == 0  # same GPU id on another node: none of those
     assert summary.loc[(1, 1), "failure_risk_max"] == pytest.approx(1.0, abs=0.01)
     assert summary.loc[(1, 1), "samples"] < summary.loc[(1, 0), "samples"]  # lost at 60%

@@ -4,7 +4,7 @@ Writes into DIR:
 
 * ``summary.csv`` and ``summary.md``: one row per GPU (samples, time span, mean/max
   temperature, power and utilisation, smallest memory headroom, errors new during the trace,
-  max risk, alerts); a value the trace never knew (``[N/A]`` throughout) is an empty CSV
+  XID codes seen, max risk, alerts); a value the trace never knew (``[N/A]`` throughout) is an empty CSV
   cell and ``n/a`` in Markdown and HTML;
 * one PNG per metric with every GPU over time, and ``failure_risk.png`` with the alert
   threshold; when ``events.jsonl`` is beside the CSV, vertical markers for emergency saves,
@@ -84,7 +84,7 @@ PLOTTED = (Metric("temperature", "Temperature", "°C"), Metric("power_draw", "Po
            Metric(RISK_COLUMN, "Failure risk", "score 0-1"))
 COUNTERS = ("errors", "ecc_sbe", "ecc_dbe")  # cumulative since the driver loaded
 MISSING = "n/a"  # how a value the trace never knew reads in Markdown and HTML
-NUMERIC = tuple(dict.fromkeys([m.column for m in PLOTTED] + ["memory_total", *COUNTERS]))
+NUMERIC = tuple(dict.fromkeys([m.column for m in PLOTTED] + ["memory_total", *COUNTERS, "xid"]))
 EVENT_STYLES = {  # event -> (legend label, colour, line style, width); grey, so no GPU's colour
     "emergency_save": ("emergency save", "black", "--", 1.4),
     "failure": ("failure", "black", "-", 2.4),
@@ -303,6 +303,8 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
     for column in COUNTERS:
         if column in frame:
             table[f"{column}_new"] = _increase(frame, column)
+    if "xid" in frame:
+        table["xids"] = _xids(frame).reindex(table.index, fill_value="")
     if RISK_COLUMN in frame:
         table[f"{RISK_COLUMN}_max"] = by_gpu[RISK_COLUMN].max()
     counts, source = _alerts(frame, events, threshold)
@@ -322,6 +324,15 @@ def _increase(frame: pd.DataFrame, counter: str) -> pd.Series:
     known = known.sort_values("time", kind="stable")
     rises = known.groupby(keys)[counter].diff().clip(lower=0)
     return rises.groupby([known[k] for k in keys]).sum().astype("Int64")
+
+
+def _xids(frame: pd.DataFrame) -> pd.Series:
+    """Per GPU, the XID codes it reported, in the order first seen ("79 48"): the first thing
+    an operator looks up after a failure, and no plot shows a code."""
+    keys = series_keys(frame)
+    seen = frame.loc[frame["xid"].notna(), [*keys, "time", "xid"]].sort_values("time", kind="stable")
+    return seen.groupby(keys)["xid"].agg(
+        lambda codes: " ".join(str(int(code)) for code in dict.fromkeys(codes)))
 
 
 def to_markdown(table: pd.DataFrame) -> str:
