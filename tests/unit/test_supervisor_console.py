@@ -1194,6 +1194,8 @@ def test_a_lost_rendezvous_after_training_finished_is_the_jobs_end_not_a_requeue
     supervisor = Supervisor(config, QuietMonitor())
     runfiles.write_heartbeat(tmp_path, iteration=100, consumed_samples=0, finished=finished)
     assert supervisor._store_lost(StoreLost("the store is gone"), State(state)).value == trigger
+    ends = [e for e in runfiles.read_events(tmp_path) if e["event"] == "complete"]
+    assert all("on_other_nodes" not in e for e in ends)  # this node trained to the end
 
 
 @pytest.mark.parametrize("on_disk, trigger", [(40, "completed"), (30, "store_lost")])
@@ -1217,8 +1219,9 @@ def test_a_lost_rendezvous_with_the_schedules_last_checkpoint_on_disk_is_the_job
     write_checkpoint(save, on_disk)  # whole: a load would take it
     tracker_path(save).write_text(str(on_disk))
     assert supervisor._store_lost(StoreLost("the store is gone"), State.PLANNING).value == trigger
-    if trigger == "completed":
-        assert runfiles.read_events(tmp_path / "run")[-1]["iteration"] == 40
+    if trigger == "completed":  # recorded as a node that waited records the job's end
+        (ended,) = [e for e in runfiles.read_events(tmp_path / "run") if e["event"] == "complete"]
+        assert (ended["iteration"], ended.get("on_other_nodes")) == (40, True)
 
 
 @pytest.mark.parametrize("state", ["standby", "planning"])

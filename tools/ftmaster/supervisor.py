@@ -712,9 +712,12 @@ class Supervisor:
                     "the end of its schedule: resuming it", self._state_iteration())
         return self._failure("exit", iteration, [], {"torchrun": 0})
 
-    def _complete(self, tell_peers: bool = True) -> Trigger:
+    def _complete(self, tell_peers: bool = True, on_other_nodes: bool = False) -> Trigger:
+        """``on_other_nodes``: the job completed while this node trained none of its end (as
+        :meth:`_job_ended` records it), which the report and goodput tell apart."""
         self._follow_events()
-        self._event("complete", iteration=self._state_iteration())
+        self._event("complete", iteration=self._state_iteration(),
+                    **({"on_other_nodes": True} if on_other_nodes else {}))
         log.info("training complete at iteration %d", self._state_iteration())
         if tell_peers and self.membership is not None:
             self.membership.end_job("complete", self._stop_requested)
@@ -742,7 +745,9 @@ class Supervisor:
                         f"iteration {saved}")
             if saved is not None:
                 self._progress = (saved, time.monotonic())
-            return self._complete(tell_peers=False)  # no store left to tell them through
+            trained_here = state in (State.RUNNING, State.DRAINING)
+            # no store left to tell them through
+            return self._complete(tell_peers=False, on_other_nodes=not trained_here)
         self._event("store_lost", reason=str(lost))
         log.error("the job's rendezvous is gone (%s): requeue the job (exit status 75)", lost)
         return Trigger.STORE_LOST
