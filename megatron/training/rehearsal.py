@@ -17,7 +17,9 @@ them nothing here does anything. Each fault is what the rank would see on a fail
   ``grad-norm`` (the norm is taken, the agreement not yet), ``update`` (just applied) or
   ``save-agreement`` (the iteration's save agreement is being waited for) or ``slot-copy``
   (halfway through refilling a memory-tier slot). The replica recovery tests use it to kill
-  a rank between any two collectives;
+  a rank between any two collectives. Under ftmaster each entry fires once per run
+  directory (``$FTMASTER_RUN_DIR/ranks/kill_fired_*``): the relaunch that resumes from
+  before it runs on, as after a real GPU's loss, instead of failing the same way again;
 - ``FTMASTER_INJECT_STALL=LOCAL_RANK:ITERATION[,...]``: that local rank's async writer of
   the save at that iteration stops itself (``SIGSTOP``) before it writes, as a writer stuck
   on a file system that stopped answering would (:mod:`async_saves` gives it up).
@@ -28,6 +30,8 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+
+from ftmaster import runfiles
 
 NAN_ENV = "FTMASTER_INJECT_NAN"
 CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
@@ -41,7 +45,8 @@ this rank's compute by from now on (due at a time or after an event; read each i
 KILL_ENV = "FTMASTER_INJECT_KILL"
 STALL_ENV = "FTMASTER_INJECT_STALL"
 KILL_POINTS = ("forward", "grad-allreduce", "grad-norm", "update", "save-agreement", "slot-copy")
-_armed_kills: set[tuple[int, str]] = set()
+_armed_kills: dict[tuple[int, str], Path | None] = {}
+"""(iteration, point) -> the file that says it fired (None outside ftmaster's run directory)."""
 
 # What the CUDA runtime reports when the XID's fault hits a running context.
 _ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95, 140})
@@ -157,11 +162,22 @@ def _kill_point_name(text: str) -> str:
 
 
 def arm_kill_points(local_rank: int) -> None:
-    """At start-up: the (iteration, point) pairs at which this local rank kills itself."""
+    """At start-up: the (iteration, point) pairs at which this local rank kills itself, less
+    those an earlier attempt of the run fired."""
     _armed_kills.clear()
-    _armed_kills.update(_local_entries(
-        KILL_ENV, local_rank, (int, _kill_point_name),
-        f"LOCAL_RANK:ITERATION:POINT[,...] with POINT one of {', '.join(KILL_POINTS)}"))
+    for iteration, point in _local_entries(
+            KILL_ENV, local_rank, (int, _kill_point_name),
+            f"LOCAL_RANK:ITERATION:POINT[,...] with POINT one of {', '.join(KILL_POINTS)}"):
+        fired = _fired_kill_path(local_rank, iteration, point)
+        if fired is None or not fired.exists():
+            _armed_kills[(iteration, point)] = fired
+
+
+def _fired_kill_path(local_rank: int, iteration: int, point: str) -> Path | None:
+    run_dir = os.environ.get(runfiles.RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    return runfiles.ranks_dir(Path(run_dir)) / f"kill_fired_{local_rank}_{iteration}_{point}"
 
 
 def kill_armed(point: str) -> bool:
@@ -170,9 +186,18 @@ def kill_armed(point: str) -> bool:
 
 
 def kill_point(point: str, iteration: int) -> None:
-    """SIGKILL this process when the rehearsal armed ``point`` at ``iteration``."""
-    if (iteration, point) in _armed_kills:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this process when the rehearsal armed ``point`` at ``iteration``, saying so
+    first in the run directory."""
+    if (iteration, point) not in _armed_kills:
+        return
+    fired = _armed_kills[(iteration, point)]
+    if fired is not None:
+        try:
+            fired.parent.mkdir(parents=True, exist_ok=True)
+            fired.touch()
+        except OSError:
+            pass  # unsaid, it fires again in the next attempt: the kill is the rehearsal
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stall_writer(iteration: int) -> None:

@@ -74,3 +74,27 @@ def test_an_xid_while_training_raises_the_cuda_error_where_the_rank_is(monkeypat
             signal.sigtimedwait([], 0.5)  # give the handler a chance to run
     finally:
         signal.signal(rehearsal.CUDA_ERROR_SIGNAL, before)
+
+
+def _rank_reaching_kill_point(run_dir, spec: str) -> int:
+    """A process as local rank 0 of an attempt that arms its kills and reaches iteration 3's
+    forward; its exit status."""
+    import subprocess
+    import sys
+
+    script = ("from megatron.training import rehearsal\n"
+              "rehearsal.arm_kill_points(0)\n"
+              "rehearsal.kill_point('forward', 3)\n")
+    env = {**os.environ, rehearsal.KILL_ENV: spec, "FTMASTER_RUN_DIR": str(run_dir)}
+    return subprocess.run([sys.executable, "-c", script], env=env, timeout=60).returncode
+
+
+def test_an_injected_kill_fires_once_per_run_directory(tmp_path):
+    """Every attempt of a run inherits FTMASTER_INJECT_KILL: the relaunch that resumed from
+    before the kill's iteration killed itself there again, attempt after attempt, until the
+    restart budget was spent, where the rehearsal meant one lost GPU."""
+    run = tmp_path / "run"
+    assert _rank_reaching_kill_point(run, "0:3:forward") == -signal.SIGKILL
+    assert _rank_reaching_kill_point(run, "0:3:forward") == 0
+    assert _rank_reaching_kill_point(run, "0:3:update,0:3:forward") == 0  # listed otherwise
+    assert _rank_reaching_kill_point(tmp_path / "another run", "0:3:forward") == -signal.SIGKILL
