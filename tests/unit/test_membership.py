@@ -668,10 +668,11 @@ def test_a_refusal_after_the_peer_server_started_leaves_no_memory_folder(tmp_pat
     assert not memory.exists() and not (tmp_path / "ckpt").exists()
 
 
-def test_a_rendezvous_endpoint_that_never_answers_ends_the_launch(tmp_path):
-    """Another program listening at the endpoint's port (or a wedged store) takes torch's
-    connection and never answers it: torch's client waited for good, read_timeout or not,
-    saying nothing. Past read_timeout and a margin the store counts as lost."""
+def test_a_rendezvous_endpoint_that_never_answers_refuses_the_launch(tmp_path):
+    """Another program listening at the endpoint's port takes torch's connection and never
+    answers it: torch's client waited for good, read_timeout or not, saying nothing. Past
+    read_timeout and a margin the launch is refused in one line, not ended with exit 75:
+    SLURM's wrapper requeued the job onto the same program for as long as it ran."""
     import socket
     import subprocess
     import sys
@@ -691,14 +692,17 @@ def test_a_rendezvous_endpoint_that_never_answers_ends_the_launch(tmp_path):
             _, stderr = launch.communicate(timeout=40)
         finally:
             launch.kill()
-    assert launch.returncode == 75, stderr
-    assert f"the rendezvous store at {endpoint} did not answer within 6 s" in stderr
+    assert launch.returncode == 2, stderr
+    assert stderr.count("\n") == 1 and (
+        f"--rdzv-endpoint {endpoint}: another program holds that port, not the job's rendezvous "
+        "store (it took the connection and said nothing within 6 s)") in stderr
 
 
-def test_a_store_port_in_use_on_the_stores_host_is_named(tmp_path, caplog):
+def test_a_store_port_in_use_on_the_stores_host_is_named(tmp_path):
     """The node at the endpoint could not serve the store on a port another program holds:
     the line read "(The connection to the C10d store has failed. See inner exception for
-    details.)", and no inner exception was shown."""
+    details.)", and no inner exception was shown; and it ended with exit 75, a requeue onto
+    the same program."""
     import socket
 
     with socket.socket() as taken:
@@ -709,10 +713,49 @@ def test_a_store_port_in_use_on_the_stores_host_is_named(tmp_path, caplog):
             "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:%d" % taken.getsockname()[1],
             "--local-addr", "127.0.0.1", "--rdzv-conf", "is_host=1,read_timeout=2",
             "--run-dir", str(tmp_path / "run"), "--", PRETRAIN, *MODEL[:11], "16", *MODEL[12:]])
-    assert result.exit_code == 75, caplog.text
-    assert "See inner exception" not in caplog.text
-    assert "(DistNetworkError: The server socket has failed to listen" in caplog.text
-    assert "address already in use" in caplog.text
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "See inner exception" not in result.stderr
+    assert "another program holds that port" in result.stderr
+    assert "(DistNetworkError: The server socket has failed to listen" in result.stderr
+    assert "address already in use" in result.stderr
+
+
+def test_a_program_that_answers_at_the_store_port_refuses_the_launch(tmp_path):
+    """A program at the endpoint's port that answers (a web server's error, a banner) fails
+    torch's ping: that ended with exit 75 as a lost store, and SLURM's wrapper requeued the
+    job onto the same program for as long as it ran."""
+    import contextlib
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        endpoint = "127.0.0.1:%d" % server.getsockname()[1]
+
+        def answer_every_connection() -> None:
+            while True:
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # closed: the test is over
+                    return
+                with connection:  # a web server's answer to what it read, then its wait
+                    connection.settimeout(30)
+                    with contextlib.suppress(OSError):
+                        connection.recv(4096)
+                        connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                        while connection.recv(4096):
+                            pass
+
+        threading.Thread(target=answer_every_connection, daemon=True).start()
+        result = CliRunner().invoke(main, [
+            "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "1:2",
+            "--node-rank", "1", "--rdzv-endpoint", endpoint, "--local-addr", "127.0.0.1",
+            "--rdzv-conf", "read_timeout=2", "--run-dir", str(tmp_path / "run"), "--",
+            PRETRAIN, *MODEL[:11], "16", *MODEL[12:]])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert f"--rdzv-endpoint {endpoint}: another program holds that port" in result.stderr
+    assert "Ping failed" in result.stderr
 
 
 def test_an_etcd_store_nobody_serves_is_one_line(tmp_path):

@@ -37,7 +37,7 @@ from ftmaster.lock import (NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDi
                            missing_folders, remove_made)
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
-                                 unread_conf_keys)
+                                 silent_store, unread_conf_keys)
 from ftmaster.board import RunBoard
 from ftmaster.console import gpus_text
 from ftmaster.metrics import MetricsUnavailable, serve_metrics
@@ -901,18 +901,16 @@ def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Seq
     the wait for the store at once (torch's connect blocks in C++ for ``read_timeout`` and
     more, so scancel's SIGKILL came first, with nothing recorded): the seat is left
     unconnected, and the supervisor, handed the stop, records it and never joins. A store
-    silent past torch's ``read_timeout`` and a margin is lost: a listener that is no store
-    (another program at the endpoint's port) takes torch's connection and never answers,
-    and torch's client waited for it for good, saying nothing."""
+    silent past torch's ``read_timeout`` and a margin is lost, or, when a listener took
+    torch's connection, another program's port (:func:`silent_store`): torch's client
+    waited for it for good, saying nothing."""
     if rendezvous is None:
         return None
     deadline = time.monotonic() + rendezvous.store_timeout_s
 
     def wanted() -> bool:
         if time.monotonic() > deadline:
-            raise StoreLost(f"the rendezvous store at {rendezvous.endpoint} did not answer "
-                            f"within {rendezvous.store_timeout_s:g} s (is another program "
-                            "listening at that port?)")
+            raise silent_store(rendezvous)
         return not stops.came_early()
 
     try:

@@ -296,6 +296,34 @@ def store_failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+FOREIGN_ANSWERS = ("Ping failed, invalid value returned from server", "address already in use")
+"""torch's words when the endpoint's port is another program's: it answered the store
+client's ping with bytes of its own, or it holds the port this node was to serve the store
+at (``is_host``). Neither is the store lost: a requeue meets that program again (exit 75
+requeued the job for as long as it ran)."""
+PROBE_TIMEOUT_S = 2.0
+
+
+def foreign_listener(config: RendezvousConfig, seen: str) -> ValueError:
+    return ValueError(f"--rdzv-endpoint {config.endpoint}: another program holds that port, "
+                      f"not the job's rendezvous store ({seen}): give a port no other program "
+                      "uses; a requeue would meet it again")
+
+
+def silent_store(config: RendezvousConfig) -> Exception:
+    """Why the store did not answer within ``store_timeout_s`` at launch: a program that
+    accepts the connection and says nothing is another program (the job's store answers
+    torch's ping at once, from a thread of its own), and a port nobody listens at is a store
+    not there (lost: a requeue)."""
+    waited = f"within {config.store_timeout_s:g} s"
+    try:
+        socket.create_connection((config.endpoint_host, config.store_port),
+                                 timeout=PROBE_TIMEOUT_S).close()
+    except OSError:
+        return StoreLost(f"the rendezvous store at {config.endpoint} did not answer {waited}")
+    return foreign_listener(config, f"it took the connection and said nothing {waited}")
+
+
 def free_port(addr: str) -> int:
     family, address = bind_address(addr, 0)
     with socket.socket(family) as sock:
@@ -444,8 +472,11 @@ class NodeMembership:
         try:
             return rendezvous_handler_registry.create_handler(params)
         except RendezvousConnectionError as error:
+            failure = store_failure(error)
+            if any(words in failure for words in FOREIGN_ANSWERS):
+                raise foreign_listener(c, failure) from None
             raise StoreLost(f"cannot reach the rendezvous store at {c.endpoint} "
-                            f"({store_failure(error)})") from None
+                            f"({failure})") from None
         except ImportError as error:  # etcd-v2 needs python-etcd
             raise ValueError(f"the {c.backend} rendezvous backend needs {error.name} "
                              f"(pip install python-etcd)") from None
