@@ -2022,3 +2022,29 @@ def test_a_node_that_finds_no_store_and_the_schedules_last_checkpoint_on_disk_en
         launch._membership(rendezvous, 2, args, types.SimpleNamespace(came_early=lambda: False),
                            tmp_path / "run")
     assert ended.value.code == status
+
+
+def test_a_straggler_named_anew_is_in_line_once_with_its_newest_figures(tmp_path):
+    """A GPU slow again after a recovery is named anew: waiting to be weighed, it was said
+    'keeping GPU 1: GPU 1 is slower and weighed first'; behind another, it stood in line
+    twice, weighed (and said kept) once per time it was named."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+
+    def named(gpu: int, slowdown: float, iteration: int) -> Found:
+        return Found(gpu, Straggler(gpu, iteration, iteration - 3, slowdown, 2.0, 20.0, 10.0),
+                     1.0, 0.5)
+
+    supervisor._weigh_first(named(1, 2.8, 13))
+    newest = named(1, 2.5, 30)
+    supervisor._weigh_first(newest)
+    assert supervisor._straggler_to_drain is newest
+    assert not [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"]
+    supervisor._weigh_first(named(2, 1.9, 31))
+    latest_of_2 = named(2, 2.1, 50)
+    supervisor._weigh_first(latest_of_2)
+    assert supervisor._stragglers_behind == [latest_of_2]

@@ -1192,8 +1192,13 @@ class Supervisor:
     def _weigh_first(self, found: Found) -> None:
         """One drain at a time: the slowest straggler is weighed; another is kept, and said.
         One named while a drain is under way waits for it (the next attempt names it anew),
-        unless it is the GPU being drained: that one leaves, kept by nothing."""
+        unless it is the GPU being drained: that one leaves, kept by nothing. A GPU named
+        anew (slow again after a recovery) is in line once, with its newest figures: it was
+        said kept behind itself, and weighed (and said kept) once per time it was named."""
         pending = self._straggler_to_drain
+        if pending is not None and pending.gpu == found.gpu:
+            pending = None
+        self._stragglers_behind = [f for f in self._stragglers_behind if f.gpu != found.gpu]
         slower = pending is None or found.straggler.slowdown > pending.straggler.slowdown
         kept, self._straggler_to_drain = (pending, found) if slower else (found, pending)
         if self._drain_gpu is not None:
