@@ -16,7 +16,7 @@ import pytest
 from ftmaster import persist as persist_module
 from ftmaster.peer_files import PeerMissing
 from ftmaster.lock import RunDirLock
-from ftmaster.persist import (PersistError, Persister, PersistSuperseded, Tiers,
+from ftmaster.persist import (RETRY_WAIT_S, PersistError, Persister, PersistSuperseded, Tiers,
                               checkpoint_bytes_guess, mark_owner, persist, persist_left_behind,
                               remove_partial_copies, tiers_of, with_memory_dir)
 from ftmaster.recovery.argv_flags import flag_value
@@ -68,6 +68,12 @@ def test_a_damaged_memory_copy_is_never_persisted(tmp_path):
     assert not list(disk.glob(".iter_*"))  # the partial copy is removed
 
 
+def first_retry_wait_passed(persister: Persister) -> None:
+    """As if RETRY_WAIT_S's first figure had passed since the copy failed."""
+    iteration, now_from, poll_from = persister._retry
+    persister._retry = (iteration, now_from - RETRY_WAIT_S[0], poll_from - RETRY_WAIT_S[0])
+
+
 def test_a_damaged_memory_copy_is_not_tried_again_at_every_poll(tmp_path):
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     source = fake_checkpoint(memory, 8)
@@ -79,6 +85,8 @@ def test_a_damaged_memory_copy_is_not_tried_again_at_every_poll(tmp_path):
     (failure,) = persister.take_results()
     assert "does not match its checksum" in str(failure)
     assert not persister.needs_copy(8)  # not at every poll: 27 re-reads of 86 MB in 9 s before
+    assert not persister.needs_copy(8, retry_now=True)  # nor at once: it fails the same way
+    first_retry_wait_passed(persister)
     assert persister.needs_copy(8, retry_now=True)  # an attempt's end or the run's tries again
 
 
@@ -313,6 +321,7 @@ def test_a_full_memory_tier_that_cannot_take_the_pin_is_a_failed_copy_not_a_dead
     assert isinstance(failure, PersistError) and "No space left" in str(failure)
     assert not persister.needs_copy(6)  # waits before it is tried again, as a failed copy
     monkeypatch.undo()
+    first_retry_wait_passed(persister)
     assert persister.needs_copy(6, retry_now=True) and persister.start(6)
     persister.wait(30)
     assert persister.take_results()[0].iteration == 6 and read_tracker(disk) == 6
@@ -327,6 +336,7 @@ def test_a_failed_copy_is_tried_again(tmp_path):
     assert persister.start(6)
     persister.wait(30)
     assert isinstance(persister.take_results()[0], PersistError)
+    first_retry_wait_passed(persister)
     assert persister.needs_copy(6, retry_now=True)  # not given up on: the end of the run tries again
     (source / "common.pt").write_bytes(good)
     assert persister.start(6)

@@ -360,6 +360,30 @@ def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_rea
     assert persisted["time"] <= finished_by
 
 
+def test_one_damaged_memory_checkpoint_is_one_failed_persist_not_three(tmp_path):
+    """A copy failed at a poll was tried again at once when the attempt failed and again at
+    the end of the run, each failing the same way: three persist_failed events and three
+    console lines for one damaged checkpoint within a second."""
+    from ftmaster.launch import check_layout
+    from ftmaster.persist import Persister
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    source = fake_checkpoint(tmp_path / "memory", 8)
+    (source / "common.pt").write_bytes(b"x" * 100)
+    supervisor.persister = Persister(tmp_path / "memory", tmp_path / "disk")
+    supervisor._persist_when_due()  # the emergency save's copy, at a poll
+    supervisor.persister.wait(10)
+    supervisor._persist_when_due(now=True)  # the attempt failed
+    supervisor.persister.wait(10)
+    supervisor._finish_persisting()  # the run ends
+    failed = [e for e in runfiles.read_events(tmp_path) if e["event"] == "persist_failed"]
+    assert len(failed) == 1 and "does not match its checksum" in failed[0]["reason"]
+
+
 class FinishedAttempt:
     """An attempt whose ranks finished training but have not exited yet."""
 

@@ -395,7 +395,9 @@ def remove_partial_copies(save_dir: Path) -> None:
 
 RETRY_WAIT_S = (5.0, 300.0)
 """After a failed copy: the wait before the same checkpoint is tried again, doubling per
-failure in a row up to the second figure."""
+failure in a row up to the second figure. An attempt's failure and the run's end try it
+again sooner, but not within the first figure: a copy that failed a moment before fails
+again (three tries and three ``persist_failed`` of one damaged checkpoint in a second)."""
 
 
 class Persister:
@@ -408,7 +410,9 @@ class Persister:
         self.last_requested: int | None = None
         self._whole: int | None = None  # the last checkpoint seen whole (checked once)
         self._failures = 0  # copies failed in a row
-        self._retry: tuple[int, float] | None = None  # the failed iteration, when to try again
+        # The failed iteration, and from when it is tried again: asked at once (retry_now),
+        # and at a poll.
+        self._retry: tuple[int, float, float] | None = None
         remove_partial_copies(self.save_dir)
         self._let_go_of_a_dead_copys_pin()
 
@@ -445,7 +449,7 @@ class Persister:
     def needs_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
         """Whether ``iteration`` is newer than the disk tier's and not being copied; one whose
         copy just failed waits before it is tried again (a damaged checkpoint was re-read at
-        every poll), unless ``retry_now``."""
+        every poll), for :data:`RETRY_WAIT_S`'s first figure alone when ``retry_now``."""
         return self.may_need_copy(iteration, retry_now) and self.newer_than_disk(iteration)
 
     def may_need_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
@@ -453,8 +457,10 @@ class Persister:
         every poll (already requested, or waiting to be tried again)."""
         if iteration is None or iteration == self.last_requested:
             return False
-        return retry_now or self._retry is None or iteration != self._retry[0] \
-            or time.monotonic() >= self._retry[1]
+        if self._retry is None or iteration != self._retry[0]:
+            return True
+        _, now_from, poll_from = self._retry
+        return time.monotonic() >= (now_from if retry_now else poll_from)
 
     def newer_than_disk(self, iteration: int) -> bool:
         """Whether ``iteration`` is newer than what a load would take from ``--save``; True
@@ -502,7 +508,8 @@ class Persister:
             self.last_requested = None  # try again (at the end of the run at the latest)
             self._failures += 1
             wait = min(RETRY_WAIT_S[1], RETRY_WAIT_S[0] * 2 ** (self._failures - 1))
-            self._retry = (iteration, time.monotonic() + wait)
+            now = time.monotonic()
+            self._retry = (iteration, now + RETRY_WAIT_S[0], now + wait)
         self._results.put(failure)
 
     def wait(self, timeout_s: float | None = None) -> None:
