@@ -193,6 +193,22 @@ def test_a_refused_launch_keeps_what_was_there_before_it(tmp_path):
     assert (run_dir / "earlier.txt").exists() and (save / "earlier.txt").exists()
 
 
+def test_a_launch_refused_after_its_board_started_leaves_no_event_file(tmp_path):
+    """ftmaster's TensorBoard writer makes its event file at once: a launch refused after it
+    (warm workers that cannot start) left one more file in the board's folder, no scalar in
+    it, each time."""
+    run_dir, tensorboard = tmp_path / "run", tmp_path / "tb"
+    (run_dir / "logs" / "warm_workers.log").mkdir(parents=True)  # no log: no warm workers
+    board = tensorboard / "ftmaster"
+    board.mkdir(parents=True)
+    (board / "earlier.txt").write_text("an earlier run's")
+    result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL, "--tensorboard-dir", str(tensorboard))
+    assert result.exit_code != 0 and "cannot start the warm workers" in result.stderr, \
+        result.stderr
+    assert [path.name for path in board.iterdir()] == ["earlier.txt"]
+
+
 def test_no_gpu_and_no_nproc_is_one_line(tmp_path):
     result = launch(tmp_path / "run", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
                     env={"CUDA_VISIBLE_DEVICES": ""})

@@ -100,9 +100,11 @@ class RunBoard:
     def __init__(self, folder: Path, node_rank: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
-        earlier = last_points(folder)
+        earlier, files_before = last_points(folder), set(folder.glob("*tfevents*"))
         self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
                                     f"ftmaster's TensorBoard scalars in {folder}", log.error)
+        self._own_files = set(folder.glob("*tfevents*")) - files_before
+        """The event file this board writes (made at once, by tensorboard)."""
         self.iteration = max((step for tag, (step, _) in earlier.items()
                               if tag not in PER_RECOVERY), default=0)
         """The furthest iteration the run reached (see the module docstring)."""
@@ -184,3 +186,10 @@ class RunBoard:
         for gpu, (iteration, peak) in list(self._risk_peak.items()):
             self._write_risk(gpu, iteration, peak)
         self.writer.close()
+
+    def withdraw(self) -> None:
+        """For a refused launch: closed, and its event file removed. Kept, each refused
+        launch left one more file in the board's folder with no scalar in it."""
+        self.writer.close()
+        for path in self._own_files:
+            path.unlink(missing_ok=True)

@@ -641,7 +641,7 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
                            options["scorer"], options["risk_threshold"])
         refusal.callback(monitor.close)
         observers = _observers(options, rendezvous, monitor, config, held)
-        refusal.callback(_close_all, observers)
+        refusal.callback(_withdraw_all, observers)
         membership = _membership(rendezvous, len(devices.ids), argv[1:], stops, config.run_dir)
         replication = _replication(config, membership, options, held)
         if replication is not None:
@@ -892,6 +892,12 @@ def _warm_starter(config: SupervisorConfig, gpus: int) -> WarmStarter:
 def _close_all(observers: Sequence) -> None:
     for observer in observers:
         observer.close()
+
+
+def _withdraw_all(observers: Sequence) -> None:
+    """A refused launch's observers closed, a board's event file taken away again."""
+    for observer in observers:
+        (observer.withdraw if isinstance(observer, RunBoard) else observer.close)()
 
 
 def _membership(rendezvous: RendezvousConfig | None, launch_gpus: int, args: Sequence[str],
