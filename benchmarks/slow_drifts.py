@@ -10,7 +10,8 @@ GPUs (a step to heavier work, a slow warm-up to a new level, a swing of the room
 temperature), over the usual healthy noise and checkpoint dips. Each trace is replayed
 through the adaptive scorer; a drift's lead share is the time from its first true alert to
 the failure over the drift's span (goal: at least 25%). False alarms are alert episodes
-outside any failure's window, per 100 GPU-hours.
+outside any failure's window, per 100 GPU-hours; each is listed by its trace's seed and GPU,
+to be replayed on its own (``--first-seed SEED --traces 1``).
 
 ``--existing N`` also replays the held-out set of ``benchmarks/monitor_quality.py`` (the
 failure types from before) and prints its recall and false alarms: the drift detector must
@@ -59,16 +60,20 @@ def drift_config(settings: list[str]) -> DriftConfig:
         raise SystemExit(f"--set: {error}") from None
 
 
-def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[list[dict], int, float]:
-    """Per drift: kind, shape, span, lead share; and the false episodes and GPU-hours."""
-    drifts, episodes, gpu_hours = [], 0, 0.0
+def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[list[dict], list[str], float]:
+    """Per drift: kind, shape, span, lead share; each false episode's trace and GPU; and the
+    GPU-hours."""
+    drifts, episodes, gpu_hours = [], [], 0.0
     for seed in seeds:
         spec = tracegen.drift_spec(seed)
         csv_path, labels_path = tracegen.write_trace(spec, folder)
         labels = json.loads(labels_path.read_text())
         alerts, hours, _ = replay(csv_path, AdaptiveScorer(config), AlertConfig())
-        judged = judge(alerts, labels["failures"], grace_s=60.0, episode_gap_s=1800.0)
-        episodes, gpu_hours = episodes + judged.false_episodes, gpu_hours + hours
+        gpu_hours += hours
+        for gpu in sorted({alert.gpu for alert in alerts}):
+            judged = judge([a for a in alerts if a.gpu == gpu], labels["failures"],
+                           grace_s=60.0, episode_gap_s=1800.0)
+            episodes += [f"seed {seed} GPU {gpu}"] * judged.false_episodes
         for failure, plan in zip(labels["failures"], spec.failures):
             span = failure["failure_time"] - failure["precursor_start"]
             early = [a.time for a in alerts if a.gpu == failure["gpu"]
@@ -108,8 +113,10 @@ def main() -> None:
             if drift["share"] < GOAL:
                 print(f"  short: seed {drift['seed']} ({drift['kind']}, {drift['shape']}): "
                       f"{drift['share']:.1%} of its span left")
-        print(f"false-alarm episodes {episodes} = {100 * episodes / gpu_hours:.2f} per 100 GPU-h "
-              f"over {gpu_hours:.0f} GPU-h (benign look-alikes included)")
+        print(f"false-alarm episodes {len(episodes)} = {100 * len(episodes) / gpu_hours:.2f} per "
+              f"100 GPU-h over {gpu_hours:.0f} GPU-h (benign look-alikes included)")
+        for episode in episodes:
+            print(f"  false: {episode}")
         if options.existing:
             specs = [tracegen.random_spec(seed) for seed in range(1000, 1000 + options.existing)]
             traces = [tracegen.write_trace(spec, Path(tmp) / "existing") for spec in specs]
