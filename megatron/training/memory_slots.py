@@ -8,7 +8,8 @@ the same inside a regular ``torch_dist`` checkpoint, which still loads under any
   tensor's bytes sit (:mod:`records`). The pages are then in memory, so the files are
   preallocated and prefaulted from here on; the rank keeps them mapped (``MAP_POPULATE``).
 - Every later save into the slot copies each tensor's bytes to its place: on CPU a copy with
-  streaming stores (``stream_copy.c``), each chunk hashed just before it is copied, and on
+  streaming stores, each chunk hashed just before it is copied, the whole loop in C
+  (``stream_copy.c``), and on
   CUDA a device-to-host copy straight into the mapping, registered with the driver as pinned
   memory (as torch's own ``_state_dict_stager`` pins its shared memory), hashed once landed;
   a mapping the driver refuses to pin is refilled as on CPU, each tensor brought to the host.
@@ -36,10 +37,13 @@ import importlib.util
 import mmap
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 import xxhash
+import xxhash._xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -55,20 +59,64 @@ from .records import Record, RecordWriter
 COPY_CHUNK = 512 << 10  # hashed twice, then copied while still in L2 (1.25x faster than 2 MB)
 
 
-def _stream_copy():
-    """``stream_copy.c``'s copy (streaming stores), or libc's ``memmove`` where that was not
-    built (no C compiler at set-up); both take (target, source, length)."""
+def _stream_copy_library() -> ctypes.CDLL | None:
+    """``stream_copy.c``, built (None without a C compiler at set-up)."""
     spec = importlib.util.find_spec(f"{__package__}._stream_copy")
     try:
-        function = ctypes.CDLL(spec.origin).ftmaster_stream_copy
-    except (AttributeError, OSError, TypeError):  # no spec, no library, no symbol
+        return ctypes.CDLL(spec.origin)
+    except (AttributeError, OSError, TypeError):  # no spec, no library
+        return None
+
+
+def _stream_copy(library: ctypes.CDLL | None):
+    """``stream_copy.c``'s copy (streaming stores), or libc's ``memmove`` where that was not
+    built; both take (target, source, length)."""
+    function = getattr(library, "ftmaster_stream_copy", None)
+    if function is None:
         return ctypes.memmove
     function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
     function.restype = None
     return function
 
 
-copy_bytes = _stream_copy()
+@dataclass(frozen=True)
+class _NativeRefill:
+    """``stream_copy.c``'s refill loop, given python-xxhash's own XXH3 functions: the digests
+    are those the manifest's readers take through that package."""
+
+    refill: ctypes._CFuncPtr
+    hash_functions: tuple[int, int, int]
+    """The addresses of ``XXH3_64bits_reset``, ``_update`` and ``_digest``, for the loop."""
+    create_state: ctypes._CFuncPtr
+    free_state: ctypes._CFuncPtr
+    reset: ctypes._CFuncPtr
+    digest: ctypes._CFuncPtr
+
+
+def _native_refill(library: ctypes.CDLL | None) -> _NativeRefill | None:
+    """The refill loop in C, or None where ``stream_copy.c`` was not built or python-xxhash's
+    extension does not export XXH3's streaming calls: the refill then loops in Python."""
+    try:
+        refill = library.ftmaster_refill
+        hashes = ctypes.CDLL(xxhash._xxhash.__file__)
+        reset, update, digest = (getattr(hashes, f"XXH3_64bits_{name}")
+                                 for name in ("reset", "update", "digest"))
+        create_state, free_state = hashes.XXH3_createState, hashes.XXH3_freeState
+    except (AttributeError, OSError):  # no library, or a symbol missing
+        return None
+    refill.argtypes = (ctypes.c_void_p,) * 2 + (ctypes.c_size_t,) * 2 + (ctypes.c_void_p,) * 7
+    refill.restype = None
+    create_state.restype = ctypes.c_void_p
+    for function in (free_state, reset, digest):
+        function.argtypes = (ctypes.c_void_p,)
+    digest.restype = ctypes.c_uint64
+    functions = tuple(ctypes.cast(function, ctypes.c_void_p).value for function in (reset, update, digest))
+    return _NativeRefill(refill, functions, create_state, free_state, reset, digest)
+
+
+_library = _stream_copy_library()
+copy_bytes = _stream_copy(_library)
+native_refill = _native_refill(_library)
 
 
 def _pinned(region: torch.Tensor) -> bool:
@@ -119,6 +167,9 @@ class _SlotFile:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._address = self._bytes.data_ptr()
         self._pinned = _pinned(self._bytes)
+        self._hash_states = ((native_refill.create_state(), native_refill.create_state())
+                             if native_refill is not None and not self._pinned else None)
+        """The file's and the current item's XXH3 states, for the refill loop in C."""
 
     @classmethod
     def set_up(cls, path: Path, storage_key: str, tensor_data: list,
@@ -132,8 +183,47 @@ class _SlotFile:
         the zip's header, the tensor's bytes, its trailer) from the copied bytes."""
         started = time.perf_counter()
         ordered = records.in_file_order(self.records, tensor_data)
+        self._seconds = {"copy": 0.0, "hash": 0.0}
+        if self._hash_states is not None:
+            file_digest, items = self._copy_natively(ordered, iteration)
+        else:
+            file_digest, items = self._copy_in_python(ordered, iteration)
+        copied = time.perf_counter() - started
+        # Written through the mapping: on a folder shared over the network, other nodes
+        # (and the persist copy) see the bytes only once they are synced (on tmpfs, free).
+        self._map.flush()
+        digest = checksums.ShardDigest(FileDigest(len(self._map), file_digest),
+                                       self._seconds["hash"], time.perf_counter() - started,
+                                       items, self._seconds["copy"], copied)
+        return [self.records[item.index].result for item, _ in tensor_data], digest
+
+    def _copy_natively(self, ordered: list, iteration: int) -> tuple[str, dict[int, FileDigest]]:
+        """The refill loop in C (``stream_copy.c``), in two calls around the rehearsal's kill
+        point; the file's digest and each item's."""
+        sources = [self._source(record, tensor) for record, tensor in ordered]  # kept alive
+        plan = numpy.array([(record.offset, record.data_offset, record.nbytes, record.end,
+                             source.data_ptr()) for (record, _), source in zip(ordered, sources)],
+                           dtype=numpy.uint64).reshape(-1, 5)
+        item_digests = numpy.zeros(len(ordered), dtype=numpy.uint64)
+        elapsed_ns = numpy.zeros(2, dtype=numpy.uint64)
+        file_state, item_state = self._hash_states
+        native_refill.reset(file_state)
+        half = len(ordered) // 2
+        for first, last in ((0, half), (half, len(ordered))):
+            if first == half:
+                rehearsal.kill_point("slot-copy", iteration)
+            native_refill.refill(self._address, plan[first:].ctypes.data, last - first, COPY_CHUNK,
+                                 *native_refill.hash_functions, file_state, item_state,
+                                 item_digests[first:].ctypes.data, elapsed_ns.ctypes.data)
+        self._seconds = {"copy": int(elapsed_ns[0]) / 1e9, "hash": int(elapsed_ns[1]) / 1e9}
+        return f"{native_refill.digest(file_state):016x}", {
+            record.offset: FileDigest(record.end - record.offset, f"{int(value):016x}")
+            for (record, _), value in zip(ordered, item_digests)}
+
+    def _copy_in_python(self, ordered: list, iteration: int) -> tuple[str, dict[int, FileDigest]]:
+        """The refill loop where C's is not at hand, and from a pinned mapping on CUDA."""
         landed = self._start_device_copies(ordered) if self._pinned else None
-        file_hash, items, self._seconds = xxhash.xxh3_64(), {}, {"copy": 0.0, "hash": 0.0}
+        file_hash, items = xxhash.xxh3_64(), {}
         with memoryview(self._map) as view:
             for position, (record, tensor) in enumerate(ordered):
                 if position == len(ordered) // 2:
@@ -147,14 +237,7 @@ class _SlotFile:
                     self._seconds["copy"] += time.perf_counter() - clock
                     self._hash(view, record.offset, record.end, hashers)
                 items[record.offset] = FileDigest(record.end - record.offset, hashers[1].hexdigest())
-        copied = time.perf_counter() - started
-        # Written through the mapping: on a folder shared over the network, other nodes
-        # (and the persist copy) see the bytes only once they are synced (on tmpfs, free).
-        self._map.flush()
-        digest = checksums.ShardDigest(FileDigest(len(self._map), file_hash.hexdigest()),
-                                       self._seconds["hash"], time.perf_counter() - started,
-                                       items, self._seconds["copy"], copied)
-        return [self.records[item.index].result for item, _ in tensor_data], digest
+        return file_hash.hexdigest(), items
 
     def _start_device_copies(self, ordered: list) -> list[torch.cuda.Event]:
         """Every tensor's device-to-host copy into the pinned mapping, queued at once; one
@@ -181,6 +264,13 @@ class _SlotFile:
             raise ValueError(f"{tensor.dtype} {tuple(tensor.shape)} does not fit its record "
                              f"({record.nbytes} bytes at {record.data_offset})")
 
+    def _source(self, record: Record, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor's bytes to copy, checked against the record: a contiguous host tensor
+        is read where it is (making it a byte view took four dispatcher calls per tensor, a
+        tenth of a small model's refill)."""
+        self._check_fits(record, tensor)
+        return tensor if tensor.is_cpu and tensor.is_contiguous() else records.host_bytes(tensor)
+
     def _copy_and_hash(self, record: Record, tensor: torch.Tensor, view: memoryview,
                        hashers: tuple) -> None:
         """Chunk by chunk: hashed from the tensor, then copied while in L2; the zip's header
@@ -193,11 +283,8 @@ class _SlotFile:
         ``Tensor.copy_`` and its per-call dispatch). The digests are of the bytes meant for
         the file: a copy gone wrong would fail the load's check, not be blessed by it.
         It copies raw bytes, so both ends are checked against the record first
-        (``Tensor.copy_`` would have raised). A contiguous host tensor is read where it is:
-        making it a byte view took four dispatcher calls per tensor, a tenth of a small
-        model's refill."""
-        source = tensor if tensor.is_cpu and tensor.is_contiguous() else records.host_bytes(tensor)
-        self._check_fits(record, tensor)
+        (``Tensor.copy_`` would have raised)."""
+        source = self._source(record, tensor)
         nbytes, data_offset = record.nbytes, record.data_offset
         source_address, target_address = source.data_ptr(), self._address + data_offset
         seconds = self._seconds
@@ -219,6 +306,8 @@ class _SlotFile:
         self._seconds["hash"] += time.perf_counter() - clock
 
     def close(self) -> None:
+        for state in self._hash_states or ():
+            native_refill.free_state(state)
         if self._pinned:
             from torch.cuda import _pin_memory_utils
 

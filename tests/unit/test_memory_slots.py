@@ -11,6 +11,7 @@ import xxhash
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, mark_whole, pin
 from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
 from helpers.slots import SHARD, read_back, save
+from megatron.training import memory_slots
 from megatron.training.memory_slots import MemorySlots, copy_bytes
 from megatron.training.records import objects_file
 
@@ -44,7 +45,16 @@ def test_the_third_save_refills_the_first_slot_in_place_with_the_new_bytes(tmp_p
     assert slots.kept_iterations() == {2, 3}
 
 
-def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots):
+@pytest.fixture(params=["in C", "in Python"])
+def either_loop(request, monkeypatch):
+    """The refill's loop in C (``stream_copy.c``) and its Python twin, where C's is missing."""
+    if request.param == "in Python":
+        monkeypatch.setattr(memory_slots, "native_refill", None)
+    elif memory_slots.native_refill is None:
+        pytest.skip("stream_copy.c not built")
+
+
+def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots, either_loop):
     for iteration in (1, 2, 3):
         save(slots, tmp_path, iteration, state(iteration))
     folder = iteration_dir(tmp_path, 3)
@@ -59,7 +69,7 @@ def test_a_refill_leaves_the_digests_of_what_the_file_now_holds(tmp_path, slots)
     assert slots.digests[objects_file(0)].digest == digest_file(folder / objects_file(0))
 
 
-def test_a_refill_copies_a_strided_tensor_in_row_major_order(tmp_path, slots):
+def test_a_refill_copies_a_strided_tensor_in_row_major_order(tmp_path, slots, either_loop):
     """The refill copies raw bytes: a transposed view must land as its values, not its storage."""
     def strided(seed: int) -> dict:
         return {"weight_t": torch.randn(6, 4, generator=torch.Generator().manual_seed(seed)).t()}
@@ -142,6 +152,7 @@ def test_a_node_local_slot_drops_the_peer_copies_it_will_not_rewrite(tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the refill copies with memmove")
 def test_the_streaming_copy_was_built_where_a_compiler_is():
     assert copy_bytes is not ctypes.memmove
+    assert memory_slots.native_refill is not None  # and python-xxhash exports XXH3's calls
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 63, 64, 65, 4096 + 17, 1_000_003])
