@@ -11,7 +11,8 @@ tensor's bytes straight from its memory: no pickling, no CRC pass, no writer pro
 large write per tensor. Files and items are hashed on the way, as :mod:`checksums` does.
 
 Byte items (megatron-core's ShardedObjects, e.g. the RNG states) change length from save to
-save, so they go to a small file of their own (``__<rank>_objects.distcp``), written afresh.
+save, so they go to a small file of their own (``__<rank>_objects.distcp``), written afresh,
+end to end, as torch's ``_write_item`` lays them out (:func:`write_byte_items`).
 
 :class:`RecordWriter` is the save's write function, in the rank (what
 ``write_preloaded_data_multiproc`` is to torch_dist's writer processes, with the same
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -130,6 +131,29 @@ def set_up_file(path: Path, storage_key: str, tensor_data: list, fsync: bool,
                 for (item, tensor), result in zip(tensor_data, written)}
 
 
+def write_byte_items(path: Path, items: list, storage_key: str, fsync: bool,
+                     report: checksums.DigestReport) -> list[WriteResult]:
+    """Write ``(write_item, BytesIO)`` pairs into a new file, each item's bytes as they are
+    where the last one ended, with the file's and each item's digest reported; torch's write
+    results. What torch's ``_write_item`` makes of a byte item with no stream extensions, less
+    its per-item cost (a class made for the item's stream wrapper, and a flush to the file):
+    80 us an item, and a 77 MB checkpoint's rank writes 17 at every save."""
+    results = []
+    with checksums.shard_writer(path, report) as stream:
+        for item, data in items:
+            offset = stream.bytes
+            stream.begin_item()
+            stream.write(data.getbuffer())
+            stream.end_item()
+            length = stream.bytes - offset
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(storage_key, offset, length)))
+        if fsync:
+            stream.flush()
+            os.fsync(stream.fileno())
+    return results
+
+
 def fits(records: dict[MetadataIndex, Record], tensor_data: list) -> bool:
     """Whether these are the items the records were learnt for, with the same dtypes and shapes."""
     if len(tensor_data) != len(records):
@@ -195,9 +219,8 @@ class RecordWriter:
         objects = [pair for _, _, (byte_data, _) in write_buckets for pair in byte_data]
         if objects:
             name = objects_file(rank)
-            results[0] = results[0] + checksums.write_items(folder / name, objects, name,
-                                                            _TRANSFORMS, self.durable,
-                                                            self.keep_digest)
+            results[0] = results[0] + write_byte_items(folder / name, objects, name,
+                                                       self.durable, self.keep_digest)
         return results
 
     def write_tensors(self, path: Path, name: str, tensor_data: list, iteration: int) -> list[WriteResult]:

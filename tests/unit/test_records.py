@@ -3,6 +3,7 @@ structure's first save: the same records torch_dist would write, their digests, 
 structure learnt again."""
 
 import errno
+import io
 import os
 import pickle
 import queue
@@ -19,7 +20,7 @@ from ftmaster.recovery.manifest import digest_file
 from ftmaster.recovery.writeback import STEP
 from helpers.slots import SHARD, buckets, disk_save, read_back
 from megatron.training import checksums
-from megatron.training.records import DiskRecords, objects_file
+from megatron.training.records import DiskRecords, objects_file, write_byte_items
 
 
 def state(seed: int, rows: int = 4) -> dict:
@@ -97,3 +98,21 @@ def test_torch_dist_writer_processes_report_a_full_disk_as_the_os_error():
             _StorageWriterTransforms(), checksums.shard_writer("/dev/full", lambda *_: None),
             torch.ones(1 << 20), item, "__0_0.distcp", serialization_format=SerializationFormat.TORCH_SAVE)
     assert pickle.loads(pickle.dumps(raised.value)).errno == errno.ENOSPC
+
+
+def test_byte_items_are_laid_out_and_reported_as_torchs_writer_does(tmp_path):
+    """The objects file is written without torch's ``_write_item``: the same bytes, offsets,
+    lengths and write results as through it, and the same digests."""
+    items = [(WriteItem(MetadataIndex(f"object{index}"), WriteItemType.BYTE_IO), blob)
+             for index, blob in enumerate([b"rng state" * 7, b"", b"\x80\x02N.", bytes(range(256))])]
+    copies = [(item, io.BytesIO(blob)) for item, blob in items]
+    torch_digests, our_digests = {}, {}
+    expected = checksums.write_items(tmp_path / "torch", copies, "objects", _StorageWriterTransforms(),
+                                     False, lambda path, digest: torch_digests.update({0: digest}))
+    copies = [(item, io.BytesIO(blob)) for item, blob in items]
+    written = write_byte_items(tmp_path / "ours", copies, "objects", True,
+                               lambda path, digest: our_digests.update({0: digest}))
+    assert written == expected
+    assert (tmp_path / "ours").read_bytes() == (tmp_path / "torch").read_bytes()
+    assert our_digests[0].digest == torch_digests[0].digest
+    assert our_digests[0].items == torch_digests[0].items
