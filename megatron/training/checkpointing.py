@@ -61,7 +61,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     _CONTENT_METADATA_KEY,
     get_default_load_sharded_strategy,
-    get_default_save_sharded_strategy,
 )
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
@@ -116,7 +115,9 @@ from ftmaster.runfiles import atomic_write_bytes, atomic_write_text
 from . import checksums, conversions, optimizer_from_distributed, startup
 from .async_saves import AsyncSaves
 from .console import error_line, local_rank, log_rank0
+from .conversions import ConversionCache
 from .dcp_metadata import MetadataBytes
+from .kept_writes import KeptWritesStrategy
 from .memory_slots import MemorySlots
 from .records import DiskRecords
 from .model import optimizer_metadata
@@ -644,11 +645,15 @@ class _TimedParallelSave(FullyParallelSaveStrategyWrapper):
     distribution_seconds = 0.0
     """The last save's."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, conversion_cache: ConversionCache | None = None, **kwargs) -> None:
+        """``conversion_cache``: the one the base strategy reads too, if it does."""
         super().__init__(*args, **kwargs)
-        self.conversions = conversions.ConversionCache()
+        self.conversions = conversion_cache or ConversionCache()
 
-    def async_save(self, sharded_state_dict, checkpoint_dir):
+    def async_save(self, sharded_state_dict, checkpoint_dir, in_rank: bool = False):
+        """``in_rank``: the request is written in the rank, so the last full plan's buckets
+        may be written again (:mod:`kept_writes`)."""
+        self.base_strategy.writes_in_rank = in_rank
         with self.conversions.active():
             return super().async_save(sharded_state_dict, checkpoint_dir)
 
@@ -732,7 +737,7 @@ class _Save:
             if _rank() == 0:
                 self._write_small_file(COMMON_FILE, self._serialized(common))
         with self.timed("planning"):
-            request = strategy.async_save(sharded_part, self.path)
+            request = strategy.async_save(sharded_part, self.path, in_rank=self.records is not None)
         self.phases["metadata-exchange"] = strategy.distribution_seconds
         self.phases["planning"] -= strategy.distribution_seconds
         self.planned_at = time.perf_counter()
@@ -1119,11 +1124,10 @@ class Checkpointer:
     def _new_save_strategy(self) -> "_TimedParallelSave":
         """megatron-core's torch_dist strategy with its plan caches on, kept by
         :class:`SaveStructure` for as long as the state's structure stays the same."""
-        strategy = get_default_save_sharded_strategy("torch_dist")
-        strategy.use_cached_ckpt_structure = True
+        cache = conversions.ConversionCache()
         return _TimedParallelSave(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
-            do_cache_distribution=True)
+            KeptWritesStrategy(cache), parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=True, conversion_cache=cache)
 
     def saved(self, save: _Save, outcome: DurableSave | SaveFailure) -> None:
         """Every rank, when a save ends: count it, or forget it and say why."""

@@ -67,11 +67,23 @@ def _holds_nothing(shards: list) -> bool:
     return all(isinstance(shard, ShardedObject) and shard.data is None for shard in shards)
 
 
+def serialized(objects: list[ShardedObject]) -> io.BytesIO:
+    """What megatron-core's conversion makes of one key's ``ShardedObject`` shards (its
+    ``_mcore_to_torch_sharded_object``), the bytes of nothing made once."""
+    if _holds_nothing(objects):
+        return io.BytesIO(_serialized_nothing(len(objects)))
+    buffer = io.BytesIO()
+    torch.save([shard.data for shard in objects], buffer)
+    return buffer
+
+
 class ConversionCache:
     """One strategy's converted tensors, by key (see the module docstring)."""
 
     def __init__(self) -> None:
         self._kept: dict[str, tuple[tuple, object]] = {}
+        self._keys: set[str] = set()
+        """Every key of the last conversion."""
         self._owners: dict[str, list[weakref.ref]] = {}
         self.reused = 0
         """How many keys the last save reused."""
@@ -92,13 +104,31 @@ class ConversionCache:
         # Before megatron-core's conversion replaces each shard's data with a view of it.
         self._owners = {key: [weakref.ref(shard.data) for shard in state_dict[key]]
                         for key in state_dict if memory[key] is not None}
-        reused.update({key: io.BytesIO(_serialized_nothing(len(shards)))
+        reused.update({key: serialized(shards)
                        for key, shards in state_dict.items() if _holds_nothing(shards)})
         converted = {**_original({key: shards for key, shards in state_dict.items()
                                   if key not in reused}, False, *args, **kwargs), **reused}
         self._kept = {key: (memory[key], converted[key]) for key in self._owners}
+        self._keys = set(state_dict)
         self.reused = len(reused)
         return {key: converted[key] for key in state_dict}
+
+    def unchanged(self, state_dict: dict) -> bool:
+        """Whether a save's shards (grouped by key, as converted) are those of the last
+        conversion: the same keys, and each key of tensors the very memory it was converted
+        from (objects may hold other values: they are serialized afresh)."""
+        return state_dict.keys() == self._keys and all(
+            isinstance(shards[0], ShardedObject)
+            or key in self._kept and self._kept[key][0] == _memory(shards)
+            for key, shards in state_dict.items())
+
+    def writes_kept_memory(self, write_buckets: list) -> bool:
+        """Whether every tensor in torch_dist's write buckets is the memory of a kept
+        conversion of its key, not a copy made for that save (torch_dist's writer copies a
+        view into a larger storage, megatron-core a strided shard)."""
+        addresses = {key: {shard[0] for shard in memory} for key, (memory, _) in self._kept.items()}
+        return all(tensor.data_ptr() in addresses.get(item.index.fqn, ())
+                   for _, _, (_, tensor_data) in write_buckets for item, tensor in tensor_data)
 
     def forget_copies(self) -> None:
         """Let go of the tensors whose owner is gone (made for the save just handed over)."""

@@ -43,7 +43,7 @@ class Killed(BaseException):
 
 
 def disk_save(save_dir, group, iteration, outcomes, own_states=None, events=None):
-    def killed_at_the_shards(sharded_part, path):
+    def killed_at_the_shards(sharded_part, path, in_rank):
         raise Killed
 
     strategy = types.SimpleNamespace(async_save=killed_at_the_shards, distribution_seconds=0.0)
