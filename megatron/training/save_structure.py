@@ -19,9 +19,9 @@ Without the flag, the strategy is kept only while the structure stays the same o
 a fingerprint of each shard's key, dtype, shapes, offsets and replica id is compared with the
 previous save's, and the ranks agree through one all-reduce. The fingerprint is those fields
 themselves, compared whole: hashing their ``repr`` took ten times as long (1.2 ms of each
-rank's 77 MB save, some 170 shards), and each rank compares only with its own previous one. Any change on any rank (a new
-layout, a new optimizer state) and every rank plans afresh, so a reused plan never describes
-other tensors than those written.
+rank's 77 MB save, some 170 shards), and each rank compares only with its own previous one.
+Any change on any rank (a new layout, a new optimizer state) and every rank plans afresh, so
+a reused plan never describes other tensors than those written.
 """
 
 from __future__ import annotations
