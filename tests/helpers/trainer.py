@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import re
 import shutil
 import signal
@@ -72,7 +73,26 @@ ITERATION_LINE = re.compile(
     r"([\d.]+) \| learning rate: ([\d.E+-]+) \| global batch size: (\d+) \| lm loss: ([\d.E+-]+) \|")
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: one the kernel hands out (a bind
+    to port 0, gloo's connections) could be taken again before torchrun binds it, which
+    failed a test with EADDRINUSE while other tests ran beside it."""
+    low = _ephemeral_ports()[0]
+    for port in random.sample(range(max(1024, low - 12000), low), 50):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
