@@ -4,8 +4,8 @@ Writes into DIR:
 
 * ``summary.csv`` and ``summary.md``: one row per GPU (samples, time span, mean/max
   temperature, power and utilisation, smallest memory headroom, errors new during the trace,
-  XID codes seen, max risk, alerts); a value the trace never knew (``[N/A]`` throughout) is an empty CSV
-  cell and ``n/a`` in Markdown and HTML;
+  XID codes seen, max risk, alerts); a value the trace never knew (``[N/A]`` throughout) is
+  an empty CSV cell and ``n/a`` in Markdown and HTML;
 * one PNG per metric with every GPU over time, and ``failure_risk.png`` with the alert
   threshold; when ``events.jsonl`` is beside the CSV, vertical markers for emergency saves,
   failures, plans and launches;
