@@ -16,7 +16,9 @@ right where corrupted values from a failing GPU would show up.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Callable, ContextManager
 
 import torch
 from megatron.core.optimizer import clip_grads
@@ -59,10 +61,13 @@ class NonFiniteGuard:
 
 
 def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | None,
-                   guard: NonFiniteGuard, poison: bool = False) -> tuple[bool, float | None]:
+                   guard: NonFiniteGuard, poison: bool = False,
+                   agreement: Callable[[], ContextManager] = contextlib.nullcontext,
+                   ) -> tuple[bool, float | None]:
     """Megatron's optimizer step up to the update, with the guard between the gradient norm
     and the clipping; the caller applies the update (``step_with_ready_grads``), so that it
-    can do so under the lock a replica dump takes (see :mod:`replicas`).
+    can do so under the lock a replica dump takes (see :mod:`replicas`), and the guard's
+    check runs inside ``agreement`` (the dump's ``Cut.agreement``).
 
     Returns whether the update is to be applied (an fp16 overflow skips it, as in Megatron),
     and the gradient norm where it was computed.
@@ -72,14 +77,16 @@ def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | No
         # skipped. A non-finite loss is the forward's own, which no loss scale mends (Megatron
         # checks the loss in its loss function, whatever the gradients): checked here too, on
         # every rank alike, as the overflow is agreed across ranks.
-        guard.check(iteration, loss, None)
+        with agreement():
+            guard.check(iteration, loss, None)
         return False, None
     if poison:
         poison_gradients(p for sub in _sub_optimizers(optimizer) for p in sub.get_parameters())
         loss = float("nan") if loss is not None else None
     grad_norm = optimizer.get_grad_norm() if (guard.enabled or clip_grad > 0) else None
     kill_point("grad-norm", iteration)
-    guard.check(iteration, loss, grad_norm)
+    with agreement():
+        guard.check(iteration, loss, grad_norm)
     if clip_grad > 0:
         for sub in _sub_optimizers(optimizer):
             params = sub.get_parameters()

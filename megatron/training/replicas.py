@@ -9,7 +9,10 @@ Three things let the supervisor build a checkpoint from them (see
   before an update or after it, never half of one. The RNG streams are copied at the same
   moment (the next forward draws from them). Every update follows the NaN guard's agreement
   on every rank, so survivors hold the same iteration: either nobody passed the agreement
-  (the victim died before it) or everybody did, and the update needs no collective.
+  (the victim died before it) or everybody did, and the update needs no collective. A rank
+  that has passed the agreement but not yet applied the update (the clipping runs between)
+  would still show the iteration before, so a dump waits for that update; and, briefly, for
+  an agreement under way, which either ends at once or never (a peer died before it).
 - **Parking.** A rank whose collective fails (a peer died) does not exit: it waits, its state
   in memory, until its dump is written or :data:`PARK_TIMEOUT_S` has passed, then raises the
   error as before. A rank blocked in a collective needs nothing: its dump thread runs anyway.
@@ -64,6 +67,7 @@ from .console import log_rank0
 POLL_INTERVAL_S = 0.05
 PARK_TIMEOUT_S = 25.0  # below torchrun's 30 s from SIGTERM to SIGKILL
 LOCK_TIMEOUT_S = 10.0  # an update is local work: seconds at most, even on a large model
+AGREEMENT_WAIT_S = 0.5  # a tiny all-reduce every rank has joined ends in milliseconds
 # What gloo and NCCL say when a peer is gone (torch raises DistError subclasses for some).
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "NCCL", "gloo", "ProcessGroup")
@@ -75,8 +79,24 @@ class Cut:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
         self.rng: dict | None = None  # the streams as of the last commit
         self.torn: str | None = None  # why the state in memory is not a whole iteration
+        self._agreement: str | None = None  # "under way", then "passed" until the commit
+
+    @contextlib.contextmanager
+    def agreement(self):
+        """Around the collective whose outcome the next ``commit`` applies."""
+        if not self.enabled:
+            yield
+            return
+        self._set_agreement("under way")
+        try:
+            yield
+        except BaseException:
+            self._set_agreement(None)  # no update follows
+            raise
+        self._set_agreement("passed")
 
     @contextlib.contextmanager
     def commit(self):
@@ -90,7 +110,28 @@ class Cut:
             except BaseException as error:
                 self.torn = f"an error during the update left it half applied: {error}"
                 raise
+            finally:
+                self._agreement = None
+                self._changed.notify_all()
             self.rng = rng_state()
+
+    def acquire_whole(self) -> bool:
+        """Take the lock once no agreed update is pending (see the module's docstring);
+        False when the update did not end within :data:`LOCK_TIMEOUT_S`."""
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
+            return False
+        self._changed.wait_for(lambda: self._agreement != "under way", AGREEMENT_WAIT_S)
+        if self._changed.wait_for(lambda: self._agreement != "passed",
+                                  max(0.0, deadline - time.monotonic())):
+            return True
+        self.lock.release()
+        return False
+
+    def _set_agreement(self, phase: str | None) -> None:
+        with self.lock:
+            self._agreement = phase
+            self._changed.notify_all()
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -172,7 +213,7 @@ class ReplicaDumper:
         report = dict(self.coordinates)
         if self.refusal is not None:
             return {**report, "refused": self.refusal}
-        if not self.cut.lock.acquire(timeout=LOCK_TIMEOUT_S):
+        if not self.cut.acquire_whole():
             return {**report, "refused": f"the update did not end within {LOCK_TIMEOUT_S:g} s"}
         try:
             if self.cut.torn is not None:

@@ -326,7 +326,8 @@ class Trainer:
             forward_only=False)
         loss = _average_loss(losses)
         ready, self.grad_norm = prepare_update(self.optimizer, self.args.clip_grad, iteration,
-                                               loss, self.guard, poison=iteration in self.poison_at)
+                                               loss, self.guard, poison=iteration in self.poison_at,
+                                               agreement=self.cut.agreement)
         with self.cut.commit():
             # fp16 skips a step whose gradients overflowed; so does the LR
             if ready and self.optimizer.step_with_ready_grads():

@@ -1,6 +1,8 @@
 """The trainer's replica dump thread, with the state it dumps stood in for."""
 
+import contextlib
 import threading
+import time
 
 import torch
 
@@ -27,3 +29,81 @@ def test_the_dump_thread_works_on_the_gpu_of_the_thread_that_made_it(tmp_path, m
 
     dump_once(tmp_path, state_dict)
     assert seen == [3]
+
+
+
+def _agree_then(cut: replicas.Cut, state: dict, before_commit: threading.Event) -> threading.Thread:
+    """The training thread: the agreement passes, then the clipping runs (until
+    ``before_commit`` is set) before the update is applied."""
+    def train():
+        with cut.agreement():
+            pass
+        before_commit.wait(10)
+        with cut.commit():
+            state["iteration"] = 4
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    while cut._agreement != "passed":
+        time.sleep(0.001)
+    return thread
+
+
+def _dumped_iteration(cut: replicas.Cut, state: dict) -> int | None:
+    """What a dump would see; None when it refuses."""
+    if not cut.acquire_whole():
+        return None
+    try:
+        return state["iteration"]
+    finally:
+        cut.lock.release()
+
+
+def test_a_dump_waits_for_the_update_its_rank_has_agreed_to(monkeypatch):
+    """Rank 3 had passed iteration 4's agreement but was still clipping when the dump took
+    the lock: it dumped iteration 3 while every other survivor dumped 4 (a shard whose only
+    survivor lags this way has no complete cut at all)."""
+    monkeypatch.setattr(replicas, "rng_state", dict)
+    cut, state, clipping = replicas.Cut(True), {"iteration": 3}, threading.Event()
+    train = _agree_then(cut, state, clipping)
+    threading.Timer(0.2, clipping.set).start()
+    assert _dumped_iteration(cut, state) == 4
+    train.join(10)
+
+
+def test_a_dump_gives_up_on_an_update_that_does_not_come(monkeypatch):
+    monkeypatch.setattr(replicas, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(replicas, "rng_state", dict)
+    cut, state, clipping = replicas.Cut(True), {"iteration": 3}, threading.Event()
+    train = _agree_then(cut, state, clipping)
+    assert _dumped_iteration(cut, state) is None
+    clipping.set()
+    train.join(10)
+    assert _dumped_iteration(cut, state) == 4
+
+
+def test_an_agreement_that_never_ends_delays_the_dump_only_briefly(monkeypatch):
+    """A peer died before joining it: the rank's state is the iteration before, dumped after
+    the agreement's short wait, not after the update's timeout."""
+    monkeypatch.setattr(replicas, "AGREEMENT_WAIT_S", 0.2)
+    cut, state = replicas.Cut(True), {"iteration": 3}
+    blocked, released = threading.Event(), threading.Event()
+
+    def blocked_in_the_agreement():
+        with contextlib.suppress(RuntimeError), cut.agreement():
+            blocked.set()
+            released.wait(10)
+            raise RuntimeError("Connection reset by peer")
+
+    thread = threading.Thread(target=blocked_in_the_agreement, daemon=True)
+    thread.start()
+    blocked.wait(10)
+    start = time.monotonic()
+    assert _dumped_iteration(cut, state) == 3
+    waited = time.monotonic() - start
+    released.set()
+    thread.join(10)
+    assert 0.2 <= waited < replicas.LOCK_TIMEOUT_S
+    start = time.monotonic()
+    assert _dumped_iteration(cut, state) == 3  # a failed agreement leaves nothing pending
+    assert time.monotonic() - start < 0.2
