@@ -770,6 +770,20 @@ def test_a_dump_report_naming_a_file_outside_its_rank_folder_is_refused(tmp_path
     assert not any(p.is_file() for p in dumps.rglob("*"))
 
 
+@pytest.mark.parametrize("body", ['["a list"]', '{"files": ["state.pt"]}',
+                                  '{"files": {"state.pt": {"bytes": 14}}}', '\xff not json'])
+def test_a_dump_report_that_is_no_report_fails_that_node_in_one_line(tmp_path, body):
+    """A report that was JSON but no object (a peer of another version, or damaged in its
+    memory) raised AttributeError out of the gather, into the supervisor."""
+    from ftmaster.recovery.replicas import report_path, round_dump_folder
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    dump_rank_2_of_round_2(folders[1], "state.pt")
+    report_path(round_dump_folder(folders[1], 2), 2).write_bytes(body.encode("latin-1"))
+    gathered, _ = gather_round_2(tmp_path, folders)
+    assert [g.reason for g in gathered] == ["node 1's dumps: rank 2's report is not a dump report"]
+
+
 def test_a_gather_abandoned_by_a_stop_leaves_no_dumps_behind_when_its_fetch_returns(
         tmp_path, monkeypatch):
     """A stop abandons the gather while a peer still sends rank 2's report; the supervisor

@@ -123,6 +123,17 @@ def _taken(folder: Path) -> OSError:
                              f"ended")
 
 
+def _reported_files(body: bytes, rank: int) -> dict[str, FileDigest]:
+    """The files a peer's dump report lists, with their sizes and digests; ValueError when
+    the report is not one (a peer of another version, or damaged in its memory)."""
+    try:
+        files = json.loads(body).get("files") or {}
+        return {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
+                for name, entry in files.items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ValueError(f"rank {rank}'s report is not a dump report") from None
+
+
 def _let_go_if_stopped(stop: threading.Event, folder: Path) -> None:
     """Abandoned once ``stop`` is set, removing the gather's ``folder`` again: its caller
     removed it on letting go, maybe before the write this follows, which would outlive it."""
@@ -470,19 +481,18 @@ class Replication:
             body = client.read(f"{relative}/{report_path(Path(), rank)}")
         except PeerMissing:
             return 0
-        files = json.loads(body).get("files") or {}
+        files = _reported_files(body, rank)
         target = rank_dump_dir(folder, rank)
         target.mkdir(exist_ok=True)  # never the folder itself, which a stop removed
         _let_go_if_stopped(stop, folder)
         for name, entry in files.items():
             if not is_plain_file_name(name):
                 raise ValueError(f"rank {rank}'s report names a file outside its dump: {name!r}")
-            client.fetch(f"{relative}/{target.name}/{name}", target / name,
-                         FileDigest(int(entry["bytes"]), str(entry["digest"])))
+            client.fetch(f"{relative}/{target.name}/{name}", target / name, entry)
             _let_go_if_stopped(stop, folder)
         report_path(folder, rank).write_bytes(body)  # last: the merge reads complete reports
         _let_go_if_stopped(stop, folder)
-        return len(body) + sum(int(entry["bytes"]) for entry in files.values())
+        return len(body) + sum(entry.bytes for entry in files.values())
 
     def used_bytes(self) -> int:
         """What this node's memory tier holds: its own checkpoints and its peers' copies.
