@@ -78,6 +78,19 @@ class NoCut(Exception):
     """No complete, consistent set of replicas; the message says why, in one line."""
 
 
+
+def unavailable_reason(replica_recovery: bool, distributed_optimizer: bool,
+                       instances: int) -> str | None:
+    """Why ``--replica-recovery`` cannot work with these settings, in one line with the way
+    out; None when it can. The trainer's dumps refuse with it, and ``ftmaster launch`` says it
+    at once (else it came only in a failure's fallback, after the rehearsal it spoilt)."""
+    if replica_recovery and distributed_optimizer and instances < 2:
+        return ("replica recovery is unavailable: the distributed optimizer with one instance "
+                "shards its state over DP, so no rank holds a replica of another's; pass "
+                "--num-distributed-optimizer-instances 2 or more (DP x CP must divide by it), "
+                "or --no-use-distributed-optimizer")
+    return None
+
 @dataclass(frozen=True)
 class Report:
     """One rank's dump report; ``refused`` instead of a state when it could not dump."""

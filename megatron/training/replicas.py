@@ -153,18 +153,6 @@ def layout_coordinates() -> dict[str, int]:
             "dp_size": parallel_state.get_data_parallel_world_size()}
 
 
-def unavailable_reason(args) -> str | None:
-    """Why ``--replica-recovery`` cannot work under these arguments, in one line with the way
-    out; None when it can."""
-    if (args.replica_recovery and args.use_distributed_optimizer
-            and args.num_distributed_optimizer_instances < 2):
-        return ("replica recovery is unavailable: the distributed optimizer with one instance "
-                "shards its state over DP, so no rank holds a replica of another's; pass "
-                "--num-distributed-optimizer-instances 2 or more (DP x CP must divide by it), "
-                "or --no-use-distributed-optimizer")
-    return None
-
-
 class ReplicaDumper:
     """The side thread that dumps this rank's state when the supervisor asks.
 

@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ftmaster import runfiles
 from ftmaster.guard import forked_children_die_with_this_process
+from ftmaster.recovery.replicas import unavailable_reason
 
 from . import console, cpu_compat, mcore_fixes, optimizer_shards, rehearsal, startup
 from .arguments import make_checkpoint_folders, padded_vocab_size
@@ -39,7 +40,7 @@ from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_
 from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
 from .tensorboard import Board
 from .rehearsal import kill_point
-from .replicas import Cut, ReplicaDumper, unavailable_reason
+from .replicas import Cut, ReplicaDumper
 from .save_requests import SaveRequests, median_microseconds
 from .step_timing import ComputeFigures, ComputeTimer
 from .tokenizer import build_tokenizer
@@ -252,7 +253,8 @@ class Trainer:
             return None
         if not self.args.use_distributed_optimizer:
             return ReplicaDumper(self.run_dir, self.cut, self.state, self.checkpointer.state_dict_at)
-        refusal = unavailable_reason(self.args)
+        refusal = unavailable_reason(self.args.replica_recovery, self.args.use_distributed_optimizer,
+                                     self.args.num_distributed_optimizer_instances)
         if refusal is not None:
             log_rank0(f"warning: {refusal}")
         shard = optimizer_shards.position(self.optimizer)

@@ -462,3 +462,25 @@ def test_a_stop_during_the_dump_wait_says_no_fallback_and_starts_no_merge(tmp_pa
     stop.set()
     assert recovery.start_merge(folder, stop) is None
     assert said == []
+
+
+@pytest.mark.parametrize("args, unavailable", [
+    (["--replica-recovery", "--use-distributed-optimizer"], True),
+    (["--replica-recovery", "--use-distributed-optimizer",
+      "--num-distributed-optimizer-instances", "1"], True),
+    (["--replica-recovery", "--use-distributed-optimizer",
+      "--num-distributed-optimizer-instances", "2"], False),
+    (["--replica-recovery", "--use-distributed-optimizer", "--no-use-distributed-optimizer"], False),
+    (["--replica-recovery"], False),  # the trainer's default: off with one instance
+    (["--use-distributed-optimizer"], False),
+])
+def test_launch_says_at_once_when_the_arguments_leave_replica_recovery_nothing_to_dump(
+        args, unavailable):
+    """The trainer's refusal came only in the failure's fallback, after the rehearsal it
+    spoilt; the launch now logs the same line before the first attempt."""
+    from ftmaster.replica_recovery import unavailable_in
+
+    reason = unavailable_in(args)
+    assert (reason is not None) is unavailable
+    if unavailable:
+        assert reason.startswith("replica recovery is unavailable") and "\n" not in reason

@@ -380,7 +380,8 @@ REPLICAS = ["--save", "SAVE", "--non-persistent-ckpt-type", "global", "--replica
 ])
 def test_replica_recovery_keeps_the_distributed_optimizer_only_with_replicas_of_its_state(
         monkeypatch, tmp_path, extra, distributed, param_gather, unavailable):
-    from megatron.training import arguments, model, replicas
+    from ftmaster.recovery.replicas import unavailable_reason
+    from megatron.training import arguments, model
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
     monkeypatch.setattr(model.torch.cuda, "is_available", lambda: True)
     extra = [str(tmp_path / "save") if arg == "SAVE" else arg for arg in extra]
@@ -388,7 +389,8 @@ def test_replica_recovery_keeps_the_distributed_optimizer_only_with_replicas_of_
     assert model.uses_distributed_optimizer(args) is distributed
     assert model._overlap_param_gather(args) is param_gather
     args.use_distributed_optimizer = model.uses_distributed_optimizer(args)
-    reason = replicas.unavailable_reason(args)
+    reason = unavailable_reason(args.replica_recovery, args.use_distributed_optimizer,
+                                args.num_distributed_optimizer_instances)
     assert (reason is not None) is unavailable
     if unavailable:
         assert "--num-distributed-optimizer-instances 2 or more" in reason and "\n" not in reason

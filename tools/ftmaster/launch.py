@@ -52,6 +52,7 @@ from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, 
 from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
                               with_memory_dir)
 from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
+from ftmaster.replica_recovery import unavailable_in as replica_recovery_unavailable
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
 from ftmaster.recovery.checkpoints import schedule_on_disk
@@ -626,6 +627,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     config = supervisor_config(argv, devices, rendezvous, options)
     for note in slurm_notes:
         logging.getLogger("ftmaster").info(note)
+    if (unavailable := replica_recovery_unavailable(argv[1:])) is not None:
+        logging.getLogger("ftmaster").warning("%s", unavailable)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
         held = HeldFolders(config, rendezvous)

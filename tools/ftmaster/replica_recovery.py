@@ -34,7 +34,8 @@ from ftmaster.recovery.checkpoints import read_tracker
 from ftmaster.recovery.replicas import (REQUEST_FLAG, NoCut, choose_cut, dump_folder,
                                        read_reports, remove_merge_leftovers,
                                        remove_recovery_leftovers, report_path,
-                                       round_dump_folder)
+                                       round_dump_folder, unavailable_reason)
+from ftmaster.recovery.argv_flags import int_flag, switched_on
 from ftmaster.warm import WarmRanks, WarmStarter
 
 FLAG = "--replica-recovery"
@@ -48,6 +49,16 @@ DUMPED_ACROSS_NODES = (*DUMPED_CAUSES, "peer")
 
 log = logging.getLogger("ftmaster")
 
+
+
+def unavailable_in(args: Sequence[str]) -> str | None:
+    """Why the training arguments' ``--replica-recovery`` cannot work, or None; for arguments
+    the planner has read (its flags' values are checked). Only an explicit
+    ``--use-distributed-optimizer`` turns it on with one instance: the trainer's default
+    leaves it off there."""
+    instances = int_flag(args, "--num-distributed-optimizer-instances", 1)  # checked by now
+    return unavailable_reason(FLAG in args, switched_on(args, "--use-distributed-optimizer"),
+                              instances)
 
 @dataclass(frozen=True)
 class Merging:
