@@ -9,10 +9,13 @@ Three things let the supervisor build a checkpoint from them (see
   before an update or after it, never half of one. The RNG streams are copied at the same
   moment (the next forward draws from them). Every update follows the NaN guard's agreement
   on every rank, so survivors hold the same iteration: either nobody passed the agreement
-  (the victim died before it) or everybody did, and the update needs no collective. A rank
-  that has passed the agreement but not yet applied the update (the clipping runs between)
-  would still show the iteration before, so a dump waits for that update; and, briefly, for
-  an agreement under way, which either ends at once or never (a peer died before it).
+  (the victim died before it) or everybody did, and the update needs no collective, but
+  for the distributed optimizer's all-gather of the parameters within its instance: a rank
+  that dies in its optimizer step leaves its instance mates' updates unfinished (blocked or
+  failed under the lock), and their dumps refused. A rank that has passed the agreement but
+  not yet applied the update (the clipping runs between) would still show the iteration
+  before, so a dump waits for that update; and, briefly, for an agreement under way, which
+  either ends at once or never (a peer died before it).
 - **Parking.** A rank whose collective fails (a peer died) does not exit: it waits, its state
   in memory, until its dump is written or :data:`PARK_TIMEOUT_S` has passed, then raises the
   error as before. A rank blocked in a collective needs nothing: its dump thread runs anyway.
