@@ -78,7 +78,6 @@ class NoCut(Exception):
     """No complete, consistent set of replicas; the message says why, in one line."""
 
 
-
 def unavailable_reason(replica_recovery: bool, distributed_optimizer: bool,
                        instances: int) -> str | None:
     """Why ``--replica-recovery`` cannot work with these settings, in one line with the way
@@ -90,6 +89,7 @@ def unavailable_reason(replica_recovery: bool, distributed_optimizer: bool,
                 "--num-distributed-optimizer-instances 2 or more (DP x CP must divide by it), "
                 "or --no-use-distributed-optimizer")
     return None
+
 
 @dataclass(frozen=True)
 class Report:

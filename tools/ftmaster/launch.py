@@ -51,8 +51,8 @@ from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, 
                                    SeparatedCommand, script_command)
 from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
                               with_memory_dir)
-from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
-from ftmaster.replica_recovery import unavailable_in as replica_recovery_unavailable
+from ftmaster.replica_recovery import (FLAG as REPLICA_FLAG,
+                                       unavailable_in as replica_recovery_unavailable)
 from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
 from ftmaster.recovery.checkpoints import schedule_on_disk
