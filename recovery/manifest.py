@@ -60,6 +60,20 @@ class FileDigest:
         return {"bytes": self.bytes, "digest": self.digest}
 
 
+MALFORMED_JSON = (ValueError, TypeError, KeyError, AttributeError, OverflowError,
+                  RecursionError)
+"""What reading a damaged or foreign JSON record raises: OverflowError for a size of 1e999
+(inf), RecursionError for JSON nested past the parser's depth (either, raised, ended a load
+or the supervisor in a traceback)."""
+
+
+def file_digests(files: Mapping) -> dict[str, FileDigest]:
+    """A JSON record's ``files`` (name -> {"bytes", "digest"}); one of :data:`MALFORMED_JSON`
+    when it is not one."""
+    return {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
+            for name, entry in files.items()}
+
+
 def digest_bytes(data: bytes | memoryview) -> FileDigest:
     return FileDigest(len(data), xxhash.xxh3_64(data).hexdigest())
 
@@ -206,14 +220,11 @@ def parse_manifest(text: str | bytes) -> Manifest | None:
     """:func:`read_manifest` of a manifest's text, for a caller that keeps that text."""
     try:
         body = json.loads(text)
-        files = {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
-                 for name, entry in (body.get("files") or {}).items()}
+        files = file_digests(body.get("files") or {})
         items = {name: {int(offset): FileDigest(int(size), str(digest))
                         for offset, size, digest in entries}
                  for name, entries in (body.get("items") or {}).items()}
-    # OverflowError: a size or offset of 1e999 (inf); RecursionError: JSON nested past the
-    # parser's depth. Raised, either ended the load or the supervisor in a traceback.
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+    except MALFORMED_JSON:
         return None
     if body.get("checksum", CHECKSUM) != CHECKSUM or \
             not all(map(is_plain_file_name, files.keys() | items.keys())):

@@ -770,8 +770,10 @@ def test_a_dump_report_naming_a_file_outside_its_rank_folder_is_refused(tmp_path
     assert not any(p.is_file() for p in dumps.rglob("*"))
 
 
-@pytest.mark.parametrize("body", ['["a list"]', '{"files": ["state.pt"]}',
-                                  '{"files": {"state.pt": {"bytes": 14}}}', '\xff not json'])
+@pytest.mark.parametrize("body", [
+    '["a list"]', '{"files": ["state.pt"]}', '{"files": {"state.pt": {"bytes": 14}}}',
+    '\xff not json', '{"files": {"state.pt": {"bytes": 1e999, "digest": "0"}}}',
+    '[' * 100_000 + ']' * 100_000])
 def test_a_dump_report_that_is_no_report_fails_that_node_in_one_line(tmp_path, body):
     """A report that was JSON but no object (a peer of another version, or damaged in its
     memory) raised AttributeError out of the gather, into the supervisor."""

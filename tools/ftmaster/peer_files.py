@@ -48,9 +48,9 @@ import xxhash
 
 from ftmaster.addresses import allow_ipv4_too, bind_address, host_port
 from ftmaster.recovery.checkpoints import iteration_dir, tracker_lock
-from ftmaster.recovery.manifest import (CHECKSUM, MANIFEST_NAME, FileDigest, Manifest,
-                                        digest_bytes, digest_file, is_plain_file_name,
-                                        size_problem)
+from ftmaster.recovery.manifest import (CHECKSUM, MALFORMED_JSON, MANIFEST_NAME, FileDigest,
+                                        Manifest, digest_bytes, digest_file, file_digests,
+                                        is_plain_file_name, size_problem)
 from ftmaster.runfiles import atomic_file, atomic_write_text
 
 log = logging.getLogger("ftmaster")
@@ -541,9 +541,8 @@ def _whole(folder: Path, files: dict[str, FileDigest]) -> bool:
 def manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileDigest]:
     try:
         body = json.loads(manifest)
-        files = {name: FileDigest(int(e["bytes"]), str(e["digest"]))
-                 for name, e in body["files"].items()}
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        files = file_digests(body["files"])
+    except MALFORMED_JSON:
         raise PeerError(f"{url}: the manifest of iteration {iteration} cannot be read") from None
     if body.get("iteration") != iteration or body.get("checksum") != CHECKSUM or not files:
         raise PeerError(f"{url}: the manifest of iteration {iteration} describes another "

@@ -50,7 +50,6 @@ DUMPED_ACROSS_NODES = (*DUMPED_CAUSES, "peer")
 log = logging.getLogger("ftmaster")
 
 
-
 def unavailable_in(args: Sequence[str]) -> str | None:
     """Why the training arguments' ``--replica-recovery`` cannot work, or None; for arguments
     the planner has read (its flags' values are checked). Only an explicit
@@ -59,6 +58,7 @@ def unavailable_in(args: Sequence[str]) -> str | None:
     instances = int_flag(args, "--num-distributed-optimizer-instances", 1)  # checked by now
     return unavailable_reason(FLAG in args, switched_on(args, "--use-distributed-optimizer"),
                               instances)
+
 
 @dataclass(frozen=True)
 class Merging:

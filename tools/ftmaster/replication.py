@@ -48,8 +48,9 @@ from ftmaster.recovery.checkpoints import (advance_tracker, advance_tracker_lock
                                            list_iterations, mark_replicated, mark_whole,
                                            replicated_here, set_tracker, tracker_lock,
                                            unmark_replicated, unmark_whole)
-from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, FileDigest,
-                                        digest_bytes, is_plain_file_name, known_manifest_name)
+from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MALFORMED_JSON, MANIFEST_NAME,
+                                        FileDigest, digest_bytes, file_digests,
+                                        is_plain_file_name, known_manifest_name)
 from ftmaster.recovery.replicas import rank_dump_dir, report_path
 
 log = logging.getLogger("ftmaster")
@@ -127,10 +128,8 @@ def _reported_files(body: bytes, rank: int) -> dict[str, FileDigest]:
     """The files a peer's dump report lists, with their sizes and digests; ValueError when
     the report is not one (a peer of another version, or damaged in its memory)."""
     try:
-        files = json.loads(body).get("files") or {}
-        return {name: FileDigest(int(entry["bytes"]), str(entry["digest"]))
-                for name, entry in files.items()}
-    except (AttributeError, KeyError, TypeError, ValueError):
+        return file_digests(json.loads(body).get("files") or {})
+    except MALFORMED_JSON:
         raise ValueError(f"rank {rank}'s report is not a dump report") from None
 
 
