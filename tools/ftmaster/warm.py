@@ -424,6 +424,8 @@ class WarmPool:
             usable = [w for w in self.workers if w.usable]
             if len(usable) >= count:
                 taken = usable[:count]
+                # a set was ready, whether or not the reader thread saw it whole first
+                self.deaths_before_ready = 0
                 for worker in taken:
                     self.workers.remove(worker)
                     worker.process.stdout.close()  # its ready line is read; it writes no more
