@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.training.data import DataError, build_datasets
-from megatron.training.tokenizer import ByteLevelTokenizer
+from megatron.training.data import DataError, build_datasets, dataset_sizes
+from megatron.training.tokenizer import ByteLevelTokenizer, NullTokenizer
 
 
 def write_corpus(prefix: Path, documents: int, tokens: int = 40) -> str:
@@ -70,3 +72,23 @@ def test_a_split_part_without_a_sequence_is_a_data_error_not_a_hang(tmp_path, se
     with pytest.raises(DataError, match=f"^{re.escape(said)}$"):
         build_datasets(data_args(prefix, tmp_path, split=split, eval_iters=eval_iters),
                        ByteLevelTokenizer())
+
+
+
+@pytest.mark.parametrize("eval_iters, built", [(0, [True, False, False]), (2, [True, True, False])])
+def test_mock_data_builds_only_the_splits_training_reads_and_train_draws_the_same_samples(
+        tmp_path, eval_iters, built):
+    args = data_args("", tmp_path, mock_data=True, data_path=None, split="969,30,1",
+                     data_cache_path=None, eval_iters=eval_iters)
+    tokenizer = NullTokenizer(100)
+    datasets = build_datasets(args, tokenizer)
+    assert [dataset is not None for dataset in datasets] == built
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
+                              split=args.split, tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False)
+    every_split = BlendedMegatronDatasetBuilder(MockGPTDataset, dataset_sizes(args),
+                                                lambda: True, config).build()
+    assert all(dataset is not None for dataset in every_split)
+    for index in (0, 1, args.train_samples - 1):
+        assert torch.equal(datasets[0][index]["tokens"], every_split[0][index]["tokens"])
