@@ -15,8 +15,8 @@ cd "$root"
 py=.venv/bin/python
 # These machines set PYTHONDONTWRITEBYTECODE: without this, every process a test starts (ranks,
 # their guards, torchrun, ftmaster) compiled the project's sources again, 0.15-0.3 s of CPU each.
-"$py" -m compileall -q -j 0 tools megatron monitor recovery tests benchmarks pretrain_gpt.py \
-    >/dev/null
+# A file that does not compile is named here, and failed by the tests that import it.
+"$py" -m compileall -q -j 0 tools megatron monitor recovery tests benchmarks pretrain_gpt.py || true
 [ $# -eq 0 ] || exec "$py" -m pytest "$@"
 
 cores="$(nproc)"
