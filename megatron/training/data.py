@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import get_bin_path
-from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.datasets.utils import Split, get_blend_from_list
 from torch.utils.data import default_collate
 
 
@@ -40,8 +40,8 @@ def splits_read(split_matrix: list, eval_iters: int) -> list:
     so every rank of every start built all three shuffle indices (0.48 s of CPU a rank here,
     0.38 s of it shuffling). Only for mock data: ``split_matrix`` is part of a real corpus's
     cache key. Train keeps its range of the split, so it draws the same samples."""
-    return [bounds if split == 0 or (split == 1 and eval_iters) else None
-            for split, bounds in enumerate(split_matrix)]
+    read = {Split.train.value} | ({Split.valid.value} if eval_iters else set())
+    return [bounds if split in read else None for split, bounds in enumerate(split_matrix)]
 
 
 class DataError(Exception):
