@@ -9,21 +9,16 @@ cd "$root"
 # recent enough and can make a venv, else python3 on PATH. The distribution's first because
 # Debian builds it with PGO and LTO, linked statically, while pyenv's default build
 # (--enable-shared, no --enable-optimizations; python3 on PATH here) ran pure Python 1.5x
-# slower, and a trainer test file (7 launches) took 30-36% more CPU under it (README, Tests).
+# slower, and a trainer test file (7 launches) took 30-36% more CPU under it (README, Quick start).
 pick_python() {
     if [ -n "${FTMASTER_PYTHON:-}" ]; then
         echo "$FTMASTER_PYTHON"
-        return
+    elif /usr/bin/python3 -c 'import sys, ensurepip; sys.exit(sys.version_info < (3, 10))' \
+            >/dev/null 2>&1; then
+        echo /usr/bin/python3
+    else
+        echo python3
     fi
-    local candidate
-    for candidate in /usr/bin/python3 python3; do
-        if "$candidate" -c 'import sys, ensurepip; sys.exit(sys.version_info < (3, 10))' \
-                >/dev/null 2>&1; then
-            echo "$candidate"
-            return
-        fi
-    done
-    echo python3
 }
 
 if [ ! -x .venv/bin/python ]; then

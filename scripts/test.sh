@@ -4,10 +4,10 @@
 # With no arguments it runs in two passes. tests/unit and tests/integration go to pytest-xdist
 # workers, one per core and one more, up to 4 (FTMASTER_TEST_WORKERS overrides): most of their
 # tests keep one core busy or wait on a rendezvous, and with one per core the CPU still idled 8%
-# of that pass (2 cores: 874-876 s on 2 workers, 793-804 s on 3, 2026-12-05). tests/e2e and tests/gpu (and the warm workers' tests) then
-# run in one process: each launch keeps every core busy, and their rehearsals time training
-# against the monitor's interval and the supervisor's deadlines. The exit status is the first
-# failing pass's.
+# of that pass (2 cores: 874-876 s on 2 workers, 793-804 s on 3, 2026-12-05). tests/e2e and
+# tests/gpu (and the warm workers' tests) then run in one process: each launch keeps every core
+# busy, and their rehearsals time training against the monitor's interval and the supervisor's
+# deadlines. The exit status is the first failing pass's.
 # With arguments it is pytest with those arguments, in one process.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +21,7 @@ py=.venv/bin/python
 [ $# -eq 0 ] || exec "$py" -m pytest "$@"
 
 cores="$(nproc)"
-workers="${FTMASTER_TEST_WORKERS:-$((cores < 3 ? cores + 1 : 4))}"
+workers="${FTMASTER_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}"
 case "$workers" in ''|*[!0-9]*|0)
     echo "test.sh: FTMASTER_TEST_WORKERS needs a whole number >= 1, got '$workers'" >&2; exit 2 ;;
 esac
