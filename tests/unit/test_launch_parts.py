@@ -262,6 +262,30 @@ def test_a_rank_failing_just_before_or_during_a_stop_is_the_runs_failure_then_th
         ("failure", "exit", [gpu], {str(gpu): exit_code})
 
 
+class AttemptWithARankThatRaised(AttemptWithAFailedRank):
+    """Local rank 1 exited with status 1, as a Python error ends it."""
+
+    def failed_ranks(self):
+        return {1: RankRecord(1, 1, 101, 100, exit_code=1, ended_at=time.time())}
+
+
+@pytest.mark.parametrize("attempt, early_exits_in_row", [
+    (AttemptWithAFailedRank, 0),  # SIGKILLed: an OOM kill, a fault, never the script's error
+    (AttemptWithARankThatRaised, 1),
+])
+def test_a_rank_killed_before_the_first_iteration_is_no_step_toward_a_crash_loop(
+        tmp_path, attempt, early_exits_in_row):
+    """Two kills in the first iteration after a resume gave up with "fix the script"."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.monitor.refresh = lambda timeout_s: None
+    supervisor.attempt = attempt()
+    assert supervisor._watch() is Trigger.FAILURE
+    assert runfiles.read_events(tmp_path)[-1]["before_first_iteration"] is True
+    assert supervisor.early_exits_in_row == early_exits_in_row
+
+
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):
     """The wait saw the signal itself and ended the run with no 'stopped' event: the report
     ran the failure's recovery on into the next launch on the run directory, its RTO and

@@ -1,9 +1,11 @@
 """The supervisor's state machine and its decisions, as tables."""
 
+import signal
+
 import pytest
 
 from ftmaster.states import (TERMINAL, TRANSITIONS, IllegalTransition, State, Trigger, advance,
-                             after_failure, exit_status, requeue_advice)
+                             after_failure, exit_status, is_early_exit, requeue_advice)
 
 S, T = State, Trigger
 
@@ -90,6 +92,21 @@ def test_after_failure(restarts, early, policy, lost, trigger, reason):
                             policy=policy, lost_gpus=frozenset(lost))
     assert outcome.trigger is trigger
     assert (outcome.reason is None) if reason is None else reason in outcome.reason
+
+
+@pytest.mark.parametrize("cause,first_exit_code,trained,unfit,early", [
+    ("exit", 1, False, False, True),  # the script raised before training: its error
+    ("exit", None, False, False, True),  # torchrun's own status, no rank's
+    ("exit", -signal.SIGSEGV, False, False, True),  # a crash the script may cause each time
+    ("exit", -signal.SIGKILL, False, False, False),  # the OOM killer, an operator, a fault
+    ("exit", 1, True, False, False),  # it trained: the script works
+    ("exit", 1, False, True, False),  # a GPU found unfit is the cause
+    ("hang", None, False, False, False),
+    ("usage", 2, False, False, False),  # given up at once, for its own reason
+])
+def test_only_a_script_ending_on_its_own_before_training_is_an_early_exit(
+        cause, first_exit_code, trained, unfit, early):
+    assert is_early_exit(cause, first_exit_code, trained, unfit) is early
 
 
 @pytest.mark.parametrize("cause,again,trigger,reason", [

@@ -36,6 +36,7 @@ straight to INTERRUPTED.
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass
 
 from ftmaster import exit_codes
@@ -153,6 +154,16 @@ GIVE_UP_AT_ONCE = {
                "--run-dir, then launch again to resume",
 }
 """Causes the trainer reports that a relaunch cannot cure, with what to do."""
+
+
+def is_early_exit(cause: str, first_exit_code: int | None, trained: bool, unfit: bool) -> bool:
+    """Whether a failure counts toward ``EARLY_EXITS_TO_GIVE_UP``: the script ended on its
+    own before this attempt's first iteration, with no GPU found unfit. A first rank ended
+    by SIGKILL does not count, however early: no error of the script's raises it (the OOM
+    killer, an operator or a fault does), and two such kills in the first iteration after
+    a resume gave up with "fix the script" and exit 93 (do not requeue)."""
+    return (cause == "exit" and not trained and not unfit
+            and first_exit_code != -signal.SIGKILL)
 
 
 def after_failure(*, restarts_done: int, max_restarts: int, early_exits_in_row: int,

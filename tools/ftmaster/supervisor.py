@@ -106,7 +106,7 @@ from ftmaster.replica_recovery import FLAG as REPLICA_FLAG
 from ftmaster.replica_recovery import (DUMP_TIMEOUT_S, MERGE_TIMEOUT_S, ReplicaRecovery,
                                        request_flag_path)
 from ftmaster.states import (IDLE_STATES, POLICIES, TERMINAL, State, Trigger, advance,
-                             after_failure, exit_status, requeue_advice)
+                             after_failure, exit_status, is_early_exit, requeue_advice)
 from ftmaster.stragglers import Found, StragglerWatch, decide_drain
 from ftmaster.warm import LaunchCancelled, WarmStarter
 
@@ -632,9 +632,10 @@ class Supervisor:
                       iteration: int | None) -> Trigger:
         """The failure of the ``failed`` ranks (none: of torchrun), the first one's cause."""
         report = classify_exits(failed, self.attempt.gpus, errors)
+        first = failed.get(report.first_local_rank)
         return self._failure(report.cause, iteration, list(report.gpus),
                              report.exit_codes or {"torchrun": torchrun_code},
-                             report.first_local_rank)
+                             report.first_local_rank, first.exit_code if first else None)
 
     def _recorded_errors(self) -> dict[int, str]:
         return self.attempt.recorded_errors(range(len(self.attempt.gpus)))
@@ -951,7 +952,8 @@ class Supervisor:
         self._report_persisted()
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
-                 first_local_rank: int | None = None) -> Trigger:
+                 first_local_rank: int | None = None,
+                 first_exit_code: int | None = None) -> Trigger:
         self._follow_events()  # the trainer's last words (a NaN loss, a failed save) come first
         if self._schedule_saved is not None:
             return self._complete_despite(cause)
@@ -994,7 +996,7 @@ class Supervisor:
         elif dump is not None:  # no cut, or a stop: its dumps go, now that no rank writes one
             shutil.rmtree(dump, ignore_errors=True)
         self._persist_when_due(now=True)  # in parallel with the replan and relaunch
-        early = cause == "exit" and self._progress[0] is None and not unfit
+        early = is_early_exit(cause, first_exit_code, self._progress[0] is not None, bool(unfit))
         self.early_exits_in_row = self.early_exits_in_row + 1 if early else 0
         if cause == "nonfinite":
             self._nonfinite_again = self._loaded_iteration in self._nonfinite_from
