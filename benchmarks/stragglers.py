@@ -1,12 +1,18 @@
 """Straggler detection: latency in iterations for slowdowns of 1.2x, 1.5x and 2x, and what the
 per-rank timing costs an iteration.
 
-    .venv/bin/python benchmarks/stragglers.py [--repeats 3] [--iters 40]
+    .venv/bin/python benchmarks/stragglers.py [--repeats 3] [--iters 40] [--healthy 3]
 
 Latency: ``ftmaster launch`` on 4 CPU ranks (TP1 x PP1 x DP4, the e2e test's model), with
 ``--inject slow:gpu=1,factor=F,at=iter:8``; the latency is the iteration of the ``straggler``
 event less 8 ("-" when no event came before the run ended), medians over the repeats, at the
-default ``--straggler-ratio`` and ``--straggler-iterations``.
+default ``--straggler-ratio`` and ``--straggler-iterations``, with the slowdown each event
+reported.
+
+Noise: the e2e test's healthy run (100 iterations, one micro-batch a rank), ``--healthy``
+times; for each, the highest slowdown a healthy rank held for ``--straggler-iterations`` in a
+row (the least ratio that would have named it), replayed from the heartbeat's figures, and the
+default ratio's margin over it.
 
 Overhead: in this process, what each rank adds per iteration: the two timing marks (the thread's
 CPU time each on CPU), reading the last iteration's figure,
@@ -24,23 +30,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from e2e.test_launch_stragglers import straggler_args  # noqa: E402
-from helpers.launch import events, run_launch  # noqa: E402
+from helpers.launch import ComputeFiguresWatcher, events, run_launch, watched_launch  # noqa: E402
 
 from ftmaster import runfiles  # noqa: E402
-from ftmaster.monitor.stragglers import StragglerConfig  # noqa: E402
+from ftmaster.monitor.stragglers import StragglerConfig, held_slowdowns  # noqa: E402
+from ftmaster.stragglers import WARMUP_ITERATIONS  # noqa: E402
 from megatron.training.step_timing import KEPT, ComputeFigures, ComputeTimer  # noqa: E402
 
 FACTORS = (1.2, 1.5, 2.0)
 SLOW_FROM = 8
 
 
-def latency(factor: float, iters: int, root: Path) -> int | None:
+def latency(factor: float, iters: int, root: Path) -> tuple[int, float] | None:
+    """Iterations from the slowdown to the event, and the slowdown it reported."""
     run_dir = root / "run"
     result = run_launch(run_dir, 4, straggler_args(root / "ckpt", iters), "--inject",
                         f"slow:gpu=1,factor={factor},at=iter:{SLOW_FROM}", timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     found = [e for e in events(run_dir, "straggler") if e["gpu"] == 1]
-    return found[0]["iteration"] - SLOW_FROM if found else None
+    return (found[0]["iteration"] - SLOW_FROM, found[0]["slowdown"]) if found else None
+
+
+def healthy_noise(root: Path, config: StragglerConfig) -> tuple[float, int]:
+    """The highest slowdown a rank of a healthy run held for ``config.iterations`` in a row,
+    and the straggler events the run raised."""
+    run_dir = root / "run"
+    watcher = ComputeFiguresWatcher(run_dir)
+    watcher.start()
+    code, output = watched_launch(run_dir, 4, straggler_args(root / "ckpt", 100, global_batch=8),
+                                  stop_watching=watcher.stop, timeout=1800)
+    assert code == 0, output[-3000:]
+    warm = dict(sorted(watcher.figures.items())[WARMUP_ITERATIONS:])
+    return max(held_slowdowns(warm, watcher.stages, config).values()), len(
+        events(run_dir, "straggler"))
 
 
 def microseconds(action, repeats: int = 20000) -> float:
@@ -76,20 +98,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--healthy", type=int, default=3, help="healthy runs for the noise")
     options = parser.parse_args()
     config = StragglerConfig()
     print(f"straggler ratio {config.ratio}, {config.iterations} iterations in a row, window "
           f"{config.window}; 4 CPU ranks, slowed from iteration {SLOW_FROM}, "
           f"{options.iters} iterations")
-    print(f"{'factor':>7s} {'latency (iterations)':>22s} {'median':>7s}")
+    print(f"{'factor':>7s} {'latency (iterations)':>22s} {'median':>7s}  slowdowns reported")
     with tempfile.TemporaryDirectory(prefix="ftmaster-stragglers-") as tmp:
         for factor in FACTORS:
             found = [latency(factor, options.iters, Path(tmp) / f"{factor}-{repeat}")
                      for repeat in range(options.repeats)]
-            detected = [f for f in found if f is not None]
-            shown = " ".join("-" if f is None else str(f) for f in found)
+            detected = [f[0] for f in found if f is not None]
+            shown = " ".join("-" if f is None else str(f[0]) for f in found)
             median = f"{statistics.median(detected):g}" if len(detected) > len(found) / 2 else "-"
-            print(f"{factor:7.2f} {shown:>22s} {median:>7s}")
+            reported = " ".join(f"{f[1]:.2f}" for f in found if f is not None)
+            print(f"{factor:7.2f} {shown:>22s} {median:>7s}  {reported}", flush=True)
+        print(f"\nhealthy 100-iteration runs: the highest slowdown a rank held for "
+              f"{config.iterations} iterations in a row")
+        for run in range(options.healthy):
+            held, raised = healthy_noise(Path(tmp) / f"healthy-{run}", config)
+            print(f"  run {run + 1}: {held:.3f} (the ratio {config.ratio} is "
+                  f"{config.ratio / held:.2f}x it), {raised} straggler events", flush=True)
     print(f"\nper-iteration cost of the timing ({4} ranks' figures, {KEPT} iterations kept):")
     for name, cost in overhead().items():
         print(f"  {name:24s} {cost:8.2f} us")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -132,3 +133,31 @@ class MetricsScraper(threading.Thread):
                        if s.name == family and labels.items() <= s.labels.items()]
             found.append(sum(samples) if samples else 0.0)
         return found
+
+
+class ComputeFiguresWatcher(threading.Thread):
+    """Reads a launch's heartbeat every 20 ms until :meth:`stop`: every rank's compute figure
+    per iteration (``figures``: iteration -> {rank: ms or None}) and pipeline stage
+    (``stages``). The heartbeat holds 16 iterations, so none is missed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir = run_dir
+        self.figures: dict[int, dict[int, float | None]] = {}
+        self.stages: dict[int, int] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.02):
+            try:
+                beat = json.loads((self.run_dir / "heartbeat.json").read_text())
+            except (OSError, ValueError):
+                continue
+            compute = beat.get("compute") or {}
+            self.stages.update(enumerate(compute.get("stages") or []))
+            self.figures.update({int(it): dict(enumerate(ms))
+                                 for it, ms in (compute.get("ms") or {}).items()})
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)

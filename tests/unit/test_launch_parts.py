@@ -557,7 +557,7 @@ def test_a_stragglers_slow_mates_are_named_by_gpu_in_its_event(tmp_path):
     supervisor = Supervisor(config, StubMonitor(True))
     supervisor.stragglers.new_attempt((0, 2, 3), 0)
     for it in range(1, 20):
-        ms = [20.0 if r < 2 and it - 1 >= 5 else 10.0 for r in range(3)]
+        ms = [40.0 if r < 2 and it - 1 >= 5 else 10.0 for r in range(3)]
         supervisor._watch_stragglers({"iteration": it, "time": float(it), "compute": {
             "stages": [0] * 3, "replicas": [0, 0, 1], "ms": {str(it - 1): ms}}})
     named = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler"]

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from ftmaster.monitor.stragglers import Straggler, StragglerConfig, StragglerTracker, assess
+from ftmaster.monitor.stragglers import (Straggler, StragglerConfig, StragglerTracker, assess,
+                                         held_slowdowns)
 from ftmaster.recovery.planner import PlanError
 from ftmaster.stragglers import Found, StragglerWatch, decide_drain
 from megatron.training.rehearsal import Slowdown
@@ -54,6 +55,22 @@ def test_drift_is_against_the_ranks_own_earlier_median():
 def slow_rows(slow_from: int, until: int, factor: float = 2.0, rank: int = 1):
     return {it: [10.0 * (factor if r == rank and it >= slow_from else 1.0) for r in range(4)]
             for it in range(1, until + 1)}
+
+
+def test_held_slowdowns_is_the_least_ratio_that_would_have_named_each_rank():
+    """Rank 1 reads 1.6x for 3 iterations and 1.4x for 4 more (window 1): named at 1.4, not
+    1.6; an unknown figure leaves its run as it was."""
+    rows = {it: [10.0, 10.0 * (1.6 if it < 3 else 1.4 if it < 7 else 1.0), 10.0, 10.0]
+            for it in range(10)}
+    config = StragglerConfig(ratio=1.3, iterations=4, window=1)
+    held = held_slowdowns(figures(rows), FOUR, config)
+    assert held[1] == pytest.approx(1.4) and held[0] == pytest.approx(1.0)
+    gapped = figures(rows) | {4: {0: 10.0, 1: None, 2: 10.0, 3: 10.0}}
+    assert held_slowdowns(gapped, FOUR, config)[1] == pytest.approx(1.4)
+    # the tracker names rank 1 at exactly that ratio, and not just above it
+    for ratio, named in ((1.4, [1]), (1.41, [])):
+        tracker = StragglerTracker(StragglerConfig(ratio=ratio, iterations=4, window=1))
+        assert [s.rank for s in tracker.observe(figures(rows), FOUR)] == named
 
 
 def test_a_rank_slow_for_the_set_iterations_is_reported_once():
