@@ -59,14 +59,20 @@ def slow_rows(slow_from: int, until: int, factor: float = 2.0, rank: int = 1):
 
 def test_held_slowdowns_is_the_least_ratio_that_would_have_named_each_rank():
     """Rank 1 reads 1.6x for 3 iterations and 1.4x for 4 more (window 1): named at 1.4, not
-    1.6; an unknown figure leaves its run as it was."""
+    1.6; an unknown figure leaves its run as it was, as the tracker does."""
     rows = {it: [10.0, 10.0 * (1.6 if it < 3 else 1.4 if it < 7 else 1.0), 10.0, 10.0]
             for it in range(10)}
     config = StragglerConfig(ratio=1.3, iterations=4, window=1)
     held = held_slowdowns(figures(rows), FOUR, config)
     assert held[1] == pytest.approx(1.4) and held[0] == pytest.approx(1.0)
-    gapped = figures(rows) | {4: {0: 10.0, 1: None, 2: 10.0, 3: 10.0}}
-    assert held_slowdowns(gapped, FOUR, config)[1] == pytest.approx(1.4)
+    # an unknown figure is neither slow nor fast: 1.4x at 3, 4, 6 and 7 is a run of four,
+    # at 3, 4 and 6 a run of three
+    for slow, expected in (((3, 4, 6, 7), 1.4), ((3, 4, 6), 1.0)):
+        gapped = figures({it: [10.0, 14.0 if it in slow else 10.0, 10.0, 10.0]
+                          for it in range(10)}) | {5: {0: 10.0, 1: None, 2: 10.0, 3: 10.0}}
+        assert held_slowdowns(gapped, FOUR, config)[1] == pytest.approx(expected)
+        tracker = StragglerTracker(StragglerConfig(ratio=1.4, iterations=4, window=1))
+        assert [s.rank for s in tracker.observe(gapped, FOUR)] == ([1] if expected > 1 else [])
     # the tracker names rank 1 at exactly that ratio, and not just above it
     for ratio, named in ((1.4, [1]), (1.41, [])):
         tracker = StragglerTracker(StragglerConfig(ratio=ratio, iterations=4, window=1))
