@@ -51,6 +51,8 @@ from helpers.trainer import SMALL_GPT, layout_args, run_trainer  # noqa: E402
 
 RANKS = 2
 SHM = Path("/dev/shm")
+SCRATCH_PREFIX = ".memory-tier-bench-"
+"""The disk scratch folder's name in the checkout (ignored by git)."""
 SCHEDULE = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
             "--override-opt-param-scheduler"]
 MODES = [("disk", False), ("disk", True), ("memory", False), ("memory", True)]
@@ -291,7 +293,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--saves", type=int, default=6, help="saves per tier and mode")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=Path(__file__).resolve().parents[1]) as work:
+    if args.saves < 3:  # a memory tier refills only from its third save
+        parser.error(f"--saves must be at least 3 (the first save, the second slot's set-up, "
+                     f"then refills), got {args.saves}")
+    # The save disk is the checkout's (a tmpfs /tmp would measure memory); .gitignore names
+    # the prefix, so a commit made while this runs cannot take its checkpoints along.
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX,
+                                     dir=Path(__file__).resolve().parents[1]) as work:
         root = Path(work)
         for hidden in args.hidden:
             speeds = machine_speeds(root, CHECKPOINT_BYTES.get(hidden, 512 << 20), args.saves)
