@@ -296,6 +296,11 @@ def main() -> None:
     if args.saves < 3:  # a memory tier refills only from its third save
         parser.error(f"--saves must be at least 3 (the first save, the second slot's set-up, "
                      f"then refills), got {args.saves}")
+    heads = int(SMALL_GPT[SMALL_GPT.index("--num-attention-heads") + 1])
+    for hidden in args.hidden:
+        if hidden < heads or hidden % heads:  # the trainer would fail after its set-up
+            parser.error(f"--hidden must be a positive multiple of the model's {heads} attention "
+                         f"heads, got {hidden}")
     # The save disk is the checkout's (a tmpfs /tmp would measure memory); .gitignore names
     # the prefix, so a commit made while this runs cannot take its checkpoints along.
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX,
