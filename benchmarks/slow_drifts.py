@@ -24,7 +24,9 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from ftmaster.monitor.evaluate import evaluate, judge, replay
 from ftmaster.monitor.scorers import AdaptiveConfig, AdaptiveScorer
 
 GOAL = 0.25
+PROGRESS_EVERY = 20
+"""Traces between two progress lines on stderr (a trace takes a second or two)."""
 
 
 def drift_config(settings: list[str]) -> DriftConfig:
@@ -64,7 +68,11 @@ def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[l
     """Per drift: kind, shape, span, lead share; each false episode's trace and GPU; and the
     GPU-hours."""
     drifts, episodes, gpu_hours = [], [], 0.0
-    for seed in seeds:
+    started = time.monotonic()
+    for done, seed in enumerate(seeds):
+        if done and done % PROGRESS_EVERY == 0:
+            print(f"  replayed {done}/{len(seeds)} traces in {time.monotonic() - started:.0f} s",
+                  file=sys.stderr, flush=True)
         spec = tracegen.drift_spec(seed)
         csv_path, labels_path = tracegen.write_trace(spec, folder)
         labels = json.loads(labels_path.read_text())
