@@ -11,7 +11,11 @@ temperature), over the usual healthy noise and checkpoint dips. Each trace is re
 through the adaptive scorer; a drift's lead share is the time from its first true alert to
 the failure over the drift's span (goal: at least 25%). False alarms are alert episodes
 outside any failure's window, per 100 GPU-hours; each is listed by its trace's seed and GPU,
-to be replayed on its own (``--first-seed SEED --traces 1``).
+to be replayed on its own (``--first-seed SEED --traces 1``). A drift closes the gap its GPU
+had to its limit when it began, so each short one is printed with that room (temperature and
+power drifts; a clock drift always falls by the same share) beside the median of its kind: a
+GPU that benign look-alikes had already taken near its limit rises little, and its drift
+stays in its noise longer.
 
 ``--existing N`` also replays the held-out set of ``benchmarks/monitor_quality.py`` (the
 failure types from before) and prints its recall and false alarms: the drift detector must
@@ -22,6 +26,7 @@ weigh a change of its thresholds on the same traces.
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +37,7 @@ from pathlib import Path
 
 from ftmaster.monitor import tracegen
 from ftmaster.monitor.alerts import AlertConfig
+from ftmaster.monitor.anomalies import DRIFT_TEMPERATURE_LIMIT_C
 from ftmaster.monitor.drifts import DriftConfig
 from ftmaster.monitor.evaluate import evaluate, judge, replay
 from ftmaster.monitor.scorers import AdaptiveConfig, AdaptiveScorer
@@ -39,6 +45,9 @@ from ftmaster.monitor.scorers import AdaptiveConfig, AdaptiveScorer
 GOAL = 0.25
 PROGRESS_EVERY = 20
 """Traces between two progress lines on stderr (a trace takes a second or two)."""
+ROOM_BEFORE_S = 300.0
+"""The stretch before a drift whose loaded samples give the level it started from."""
+ROOM_UNITS = {"temperature": "C", "power": "W"}
 
 
 def drift_config(settings: list[str]) -> DriftConfig:
@@ -64,9 +73,26 @@ def drift_config(settings: list[str]) -> DriftConfig:
         raise SystemExit(f"--set: {error}") from None
 
 
+def room_at_start(spec: tracegen.TraceSpec, failure: dict, signal: str,
+                  loaded_util: float) -> float | None:
+    """What the drifting signal had left to its limit as the drift began: the median over
+    its GPU's loaded samples in the ``ROOM_BEFORE_S`` before; None for a clock drift."""
+    if signal not in ROOM_UNITS:
+        return None
+    start = failure["precursor_start"]
+    steps = itertools.takewhile(lambda step: not step or step[0].timestamp < start,
+                                tracegen.generate(spec))
+    levels = [DRIFT_TEMPERATURE_LIMIT_C - s.temperature if signal == "temperature"
+              else s.power_limit - s.power_draw
+              for step in steps for s in step
+              if s.gpu_id == failure["gpu"] and s.timestamp >= start - ROOM_BEFORE_S
+              and (s.gpu_utilization or 0.0) >= loaded_util]
+    return statistics.median(levels) if levels else None
+
+
 def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[list[dict], list[str], float]:
-    """Per drift: kind, shape, span, lead share; each false episode's trace and GPU; and the
-    GPU-hours."""
+    """Per drift: kind, shape, span, lead share and its room at its start; each false
+    episode's trace and GPU; and the GPU-hours."""
     drifts, episodes, gpu_hours = [], [], 0.0
     started = time.monotonic()
     for done, seed in enumerate(seeds):
@@ -87,9 +113,21 @@ def drift_results(seeds: range, folder: Path, config: AdaptiveConfig) -> tuple[l
             early = [a.time for a in alerts if a.gpu == failure["gpu"]
                      and failure["precursor_start"] <= a.time < failure["failure_time"]]
             lead = failure["failure_time"] - min(early) if early else 0.0
+            signal = plan.anomalies[0].signal
             drifts.append({"seed": seed, "kind": plan.kind, "shape": plan.anomalies[0].shape,
-                           "span_min": span / 60, "share": lead / span})
+                           "span_min": span / 60, "share": lead / span, "signal": signal,
+                           "room": room_at_start(spec, failure, signal, config.loaded_util)})
     return drifts, episodes, gpu_hours
+
+
+def room_text(drift: dict, drifts: list[dict]) -> str:
+    """``drift``'s room to its limit at its start, beside the median of its kind's."""
+    rooms = [d["room"] for d in drifts if d["kind"] == drift["kind"] and d["room"] is not None]
+    if drift["room"] is None or not rooms:
+        return ""
+    unit = ROOM_UNITS[drift["signal"]]
+    return (f"; it started {drift['room']:.1f} {unit} from its limit (its kind's median "
+            f"{statistics.median(rooms):.1f} {unit})")
 
 
 def main() -> None:
@@ -120,7 +158,7 @@ def main() -> None:
         for drift in drifts:
             if drift["share"] < GOAL:
                 print(f"  short: seed {drift['seed']} ({drift['kind']}, {drift['shape']}): "
-                      f"{drift['share']:.1%} of its span left")
+                      f"{drift['share']:.1%} of its span left{room_text(drift, drifts)}")
         print(f"false-alarm episodes {len(episodes)} = {100 * len(episodes) / gpu_hours:.2f} per "
               f"100 GPU-h over {gpu_hours:.0f} GPU-h (benign look-alikes included)")
         for episode in episodes:
