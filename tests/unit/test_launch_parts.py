@@ -23,7 +23,7 @@ from ftmaster.attempt import Attempt, RankRecord, attempt_argv, gpu_of_local_ran
     read_rank_records, training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import _claim_checkpoint_folders, _job_identity, check_layout
+from ftmaster.launch import _claim_checkpoint_folders, _job_identity, _replication, check_layout
 from ftmaster.listener import Listener, move_request
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.lock import HOLDERS_DIR, HOLDERS_GUARD, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
@@ -108,6 +108,19 @@ def test_check_layout_accepts_the_scripts_own_layout():
     plan = check_layout(MODEL, 4, None, None)
     assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
             plan.data_parallel_size, plan.num_gpus_used) == (2, 2, 1, 4)
+
+
+def test_a_node_local_memory_folder_that_cannot_be_made_is_one_line_at_launch(tmp_path):
+    not_a_folder = tmp_path / "shm"
+    not_a_folder.write_text("")
+    config = types.SimpleNamespace(scratch_memory_dir=not_a_folder / "memory", run_dir=tmp_path)
+    membership = types.SimpleNamespace(config=types.SimpleNamespace(node_rank=1),
+                                       bind_host="127.0.0.1")
+    held = types.SimpleNamespace(will_make=lambda folder: None)
+    with pytest.raises(click.ClickException) as refused:
+        _replication(config, membership, {"memory_replicas": 1, "replication_rate": 0.0}, held)
+    assert refused.value.message == (f"cannot serve this node's memory tier from "
+                                     f"{not_a_folder / 'memory'} (Not a directory)")
 
 
 class StubMonitor:

@@ -868,13 +868,20 @@ def _end_without_the_store(lost: StoreLost, args: Sequence[str], run_dir: Path) 
 def _replication(config: SupervisorConfig, membership: NodeMembership | None,
                  options: dict, held: HeldFolders) -> Replication | None:
     """Peer copies, for a memory tier in the node-local folder ftmaster picked (made here),
-    served at the address the membership looked up."""
+    served at the address the membership looked up; one line when that folder cannot be made
+    (the address was checked when the membership looked it up)."""
     if membership is None or config.scratch_memory_dir is None:
         return None
     held.will_make(config.scratch_memory_dir)
-    return Replication(ReplicationConfig(
-        config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
-        options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))
+    try:
+        return Replication(ReplicationConfig(
+            config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
+            options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))
+    except OSError as error:
+        raise click.ClickException(
+            f"cannot serve this node's memory tier from "
+            f"{runfiles.failed_path(error, config.scratch_memory_dir)} "
+            f"({error.strerror or error})") from None
 
 
 def _warm_starter(config: SupervisorConfig, gpus: int) -> WarmStarter:
