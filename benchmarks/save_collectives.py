@@ -64,13 +64,12 @@ def outcome() -> checkpointing.DurableSave:
 def collectives(rank: int, items: int) -> dict:
     flag = torch.zeros(1, dtype=torch.int64)
     gathered = [None] * RANKS if rank == 0 else None
-    own = report(items)
+    own, result = report(items), outcome() if rank == 0 else None
     return {
         "structure": lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
         "folder": lambda: checkpointing.broadcast_from_rank0((None, True, None), None),
         "agreement": lambda: dist.gather_object(own, gathered, dst=0),
-        "outcome": lambda: checkpointing.broadcast_from_rank0(outcome() if rank == 0 else None,
-                                                              None),
+        "outcome": lambda: checkpointing.broadcast_from_rank0(result, None),
     }
 
 
