@@ -2055,10 +2055,10 @@ def test_a_node_that_finds_no_store_and_the_schedules_last_checkpoint_on_disk_en
     tracker_path(save).write_text(str(on_disk))
     rendezvous = RendezvousConfig("127.0.0.1:1", "job", 1, 2, 1, local_addr="127.0.0.1")
     args = [*MODEL[1:], "--train-iters", "40", "--save", str(save)]
-    with pytest.raises(SystemExit) as ended:
+    with pytest.raises(launch.EndedBeforeJoining) as ended:
         launch._membership(rendezvous, 2, args, types.SimpleNamespace(came_early=lambda: False),
                            tmp_path / "run")
-    assert ended.value.code == status
+    assert ended.value.status == status
 
 
 def test_a_straggler_named_anew_is_in_line_once_with_its_newest_figures(tmp_path):

@@ -852,8 +852,11 @@ def test_a_launch_that_finds_no_store_records_how_it_ended(tmp_path, monkeypatch
                                                           status, recorded):
     """A node started again once the other nodes had completed the job and left with the
     store exited 0 as complete (or 75) recording nothing: its run directory still read as
-    the killed ftmaster's, with no end event, though the README says it records `complete`."""
+    the killed ftmaster's, with no end event, though the README says it records `complete`.
+    It exited from inside the set-up too, its claim on --save still held: in a process that
+    lives on (this runner), a later job's launch on that folder was refused."""
     from ftmaster import runfiles
+    from ftmaster.lock import HOLDERS_DIR
     from ftmaster.membership import StoreLost
     from ftmaster.recovery.checkpoints import tracker_path
     from test_checkpoint_discovery import write_checkpoint
@@ -875,3 +878,4 @@ def test_a_launch_that_finds_no_store_records_how_it_ended(tmp_path, monkeypatch
     assert result.exit_code == status, result.stderr
     ended = runfiles.read_events(run_dir / "node_1")[-1]
     assert {key: ended.get(key) for key in recorded} == recorded
+    assert list((save / HOLDERS_DIR).iterdir()) == []

@@ -653,6 +653,11 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     except click.ClickException:
         refusal.close()
         raise
+    except EndedBeforeJoining as ended:  # its end is recorded in the run directory: kept
+        _close_all(observers)
+        monitor.close()
+        held.close()
+        sys.exit(ended.status)
     try:
         code = _supervise(Supervisor(config, monitor, membership, starter, observers,
                                      replication), monitor, Listener(config.run_dir), stops)
@@ -858,11 +863,20 @@ def _end_without_the_store(lost: StoreLost, args: Sequence[str], run_dir: Path) 
     if saved is None:
         run_files.append_event(run_dir, "store_lost", reason=str(lost))
         log.error("%s; requeue the job (exit status 75)", lost)
-        sys.exit(exit_codes.REQUEUE)
+        raise EndedBeforeJoining(exit_codes.REQUEUE)
     run_files.append_event(run_dir, "complete", iteration=saved, on_other_nodes=True)
     log.warning("%s, and --save holds training's last checkpoint, iteration %d: the job has "
                 "completed", lost, saved)
-    sys.exit(0)
+    raise EndedBeforeJoining(0)
+
+
+class EndedBeforeJoining(Exception):
+    """The job ended for this node before it joined (no store); ``status`` is the exit
+    status, given once the launch closed what it opened and released its folders."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def _replication(config: SupervisorConfig, membership: NodeMembership | None,
