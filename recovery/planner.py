@@ -163,6 +163,14 @@ class Plan:
         return {**asdict(self), "command": list(self.command),
                 "ranks_per_node": list(self.ranks_per_node), "warnings": list(self.warnings)}
 
+    def layout(self) -> tuple:
+        """What sets the step time: the degrees, the batches and where the ranks go; not the
+        estimates, which a calibrated plan of the same layout gives anew."""
+        return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                self.data_parallel_size, self.context_parallel_size,
+                self.expert_model_parallel_size, self.virtual_pipeline_model_parallel_size,
+                self.micro_batch_size, self.global_batch_size, self.ranks_per_node)
+
 
 @dataclass(frozen=True)
 class PlanRequest:

@@ -803,6 +803,54 @@ def test_an_attempt_a_straggler_is_drained_from_calibrates_the_planner_without_i
     assert supervisor._original_step_s == 0.21
 
 
+def test_a_relaunch_on_the_original_layout_still_calibrates_the_planner(tmp_path):
+    """A relaunch on the same GPUs and layout (after a failure that retired none) was not the
+    original layout: its plan's calibrated estimates differ from the first plan's, which were
+    compared too. Its steps no longer calibrated the planner, nor a drain weighed on it."""
+    from ftmaster.launch import check_layout
+    from ftmaster.recovery.planner import plan_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = object()
+    supervisor.plan = plan_layout(MODEL, 4, original_world_size=4, measured_step_s=2.0)
+    assert supervisor.plan.estimated_step_seconds != config.first_plan.estimated_step_seconds
+    supervisor.progress = Progress(tmp_path / "log", 10, 0)
+    for step_ms in [5000.0, 900.0, 210.0, 190.0, 200.0]:
+        supervisor.progress.took(step_ms)
+    supervisor._measure_original_layout()
+    assert supervisor._original_step_s == 0.2
+
+
+@pytest.mark.parametrize("healthy_step_s, expected", [(0.21, 0.21), (None, 0.22)])
+def test_a_straggler_kept_in_an_attempt_leaves_its_slowdown_out_of_the_planners_step(
+        tmp_path, healthy_step_s, expected):
+    """A straggler named and kept (or never weighed), then another failure: the attempt's
+    slowed median calibrated the next plan, whose estimates then ran slow by its factor, so a
+    straggler of the next attempt was kept on a line saying 'without the slowdown'."""
+    from ftmaster.launch import check_layout
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt, supervisor.plan = object(), config.first_plan
+    supervisor.progress = Progress(tmp_path / "log", 10, 0)
+    for step_ms in [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]:
+        supervisor.progress.took(step_ms)
+    watch = supervisor.stragglers
+    watch.new_attempt((0, 1, 2, 3), 0)
+    watch.step_seconds = lambda since=None, until=None: 0.4 if until is None else healthy_step_s
+    # 190 ms of compute against its peers' 10: 0.4 s less its extra 0.18 s is 0.22 s
+    assert watch._found(Straggler(1, 20, 14, 19.0, None, 190.0, 10.0, 190.0)) is not None
+    supervisor._measure_original_layout()
+    assert supervisor._original_step_s == pytest.approx(expected)
+
+
 class FakeAttempt:
     number = 3
     killed = False

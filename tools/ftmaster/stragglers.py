@@ -73,6 +73,9 @@ class StragglerWatch:
         self.gpus, self.rank_offset = tuple(gpus), rank_offset
         self.drained_step_s, self._slowed_step_s = self._slowed_step_s, None
         self.tracker = StragglerTracker(self.config)
+        self.unslowed_step_s: float | None = None
+        """The attempt's step without its stragglers (the least of their
+        :meth:`Found.calibration_s`); None while none was named."""
         self._beats: dict[int, float] = {}
         self._first: int | None = None
         self.peerless: bool | None = None
@@ -128,8 +131,11 @@ class StragglerWatch:
         if gpu is None:
             return None
         # A heartbeat is written as its iteration ends: the step up to ``since``'s is slow.
-        return Found(gpu, straggler, self.step_seconds(since=straggler.since),
-                     self.step_seconds(until=straggler.since - 1))
+        found = Found(gpu, straggler, self.step_seconds(since=straggler.since),
+                      self.step_seconds(until=straggler.since - 1))
+        if (unslowed := found.calibration_s()) is not None:
+            self.unslowed_step_s = min(unslowed, self.unslowed_step_s or unslowed)
+        return found
 
     def step_seconds(self, since: int | None = None, until: int | None = None,
                      least: int = 2) -> float | None:

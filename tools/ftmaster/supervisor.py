@@ -1482,21 +1482,24 @@ class Supervisor:
     def _measure_original_layout(self) -> None:
         """The step time of an attempt on the original layout (median of its logged
         iterations after the first two, or without a straggler drained from it), which
-        calibrates the planner's cost model."""
+        calibrates the planner's cost model. A straggler named and kept slowed those
+        iterations: the lesser of their median and the attempt's step without it."""
         if self.attempt is None or not self._on_original_layout():
             return
         if self._unslowed_step_s is not None:  # the drain's decision line and the plan agree
             self._original_step_s = self._unslowed_step_s
             return
-        steady = self.progress.steady_step_s()
-        if steady is not None:
-            self._original_step_s = steady
+        measures = [s for s in (self.progress.steady_step_s(), self.stragglers.unslowed_step_s)
+                    if s is not None]
+        if measures:
+            self._original_step_s = min(measures)
 
     def _on_original_layout(self) -> bool:
-        """Whether the attempt runs the original layout, whose step calibrates the planner."""
+        """Whether the attempt runs the original layout, whose step calibrates the planner
+        (a relaunch on it too: its plan's estimates are calibrated, the first plan's not)."""
         original = self.config.first_plan
         return original is not None and self.plan is not None and \
-            self.plan.as_json() == original.as_json()
+            self.plan.layout() == original.layout()
 
     def _plan_event(self, available: list[int], **fields) -> None:
         for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
