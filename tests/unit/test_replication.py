@@ -22,7 +22,8 @@ from ftmaster.recovery.checkpoints import (advance_tracker, checkpoint_problem, 
                                            kept_memory_checkpoints, mark_replicated, mark_whole,
                                            read_tracker, replicated_here, whole_here)
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MANIFEST_NAME, digest_bytes,
-                                        digest_file, read_manifest, write_manifest)
+                                        digest_file, digest_problem, read_manifest,
+                                        write_manifest)
 from ftmaster.replication import (Agreed, MemoryAgreement, Replication, ReplicationConfig,
                                   ReplicationFailed, holdings_of, newest_complete, rank_ranges,
                                   writer_rank)
@@ -289,6 +290,34 @@ def test_a_node_that_rejoins_catches_up_on_the_checkpoint_rank_0_will_load(tmp_p
     assert read_tracker(folders[1]) == 4 and again == []
     assert read_manifest(iteration_dir(folders[1], 4)) == read_manifest(iteration_dir(folders[0], 4))
     assert used == sum(p.stat().st_size for p in folders[1].rglob("*") if p.is_file())
+
+
+def test_a_rejoining_node_never_stamps_a_torn_refill_with_the_agreed_manifest(tmp_path):
+    """Node 1 was killed refilling a slot as iteration 4 (no manifest, the older checkpoint's
+    bytes at the same names and sizes) and missed the round that saved a new iteration 4.
+    Rejoining, it fetched rank 0's files and wrote the agreed manifest over its torn shards:
+    its loads then failed their item checks and fell back, setting the agreed checkpoint
+    aside on every node."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    shard_checkpoint(folders, items=True)
+    torn = iteration_dir(folders[1], 4)
+    for name in ("__2_0.distcp", "__3_0.distcp"):  # node 0 holds them now, whole
+        shutil.copy(torn / name, iteration_dir(folders[0], 4) / name)
+    (torn / "__2_0.distcp").write_bytes(b"X" * (torn / "__2_0.distcp").stat().st_size)
+    agreed = agreed_on({0: folders[0], 1: folders[1]})
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r)) for r in (0, 1)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(2))
+        for r in (0, 1):
+            replications[r].new_round(SECRET, records, r, [2, 2])
+        replications[1].catch_up(agreed, True)  # node 1 runs rank 0 now
+    finally:
+        for replication in replications:
+            replication.close()
+    manifest = read_manifest(torn)
+    assert manifest is not None and read_tracker(folders[1]) == 4
+    assert not (torn / "__2_0.distcp").exists()  # a load reads it from node 0
+    assert digest_problem(torn, manifest, ["__3_0.distcp"]) is None  # its own, kept
 
 
 def test_the_memory_used_is_counted_while_the_ranks_prune_a_folder(tmp_path, monkeypatch):

@@ -515,7 +515,7 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
         folder.mkdir(parents=True, exist_ok=True)
     copied, missing = 0, []
     for file, expected in sorted(wanted.items()):
-        if _holds(folder / file, expected):
+        if holds(folder / file, expected):
             continue
         try:
             client.fetch(f"{folder.name}/{file}", folder / file, expected)
@@ -526,7 +526,7 @@ def fill_from_peer(client: PeerClient, iteration: int, into: Path, manifest: byt
     # Under the tier's lock, as the trainer claims a slot to refill it: between the check and
     # the write it could rename the folder, which the write would then make again, empty.
     with tracker_lock(into):
-        if _whole(folder, files) and not _holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
+        if _whole(folder, files) and not holds(folder / MANIFEST_NAME, digest_bytes(manifest)):
             write_manifest(folder, manifest)
             copied += len(manifest)
     return Copied(iteration, folder, copied, time.perf_counter() - started, tuple(missing))
@@ -553,7 +553,8 @@ def manifest_files(manifest: bytes, iteration: int, url: str) -> dict[str, FileD
     return files
 
 
-def _holds(path: Path, expected: FileDigest) -> bool:
+def holds(path: Path, expected: FileDigest) -> bool:
+    """Whether ``path`` is there with the size and the digest ``expected``."""
     try:
         return path.stat().st_size == expected.bytes and digest_file(path) == expected
     except OSError:

@@ -41,8 +41,8 @@ from typing import Sequence
 from ftmaster.membership import StoreLost
 from ftmaster.monitor.backends.bounded import STOP_POLL_S, Abandoned, call_while
 from ftmaster.peer_files import (PEERS_FILE, Copied, PeerClient, PeerError, PeerMissing,
-                                 PeerServeConfig, PeerServer, fill_from_peer, manifest_files,
-                                 none_served, write_manifest, write_peer_list)
+                                 PeerServeConfig, PeerServer, fill_from_peer, holds,
+                                 manifest_files, none_served, write_manifest, write_peer_list)
 from ftmaster.recovery.checkpoints import (advance_tracker, advance_tracker_locked,
                                            iteration_dir, kept_memory_checkpoints,
                                            list_iterations, mark_replicated, mark_whole,
@@ -116,6 +116,18 @@ def known_manifest(folder: Path) -> bytes | None:
         return None if name is None else (folder / name).read_bytes()
     except OSError:  # pruned meanwhile
         return None
+
+
+def _drop_unverified(folder: Path, files: dict[str, FileDigest]) -> None:
+    """A folder without a manifest is a save under way, or one a kill tore: a slot claimed
+    for a refill keeps the older checkpoint's bytes at the same names and sizes, which the
+    agreed manifest's loads would take as its own (their checks fail, and the resume falls
+    back, setting the agreed checkpoint aside on every node). Its files whose digest is not
+    the manifest's are removed; a load reads those from the peers that hold them."""
+    for name, expected in files.items():
+        path = folder / name
+        if path.exists() and not holds(path, expected):
+            path.unlink()
 
 
 def _taken(folder: Path) -> OSError:
@@ -367,8 +379,12 @@ class Replication:
             # the folder; this node's copies wait on _folder_lock; the replica merge ended
             # before the round was planned. A persist copy may still run, but it only reads:
             # it checks each file's digest, and its manifest before it lands.
-            if known_manifest(folder) not in (None, manifest):
+            files = manifest_files(manifest, agreed.iteration, "the agreed manifest")
+            own = known_manifest(folder)
+            if own not in (None, manifest):
                 folder.rename(folder.with_name(f"{folder.name}.discarded-{time.time_ns()}"))
+            elif own is None:
+                _drop_unverified(folder, files)
             whole_files = not json.loads(manifest).get("items")  # loads check files whole
             needed = [name for name in agreed.holders
                       if whole_files or writer_rank(name) is None]
@@ -378,7 +394,6 @@ class Replication:
                                         memory, manifest, names)
                 if copied.bytes:
                     done.append((node_rank, copied))
-            files = manifest_files(manifest, agreed.iteration, "the agreed manifest")
             if all(_has_size(folder / name, files[name].bytes) for name in needed):
                 write_manifest(folder, manifest)
                 if chooses:
