@@ -118,7 +118,7 @@ from .console import error_line, local_rank, log_rank0
 from .conversions import ConversionCache
 from .dcp_metadata import MetadataBytes
 from .kept_writes import KeptWritesStrategy
-from .memory_slots import MemorySlots
+from .memory_slots import IN_PLACE_FILE_SYSTEMS, MemorySlots
 from .records import DiskRecords
 from .model import optimizer_metadata
 from .save_structure import SaveStructure
@@ -1028,6 +1028,10 @@ class Checkpointer:
         self.node_local_memory = node_writers is not None
         self.slots = (MemorySlots(self.memory_dir, node_writers)
                       if self.memory_dir is not None else None)
+        if self.slots is not None and not self.slots.in_place:
+            where = self.slots.file_system or "a file system of unknown type"
+            log_rank0(f"memory tier {self.memory_dir}: on {where}, each save writes its files "
+                      f"anew (refilled in place only on {', '.join(sorted(IN_PLACE_FILE_SYSTEMS))})")
         self.disk_records = DiskRecords()
         self.own_states = OwnStates()
         self.write_results_relay = _WriteResultsRelay()

@@ -27,6 +27,10 @@ written instead).
 
 A structure change (a new layout, a new optimizer state) drops both slots, and so does a
 failed save: their checkpoints stay until pruned, and the next two saves set up new ones.
+
+A tier on a file system that may not rewrite a page where it is (:data:`IN_PLACE_FILE_SYSTEMS`)
+is never refilled: each save writes its files anew, with write(2), whose failure fails the
+save, where a store into the mapping that fails is SIGBUS and kills the rank.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import functools
 import importlib.util
 import mmap
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +62,30 @@ from .console import error_line
 from .records import Record, RecordWriter
 
 COPY_CHUNK = 512 << 10  # hashed twice, then copied while still in L2 (1.25x faster than 2 MB)
+IN_PLACE_FILE_SYSTEMS = frozenset({"tmpfs", "ext2", "ext3", "ext4", "xfs"})
+"""File systems where rewriting a page already written needs no new room and no network: a
+refill through the mapping cannot fail there. Elsewhere it can (btrfs and zfs copy on write
+and may find no room, NFS and Lustre write back over the network, FUSE to anything), and
+the kernel reports that failure as SIGBUS."""
+MOUNTS = Path("/proc/self/mounts")
+
+
+def file_system_type(path: Path, mounts: Path = MOUNTS) -> str | None:
+    """The type of the file system that holds ``path`` (the deepest mount above it), None
+    when the mount table cannot be read."""
+    target = Path(os.path.realpath(path))
+    try:
+        table = mounts.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found, depth = None, -1
+    for fields in map(str.split, table):
+        if len(fields) < 3:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda code: chr(int(code[1], 8)), fields[1]))
+        if (point == target or point in target.parents) and len(point.parts) >= depth:
+            found, depth = fields[2], len(point.parts)  # a later mount over it hides it
+    return found
 
 
 def _stream_copy_library() -> ctypes.CDLL | None:
@@ -330,6 +359,9 @@ class MemorySlots(RecordWriter):
         self.node_writers = node_writers
         """In a node-local tier, the ranks writing into this node's folder: the folder also
         holds peer copies of other ranks' files, which a refill does not rewrite."""
+        self.file_system = file_system_type(self.memory_dir)
+        self.in_place = self.file_system in IN_PLACE_FILE_SYSTEMS
+        """Whether slots are refilled; else each save writes its files anew."""
         self._iterations: list[int | None] = [None, None]
         self._files: list[dict[str, _SlotFile]] = [{}, {}]
         self._turn = 0
@@ -339,7 +371,7 @@ class MemorySlots(RecordWriter):
         if not structure_kept:
             for slot in (0, 1):
                 self._drop(slot)
-        return self._iterations[self._turn]
+        return self._iterations[self._turn] if self.in_place else None
 
     def claim(self, iteration: int | None, target: Path) -> bool:
         """Rank 0: make the slot of ``iteration`` the folder ``target`` (True), or make
@@ -389,6 +421,9 @@ class MemorySlots(RecordWriter):
         return {iteration for iteration in self._iterations if iteration is not None}
 
     def write_tensors(self, path: Path, name: str, tensor_data: list, iteration: int) -> list[WriteResult]:
+        if not self.in_place:  # never mapped
+            return [record.result for record in records.set_up_file(
+                path, name, tensor_data, fsync=False, report=self.keep_digest).values()]
         slot_files = self._files[self._turn]
         slot_file = slot_files.get(name)
         if slot_file is not None and records.fits(slot_file.records, tensor_data):

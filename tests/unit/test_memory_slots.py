@@ -3,6 +3,7 @@ digests taken from the bytes copied, and the rules that keep a complete checkpoi
 
 import ctypes
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,38 @@ def test_the_third_save_refills_the_first_slot_in_place_with_the_new_bytes(tmp_p
         got = read_back(folder, result)
         assert got == expected if isinstance(got, bytes) else torch.equal(got, expected)
     assert slots.kept_iterations() == {2, 3}
+
+
+def test_the_file_system_of_a_folder_is_its_deepest_mount_the_last_mounted(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\n"
+                      "tmpfs /dev/shm tmpfs rw 0 0\n"
+                      "srv:/ckpt /mnt/my\\040ckpt nfs4 rw 0 0\n"
+                      "pool /data zfs rw 0 0\n"
+                      "/dev/vdb /data btrfs rw 0 0\n"
+                      "broken\n")
+    assert [memory_slots.file_system_type(Path(path), mounts) for path in (
+        "/dev/shm/ckpt/memory", "/mnt/my ckpt/run/non_persistent", "/data/x", "/dev/shmx",
+        "/")] == ["tmpfs", "nfs4", "btrfs", "ext4", "ext4"]
+    assert memory_slots.file_system_type(tmp_path, tmp_path / "none") is None
+
+
+def test_a_tier_on_a_file_system_that_may_not_rewrite_in_place_is_never_refilled(
+        tmp_path, monkeypatch):
+    """On btrfs (copy on write), NFS or FUSE a store into the mapping that finds no room or
+    meets an I/O error is SIGBUS: the rank died where a write(2) fails only the save."""
+    monkeypatch.setattr(memory_slots, "file_system_type", lambda path: "btrfs")
+    mapped = []
+    monkeypatch.setattr(memory_slots.mmap, "mmap", lambda *args, **kwargs: mapped.append(args))
+    slots = MemorySlots(tmp_path)
+    try:
+        refilled = [save(slots, tmp_path, iteration, state(iteration))[0]
+                    for iteration in (1, 2, 3)]
+    finally:
+        slots.close()
+    assert refilled == [False, False, False] and mapped == []
+    assert iteration_dir(tmp_path, 1).exists()  # written anew, not renamed to iteration 3
+    assert slots.digests[SHARD].digest == digest_file(iteration_dir(tmp_path, 3) / SHARD)
 
 
 @pytest.fixture(params=["in C", "in Python"])
