@@ -193,6 +193,9 @@ def test_missing_optional_columns_are_skipped(run_copy, tmp_path):
     # milliseconds: dates no plot can draw (a traceback from matplotlib)
     ("timestamp,gpu_id,temperature\n1767225600000,0,50\n", "unix seconds up to 2096"),
     ("timestamp,gpu_id,temperature\n2026-01-01T00:00:00Z,-1,50\n", "gpu_id out of range (-1)"),
+    ("timestamp,gpu_id,errors\n2026-01-01T00:00:00Z,0,0\n2026-01-01T00:00:10Z,0,0.5\n",
+     "errors 0.5, not a whole count"),  # a cast's traceback
+    ("timestamp,gpu_id,ecc_dbe\n2026-01-01T00:00:00Z,0,1e30\n", "ecc_dbe 1e+30, not a whole count"),
     ('"' + "x" * 200_000 + "\n", "not a gpu_metrics.csv: field larger than field limit"),
 ])
 def test_bad_csv_is_one_line_and_non_zero(tmp_path, content, expected):

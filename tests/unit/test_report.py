@@ -337,6 +337,14 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
      '"seconds" of a replica_merge event must be a finite number, not "0.5"'),
     ('{"event": "replica_merge", "time": 2, "iteration": 5, "merge_seconds": null}\n',
      '"merge_seconds" of a replica_merge event'),
+    # each a traceback before (a field the report computes with that it did not check)
+    ('{"event": "replica_dump", "time": 2, "ranks": 5}\n',
+     '"ranks" of a replica_dump event must be a list of integers, not 5'),
+    ('{"event": "replica_gathered", "time": 2, "bytes": 1%s}\n' % ("0" * 309), "a finite number"),
+    ('{"event": "complete", "time": 2, "iteration": 1%s}\n' % ("0" * 309), "an integer or null"),
+    ('{"event": "failure", "time": 2, "gpus": [1], "node": null}\n',
+     '"node" of a failure event must be an integer, not null'),
+    ('{"event": "fresh_start", "time": 2, "folders": [1]}\n', "a list of strings, not [1]"),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:
@@ -1107,3 +1115,31 @@ def test_a_node_whose_dumps_rank_0s_node_merged_is_not_said_to_have_fallen_back(
     assert ("replica recovery   dump 0.116 s (1 rank(s), 1.5 MB); no merge or fallback recorded "
             "here: stopped first, or merged on rank 0's node (across nodes; report the whole run "
             "directory)") in result.stdout
+
+
+def test_an_attempts_log_read_with_a_jump_no_interval_explains_nor_a_number_past_18_digits(
+        tmp_path):
+    """A line jumping to iteration 5,000,000,000 had every iteration before it take its time
+    (22 GB, then MemoryError); a byte count of 5000 digits was a ValueError of int()."""
+    from ftmaster.report import read_attempt_log
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "attempt_1.log").write_text(
+        "loaded checkpoint from /c at iteration 1 in 0.5 s (%s bytes); layout\n" % ("1" * 5000)
+        + "".join(f"iteration {i}/ 10 | x | elapsed time per iteration (ms): 100.0 | \n"
+                  for i in (1, 3, 5_000_000_000)))
+    log = read_attempt_log(tmp_path, 1)
+    assert log.loaded_iteration is None and sorted(log.iteration_s) == [1, 2, 3]
+
+
+def test_two_alerts_at_once_one_of_no_gpu_name_a_peer_failures_moment(tmp_path):
+    """Tied in time, the alerts were ordered by their GPUs too: None against 1, a TypeError."""
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "launch", "time": 1000.0, "attempt": 1, "gpus": [0, 1]},
+        {"event": "risk_alert", "time": 1005.0, "gpu": None, "reasons": ["device_lost"]},
+        {"event": "risk_alert", "time": 1005.0, "gpu": 1, "reasons": ["device_lost"]},
+        {"event": "failure", "time": 1010.0, "attempt": 1, "iteration": 5, "cause": "peer",
+         "gpus": []}]))
+    result = run_report(tmp_path)
+    assert result.exit_code == 0, result.output

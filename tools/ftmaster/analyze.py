@@ -197,6 +197,13 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
         raise _fail(f"{csv_path} has a gpu_id out of range ({outside.iloc[0]:g}); expected GPU "
                     "indices 0, 1, ...")
     frame["gpu_id"] = frame["gpu_id"].astype("int32")
+    for counter in COUNTERS:  # summed as whole numbers: a fraction or 1e30 is no count
+        column = frame.get(counter)
+        odd = None if column is None else column[column.notna() & (
+            (column % 1 != 0) | (column.abs() >= 2 ** 53))]
+        if odd is not None and not odd.empty:
+            raise _fail(f"{csv_path} has {counter} {odd.iloc[0]:g}, not a whole count of "
+                        "errors")
     return frame
 
 

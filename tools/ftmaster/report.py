@@ -126,8 +126,14 @@ LAST_PROGRESS = "last progress (estimated)"
 """Where detection is measured from when no evidence of the fault was recorded."""
 DECIMAL = r"(\d+(?:\.\d+)?)(?![\d.])"
 """A logged figure; one garbled by interleaved writes ("1.2.3") does not match."""
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): " + DECIMAL)
-_LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d+) in " + DECIMAL + r" s \((\d+) bytes\)")
+# 18 digits at most: Python refuses to convert more than 4300, and no run counts past 10**18.
+_ITERATION = re.compile(r"iteration\s+(\d{1,18})/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
+                        + DECIMAL)
+_LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d{1,18}) in " + DECIMAL
+                     + r" s \((\d{1,18}) bytes\)")
+MAX_LOGGED_GAP = 100_000
+"""Iterations between two logged ones that take the later one's time (``--log-interval``);
+a longer jump is no interval, and spread over every iteration it took gigabytes."""
 
 
 class ReportError(click.ClickException):
@@ -184,7 +190,9 @@ def write_for_people(path: Path, text: str) -> None:
 # ---- inputs ----------------------------------------------------------------------------------
 
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer as ftmaster writes one: 64 bits at most (a larger one overflowed the
+    report's arithmetic in floats)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2 ** 63 <= value < 2 ** 63
 
 
 class FieldType(NamedTuple):
@@ -205,7 +213,10 @@ UNFIT_LIST = FieldType('a list of {"gpu": integer, "reason": string} objects',
                        lambda v: isinstance(v, list) and all(
                            isinstance(u, dict) and is_int(u.get("gpu"))
                            and isinstance(u.get("reason"), str) for u in v))
+INT = FieldType("an integer", is_int)
 SAVE_FIELDS = {"iteration": INT_OR_NULL, "started_at": NUMBER}
+EVERY_EVENT = {"node": INT}
+"""ftmaster writes no node in an event; the report adds each node folder's own."""
 # The fields the report computes with, per event: a wrong type would crash it or, worse,
 # silently mislead (a string of GPU digits iterates as characters). Absent is fine.
 FIELD_TYPES = {
@@ -220,6 +231,10 @@ FIELD_TYPES = {
     "straggler": {"gpu": INT_OR_NULL, "slow_mates": INT_LIST, "slow_mate_gpus": GPU_LIST},
     "emergency_save": SAVE_FIELDS, "periodic_save": SAVE_FIELDS,
     "replica_merge": {"iteration": INT_OR_NULL, "seconds": NUMBER, "merge_seconds": NUMBER},
+    "replica_dump": {"ranks": INT_LIST, "seconds": NUMBER, "bytes": NUMBER},
+    "replica_gathered": {"bytes": NUMBER},
+    "complete": {"iteration": INT_OR_NULL},
+    "fresh_start": {"folders": STR_LIST},
 }
 
 
@@ -300,7 +315,7 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
             and runfiles.is_finite_number(record.get("time"))):
         raise ReportError(f"{path} line {number} is not a JSON object with a string \"event\" "
                           "and a numeric \"time\"; fix or remove that line")
-    for name, expected in FIELD_TYPES.get(record["event"], {}).items():
+    for name, expected in {**EVERY_EVENT, **FIELD_TYPES.get(record["event"], {})}.items():
         if name in record and not expected.test(record[name]):
             raise ReportError(f"{path} line {number}: \"{name}\" of a {record['event']} event "
                               f"must be {expected.wording}, not {runfiles.json_excerpt(record[name])}; fix "
@@ -364,7 +379,8 @@ def read_attempt_log(folder: Path, attempt: Any) -> AttemptLog:
             if previous is None:
                 log.unanchored_first = (iteration, seconds)
             first = iteration if previous is None else previous + 1
-            log.iteration_s.update(dict.fromkeys(range(first, iteration + 1), seconds))
+            if iteration - first < MAX_LOGGED_GAP:
+                log.iteration_s.update(dict.fromkeys(range(first, iteration + 1), seconds))
             previous = iteration
     return log
 
@@ -442,7 +458,7 @@ def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None
             and _is_fault_evidence(e) and _on_failed_gpu(e, failure, e.get("gpu"))]
     seen = [(t, gpu, e) for t, gpu, e in seen if t <= failure["time"]]
     if seen:
-        when, gpu, alert = min(seen, key=lambda found: found[:2])
+        when, gpu, alert = min(seen, key=lambda found: found[0])  # the first of a tie
         return when, f"monitor: {_gpu_name(alert, gpu)} {', '.join(alert['reasons'])}"
     return None
 
