@@ -763,12 +763,9 @@ def test_a_run_stopped_by_a_signal_removes_the_memory_folder_it_chose_once_disk_
     assert memory.exists() is not removed
 
 
-@pytest.mark.parametrize("same_layout, expected", [(True, 0.2), (False, None)])
-def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_that_layout(
-        tmp_path, same_layout, expected):
-    """The median after the first two logged iterations (start-up and the first save are slow)."""
-    import dataclasses
-
+def ran_steps(tmp_path, steps_ms, plan=None):
+    """A supervisor whose attempt ran ``plan`` (of the first plan; by default that one),
+    logging steps of ``steps_ms``."""
     from ftmaster.launch import check_layout
     from test_launch_parts import MODEL
 
@@ -776,11 +773,25 @@ def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_tha
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, QuietMonitor())
     supervisor.attempt = object()
-    supervisor.plan = (config.first_plan if same_layout
-                       else dataclasses.replace(config.first_plan, micro_batch_size=1))
+    supervisor.plan = config.first_plan if plan is None else plan(config.first_plan)
     supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    for step_ms in [5000.0, 900.0, 210.0, 190.0, 200.0]:
+    for step_ms in steps_ms:
         supervisor.progress.took(step_ms)
+    return supervisor
+
+
+HEALTHY_STEPS_MS = [5000.0, 900.0, 210.0, 190.0, 200.0]
+SLOWED_STEPS_MS = [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]
+
+
+@pytest.mark.parametrize("same_layout, expected", [(True, 0.2), (False, None)])
+def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_that_layout(
+        tmp_path, same_layout, expected):
+    """The median after the first two logged iterations (start-up and the first save are slow)."""
+    import dataclasses
+
+    supervisor = ran_steps(tmp_path, HEALTHY_STEPS_MS, None if same_layout else (
+        lambda first: dataclasses.replace(first, micro_batch_size=1)))
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == expected
 
@@ -788,16 +799,7 @@ def test_the_original_layouts_measured_step_calibrates_the_planner_only_from_tha
 def test_an_attempt_a_straggler_is_drained_from_calibrates_the_planner_without_its_slowdown(tmp_path):
     """Its logged steps were slowed: the plan after the drain estimates from the step the drain
     was decided on, not from them."""
-    from ftmaster.launch import check_layout
-    from test_launch_parts import MODEL
-
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None))
-    supervisor = Supervisor(config, QuietMonitor())
-    supervisor.attempt, supervisor.plan = object(), config.first_plan
-    supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    for step_ms in [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]:
-        supervisor.progress.took(step_ms)
+    supervisor = ran_steps(tmp_path, SLOWED_STEPS_MS)
     supervisor._unslowed_step_s = 0.21
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == 0.21
@@ -807,19 +809,13 @@ def test_a_relaunch_on_the_original_layout_still_calibrates_the_planner(tmp_path
     """A relaunch on the same GPUs and layout (after a failure that retired none) was not the
     original layout: its plan's calibrated estimates differ from the first plan's, which were
     compared too. Its steps no longer calibrated the planner, nor a drain weighed on it."""
-    from ftmaster.launch import check_layout
     from ftmaster.recovery.planner import plan_layout
-    from test_launch_parts import MODEL
 
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None))
-    supervisor = Supervisor(config, QuietMonitor())
-    supervisor.attempt = object()
-    supervisor.plan = plan_layout(MODEL, 4, original_world_size=4, measured_step_s=2.0)
-    assert supervisor.plan.estimated_step_seconds != config.first_plan.estimated_step_seconds
-    supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    for step_ms in [5000.0, 900.0, 210.0, 190.0, 200.0]:
-        supervisor.progress.took(step_ms)
+    supervisor = ran_steps(tmp_path, HEALTHY_STEPS_MS, lambda first: plan_layout(
+        first.command, 4, original_world_size=4, measured_step_s=2.0))
+    assert supervisor.plan.layout() == supervisor.config.first_plan.layout()
+    assert supervisor.plan.estimated_step_seconds != \
+        supervisor.config.first_plan.estimated_step_seconds
     supervisor._measure_original_layout()
     assert supervisor._original_step_s == 0.2
 
@@ -830,18 +826,9 @@ def test_a_straggler_kept_in_an_attempt_leaves_its_slowdown_out_of_the_planners_
     """A straggler named and kept (or never weighed), then another failure: the attempt's
     slowed median calibrated the next plan, whose estimates then ran slow by its factor, so a
     straggler of the next attempt was kept on a line saying 'without the slowdown'."""
-    from ftmaster.launch import check_layout
     from ftmaster.monitor.stragglers import Straggler
-    from ftmaster.stragglers import Found
-    from test_launch_parts import MODEL
 
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None))
-    supervisor = Supervisor(config, QuietMonitor())
-    supervisor.attempt, supervisor.plan = object(), config.first_plan
-    supervisor.progress = Progress(tmp_path / "log", 10, 0)
-    for step_ms in [5000.0, 900.0, 210.0, 400.0, 410.0, 400.0]:
-        supervisor.progress.took(step_ms)
+    supervisor = ran_steps(tmp_path, SLOWED_STEPS_MS)
     watch = supervisor.stragglers
     watch.new_attempt((0, 1, 2, 3), 0)
     watch.step_seconds = lambda since=None, until=None: 0.4 if until is None else healthy_step_s
