@@ -60,6 +60,29 @@ class NonFiniteGuard:
             raise NonFiniteLoss(iteration, "loss" if loss_bad else "gradient norm")
 
 
+@contextlib.contextmanager
+def loss_scale_held_back(optimizer):
+    """Around :func:`prepare_update`: megatron-core moves the fp16 loss scalers inside
+    ``prepare_grads``, before the update is agreed. A replica dump taken while a dead peer
+    hung that agreement saw iteration N's weights with the scale already moved for N+1, and
+    the resume from it moved the scale a second time. Held back here, the scalers keep
+    their state until the callable this yields is called (``train_step`` calls it inside the
+    cut's commit); after an error it is never called, and they keep it."""
+    scalers = [scaler for sub in _sub_optimizers(optimizer)
+               if (scaler := getattr(sub, "grad_scaler", None)) is not None]
+    before, moved = [dict(vars(scaler)) for scaler in scalers], []
+    try:
+        yield lambda: _set_fields(scalers, moved)
+    finally:  # megatron's update rebinds the fields it changes: a shallow copy keeps them
+        moved += [dict(vars(scaler)) for scaler in scalers]
+        _set_fields(scalers, before)
+
+
+def _set_fields(objects: list, fields: list[dict]) -> None:
+    for target, values in zip(objects, fields):
+        vars(target).update(values)
+
+
 def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | None,
                    guard: NonFiniteGuard, poison: bool = False,
                    agreement: Callable[[], ContextManager] = contextlib.nullcontext,

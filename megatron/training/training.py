@@ -37,7 +37,7 @@ from .console import format_iteration_line, local_rank, log_last_rank, log_rank0
 from .data import BatchPrefetcher, MicroBatches, build_datasets
 from .model import (build_model, build_optimizer, connect_schedule_hooks, needs_data,
                     transformer_config, uses_distributed_optimizer, uses_transformer_engine)
-from .nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
+from .nonfinite import NonFiniteGuard, NonFiniteLoss, loss_scale_held_back, prepare_update
 from .tensorboard import Board
 from .rehearsal import kill_point
 from .replicas import Cut, ReplicaDumper
@@ -327,10 +327,12 @@ class Trainer:
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
         loss = _average_loss(losses)
-        ready, self.grad_norm = prepare_update(self.optimizer, self.args.clip_grad, iteration,
-                                               loss, self.guard, poison=iteration in self.poison_at,
-                                               agreement=self.cut.agreement)
+        with loss_scale_held_back(self.optimizer) as move_loss_scale:
+            ready, self.grad_norm = prepare_update(
+                self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
+                poison=iteration in self.poison_at, agreement=self.cut.agreement)
         with self.cut.commit():
+            move_loss_scale()
             # fp16 skips a step whose gradients overflowed; so does the LR
             if ready and self.optimizer.step_with_ready_grads():
                 self.scheduler.step(increment=self.args.global_batch_size)

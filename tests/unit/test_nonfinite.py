@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from megatron.training.nonfinite import NonFiniteGuard, NonFiniteLoss, prepare_update
+from megatron.training.nonfinite import (NonFiniteGuard, NonFiniteLoss, loss_scale_held_back,
+                                         prepare_update)
 from helpers.process_group import process_group_of_one
 
 
@@ -51,3 +52,39 @@ def test_a_non_finite_loss_is_one_even_when_the_gradients_overflowed(guard, loss
     with pytest.raises(NonFiniteLoss) as raised:
         prepare_update(Optimizer(overflow=True), 1.0, 6, loss, guard)
     assert (raised.value.iteration, raised.value.what) == (6, "loss")
+
+
+class ScaledOptimizer(Optimizer):
+    """With megatron-core's fp16 loss scaler, moved where megatron-core moves it."""
+
+    def __init__(self, overflow: bool, norm: float = 1.0) -> None:
+        from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+        from megatron.training import cpu_compat
+
+        super().__init__(overflow, norm)
+        cpu_compat.apply()
+        self.grad_scaler = DynamicGradScaler(1024.0, 1.0, 2.0, 0.5, growth_interval=1,
+                                             hysteresis=1)
+
+    def prepare_grads(self) -> bool:
+        self.grad_scaler.update(self.overflow)
+        return self.overflow
+
+
+@pytest.mark.parametrize("overflow, moved_to", [(False, 2048.0), (True, 512.0)])
+def test_the_loss_scale_moves_only_when_the_update_is_committed(guard, overflow, moved_to):
+    """A replica dump taken while a dead peer hung the agreement saw iteration N's weights
+    with the scale already moved for N+1; the resume from it moved it a second time."""
+    optimizer = ScaledOptimizer(overflow)
+    with loss_scale_held_back(optimizer) as move_loss_scale:
+        prepare_update(optimizer, 1.0, 7, 2.0, guard)
+    assert optimizer.grad_scaler.scale.item() == 1024.0  # what a dump sees before the commit
+    move_loss_scale()
+    assert optimizer.grad_scaler.scale.item() == moved_to
+
+
+def test_an_iteration_stopped_before_its_commit_leaves_the_loss_scale(guard):
+    optimizer = ScaledOptimizer(overflow=False, norm=math.inf)
+    with pytest.raises(NonFiniteLoss), loss_scale_held_back(optimizer):
+        prepare_update(optimizer, 1.0, 8, 2.0, guard)
+    assert (optimizer.grad_scaler.scale.item(), optimizer.grad_scaler._growth_tracker) == (1024.0, 0)
