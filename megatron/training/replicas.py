@@ -87,6 +87,14 @@ class Cut:
         self.torn: str | None = None  # why the state in memory is not a whole iteration
         self._agreement: str | None = None  # "under way", then "passed" until the commit
 
+    def begin(self) -> None:
+        """Training starts from the state it loaded (or its fresh one), whole: its RNG
+        streams are kept now, before training draws from them (a dump before the first
+        commit read them live, from its own thread, in the middle of an iteration)."""
+        if self.enabled:
+            with self.lock:
+                self.rng = rng_state()
+
     @contextlib.contextmanager
     def agreement(self):
         """Around the collective whose outcome the next ``commit`` applies."""

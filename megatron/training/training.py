@@ -496,6 +496,7 @@ class Trainer:
         if not loaded:
             self.checkpointer.prepare_fresh_start()
         self._first_iteration = self.state.iteration + 1
+        self.cut.begin()
         self.board = Board(args, self._first_iteration)
         remaining = max(0, args.train_samples - self.state.consumed_train_samples)
         self.total_iterations = self.state.iteration + -(-remaining // args.global_batch_size)

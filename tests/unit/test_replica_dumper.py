@@ -107,3 +107,13 @@ def test_an_agreement_that_never_ends_delays_the_dump_only_briefly(monkeypatch):
     start = time.monotonic()
     assert _dumped_iteration(cut, state) == 3  # a failed agreement leaves nothing pending
     assert time.monotonic() - start < 0.2
+
+
+def test_the_rng_streams_a_dump_takes_before_the_first_commit_are_the_loaded_ones(monkeypatch):
+    """Before the attempt's first commit a dump read the streams live, from its own thread,
+    while the training thread drew from them."""
+    streams = iter([{"at": "load"}, {"at": "mid-iteration"}])
+    monkeypatch.setattr(replicas, "rng_state", lambda: next(streams))
+    cut = replicas.Cut(True)
+    cut.begin()
+    assert cut.rng == {"at": "load"}
