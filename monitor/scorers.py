@@ -61,6 +61,7 @@ UNKNOWN_SCORE = 0.5
 UNKNOWN_REASON = "telemetry_unknown"
 SCORER_NAMES = ("adaptive", "paper")
 REASON_FLOOR = 0.25  # soft signals weaker than this are not named as reasons
+UNKNOWN_POWER_LIMIT_W = 700.0  # a GPU whose limit was never read: an H100 SXM's
 
 
 @dataclass(frozen=True)
@@ -477,6 +478,7 @@ class _Track:
         # Cumulative counters at their last known values: a failed read must not hide a rise.
         self.error_counters: dict[str, int] = {}
         self.last_sbe: int | None = None
+        self.power_limit: float | None = None  # its last known: a failed read moves no cap
         self.residual = Window(cfg.trend_window_s)
         self.raw = Window(cfg.level_window_s)
         self.power = Window(cfg.power_window_s, keep=cfg.spread_points)
@@ -584,8 +586,11 @@ class AdaptiveScorer:
             track.with_peers = with_peers
             track.residual.push(t, s.temperature - (peer_temp or 0.0))
             track.raw.push(t, s.temperature)
+        track.power_limit = s.power_limit or track.power_limit
         if s.power_draw is not None:
-            track.power.push(t, s.power_draw / (s.power_limit or 700.0))
+            # A limit unknown at this sample is its last known one: the draw over another
+            # figure (a default) read as a swing of the power, an alert after 5 such reads.
+            track.power.push(t, s.power_draw / (track.power_limit or UNKNOWN_POWER_LIMIT_W))
         if s.gpu_utilization is not None and s.gpu_utilization >= self.config.loaded_util:
             track.loaded_s += t - track.last
             track.loaded_since = t if track.loaded_since is None else track.loaded_since

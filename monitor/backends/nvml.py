@@ -477,8 +477,10 @@ class NvmlBackend(PerGpuBackend):
                     break
                 try:
                     event = n.nvmlEventSetWait(self._events, 0)
-                except Exception:
-                    break  # NVML_ERROR_TIMEOUT: nothing pending; anything else: try next sample
+                except Exception as exc:
+                    if getattr(exc, "value", None) != n.NVML_ERROR_TIMEOUT:  # not "none pending"
+                        self._wait_failed(exc)
+                    break
                 code = int(event.eventData)
                 gpu = self._gpu_of(event.device)
                 if gpu is None:
@@ -488,6 +490,16 @@ class NvmlBackend(PerGpuBackend):
         finally:
             self._events_lock.release()
         return seen
+
+    def _wait_failed(self, error: Exception) -> None:
+        """The set's wait failed for a reason other than no event pending (a GPU lost on it
+        fails every wait, GPU_IS_LOST): read as "no XID", it hid every GPU's XIDs for the
+        rest of the job. No GPU's XIDs are known (:attr:`unreported_fields`) until the set
+        is made anew, at the next sample. Under the events lock."""
+        self._events_broken = True
+        self._xid_gpus.clear()
+        log.warning("nvml: reading XID events failed (%s); no GPU's XIDs are known until the "
+                    "event set is made anew", error)
 
     def _gpu_of(self, device: Any) -> int | None:
         """The index of an event's device: by handle (no call), else index, else UUID."""

@@ -89,7 +89,7 @@ def fake_nvml(count=2, **overrides):
     module.__dict__.update(
         NVMLError=FakeError, NVML_ERROR_GPU_IS_LOST=LOST, NVML_ERROR_NOT_SUPPORTED=NOT_SUPPORTED,
         NVML_ERROR_RESET_REQUIRED=RESET_REQUIRED, NVML_ERROR_FUNCTION_NOT_FOUND=FUNCTION_NOT_FOUND,
-        NVML_ERROR_UNKNOWN=UNKNOWN,
+        NVML_ERROR_UNKNOWN=UNKNOWN, NVML_ERROR_TIMEOUT=TIMEOUT,
         NVML_SUCCESS=0, NVML_TEMPERATURE_GPU=0, NVML_MEMORY_ERROR_TYPE_CORRECTED=0,
         NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1, NVML_VOLATILE_ECC=0, NVML_AGGREGATE_ECC=1,
         NVML_CLOCK_SM=1, nvmlEventTypeXidCriticalError=8, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=230,
@@ -692,3 +692,32 @@ def test_a_newer_call_that_fails_otherwise_is_unknown_this_time_not_abandoned():
     assert [s.temperature for s in backend.sample()] == [None]
     assert [s.temperature for s in backend.sample()] == [70]
     assert "nvmlDeviceGetTemperature" not in nvml.calls
+
+
+@pytest.mark.parametrize("failure", [LOST, UNKNOWN])
+def test_an_xid_wait_that_fails_makes_every_gpus_xids_unknown_not_none(failure):
+    """Only NVML_ERROR_TIMEOUT says no event is pending. A GPU lost on the set fails every
+    wait (GPU_IS_LOST): read as "no XID", every other GPU's XIDs went unseen for the rest of
+    the job, and nothing said they were not read."""
+    failing = {"on": False}
+
+    def event_wait(_set, timeout_ms):
+        if failing["on"]:
+            raise FakeError(failure)
+        raise FakeError(TIMEOUT)
+    nvml = fake_nvml(nvmlEventSetWait=event_wait)
+    backend = NvmlBackend(nvml=nvml, bounds=QUICK)
+    try:
+        backend.sample()
+        assert backend.unreported_fields == {}  # both registered
+        failing["on"] = True
+        backend.sample()
+        unknown = backend.unreported_fields
+        failing["on"] = False
+        backend.sample()  # the set is made anew, and each GPU registers again
+        backend.sample()
+        again = backend.unreported_fields
+    finally:
+        backend.close()
+    assert unknown == {0: frozenset({"xid"}), 1: frozenset({"xid"})}
+    assert again == {} and nvml.calls["nvmlEventSetCreate"] == 2

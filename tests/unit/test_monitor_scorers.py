@@ -212,3 +212,17 @@ def test_a_temperature_unread_for_a_minute_is_unknown_not_a_crash():
                         xid=79 if (g, k) == (1, 111) else None) for g in range(4)]
         out = scorer.update(batch)
     assert out[1].hard_reasons == ("xid_79",) and out[0].score < 0.95
+
+
+def test_a_power_limit_read_that_fails_is_no_swing_of_the_power():
+    """380 W of a 400 W limit, steady, on four GPUs; GPU 0's limit unread at 5 samples in a
+    row (a read past its deadline between the draw and the limit): the draw over 700 W there
+    read as power instability, score 1.0 and an emergency save."""
+    scorer = AdaptiveScorer()
+    scores = []
+    for k in range(200):
+        unread = k >= 150 and k < 160
+        assessed = scorer.update([sample(T0 + 10 * k, gpu, power_draw=380.0, power_limit=None
+                                         if unread and gpu == 0 else 400.0) for gpu in range(4)])
+        scores.append(assessed[0].score)
+    assert max(scores[100:]) < 0.5, max(scores[100:])
