@@ -1639,6 +1639,28 @@ def test_a_hang_up_stops_training_as_sigterm_does_unless_ignored(disposition, st
     assert (done.returncode, done.stdout.strip()) == (0, str(int(stopped_by))), done.stderr
 
 
+SIGNAL_WHILE_THE_EVENTS_LOCK_IS_HELD = """
+import os, signal, threading, time, types
+from ftmaster.launch import StopSignals
+stops, stop = StopSignals(), threading.Event()
+stops.hand_to(types.SimpleNamespace(request_stop=lambda signum: stop.set()))
+with stop._cond:  # as the supervisor's poll (Event.wait) holds it, briefly, many times a second
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # a Python handler runs here, in this thread
+print(stop.wait(10))
+stops.close()
+"""
+
+
+def test_a_stop_signal_never_waits_for_a_lock_the_interrupted_thread_holds():
+    """The handler set the supervisor's stop event in the main thread, between two of its
+    bytecodes: when those were inside the event's own wait, which holds its lock, ftmaster
+    hung for good (CPython issue 126434), its ranks neither told nor saved."""
+    done = subprocess.run([PY, "-c", SIGNAL_WHILE_THE_EVENTS_LOCK_IS_HELD],
+                          capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr
+
+
 def test_a_signal_while_the_launch_closes_after_its_outcome_changes_nothing(tmp_path, monkeypatch):
     """The caller's handlers came back before the launch closed its observers, warm workers
     and membership: a SIGTERM there ended a completed run with status 143."""

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -431,26 +432,54 @@ class StopSignals:
     def __init__(self) -> None:
         self._supervisor: Supervisor | None = None
         self._early: int | None = None
-        self._callers = {sig: signal.signal(sig, self._caught) for sig in stop_signals()}
+        self._lock = threading.Lock()
+        self._signals = frozenset(stop_signals())
+        # A Python handler runs in the main thread between two of its bytecodes, maybe while
+        # that thread holds the lock of the event the supervisor polls (Event.wait): setting
+        # it there deadlocked ftmaster. The handler does nothing; the interpreter's C handler
+        # writes each signal's number to this pipe, and a thread reads it and acts.
+        self._wakeup, wakeup_end = os.pipe()
+        os.set_blocking(wakeup_end, False)
+        self._callers = {sig: signal.signal(sig, _noted) for sig in self._signals}
+        self._wakeup_caller = signal.set_wakeup_fd(wakeup_end, warn_on_full_buffer=False)
+        self._wakeup_end = wakeup_end
+        threading.Thread(target=self._read_signals, name="ftmaster-stop-signals",
+                         daemon=True).start()
 
-    def _caught(self, signum: int, frame) -> None:
-        if self._supervisor is None:
-            self._early = self._early or signum  # the first, as request_stop keeps it
-        else:
-            self._supervisor.request_stop(signum)
+    def _read_signals(self) -> None:
+        """Until :meth:`close` closes the pipe's other end."""
+        with open(self._wakeup, "rb", buffering=0) as pipe:
+            while numbers := pipe.read(64):
+                for signum in numbers:
+                    if signum in self._signals:
+                        self._caught(signum)
+
+    def _caught(self, signum: int) -> None:
+        with self._lock:
+            if self._supervisor is None:
+                self._early = self._early or signum  # the first, as request_stop keeps it
+                return
+        self._supervisor.request_stop(signum)
 
     def came_early(self) -> bool:
         """Whether a signal came before the supervisor exists, to stop what it waits for."""
         return self._early is not None
 
     def hand_to(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
+        with self._lock:
+            self._supervisor = supervisor
         if self._early is not None:
             supervisor.request_stop(self._early)
 
     def close(self) -> None:
         for sig, handler in self._callers.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._wakeup_caller)
+        os.close(self._wakeup_end)  # the reader sees the pipe's end
+
+
+def _noted(signum: int, frame) -> None:
+    """A stop signal's Python handler: :class:`StopSignals` acts on it in its own thread."""
 
 
 def _supervise(supervisor: Supervisor, monitor: Monitor, listener: Listener,
