@@ -750,6 +750,25 @@ def two_nodes(gpus):
 NO_GLOBAL_BATCH = tuple(MODEL[:11]) + tuple(MODEL[13:])
 
 
+def test_a_restarted_ftmasters_first_plan_spends_no_restart(tmp_path):
+    """Started again on a run directory whose earlier ftmaster retired a GPU, it plans before
+    its first launch: that plan counted as a restart, so --max-restarts 1 gave up at the
+    first failure ("restart budget spent: 1 of --max-restarts 1")."""
+    from ftmaster.launch import check_layout
+    from ftmaster.retirements import boot_id
+
+    runfiles.append_event(tmp_path, "plan", boot=boot_id(),
+                          gpus_retired=[{"gpu": 3, "reason": "xid_79"}])
+    runfiles.append_event(tmp_path, "launch", attempt=1, gpus=[0, 1, 2])
+    runfiles.append_event(tmp_path, "stopped", attempt=1, signal=15)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), max_restarts=1)
+    supervisor = Supervisor(config, PlanningMonitor(False))
+    assert list(supervisor.retired) == [3]
+    assert supervisor._plan() is Trigger.PLANNED
+    assert supervisor.restarts == 0
+
+
 def test_arguments_the_planner_refuses_across_nodes_end_the_job_in_one_line(tmp_path):
     """Across nodes no check at launch reads the arguments as the planner does: the first
     round's plan is the first. Two nodes of 3 GPUs at TP 2 x PP 2 without --global-batch-size
@@ -1788,6 +1807,30 @@ def test_a_rank_that_outlives_its_kill_marks_its_gpu_stuck(tmp_path, monkeypatch
                         lambda p: p.pid == stuck_pid or real_alive(p))
     attempt.kill(timeout=0.5)
     assert attempt.stuck_gpus == {6: "process_stuck"}
+
+
+def test_an_attempt_killed_again_later_never_signals_a_process_that_took_a_ranks_pid(tmp_path):
+    """The first kill leaves the records without an exit code (the guards die with their
+    ranks); ftmaster's end killed the last attempt again, hours of standby later, and
+    SIGKILLed whatever process held those pids by then."""
+    import json
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    attempt = Attempt(tmp_path / "run", 1, [str(script)], gpus=(0,), env={})
+    wait_until(lambda: len(attempt.ranks()) == 1, timeout=60, what="the rank")
+    attempt.kill(timeout=10)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = attempt_module.rank_record_path(attempt.rank_dir, 0)
+        body = json.loads(record.read_text())
+        assert body.get("exit_code") is None
+        record.write_text(json.dumps({**body, "pid": bystander.pid, "guard_pid": bystander.pid}))
+        attempt.kill(timeout=1)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_torch_elastic_keeps_its_folder_with_the_attempt(tmp_path):

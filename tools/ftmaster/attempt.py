@@ -8,6 +8,7 @@ rank folder. Training output goes to ``RUN_DIR/logs/attempt_<N>.log``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -246,6 +247,11 @@ class Attempt:
         self.started_at = time.time()
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
+        self._processes: dict[int, psutil.Process] = {}
+        """Each rank and guard as first seen: psutil then tells it from a later process
+        that reuses its pid, which a kill long after (ftmaster's end, hours of standby on)
+        sent SIGKILL to."""
+        self._killed = False
         env = naming_this_process({
             **inherited_environment(), **env, RANK_DIR_ENV: str(self.rank_dir),
             runfiles.RUN_DIR_ENV: str(run_dir), runfiles.LAUNCHED_AT_ENV: repr(self.started_at)})
@@ -341,20 +347,26 @@ class Attempt:
             pids = (record.guard_pid,) if record.exit_code is not None else (record.pid, record.guard_pid)
             for pid in pids:
                 try:
-                    live.append(psutil.Process(pid))
+                    process = self._processes.setdefault(pid, psutil.Process(pid))
                 except psutil.Error:
                     continue
+                if _alive(process):
+                    live.append(process)
         return live
 
     def kill(self, timeout: float = 30.0) -> None:
-        """SIGKILL the whole tree (stopped processes included) and wait until it is gone."""
+        """SIGKILL the whole tree (stopped processes included) and wait until it is gone;
+        once it is, killing it again does nothing (its pids may be other processes' by then)."""
+        if self._killed and not self.stuck_gpus:
+            return
         processes = self._live_processes()
         for process in processes:
-            send_signal(process.pid, signal.SIGCONT)
-            send_signal(process.pid, signal.SIGKILL)
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(sig)  # not to a process that took its pid since
         self.process.kill_group()
         survivors = wait_until_dead(processes + self._live_processes(), timeout)
-        self.stuck_gpus = self._gpus_of(survivors)
+        self.stuck_gpus, self._killed = self._gpus_of(survivors), True
         if survivors:
             log.warning("attempt %d: process(es) %s survived SIGKILL for %g s (uninterruptible "
                         "sleep, usually in the GPU driver); their %s will not be used again",

@@ -1471,7 +1471,9 @@ class Supervisor:
             self._give_up(f"no layout for {gpus_text(available)}: {error}")
             return Trigger.NO_LAYOUT
         self.plan, self.next_gpus = plan, tuple(available[:plan.num_gpus_used])
-        self.restarts += 1
+        # The first plan of a restarted ftmaster (leaving out the GPUs an earlier one retired)
+        # relaunches nothing: counted, it spent one of --max-restarts before anything failed.
+        self.restarts += self.attempt is not None
         self._plan_event(available)
         return Trigger.PLANNED
 
