@@ -913,9 +913,12 @@ class CancelledAttempt(LaunchedAttempt):
         raise LaunchCancelled("ftmaster is stopping")
 
 
-def test_a_stop_while_a_relaunch_waits_for_warm_workers_launches_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("state", ["relaunching", "starting"])
+def test_a_stop_while_a_relaunch_waits_for_warm_workers_launches_nothing(tmp_path, monkeypatch,
+                                                                        state):
     """SIGTERM during the relaunch's wait for a warm set: the wait ends (``WarmStarter``), and
-    the run ends interrupted with nothing started; it used to start training to stop it."""
+    the run ends interrupted with nothing started; it used to start training to stop it. A
+    restarted ftmaster's first launch waits too, in ``starting`` (recorded as relaunching)."""
     from ftmaster import supervisor as supervisor_module
     from ftmaster.launch import check_layout
     from ftmaster.states import State, Trigger, advance
@@ -926,11 +929,11 @@ def test_a_stop_while_a_relaunch_waits_for_warm_workers_launches_nothing(tmp_pat
                               first_plan=check_layout(MODEL, 4, None, None))
     supervisor = Supervisor(config, WatchingMonitor())
     supervisor.attempt, supervisor.signum = FakeAttempt(), 15
-    trigger = supervisor._launch()
+    trigger = supervisor._handlers[State(state)]()
     assert trigger is Trigger.SIGNALLED
-    assert advance(State.RELAUNCHING, trigger) is State.INTERRUPTED
+    assert advance(State(state), trigger) is State.INTERRUPTED
     stopped = runfiles.read_events(tmp_path)[-1]
-    assert (stopped["event"], stopped["signal"], stopped["state"]) == ("stopped", 15, "relaunching")
+    assert (stopped["event"], stopped["signal"], stopped["state"]) == ("stopped", 15, state)
 
 
 @pytest.mark.parametrize("save, completes", [

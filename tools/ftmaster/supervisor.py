@@ -65,6 +65,7 @@ GPU block.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import signal
@@ -380,7 +381,8 @@ class Supervisor:
         self._drain_since = 0.0
         self._requeue_helps = True  # on giving up: whether a requeue may cure it
         self._handlers: dict[State, Callable[[], Trigger]] = {
-            State.STARTING: self._launch, State.RELAUNCHING: self._launch,
+            State.STARTING: functools.partial(self._launch, State.STARTING),
+            State.RELAUNCHING: self._launch,
             State.RUNNING: self._watch, State.DRAINING: self._drain, State.FAILED: self._decide,
             State.WAITING: self._wait, State.PLANNING: self._plan, State.STOPPING: self._stop,
             State.STANDBY: self._standby,
@@ -1014,7 +1016,7 @@ class Supervisor:
         self._stop_requested.wait(self.config.poll_interval_s)
 
     # -- state handlers ------------------------------------------------------------------------
-    def _launch(self) -> Trigger:
+    def _launch(self, state: State = State.RELAUNCHING) -> Trigger:
         plan, gpus = self.plan, self.next_gpus
         number = self.attempts_before + 1 if self.attempt is None else self.attempt.number + 1
         self._resume_point, self._loaded_iteration, self._nonfinite_again = 0, None, False
@@ -1036,7 +1038,7 @@ class Supervisor:
             self._give_up(f"attempt {number} could not start: {error}")
             return Trigger.GIVE_UP
         except LaunchCancelled:  # stopped while it waited for warm workers: nothing trains
-            return self._stopped_idle(State.RELAUNCHING)
+            return self._stopped_idle(state)  # a restarted ftmaster's first launch waits too
         self.attempt, self._failed_since_launch = attempt, False
         self._progress, self._finished_at = (None, time.monotonic()), None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
