@@ -303,6 +303,26 @@ def test_a_round_that_never_formed_says_how_long_it_waited_for_how_many():
         membership._call(never_formed)
 
 
+def test_a_spare_past_the_maximum_whose_job_ended_reads_the_end_not_a_lost_store():
+    """A node on torch's redundancy list (more nodes than --nnodes' maximum) gets
+    RendezvousGracefulExitError when the job ends: read as a lost store, it exited 75 and
+    asked SLURM to requeue a job that had completed."""
+    from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+    from ftmaster.membership import JobEnded
+
+    membership = NodeMembership.__new__(NodeMembership)
+    membership.config = RendezvousConfig("h:1", "job", 2, 2, 0)
+    membership._round_store = None  # the outcome is read from the round's store, if any
+
+    def closed_while_waiting():
+        raise RendezvousGracefulExitError("The rendezvous 'job' is closed")
+
+    with pytest.raises(JobEnded) as ended:
+        membership._call(closed_while_waiting)
+    assert ended.value.outcome == "ended"
+
+
 def test_a_node_that_died_before_its_record_is_left_to_the_next_round(monkeypatch):
     """The round completed with 2 nodes, then one died before it published its record: the
     wait for it timed out, which read as a lost store (every node exited 75 for a requeue).

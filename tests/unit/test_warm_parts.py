@@ -183,3 +183,30 @@ def test_workers_that_died_before_ready_count_only_until_a_set_is_ready_again(tm
     finally:
         pool.close()
         kill_sessions(taken)
+
+
+def test_a_worker_imports_with_torch_asking_nvml_and_says_when_the_cuda_driver_is_loaded(
+        tmp_path):
+    """megatron-core calls torch.cuda.is_available() as it is imported: by default that
+    initialises the CUDA driver, which reads CUDA_VISIBLE_DEVICES then and never again, so a
+    warm rank ran on the GPU of its local rank in ftmaster's view, a retired one too; and
+    torch.cuda.is_initialized() still said the worker was clean."""
+    fake_python = tmp_path / "python"
+    seen = tmp_path / "env"
+    fake_python.write_text(f"#!/bin/sh\necho \"$PYTORCH_NVML_BASED_CUDA_CHECK\" > {seen}\n"
+                           "echo '{\"pid\": 1, \"import_s\": 0.1, \"cuda_initialized\": false, "
+                           "\"process_group\": false}'\nexec sleep 60\n")
+    fake_python.chmod(0o755)
+    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    taken = []
+    try:
+        taken = pool.take(1, timeout_s=10) or []
+    finally:
+        pool.close()
+        kill_sessions(taken)
+    assert len(taken) == 1 and seen.read_text().strip() == "1"
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcudart.so.12\n")
+    assert not warm._cuda_driver_loaded(maps)
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcuda.so.570.1\n")
+    assert warm._cuda_driver_loaded(maps)

@@ -707,11 +707,14 @@ class NodeMembership:
         from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                           RendezvousConnectionError,
                                                           RendezvousError,
+                                                          RendezvousGracefulExitError,
                                                           RendezvousTimeoutError)
 
         try:
             return fn(*args)
-        except RendezvousClosedError:
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            # The second, to a spare past --nnodes' maximum (on torch's redundancy list): the
+            # job ended as it waited, which read as a lost store, exit 75, a requeue.
             raise JobEnded(self.outcome_after_close()) from None
         except RendezvousTimeoutError as error:  # torch's says nothing (an empty message)
             raise JoinTimedOut(str(error) or f"fewer than {self.config.min_nodes} node(s) "

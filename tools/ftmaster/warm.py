@@ -63,6 +63,11 @@ WARM_UP = ("megatron.training.checkpointing.start_writer_results_queue",)
 the async checkpoint writers' result queue, a spawned Manager server (1.3 s of a rank's start
 here, and 4 ranks start 4 of them at once). Only for a command that saves asynchronously
 (:func:`warm_up_for`)."""
+WORKER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""A worker's environment until its rank's replaces it: megatron-core asks
+``torch.cuda.is_available()`` as it is imported, which by default initialises the CUDA
+driver with ftmaster's ``CUDA_VISIBLE_DEVICES`` (see :func:`_cuda_driver_loaded`); torch asks
+NVML instead with this set."""
 READY_TIMEOUT_S = 120.0
 """How long a launch waits for a set still importing before it starts cold instead."""
 MAX_DEATHS_BEFORE_READY = 3
@@ -158,11 +163,24 @@ def _preload(warm_up: Sequence[str]) -> dict:
         if module in sys.modules:
             getattr(sys.modules[module], function)()
     torch = sys.modules.get("torch")
-    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    cuda = bool(torch is not None and torch.cuda.is_initialized()) or _cuda_driver_loaded()
     group = bool(torch is not None and torch.distributed.is_available()
                  and torch.distributed.is_initialized())
     return {"pid": os.getpid(), "import_s": round(time.perf_counter() - start, 3),
             "cuda_initialized": cuda, "process_group": group}
+
+
+def _cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether the CUDA driver is in this process. ``cudaGetDeviceCount`` (torch's
+    ``cuda.is_available()``) loads and initialises it, and it reads ``CUDA_VISIBLE_DEVICES``
+    then, once: the rank's, set later, would be ignored, and the rank run on the GPU of its
+    local rank in ftmaster's view (a retired one too). ``torch.cuda.is_initialized()`` does
+    not tell: it is torch's own lazy start."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as lines:
+            return any("libcuda.so" in line for line in lines)
+    except OSError:
+        return False
 
 
 def _compile_deferred() -> contextlib.AbstractContextManager:
@@ -385,7 +403,7 @@ class WarmPool:
                 [self.python, "-u", "-m", "ftmaster.warm", str(self.run_dir), str(os.getpid()),
                  *self.warm_up],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
-                start_new_session=True)
+                start_new_session=True, env={**os.environ, **WORKER_ENV})
         worker = WarmWorker(process)
         self._told_ready = False
         worker.start_reading(self._check_ready)
