@@ -168,18 +168,27 @@ def test_workers_that_died_before_ready_count_only_until_a_set_is_ready_again(tm
     killed while it imported, now and then over days) and warm starts were off for good, as
     if imports crashed, though every set since had been ready."""
     counter = tmp_path / "spawns"
+    # spawns 1, 2, 4 and 5 die while importing; 3 and 6 are ready
+    taken, broken = taken_from_a_pool_of_one(
+        tmp_path, f"echo x >> {counter}\ncase $(wc -l < {counter}) in *[1245]) exit 1;; esac\n",
+        times=2)
+    assert len(taken) == 2 and not broken
+
+
+def taken_from_a_pool_of_one(tmp_path, before_ready: str, times: int = 1):
+    """The workers ``times`` takes get from a pool of one whose interpreter runs the shell
+    lines ``before_ready``, then says it is ready; and whether the pool broke."""
     fake_python = tmp_path / "python"
-    fake_python.write_text(  # spawns 1, 2, 4 and 5 die while importing; 3 and 6 are ready
-        f"#!/bin/sh\necho x >> {counter}\ncase $(wc -l < {counter}) in *[1245]) exit 1;; esac\n"
-        "echo '{\"pid\": 1, \"import_s\": 0.1, \"cuda_initialized\": false, "
-        "\"process_group\": false}'\nexec sleep 60\n")
+    fake_python.write_text("#!/bin/sh\n" + before_ready + "echo '{\"pid\": 1, \"import_s\": 0.1, "
+                           "\"cuda_initialized\": false, \"process_group\": false}'\n"
+                           "exec sleep 60\n")
     fake_python.chmod(0o755)
     pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
     taken = []
     try:
-        for _ in range(2):
+        for _ in range(times):
             taken += pool.take(1, timeout_s=10) or []
-        assert len(taken) == 2 and not pool.broken
+        return taken, pool.broken
     finally:
         pool.close()
         kill_sessions(taken)
@@ -191,19 +200,9 @@ def test_a_worker_imports_with_torch_asking_nvml_and_says_when_the_cuda_driver_i
     initialises the CUDA driver, which reads CUDA_VISIBLE_DEVICES then and never again, so a
     warm rank ran on the GPU of its local rank in ftmaster's view, a retired one too; and
     torch.cuda.is_initialized() still said the worker was clean."""
-    fake_python = tmp_path / "python"
     seen = tmp_path / "env"
-    fake_python.write_text(f"#!/bin/sh\necho \"$PYTORCH_NVML_BASED_CUDA_CHECK\" > {seen}\n"
-                           "echo '{\"pid\": 1, \"import_s\": 0.1, \"cuda_initialized\": false, "
-                           "\"process_group\": false}'\nexec sleep 60\n")
-    fake_python.chmod(0o755)
-    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
-    taken = []
-    try:
-        taken = pool.take(1, timeout_s=10) or []
-    finally:
-        pool.close()
-        kill_sessions(taken)
+    taken, _ = taken_from_a_pool_of_one(tmp_path,
+                                        f"echo \"$PYTORCH_NVML_BASED_CUDA_CHECK\" > {seen}\n")
     assert len(taken) == 1 and seen.read_text().strip() == "1"
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcudart.so.12\n")
