@@ -40,6 +40,13 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
              "device (a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them all)" >&2
         exit 1
     fi
+    # An installed driver that fails (a driver/library version mismatch after an upgrade
+    # without a reboot, no access to /dev/nvidia*) is a GPU host that was not checked.
+    if command -v nvidia-smi >/dev/null && ! smi_error="$(nvidia-smi -L 2>&1)"; then
+        echo "gpu_check: FAILED: nvidia-smi is installed but fails:" \
+             "$(printf '%s' "$smi_error" | head -n 1)" >&2
+        exit 1
+    fi
     echo "gpu_check: SKIPPED: no GPU test ran (tests/gpu, benchmarks/nvml_vs_smi.py):" \
          "torch $torch_version sees no CUDA device and no NVIDIA driver lists a GPU" \
          "(nothing to check on this machine)"
