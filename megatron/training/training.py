@@ -236,6 +236,8 @@ class Trainer:
         self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
+        self._ended_at: int | None = None
+        """The iteration the loop stopped at: a save of it is the attempt's last checkpoint."""
         self._stopped_on_signal = False  # an agreed exit on SIGTERM, before the schedule's end
         self._retry_on_disk: str | None = None  # the kind of a memory save that did not fit
         self.run_files = runfiles.WriteOutage(
@@ -394,8 +396,12 @@ class Trainer:
             self._retry_on_disk = failure.kind
             return
         self._consume_answered_flag()
-        if failure.kind in ("final", "exit") or (self._training_done()
-                                                 and failure.iteration == self.state.iteration):
+        # An async save of the iteration the loop stopped at (--exit-interval skips its own
+        # save when one is under way) failing as it is waited for: the end said success
+        # without its last checkpoint.
+        last = self._ended_at if self._ended_at is not None else (
+            self.state.iteration if self._training_done() else None)
+        if failure.kind in ("final", "exit") or failure.iteration == last:
             self._final_save_failure = failure  # no second try at the same iteration
 
     def _on_durable(self, done: DurableSave) -> None:
@@ -523,6 +529,7 @@ class Trainer:
                 break
         else:
             self._final_save()
+        self._ended_at = self.state.iteration
         self.checkpointer.close()
         self.board.close()
         if self.train_batches is not None:

@@ -230,3 +230,23 @@ def test_a_room_check_that_fails_is_the_saves_problem_not_an_exception(tmp_path,
     problem, refilled, found = checkpointing._Save(checkpointer, 25, "periodic", "memory",
                                                    None)._make_folder(20)
     assert problem.startswith(f"making room in {tmp_path}: ") and not refilled and found is None
+
+
+@pytest.mark.parametrize("kind, ended_at, final", [
+    ("periodic", 8, True),  # the async save --exit-interval left its own to
+    ("periodic", None, False),  # mid-run: training goes on, a later save comes
+    ("exit", None, True)])
+def test_a_failed_save_of_the_iteration_training_stopped_at_fails_the_end(kind, ended_at, final):
+    """--exit-interval at 8 (of 40) skips its own save while an async periodic save of 8 is
+    under way; that save failing as the end waited for it left the run saying success (its
+    heartbeat finished, exit 0) without its last checkpoint."""
+    from megatron.training.training import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer._blocked_seconds, trainer._final_save_failure, trainer._ended_at = {}, None, ended_at
+    trainer._consume_answered_flag = lambda: None
+    trainer.state = types.SimpleNamespace(iteration=8, consumed_train_samples=32)
+    trainer.args = types.SimpleNamespace(train_samples=160)
+    failure = checkpointing.SaveFailure(8, Path("/save/iter_0000008"), kind, "disk", "ENOSPC")
+    trainer._on_save_failed(failure)
+    assert (trainer._final_save_failure is failure) is final
