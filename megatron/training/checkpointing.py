@@ -735,7 +735,7 @@ class _Save:
                 self.commit()
                 return None
             if _rank() == 0:
-                self._write_small_file(COMMON_FILE, self._serialized(common))
+                self._write_common(common)
         with self.timed("planning"):
             request = strategy.async_save(sharded_part, self.path, in_rank=self.records is not None)
         self.phases["metadata-exchange"] = strategy.distribution_seconds
@@ -857,6 +857,17 @@ class _Save:
         buffer = io.BytesIO()
         torch.save(common, buffer)
         return buffer.getbuffer()
+
+    def _write_common(self, common: dict) -> None:
+        """Rank 0: ``common.pt``. A state that does not pickle (or no memory to) fails the
+        save at the agreement, on every rank: raised here, on rank 0 alone, it left the others
+        waiting in the planning's collectives until the process-group timeout."""
+        try:
+            data = self._serialized(common)
+        except CHECKPOINT_ERRORS as error:
+            self.note(f"serialising {COMMON_FILE}", error)
+            return
+        self._write_small_file(COMMON_FILE, data)
 
     def _write_small_file(self, name: str, data: bytes | memoryview) -> None:
         try:

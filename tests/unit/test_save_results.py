@@ -250,3 +250,13 @@ def test_a_failed_save_of_the_iteration_training_stopped_at_fails_the_end(kind, 
     failure = checkpointing.SaveFailure(8, Path("/save/iter_0000008"), kind, "disk", "ENOSPC")
     trainer._on_save_failed(failure)
     assert (trainer._final_save_failure is failure) is final
+
+
+def test_a_common_state_that_does_not_pickle_fails_the_save_at_its_agreement(tmp_path):
+    """Raised on rank 0 alone, before the planning's collectives the other ranks had entered:
+    they waited there until the process-group timeout."""
+    save = checkpointing._Save.__new__(checkpointing._Save)
+    save.path, save.problem, save.small_files = tmp_path, None, {}
+    save._write_common({"a lock": __import__("threading").Lock()})
+    assert save.problem.startswith("serialising common.pt: ")
+    assert not (tmp_path / "common.pt").exists() and save.small_files == {}
