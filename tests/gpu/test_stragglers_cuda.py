@@ -74,10 +74,12 @@ def test_the_compute_so_far_waits_for_the_device():
 
 
 @needs_gpus(4)
+@pytest.mark.timeout(1800)  # a first CUDA start compiles and loads kernels (test_launch_cuda.py)
 def test_a_gpu_slowed_2x_is_named_a_straggler(tmp_path):
     run_dir = tmp_path / "run"
     args = train_args(tmp_path / "ckpt", 40, 1, 1, 1000, "--bf16", global_batch=24)
-    result = run_launch(run_dir, 4, args, "--inject", "slow:gpu=1,factor=2,at=iter:8")
+    result = run_launch(run_dir, 4, args, "--inject", "slow:gpu=1,factor=2,at=iter:8",
+                        timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:]
     (found,) = events(run_dir, "straggler")
     assert (found["gpu"], found["iteration"] <= 14) == (1, True)
