@@ -286,6 +286,23 @@ def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path)
     assert not (memory / ".ftmaster_persisting").exists()  # unpinned when done
 
 
+def test_an_iteration_saved_again_after_a_discarded_timeline_is_copied_again(tmp_path):
+    """Memory and disk 6 set aside by a resume from 4, then a new iteration 6: it was never
+    copied, since 6 was the iteration copied last, and disk stayed at 4 until the next."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 6)
+    persister = Persister(memory, disk)
+    assert persister.start(6)
+    persister.wait(30)
+    persister.take_results()
+    for tier in (memory, disk):  # what set_aside_newer does for a resume from 4
+        iteration_dir(tier, 6).rename(tier / "iter_0000006.discarded-1")
+        tracker_path(tier).write_text("4")
+    persister.may_need_copy(4)  # a poll while the tier's newest is the one resumed from
+    fake_checkpoint(memory, 6)
+    assert persister.needs_copy(6)
+
+
 def test_a_pin_a_killed_ftmaster_left_is_let_go_when_the_next_one_starts(tmp_path):
     """Its checkpoint was kept from pruning and slot refills, in /dev/shm, until the new
     run's first copy (for good when none was ever due)."""

@@ -455,6 +455,10 @@ class Persister:
     def may_need_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
         """:meth:`needs_copy` without its read of ``--save``: False in the common case, at
         every poll (already requested, or waiting to be tried again)."""
+        if iteration is not None and iteration < (self.last_requested or 0):
+            # A resume set newer checkpoints aside: the number copied last may come again,
+            # another state, which was never copied.
+            self.last_requested = None
         if iteration is None or iteration == self.last_requested:
             return False
         if self._retry is None or iteration != self._retry[0]:
