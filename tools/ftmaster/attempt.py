@@ -346,10 +346,12 @@ class Attempt:
         for record in self.ranks().values():
             pids = (record.guard_pid,) if record.exit_code is not None else (record.pid, record.guard_pid)
             for pid in pids:
-                try:
-                    process = self._processes.setdefault(pid, psutil.Process(pid))
-                except psutil.Error:
-                    continue
+                process = self._processes.get(pid)
+                if process is None:
+                    try:
+                        process = self._processes[pid] = psutil.Process(pid)
+                    except psutil.Error:
+                        continue
                 if _alive(process):
                     live.append(process)
         return live
