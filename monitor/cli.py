@@ -107,15 +107,23 @@ def _layout_problem(run_dir: Path) -> str | None:
 def _run_dir_locked(run_dir: Path) -> Iterator[None]:
     """As ``launch`` holds it: two monitors, or a monitor beside a launch, would interleave
     their rows and flags in one run directory."""
+    lock = RunDirLock(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with RunDirLock(run_dir):
-            yield
+        lock.acquire()
     except RunDirLocked as error:
         raise click.ClickException(str(error)) from None
     except OSError as error:
         raise click.ClickException(f"run directory {run_dir} is not writable "
                                    f"({error.strerror}); give a writable --run-dir") from None
+    if lock.unlocked_because is not None:
+        click.echo(f"warning: run directory {run_dir} has no file locks "
+                   f"({lock.unlocked_because}): nothing stops a second monitor from using it "
+                   "at once", err=True)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _monitor(backend: Backend, backend_spec: str, run_dir: Path, interval: float, scorer: str,

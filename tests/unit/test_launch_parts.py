@@ -1,6 +1,7 @@
 """Pieces of ftmaster launch: GPU choice and mapping, argv, injections, listener, lock, guards."""
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ from ftmaster.attempt import Attempt, RankRecord, attempt_argv, gpu_of_local_ran
     read_rank_records, training_output_tail, wait_until_dead, with_exit_signal_handler
 from ftmaster.faults import parse_injection
 from ftmaster.guard import RANK_DIR_ENV
-from ftmaster.launch import _claim_checkpoint_folders, _job_identity, _replication, check_layout
+from ftmaster.launch import HeldFolders, _claim_checkpoint_folders, _job_identity, _replication, \
+    check_layout
 from ftmaster.listener import Listener, move_request
 from ftmaster.recovery.argv_flags import flag_value
 from ftmaster.lock import HOLDERS_DIR, HOLDERS_GUARD, RunDirLock, RunDirLocked, FolderClaim, FolderInUse
@@ -1357,6 +1359,42 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
     holder.wait()
     with RunDirLock(tmp_path):
         pass
+
+
+def test_a_probe_of_the_lock_does_not_refuse_a_launch(tmp_path):
+    """``ftmaster report`` or another launch's scan holds the lock shared for an open and a
+    close; a launch starting then was refused, naming the killed holder before it."""
+    (tmp_path / "ftmaster.lock").write_text("4242 oldhost\n")
+    probe = os.open(tmp_path / "ftmaster.lock", os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    threading.Timer(0.1, os.close, (probe,)).start()
+    with RunDirLock(tmp_path):
+        pass
+
+
+def test_a_run_dir_without_locks_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Lustre without -o flock: the launch was refused as "not writable", leaving the lock
+    file's descriptor open and the run directory it made."""
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr("ftmaster.lock.fcntl.flock", no_locks)
+    open_before = len(os.listdir("/proc/self/fd"))
+    held = HeldFolders(_launch_config(tmp_path, run="runs/first"), None)
+    held.close()
+    assert "run directory " + str(tmp_path / "runs/first") + " has no file locks " \
+        "(Function not implemented)" in caplog.text
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_launch_refused_at_the_run_dirs_lock_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    def unwritable(fd, operation):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("ftmaster.lock.fcntl.flock", unwritable)
+    with pytest.raises(click.ClickException, match="is not writable \\(Input/output error\\)"):
+        HeldFolders(_launch_config(tmp_path, run="runs/first"), None)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_save_is_shared_by_one_jobs_nodes_and_refused_to_another_job(tmp_path):

@@ -34,7 +34,7 @@ from ftmaster.faults import GRAMMAR, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
-from ftmaster.lock import (NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked,
+from ftmaster.lock import (LOCK_NAME, NO_LOCKS, FolderClaim, FolderInUse, RunDirLock, RunDirLocked,
                            missing_folders, remove_made)
 from ftmaster.membership import (BACKENDS, DEFAULT_PORT, NodeMembership, RendezvousConfig,
                                  StoreLost, load_torch_quietly, parse_conf, parse_nnodes,
@@ -242,7 +242,14 @@ class HeldFolders:
 
     def __init__(self, config: SupervisorConfig, rendezvous: RendezvousConfig | None) -> None:
         self._made = [missing_folders(config.run_dir)]
-        self._lock = _lock_run_dir(config.run_dir)
+        try:
+            self._lock = _lock_run_dir(config.run_dir)
+        except InputError:  # not another launch's lock: what this one made can go
+            if self._made[0]:
+                with contextlib.suppress(OSError):
+                    (config.run_dir / LOCK_NAME).unlink()
+            remove_made(self._made[0], whole=False)
+            raise
         self._claims: list[FolderClaim] = []
         try:
             for claim in _claim_checkpoint_folders(config, rendezvous):
@@ -338,6 +345,10 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
     if problem is not None:
         lock.release()
         raise InputError(problem)
+    if lock.unlocked_because is not None:
+        logging.getLogger("ftmaster").warning(
+            "run directory %s has no file locks (%s): nothing stops a second ftmaster from "
+            "using it at once", run_dir, lock.unlocked_because)
     return lock
 
 

@@ -29,6 +29,9 @@ GUARD_WAIT_S = 120.0  # held for a listing and a file or two per launch; longer:
 WITHDRAW_WAIT_S = 2.0  # a refused launch's tidying waits no longer: it may leave the folders
 # Where the filesystem has no locks (Lustre without -o flock, some FUSE mounts).
 NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
+PROBE_HOLD_S = 0.5
+"""How long a run directory's lock is tried before it counts as held: a probe (:func:`run_dir_in_use`,
+``ftmaster report``) holds it shared for an open and a close."""
 
 
 class RunDirLocked(RuntimeError):
@@ -39,17 +42,26 @@ class RunDirLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self._fd: int | None = None
+        self.unlocked_because: str | None = None
+        """Why no lock is held, on a file system without locks (the caller warns)."""
 
     def acquire(self) -> None:
-        """Take the lock or raise :class:`RunDirLocked` naming the holder; OSError if unwritable."""
+        """Take the lock or raise :class:`RunDirLocked` naming the holder; OSError if
+        unwritable. On a file system without locks, goes on without one (``unlocked_because``)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _run_dir_holder(os.read(fd, 512).decode(errors="replace"))
+            _lock_within(fd, PROBE_HOLD_S)
+        except OSError as error:
+            holder = _run_dir_holder(os.read(fd, 512).decode(errors="replace")) \
+                if error.errno == errno.ETIMEDOUT else ""
             os.close(fd)
-            raise RunDirLocked(f"another ftmaster ({holder}) is using {self.path.parent}; "
-                               "wait for it to end or give another --run-dir") from None
+            if holder:
+                raise RunDirLocked(f"another ftmaster ({holder}) is using {self.path.parent}; "
+                                   "wait for it to end or give another --run-dir") from None
+            if error.errno not in NO_LOCKS:
+                raise
+            self.unlocked_because = error.strerror
+            return
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self._fd = fd
