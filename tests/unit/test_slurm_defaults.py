@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from ftmaster.launch import _with_store_host
 from ftmaster.slurm import (SlurmDefaults, SlurmStepError, expand_nodelist, scontrol_hostnames,
                             slurm_defaults, with_explicit_options)
 
@@ -35,12 +36,13 @@ def first_of(nodelist):
 @pytest.mark.parametrize("environ, expected", [
     ({}, SlurmDefaults()),
     ({"PATH": "/usr/bin"}, SlurmDefaults()),
-    (STEP_ON_TWO_NODES, SlurmDefaults("6", 1, "n1:29400", "1:2")),
-    (STEP_ON_PART_OF_THE_JOB, SlurmDefaults("6", 0, "n2:29400", None)),
+    (STEP_ON_TWO_NODES, SlurmDefaults("6", 1, "n1:29400", "1:2", store_host=False)),
+    (STEP_ON_PART_OF_THE_JOB, SlurmDefaults("6", 0, "n2:29400", None, store_host=True)),
     (BATCH_SCRIPT, SlurmDefaults("6", 0, "n1:29400", None)),
     ({**STEP_ON_TWO_NODES, "SLURM_RESTART_COUNT": "2"},
-     SlurmDefaults("6-r2", 1, "n1:29400", "1:2")),
-    ({**STEP_ON_TWO_NODES, "SLURM_RESTART_COUNT": "0"}, SlurmDefaults("6", 1, "n1:29400", "1:2")),
+     SlurmDefaults("6-r2", 1, "n1:29400", "1:2", store_host=False)),
+    ({**STEP_ON_TWO_NODES, "SLURM_RESTART_COUNT": "0"},
+     SlurmDefaults("6", 1, "n1:29400", "1:2", store_host=False)),
 ])
 def test_defaults_from_each_kind_of_slurm_environment(environ, expected):
     assert slurm_defaults(environ, first_of) == expected
@@ -49,7 +51,7 @@ def test_defaults_from_each_kind_of_slurm_environment(environ, expected):
 def test_older_variable_names_are_read_too():
     environ = {"SLURM_JOBID": "9", "SLURM_STEPID": "0", "SLURM_NODELIST": "n[1-2]",
                "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "0"}
-    assert slurm_defaults(environ, first_of) == SlurmDefaults("9", 0, "n1:29400", "1:2")
+    assert slurm_defaults(environ, first_of) == SlurmDefaults("9", 0, "n1:29400", "1:2", store_host=True)
 
 
 def test_the_step_node_list_is_expanded_not_the_jobs():
@@ -94,6 +96,21 @@ def test_explicit_options_win_and_each_replaced_slurm_value_is_told():
     assert chosen == SlurmDefaults("6", 3, "n1:29400", "2:2")
     assert notes == ("--node-rank 3 given: SLURM's 1 is not used",
                      "--nnodes 2:2 given: SLURM's 1:2 is not used")
+
+
+def test_the_steps_first_node_alone_serves_the_store_unless_an_endpoint_is_given():
+    """Left to torch, a node whose endpoint names itself and finds the port taken joins the
+    store that holds it: on shared nodes, another job's (checked in torch 2.13's
+    ``_create_tcp_store``: an ``is_host`` given is never dropped for a client)."""
+    first = slurm_defaults({**STEP_ON_TWO_NODES, "SLURM_NODEID": "0"}, first_of)
+    assert (first.store_host, slurm_defaults(STEP_ON_TWO_NODES, first_of).store_host) == (True, False)
+    chosen, _ = with_explicit_options(first, rdzv_endpoint="n1:29511")
+    assert chosen.store_host is None
+    assert _with_store_host({}, {"store_host": True, "rdzv_backend": "c10d"}) == {"is_host": "1"}
+    assert _with_store_host({}, {"store_host": False, "rdzv_backend": "c10d"}) == {"is_host": "0"}
+    assert _with_store_host({"is_host": "1"}, {"store_host": False, "rdzv_backend": "c10d"}) == \
+        {"is_host": "1"}
+    assert _with_store_host({}, {"store_host": True, "rdzv_backend": "etcd-v2"}) == {}
 
 
 def test_explicit_options_without_slurm_are_taken_as_they_are():

@@ -743,7 +743,7 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
             endpoint=options["rdzv_endpoint"], run_id=options["rdzv_id"] or options["run_dir"].name,
             min_nodes=min_nodes, max_nodes=max_nodes, node_rank=options["node_rank"],
             backend=options["rdzv_backend"], local_addr=options["local_addr"],
-            conf=parse_conf(options["rdzv_conf"]))
+            conf=_with_store_host(parse_conf(options["rdzv_conf"]), options))
     except ValueError as error:
         raise InputError(str(error)) from None
     # With c10d the node at the endpoint serves the store there: metrics bound first took the
@@ -753,6 +753,14 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
         raise InputError(f"--metrics-port {port} is the rendezvous store's port "
                          f"(--rdzv-endpoint {config.endpoint}): give another")
     return config
+
+
+def _with_store_host(conf: dict[str, str], options: dict) -> dict[str, str]:
+    """``--rdzv-conf`` with SLURM's ``is_host`` for a c10d store at its endpoint, unless given."""
+    host = options.get("store_host")
+    if host is None or "is_host" in conf or options["rdzv_backend"] != "c10d":
+        return conf
+    return {**conf, "is_host": "1" if host else "0"}
 
 
 def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousConfig | None,

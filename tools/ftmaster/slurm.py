@@ -11,7 +11,9 @@ launch ...``), from the environment SLURM gives each task.
   ``SLURM_JOB_NODELIST``, expanded by ``scontrol show hostnames``) on port 29400, torch's c10d
   default. That is where node rank 0 runs, and with c10d its ftmaster serves the store. The
   step's list, not the job's: ``srun -N1 -w n2`` in an ``n[1-2]`` allocation runs node rank 0
-  on n2 (SLURM 22.05, checked in ``tests/e2e/test_slurm.py``).
+  on n2 (SLURM 22.05, checked in ``tests/e2e/test_slurm.py``). With the c10d backend, node
+  rank 0 is told to serve the store there (``is_host=1``) and the others not to, so a port
+  another job's store holds is refused as such, never joined.
 - ``--nnodes``: ``1:N`` for a step on N > 1 nodes (``SLURM_STEP_NUM_NODES``, else
   ``SLURM_NNODES``). MAX = N: every node of the step joins, so the first round closes as soon
   as all have arrived, and nodes beyond what the plan needs stand by as spares. MIN = 1: with
@@ -56,6 +58,12 @@ class SlurmDefaults:
     """``--rdzv-endpoint``: ``<first node of the step>:29400``."""
     nnodes: str | None = None
     """``--nnodes``: ``1:N`` for a step on N > 1 nodes; None outside a step or on one node."""
+    store_host: bool | None = None
+    """``is_host`` for the c10d store at that endpoint: the step's first node serves it, no
+    other node ever does. Left to torch, a node whose endpoint names itself and finds the port
+    taken joins whatever store holds it: a second job whose first node is the same host (shared
+    nodes) met the first job's store, and lost it, exit 75, when that job ended. None with an
+    endpoint given."""
 
     def __post_init__(self) -> None:
         if self.node_rank is not None and self.node_rank < 0:
@@ -83,11 +91,13 @@ def slurm_defaults(environ: Mapping[str, str],
     nodelist = (environ.get("SLURM_STEP_NODELIST") if in_step else None) or \
         environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     first = _first_host(nodelist, hostnames or scontrol_hostnames) if nodelist else None
+    node_rank = _whole_number(environ.get("SLURM_NODEID"), minimum=0)
     return SlurmDefaults(
         rdzv_id=f"{job_id}-r{restarts}" if restarts else job_id,
-        node_rank=_whole_number(environ.get("SLURM_NODEID"), minimum=0),
+        node_rank=node_rank,
         rdzv_endpoint=f"{first}:{C10D_PORT}" if first else None,
-        nnodes=f"1:{nodes}" if in_step and nodes is not None and nodes > 1 else None)
+        nnodes=f"1:{nodes}" if in_step and nodes is not None and nodes > 1 else None,
+        store_host=node_rank == 0 if first and in_step and node_rank is not None else None)
 
 
 def with_explicit_options(slurm: SlurmDefaults,
@@ -99,6 +109,8 @@ def with_explicit_options(slurm: SlurmDefaults,
     """
     given = {name: value for name, value in explicit.items() if value is not None}
     chosen = replace(slurm, **given)
+    if "rdzv_endpoint" in given:  # whose store it is, the user knows
+        chosen = replace(chosen, store_host=None)
     notes = tuple(f"{_OPTIONS[name]} {value} given: SLURM's {getattr(slurm, name)} is not used"
                   for name, value in given.items()
                   if getattr(slurm, name) is not None and getattr(slurm, name) != value)
