@@ -55,6 +55,19 @@ def test_unusable_gpus_are_left_out_with_their_reason():
     assert job.ids == (0, 1, 3) and job.left_out == {2: "reset_required"}
 
 
+def test_a_gpu_named_by_uuid_whose_uuid_nvml_cannot_read_is_left_out():
+    """A lost or wedged GPU gives NVML no UUID: a relaunch after it failed was refused ("no GPU
+    has UUID ..."), where the same GPU named by index is left out."""
+    node = [NODE[0], GpuIdentity(1, None, None, "wedged"), *NODE[2:]]
+    job = choose_job_gpus(None, ("GPU-0aaa", "GPU-1aaa", "GPU-2aaa"), node)
+    assert job.ids == (0, 2) and job.left_out == {1: "wedged"}
+    two_unread = [NODE[0], GpuIdentity(1, None, None, "wedged"), GpuIdentity(2, None, None, "lost"),
+                  NODE[3]]
+    with pytest.raises(ValueError, match="no usable GPU has UUID GPU-1aaa, and NVML could not read "
+                       "the UUIDs of GPU 1 \\(wedged\\), GPU 2 \\(lost\\): leave the unusable"):
+        choose_job_gpus(None, ("GPU-0aaa", "GPU-1aaa"), two_unread)
+
+
 @pytest.mark.parametrize("nproc, entries, identities, message", [
     (None, None, None, "no GPU is visible: give --nproc-per-node N"),
     (None, (), NODE, "no GPU is visible"),

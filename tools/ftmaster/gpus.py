@@ -84,7 +84,18 @@ def _index(entry: str, identities: Sequence[GpuIdentity] | None) -> int:
     if identities is None:
         raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} names a GPU by UUID; mapping it "
                          "needs NVML (nvidia-ml-py and a driver)")
-    return index_for_uuid(entry, identities)
+    try:
+        return index_for_uuid(entry, identities)
+    except ValueError as error:
+        unread = [g for g in identities if g.uuid is None and g.problem]
+        if not str(error).startswith("no GPU has UUID") or not unread:
+            raise
+    # A lost or wedged GPU tells NVML no UUID: the entry names it, or nothing at all.
+    if len(unread) == 1:
+        return unread[0].index
+    raise ValueError(f"no usable GPU has UUID {entry}, and NVML could not read the UUIDs of "
+                     + ", ".join(f"GPU {g.index} ({g.problem})" for g in unread)
+                     + ": leave the unusable ones out of CUDA_VISIBLE_DEVICES")
 
 
 def choose_job_gpus(nproc: int | None, entries: tuple[str, ...] | None,
