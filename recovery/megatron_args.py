@@ -159,9 +159,13 @@ def set_optimizer_instances(args: Sequence[str], instances: int) -> tuple[list[s
             f"the relaunch runs {instances}")
 
 
-STARTING_WEIGHTS_ONLY = ("--no-load-optim", "--no-load-rng")
+STARTING_WEIGHTS_ONLY = {"--no-load-optim": False, "--no-load-rng": False, "--finetune": False,
+                         "--ckpt-step": True}
 """Flags that say what to take of the weights a run starts from (a fine-tune leaves the
-pretraining's Adam moments behind); its own checkpoints' optimizer and RNG are its own."""
+pretraining's Adam moments behind), and whether each takes a value; its own checkpoints'
+optimizer and RNG are its own. Megatron-LM's ``--finetune`` also starts the iteration at 0,
+and ``--ckpt-step`` loads that one iteration: kept, every recovery started the fine-tune over
+from iteration 0, or reloaded the pinned step."""
 
 
 def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str]:
@@ -174,6 +178,6 @@ def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str
     if save is None or not save_has_checkpoint or flag_value(args, "--load") == save:
         return list(args)
     resumed = set_flag(list(args), "--load", save)
-    for flag in STARTING_WEIGHTS_ONLY:
-        resumed = remove_flag(resumed, flag, takes_value=False)
+    for flag, takes_value in STARTING_WEIGHTS_ONLY.items():
+        resumed = remove_flag(resumed, flag, takes_value=takes_value)
     return resumed

@@ -209,6 +209,10 @@ def test_rewrite_argv_changes_only_what_the_layout_needs(args, layout, flag, exp
     # a fine-tune's flags for the weights it started from: the run's own Adam is its own
     (["--load", "/base", "--no-load-optim", "--save", "/run", "--no-load-rng"], True,
      ["--load", "/run", "--save", "/run"]),
+    # Megatron-LM's fine-tune start: iteration 0, or a pinned step, of the weights it began from
+    (["--load", "/base", "--finetune", "--ckpt-step", "5000", "--save", "/run"], True,
+     ["--load", "/run", "--save", "/run"]),
+    (["--load", "/base", "--ckpt-step=5000", "--save", "/run"], True, ["--load", "/run", "--save", "/run"]),
     (["--load", "/base", "--no-load-optim", "--save", "/run"], False,
      ["--load", "/base", "--no-load-optim", "--save", "/run"]),
     # resuming its own folder, the user asked for a fresh Adam: as given
