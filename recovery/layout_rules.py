@@ -91,6 +91,9 @@ REFUSED_FLAGS = {
     "--hybrid-override-pattern": "hybrid (Mamba) models have their own pipeline segments",
     "--encoder-num-layers": "encoder-decoder models are not planned",
     "--decoder-num-layers": "encoder-decoder models are not planned",
+    "--use-mp-args-from-checkpoint-args": "Megatron-LM then takes the parallel sizes from the "
+                                          "checkpoint (with --use-checkpoint-args), undoing "
+                                          "every new layout",
 }
 # Flags that may change validity in ways the planner only approximates: planned, with a warning.
 WARNED_FLAGS = {

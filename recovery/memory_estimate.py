@@ -126,7 +126,9 @@ def read_memory_flags(args: Sequence[str]) -> MemoryFlags:
         recompute=granularity,
         recompute_method=flag_value(args, "--recompute-method"),
         recompute_layers=int_flag(args, "--recompute-num-layers", 1),
-        flash_attention=backend not in ("unfused", "local"),
+        # megatron-core's local layer spec attends with DotProductAttention: unfused
+        flash_attention=backend not in ("unfused", "local")
+        and flag_value(args, "--transformer-impl") != "local",
         hidden_dropout=float_flag(args, "--hidden-dropout", 0.1) > 0,
         attention_dropout=float_flag(args, "--attention-dropout", 0.1) > 0,
         model_bytes=2 if half else 4,

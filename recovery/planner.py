@@ -650,6 +650,10 @@ def _warnings(facts: ScriptFacts, request: PlanRequest, args: Sequence[str]) -> 
     warnings = list(facts.warnings)
     if request.gpu_memory_gb is not None:
         warnings += memory_warnings(args)
+        if facts.shape.vocab_size is None:  # a tokenizer file: 128256 tokens cost GiBs more
+            warnings.append(f"the vocabulary size is not known from the command (a tokenizer "
+                            f"file): the memory estimate assumes {ASSUMED_VOCAB_SIZE} tokens; give "
+                            "--vocab-size for the tokenizer's own")
     if facts.step_schedule is not None and request.global_batch_tolerance_pct:
         warnings.append("--global-batch-tolerance is not applied with --step-batch-size-schedule")
     return warnings

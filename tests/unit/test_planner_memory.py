@@ -61,6 +61,7 @@ def memory(*extra, gpus=32, base=BASE):
     pytest.param(("--context-parallel-size", "2"), "less", id="context-parallel"),
     pytest.param(("--num-layers-per-virtual-pipeline-stage", "1"), "more", id="interleaving-in-flight"),
     pytest.param(("--attention-backend", "unfused"), "more", id="unfused-keeps-s2-scores"),
+    pytest.param(("--transformer-impl", "local"), "more", id="local-layers-attend-unfused"),
     pytest.param(("--attention-backend", "unfused", "--recompute-granularity", "selective"),
                  "same", id="selective-recompute-drops-the-scores"),
     pytest.param(("--fp8-format", "hybrid"), "less", id="fp8-gemm-inputs"),

@@ -378,8 +378,18 @@ def test_memory_only_flags_are_named_when_memory_is_checked():
         "--use-precision-aware-optimizer: its effect on memory is not modelled by the estimate",)
 
 
+def test_a_vocabulary_the_command_does_not_give_is_named_when_memory_is_checked():
+    """A tokenizer file (Llama-3's 128256 tokens) was estimated as GPT-2's, GiBs short."""
+    args = [*SMALL[:-2], "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/models/llama3"]
+    assert plan_layout(args, 2).warnings == ()
+    assert plan_layout(args, 2, gpu_memory_gb=80).warnings == (
+        "the vocabulary size is not known from the command (a tokenizer file): the memory "
+        "estimate assumes 50257 tokens; give --vocab-size for the tokenizer's own",)
+
+
 @pytest.mark.parametrize("flag", ["--tensor-parallel-num-weight-shards", "--hybrid-layer-pattern",
-                                  "--encoder-num-layers"])
+                                  "--encoder-num-layers", "--use-mp-args-from-checkpoint-args"])
 def test_flags_that_could_invalidate_a_plan_are_refused_in_one_line(flag):
     with pytest.raises(ValueError, match=f"^{flag} is not supported by the planner: [^\n]+$"):
         plan_nodes([*SMALL, "--micro-batch-size", "1", "--global-batch-size", "4", flag, "2"], [2])
