@@ -213,7 +213,9 @@ class _SlotFile:
         started = time.perf_counter()
         ordered = records.in_file_order(self.records, tensor_data)
         self._seconds = {"copy": 0.0, "hash": 0.0}
-        if self._hash_states is not None:
+        # The C loop reads every source at once: device tensors would each need a host copy,
+        # all alive together (a whole file's worth of RAM), where the Python loop takes one.
+        if self._hash_states is not None and all(tensor.is_cpu for _, tensor in ordered):
             file_digest, items = self._copy_natively(ordered, iteration)
         else:
             file_digest, items = self._copy_in_python(ordered, iteration)

@@ -169,8 +169,8 @@ def in_file_order(records: dict[MetadataIndex, Record], tensor_data: list) -> li
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes in row-major order, as a flat uint8 tensor where it is (a strided
-    one copied contiguous there first)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    one copied contiguous there first: a strided view's ``reshape`` is a view still)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def host_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,17 @@ def test_a_refill_copies_a_strided_tensor_in_row_major_order(tmp_path, slots, ei
     assert torch.equal(read_back(iteration_dir(tmp_path, 3), written[0]), strided(3)["weight_t"])
 
 
+def test_a_refill_copies_a_strided_byte_tensor_as_its_values(tmp_path, slots, either_loop):
+    """A one-byte dtype's strided view stays a view through ``reshape``: its storage's bytes
+    were copied (and their digest blessed them), not its values."""
+    def every_other(seed: int) -> dict:
+        return {"mask": (torch.arange(32, dtype=torch.uint8) + seed)[::2]}
+    for iteration in (1, 2, 3):
+        refilled, written = save(slots, tmp_path, iteration, every_other(iteration))
+    assert refilled
+    assert torch.equal(read_back(iteration_dir(tmp_path, 3), written[0]), every_other(3)["mask"])
+
+
 def test_tensors_of_another_shape_set_the_file_up_again(tmp_path, slots):
     for iteration in (1, 2):
         save(slots, tmp_path, iteration, state(iteration))
