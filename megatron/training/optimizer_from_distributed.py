@@ -71,7 +71,12 @@ def saved_step(common_optimizer: dict) -> float:
 
 
 def apply(optimizer, loaded: dict, step: float) -> None:
-    """Give each parameter's Adam its loaded state, and the master weights their values."""
+    """Give each parameter's Adam its loaded state, the master weights their values, and an
+    fp16 loss scaler the scale saved beside them (as ``DistributedOptimizer.load_state_dict``
+    does: a fresh scaler starts at 2^32 again, and skips tens of steps finding its level)."""
+    saved_scaler = (loaded.get("optimizer") or {}).get("grad_scaler")
+    if saved_scaler is not None and getattr(optimizer, "grad_scaler", None) is not None:
+        optimizer.grad_scaler.load_state_dict(saved_scaler)
     tensors = loaded[KEY]
     for index, (_, main, adam) in enumerate(_main_params(optimizer)):
         state = tensors[index]

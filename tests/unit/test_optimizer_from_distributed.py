@@ -49,3 +49,24 @@ def test_a_fused_adam_gets_the_step_in_its_param_groups_and_can_still_be_saved()
     assert [group["step"] for group in adam.param_groups] == [STEP]
     assert set(adam.state[param]) == {"exp_avg", "exp_avg_sq"}
     adam.state_dict()  # what every later save calls
+
+
+def test_an_fp16_loss_scale_is_taken_from_the_checkpoint():
+    """Resumed by the plain optimizer, a distributed optimizer's fp16 run went back to the
+    initial scale (2^32) and skipped tens of steps finding its level again."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.training import cpu_compat
+
+    cpu_compat.apply()  # megatron-core's scaler keeps its scale on the GPU
+
+    def scaler():
+        return DynamicGradScaler(initial_scale=2.0 ** 32, min_scale=1.0, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=1000, hysteresis=2)
+    saved = scaler()
+    for _ in range(20):
+        saved.update(found_inf=True)
+    param = torch.nn.Parameter(torch.zeros(2, 3))
+    resumed = SimpleNamespace(optimizer=torch.optim.AdamW([param]), grad_scaler=scaler())
+    state = {name: torch.zeros(2, 3) for name in ("param", "exp_avg", "exp_avg_sq")}
+    apply(resumed, {KEY: {0: state}, "optimizer": {"grad_scaler": saved.state_dict()}}, 1.0)
+    assert resumed.grad_scaler.scale.item() == saved.scale.item() < 2.0 ** 32
