@@ -66,12 +66,34 @@ class _Piece:
     numel: int
 
 
+def _pieces_per_state(sharded_metadata, shape: torch.Size) -> dict[str, list[_Piece]]:
+    """:func:`_pieces` for each of :data:`STATE_KEYS`, learnt once: they differ only in
+    their keys' prefix (each learning walked the parameter's elements, about 80 ns each: a
+    rank of a few hundred million parameters missed the supervisor's wait for its dump)."""
+    first, *others = STATE_KEYS
+    pieces = _pieces(sharded_metadata, first, shape)
+    prefix = f"optimizer.state.{first}."
+    if not all(piece.fqn.startswith(prefix) for piece in pieces):
+        return {key: _pieces(sharded_metadata, key, shape) for key in STATE_KEYS}
+    return {first: pieces, **{key: [replace(piece, fqn=f"optimizer.state.{key}."
+                                            + piece.fqn[len(prefix):]) for piece in pieces]
+                              for key in others}}
+
+
 def _pieces(sharded_metadata, state_key: str, shape: torch.Size) -> list[_Piece]:
     """The chunks a regular save stores for one parameter's ``state_key``: the model
     tensor's sharding with megatron-core's key, its factories built (SwiGLU's fc1 is stored
-    as two halves) over the parameter's flat indices to learn which elements each holds."""
+    as two halves) over the parameter's flat indices to learn which elements each holds. A
+    plain sharding holds the whole parameter, in order, in one chunk."""
+    key = f"optimizer.state.{state_key}.{sharded_metadata.key}"
+    if not isinstance(sharded_metadata, ShardedTensorFactory) and \
+            sharded_metadata.flattened_range is None and \
+            math.prod(sharded_metadata.local_shape) == math.prod(shape):
+        return [_Piece(key, tuple(sharded_metadata.global_offset),
+                       (1,) * sharded_metadata.prepend_axis_num + tuple(sharded_metadata.local_shape),
+                       tuple(sharded_metadata.global_shape), 0, math.prod(shape))]
     index = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
-    changes = dict(key=f"optimizer.state.{state_key}.{sharded_metadata.key}", data=index)
+    changes = dict(key=key, data=index)
     if isinstance(sharded_metadata, ShardedTensorFactory):
         built = replace(sharded_metadata, **changes).build()
     else:
@@ -114,9 +136,9 @@ def shard_slices(optimizer, model_sharded_state_dict: dict) -> dict[str, dict]:
 def _param_slices(inner, model_param, held, sharded_metadata) -> dict[str, dict]:
     states = inner._get_main_param_and_optimizer_states(model_param)
     slices = {}
-    for state_key in STATE_KEYS:
+    for state_key, pieces in _pieces_per_state(sharded_metadata, model_param.shape).items():
         values = states[state_key].detach().reshape(-1)
-        for piece in _pieces(sharded_metadata, state_key, model_param.shape):
+        for piece in pieces:
             start = max(held.start, piece.first)
             end = min(held.end, piece.first + piece.numel)
             if start >= end:
