@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
+import os
 import shutil
 import threading
 import time
@@ -240,6 +242,18 @@ class ReplicaDumper:
         self.done.wait(PARK_TIMEOUT_S)
 
 
+def _mapped(path: Path, mapped: contextlib.ExitStack) -> memoryview | bytes:
+    """The file's bytes where they are: a dump lies in host memory (``/dev/shm``), and read
+    back whole, every rank of a node doubled its footprint at once, in a recovery."""
+    with path.open("rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return b""
+        view = memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+    mapped.callback(view.obj.close)
+    mapped.callback(view.release)
+    return view
+
+
 def write_dump(folder: Path, sharded_state_dict: dict, optimizer_slices: dict | None = None) -> dict:
     """Write one rank's shards as a one-rank torch_dist checkpoint, with no collective: every
     shard this rank holds (replicas included: the merge picks one per shard), its save plan
@@ -255,11 +269,13 @@ def write_dump(folder: Path, sharded_state_dict: dict, optimizer_slices: dict | 
     torch.save(common, folder / COMMON_FILE)
     if optimizer_slices is not None:
         torch.save(optimizer_slices, folder / SHARD_FILE)
-    data = {path.name: memoryview(path.read_bytes()) for path in folder.iterdir() if path.is_file()}
-    files = {name: digest_bytes(content).as_json() for name, content in sorted(data.items())}
-    items = {item_key(index.fqn, index.offset): xxhash.xxh3_64_hexdigest(
-                 data[info.relative_path][info.offset:info.offset + info.length])
-             for index, info in metadata.storage_data.items()}
+    with contextlib.ExitStack() as mapped:
+        data = {path.name: _mapped(path, mapped) for path in folder.iterdir() if path.is_file()}
+        files = {name: digest_bytes(content).as_json() for name, content in sorted(data.items())}
+        items = {item_key(index.fqn, index.offset): xxhash.xxh3_64_hexdigest(
+                     data[info.relative_path][info.offset:info.offset + info.length])
+                 for index, info in metadata.storage_data.items()}
+        del data
     for key, piece in (optimizer_slices or {}).items():
         items[key] = xxhash.xxh3_64_hexdigest(piece["values"].numpy().tobytes())
     return {"files": files, "items": items, "bytes": sum(f["bytes"] for f in files.values())}
