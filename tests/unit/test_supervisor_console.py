@@ -160,6 +160,9 @@ def test_a_file_tail_returns_whole_new_lines_and_starts_over_on_a_new_file(tmp_p
     with path.open("a") as handle:
         handle.write(', "time": 2}\nnot json\n')
     assert [e["event"] for e in new_events(tail)] == ["b"]
+    with path.open("a") as handle:  # a foreign line nested past json's depth killed the supervisor
+        handle.write("[" * 200_000 + '\n{"event": "d", "time": 3}\n')
+    assert [e["event"] for e in new_events(tail)] == ["d"]
     path.write_text('{"event": "c", "time": 3}\n')  # replaced by a shorter file
     assert [e["event"] for e in new_events(tail)] == ["c"]
     tail.skip_to_end()
