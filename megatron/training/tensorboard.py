@@ -40,16 +40,17 @@ class Board:
         if args.tensorboard_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
-            self.writer = GuardedWriter(
-                SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size,
-                              purge_step=first_iteration),
+            self.writer = GuardedWriter.opened(
+                lambda: SummaryWriter(log_dir=args.tensorboard_dir,
+                                      max_queue=args.tensorboard_queue_size,
+                                      purge_step=first_iteration),
                 f"TensorBoard scalars in {args.tensorboard_dir}",
                 lambda line: print(f"warning: {line}", flush=True))
 
     def due(self, iteration: int) -> bool:
         """Whether this rank writes ``iteration``'s scalars (the caller gathers them only then:
         fp16's loss scale is a device read)."""
-        return self.writer is not None and iteration % self.interval == 0
+        return self.writer is not None and not self.writer.stopped and iteration % self.interval == 0
 
     def iteration(self, iteration: int, *, loss: float | None, learning_rate: float,
                   batch_size: int, grad_norm: float | None, loss_scale: float | None,

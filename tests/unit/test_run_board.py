@@ -195,6 +195,30 @@ def test_a_writer_that_fails_is_said_once_and_never_raises_into_the_run(tmp_path
         "left on device"]
 
 
+@pytest.mark.parametrize("code, raised", [(errno.ENOSPC, False), (errno.EACCES, True)])
+def test_a_board_that_cannot_write_its_first_record_stops_on_a_full_disk_only(
+        tmp_path, monkeypatch, caplog, code, raised):
+    """SummaryWriter writes and flushes its file's first record as it is made: on a full disk
+    ``launch`` refused the run (a requeue onto it never started); a folder it may not write
+    still refuses it."""
+    def fail(self):
+        raise OSError(code, "cannot write")
+
+    monkeypatch.setattr(RecordWriter, "flush", fail)
+    if raised:
+        with pytest.raises(OSError):
+            RunBoard(tmp_path)
+        return
+    with caplog.at_level(logging.ERROR, logger="ftmaster"):
+        board = RunBoard(tmp_path)
+        board.observe_event({"event": "failure", "iteration": 1, "time": 1.0})
+        board.close()
+    assert board.writer.stopped
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ftmaster's TensorBoard scalars in {tmp_path} stop here: OSError: [Errno {code}] "
+        "cannot write"]
+
+
 def recover(board, failed_at, loaded, seconds, time):
     """One failure at iteration ``failed_at`` and the relaunch that resumed from ``loaded``."""
     board.observe_event({"event": "failure", "iteration": failed_at, "time": time})

@@ -74,3 +74,23 @@ def test_a_full_disk_under_the_folder_is_one_line_and_training_goes_on(tmp_path,
     assert capsys.readouterr().out.splitlines() == [
         f"warning: TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
         "left on device"]
+
+
+def test_a_full_disk_as_the_writer_is_made_is_one_line_and_training_goes_on(
+        tmp_path, last_rank, monkeypatch, capsys):
+    """SummaryWriter writes and flushes its file's first record as it is made: on a full disk
+    the last rank's Board raised, and every attempt failed at its start."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    def full(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "flush", full)
+    args = SimpleNamespace(tensorboard_dir=str(tmp_path), tensorboard_log_interval=1,
+                           tensorboard_queue_size=1000)
+    board = Board(args, 1)
+    assert not board.due(1)  # nothing gathered for a writer that stopped
+    board.close()
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
+        "left on device"]

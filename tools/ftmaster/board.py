@@ -101,8 +101,9 @@ class RunBoard:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
         earlier, files_before = last_points(folder), set(folder.glob("*tfevents*"))
-        self.writer = GuardedWriter(SummaryWriter(log_dir=str(folder), flush_secs=10),
-                                    f"ftmaster's TensorBoard scalars in {folder}", log.error)
+        self.writer = GuardedWriter.opened(lambda: SummaryWriter(log_dir=str(folder), flush_secs=10),
+                                           f"ftmaster's TensorBoard scalars in {folder}", log.error,
+                                           full_only=True)
         self._own_files = set(folder.glob("*tfevents*")) - files_before
         """The event file this board writes (made at once, by tensorboard)."""
         self.iteration = max((step for tag, (step, _) in earlier.items()

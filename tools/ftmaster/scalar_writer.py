@@ -10,7 +10,11 @@ supervisor.
 
 from __future__ import annotations
 
+import errno
 from typing import Any, Callable
+
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+"""A file system with no room left for the writer (or a quota, or a file size limit)."""
 
 
 class GuardedWriter:
@@ -21,21 +25,38 @@ class GuardedWriter:
         self.inner, self.what, self.say = inner, what, say
         self.stopped = False
 
+    @classmethod
+    def opened(cls, make: Callable[[], Any], what: str, say: Callable[[str], None],
+               full_only: bool = False) -> "GuardedWriter":
+        """The writer ``make`` builds, or a stopped one, the failure said, when that fails:
+        ``SummaryWriter`` writes its file's first record at once, on a full disk too.
+        ``full_only``: any other failure (a folder it may not write) is raised, for a launch
+        to refuse."""
+        try:
+            return cls(make(), what, say)
+        except OSError as error:
+            if full_only and error.errno not in FULL:
+                raise
+            writer = cls(None, what, say)
+            writer.stopped = True
+            say(f"{what} stop here: {type(error).__name__}: {error}")
+            return writer
+
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._call(self.inner.add_scalar, tag, value, step)
+        self._call("add_scalar", tag, value, step)
 
     def flush(self) -> None:
-        self._call(self.inner.flush)
+        self._call("flush")
 
     def close(self) -> None:
-        self._call(self.inner.close)
+        self._call("close")
         self.stopped = True
 
-    def _call(self, method: Callable[..., object], *args: Any) -> None:
+    def _call(self, method: str, *args: Any) -> None:
         if self.stopped:
             return
         try:
-            method(*args)
+            getattr(self.inner, method)(*args)
         except Exception as error:  # whatever the file system raised: the run goes on
             self.stopped = True
             self.say(f"{self.what} stop here: {type(error).__name__}: {error}")
