@@ -443,6 +443,25 @@ def test_a_run_directory_that_takes_no_files_still_gets_its_report_read(tmp_path
                              "No space left on device\n")
 
 
+def test_a_page_rewritten_is_never_seen_torn_and_a_failed_rewrite_leaves_the_one_before(tmp_path):
+    """The page and the JSON were truncated and written in place: a browser refreshing it saw
+    it empty or cut short, and a full disk mid-write replaced the last good page by a torn
+    one. A symbolic link to the page stays one."""
+    from ftmaster import runfiles
+
+    page = tmp_path / "report.html"
+    page.write_text("the page before")
+    with pytest.raises(OSError), runfiles.open_output(page) as handle:
+        handle.write("half a pa")
+        assert page.read_text() == "the page before"
+        raise OSError(28, "No space left on device")
+    assert page.read_text() == "the page before" and os.listdir(tmp_path) == ["report.html"]
+    (tmp_path / "linked.html").symlink_to(page)
+    with runfiles.open_output(tmp_path / "linked.html", errors="surrogateescape") as handle:
+        handle.write("the new page")
+    assert (tmp_path / "linked.html").is_symlink() and page.read_text() == "the new page"
+
+
 @pytest.mark.timeout(30)
 def test_the_json_goes_to_dev_null_or_a_fifo_someone_reads(tmp_path):
     """What a shell user writes to: /dev/null, and a pipe (``--json-out /dev/stdout | jq``)."""

@@ -443,24 +443,40 @@ def open_whole_lines(path: Path, **text: Any) -> tuple[TextIO, int]:
         raise
 
 
-def open_output(path: Path, mode: str = "w", **text: Any) -> IO:
-    """``path`` opened to be written from its start (``mode``: ``"w"`` or ``"wb"``; ``text``:
-    ``open``'s ``encoding``, ``errors`` and ``newline``), created if missing. A FIFO someone
-    reads and a character device (``/dev/null``, ``/dev/stdout`` piped or on a terminal) are
-    written as they are. A FIFO nobody reads would hold the open until some reader came,
-    forever: it raises an OSError without waiting, as a socket or a block device does, before
-    a byte is written."""
+@contextlib.contextmanager
+def open_output(path: Path, mode: str = "w", **text: Any) -> Iterator[IO]:
+    """``path`` to be written from its start (``mode``: ``"w"`` or ``"wb"``; ``text``:
+    ``open``'s ``encoding``, ``errors`` and ``newline``). A regular file (or a new one) is
+    written beside it and renamed into place when the block ends: a reader (a browser
+    refreshing the page, a dashboard polling the JSON) never sees it torn, and a write that
+    fails (a full disk) leaves the one before. A FIFO someone reads and a character device
+    (``/dev/null``, ``/dev/stdout`` piped or on a terminal) are written as they are. A FIFO
+    nobody reads would hold the open until some reader came, forever: it raises an OSError
+    without waiting, as a socket or a block device does, before a byte is written."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        kind = os.stat(path).st_mode
+    except FileNotFoundError:
+        kind = stat.S_IFREG
+    if stat.S_ISREG(kind):
+        with atomic_file(Path(os.path.realpath(path))) as raw:
+            handle = raw if "b" in mode else io.TextIOWrapper(raw, **text)
+            yield handle
+            handle.flush()
+        return
+    with _opened_as_it_is(path, mode, **text) as handle:
+        yield handle
+
+
+def _opened_as_it_is(path: Path, mode: str, **text: Any) -> IO:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     except OSError as error:
         if error.errno == errno.ENXIO:
             raise OSError(errno.ENXIO, "a FIFO nobody reads (or a socket)", str(path)) from None
         raise
     try:
         kind = os.fstat(fd).st_mode
-        if stat.S_ISREG(kind):
-            os.ftruncate(fd, 0)
-        elif not (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind)):
+        if not (stat.S_ISFIFO(kind) or stat.S_ISCHR(kind)):
             raise _not_regular(path)
         os.set_blocking(fd, True)
         return open(fd, mode, **text)
