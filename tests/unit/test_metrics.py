@@ -145,6 +145,16 @@ def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     assert value(m, "ftmaster_persist_lag_iterations") == 0
 
 
+def test_a_checkpoints_age_counts_from_when_its_save_began(monkeypatch):
+    """The trainer writes a save's event once it is durable: an async disk save that wrote for
+    minutes read minutes younger than the state it holds."""
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)
+    m.observe_event({"event": "periodic_save", "tier": "disk", "iteration": 10, "time": 990.0,
+                     "started_at": 700.0})
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="disk") == 300.0
+
+
 def test_without_a_memory_checkpoint_the_persist_lag_is_absent_not_zero():
     """0 reads as persisted with no lag: a run without a memory tier has no lag to show."""
     m = metrics()

@@ -357,10 +357,14 @@ class Metrics:
         tier, iteration = event.get("tier", "disk"), event.get("iteration")
         if not isinstance(iteration, int):
             return
+        # The state's age counts from when the save took it, not from when it was durable
+        # (an async disk save's write can take minutes).
+        taken = event["started_at"] if runfiles.is_finite_number(event.get("started_at")) \
+            else event["time"]
         with self._lock:
             if tier == "memory":
-                self._unpersisted[iteration] = event["time"]
-        self._newest(tier, iteration, event["time"])
+                self._unpersisted[iteration] = taken
+        self._newest(tier, iteration, taken)
         if tier == "memory":
             self._update_lag_iterations()
         else:
