@@ -195,8 +195,8 @@ def test_a_relaunchs_load_is_not_the_runs_start():
 
 
 def test_iterations_a_run_redid_and_then_gave_up_on_are_not_its_progress():
-    """Attempt 1 reached 25; the relaunch resumed from 10 and the run gave up at 15: it got
-    to iteration 15, not 25 (the page said 25 iterations of useful work)."""
+    """Attempt 1 reached 25; the relaunch resumed from 10 and the run gave up at 15: what it
+    holds is iteration 10 (the page said 25 iterations of useful work, then 15)."""
     from ftmaster.incident import observed_goodput
 
     events = [{"event": "launch", "time": 0.0, "attempt": 1},
@@ -206,7 +206,18 @@ def test_iterations_a_run_redid_and_then_gave_up_on_are_not_its_progress():
               {"event": "failure", "time": 70.0, "iteration": 15, "attempt": 2},
               {"event": "gave_up", "time": 70.1, "reason": "restart budget spent"}]
     seen = observed_goodput({"iteration_s": 1.0}, events)
-    assert seen["iterations"] == 15
+    assert seen["iterations"] == 10
+
+
+def test_a_run_that_failed_last_holds_its_newest_checkpoint_not_the_failures_iteration():
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "periodic_save", "time": 50.0, "iteration": 50},
+              {"event": "failure", "time": 95.0, "iteration": 90, "attempt": 1},
+              {"event": "gave_up", "time": 96.0, "reason": "restart budget spent"}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert seen["iterations"] == 50 and seen["goodput"] == pytest.approx(50 / 96)
 
 
 def test_a_live_runs_progress_since_its_last_failure_counts():

@@ -289,8 +289,11 @@ def _risk_around(failure: dict, frame) -> str:
 
 # ---- goodput -----------------------------------------------------------------------------------
 
-PROGRESS_EVENTS = ("complete", "stopped", "failure", "resumed", "emergency_save", "periodic_save")
-"""Events that name the iteration training had reached when they were written."""
+PROGRESS_EVENTS = ("complete", "stopped", "checkpoint_loaded", "resumed", "emergency_save",
+                   "periodic_save")
+"""Events that name an iteration the run held when they were written. A failure's own is not
+one: what it kept is its newest checkpoint, which a save or a relaunch's load names; counted,
+a run that gave up (or was still recovering) read the iterations it lost as useful work."""
 
 
 def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
