@@ -173,6 +173,20 @@ def test_a_restart_cut_short_by_another_failure_is_no_restart_time(tmp_path):
     assert measured["restart_s"] == pytest.approx(1.0 + 80.5 - 0.5)
 
 
+def test_ftmasters_own_loss_is_no_restart_time(tmp_path):
+    """ftmaster killed at 400 s and started again by hand at 4000 s: its RTO spans the hour
+    no ftmaster ran, and the median restart time read 1865 s, not the GPU failure's."""
+    run_dir = _run_dir(tmp_path)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events += [{"event": "failure", "time": 4000.0, "attempt": 1, "iteration": 60,
+                "cause": "supervisor_lost", "lost_at": 400.0},
+               {"event": "launch", "time": 4001.0, "attempt": 2, "gpus": [0]},
+               {"event": "resumed", "time": 4090.0, "attempt": 2, "iteration": 55}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = goodput_cli.measure(run_dir, report.load_events(run_dir))
+    assert measured["restart_s"] == pytest.approx(95.0)
+
+
 def test_a_torn_last_log_line_is_no_iteration_time(tmp_path):
     """A log cut short mid-line (a full disk, a killed rank): "(ms): 9" of "900.0" is no
     9 ms iteration."""
