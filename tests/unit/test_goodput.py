@@ -409,3 +409,11 @@ def test_a_value_without_a_finite_estimate_is_null_and_named():
     assert body["two_tier"]["analytic"] == {"wall_hours": None, "goodput": 0.0}
     assert body["unbounded"]["fields"] == ["two_tier.analytic.wall_hours"]
     strict_json(json.dumps(body, allow_nan=False))
+
+
+def test_the_help_says_which_defaults_follow_other_inputs():
+    """--help said 5 and 60 where the defaults are a quarter of --save-block-s and
+    --save-persist-s (``--save-persist-s 600`` gives a persist of 600)."""
+    out = CliRunner().invoke(main, ["goodput", "--help"], terminal_width=200)
+    assert "[default: a quarter of --save-block-s]" in out.output
+    assert "[default: --save-persist-s]" in out.output

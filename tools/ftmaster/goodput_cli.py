@@ -303,14 +303,21 @@ def _field_docs() -> dict[str, str]:
             if isinstance(node, ast.AnnAssign) and isinstance(follower, ast.Expr)}
 
 
+FOLLOWING_DEFAULTS = {
+    "memory_save_s": "a quarter of --save-block-s",
+    "persist_s": "--save-persist-s",
+}
+"""Inputs whose default follows another input's value (:func:`model_inputs`)."""
+
+
 def _input_options(command):
     """One option per model input, default None so that an unset one can be measured."""
     docs = _field_docs()
     for field in reversed(fields(GoodputInputs)):
         kind = int if field.type == "int" else float
+        default = FOLLOWING_DEFAULTS.get(field.name, f"{field.default:g}")
         option = click.option(_option(field.name), field.name, type=kind,
-                              default=None,
-                              help=f"{docs[field.name]} [default: {field.default:g}]")
+                              default=None, help=f"{docs[field.name]} [default: {default}]")
         command = option(command)
     return command
 
