@@ -240,6 +240,8 @@ def _two_tier_lines(x: GoodputInputs, tiers: dict) -> list[str]:
              f"({chosen}), {x.memory_save_s:g} s blocked;",
              f"  the one every {model['disk_copy_interval']} iterations is copied to disk in the "
              f"background ({x.persist_s:g} s)",
+             "  (not counted: the trainer's own --save-interval save, which goes to disk and "
+             "blocks as a periodic one does)",
              f"  lost work per failure: {_figure('{:.0f}', model['lost_per_rank_failure_s'])} s "
              "when host RAM survives (GPU or process failure),",
              f"  {_figure('{:.0f}', model['lost_per_node_crash_s'])} s after a node crash "
