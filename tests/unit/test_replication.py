@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftmaster.membership import NodeRecord
+from ftmaster.membership import NodeRecord, free_port
 from ftmaster import replication as replication_module
 from ftmaster.peer_files import (PeerClient, PeerError, PeerServeConfig, PeerServer, new_secret,
                                peer_clients)
@@ -926,6 +926,38 @@ def test_a_brief_stall_of_the_peer_rank_0s_node_catches_up_from_is_tried_again(
     assert resumed == 4 and read_tracker(folders[0]) == 4
     set_aside_newer(folders[1], resumed)  # node 1's owner, once rank 0 loaded
     assert "4" in holdings_of(folders[1]) and read_tracker(folders[1]) == 4
+
+
+def test_a_catch_up_reads_what_an_unreachable_holder_holds_from_the_next_one(tmp_path):
+    """Nodes 1 and 2 hold iteration 4 whole, node 1's server cannot be reached: the catch-up
+    ended at node 1 in every try (the round failed, and the checkpoint was set aside) though
+    node 2 held every file."""
+    folders = [tmp_path / f"node{r}" for r in range(3)]
+    shard_checkpoint(folders[:2])
+    whole = iteration_dir(folders[0], 4)
+    for name in ("__2_0.distcp", "__3_0.distcp"):
+        (iteration_dir(folders[1], 4) / name).rename(whole / name)
+    write_manifest(whole, "periodic", 4, {p.name: digest_file(p) for p in whole.iterdir()
+                                          if p.name != MANIFEST_NAME})
+    for r in (1, 2):
+        shutil.rmtree(iteration_dir(folders[r], 4), ignore_errors=True)
+        shutil.copytree(whole, iteration_dir(folders[r], 4))
+    agreed = agreed_on({1: folders[1], 2: folders[2]})
+    shutil.rmtree(whole)
+    replications = [Replication(ReplicationConfig(folders[r], tmp_path / f"run{r}", r))
+                    for r in range(3)]
+    try:
+        records = tuple(replace(n, peer_url=replications[n.node_rank].url) for n in nodes(3))
+        unreachable = replace(records[1], peer_url=f"http://127.0.0.1:{free_port('127.0.0.1')}")
+        for r in (1, 2):
+            replications[r].new_round(SECRET, records, r, [2, 2, 2])
+        replications[0].new_round(SECRET, (records[0], unreachable, records[2]), 0, [2, 2, 2])
+        caught_up = replications[0].catch_up(agreed, True)
+    finally:
+        for replication in replications:
+            replication.close()
+    assert [node for node, _ in caught_up] == [2], caught_up
+    assert read_tracker(folders[0]) == 4
 
 
 def node_0_lacks_the_agreed_checkpoint(tmp_path: Path) -> tuple[list[Path], Agreed]:

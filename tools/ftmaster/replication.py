@@ -388,13 +388,21 @@ class Replication:
             whole_files = not json.loads(manifest).get("items")  # loads check files whole
             needed = [name for name in agreed.holders
                       if whole_files or writer_rank(name) is None]
+            unread = []
             for node_rank in self._holders_by_count(agreed, live):
                 names = [name for name in needed if node_rank in agreed.holders[name]]
-                copied = fill_from_peer(self._client(live[node_rank], peers), agreed.iteration,
-                                        memory, manifest, names)
+                try:
+                    copied = fill_from_peer(self._client(live[node_rank], peers),
+                                            agreed.iteration, memory, manifest, names)
+                except PeerError as error:  # the next holder may serve what this one did not
+                    unread.append(f"node {node_rank}: {error}")
+                    continue
                 if copied.bytes:
                     done.append((node_rank, copied))
-            if all(_has_size(folder / name, files[name].bytes) for name in needed):
+            complete = all(_has_size(folder / name, files[name].bytes) for name in needed)
+            if not complete and unread:
+                raise PeerError("; ".join(unread))
+            if complete:
                 write_manifest(folder, manifest)
                 if chooses:
                     set_tracker(memory, agreed.iteration)
@@ -420,6 +428,7 @@ class Replication:
         own = known_manifest(folder)
         if own is not None and digest_bytes(own).digest == agreed.manifest:
             return own
+        unread = []
         for node_rank in self._holders_by_count(agreed, live):
             client = self._client(live[node_rank], peers)
             for name in (MANIFEST_NAME, HELD_MANIFEST_NAME):
@@ -427,9 +436,13 @@ class Replication:
                     body = client.read(f"{folder.name}/{name}")
                 except PeerMissing:
                     continue
+                except PeerError as error:  # unreachable: another holder may serve it
+                    unread.append(f"node {node_rank}: {error}")
+                    break
                 if digest_bytes(body).digest == agreed.manifest:
                     return body
-        raise PeerError(f"no live node serves the manifest of iteration {agreed.iteration}")
+        raise PeerError(f"no live node serves the manifest of iteration {agreed.iteration}"
+                        + (f" ({'; '.join(unread)})" if unread else ""))
 
     def fetcher(self, agreed: Agreed):
         """For persisting ``agreed`` from the nodes that hold each file: a function that
