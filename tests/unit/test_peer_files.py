@@ -387,6 +387,31 @@ def test_under_the_rate_limit_every_reader_gets_bytes_in_turn(tmp_path):
         server.close()
 
 
+def test_at_a_low_rate_readers_at_once_still_hear_from_the_server_within_the_timeout(tmp_path):
+    """Each step was 64 KiB whatever the rate: at 64 KiB/s (twice the least the timeout
+    allows) four readers each waited about 4 s between their bytes, past a 2 s timeout."""
+    tier = tmp_path / "peer"
+    checkpoint(tier, sizes=(70 << 10,))
+    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=64 << 10))
+    failed = []
+
+    def read():
+        try:
+            PeerClient(server.url, SECRET, timeout_s=2).read("iter_0000006/__0_0.distcp")
+        except PeerError as error:
+            failed.append(str(error))
+
+    try:
+        readers = [threading.Thread(target=read) for _ in range(4)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(60)
+        assert failed == []
+    finally:
+        server.close()
+
+
 def test_the_peer_list_is_written_afresh_for_the_user_alone(tmp_path):
     """A leftover temporary file kept its mode, and the job's secret went into it."""
     from ftmaster.peer_files import PEERS_FILE, write_peer_list

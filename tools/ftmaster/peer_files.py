@@ -57,6 +57,7 @@ log = logging.getLogger("ftmaster")
 
 _CHUNK = 1 << 20
 _PACED_CHUNK = 64 << 10
+_LEAST_PACED_STEP = 1 << 10
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
 
@@ -181,8 +182,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, handle, start: int, end: int) -> None:
         # Paced in small steps under a rate limit: each request's next bytes then wait for
-        # the others' steps, not their whole chunks
-        step = _CHUNK if self.server.limit.rate is None else _PACED_CHUNK
+        # the others' steps, not their whole chunks. A step is at most a tenth of a second's
+        # worth: at a low rate N readers each waited N steps between their bytes (at 0.01
+        # MB/s, five loads reading at once timed out at 30 s)
+        rate = self.server.limit.rate
+        step = _CHUNK if rate is None else max(_LEAST_PACED_STEP, min(_PACED_CHUNK, int(rate / 10)))
         handle.seek(start)
         while start < end:
             chunk = handle.read(min(step, end - start))
