@@ -781,3 +781,14 @@ def test_a_fresh_start_on_the_same_save_leaves_a_newer_memory_tier_in_place_and_
     (warning,) = lines
     assert warning.startswith(f"warning: {left}, the memory tier a stopped run on this --save "
                               f"left, holds iteration 9, newer than disk's None: give --load {save}")
+
+
+def test_a_save_folder_this_user_cannot_list_is_sized_from_the_model(monkeypatch):
+    """Listing it raised PermissionError out of the launch's set-up, a traceback before the
+    --save claim that refuses it in one line."""
+    def unlistable(folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    from_shape = checkpoint_bytes_guess(MODEL + ["--save", "S"])
+    monkeypatch.setattr("ftmaster.persist.list_iterations", unlistable)
+    assert checkpoint_bytes_guess(MODEL + ["--save", "S"]) == from_shape

@@ -72,7 +72,10 @@ def checkpoint_bytes_guess(args: Sequence[str]) -> int | None:
     """The size of one checkpoint: the newest one on disk, else from the model's shape."""
     save = flag_value(args, "--save")
     for folder in (save, flag_value(args, "--load")):
-        newest = list_iterations(Path(folder))[:1] if folder else []
+        try:  # one this user cannot list is refused later, in one line, by the --save claim
+            newest = list_iterations(Path(folder))[:1] if folder else []
+        except OSError:
+            continue
         manifest = read_manifest(iteration_dir(Path(folder), newest[0])) if newest else None
         if manifest is not None and manifest.files:
             return manifest.total_bytes
