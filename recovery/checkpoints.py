@@ -56,7 +56,7 @@ _WHOLE_NAME = ".ftmaster_whole"
 _REPLICATED_NAME = ".ftmaster_replicated"
 # The names iteration_dir gives: {:07d} is a minimum width, so iteration 10,000,000 is
 # iter_10000000; a longer name with a leading zero is no save's (nor are non-ASCII digits).
-_ITER_DIR = re.compile(r"^iter_([0-9]{7}|[1-9][0-9]{7,})$")
+_ITER_DIR = re.compile(r"^iter_([0-9]{7}|[1-9][0-9]{7,})\Z")  # \Z: "$" takes a trailing newline
 COMMON_FILE = "common.pt"  # the non-sharded state, torch.save'd by rank 0
 CONFIG_FILE = "metadata.json"  # megatron-core's CheckpointingConfig
 DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's global plan
@@ -87,10 +87,8 @@ def read_tracker_state(save_dir: Path) -> TrackerReading:
         return TrackerReading(None)
     except (OSError, UnicodeDecodeError) as error:
         return TrackerReading(None, f"{path} cannot be read ({error})")
-    try:
-        iteration = int(text.strip())
-    except ValueError:
-        iteration = -1
+    # ASCII digits alone, as Megatron-LM writes it: int() also took "1_0", "+30" and "٣٠"
+    iteration = int(text.strip()) if re.fullmatch(r"[0-9]{1,18}", text.strip()) else -1
     if iteration < 0:
         return TrackerReading(None, f"{path} holds {text.strip()[:40]!r}, not an iteration")
     return TrackerReading(iteration)

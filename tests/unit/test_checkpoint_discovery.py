@@ -139,7 +139,7 @@ def test_a_metadata_unlike_its_manifest_is_refused_before_it_is_unpickled(save_d
     assert find_loadable_checkpoint(save_dir).iteration == 20
 
 
-@pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n"])
+@pytest.mark.parametrize("tracker", ["garbage\n", "", "-3\n", "4_0\n", "+40\n", "\u0664\u0660\n"])
 def test_an_unusable_tracker_is_never_a_fresh_start(save_dir, tracker):
     tracker_path(save_dir).write_text(tracker)
     choice = find_loadable_checkpoint(save_dir)
@@ -347,6 +347,7 @@ def test_an_iteration_past_seven_digits_is_found_under_its_megatron_name(tmp_pat
     write_checkpoint(tmp_path, 10_000_000)
     tracker_path(tmp_path).write_text("10000000\n")
     (tmp_path / "iter_00000020").mkdir()  # not a name any save gives: not iteration 20
+    (tmp_path / "iter_0000030\n").mkdir()  # nor is this one ("$" took its newline)
     assert loading_candidates(tmp_path).iterations == (10_000_000, 9_999_990)
     assert find_loadable_checkpoint(tmp_path).path == tmp_path / "iter_10000000"
 
