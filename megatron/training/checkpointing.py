@@ -1240,6 +1240,10 @@ class Checkpointer:
             self.event("checkpoint_skipped", iteration=candidate.iteration, tier=candidate.tier,
                        path=str(candidate.path), reason=problem)
         folders = " or ".join(str(folder) for folder in found.folders)
+        if not skipped and found.notes:  # a tracker with nothing it names: never a fresh start
+            raise NoLoadableCheckpoint(
+                f"no checkpoint in {folders} can be loaded ({'; '.join(found.notes)}); nothing "
+                f"was changed: repair or move the tracker, or give another --load")
         if not skipped:
             log_rank0(f"no checkpoint in {folders}; starting from scratch")
             self.event("fresh_start", folders=[str(folder) for folder in found.folders])

@@ -100,6 +100,19 @@ def test_no_valid_checkpoint_stops_the_run_and_touches_nothing(save, tmp_path):
     assert failed["path"] == str(save)
 
 
+def test_a_load_folder_whose_tracker_names_nothing_there_stops_the_run(tmp_path):
+    """--load A --save B, A's tracker unreadable and no iter_* folder in A: the run started
+    from random weights into B, where a bad tracker must never be a fresh start."""
+    base, save = tmp_path / "base", tmp_path / "save"
+    base.mkdir()
+    tracker_path(base).write_text("garbage")
+    result = train(1, save, 4, "--load", str(base), run_dir=tmp_path / "run")
+    assert result.returncode != 0 and "(exitcode: 66)" in result.stdout, result.stdout[-3000:]
+    assert (f"error: no checkpoint in {base} can be loaded ({tracker_path(base)} holds "
+            "'garbage', not an iteration; no iter_* folder to fall back on)") in result.stdout
+    assert not list_iterations(save) and not events(tmp_path / "run", "fresh_start")
+
+
 def test_a_fresh_start_never_writes_over_checkpoints(save):
     before = snapshot(save)
     result = train(1, save, 8)
