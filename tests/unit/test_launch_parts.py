@@ -301,6 +301,18 @@ def test_a_rank_killed_before_the_first_iteration_is_no_step_toward_a_crash_loop
     assert supervisor.early_exits_in_row == early_exits_in_row
 
 
+def test_an_attempt_that_trains_ends_the_row_of_early_exits(tmp_path):
+    """Early exit, then an attempt that trained for days and was drained, then an early exit:
+    ftmaster gave up with exit 93, "2 times in a row"."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = AttemptWithARankThatRaised()
+    supervisor.early_exits_in_row = 1
+    supervisor._track_progress({"iteration": 5, "first_iteration": 5})
+    assert supervisor.early_exits_in_row == 0
+
+
 def test_a_signal_during_a_wait_for_lost_gpus_records_the_stop(tmp_path):
     """The wait saw the signal itself and ended the run with no 'stopped' event: the report
     ran the failure's recovery on into the next launch on the run directory, its RTO and

@@ -1172,6 +1172,29 @@ def test_a_relaunch_that_cannot_start_gives_up_on_the_failure_in_one_line(
     assert "attempt 2 could not start: [Errno 28] No space left on device" in gave_up["reason"]
 
 
+def test_a_run_directory_gone_read_only_gives_up_without_a_requeue(tmp_path, monkeypatch):
+    """Clearing the last attempt's heartbeat raised EROFS out of the supervisor, a traceback;
+    and a run directory that cannot take files gave up with exit 1, which a requeue repeats."""
+    import errno
+
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State, advance
+    from test_launch_parts import MODEL
+
+    def read_only(self):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Supervisor, "_clear_previous_attempt", read_only)
+    monkeypatch.setattr(runfiles, "room_problem", lambda run_dir: f"{run_dir} is on a read-only filesystem")
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, RelaunchingMonitor())
+    assert advance(State.RELAUNCHING, supervisor._launch()) is State.GAVE_UP
+    gave_up = runfiles.read_events(tmp_path)[-1]
+    assert gave_up["requeue"] is False
+    assert gave_up["reason"] == f"attempt 1 could not start: {tmp_path} is on a read-only filesystem"
+
+
 def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):
     from ftmaster.launch import check_layout
     from ftmaster.states import State

@@ -787,6 +787,9 @@ class Supervisor:
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
             self.injector.trained(iteration)
+            # A relaunch that trained ends the row of early exits, whatever ends it (a drain,
+            # a rejoin, a failure: only a failure's count reset it)
+            self.early_exits_in_row = 0
             first = heartbeat.get("first_iteration") or iteration
             # The poll may first see a later iteration than the first one completed. One that
             # loaded training's last checkpoint trained nothing: it resumed nothing either.
@@ -1026,16 +1029,19 @@ class Supervisor:
         self._rejoin_requested_at = None
         command = self._command_for(number, plan)
         self._training_command = command = with_exit_signal_handler(command)
-        self._clear_previous_attempt()
         devices = self.config.devices or JobGpus(self.config.gpus)
         self.monitor.watch(gpus)
         # Across nodes, warm only when every node of the round starts warm (Round.warm).
         warm = self.starter if self.round is None or self.round.warm else None
         try:
+            self._clear_previous_attempt()
             attempt = Attempt(self.run_dir, number, command, gpus,
                               self._attempt_env(devices, gpus), world=self.world, starter=warm)
         except OSError as error:  # its folders (a run directory out of room) or its processes
-            self._give_up(f"attempt {number} could not start: {error}")
+            # A run directory that is full or read-only: a requeue meets it again
+            room = runfiles.room_problem(self.run_dir)
+            self._give_up(f"attempt {number} could not start: {room or error}",
+                          requeue_helps=room is None)
             return Trigger.GIVE_UP
         except LaunchCancelled:  # stopped while it waited for warm workers: nothing trains
             return self._stopped_idle(state)  # a restarted ftmaster's first launch waits too
