@@ -1605,15 +1605,19 @@ def test_a_run_without_peer_copies_lets_go_of_the_marks_an_earlier_run_across_no
     assert 8 not in kept_memory_checkpoints(memory)
 
 
-def test_a_look_at_a_save_folder_that_never_answers_counts_as_no_write(tmp_path, monkeypatch):
-    """An idle attempt is hung unless a checkpoint file is being written; on a --save that
-    stopped answering the look never returns, and it must not hold up the supervisor (which
-    could then neither relaunch nor give up): no answer is no write."""
+def test_a_look_at_a_save_folder_that_never_answers_is_a_hang_only_after_the_hang_timeout(
+        tmp_path, monkeypatch):
+    """An idle attempt is hung unless a checkpoint file is being written. The look must not
+    hold up the supervisor (which could then neither relaunch nor give up), but slow is not
+    stopped: a save loading a parallel file system slows the listing of its own shards, and
+    one look past 5 s killed it as hung mid-save. No answer counts as a write as long ago as
+    the looks went unanswered."""
     import threading
     import time
 
     from ftmaster import supervisor as supervisor_module
     from ftmaster.launch import check_layout
+    from ftmaster.supervisor import is_hung
     from test_launch_parts import MODEL
 
     answered = threading.Event()
@@ -1625,7 +1629,11 @@ def test_a_look_at_a_save_folder_that_never_answers_counts_as_no_write(tmp_path,
                               first_plan=check_layout(command, 4, None, None))
     supervisor = Supervisor(config, QuietMonitor())
     started = time.monotonic()
-    assert supervisor._seconds_since_checkpoint_write() is None
-    assert supervisor._seconds_since_checkpoint_write() is None  # no second look queued
+    first = supervisor._seconds_since_checkpoint_write()
+    assert first is not None and not is_hung(301.0, 300.0, first)
+    later = time.monotonic() + 301.0
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: later)
+    assert is_hung(301.0, 300.0, supervisor._seconds_since_checkpoint_write())  # no look queued
+    monkeypatch.undo()
     assert time.monotonic() - started < 1.0
     answered.set()

@@ -132,7 +132,8 @@ SHARED_CAUSES = ("usage", "nonfinite", "peer_read")
 SCALE_UP_POLICIES = ("now", "at-save")
 CHECKPOINT_LOOK_S = 5.0
 """How long a look at the checkpoint folders (is an idle attempt still writing a save?) may
-take before it counts as no write: on a file system that stopped answering it never returns."""
+hold the supervisor up: on a file system that stopped answering it never returns
+(:meth:`Supervisor._seconds_since_checkpoint_write` says what no answer counts as)."""
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
@@ -376,6 +377,7 @@ class Supervisor:
         self.progress: Progress | None = None
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
         self._checkpoint_looks = Worker("ftmaster-checkpoint-look")
+        self._looks_unanswered_since: float | None = None
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
@@ -832,9 +834,12 @@ class Supervisor:
         return idle > limit and is_hung(idle, limit, self._seconds_since_checkpoint_write())
 
     def _seconds_since_checkpoint_write(self) -> float | None:
-        """None when no checkpoint file is known to be written: none yet, or a look that got
-        no answer within ``CHECKPOINT_LOOK_S`` (a ``--save`` that stopped answering must not
-        hold up the supervisor, which then takes the idle attempt for hung)."""
+        """None when no checkpoint file is known to be written. A look that gets no answer
+        within ``CHECKPOINT_LOOK_S`` does not hold up the supervisor: slow is not stopped (a
+        save that loads a parallel file system slows the listing of its own thousands of
+        shards, and was killed as hung mid-save), so no answer counts as a write as long ago
+        as the looks started going unanswered; a ``--save`` that stopped answering is a hang
+        once that is longer than the hang timeout."""
         save = flag_value(self.config.command[1:], "--save")
         folders = ([Path(save)] if save is not None else []) + (
             [self.tiers.memory] if self.tiers is not None else [])
@@ -842,7 +847,10 @@ class Supervisor:
             written = [t for t in self._checkpoint_looks.call(
                 CHECKPOINT_LOOK_S, lambda: list(map(last_checkpoint_write, folders))) if t is not None]
         except CallTimeout:
-            return None
+            if self._looks_unanswered_since is None:
+                self._looks_unanswered_since = time.monotonic()
+            return time.monotonic() - self._looks_unanswered_since
+        self._looks_unanswered_since = None
         return time.time() - max(written) if written else None
 
     # -- the memory tier ------------------------------------------------------------------------
