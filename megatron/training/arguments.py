@@ -36,6 +36,7 @@ from .tensorboard import NEEDS_PACKAGE, tensorboard_installed
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "ByteLevelTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 MAX_DISTRIBUTED_TIMEOUT_MINUTES = 10**7
+MIN_DISTRIBUTED_TIMEOUT_MINUTES = 0.1  # 6 s: a store connection, a rank's start
 """19 years, below where torch's timeout in nanoseconds overflows (int64: 1.5e8 minutes)."""
 
 
@@ -327,9 +328,11 @@ def validate_args(args: argparse.Namespace) -> None:
     # gloo refused a negative one, timedelta a nan, infinite or too large one, and torch's
     # nanoseconds overflowed past 1.5e8 minutes (its store "timed out after -8e15 ms"):
     # tracebacks at the launch
+    # 0 (or a few milliseconds) timed the store's connection out at once: a traceback too
     _require_number(args, "distributed_timeout_minutes",
-                    lambda minutes: 0 <= minutes <= MAX_DISTRIBUTED_TIMEOUT_MINUTES,
-                    "a number of minutes from 0 to 10^7")
+                    lambda minutes: MIN_DISTRIBUTED_TIMEOUT_MINUTES <= minutes
+                    <= MAX_DISTRIBUTED_TIMEOUT_MINUTES,
+                    "a number of minutes from 0.1 to 10^7")
     _validate_world_size(args)
     _validate_layout(args)
     _validate_batch(args)

@@ -507,7 +507,7 @@ class Trainer:
         remaining = max(0, args.train_samples - self.state.consumed_train_samples)
         self.total_iterations = self.state.iteration + -(-remaining // args.global_batch_size)
         log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
-        window_start, window_losses = time.perf_counter(), []
+        window_start, window_losses, window_from = time.perf_counter(), [], self.state.iteration
         while not self._training_done():
             self.compute.start()
             started = time.perf_counter()
@@ -521,8 +521,11 @@ class Trainer:
             if loss is not None:
                 window_losses.append(loss)
             if self.state.iteration % args.log_interval == 0:
-                self._log(window_start, window_losses)
+                # The iterations in the window, as Megatron-LM counts them: after a resume the
+                # first window holds fewer than --log-interval
+                self._log(window_start, window_losses, self.state.iteration - window_from)
                 window_start, window_losses = time.perf_counter(), []
+                window_from = self.state.iteration
             if args.eval_iters and self.state.iteration % args.eval_interval == 0:
                 self.evaluate()
             if self._after_iteration():
@@ -569,8 +572,8 @@ class Trainer:
                 and self._final_save_failure is None):
             self.save("final")
 
-    def _log(self, window_start: float, losses: list[float]) -> None:
-        elapsed_ms = (time.perf_counter() - window_start) * 1000 / self.args.log_interval
+    def _log(self, window_start: float, losses: list[float], iterations: int) -> None:
+        elapsed_ms = (time.perf_counter() - window_start) * 1000 / max(1, iterations)
         log_last_rank(format_iteration_line(
             self.state.iteration, self.total_iterations, self.state.consumed_train_samples,
             elapsed_ms, self.optimizer.param_groups[0]["lr"], self.args.global_batch_size,

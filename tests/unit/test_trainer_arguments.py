@@ -171,12 +171,13 @@ def test_a_vocab_padding_multiple_below_one_is_refused(value):
         parse_args(with_args("--make-vocab-size-divisible-by", value), world_size=1)
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e15", "1.4e12"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e15", "1.4e12", "0", "0.001"])
 def test_a_distributed_timeout_that_is_no_duration_is_refused(value):
     # the process group's set-up raised them (gloo: "Invalid timeout"; timedelta: nan, inf,
-    # 1e15 overflowed it; 1.4e12 overflowed torch's nanoseconds: "timed out after -8e15 ms")
+    # 1e15 overflowed it; 1.4e12 overflowed torch's nanoseconds: "timed out after -8e15 ms";
+    # 0 "timed out after 0ms" connecting to the store)
     with pytest.raises(ArgumentError, match=f"--distributed-timeout-minutes must be a number "
-                                            f"of minutes from 0 to 10\\^7, got"):
+                                            f"of minutes from 0.1 to 10\\^7, got"):
         parse_args(with_args("--distributed-timeout-minutes", value), world_size=1)
 
 
