@@ -171,11 +171,19 @@ class NvmlBackend(PerGpuBackend):
             return None
 
     def _open_event_set(self) -> Any:
-        """An XID event set, or None: then no GPU reports XIDs (and the monitor says so)."""
+        """An XID event set, or None: then no GPU reports XIDs (and the monitor says so).
+        Only NOT_SUPPORTED is for good: any other failure (one that passes, a driver call
+        past its bound) is made anew as a broken set is, every ``xid_retry_s``, its XIDs
+        unknown meanwhile; it turned XIDs off for the whole job."""
         try:
             return self._system.call(self.bounds.setup_timeout_s, self._nvml.nvmlEventSetCreate)
         except Exception as exc:
-            log.warning("nvml: no XID event set (%s): XIDs are not monitored", exc)
+            if getattr(exc, "value", None) == self._nvml.NVML_ERROR_NOT_SUPPORTED:
+                log.warning("nvml: no XID event set (%s): XIDs are not monitored", exc)
+                return None
+            self._events_broken, self._renew_at = True, time.monotonic() + self.xid_retry_s
+            log.warning("nvml: no XID event set (%s); XIDs are unknown, tried again in %g s",
+                        exc, self.xid_retry_s)
             return None
 
     def _open(self, gpu: int, reading: Reading) -> Any:

@@ -629,6 +629,29 @@ def test_unknown_from_a_registration_renews_the_event_set():
     assert nvml.calls["nvmlEventSetCreate"] == 2 and waits[-1] == "set-2"
 
 
+def test_an_event_set_that_could_not_be_made_at_the_start_is_made_again(monkeypatch):
+    """One failed nvmlEventSetCreate (other than NOT_SUPPORTED) turned XIDs off for the job:
+    the renewal was only for a broken set, not a missing one."""
+    from ftmaster.monitor.backends import nvml as nvml_module
+
+    monkeypatch.setattr(nvml_module, "XID_RETRY_S", RETRY_S)
+    made = iter([FakeError(UNKNOWN), "set-1"])
+
+    def create():
+        result = next(made)
+        if isinstance(result, Exception):
+            raise result
+        return result
+    nvml = fake_nvml(nvmlEventSetCreate=create)
+    backend = NvmlBackend(nvml=nvml)
+    backend.sample()
+    assert "xid" in backend.reported_fields and backend.unreported_fields == {0: {"xid"}, 1: {"xid"}}
+    time.sleep(RETRY_S + 0.05)
+    backend.sample()
+    backend.sample()
+    assert nvml.calls["nvmlEventSetCreate"] == 2 and backend.unreported_fields == {}
+
+
 def test_the_monitor_says_when_a_gpu_cannot_show_xids_and_when_it_can_again(tmp_path):
     from ftmaster import runfiles
     from ftmaster.monitor.daemon import Monitor
