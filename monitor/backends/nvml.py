@@ -257,7 +257,8 @@ class NvmlBackend(PerGpuBackend):
 
     def uuids(self) -> dict[int, str]:
         """Each opened GPU's UUID (the metrics' ``UUID`` label)."""
-        return {gpu: uuid for uuid, gpu in self._gpu_by_uuid.items()}
+        # A copy: a GPU worker still opening its GPU adds to it (the metrics ask from another thread)
+        return {gpu: uuid for uuid, gpu in dict(self._gpu_by_uuid).items()}
 
     @property
     def reported_fields(self) -> frozenset[str]:
