@@ -67,7 +67,9 @@ class AlertPolicy:
             state.armed = True
             state.hard_reported.clear()
         new_hard = set(assessment.hard_reasons) - state.hard_reported
-        cooled = state.last_alert is None or time_s - state.last_alert >= cfg.cooldown_s
+        # A wall clock stepped back (NTP, a VM resumed) before the last alert cools it: its
+        # alerts were held back until the clock caught up
+        cooled = state.last_alert is None or not 0 <= time_s - state.last_alert < cfg.cooldown_s
         soft_alert = assessment.score >= cfg.threshold and state.armed and cooled
         if not (soft_alert or new_hard):
             return False

@@ -108,6 +108,15 @@ def test_alert_policy_cooldown_rearm_and_new_hard_reasons():
     assert not policy.decide(0, 242, Assessment(1.0, ("xid_79",), ("xid_79",)))  # but only once
 
 
+def test_a_wall_clock_stepped_back_does_not_hold_a_re_armed_gpus_alert_back():
+    """An hour back after an alert at 10,000 s: the re-armed GPU's alerts waited until the
+    clock passed 10,100 s again."""
+    policy = AlertPolicy(AlertConfig(threshold=0.9, cooldown_s=100, rearm_margin=0.3))
+    high, low = Assessment(0.95, ("temperature_trend",)), Assessment(0.1)
+    assert policy.decide(0, 10_000, high) and not policy.decide(0, 10_400, low)
+    assert policy.decide(0, 10_400 - 3600, high)
+
+
 def test_a_gpu_stays_alerting_until_its_score_falls_to_the_rearm_level():
     policy = AlertPolicy(AlertConfig(threshold=0.9, rearm_margin=0.3))
     assert not policy.still_alerting(0)
