@@ -218,6 +218,9 @@ class Monitor:
         self.samples_seen = 0
         self._writer = None if self.run_dir is None else MetricsWriter(runfiles.metrics_csv_path(self.run_dir))
         self._outage = runfiles.WriteOutage(log.error, log.info, "the monitor goes on without it")
+        self._unwritten_request: dict | None = None
+        """A save request whose flag could not be written: tried again at every sample (the
+        policy disarmed its GPU, which would not ask again)."""
         self._lock = threading.Lock()
         self._known: set[int] = set()
         self._lost: dict[int, str] = {}  # lost GPU -> why
@@ -357,6 +360,8 @@ class Monitor:
                 reasons = (DEVICE_LOST,) + ((self._lost[gpu],) if self._lost[gpu] != DEVICE_LOST else ())
                 alerts += self._decide(gpu, now, Assessment(1.0, reasons, reasons))
         self.samples_seen += len(samples)
+        if self._unwritten_request is not None:
+            self._request_save(self._unwritten_request)
         for alert in alerts:  # first: the policy has disarmed their GPUs, a failed write below
             self._announce(alert)  # must not cost the checkpoint they ask for
         if self._writer is not None:
@@ -489,11 +494,15 @@ class Monitor:
             body = {"gpu": alert.gpu, "score": alert.score, "reasons": list(alert.reasons),
                     "timestamp": iso_time(alert.time)}
             if DEVICE_LOST not in alert.reasons:  # a lost GPU's rank can take part in no save
-                flag = runfiles.trigger_flag_path(self.run_dir)
-                self._outage.write(flag, lambda: runfiles.write_flag(flag, **body))
+                self._request_save(body)
             self._outage.append_event(self.run_dir, "risk_alert", **body)
         if self.on_alert is not None:
             self.on_alert(alert)
+
+    def _request_save(self, body: dict) -> None:
+        flag = runfiles.trigger_flag_path(self.run_dir)
+        written = self._outage.write(flag, lambda: runfiles.write_flag(flag, **body) or True)
+        self._unwritten_request = None if written else body
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:

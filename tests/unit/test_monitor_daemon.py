@@ -367,6 +367,28 @@ def test_an_alert_asks_for_its_checkpoint_even_when_the_csv_and_events_cannot_be
     assert os.path.getsize(runfiles.metrics_csv_path(tmp_path)) > 0
 
 
+def test_a_save_request_whose_flag_could_not_be_written_is_written_at_a_later_sample(
+        tmp_path, monkeypatch):
+    """The flag's write failing once (ENOSPC, an NFS EIO) lost the request for good: the
+    policy had disarmed the GPU, which never asked again."""
+    import errno
+
+    monitor = sim_monitor(tmp_path, 0.5, ["xid:gpu=1,code=79,at=1s"])
+    run(monitor, 1)
+    write_flag, failed = runfiles.write_flag, []
+
+    def fails_once(path, **body):
+        if not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        return write_flag(path, **body)
+
+    monkeypatch.setattr(runfiles, "write_flag", fails_once)
+    run(monitor, 4)
+    assert failed and [a.gpu for a in monitor.alerts] == [1]
+    assert runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))["gpu"] == 1
+
+
 def test_the_csv_is_whole_rows_after_a_write_cut_short_or_a_writer_killed_mid_row(tmp_path, monkeypatch):
     import csv
     import errno
