@@ -1229,6 +1229,17 @@ def test_an_armed_injection_the_attempt_never_reached_is_handed_to_the_next():
     assert injector.pending == []
 
 
+def test_a_nan_for_an_iteration_the_attempt_resumed_past_is_said_never_to_have_fired():
+    """--load at 100 and nan at iter:12: the trainer poisons iteration 12 alone, which it
+    never trained, and the run ended with no "never fired" warning."""
+    nan = parse_injection("nan:gpu=0,at=iter:12")
+    injector = Injector((nan,))
+    assert injector.take_armed([0, 1]) == [nan]
+    injector.trained(101, first=101)
+    injector.trained(150, first=101)
+    assert injector.unfired() == [nan]
+
+
 def test_an_armed_injection_for_a_gpu_left_out_waits_for_an_attempt_on_it():
     nan = parse_injection("nan:gpu=1,at=iter:20")
     injector = Injector((nan,))

@@ -50,6 +50,7 @@ def test_at_once_keeps_the_fault_and_fires_now():
     ("wedge:gpu=1,code=79,at=1s", "code= is only for xid"),
     ("nan:gpu=1,code=1,at=iter:3", "code= is only for xid"),
     ("nan:gpu=1,at=30s", "nan needs at=iter:K"),
+    ("nan:gpu=1,at=iter:0", r"nan needs at=iter:K with K >= 1 \(iterations count from 1\)"),
     ("wedge:gpu=1", "missing at="),
     ("nan:at=iter:3", "missing gpu="),
     ("wedged:gpu=1,at=1s", "unknown kind 'wedged'.*wedge, nan"),

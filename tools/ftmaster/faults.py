@@ -14,8 +14,9 @@ the launcher (which kills or stops the rank on that GPU):
   fail at start-up until a ``recover``;
 - ``wedge``: every telemetry read of the GPU blocks, as in a wedged driver, until a
   ``recover``; the monitor reports it lost (``wedged``) while it keeps sampling the others;
-- ``nan`` (``at=iter:K`` only): the loss and gradients of the rank on that GPU become NaN at
-  that iteration (training's business: the telemetry is unaffected);
+- ``nan`` (``at=iter:K`` only, K >= 1): the loss and gradients of the rank on that GPU become
+  NaN at that iteration (training's business: the telemetry is unaffected); an attempt that
+  resumed past it never trains it, and the run's end says it never fired;
 - ``slow`` (``slow:gpu=G,factor=F,at=...``, the only kind with ``factor``): from then on the
   rank on that GPU computes F times slower (the trainer sleeps F - 1 times each iteration's
   compute before the gradient reduction), a straggler for the others to wait for; it lasts
@@ -140,6 +141,9 @@ def parse_injection(spec: str) -> Injection:
     at_iteration, at_seconds = _parse_at(spec, fields["at"])
     if kind is Fault.NAN and at_iteration is None:  # the trainer poisons a given iteration
         raise ValueError(f"bad --inject {spec!r}: nan needs at=iter:K (an iteration, not a time)")
+    if kind is Fault.NAN and at_iteration == 0:  # armed, it never fired and nothing said so
+        raise ValueError(f"bad --inject {spec!r}: nan needs at=iter:K with K >= 1 (iterations "
+                         "count from 1)")
     code = _parse_code(spec, fields["code"]) if kind is Fault.XID else None
     factor = _parse_factor(spec, fields["factor"]) if kind is Fault.SLOW else None
     after = fields.get("after")

@@ -237,15 +237,20 @@ class Injector:
         """The armed injections handed to the running attempt."""
         self.reached: int | None = None
         """The furthest iteration the running attempt is known to have trained."""
+        self.first: int | None = None
+        """The first iteration the running attempt trained (a resume past a ``nan``'s
+        iteration never poisons it: the trainer poisons that iteration alone)."""
 
     def saw(self, event: dict) -> None:
         self.seen_events.add(event["event"])
         if event["event"] == "nonfinite":  # a poisoned step that killed the attempt counts
             self.trained(event.get("iteration"))
 
-    def trained(self, iteration: int | None) -> None:
+    def trained(self, iteration: int | None, first: int | None = None) -> None:
         if isinstance(iteration, int) and (self.reached is None or iteration > self.reached):
             self.reached = iteration
+        if isinstance(first, int) and self.first is None:
+            self.first = first
 
     def take_due(self, iteration: int | None, elapsed_s: float, lost: frozenset[int]) -> list[Injection]:
         seen = frozenset(self.seen_events)
@@ -263,7 +268,7 @@ class Injector:
         taken = [i for i in self.pending if _armed(i) and i.gpu in gpus]
         for injection in taken:
             self.pending.remove(injection)
-        self.handed, self.reached = taken, None
+        self.handed, self.reached, self.first = taken, None, None
         return taken
 
     def unfired(self) -> list[Injection]:
@@ -271,7 +276,8 @@ class Injector:
         return self.pending + self._not_reached()
 
     def _not_reached(self) -> list[Injection]:
-        return [i for i in self.handed if self.reached is None or i.at_iteration > self.reached]
+        return [i for i in self.handed if self.reached is None or i.at_iteration > self.reached
+                or i.kind is Fault.NAN and self.first is not None and i.at_iteration < self.first]
 
 
 def _armed(injection: Injection) -> bool:
@@ -788,7 +794,7 @@ class Supervisor:
         last, _ = self._progress
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
-            self.injector.trained(iteration)
+            self.injector.trained(iteration, heartbeat.get("first_iteration"))
             # A relaunch that trained ends the row of early exits, whatever ends it (a drain,
             # a rejoin, a failure: only a failure's count reset it)
             self.early_exits_in_row = 0
