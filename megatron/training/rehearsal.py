@@ -161,13 +161,29 @@ def _kill_point_name(text: str) -> str:
     return text
 
 
+def environment_problem() -> str | None:
+    """Why a rehearsal variable a user sets (``FTMASTER_INJECT_KILL``, ``_STALL``) cannot be
+    read, or None. Read by every rank at its start (by each async writer), a typo failed each
+    with a traceback, which ftmaster took for a failure of every rank, relaunched after."""
+    try:
+        _kill_entries(local_rank=-1)
+        per_local_rank(STALL_ENV, -1)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _kill_entries(local_rank: int) -> list[tuple]:
+    return _local_entries(
+        KILL_ENV, local_rank, (int, _kill_point_name),
+        f"LOCAL_RANK:ITERATION:POINT[,...] with POINT one of {', '.join(KILL_POINTS)}")
+
+
 def arm_kill_points(local_rank: int) -> None:
     """At start-up: the (iteration, point) pairs at which this local rank kills itself, less
     those an earlier attempt of the run fired."""
     _armed_kills.clear()
-    for iteration, point in _local_entries(
-            KILL_ENV, local_rank, (int, _kill_point_name),
-            f"LOCAL_RANK:ITERATION:POINT[,...] with POINT one of {', '.join(KILL_POINTS)}"):
+    for iteration, point in _kill_entries(local_rank):
         fired = _fired_kill_path(local_rank, iteration, point)
         if fired is None or not fired.exists():
             _armed_kills[(iteration, point)] = fired

@@ -92,6 +92,19 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("variable, value", [("FTMASTER_INJECT_KILL", "1:16:forwrd"),
+                                             ("FTMASTER_INJECT_STALL", "0:x")])
+def test_a_rehearsal_variable_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, variable, value):
+    """Every rank read it at its start and failed with a traceback, which ftmaster took for
+    every rank failing, and relaunched."""
+    monkeypatch.setenv(variable, value)
+    result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    PRETRAIN, *MODEL)
+    assert result.exit_code != 0 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"Error: {variable}={value!r}: expected LOCAL_RANK:")
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("value, message", [
     (["--max-position-embeddings", "16"],
      "--max-position-embeddings (16) is smaller than --seq-length (32)"),

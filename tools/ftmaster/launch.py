@@ -190,11 +190,15 @@ def check_trainer_arguments(command: Sequence[str], world_size: int) -> None:
     if not uses_trainer_parser(Path(command[0])):
         return
     from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.rehearsal import environment_problem
 
     try:
         parse_args(list(command[1:]), world_size=world_size)
     except ArgumentError as error:
         raise InputError(f"training arguments: {error}") from None
+    problem = environment_problem()
+    if problem is not None:
+        raise InputError(problem)
 
 
 def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection, ...]:
