@@ -1055,6 +1055,9 @@ class Checkpointer:
         self.last_durable_iteration: int | None = None
         self.newest_disk_iteration: int | None = None
         """The newest complete checkpoint of this run's state in ``--save`` (saved or loaded)."""
+        self._loaded_in_save = True
+        """Whether the checkpoint resumed from is in its own tier's folder (not --load's
+        other folder)."""
         self._on_failed: Callable[[SaveFailure], None] | None = None
         self.structure = SaveStructure(self._new_save_strategy, self.group,
                                        args.ckpt_assume_constant_structure,
@@ -1346,8 +1349,12 @@ class Checkpointer:
                    verified_on_read=read_counts[0], peer_bytes=read_counts[1],
                    read_bytes=read_counts[2])
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
-        self._last_saved_tier, self.last_bytes = tier, size
-        if tier == "disk":
+        # A disk checkpoint of --load elsewhere is not --save's: the final save must write it
+        # there (--train-iters at the loaded iteration: resharding into --save)
+        self._loaded_in_save = tier != "disk" or _same_folder(path.parent, self.args.save)
+        self._last_saved_tier = tier if self._loaded_in_save else None
+        self.last_bytes = size
+        if tier == "disk" and self._loaded_in_save:
             self.newest_disk_iteration = state.iteration
         self.own_states.add(state.iteration, path, manifest.files if manifest else {})
 
@@ -1402,7 +1409,8 @@ class Checkpointer:
                     with tracker_lock(self.memory_dir):
                         set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
                 if self.args.save:
-                    set_aside_newer(Path(self.args.save), iteration, tier == "disk", moved)
+                    set_aside_newer(Path(self.args.save), iteration,
+                                    tier == "disk" and self._loaded_in_save, moved)
         elif _rank() == self.memory_owner:  # another node's own memory folder
             with tracker_lock(self.memory_dir):
                 set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
@@ -1460,6 +1468,13 @@ class Checkpointer:
             else:
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def _same_folder(folder: Path, other: str | None) -> bool:
+    try:
+        return other is not None and os.path.samefile(folder, other)
+    except OSError:
+        return False
 
 
 def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True,

@@ -113,6 +113,16 @@ def test_a_load_folder_whose_tracker_names_nothing_there_stops_the_run(tmp_path)
     assert not list_iterations(save) and not events(tmp_path / "run", "fresh_start")
 
 
+def test_resharding_another_folders_checkpoint_into_save_writes_it_there(save, tmp_path):
+    """--load A --save B --train-iters at A's iteration (a checkpoint resharded into B): the
+    loaded checkpoint counted as already on disk, the final save wrote nothing, and the run
+    ended 0 with B empty."""
+    resharded = tmp_path / "resharded"
+    result = train(1, resharded, 6, "--load", str(save), run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert list_iterations(resharded) == [6] and read_tracker(resharded) == 6
+
+
 def test_a_fresh_start_never_writes_over_checkpoints(save):
     before = snapshot(save)
     result = train(1, save, 8)
