@@ -356,6 +356,8 @@ class Trainer:
                     data_iterator=self._data(self.valid_ds, batch_start), model=self.model.chunks,
                     num_microbatches=self.num_micro_batches, seq_length=self.args.seq_length,
                     micro_batch_size=self.args.micro_batch_size, forward_only=True)
+                # progress for the hang check: --eval-iters steps can outlast --hang-timeout
+                self._heartbeat(evaluated=step + 1)
         self.model.train()
         loss = _average_loss(losses)
         if loss is not None:
@@ -435,12 +437,12 @@ class Trainer:
         if local_rank() == 0:
             self.requests.consume()
 
-    def _heartbeat(self, finished: bool = False) -> None:
+    def _heartbeat(self, finished: bool = False, evaluated: int | None = None) -> None:
         if self.writes_run_files:
             self.run_files.write(runfiles.heartbeat_path(self.run_dir), partial(
                 runfiles.write_heartbeat, self.run_dir, self.state.iteration,
                 self.state.consumed_train_samples, self._first_iteration, finished=finished,
-                compute=self.figures.heartbeat()))
+                compute=self.figures.heartbeat(), evaluated=evaluated))
 
     def _after_iteration(self) -> bool:
         """Checkpoint bookkeeping after an iteration; True when training must stop now."""

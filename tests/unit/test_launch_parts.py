@@ -301,6 +301,29 @@ def test_a_rank_killed_before_the_first_iteration_is_no_step_toward_a_crash_loop
     assert supervisor.early_exits_in_row == early_exits_in_row
 
 
+def test_an_evaluation_step_is_progress_for_the_hang_check(tmp_path, monkeypatch):
+    """--eval-iters forward passes write no new iteration: past --hang-timeout the attempt was
+    killed as hung, and when the save shares the evaluation's iteration every relaunch
+    reached the same evaluation again."""
+    from ftmaster import supervisor as supervisor_module
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.attempt = AttemptWithARankThatRaised()
+    now = [1000.0]
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: now[0])
+    supervisor._track_progress({"iteration": 100, "first_iteration": 1})
+    now[0] += 250
+    supervisor._track_progress({"iteration": 100, "first_iteration": 1, "evaluated": 40})
+    now[0] += 250
+    supervisor._track_progress({"iteration": 100, "first_iteration": 1, "evaluated": 80})
+    assert supervisor._progress == (100, 1500.0)
+    now[0] += 250
+    supervisor._track_progress({"iteration": 100, "first_iteration": 1, "evaluated": 80})
+    assert supervisor._progress == (100, 1500.0)  # the same step: no progress
+
+
 def test_an_attempt_that_trains_ends_the_row_of_early_exits(tmp_path):
     """Early exit, then an attempt that trained for days and was drained, then an early exit:
     ftmaster gave up with exit 93, "2 times in a row"."""

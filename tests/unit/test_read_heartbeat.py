@@ -29,6 +29,7 @@ def test_a_whole_heartbeat_is_read(tmp_path):
     {"iteration": 7, "first_iteration": False},
     {"iteration": 7, "time": "now"},
     {"iteration": 7, "time": float("nan")},
+    {"iteration": 7, "evaluated": "3"},
 ])
 def test_a_malformed_heartbeat_is_unknown_not_progress_or_finished(tmp_path, body):
     _write(tmp_path, **body)

@@ -277,7 +277,7 @@ def read_flag(path: Path) -> dict[str, Any] | None:
 
 def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
                     first_iteration: int | None = None, finished: bool = False,
-                    compute: dict | None = None) -> None:
+                    compute: dict | None = None, evaluated: int | None = None) -> None:
     """Training progress for hang detection; cheap enough to write every iteration.
 
     ``first_iteration`` is the first iteration this process completed: a reader that polls
@@ -286,12 +286,15 @@ def write_heartbeat(run_dir: Path, iteration: int, consumed_samples: int,
     which is never a hang. ``compute``: every rank's compute time of the last iterations,
     ``{"stages": [pipeline stage per rank], "replicas": [data-parallel index per rank],
     "ms": {"<iteration>": [ms per rank or null]}}`` (straggler detection; absent when not
-    measured).
+    measured). ``evaluated``: the validation steps done so far at ``iteration`` (an
+    evaluation writes no new iteration for as long as it runs, minutes on a large model).
     """
     body = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(),
             "pid": os.getpid(), "first_iteration": first_iteration, "finished": finished}
     if compute is not None:
         body["compute"] = compute
+    if evaluated is not None:
+        body["evaluated"] = evaluated
     atomic_write_text(heartbeat_path(run_dir), json.dumps(body) + "\n", durable=False)
 
 
@@ -317,6 +320,7 @@ def _well_formed_heartbeat(body: dict[str, Any]) -> bool:
     stamp = body.get("time", 0.0)
     return (count(body.get("iteration"))
             and (body.get("first_iteration") is None or count(body["first_iteration"]))
+            and (body.get("evaluated") is None or count(body["evaluated"]))
             and isinstance(body.get("finished", False), bool)
             and (count(stamp) or isinstance(stamp, float) and math.isfinite(stamp)))
 

@@ -384,6 +384,8 @@ class Supervisor:
         self.events_tail = FileTail(runfiles.events_path(self.run_dir))
         self._checkpoint_looks = Worker("ftmaster-checkpoint-look")
         self._looks_unanswered_since: float | None = None
+        self._evaluated: int | None = None
+        """The validation steps the last heartbeat said were done at its iteration."""
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
@@ -792,6 +794,10 @@ class Supervisor:
         """The attempt's last iteration; records progress time and the ``resumed`` event."""
         iteration = (heartbeat or {}).get("iteration")
         last, _ = self._progress
+        evaluated = (heartbeat or {}).get("evaluated")
+        if iteration is not None and iteration == last and evaluated not in (None, self._evaluated):
+            self._progress = (iteration, time.monotonic())  # an evaluation's step
+        self._evaluated = evaluated
         if iteration is not None and iteration != last:
             self._progress = (iteration, time.monotonic())
             self.injector.trained(iteration, heartbeat.get("first_iteration"))
