@@ -420,6 +420,9 @@ class Trainer:
                     structure="same" if done.structure_kept else "new",
                     **({"slot": done.slot} if done.slot else {}),
                     **({"already_on_disk": True} if done.already_on_disk else {}),
+                    # the schedule's end, whatever its unit (--train-samples included)
+                    **({"ends_schedule": True} if done.iteration == self.state.iteration
+                       and self._training_done() else {}),
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})
@@ -492,8 +495,13 @@ class Trainer:
         return True
 
     def _training_done(self) -> bool:
-        """The run ends once the consumed samples reach ``--train-samples`` (``--train-iters``
-        times the global batch), whatever the batch was before a resume."""
+        """The run ends at ``--train-iters``, as Megatron-LM's does (a resume at another
+        global batch ended elsewhere: DESIGN's contract, and the supervisor's end of the
+        schedule, are that iteration); with ``--train-samples`` once the consumed samples
+        reach it, whatever the batch was before a resume (ftmaster's own batch changes
+        rewrite the schedule into samples: ``recovery/batch_schedule.py``)."""
+        if self.args.train_iters is not None:
+            return self.state.iteration >= self.args.train_iters
         return self.state.consumed_train_samples >= self.args.train_samples
 
     def run(self) -> None:
@@ -507,7 +515,9 @@ class Trainer:
         self.cut.begin()
         self.board = Board(args, self._first_iteration)
         remaining = max(0, args.train_samples - self.state.consumed_train_samples)
-        self.total_iterations = self.state.iteration + -(-remaining // args.global_batch_size)
+        self.total_iterations = (max(self.state.iteration, args.train_iters)
+                                 if args.train_iters is not None
+                                 else self.state.iteration + -(-remaining // args.global_batch_size))
         log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
         window_start, window_losses, window_from = time.perf_counter(), [], self.state.iteration
         while not self._training_done():

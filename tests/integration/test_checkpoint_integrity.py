@@ -123,6 +123,20 @@ def test_resharding_another_folders_checkpoint_into_save_writes_it_there(save, t
     assert list_iterations(resharded) == [6] and read_tracker(resharded) == 6
 
 
+def test_a_resume_at_another_global_batch_ends_at_train_iters(save, tmp_path):
+    """Trained to 6 at batch 8, resumed at batch 16 with --train-iters 8: it went on to
+    iteration 11 (the samples of 8 iterations at the new batch), where Megatron-LM and the
+    supervisor's end of the schedule are iteration 8."""
+    result = train(1, save, 8, "--load", str(save), "--global-batch-size", "16",
+                   run_dir=tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "training from iteration 6 to 8" in result.stdout
+    assert read_tracker(save) == 8 and max(list_iterations(save)) == 8
+    # the save at the schedule's end says so (the supervisor's end of it, --train-samples too)
+    assert [(e["iteration"], e.get("ends_schedule")) for e in events(tmp_path / "run", "periodic_save")] \
+        == [(8, True)]
+
+
 def test_a_fresh_start_never_writes_over_checkpoints(save):
     before = snapshot(save)
     result = train(1, save, 8)

@@ -983,6 +983,11 @@ def test_after_a_relaunch_at_another_global_batch_only_the_final_save_ends_the_s
     runfiles.append_event(tmp_path, "periodic_save", kind="periodic", iteration=10)
     supervisor._follow_events()
     assert supervisor._schedule_saved is None
+    # the periodic save at the last iteration of --train-samples, as the trainer says it is
+    runfiles.append_event(tmp_path, "periodic_save", kind="periodic", iteration=14,
+                          ends_schedule=True)
+    supervisor._follow_events()
+    assert supervisor._schedule_saved == 14
 
 
 def test_a_fault_on_a_retired_gpu_is_not_injected_nor_recorded(tmp_path):

@@ -701,12 +701,14 @@ class Supervisor:
             (runfiles.read_heartbeat(self.run_dir) or {}).get("finished"))
 
     def _ends_the_schedule(self, save: dict) -> bool:
-        """Whether ``save`` is training's last, on disk: its final save, or the periodic one at
-        ``--train-iters``."""
+        """Whether ``save`` is training's last, on disk: its final save, one the trainer says
+        ends the schedule (``ends_schedule``: a periodic save at its last iteration, under
+        ``--train-samples`` too), or the periodic one at ``--train-iters``."""
         # The running attempt's: a relaunch at another global batch trains to --train-samples
         train_iters = flag_value(self._training_command[1:], "--train-iters")
         return save.get("tier", "disk") == "disk" and isinstance(save.get("iteration"), int) and (
-            save.get("kind") == "final" or str(save["iteration"]) == train_iters)
+            save.get("kind") == "final" or save.get("ends_schedule") is True
+            or str(save["iteration"]) == train_iters)
 
     def _complete_despite(self, cause: str) -> Trigger:
         """Training's schedule ended with its last checkpoint durable on disk before its
