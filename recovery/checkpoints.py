@@ -63,6 +63,15 @@ DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's global plan
 _REQUIRED_FILES = (COMMON_FILE, CONFIG_FILE, DCP_METADATA_FILE)
 
 
+def same_folder(folder: Path, other: Path | str | None) -> bool:
+    """Whether both name one folder (however written: a symlink, a relative path); False
+    when either is missing or cannot be looked at."""
+    try:
+        return other is not None and os.path.samefile(folder, other)
+    except OSError:
+        return False
+
+
 def iteration_dir(save_dir: Path, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 

@@ -97,6 +97,7 @@ from ftmaster.recovery.checkpoints import (
     prunable_emergency_checkpoints,
     prunable_memory_checkpoints,
     read_tracker,
+    same_folder,
     tier_candidates,
     tracker_lock,
     tracker_path,
@@ -1351,7 +1352,7 @@ class Checkpointer:
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         # A disk checkpoint of --load elsewhere is not --save's: the final save must write it
         # there (--train-iters at the loaded iteration: resharding into --save)
-        self._loaded_in_save = tier != "disk" or _same_folder(path.parent, self.args.save)
+        self._loaded_in_save = tier != "disk" or same_folder(path.parent, self.args.save)
         self._last_saved_tier = tier if self._loaded_in_save else None
         self.last_bytes = size
         if tier == "disk" and self._loaded_in_save:
@@ -1468,13 +1469,6 @@ class Checkpointer:
             else:
                 self.optimizer.load_state_dict(loaded["optimizer"])
             self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-
-
-def _same_folder(folder: Path, other: str | None) -> bool:
-    try:
-        return other is not None and os.path.samefile(folder, other)
-    except OSError:
-        return False
 
 
 def set_aside_newer(save_dir: Path, iteration: int, resumed_here: bool = True,

@@ -595,6 +595,30 @@ def test_a_run_that_succeeds_removes_the_memory_folder_it_chose_once_disk_has_it
     assert (kept in caplog.text) is not removed
 
 
+def test_a_relaunch_keeps_load_while_save_holds_only_another_runs_older_checkpoint(tmp_path):
+    """--load base (iteration 100000) --save B, B holding an earlier run's iteration 5000: the
+    attempt died before its first save, and the relaunch loaded B's 5000, without
+    --no-load-optim. A save of this run's own in B switches it."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+    from test_persist import fake_checkpoint
+
+    base, save = tmp_path / "base", tmp_path / "save"
+    fake_checkpoint(base, 100000)
+    fake_checkpoint(save, 5000)
+    command = (*MODEL, "--load", str(base), "--save", str(save), "--no-load-optim")
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(command, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.attempt = FakeAttempt()
+    runfiles.append_event(tmp_path / "run", "checkpoint_loaded", iteration=100000,
+                          path=str(base / "iter_0100000"), tier="disk")
+    supervisor._follow_events()
+    assert supervisor._resuming(command) == list(command)
+    fake_checkpoint(save, 100010)
+    assert supervisor._resuming(command) == [*MODEL, "--load", str(save), "--save", str(save)]
+
+
 def test_a_supervisor_started_after_a_reboot_says_the_memory_tier_lost_the_killed_ones_newest(
         tmp_path, caplog):
     """A node reboot kills ftmaster and empties /dev/shm: the one started again resumed from

@@ -98,7 +98,7 @@ from ftmaster.recovery.argv_flags import flag_present
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
                                            read_save_kind, read_tracker, remove_abandoned_writes,
-                                           schedule_on_disk, unmark_peer_copies)
+                                           same_folder, schedule_on_disk, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -385,6 +385,8 @@ class Supervisor:
         self._checkpoint_looks = Worker("ftmaster-checkpoint-look")
         self._looks_unanswered_since: float | None = None
         self._evaluated: int | None = None
+        self._loaded_elsewhere: int | None = None
+        """The newest iteration this run loaded from outside its own tiers (its --load)."""
         """The validation steps the last heartbeat said were done at its iteration."""
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
@@ -823,6 +825,7 @@ class Supervisor:
                 log.log(*described)
             if event["event"] == "checkpoint_loaded":
                 self._loaded_iteration = event.get("iteration")
+                self._note_loaded_elsewhere(event)
                 known = (self._last_checkpoint or {}).get("iteration")
                 if self.progress is not None and known != self._loaded_iteration:
                     self.progress.last_checkpoint = event
@@ -1139,6 +1142,13 @@ class Supervisor:
         has_checkpoint = bool(held)
         if has_checkpoint:
             self._resume_point = max(read_tracker(folder) or 0 for folder in held)
+        if has_checkpoint and self._resume_point < (self._loaded_elsewhere or 0):
+            # Another run's older checkpoint there, and none of this run's yet: switched, the
+            # relaunch loaded it (without --no-load-optim)
+            log.warning("--save holds only iteration %d, older than the --load checkpoint (%d) "
+                        "this run started from: relaunching from --load", self._resume_point,
+                        self._loaded_elsewhere)
+            has_checkpoint, self._resume_point = False, self._loaded_elsewhere
         resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
         if resumed != list(command):
             dropped = [flag for flag in STARTING_WEIGHTS_ONLY if flag_present(command, flag)]
@@ -1146,6 +1156,17 @@ class Supervisor:
                         f" (without {' '.join(dropped)}, given for the weights the run started "
                         "from)" if dropped else "")
         return resumed
+
+    def _note_loaded_elsewhere(self, event: dict) -> None:
+        """A load from a folder that is neither --save nor the memory tier (the run's --load
+        of the weights it started from): the newest such iteration."""
+        save = flag_value(self.config.command[1:], "--save")
+        own = [Path(folder) for folder in (save, self.tiers and self.tiers.memory) if folder]
+        path, iteration = event.get("path"), event.get("iteration")
+        if not isinstance(path, str) or not isinstance(iteration, int):
+            return
+        if not any(same_folder(Path(path).parent, folder) for folder in own):
+            self._loaded_elsewhere = max(self._loaded_elsewhere or 0, iteration)
 
     def _warn_if_memory_tier_lost(self, held: list[Path]) -> None:
         """The newest checkpoint went to the memory tier, which now holds none (a node reboot
