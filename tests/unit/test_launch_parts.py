@@ -388,6 +388,27 @@ def test_a_supervisor_started_again_keeps_the_last_ones_drain_window(tmp_path, d
     assert supervisor.stragglers.drain_allowed(time.time()) is allowed
 
 
+def test_a_supervisor_started_again_injects_nothing_the_last_one_injected(tmp_path):
+    """Requeued on the same run directory with the same --inject: resumed past iteration 8,
+    the fail was due at once and killed GPU 1 again; the nan the last run reached is done too,
+    the one it never reached is still to come."""
+    from ftmaster.faults import parse_injection
+
+    fail, degrade = parse_injection("fail:gpu=1,at=iter:8"), parse_injection("degrade:gpu=2,at=5s")
+    reached_nan, later_nan = parse_injection("nan:gpu=0,at=iter:10"), parse_injection("nan:gpu=0,at=iter:40")
+    runfiles.append_event(tmp_path, "launch", attempt=1, gpus=[0, 1, 2, 3])
+    for injection in (fail, reached_nan, later_nan):
+        runfiles.append_event(tmp_path, "fault_injected", kind=injection.kind.value,
+                              gpu=injection.gpu, spec=str(injection),
+                              iteration=injection.at_iteration, armed=injection is not fail)
+    runfiles.append_event(tmp_path, "periodic_save", iteration=20, kind="periodic")
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None),
+                              injections=(fail, degrade, reached_nan, later_nan))
+    supervisor = Supervisor(config, StubMonitor(True))
+    assert supervisor.injector.pending == [degrade, later_nan]
+
+
 def test_of_two_stragglers_found_at_once_the_slower_is_weighed_and_the_other_said_kept(tmp_path):
     from ftmaster.monitor.stragglers import Straggler
     from ftmaster.stragglers import Found

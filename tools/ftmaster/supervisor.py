@@ -521,6 +521,7 @@ class Supervisor:
             self._retire({gpu: f"retired by the ftmaster before this one ({why})"
                           for gpu, why in carried.items()})
         self._carry_over_the_drain_window(events)
+        self._carry_over_the_injections(events)
         last = max(launches, key=lambda e: e["attempt"])
         if not any(e["event"] in END_EVENTS and e["time"] >= last["time"] for e in events):
             # Killed, maybe with its attempt failed: where its newest checkpoint went. A reboot
@@ -544,6 +545,23 @@ class Supervisor:
                         "at an unknown iteration" if iteration is None
                         else f"after iteration {iteration}", last["attempt"] + 1)
         return last["attempt"]
+
+    def _carry_over_the_injections(self, events: list[dict]) -> None:
+        """A fault the ftmaster before this one injected on this run directory (a requeue, a
+        restart) is not injected again: resumed past it, every ``at=iter:K`` was due at once,
+        a ``degrade`` alerted again and a ``fail`` killed its GPU a second time after a reboot.
+        One handed to an attempt (``nan``, ``slow`` at an iteration) counts once the run
+        got to its iteration."""
+        injected = [e for e in events if e["event"] == "fault_injected"]
+        reached = max((e["iteration"] for e in events if e["event"] != "fault_injected"
+                       and isinstance(e.get("iteration"), int)), default=None)
+        done = {e.get("spec") for e in injected if not e.get("armed")} | {
+            e.get("spec") for e in injected if e.get("armed") and reached is not None
+            and isinstance(e.get("iteration"), int) and e["iteration"] <= reached}
+        for injection in [i for i in self.injector.pending if str(i) in done]:
+            self.injector.pending.remove(injection)
+            log.info("--inject %s: injected by the ftmaster before this one on %s; not again",
+                     injection, self.run_dir)
 
     def _carry_over_the_drain_window(self, events: list[dict]) -> None:
         """A straggler the ftmaster before this one drained holds the window still: started
