@@ -144,6 +144,8 @@ class NvmlBackend(PerGpuBackend):
         self._names: dict[int, str] = {}
         self._driver = self._driver_version()
         self._drain = None  # an XID read that overran its deadline, until its codes are taken
+        self._xids_unsampled: dict[int, list[int]] = {}
+        """XID codes of GPUs that were not sampled when the set gave them (each once)."""
         self._events = self._open_event_set()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -346,6 +348,13 @@ class NvmlBackend(PerGpuBackend):
         samples = self._reads.read(self._read_gpu, now, set_up=self._handles)
         # After the reads: a GPU's first read registers it for events and names its handle.
         xids = self._read_xids()
+        # The set holds every registered GPU's codes: one not sampled now (a spare, a GPU left
+        # out for now) gets its own at its next sample, as evidence; they were thrown away
+        for gpu, codes in self._xids_unsampled.items():
+            xids[gpu] = codes + xids.get(gpu, [])
+        sampled = {sample.gpu_id for sample in samples}
+        self._xids_unsampled = {gpu: list(dict.fromkeys(codes)) for gpu, codes in xids.items()
+                                if gpu not in sampled}
         for sample in samples:
             sample.driver_version = self._driver
             sample.xid = worst_xid(xids.get(sample.gpu_id, ()))
