@@ -361,13 +361,12 @@ def test_the_rate_limit_paces_what_the_server_sends(tmp_path):
         server.close()
 
 
-def test_under_the_rate_limit_every_reader_gets_bytes_in_turn(tmp_path):
-    """A sender slept holding the limit's lock, a whole MiB at a time, and the lock is not
-    fair: of 16 readers of 1 MiB each at 4 MiB/s, with 2 s to get their bytes going,
-    some heard nothing in time."""
+def failed_reads_at_once(tmp_path, readers: int, file_bytes: int, rate_bytes_s: int) -> list[str]:
+    """What ``readers`` clients reading one file at once, with 2 s to get their bytes going,
+    heard fail from a server under that rate limit."""
     tier = tmp_path / "peer"
-    checkpoint(tier, sizes=(1 << 20,))
-    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=4 << 20))
+    checkpoint(tier, sizes=(file_bytes,))
+    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=rate_bytes_s))
     failed = []
 
     def read():
@@ -377,39 +376,26 @@ def test_under_the_rate_limit_every_reader_gets_bytes_in_turn(tmp_path):
             failed.append(str(error))
 
     try:
-        readers = [threading.Thread(target=read) for _ in range(16)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(60)
-        assert failed == []
+        threads = [threading.Thread(target=read) for _ in range(readers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
     finally:
         server.close()
+    return failed
+
+
+def test_under_the_rate_limit_every_reader_gets_bytes_in_turn(tmp_path):
+    """A sender slept holding the limit's lock, a whole MiB at a time, and the lock is not
+    fair: of 16 readers of 1 MiB each at 4 MiB/s, some heard nothing in time."""
+    assert failed_reads_at_once(tmp_path, 16, 1 << 20, 4 << 20) == []
 
 
 def test_at_a_low_rate_readers_at_once_still_hear_from_the_server_within_the_timeout(tmp_path):
     """Each step was 64 KiB whatever the rate: at 64 KiB/s (twice the least the timeout
     allows) four readers each waited about 4 s between their bytes, past a 2 s timeout."""
-    tier = tmp_path / "peer"
-    checkpoint(tier, sizes=(70 << 10,))
-    server = PeerServer(PeerServeConfig(tier, SECRET, rate_bytes_s=64 << 10))
-    failed = []
-
-    def read():
-        try:
-            PeerClient(server.url, SECRET, timeout_s=2).read("iter_0000006/__0_0.distcp")
-        except PeerError as error:
-            failed.append(str(error))
-
-    try:
-        readers = [threading.Thread(target=read) for _ in range(4)]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(60)
-        assert failed == []
-    finally:
-        server.close()
+    assert failed_reads_at_once(tmp_path, 4, 70 << 10, 64 << 10) == []
 
 
 def test_the_peer_list_is_written_afresh_for_the_user_alone(tmp_path):
