@@ -385,9 +385,9 @@ class Supervisor:
         self._checkpoint_looks = Worker("ftmaster-checkpoint-look")
         self._looks_unanswered_since: float | None = None
         self._evaluated: int | None = None
+        """The validation steps the last heartbeat said were done at its iteration."""
         self._loaded_elsewhere: int | None = None
         """The newest iteration this run loaded from outside its own tiers (its --load)."""
-        """The validation steps the last heartbeat said were done at its iteration."""
         self.attempts_before = self._take_over_previous_attempts()
         self._drain_gpu: int | None = None
         self._drain_since = 0.0
