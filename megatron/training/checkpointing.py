@@ -1056,9 +1056,6 @@ class Checkpointer:
         self.last_durable_iteration: int | None = None
         self.newest_disk_iteration: int | None = None
         """The newest complete checkpoint of this run's state in ``--save`` (saved or loaded)."""
-        self._loaded_in_save = True
-        """Whether the checkpoint resumed from is in its own tier's folder (not --load's
-        other folder)."""
         self._on_failed: Callable[[SaveFailure], None] | None = None
         self.structure = SaveStructure(self._new_save_strategy, self.group,
                                        args.ckpt_assume_constant_structure,
@@ -1229,7 +1226,8 @@ class Checkpointer:
         for candidate in found.candidates:
             problem = self._load_from(candidate.path, state, candidate.tier)
             if problem is None:
-                self._set_aside_newer(state.iteration, candidate.tier)
+                self._set_aside_newer(state.iteration, candidate.tier, self._in_own_folder(
+                    candidate.path, candidate.tier))
                 return True
             if isinstance(problem, PeerReadProblem):
                 raise PeerReadFailed(
@@ -1352,10 +1350,10 @@ class Checkpointer:
         self.last_saved_iteration = self.last_durable_iteration = state.iteration
         # A disk checkpoint of --load elsewhere is not --save's: the final save must write it
         # there (--train-iters at the loaded iteration: resharding into --save)
-        self._loaded_in_save = tier != "disk" or same_folder(path.parent, self.args.save)
-        self._last_saved_tier = tier if self._loaded_in_save else None
+        in_own_folder = self._in_own_folder(path, tier)
+        self._last_saved_tier = tier if in_own_folder else None
         self.last_bytes = size
-        if tier == "disk" and self._loaded_in_save:
+        if tier == "disk" and in_own_folder:
             self.newest_disk_iteration = state.iteration
         self.own_states.add(state.iteration, path, manifest.files if manifest else {})
 
@@ -1375,7 +1373,12 @@ class Checkpointer:
         if refusal is not None:
             raise CheckpointMismatch(refusal)
 
-    def _set_aside_newer(self, iteration: int, tier: str) -> None:
+    def _in_own_folder(self, path: Path, tier: str) -> bool:
+        """Whether a checkpoint resumed from is in its tier's own folder: the memory tier's,
+        or --save, not a --load elsewhere."""
+        return tier != "disk" or same_folder(path.parent, self.args.save)
+
+    def _set_aside_newer(self, iteration: int, tier: str, in_own_folder: bool) -> None:
         """Rank 0 (and each node's owner of a node-local memory tier): checkpoints above the
         one resumed from belong to a discarded timeline; a new save at the same iteration
         must not mix with their files, nor a later load pick them. They are renamed, not
@@ -1387,7 +1390,7 @@ class Checkpointer:
         there), and so is the refusal (:meth:`load`'s ``load_failed``)."""
         problem, moved = None, []
         try:
-            self._set_aside_newer_here(iteration, tier, moved)
+            self._set_aside_newer_here(iteration, tier, moved, in_own_folder)
         except OSError as error:
             problem = (
                 f"resuming from iteration {iteration}: the checkpoints newer than it cannot be "
@@ -1401,7 +1404,7 @@ class Checkpointer:
             raise CheckpointMismatch(problem)
 
     def _set_aside_newer_here(self, iteration: int, tier: str,
-                              moved: list[tuple[Path, Path | None]]) -> None:
+                              moved: list[tuple[Path, Path | None]], in_own_folder: bool) -> None:
         if _rank() == 0:
             # The disk tier's lock across both: a persist copy checks that its memory
             # checkpoint still stands and moves it into place under that lock.
@@ -1411,7 +1414,7 @@ class Checkpointer:
                         set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
                 if self.args.save:
                     set_aside_newer(Path(self.args.save), iteration,
-                                    tier == "disk" and self._loaded_in_save, moved)
+                                    tier == "disk" and in_own_folder, moved)
         elif _rank() == self.memory_owner:  # another node's own memory folder
             with tracker_lock(self.memory_dir):
                 set_aside_newer(self.memory_dir, iteration, tier == "memory", moved)
