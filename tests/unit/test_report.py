@@ -457,9 +457,18 @@ def test_a_page_rewritten_is_never_seen_torn_and_a_failed_rewrite_leaves_the_one
         raise OSError(28, "No space left on device")
     assert page.read_text() == "the page before" and os.listdir(tmp_path) == ["report.html"]
     (tmp_path / "linked.html").symlink_to(page)
+    page.chmod(0o640)
     with runfiles.open_output(tmp_path / "linked.html", errors="surrogateescape") as handle:
         handle.write("the new page")
     assert (tmp_path / "linked.html").is_symlink() and page.read_text() == "the new page"
+    assert page.stat().st_mode & 0o777 == 0o640  # its mode kept; a new one's by the umask:
+    before = os.umask(0o077)
+    try:
+        with runfiles.open_output(tmp_path / "private.json") as handle:
+            handle.write("{}")
+    finally:
+        os.umask(before)
+    assert (tmp_path / "private.json").stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.timeout(30)

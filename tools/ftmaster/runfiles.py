@@ -460,15 +460,24 @@ def open_output(path: Path, mode: str = "w", **text: Any) -> Iterator[IO]:
     try:
         kind = os.stat(path).st_mode
     except FileNotFoundError:
-        kind = stat.S_IFREG
+        kind = stat.S_IFREG | 0o666 & ~_umask()  # as open() would make it
     if stat.S_ISREG(kind):
-        with atomic_file(Path(os.path.realpath(path))) as raw:
+        with atomic_file(Path(os.path.realpath(path)), mode=stat.S_IMODE(kind)) as raw:
             handle = raw if "b" in mode else io.TextIOWrapper(raw, **text)
             yield handle
             handle.flush()
         return
     with _opened_as_it_is(path, mode, **text) as handle:
         yield handle
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
 
 
 def _opened_as_it_is(path: Path, mode: str, **text: Any) -> IO:
