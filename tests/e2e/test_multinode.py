@@ -91,9 +91,10 @@ def test_a_node_that_joins_after_the_first_round_trains_in_the_next_one(tmp_path
 
 
 def test_every_node_shows_the_error_of_its_own_ranks_when_it_gives_up(tmp_path):
-    """The trainer states an error every rank shares (here: a fresh start over a --save that
-    holds checkpoints) once per node, so node 1's give-up shows it too, not an empty root cause
-    (it used to come from global rank 0 alone, on node 0). It is no requeue's to cure."""
+    """The trainer states an error every rank shares (here: a tracker that names a folder that
+    is not there, never a fresh start) once per node, so node 1's give-up shows it too, not an
+    empty root cause (it used to come from global rank 0 alone, on node 0). It is no
+    requeue's to cure."""
     save = tmp_path / "ckpt"
     save.mkdir()
     (save / "latest_checkpointed_iteration.txt").write_text("5\n")
@@ -106,7 +107,8 @@ def test_every_node_shows_the_error_of_its_own_ranks_when_it_gives_up(tmp_path):
     for node_rank in (0, 1):
         output = nodes.output(node_rank)
         assert "root cause" in output, output[-3000:]
-        assert f"error: --save {save} already holds checkpoints" in output.split("root cause")[1], output[-3000:]
+        assert (f"error: no checkpoint in {save} can be loaded (the tracker names iteration 5, "
+                "whose folder is missing)") in output.split("root cause")[1], output[-3000:]
     assert codes == [93, 93]
     assert "do not requeue" in nodes.output(0) + nodes.output(1)
 
