@@ -96,11 +96,11 @@ def read_tracker_state(save_dir: Path) -> TrackerReading:
         return TrackerReading(None)
     except (OSError, UnicodeDecodeError) as error:
         return TrackerReading(None, f"{path} cannot be read ({error})")
+    text = text.strip()
     # ASCII digits alone, as Megatron-LM writes it: int() also took "1_0", "+30" and "٣٠"
-    iteration = int(text.strip()) if re.fullmatch(r"[0-9]{1,18}", text.strip()) else -1
-    if iteration < 0:
-        return TrackerReading(None, f"{path} holds {text.strip()[:40]!r}, not an iteration")
-    return TrackerReading(iteration)
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        return TrackerReading(None, f"{path} holds {text[:40]!r}, not an iteration")
+    return TrackerReading(int(text))
 
 
 def read_tracker(save_dir: Path) -> int | None:

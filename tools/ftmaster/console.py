@@ -10,7 +10,6 @@ anything; the supervisor reads the same events for its bookkeeping.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import re
 import statistics
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import iteration_dir
 
 log = logging.getLogger("ftmaster")
@@ -66,15 +66,8 @@ class FileTail:
 
 def new_events(tail: FileTail) -> list[dict[str, Any]]:
     """Events appended since the last call; a torn or foreign line is skipped."""
-    found = []
-    for line in tail.new_lines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # nested past the parser's depth: as runfiles'
-            continue
-        if isinstance(record, dict) and isinstance(record.get("event"), str):
-            found.append(record)
-    return found
+    return [record for record in runfiles.parse_events(tail.new_lines())
+            if isinstance(record["event"], str)]
 
 
 def duration(seconds: float) -> str:

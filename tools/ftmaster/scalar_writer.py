@@ -38,8 +38,7 @@ class GuardedWriter:
             if full_only and error.errno not in FULL:
                 raise
             writer = cls(None, what, say)
-            writer.stopped = True
-            say(f"{what} stop here: {type(error).__name__}: {error}")
+            writer._stop(error)
             return writer
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
@@ -58,5 +57,8 @@ class GuardedWriter:
         try:
             getattr(self.inner, method)(*args)
         except Exception as error:  # whatever the file system raised: the run goes on
-            self.stopped = True
-            self.say(f"{self.what} stop here: {type(error).__name__}: {error}")
+            self._stop(error)
+
+    def _stop(self, error: Exception) -> None:
+        self.stopped = True
+        self.say(f"{self.what} stop here: {type(error).__name__}: {error}")
