@@ -1666,3 +1666,29 @@ def test_a_look_at_a_save_folder_that_never_answers_is_a_hang_only_after_the_han
     monkeypatch.undo()
     assert time.monotonic() - started < 1.0
     answered.set()
+
+
+def test_the_end_of_the_run_says_it_waits_for_a_slow_persist_copy(tmp_path, monkeypatch, caplog):
+    """The run's end waits for the last copy to --save, with no limit (the memory tier is
+    the node's RAM): on a slow or hung mount ftmaster sat there without a word."""
+    import threading
+
+    from ftmaster import persist as persist_module
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.recovery.checkpoints import read_tracker
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 4)
+    released = threading.Event()
+    copy = persist_module.persist
+    monkeypatch.setattr(persist_module, "persist",
+                        lambda *args, **kwargs: released.wait(30) and copy(*args, **kwargs))
+    monkeypatch.setattr(supervisor_module, "PERSIST_WAIT_NOTICE_S", 0.2)
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    threading.Timer(0.5, released.set).start()
+    with caplog.at_level("WARNING", logger="ftmaster"):
+        supervisor._finish_persisting()
+    waits = [r.getMessage() for r in caplog.records if "still copying" in r.getMessage()]
+    assert waits and f"iteration 4 is on disk in {disk}" in waits[0]
+    assert read_tracker(disk) == 4

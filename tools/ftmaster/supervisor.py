@@ -131,6 +131,8 @@ PEER_FAILURE_GRACE_S = 2.0
 SHARED_CAUSES = ("usage", "nonfinite", "peer_read")
 SCALE_UP_POLICIES = ("now", "at-save")
 CHECKPOINT_LOOK_S = 5.0
+PERSIST_WAIT_NOTICE_S = 30.0
+"""At the run's end, how often the wait for the last persist copy says it is still waiting."""
 """How long a look at the checkpoint folders (is an idle attempt still writing a save?) may
 hold the supervisor up: on a file system that stopped answering it never returns
 (:meth:`Supervisor._seconds_since_checkpoint_write` says what no answer counts as)."""
@@ -994,10 +996,23 @@ class Supervisor:
         durable if the disk tier lacks it."""
         if self.persister is None:
             return
-        self.persister.wait()
+        self._await_persist_copy()
         self._persist_when_due(now=True)
-        self.persister.wait()
+        self._await_persist_copy()
         self._report_persisted()
+
+    def _await_persist_copy(self) -> None:
+        """Wait for the copy under way, saying every :data:`PERSIST_WAIT_NOTICE_S` why the
+        run has not ended: a slow or hung ``--save`` holds the end as long as the copy takes,
+        and a stop signal does not cut it short (the memory tier is the node's RAM)."""
+        waited = 0.0
+        while self.persister.busy:
+            self.persister.wait(PERSIST_WAIT_NOTICE_S)
+            if self.persister.busy:
+                waited += PERSIST_WAIT_NOTICE_S
+                log.warning("the run ends once the memory checkpoint of iteration %s is on "
+                            "disk in %s: still copying after %.0f s", self.persister.last_requested,
+                            self.persister.save_dir, waited)
 
     def _failure(self, cause: str, iteration: int | None, gpus: list[int], codes: dict,
                  first_local_rank: int | None = None,
