@@ -30,7 +30,9 @@ long, the save is given up as at its deadline (agreed alike), and training goes 
 with the saves behind it. A slow save that still writes is waited for, as the supervisor does.
 Only each node's first rank looks at the folder (its file system's metadata server would
 otherwise answer every rank), at most every few seconds and off the training thread (on a
-file system that stopped answering a look may never return: no answer counts as no write),
+file system that stopped answering a look may never return: no answer counts as a write when
+the looks stopped answering, as the supervisor counts it, so the silence ends the wait once it
+has lasted as long),
 and the save is given up only when no node's look saw a write (a node-local ``--save`` holds
 each node's own files).
 """
@@ -67,7 +69,7 @@ file's time either, and the supervisor waits the whole timeout for it."""
 LOOK_EVERY_S = 5.0
 """Least time between two looks at a save's folder during a long blocking wait."""
 LOOK_WAIT_S = 2.0
-"""How long a look may take before its answer counts as unknown (no write seen)."""
+"""How long a look may take before it counts as a write when the looks stopped answering."""
 
 Abandon = Callable[[object, str], None]
 """Told every save given up, with the reason (on every rank)."""
@@ -86,10 +88,14 @@ class _FolderLooks:
         self._worker = Worker("async-save-folder-look")
         self._looked_at = -math.inf
         self._answer: tuple[object, float | None] | None = None
+        self._unanswered_since: float | None = None
+        """Unix time since which the looks have had no answer in time."""
 
     def last_write(self, save) -> float | None:
-        """Unix time of the folder's last write; None when unknown (unreadable, or no
-        answer in time)."""
+        """Unix time of the folder's last write; None when unknown (unreadable). A look with
+        no answer in time counts as a write when the looks stopped answering: a parallel file
+        system loaded by the save's own writes lists its folder slowly, and a save still
+        writing was given up as idle; one that stopped answering still is, once that lasts."""
         answer = self._answer
         if answer is not None and answer[0] is save and \
                 time.perf_counter() - self._looked_at < LOOK_EVERY_S:
@@ -98,8 +104,12 @@ class _FolderLooks:
         try:
             self._answer = (save, self._worker.call(LOOK_WAIT_S, self._written_at, save))
         except CallTimeout:
-            self._answer = None
-        return None if self._answer is None else self._answer[1]
+            if self._unanswered_since is None:
+                self._unanswered_since = time.time()
+            self._answer = (save, self._unanswered_since)
+        else:
+            self._unanswered_since = None
+        return self._answer[1]
 
 
 @dataclass

@@ -211,9 +211,11 @@ def test_idle_writers_wait_for_the_deadline_unless_a_supervised_wait_blocks_trai
         assert waiting_clock.now >= 600.0 and "async save deadline of 600 s" in queue.reasons[0]
 
 
-def test_a_look_at_the_folder_that_never_answers_counts_as_no_write(waiting_clock, monkeypatch):
+def test_a_look_at_the_folder_that_never_answers_ends_the_wait_once_that_lasts(
+        waiting_clock, monkeypatch):
     """On a file system that stopped answering, a stat may never return: the look runs off
-    the training thread, and its silence is no write, so the wait still ends."""
+    the training thread, and its silence counts as a write when it began, so the wait
+    still ends, once the silence has lasted 75% of the hang timeout."""
     monkeypatch.setattr(async_saves, "LOOK_WAIT_S", 0.01)
     answered = threading.Event()
     queue = FakeQueue()
@@ -222,7 +224,27 @@ def test_a_look_at_the_folder_that_never_answers_counts_as_no_write(waiting_cloc
     saves.start("A", "A")
     saves.finalize(blocking=True)
     answered.set()
-    assert given_up == ["A"] and 225.0 <= waiting_clock.now < 226.0
+    assert given_up == ["A"] and 450.0 <= waiting_clock.now < 451.0
+
+
+def test_a_slow_look_at_a_save_still_writing_gives_nothing_up(waiting_clock, monkeypatch):
+    """A parallel file system loaded by the save's own writers lists its folder slowly: a
+    look that did not answer in time counted as no write since the wait began, and a save
+    that was writing all along was given up at 75% of the hang timeout."""
+    monkeypatch.setattr(async_saves, "LOOK_WAIT_S", 0.01)
+    looks = iter(range(1000))
+    queue = FakeQueue()
+
+    def written_at(save):
+        if next(looks) % 2 == 0:  # every other look answers too late (time.sleep is the clock's)
+            threading.Event().wait(0.05)
+        return waiting_clock.now - 5.0
+
+    saves, given_up = saves_over(queue, hang_timeout_s=300.0, written_at=written_at)
+    saves.start("A", "A")
+    waiting_clock.at[400.0] = lambda: queue.done.add("A")
+    saves.finalize(blocking=True)
+    assert given_up == [] and waiting_clock.now >= 400.0
 
 
 def test_a_rank_that_does_not_look_gives_nothing_up_on_its_own(waiting_clock):
