@@ -1307,6 +1307,27 @@ def test_a_ranks_fault_for_a_gpu_no_rank_trains_on_says_it_was_not_injected(tmp_
     assert f"not injected: {spec}: no rank trains on GPU 1" in caplog.messages
 
 
+
+@pytest.mark.parametrize("spec, lost, xids", [
+    ("fail:gpu=1,at=5s", {1}, {}), ("hang:gpu=1,at=5s", set(), {}),
+    ("xid:gpu=1,code=79,at=5s", set(), {1: 79})])
+def test_a_fault_due_while_waiting_signals_no_pid_of_the_killed_attempt(tmp_path, spec, lost,
+                                                                         xids):
+    """A fault that came due while the supervisor waited for GPUs was sent to the killed
+    attempt's rank pids (its guards, killed with their ranks, rarely record the ranks' end),
+    which may be other processes' by then."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    supervisor.monitor.pending_injections = []
+    supervisor.monitor.health = types.SimpleNamespace(unschedulable_xids={79})
+    supervisor.attempt = StoppedAttempt()
+    supervisor.attempt.gpus = (0, 1, 2, 3)
+    supervisor.attempt.pid_on_gpu = lambda gpu: pytest.fail("a killed attempt's pid was asked for")
+    supervisor.attempt.kill()
+    assert supervisor._apply(parse_injection(spec))
+    assert (supervisor.injected_lost, supervisor.injected_xids) == (lost, xids)
+
 # -- listener --------------------------------------------------------------------------------
 def test_move_request_moves_the_body_and_logs_the_request(tmp_path):
     assert move_request(tmp_path) is None

@@ -323,6 +323,12 @@ class Attempt:
             said = [*said[:3], f"... ({len(said) - 4} more error line(s) in the log)", said[-1]]
         return "\n".join(said) or None
 
+    @property
+    def killed(self) -> bool:
+        """Killed by :meth:`kill`: no rank is left, and its records' pids may be other
+        processes' (its guards, killed with their ranks, rarely write their ends)."""
+        return self._killed
+
     def pid_on_gpu(self, gpu: int) -> int | None:
         """The training process bound to ``gpu``, or None when it is not (yet) known."""
         if gpu not in self.gpus:

@@ -586,7 +586,9 @@ class Supervisor:
         if gpu in self.retired and kind is not Fault.RECOVER:
             log.warning("not injected: %s: GPU %d is retired (%s)", injection, gpu, self.retired[gpu])
             return True
-        on_attempt = self.attempt is not None and gpu in self.attempt.gpus
+        # A killed attempt (a fault due while waiting for GPUs) has no rank left to take it.
+        on_attempt = self.attempt is not None and gpu in self.attempt.gpus and \
+            not self.attempt.killed
         if kind in (Fault.HANG, Fault.SLOW) and not on_attempt:  # a rank's fault: none to take it
             log.warning("not injected: %s: no rank trains on GPU %d", injection, gpu)
             return True
