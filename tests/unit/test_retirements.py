@@ -54,3 +54,23 @@ def failure(time, *unfit):
 ])
 def test_a_failures_unfit_gpus_not_yet_planned_without_carry_over(events, expected):
     assert carried_over(events, BOOT, gpus=[0, 1, 2, 3]) == expected
+
+
+def launch(boot):
+    return {"event": "launch", "time": 1.0, **({} if boot is None else {"boot": boot})}
+
+
+@pytest.mark.parametrize("events, expected", [
+    # killed while waiting for GPUs after its first attempt, launched without a plan: the
+    # next supervisor trained on GPU 2 again
+    ([launch(BOOT), failure(2.0, (2, "xid_74"))], {2: "xid_74"}),
+    ([launch("another-boot"), failure(2.0, (2, "xid_74"))], {}),  # rebooted since
+    ([plan(BOOT, (1, "hang")), launch("another-boot"), failure(2.0, (2, "xid_74"))], {}),
+    # an older ftmaster's launch records no boot: its plan's still counts
+    ([plan(BOOT, (1, "hang")), launch(None), failure(2.0, (2, "xid_74"))],
+     {1: "hang", 2: "xid_74"}),
+    ([launch(BOOT), failure(1.0, (1, "lost")), plan(BOOT, (1, "lost")), launch(BOOT),
+      failure(2.0, (2, "hang"))], {1: "lost", 2: "hang"}),
+])
+def test_the_failures_of_a_first_attempt_launched_without_a_plan_carry_over(events, expected):
+    assert carried_over(events, BOOT, gpus=[0, 1, 2, 3]) == expected

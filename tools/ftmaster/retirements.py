@@ -6,11 +6,12 @@ themselves: the monitor sees a GPU that fell off the bus again, but not a stragg
 for its speed, a GPU drained on a risk alert, or one whose rank hung. So the supervisor
 started again retires them anew, and plans before its first launch.
 
-Only within the same boot of the same machine, which each ``plan`` event records (``boot``,
-the kernel's boot id): a GPU index names the same GPU only there (``launch`` orders GPUs by
-PCI bus), and a reboot resets the GPUs that a retirement was about. A plan event from
-another boot, or with no boot (an older ftmaster), carries nothing over: the GPUs are tried
-again, and the monitor and the supervisor retire them anew if they fail again.
+Only within the same boot of the same machine, which each ``plan`` and ``launch`` event
+records (``boot``, the kernel's boot id): a GPU index names the same GPU only there
+(``launch`` orders GPUs by PCI bus), and a reboot resets the GPUs that a retirement was
+about. A plan or launch event from another boot, or a plan with no boot (an older ftmaster),
+carries nothing from before it over: the GPUs are tried again, and the monitor and the
+supervisor retire them anew if they fail again.
 """
 
 from __future__ import annotations
@@ -30,20 +31,37 @@ def boot_id(path: Path = BOOT_ID_PATH) -> str | None:
 
 
 def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int]) -> dict[int, str]:
-    """The retirements of the last ``plan`` event among ``events`` and the unfit GPUs of the
-    failures after it (a supervisor that ended before its next plan: a store lost mid-round,
-    a kill), GPU -> why, when that plan was recorded in ``boot``; only those of ``gpus`` (the
-    GPUs this supervisor was given). Such a failure is that plan's supervisor's: a failure
-    with unfit GPUs follows a launch, and a launch its supervisor's plan."""
-    plans = [at for at, e in enumerate(events) if e.get("event") == "plan"]
-    if boot is None or not plans or events[plans[-1]].get("boot") != boot:
+    """The retirements of the last ``plan`` event of this ``boot`` among ``events`` and the
+    unfit GPUs of the failures after it (a supervisor that ended before its next plan: a
+    store lost mid-round, a kill), GPU -> why; only those of ``gpus`` (the GPUs this
+    supervisor was given). With no plan in this boot yet (a first attempt launched without
+    one), the failures since its first launch. Such a failure is that plan's supervisor's: a
+    failure with unfit GPUs follows a launch, and a launch its supervisor's plan."""
+    if boot is None:
         return {}
-    last = events[plans[-1]]
-    failures = [e for e in events[plans[-1] + 1:] if e.get("event") == "failure"]
+    stretch = _this_boot(events, boot)
+    plans = [at for at, e in enumerate(stretch) if e.get("event") == "plan"]
+    if not plans and not any(e.get("event") == "launch" for e in stretch):
+        return {}
+    since = plans[-1] if plans else 0
+    listed = [stretch[since].get("gpus_retired")] if plans else []
+    listed += [e.get("unfit_gpus") for e in stretch[since:] if e.get("event") == "failure"]
     found: dict[int, str] = {}
-    for listed in (last.get("gpus_retired"), *(e.get("unfit_gpus") for e in failures)):
-        found.update(_listed_gpus(listed, gpus))
+    for entries in listed:
+        found.update(_listed_gpus(entries, gpus))
     return found
+
+
+def _this_boot(events: Sequence[dict], boot: str) -> Sequence[dict]:
+    """The events after the last plan or launch recorded in another boot, or a plan recorded
+    in none (an older ftmaster, whose launches record none either)."""
+    start = 0
+    for at, event in enumerate(events):
+        kind, recorded = event.get("event"), event.get("boot")
+        if (kind == "plan" and recorded != boot) or \
+                (kind == "launch" and recorded is not None and recorded != boot):
+            start = at + 1
+    return events[start:]
 
 
 def _listed_gpus(listed: object, gpus: Sequence[int]) -> dict[int, str]:

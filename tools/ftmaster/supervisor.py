@@ -1118,6 +1118,7 @@ class Supervisor:
         self.progress.last_checkpoint = self._last_checkpoint
         # Timed when the launch began: waiting for warm workers still importing is part of it.
         self._event("launch", time=self.attempt.started_at, attempt=number, gpus=list(gpus),
+                    boot=boot_id(),
                     tensor_model_parallel_size=plan.tensor_model_parallel_size,
                     pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                     data_parallel_size=plan.data_parallel_size, command=self.attempt.argv)
