@@ -7,7 +7,10 @@
 # of that pass (2 cores: 874-876 s on 2 workers, 793-804 s on 3, 2026-12-05). tests/e2e and
 # tests/gpu (and the warm workers' tests) then run in one process: each launch keeps every core
 # busy, and their rehearsals time training against the monitor's interval and the supervisor's
-# deadlines. The exit status is the first failing pass's.
+# deadlines. tests/gpu runs last, on its own. The exit status is the first failing pass's.
+# Every test but tests/gpu's runs with CUDA_VISIBLE_DEVICES="": they are CPU and gloo runs, and
+# on a GPU host the ranks they start would take the real GPUs (NCCL, CUDA's defaults, two
+# rehearsed "nodes" on the same devices, several test workers sharing them).
 # With arguments it is pytest with those arguments, in one process.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,7 +33,9 @@ esac
 idle_only=tests/integration/test_warm_workers.py
 status=0
 # loadfile: a file's tests share one worker, so a module-scoped fixture (a reference run) runs once
-"$py" -m pytest -n "$workers" --dist loadfile --ignore="$idle_only" tests/unit tests/integration \
+on_cpu=(env CUDA_VISIBLE_DEVICES= "$py" -m pytest)
+"${on_cpu[@]}" -n "$workers" --dist loadfile --ignore="$idle_only" tests/unit tests/integration \
     || status=$?
-"$py" -m pytest "$idle_only" tests/e2e tests/gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+"${on_cpu[@]}" "$idle_only" tests/e2e || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+"$py" -m pytest tests/gpu || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"
