@@ -14,7 +14,8 @@ from helpers.trainer import (SMALL_GPT, TINY_LLAMA, assert_follows, from_iterati
 pytestmark = pytest.mark.gpu
 
 BF16_LLAMA = TINY_LLAMA + ["--bf16"]
-PLAIN_OPTIMIZER = [a for a in BF16_LLAMA if a != "--use-distributed-optimizer"]
+PLAIN_OPTIMIZER = [a for a in BF16_LLAMA if a != "--use-distributed-optimizer"] + [
+    "--no-use-distributed-optimizer"]  # on CUDA it is on by default, as Megatron-LM users run
 
 
 @needs_gpus(1)
@@ -53,7 +54,10 @@ def test_distributed_optimizer_state_reshards_from_tp2_on_two_gpus(tmp_path):
 
 @needs_gpus(2)
 def test_overlapped_grad_reduce_and_param_gather_follow_the_plain_run(tmp_path):
-    plain = train(2, BF16_LLAMA + layout_args(1, 1), tmp_path / "plain")
+    # Both overlaps are on by default with the distributed optimizer on CUDA: off for the plain run
+    plain = train(2, BF16_LLAMA + layout_args(1, 1) + ["--no-overlap-grad-reduce",
+                                                       "--no-overlap-param-gather"],
+                  tmp_path / "plain")
     overlapped = train(2, BF16_LLAMA + layout_args(1, 1) + ["--overlap-grad-reduce",
                                                             "--overlap-param-gather"],
                        tmp_path / "overlapped")

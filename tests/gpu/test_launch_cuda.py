@@ -10,7 +10,7 @@ import pytest
 
 from ftmaster import runfiles
 from ftmaster.recovery.checkpoints import read_tracker
-from helpers.gpu import gpu_count, needs_driver, needs_gpus
+from helpers.gpu import gpu_count, job_gpu, needs_driver, needs_gpus
 from helpers.launch import attempt_log, events, start_launch, train_args
 from helpers.trainer import wait_until, worker_with_local_rank
 
@@ -64,7 +64,7 @@ def test_replica_recovery_on_gpus_merges_the_survivors_state(tmp_path, layout, e
                       "global", "--non-persistent-global-ckpt-dir", str(tmp_path / "memory"),
                       "--replica-recovery", global_batch=global_batch)
     ftmaster = start_launch(run_dir, 4, args, "--monitor-backend", "nvml", "--monitor-interval",
-                            "1", "--inject", "fail:gpu=1,at=iter:16")
+                            "1", "--inject", f"fail:gpu={job_gpu(1, 4)},at=iter:16")
     try:
         output, _ = ftmaster.communicate(timeout=900)
     finally:
@@ -85,7 +85,7 @@ def test_warm_workers_relaunch_on_gpus_named_by_uuid_and_ftmaster_never_touches_
     nproc = min(gpu_count(), 4)
     ftmaster = start_launch(run_dir, nproc, train_args(save, 30, 1, 1, 5, "--bf16"),
                             "--monitor-backend", "nvml", "--monitor-interval", "1",
-                            "--inject", "fail:gpu=1,at=iter:12")
+                            "--inject", f"fail:gpu={job_gpu(1, nproc)},at=iter:12")
     try:
         wait_until(lambda: events(run_dir, "startup"), timeout=600, interval=0.2,
                    what="the first attempt's first iteration")

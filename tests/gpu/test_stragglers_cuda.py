@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ftmaster.monitor.stragglers import StragglerConfig
-from helpers.gpu import needs_gpus
+from helpers.gpu import job_gpu, needs_gpus
 from helpers.launch import events, run_launch, train_args
 from megatron.training.step_timing import ComputeTimer
 
@@ -78,10 +78,11 @@ def test_the_compute_so_far_waits_for_the_device():
 def test_a_gpu_slowed_2x_is_named_a_straggler(tmp_path):
     run_dir = tmp_path / "run"
     args = train_args(tmp_path / "ckpt", 40, 1, 1, 1000, "--bf16", global_batch=24)
-    result = run_launch(run_dir, 4, args, "--inject", "slow:gpu=1,factor=2,at=iter:8",
+    slowed = job_gpu(1, 4)
+    result = run_launch(run_dir, 4, args, "--inject", f"slow:gpu={slowed},factor=2,at=iter:8",
                         timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:]
     (found,) = events(run_dir, "straggler")
-    assert (found["gpu"], found["iteration"] <= 14) == (1, True)
+    assert (found["gpu"], found["iteration"] <= 14) == (slowed, True)
     assert found["slowdown"] >= StragglerConfig().ratio
-    assert "straggler: GPU 1 computes" in result.stdout
+    assert f"straggler: GPU {slowed} computes" in result.stdout
