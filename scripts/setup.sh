@@ -21,8 +21,18 @@ pick_python() {
     fi
 }
 
+# Debian's venv links bin/python before ensurepip fails (no python3-venv), and leaves the rest
+if [ -x .venv/bin/python ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    echo "setup: .venv has no pip (its creation failed halfway): making it again" >&2
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
     python="$(pick_python)"
+    if ! "$python" -c 'import ensurepip' >/dev/null 2>&1; then
+        echo "setup: $python cannot make a virtual environment with pip (no ensurepip):" \
+             "install python3-venv (apt install python3-venv) or set FTMASTER_PYTHON" >&2
+        exit 1
+    fi
     echo "setup: creating .venv with $python ($("$python" -c 'import sys; print(sys.version.split()[0])'))" >&2
     "$python" -m venv .venv
 fi
@@ -34,7 +44,10 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 
 stamp=.venv/.ftmaster-setup-stamp
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ megatron/training/stream_copy.c -nt "$stamp" ]; then
+# The refill's C loop is built when a compiler is there: one installed since builds it then
+built() { compgen -G "megatron/training/_stream_copy*.so" >/dev/null; }
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ megatron/training/stream_copy.c -nt "$stamp" ] \
+        || { command -v cc >/dev/null && ! built; }; then
     echo "setup: installing ftmaster and its dependencies" >&2
     "$py" -m pip install --quiet -e ".[test,tensorboard]"
     touch "$stamp"
