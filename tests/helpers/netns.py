@@ -35,6 +35,11 @@ def can_make_hosts() -> str | None:
     for tool in ("ip", "nsenter"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
+    probe = f"ftm-probe-{os.getpid()}"  # a container's root often lacks CAP_SYS_ADMIN
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return None
 
 
