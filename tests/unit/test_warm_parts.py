@@ -94,7 +94,7 @@ def test_a_launch_waiting_for_workers_still_importing_ends_its_wait_on_a_stop(tm
     starter.pool, starter.run_id = warm.WarmPool.__new__(warm.WarmPool), "run"
     pool = starter.pool
     pool.size, pool.workers, pool.deaths_before_ready, pool.cancelled = 2, [], 0, None
-    pool.unclean = False
+    pool.unclean, pool.spawn_failure = False, None
     stop = threading.Event()
     starter.stop_waiting_on(stop)
     threading.Timer(0.3, stop.set).start()
@@ -209,3 +209,76 @@ def test_a_worker_imports_with_torch_asking_nvml_and_says_when_the_cuda_driver_i
     assert not warm._cuda_driver_loaded(maps)
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcuda.so.570.1\n")
     assert warm._cuda_driver_loaded(maps)
+
+
+def test_what_a_killed_worker_started_ends_on_its_death_signal_before_its_session_is_killed(
+        tmp_path):
+    """An async save's results server (a multiprocessing manager in the worker's session)
+    removes its /tmp/pymp-* folder on the SIGTERM its parent's death sends it: the session's
+    SIGKILL reached it first, and every kill of a warm rank left a folder behind."""
+    cleaned = tmp_path / "cleaned"
+    child = (
+        "import ctypes, signal, sys, time\n"
+        "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (open({str(cleaned)!r}, 'w').close(), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    parent = ("import subprocess, sys, time\n"
+              f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE)\n"
+              "child.stdout.readline()\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    worker = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE,
+                              start_new_session=True, text=True)
+    assert worker.stdout.readline() == "ready\n"
+    kill_sessions([WarmWorker(worker)])
+    assert cleaned.exists()
+    assert not warm._session_members({worker.pid})
+
+
+def test_a_take_whose_refill_cannot_start_a_worker_still_hands_out_the_set(tmp_path, caplog):
+    """The refill after a take could not start a new worker (a pids limit, ENOMEM): the
+    error went out of the take with the taken workers out of the pool and alive, holding
+    torch until ftmaster exited, and gave the run up. Now the set is handed out, the failure
+    said once, and a take the pool cannot serve returns at once (a launch then starts cold)."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
+                           "\"cuda_initialized\": false, \"process_group\": false}'\n"
+                           "exec sleep 60\n")
+    fake_python.chmod(0o755)
+    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    taken = []
+    try:
+        deadline = time.monotonic() + 10
+        while not pool.workers[0].usable and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pool.python = str(tmp_path / "gone")
+        with caplog.at_level("WARNING", logger="ftmaster"):
+            taken = pool.take(1, timeout_s=10) or []
+            started = time.monotonic()
+            assert pool.take(1, timeout_s=10) is None
+        assert len(taken) == 1 and taken[0].alive
+        assert time.monotonic() - started < 2
+        assert caplog.text.count("a new one could not be started") == 1
+    finally:
+        pool.close()
+        kill_sessions(taken)
+
+
+def test_a_worker_given_its_rank_leaves_sched_idle_in_every_thread():
+    """The scheduling policy is a thread's: only the worker's main thread left SCHED_IDLE,
+    and the threads it had started (an async save's results server's among them) kept it."""
+    script = (
+        "import os, threading\n"
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "started = threading.Event(); release = threading.Event()\n"
+        "def wait(): started.set(); release.wait()\n"
+        "thread = threading.Thread(target=wait); thread.start(); started.wait()\n"
+        "assert os.sched_getscheduler(thread.native_id) == os.SCHED_IDLE\n"
+        "from ftmaster.warm import _leave_idle_scheduling\n"
+        "_leave_idle_scheduling()\n"
+        "print(os.sched_getscheduler(0) == os.SCHED_OTHER,\n"
+        "      os.sched_getscheduler(thread.native_id) == os.SCHED_OTHER)\n"
+        "release.set()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]

@@ -70,6 +70,9 @@ driver with ftmaster's ``CUDA_VISIBLE_DEVICES`` (see :func:`_cuda_driver_loaded`
 NVML instead with this set."""
 READY_TIMEOUT_S = 120.0
 """How long a launch waits for a set still importing before it starts cold instead."""
+SESSION_GRACE_S = 1.0
+"""How long what a killed worker started may take to end on its death signal before it is
+killed too."""
 MAX_DEATHS_BEFORE_READY = 3
 """Workers that may die before their ready line, with no full set ready in between, until the
 pool gives up on warm starts."""
@@ -193,6 +196,20 @@ def _compile_deferred() -> contextlib.AbstractContextManager:
     return compile_at_first_call()
 
 
+def _leave_idle_scheduling() -> None:
+    """SCHED_OTHER for every thread of this worker and of what WARM_UP started: the policy is
+    a thread's, and the threads started while waiting (torch's, an async save's results
+    server's, and the ones those start later for each save) stayed at SCHED_IDLE's weight."""
+    import psutil
+
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            for thread in process.threads():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setscheduler(thread.id, os.SCHED_OTHER, os.sched_param(0))
+
+
 def _take_assignment(assignment: dict, idle: bool) -> None:
     """Become the rank: its environment, folder, output, priority and argv."""
     os.environ.clear()
@@ -200,10 +217,8 @@ def _take_assignment(assignment: dict, idle: bool) -> None:
     os.environ[runfiles.ASSIGNED_AT_ENV] = repr(time.time())
     os.chdir(assignment["cwd"])
     restored = set_session_nice(os.getpid(), 0)
-    if idle:  # the worker and what WARM_UP started
-        import psutil
-        for pid in [0, *(child.pid for child in psutil.Process().children(recursive=True))]:
-            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    if idle:
+        _leave_idle_scheduling()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and "torch" in sys.modules:  # OpenMP read it at import: too early
         sys.modules["torch"].set_num_threads(int(threads))
@@ -350,6 +365,8 @@ class WarmPool:
         """Workers were ready holding CUDA or a process group: no more are started."""
         self.cancelled: threading.Event | None = None
         """Set (ftmaster's stop request): a :meth:`take` waiting for a set ends at once."""
+        self.spawn_failure: str | None = None
+        """Why the last worker the pool tried to start could not be (None: it started)."""
         self.fill()
 
     @property
@@ -379,7 +396,15 @@ class WarmPool:
         if self.broken:
             return
         while len(self.workers) < self.size:
-            worker = self._spawn()
+            try:
+                worker = self._spawn()
+            except OSError as error:  # a pids limit, no memory, a run directory gone read-only
+                if self.spawn_failure is None:
+                    log.warning("warm workers: a new one could not be started (%s); launches "
+                                "take those at hand, or start cold", error)
+                self.spawn_failure = str(error)
+                return
+            self.spawn_failure = None
             with self._lock:
                 self.workers.append(worker)
 
@@ -449,7 +474,8 @@ class WarmPool:
                     worker.process.stdout.close()  # its ready line is read; it writes no more
                 self.fill()
                 return taken
-            if self.broken or time.monotonic() >= deadline or self.stop_waiting:
+            short = self.spawn_failure is not None and len(self.workers) < count
+            if self.broken or short or time.monotonic() >= deadline or self.stop_waiting:
                 self.fill()
                 return None
             self._hurry()
@@ -465,22 +491,43 @@ class WarmPool:
         self.workers = []
 
 
-def kill_sessions(workers: Sequence[WarmWorker], reap_s: float = 2.0) -> None:
-    """SIGKILL each worker's session (what it started too) and reap the workers that end
-    within ``reap_s``. A rank stuck in the driver (uninterruptible sleep) outlives SIGKILL: a
-    wait without a deadline hung the supervisor, and :meth:`Attempt.kill` decides what such
-    a survivor means (its GPU retired)."""
+def kill_sessions(workers: Sequence[WarmWorker], reap_s: float = 2.0,
+                  grace_s: float = SESSION_GRACE_S) -> None:
+    """SIGKILL each worker, then what it started (its session), and reap the workers that
+    end within ``reap_s``. A rank stuck in the driver (uninterruptible sleep) outlives
+    SIGKILL: a wait without a deadline hung the supervisor, and :meth:`Attempt.kill` decides
+    what such a survivor means (its GPU retired).
+
+    The worker goes first, and its session gets ``grace_s`` to follow it on the death
+    signals it was given: an async save's results server ends on its SIGTERM and removes its
+    ``/tmp/pymp-*`` folder, which a SIGKILL to the whole session left behind at every kill."""
     for worker in workers:
-        try:
-            os.killpg(worker.process.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.kill(worker.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + reap_s
     for worker in workers:
         try:
             worker.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    sessions = {worker.process.pid for worker in workers}
+    ends = time.monotonic() + grace_s
+    while _session_members(sessions) and time.monotonic() < ends:
+        time.sleep(0.02)
+    for session in sessions:
+        with contextlib.suppress(OSError):
+            os.killpg(session, signal.SIGKILL)
+
+
+def _session_members(sessions: set[int]) -> bool:
+    """Whether a process of one of ``sessions`` is still there (zombies are gone already)."""
+    import psutil
+
+    for process in psutil.process_iter(["status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(process.pid) in sessions:
+                return True
+    return False
 
 
 # ---- one attempt on warm workers --------------------------------------------------------------
