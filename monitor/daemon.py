@@ -221,6 +221,8 @@ class Monitor:
         self._unwritten_request: dict | None = None
         """A save request whose flag could not be written: tried again at every sample (the
         policy disarmed its GPU, which would not ask again)."""
+        self._asked: dict[int, tuple[float, dict]] = {}
+        """GPU -> when (in the samples' clock) its last save request was written, and its body."""
         self._lock = threading.Lock()
         self._known: set[int] = set()
         self._lost: dict[int, str] = {}  # lost GPU -> why
@@ -364,6 +366,7 @@ class Monitor:
             self._request_save(self._unwritten_request)
         for alert in alerts:  # first: the policy has disarmed their GPUs, a failed write below
             self._announce(alert)  # must not cost the checkpoint they ask for
+        self._ask_again_while_critical(samples)
         if self._writer is not None:
             self._outage.write(self._writer.path, lambda: self._writer.write(samples))
         if samples and not self._coverage_checked:
@@ -495,9 +498,34 @@ class Monitor:
                     "timestamp": iso_time(alert.time)}
             if DEVICE_LOST not in alert.reasons:  # a lost GPU's rank can take part in no save
                 self._request_save(body)
+                self._asked[alert.gpu] = (alert.time, body)
             self._outage.append_event(self.run_dir, "risk_alert", **body)
         if self.on_alert is not None:
             self.on_alert(alert)
+
+    def _ask_again_while_critical(self, samples: list[GpuSample]) -> None:
+        """A GPU still critical since its alert asks again for a save, once per ``cooldown_s``,
+        when no request is pending. The policy alerts once until the GPU re-arms, and its
+        request can be gone unanswered: a failed save consumes it, a relaunch clears it."""
+        if self.run_dir is None or self._unwritten_request is not None:
+            return
+        cooldown = self.policy.config.cooldown_s
+        for sample in samples:
+            gpu, now = sample.gpu_id, sample.timestamp
+            asked = self._asked.get(gpu)
+            if asked is None or not self.policy.still_alerting(gpu) or gpu in self._lost or \
+                    0 <= now - asked[0] < cooldown or self._request_pending():
+                continue
+            body = {**asked[1], "score": sample.failure_risk, "timestamp": iso_time(now)}
+            log.warning("GPU %d is still critical (score %.2f): asking again for a save",
+                        gpu, sample.failure_risk)
+            self._request_save(body)
+            self._asked[gpu] = (now, body)
+
+    def _request_pending(self) -> bool:
+        """Whether a save request waits to be moved to training, or to be answered."""
+        return any(path(self.run_dir).exists()
+                   for path in (runfiles.trigger_flag_path, runfiles.save_now_flag_path))
 
     def _request_save(self, body: dict) -> None:
         flag = runfiles.trigger_flag_path(self.run_dir)

@@ -555,3 +555,27 @@ def test_a_sim_clock_stepped_back_past_the_start_reads_no_negative_power():
     finally:
         backend.close()
     assert all(s.power_draw > 0 and s.gpu_utilization >= 0 for s in samples)
+
+
+def test_a_gpu_still_critical_asks_again_once_its_request_is_gone(tmp_path, caplog):
+    """Alerts come once until the GPU re-arms: when its request went unanswered (a failed
+    save consumes it, a relaunch clears it), a GPU that stayed critical never asked again."""
+    from ftmaster.monitor.alerts import AlertConfig
+
+    backend = SimBackend(num_gpus=4, seed=0, clock=Clock(1.0))
+    monitor = Monitor(backend, tmp_path, injections=[parse_injection("degrade:gpu=2,at=1s")],
+                      seed=0, alert_config=AlertConfig(cooldown_s=20.0))
+    flag = runfiles.trigger_flag_path(tmp_path)
+    run(monitor, 8)
+    assert [a.gpu for a in monitor.alerts] == [2] and flag.exists()
+    flag.unlink()  # consumed by a save that failed
+    run(monitor, 5)
+    assert not flag.exists()  # within the cooldown
+    run(monitor, 20)
+    assert runfiles.read_flag(flag)["gpu"] == 2
+    assert [a.gpu for a in monitor.alerts] == [2]  # a request, not a new alert
+    assert "GPU 2 is still critical" in caplog.text
+    runfiles.save_now_flag_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
+    flag.rename(runfiles.save_now_flag_path(tmp_path))  # moved to training, not yet answered
+    run(monitor, 40)
+    assert not flag.exists()
