@@ -190,6 +190,24 @@ class MetricsWriter:
         os.close(self._fd)
 
 
+ALERTING_CONDITIONS = ("row_remap_failure",)
+"""Driver conditions that alert on a GPU still sampled: it trains on and needs replacing. A
+reset required is evidence for the supervisor only: its GPU's reads fail, its rank with them,
+and it would alert at every start."""
+
+
+def with_conditions(assessment: Assessment, conditions: tuple[str, ...]) -> Assessment:
+    """A sampled GPU's assessment with the driver's :data:`ALERTING_CONDITIONS` on it as hard
+    reasons at full risk: the sample's fields cannot hold them, and the scorer, which reads
+    only those, never alerted on a GPU the driver says needs replacing."""
+    alerting = tuple(name for name in conditions if name in ALERTING_CONDITIONS)
+    if not alerting:
+        return assessment
+    kept = () if assessment.unknown else assessment.reasons
+    return Assessment(1.0, tuple(dict.fromkeys((*kept, *alerting))),
+                      tuple(dict.fromkeys((*assessment.hard_reasons, *alerting))))
+
+
 class Monitor:
     """Watches one backend's GPUs; see the module docstring for what it writes.
 
@@ -355,7 +373,8 @@ class Monitor:
             assessments = self.scorer.update(samples)
             alerts = []
             for sample in samples:
-                assessment = assessments[sample.gpu_id]
+                assessment = with_conditions(assessments[sample.gpu_id],
+                                             conditions.get(sample.gpu_id, ()))
                 sample.failure_risk = assessment.score
                 alerts += self._decide(sample.gpu_id, sample.timestamp, assessment)
             for gpu in newly_lost:

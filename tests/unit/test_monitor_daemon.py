@@ -579,3 +579,14 @@ def test_a_gpu_still_critical_asks_again_once_its_request_is_gone(tmp_path, capl
     flag.rename(runfiles.save_now_flag_path(tmp_path))  # moved to training, not yet answered
     run(monitor, 40)
     assert not flag.exists()
+
+
+def test_a_failed_row_remap_on_a_gpu_still_sampled_alerts_once_and_asks_for_a_save(tmp_path):
+    """The driver's conditions went into the evidence only, and alerts come from the samples'
+    fields: a GPU the driver says needs replacing trained on with no alert and no save."""
+    monitor = Monitor(ScriptedBackend([([0, 1], {})] + [([0, 1], {1: ("row_remap_failure",)})] * 3),
+                      tmp_path)
+    run(monitor, 4)
+    assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(1, ("row_remap_failure",))]
+    assert runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))["gpu"] == 1
+    assert monitor.unschedulable_gpus() == {1: "row_remap_failure"}
