@@ -396,17 +396,23 @@ class WarmPool:
         if self.broken:
             return
         while len(self.workers) < self.size:
-            try:
-                worker = self._spawn()
-            except OSError as error:  # a pids limit, no memory, a run directory gone read-only
-                if self.spawn_failure is None:
-                    log.warning("warm workers: a new one could not be started (%s); launches "
-                                "take those at hand, or start cold", error)
-                self.spawn_failure = str(error)
-                return
-            self.spawn_failure = None
+            worker = self._spawn()
             with self._lock:
                 self.workers.append(worker)
+
+    def _refill(self) -> None:
+        """:meth:`fill` within a take: a worker that cannot be started (a pids limit, no
+        memory, a run directory gone read-only) is said once, and the take goes on with the
+        workers at hand (a launch then starts cold)."""
+        try:
+            self.fill()
+        except OSError as error:
+            if self.spawn_failure is None:
+                log.warning("warm workers: a new one could not be started (%s); launches take "
+                            "those at hand, or start cold", error)
+            self.spawn_failure = str(error)
+        else:
+            self.spawn_failure = None
 
     def _end_stopped(self) -> None:
         """Stopped workers are ended and replaced: one that is never continued would hold
@@ -463,7 +469,7 @@ class WarmPool:
             return None
         deadline = time.monotonic() + timeout_s
         while True:
-            self.fill()
+            self._refill()
             usable = [w for w in self.workers if w.usable]
             if len(usable) >= count:
                 taken = usable[:count]
@@ -472,11 +478,11 @@ class WarmPool:
                 for worker in taken:
                     self.workers.remove(worker)
                     worker.process.stdout.close()  # its ready line is read; it writes no more
-                self.fill()
+                self._refill()
                 return taken
             short = self.spawn_failure is not None and len(self.workers) < count
             if self.broken or short or time.monotonic() >= deadline or self.stop_waiting:
-                self.fill()
+                self._refill()
                 return None
             self._hurry()
             time.sleep(0.02)
