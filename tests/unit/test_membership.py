@@ -132,13 +132,17 @@ def test_an_etcd_server_at_an_ipv6_address_is_refused_up_front(endpoint):
     RendezvousConfig("etcd.example:2379", "job", 1, 2, 0, backend="etcd-v2")
 
 
-@pytest.mark.parametrize("key, unit", [("keep_alive_interval", "seconds"),
-                                       ("keep_alive_max_attempt", "attempts")])
-def test_a_keep_alive_of_zero_is_refused(key, unit):
-    """torch takes it, and its keep-alive window, interval x attempts, is then 0: every node
-    counts as dead at once, and the round never formed ("too few nodes joined")."""
-    with pytest.raises(ValueError, match=f"--rdzv-conf {key}='0': expected whole {unit} from 1"):
-        RendezvousConfig("h:1", "job", 1, 2, 0, conf={key: "0"})
+@pytest.mark.parametrize("key, value, expected", [
+    ("keep_alive_interval", "0", "seconds from 1"), ("keep_alive_max_attempt", "0", "attempts from 3"),
+    ("keep_alive_max_attempt", "2", "attempts from 3")])
+def test_a_keep_alive_window_too_short_is_refused(key, value, expected):
+    """torch takes 0, and its keep-alive window, interval x attempts, is then 0: every node
+    counts as dead at once, and the round never formed ("too few nodes joined"). torch sends
+    a keep-alive only once the last is an interval old: with 2 attempts a live node dropped
+    itself from its round, with 1 no round formed."""
+    with pytest.raises(ValueError, match=f"--rdzv-conf {key}='{value}': expected whole {expected}"):
+        RendezvousConfig("h:1", "job", 1, 2, 0, conf={key: value})
+    RendezvousConfig("h:1", "job", 1, 2, 0, conf={key: "3"})
 
 
 def test_a_try_at_a_round_may_take_the_join_and_the_wait_for_every_record():

@@ -93,6 +93,9 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 WHOLE_SECONDS_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                       "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
 MAX_CONF_SECONDS = 10**9
+MIN_KEEP_ALIVE_ATTEMPTS = 3
+"""Fewest keep-alive intervals a node may miss before it counts as dead: with 1 no round
+formed, and with 2 a live node dropped itself from its round (checked on loopback)."""
 """As ftmaster's own durations; torch's ``timedelta(seconds=...)`` overflows past a C int."""
 
 
@@ -177,10 +180,13 @@ class RendezvousConfig:
             number = int(str(value))
         except ValueError:
             number = -1
-        if not 1 <= number <= MAX_CONF_SECONDS:
+        least = MIN_KEEP_ALIVE_ATTEMPTS if key == "keep_alive_max_attempt" else 1
+        if not least <= number <= MAX_CONF_SECONDS:
             unit = "attempts" if key == "keep_alive_max_attempt" else "seconds"
-            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole {unit} from 1 to "
-                             f"{MAX_CONF_SECONDS} (torch reads an integer)")
+            why = (" (torch sends a keep-alive only once the last is an interval old, so two "
+                   "can lie nearly two intervals apart)" if least > 1 else " (torch reads an integer)")
+            raise ValueError(f"--rdzv-conf {key}={value!r}: expected whole {unit} from {least} "
+                             f"to {MAX_CONF_SECONDS}{why}")
         return number
 
     @property
