@@ -31,7 +31,17 @@ class SeparatedCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta[SEPARATOR_KEY] = tuple(args[args.index("--") + 1:]) if "--" in args else None
+        if "--" in args and args.index("--") > 0 and args[args.index("--") - 1] in self._valued(ctx):
+            # click takes the separator as the option's value (``--run-dir $RUN --`` with RUN
+            # unset), and the script's arguments as its own
+            raise click.UsageError(f"{args[args.index('--') - 1]} needs a value before --", ctx)
         return super().parse_args(ctx, args)  # its usage errors: one line (ftmaster.cli)
+
+    def _valued(self, ctx: click.Context) -> set[str]:
+        """This command's options that take a value."""
+        return {name for param in self.get_params(ctx)
+                if isinstance(param, click.Option) and not param.is_flag and not param.count
+                for name in (*param.opts, *param.secondary_opts)}
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -61,6 +71,8 @@ class FolderPath(click.Path):
     def convert(self, value, param, ctx):
         if value == "":
             self.fail("needs a folder, got an empty value", param, ctx)
+        if value == "--":  # ``--run-dir $RUN --`` with RUN unset, where no -- follows
+            self.fail("needs a folder, got '--'", param, ctx)
         return super().convert(value, param, ctx)
 
 

@@ -19,6 +19,10 @@ from ftmaster.cli import main
      "unknown backend 'bogus'; choose one of nvml, smi, sim, replay:PATH"),
     (["goodput", "--gpus", "x"], "Invalid value for '--gpus': 'x' is not a valid integer."),
     (["plan"], "put -- before the training script: ... -- SCRIPT ARGS..."),
+    # an unquoted unset variable (--run-dir $RUN --): the monitor wrote into ./--
+    (["monitor", "--backend", "sim", "--run-dir", "--"],
+     "Invalid value for '--run-dir': needs a folder, got '--'"),
+    (["plan", "--gpus", "--", "x"], "--gpus needs a value before --"),
     # nan passes every bound of click's FloatRange: it reached a traceback, or ran
     (["monitor", "--run-dir", "x", "--interval", "nan"],
      "Invalid value for '--interval': 'nan' is not a finite number."),

@@ -65,6 +65,12 @@ def launch(run_dir, *args, env=None):
     # that does not fit stops it before any is written)
     (["--run-dir", "", "--nproc-per-node", "6", "--monitor-backend", "sim", "--", PRETRAIN,
       *MODEL], "'--run-dir': needs a folder, got an empty value"),
+    # unquoted and unset (--run-dir $RUN --): click took -- as the folder, and with a second --
+    # among the script's arguments the check for the separator passed
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--run-dir", "--", PRETRAIN, *MODEL],
+     "--run-dir needs a value before --"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--rdzv-id", "--", PRETRAIN, *MODEL,
+      "--", "x"], "--rdzv-id needs a value before --"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],
