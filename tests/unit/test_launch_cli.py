@@ -71,6 +71,12 @@ def launch(run_dir, *args, env=None):
      "--run-dir needs a value before --"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--rdzv-id", "--", PRETRAIN, *MODEL,
       "--", "x"], "--rdzv-id needs a value before --"),
+    # a per-node command that forgot --nnodes trained each node alone, saying nothing
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--node-rank", "1", "--rdzv-endpoint",
+      "10.0.0.1:29400", "--", PRETRAIN, *MODEL],
+     "--rdzv-endpoint, --node-rank: only across nodes (--nnodes MIN:MAX with MAX above 1)"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--nnodes", "1", "--memory-replicas",
+      "2", "--", PRETRAIN, *MODEL], "--memory-replicas: only across nodes"),
     (["--nproc-per-node", "4", "--monitor-backend", "bogus", "--", PRETRAIN, *MODEL],
      "unknown backend 'bogus'"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--bogus-flag"],

@@ -658,7 +658,9 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         raise InputError(f"training script {argv[0]!r} not found")
     slurm_notes = apply_slurm_defaults(options)
     rendezvous = rendezvous_config(options)
-    if rendezvous is not None:
+    if rendezvous is None:
+        _refuse_node_options_given(ctx)
+    else:
         load_torch_quietly()
     _console_logging()
     for key in unread_conf_keys(rendezvous.conf if rendezvous is not None else {}):
@@ -805,6 +807,22 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
                                    iterations=options["straggler_iterations"]),
         drain_stragglers=options["drain_stragglers"],
         straggler_drain_window_s=options["straggler_drain_window"])
+
+
+MULTI_NODE_OPTIONS = ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "node_rank",
+                      "local_addr", "memory_replicas", "replication_rate", "scale_up")
+
+
+def _refuse_node_options_given(ctx: click.Context) -> None:
+    """A single-node launch given options only a multi-node one reads: a per-node command
+    that forgot ``--nnodes`` trained each node alone, saying nothing. Only options on the
+    command line: SLURM's defaults fill some in for single-node steps too."""
+    given = [name for name in MULTI_NODE_OPTIONS
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise InputError(f"{flags}: only across nodes (--nnodes MIN:MAX with MAX above 1); "
+                         "this launch is a single node's")
 
 
 def _check_node_options(argv: list[str], node_gpus: int, options: dict) -> None:
