@@ -903,3 +903,16 @@ def test_a_launch_that_finds_no_store_records_how_it_ended(tmp_path, monkeypatch
     ended = runfiles.read_events(run_dir / "node_1")[-1]
     assert {key: ended.get(key) for key in recorded} == recorded
     assert list((save / HOLDERS_DIR).iterdir()) == []
+
+
+@pytest.mark.parametrize("endpoint, warned", [("10.1.2.3:29400", True), ("127.0.0.1:29400", False)])
+def test_a_loopback_address_toward_another_hosts_endpoint_is_warned_of(endpoint, warned, caplog):
+    """With no --local-addr a node offered its ports at its host name's address, which Debian
+    maps to 127.0.1.1 (here: localhost): other nodes reach it by name, but its peer files
+    listened on loopback, and every peer copy failed, with no word."""
+    from ftmaster.membership import check_address
+
+    with caplog.at_level("WARNING", logger="ftmaster"):
+        assert check_address(RendezvousConfig(endpoint, "job", 1, 2, 0,
+                                              local_addr="127.0.0.1")) == "127.0.0.1"
+    assert ("a loopback address other nodes cannot reach" in caplog.text) == warned

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Mapping, Sequence
 
-from ftmaster.addresses import (ResolveTimeout, bind_address, is_ipv6, same_host, split_host_port,
-                                this_host_name)
+from ftmaster.addresses import (ResolveTimeout, bind_address, ip_address, is_ipv6, same_host,
+                                split_host_port, this_host_name)
 from ftmaster.monitor.backends.bounded import (Abandoned, CallTimeout, call_once_bounded,
                                                call_while)
 from ftmaster.peer_files import new_secret
@@ -345,6 +345,7 @@ def check_address(config: RendezvousConfig) -> str:
     try:
         host = bind_address(config.address, 0)[1][0]
         free_port(host)
+        _warn_if_only_loopback(config, host)
         return host
     except ResolveTimeout as error:
         raise ValueError(f"{error}: give --local-addr as this node's IP address") from None
@@ -353,6 +354,23 @@ def check_address(config: RendezvousConfig) -> str:
                  f"this host's name {config.address} (the default --local-addr)")
         raise ValueError(f"{given} is not an address of this host ({error.strerror or error}): "
                          "give the address other nodes reach this one at") from None
+
+
+def _warn_if_only_loopback(config: RendezvousConfig, host: str) -> None:
+    """One line when this node's address is a loopback one and the endpoint's is not: other
+    nodes reach it by its name, which their resolvers map right, but what it serves at that
+    address (its peer files) listens on loopback only. Debian maps a host's own name to
+    127.0.1.1 in /etc/hosts."""
+    try:
+        endpoint = bind_address(config.endpoint_host, 0)[1][0]
+    except OSError:  # its lookup's own failure is the rendezvous's business
+        return
+    if ip_address(host).is_loopback and not ip_address(endpoint).is_loopback:
+        given = (f"--local-addr {config.address}" if config.local_addr else
+                 f"this host's name {config.address} (the default --local-addr)")
+        log.warning("%s is %s here, a loopback address other nodes cannot reach: what this "
+                    "node serves them (its memory checkpoints' files) listens there only; give "
+                    "--local-addr as the address other nodes reach this one at", given, host)
 
 
 def order_records(records: Sequence[NodeRecord]) -> tuple[NodeRecord, ...]:
