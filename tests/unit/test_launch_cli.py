@@ -71,6 +71,15 @@ def launch(run_dir, *args, env=None):
      "--run-dir needs a value before --"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--rdzv-id", "--", PRETRAIN, *MODEL,
       "--", "x"], "--rdzv-id needs a value before --"),
+    # paths that cannot be looked at (here a name too long; for a user, also one under a
+    # folder without search permission) were tracebacks
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", "x" * 300 + ".py", *MODEL],
+     f"training script '{'x' * 300}.py': File name too long"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--run-dir", "/tmp/" + "r" * 300, "--",
+      PRETRAIN, *MODEL], f"/tmp/{'r' * 300} is not usable (File name too long); give another "
+                         "--run-dir"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--load",
+      "/tmp/" + "s" * 300], f"training arguments: /tmp/{'s' * 300}: File name too long"),
     # a per-node command that forgot --nnodes trained each node alone, saying nothing
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--node-rank", "1", "--rdzv-endpoint",
       "10.0.0.1:29400", "--", PRETRAIN, *MODEL],

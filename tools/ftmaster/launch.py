@@ -196,6 +196,8 @@ def check_trainer_arguments(command: Sequence[str], world_size: int) -> None:
         parse_args(list(command[1:]), world_size=world_size)
     except ArgumentError as error:
         raise InputError(f"training arguments: {error}") from None
+    except OSError as error:  # a --load, --data-path or --vocab-file that cannot be looked at
+        raise InputError(f"training arguments: {error.filename}: {error.strerror}") from None
     problem = environment_problem()
     if problem is not None:
         raise InputError(problem)
@@ -237,6 +239,16 @@ def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) ->
     return None
 
 
+def _missing_folders(folder: Path, option: str | None = None) -> list[Path]:
+    """:func:`missing_folders`, with a folder that cannot be looked at (under one without
+    search permission, a name too long) refused in one line: it came out as a traceback."""
+    try:
+        return missing_folders(folder)
+    except OSError as error:
+        raise InputError(f"{folder} is not usable ({error.strerror})"
+                         + (f"; give another {option}" if option else "")) from None
+
+
 class HeldFolders:
     """The run directory's lock and the claims on the checkpoint folders, released together.
     A launch refused while it holds them withdraws them, and what it made goes with them:
@@ -245,7 +257,7 @@ class HeldFolders:
     --run-dir, a mistyped --save, a /dev/shm folder whose run a later launch could not find)."""
 
     def __init__(self, config: SupervisorConfig, rendezvous: RendezvousConfig | None) -> None:
-        self._made = [missing_folders(config.run_dir)]
+        self._made = [_missing_folders(config.run_dir, "--run-dir")]
         try:
             self._lock = _lock_run_dir(config.run_dir)
         except InputError:  # not another launch's lock: what this one made can go
@@ -264,7 +276,7 @@ class HeldFolders:
 
     def will_make(self, folder: Path) -> None:
         """``folder`` is about to be made, and goes on a withdrawal unless it exists now."""
-        self._made.append(missing_folders(folder))
+        self._made.append(_missing_folders(folder))
 
     def close(self) -> None:
         for claim in reversed(self._claims):
@@ -654,7 +666,11 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
     stops = StopSignals()
     ctx.call_on_close(stops.close)
     argv = script_command(ctx, command)
-    if not Path(argv[0]).is_file():
+    try:
+        found = Path(argv[0]).is_file()
+    except OSError as error:  # under a folder without search permission, a name too long
+        raise InputError(f"training script {argv[0]!r}: {error.strerror}") from None
+    if not found:
         raise InputError(f"training script {argv[0]!r} not found")
     slurm_notes = apply_slurm_defaults(options)
     rendezvous = rendezvous_config(options)
