@@ -792,3 +792,22 @@ def test_a_save_folder_this_user_cannot_list_is_sized_from_the_model(monkeypatch
     from_shape = checkpoint_bytes_guess(MODEL + ["--save", "S"])
     monkeypatch.setattr("ftmaster.persist.list_iterations", unlistable)
     assert checkpoint_bytes_guess(MODEL + ["--save", "S"]) == from_shape
+
+
+def test_an_incomplete_folder_of_the_iteration_on_disk_fails_the_copy_before_it_copies(
+        tmp_path, monkeypatch):
+    """A save killed between its .metadata and its manifest left iter_N on disk: every try,
+    5 s apart and doubling, copied the whole checkpoint to the parallel file system and then
+    failed with 'iter_N appeared while the copy was made'."""
+    from ftmaster import persist as persist_module
+
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    fake_checkpoint(memory, 8)
+    torn = iteration_dir(disk, 8)
+    torn.mkdir(parents=True)
+    (torn / ".metadata").write_bytes(b"x")
+    monkeypatch.setattr(persist_module, "_copy_verified",
+                        lambda *args: pytest.fail("copied into a folder that cannot land"))
+    with pytest.raises(PersistError, match="iter_0000008 exists and is not a complete checkpoint"):
+        persist(memory, disk, 8)
+    assert os.listdir(disk) == ["iter_0000008"]

@@ -278,6 +278,10 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
     # A copy killed after its rename, or the trainer's own save (its lock taken only then)
     if is_complete(target) and _tracked_if_complete(save_dir, iteration):
         return None
+    if target.exists():  # found only after the whole copy, at every try, it never landed
+        raise PersistError(f"{target} exists and is not a complete checkpoint (a save under "
+                           "way, one killed before its manifest, or another tool's folder): "
+                           "the copy would not land there")
     manifest_name = known_manifest_name(source) if fetch is not None else MANIFEST_NAME
     text = _read_bytes(source / manifest_name) if manifest_name else None
     manifest = parse_manifest(text) if text is not None else None
