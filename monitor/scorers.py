@@ -95,6 +95,12 @@ def _no_telemetry(sample: GpuSample) -> bool:
     return sample.temperature is None and sample.power_draw is None and sample.gpu_utilization is None
 
 
+def _read_signals(sample: GpuSample) -> frozenset[str]:
+    """Which of the score's main signals this sample read."""
+    return frozenset(name for name in ("temperature", "power_draw", "gpu_utilization")
+                     if getattr(sample, name) is not None)
+
+
 # ---------------------------------------------------------------------------------------- #
 # paper
 # ---------------------------------------------------------------------------------------- #
@@ -479,6 +485,7 @@ class _Track:
         self.error_counters: dict[str, int] = {}
         self.last_sbe: int | None = None
         self.power_limit: float | None = None  # its last known: a failed read moves no cap
+        self.read_once: frozenset[str] = frozenset()  # main signals it has ever shown
         self.residual = Window(cfg.trend_window_s)
         self.raw = Window(cfg.level_window_s)
         self.power = Window(cfg.power_window_s, keep=cfg.spread_points)
@@ -717,7 +724,14 @@ class AdaptiveScorer:
         if _no_telemetry(s):
             return Assessment(UNKNOWN_SCORE, (UNKNOWN_REASON,))
         raw = 1.0 - math.prod(1.0 - v for v in severities.values())
-        track.score = max(raw, track.score - self.config.score_decay_per_min * dt / 60.0)
+        # A read that failed takes its signal's severity to 0: unknown, not healthy, so the
+        # score holds until every signal this GPU has shown is read again (a GPU re-armed,
+        # and its drain was called off, as its temperature reads began to fail after a
+        # thermal alert). One it never shows (no power reading) holds nothing.
+        unread = track.read_once - _read_signals(s)
+        track.read_once |= _read_signals(s)
+        decay = 0.0 if unread else self.config.score_decay_per_min * dt / 60.0
+        track.score = max(raw, track.score - decay)
         reasons = tuple(k for k, v in sorted(severities.items(), key=lambda kv: -kv[1])
                         if v >= REASON_FLOOR)
         return Assessment(round(track.score, 4), reasons)

@@ -235,3 +235,29 @@ def test_a_power_limit_read_that_fails_is_no_swing_of_the_power():
                                          if unread and gpu == 0 else 400.0) for gpu in range(4)])
         scores.append(assessed[0].score)
     assert max(scores[100:]) < 0.5, max(scores[100:])
+
+
+@pytest.mark.parametrize("power", [500.0, None], ids=["with-power", "no-power-reading"])
+def test_a_score_holds_while_a_signal_the_gpu_showed_is_unread(power):
+    """A failed temperature read took its severity to 0 and the score decayed: a GPU that
+    alerted on heat re-armed, and its drain was called off, as its reads began to fail. A
+    signal the GPU never shows (no power reading) holds nothing: its score still falls once
+    it cools."""
+    scorer, scores = AdaptiveScorer(), []
+
+    def step(k, temperature):
+        batch = [sample(T0 + 10 * k, gpu=g, power_draw=power,
+                        temperature=temperature if g == 0 else 65.0) for g in range(4)]
+        scores.append(scorer.update(batch)[0].score)
+
+    for k in range(100):
+        step(k, 65.0)
+    for k in range(100, 130):
+        step(k, 95.0)
+    hot = scores[-1]
+    for k in range(130, 142):
+        step(k, None)
+    assert hot > 0.5 and scores[-1] == hot
+    for k in range(142, 154):
+        step(k, 65.0)
+    assert scores[-1] < hot
