@@ -80,6 +80,15 @@ def launch(run_dir, *args, env=None):
                          "--run-dir"),
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL, "--load",
       "/tmp/" + "s" * 300], f"training arguments: /tmp/{'s' * 300}: File name too long"),
+    # a recover fires only while --policy wait waits for a GPU a fail lost: accepted, it
+    # rehearsed nothing and said only 'never fired' at the end
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject", "fail:gpu=1,at=iter:3",
+      "--inject", "recover:gpu=1,at=iter:5", "--", PRETRAIN, *MODEL],
+     "--inject recover:gpu=1,at=iter:5: a lost GPU is retired at once under --policy available "
+     "(recover needs --policy wait), so it would never fire"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--policy", "wait", "--inject",
+      "xid:gpu=1,code=79,at=iter:3", "--inject", "recover:gpu=1,at=iter:5", "--", PRETRAIN, *MODEL],
+     "no fail:gpu=1 loses GPU 1 first, so it would never fire"),
     # a per-node command that forgot --nnodes trained each node alone, saying nothing
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--node-rank", "1", "--rdzv-endpoint",
       "10.0.0.1:29400", "--", PRETRAIN, *MODEL],

@@ -30,7 +30,7 @@ from typing import Sequence
 import click
 
 from ftmaster import exit_codes, runfiles
-from ftmaster.faults import GRAMMAR, Injection, parse_injection
+from ftmaster.faults import GRAMMAR, Fault, Injection, parse_injection
 from ftmaster.gpus import JobGpus, choose_job_gpus, probe, visible_entries
 from ftmaster.listener import Listener
 from ftmaster.slurm import slurm_defaults, with_explicit_options
@@ -216,13 +216,28 @@ def _injections(specs: Sequence[str], gpus: tuple[int, ...]) -> tuple[Injection,
 
 
 def _check_injections_fire(injections: Sequence[Injection], argv: Sequence[str],
-                           cold_restart: bool) -> None:
+                           cold_restart: bool, policy: str) -> None:
     """A fault that can never fire would rehearse nothing, silently: one at an iteration
     training never reaches, or waiting for what this launch never does."""
     for injection in injections:
-        never = _why_never(injection, argv, cold_restart)
+        never = _why_never(injection, argv, cold_restart) or \
+            _why_no_recovery(injection, injections, policy)
         if never is not None:
             raise InputError(f"--inject {injection}: {never}, so it would never fire")
+
+
+def _why_no_recovery(injection: Injection, injections: Sequence[Injection],
+                     policy: str) -> str | None:
+    """A ``recover`` fires while its GPU is lost and not yet retired: only a ``fail`` loses
+    a GPU (an XID or a wedge makes it unschedulable), and only ``--policy wait`` waits for
+    it before the next plan retires it."""
+    if injection.kind is not Fault.RECOVER:
+        return None
+    if policy != "wait":
+        return f"a lost GPU is retired at once under --policy {policy} (recover needs --policy wait)"
+    if not any(i.kind is Fault.FAIL and i.gpu == injection.gpu for i in injections):
+        return f"no fail:gpu={injection.gpu} loses GPU {injection.gpu} first"
+    return None
 
 
 def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) -> str | None:
@@ -808,7 +823,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     if rendezvous is not None:
         _check_node_options(argv, len(gpus), options)
     _check_save_requests_reach_training(argv, run_dir)
-    _check_injections_fire(injections, argv, options["cold_restart"])
+    _check_injections_fire(injections, argv, options["cold_restart"], options["policy"])
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
         gpus_per_node=options["gpus_per_node"], policy=options["policy"],
