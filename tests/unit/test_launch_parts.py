@@ -1111,6 +1111,19 @@ def test_a_stop_while_a_spare_reads_the_jobs_outcome_from_a_store_that_hangs_sto
     assert exit_status(advance(State.STANDBY, trigger), supervisor.signum) == 143
 
 
+def test_a_spare_whose_round_lost_a_node_joins_a_new_round(tmp_path):
+    """A spare watched only for the job's outcome and for nodes waiting to join: when the one
+    node that trained died for good, nobody ever joined, and the spare (the store's host
+    under SLURM) waited until the time limit."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
+                              first_plan=None, poll_interval_s=0.01)
+    supervisor = Supervisor(config, PlanningMonitor(False))
+    supervisor.membership = types.SimpleNamespace(outcome=lambda stop: None,
+                                                  peers_waiting=lambda stop: False,
+                                                  node_dropped=lambda stop: True)
+    assert supervisor._standby() is Trigger.PEERS_WAITING
+
+
 @pytest.mark.parametrize("outcome, status", [
     ("complete", 0),
     ("gave up on node 0: the script failed; do not requeue: a requeue would fail the same way "

@@ -1806,6 +1806,10 @@ class Supervisor:
                     return self._job_ended(outcome)
                 if self.membership.peers_waiting(stop):
                     return Trigger.PEERS_WAITING
+                if self.membership.node_dropped(stop):  # no one else may ever join again
+                    log.warning("a node of this round left the rendezvous (its keep-alive "
+                                "expired): this spare joins a new round")
+                    return Trigger.PEERS_WAITING
         except Abandoned:  # a signal while a store read hung
             pass
         return self._stopped_idle(State.STANDBY)
