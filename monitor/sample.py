@@ -102,12 +102,18 @@ def to_row(sample: GpuSample) -> list[str]:
     return cells
 
 
+MAX_READING = 1e9
+"""No GPU reading (C, W, %, MiB, MHz) comes near it: a corrupt cell of 1e308 is finite, and a
+window's sum, or two peers' mean, overflowed to infinity, and the scores went NaN for good."""
+
+
 def unknown_if_not_finite(sample: GpuSample) -> GpuSample:
-    """``sample`` with each NaN or infinite number made None (unknown): taken as read, a NaN
-    kept as a counter's level hid every later rise, and in a window it kept the score NaN."""
+    """``sample`` with each NaN, infinite or impossibly large reading made None (unknown):
+    taken as read, a NaN kept as a counter's level hid every later rise, and in a window it
+    kept the score NaN."""
     for name in _INTEGER | _FLOAT:
         value = getattr(sample, name)
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_READING):
             setattr(sample, name, None)
     return sample
 

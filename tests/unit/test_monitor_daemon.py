@@ -590,3 +590,36 @@ def test_a_failed_row_remap_on_a_gpu_still_sampled_alerts_once_and_asks_for_a_sa
     assert [(a.gpu, a.reasons) for a in monitor.alerts] == [(1, ("row_remap_failure",))]
     assert runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))["gpu"] == 1
     assert monitor.unschedulable_gpus() == {1: "row_remap_failure"}
+
+
+def test_an_impossibly_large_reading_is_unknown_and_keeps_every_score_a_number(tmp_path):
+    """Two peers' power of 1e308 (a corrupt, finite cell) overflowed their median's mean to
+    infinity: the healthy GPU's baseline went NaN, and its score stayed NaN for the rest of
+    the run, never alerting nor re-arming."""
+    import math
+
+    class HugeBackend:
+        name = "huge"
+
+        def __init__(self):
+            self.count = 0
+
+        def sample(self):
+            self.count += 1
+            t = 1_750_000_000.0 + 10 * self.count
+            huge = self.count == 5
+            return [GpuSample(timestamp=t, gpu_id=g, temperature=60.0, gpu_utilization=95.0,
+                              power_draw=1e308 if huge and g < 2 else 300.0) for g in range(3)]
+
+        def close(self):
+            pass
+
+    monitor = Monitor(HugeBackend(), tmp_path)
+    for _ in range(20):
+        monitor.step()
+    rows = runfiles.metrics_csv_path(tmp_path).read_text()
+    assert "nan" not in rows and "e+308" not in rows
+    last = list(monitor.scorer.update([GpuSample(timestamp=1_750_000_300.0, gpu_id=2,
+                                                 temperature=60.0, gpu_utilization=95.0,
+                                                 power_draw=300.0)]).values())[0]
+    assert math.isfinite(last.score)
