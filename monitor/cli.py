@@ -157,8 +157,15 @@ def _monitor(backend: Backend, backend_spec: str, run_dir: Path, interval: float
 
 
 def _run_live(monitor: Monitor, duration: float | None) -> None:
+    """Sample until ``duration`` or a signal, moving each save request on to a trainer beside
+    it, as ``launch``'s listener does: a trainer reads only ``save_now.flag``, and the
+    monitor's ``trigger_checkpoint.flag`` reached none."""
+    from ftmaster.listener import Listener
+
     done = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())
+    listener = Listener(monitor.run_dir)
+    listener.start()
     monitor.start()
     try:
         done.wait(duration)
@@ -167,6 +174,7 @@ def _run_live(monitor: Monitor, duration: float | None) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
+        listener.stop()
 
 
 def _summary(monitor: Monitor, backend_spec: str, run_dir: Path) -> str:

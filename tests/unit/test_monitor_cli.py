@@ -55,6 +55,9 @@ def test_sim_run_with_injection(tmp_path):
                     "--duration", "1.5", "--inject", "degrade:gpu=1,at=0.3s")
     assert result.exit_code == 0, result.output
     assert "on GPU 1" in result.output
+    # moved on for a trainer beside it, which reads only save_now.flag, as under launch
+    assert json.loads((tmp_path / "flags" / "save_now.flag").read_text())["gpu"] == 1
+    assert not (tmp_path / "flags" / "trigger_checkpoint.flag").exists()
 
 
 def test_an_injection_that_never_came_due_is_named_in_the_summary(tmp_path):
