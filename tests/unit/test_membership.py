@@ -657,7 +657,7 @@ def test_the_rounds_offer_ports_at_the_address_resolved_at_launch(monkeypatch):
 
     from ftmaster.membership import free_port
 
-    config = RendezvousConfig("node1:29400", "job", 1, 2, 0)
+    config = RendezvousConfig("127.0.0.1:29400", "job", 1, 2, 0)
     monkeypatch.setattr(socket, "getfqdn", lambda *args: "localhost")
     membership = NodeMembership(config, connect=False)
     answer = slow_resolver(monkeypatch, "getaddrinfo")
@@ -916,3 +916,14 @@ def test_a_loopback_address_toward_another_hosts_endpoint_is_warned_of(endpoint,
         assert check_address(RendezvousConfig(endpoint, "job", 1, 2, 0,
                                               local_addr="127.0.0.1")) == "127.0.0.1"
     assert ("a loopback address other nodes cannot reach" in caplog.text) == warned
+
+
+def test_an_endpoint_name_that_does_not_exist_is_refused_at_launch():
+    """torch's client tried it until its timeout, and ftmaster exited 75 'store unreachable':
+    a requeue met the same typo."""
+    from ftmaster.membership import check_address
+
+    with pytest.raises(ValueError, match="^--rdzv-endpoint no-such-host.invalid:29400: "
+                                         "no-such-host.invalid does not resolve"):
+        check_address(RendezvousConfig("no-such-host.invalid:29400", "job", 1, 2, 0,
+                                       local_addr="127.0.0.1"))

@@ -345,8 +345,6 @@ def check_address(config: RendezvousConfig) -> str:
     try:
         host = bind_address(config.address, 0)[1][0]
         free_port(host)
-        _warn_if_only_loopback(config, host)
-        return host
     except ResolveTimeout as error:
         raise ValueError(f"{error}: give --local-addr as this node's IP address") from None
     except OSError as error:
@@ -354,17 +352,32 @@ def check_address(config: RendezvousConfig) -> str:
                  f"this host's name {config.address} (the default --local-addr)")
         raise ValueError(f"{given} is not an address of this host ({error.strerror or error}): "
                          "give the address other nodes reach this one at") from None
+    endpoint = _endpoint_address(config)
+    if endpoint is not None:
+        _warn_if_only_loopback(config, host, endpoint)
+    return host
 
 
-def _warn_if_only_loopback(config: RendezvousConfig, host: str) -> None:
+def _endpoint_address(config: RendezvousConfig) -> str | None:
+    """The endpoint's address; None when its lookup fails for now (the rendezvous's own
+    retries say so). ValueError for a name that does not exist: torch's client tried it until
+    its timeout and ftmaster exited 75, to be requeued onto the same typo."""
+    try:
+        return bind_address(config.endpoint_host, 0)[1][0]
+    except socket.gaierror as error:
+        if error.errno == socket.EAI_NONAME:
+            raise ValueError(f"--rdzv-endpoint {config.endpoint}: {config.endpoint_host} does "
+                             f"not resolve ({error.strerror})") from None
+        return None
+    except OSError:
+        return None
+
+
+def _warn_if_only_loopback(config: RendezvousConfig, host: str, endpoint: str) -> None:
     """One line when this node's address is a loopback one and the endpoint's is not: other
     nodes reach it by its name, which their resolvers map right, but what it serves at that
     address (its peer files) listens on loopback only. Debian maps a host's own name to
     127.0.1.1 in /etc/hosts."""
-    try:
-        endpoint = bind_address(config.endpoint_host, 0)[1][0]
-    except OSError:  # its lookup's own failure is the rendezvous's business
-        return
     if ip_address(host).is_loopback and not ip_address(endpoint).is_loopback:
         given = (f"--local-addr {config.address}" if config.local_addr else
                  f"this host's name {config.address} (the default --local-addr)")
