@@ -74,3 +74,16 @@ def launch(boot):
 ])
 def test_the_failures_of_a_first_attempt_launched_without_a_plan_carry_over(events, expected):
     assert carried_over(events, BOOT, gpus=[0, 1, 2, 3]) == expected
+
+
+def test_a_gpu_is_carried_over_by_uuid_where_nvml_gave_one():
+    """A supervisor started again in a container given other GPUs: NVML numbers them from 0,
+    and 'GPU 2 retired' retired whichever healthy GPU now had index 2, while the bad one,
+    back under another index, was planned on again."""
+    retired = plan(BOOT, (2, "xid_79"))
+    retired["gpus_retired"][0]["uuid"] = "GPU-bad"
+    here = {0: "GPU-a", 1: "GPU-bad", 2: "GPU-c", 3: "GPU-d"}
+    assert carried_over([retired], BOOT, gpus=[0, 1, 2, 3], uuids=here) == {1: "xid_79"}
+    elsewhere = {0: "GPU-a", 1: "GPU-b", 2: "GPU-c", 3: "GPU-d"}
+    assert carried_over([retired], BOOT, gpus=[0, 1, 2, 3], uuids=elsewhere) == {}
+    assert carried_over([retired], BOOT, gpus=[0, 1, 2, 3]) == {2: "xid_79"}  # no NVML: indices

@@ -17,7 +17,7 @@ supervisor retire them anew if they fail again.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
@@ -30,13 +30,16 @@ def boot_id(path: Path = BOOT_ID_PATH) -> str | None:
         return None
 
 
-def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int]) -> dict[int, str]:
+def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int],
+                 uuids: Mapping[int, str] | None = None) -> dict[int, str]:
     """The retirements of the last ``plan`` event of this ``boot`` among ``events`` and the
     unfit GPUs of the failures after it (a supervisor that ended before its next plan: a
     store lost mid-round, a kill), GPU -> why; only those of ``gpus`` (the GPUs this
     supervisor was given). With no plan in this boot yet (a first attempt launched without
     one), the failures since its first launch. Such a failure is that plan's supervisor's: a
-    failure with unfit GPUs follows a launch, and a launch its supervisor's plan."""
+    failure with unfit GPUs follows a launch, and a launch its supervisor's plan. An entry
+    with a UUID is matched by it among ``uuids`` (this supervisor's GPU -> UUID) when NVML
+    gave them: a container given other GPUs numbers them from 0 again."""
     if boot is None:
         return {}
     stretch = _this_boot(events, boot)
@@ -48,7 +51,7 @@ def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int]) 
     listed += [e.get("unfit_gpus") for e in stretch[since:] if e.get("event") == "failure"]
     found: dict[int, str] = {}
     for entries in listed:
-        found.update(_listed_gpus(entries, gpus))
+        found.update(_listed_gpus(entries, gpus, uuids or {}))
     return found
 
 
@@ -64,9 +67,18 @@ def _this_boot(events: Sequence[dict], boot: str) -> Sequence[dict]:
     return events[start:]
 
 
-def _listed_gpus(listed: object, gpus: Sequence[int]) -> dict[int, str]:
-    """A ``[{gpu, reason}]`` list's GPUs among ``gpus``; nothing from a list that is none."""
+def _listed_gpus(listed: object, gpus: Sequence[int], uuids: Mapping[int, str]) -> dict[int, str]:
+    """A ``[{gpu, reason, uuid}]`` list's GPUs among ``gpus``; nothing from a list that is
+    none."""
     if not isinstance(listed, list):
         return {}
-    return {entry["gpu"]: str(entry.get("reason", "retired"))
-            for entry in listed if isinstance(entry, dict) and entry.get("gpu") in gpus}
+    by_uuid = {uuid: gpu for gpu, uuid in uuids.items()}
+    found = {}
+    for entry in listed:
+        if not isinstance(entry, dict):
+            continue
+        gpu = by_uuid.get(entry["uuid"]) if uuids and isinstance(entry.get("uuid"), str) \
+            else entry.get("gpu")
+        if gpu in gpus:
+            found[gpu] = str(entry.get("reason", "retired"))
+    return found

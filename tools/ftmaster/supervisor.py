@@ -518,7 +518,7 @@ class Supervisor:
         launches = [e for e in events if e["event"] == "launch" and isinstance(e.get("attempt"), int)]
         if not launches:
             return 0
-        carried = carried_over(events, boot_id(), self.config.gpus)
+        carried = carried_over(events, boot_id(), self.config.gpus, self._uuids())
         if carried:
             self._retire({gpu: f"retired by the ftmaster before this one ({why})"
                           for gpu, why in carried.items()})
@@ -1037,7 +1037,7 @@ class Supervisor:
         self._event("failure", attempt=attempt.number, iteration=self._state_iteration(),
                     cause=cause, gpus=gpus, exit_codes=codes,
                     before_first_iteration=iteration is None,
-                    unfit_gpus=[{"gpu": g, "reason": why} for g, why in sorted(unfit.items())])
+                    unfit_gpus=self._gpu_entries(unfit))
         when = ("before its first iteration" if iteration is None
                 else f"after iteration {iteration}")
         where = f" on {gpus_text(gpus)}" if gpus else ""
@@ -1590,11 +1590,22 @@ class Supervisor:
         return original is not None and self.plan is not None and \
             self.plan.layout() == original.layout()
 
+    def _uuids(self) -> dict[int, str]:
+        return dict(self.config.devices.uuids) if self.config.devices is not None else {}
+
+    def _gpu_entries(self, reasons: dict[int, str]) -> list[dict]:
+        """``[{gpu, reason, uuid}]`` for an event: the UUID where NVML gave one, so that a
+        supervisor started again on other GPUs (another container's, indices from 0) carries
+        over the GPU and not its index."""
+        uuids = self._uuids()
+        return [{"gpu": gpu, "reason": why, **({"uuid": uuids[gpu]} if gpu in uuids else {})}
+                for gpu, why in sorted(reasons.items())]
+
     def _plan_event(self, available: list[int], **fields) -> None:
         for warning in self.plan.warnings:  # e.g. the exact batch rule idling many GPUs
             log.warning("plan: %s", warning)
         self._event("plan", gpus_available=available, boot=boot_id(),
-                    gpus_retired=[{"gpu": g, "reason": why} for g, why in sorted(self.retired.items())],
+                    gpus_retired=self._gpu_entries(self.retired),
                     **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
 
     def _plan_round(self, available: list[int]) -> Trigger:
