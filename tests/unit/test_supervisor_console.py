@@ -281,7 +281,10 @@ def test_trainer_events_become_one_console_line(event, level, text):
 @pytest.mark.parametrize("nproc, visible, backend, probe", [
     (4, None, "sim", False), (4, None, "replay:x.csv", False), (4, None, "nvml", True),
     (None, None, "sim", True), (None, ("0", "1"), "nvml", True),  # UUIDs and MIG modes
-    (4, (), "nvml", False)])  # every GPU hidden: nothing to ask
+    (4, (), "nvml", False),  # every GPU hidden: nothing to ask
+    (4, ("0", "1"), "sim", False),
+    # a rehearsal on a GPU host's UUIDs was refused as needing NVML, which it did not ask
+    (4, ("GPU-8932f937", "GPU-1234"), "sim", True), (4, ("MIG-5c1a",), "replay:x.csv", True)])
 def test_the_gpu_probe_runs_only_when_a_count_is_needed(nproc, visible, backend, probe):
     assert needs_gpu_probe(nproc, visible, backend) is probe
 

@@ -543,9 +543,11 @@ def default_run_dir() -> Path:
 def needs_gpu_probe(nproc: int | None, visible: tuple[str, ...] | None, backend: str) -> bool:
     """The driver is asked (which, bounded, can take seconds on a wedged one) unless
     ``--nproc-per-node`` is given on a backend that watches no real GPU, or the user hid
-    every GPU."""
+    every GPU; always for GPUs named by UUID, which only NVML maps to indices."""
     if visible == ():
         return False
+    if visible is not None and not all(entry.isdigit() for entry in visible):
+        return True
     return nproc is None or not (backend == "sim" or backend.startswith("replay:"))
 
 
