@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .argv_flags import MAX_INT, flag_value, int_flag, set_flag
+from .argv_flags import MAX_INT, flag_value, int_flag, remove_flag, set_flag
 from .model_facts import GLOBAL_BATCH_FLAG, STEP_SCHEDULE_FLAG
 
 ITERATION_TO_SAMPLE_FLAGS = (
@@ -117,6 +117,9 @@ def change_global_batch(args: Sequence[str], batch_so_far: int, new_batch: int) 
     for iterations_flag, samples_flag in ITERATION_TO_SAMPLE_FLAGS:
         iterations = int_flag(args, iterations_flag, positive=False)
         if iterations is not None:
-            args = _rename(args, iterations_flag, samples_flag, str(iterations * batch_so_far))
+            # Megatron-LM takes an explicit 0 of the samples flag beside the iterations one:
+            # left after the rename, a later 0 won and undid it
+            args = _rename(remove_flag(args, samples_flag), iterations_flag, samples_flag,
+                           str(iterations * batch_so_far))
     return set_flag(args, GLOBAL_BATCH_FLAG, str(new_batch))
 

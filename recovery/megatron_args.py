@@ -112,7 +112,8 @@ def _set_if_changed(args: list[str], flag: str, value: int, default: int) -> lis
 
 
 def rewrite_argv(script_args: Sequence[str], plan: LayoutFlags, *,
-                 original_global_batch: int | None = None) -> list[str]:
+                 original_global_batch: int | None = None,
+                 batch_may_change: bool = False) -> list[str]:
     """The training arguments for ``plan``; every other argument stays verbatim and in order.
 
     Rewrites TP, PP and micro-batch in place (appended when absent). Adds ``--load SAVE``
@@ -120,7 +121,10 @@ def rewrite_argv(script_args: Sequence[str], plan: LayoutFlags, *,
     ``--global-batch-size`` when it was absent (Megatron would otherwise derive it again from
     the new data-parallel size and silently change the batch), except with a step schedule,
     with which Megatron-LM forbids it. When the plan's global batch differs from
-    ``original_global_batch``, the schedule arguments move to samples (``batch_schedule``).
+    ``original_global_batch``, or may differ in some relaunch (``batch_may_change``: a
+    tolerance), the schedule arguments move to samples (``batch_schedule``): a relaunch back
+    at the original batch after one at another, in iterations again, ended short of the
+    samples the run was to train, and of its learning rate's decay.
     """
     args = list(script_args)
     args = set_flag(args, TP_FLAG, str(plan.tensor_model_parallel_size))
@@ -135,7 +139,7 @@ def rewrite_argv(script_args: Sequence[str], plan: LayoutFlags, *,
     if plan.eval_micro_batch_size is not None:
         args = set_flag(args, EVAL_MICRO_BATCH_FLAG, str(plan.eval_micro_batch_size))
     batch = plan.global_batch_size
-    if original_global_batch is not None and batch != original_global_batch:
+    if original_global_batch is not None and (batch != original_global_batch or batch_may_change):
         args = change_global_batch(args, original_global_batch, batch)
     elif flag_value(args, GLOBAL_BATCH_FLAG) is None and flag_value(args, STEP_SCHEDULE_FLAG) is None:
         args += [GLOBAL_BATCH_FLAG, str(batch)]

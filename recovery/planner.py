@@ -727,7 +727,8 @@ def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str]
     warnings += (unchecked,) if unchecked else ()
     world = layout.num_gpus
     rewritten = rewrite_argv(args, layout,
-                             original_global_batch=problem.facts.original.global_batch_size)
+                             original_global_batch=problem.facts.original.global_batch_size,
+                             batch_may_change=batches.low != batches.high)
     rewritten, instances = set_optimizer_instances(
         rewritten, optimizer_instances_for(chosen.split, problem.facts.rules, layout.data_parallel_size))
     warnings += (instances,) if instances else ()

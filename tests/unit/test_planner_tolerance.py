@@ -124,6 +124,33 @@ def test_change_global_batch(args, expected):
     assert change_global_batch(args, 64, 63) == expected
 
 
+def test_an_explicit_zero_of_a_samples_flag_does_not_undo_the_rename():
+    """Megatron-LM takes --lr-warmup-samples 0 beside --lr-warmup-iters: left after the
+    rename, the later 0 won, the warm-up was gone, and every relaunch at the new batch
+    failed the scheduler's check against the checkpoint."""
+    args = ["--train-iters", "100", "--lr-warmup-iters", "5", "--lr-warmup-samples", "0"]
+    assert change_global_batch(args, 64, 63) == [
+        "--train-samples", "6400", "--lr-warmup-samples", "320", "--global-batch-size", "63"]
+
+
+def test_with_a_tolerance_a_relaunch_back_at_the_original_batch_stays_in_samples():
+    """Each plan starts from the original command: 8 -> 7 GPUs trained at batch 511, and the
+    plan on 4 GPUs, back at 512, put --train-iters 1000 back, so the run ended short of the
+    samples it was to train (and of its learning rate's decay)."""
+    args = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "4",
+            "--global-batch-size", "512", "--train-iters", "1000", "--lr-decay-iters", "1000"]
+    plans = [plan_layout(args, gpus, original_world_size=8, global_batch_tolerance_pct=5)
+             for gpus in (7, 4)]
+    assert [plan.global_batch_size for plan in plans] == [511, 512]
+    for plan in plans:
+        assert flag_value(plan.command, "--train-samples") == "512000"
+        assert flag_value(plan.command, "--lr-decay-samples") == "512000"
+        assert "--train-iters" not in plan.command
+    exact = plan_layout(args, 4, original_world_size=8)  # no tolerance: as given
+    assert flag_value(exact.command, "--train-iters") == "1000"
+
+
 def test_a_malformed_iteration_count_is_named_in_the_error():
     with pytest.raises(ValueError, match=r"^--lr-warmup-iters must be an integer, got '1.5'$"):
         change_global_batch(["--train-iters", "10", "--lr-warmup-iters", "1.5"], 64, 63)
