@@ -335,6 +335,8 @@ def tensor_sizes(shape: ModelShape, original: OriginalLayout, rules: RuleFlags) 
             continue
         if tp > 1 and rules.torch_dcp:
             continue
+        if tp > 1 and shape.experts and not rules.sequence_parallel:
+            continue  # megatron-core's MoELayer.forward raises at TP > 1 without SP
         if original.expert_tensor_parallel_size is None and not expert_tensor_allowed(shape, tp):
             continue  # the expert TP follows TP
         sizes.append(tp)

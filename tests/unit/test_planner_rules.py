@@ -63,11 +63,15 @@ def shape(**overrides):
     # TransformerConfig.__post_init__: MoE with linear biases needs ETP == 1 (ETP follows TP).
     pytest.param(shape(experts=ExpertShape(8, 14336)), RuleFlags(), ORIGINAL, [1],
                  id="moe-bias-needs-etp1"),
-    pytest.param(shape(experts=ExpertShape(8, 14336), linear_bias=False), RuleFlags(), ORIGINAL,
-                 [1, 2, 4, 8, 16, 32], id="moe-no-bias"),
-    pytest.param(shape(experts=ExpertShape(8, 14336)), RuleFlags(),
+    pytest.param(shape(experts=ExpertShape(8, 14336), linear_bias=False),
+                 RuleFlags(sequence_parallel=True), ORIGINAL, [1, 2, 4, 8, 16, 32], id="moe-no-bias"),
+    pytest.param(shape(experts=ExpertShape(8, 14336)), RuleFlags(sequence_parallel=True),
                  OriginalLayout(1, 1, 1, 8, expert_tensor_parallel_size=1), [1, 2, 4, 8, 16, 32],
                  id="moe-bias-explicit-etp1"),
+    # megatron-core's MoELayer.forward raises in training at TP > 1 without SP: planned there,
+    # every rank of every attempt failed at its first step
+    pytest.param(shape(experts=ExpertShape(8, 14336), linear_bias=False), RuleFlags(), ORIGINAL,
+                 [1], id="moe-without-sp-stays-tp1"),
 ])
 def test_tensor_parallel_sizes(model, rules, original, expected):
     assert tensor_sizes(model, original, rules) == expected
