@@ -172,16 +172,22 @@ and ``--ckpt-step`` loads that one iteration: kept, every recovery started the f
 from iteration 0, or reloaded the pinned step."""
 
 
-def resume_from_save(args: Sequence[str], save_has_checkpoint: bool) -> list[str]:
+def resume_from_save(args: Sequence[str], save_has_checkpoint: bool, *,
+                     load_is_save: bool = False, saved_there: bool = False) -> list[str]:
     """The arguments of a relaunch: ``--load`` is the ``--save`` folder once that holds a
     checkpoint, even where ``--load`` named another folder (the weights the run started
     from), which would otherwise be reloaded and everything trained since thrown away. The
     flags of :data:`STARTING_WEIGHTS_ONLY` then go: kept, every recovery restarted Adam from
-    zero moments. With ``--load`` already the ``--save`` folder they stay as given."""
+    zero moments. With ``--load`` already the ``--save`` folder (``load_is_save``: however
+    written) they stay as given until the run ``saved_there`` itself: a rollback's
+    ``--ckpt-step 500`` then reloaded iteration 500 at every recovery."""
     save = flag_value(args, "--save")
-    if save is None or not save_has_checkpoint or flag_value(args, "--load") == save:
+    if save is None or not save_has_checkpoint:
         return list(args)
-    resumed = set_flag(list(args), "--load", save)
+    load_is_save = load_is_save or flag_value(args, "--load") == save
+    if load_is_save and not saved_there:
+        return list(args)
+    resumed = list(args) if load_is_save else set_flag(list(args), "--load", save)
     for flag, takes_value in STARTING_WEIGHTS_ONLY.items():
         resumed = remove_flag(resumed, flag, takes_value=takes_value)
     return resumed

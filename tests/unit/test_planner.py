@@ -223,6 +223,26 @@ def test_a_relaunch_resumes_from_save_once_it_holds_a_checkpoint(args, has_check
     assert resume_from_save(args, has_checkpoint) == expected
 
 
+@pytest.mark.parametrize("args, load_is_save, saved_there, expected", [
+    # a rollback in place (--load X --save X --ckpt-step 500): once the run saved there, every
+    # recovery reloaded iteration 500 and threw away what it had trained since
+    (["--load", "/run", "--save", "/run", "--ckpt-step", "500"], False, True,
+     ["--load", "/run", "--save", "/run"]),
+    (["--load", "/run", "--save", "/run", "--ckpt-step", "500"], False, False,
+     ["--load", "/run", "--save", "/run", "--ckpt-step", "500"]),
+    # the same folder written otherwise: a fine-tune that failed before its first save
+    # reloaded its starting weights with their optimizer and iteration count
+    (["--load", "/run/", "--finetune", "--save", "/run"], True, False,
+     ["--load", "/run/", "--finetune", "--save", "/run"]),
+    (["--load", "/run/", "--finetune", "--save", "/run"], True, True,
+     ["--load", "/run/", "--save", "/run"]),
+])
+def test_starting_flags_in_the_save_folder_go_once_the_run_saved_there(args, load_is_save,
+                                                                       saved_there, expected):
+    assert resume_from_save(args, True, load_is_save=load_is_save,
+                            saved_there=saved_there) == expected
+
+
 def test_rewrite_argv_refuses_flag_without_value():
     with pytest.raises(ValueError, match="^--micro-batch-size needs a value$"):
         rewrite_argv(["--micro-batch-size"], Layout(1, 1, 1, 1, 1))

@@ -1185,7 +1185,11 @@ class Supervisor:
                         "this run started from: relaunching from --load", self._resume_point,
                         self._loaded_elsewhere)
             has_checkpoint, self._resume_point = False, self._loaded_elsewhere
-        resumed = [command[0], *resume_from_save(command[1:], has_checkpoint)]
+        load = flag_value(command[1:], "--load")
+        load_is_save = load is not None and save is not None and same_folder(Path(load), save)
+        resumed = [command[0], *resume_from_save(command[1:], has_checkpoint,
+                                                 load_is_save=load_is_save,
+                                                 saved_there=self._last_checkpoint is not None)]
         if resumed != list(command):
             dropped = [flag for flag in STARTING_WEIGHTS_ONLY if flag_present(command, flag)]
             log.warning("relaunching with --load %s: the newest checkpoint is there%s", save,
