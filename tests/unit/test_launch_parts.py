@@ -2289,3 +2289,22 @@ def test_a_straggler_named_anew_is_in_line_once_with_its_newest_figures(tmp_path
     latest_of_2 = named(2, 2.1, 50)
     supervisor._weigh_first(latest_of_2)
     assert supervisor._stragglers_behind == [latest_of_2]
+
+
+@pytest.mark.parametrize("upstream, extra, warned", [
+    (True, ["--use-distributed-optimizer"], True),
+    (True, ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"], False),
+    (True, [], False),
+    (False, ["--use-distributed-optimizer"], False),  # ftmaster's trainer: always reshardable
+])
+def test_upstream_megatron_lms_distributed_optimizer_is_told_to_save_fully_reshardable(
+        tmp_path, upstream, extra, warned):
+    """Upstream's default DP-reshardable optimizer state loads only on the same TP and PP:
+    every relaunch on a new layout failed at its load, with nothing said before."""
+    from ftmaster.launch import optimizer_reshard_warning
+    from helpers.trainer import PRETRAIN
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import argparse\n")
+    path = str(script) if upstream else PRETRAIN
+    assert (optimizer_reshard_warning([path, *MODEL, *extra]) is not None) == warned

@@ -55,7 +55,7 @@ from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_o
 from ftmaster.replica_recovery import (FLAG as REPLICA_FLAG,
                                        unavailable_in as replica_recovery_unavailable)
 from ftmaster.monitor.stragglers import StragglerConfig
-from ftmaster.recovery.argv_flags import flag_value, int_flag, set_flag
+from ftmaster.recovery.argv_flags import flag_present, flag_value, int_flag, set_flag
 from ftmaster.recovery.checkpoints import schedule_on_disk
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
 from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args
@@ -170,6 +170,19 @@ def _virtual_flags(argv: Sequence[str]) -> tuple[str | None, ...]:
 def _extra_degrees(context: int, expert: int) -> str:
     """CP and EP for a layout's text, where they are not the default."""
     return (f" x CP {context}" if context > 1 else "") + (f", EP {expert}" if expert > 1 else "")
+
+
+def optimizer_reshard_warning(argv: Sequence[str]) -> str | None:
+    """Upstream Megatron-LM's distributed optimizer saves a DP-reshardable state by default,
+    which its load refuses on another TP or PP ("(TP, PP) mismatch after resume"): every
+    relaunch on a new layout would fail at its load. ftmaster's trainer always saves it fully
+    reshardable."""
+    if uses_trainer_parser(Path(argv[0])) or not flag_present(argv[1:], "--use-distributed-optimizer") \
+            or flag_present(argv[1:], "--dist-ckpt-optim-fully-reshardable"):
+        return None
+    return ("--use-distributed-optimizer without --dist-ckpt-optim-fully-reshardable: Megatron-LM "
+            "loads such a checkpoint only on the same TP and PP, so a relaunch on a new layout "
+            "would fail at its load; add the flag (or give --no-load-optim to relaunches)")
 
 
 def uses_trainer_parser(script: Path) -> bool:
@@ -708,6 +721,8 @@ def launch_command(ctx: click.Context, command: tuple[str, ...], **options) -> N
         logging.getLogger("ftmaster").info(note)
     if (unavailable := replica_recovery_unavailable(argv[1:])) is not None:
         logging.getLogger("ftmaster").warning("%s", unavailable)
+    if (unshardable := optimizer_reshard_warning(argv)) is not None:
+        logging.getLogger("ftmaster").warning("%s", unshardable)
     backend = _backend(options["monitor_backend"], devices.ids, options["seed"])
     try:
         held = HeldFolders(config, rendezvous)
