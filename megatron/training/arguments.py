@@ -267,7 +267,17 @@ def _fill_defaults(args):
 
 
 def _virtual_stages(args) -> int | None:
-    """Model chunks per pipeline rank (Megatron-LM's two ways to ask for them); None: 1."""
+    """Model chunks per pipeline rank; None for one, as Megatron-LM's validate_args makes it:
+    a VPP of 1 selected the interleaved schedule with one chunk, which refused PP 1 and
+    micro-batch counts the plain schedule runs (``ftmaster plan`` writes such flags when a
+    relaunch drops the pipeline)."""
+    stages = _asked_virtual_stages(args)
+    return None if stages == 1 else stages
+
+
+def _asked_virtual_stages(args) -> int | None:
+    """Model chunks per pipeline rank (Megatron-LM's two ways to ask for them); None when
+    none are asked for, or the layers do not divide into them."""
     if args.num_virtual_stages_per_pipeline_rank:
         return args.num_virtual_stages_per_pipeline_rank
     per_stage = args.num_layers_per_virtual_pipeline_stage
@@ -480,16 +490,16 @@ def _validate_pipeline(args):
     _require(not (per_stage and args.num_virtual_stages_per_pipeline_rank),
              "give one of --num-layers-per-virtual-pipeline-stage and "
              "--num-virtual-stages-per-pipeline-rank")
-    _require(not per_stage or vpp is not None,
+    _require(not per_stage or _asked_virtual_stages(args) is not None,
              f"--num-layers ({args.num_layers}) is not divisible by --pipeline-model-parallel-size "
              f"({pp}) x --num-layers-per-virtual-pipeline-stage ({per_stage})")
     chunks = pp * (vpp or 1)
-    split = (f"--pipeline-model-parallel-size ({pp})" if not vpp or vpp == 1 else
+    split = (f"--pipeline-model-parallel-size ({pp})" if not vpp else
              f"the {chunks} pipeline chunks (--pipeline-model-parallel-size {pp} x {vpp} "
              f"virtual stages)")
     _require(args.num_layers % chunks == 0,
              f"--num-layers ({args.num_layers}) is not divisible by {split}")
-    _require(not vpp or vpp == 1 or pp > 1,
+    _require(not vpp or pp > 1,
              "a virtual pipeline (interleaved schedule) needs --pipeline-model-parallel-size > 1")
 
 
@@ -504,7 +514,7 @@ def _validate_batch(args):
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     micro_batches = args.global_batch_size // per_step
     # megatron-core's forward_backward_pipelining_with_interleaving (groups of PP micro-batches)
-    _require(not vpp or vpp == 1 or (micro_batches >= pp and micro_batches % pp == 0),
+    _require(not vpp or (micro_batches >= pp and micro_batches % pp == 0),
              f"the interleaved schedule needs the {micro_batches} micro-batches per step to be a "
              f"multiple of --pipeline-model-parallel-size ({pp})")
 

@@ -448,3 +448,17 @@ def test_a_load_folder_this_user_cannot_list_is_refused_in_one_line():
         said = refusal_as_another_user(with_args("--load", str(theirs), "--save", f"{base}/mine"))
         theirs.chmod(0o700)
     assert said.startswith(f"--load {theirs} cannot be read"), said
+
+
+@pytest.mark.parametrize("extra, world_size", [
+    (("--num-layers-per-virtual-pipeline-stage", "4"), 1),  # PP 1, every layer in one chunk
+    (("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+      "--global-batch-size", "6"), 2),  # 3 micro-batches: the plain schedule takes them
+    (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "1"), 2),
+])
+def test_one_virtual_stage_per_rank_is_the_plain_schedule(extra, world_size):
+    """Megatron-LM's validate_args makes a VPP of 1 None: kept, it selected the interleaved
+    schedule with one chunk, which refused PP 1 and micro-batch counts the plain one runs, and
+    `ftmaster plan` writes such flags when a relaunch drops the pipeline."""
+    args = parse_args(with_args(*extra), world_size=world_size)
+    assert args.virtual_pipeline_model_parallel_size is None
