@@ -242,8 +242,17 @@ def parse_args(argv: list[str], world_size: int | None = None) -> argparse.Names
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     _fill_defaults(args)
-    validate_args(args)
+    try:
+        validate_args(args)
+    except OSError as error:  # a path that cannot be looked at: a name too long, no permission
+        raise ArgumentError(f"{error.filename}: {error.strerror}") from None
     return args
+
+
+def _real(path) -> str:
+    """``path`` with its links resolved; a symlink loop stays as it is (``Path.resolve`` raised
+    RuntimeError there, a traceback)."""
+    return os.path.realpath(path)
 
 
 def _fill_defaults(args):
@@ -635,7 +644,7 @@ def _validate_load(args):
     _require(not load.exists() or load.is_dir(),
              f"--load {load} is a file: give the checkpoint folder (the one holding "
              f"latest_checkpointed_iteration.txt and iter_*)")
-    first_run = args.save is not None and load.resolve() == Path(args.save).resolve()
+    first_run = args.save is not None and _real(load) == _real(args.save)
     _require(load.is_dir() or first_run,
              f"--load {load} does not exist: give the folder to resume from, or the --save "
              f"folder (which may not exist yet on a first run)")
@@ -668,7 +677,7 @@ def _validate_memory_tier(args):
     if args.non_persistent_global_ckpt_dir is None:
         args.non_persistent_global_ckpt_dir = str(Path(args.save) / NON_PERSISTENT_SUBDIR)
     folder = Path(args.non_persistent_global_ckpt_dir)
-    _require(folder.resolve() != Path(args.save).resolve(),
+    _require(_real(folder) != _real(args.save),
              "--non-persistent-global-ckpt-dir must not be the --save folder")
     _require(_is_writable_dir(folder), f"--non-persistent-global-ckpt-dir {folder} is not "
                                        f"writable: choose a directory you can write to")

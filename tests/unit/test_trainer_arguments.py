@@ -462,3 +462,14 @@ def test_one_virtual_stage_per_rank_is_the_plain_schedule(extra, world_size):
     `ftmaster plan` writes such flags when a relaunch drops the pipeline."""
     args = parse_args(with_args(*extra), world_size=world_size)
     assert args.virtual_pipeline_model_parallel_size is None
+
+
+def test_a_path_that_cannot_be_looked_at_is_an_argument_error(tmp_path):
+    """A name too long raised OSError, a symlink loop RuntimeError (Path.resolve): tracebacks
+    in every rank, and out of launch's check."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ArgumentError, match="File name too long"):
+        parse_args(with_args("--load", str(tmp_path / ("s" * 300))), world_size=1)
+    with pytest.raises(ArgumentError, match="does not exist"):
+        parse_args(with_args("--save", str(tmp_path / "ck"), "--load", str(loop)), world_size=1)

@@ -209,8 +209,6 @@ def check_trainer_arguments(command: Sequence[str], world_size: int) -> None:
         parse_args(list(command[1:]), world_size=world_size)
     except ArgumentError as error:
         raise InputError(f"training arguments: {error}") from None
-    except OSError as error:  # a --load, --data-path or --vocab-file that cannot be looked at
-        raise InputError(f"training arguments: {error.filename}: {error.strerror}") from None
     problem = environment_problem()
     if problem is not None:
         raise InputError(problem)
