@@ -175,10 +175,8 @@ def _query_groups(args: Sequence[str], heads: int) -> int:
     # As in Megatron-LM: without --group-query-attention every head is its own group.
     if not flag_present(args, "--group-query-attention"):
         return heads
-    groups = int_flag(args, "--num-query-groups")
-    if groups is None:
-        raise ValueError("--group-query-attention needs --num-query-groups N")
-    return groups
+    # Megatron-LM's --num-query-groups defaults to 1 (multi-query attention)
+    return int_flag(args, "--num-query-groups", 1)
 
 
 def _read_experts(args: Sequence[str], ffn: int, num_layers: int) -> ExpertShape | None:

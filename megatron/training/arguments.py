@@ -261,6 +261,8 @@ def _fill_defaults(args):
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
+    elif args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron-LM's default: multi-query attention
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     args.data_parallel_size = args.world_size // model_parallel if model_parallel > 0 else 0
     if args.global_batch_size is None:
@@ -396,6 +398,8 @@ def _validate_model_numbers(args):
     # Taken as given, these made the first loss NaN, blamed on the training ("non-finite loss")
     _require_number(args, "norm_epsilon", lambda eps: 0 <= eps < math.inf, "a finite number >= 0")
     _require_number(args, "rotary_base", lambda base: base > 0, "a positive integer")
+    # megatron-core checks only < 1: below 0 it failed building the model, a traceback
+    _require_number(args, "rotary_percent", lambda share: share >= 0, "a number >= 0")
 
 
 def _validate_adam(args):

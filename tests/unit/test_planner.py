@@ -288,7 +288,6 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8"
     (BASE + ["--seq-length"], "--seq-length needs a value"),
     (BASE + ["--hidden-size", "60"],
      "hidden size 60 is not divisible by 8 attention heads (give --kv-channels)"),
-    (BASE + ["--group-query-attention"], "--group-query-attention needs --num-query-groups N"),
     (BASE + ["--group-query-attention", "--num-query-groups", "3"],
      "8 attention heads are not divisible by 3 query groups"),
     (BASE[:-2], "--global-batch-size is absent, so it is --micro-batch-size 2 x the "

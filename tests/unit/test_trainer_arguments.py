@@ -473,3 +473,17 @@ def test_a_path_that_cannot_be_looked_at_is_an_argument_error(tmp_path):
         parse_args(with_args("--load", str(tmp_path / ("s" * 300))), world_size=1)
     with pytest.raises(ArgumentError, match="does not exist"):
         parse_args(with_args("--save", str(tmp_path / "ck"), "--load", str(loop)), world_size=1)
+
+
+def test_group_query_attention_without_a_group_count_is_multi_query_as_in_megatron_lm():
+    """It was refused, naming a flag the user never gave, where Megatron-LM trains one group."""
+    args = parse_args(with_args("--group-query-attention"), world_size=1)
+    assert args.num_query_groups == 1
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_rotary_percent_below_zero_is_refused(value):
+    """Below 0 it failed as megatron-core built the model (a traceback, taken for a crash)."""
+    with pytest.raises(ArgumentError, match=f"--rotary-percent must be a number >= 0, got {value}"):
+        parse_args(with_args("--position-embedding-type", "rope", "--rotary-percent", value),
+                   world_size=1)
