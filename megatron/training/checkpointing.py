@@ -1461,6 +1461,9 @@ class Checkpointer:
             # template left it out, so the flag, not the key, decides.)
             self.scheduler.num_steps = 0
             self.scheduler.step(increment=state.consumed_train_samples)
+            log_rank0(f"--no-load-optim: a fresh optimizer; the learning-rate schedule goes on "
+                      f"at sample {state.consumed_train_samples} (Megatron-LM starts it over, "
+                      "warm-up included)")
             # Megatron's mixed-precision optimizer copied the fp32 master weights when it was
             # built; without this its first step would write those random weights back over
             # the loaded ones (optimizer.py: reload_model_params).
