@@ -94,3 +94,36 @@ def test_a_full_disk_as_the_writer_is_made_is_one_line_and_training_goes_on(
     assert capsys.readouterr().out.splitlines() == [
         f"warning: TensorBoard scalars in {tmp_path} stop here: OSError: [Errno 28] No space "
         "left on device"]
+
+
+def test_a_folder_that_stops_answering_stops_the_scalars_not_the_caller(monkeypatch):
+    """tensorboard's own queue holds ten records: past them every add_scalar blocked, under
+    a lock its flush holds too, and on a hung mount the monitor stopped sampling and the
+    supervisor stopped at its next event."""
+    import threading
+    import time
+
+    from ftmaster import scalar_writer
+    from ftmaster.scalar_writer import GuardedWriter
+
+    monkeypatch.setattr(scalar_writer, "WAIT_S", 0.3)
+    answered = threading.Event()
+
+    class Hung:
+        def add_scalar(self, *args):
+            answered.wait(30)
+
+        flush = close = add_scalar
+
+    said = []
+    writer = GuardedWriter(Hung(), "scalars", said.append)
+    started = time.monotonic()
+    for step in range(100):
+        writer.add_scalar("risk", 0.5, step)
+    writer.flush()
+    writer.add_scalar("risk", 0.5, 100)
+    writer.close()
+    answered.set()
+    assert time.monotonic() - started < 2
+    assert said == ["scalars stop here: TimeoutError: flush did not finish within 0.3 s (the "
+                    "folder stopped answering?)"]
