@@ -62,6 +62,21 @@ def test_a_gpu_left_out_of_a_sample_and_a_pace_while_nothing_trains_have_no_seri
     assert value(m, "ftmaster_step_seconds") == 0.5
 
 
+def test_a_gpu_whose_first_sample_was_unread_leaves_no_stale_series_nor_an_empty_name():
+    """An unread first sample (no UUID, no name) started a series of 0.5 under empty labels,
+    which stayed when the next sample's labels differed, after the GPU's retirement too; and
+    the model's name stayed empty for good."""
+    m = metrics()
+    m.observe_samples([GpuSample(1.0, 0, None, failure_risk=0.5)], [])
+    m._uuids[0] = "GPU-1"
+    m.observe_samples([GpuSample(2.0, 0, "H100", temperature=40.0, failure_risk=0.1)], [])
+    assert value(m, "ftmaster_gpu_failure_risk", gpu="0", UUID="", modelName="") is None
+    assert value(m, "ftmaster_gpu_failure_risk", gpu="0", UUID="GPU-1", modelName="H100") == 0.1
+    m.observe_samples([], [])  # retired: no series left at all
+    assert not [sample for family in m.registry.collect() for sample in family.samples
+                if sample.name == "ftmaster_gpu_failure_risk"]
+
+
 def test_events_count_attempts_and_failures_and_time_rto_and_rpo():
     m = metrics()
     m.observe_heartbeat({"iteration": 10, "consumed_samples": 80, "time": 100.0})

@@ -171,6 +171,8 @@ class Metrics:
         self._node = (hostname, "" if node_rank is None else str(node_rank))
         self._uuids: dict[int, str] = {}
         self._names: dict[int, str] = {}
+        self._labelled: dict[int, tuple[str, ...]] = {}
+        """Each GPU's labels at its last series."""
         self._with_series: set[int] = set()  # the GPUs the last sample gave values
         self._xids: dict[int, int] = {}  # GPU -> the last XID it raised
         self._lock = threading.Lock()
@@ -259,7 +261,8 @@ class Metrics:
         read as current."""
         sampled = set()
         for sample in samples:
-            self._names.setdefault(sample.gpu_id, sample.gpu_name or "")
+            if sample.gpu_name:  # an unread first sample named it "" for good
+                self._names[sample.gpu_id] = sample.gpu_name
             sampled.add(sample.gpu_id)
             self._set_gpu(sample.gpu_id, lambda name: self._reading(sample, name))
         for gpu in self._with_series - sampled:
@@ -281,6 +284,11 @@ class Metrics:
 
     def _set_gpu(self, gpu: int, value_of: Callable[[str], object]) -> None:
         labels = self._gpu_labels(gpu)
+        before = self._labelled.get(gpu, labels)
+        if before != labels:  # a UUID or name learnt since: the old series would stay as it was
+            for gauge in (self.risk, *self.telemetry.values()):
+                self._set(gauge, before, None)
+        self._labelled[gpu] = labels
         self._set(self.risk, labels, value_of("failure_risk"))
         for name, gauge in self.telemetry.items():
             self._set(gauge, labels, value_of(name))
