@@ -343,3 +343,24 @@ def test_a_metrics_address_whose_lookup_hangs_is_one_line(monkeypatch):
         serve_metrics(0, "localhost")
     assert time.monotonic() - started < 2
     answer.set()
+
+
+def test_a_silent_connection_is_closed_and_scrapes_go_on(monkeypatch):
+    """prometheus_client's server kept a thread and a descriptor for every connection that
+    sent nothing (a port scan), for good: with the descriptors gone, the heartbeat's reads
+    failed and a healthy attempt looked hung."""
+    import threading
+    import time
+
+    from ftmaster import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._Handler, "timeout", 0.2)
+    served, url = serve_metrics(0, "127.0.0.1", node_rank=1)
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    before = threading.active_count()
+    idle = [socket.create_connection((host, int(port))) for _ in range(5)]
+    time.sleep(1.0)
+    assert threading.active_count() <= before + 1  # their handlers ended
+    assert all(s.recv(1) == b"" for s in idle)  # closed by the server
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert b"ftmaster_" in response.read()

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
-from prometheus_client import start_http_server
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, make_wsgi_app
 
 from ftmaster import runfiles
 from ftmaster.addresses import bind_address, host_port
@@ -159,6 +161,35 @@ def _is_gpu(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+SCRAPE_TIMEOUT_S = 10.0
+"""How long a connection may stay silent: prometheus_client's server kept a thread and a file
+descriptor for every idle one (a port scan, a stuck health check) for good, and with the
+descriptors gone the heartbeat's reads failed and a healthy attempt looked hung."""
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, *args) -> None:  # a scrape is no console line
+        pass
+
+
+def _serve_http(family, ip: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """prometheus_client's threaded WSGI server for ``registry``, with idle connections
+    closed after :data:`SCRAPE_TIMEOUT_S`; served by a daemon thread."""
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = family
+
+        def handle_error(self, request, client_address) -> None:
+            pass  # a client gone or silent: nothing the run needs to hear of
+
+    server = make_server(ip, port, make_wsgi_app(registry), Server, handler_class=_Handler)
+    threading.Thread(target=server.serve_forever, name="ftmaster-metrics", daemon=True).start()
+    return server
+
+
 class Metrics:
     """The registry and its updates; :meth:`serve` starts the HTTP server."""
 
@@ -234,8 +265,8 @@ class Metrics:
         address cannot be bound, or its name not looked up in time (:func:`bind_address`:
         prometheus_client's own lookup would wait on a hung resolver for good)."""
         assert self.config is not None, "metrics without a config are not served"
-        ip = bind_address(self.config.addr, self.config.port)[1][0]
-        server, _ = start_http_server(self.config.port, ip, registry=self.registry)
+        family, address = bind_address(self.config.addr, self.config.port)
+        server = _serve_http(family, address[0], self.config.port, self.registry)
         host, port = server.server_address[:2]
         return f"http://{host_port(host, port)}/metrics"
 
