@@ -104,16 +104,23 @@ def test_a_launch_waiting_for_workers_still_importing_ends_its_wait_on_a_stop(tm
     assert time.monotonic() - started < 5
 
 
+def fake_interpreter(tmp_path, before_ready: str = "", cuda: bool = False) -> str:
+    """A stand-in for a worker's interpreter: it runs the shell lines ``before_ready``, says
+    it is ready (holding CUDA when ``cuda``, else clean), then waits."""
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\n" + before_ready + "echo '{\"pid\": 1, \"import_s\": 0.1, "
+                           f"\"cuda_initialized\": {str(cuda).lower()}, \"process_group\": false}}'\n"
+                           "exec sleep 60\n")
+    fake_python.chmod(0o755)
+    return str(fake_python)
+
+
 def test_workers_ready_holding_cuda_stop_warm_starts_at_once(tmp_path):
     """A worker whose imports initialised CUDA (or a process group) is never handed a rank,
     but it kept its place in the pool: every relaunch waited the whole READY_TIMEOUT_S for a
     set that could never be ready, then started cold, while the worker held its CUDA context
     beside training."""
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
-                           "\"cuda_initialized\": true, \"process_group\": false}'\nexec sleep 60\n")
-    fake_python.chmod(0o755)
-    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    pool = warm.WarmPool(1, tmp_path, python=fake_interpreter(tmp_path, cuda=True))
     worker = pool.workers[0]
     try:
         started = time.monotonic()
@@ -125,15 +132,6 @@ def test_workers_ready_holding_cuda_stop_warm_starts_at_once(tmp_path):
         worker.process.kill()
 
 
-def clean_ready_python(tmp_path):
-    """A stand-in interpreter: a clean ready line at once, then it waits."""
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
-                           "\"cuda_initialized\": false, \"process_group\": false}'\nexec sleep 60\n")
-    fake_python.chmod(0o755)
-    return str(fake_python)
-
-
 def test_a_waiting_worker_that_is_stopped_is_replaced_never_handed_a_rank(tmp_path, caplog):
     """A SIGSTOPped worker is alive and was ready, so it was handed a rank: the attempt's
     other ranks waited out the process-group timeout (66 s with a 0.5 min timeout here,
@@ -143,7 +141,7 @@ def test_a_waiting_worker_that_is_stopped_is_replaced_never_handed_a_rank(tmp_pa
 
     import psutil
 
-    pool = warm.WarmPool(2, tmp_path, python=clean_ready_python(tmp_path))
+    pool = warm.WarmPool(2, tmp_path, python=fake_interpreter(tmp_path))
     stopped = pool.workers[0]
     taken = []
     try:
@@ -178,12 +176,7 @@ def test_workers_that_died_before_ready_count_only_until_a_set_is_ready_again(tm
 def taken_from_a_pool_of_one(tmp_path, before_ready: str, times: int = 1):
     """The workers ``times`` takes get from a pool of one whose interpreter runs the shell
     lines ``before_ready``, then says it is ready; and whether the pool broke."""
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\n" + before_ready + "echo '{\"pid\": 1, \"import_s\": 0.1, "
-                           "\"cuda_initialized\": false, \"process_group\": false}'\n"
-                           "exec sleep 60\n")
-    fake_python.chmod(0o755)
-    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    pool = warm.WarmPool(1, tmp_path, python=fake_interpreter(tmp_path, before_ready))
     taken = []
     try:
         for _ in range(times):
@@ -241,12 +234,7 @@ def test_a_take_whose_refill_cannot_start_a_worker_still_hands_out_the_set(tmp_p
     error went out of the take with the taken workers out of the pool and alive, holding
     torch until ftmaster exited, and gave the run up. Now the set is handed out, the failure
     said once, and a take the pool cannot serve returns at once (a launch then starts cold)."""
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho '{\"pid\": 1, \"import_s\": 0.1, "
-                           "\"cuda_initialized\": false, \"process_group\": false}'\n"
-                           "exec sleep 60\n")
-    fake_python.chmod(0o755)
-    pool = warm.WarmPool(1, tmp_path, python=str(fake_python))
+    pool = warm.WarmPool(1, tmp_path, python=fake_interpreter(tmp_path))
     taken = []
     try:
         deadline = time.monotonic() + 10
