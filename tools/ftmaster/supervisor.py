@@ -131,11 +131,11 @@ PEER_FAILURE_GRACE_S = 2.0
 SHARED_CAUSES = ("usage", "nonfinite", "peer_read")
 SCALE_UP_POLICIES = ("now", "at-save")
 CHECKPOINT_LOOK_S = 5.0
-PERSIST_WAIT_NOTICE_S = 30.0
-"""At the run's end, how often the wait for the last persist copy says it is still waiting."""
 """How long a look at the checkpoint folders (is an idle attempt still writing a save?) may
 hold the supervisor up: on a file system that stopped answering it never returns
 (:meth:`Supervisor._seconds_since_checkpoint_write` says what no answer counts as)."""
+PERSIST_WAIT_NOTICE_S = 30.0
+"""At the run's end, how often the wait for the last persist copy says it is still waiting."""
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
