@@ -89,6 +89,10 @@ def launch(run_dir, *args, env=None):
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--policy", "wait", "--inject",
       "xid:gpu=1,code=79,at=iter:3", "--inject", "recover:gpu=1,at=iter:5", "--", PRETRAIN, *MODEL],
      "no fail:gpu=1 loses GPU 1 first, so it would never fire"),
+    # --run-dir . defaulted the job's id to '' and blamed the endpoint given too
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--nnodes", "1:2", "--node-rank", "0",
+      "--rdzv-endpoint", "127.0.0.1:1", "--run-dir", "/", "--", PRETRAIN, *MODEL],
+     "--rdzv-id is needed with --nnodes: the run directory has no name to take it from"),
     # a per-node command that forgot --nnodes trained each node alone, saying nothing
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--node-rank", "1", "--rdzv-endpoint",
       "10.0.0.1:29400", "--", PRETRAIN, *MODEL],

@@ -663,7 +663,8 @@ def _console_logging() -> None:
                    "brackets, [fd00::1]:29400); with c10d, the ftmaster on that host serves it.")
 @click.option("--rdzv-backend", default="c10d", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--rdzv-id", default=None,
-              help="The job's id, the same on every node. Default: the --run-dir's name.")
+              help="The job's id, the same on every node. Default: the --run-dir folder's "
+                   "name (under SLURM: the job's id, with -r<N> after a requeue).")
 @click.option("--rdzv-conf", default=None, metavar="K=V,...",
               help="torch elastic's rendezvous settings, durations in whole seconds: "
                    "join_timeout, last_call_timeout, keep_alive_interval, "
@@ -792,7 +793,8 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
                                  + (" (a folder every node can write, shared)" if name == "run_dir"
                                     else ""))
         config = RendezvousConfig(
-            endpoint=options["rdzv_endpoint"], run_id=options["rdzv_id"] or options["run_dir"].name,
+            endpoint=options["rdzv_endpoint"],
+            run_id=options["rdzv_id"] or Path(os.path.realpath(options["run_dir"])).name,
             min_nodes=min_nodes, max_nodes=max_nodes, node_rank=options["node_rank"],
             backend=options["rdzv_backend"], local_addr=options["local_addr"],
             conf=_with_store_host(parse_conf(options["rdzv_conf"]), options))

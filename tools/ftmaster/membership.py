@@ -153,8 +153,11 @@ class RendezvousConfig:
             raise ValueError(f"need 1 <= min nodes <= max nodes, got {self.min_nodes}:{self.max_nodes}")
         if self.node_rank < 0:
             raise ValueError(f"--node-rank must be >= 0, got {self.node_rank}")
-        if not self.endpoint or not self.run_id:
-            raise ValueError("--rdzv-endpoint and --rdzv-id are needed with --nnodes")
+        if not self.endpoint:
+            raise ValueError("--rdzv-endpoint is needed with --nnodes")
+        if not self.run_id:  # --run-dir / has no name to default to
+            raise ValueError("--rdzv-id is needed with --nnodes: the run directory has no name "
+                             "to take it from")
         try:
             host, port = split_host_port(self.endpoint)
         except ValueError as error:
