@@ -794,7 +794,7 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
                                     else ""))
         config = RendezvousConfig(
             endpoint=options["rdzv_endpoint"],
-            run_id=options["rdzv_id"] or Path(os.path.realpath(options["run_dir"])).name,
+            run_id=options["rdzv_id"] or _folder_name(options["run_dir"]),
             min_nodes=min_nodes, max_nodes=max_nodes, node_rank=options["node_rank"],
             backend=options["rdzv_backend"], local_addr=options["local_addr"],
             conf=_with_store_host(parse_conf(options["rdzv_conf"]), options))
@@ -807,6 +807,13 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
         raise InputError(f"--metrics-port {port} is the rendezvous store's port "
                          f"(--rdzv-endpoint {config.endpoint}): give another")
     return config
+
+
+def _folder_name(folder: Path) -> str:
+    """``folder``'s name as given (every node writes the same shared path), or for ``.`` and
+    ``..`` the real one; empty for ``/``."""
+    name = Path(folder).name
+    return Path(os.path.realpath(folder)).name if name in ("", ".", "..") else name
 
 
 def _with_store_host(conf: dict[str, str], options: dict) -> dict[str, str]:
