@@ -137,7 +137,7 @@ def test_an_etcd_server_at_an_ipv6_address_is_refused_up_front(endpoint):
     ("keep_alive_max_attempt", "2", "attempts from 3")])
 def test_a_keep_alive_window_too_short_is_refused(key, value, expected):
     """torch takes 0, and its keep-alive window, interval x attempts, is then 0: every node
-    counts as dead at once, and the round never formed ("too few nodes joined"). torch sends
+    counts as dead at once, and the round never formed (a join timeout). torch sends
     a keep-alive only once the last is an interval old: with 2 attempts a live node dropped
     itself from its round, with 1 no round formed."""
     with pytest.raises(ValueError, match=f"--rdzv-conf {key}='{value}': expected whole {expected}"):
@@ -303,7 +303,7 @@ def test_a_round_that_never_formed_says_how_long_it_waited_for_how_many():
     def never_formed():
         raise RendezvousTimeoutError()
 
-    with pytest.raises(JoinTimedOut, match="^fewer than 2 node\\(s\\) within join_timeout 45 s$"):
+    with pytest.raises(JoinTimedOut, match="^no round of at least 2 node\\(s\\) formed within join_timeout 45 s$"):
         membership._call(never_formed)
 
 

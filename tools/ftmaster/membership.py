@@ -757,8 +757,10 @@ class NodeMembership:
             # job ended as it waited, which read as a lost store, exit 75, a requeue.
             raise JobEnded(self.outcome_after_close()) from None
         except RendezvousTimeoutError as error:  # torch's says nothing (an empty message)
-            raise JoinTimedOut(str(error) or f"fewer than {self.config.min_nodes} node(s) "
-                               f"within join_timeout "
+            # Also when enough nodes waited, but the round in force was not left by a node
+            # that still counts in it (one waiting with --policy wait): no count is claimed
+            raise JoinTimedOut(str(error) or f"no round of at least {self.config.min_nodes} "
+                               f"node(s) formed within join_timeout "
                                f"{self.config.seconds('join_timeout', 600):g} s") from None
         except (RendezvousConnectionError, RendezvousError, RuntimeError, TimeoutError,
                 ConnectionError, CallTimeout, *_etcd_errors()) as error:

@@ -1620,7 +1620,7 @@ class Supervisor:
         except JobEnded as ended:
             return self._job_ended(ended.outcome)
         except JoinTimedOut as error:
-            self._give_up(f"too few nodes joined the rendezvous: {error}")
+            self._give_up(f"the rendezvous: {error}")
             return Trigger.NO_LAYOUT
         except ValueError as error:  # e.g. two nodes with the same --node-rank
             self._give_up(str(error), requeue_helps=False)
