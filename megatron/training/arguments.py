@@ -710,6 +710,11 @@ def _is_writable_dir(path: Path) -> bool:
     existing = next(folder for folder in (path.absolute(), *path.absolute().parents)
                     if os.path.lexists(folder))
     try:
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+        # a name too long passed, and every rank failed at the first save's mkdir
+        if any(len(os.fsencode(part)) > longest
+               for part in path.absolute().relative_to(existing).parts):
+            return False
         with tempfile.TemporaryFile(dir=existing):
             return True
     except OSError:

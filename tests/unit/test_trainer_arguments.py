@@ -487,3 +487,9 @@ def test_a_rotary_percent_below_zero_is_refused(value):
     with pytest.raises(ArgumentError, match=f"--rotary-percent must be a number >= 0, got {value}"):
         parse_args(with_args("--position-embedding-type", "rope", "--rotary-percent", value),
                    world_size=1)
+
+
+def test_a_save_folder_whose_name_is_too_long_is_refused_before_training(tmp_path):
+    """It passed the check, and every rank failed at the first save's mkdir."""
+    with pytest.raises(ArgumentError, match="--save"):
+        parse_args(with_args("--save", str(tmp_path / ("s" * 300) / "ckpt")), world_size=1)
