@@ -160,6 +160,21 @@ def test_checkpoint_age_per_tier_and_the_persist_lag(monkeypatch):
     assert value(m, "ftmaster_persist_lag_iterations") == 0
 
 
+def test_a_node_that_does_not_persist_shows_no_persist_lag(monkeypatch):
+    """Across nodes one node copies the memory tier to disk: the others never saw a copy
+    land, and their lag grew for the whole run (an alert on it fired there all along)."""
+    m = metrics()
+    monkeypatch.setattr("ftmaster.metrics.time.time", lambda: 1000.0)
+    m.observe_persisting(False)
+    m.observe_event({"event": "periodic_save", "tier": "memory", "iteration": 10, "time": 900.0})
+    assert value(m, "ftmaster_persist_lag_iterations") is None
+    assert value(m, "ftmaster_persist_lag_seconds") is None
+    assert value(m, "ftmaster_checkpoint_age_seconds", tier="memory") == 100.0
+    m.observe_persisting(True)  # a new round put the trainer's rank 0 here
+    assert value(m, "ftmaster_persist_lag_iterations") == 10
+    assert value(m, "ftmaster_persist_lag_seconds") == 100.0
+
+
 def test_a_checkpoints_age_counts_from_when_its_save_began(monkeypatch):
     """The trainer writes a save's event once it is durable: an async disk save that wrote for
     minutes read minutes younger than the state it holds."""

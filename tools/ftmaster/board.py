@@ -158,6 +158,9 @@ class RunBoard:
     def _reached(self, iteration: int) -> None:
         self.iteration = max(self.iteration, iteration)
 
+    def observe_persisting(self, persisting: bool) -> None:
+        """Nothing on the board depends on which node persists."""
+
     def observe_state(self, state) -> None:
         """Nothing: the state lives in the metrics."""
 

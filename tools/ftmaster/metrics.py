@@ -31,6 +31,7 @@ events and the trainer's heartbeat. No update blocks on a scrape.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -81,6 +82,8 @@ class Observer(Protocol):
     def observe_event(self, event: dict) -> None: ...
 
     def observe_heartbeat(self, heartbeat: dict | None) -> None: ...
+
+    def observe_persisting(self, persisting: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,7 @@ class Metrics:
         self._unpersisted: dict[int, float] = {}  # memory saves newer than the disk's: time
         self._recoveries = Recoveries(node_rank)
         self._on_disk: int | None = None  # the newest iteration durable on disk
+        self._persisting = True  # this node copies the memory tier to disk
         self._beat: tuple[int, int, float] | None = None  # iteration, samples, time
         self._step_s: float | None = None
 
@@ -422,7 +426,7 @@ class Metrics:
         if first:
             self.checkpoint_age.labels(*self._node, tier).set_function(
                 lambda: time.time() - self._saves[tier][1])
-            if tier == "memory":  # no lag before the memory tier's first checkpoint: absent
+            if tier == "memory" and self._persisting:  # none before its first checkpoint
                 self.persist_lag_seconds.labels(*self._node).set_function(self._lag_seconds)
 
     def _persisted(self, iteration) -> None:
@@ -459,9 +463,22 @@ class Metrics:
                 self._on_disk = min(self._on_disk, iteration)
         self._update_lag_iterations()
 
+    def observe_persisting(self, persisting: bool) -> None:
+        """Whether this node's ftmaster copies the memory tier to disk (one node does: across
+        nodes the others never see a copy land, and their lag only grew)."""
+        self._persisting = persisting
+        if persisting:
+            self._update_lag_iterations()
+            if "memory" in self._saves:
+                self.persist_lag_seconds.labels(*self._node).set_function(self._lag_seconds)
+            return
+        for gauge in (self.persist_lag_iterations, self.persist_lag_seconds):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*self._node)
+
     def _update_lag_iterations(self) -> None:
         memory = self._saves.get("memory")
-        if memory is not None:
+        if memory is not None and self._persisting:
             self.persist_lag_iterations.labels(*self._node).set(
                 max(0, memory[0] - (self._on_disk if self._on_disk is not None else 0)))
 

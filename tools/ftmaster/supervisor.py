@@ -374,6 +374,7 @@ class Supervisor:
         # made it whole, else from the nodes that hold each file.
         self._persists_here = membership is None or (
             replication is None and membership.config.node_rank == 0)
+        self._tell("observe_persisting", self._persists_here)
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
                           if self.tiers is not None and (self._persists_here or replication)
                           else None)
@@ -1658,6 +1659,7 @@ class Supervisor:
             if unloadable is not None and self._fails_the_round(unloadable):
                 return self._catch_up_failed(joined, unloadable)
             self._persists_here = rank0_here
+            self._tell("observe_persisting", rank0_here)
         if self.replicas is not None and mine:
             self.replicas.round = (joined.number, rank_ranges(plan.ranks_per_node)[joined.me].start)
         self.plan, self.next_gpus = plan, tuple(available[:mine])
