@@ -1118,10 +1118,12 @@ def test_a_spare_whose_round_lost_a_node_joins_a_new_round(tmp_path):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1),
                               first_plan=None, poll_interval_s=0.01)
     supervisor = Supervisor(config, PlanningMonitor(False))
+    polls = []
     supervisor.membership = types.SimpleNamespace(outcome=lambda stop: None,
                                                   peers_waiting=lambda stop: False,
-                                                  node_dropped=lambda stop: True)
-    assert supervisor._standby() is Trigger.PEERS_WAITING
+                                                  node_dropped=lambda stop: len(polls) > 2)
+    supervisor._persist_when_due = lambda: polls.append(1)  # a spare node 0 persists too
+    assert supervisor._standby() is Trigger.PEERS_WAITING and len(polls) == 3
 
 
 @pytest.mark.parametrize("outcome, status", [

@@ -1818,6 +1818,8 @@ class Supervisor:
         stop = self._stop_requested
         try:
             while not stop.wait(self.config.poll_interval_s):
+                # node 0 persists a shared memory folder, with ranks this round or without
+                self._persist_when_due()
                 outcome = self.membership.outcome(stop)
                 if outcome is not None:
                     return self._job_ended(outcome)
