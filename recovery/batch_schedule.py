@@ -57,6 +57,20 @@ class StepSchedule:
         """The global batch in effect after ``consumed_samples`` (``_get_batch_size_for_samples``)."""
         return [batch for threshold, batch in self.entries if consumed_samples >= threshold][-1]
 
+    def consumed_after(self, iterations: int) -> int:
+        """The samples ``iterations`` steps consume from the start, each at the batch in
+        effect before it (``update_num_microbatches(consumed_samples)`` then a step)."""
+        consumed, left = 0, iterations
+        for threshold, _ in self.entries[1:]:
+            if consumed >= threshold:
+                continue
+            batch = self.batch_at(consumed)
+            steps = -(-(threshold - consumed) // batch)
+            if steps >= left:
+                break
+            consumed, left = consumed + steps * batch, left - steps
+        return consumed + left * self.batch_at(consumed)
+
     def batches_from(self, consumed_samples: int) -> tuple[int, ...]:
         """Every batch the run will still use: each must divide by micro-batch x DP."""
         current = self.batch_at(consumed_samples)

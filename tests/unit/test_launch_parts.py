@@ -2310,3 +2310,23 @@ def test_upstream_megatron_lms_distributed_optimizer_is_told_to_save_fully_resha
     script.write_text("import argparse\n")
     path = str(script) if upstream else PRETRAIN
     assert (optimizer_reshard_warning([path, *MODEL, *extra]) is not None) == warned
+
+
+def test_a_relaunch_under_a_batch_schedule_plans_from_the_checkpoints_samples(tmp_path):
+    """The planner was given no consumed samples: every batch of the schedule, passed ones
+    too, had to divide by the new DP. Schedule 0:8, then 24 from 960 tokens (30 samples), on
+    6 GPUs with a checkpoint at iteration 10 (8 x 4 + 24 x 6 = 176 samples, past 30): DP 6."""
+    from ftmaster.recovery.planner import plan_layout
+    from test_persist import fake_checkpoint
+
+    command = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "100",
+               "--step-batch-size-schedule", "0:8 960:24", "--save", str(tmp_path / "ckpt")]
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=tuple(command),
+                              gpus=tuple(range(8)), first_plan=check_layout(command, 8, None, None))
+    supervisor = Supervisor(config, StubMonitor(False))
+    assert supervisor._planner_options()["consumed_samples"] is None  # no checkpoint yet
+    fake_checkpoint(tmp_path / "ckpt", 10)
+    options = supervisor._planner_options()
+    assert options["consumed_samples"] == 176
+    assert plan_layout(command, 6, original_world_size=8, **options).data_parallel_size == 6

@@ -94,7 +94,8 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.retirements import boot_id, carried_over
-from ftmaster.recovery.argv_flags import flag_present
+from ftmaster.recovery.argv_flags import flag_present, int_flag
+from ftmaster.recovery.batch_schedule import read_step_schedule
 from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints, iteration_dir,
                                            list_iterations, newest_held, newest_on_disk,
                                            read_save_kind, read_tracker, remove_abandoned_writes,
@@ -1571,7 +1572,24 @@ class Supervisor:
 
     def _planner_options(self) -> dict:
         return {"mode": self.config.plan_mode, "gpu_memory_gb": self.config.gpu_memory_gb,
-                "global_batch_tolerance_pct": self.config.global_batch_tolerance_pct}
+                "global_batch_tolerance_pct": self.config.global_batch_tolerance_pct,
+                "consumed_samples": self._consumed_at_least()}
+
+    def _consumed_at_least(self) -> int | None:
+        """Under ``--step-batch-size-schedule``, the samples the newest checkpoint on disk
+        consumed: a relaunch resumes there or later, so the batches passed before it need not
+        divide by the new data-parallel size (planned as at sample 0, they idled GPUs or
+        found no layout). None without a schedule, or when ``--save`` cannot be read."""
+        args = self.config.command[1:]
+        save = flag_value(args, "--save")
+        try:
+            schedule = read_step_schedule(args, int_flag(args, "--seq-length", 1))
+            if schedule is None or save is None:
+                return None
+            newest = self._checkpoint_looks.call(CHECKPOINT_LOOK_S, newest_on_disk, Path(save))
+        except (ValueError, OSError, CallTimeout):
+            return None
+        return None if newest is None else schedule.consumed_after(newest)
 
     def _measure_original_layout(self) -> None:
         """The step time of an attempt on the original layout (median of its logged
