@@ -177,8 +177,9 @@ def optimizer_reshard_warning(argv: Sequence[str]) -> str | None:
     which its load refuses on another TP or PP ("(TP, PP) mismatch after resume"): every
     relaunch on a new layout would fail at its load. ftmaster's trainer always saves it fully
     reshardable."""
-    if uses_trainer_parser(Path(argv[0])) or not flag_present(argv[1:], "--use-distributed-optimizer") \
-            or flag_present(argv[1:], "--dist-ckpt-optim-fully-reshardable"):
+    args = argv[1:]
+    if uses_trainer_parser(Path(argv[0])) or not flag_present(args, "--use-distributed-optimizer") \
+            or flag_present(args, "--dist-ckpt-optim-fully-reshardable"):
         return None
     return ("--use-distributed-optimizer without --dist-ckpt-optim-fully-reshardable: Megatron-LM "
             "loads such a checkpoint only on the same TP and PP, so a relaunch on a new layout "
