@@ -728,8 +728,8 @@ class AdaptiveScorer:
         # score holds until every signal this GPU has shown is read again (a GPU re-armed,
         # and its drain was called off, as its temperature reads began to fail after a
         # thermal alert). One it never shows (no power reading) holds nothing.
-        unread = track.read_once - _read_signals(s)
-        track.read_once |= _read_signals(s)
+        shown = _read_signals(s)
+        unread, track.read_once = track.read_once - shown, track.read_once | shown
         decay = 0.0 if unread else self.config.score_decay_per_min * dt / 60.0
         track.score = max(raw, track.score - decay)
         reasons = tuple(k for k, v in sorted(severities.items(), key=lambda kv: -kv[1])

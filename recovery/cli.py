@@ -30,11 +30,12 @@ class SeparatedCommand(click.Command):
     """
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        ctx.meta[SEPARATOR_KEY] = tuple(args[args.index("--") + 1:]) if "--" in args else None
-        if "--" in args and args.index("--") > 0 and args[args.index("--") - 1] in self._valued(ctx):
+        separator = args.index("--") if "--" in args else None
+        ctx.meta[SEPARATOR_KEY] = None if separator is None else tuple(args[separator + 1:])
+        if separator and args[separator - 1] in self._valued(ctx):
             # click takes the separator as the option's value (``--run-dir $RUN --`` with RUN
             # unset), and the script's arguments as its own
-            raise click.UsageError(f"{args[args.index('--') - 1]} needs a value before --", ctx)
+            raise click.UsageError(f"{args[separator - 1]} needs a value before --", ctx)
         return super().parse_args(ctx, args)  # its usage errors: one line (ftmaster.cli)
 
     def _valued(self, ctx: click.Context) -> set[str]:
