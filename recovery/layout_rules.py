@@ -50,14 +50,27 @@ activations
 --tp-comm-overlap            ``validate_args``: SP is switched off at TP 1, then the overlap asserts
 --use-torch-fsdp2            ``validate_args``: PP == 1 and EP == 1
 --ckpt-format torch_dcp      ``validate_args``: TP == 1 and PP == 1
+--ckpt-format torch          megatron/training/checkpointing.py ``check_checkpoint_args``: without
+                             a distributed checkpoint TP and PP must be the checkpoint's; its
+                             ``mp_rank_*`` folders name EP too, and its ``model<i>`` keys the
+                             virtual stages (all four are kept)
 --overlap-param-gather-      ``validate_args``: VPP > 1 (interleaving is kept on)
 with-optimizer-step
---recompute-method uniform   megatron/core/transformer/transformer_block.py ``_checkpointed_forward``:
-                             groups of --recompute-num-layers tile each chunk (else IndexError)
+--overlap-p2p-communication- ``validate_args`` switches the p2p overlap off without interleaving, then
+warmup-flush                 ``ModelParallelConfig.__post_init__`` raises (interleaving is kept on)
+--recompute-method uniform   megatron-core 0.16's transformer_block.py ``_checkpointed_forward``:
+                             groups of --recompute-num-layers tile each chunk (else IndexError).
+                             Megatron-LM's main branch clamps the last group (megatron/core/
+                             recompute.py); kept, since which core an upstream script runs is not
+                             known from its command
+--moe-token-dispatcher-type  megatron/core/transformer/moe/token_dispatcher.py ``MoEFlexTokenDispatcher``:
+flex                         ETP x EP > 1 with the deepep (default) and ncclep backends
+--use-tp-pp-dp-mapping       ``initialize_model_parallel``: with the order tp-cp-ep-pp-dp and PP > 1
+                             the expert data-parallel size must equal DP (ETP x EP == TP x CP)
 --cpu-offloading             ``TransformerConfig.__post_init__``: PP == 1
 --defer-embedding-wgrad-     ``ModelParallelConfig.__post_init__``: PP > 1
 compute
---hybrid-context-parallel    ``validate_args``: PP == 1
+--hybrid-context-parallel    ``validate_args``: PP == 1; ``initialize_model_parallel``: DP x CP even
 --hierarchical-context-      ``validate_args``: CP == product of the sizes (CP is then kept)
 parallel-sizes
 ===========================  =====================================================================
@@ -168,8 +181,15 @@ class RuleFlags:
     """``--use-torch-fsdp2``: needs PP 1 and EP 1."""
     torch_dcp: bool = False
     """``--ckpt-format torch_dcp``: needs TP 1 and PP 1."""
+    legacy_checkpoint: bool = False
+    """``--ckpt-format torch``: keeps the original TP, PP (and its virtual stages) and EP."""
     needs_interleaving: bool = False
-    """``--overlap-param-gather-with-optimizer-step``: needs VPP > 1."""
+    """``--overlap-param-gather-with-optimizer-step`` or
+    ``--overlap-p2p-communication-warmup-flush``: needs VPP > 1."""
+    flex_dispatcher: bool = False
+    """``--moe-token-dispatcher-type flex`` on a backend other than hybridep: ETP x EP > 1."""
+    tp_pp_dp_mapping: bool = False
+    """``--use-tp-pp-dp-mapping``: at PP > 1, ETP x EP == TP x CP."""
     recompute_group: int = 1
     """``--recompute-method uniform``'s ``--recompute-num-layers``: it divides each pipeline
     chunk's layers (1: no such rule)."""
@@ -178,7 +198,7 @@ class RuleFlags:
     defer_embedding_wgrad: bool = False
     """``--defer-embedding-wgrad-compute``: needs PP > 1."""
     hybrid_context_parallel: bool = False
-    """``--hybrid-context-parallel``: needs PP 1."""
+    """``--hybrid-context-parallel``: needs PP 1 and an even DP x CP."""
     fixed_context_parallel: bool = False
     """``--hierarchical-context-parallel-sizes``: CP must keep their product."""
     optimizer_instances: int = 1
@@ -286,7 +306,12 @@ def read_rule_flags(args: Sequence[str]) -> RuleFlags:
         tp_comm_overlap=flag_present(args, "--tp-comm-overlap"),
         torch_fsdp2=flag_present(args, "--use-torch-fsdp2"),
         torch_dcp=flag_value(args, "--ckpt-format") == "torch_dcp",
-        needs_interleaving=flag_present(args, "--overlap-param-gather-with-optimizer-step"),
+        legacy_checkpoint=flag_value(args, "--ckpt-format") == "torch",
+        needs_interleaving=(flag_present(args, "--overlap-param-gather-with-optimizer-step")
+                            or flag_present(args, "--overlap-p2p-communication-warmup-flush")),
+        flex_dispatcher=(flag_value(args, "--moe-token-dispatcher-type") == "flex"
+                         and flag_value(args, "--moe-flex-dispatcher-backend") != "hybridep"),
+        tp_pp_dp_mapping=flag_present(args, "--use-tp-pp-dp-mapping"),
         recompute_group=(int_flag(args, "--recompute-num-layers", 1)
                          if flag_value(args, "--recompute-method") == "uniform" else 1),
         cpu_offloading=(flag_present(args, "--cpu-offloading")
@@ -467,6 +492,8 @@ def pipeline_splits(shape: ModelShape, flags: PipelineFlags, rules: RuleFlags,
         if split is not None and rules.needs_interleaving:
             split = (replace(split, can_stop_interleaving=False) if split.virtual_size > 1
                      else None)
+        if split is not None and rules.legacy_checkpoint:
+            split = replace(split, can_stop_interleaving=False)
         if split is not None and rules.recompute_group > 1:
             split = _tiled_by_recompute_groups(split, rules.recompute_group)
         if split is not None:
@@ -517,13 +544,31 @@ def model_splits(shape: ModelShape, original: OriginalLayout, pipeline_flags: Pi
                 if tp * cp * pipeline.size > max_gpus:
                     break
                 for ep in expert_sizes(shape, rules):
-                    yield ModelSplit(tp, cp, pipeline, ep, etp)
+                    split = ModelSplit(tp, cp, pipeline, ep, etp)
+                    if expert_layout_allows(split, original, rules):
+                        yield split
+
+
+def expert_layout_allows(split: ModelSplit, original: OriginalLayout, rules: RuleFlags) -> bool:
+    """The rules on a whole split: a legacy checkpoint's TP, PP and EP; the flex dispatcher's
+    ETP x EP > 1; the tp-pp-dp order's expert DP equal to DP at PP > 1."""
+    if rules.legacy_checkpoint and (
+            split.tensor, split.pipeline.size, split.expert) != (
+            original.tensor_model_parallel_size, original.pipeline_model_parallel_size,
+            original.expert_model_parallel_size):
+        return False
+    if rules.flex_dispatcher and split.expert_tensor * split.expert == 1:
+        return False
+    return not (rules.tp_pp_dp_mapping and split.pipeline.size > 1
+                and split.expert_tensor * split.expert != split.tensor * split.context)
 
 
 def data_parallel_allows(split: ModelSplit, rules: RuleFlags, dp: int) -> bool:
-    """world % (ETP*EP*PP) (parallel_state). The distributed-optimizer instances do not
-    constrain DP: a relaunch runs fewer when DP does not allow them
-    (:func:`optimizer_instances_for`)."""
+    """world % (ETP*EP*PP) (parallel_state), and an even DP x CP under hybrid CP. The
+    distributed-optimizer instances do not constrain DP: a relaunch runs fewer when DP does
+    not allow them (:func:`optimizer_instances_for`)."""
+    if rules.hybrid_context_parallel and (dp * split.context) % 2:
+        return False
     return (split.tensor * split.context * dp) % (split.expert_tensor * split.expert) == 0
 
 

@@ -42,6 +42,8 @@ class ScriptFacts:
     step_schedule: StepSchedule | None = None
     """``--step-batch-size-schedule``, thresholds in samples."""
     overlap_grad_reduce: bool = False
+    phase_transitions: bool = False
+    """``--phase-transition-iterations``: the global batch must stay the checkpoint's."""
     warnings: tuple[str, ...] = ()
     """Flags the planner only approximates, named."""
 
@@ -87,7 +89,7 @@ def read_script_args(args: Sequence[str], original_world_size: int | None = None
         save=flag_value(args, "--save"), load=flag_value(args, "--load"),
         pipeline=pipeline, rules=read_rule_flags(args), memory=read_memory_flags(args),
         step_schedule=schedule, overlap_grad_reduce=switched_on(args, "--overlap-grad-reduce"),
-        warnings=warnings)
+        phase_transitions=flag_present(args, "--phase-transition-iterations"), warnings=warnings)
 
 
 def _rewrite_virtual_pipeline(args: list[str], pp: int, vpp: int) -> list[str]:

@@ -324,6 +324,8 @@ def _batches(facts: ScriptFacts, request: PlanRequest, tolerance_pct: float) -> 
         schedule = facts.step_schedule.batches_from(request.consumed_samples or 0)
         required += schedule
         tolerance_pct = 0.0
+    if facts.phase_transitions:
+        tolerance_pct = 0.0  # check_checkpoint_args compares the global batch with the checkpoint's
     gbs = original.global_batch_size
     slack = math.floor(gbs * tolerance_pct / 100)
     return _Batches(gbs, max(1, gbs - slack), gbs + slack, math.gcd(*required), schedule)
@@ -656,6 +658,9 @@ def _warnings(facts: ScriptFacts, request: PlanRequest, args: Sequence[str]) -> 
                             "--vocab-size for the tokenizer's own")
     if facts.step_schedule is not None and request.global_batch_tolerance_pct:
         warnings.append("--global-batch-tolerance is not applied with --step-batch-size-schedule")
+    if facts.phase_transitions and request.global_batch_tolerance_pct:
+        warnings.append("--global-batch-tolerance is not applied with --phase-transition-iterations "
+                        "(Megatron-LM then loads only a checkpoint of the same global batch)")
     return warnings
 
 

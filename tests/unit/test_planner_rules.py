@@ -362,6 +362,87 @@ def test_overlapping_the_param_gather_with_the_optimizer_step_keeps_interleaving
         plan_layout(args, 1)  # no pipeline at all
 
 
+def test_overlapping_p2p_in_warmup_and_flush_keeps_interleaving():
+    # validate_args switches the p2p overlap off without interleaving, and
+    # ModelParallelConfig.__post_init__ then refuses --overlap-p2p-communication-warmup-flush.
+    args = [*SMALL[:2], "8", *SMALL[3:], "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+            "--overlap-p2p-communication-warmup-flush"]
+    for gpus in (2, 3):
+        for mode in ("closest", "paper"):
+            plan = plan_layout(args, gpus, original_world_size=2, mode=mode)
+            assert (plan.virtual_pipeline_model_parallel_size or 1) > 1, (gpus, mode)
+    with pytest.raises(PlanError):
+        plan_layout(args, 1, original_world_size=2)
+
+
+def test_a_legacy_torch_checkpoint_keeps_tp_pp_and_ep():
+    # checkpointing.py check_checkpoint_args: without a distributed checkpoint TP and PP are
+    # compared with the checkpoint's. TP2 x PP2 on 7 of 8 GPUs was planned as TP2 x PP1 x DP2.
+    args = [*SMALL[:2], "8", *SMALL[3:], "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--ckpt-format", "torch"]
+    for gpus in (7, 4):
+        for mode in ("closest", "paper"):
+            plan = plan_layout(args, gpus, original_world_size=8, mode=mode)
+            assert (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size) == (2, 2)
+    with pytest.raises(PlanError):
+        plan_layout(args, 3, original_world_size=8)
+    assert plan_layout([*args[:-1], "torch_dist"], 3, original_world_size=8).num_gpus_used >= 2
+
+
+MOE_SMALL = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "12", "--num-experts", "8"]
+
+
+@pytest.mark.parametrize("backend, expert_split_needed", [
+    ((), True), (("--moe-flex-dispatcher-backend", "deepep"), True),
+    (("--moe-flex-dispatcher-backend", "ncclep"), True),
+    (("--moe-flex-dispatcher-backend", "hybridep"), False)])
+def test_the_flex_dispatcher_needs_expert_parallelism(backend, expert_split_needed):
+    # token_dispatcher.py MoEFlexTokenDispatcher: the deepep (default) and ncclep backends
+    # assert ETP x EP > 1. On 3 GPUs EP 1 x DP 3 was planned; EP 2 on 2 GPUs runs.
+    args = [*MOE_SMALL, "--moe-token-dispatcher-type", "flex",
+            "--expert-model-parallel-size", "4", *backend]
+    plan = plan_layout(args, 3, original_world_size=4)
+    assert (plan.expert_model_parallel_size > 1) == expert_split_needed, plan
+
+
+def test_hybrid_context_parallel_needs_an_even_dp_x_cp():
+    # parallel_state.py initialize_model_parallel asserts an even DP x CP group.
+    args = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "12",
+            "--hybrid-context-parallel", "--calculate-per-token-loss"]
+    plan = plan_layout(args, 3, original_world_size=4)
+    assert plan.data_parallel_size % 2 == 0, plan
+
+
+def test_the_tp_pp_dp_order_keeps_the_expert_dp_equal_to_dp():
+    # initialize.py orders tp-cp-ep-pp-dp under --use-tp-pp-dp-mapping, and
+    # initialize_model_parallel then asserts expert DP == DP at PP > 1: ETP x EP == TP x CP.
+    args = ["t.py", "--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "64", "--vocab-size", "100", "--micro-batch-size", "1",
+            "--global-batch-size", "12", "--num-experts", "4", "--expert-model-parallel-size", "4",
+            "--expert-tensor-parallel-size", "1", "--tensor-model-parallel-size", "4",
+            "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
+            "--use-tp-pp-dp-mapping"]
+    for gpus in (8, 7, 6, 5, 4):
+        for mode in ("closest", "paper"):
+            plan = plan_layout(args, gpus, original_world_size=8, mode=mode)
+            if plan.pipeline_model_parallel_size > 1:
+                assert plan.expert_model_parallel_size == (
+                    plan.tensor_model_parallel_size * plan.context_parallel_size), (gpus, mode, plan)
+
+
+def test_tolerance_is_not_applied_with_phase_transitions():
+    # checkpointing.py check_checkpoint_args compares the global batch with the checkpoint's
+    # under --phase-transition-iterations.
+    args = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--phase-transition-iterations", "100"]
+    plan = plan_layout(args, 6, original_world_size=8, global_batch_tolerance_pct=20)
+    assert plan.global_batch_size == 8
+    assert any(w.startswith("--global-batch-tolerance is not applied with "
+                            "--phase-transition-iterations") for w in plan.warnings)
+
+
 # -- flags the planner does not model ----------------------------------------------------------
 
 @pytest.mark.parametrize("flag, warning", [
