@@ -2,7 +2,9 @@
 turns them into reports once, the supervisor's step times and drain decision, and the
 trainer's side: the slowdown a rehearsal arms and the figures the heartbeat carries."""
 
+import random
 import re
+import statistics
 import time
 
 import pytest
@@ -44,6 +46,18 @@ def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, st
     for rank, slowdown in expected.items():
         assert judged[rank] == pytest.approx(slowdown)
     assert expected or not judged
+
+
+def test_each_rank_is_compared_with_the_median_of_its_stages_other_ranks():
+    """Read by index from the stage's sorted medians; the same as taking the rank out."""
+    rng = random.Random(5)
+    stages = {rank: rank % 3 for rank in range(40)}
+    history = {rank: [rng.choice([10.0, 12.0, 20.0, 10 + rng.random()]) for _ in range(3)]
+               for rank in stages}
+    for judged in assess(by_iteration(history), stages, THREE_WIDE):
+        peers = [statistics.median(history[other]) for other in stages
+                 if other != judged.rank and stages[other] == stages[judged.rank]]
+        assert judged.slowdown == min(history[judged.rank]) / statistics.median(peers)
 
 
 def test_drift_is_against_the_ranks_own_earlier_median():
