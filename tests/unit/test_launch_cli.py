@@ -116,6 +116,13 @@ def launch(run_dir, *args, env=None):
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--", PRETRAIN, *MODEL,
       "--emergency-save-flag-dir", "elsewhere"],
      "--emergency-save-flag-dir elsewhere: under ftmaster launch the save requests go to"),
+    # a drain waits for the save it asks for: without --save it stayed draining, deaf to
+    # alerts, for the rest of the run
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--drain-stragglers", "--", PRETRAIN,
+      *MODEL], "--drain-stragglers needs the training command's --save: a drain resumes from "
+               "the save it asks for"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--policy", "drain", "--", PRETRAIN,
+      *MODEL], "--policy drain needs the training command's --save"),
 ])
 def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     run_dir = tmp_path / "run"

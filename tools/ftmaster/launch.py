@@ -848,6 +848,7 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     if rendezvous is not None:
         _check_node_options(argv, len(gpus), options)
     _check_save_requests_reach_training(argv, run_dir)
+    _check_drains_can_resume(argv, options)
     _check_injections_fire(injections, argv, options["cold_restart"], options["policy"])
     return SupervisorConfig(
         run_dir=run_dir, command=tuple(argv), first_plan=first_plan, gpus=gpus, devices=devices,
@@ -915,6 +916,18 @@ def _check_save_requests_reach_training(argv: list[str], run_dir: Path) -> None:
         raise InputError(f"{SAVE_REQUEST_DIR_FLAG} {watched}: under ftmaster launch the save "
                          f"requests go to {runfiles.flags_dir(run_dir)}; give no "
                          f"{SAVE_REQUEST_DIR_FLAG}")
+
+
+def _check_drains_can_resume(argv: list[str], options: dict) -> None:
+    """A drain relaunches without the GPU once the save it asks for is made: with no
+    ``--save`` none ever is, and the run stayed draining (deaf to alerts) until it ended."""
+    if flag_value(argv[1:], "--save") is not None:
+        return
+    for given, flag in ((options["policy"] == "drain", "--policy drain"),
+                        (options["drain_stragglers"], "--drain-stragglers")):
+        if given:
+            raise InputError(f"{flag} needs the training command's --save: a drain resumes "
+                             "from the save it asks for")
 
 
 def _with_memory_tier(argv: list[str], run_dir: Path,
