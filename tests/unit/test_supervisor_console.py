@@ -1695,3 +1695,26 @@ def test_the_end_of_the_run_says_it_waits_for_a_slow_persist_copy(tmp_path, monk
     waits = [r.getMessage() for r in caplog.records if "still copying" in r.getMessage()]
     assert waits and f"iteration 4 is on disk in {disk}" in waits[0]
     assert read_tracker(disk) == 4
+
+
+@pytest.mark.parametrize("heartbeat, again", [(25, False), (15, True), (None, True)])
+def test_an_armed_slow_the_killed_run_reached_is_not_armed_again(tmp_path, heartbeat, again):
+    """Killed with its supervisor at iteration 25, its last event a save at 10: the attempt
+    got past the slowdown armed at 20, yet the ftmaster started again on the run directory
+    armed it a second time (its events alone reach 10)."""
+    from ftmaster.faults import parse_injection
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    spec = "slow:gpu=1,factor=2,at=iter:20"
+    runfiles.append_event(tmp_path, "launch", attempt=1, gpus=[0, 1, 2, 3])
+    runfiles.append_event(tmp_path, "fault_injected", kind="slow", gpu=1, spec=spec,
+                          iteration=20, armed=True)
+    runfiles.append_event(tmp_path, "periodic_save", iteration=10)
+    if heartbeat is not None:
+        runfiles.write_heartbeat(tmp_path, heartbeat, heartbeat * 4)
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None),
+                              injections=(parse_injection(spec),))
+    supervisor = Supervisor(config, QuietMonitor())  # takes the run directory over
+    assert bool(supervisor._armed_injections((0, 1, 2, 3))) == again

@@ -555,10 +555,13 @@ class Supervisor:
         restart) is not injected again: resumed past it, every ``at=iter:K`` was due at once,
         a ``degrade`` alerted again and a ``fail`` killed its GPU a second time after a reboot.
         One handed to an attempt (``nan``, ``slow`` at an iteration) counts once the run
-        got to its iteration."""
+        got to its iteration, by its events or by the last heartbeat (an attempt killed with
+        its supervisor recorded no event past its last save)."""
         injected = [e for e in events if e["event"] == "fault_injected"]
-        reached = max((e["iteration"] for e in events if e["event"] != "fault_injected"
-                       and isinstance(e.get("iteration"), int)), default=None)
+        heartbeat = (runfiles.read_heartbeat(self.run_dir) or {}).get("iteration")
+        reached = max([e["iteration"] for e in events if e["event"] != "fault_injected"
+                       and isinstance(e.get("iteration"), int)]
+                      + ([heartbeat] if isinstance(heartbeat, int) else []), default=None)
         done = {e.get("spec") for e in injected if not e.get("armed")} | {
             e.get("spec") for e in injected if e.get("armed") and reached is not None
             and isinstance(e.get("iteration"), int) and e["iteration"] <= reached}
