@@ -2330,3 +2330,20 @@ def test_a_relaunch_under_a_batch_schedule_plans_from_the_checkpoints_samples(tm
     options = supervisor._planner_options()
     assert options["consumed_samples"] == 176
     assert plan_layout(command, 6, original_world_size=8, **options).data_parallel_size == 6
+
+
+def test_a_straggler_drain_weighs_the_slowest_straggler_that_would_stay(tmp_path):
+    """The GPUs left run at the pace of the slowest straggler still slow among them."""
+    from ftmaster.monitor.stragglers import Straggler
+    from ftmaster.stragglers import Found
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    behind = [Found(gpu, Straggler(gpu, 16, 10, factor, factor, 10.0 * factor, 10.0), 1.0, 0.5)
+              for gpu, factor in ((2, 1.5), (3, 1.9), (0, 3.0))]
+    supervisor._stragglers_behind = behind
+    supervisor.stragglers.tracker.still_slow = lambda rank: rank != 0  # GPU 0: fast again
+    assert supervisor._slowest_staying([0, 2, 3]) is behind[1]
+    assert supervisor._slowest_staying([0, 2]) is behind[0]
+    assert supervisor._slowest_staying([0]) is None

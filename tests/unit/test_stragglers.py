@@ -417,6 +417,21 @@ def test_an_uncalibrated_cost_model_drains_nothing():
                                     "slowdown is measured"), decision.line
 
 
+def test_a_drain_is_weighed_with_the_straggler_that_would_stay():
+    """GPU 1 at 2.0x and GPU 2 at 1.9x: GPU 1 was drained on the healthy estimate for the GPUs
+    left, GPU 2 among them, and the job then ran at GPU 2's pace, slower than before."""
+    staying = Found(2, Straggler(2, 13, 8, 1.9, 1.9, 1800.0, 1000.0), 1.9, 1.0)
+    decision = decide_drain(found_with(2.0), 3, lambda: _Plan(1.33), 1.0, 16,
+                            held_back_by=staying)
+    assert not decision.drain
+    assert re.search(r"estimates 1.330 s/iteration on the 3 GPUs left \(TP1 x PP1 x DP3\), "
+                     r"plus the 0.800 s GPU 2 computes beyond its peers \(1.90x\): 2.130 "
+                     r"s/iteration, calibrated", decision.line), decision.line
+    barely = Found(2, Straggler(2, 13, 8, 1.2, 1.2, 1200.0, 1000.0), 1.2, 1.0)
+    assert decide_drain(found_with(2.0), 3, lambda: _Plan(1.33), 1.0, 16,
+                        held_back_by=barely).drain
+
+
 def test_one_drain_per_window():
     watch = StragglerWatch(StragglerConfig(), drain=True, drain_window_s=600)
     assert watch.drain_allowed(1000.0)

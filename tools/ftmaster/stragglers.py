@@ -43,12 +43,16 @@ class Found:
     healthy_step_s: float | None
     """The job's step time before it; None when it was never measured healthy."""
 
+    def extra_s(self) -> float:
+        """What the straggler typically computes per iteration beyond its peers (0 at most)."""
+        typical = self.straggler.typical_ms or self.straggler.compute_ms
+        return max(0.0, (typical - self.straggler.peers_ms) / 1000)
+
     def without_extra_s(self) -> float | None:
         """The job's step now, less what the straggler typically computes beyond its peers."""
         if self.step_s is None:
             return None
-        typical = self.straggler.typical_ms or self.straggler.compute_ms
-        extra = (typical - self.straggler.peers_ms) / 1000
+        extra = self.extra_s()
         return self.step_s - extra if self.step_s > extra > 0 else None
 
     def calibration_s(self) -> float | None:
@@ -195,7 +199,7 @@ class DrainDecision:
 
 
 def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | None,
-                 global_batch: int) -> DrainDecision:
+                 global_batch: int, held_back_by: Found | None = None) -> DrainDecision:
     """Whether the job runs faster without ``found``'s GPU, whose step time with it is
     measured at ``global_batch``. ``estimate()`` is the planner on the GPUs left, calibrated on
     ``calibration``, the original layout's step without the slowdown: a Plan, PlanError when
@@ -217,7 +221,7 @@ def decide_drain(found: Found, gpus_left: int, estimate, calibration: float | No
         return DrainDecision(False, f"{no_estimate} ({error})")
     if plan.estimated_step_seconds is None:
         return DrainDecision(False, no_estimate)
-    return _weighed(found, plan, gpus_left, calibration, global_batch)
+    return _weighed(found, plan, gpus_left, calibration, global_batch, held_back_by)
 
 
 def _left(gpus: int) -> str:
@@ -225,21 +229,31 @@ def _left(gpus: int) -> str:
 
 
 def _weighed(found: Found, plan, gpus_left: int, calibration: float,
-             global_batch: int) -> DrainDecision:
+             global_batch: int, other: Found | None) -> DrainDecision:
     """The step now against the estimate for the job's own global batch: with
     --global-batch-tolerance the GPUs left may train another, and a run ends at a number of
     samples (batch 15 at 1.25 s/iteration is 1.333 s for 16). Both in milliseconds, as the
-    line says them: a gain it cannot show is no reason for a restart."""
+    line says them: a gain it cannot show is no reason for a restart. ``other``: the slowest
+    other straggler among the GPUs left, still slow; they would run at its pace, the estimate
+    plus what it computes beyond its peers (GPUs at 2.0x and 1.9x: the first was drained on a
+    healthy estimate, and the job then ran slower than before)."""
     now, left, batch = found.step_s, plan.estimated_step_seconds, plan.global_batch_size
-    compared = left * global_batch / batch
+    held_back = 0.0 if other is None else other.extra_s()
+    at_job_batch = left * global_batch / batch
+    compared = at_job_batch + held_back
     faster, tie = round(compared, 3) < round(now, 3), round(compared, 3) == round(now, 3)
-    same = "the same " if tie else ""
     layout = (f"TP{plan.tensor_model_parallel_size} x PP{plan.pipeline_model_parallel_size} "
-              f"x DP{plan.data_parallel_size}")
-    estimated = (f"{same}{left:.3f} s/iteration on {_left(gpus_left)} ({layout})"
-                 if batch == global_batch else
-                 f"{left:.3f} s/iteration on {_left(gpus_left)} ({layout}, global batch "
-                 f"{batch}): {same}{compared:.3f} s for the job's {global_batch} samples")
+              f"x DP{plan.data_parallel_size}"
+              + ("" if batch == global_batch else f", global batch {batch}"))
+    figures = [("", left, f" s/iteration on {_left(gpus_left)} ({layout})")]
+    if batch != global_batch:
+        figures.append((": ", at_job_batch, f" s for the job's {global_batch} samples"))
+    if held_back:
+        figures.append((f", plus the {held_back:.3f} s GPU {other.gpu} computes beyond its peers "
+                        f"({other.straggler.slowdown:.2f}x): ", compared, " s/iteration"))
+    # "the same" goes with the figure compared, the last one the line gives
+    estimated = "".join(f"{before}{'the same ' if tie and i == len(figures) - 1 else ''}"
+                        f"{value:.3f}{after}" for i, (before, value, after) in enumerate(figures))
     return DrainDecision(faster, (
         f"{'draining' if faster else 'keeping'} GPU {found.gpu}: the job runs {now:.3f} "
         f"s/iteration with it ({found.straggler.slowdown:.2f}x its peers' compute); the cost "

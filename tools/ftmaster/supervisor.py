@@ -1388,7 +1388,8 @@ class Supervisor:
         decision = decide_drain(found, len(left), lambda: plan_layout(
             self.config.command, len(left), self.config.gpus_per_node,
             original_world_size=len(self.config.gpus), measured_step_s=calibration,
-            **self._planner_options()), calibration, self.plan.global_batch_size)
+            **self._planner_options()), calibration, self.plan.global_batch_size,
+            self._slowest_staying(left))
         if not decision.drain:
             self._kept_by_the_cost_model(named, decision.line)
             return None
@@ -1401,6 +1402,13 @@ class Supervisor:
         self._event("drain", gpu=found.gpu, reason="straggler", decided_by=decision.line,
                     step_s=found.step_s, estimated_step_s=decision.estimated_step_s)
         return Trigger.CRITICAL_GPU
+
+    def _slowest_staying(self, left: Sequence[int]) -> Found | None:
+        """The slowest straggler kept among the GPUs ``left`` and still slow: they would run
+        at its pace."""
+        still = [f for f in self._stragglers_behind
+                 if f.gpu in left and self.stragglers.tracker.still_slow(f.straggler.rank)]
+        return max(still, key=Found.extra_s, default=None)
 
     def _weighed_lately(self, found: Found) -> bool:
         """Whether the cost model kept ``found`` fewer than REWEIGH_ITERATIONS ago."""
