@@ -1718,3 +1718,23 @@ def test_an_armed_slow_the_killed_run_reached_is_not_armed_again(tmp_path, heart
                               injections=(parse_injection(spec),))
     supervisor = Supervisor(config, QuietMonitor())  # takes the run directory over
     assert bool(supervisor._armed_injections((0, 1, 2, 3))) == again
+
+
+def test_the_original_layouts_step_is_carried_over_from_the_ftmaster_before(tmp_path):
+    """Started again on a layout shrunk by carried-over retirements, a supervisor never runs
+    the original layout: with its step only in the memory of the one killed, every straggler
+    was kept with 'no step of the original layout measured'."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    runfiles.append_event(tmp_path, "plan", original_step_s=None)
+    runfiles.append_event(tmp_path, "plan", original_step_s=0.61)
+    runfiles.append_event(tmp_path, "plan", original_step_s="fast")
+    runfiles.append_event(tmp_path, "launch", attempt=2, gpus=[0, 1, 2])
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    assert supervisor._original_step_s == 0.61
+    supervisor.plan = config.first_plan
+    supervisor._plan_event([0, 1, 2])
+    assert runfiles.read_events(tmp_path)[-1]["original_step_s"] == 0.61

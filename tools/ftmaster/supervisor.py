@@ -90,7 +90,7 @@ from ftmaster.membership import (JobEnded, JoinTimedOut, NodeMembership, NodeRec
 from ftmaster.metrics import Observer
 from ftmaster.monitor.backends.bounded import Abandoned, CallTimeout, Worker, call_while
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
-from ftmaster.monitor.stragglers import StragglerConfig
+from ftmaster.monitor.stragglers import StragglerConfig, positive_figure
 from ftmaster.persist import Persisted, PersistError, Persister, PersistSuperseded, tiers_of
 from ftmaster.replication import MemoryAgreement, Replication, ReplicationFailed, rank_ranges
 from ftmaster.retirements import boot_id, carried_over
@@ -526,6 +526,7 @@ class Supervisor:
                           for gpu, why in carried.items()})
         self._carry_over_the_drain_window(events)
         self._carry_over_the_injections(events)
+        self._carry_over_the_calibration(events)
         last = max(launches, key=lambda e: e["attempt"])
         if not any(e["event"] in END_EVENTS and e["time"] >= last["time"] for e in events):
             # Killed, maybe with its attempt failed: where its newest checkpoint went. A reboot
@@ -569,6 +570,16 @@ class Supervisor:
             self.injector.pending.remove(injection)
             log.info("--inject %s: injected by the ftmaster before this one on %s; not again",
                      injection, self.run_dir)
+
+    def _carry_over_the_calibration(self, events: list[dict]) -> None:
+        """The original layout's step, as the ftmaster before this one last measured it (its
+        plans record it): started again on a shrunk layout (retirements carried over), every
+        straggler was kept with nothing to calibrate the cost model on. The original layout,
+        run again, measures it anew."""
+        measured = [e["original_step_s"] for e in events if e["event"] == "plan"
+                    and positive_figure(e.get("original_step_s")) is not None]
+        if measured:
+            self._original_step_s = measured[-1]
 
     def _carry_over_the_drain_window(self, events: list[dict]) -> None:
         """A straggler the ftmaster before this one drained holds the window still: started
@@ -1640,7 +1651,7 @@ class Supervisor:
             log.warning("plan: %s", warning)
         self._event("plan", gpus_available=available, boot=boot_id(),
                     gpus_retired=self._gpu_entries(self.retired),
-                    **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
+                    original_step_s=self._original_step_s, **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
 
     def _plan_round(self, available: list[int]) -> Trigger:
         """Join a rendezvous round, plan on every node's GPUs, and take this node's share."""
