@@ -36,6 +36,10 @@ HARD_XIDS = (
     154,  # GPU recovery action changed
 )
 _XID_RANK = {code: rank for rank, code in enumerate(HARD_XIDS)}
+WARNING_XIDS = frozenset({64, 63, 92, 61, 154})
+"""Hard XIDs after which the GPU's applications run on: a warning of a fault (a high
+single-bit rate, a page retired, a micro-controller warning, a recovery action asked), not
+the fault itself, whose XIDs (79, 48, 95, ...) end them."""
 
 # NVML clocks-event (throttle) bits that point at hardware trouble. Left out on purpose:
 # GPU idle (0x1), application clocks (0x2), SW power cap (0x4: routine under heavy load),

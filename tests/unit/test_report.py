@@ -776,6 +776,23 @@ def test_an_alert_that_shows_the_fault_itself_is_its_earliest_evidence(tmp_path)
     assert failure["detection_latency"] == {"seconds": pytest.approx(1.5), "since": "monitor: GPU 1 xid_79"}
 
 
+@pytest.mark.parametrize("warning", ["xid_92", "xid_63", "xid_154"])
+def test_a_warning_xid_before_the_gpus_loss_is_the_lead_not_the_fault(tmp_path, warning):
+    """Real hardware: an XID 92 alert (the monitor asks for a save), then the GPU is lost. The
+    XID was taken for the fault: 'no alert before the fault', and detection and the RTO from
+    fault ran over the whole lead."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2), alert(13, 1, [warning]),
+              alert(16.4, 1, ["device_lost"]),
+              event("failure", 16.5, attempt=1, iteration=5, cause="device_lost", gpus=[1],
+                    exit_codes={})]
+    run_dir = write_run(tmp_path / "run", events, {1: [iteration_line(n, 5, 200) for n in range(1, 6)]})
+    assert run_report(run_dir).exit_code == 0
+    (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+    assert failure["detection_latency"] == {"seconds": pytest.approx(0.1),
+                                            "since": "monitor: GPU 1 device_lost"}
+    assert failure["lead_time"]["seconds"] == pytest.approx(3.4)
+
+
 def test_a_fault_injected_after_a_failure_is_not_its_cause(tmp_path):
     """A crash with no injection, then an injected fault on the same GPU in the relaunch: the
     first failure's window runs on to the second, and its detection came out at -80 s."""

@@ -115,6 +115,7 @@ import click
 from ftmaster import runfiles
 from ftmaster.console import END_EVENTS, describe_event, gpus_text
 from ftmaster.lock import LOCK_NAME, run_dir_holder
+from ftmaster.monitor.signals import WARNING_XIDS
 from ftmaster.peer_files import PEERS_FILE
 
 INCIDENT_PAGE = "report.html"
@@ -437,11 +438,18 @@ def _sample_time(alert: dict, earliest: float) -> float:
     return sampled if earliest <= sampled <= alert["time"] else alert["time"]
 
 
+_WARNING_XID_NAMES = frozenset(map(str, WARNING_XIDS))
+
+
 def _is_fault_evidence(alert: dict) -> bool:
-    """An alert that shows the fault itself (the GPU gone, wedged, or an XID), not a
-    prediction of it."""
-    return any(reason in ("device_lost", "wedged") or reason.startswith("xid_")
+    """An alert that shows the fault itself (the GPU gone, wedged, or an XID that ends its
+    applications), not a prediction of it: an XID 92 before a GPU's loss is the monitor's
+    lead, and taken for the fault it ran the detection latency and the RTO from fault over
+    the whole lead."""
+    return any(reason in ("device_lost", "wedged")
+               or reason.startswith("xid_") and reason[4:] not in _WARNING_XID_NAMES
                for reason in alert.get("reasons") or ())
+
 
 
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
