@@ -220,6 +220,35 @@ def test_a_run_that_failed_last_holds_its_newest_checkpoint_not_the_failures_ite
     assert seen["iterations"] == 50 and seen["goodput"] == pytest.approx(50 / 96)
 
 
+def test_a_first_attempt_that_failed_before_training_leaves_the_runs_start_at_its_load():
+    """A new run directory loads an earlier job's 1000; attempt 1 fails at start-up (a bad GPU
+    at NCCL's start), attempt 2 loads 1000 and trains to 1100: the page counted 1100
+    iterations, goodput 1."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "failure", "time": 10.0, "iteration": None, "attempt": 1,
+               "before_first_iteration": True},
+              {"event": "launch", "time": 15.0, "attempt": 2},
+              {"event": "checkpoint_loaded", "time": 20.0, "iteration": 1000},
+              {"event": "complete", "time": 121.5, "iteration": 1100}]
+    seen = observed_goodput({"iteration_s": 1.0}, events)
+    assert seen["iterations"] == 100 and seen["goodput"] == pytest.approx(100 / 121.5)
+
+
+def test_a_stop_while_waiting_for_gpus_is_not_progress():
+    """Stopped while waiting after a failure at 90, saved at 50: the stop names the failed
+    attempt's 90, and the page read 0.90 where the same run giving up read 0.50."""
+    from ftmaster.incident import observed_goodput
+
+    events = [{"event": "launch", "time": 0.0, "attempt": 1},
+              {"event": "periodic_save", "time": 50.0, "iteration": 50},
+              {"event": "failure", "time": 95.0, "iteration": 90, "attempt": 1},
+              {"event": "waiting", "time": 96.0},
+              {"event": "stopped", "time": 100.0, "iteration": 90, "state": "waiting"}]
+    assert observed_goodput({"iteration_s": 1.0}, events)["iterations"] == 50
+
+
 def test_a_live_runs_progress_since_its_last_failure_counts():
     """Still running: resumed after a failure at 40 and saved 300 since. Its progress is the
     saved 300 over the 400 s so far, not the failure's 40."""

@@ -289,11 +289,12 @@ def _risk_around(failure: dict, frame) -> str:
 
 # ---- goodput -----------------------------------------------------------------------------------
 
-PROGRESS_EVENTS = ("complete", "stopped", "checkpoint_loaded", "resumed", "emergency_save",
-                   "periodic_save")
+PROGRESS_EVENTS = ("complete", "checkpoint_loaded", "resumed", "emergency_save", "periodic_save")
 """Events that name an iteration the run held when they were written. A failure's own is not
 one: what it kept is its newest checkpoint, which a save or a relaunch's load names; counted,
-a run that gave up (or was still recovering) read the iterations it lost as useful work."""
+a run that gave up (or was still recovering) read the iterations it lost as useful work. Nor
+is a stop's: it names the last iteration trained (the failed attempt's, stopped while waiting
+for GPUs), and a stop that saved wrote its own save event."""
 
 
 def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
@@ -317,8 +318,11 @@ def observed_goodput(measured: dict, events: list[dict]) -> dict | None:
 def _started_from(events: list[dict]) -> int:
     """The iteration the first attempt loaded (0: from scratch). A run may start from an
     earlier job's checkpoint, whose iterations took none of its wall time; a load after an
-    attempt ended is a relaunch's, whose redone iterations are lost work."""
+    attempt ended is a relaunch's, whose redone iterations are lost work; not after one that
+    failed before its first iteration (a bad GPU at NCCL's start), which trained nothing."""
     for event in events:
+        if event["event"] == "failure" and event.get("before_first_iteration") is True:
+            continue
         if event["event"] in ("failure", "complete", "stopped", "gave_up", "store_lost"):
             return 0
         if event["event"] == "checkpoint_loaded" and isinstance(event.get("iteration"), int):
