@@ -163,8 +163,12 @@ def folder_written_at(folder: Path) -> float:
 
 
 def is_complete(folder: Path) -> bool:
-    """Whether the save that wrote ``folder`` finished (its manifest is written last)."""
-    return (Path(folder) / MANIFEST_NAME).is_file()
+    """Whether the save that wrote ``folder`` finished (its manifest is written last); not
+    one this user cannot look into (``is_file`` raises EACCES)."""
+    try:
+        return (Path(folder) / MANIFEST_NAME).is_file()
+    except OSError:
+        return False
 
 
 _SAVE_LEFTOVER = re.compile(r"(__\d+_(\d+|objects)\.distcp(\.digest)?|common\.pt|metadata\.json"
@@ -252,8 +256,16 @@ def loading_candidates(save_dir: Path) -> Candidates:
 def checkpoint_problem(path: Path, elsewhere: bool = False) -> str | None:
     """Why the checkpoint folder cannot be loaded, or None when it looks complete; with
     ``elsewhere`` the shards it lacks are for peers to give (a node-local memory tier), and
-    only those it holds are checked."""
-    path = Path(path)
+    only those it holds are checked. A folder this user cannot look into (another user's,
+    written under umask 077) is one the load skips: its EACCES was rank 0's traceback, with
+    every other rank waiting in its broadcast."""
+    try:
+        return _checkpoint_problem(Path(path), elsewhere)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+
+
+def _checkpoint_problem(path: Path, elsewhere: bool) -> str | None:
     if not path.is_dir():
         return "folder is missing"
     for name in _REQUIRED_FILES:

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,30 @@ def test_truncated_shard_falls_back_to_previous(save_dir):
     assert choice.iteration == 20
     assert choice.skipped[0][0] == 30 and "truncated" in choice.skipped[0][1]
     assert "iter_0000030 skipped" in choice.describe()
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+def test_a_folder_this_user_cannot_enter_is_skipped_not_a_traceback(save_dir, monkeypatch,
+                                                                    tracked):
+    """Another user's iter_* folder (umask 077): Path.is_file raises EACCES, which was rank
+    0's traceback in the checkpoint search (root here ignores modes: the call is made to)."""
+    for iteration in (20, 30):
+        path = iteration_dir(save_dir, iteration)
+        write_manifest(path, "periodic", iteration,
+                       {entry.name: digest_file(entry) for entry in path.iterdir()})
+    if not tracked:
+        tracker_path(save_dir).unlink()
+    shut = iteration_dir(save_dir, 30)
+    is_file = Path.is_file
+
+    def refused(path):
+        if path.parent == shut:
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    assert checkpoint_problem(shut) == "cannot be read (Permission denied)"
+    assert find_loadable_checkpoint(save_dir).iteration == 20
 
 
 @pytest.mark.parametrize("victim", ["common.pt", "metadata.json", ".metadata"])
