@@ -58,6 +58,8 @@ stop_hog() {
 }
 trap stop_hog EXIT INT TERM
 
+# CPU and gloo runs, as in test.sh: on a GPU host their ranks would take the real GPUs
+case " $* " in *tests/gpu*) ;; *) export CUDA_VISIBLE_DEVICES= ;; esac
 mode=$([ "$load" = 1 ] && echo "under load ($(nproc) busy processes)" || echo "idle")
 echo "stress_test: $runs run(s) $mode of: $*; results in $out" >&2
 status=0

@@ -11,7 +11,8 @@
 # Every test but tests/gpu's runs with CUDA_VISIBLE_DEVICES="": they are CPU and gloo runs, and
 # on a GPU host the ranks they start would take the real GPUs (NCCL, CUDA's defaults, two
 # rehearsed "nodes" on the same devices, several test workers sharing them).
-# With arguments it is pytest with those arguments, in one process.
+# With arguments it is pytest with those arguments, in one process, and CUDA_VISIBLE_DEVICES=""
+# too unless they name tests/gpu.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
@@ -21,7 +22,10 @@ py=.venv/bin/python
 # their guards, torchrun, ftmaster) compiled the project's sources again, 0.15-0.3 s of CPU each.
 # A file that does not compile is named here, and failed by the tests that import it.
 "$py" -m compileall -q -j 0 tools megatron monitor recovery tests benchmarks pretrain_gpt.py || true
-[ $# -eq 0 ] || exec "$py" -m pytest "$@"
+if [ $# -gt 0 ]; then
+    case " $* " in *tests/gpu*) exec "$py" -m pytest "$@" ;; esac
+    exec env CUDA_VISIBLE_DEVICES= "$py" -m pytest "$@"
+fi
 
 cores="$(nproc)"
 workers="${FTMASTER_TEST_WORKERS:-$((cores + 1 < 4 ? cores + 1 : 4))}"
