@@ -322,6 +322,7 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "risk_alert", "time": 2, "gpu": [1]}\n', '"gpu" of a risk_alert event'),
     ('{"event": "risk_alert", "time": 2, "reasons": "device_lost"}\n', "a list of strings"),
     ('{"event": "periodic_save", "time": 2, "started_at": "noon"}\n', "a finite number"),
+    ('{"event": "emergency_save", "time": 2, "iteration": "3"}\n', '"iteration" of an emergency_save'),
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": "1.5"}\n',
      '"seconds" of a startup event must be a finite number, not "1.5"'),
     ('{"event": "startup", "time": 2, "phases": {}, "seconds": 1%s}\n' % ("0" * 400),
@@ -354,6 +355,17 @@ def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expec
     assert result.stdout == ""
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_a_monitor_alone_that_raised_no_alert_is_said_in_one_line(tmp_path):
+    """It wrote its samples and no events.jsonl: 'give a run directory written by ftmaster
+    launch', where the README promised it would read as one of ftmaster monitor alone."""
+    (tmp_path / "gpu_metrics.csv").write_text("timestamp,gpu_id\n")
+    result = run_report(tmp_path)
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert "events.jsonl does not exist: ftmaster monitor alone ran here and raised no alert " \
+           "(ftmaster analyze" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_torn_last_line_is_left_out_and_said_in_one_line(tmp_path):
@@ -866,6 +878,19 @@ def test_timeline_labels_say_what_happened(tmp_path):
     assert "final_save         final checkpoint of iteration 10 durable (disk)" in text
     assert "failure            attempt 1 nonfinite, last iteration 7" in text
     assert "failure 1: attempt 1, nonfinite at +8.00 s" in text
+
+
+def test_a_saves_time_or_size_that_is_none_reads_as_unknown():
+    """Left to goodput to skip (it measures the other saves), they were printed as they came:
+    'training blocked True s, -1 s to complete'."""
+    from ftmaster.report import describe
+
+    said = describe({"event": "periodic_save", "time": 1.0, "iteration": 4, "kind": "periodic",
+                     "seconds": True, "persist_seconds": -1, "bytes": "3 MB"})
+    assert said.endswith("training blocked ? s, ? s to complete, ? bytes"), said
+    said = describe({"event": "periodic_save", "time": 1.0, "iteration": 4, "kind": "periodic",
+                     "seconds": 0.25, "persist_seconds": 1.0, "bytes": 4096})
+    assert said.endswith("training blocked 0.25 s, 1.0 s to complete, 4096 bytes"), said
 
 
 @pytest.mark.parametrize("fields, text", [

@@ -251,6 +251,10 @@ def _load_run(run_dir: Path) -> tuple[list[dict], list[dict] | None]:
     if None in folders:
         path = runfiles.events_path(run_dir)
         events = _read_events_file(path)
+        if events is None and runfiles.metrics_csv_path(run_dir).is_file():
+            raise ReportError(f"{path} does not exist: ftmaster monitor alone ran here and raised "
+                              f"no alert (ftmaster analyze {runfiles.metrics_csv_path(run_dir)} reads "
+                              "its samples)")
         if events is None:
             raise ReportError(f"{path} does not exist: give a run directory written by ftmaster "
                               "launch")
@@ -318,7 +322,8 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
                           "and a numeric \"time\"; fix or remove that line")
     for name, expected in {**EVERY_EVENT, **FIELD_TYPES.get(record["event"], {})}.items():
         if name in record and not expected.test(record[name]):
-            raise ReportError(f"{path} line {number}: \"{name}\" of a {record['event']} event "
+            article = "an" if record["event"][:1] in tuple("aeiou") else "a"
+            raise ReportError(f"{path} line {number}: \"{name}\" of {article} {record['event']} event "
                               f"must be {expected.wording}, not {runfiles.json_excerpt(record[name])}; fix "
                               "or remove that line")
     return record
@@ -903,8 +908,10 @@ def _before(healthy_step_s) -> str:
 def _derived(event: dict) -> dict:
     """Words that depend on several fields: a memory save is complete, not durable; a failure
     on no GPU (storage, a NaN) names none; a stop says how training ended."""
-    if event["event"] in SAVES:
-        return {"state": _save_state(event)}
+    if event["event"] in SAVES:  # a time or size that is none ('blocked True s') reads '?'
+        return {"state": _save_state(event), **{
+            name: event[name] if runfiles.is_finite_number(event.get(name)) and event[name] >= 0
+            else "?" for name in ("seconds", "persist_seconds", "bytes")}}
     if event["event"] == "complete":  # a standby node's iteration is where it last trained
         return {"where": " here, then on the other nodes" if event.get("on_other_nodes") else ""}
     if event["event"] == "failure":
