@@ -60,22 +60,42 @@ class NonFiniteGuard:
             raise NonFiniteLoss(iteration, "loss" if loss_bad else "gradient norm")
 
 
+class HeldLossScale:
+    """The fp16 loss scalers' fields from before ``prepare_grads`` moved them, and the moved
+    ones: put back as soon as they moved (:meth:`hold`), and moved again only at the cut's
+    commit (:meth:`move`)."""
+
+    def __init__(self, scalers: list) -> None:
+        self.scalers = scalers
+        self.before = [dict(vars(scaler)) for scaler in scalers]
+        self.moved: list[dict] | None = None
+
+    def hold(self) -> None:
+        """Called right after ``prepare_grads``, before the update's agreement, during which
+        a replica dump may be taken (a dead peer hangs it): the scalers are put back. Once."""
+        if self.moved is None:
+            self.moved = [dict(vars(scaler)) for scaler in self.scalers]
+            _set_fields(self.scalers, self.before)
+
+    def move(self) -> None:
+        _set_fields(self.scalers, self.moved or [])
+
+
 @contextlib.contextmanager
 def loss_scale_held_back(optimizer):
     """Around :func:`prepare_update`: megatron-core moves the fp16 loss scalers inside
     ``prepare_grads``, before the update is agreed. A replica dump taken while a dead peer
     hung that agreement saw iteration N's weights with the scale already moved for N+1, and
-    the resume from it moved the scale a second time. Held back here, the scalers keep
-    their state until the callable this yields is called (``train_step`` calls it inside the
-    cut's commit); after an error it is never called, and they keep it."""
-    scalers = [scaler for sub in _sub_optimizers(optimizer)
-               if (scaler := getattr(sub, "grad_scaler", None)) is not None]
-    before, moved = [dict(vars(scaler)) for scaler in scalers], []
+    the resume from it moved the scale a second time. Held back (``prepare_update`` calls
+    :meth:`HeldLossScale.hold` as soon as they moved, and at the latest this does on its
+    way out), they keep their state until ``train_step`` calls :meth:`HeldLossScale.move`
+    inside the cut's commit; after an error it never does, and they keep it."""
+    held = HeldLossScale([scaler for sub in _sub_optimizers(optimizer)
+                          if (scaler := getattr(sub, "grad_scaler", None)) is not None])
     try:
-        yield lambda: _set_fields(scalers, moved)
+        yield held
     finally:  # megatron's update rebinds the fields it changes: a shallow copy keeps them
-        moved += [dict(vars(scaler)) for scaler in scalers]
-        _set_fields(scalers, before)
+        held.hold()
 
 
 def _set_fields(objects: list, fields: list[dict]) -> None:
@@ -86,6 +106,7 @@ def _set_fields(objects: list, fields: list[dict]) -> None:
 def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | None,
                    guard: NonFiniteGuard, poison: bool = False,
                    agreement: Callable[[], ContextManager] = contextlib.nullcontext,
+                   hold_loss_scale: Callable[[], None] = lambda: None,
                    ) -> tuple[bool, float | None]:
     """Megatron's optimizer step up to the update, with the guard between the gradient norm
     and the clipping; the caller applies the update (``step_with_ready_grads``), so that it
@@ -93,9 +114,12 @@ def prepare_update(optimizer, clip_grad: float, iteration: int, loss: float | No
     check runs inside ``agreement`` (the dump's ``Cut.agreement``).
 
     Returns whether the update is to be applied (an fp16 overflow skips it, as in Megatron),
-    and the gradient norm where it was computed.
+    and the gradient norm where it was computed. ``hold_loss_scale`` puts the loss scalers
+    that ``prepare_grads`` moved back before the agreement (:class:`HeldLossScale`).
     """
-    if optimizer.prepare_grads():
+    overflow = optimizer.prepare_grads()
+    hold_loss_scale()
+    if overflow:
         # An fp16 overflow: the loss scale made the gradients infinite and the step is
         # skipped. A non-finite loss is the forward's own, which no loss scale mends (Megatron
         # checks the loss in its loss function, whatever the gradients): checked here too, on

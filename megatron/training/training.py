@@ -329,12 +329,13 @@ class Trainer:
             seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
             forward_only=False)
         loss = _average_loss(losses)
-        with loss_scale_held_back(self.optimizer) as move_loss_scale:
+        with loss_scale_held_back(self.optimizer) as loss_scale:
             ready, self.grad_norm = prepare_update(
                 self.optimizer, self.args.clip_grad, iteration, loss, self.guard,
-                poison=iteration in self.poison_at, agreement=self.cut.agreement)
+                poison=iteration in self.poison_at, agreement=self.cut.agreement,
+                hold_loss_scale=loss_scale.hold)
         with self.cut.commit():
-            move_loss_scale()
+            loss_scale.move()
             # fp16 skips a step whose gradients overflowed; so does the LR
             if ready and self.optimizer.step_with_ready_grads():
                 self.scheduler.step(increment=self.args.global_batch_size)

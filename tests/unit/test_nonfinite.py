@@ -1,5 +1,6 @@
 """The NaN/Inf guard's split optimizer step, with a stand-in optimizer on one gloo rank."""
 
+import contextlib
 import math
 
 import pytest
@@ -76,10 +77,19 @@ def test_the_loss_scale_moves_only_when_the_update_is_committed(guard, overflow,
     """A replica dump taken while a dead peer hung the agreement saw iteration N's weights
     with the scale already moved for N+1; the resume from it moved it a second time."""
     optimizer = ScaledOptimizer(overflow)
-    with loss_scale_held_back(optimizer) as move_loss_scale:
-        prepare_update(optimizer, 1.0, 7, 2.0, guard)
+    seen_in_the_agreement = []
+
+    @contextlib.contextmanager
+    def agreement():  # where a dead peer hangs it, and a dump is taken meanwhile
+        seen_in_the_agreement.append(optimizer.grad_scaler.scale.item())
+        yield
+
+    with loss_scale_held_back(optimizer) as loss_scale:
+        prepare_update(optimizer, 1.0, 7, 2.0, guard, agreement=agreement,
+                       hold_loss_scale=loss_scale.hold)
+    assert seen_in_the_agreement == [1024.0]
     assert optimizer.grad_scaler.scale.item() == 1024.0  # what a dump sees before the commit
-    move_loss_scale()
+    loss_scale.move()
     assert optimizer.grad_scaler.scale.item() == moved_to
 
 
