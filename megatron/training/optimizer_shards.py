@@ -128,9 +128,22 @@ def shard_slices(optimizer, model_sharded_state_dict: dict) -> dict[str, dict]:
             for bucket_ranges in buffer_ranges.values():
                 for bucket in bucket_ranges:
                     for model_param, ranges in bucket["param_map"].items():
+                        if _a_copy_of_another_stages(metadata_of[model_param]):
+                            continue
                         slices.update(_param_slices(inner, model_param, ranges["param"],
                                                     metadata_of[model_param]))
     return slices
+
+
+def _a_copy_of_another_stages(sharded_metadata) -> bool:
+    """The last pipeline stage's output weight tied to the first stage's embedding: megatron-
+    core saves it under the embedding's key with ``replica_id`` (1, 0, DP rank), a copy of
+    the first stage's (its optimizer state too, kept equal by the embedding's gradient
+    all-reduce), and a regular save stores the first stage's alone. Dumped, its slices lay
+    over the first stage's at other shard boundaries (the two stages' buffers differ), and
+    every merge was refused."""
+    replica = getattr(sharded_metadata, "replica_id", 0)
+    return isinstance(replica, tuple) and bool(replica) and replica[0] != 0
 
 
 def _param_slices(inner, model_param, held, sharded_metadata) -> dict[str, dict]:

@@ -117,3 +117,33 @@ def test_the_rng_streams_a_dump_takes_before_the_first_commit_are_the_loaded_one
     cut = replicas.Cut(True)
     cut.begin()
     assert cut.rng == {"at": "load"}
+
+
+def test_the_last_stages_tied_output_weight_is_not_dumped_as_the_embeddings_optimizer_state():
+    """PP > 1, tied embeddings, the distributed optimizer: the last stage's output weight is
+    saved under the first stage's embedding key with replica_id (1, 0, dp). Dumped, its
+    slices lay over the first stage's at other shard boundaries, and every merge refused."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import Range
+    from megatron.training.optimizer_shards import shard_slices
+
+    layer, output = torch.zeros(4, 2), torch.zeros(8, 2)
+    sharded = {"layer": ShardedTensor.from_rank_offsets("decoder.layer.weight", layer,
+                                                        replica_id=(0, 0, 1)),
+               "output": ShardedTensor.from_rank_offsets("embedding.word_embeddings.weight",
+                                                         output, replica_id=(1, 0, 1))}
+
+    class Shard:  # the last stage's DistributedOptimizer: both parameters in one bucket
+        gbuf_ranges = [{torch.float32: [{"param_map": {layer: {"param": Range(2, 8)},
+                                                       output: {"param": Range(0, 3)}}}]}]
+
+        @staticmethod
+        def _get_main_param_and_optimizer_states(param):
+            held = 6 if param is layer else 3
+            return {key: torch.arange(held, dtype=torch.float32)
+                    for key in ("param", "exp_avg", "exp_avg_sq")}
+
+    dumped = shard_slices(Shard(), sharded)
+    assert {part["fqn"] for part in dumped.values()} == {
+        f"optimizer.state.{key}.decoder.layer.weight" for key in ("param", "exp_avg", "exp_avg_sq")}
+    assert {(part["start"], part["end"]) for part in dumped.values()} == {(2, 8)}
