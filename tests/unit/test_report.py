@@ -346,6 +346,10 @@ def test_a_run_without_failures_prints_its_timeline_and_says_so(tmp_path):
     ('{"event": "failure", "time": 2, "gpus": [1], "node": null}\n',
      '"node" of a failure event must be an integer, not null'),
     ('{"event": "fresh_start", "time": 2, "folders": [1]}\n', "a list of strings, not [1]"),
+    # a traceback at the first print (UnicodeEncodeError), and in the page's matplotlib
+    ('{"event": "gave_up", "time": 1, "reason": "\\ud800"}\n', "holds a lone surrogate escape"),
+    ('{"event": "launch", "time": 1, "attempt": 1, "tensor_model_parallel_size": "$\\\\frac{$"}\n',
+     '"tensor_model_parallel_size" of a launch event must be an integer or null'),
 ])
 def test_bad_events_are_one_line_on_stderr_and_non_zero(tmp_path, content, expected):
     if content is not None:

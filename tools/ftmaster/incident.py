@@ -138,7 +138,7 @@ def _timeline(events: list[dict], start: float) -> str:
         ax.barh(row, attempt["end"] - attempt["time"], left=attempt["time"] - start, height=0.5,
                 color="#c7dcef", edgecolor="#1f77b4")
         ax.text(attempt["time"] - start, row - 0.3, _layout_label(attempt), fontsize=8,
-                va="bottom")  # above the bar: the axis is inverted
+                va="bottom", parse_math=False)  # above the bar: the axis is inverted
     # One scatter per kind (a call took 4.5 ms: a long run's saves took minutes), in the
     # order each kind first came, which the legend keeps.
     shown: dict[str, list[tuple[float, int]]] = {}

@@ -221,7 +221,8 @@ EVERY_EVENT = {"node": INT}
 # The fields the report computes with, per event: a wrong type would crash it or, worse,
 # silently mislead (a string of GPU digits iterates as characters). Absent is fine.
 FIELD_TYPES = {
-    "launch": {"attempt": INT_OR_NULL, "gpus": INT_LIST},
+    "launch": {"attempt": INT_OR_NULL, "gpus": INT_LIST, "tensor_model_parallel_size": INT_OR_NULL,
+               "pipeline_model_parallel_size": INT_OR_NULL, "data_parallel_size": INT_OR_NULL},
     "failure": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL, "gpus": INT_LIST,
                 "unfit_gpus": UNFIT_LIST},
     "resumed": {"attempt": INT_OR_NULL, "iteration": INT_OR_NULL},
@@ -320,6 +321,9 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
             and runfiles.is_finite_number(record.get("time"))):
         raise ReportError(f"{path} line {number} is not a JSON object with a string \"event\" "
                           "and a numeric \"time\"; fix or remove that line")
+    if not _printable(line, record):
+        raise ReportError(f"{path} line {number} holds a lone surrogate escape (\\ud800-\\udfff), "
+                          "text that cannot be written out; fix or remove that line")
     for name, expected in {**EVERY_EVENT, **FIELD_TYPES.get(record["event"], {})}.items():
         if name in record and not expected.test(record[name]):
             article = "an" if record["event"][:1] in tuple("aeiou") else "a"
@@ -327,6 +331,19 @@ def _parse_event(path: Path, number: int, line: str) -> dict | None:
                               f"must be {expected.wording}, not {runfiles.json_excerpt(record[name])}; fix "
                               "or remove that line")
     return record
+
+
+def _printable(line: str, record: dict) -> bool:
+    """Whether the event's text can be written out: a lone surrogate escaped in JSON
+    (``"\\ud800"``) is text no encoding takes, and was a traceback at the first print. Bytes
+    that are not UTF-8 are read as escapes that write back as they came."""
+    if "\\ud" not in line.lower():
+        return True
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _cut_short(line: str, error: json.JSONDecodeError) -> bool:
