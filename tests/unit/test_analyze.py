@@ -297,7 +297,7 @@ def analyze_csv(tmp_path, lines):
     return (tmp_path / "o" / "summary.csv").read_text(), (tmp_path / "o" / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("gpu0_power", ["[N/A]", ""])
+@pytest.mark.parametrize("gpu0_power", ["[N/A]", "", "[Not Supported]", "[Unknown Error]"])  # nvidia-smi's
 def test_a_metric_one_gpu_never_knew_is_n_a_and_an_empty_csv_cell(tmp_path, gpu0_power):
     summary_csv, summary_md = analyze_csv(tmp_path, [
         "timestamp,gpu_id,power_draw",

@@ -148,6 +148,12 @@ def _header(csv_path: Path) -> list[str]:
     return header
 
 
+UNKNOWN_CELLS = ["", "nan", "NaN", "N/A", "[N/A]", "[Not Supported]", "[Unknown Error]",
+                 "[GPU requires reset]", "[GPU is lost]", "[Insufficient Permissions]"]
+"""Cells that are no reading: nvidia-smi's bracketed notes among them, which the replay
+backend reads as unknown too (a trace recorded with nvidia-smi was refused as malformed)."""
+
+
 def _parse_times(stamps: pd.Series) -> pd.Series:
     """ISO 8601 (naive taken as UTC) or unix seconds -> float unix seconds; NaN if neither."""
     parsed = pd.to_datetime(stamps, format="ISO8601", utc=True, errors="coerce")
@@ -173,7 +179,7 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
         with handle, np.errstate(over="ignore"):  # a cell past float32 (1e39) reads as inf
             reader = pd.read_csv(handle, usecols=[*REQUIRED, *numeric], dtype=dtypes,
                                  chunksize=CHUNK_ROWS, keep_default_na=False,
-                                 na_values=["", "nan", "NaN", "N/A", "[N/A]"])
+                                 na_values=UNKNOWN_CELLS)
             for chunk in reader:
                 chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
                 # an infinite cell is no reading: unknown, as an empty one, not an extreme
