@@ -187,6 +187,20 @@ def test_ftmasters_own_loss_is_no_restart_time(tmp_path):
     assert measured["restart_s"] == pytest.approx(95.0)
 
 
+def test_a_nodes_join_is_no_restart_time(tmp_path):
+    """A scale-up regroups with no fault: its stop, round and relaunch are no fault's
+    restart, and counted they moved the median."""
+    run_dir = _run_dir(tmp_path)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events += [{"event": "failure", "time": 400.0, "attempt": 1, "iteration": 60,
+                "cause": "peer", "reason": "rejoin", "gpus": []},
+               {"event": "launch", "time": 401.0, "attempt": 2, "gpus": [0]},
+               {"event": "resumed", "time": 700.0, "attempt": 2, "iteration": 55}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = goodput_cli.measure(run_dir, report.load_events(run_dir))
+    assert measured["restart_s"] == pytest.approx(95.0)
+
+
 def test_a_torn_last_log_line_is_no_iteration_time(tmp_path):
     """A log cut short mid-line (a full disk, a killed rank): "(ms): 9" of "900.0" is no
     9 ms iteration."""

@@ -2347,3 +2347,14 @@ def test_a_straggler_drain_weighs_the_slowest_straggler_that_would_stay(tmp_path
     assert supervisor._slowest_staying([0, 2, 3]) is behind[1]
     assert supervisor._slowest_staying([0, 2]) is behind[0]
     assert supervisor._slowest_staying([0]) is None
+
+
+def test_a_nodes_join_stops_the_attempt_as_a_failure_marked_rejoin(tmp_path):
+    """The report and goodput tell a scale-up from a peer's fault by the failure's reason."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), scale_up="now")
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor.attempt = types.SimpleNamespace(number=1, kill=lambda: None)
+    assert supervisor._rejoin(5) is Trigger.PEERS_WAITING
+    (stopped,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "failure"]
+    assert (stopped["cause"], stopped["reason"]) == ("peer", "rejoin")

@@ -261,6 +261,23 @@ def test_a_round_of_peers_only_has_an_unknown_root_cause(tmp_path):
     assert "  root cause         unknown: every node that recorded this failure says peer" in text
 
 
+def test_a_nodes_join_is_said_a_scale_up_not_a_failure_of_unknown_cause(tmp_path):
+    """Node 2 joins: nodes 0 and 1 stop for the larger round, each recording a peer failure
+    with reason rejoin. The report said 'root cause unknown', sending an operator after a
+    failure that never happened."""
+    run_dir = tmp_path / "run"
+    for node in (0, 1):
+        write_run(run_dir / f"node_{node}",
+                  [*first_generation(node), {**failure(30 + node, 1, 10, "peer", []),
+                                             "reason": "rejoin"}], {})
+    text, report = reported(run_dir)
+    (round_,) = report["failures"]
+    assert round_["scale_up"] is True
+    assert "  cause              a node joined: the attempt stopped for a larger round " \
+           "(a scale-up), no fault" in text
+    assert "root cause         unknown" not in text
+
+
 def test_one_nodes_folder_alone_is_a_single_node_report(tmp_path):
     run_dir = gpu_loss_on_node_1(tmp_path / "run")
     _, report = reported(run_dir / "node_1")

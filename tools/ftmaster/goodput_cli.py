@@ -63,10 +63,12 @@ def _restart_s(failures: list[dict], iteration_s: float | None) -> float | None:
     model's restart cost runs from the fault. An RTO through later failures of its relaunch
     is left out: it spans their restarts too, each of which the model charges on its own. So
     is ftmaster's own loss (``supervisor_lost``): it spans the time no ftmaster ran, until
-    someone started one again, which is no recovery from a GPU's fault."""
+    someone started one again, which is no recovery from a GPU's fault; and a node's join
+    (a scale-up), a regroup planned with no fault."""
     gaps = [f["rto_seconds"] + (f["detection_latency"]["seconds"] or 0.0) - (iteration_s or 0.0)
             for f in failures if f["rto_seconds"] is not None and not f.get("later_failures")
-            and f.get("cause") != "supervisor_lost"]  # no GPU fault: ftmaster itself was down
+            and f.get("cause") != "supervisor_lost"  # no GPU fault: ftmaster itself was down
+            and not f.get("scale_up")]
     return _median([max(gap, 0.0) for gap in gaps])
 
 

@@ -771,6 +771,7 @@ def failure_report(run_dir: Path, events: list[dict], index: int, rounds: list[l
     rto = recovery["rto_seconds"]
     return {
         "attempt": attempt, "time": failure["time"], "cause": failure.get("cause"),
+        "scale_up": failure.get("reason") == "rejoin",
         "gpus": failure.get("gpus"), "unfit_gpus": failure.get("unfit_gpus") or [],
         "iteration": last, "fault_at": fault_at,
         **_round_nodes(rounds[index], failure, before),
@@ -1098,7 +1099,10 @@ def round_text(f: dict, start: float) -> list[str]:
     lines = [f"  also failed        node {c['node']}: {c['cause']} (attempt {c['attempt']}, "
              f"{gpus_text(c['gpus'])}) at +{c['time'] - start:.2f} s, {_s(abs(c['after_root_seconds']))} "
              + ("after" if c["after_root_seconds"] >= 0 else "before") for c in f["consequences"]]
-    if f["cause"] == PEER and f["detection_latency"]["since"] == LAST_PROGRESS:  # no fault seen
+    if f.get("scale_up"):
+        lines.append("  cause              a node joined: the attempt stopped for a larger round "
+                     "(a scale-up), no fault")
+    elif f["cause"] == PEER and f["detection_latency"]["since"] == LAST_PROGRESS:  # no fault seen
         lines.append("  root cause         unknown: every node that recorded this failure says "
                      f"{PEER}")
     if f["silent_nodes"]:

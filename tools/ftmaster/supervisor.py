@@ -712,8 +712,9 @@ class Supervisor:
             if not self._saved_since(self._rejoin_requested_at):
                 return None
         self._rejoin_requested_at = None
+        # reason: a node's join, no fault (the report and goodput's restart time tell them apart)
         self._event("failure", attempt=self.attempt.number, iteration=self._state_iteration(),
-                    cause="peer", gpus=[], exit_codes={},
+                    cause="peer", gpus=[], exit_codes={}, reason="rejoin",
                     before_first_iteration=iteration is None, unfit_gpus=[])
         log.warning("attempt %d stopped: a node waits for a new round", self.attempt.number)
         self.attempt.kill()
