@@ -80,6 +80,7 @@ from ftmaster import runfiles
 from ftmaster.guard import exit_with_parent
 from ftmaster.peer_files import PeerError, PeerMissing, peer_clients
 from ftmaster.persist import CHECKPOINT_BYTES_PER_PARAMETER
+from ftmaster.recovery import memory_room
 from ftmaster.recovery.checkpoints import (
     MEMORY_HEADROOM,
     COMMON_FILE,
@@ -844,13 +845,13 @@ class _Save:
         needed, newest = self.checkpointer.last_bytes, self.checkpointer.last_durable_iteration
         if not needed:
             return None
-        if newest is not None and shutil.disk_usage(self.path).free < needed * MEMORY_HEADROOM:
+        if newest is not None and memory_room.room(self.path).free < needed * MEMORY_HEADROOM:
             prune_memory_checkpoints(self.path.parent, newest, self.slots.kept_iterations(),
                                      self.checkpointer.newest_disk_iteration)
-        free = shutil.disk_usage(self.path).free
+        free, note = memory_room.room(self.path)  # on tmpfs, the memory cgroup's room too
         if free < needed * MEMORY_HEADROOM:
-            return (f"the memory tier {self.path.parent} has {free} bytes free, a checkpoint "
-                    f"needs about {needed} and {MEMORY_HEADROOM - 1:.0%} more to spare")
+            return (f"the memory tier {self.path.parent} has {free} bytes free{note}, a "
+                    f"checkpoint needs about {needed} and {MEMORY_HEADROOM - 1:.0%} more to spare")
         return None
 
     @staticmethod

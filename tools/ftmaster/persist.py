@@ -29,6 +29,7 @@ from pathlib import Path
 
 from typing import Callable, Sequence
 
+from ftmaster.recovery import memory_room
 from ftmaster.recovery.argv_flags import flag_value, set_flag
 from ftmaster.lock import run_dir_in_use
 from ftmaster.runfiles import atomic_write_text, fsync_path
@@ -109,7 +110,7 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
         # again, is taken, and moving the tier would resume from older ones or from none.
         return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder} (the run's own)"
     needed = checkpoint_bytes_guess(args)
-    free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    free, note = memory_room.room(shm) if shm.is_dir() else (0, "")  # a container's limit too
     if needed is None:
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: the size "
                       f"of a checkpoint is unknown, so {shm} cannot be checked for room")
@@ -117,7 +118,7 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
     room = (MEMORY_COPIES - 1 + MEMORY_HEADROOM) * needed
     if free < room:
         return args, (f"the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: {shm} has "
-                      f"{free / 1e9:.2f} GB free, {MEMORY_COPIES} checkpoints and "
+                      f"{free / 1e9:.2f} GB free{note}, {MEMORY_COPIES} checkpoints and "
                       f"{MEMORY_HEADROOM - 1:.0%} of one to spare need about {room / 1e9:.2f} GB")
     return set_flag(args, DIR_FLAG, str(folder)), f"memory tier in {folder}"
 
