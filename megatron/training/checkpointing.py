@@ -845,10 +845,11 @@ class _Save:
         needed, newest = self.checkpointer.last_bytes, self.checkpointer.last_durable_iteration
         if not needed:
             return None
-        if newest is not None and memory_room.room(self.path).free < needed * MEMORY_HEADROOM:
+        free, note = memory_room.room(self.path)  # on tmpfs, the memory cgroup's room too
+        if newest is not None and free < needed * MEMORY_HEADROOM:
             prune_memory_checkpoints(self.path.parent, newest, self.slots.kept_iterations(),
                                      self.checkpointer.newest_disk_iteration)
-        free, note = memory_room.room(self.path)  # on tmpfs, the memory cgroup's room too
+            free, note = memory_room.room(self.path)
         if free < needed * MEMORY_HEADROOM:
             return (f"the memory tier {self.path.parent} has {free} bytes free{note}, a "
                     f"checkpoint needs about {needed} and {MEMORY_HEADROOM - 1:.0%} more to spare")
