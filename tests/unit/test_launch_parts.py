@@ -2358,3 +2358,14 @@ def test_a_nodes_join_stops_the_attempt_as_a_failure_marked_rejoin(tmp_path):
     assert supervisor._rejoin(5) is Trigger.PEERS_WAITING
     (stopped,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "failure"]
     assert (stopped["cause"], stopped["reason"]) == ("peer", "rejoin")
+
+
+def test_the_supervisors_save_requests_say_who_and_why_as_the_monitors_do(tmp_path):
+    """DESIGN's flag: who asked and why (gpu, reasons); a drain's flag had a lone 'reason'."""
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, StubMonitor(True))
+    supervisor._ask_for_a_save(source="straggler", gpu=1, reason="draining GPU 1: ...")
+    flag = runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))
+    assert (flag["source"], flag["gpu"], flag["reasons"]) == ("straggler", 1,
+                                                              ["draining GPU 1: ..."])

@@ -492,9 +492,11 @@ class Supervisor:
     def _event(self, name: str, **fields) -> None:
         self.run_files.append_event(self.run_dir, name, **fields)
 
-    def _ask_for_a_save(self, **reason) -> None:
+    def _ask_for_a_save(self, source: str, reason: str, gpu: int | None = None) -> None:
+        """The flag says who asked and why as the monitor's do (DESIGN: gpu, reasons)."""
         flag = runfiles.trigger_flag_path(self.run_dir)
-        self.run_files.write(flag, lambda: runfiles.write_flag(flag, **reason))
+        self.run_files.write(flag, lambda: runfiles.write_flag(flag, source=source, gpu=gpu,
+                                                               reasons=[reason]))
 
     def _remove_abandoned_writes(self) -> None:
         """The temp files of atomic writes killed mid-write (by an earlier ftmaster's end, its
