@@ -846,6 +846,28 @@ def test_a_gather_abandoned_by_a_stop_leaves_no_dumps_behind_when_its_fetch_retu
     assert not dumps.exists()
 
 
+def test_a_gather_copies_the_files_of_the_ranks_the_merge_takes_alone(tmp_path):
+    """TP1 x PP2 x DP2: node 0 holds stage 0 (rank 0; rank 1 died), node 1 stage 1 (ranks 2
+    and 3, replicas of one shard). Every report comes over, and rank 2's files, not rank 3's:
+    every DP replica's model and optimizer state came over to rank 0's /dev/shm before."""
+    from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for rank, stage, folder in ((0, 0, folders[0]), (2, 1, folders[1]), (3, 1, folders[1])):
+        dump = rank_dump_dir(round_dump_folder(folder, 2), rank)
+        dump.mkdir(parents=True)
+        (dump / "state.pt").write_bytes(f"rank {rank}'s state".encode())
+        report_path(dump.parent, rank).write_text(json.dumps(
+            {"rank": rank, "tp": 0, "pp": stage, "dp": rank % 2, "tp_size": 1, "pp_size": 2,
+             "dp_size": 2, "iteration": 16, "consumed_samples": 128,
+             "files": {"state.pt": digest_file(dump / "state.pt").as_json()}}))
+    gathered, dumps = gather_round_2(tmp_path, folders)
+    assert [type(g).__name__ for g in gathered] == ["Gathered"]
+    assert report_path(dumps, 2).exists() and report_path(dumps, 3).exists()
+    assert (rank_dump_dir(dumps, 2) / "state.pt").read_bytes() == b"rank 2's state"
+    assert not (rank_dump_dir(dumps, 3) / "state.pt").exists()
+
+
 def dump_rank_2_of_round_2(memory_dir: Path, listed_as: str) -> None:
     """Rank 2's dump of round 2 in ``memory_dir``: one file, its report naming it ``listed_as``."""
     from ftmaster.recovery.replicas import rank_dump_dir, report_path, round_dump_folder
@@ -878,7 +900,7 @@ def round_2_seats(tmp_path: Path, folders: list[Path]):
         for r in (0, 1):
             replications[r].new_round(SECRET, records, r, [2, 2])
         dumps = round_dump_folder(folders[0], 2)
-        dumps.mkdir(parents=True)
+        dumps.mkdir(parents=True, exist_ok=True)  # node 0's own dumps may be there
         yield replications[0], records, dumps
     finally:
         for replication in replications:

@@ -51,7 +51,8 @@ from ftmaster.recovery.checkpoints import (advance_tracker, advance_tracker_lock
 from ftmaster.recovery.manifest import (HELD_MANIFEST_NAME, MALFORMED_JSON, MANIFEST_NAME,
                                         FileDigest, digest_bytes, file_digests,
                                         is_plain_file_name, known_manifest_name)
-from ftmaster.recovery.replicas import rank_dump_dir, report_path
+from ftmaster.recovery.replicas import (NoCut, Report, choose_cut, rank_dump_dir,
+                                       read_reports, report_path)
 
 log = logging.getLogger("ftmaster")
 
@@ -143,6 +144,23 @@ def _reported_files(body: bytes, rank: int) -> dict[str, FileDigest]:
         return file_digests(json.loads(body).get("files") or {})
     except MALFORMED_JSON:
         raise ValueError(f"rank {rank}'s report is not a dump report") from None
+
+
+def _cut_ranks(folder: Path, bodies: list[bytes]) -> set[int] | None:
+    """The ranks whose dumps the merge takes, by this node's reports in ``folder`` and the
+    peers' ``bodies``: those of the newest complete cut (every report is copied, so the
+    merge finds the same); None when there is none, and every file is copied for the
+    merge to say why."""
+    reports = read_reports(folder)
+    for body in bodies:
+        try:
+            reports.append(Report.from_json(json.loads(body)))
+        except MALFORMED_JSON:
+            continue
+    try:
+        return set(choose_cut(reports).ranks)
+    except NoCut:
+        return None
 
 
 def _let_go_if_stopped(stop: threading.Event, folder: Path) -> None:
@@ -483,32 +501,55 @@ class Replication:
 
     def _gather_dumps(self, folder: Path, nodes: Sequence, ranks_per_node: Sequence[int],
                       stop: threading.Event) -> list[Gathered | ReplicationFailed]:
+        """Every rank's report first, then the files of the ranks the merge takes: the cut is
+        chosen from the reports alone, and every replica's files (every DP rank's model and
+        optimizer state) came over to rank 0's ``/dev/shm`` before, for one of each shard."""
         peers, done = self._peers, []
         live = dict(peers.others)
         relative = folder.relative_to(self.config.memory_dir)
+        reached = []
         for node, ranks in zip(nodes, rank_ranges(ranks_per_node)):
-            node_rank, url = node.node_rank, live.get(node.node_rank)
+            url = live.get(node.node_rank)
             if url is None:
                 continue  # this node, or one lost since
-            client, started, fetched = self._client(url, peers), time.perf_counter(), 0
+            client, started = self._client(url, peers), time.perf_counter()
             try:
-                for rank in ranks:
-                    _let_go_if_stopped(stop, folder)
-                    fetched += self._fetch_dump(client, relative, folder, rank, stop)
+                reports = {rank: body for rank in ranks
+                           if (body := self._read_report(client, relative, rank, stop, folder))}
+            except (PeerError, OSError, ValueError) as error:
+                done.append(ReplicationFailed(-1, f"node {node.node_rank}'s dumps: {error}"))
+                continue
+            reached.append((node.node_rank, client, reports, time.perf_counter() - started))
+        taken = _cut_ranks(folder, [body for *_, reports, _ in reached for body in reports.values()])
+        for node_rank, client, reports, seconds in reached:
+            started = time.perf_counter()
+            try:
+                fetched = sum(self._fetch_dump(client, relative, folder, rank, body, stop,
+                                               taken is None or rank in taken)
+                              for rank, body in reports.items())
             except (PeerError, OSError, ValueError) as error:
                 done.append(ReplicationFailed(-1, f"node {node_rank}'s dumps: {error}"))
                 continue
-            done.append(Gathered(node_rank, fetched, time.perf_counter() - started))
+            done.append(Gathered(node_rank, fetched, seconds + time.perf_counter() - started))
         return done
 
     @staticmethod
-    def _fetch_dump(client: PeerClient, relative: Path, folder: Path, rank: int,
-                    stop: threading.Event) -> int:
+    def _read_report(client: PeerClient, relative: Path, rank: int, stop: threading.Event,
+                     folder: Path) -> bytes | None:
+        """A peer rank's dump report; None when it has none (it died before it dumped)."""
+        _let_go_if_stopped(stop, folder)
         try:
             body = client.read(f"{relative}/{report_path(Path(), rank)}")
         except PeerMissing:
-            return 0
-        files = _reported_files(body, rank)
+            return None
+        _reported_files(body, rank)  # ValueError: not a dump report
+        return body
+
+    @staticmethod
+    def _fetch_dump(client: PeerClient, relative: Path, folder: Path, rank: int, body: bytes,
+                    stop: threading.Event, with_files: bool) -> int:
+        """The rank's files, when the merge takes them, then its report."""
+        files = _reported_files(body, rank) if with_files else {}
         target = rank_dump_dir(folder, rank)
         target.mkdir(exist_ok=True)  # never the folder itself, which a stop removed
         _let_go_if_stopped(stop, folder)
