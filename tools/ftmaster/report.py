@@ -473,7 +473,6 @@ def _is_fault_evidence(alert: dict) -> bool:
                for reason in alert.get("reasons") or ())
 
 
-
 def _fault_moment(window: list[dict], failure: dict) -> tuple[float, str] | None:
     """Where the fault's own time is known: injected, training found a non-finite loss, or
     the monitor saw it (the GPU gone or wedged, an XID)."""

@@ -1654,7 +1654,8 @@ class Supervisor:
             log.warning("plan: %s", warning)
         self._event("plan", gpus_available=available, boot=boot_id(),
                     gpus_retired=self._gpu_entries(self.retired),
-                    original_step_s=self._original_step_s, **fields, **{k: v for k, v in self.plan.as_json().items() if k != "command"})
+                    original_step_s=self._original_step_s, **fields,
+                    **{k: v for k, v in self.plan.as_json().items() if k != "command"})
 
     def _plan_round(self, available: list[int]) -> Trigger:
         """Join a rendezvous round, plan on every node's GPUs, and take this node's share."""
