@@ -22,6 +22,8 @@ def node_task() -> str:
 
 @pytest.mark.parametrize("status, restarts, requeued, says", [
     (75, "0", True, "the rendezvous store is gone; requeueing job 42"),
+    # a store that never comes up (node 0 refused to start on its host) requeued for good
+    (75, "20", False, "requeued 20 times (MAX_STORE_REQUEUES); not requeueing"),
     (93, "0", False, "not requeueing"),  # ftmaster: a requeue would fail the same way
     (1, "0", True, "may cure (exit 1); requeueing job 42"),
     (1, "3", False, ""),  # MAX_REQUEUES (3) reached
