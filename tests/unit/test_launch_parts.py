@@ -1634,11 +1634,19 @@ def test_a_claim_is_known_by_its_name_before_its_contents_can_be_read(tmp_path):
     first.release()
 
 
-def test_one_slurm_job_is_one_job_on_every_node_and_requeue(tmp_path, monkeypatch):
+def test_one_slurm_job_step_is_one_job_on_every_node_and_requeue(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_CLUSTER_NAME", "big")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a requeued script's srun is step 0 again
     assert _job_identity(tmp_path / "a", None) == _job_identity(tmp_path / "b", None) == \
-        "slurm job big/4242"
+        "slurm job big/4242 step 0"
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # a second srun in the allocation: another run
+    assert _job_identity(tmp_path / "a", None) == "slurm job big/4242 step 1"
+    # two launches in one salloc shell or batch script, outside a step, on one --save: two
+    # runs writing their timelines into each other's checkpoints, which the claim refuses
+    monkeypatch.delenv("SLURM_STEP_ID")
+    assert _job_identity(tmp_path / "a", None) != _job_identity(tmp_path / "b", None)
+    assert _job_identity(tmp_path / "a", None) == f"slurm job big/4242 {tmp_path / 'a'}"
     monkeypatch.delenv("SLURM_JOB_ID")
     assert _job_identity(tmp_path / "a", None) != _job_identity(tmp_path / "b", None)
 

@@ -344,12 +344,16 @@ def _claim_checkpoint_folders(config: SupervisorConfig, rendezvous: RendezvousCo
 
 
 def _job_identity(run_dir: Path, rendezvous: RendezvousConfig | None) -> str:
-    """What the nodes of one job share, and no other job: SLURM's job (its every node and
-    requeue), else the rendezvous id (torch elastic's identity of a job; its endpoint may be
-    spelt differently on each node), else this host's run directory."""
+    """What the nodes of one job share, and no other job: SLURM's job step (its every node
+    and requeue: a requeued script's srun is the same step), or the job's run directory
+    outside a step (two launches in one salloc shell, or one batch script, are two runs);
+    else the rendezvous id (torch elastic's identity of a job; its endpoint may be spelt
+    differently on each node), else this host's run directory."""
     slurm_job = os.environ.get("SLURM_JOB_ID")
     if slurm_job:
-        return f"slurm job {os.environ.get('SLURM_CLUSTER_NAME', '')}/{slurm_job}"
+        step = os.environ.get("SLURM_STEP_ID")
+        within = f"step {step}" if step else os.path.realpath(run_dir)
+        return f"slurm job {os.environ.get('SLURM_CLUSTER_NAME', '')}/{slurm_job} {within}"
     if rendezvous is not None:
         return f"rendezvous {rendezvous.run_id}"
     return f"{socket.gethostname()}:{run_dir}"
