@@ -135,6 +135,22 @@ def layer_implementation(args, saved: dict) -> str:
     return "transformer_engine"
 
 
+def optimizer_choice(args, saved: dict) -> bool:
+    """``--use-distributed-optimizer``, or its default; by default not the distributed
+    optimizer when the checkpoint resumed holds the plain optimizer's state, which it cannot
+    read. A relaunch's default had switched it: under ``--replica-recovery`` on CUDA with two
+    instances, a DP3 relaunch runs one instance, so the plain optimizer, and the next relaunch
+    back at two instances refused the plain checkpoint (exit 2, the run given up)."""
+    chosen = uses_distributed_optimizer(args)
+    if (args.use_distributed_optimizer is None and chosen and not args.no_load_optim
+            and saved.get("use_distributed_optimizer") is False):
+        log_rank0("the checkpoint holds the plain optimizer's state, which the distributed "
+                  "optimizer cannot read: resuming with the plain optimizer (give "
+                  "--use-distributed-optimizer --no-load-optim to switch, its state afresh)")
+        return False
+    return chosen
+
+
 # ---- one iteration ------------------------------------------------------------------------
 def _to_device(batch: dict) -> dict:
     if torch.cuda.is_available():
@@ -186,12 +202,12 @@ def describe_layout(args) -> str:
 class Trainer:
     def __init__(self, args):
         self.args = args
+        saved = resumed_checkpoint_args(args)
         # Resolved once, where CUDA is known, and saved so that a resume can tell.
-        args.use_distributed_optimizer = uses_distributed_optimizer(args)
+        args.use_distributed_optimizer = optimizer_choice(args, saved)
         self.run_dir = runfiles.run_dir_from_env()
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file,
                                     args.merge_file)
-        saved = resumed_checkpoint_args(args)
         args.padded_vocab_size = vocab_size_for_layout(args, tokenizer, saved)
         args.transformer_impl = layer_implementation(args, saved)
         self.config = transformer_config(args)

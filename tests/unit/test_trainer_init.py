@@ -68,3 +68,24 @@ def test_a_resume_keeps_the_layers_its_checkpoint_has_state_for(monkeypatch, eng
 
     monkeypatch.setattr(training, "uses_transformer_engine", lambda args: engine)
     assert training.layer_implementation(Namespace(), saved) == expected
+
+
+@pytest.mark.parametrize("given, default, no_load_optim, saved, expected", [
+    # the default on, the checkpoint plain: a relaunch had switched it off (replica recovery
+    # at one instance); the distributed optimizer refused the plain checkpoint, exit 2
+    (None, True, False, {"use_distributed_optimizer": False}, False),
+    (None, True, False, {"use_distributed_optimizer": True}, True),
+    (None, True, False, {}, True),  # no checkpoint, or one from before the key
+    (None, True, True, {"use_distributed_optimizer": False}, True),  # its state not loaded
+    (True, True, False, {"use_distributed_optimizer": False}, True),  # asked for: refused later
+    (None, False, False, {"use_distributed_optimizer": True}, False),  # converted on load
+])
+def test_a_resume_keeps_the_plain_optimizer_its_checkpoint_has_state_for(
+        monkeypatch, given, default, no_load_optim, saved, expected):
+    from argparse import Namespace
+
+    from megatron.training import model, training
+
+    monkeypatch.setattr(model, "default_distributed_optimizer", lambda args: default)
+    args = Namespace(use_distributed_optimizer=given, no_load_optim=no_load_optim)
+    assert training.optimizer_choice(args, saved) is expected
