@@ -145,7 +145,7 @@ def optimizer_choice(args, saved: dict) -> bool:
     if (args.use_distributed_optimizer is None and chosen and not args.no_load_optim
             and saved.get("use_distributed_optimizer") is False):
         log_rank0("the checkpoint holds the plain optimizer's state, which the distributed "
-                  "optimizer cannot read: resuming with the plain optimizer (give "
+                  "optimizer cannot read: resuming with the plain optimizer, one instance (give "
                   "--use-distributed-optimizer --no-load-optim to switch, its state afresh)")
         return False
     return chosen
@@ -205,6 +205,8 @@ class Trainer:
         saved = resumed_checkpoint_args(args)
         # Resolved once, where CUDA is known, and saved so that a resume can tell.
         args.use_distributed_optimizer = optimizer_choice(args, saved)
+        if not args.use_distributed_optimizer:  # the default gave way to a plain checkpoint:
+            args.num_distributed_optimizer_instances = 1  # partial sharding needs the other
         self.run_dir = runfiles.run_dir_from_env()
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.vocab_file,
                                     args.merge_file)
