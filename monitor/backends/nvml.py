@@ -585,12 +585,21 @@ def probe_gpus(timeout_s: float = 30.0, nvml: ModuleType | None = None) -> list[
 
 def _identify(n: ModuleType, gpu: int) -> GpuIdentity:
     handle = n.nvmlDeviceGetHandleByIndex(gpu)
-    uuid = _text(n.nvmlDeviceGetUUID(handle))
+    uuid = _text(n.nvmlDeviceGetUUID(handle))  # cached device info: read where nothing else is
     try:
         mig = n.nvmlDeviceGetMigMode(handle)[0] == n.NVML_DEVICE_MIG_ENABLE
     except n.NVMLError as exc:
+        unusable = _unusable(n, exc)
+        if unusable is not None:  # planned on, the first attempt failed on it
+            return GpuIdentity(gpu, uuid, None, unusable)
         mig = False if exc.value == n.NVML_ERROR_NOT_SUPPORTED else None
     return GpuIdentity(gpu, uuid, mig)
+
+
+def _unusable(n: ModuleType, exc: Exception) -> str | None:
+    """The problem an NVML error names that leaves the GPU out of a job, or None."""
+    return {n.NVML_ERROR_GPU_IS_LOST: GPU_IS_LOST,
+            n.NVML_ERROR_RESET_REQUIRED: RESET_REQUIRED}.get(getattr(exc, "value", None))
 
 
 def _identity(n: ModuleType, gpu: int, job: Any) -> GpuIdentity:
@@ -600,8 +609,7 @@ def _identity(n: ModuleType, gpu: int, job: Any) -> GpuIdentity:
         return job.value
     problem = str(job.error)
     if isinstance(job.error, n.NVMLError):
-        problem = {n.NVML_ERROR_GPU_IS_LOST: GPU_IS_LOST,
-                   n.NVML_ERROR_RESET_REQUIRED: RESET_REQUIRED}.get(job.error.value, problem)
+        problem = _unusable(n, job.error) or problem
     return GpuIdentity(gpu, None, None, problem)
 
 

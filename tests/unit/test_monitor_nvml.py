@@ -436,6 +436,16 @@ def test_probe_marks_gpus_that_cannot_be_used():
     assert (probed[3].uuid, probed[3].mig_enabled) == ("GPU-3", False)  # MIG not supported: off
 
 
+@pytest.mark.parametrize("code, problem", [(RESET_REQUIRED, "reset_required"), (LOST, "gpu_is_lost")])
+def test_probe_marks_a_gpu_whose_first_read_past_its_cached_uuid_fails(code, problem):
+    """The UUID comes from cached device info; the MIG mode read is the first to reach the
+    GPU. Its RESET_REQUIRED read as 'MIG unknown', and the first attempt was planned on it."""
+    probed = probe_gpus(nvml=fake_nvml(count=2, nvmlDeviceGetMigMode=lambda h: (
+        (_ for _ in ()).throw(FakeError(code)) if h == 1 else [0, 0])))
+    assert [(g.index, g.uuid, g.problem) for g in probed] == [
+        (0, "GPU-00000000-aaaa", None), (1, "GPU-00000001-aaaa", problem)]
+
+
 def test_probe_without_nvml_is_one_clear_error():
     with pytest.raises(NvmlUnavailable, match="NVML could not start: NVML error 999"):
         probe_gpus(nvml=fake_nvml(nvmlInit=raises(UNKNOWN)))
