@@ -144,6 +144,8 @@ class NvmlBackend(PerGpuBackend):
         self._names: dict[int, str] = {}
         self._driver = self._driver_version()
         self._drain = None  # an XID read that overran its deadline, until its codes are taken
+        self._xids_unread = False  # this sample's XIDs could not be read (a stuck call)
+        self._said_registration_stuck = False
         self._xids_unsampled: dict[int, list[int]] = {}
         """XID codes of GPUs that were not sampled when the set gave them (each once)."""
         self._events = self._open_event_set()
@@ -277,7 +279,7 @@ class NvmlBackend(PerGpuBackend):
         new event set), since its empty ``xid`` would read as "no XID" where none can be seen."""
         if not self._xids_possible():
             return {}  # no GPU has them: reported_fields says so
-        registered = set(self._xid_gpus)
+        registered = set() if self._xids_unread else set(self._xid_gpus)
         return {gpu: frozenset({"xid"}) for gpu in sorted(self._reads.gpus) if gpu not in registered}
 
     def _xids_possible(self) -> bool:
@@ -438,6 +440,8 @@ class NvmlBackend(PerGpuBackend):
         if self._events is None or self._events_broken:
             return {}
         seen: dict[int, list[int]] = {}
+        # Unread (a stuck call), every GPU's XIDs are unknown: an empty xid would read as none
+        self._xids_unread = True
         if self._drain is not None:
             if not self._drain.done.is_set():
                 return seen  # still stuck: no XIDs until it returns
@@ -447,7 +451,10 @@ class NvmlBackend(PerGpuBackend):
             log.warning("nvml: reading XID events is stuck; XIDs are unknown until it returns")
             self._drain = drain
             return seen
-        for gpu, codes in (drain.value or {}).items():
+        if drain.value is None:
+            return seen  # the set is held by a registration stuck in the driver
+        self._xids_unread = False
+        for gpu, codes in drain.value.items():
             seen.setdefault(gpu, []).extend(codes)
         return seen
 
@@ -476,8 +483,9 @@ class NvmlBackend(PerGpuBackend):
         finally:
             self._events_lock.release()
 
-    def _drain_xids(self) -> dict[int, list[int]]:
-        """XID codes per GPU since the last sample, without waiting (timeout 0); on the system worker."""
+    def _drain_xids(self) -> dict[int, list[int]] | None:
+        """XID codes per GPU since the last sample, without waiting (timeout 0); on the system
+        worker. None when the event set is held by a registration stuck in the driver."""
         n = self._nvml
         if self._driver is None:
             try:
@@ -486,9 +494,15 @@ class NvmlBackend(PerGpuBackend):
                 pass
         seen: dict[int, list[int]] = {}
         # A registration stuck in the driver holds the set: its events stay queued in it
-        # (this GPU is reported wedged meanwhile); they are read once it lets go.
+        # (this GPU is reported wedged meanwhile); they are read once it lets go, and every
+        # GPU's XIDs are unknown until then (it may never let go before the GPU's reset).
         if not self._events_lock.acquire(timeout=self.bounds.read_timeout_s / 2):
-            return seen
+            if not self._said_registration_stuck:
+                self._said_registration_stuck = True
+                log.warning("nvml: an XID registration is stuck in the driver; no GPU's XIDs "
+                            "are known until it returns")
+            return None
+        self._said_registration_stuck = False
         try:
             for _ in range(MAX_EVENTS_PER_SAMPLE):
                 if self._events is None or self._events_broken:

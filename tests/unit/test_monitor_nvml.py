@@ -768,3 +768,32 @@ def test_an_xid_wait_that_fails_makes_every_gpus_xids_unknown_not_none(failure):
         backend.close()
     assert unknown == {0: frozenset({"xid"}), 1: frozenset({"xid"})}
     assert again == {} and nvml.calls["nvmlEventSetCreate"] == 2
+
+
+def test_a_registration_stuck_in_the_driver_leaves_every_gpus_xids_unknown():
+    """GPU 1's retried XID registration hangs, holding the event set: every later sample read
+    no XID on GPUs 0 and 2 while coverage still claimed them, and a DBE on GPU 0 went unseen."""
+    release, calls = threading.Event(), []
+
+    def register(handle, _types, _set):
+        if handle == 1:
+            calls.append(handle)
+            if len(calls) == 1:
+                raise FakeError(NO_PERMISSION)  # tried again after xid_retry_s
+            release.wait(60)  # the retry hangs in the driver
+
+    nvml = fake_nvml(count=3, nvmlDeviceRegisterEvents=register)
+    nvml.events.clear()
+    backend = NvmlBackend(nvml=nvml, bounds=QUICK)
+    backend.xid_retry_s = 0.0
+    try:
+        backend.sample()
+        assert backend.unreported_fields == {1: frozenset({"xid"})}
+        backend.sample()  # the retry, which hangs
+        nvml.events[:] = [SimpleNamespace(device=0, eventData=48)]
+        backend.sample()
+        assert set(backend.unreported_fields) == {0, 1, 2}
+    finally:
+        release.set()
+    time.sleep(QUICK.read_timeout_s)
+    assert [(s.gpu_id, s.xid) for s in backend.sample() if s.gpu_id == 0] == [(0, 48)]
