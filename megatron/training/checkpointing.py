@@ -708,6 +708,9 @@ class _Save:
         """megatron-core's global metadata, from which rank 0 writes ``.metadata``."""
         self.found_bytes: int | None = None
         """The size of the complete checkpoint of this iteration found on disk, left as it is."""
+        self.folder_made = tier == "memory"
+        """Rank 0, a disk save: whether this save made its folder (or took what a killed save
+        of ours left), and so may remove it on failure: not another tool's, never set aside."""
         self.slots = checkpointer.slots if tier == "memory" else None
         self.synchronous = checkpointer.async_saves is None or self.slots is not None
         self.records = self.slots if self.slots is not None else (
@@ -819,16 +822,22 @@ class _Save:
                 advance_tracker_locked(self.path.parent, self.iteration)
                 return found.total_bytes
             if found is not None:
-                self._set_aside_another_state()
+                self._set_aside(f"it holds another state of iteration {self.iteration} than this "
+                                f"run's (not the checkpoint it loaded or saved there), set aside "
+                                f"for this run's save")
+            elif self.path.exists() and left_by_a_killed_save(self.path) is None:
+                # Written into, another tool's files (Megatron-LM's legacy folders, a torch_dist
+                # checkpoint without our manifest) were overwritten, and a failed save's
+                # clean-up removed them all
+                self._set_aside("it holds no complete checkpoint of ftmaster's (another tool's "
+                                "files, or a damaged checkpoint), set aside for this run's save")
             self.path.mkdir(parents=True, exist_ok=True)
+            self.folder_made = True
             return None
 
-    def _set_aside_another_state(self) -> None:
-        """The complete checkpoint in this save's folder is another state of its iteration
-        (another run's, in a ``--save`` other than ``--load``): kept under another name, as a
-        resume keeps a discarded timeline's, and this run's state written in its place."""
-        why = (f"it holds another state of iteration {self.iteration} than this run's (not "
-               f"the checkpoint it loaded or saved there), set aside for this run's save")
+    def _set_aside(self, why: str) -> None:
+        """What this save's folder holds, kept under another name, as a resume keeps a
+        discarded timeline's, and this run's state written in its place."""
         moved_to = _removed_or_set_aside(self.path, why)
         self.checkpointer.event("checkpoint_set_aside", iteration=self.iteration,
                                 path=str(self.path), moved_to=str(moved_to), reason=why)
@@ -987,6 +996,8 @@ class _Save:
                            dict(self.phases), {}, self.structure_kept, already_on_disk=True)
 
     def remove_partial_folder(self) -> None:
+        if not self.folder_made:  # another's folder that could not be set aside: kept whole
+            return
         # In the janitor, the tracker read too: a failed save's file system may hang.
         self.checkpointer.janitor.remove_failed_save(self.path, self.iteration)
 

@@ -202,6 +202,7 @@ def test_a_save_into_the_folder_of_a_failed_one_waits_for_its_removal(tmp_path):
                                          memory_owner=None)
     failed = checkpointing._Save(checkpointer, 30, "periodic", "disk", None)
     failed.path.mkdir()
+    failed.folder_made = True  # as its _make_folder made it
     (failed.path / "__0_0.distcp").write_bytes(b"part of a failed save")
     failed.remove_partial_folder()
     again = checkpointing._Save(checkpointer, 30, "exit", "disk", None)
@@ -212,6 +213,57 @@ def test_a_save_into_the_folder_of_a_failed_one_waits_for_its_removal(tmp_path):
     made.join()
     janitor.finish()
     assert again.path.is_dir() and not any(again.path.iterdir())
+
+
+# Megatron-LM's legacy folder; a torch_dist checkpoint without our manifest (shards alone
+# are what a save of ours killed mid-write leaves, and are removed)
+@pytest.mark.parametrize("foreign", ["mp_rank_00/model_optim_rng.pt", ".metadata"])
+def test_a_disk_save_sets_another_tools_folder_aside_and_a_failure_removes_only_its_own(
+        tmp_path, foreign):
+    """A Megatron-LM checkpoint copied into --save without its tracker (legacy, or torch_dist
+    without our manifest): the save at its iteration wrote into it, and the failed save's
+    clean-up removed the folder, someone's only weights with it."""
+    events = []
+    janitor = checkpointing.Janitor()
+    checkpointer = types.SimpleNamespace(group=None, folder_of=lambda tier: tmp_path, slots=None,
+                                         async_saves=None, disk_records=None, janitor=janitor,
+                                         memory_owner=None, own_states=checkpointing.OwnStates(),
+                                         event=lambda name, **fields: events.append(name))
+    weights = iteration_dir(tmp_path, 100) / foreign
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"someone's only weights")
+    save = checkpointing._Save(checkpointer, 100, "periodic", "disk", None)
+    assert save._make_folder(None) == (None, False, None)
+    assert events == ["checkpoint_set_aside"] and not any(save.path.iterdir())
+    (kept,) = tmp_path.glob("iter_0000100.discarded-*")
+    assert (kept / foreign).read_bytes() == b"someone's only weights"
+    save.remove_partial_folder()  # the save failed
+    janitor.finish()
+    assert (kept / foreign).exists() and not save.path.exists()
+
+
+def test_a_folder_that_could_not_be_set_aside_is_not_removed_by_the_failed_save(tmp_path,
+                                                                                 monkeypatch):
+    janitor = checkpointing.Janitor()
+    checkpointer = types.SimpleNamespace(group=None, folder_of=lambda tier: tmp_path, slots=None,
+                                         async_saves=None, disk_records=None, janitor=janitor,
+                                         memory_owner=None, own_states=checkpointing.OwnStates(),
+                                         event=lambda name, **fields: None)
+    weights = iteration_dir(tmp_path, 100) / "__0_0.distcp"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"someone's only weights")
+    (weights.parent / ".metadata").write_bytes(b"its plan")
+
+    def refused(self, target):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(Path, "rename", refused)
+    save = checkpointing._Save(checkpointer, 100, "periodic", "disk", None)
+    problem, _, _ = save._make_folder(None)
+    assert problem.startswith(f"creating {save.path}: ")
+    save.remove_partial_folder()
+    janitor.finish()
+    assert weights.read_bytes() == b"someone's only weights"
 
 
 def test_a_room_check_that_fails_is_the_saves_problem_not_an_exception(tmp_path, monkeypatch):
