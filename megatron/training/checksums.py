@@ -25,7 +25,10 @@ import functools
 import io
 import json
 import logging
+import multiprocessing
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -163,9 +166,21 @@ def write_with_digests(write: Callable, iteration: int, *args, **kwargs):
     if not _dies_with_parent:
         die_with_parent(os.getppid())
         forked_children_die_with_this_process()
+        _ignore_step_wide_sigterm()
         _dies_with_parent = True
     rehearsal.stall_writer(iteration)
     return write(*args, **kwargs)
+
+
+def _ignore_step_wide_sigterm() -> None:
+    """In a writer process (multiprocessing's child of the rank, never the rank itself, whose
+    SIGTERM is its exit save's signal): a SIGTERM sent to every process of a job step (SLURM's
+    warning before its time limit) killed the persistent writer mid-save, the save in flight
+    failed as "its writer process died", and the exit save paid for a new one. It dies with
+    its rank, and a save given up kills it with SIGKILL. Only a main thread sets handlers."""
+    if multiprocessing.parent_process() is not None and \
+            threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 _dies_with_parent = False

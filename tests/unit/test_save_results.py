@@ -3,6 +3,7 @@ may end during a memory save, and megatron-core's one module-wide queue handed t
 other's results, so both checkpoints' .metadata described the other's files), and room in the
 memory tier."""
 
+import os
 import queue
 import shutil
 import signal
@@ -92,6 +93,24 @@ def test_a_writers_server_that_died_is_started_again_for_the_next_async_save(mon
         results.put("the writers' results")
         assert results.get(timeout=10) == "the writers' results"
         assert "the async writers' result server is gone" in capsys.readouterr().err
+    finally:
+        checkpointing._writers_manager.shutdown()
+
+
+def test_a_step_wide_sigterm_leaves_the_writers_server_to_the_exit_save(monkeypatch):
+    """SLURM's warning (or scancel --signal=TERM) reaches every process of the step: the
+    server exited on it, and the async save in flight, and the exit save, lost its results."""
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(checkpointing, "_writers_manager", None)
+    checkpointing.start_writer_results_queue()
+    try:
+        server = checkpointing._writers_manager._process
+        os.kill(server.pid, signal.SIGTERM)
+        server.join(1.0)
+        assert server.is_alive()
+        results = checkpointing.results_queue_of_one_save(in_rank=False)
+        results.put("the writers' results")
+        assert results.get(timeout=10) == "the writers' results"
     finally:
         checkpointing._writers_manager.shutdown()
 
@@ -312,3 +331,28 @@ def test_a_common_state_that_does_not_pickle_fails_the_save_at_its_agreement(tmp
     save._write_common({"a lock": __import__("threading").Lock()})
     assert save.problem.startswith("serialising common.pt: ")
     assert not (tmp_path / "common.pt").exists() and save.small_files == {}
+
+
+def _writers_sigterm(answer):
+    from megatron.training import checksums
+
+    checksums._ignore_step_wide_sigterm()
+    answer.put(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+
+
+def test_a_writer_ignores_a_step_wide_sigterm_and_the_rank_keeps_its_own():
+    """A writer process (the rank's multiprocessing child) died on SLURM's step-wide SIGTERM
+    mid-save; the rank itself must keep the SIGTERM its exit save answers."""
+    import multiprocessing
+
+    from megatron.training import checksums
+
+    context = multiprocessing.get_context("fork")
+    answer = context.SimpleQueue()
+    writer = context.Process(target=_writers_sigterm, args=(answer,))
+    writer.start()
+    writer.join(30)
+    assert answer.get() is True
+    before = signal.getsignal(signal.SIGTERM)
+    checksums._ignore_step_wide_sigterm()  # in the rank: not a writer
+    assert signal.getsignal(signal.SIGTERM) is before

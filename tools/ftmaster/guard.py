@@ -62,17 +62,19 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
 
 
 def exit_with_parent(expected_parent: int) -> None:
-    """Ask to exit, through Python's exit handlers, when the parent dies.
+    """Ask to exit, through Python's exit handlers, when the parent dies, and only then.
 
     For a multiprocessing Manager's server: it listens on a socket in a ``pymp-*`` folder of
     its own in /tmp, which its exit handlers remove. Killed with its rank (SIGKILL), it left
-    one folder behind per rank lost, and a long-lived node collected them."""
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    one folder behind per rank lost, and a long-lived node collected them. A SIGTERM sent to
+    every process of a job step (SLURM's warning, ``scancel --signal=TERM``, systemd) while
+    its rank lives is not its end: the rank's exit save still needs it."""
+    def exit_if_orphaned(signum: int, _frame: object) -> None:
+        if os.getppid() != expected_parent:
+            sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_if_orphaned)
     die_with_parent(expected_parent, signal.SIGTERM)
-
-
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    sys.exit(128 + signum)
 
 
 _forking_pid: int | None = None
