@@ -446,6 +446,45 @@ class CheckpointMismatch(Exception):
     """The checkpoint cannot continue under these arguments; the message says what to pass."""
 
 
+MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+               "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+               "swiglu": "--swiglu", "normalization": "--normalization",
+               "position_embedding_type": "--position-embedding-type",
+               "add_bias_linear": "--disable-bias-linear",
+               "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+"""The arguments that shape the model, by the flag that sets each. A checkpoint of another
+shape whose tensors happen to fit (4 heads read as 2, the same QKV weight cut otherwise;
+learned positions and biases dropped under RoPE and --disable-bias-linear) loaded silently;
+one that does not fit failed as a damaged checkpoint. Megatron-LM's check_checkpoint_args
+refuses such resumes too."""
+
+
+def _check_model(saved: dict, args) -> None:
+    """CheckpointMismatch naming the first argument that shapes the model otherwise than
+    the checkpoint's (those it saved: an older or foreign checkpoint may lack some)."""
+    for name, flag in MODEL_FLAGS.items():
+        if name in saved and saved[name] is not None and getattr(args, name, None) is not None \
+                and saved[name] != getattr(args, name):
+            raise CheckpointMismatch(
+                f"the checkpoint's model has {name} {saved[name]!r} where the arguments give "
+                f"{getattr(args, name)!r} ({flag}): resume with the checkpoint's model, or "
+                f"start a new run from its weights")
+    saved_groups, groups = _query_groups(saved), _query_groups(vars(args))
+    if None not in (saved_groups, groups) and saved_groups != groups:
+        raise CheckpointMismatch(
+            f"the checkpoint's model has {saved_groups} query groups where the arguments give "
+            f"{groups} (--group-query-attention, --num-query-groups): resume with the "
+            f"checkpoint's model, or start a new run from its weights")
+
+
+def _query_groups(values: dict) -> int | None:
+    """The attention's key-value groups: --num-query-groups under --group-query-attention,
+    else one per head."""
+    if values.get("group_query_attention"):
+        return values.get("num_query_groups")
+    return values.get("num_attention_heads")
+
+
 class NoLoadableCheckpoint(Exception):
     """The load folder holds checkpoints and none of them can be loaded; nothing was touched."""
 
@@ -1302,6 +1341,7 @@ class Checkpointer:
         problem = first_problem(problem, self.group)
         if problem is not None:
             return problem
+        _check_model(saved_args(common), self.args)
         from_distributed = False
         if not self.args.no_load_optim:
             self._check_schedule(common.get("opt_param_scheduler", {}))

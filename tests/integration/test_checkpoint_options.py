@@ -101,6 +101,19 @@ def test_no_load_optim_reshards_the_model_alone_and_keeps_the_schedule(async_sav
     assert [without_optimizer[i]["lr"] for i in (9, 10)] == [with_optimizer[i]["lr"] for i in (9, 10)]
 
 
+def test_a_checkpoint_of_another_model_shape_is_refused_in_one_line(async_saved):
+    """4 heads resumed as 2: the QKV weight keeps its shape, and the trained weights loaded
+    silently, cut into other heads (Megatron-LM's check_checkpoint_args refuses it)."""
+    result, logged = resume(async_saved[0], "--override-opt-param-scheduler",
+                            "--num-attention-heads", "2")
+    assert result.returncode != 0 and not logged
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: the checkpoint's model has num_attention_heads 4 where the arguments give 2 "
+        "(--num-attention-heads): resume with the checkpoint's model, or start a new run from "
+        "its weights"]
+
+
 def test_a_changed_schedule_is_one_line_unless_told_which_to_follow(async_saved):
     result, logged = resume(async_saved[0])  # --train-iters 10 lengthens the decay of 8
     assert result.returncode != 0 and not logged

@@ -89,3 +89,29 @@ def test_a_resume_keeps_the_plain_optimizer_its_checkpoint_has_state_for(
     monkeypatch.setattr(model, "default_distributed_optimizer", lambda args: default)
     args = Namespace(use_distributed_optimizer=given, no_load_optim=no_load_optim)
     assert training.optimizer_choice(args, saved) is expected
+
+
+@pytest.mark.parametrize("saved, given, refused", [
+    ({"num_attention_heads": 4}, {"num_attention_heads": 2}, "num_attention_heads 4"),
+    ({"position_embedding_type": "learned_absolute"}, {"position_embedding_type": "rope"},
+     "(--position-embedding-type)"),
+    ({"add_bias_linear": True}, {"add_bias_linear": False}, "(--disable-bias-linear)"),
+    ({"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 2},
+     {"num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4},
+     "2 query groups where the arguments give 4"),
+    ({"num_attention_heads": 8}, {"num_attention_heads": 8, "group_query_attention": True,
+                                  "num_query_groups": 4}, "8 query groups"),
+    ({"num_attention_heads": 4}, {"num_attention_heads": 4}, None),
+    ({}, {"num_attention_heads": 2}, None),  # an older or foreign checkpoint without the key
+])
+def test_a_checkpoint_of_another_model_shape_is_refused(saved, given, refused):
+    from argparse import Namespace
+
+    from megatron.training.checkpointing import CheckpointMismatch, _check_model
+
+    if refused is None:
+        _check_model(saved, Namespace(**given))
+        return
+    with pytest.raises(CheckpointMismatch) as raised:
+        _check_model(saved, Namespace(**given))
+    assert refused in str(raised.value) and "\n" not in str(raised.value)
