@@ -1738,3 +1738,18 @@ def test_the_original_layouts_step_is_carried_over_from_the_ftmaster_before(tmp_
     supervisor.plan = config.first_plan
     supervisor._plan_event([0, 1, 2])
     assert runfiles.read_events(tmp_path)[-1]["original_step_s"] == 0.61
+
+
+@pytest.mark.parametrize("gap, hung", [(500.0, False), (1.0, True)])
+def test_a_suspended_job_is_no_hang_at_its_resume(tmp_path, gap, hung):
+    """scontrol suspend stops every process of the step, ftmaster with it; at the resume the
+    monotonic clock had run on, and a suspension past --hang-timeout was a hang."""
+    from ftmaster.launch import check_layout
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), hang_timeout_s=600)
+    supervisor = Supervisor(config, QuietMonitor())
+    now = time.monotonic()
+    supervisor._progress, supervisor._polled_at = (5, now - 1000.0), now - gap
+    assert supervisor._hung() is hung

@@ -140,6 +140,10 @@ PERSIST_WAIT_NOTICE_S = 30.0
 
 log = logging.getLogger("ftmaster")
 LOG_TAIL_LINES = 30
+SUSPENDED_GAP_S = 60.0
+"""A gap this long between two polls of a running attempt: the job step was stopped and
+resumed (SLURM's ``scontrol suspend``, gang scheduling's SIGSTOP), ranks with it; the hang
+timer skips it. Counted, a suspension past ``--hang-timeout`` was a hang at every resume."""
 DRAIN_RESULT_STEPS = 5
 """Steps between heartbeats the step time after a straggler's drain is the median of."""
 REWEIGH_ITERATIONS = 5
@@ -333,6 +337,7 @@ class Supervisor:
         self._alerts: deque[Alert] = deque()
         self._started = time.monotonic()
         self._progress: tuple[int | None, float] = (None, 0.0)
+        self._polled_at: float | None = None  # the last poll of a running attempt (suspensions)
         self._finished_at: float | None = None
         self._resume_point = 0  # the iteration the current attempt starts from
         self._loaded_iteration: int | None = None  # the checkpoint it loaded, once it says so
@@ -885,11 +890,22 @@ class Supervisor:
             log.info(line)
 
     def _hung(self) -> bool:
+        self._skip_a_suspension()
         last, since = self._progress
         limit = self.config.startup_timeout_s if last is None else self.config.hang_timeout_s
         idle = time.monotonic() - since
         # The folders are listed only once training is idle: --save may be a shared filesystem.
         return idle > limit and is_hung(idle, limit, self._seconds_since_checkpoint_write())
+
+    def _skip_a_suspension(self) -> None:
+        """Moves the last progress on by a gap of SUSPENDED_GAP_S or more since the last poll."""
+        now = time.monotonic()
+        polled, self._polled_at = self._polled_at, now
+        if polled is not None and now - polled > SUSPENDED_GAP_S:
+            last, since = self._progress
+            self._progress = (last, since + (now - polled))
+            log.warning("no poll of the running attempt for %.0f s (the job suspended and "
+                        "resumed?): the hang timer skips that time", now - polled)
 
     def _seconds_since_checkpoint_write(self) -> float | None:
         """None when no checkpoint file is known to be written. A look that gets no answer
@@ -1126,6 +1142,7 @@ class Supervisor:
             return self._stopped_idle(state)  # a restarted ftmaster's first launch waits too
         self.attempt, self._failed_since_launch = attempt, False
         self._progress, self._finished_at = (None, time.monotonic()), None
+        self._polled_at = None
         self.stragglers.new_attempt(gpus, 0 if self.world is None else self.world.rank_offset)
         # Found on the last attempt's figures: weighed no more.
         self._straggler_to_drain = self._straggler_waiting = self._straggler_ambiguous = None
