@@ -62,9 +62,14 @@ def template(optimizer, model_sharded_state_dict: dict) -> dict:
 
 
 def saved_step(common_optimizer: dict) -> float:
-    """Adam's step as the distributed optimizer saved it (in its param groups)."""
+    """Adam's step as the distributed optimizer saved it (in its param groups); 0 when no
+    group holds one: a fused Adam (Transformer Engine's, apex's) that never stepped (fp16,
+    every step so far skipped by the loss scale) saves none, and such a checkpoint was
+    skipped as unloadable, then every older one too."""
     groups = common_optimizer.get("optimizer", {}).get("param_groups", [])
     steps = {float(group["step"]) for group in groups if group.get("step") is not None}
+    if groups and not steps:
+        return 0.0
     if len(steps) != 1:
         raise ValueError(f"the checkpoint's optimizer holds no single step ({sorted(steps)})")
     return steps.pop()

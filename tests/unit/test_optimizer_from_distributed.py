@@ -3,6 +3,7 @@ where that Adam counts it."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron.training.optimizer_from_distributed import KEY, apply
@@ -70,3 +71,21 @@ def test_an_fp16_loss_scale_is_taken_from_the_checkpoint():
     state = {name: torch.zeros(2, 3) for name in ("param", "exp_avg", "exp_avg_sq")}
     apply(resumed, {KEY: {0: state}, "optimizer": {"grad_scaler": saved.state_dict()}}, 1.0)
     assert resumed.grad_scaler.scale.item() == saved.scale.item() < 2.0 ** 32
+
+
+@pytest.mark.parametrize("groups, step", [
+    ([{"step": 7}, {"step": 7.0}], 7.0),
+    ([{"lr": 1e-3}, {"lr": 1e-3}], 0.0),  # a fused Adam that never stepped saves no step
+])
+def test_the_saved_step_is_the_param_groups_one_or_0_before_any(groups, step):
+    from megatron.training.optimizer_from_distributed import saved_step
+
+    assert saved_step({"optimizer": {"param_groups": groups}}) == step
+
+
+@pytest.mark.parametrize("groups", [[], [{"step": 7}, {"step": 8}]])
+def test_no_groups_or_two_steps_are_no_step(groups):
+    from megatron.training.optimizer_from_distributed import saved_step
+
+    with pytest.raises(ValueError, match="holds no single step"):
+        saved_step({"optimizer": {"param_groups": groups}})
