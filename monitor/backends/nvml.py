@@ -198,11 +198,15 @@ class NvmlBackend(PerGpuBackend):
         if handle is None:
             return None
         self._gpu_by_handle[_handle_key(handle)] = gpu
-        uuid = self._read(reading, gpu, "uuid", n.nvmlDeviceGetUUID, handle)
-        if uuid is not None:
-            self._gpu_by_uuid[_text(uuid)] = gpu
+        self._learn_uuid(gpu, handle, reading)
         self._handles[gpu] = handle
         return handle
+
+    def _learn_uuid(self, gpu: int, handle: Any, reading: Reading) -> None:
+        """The GPU's UUID, once it reads (the metrics' label, events placed by UUID)."""
+        uuid = self._read(reading, gpu, "uuid", self._nvml.nvmlDeviceGetUUID, handle)
+        if uuid is not None:
+            self._gpu_by_uuid[_text(uuid)] = gpu
 
     def _register_xids(self, gpu: int, handle: Any, reading: Reading) -> None:
         """Register the GPU for XID events when it is not and its turn has come: at its first
@@ -369,6 +373,8 @@ class NvmlBackend(PerGpuBackend):
             handle = self._open(gpu, reading)
             if handle is None:
                 return  # unknown this time; opened again next sample
+        elif gpu not in self.uuids():  # a read that failed at the open: again
+            self._learn_uuid(gpu, handle, reading)
         s = reading.sample
         if gpu not in self._names:
             name = self._read(reading, gpu, "name", n.nvmlDeviceGetName, handle)

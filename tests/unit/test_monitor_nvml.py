@@ -797,3 +797,21 @@ def test_a_registration_stuck_in_the_driver_leaves_every_gpus_xids_unknown():
         release.set()
     time.sleep(QUICK.read_timeout_s)
     assert [(s.gpu_id, s.xid) for s in backend.sample() if s.gpu_id == 0] == [(0, 48)]
+
+
+def test_a_uuid_that_failed_to_read_at_the_open_is_read_again():
+    """One transient failure at the handle's open left the GPU without its UUID for the run:
+    an empty UUID label on its metrics, and events placed by UUID missed it."""
+    failed = []
+
+    def uuid(handle):
+        if handle == 1 and not failed:
+            failed.append(handle)
+            raise FakeError(UNKNOWN)
+        return f"GPU-{handle}"
+
+    backend = NvmlBackend(nvml=fake_nvml(count=2, nvmlDeviceGetUUID=uuid), bounds=QUICK)
+    backend.sample()
+    assert backend.uuids() == {0: "GPU-0"}
+    backend.sample()
+    assert backend.uuids() == {0: "GPU-0", 1: "GPU-1"}
