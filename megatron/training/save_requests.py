@@ -85,6 +85,9 @@ class SaveRequests:
         self.can_save = can_save
         self._signal_received = False
         self._answered_identity: tuple[int, int] | None = None
+        self._answered_at: int | None = None
+        """The iteration of the save that answers ``_answered_identity``: an older save's end
+        (an async periodic one still in flight as the answer started) leaves the flag."""
         self._deferral_reported = False
         self._buffer = torch.zeros(2 + ranks, dtype=torch.int64)
         self._rank = rank
@@ -161,7 +164,7 @@ class SaveRequests:
             self._deferral_reported = False
             # The flag as it is now, not as this rank sampled it: another rank may have seen
             # it first, and the save that starts now answers whatever was written before it.
-            self._answered_identity = self._flag_identity()
+            self._answered_identity, self._answered_at = self._flag_identity(), iteration
             return Decision(save=True, emergency=not (periodic or memory), memory=memory)
         report = not self._deferral_reported
         self._deferral_reported = True
@@ -170,18 +173,20 @@ class SaveRequests:
     def _due(self, interval: int | None, iteration: int) -> bool:
         return bool(self.can_save and interval and iteration % interval == 0)
 
-    def answer_with_last_save(self) -> None:
-        """Every rank, as a save of the run's last state starts: that save answers the flag
-        as it is now; a flag written after is kept (:meth:`consume`). With no flag now, the
-        answer of an earlier save still in flight is kept."""
+    def answer_with_last_save(self, iteration: int) -> None:
+        """Every rank, as a save of the run's last state (at ``iteration``) starts: that save
+        answers the flag as it is now; a flag written after is kept (:meth:`consume`). With
+        no flag now, the answer of an earlier save still in flight is kept."""
         seen = self._flag_identity()
-        if seen is not None:
-            self._answered_identity = seen
+        if seen is not None and seen != self._answered_identity:  # the same: the earlier answer
+            self._answered_identity, self._answered_at = seen, iteration
 
-    def consume(self) -> None:
-        """After the answering save is durable (each node's local rank 0, for its node's flag
-        folder): remove that flag, not a newer one."""
-        if self._answered_identity is None:
+    def consume(self, iteration: int) -> None:
+        """After the save at ``iteration`` is durable, or failed (each node's local rank 0, for
+        its node's flag folder): remove the flag it answered, not a newer one, nor one a newer
+        save answers."""
+        if self._answered_identity is None or (
+                self._answered_at is not None and iteration < self._answered_at):
             return
         if self._flag_identity() == self._answered_identity:
             try:

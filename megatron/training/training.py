@@ -400,7 +400,7 @@ class Trainer:
         if kind in ("final", "exit") or self._training_done():
             # No later save would answer a request standing now (one still waiting out the
             # gap filter, say): this one does, or the next run on the folder saves unasked.
-            self.requests.answer_with_last_save()
+            self.requests.answer_with_last_save(self.state.iteration)
         blocked = self.checkpointer.save(self.state, kind, tier, on_durable=self._on_durable,
                                          on_failed=self._on_save_failed)
         if self.checkpointer.async_saves is not None:
@@ -416,7 +416,7 @@ class Trainer:
         if failure.tier == "memory":  # the request goes to disk instead
             self._retry_on_disk = failure.kind
             return
-        self._consume_answered_flag()
+        self._consume_answered_flag(failure.iteration)
         # An async save of the iteration the loop stopped at (--exit-interval skips its own
         # save when one is under way) failing as it is waited for: the end said success
         # without its last checkpoint.
@@ -445,7 +445,7 @@ class Trainer:
                     phases={name: round(value, 4) for name, value in done.phases.items()},
                     writer_phases={name: round(value, 4)
                                    for name, value in done.writer_phases.items()})
-        self._consume_answered_flag()
+        self._consume_answered_flag(done.iteration)
         if self.board is not None:  # what a relaunch resumes from is on disk in the curves too
             self.board.flush()
         if (self.args.keep_emergency is not None and done.tier == "disk"
@@ -453,11 +453,11 @@ class Trainer:
             self.checkpointer.janitor.submit(prune_emergency_checkpoints, Path(self.args.save),
                                              self.args.keep_emergency)
 
-    def _consume_answered_flag(self) -> None:
-        """Each node's local rank 0 removes the flag its ranks answered, with or without a run
-        directory (``--emergency-save-flag-dir`` alone)."""
+    def _consume_answered_flag(self, iteration: int) -> None:
+        """Each node's local rank 0 removes the flag its ranks answered with the save at
+        ``iteration``, with or without a run directory (``--emergency-save-flag-dir`` alone)."""
         if local_rank() == 0:
-            self.requests.consume()
+            self.requests.consume(iteration)
 
     def _heartbeat(self, finished: bool = False, evaluated: int | None = None) -> None:
         if self.writes_run_files:

@@ -60,7 +60,7 @@ def test_periodic_save_satisfies_a_pending_request(flag):
     assert not step(requests, 7, 6).save
     decision = step(requests, 8, 6)
     assert decision.save and not decision.emergency
-    requests.consume()
+    requests.consume(8)
     assert not flag.exists()
 
 
@@ -80,7 +80,7 @@ def test_answered_flag_is_not_asked_twice_but_a_new_one_is(flag):
     assert not step(requests, 16, 10).save
     write_flag(flag, gpu=2)  # a new request written during the save
     assert step(requests, 17, 10).emergency
-    requests.consume()
+    requests.consume(17)
     assert not flag.exists()
 
 
@@ -91,7 +91,7 @@ def test_a_flag_another_rank_saw_first_is_answered_once(flag):
     requests._pending_work.wait()
     requests._buffer[1] = 1  # what the MAX all-reduce gives when another rank saw the flag
     assert requests.decide(10, 0).emergency
-    requests.consume()
+    requests.consume(10)
     assert not flag.exists()
     assert not step(requests, 15, 10).save  # no second save for the same request
 
@@ -101,7 +101,7 @@ def test_consume_keeps_a_flag_written_after_the_decision(flag):
     write_flag(flag)
     assert step(requests, 10, 0).emergency
     write_flag(flag, gpu=3)
-    requests.consume()
+    requests.consume(10)
     assert flag.exists()
 
 
@@ -111,8 +111,8 @@ def test_the_last_save_answers_a_request_still_waiting_out_the_gap(flag):
     requests = make(flag)
     write_flag(flag)
     assert step(requests, 21, 20).deferred_until == 25
-    requests.answer_with_last_save()
-    requests.consume()
+    requests.answer_with_last_save(21)
+    requests.consume(21)
     assert not flag.exists()
 
 
@@ -120,9 +120,9 @@ def test_the_last_save_keeps_a_flag_written_after_it_started(flag):
     requests = make(flag)
     write_flag(flag)
     assert not step(requests, 21, 20).save
-    requests.answer_with_last_save()
+    requests.answer_with_last_save(21)
     write_flag(flag, gpu=3)  # during the final save: not answered by it
-    requests.consume()
+    requests.consume(21)
     assert flag.exists()
 
 
@@ -130,13 +130,28 @@ def test_the_last_save_keeps_the_answer_of_a_save_in_flight(flag):
     requests = make(flag)
     write_flag(flag)
     assert step(requests, 10, 0).emergency  # in flight
-    requests.answer_with_last_save()  # the same file: the same answer
-    requests.consume()
+    requests.answer_with_last_save(12)  # the same file: the same answer, the save at 10's
+    requests.consume(10)
     assert not flag.exists()
-    requests.answer_with_last_save()  # no flag now: nothing new to answer
+    requests.answer_with_last_save(12)  # no flag now: nothing new to answer
     write_flag(flag, gpu=2)
-    requests.consume()
+    requests.consume(12)
     assert flag.exists()
+
+
+def test_an_older_saves_end_leaves_the_flag_a_newer_save_answers(flag):
+    """A periodic async save at 100 in flight, a flag at 101 deferred, the emergency save at
+    125 answers it: the save at 100 ending removed the flag while 125 still wrote (and, on
+    CUDA, before it wrote anything), and the monitor saw no request pending."""
+    requests = make(flag, save_interval=100)
+    assert step(requests, 100, 0).save  # periodic, still writing
+    write_flag(flag)
+    assert step(requests, 101, 100).deferred_until == 125
+    assert step(requests, 125, 100).emergency
+    requests.consume(100)  # the periodic save ends
+    assert flag.exists()
+    requests.consume(125)
+    assert not flag.exists()
 
 
 def test_gap_zero_saves_at_once(flag):
