@@ -315,7 +315,7 @@ def test_a_failed_save_of_the_iteration_training_stopped_at_fails_the_end(kind, 
 
     trainer = Trainer.__new__(Trainer)
     trainer._blocked_seconds, trainer._final_save_failure, trainer._ended_at = {}, None, ended_at
-    trainer._consume_answered_flag = lambda: None
+    trainer._consume_answered_flag = lambda iteration: None
     trainer.state = types.SimpleNamespace(iteration=8, consumed_train_samples=32)
     trainer.args = types.SimpleNamespace(train_samples=160, train_iters=None)
     failure = checkpointing.SaveFailure(8, Path("/save/iter_0000008"), kind, "disk", "ENOSPC")
