@@ -2,12 +2,14 @@
 digests taken from the bytes copied, and the rules that keep a complete checkpoint safe."""
 
 import ctypes
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
+import xxhash._xxhash
 
 from ftmaster.recovery.checkpoints import advance_tracker, iteration_dir, mark_whole, pin
 from ftmaster.recovery.manifest import HELD_MANIFEST_NAME, MANIFEST_NAME, digest_file
@@ -197,6 +199,39 @@ def test_a_node_local_slot_drops_the_peer_copies_it_will_not_rewrite(tmp_path):
 def test_the_streaming_copy_was_built_where_a_compiler_is():
     assert copy_bytes is not ctypes.memmove
     assert memory_slots.native_refill is not None  # and python-xxhash exports XXH3's calls
+
+
+def _xxh3_digest(calls, data: bytes, pieces: int) -> int:
+    state = calls.create_state()
+    try:
+        calls.reset(state)
+        step = max(1, len(data) // pieces)
+        for start in range(0, len(data), step):
+            calls.update(state, data[start:start + step], len(data[start:start + step]))
+        return calls.digest(state)
+    finally:
+        calls.free_state(state)
+
+
+@pytest.mark.parametrize("length", [0, 17, 240, 241, 1024, 65_536 + 5, 3_000_001])
+def test_the_refill_hashes_give_python_xxhash_digests(length):
+    """The calls the refill hashes with (python-xxhash's update dispatched to AVX2, here) give
+    the manifest readers' digests: short inputs, XXH3's long path, uneven updates."""
+    if memory_slots.native_refill is None:
+        pytest.skip("the refill loops in Python, with python-xxhash itself")
+    data = os.urandom(length)
+    for pieces in (1, 3):
+        assert _xxh3_digest(memory_slots.native_refill.hashes, data, pieces) == xxhash.xxh3_64_intdigest(data)
+
+
+def test_a_hash_library_whose_digests_differ_is_not_used(monkeypatch):
+    """Calls that would not give the readers' digests (an update that is not XXH3's) are not
+    used; nor are a missing call or library."""
+    assert memory_slots._xxh3_of(xxhash._xxhash.__file__, "XXH3_64bits_update") is not None
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: 42)
+    assert memory_slots._xxh3_of(xxhash._xxhash.__file__, "XXH3_64bits_update") is None
+    assert memory_slots._xxh3_of(xxhash._xxhash.__file__, "XXH3_no_such_call") is None
+    assert memory_slots._xxh3_of("/no/such/libxxhash.so", "XXH3_64bits_update") is None
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 63, 64, 65, 4096 + 17, 1_000_003])
