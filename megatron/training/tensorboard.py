@@ -13,11 +13,20 @@ mark would purge too. What a relaunch can resume from is flushed with each durab
 checkpoint, so a killed attempt leaves no gap before it. A write that fails (a full disk
 under the folder) is said in one line and the scalars stop there; training goes on
 (:class:`ftmaster.scalar_writer.GuardedWriter`).
+
+The reader takes a folder's event files in name order, and a file's name starts with the
+second it was made (then the host, the pid and a per-process count, compared as text): a
+writer made in the same second as an earlier attempt's could sort before it, and that
+attempt's points would then purge this one's. So a writer is made only once the clock has
+passed the newest file's second (:func:`wait_past_earlier_files`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import time
+from pathlib import Path
 
 from ftmaster.scalar_writer import GuardedWriter
 
@@ -25,8 +34,34 @@ NEEDS_PACKAGE = ("--tensorboard-dir needs the tensorboard package: pip install t
                  "(scripts/setup.sh installs ftmaster's tensorboard extra)")
 
 
+EVENT_FILE_SECOND = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+LONGEST_WAIT_S = 2.0
+"""Past this, the clock is behind the folder's newest file (another node's, ahead of this
+one's): said, not waited for."""
+
+
 def tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", flush=True)
+
+
+def wait_past_earlier_files(folder: Path, say) -> None:
+    """Wait until the clock is past the second of ``folder``'s newest event file."""
+    try:
+        seconds = [int(match.group(1)) for path in folder.iterdir()
+                   if (match := EVENT_FILE_SECOND.match(path.name))]
+    except OSError:  # no folder yet, or unreadable: the writer says what is wrong with it
+        return
+    wait = max(seconds, default=0) + 1 - time.time()
+    if wait > LONGEST_WAIT_S:
+        say(f"TensorBoard scalars in {folder}: this host's clock is {wait - 1:.0f} s behind an "
+            f"earlier attempt's event file; TensorBoard may show that attempt's points over "
+            f"this one's")
+    elif wait > 0:
+        time.sleep(wait)
 
 
 class Board:
@@ -40,12 +75,12 @@ class Board:
         if args.tensorboard_dir and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only here
 
+            wait_past_earlier_files(Path(args.tensorboard_dir), _warn)
             self.writer = GuardedWriter.opened(
                 lambda: SummaryWriter(log_dir=args.tensorboard_dir,
                                       max_queue=args.tensorboard_queue_size,
                                       purge_step=first_iteration),
-                f"TensorBoard scalars in {args.tensorboard_dir}",
-                lambda line: print(f"warning: {line}", flush=True))
+                f"TensorBoard scalars in {args.tensorboard_dir}", _warn)
 
     def due(self, iteration: int) -> bool:
         """Whether this rank writes ``iteration``'s scalars (the caller gathers them only then:

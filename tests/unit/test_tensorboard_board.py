@@ -1,11 +1,13 @@
 """The trainer's TensorBoard writer across relaunches into one folder."""
 
+import re
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron.training.tensorboard import Board
+from megatron.training.tensorboard import Board, wait_past_earlier_files
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -45,6 +47,33 @@ def test_a_relaunch_from_a_checkpoint_continues_the_curve(tmp_path, last_rank):
     attempt(tmp_path, 1, 6)
     attempt(tmp_path, 5, 9)  # loaded iteration 4
     assert steps(tmp_path) == list(range(1, 10))
+
+
+def test_a_relaunch_in_the_same_second_still_sorts_after_the_attempt_before(tmp_path, last_rank,
+                                                                          monkeypatch):
+    """Files of one second sort by pid and a per-process count, as text: count 10 sorted
+    before 9, and the first attempt's points purged the relaunch's (the flaky test above,
+    under -n 2, whose workers made other writers before)."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    attempt(tmp_path, 1, 6)
+    attempt(tmp_path, 5, 9)
+    assert steps(tmp_path) == list(range(1, 10))
+    assert [loss.value for loss in EventAccumulator(str(tmp_path)).Reload().Scalars("lm loss")] \
+        == [float(step) for step in range(1, 10)]
+
+
+def test_a_clock_behind_the_folder_s_newest_file_is_said_not_waited_for(tmp_path, capsys):
+    (tmp_path / f"events.out.tfevents.{int(time.time()) + 600}.other-host.7.0").write_bytes(b"")
+    started = time.monotonic()
+    wait_past_earlier_files(tmp_path, print)
+    assert time.monotonic() - started < 1
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and re.fullmatch(
+        f"TensorBoard scalars in {re.escape(str(tmp_path))}: this host's clock is (599|600) s "
+        "behind an earlier attempt's event file; TensorBoard may show that attempt's points "
+        "over this one's", said[0])
 
 
 def test_a_full_disk_under_the_folder_is_one_line_and_training_goes_on(tmp_path, last_rank, capsys):
