@@ -220,6 +220,19 @@ def test_multi_node_bad_input_is_one_line(tmp_path, options, message):
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+def test_a_slurm_node_list_that_cannot_be_read_is_named_in_the_refusal(tmp_path, monkeypatch):
+    """It read as if the user had forgotten --rdzv-endpoint under srun, which gives one."""
+    for name, value in {"SLURM_JOB_ID": "6", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
+                        "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+                        "SLURM_STEP_NODELIST": "n[1-2", "PATH": "/nonexistent"}.items():
+        monkeypatch.setenv(name, value)  # no scontrol on PATH: ftmaster's own expansion
+    result = CliRunner().invoke(main, ["launch", "--nproc-per-node", "2", "--monitor-backend", "sim",
+                                       "--run-dir", str(tmp_path / "R"), "--", PRETRAIN, *MODEL])
+    assert result.exit_code == 2
+    assert result.stderr == ("Error: --nnodes 1:2 needs --rdzv-endpoint (SLURM's gives none: "
+                             "node list 'n[1-2': unbalanced brackets)\n"), result.stderr
+
+
 def test_a_refused_launch_leaves_no_tensorboard_folder(tmp_path):
     """ftmaster's board was made before the rendezvous looked up --local-addr: the refusal
     left an event file in TENSORBOARD_DIR/ftmaster_node0, a run of its own in TensorBoard."""

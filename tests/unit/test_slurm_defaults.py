@@ -72,6 +72,15 @@ def test_a_value_slurm_gives_that_cannot_be_read_is_unknown(change, field):
     assert defaults.rdzv_id == "6"
 
 
+@pytest.mark.parametrize("nodelist, hostnames, problem", [
+    ("n[1-", expand_nodelist, "node list 'n[1-': unbalanced brackets"),
+    ("n[1-2]", lambda nodelist: [], "node list 'n[1-2]' names no host"),
+])
+def test_a_node_list_that_gives_no_endpoint_says_why(nodelist, hostnames, problem):
+    defaults = slurm_defaults({**STEP_ON_TWO_NODES, "SLURM_STEP_NODELIST": nodelist}, hostnames)
+    assert defaults.rdzv_endpoint is None and defaults.nodelist_problem == problem
+
+
 def test_the_largest_node_list_expands_and_a_larger_one_gives_no_endpoint():
     assert len(expand_nodelist("n[1-65536]")) == 65536
     environ = {**STEP_ON_TWO_NODES, "SLURM_STEP_NODELIST": "n[1-99999999999]"}

@@ -792,11 +792,13 @@ def rendezvous_config(options: dict) -> RendezvousConfig | None:
         min_nodes, max_nodes = parse_nnodes(options["nnodes"])
         if max_nodes == 1:
             return None
+        why = {"run_dir": " (a folder every node can write, shared)",
+               "rdzv_endpoint": f" (SLURM's gives none: {options['nodelist_problem']})"
+               if options.get("nodelist_problem") else ""}
         for name in ("rdzv_endpoint", "node_rank", "run_dir"):
             if options[name] is None:
                 raise ValueError(f"--nnodes {options['nnodes']} needs --{name.replace('_', '-')}"
-                                 + (" (a folder every node can write, shared)" if name == "run_dir"
-                                    else ""))
+                                 + why.get(name, ""))
         config = RendezvousConfig(
             endpoint=options["rdzv_endpoint"],
             run_id=options["rdzv_id"] or _folder_name(options["run_dir"]),

@@ -64,6 +64,9 @@ class SlurmDefaults:
     taken joins whatever store holds it: a second job whose first node is the same host (shared
     nodes) met the first job's store, and lost it, exit 75, when that job ended. None with an
     endpoint given."""
+    nodelist_problem: str | None = None
+    """Why SLURM's node list gave no ``rdzv_endpoint`` (it could not be expanded), for the
+    message that asks for one."""
 
     def __post_init__(self) -> None:
         if self.node_rank is not None and self.node_rank < 0:
@@ -90,14 +93,16 @@ def slurm_defaults(environ: Mapping[str, str],
     restarts = _whole_number(environ.get("SLURM_RESTART_COUNT"))
     nodelist = (environ.get("SLURM_STEP_NODELIST") if in_step else None) or \
         environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    first = _first_host(nodelist, hostnames or scontrol_hostnames) if nodelist else None
+    first, problem = (_first_host(nodelist, hostnames or scontrol_hostnames) if nodelist
+                      else (None, None))
     node_rank = _whole_number(environ.get("SLURM_NODEID"), minimum=0)
     return SlurmDefaults(
         rdzv_id=f"{job_id}-r{restarts}" if restarts else job_id,
         node_rank=node_rank,
         rdzv_endpoint=f"{first}:{C10D_PORT}" if first else None,
         nnodes=f"1:{nodes}" if in_step and nodes is not None and nodes > 1 else None,
-        store_host=node_rank == 0 if first and in_step and node_rank is not None else None)
+        store_host=node_rank == 0 if first and in_step and node_rank is not None else None,
+        nodelist_problem=problem)
 
 
 def with_explicit_options(slurm: SlurmDefaults,
@@ -197,12 +202,14 @@ def _too_many(nodelist: str) -> ValueError:
     return ValueError(f"node list {nodelist!r} names more than {MAX_HOSTS} hosts")
 
 
-def _first_host(nodelist: str, hostnames: Callable[[str], list[str]]) -> str | None:
+def _first_host(nodelist: str,
+                hostnames: Callable[[str], list[str]]) -> tuple[str | None, str | None]:
+    """The list's first host, or None and why."""
     try:
         hosts = hostnames(nodelist)
-    except ValueError:
-        return None
-    return hosts[0] if hosts else None
+    except ValueError as error:
+        return None, str(error)
+    return (hosts[0], None) if hosts else (None, f"node list {nodelist!r} names no host")
 
 
 def _whole_number(value: str | None, minimum: int = 1) -> int | None:
