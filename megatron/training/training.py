@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -48,6 +49,16 @@ from .tokenizer import build_tokenizer
 
 class FinalSaveFailed(Exception):
     """The checkpoint at the end of training (or on SIGTERM) could not be written."""
+
+
+@dataclass
+class _OneSave:
+    """One save, as the trainer follows it to its end."""
+
+    ended: bool = False
+    """Its callback ran: inside the call for a synchronous save."""
+    blocked: float | None = None
+    """The seconds training was blocked, for a save still written after the call returned."""
 
 
 # ---- initialisation -----------------------------------------------------------------------
@@ -251,7 +262,6 @@ class Trainer:
         self.cut = Cut(enabled=args.replica_recovery)
         self.replicas = self._replica_dumper()
         self.poison_at = rehearsal.nan_iterations(local_rank())
-        self._blocked_seconds: dict[int, float] = {}
         self._first_iteration: int | None = None  # set once a checkpoint is (not) loaded
         self._final_save_failure: SaveFailure | None = None
         self._ended_at: int | None = None
@@ -401,18 +411,20 @@ class Trainer:
             # No later save would answer a request standing now (one still waiting out the
             # gap filter, say): this one does, or the next run on the folder saves unasked.
             self.requests.answer_with_last_save(self.state.iteration)
-        blocked = self.checkpointer.save(self.state, kind, tier, on_durable=self._on_durable,
-                                         on_failed=self._on_save_failed)
-        if self.checkpointer.async_saves is not None:
-            self._blocked_seconds[self.state.iteration] = blocked
+        save = _OneSave()
+        blocked = self.checkpointer.save(self.state, kind, tier,
+                                         on_durable=partial(self._on_durable, save),
+                                         on_failed=partial(self._on_save_failed, save))
+        if not save.ended:  # written on in the background (a memory save never is)
+            save.blocked = blocked
             where = " in memory" if tier == "memory" else ""
             log_rank0(f"async {kind} save at iteration {self.state.iteration}{where} started; "
                       f"training blocked {blocked:.3f} s")
 
-    def _on_save_failed(self, failure: SaveFailure) -> None:
+    def _on_save_failed(self, save: "_OneSave", failure: SaveFailure) -> None:
         """Every rank: training goes on; an answered request is not asked again (the
         monitor asks anew if the GPU stays critical); the end of training must say so."""
-        self._blocked_seconds.pop(failure.iteration, None)
+        save.ended = True
         if failure.tier == "memory":  # the request goes to disk instead
             self._retry_on_disk = failure.kind
             return
@@ -425,10 +437,11 @@ class Trainer:
         if failure.kind in ("final", "exit") or failure.iteration == last:
             self._final_save_failure = failure  # no second try at the same iteration
 
-    def _on_durable(self, done: DurableSave) -> None:
+    def _on_durable(self, save: "_OneSave", done: DurableSave) -> None:
         """Every rank, once a checkpoint is complete on disk: each node's event and flag,
         and on rank 0 the pruning of older emergency checkpoints."""
-        blocked = self._blocked_seconds.pop(done.iteration, done.seconds_to_durable)
+        save.ended = True
+        blocked = save.blocked if save.blocked is not None else done.seconds_to_durable
         self._event("emergency_save" if done.kind == "emergency" else "periodic_save",
                     iteration=done.iteration, seconds=round(blocked, 4),
                     waited_for_ranks_seconds=round(done.waited_for_ranks, 4), bytes=done.bytes,

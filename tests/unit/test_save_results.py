@@ -311,15 +311,15 @@ def test_a_failed_save_of_the_iteration_training_stopped_at_fails_the_end(kind, 
     """--exit-interval at 8 (of 40) skips its own save while an async periodic save of 8 is
     under way; that save failing as the end waited for it left the run saying success (its
     heartbeat finished, exit 0) without its last checkpoint."""
-    from megatron.training.training import Trainer
+    from megatron.training.training import Trainer, _OneSave
 
     trainer = Trainer.__new__(Trainer)
-    trainer._blocked_seconds, trainer._final_save_failure, trainer._ended_at = {}, None, ended_at
+    trainer._final_save_failure, trainer._ended_at = None, ended_at
     trainer._consume_answered_flag = lambda iteration: None
     trainer.state = types.SimpleNamespace(iteration=8, consumed_train_samples=32)
     trainer.args = types.SimpleNamespace(train_samples=160, train_iters=None)
     failure = checkpointing.SaveFailure(8, Path("/save/iter_0000008"), kind, "disk", "ENOSPC")
-    trainer._on_save_failed(failure)
+    trainer._on_save_failed(_OneSave(), failure)
     assert (trainer._final_save_failure is failure) is final
 
 
@@ -356,3 +356,39 @@ def test_a_writer_ignores_a_step_wide_sigterm_and_the_rank_keeps_its_own():
     before = signal.getsignal(signal.SIGTERM)
     checksums._ignore_step_wide_sigterm()  # in the rank: not a writer
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_save_s_blocked_seconds_follow_it_to_its_event_and_no_further(in_flight, monkeypatch,
+                                                                        capsys):
+    """Under --async-save a memory save is synchronous: its callback ran inside the call, and
+    the seconds kept for it afterwards stayed for the run (one per memory save), below an
+    "async ... started" line for a save already done."""
+    from megatron.training import training
+
+    durable = checkpointing.DurableSave(8, Path("/m/iter_0000008"), "periodic", "memory", 0.0,
+                                        0.9, 100, 0.0, 0.0, {}, {}, True)
+    ends = []
+
+    def save(state, kind, tier, on_durable, on_failed):
+        ends.append(lambda: on_durable(durable))
+        if not in_flight:
+            ends.pop()()
+        return 0.25
+
+    trainer = training.Trainer.__new__(training.Trainer)
+    trainer.model = types.SimpleNamespace(sync_params=lambda: None)
+    trainer.state = types.SimpleNamespace(iteration=8)
+    trainer.args = types.SimpleNamespace(keep_emergency=None)
+    trainer.checkpointer = types.SimpleNamespace(save=save, async_saves=object())
+    trainer.board, trainer._training_done = None, lambda: False
+    trainer._consume_answered_flag = lambda iteration: None
+    events = []
+    trainer._event = lambda name, **fields: events.append(fields["seconds"])
+    monkeypatch.setattr(training, "log_rank0", print)
+    trainer.save("periodic", "memory")
+    for end in ends:
+        end()
+    assert events == [0.25 if in_flight else 0.9]
+    assert ("async periodic save at iteration 8 in memory started" in capsys.readouterr().out) \
+        is in_flight
