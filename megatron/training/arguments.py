@@ -575,7 +575,8 @@ def _validate_data(args):
 
 def _validate_split(args):
     """Megatron's ``--split``: up to three non-negative weights (train, valid, test) separated
-    by commas or slashes; training needs a train part, evaluation a validation part."""
+    by commas or slashes; training needs a train part, and without a validation part there
+    is no evaluation."""
     parts = args.split.replace("/", ",").split(",")
     try:
         # Plain decimals only: megatron-core reads the runs of digits and dots, so 1e2,1 would
@@ -587,9 +588,11 @@ def _validate_split(args):
              f"--split must be up to three non-negative numbers such as 969,30,1, got {args.split!r}")
     weights += [0.0] * (3 - len(weights))
     _require(weights[0] > 0, f"--split {args.split!r} leaves no training data")
-    _require(args.eval_iters == 0 or weights[1] > 0,
-             f"--split {args.split!r} leaves no validation data for --eval-iters "
-             f"{args.eval_iters}: give it a validation part or pass --eval-iters 0")
+    if weights[1] == 0:
+        # No validation part, no evaluation, as Megatron-LM's do_valid (its validation data
+        # loader is None): a pretraining command with --split 100,0,0 and the default
+        # --eval-iters runs there unchanged.
+        args.eval_iters = 0
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:

@@ -66,7 +66,6 @@ def with_args(*extra, drop=()):
     *((with_args("--split", split), 1, "--split must be up to three non-negative numbers")
       for split in ("1e2,1", "1e2,1,1", "1_0,1", "inf,1")),
     (with_args("--split", "0,100,0"), 1, "leaves no training data"),
-    (with_args("--split", "100,0,0", "--eval-iters", "2"), 1, "leaves no validation data"),
     (with_args("--eval-iters", "2", "--eval-interval", "-1"), 1,
      "--eval-interval must be a positive"),
     # Megatron-LM divides by it without evaluations too
@@ -493,3 +492,12 @@ def test_a_save_folder_whose_name_is_too_long_is_refused_before_training(tmp_pat
     """It passed the check, and every rank failed at the first save's mkdir."""
     with pytest.raises(ArgumentError, match="--save"):
         parse_args(with_args("--save", str(tmp_path / ("s" * 300) / "ckpt")), world_size=1)
+
+
+@pytest.mark.parametrize("split, evaluations", [("100,0,0", 0), ("100", 0), ("98,2,0", 2)])
+def test_a_split_without_a_validation_part_runs_without_evaluation(split, evaluations):
+    """Megatron-LM's do_valid: a pretraining command with --split 100,0,0 and the default
+    --eval-iters was refused here, where it trains there without evaluating."""
+    args = parse_args(with_args("--split", split, "--eval-iters", "2", "--eval-interval", "4"),
+                      world_size=1)
+    assert args.eval_iters == evaluations
