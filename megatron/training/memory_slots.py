@@ -161,7 +161,7 @@ class _NativeRefill:
     refill: ctypes._CFuncPtr
     hashes: _Xxh3
 
-    @property
+    @functools.cached_property
     def hash_functions(self) -> tuple[int, int, int]:
         """The addresses of XXH3's reset, update and digest, for the loop."""
         return tuple(ctypes.cast(function, ctypes.c_void_p).value
