@@ -132,6 +132,7 @@ class NvmlBackend(PerGpuBackend):
         self._handles: dict[int, Any] = {}
         self._gpu_by_handle: dict[Any, int] = {}
         self._gpu_by_uuid: dict[str, int] = {}
+        self._uuid_by_gpu: dict[int, str] = {}
         self._xid_gpus: set[int] = set()  # GPUs registered for XID events on the current set
         self._xid_retry_at: dict[int, float] = {}  # GPU -> when its failed registration is retried
         self.xid_retry_s = XID_RETRY_S
@@ -206,6 +207,7 @@ class NvmlBackend(PerGpuBackend):
         """The GPU's UUID, once it reads (the metrics' label, events placed by UUID)."""
         uuid = self._read(reading, gpu, "uuid", self._nvml.nvmlDeviceGetUUID, handle)
         if uuid is not None:
+            self._uuid_by_gpu[gpu] = _text(uuid)
             self._gpu_by_uuid[_text(uuid)] = gpu
 
     def _register_xids(self, gpu: int, handle: Any, reading: Reading) -> None:
@@ -266,7 +268,7 @@ class NvmlBackend(PerGpuBackend):
     def uuids(self) -> dict[int, str]:
         """Each opened GPU's UUID (the metrics' ``UUID`` label)."""
         # A copy: a GPU worker still opening its GPU adds to it (the metrics ask from another thread)
-        return {gpu: uuid for uuid, gpu in dict(self._gpu_by_uuid).items()}
+        return dict(self._uuid_by_gpu)
 
     @property
     def reported_fields(self) -> frozenset[str]:
@@ -373,7 +375,7 @@ class NvmlBackend(PerGpuBackend):
             handle = self._open(gpu, reading)
             if handle is None:
                 return  # unknown this time; opened again next sample
-        elif gpu not in self.uuids():  # a read that failed at the open: again
+        elif gpu not in self._uuid_by_gpu:  # a read that failed at the open: again
             self._learn_uuid(gpu, handle, reading)
         s = reading.sample
         if gpu not in self._names:
