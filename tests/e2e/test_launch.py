@@ -197,7 +197,7 @@ def test_wait_policy_gets_all_four_gpus_back_locks_refuse_a_second_and_sigkill_l
         assert second.stderr == (f"Error: another ftmaster (pid {ftmaster.pid}) is using {run_dir}; "
                                  "wait for it to end or give another --run-dir\n")
         other_run = CliRunner().invoke(main, ["launch", *launch_argv(tmp_path / "run2", 4, args)[4:]])
-        assert other_run.exit_code == 1
+        assert other_run.exit_code == 93
         assert other_run.stderr.startswith(f"Error: --save {save} is written by another run (host ")
         assert f"pid {ftmaster.pid}, run_dir {run_dir}); give another --save, or stop that run " \
                f"first (if its host is down, remove {save}/.ftmaster_jobs/" in other_run.stderr

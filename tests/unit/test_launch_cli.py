@@ -200,7 +200,11 @@ def test_a_launch_refused_for_a_save_in_use_leaves_no_run_directory(tmp_path):
                         "sim", "--", PRETRAIN, *MODEL, "--save", str(tmp_path / "ckpt"))
     finally:
         other.release()
-    assert result.exit_code != 0 and "is written by another run" in result.stderr, result.stderr
+    # Another job's: it lives on through a requeue of this one, so the wrapper must not loop.
+    assert result.exit_code == 93, result.stderr
+    assert result.stderr.count("\n") == 1 and "is written by another run" in result.stderr
+    assert result.stderr.endswith("; do not requeue: a requeue would fail the same way "
+                                  "(exit status 93)\n")
     assert not (tmp_path / "runs").exists()
 
 
@@ -301,7 +305,7 @@ def test_a_full_disk_under_the_tensorboard_dir_names_the_folder(tmp_path, monkey
     monkeypatch.setattr("ftmaster.launch.RunBoard.for_command", full_disk)
     result = launch(tmp_path / "run", "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
                     PRETRAIN, *MODEL, "--tensorboard-dir", str(tmp_path / "tb"))
-    assert result.exit_code != 0
+    assert result.exit_code == 2  # bad input, as an unwritable --run-dir: never requeued
     assert result.stderr == (f"Error: --tensorboard-dir: cannot write to {tmp_path / 'tb' / 'ftmaster'} "
                              "(No space left on device)\n")
 

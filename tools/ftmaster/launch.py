@@ -62,7 +62,7 @@ from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout)
 from ftmaster.recovery.training_values import check_script_values
-from ftmaster.states import POLICIES
+from ftmaster.states import POLICIES, requeue_advice
 from ftmaster.supervisor import SCALE_UP_POLICIES, Supervisor, SupervisorConfig, run_files_outage
 from ftmaster.replication import MIN_RATE_MB_S, Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
@@ -359,13 +359,20 @@ def _job_identity(run_dir: Path, rendezvous: RendezvousConfig | None) -> str:
     return f"{socket.gethostname()}:{run_dir}"
 
 
+class AnotherJobsFolder(click.ClickException):
+    """A checkpoint folder another job writes: that job lives on through a requeue of this
+    one, which would be refused the same way (and the sbatch wrapper requeues exit 1)."""
+
+    exit_code = exit_codes.DO_NOT_REQUEUE
+
+
 def _claim(claim: FolderClaim) -> FolderClaim | None:
     """The claim held; None where the filesystem has no locks (said once)."""
     folder = f"{claim.flag} {claim.folder.parent}"
     try:
         claim.acquire()
     except FolderInUse as error:
-        raise click.ClickException(str(error)) from None
+        raise AnotherJobsFolder(f"{error}; {requeue_advice(False)}") from None
     except OSError as error:
         if error.errno not in NO_LOCKS:
             advice = "" if error.errno == errno.ETIMEDOUT else f"; give a writable {claim.flag}"
@@ -459,7 +466,7 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
         board = RunBoard.for_command(list(config.command), node_rank)
     except OSError as error:  # e.g. a path under a file, or a folder it may not write to
         _close_all(observers)
-        raise click.ClickException(f"--tensorboard-dir: cannot write to "
+        raise InputError(f"--tensorboard-dir: cannot write to "
                                    f"{runfiles.failed_path(error, folder)} "
                                    f"({error.strerror or error})") from None
     if board is not None:
