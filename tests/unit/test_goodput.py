@@ -239,7 +239,7 @@ def test_cli_says_which_input_in_an_error_was_measured(tmp_path):
     run_dir = _run_dir(tmp_path)  # its saves are durable 9 s after they start
     bad = CliRunner().invoke(main, ["goodput", "--run-dir", str(run_dir), "--save-block-s",
                                     "20", "--runs", "0"])
-    assert bad.exit_code != 0
+    assert bad.exit_code == 2  # bad input, as click's own usage errors
     assert bad.output.strip() == (
         "Error: --save-persist-s (until durable) must be >= --save-block-s (blocked) "
         f"(--save-persist-s 9: measured in {run_dir})")
@@ -298,7 +298,7 @@ RANGE = "(beyond any real run; the model's arithmetic overflows past it)"
 ])
 def test_an_input_past_the_models_range_is_refused_with_the_reason(args, message):
     bad = CliRunner().invoke(main, ["goodput", "--runs", "0", *args])
-    assert bad.exit_code == 1 and isinstance(bad.exception, SystemExit), bad.output
+    assert bad.exit_code == 2 and isinstance(bad.exception, SystemExit), bad.output
     assert bad.output == f"Error: {message} {RANGE}\n"
 
 
@@ -332,7 +332,7 @@ def test_the_extremes_the_model_takes_print_no_number_longer_than_the_models_pre
 ])
 def test_inputs_the_model_cannot_take_are_one_line(args, message):
     bad = CliRunner().invoke(main, ["goodput", *args])
-    assert bad.exit_code != 0 and isinstance(bad.exception, SystemExit), bad.exception
+    assert bad.exit_code == 2 and isinstance(bad.exception, SystemExit), bad.exception
     assert message in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
 
 
@@ -347,7 +347,7 @@ def test_cli_table_and_one_line_errors():
                           (["--runs", "1"], "--runs must be 0 (analytic model only) or at least 2"),
                           (["--runs", "-3"], "not -3")):
         bad = runner.invoke(main, ["goodput", *args])
-        assert bad.exit_code != 0
+        assert bad.exit_code == 2
         assert message in bad.output and len(bad.output.strip().splitlines()) == 1
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ftmaster import goodput, report, runfiles
 from ftmaster.goodput import GoodputInputs
-from ftmaster.recovery.cli import FiniteFloatRange
+from ftmaster.recovery.cli import FiniteFloatRange, InputError
 
 _ELAPSED = re.compile(r"elapsed time per iteration \(ms\): " + report.DECIMAL)
 MAX_RUNS = 1_000_000
@@ -341,15 +341,15 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     """Expected goodput, lost work and the best save interval: periodic-only against
     proactive checkpointing, analytic model and Monte Carlo, under Poisson GPU failures."""
     if runs < 0 or runs == 1:
-        raise click.ClickException(f"--runs must be 0 (analytic model only) or at least 2 (the "
+        raise InputError(f"--runs must be 0 (analytic model only) or at least 2 (the "
                                    f"Monte Carlo's standard error needs two runs), not {runs}")
     if runs > MAX_RUNS:
-        raise click.ClickException(f"--runs must be at most {MAX_RUNS} (each run's state is held "
+        raise InputError(f"--runs must be at most {MAX_RUNS} (each run's state is held "
                                    f"in memory), not {runs}")
     explicit = {k: v for k, v in given.items() if v is not None}
     if gpu_failure_rate is not None:
         if "gpu_mtbf_hours" in explicit:
-            raise click.ClickException("give --gpu-mtbf-hours or --gpu-failure-rate, not both")
+            raise InputError("give --gpu-mtbf-hours or --gpu-failure-rate, not both")
         explicit["gpu_mtbf_hours"] = 1 / gpu_failure_rate
     measured = measure(run_dir, report.load_events(run_dir)) if run_dir else {}
     measured = {k: v for k, v in measured.items() if k not in explicit}
@@ -358,12 +358,12 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
         with np.errstate(all="ignore"):  # absurd inputs overflow: shown as "unbounded"
             result = _report(x, runs, seed)
     except (ValueError, RuntimeError) as exc:
-        raise click.ClickException(in_option_names(str(exc), measured, run_dir)) from None
+        raise InputError(in_option_names(str(exc), measured, run_dir)) from None
     except ArithmeticError as exc:  # inputs the model's own checks let through
         inputs = [f"{_option(name)} {value:g}" for name, value in explicit.items()]
         inputs += [f"{_option(name)} {value:g} (measured in {run_dir})"
                    for name, value in measured.items()]
-        raise click.ClickException(
+        raise InputError(
             f"the goodput model cannot evaluate these inputs ({type(exc).__name__}: {exc}): "
             + (", ".join(inputs) if inputs else "the defaults")) from None
     if as_json:
