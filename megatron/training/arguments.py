@@ -447,10 +447,12 @@ def _validate_layout(args):
                  f"({heads}); give --kv-channels for another head size")
         args.kv_channels = args.hidden_size // heads
     _validate_pipeline(args)
-    # numpy's seed range, for every pipeline rank's seed (--seed + 100 x its rank); outside
-    # it numpy.random.seed raised a traceback once the process group was up
+    # Megatron-LM's _set_random_seed refuses a seed that is not positive (initialize.py:
+    # "Seed (0) should be a positive integer."); above, numpy's range for every pipeline
+    # rank's seed (--seed + 100 x its rank), where numpy.random.seed raised a traceback once
+    # the process group was up
     top = 2**32 - 1 - 100 * (args.pipeline_model_parallel_size - 1)
-    _require(0 <= args.seed <= top, f"--seed must be between 0 and {top}, got {args.seed}")
+    _require(1 <= args.seed <= top, f"--seed must be between 1 and {top}, got {args.seed}")
     _apply(check_positions, args.seq_length, args.max_position_embeddings)
     _require(not args.sequence_parallel or args.seq_length % tp == 0,
              f"--sequence-parallel splits the sequence over TP: --seq-length ({args.seq_length}) "

@@ -188,10 +188,12 @@ def test_an_infinite_emergency_gap_is_refused(tmp_path):
                              "--save-interval", "2"), world_size=1)
 
 
-@pytest.mark.parametrize("seed, pp, top", [("-1", 1, 2**32 - 1), (str(2**32 - 100), 2, 2**32 - 101)])
-def test_a_seed_numpy_refuses_is_refused(seed, pp, top):
-    # numpy.random.seed raised it once the process group was up, on the rank it did not fit
-    with pytest.raises(ArgumentError, match=f"--seed must be between 0 and {top}, got {seed}"):
+@pytest.mark.parametrize("seed, pp, top", [("-1", 1, 2**32 - 1), (str(2**32 - 100), 2, 2**32 - 101),
+                                           ("0", 1, 2**32 - 1)])
+def test_a_seed_numpy_or_megatron_refuses_is_refused(seed, pp, top):
+    # numpy.random.seed raised it once the process group was up, on the rank it did not fit;
+    # Megatron-LM refuses 0 (its _set_random_seed), which trained here
+    with pytest.raises(ArgumentError, match=f"--seed must be between 1 and {top}, got {seed}"):
         parse_args(with_args("--seed", seed, "--pipeline-model-parallel-size", str(pp)),
                    world_size=pp)
 
