@@ -342,10 +342,10 @@ def goodput_command(run_dir, gpu_failure_rate, runs, seed, as_json, **given):
     proactive checkpointing, analytic model and Monte Carlo, under Poisson GPU failures."""
     if runs < 0 or runs == 1:
         raise InputError(f"--runs must be 0 (analytic model only) or at least 2 (the "
-                                   f"Monte Carlo's standard error needs two runs), not {runs}")
+                         f"Monte Carlo's standard error needs two runs), not {runs}")
     if runs > MAX_RUNS:
         raise InputError(f"--runs must be at most {MAX_RUNS} (each run's state is held "
-                                   f"in memory), not {runs}")
+                         f"in memory), not {runs}")
     explicit = {k: v for k, v in given.items() if v is not None}
     if gpu_failure_rate is not None:
         if "gpu_mtbf_hours" in explicit:

@@ -467,8 +467,8 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
     except OSError as error:  # e.g. a path under a file, or a folder it may not write to
         _close_all(observers)
         raise InputError(f"--tensorboard-dir: cannot write to "
-                                   f"{runfiles.failed_path(error, folder)} "
-                                   f"({error.strerror or error})") from None
+                         f"{runfiles.failed_path(error, folder)} "
+                         f"({error.strerror or error})") from None
     if board is not None:
         observers.append(board)
     for observer in observers:
