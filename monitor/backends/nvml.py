@@ -207,8 +207,9 @@ class NvmlBackend(PerGpuBackend):
         """The GPU's UUID, once it reads (the metrics' label, events placed by UUID)."""
         uuid = self._read(reading, gpu, "uuid", self._nvml.nvmlDeviceGetUUID, handle)
         if uuid is not None:
-            self._uuid_by_gpu[gpu] = _text(uuid)
-            self._gpu_by_uuid[_text(uuid)] = gpu
+            text = _text(uuid)
+            self._uuid_by_gpu[gpu] = text
+            self._gpu_by_uuid[text] = gpu
 
     def _register_xids(self, gpu: int, handle: Any, reading: Reading) -> None:
         """Register the GPU for XID events when it is not and its turn has come: at its first
