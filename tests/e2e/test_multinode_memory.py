@@ -90,7 +90,9 @@ def test_a_lost_node_is_resumed_from_its_peers_copy_and_catches_up_when_it_rejoi
     assert caught_up and caught_up[0]["from_node"] == 0 and caught_up[0]["bytes"] > 0
     assert both[1]["peer_bytes"] > 0  # node 1's ranks read their shards from node 0's copy
 
-    result = run_trainer(4, train_args(reference, 40, 2, 2, 2))
+    # The uninterrupted run, saved at that iteration only and stopped there
+    result = run_trainer(4, train_args(reference, 40, 2, 2, iteration, "--exit-interval",
+                                       str(iteration)))
     assert result.returncode == 0, result.stdout[-3000:]
     assert unequal_tensors(iteration_dir(held, iteration), iteration_dir(reference, iteration)) == []
 
