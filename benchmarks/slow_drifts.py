@@ -21,7 +21,7 @@ stays in its noise longer.
 failure types from before) and prints its recall and false alarms: the drift detector must
 not lower the one nor raise the other. ``--set`` replays with fields of the drift detector's
 :class:`~ftmaster.monitor.drifts.DriftConfig` changed (``--set excursion_share=0.3``), to
-weigh a change of its thresholds on the same traces.
+weigh a change of its thresholds on the same traces (a pair as ``--set horizon_s=1500,750``).
 """
 
 import argparse
@@ -51,12 +51,12 @@ ROOM_UNITS = {"temperature": "C", "power": "W"}
 
 
 def drift_config(settings: list[str]) -> DriftConfig:
-    """The default :class:`DriftConfig` with ``FIELD=VALUE`` settings; SystemExit naming a
-    bad one."""
+    """The default :class:`DriftConfig` with ``FIELD=VALUE`` settings (a pair of numbers
+    for a pair: ``horizon_s=1500,750``); SystemExit naming a bad one."""
     defaults = DriftConfig()
     kinds = {field.name: type(getattr(defaults, field.name))
              for field in dataclasses.fields(DriftConfig)
-             if isinstance(getattr(defaults, field.name), (int, float))}
+             if isinstance(getattr(defaults, field.name), (int, float, tuple))}
     changed = {}
     for setting in settings:
         name, _, value = setting.partition("=")
@@ -64,13 +64,29 @@ def drift_config(settings: list[str]) -> DriftConfig:
             raise SystemExit(f"--set {setting!r}: expected FIELD=VALUE, FIELD one of "
                              f"{', '.join(sorted(kinds))}")
         try:
-            changed[name] = kinds[name](value)
+            changed[name] = _setting(getattr(defaults, name), value)
         except ValueError:
-            raise SystemExit(f"--set {setting!r}: {value!r} is not a number") from None
+            raise SystemExit(f"--set {setting!r}: {value!r} is not "
+                             f"{_expected(getattr(defaults, name))}") from None
     try:
         return dataclasses.replace(defaults, **changed)
     except ValueError as error:
         raise SystemExit(f"--set: {error}") from None
+
+
+def _setting(default, value: str):
+    """``value`` read as ``default``'s type: a number, or as many comma-separated numbers as
+    a tuple of them holds."""
+    if not isinstance(default, tuple):
+        return type(default)(value)
+    parts = value.split(",")
+    if len(parts) != len(default):
+        raise ValueError(value)
+    return tuple(type(item)(part) for item, part in zip(default, parts))
+
+
+def _expected(default) -> str:
+    return f"{len(default)} comma-separated numbers" if isinstance(default, tuple) else "a number"
 
 
 def room_at_start(spec: tracegen.TraceSpec, failure: dict, signal: str,
