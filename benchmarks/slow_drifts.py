@@ -54,15 +54,14 @@ def drift_config(settings: list[str]) -> DriftConfig:
     """The default :class:`DriftConfig` with ``FIELD=VALUE`` settings (a pair of numbers
     for a pair: ``horizon_s=1500,750``); SystemExit naming a bad one."""
     defaults = DriftConfig()
-    kinds = {field.name: type(getattr(defaults, field.name))
-             for field in dataclasses.fields(DriftConfig)
-             if isinstance(getattr(defaults, field.name), (int, float, tuple))}
+    settable = sorted(field.name for field in dataclasses.fields(DriftConfig)
+                      if isinstance(getattr(defaults, field.name), (int, float, tuple)))
     changed = {}
     for setting in settings:
         name, _, value = setting.partition("=")
-        if name not in kinds or not value:
+        if name not in settable or not value:
             raise SystemExit(f"--set {setting!r}: expected FIELD=VALUE, FIELD one of "
-                             f"{', '.join(sorted(kinds))}")
+                             f"{', '.join(settable)}")
         try:
             changed[name] = _setting(getattr(defaults, name), value)
         except ValueError:
