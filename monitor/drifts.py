@@ -10,7 +10,7 @@ heavier work, a warm-up, the room's temperature) and a checkpoint's dip are no p
 one:
 
 - over the window it rises (toward the limit) by at least ``min_slope`` of the limit's scale
-  per minute and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
+  per minute (power: ``power_min_slope``) and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
   trend); or by ``min_t`` only, when its second half alone rises by ``min_slope`` (and
   ``late_min_t`` of that fit's errors) and the GPU's level has left its own usual level, the
   median of the ``excursion_lookback_s`` before the window (a drift that began within the
@@ -64,6 +64,14 @@ class DriftConfig:
     """Share of the window the samples must span before a trend counts."""
     min_slope: float = 0.0025
     """Least rise per minute over the window, as a share of the limit (0.22 C/min at 87 C)."""
+    power_min_slope: float = 0.002
+    """``min_slope`` for power, as a share of its cap (0.8 W/min at 400 W). One power sample
+    swings by tens of watts, so ``min_t`` is what tells a trend from noise there. Power drifts
+    that accelerate stayed under ``min_slope`` until less than a quarter of their span was
+    left (seeds 321, 400, 894 and 1025 of ``benchmarks/slow_drifts.py``, 22-25%); at this
+    floor they alert with 27-28% left, and seeds 0-1039 keep their ten false-alarm episodes
+    (0.001-0.0015 added two: seeds 205 and 322). Temperature keeps ``min_slope``: its floor
+    at 0.001 added 24 false-alarm episodes on seeds 760-1039."""
     min_t: float = 4.5
     """Least slope over the window, in standard errors of its fit."""
     late_min_t: float = 4.5
@@ -146,6 +154,9 @@ class DriftConfig:
     def __post_init__(self) -> None:
         if not self.window_s > 0 or not 0 < self.min_coverage <= 1:
             raise ValueError("the drift window must be positive and its coverage in (0, 1]")
+        if self.min_slope < 0 or self.power_min_slope < 0:
+            raise ValueError(f"the least slopes must not be negative, got {self.min_slope} and "
+                             f"{self.power_min_slope} (power)")
         if self.load_settle_s < 0 or self.rebound_tolerance_c < 0:
             raise ValueError("the drift's load settle and rebound tolerance must not be "
                              f"negative, got {self.load_settle_s} s and {self.rebound_tolerance_c} C")
@@ -187,7 +198,7 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
               cfg: DriftConfig, rising: bool = True,
               before: tuple[Sequence[float], Sequence[float]] | None = None,
               peers: Sequence[float] | None = None, limit_follows: float = 0.0,
-              spread_block_s: float = 0.0) -> float | None:
+              spread_block_s: float = 0.0, min_slope: float | None = None) -> float | None:
     """Seconds until the GPU covers ``distance`` to its limit (``rising``: a limit above it;
     else below, and ``distance`` negative) at the trend of ``values`` (its own part of the
     signal); None when there is no trend toward it, or it is past the limit already (the
@@ -199,7 +210,8 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     its usual level (``before``). ``limit_follows``: the share of the peers' level the limit
     itself moves with (the clock floor, a share of the peers' clock), so that their rise closes
     the distance by only the rest of it. ``spread_block_s``: the stretches over whose means
-    the look-back's spread is taken (0: its samples')."""
+    the look-back's spread is taken (0: its samples'). ``min_slope``: the least slope's share
+    of ``scale`` for this limit (None: ``cfg.min_slope``)."""
     if (distance <= 0) == rising or len(times) < 8 or \
             times[-1] - times[0] < cfg.min_coverage * cfg.window_s:
         return None
@@ -207,7 +219,7 @@ def time_left(times: Sequence[float], values: Sequence[float], distance: float, 
     fits = _WindowFits.of(times, values, toward)
     if fits is None or not fits.rises_unsettled(cfg):
         return None
-    floor = cfg.min_slope * abs(scale) / 60.0
+    floor = (cfg.min_slope if min_slope is None else min_slope) * abs(scale) / 60.0
     if fits.whole < floor and not fits.late_rises(floor, cfg):
         return None
     left_usual = _excursion(before, times, values, toward * fits.whole, distance, toward, cfg,

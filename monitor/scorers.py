@@ -383,14 +383,16 @@ def drift_left(track: "_Track", s: GpuSample, peer_clock: float | None,
     # Against its peers the clock floor is a share of their clock, and moves with it.
     clock_follows = cfg.clock_floor if peer_clock is not None else 0.0
     clock_floor = None if usual_clock is None else cfg.clock_floor * usual_clock
-    # (window, now, limit, rising, the share of the peers the limit follows, spread's block)
+    # (window, now, limit, rising, the share of the peers the limit follows, spread's block,
+    # least slope)
     limits = ((track.drift_temp, s.temperature if warm else None, cfg.temperature_limit_c,
-               True, 0.0, 0.0),
-              (track.drift_power, s.power_draw, s.power_limit, True, 0.0, cfg.power_spread_block_s),
-              (track.drift_clock, s.sm_clock, clock_floor, False, clock_follows, 0.0))
+               True, 0.0, 0.0, cfg.min_slope),
+              (track.drift_power, s.power_draw, s.power_limit, True, 0.0, cfg.power_spread_block_s,
+               cfg.power_min_slope),
+              (track.drift_clock, s.sm_clock, clock_floor, False, clock_follows, 0.0, cfg.min_slope))
     left = [time_left(window.times, window.values, limit - now, limit, cfg, rising,
-                      (window.before_times, window.before), window.peers, follows, block)
-            for window, now, limit, rising, follows, block in limits
+                      (window.before_times, window.before), window.peers, follows, block, floor)
+            for window, now, limit, rising, follows, block, floor in limits
             if limit is not None and now is not None and window.times]
     known = [seconds for seconds in left if seconds is not None]
     return min(known) if known else None

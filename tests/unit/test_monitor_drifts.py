@@ -4,6 +4,7 @@ quiet."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from ftmaster.monitor.drifts import (DriftConfig, PeerCount, Persistence, _excur
                                      drift_severity, time_left)
 from ftmaster.monitor.evaluate import replay
 from ftmaster.monitor.sample import GpuSample
-from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow, Peers
+from ftmaster.monitor.scorers import AdaptiveScorer, LoadedWindow, Peers, drift_left
 
 CFG = DriftConfig(window_s=600.0)  # the fits below span 10 minutes: half the default
 TIMES = [10.0 * i for i in range(61)]  # 10 minutes, a sample every 10 s
@@ -77,11 +78,28 @@ def test_a_trend_fitted_every_30_s_counts_once_it_held_in_four_fits():
     assert seen[:3] == [None] * 3 and seen[3:] == [300.0] * 7
 
 
+def test_power_counts_a_slower_rise_toward_its_cap_than_temperature_and_clock_do():
+    """A GPU's power rising at 0.00225 of its cap a minute (under ``min_slope``, over
+    ``power_min_slope``) has time left; with power's floor at ``min_slope``, none."""
+    scorer, cap = AdaptiveScorer(), 400.0
+    for t in range(0, 1500, 5):
+        sample = GpuSample(timestamp=float(t), gpu_id=0, gpu_utilization=95.0, power_limit=cap,
+                           power_draw=340.0 + 0.00225 * cap * t / 60 + 10 * wiggle(t),
+                           sm_clock=1900.0, temperature=70.0)
+        scorer.update([sample])
+    track, cfg = scorer._tracks[0], DriftConfig()
+    assert cfg.power_min_slope < 0.00225 < cfg.min_slope
+    assert drift_left(track, sample, None, cfg, warm=True) is not None
+    assert drift_left(track, sample, None, replace(cfg, power_min_slope=cfg.min_slope),
+                      warm=True) is None
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"horizon_s": (300.0, 600.0)}, "horizon must fall"),
     ({"clock_floor": 1.2}, "clock floor"),
     ({"window_s": 0}, "window must be positive"),
     ({"power_spread_block_s": -60.0}, "power spread"),
+    ({"power_min_slope": -0.001}, "least slopes"),
 ])
 def test_the_drift_config_is_checked(kwargs, words):
     with pytest.raises(ValueError, match=words):
