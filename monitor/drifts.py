@@ -10,11 +10,11 @@ heavier work, a warm-up, the room's temperature) and a checkpoint's dip are no p
 one:
 
 - over the window it rises (toward the limit) by at least ``min_slope`` of the limit's scale
-  per minute (power: ``power_min_slope``) and by ``min_t`` standard errors of the fitted slope (noise near a limit is no
-  trend); or by ``min_t`` only, when its second half alone rises by ``min_slope`` (and
-  ``late_min_t`` of that fit's errors) and the GPU's level has left its own usual level, the
-  median of the ``excursion_lookback_s`` before the window (a drift that began within the
-  window);
+  per minute (power: ``power_min_slope``) and by ``min_t`` standard errors of the fitted
+  slope (noise near a limit is no trend); or by ``min_t`` only, when its second half alone
+  rises by ``min_slope`` (and ``late_min_t`` of that fit's errors) and the GPU's level has
+  left its own usual level, the median of the ``excursion_lookback_s`` before the window (a
+  drift that began within the window);
 - its second half rises too, and not clearly slower than its first (below ``steady`` times
   its pace by more than ``settle_sigmas`` standard errors): a step that settles (a
   first-order approach to a new level) slows down, a drift does not (it keeps its pace or
