@@ -78,8 +78,7 @@ def loaded_and_saved_again(nproc: int, tp: int, pp: int, source: Path, root: Pat
     load, save, run_dir = standalone(source, root / "load"), root / "save", root / "run"
     result = run_trainer(nproc, SMALL_GPT + SCHEDULE + layout_args(tp, pp) + [
         "--train-iters", "5", "--use-checkpoint-opt-param-scheduler", "--load", str(load),
-        "--save", str(save),
-        "--save-interval", "100"], FTMASTER_RUN_DIR=str(run_dir))
+        "--save", str(save), "--save-interval", "100"], FTMASTER_RUN_DIR=str(run_dir))
     assert result.returncode == 0, result.stdout[-3000:]
     (loaded,) = [e for e in runfiles.read_events(run_dir) if e["event"] == "checkpoint_loaded"]
     assert (loaded["iteration"], loaded["path"]) == (5, str(iteration_dir(load, 5)))

@@ -78,7 +78,7 @@ def test_a_trend_fitted_every_30_s_counts_once_it_held_in_four_fits():
     assert seen[:3] == [None] * 3 and seen[3:] == [300.0] * 7
 
 
-def test_power_counts_a_slower_rise_toward_its_cap_than_temperature_and_clock_do():
+def test_power_counts_a_rise_toward_its_cap_slower_than_min_slope():
     """A GPU's power rising at 0.00225 of its cap a minute (under ``min_slope``, over
     ``power_min_slope``) has time left; with power's floor at ``min_slope``, none."""
     scorer, cap = AdaptiveScorer(), 400.0
