@@ -49,15 +49,26 @@ def test_assess_compares_a_ranks_least_recent_compute_with_its_peers(history, st
 
 
 def test_each_rank_is_compared_with_the_median_of_its_stages_other_ranks():
-    """Read by index from the stage's sorted medians; the same as taking the rank out."""
+    """Read by index from the stage's sorted medians; the same as taking the rank out (two
+    iterations: no figure has a neighbour on both sides to be raised to)."""
     rng = random.Random(5)
     stages = {rank: rank % 3 for rank in range(40)}
-    history = {rank: [rng.choice([10.0, 12.0, 20.0, 10 + rng.random()]) for _ in range(3)]
+    history = {rank: [rng.choice([10.0, 12.0, 20.0, 10 + rng.random()]) for _ in range(2)]
                for rank in stages}
-    for judged in assess(by_iteration(history), stages, THREE_WIDE):
+    for judged in assess(by_iteration(history), stages, StragglerConfig(window=2)):
         peers = [statistics.median(history[other]) for other in stages
                  if other != judged.rank and stages[other] == stages[judged.rank]]
         assert judged.slowdown == min(history[judged.rank]) / statistics.median(peers)
+
+
+def test_a_lone_dip_is_raised_to_the_lesser_of_its_neighbours_a_step_is_not():
+    """Rank 1 dips at its second figure and steps down at its fourth (window 3): the dip
+    reads 18 (its neighbours 20 and 18), the step's first figure its own 10."""
+    history = {0: [10.0] * 5, 1: [20.0, 5.0, 18.0, 10.0, 10.0], 2: [10.0] * 5}
+    (_, one, _) = assess(by_iteration({r: h[:3] for r, h in history.items()}), FOUR, THREE_WIDE)
+    assert one.slowdown == pytest.approx(1.8)  # 20, 18 (raised) and 18 (the newest, as is)
+    (_, one, _) = assess(by_iteration(history), FOUR, THREE_WIDE)
+    assert (one.slowdown, one.before) == (pytest.approx(1.0), pytest.approx(1.0))
 
 
 def test_drift_is_against_the_ranks_own_earlier_median():
@@ -105,6 +116,32 @@ def test_by_default_a_rank_slowed_2x_from_iteration_8_is_reported_at_14_and_a_5_
     assert [s.iteration for s in tracker.observe(figures(slow_rows(8, 30)), FOUR)] == [14]
     burst = {it: [10.0, 13.0 if 20 <= it < 25 else 10.0, 10.0, 10.0] for it in range(1, 40)}
     assert StragglerTracker().observe(figures(burst), FOUR) == []
+
+
+@pytest.mark.parametrize("dip, named", [(9, 14), (10, 14), (11, 14), (12, 14), (13, 14),
+                                        (14, 15), (8, 15)])
+def test_a_straggler_that_dips_once_after_its_slowdown_began_is_still_named_at_14(dip, named):
+    """A lone fast figure holds the run until the next one: slow, it was a dip. A CI run's
+    2x straggler was named at 18, its run broken by one figure for the window's 4
+    iterations. A dip at 14 is known to be one only at 15; one at 8 is where the slowdown
+    begins, as far as the figures tell (since 9)."""
+    rows = slow_rows(8, 30)
+    rows[dip][1] = 10.0
+    (found,) = StragglerTracker().observe(figures(rows), FOUR)
+    assert (found.iteration, found.since) == (named, 8 if dip > 8 else 9)
+    assert held_slowdowns(figures(rows), FOUR, StragglerConfig())[1] == pytest.approx(2.0)
+
+
+def test_two_fast_figures_in_a_row_break_the_run_and_a_burst_needs_7_slow_iterations():
+    rows = slow_rows(8, 30)
+    rows[10][1] = rows[11][1] = 10.0
+    assert [s.iteration for s in StragglerTracker().observe(figures(rows), FOUR)] == [18]
+    for length, dip, named in ((6, None, []), (6, 23, []), (7, None, [26]), (7, 23, [26])):
+        burst = {it: [10.0, 16.0 if 20 <= it < 20 + length and it != dip else 10.0, 10.0, 10.0]
+                 for it in range(1, 40)}
+        assert [s.iteration for s in StragglerTracker().observe(figures(burst), FOUR)] == named
+        held = held_slowdowns(figures(burst), FOUR, StragglerConfig())[1]
+        assert held == pytest.approx(1.6 if named else 1.0)
 
 
 def test_iterations_seen_before_are_ignored_and_missing_figures_are_unknown():
