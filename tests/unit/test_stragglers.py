@@ -120,7 +120,7 @@ def test_by_default_a_rank_slowed_2x_from_iteration_8_is_reported_at_14_and_a_5_
 
 @pytest.mark.parametrize("dip, named", [(9, 14), (10, 14), (11, 14), (12, 14), (13, 14),
                                         (14, 15), (8, 15)])
-def test_a_straggler_that_dips_once_after_its_slowdown_began_is_still_named_at_14(dip, named):
+def test_a_straggler_that_dips_once_is_named_at_14_unless_at_its_first_or_last_slow_one(dip, named):
     """A lone fast figure holds the run until the next one: slow, it was a dip. A CI run's
     2x straggler was named at 18, its run broken by one figure for the window's 4
     iterations. A dip at 14 is known to be one only at 15; one at 8 is where the slowdown
@@ -142,6 +142,28 @@ def test_two_fast_figures_in_a_row_break_the_run_and_a_burst_needs_7_slow_iterat
         assert [s.iteration for s in StragglerTracker().observe(figures(burst), FOUR)] == named
         held = held_slowdowns(figures(burst), FOUR, StragglerConfig())[1]
         assert held == pytest.approx(1.6 if named else 1.0)
+
+
+def test_only_a_windows_lowest_dip_is_raised_a_rank_slow_every_other_iteration_is_not_named():
+    """Every fast figure of a rank slow every other iteration lies under both its neighbours:
+    raised, each of them, it was named at 2.0x, slow at 4 of 7 iterations. Slow 3 in 4, it
+    is named: one fast figure in every window."""
+    for pattern, named in (((20.0, 10.0), []), ((20.0, 20.0, 20.0, 10.0), [1])):
+        rows = {it: [10.0, pattern[it % len(pattern)], 10.0, 10.0] for it in range(1, 40)}
+        assert [s.rank for s in StragglerTracker().observe(figures(rows), FOUR)] == named
+        held = held_slowdowns(figures(rows), FOUR, StragglerConfig())[1]
+        assert held == pytest.approx(2.0 if named else 1.0)
+
+
+def test_held_slowdowns_forgets_a_rank_silent_for_the_span_a_naming_rests_on():
+    """Rank 2 is slow at 3-7, dips at 8, says nothing at 9-15 (the tracker forgets it), then
+    is slow at 16-18 only: no run of 4 slow judgments, at any ratio."""
+    rows = {it: {0: 10.0, 1: 10.0, 3: 10.0} for it in range(1, 25)}
+    for it in range(1, 25):
+        if not 9 <= it <= 15:
+            rows[it][2] = 20.0 if 3 <= it <= 7 or 16 <= it <= 18 else 10.0
+    held = held_slowdowns(rows, FOUR, StragglerConfig())[2]
+    assert held < 1.5 and StragglerTracker().observe(rows, FOUR) == []
 
 
 def test_iterations_seen_before_are_ignored_and_missing_figures_are_unknown():
