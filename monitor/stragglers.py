@@ -14,25 +14,26 @@ iterations of a healthy rank reach 1.5-2x its peers' median many times in 100 it
 and a CI run held one at 1.3x or more for 5 iterations in a row: with a window of 4 and 4
 iterations, an event needs 7 in a row, and a rank slowed 2x from iteration 8 is reported at
 iteration 14. A straggler's own figure dips now and then (in 13 runs of that case on this
-machine, 1 of a 2x straggler's 364 figures read 1.44x its peers and the rest 1.56x or more;
-a CI run named it at 18, its run broken for the window's 4 iterations), so the lowest figure
-of a window under both its neighbours is raised to the lesser of them (:func:`own_window`),
-and the newest, with no neighbour after it yet, holds the run until the next tells whether
-it was a dip. A lone dip from iteration 9 to 13 leaves it named at 14 (one at 14: at 15); a
-healthy rank still needs 7 slow iterations in a row, but one fast among every 4 of them no
-longer stops it (a rank slow 3 iterations in 4 is named, one slow every other iteration is
-not; of 200 simulated runs of 100 iterations, a rank 1.6-2x slower at a random 20% of its
-iterations is named in 12, at 30% in 68, against 0 and 2 before: such a rank costs the job a
-sixth to a quarter of its speed; ``benchmarks/stragglers.py``). The ratio is 1.5, not 1.3:
-another CI run held a healthy rank's least at 1.42x its peers for 7 iterations (by CPU time:
-this virtual machine's cores run at speeds that differ for seconds at a time), while a rank
-slowed 2x read 1.55-2.32x when named (7 runs at ratio 1.3; 1.70-2.06x held over iterations
-11-14 in the 4 replayed). NVIDIA's straggler detection flags a relative score under 0.7
-(1.43x). :class:`StragglerTracker` keeps the figures per iteration (heartbeats are polled,
-so some iterations arrive together and some twice) and reports a rank once its slowdown has
-stayed at or above ``ratio`` for ``iterations`` iterations in a row (one whose newest figure
-alone was fast counts if the next is slow); it re-arms once the rank's own figure has stayed
-below the ratio as long (a straggler that dips for an iteration is the same straggler).
+machine, 5 of them with twice its micro-batches, 1 of a 2x straggler's 364 figures read
+1.44x its peers and the rest 1.56x or more; a CI run named it at 18, its run broken for the
+window's 4 iterations), so the lowest figure of a window under both its neighbours is raised
+to the lesser of them (:func:`own_window`), and the newest, with no neighbour after it yet,
+holds the run until the next tells whether it was a dip. A lone dip from iteration 9 to 13
+leaves it named at 14 (one at 14: at 15); a healthy rank still needs 7 slow iterations in a
+row, but one fast among every 4 of them no longer stops it (a rank slow 3 iterations in 4 is
+named, one slow every other iteration is not; of 200 simulated runs of 100 iterations, a
+rank 1.6-2x slower at a random 20% of its iterations is named in 12, at 30% in 68, against 0
+and 2 before: such a rank costs the job a sixth to a quarter of its speed;
+``benchmarks/stragglers.py``). The ratio is 1.5, not 1.3: another CI run held a healthy
+rank's least at 1.42x its peers for 7 iterations (by CPU time: this virtual machine's cores
+run at speeds that differ for seconds at a time), while a rank slowed 2x read 1.55-2.32x
+when named (7 runs at ratio 1.3; 1.70-2.06x held over iterations 11-14 in the 4 replayed).
+NVIDIA's straggler detection flags a relative score under 0.7 (1.43x).
+:class:`StragglerTracker` keeps the figures per iteration (heartbeats are polled, so some
+iterations arrive together and some twice) and reports a rank once its slowdown has stayed
+at or above ``ratio`` for ``iterations`` iterations in a row (one whose newest figure alone
+was fast counts if the next is slow); it re-arms once the rank's own figure has stayed below
+the ratio as long (a straggler that dips for an iteration is the same straggler).
 Missing figures are unknown, never fast: an iteration without a rank's figure leaves its
 run of slow iterations as it was; a rank without one over the ``window + iterations - 1``
 iterations a naming rests on is unknown, neither slow nor still a straggler, and judged
