@@ -84,6 +84,11 @@ class StragglerConfig:
             raise ValueError(f"straggler history ({self.history}) must hold at least two "
                              f"windows ({2 * self.window})")
 
+    @property
+    def naming_span(self) -> int:
+        """The iterations a naming rests on: a window, then ``iterations`` judgments."""
+        return self.window + self.iterations - 1
+
 
 @dataclass(frozen=True)
 class Assessment:
@@ -216,6 +221,18 @@ def _median_without(ordered: list[float], value: float) -> float:
     return rest(middle) if count % 2 else (rest(middle - 1) + rest(middle)) / 2
 
 
+def known_figures(row: dict) -> dict[int, float]:
+    """One iteration's figures (rank -> compute ms), the unknown ones left out."""
+    return {rank: ms for rank, value in row.items() if (ms := positive_figure(value)) is not None}
+
+
+def heard_lately(known_rows: list[dict[int, float]], config: StragglerConfig) -> set[int]:
+    """The ranks with a figure in the last :attr:`StragglerConfig.naming_span` of
+    ``known_rows`` (:func:`known_figures` per iteration, in order): one silent that long is
+    unknown, neither slow nor fast, and is judged afresh when its figures are back."""
+    return set().union(*known_rows[-config.naming_span:])
+
+
 def held_slowdowns(figures: dict[int, dict[int, float]], stages: dict[int, int],
                    config: StragglerConfig) -> dict[int, float]:
     """Per rank, the highest slowdown it held for ``config.iterations`` of its judged
@@ -225,7 +242,6 @@ def held_slowdowns(figures: dict[int, dict[int, float]], stages: dict[int, int],
     recent: dict[int, list[float]] = {}
     held: dict[int, float] = {}
     waiting: dict[int, Assessment] = {}
-    span = config.window + config.iterations - 1
 
     def count(rank: int, slowdown: float) -> None:
         run = recent.setdefault(rank, [])
@@ -234,17 +250,14 @@ def held_slowdowns(figures: dict[int, dict[int, float]], stages: dict[int, int],
             held[rank] = max(held.get(rank, 0.0), min(run))
 
     for iteration in sorted(figures):
-        seen[iteration] = figures[iteration]
-        # a rank without a figure over the span a naming rests on is judged afresh, as the
-        # tracker forgets it (StragglerTracker._forget_the_silent)
-        heard = {rank for row in list(seen.values())[-span:] for rank, value in row.items()
-                 if positive_figure(value) is not None}
+        seen[iteration] = known_figures(figures[iteration])
+        heard = heard_lately(list(seen.values()), config)  # as the tracker forgets the silent
         for rank in waiting.keys() - heard:
             count(rank, waiting.pop(rank).slowdown)
         for rank in recent.keys() - heard:
             del recent[rank]
         for judged in assess(seen, stages, config):
-            if positive_figure(figures[iteration].get(judged.rank)) is None:
+            if judged.rank not in seen[iteration]:
                 continue  # unknown at this iteration: its run stays, as the tracker's does
             if (last := waiting.pop(judged.rank, None)) is not None:
                 # slow at a ratio if it was, or if only its newest figure was fast then and
@@ -303,8 +316,7 @@ class StragglerTracker:
         self._replicas.update(replicas or {})
         found = []
         for iteration in sorted(i for i in figures if not self._figures or i > next(reversed(self._figures))):
-            self._figures[iteration] = {rank: ms for rank, value in figures[iteration].items()
-                                        if (ms := positive_figure(value)) is not None}
+            self._figures[iteration] = known_figures(figures[iteration])
             while len(self._figures) > self.config.history:
                 self._figures.popitem(last=False)
             found += self._judge(iteration)
@@ -326,12 +338,9 @@ class StragglerTracker:
                                  or self._slowdown.get(other, 0.0) >= self.config.ratio)))
 
     def _forget_the_silent(self) -> None:
-        """A rank without a figure over the span a naming rests on (the last ``window +
-        iterations - 1`` iterations seen) is unknown now, neither slow nor fast: named, it
-        stayed still slow for the rest of the attempt, a slow mate of any straggler of its
-        replica. Its figures, back, judge it afresh."""
-        span = self.config.window + self.config.iterations - 1
-        heard = set().union(*list(self._figures.values())[-span:])
+        """A rank not :func:`heard_lately` is unknown now: named, it stayed still slow for
+        the rest of the attempt, a slow mate of any straggler of its replica."""
+        heard = heard_lately(list(self._figures.values()), self.config)
         for state in (self._slowdown, self._slow_run, self._run_start, self._dipped,
                       self._fast_run):
             for rank in state.keys() - heard:
@@ -374,10 +383,9 @@ class StragglerTracker:
             if judged.before >= ratio:
                 self._dipped[rank] = iteration  # its run stays until the next figure
             return False
-        counted = [iteration] if dipped is None else [dipped, iteration]
         if not self._slow_run.get(rank):
-            self._run_start[rank] = counted[0]
-        self._slow_run[rank] = self._slow_run.get(rank, 0) + len(counted)
+            self._run_start[rank] = iteration if dipped is None else dipped
+        self._slow_run[rank] = self._slow_run.get(rank, 0) + (1 if dipped is None else 2)
         return True
 
     def _count_fast(self, judged: Assessment) -> None:
