@@ -81,17 +81,38 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_HANDED_OUT: set[int] = set()
+"""The ports :func:`free_port` gave this process: one given is free until its torchrun binds
+it, seconds later (after torch's imports), and must not be given again meanwhile."""
+
+
+def _worker_slot() -> tuple[int, int]:
+    """This pytest-xdist worker's index and the number of workers ((0, 1) without xdist)."""
+    name, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if name.startswith("gw") and name[2:].isdigit() and count.isdigit() and int(name[2:]) < int(count):
+        return int(name[2:]), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range: one the kernel hands out (a bind
     to port 0, gloo's connections) could be taken again before torchrun binds it, which
-    failed a test with EADDRINUSE while other tests ran beside it."""
+    failed a test with EADDRINUSE while other tests ran beside it. Each xdist worker picks
+    from its own share of that range, and never the same port twice: a port is only checked
+    free, and two workers' checks could pass for one port in the seconds before either
+    torchrun binds it (the likely cause of one more EADDRINUSE, in a suite run on 2026-12-07;
+    what else held the port was not recorded)."""
     low = _ephemeral_ports()[0]
-    for port in random.sample(range(max(1024, low - 12000), low), 50):
+    worker, workers = _worker_slot()
+    ours = [port for port in range(max(1024, low - 12000) + worker, low, workers)
+            if port not in _HANDED_OUT]
+    for port in random.sample(ours, min(50, len(ours))):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
