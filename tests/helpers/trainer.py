@@ -88,9 +88,10 @@ it, seconds later (after torch's imports), and must not be given again meanwhile
 
 def _worker_slot() -> tuple[int, int]:
     """This pytest-xdist worker's index and the number of workers ((0, 1) without xdist)."""
-    name, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if name.startswith("gw") and name[2:].isdigit() and count.isdigit() and int(name[2:]) < int(count):
-        return int(name[2:]), int(count)
+    index = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if index.isdigit() and count.isdigit() and int(index) < int(count):
+        return int(index), int(count)
     return 0, 1
 
 
