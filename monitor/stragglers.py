@@ -300,7 +300,9 @@ class StragglerTracker:
         self._slowdown: dict[int, float] = {}
         """Each rank's slowdown at the last iteration it had a figure."""
         self._slow_run: dict[int, int] = {}
-        self._run_start: dict[int, int] = {}
+        self._slow_since: dict[int, int] = {}
+        """Per rank in a run of slow iterations, the iteration its slowdown shows from: its
+        window's first figure where the run began."""
         self._dipped: dict[int, int] = {}
         """Per rank, the iteration whose newest figure alone was fast, until the next one
         tells whether that was a dip (:meth:`_count_slow`)."""
@@ -341,7 +343,7 @@ class StragglerTracker:
         """A rank not :func:`heard_lately` is unknown now: named, it stayed still slow for
         the rest of the attempt, a slow mate of any straggler of its replica."""
         heard = heard_lately(list(self._figures.values()), self.config)
-        for state in (self._slowdown, self._slow_run, self._run_start, self._dipped,
+        for state in (self._slowdown, self._slow_run, self._slow_since, self._dipped,
                       self._fast_run):
             for rank in state.keys() - heard:
                 del state[rank]
@@ -362,8 +364,8 @@ class StragglerTracker:
                 window = own_window([ms for _, ms in _series(self._figures)[judged.rank]],
                                     self.config.window)
                 mine = min(window)
-                since = self._run_start[judged.rank] - self.config.window + 1
-                found.append(Straggler(judged.rank, iteration, since, round(judged.slowdown, 3),
+                found.append(Straggler(judged.rank, iteration, self._slow_since[judged.rank],
+                                       round(judged.slowdown, 3),
                                        None if judged.drift is None else round(judged.drift, 3),
                                        round(mine, 3), round(mine / judged.slowdown, 3),
                                        round(statistics.median(window), 3),
@@ -384,9 +386,16 @@ class StragglerTracker:
                 self._dipped[rank] = iteration  # its run stays until the next figure
             return False
         if not self._slow_run.get(rank):
-            self._run_start[rank] = iteration if dipped is None else dipped
+            began = iteration if dipped is None else dipped
+            self._slow_since[rank] = self._window_start(rank, began)
         self._slow_run[rank] = self._slow_run.get(rank, 0) + (1 if dipped is None else 2)
         return True
+
+    def _window_start(self, rank: int, iteration: int) -> int:
+        """The iteration of the first figure in ``rank``'s window that ends at ``iteration``:
+        with unknown figures between, it spans more iterations than it holds figures."""
+        mine = [seen for seen, row in self._figures.items() if seen <= iteration and rank in row]
+        return mine[-self.config.window:][0]
 
     def _count_fast(self, judged: Assessment) -> None:
         """A named rank is let go once its own figure stayed under the ratio ``iterations``

@@ -111,6 +111,18 @@ def test_a_rank_slow_for_the_set_iterations_is_reported_once():
     assert tracker.observe(figures({31: [10, 20, 10, 10]}), FOUR) == []
 
 
+@pytest.mark.parametrize("unknown_at", [(), (9,), (9, 11, 13), tuple(range(9, 30, 2))])
+def test_a_straggler_is_slow_since_its_windows_first_figure_however_many_are_unknown(unknown_at):
+    """Its window holds its last four figures: with unknown ones between, it spans more
+    iterations than four. Counted back four iterations from where its run began, a rank
+    slow from 8 and unknown at every odd iteration was slow "since 11", and the step time
+    the drain calibrates on (up to the iteration before) took in three slowed steps."""
+    rows = figures(slow_rows(8, 30))
+    for iteration in unknown_at:
+        rows[iteration][1] = None
+    (found,) = StragglerTracker().observe(rows, FOUR)
+    assert found.since == 8
+
 def test_by_default_a_rank_slowed_2x_from_iteration_8_is_reported_at_14_and_a_5_iteration_burst_never():
     tracker = StragglerTracker()
     assert [s.iteration for s in tracker.observe(figures(slow_rows(8, 30)), FOUR)] == [14]
