@@ -726,10 +726,14 @@ class _Save:
     writer processes, forked from the rank, whose snapshot lets training go on."""
 
     def __init__(self, checkpointer: "Checkpointer", iteration: int, kind: str, tier: str,
-                 on_durable: Callable[[DurableSave], None] | None) -> None:
+                 on_durable: Callable[[DurableSave], None] | None,
+                 on_failed: Callable[[SaveFailure], None] | None = None) -> None:
         self.checkpointer = checkpointer
         self.group = checkpointer.group
-        self.iteration, self.kind, self.tier, self.on_durable = iteration, kind, tier, on_durable
+        self.iteration, self.kind, self.tier = iteration, kind, tier
+        self.on_durable, self.on_failed = on_durable, on_failed
+        """This save's own callbacks: an async save failing as the next one starts (which
+        finalizes it first) must not end the next one."""
         self.path = iteration_dir(checkpointer.folder_of(tier), iteration)
         self.started_at, self.start = time.time(), time.perf_counter()
         self.problem: str | None = None
@@ -1108,7 +1112,6 @@ class Checkpointer:
         self.last_durable_iteration: int | None = None
         self.newest_disk_iteration: int | None = None
         """The newest complete checkpoint of this run's state in ``--save`` (saved or loaded)."""
-        self._on_failed: Callable[[SaveFailure], None] | None = None
         self.structure = SaveStructure(self._new_save_strategy, self.group,
                                        args.ckpt_assume_constant_structure,
                                        lambda: len(self.optimizer.state) > 0)
@@ -1173,8 +1176,7 @@ class Checkpointer:
         returns for a synchronous save, in a later ``finalize_async`` otherwise.
         """
         start = time.perf_counter()
-        self._on_failed = on_failed
-        save = _Save(self, state.iteration, kind, tier, on_durable)
+        save = _Save(self, state.iteration, kind, tier, on_durable, on_failed)
         self.last_saved_iteration, self._last_saved_tier = state.iteration, tier
         with save.timed("state-dict"):
             sharded_state_dict = self._state_dict(state, is_loading=False, with_rng=True)
@@ -1229,8 +1231,8 @@ class Checkpointer:
                      else "none"))
         self.event("save_failed", iteration=outcome.iteration, kind=outcome.kind, tier=outcome.tier,
                    path=str(outcome.path), reason=outcome.reason)
-        if self._on_failed is not None:
-            self._on_failed(outcome)
+        if save.on_failed is not None:
+            save.on_failed(outcome)
 
     def finalize_async(self, blocking: bool = False) -> None:
         """Finish async saves whose writers are done on every rank, and give up one past its

@@ -392,3 +392,41 @@ def test_a_save_s_blocked_seconds_follow_it_to_its_event_and_no_further(in_fligh
     assert events == [0.25 if in_flight else 0.9]
     assert ("async periodic save at iteration 8 in memory started" in capsys.readouterr().out) \
         is in_flight
+
+
+class FinalizingFirst:
+    """--async-save's persistent queue as the checkpointer sees it: a save starts only once
+    the one in flight is finalized, here failed, from inside the new save's call."""
+
+    def __init__(self, checkpointer) -> None:
+        self.checkpointer, self.in_flight = checkpointer, None
+
+    def start(self, save, request) -> None:
+        if self.in_flight is not None:
+            self.checkpointer.saved(self.in_flight, checkpointing.SaveFailure(
+                self.in_flight.iteration, self.in_flight.path, "periodic", "disk", "ENOSPC"))
+        self.in_flight = save
+
+    def ended(self, save, complete: bool) -> None:
+        pass
+
+
+def test_an_async_save_failing_as_the_next_one_starts_ends_itself_not_the_next(tmp_path,
+                                                                               monkeypatch):
+    """The checkpointer kept one failure callback, its newest save's: an async save that
+    failed as the next one finalized it ended that next save instead (its blocked seconds
+    never kept, its event's seconds the time to durable), and never itself."""
+    checkpointer = checkpointing.Checkpointer.__new__(checkpointing.Checkpointer)
+    checkpointer.group, checkpointer.slots, checkpointer.disk_records = None, None, None
+    checkpointer.async_saves = FinalizingFirst(checkpointer)
+    checkpointer.folder_of = lambda tier: tmp_path
+    checkpointer.last_durable_iteration, checkpointer.event = 4, lambda name, **fields: None
+    checkpointer._state_dict = lambda state, **options: {}
+    monkeypatch.setattr(checkpointing._Save, "request", lambda save, state_dict: "a request")
+    monkeypatch.setattr(checkpointing, "_rank", lambda: 1)
+    told = []
+    for iteration in (8, 12):
+        checkpointer.save(types.SimpleNamespace(iteration=iteration), "periodic",
+                          on_failed=lambda failure, mine=iteration: told.append(
+                              (mine, failure.iteration)))
+    assert told == [(8, 8)]
