@@ -308,6 +308,9 @@ class StragglerTracker:
         tells whether that was a dip (:meth:`_count_slow`)."""
         self._fast_run: dict[int, int] = {}
         self._reported: set[int] = set()
+        self._silent_since_named: set[int] = set()
+        """Ranks named, then silent (:meth:`_forget_the_silent`), and not fast for
+        ``iterations`` in a row since: unknown, so not known to be fast."""
 
     def observe(self, figures: dict[int, dict[int, float]], stages: dict[int, int],
                 replicas: dict[int, int] | None = None) -> list[Straggler]:
@@ -328,6 +331,12 @@ class StragglerTracker:
         """Whether ``rank``, once named, has not been fast for ``iterations`` in a row since."""
         return rank in self._reported
 
+    def not_known_fast(self, rank: int) -> bool:
+        """Whether ``rank``, once named, is still slow or has been unknown since (silent,
+        then back and not yet named anew nor fast for ``iterations`` in a row): what a drain
+        of another straggler must count as still slow, never as healthy."""
+        return rank in self._reported or rank in self._silent_since_named
+
     def slow_mates(self, rank: int) -> tuple[int, ...]:
         """The other ranks of ``rank``'s model replica that are slow now: named and not fast
         again since, or at or above the ratio at their last figure."""
@@ -347,6 +356,7 @@ class StragglerTracker:
                       self._fast_run):
             for rank in state.keys() - heard:
                 del state[rank]
+        self._silent_since_named |= self._reported - heard
         self._reported &= heard
 
     def _judge(self, iteration: int) -> list[Straggler]:
@@ -406,3 +416,4 @@ class StragglerTracker:
         self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1 if fast else 0
         if self._fast_run[judged.rank] >= self.config.iterations:
             self._reported.discard(judged.rank)
+            self._silent_since_named.discard(judged.rank)

@@ -2351,7 +2351,7 @@ def test_a_straggler_drain_weighs_the_slowest_straggler_that_would_stay(tmp_path
     behind = [Found(gpu, Straggler(gpu, 16, 10, factor, factor, 10.0 * factor, 10.0), 1.0, 0.5)
               for gpu, factor in ((2, 1.5), (3, 1.9), (0, 3.0))]
     supervisor._stragglers_behind = behind
-    supervisor.stragglers.tracker.still_slow = lambda rank: rank != 0  # GPU 0: fast again
+    supervisor.stragglers.tracker.not_known_fast = lambda rank: rank != 0  # GPU 0: fast again
     assert supervisor._slowest_staying([0, 2, 3]) is behind[1]
     assert supervisor._slowest_staying([0, 2]) is behind[0]
     assert supervisor._slowest_staying([0]) is None

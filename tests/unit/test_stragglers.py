@@ -302,6 +302,24 @@ def test_a_straggler_whose_figures_stop_is_unknown_not_still_slow():
     assert [(s.rank, s.slow_mates) for s in again] == [(1, (0,))]
 
 
+@pytest.mark.parametrize("back_at, named", [(1.9, True), (1.0, False)])
+def test_a_straggler_silent_then_back_is_not_known_fast_until_named_anew_or_fast(back_at, named):
+    """Silent for longer than a naming's span, a named rank is unknown: not still slow (it
+    is no slow mate, and not drained), yet not known fast either. Back at 1.9x it read as fast
+    until named anew, so a drain of another straggler weighed the GPUs left without it."""
+    tracker = StragglerTracker()
+    rows = slow_rows(8, 28, factor=1.9)
+    for it in range(20, 27):  # 7 iterations: the naming's span
+        rows[it][1] = None
+    rows[27][1] = rows[28][1] = 10.0 * back_at  # back, for fewer than ``iterations``
+    assert [s.iteration for s in tracker.observe(figures(rows), FOUR)] == [14]
+    assert not tracker.still_slow(1) and tracker.not_known_fast(1)
+    later = slow_rows(1, 40, factor=back_at)  # the iterations seen already are ignored
+    assert [s.rank for s in tracker.observe(figures(later), FOUR)] == ([1] if named else [])
+    assert tracker.still_slow(1) is named and tracker.not_known_fast(1) is named
+    assert not tracker.not_known_fast(0)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"ratio": 1.0}, "ratio must be above 1"),
     ({"iterations": 0}, "iterations must be at least 1"),

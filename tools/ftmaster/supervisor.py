@@ -1435,10 +1435,10 @@ class Supervisor:
         return Trigger.CRITICAL_GPU
 
     def _slowest_staying(self, left: Sequence[int]) -> Found | None:
-        """The slowest straggler kept among the GPUs ``left`` and still slow: they would run
-        at its pace."""
+        """The slowest straggler kept among the GPUs ``left`` and not known to be fast again
+        (still slow, or unknown since): they would run at its pace."""
         still = [f for f in self._stragglers_behind
-                 if f.gpu in left and self.stragglers.tracker.still_slow(f.straggler.rank)]
+                 if f.gpu in left and self.stragglers.tracker.not_known_fast(f.straggler.rank)]
         return max(still, key=Found.extra_s, default=None)
 
     def _weighed_lately(self, found: Found) -> bool:
