@@ -95,10 +95,14 @@ def _no_telemetry(sample: GpuSample) -> bool:
     return sample.temperature is None and sample.power_draw is None and sample.gpu_utilization is None
 
 
+HELD_SIGNALS = ("temperature", "power_draw", "gpu_utilization", "ecc_sbe")
+"""The signals whose failed read takes a severity to 0 (the corrected errors' acceleration
+is only judged on a sample that read their count): the score holds while one is unread."""
+
+
 def _read_signals(sample: GpuSample) -> frozenset[str]:
-    """Which of the score's main signals this sample read."""
-    return frozenset(name for name in ("temperature", "power_draw", "gpu_utilization")
-                     if getattr(sample, name) is not None)
+    """Which of :data:`HELD_SIGNALS` this sample read."""
+    return frozenset(name for name in HELD_SIGNALS if getattr(sample, name) is not None)
 
 
 # ---------------------------------------------------------------------------------------- #

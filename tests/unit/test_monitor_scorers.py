@@ -223,6 +223,26 @@ def test_a_temperature_unread_for_a_minute_is_unknown_not_a_crash():
     assert out[1].hard_reasons == ("xid_79",) and out[0].score < 0.95
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["read", "unread"])
+def test_an_alert_on_corrected_errors_holds_while_their_count_is_unread(fails):
+    """A GPU alerting on a burst of corrected errors whose count then failed to read (a GPU
+    whose memory is failing) fell to 0.71 within a minute and re-armed: its unknown count read
+    as healthier than a count with no new errors, whose alert holds for the window."""
+    scorer, policy, burst = AdaptiveScorer(), AlertPolicy(AlertConfig()), 0
+    for k in range(150):  # 25 minutes at 10 s: warm, no corrected errors
+        scorer.update([sample(T0 + 10 * k, gpu) for gpu in range(4)])
+    for k in range(150, 160):
+        burst += 2 ** (k - 150)
+        (assessed, *_) = scorer.update([sample(T0 + 10 * k, gpu, ecc_sbe=burst if gpu == 0 else 0)
+                                        for gpu in range(4)]).values()
+    assert assessed.score == 1.0 and policy.decide(0, T0 + 1590, assessed)
+    for k in range(160, 172):  # two minutes: the count unread, or read with no new errors
+        (assessed, *_) = scorer.update([sample(T0 + 10 * k, gpu, ecc_sbe=None if fails else burst)
+                                        if gpu == 0 else sample(T0 + 10 * k, gpu)
+                                        for gpu in range(4)]).values()
+        policy.decide(0, T0 + 10 * k, assessed)
+    assert assessed.score == 1.0 and policy.still_alerting(0)
+
 def test_a_power_limit_read_that_fails_is_no_swing_of_the_power():
     """380 W of a 400 W limit, steady, on four GPUs; GPU 0's limit unread at 5 samples in a
     row (a read past its deadline between the draw and the limit): the draw over 700 W there
