@@ -1227,6 +1227,33 @@ def test_a_run_directory_gone_read_only_gives_up_without_a_requeue(tmp_path, mon
     assert gave_up["reason"] == f"attempt 1 could not start: {tmp_path} is on a read-only filesystem"
 
 
+def test_a_save_folder_that_cannot_be_read_at_a_relaunch_gives_up_in_one_line(tmp_path,
+                                                                            monkeypatch):
+    """Looking into --save for the relaunch to resume from raised ESTALE (an NFS mount gone
+    stale) out of the supervisor's main loop: a traceback."""
+    import errno
+    import types
+
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.launch import check_layout
+    from ftmaster.states import State, advance
+    from test_launch_parts import MODEL
+
+    def stale(folder):
+        raise OSError(errno.ESTALE, "Stale file handle", str(folder))
+
+    monkeypatch.setattr(supervisor_module, "holds_checkpoints", stale)
+    command = (*MODEL, "--save", str(tmp_path / "ckpt"))
+    config = SupervisorConfig(run_dir=tmp_path, command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(list(command), 4, None, None))
+    supervisor = Supervisor(config, RelaunchingMonitor())
+    supervisor.attempt = types.SimpleNamespace(number=1)
+    assert advance(State.RELAUNCHING, supervisor._launch()) is State.GAVE_UP
+    gave_up = runfiles.read_events(tmp_path)[-1]
+    assert gave_up["requeue"] is True
+    assert gave_up["reason"] == (f"attempt 2 could not start: its checkpoint folders cannot be "
+                                 f"read: [Errno 116] Stale file handle: '{tmp_path / 'ckpt'}'")
+
 def test_a_signal_where_nothing_trains_is_recorded_as_the_runs_end(tmp_path):
     from ftmaster.launch import check_layout
     from ftmaster.states import State

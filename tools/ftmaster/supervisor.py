@@ -1122,7 +1122,12 @@ class Supervisor:
         # A save asked of the last attempt for a waiting peer is not this one's: any save since
         # would let the next peer's wait stop it at once, with no save of its own.
         self._rejoin_requested_at = None
-        command = self._command_for(number, plan)
+        try:
+            command = self._command_for(number, plan)
+        except OSError as error:  # --save or the memory tier unreadable: a stale NFS handle, EIO
+            self._give_up(f"attempt {number} could not start: its checkpoint folders cannot be "
+                          f"read: {error}")
+            return Trigger.GIVE_UP
         self._training_command = command = with_exit_signal_handler(command)
         devices = self.config.devices or JobGpus(self.config.gpus)
         self.monitor.watch(gpus)
