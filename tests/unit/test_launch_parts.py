@@ -171,6 +171,38 @@ def test_a_drain_restarts_without_the_gpu_only_while_its_risk_stays_critical(tmp
     assert (supervisor.attempt.killed, monitor.excluded) == ((True, {1}) if critical else (False, set()))
 
 
+class StuckAttempt(StubAttempt):
+    """A rank that outlives its kill (stuck in the kernel, holding its GPU)."""
+
+    def kill(self):
+        self.killed, self.stuck_gpus = True, {2: "process_stuck"}
+
+
+@pytest.mark.parametrize("ends", ["drained", "killed with a rank stuck"])
+def test_a_gpu_retired_before_a_plan_is_carried_over_by_the_next_supervisor(tmp_path, ends):
+    """Retired, then no plan: the supervisor gave up (its restart budget spent), lost its
+    store or was signalled first. A drained GPU, or one held by a rank stuck in the kernel,
+    was recorded only by the next plan, so the next supervisor on this boot planned on it."""
+    from ftmaster.retirements import carried_over
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), policy="drain")
+    supervisor = Supervisor(config, StubMonitor(True))
+    runfiles.append_event(tmp_path, "launch", attempt=1, gpus=[0, 1, 2, 3], boot="this-boot")
+    if ends == "drained":
+        supervisor.attempt = StubAttempt()
+        supervisor._drain_gpu = 1
+        supervisor._drain_since = runfiles.append_event(tmp_path, "drain")["time"]
+        runfiles.append_event(tmp_path, "emergency_save", iteration=9)
+        assert supervisor._drained() is Trigger.DRAINED
+        expected = {1: "drained: its risk stayed critical after the emergency save"}
+    else:
+        supervisor.attempt = StuckAttempt()
+        supervisor._kill_attempt()
+        expected = {2: "process_stuck"}
+    assert supervisor.retired == expected
+    assert carried_over(runfiles.read_events(tmp_path), "this-boot", (0, 1, 2, 3)) == expected
+
 def test_a_drain_whose_save_was_trainings_last_lets_it_complete(tmp_path):
     """Killing it, then relaunching to train nothing, reported an iteration past the end."""
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
@@ -2362,7 +2394,7 @@ def test_a_nodes_join_stops_the_attempt_as_a_failure_marked_rejoin(tmp_path):
     config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
                               first_plan=check_layout(MODEL, 4, None, None), scale_up="now")
     supervisor = Supervisor(config, StubMonitor(True))
-    supervisor.attempt = types.SimpleNamespace(number=1, kill=lambda: None)
+    supervisor.attempt = types.SimpleNamespace(number=1, kill=lambda: None, stuck_gpus={})
     assert supervisor._rejoin(5) is Trigger.PEERS_WAITING
     (stopped,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "failure"]
     assert (stopped["cause"], stopped["reason"]) == ("peer", "rejoin")

@@ -60,6 +60,26 @@ def launch(boot):
     return {"event": "launch", "time": 1.0, **({} if boot is None else {"boot": boot})}
 
 
+def retired(time, *gpus):
+    return {"event": "retired", "time": time,
+            "gpus_retired": [{"gpu": gpu, "reason": why} for gpu, why in gpus]}
+
+
+@pytest.mark.parametrize("events, expected", [
+    # drained, then the supervisor gave up (its restart budget spent) before a plan said so:
+    # the requeued job planned on the drained GPU again
+    ([plan(BOOT), retired(2.0, (1, "drained: a straggler"))], {1: "drained: a straggler"}),
+    # a rank outlived its kill: its GPU is still held, by a process stuck in the kernel
+    ([launch(BOOT), failure(2.0), retired(2.5, (3, "process_stuck"))], {3: "process_stuck"}),
+    ([plan(BOOT, (2, "hang")), retired(2.0, (1, "process_stuck")), failure(3.0, (0, "lost"))],
+     {0: "lost", 1: "process_stuck", 2: "hang"}),
+    ([retired(0.5, (1, "process_stuck")), plan(BOOT)], {}),  # planned after it: the plan says
+    ([plan("another-boot"), retired(2.0, (1, "process_stuck"))], {}),  # rebooted since
+])
+def test_gpus_retired_before_a_plan_said_so_carry_over(events, expected):
+    assert carried_over(events, BOOT, gpus=[0, 1, 2, 3]) == expected
+
+
 @pytest.mark.parametrize("events, expected", [
     # killed while waiting for GPUs after its first attempt, launched without a plan: the
     # next supervisor trained on GPU 2 again

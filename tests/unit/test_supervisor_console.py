@@ -393,7 +393,7 @@ def test_one_damaged_memory_checkpoint_is_one_failed_persist_not_three(tmp_path)
 class FinishedAttempt:
     """An attempt whose ranks finished training but have not exited yet."""
 
-    number, gpus, killed = 1, (0, 1, 2, 3), False
+    number, gpus, killed, stuck_gpus = 1, (0, 1, 2, 3), False, {}
 
     def failed_ranks(self):
         return {}
@@ -871,6 +871,7 @@ def test_a_straggler_kept_in_an_attempt_leaves_its_slowdown_out_of_the_planners_
 class FakeAttempt:
     number = 3
     killed = False
+    stuck_gpus = {}
 
     def kill(self):
         self.killed = True

@@ -1,10 +1,12 @@
 """GPUs an earlier supervisor retired, carried over to one started again on its run directory.
 
 A supervisor that was killed (an operator, the OOM killer, a lost login session) leaves its
-retirements only in its ``plan`` events (``gpus_retired``). Some would not come back by
-themselves: the monitor sees a GPU that fell off the bus again, but not a straggler drained
-for its speed, a GPU drained on a risk alert, or one whose rank hung. So the supervisor
-started again retires them anew, and plans before its first launch.
+retirements in its ``plan`` events (``gpus_retired``), and those no plan listed yet in its
+``failure`` events (``unfit_gpus``) and ``retired`` events (a drained GPU, or one a rank
+outlived its kill on: ``gpus_retired``). Some would not come back by themselves: the monitor
+sees a GPU that fell off the bus again, but not a straggler drained for its speed, a GPU
+drained on a risk alert, or one whose rank hung. So the supervisor started again retires
+them anew, and plans before its first launch.
 
 Only within the same boot of the same machine, which each ``plan`` and ``launch`` event
 records (``boot``, the kernel's boot id): a GPU index names the same GPU only there
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+RECORDED_BEFORE_A_PLAN = {"failure": "unfit_gpus", "retired": "gpus_retired"}
+"""The events, and their field, that list GPUs to retire before the next plan lists them."""
 
 
 def boot_id(path: Path = BOOT_ID_PATH) -> str | None:
@@ -32,14 +36,15 @@ def boot_id(path: Path = BOOT_ID_PATH) -> str | None:
 
 def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int],
                  uuids: Mapping[int, str] | None = None) -> dict[int, str]:
-    """The retirements of the last ``plan`` event of this ``boot`` among ``events`` and the
-    unfit GPUs of the failures after it (a supervisor that ended before its next plan: a
-    store lost mid-round, a kill), GPU -> why; only those of ``gpus`` (the GPUs this
-    supervisor was given). With no plan in this boot yet (a first attempt launched without
-    one), the failures since its first launch. Such a failure is that plan's supervisor's: a
-    failure with unfit GPUs follows a launch, and a launch its supervisor's plan. An entry
-    with a UUID is matched by it among ``uuids`` (this supervisor's GPU -> UUID) when NVML
-    gave them: a container given other GPUs numbers them from 0 again."""
+    """The retirements of the last ``plan`` event of this ``boot`` among ``events`` and
+    those recorded after it (:data:`RECORDED_BEFORE_A_PLAN`, left by a supervisor that ended
+    before its next plan: a store lost mid-round, a give-up, a kill), GPU -> why; only those
+    of ``gpus`` (the GPUs this supervisor was given). With no plan in this boot yet (a first
+    attempt launched without one), those recorded since its first launch. Such a failure is
+    that plan's supervisor's: a failure with unfit GPUs follows a launch, and a launch its
+    supervisor's plan. An entry with a UUID is matched by it among ``uuids`` (this
+    supervisor's GPU -> UUID) when NVML gave them: a container given other GPUs numbers them
+    from 0 again."""
     if boot is None:
         return {}
     stretch = _this_boot(events, boot)
@@ -48,7 +53,8 @@ def carried_over(events: Sequence[dict], boot: str | None, gpus: Sequence[int],
         return {}
     since = plans[-1] if plans else 0
     listed = [stretch[since].get("gpus_retired")] if plans else []
-    listed += [e.get("unfit_gpus") for e in stretch[since:] if e.get("event") == "failure"]
+    listed += [e.get(RECORDED_BEFORE_A_PLAN[e.get("event")]) for e in stretch[since:]
+               if e.get("event") in RECORDED_BEFORE_A_PLAN]
     found: dict[int, str] = {}
     for entries in listed:
         found.update(_listed_gpus(entries, gpus, uuids or {}))

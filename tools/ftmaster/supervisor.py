@@ -724,7 +724,7 @@ class Supervisor:
                     cause="peer", gpus=[], exit_codes={}, reason="rejoin",
                     before_first_iteration=iteration is None, unfit_gpus=[])
         log.warning("attempt %d stopped: a node waits for a new round", self.attempt.number)
-        self.attempt.kill()
+        self._kill_attempt()
         return Trigger.PEERS_WAITING
 
     def _newest_checkpoint_text(self) -> str:
@@ -764,7 +764,7 @@ class Supervisor:
         and a relaunch would only load that checkpoint and end."""
         log.warning("training's last checkpoint, iteration %d, is durable: the %s that came after "
                     "it ends nothing", self._schedule_saved, cause)
-        self.attempt.kill()
+        self._kill_attempt()
         self._progress = (self._schedule_saved, time.monotonic())
         return self._complete()
 
@@ -801,7 +801,7 @@ class Supervisor:
             return self._stopped_without_the_store(state)
         saved = None if finished else schedule_on_disk(self._training_command[1:])
         if self.attempt is not None:
-            self.attempt.kill()
+            self._kill_attempt()
         if finished or saved is not None:
             log.warning("the job's rendezvous is gone (%s), after training finished%s", lost,
                         "" if saved is None else f": --save holds its last checkpoint, "
@@ -837,7 +837,7 @@ class Supervisor:
             return None
         log.warning("training finished at iteration %d but its processes did not exit within "
                     "%g s; stopping them", self._state_iteration(), self.config.stop_timeout_s)
-        self.attempt.kill()
+        self._kill_attempt()
         return self._complete()
 
     def _track_progress(self, heartbeat: dict | None) -> int | None:
@@ -1087,7 +1087,7 @@ class Supervisor:
             dump = None
         merging = (self.replicas.start_merge(dump, self._stop_requested) if dump is not None
                    else None)
-        attempt.kill()
+        self._kill_attempt()
         if merging is not None:
             try:
                 self.replicas.finish_merge(merging, self._stop_requested)
@@ -1526,9 +1526,9 @@ class Supervisor:
                         reason="risk fell below the re-arm level before the restart")
             self._drain_gpu = None
             return Trigger.RISK_CLEARED
-        self.attempt.kill()
-        self._retire({self._drain_gpu: self._drain_reason
-                      or "drained: its risk stayed critical after the emergency save"})
+        self._kill_attempt()
+        self._retire_and_record({self._drain_gpu: self._drain_reason
+                                 or "drained: its risk stayed critical after the emergency save"})
         if self._drain_reason is not None:  # a straggler's: the window and result count from here
             self.stragglers.drained(time.time(), self._drain_step_s)
             self._event("straggler_drained", gpu=self._drain_gpu)
@@ -1595,6 +1595,21 @@ class Supervisor:
                 log.warning("retiring GPU %d: %s", gpu, why)
                 self.retired[gpu] = why
         self.monitor.exclude_gpus(gpus)
+
+    def _retire_and_record(self, gpus: dict[int, str]) -> None:
+        """:meth:`_retire`, recorded at once (a ``retired`` event) where no plan follows at
+        once: a supervisor that ended before its next plan (a give-up, a lost store, a signal)
+        left the next one on the same boot to plan on them again (:mod:`retirements`)."""
+        new = {gpu: why for gpu, why in gpus.items() if gpu not in self.retired}
+        self._retire(gpus)
+        if new:
+            self._event("retired", gpus_retired=self._gpu_entries(new))
+
+    def _kill_attempt(self) -> None:
+        """The attempt killed; a GPU that one of its ranks outlived the kill on is retired."""
+        self.attempt.kill()
+        if self.attempt.stuck_gpus:
+            self._retire_and_record(self.attempt.stuck_gpus)
 
     def _plan(self) -> Trigger:
         self._measure_original_layout()
