@@ -1217,3 +1217,31 @@ def test_two_alerts_at_once_one_of_no_gpu_name_a_peer_failures_moment(tmp_path):
          "gpus": []}]))
     result = run_report(tmp_path)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("missing", ["fault_injected", "risk_alert"])
+def test_a_fault_or_an_alert_naming_no_gpu_is_on_no_failed_gpu(tmp_path, missing):
+    """A peer's failure counts any GPU of its node: an injected fault or an alert written
+    without its ``gpu`` matched too, and its lookup raised KeyError: a traceback."""
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "launch", "time": 100.0, "attempt": 1, "gpus": [0, 1]},
+        {"event": "fault_injected", "time": 101.0, "kind": "fail"} if missing == "fault_injected"
+        else {"event": "risk_alert", "time": 101.0, "score": 0.9, "reasons": ["temperature"]},
+        {"event": "failure", "time": 102.0, "attempt": 1, "cause": "peer", "iteration": 5,
+         "gpus": []}]))
+    result = run_report(tmp_path)
+    assert result.exit_code == 0, result.output
+    (failure,) = json.loads((tmp_path / "report.json").read_text())["failures"]
+    assert failure["lead_time"] is None and failure["detection_latency"]["since"] != missing
+
+
+def test_a_garbled_first_iteration_in_another_nodes_log_fills_no_gap_past_the_cap():
+    """Node 0's log loaded iteration 0, node 1's first line said iteration 10**18: merging
+    the two filled every iteration between, and the report grew past 1.8 GB in 6 s."""
+    from ftmaster.report import MAX_LOGGED_GAP, AttemptLog, merge_logs
+
+    loaded = AttemptLog(loaded_iteration=0, load_seconds=1.0, load_bytes=10)
+    for first, filled in ((10**18, 0), (MAX_LOGGED_GAP + 1, 0),
+                          (MAX_LOGGED_GAP, MAX_LOGGED_GAP - 1)):
+        merged = merge_logs([loaded, AttemptLog(unanchored_first=(first, 0.5))])
+        assert len(merged.iteration_s) == filled

@@ -419,6 +419,8 @@ def merge_logs(logs: list[AttemptLog]) -> AttemptLog:
         for log in logs:
             if log.unanchored_first is not None:
                 iteration, seconds = log.unanchored_first
+                if iteration - merged.loaded_iteration - 1 >= MAX_LOGGED_GAP:
+                    continue  # a garbled line: filled, it took all the memory there was
                 for since_load in range(merged.loaded_iteration + 1, iteration):
                     merged.iteration_s.setdefault(since_load, seconds)
     return merged
@@ -444,8 +446,9 @@ def _node_of(event: dict) -> dict:
 
 def _on_failed_gpu(event: dict, failure: dict, gpu: Any) -> bool:
     """Whether ``gpu`` of ``event`` is one of the failure's; a node that stopped for its
-    peers names no GPU of its own, so any of its node's counts."""
-    return event.get("node") == failure.get("node") and (
+    peers names no GPU of its own, so any of its node's counts. An event that names none (a
+    fault or an alert written without its ``gpu``) is on none."""
+    return gpu is not None and event.get("node") == failure.get("node") and (
         failure.get("cause") == PEER or gpu in set(failure.get("gpus") or ()))
 
 
