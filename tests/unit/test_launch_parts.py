@@ -816,7 +816,8 @@ class RoundMembership:
         self.config = types.SimpleNamespace(join_timeout_s=5.0, max_nodes=max_nodes, node_rank=0,
                                             endpoint="store:29400")
 
-    def join(self, gpus, warm, peer_url):
+    def join(self, gpus, warm, peer_url, consumed_samples):
+        self.consumed_samples = consumed_samples
         return self.joined
 
     def end_job(self, outcome, stop=None):
@@ -892,7 +893,7 @@ def seat_in_a_silent_round(node_gpus, me):
     membership = NodeMembership(RendezvousConfig("127.0.0.1:1", "job", 1, len(nodes), me,
                                                  local_addr="127.0.0.1"), connect=False)
     membership._round_store = types.SimpleNamespace(underlying_store=dist.HashStore())
-    membership.join = lambda gpus, warm, peer_url: joined
+    membership.join = lambda gpus, warm, peer_url, consumed_samples: joined
     return membership, joined
 
 
@@ -1058,7 +1059,7 @@ def test_a_catch_up_that_fails_again_for_the_same_checkpoint_launches_rather_tha
     membership, joined = seat_in_a_silent_round((2, 2), 1)
     rounds = iter([joined, Round(3, joined.nodes, 1, secret="secret")])
 
-    def join(gpus, warm, peer_url):
+    def join(gpus, warm, peer_url, consumed_samples):
         membership._round = next(rounds)
         return membership._round
 
@@ -2371,6 +2372,32 @@ def test_a_relaunch_under_a_batch_schedule_plans_from_the_checkpoints_samples(tm
     assert options["consumed_samples"] == 176
     assert plan_layout(command, 6, original_world_size=8, **options).data_parallel_size == 6
 
+
+def test_across_nodes_a_round_plans_on_the_samples_of_the_round_not_its_own_look(tmp_path):
+    """Each node planned on its own look at --save: a look that saw a newer checkpoint than
+    another node's planned other data-parallel sizes. Schedule 0:8, then 24 from 30 samples,
+    on two nodes of 3 GPUs: planned as at sample 0 (another node could not tell), DP 4; from
+    this node's checkpoint (176 samples), DP 6. This node says what its look found."""
+    import dataclasses
+
+    from test_persist import fake_checkpoint
+
+    command = ("t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "100",
+               "--step-batch-size-schedule", "0:8 960:24", "--save", str(tmp_path / "ckpt"))
+    fake_checkpoint(tmp_path / "ckpt", 10)
+    for theirs, data_parallel in ((None, 4), (176, 6)):
+        mine, other = two_nodes(3).nodes
+        joined = dataclasses.replace(two_nodes(3), nodes=(
+            dataclasses.replace(mine, consumed_samples=176),
+            dataclasses.replace(other, consumed_samples=theirs)))
+        membership = RoundMembership(joined, max_nodes=2)
+        config = SupervisorConfig(run_dir=tmp_path / f"run-{theirs}", command=command,
+                                  gpus=(0, 1, 2), first_plan=None)
+        supervisor = Supervisor(config, PlanningMonitor(False), membership)
+        assert supervisor._plan() is Trigger.PLANNED
+        assert membership.consumed_samples == 176
+        assert supervisor.plan.data_parallel_size == data_parallel
 
 def test_a_straggler_drain_weighs_the_slowest_straggler_that_would_stay(tmp_path):
     """The GPUs left run at the pace of the slowest straggler still slow among them."""

@@ -70,6 +70,24 @@ def test_a_round_starts_warm_only_when_every_node_can_and_old_records_read_as_co
     assert parse_record(json.dumps(asdict(launched)).encode()) == launched
 
 
+@pytest.mark.parametrize("consumed, planned", [
+    ((176, 176), 176),
+    ((176, 128), 128),  # a persist copy landed on one node's --save between their looks
+    ((176, None), None),  # one node's look past its deadline: none is relied on
+])
+def test_a_round_plans_on_the_least_samples_any_nodes_checkpoint_consumed(consumed, planned):
+    """Each node planned on what its own look at --save found: two looks apart, the step
+    batches allowed the nodes different data-parallel sizes, and they started different
+    numbers of ranks."""
+    nodes = tuple(replace(record(rank), consumed_samples=samples)
+                  for rank, samples in enumerate(consumed))
+    assert Round(2, nodes, 0).consumed_samples == planned
+    assert [parse_record(json.dumps(asdict(node)).encode()) for node in nodes] == list(nodes)
+    for garbled in ('"176"', "true", "1.5", "[1]"):
+        body = b'{"node_rank": 1, "addr": "b", "gpus": [0], "port": 2, "consumed_samples": '
+        assert parse_record(body + garbled.encode() + b"}").consumed_samples is None
+
+
 def test_every_node_of_a_round_plans_on_the_same_original_size():
     """Node 0 launched with 2 GPUs and node 1 with 1 planned on 4 and 2: different plans,
     and each node waited for ranks the other never started."""

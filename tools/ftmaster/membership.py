@@ -242,6 +242,9 @@ class NodeRecord:
     """How many GPUs it was launched with (``gpus`` are those left)."""
     args: tuple[str, ...] = ()
     """The training arguments it was given: every node's must be the same."""
+    consumed_samples: int | None = None
+    """Under ``--step-batch-size-schedule``, the samples the newest checkpoint in its
+    ``--save`` consumed; None without a schedule or when it could not tell."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,16 @@ class Round:
         warm relaunch)."""
         return all(node.warm for node in self.nodes)
 
+    @property
+    def consumed_samples(self) -> int | None:
+        """The planner's ``consumed_samples`` for the round, alike on every node: the least
+        any node's ``--save`` showed, None when one could not tell. Each node's own look
+        could differ (a persist copy landing between two nodes' looks, one look past its
+        deadline), and so the data-parallel sizes the step batches allow, and with them the
+        ranks each node starts: the launch then waited for ranks no node started."""
+        found = [node.consumed_samples for node in self.nodes]
+        return None if None in found else min(found)
+
 
 def store_conf(config: RendezvousConfig) -> dict[str, str]:
     """``--rdzv-conf``, plus ``is_host`` for the node whose ``--local-addr`` is the endpoint's
@@ -293,7 +306,13 @@ def parse_record(data: bytes) -> NodeRecord:
     body = json.loads(data)
     return NodeRecord(int(body["node_rank"]), str(body["addr"]), tuple(body["gpus"]),
                       int(body["port"]), bool(body.get("warm", False)), body.get("peer_url"),
-                      int(body.get("launch_gpus", 0)), tuple(body.get("args", ())))
+                      int(body.get("launch_gpus", 0)), tuple(body.get("args", ())),
+                      _whole_or_none(body.get("consumed_samples")))
+
+
+def _whole_or_none(value) -> int | None:
+    """A record's whole number; None for anything else (an older ftmaster sends none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def store_failure(error: BaseException) -> str:
@@ -522,16 +541,18 @@ class NodeMembership:
                              f"(pip install python-etcd)") from None
 
     # -- rounds ---------------------------------------------------------------------------
-    def join(self, gpus: Sequence[int], warm: bool = False, peer_url: str | None = None) -> Round:
+    def join(self, gpus: Sequence[int], warm: bool = False, peer_url: str | None = None,
+             consumed_samples: int | None = None) -> Round:
         """Join the next round with these schedulable GPUs, saying whether this node could
-        start warm and where it serves its memory tier; blocks until the round completes."""
+        start warm, where it serves its memory tier and what its newest checkpoint consumed
+        (:attr:`NodeRecord.consumed_samples`); blocks until the round completes."""
         while True:
             self.try_started_at = time.monotonic()
             info = self._call(self.handler.next_rendezvous)
             store = info.store
             me = NodeRecord(self.config.node_rank, self.config.address, tuple(gpus),
                             free_port(self.bind_host), warm, peer_url, self.launch_gpus,
-                            self.args)
+                            self.args, consumed_samples)
             keys = [f"ftmaster/node/{rank}" for rank in range(info.world_size)]
             self._call(store.set, keys[info.rank], json.dumps(asdict(me)))
             if self._call(records_in_time, store, keys):

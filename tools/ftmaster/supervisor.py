@@ -1633,9 +1633,12 @@ class Supervisor:
         return Trigger.PLANNED
 
     def _planner_options(self) -> dict:
+        return {**self._flag_options(), "consumed_samples": self._consumed_at_least()}
+
+    def _flag_options(self) -> dict:
+        """The planner's options from ftmaster's own flags (alike on every node)."""
         return {"mode": self.config.plan_mode, "gpu_memory_gb": self.config.gpu_memory_gb,
-                "global_batch_tolerance_pct": self.config.global_batch_tolerance_pct,
-                "consumed_samples": self._consumed_at_least()}
+                "global_batch_tolerance_pct": self.config.global_batch_tolerance_pct}
 
     def _consumed_at_least(self) -> int | None:
         """Under ``--step-batch-size-schedule``, the samples the newest checkpoint on disk
@@ -1718,7 +1721,7 @@ class Supervisor:
             plan = plan_nodes(self.config.command, joined.node_gpus,
                               original_world_size=joined.original_world_size(
                                   self.membership.config.max_nodes),
-                              **self._planner_options())
+                              consumed_samples=joined.consumed_samples, **self._flag_options())
         except PlanError as error:
             self._give_up(f"no layout for nodes of {', '.join(map(str, joined.node_gpus))} GPUs: "
                           f"{error}")
@@ -1877,7 +1880,8 @@ class Supervisor:
         try:
             return call_while("ftmaster-rendezvous", wanted, self.config.poll_interval_s,
                               self.membership.join, available, self._can_start_warm(),
-                              None if self.replication is None else self.replication.url)
+                              None if self.replication is None else self.replication.url,
+                              self._consumed_at_least())
         except Abandoned:
             return None
 
