@@ -2399,6 +2399,31 @@ def test_across_nodes_a_round_plans_on_the_samples_of_the_round_not_its_own_look
         assert membership.consumed_samples == 176
         assert supervisor.plan.data_parallel_size == data_parallel
 
+@pytest.mark.parametrize("final_saved", [True, False])
+def test_a_node_that_never_read_the_jobs_end_completes_when_save_holds_its_last_checkpoint(
+        tmp_path, final_saved):
+    """A spare past --nnodes' maximum, or a late first joiner, finds the rendezvous closed
+    with no outcome it can read: a job that completed ended there as a give-up, exit 1 with
+    'requeueing may help', which SLURM's requeue of a finished job repeats."""
+    from ftmaster.membership import UNTOLD_END
+    from ftmaster.recovery.checkpoints import advance_tracker
+    from test_checkpoint_discovery import write_checkpoint
+
+    command = (*MODEL, "--train-iters", "20", "--save", str(tmp_path / "ckpt"))
+    write_checkpoint(tmp_path / "ckpt", 20 if final_saved else 10)
+    advance_tracker(tmp_path / "ckpt", 20 if final_saved else 10)
+    membership = RoundMembership(two_nodes(2), max_nodes=2)
+    membership.acknowledge = lambda stop: None
+    config = SupervisorConfig(run_dir=tmp_path / "run", command=command, gpus=(0, 1),
+                              first_plan=None)
+    supervisor = Supervisor(config, PlanningMonitor(False), membership)
+    ended = supervisor._job_ended(UNTOLD_END)
+    last = runfiles.read_events(tmp_path / "run")[-1]
+    if final_saved:
+        assert ended is Trigger.COMPLETED and (last["event"], last["iteration"]) == ("complete", 20)
+    else:
+        assert ended is Trigger.GIVE_UP and (last["event"], last["requeue"]) == ("gave_up", True)
+
 def test_a_straggler_drain_weighs_the_slowest_straggler_that_would_stay(tmp_path):
     """The GPUs left run at the pace of the slowest straggler still slow among them."""
     from ftmaster.monitor.stragglers import Straggler

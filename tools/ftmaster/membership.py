@@ -223,6 +223,11 @@ class RendezvousConfig:
         return self.seconds("join_timeout", 600) + RECORD_TIMEOUT_S + self.store_timeout_s
 
 
+UNTOLD_END = "ended"
+"""The job's outcome when the rendezvous closed before this node could read it (a node that
+never completed a round holds no store to read it from)."""
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     """What a node tells the others in a round."""
@@ -793,4 +798,4 @@ class NodeMembership:
             found = self.outcome() if self._round_store is not None else None
         except StoreLost:
             found = None
-        return found or "ended"
+        return found or UNTOLD_END

@@ -85,8 +85,8 @@ from ftmaster.console import (END_EVENTS, SAVE_EVENTS, FileTail, Progress, descr
                               new_events)
 from ftmaster.faults import Fault, Injection
 from ftmaster.gpus import JobGpus
-from ftmaster.membership import (JobEnded, JoinTimedOut, NodeMembership, NodeRecord, Round,
-                                 StoreLost)
+from ftmaster.membership import (UNTOLD_END, JobEnded, JoinTimedOut, NodeMembership, NodeRecord,
+                                 Round, StoreLost)
 from ftmaster.metrics import Observer
 from ftmaster.monitor.backends.bounded import Abandoned, CallTimeout, Worker, call_while
 from ftmaster.monitor.daemon import DEVICE_LOST, Alert, Monitor
@@ -1888,6 +1888,9 @@ class Supervisor:
     def _job_ended(self, outcome: str) -> Trigger:
         """The job ended on other nodes while this one waited."""
         self.membership.acknowledge(self._stop_requested)
+        saved = schedule_on_disk(self._training_command[1:]) if outcome == UNTOLD_END else None
+        if saved is not None:  # untold, but --save holds the schedule's last checkpoint
+            outcome, self._progress = "complete", (saved, time.monotonic())
         if outcome == "complete":
             self._event("complete", iteration=self._state_iteration(), on_other_nodes=True)
             log.info("the job completed on the other nodes")
