@@ -286,9 +286,12 @@ def test_the_persister_copies_in_the_background_and_pins_what_it_reads(tmp_path)
     assert not (memory / ".ftmaster_persisting").exists()  # unpinned when done
 
 
-def test_an_iteration_saved_again_after_a_discarded_timeline_is_copied_again(tmp_path):
+@pytest.mark.parametrize("told_by", ["a poll", "the load"])
+def test_an_iteration_saved_again_after_a_discarded_timeline_is_copied_again(tmp_path, told_by):
     """Memory and disk 6 set aside by a resume from 4, then a new iteration 6: it was never
-    copied, since 6 was the iteration copied last, and disk stayed at 4 until the next."""
+    copied, since 6 was the iteration copied last, and disk stayed at 4 until the next. A
+    resume from disk leaves the memory tier no checkpoint, and its tracker none: no poll
+    sees 4 there, and only the attempt's load tells."""
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     fake_checkpoint(memory, 6)
     persister = Persister(memory, disk)
@@ -298,7 +301,12 @@ def test_an_iteration_saved_again_after_a_discarded_timeline_is_copied_again(tmp
     for tier in (memory, disk):  # what set_aside_newer does for a resume from 4
         iteration_dir(tier, 6).rename(tier / "iter_0000006.discarded-1")
         tracker_path(tier).write_text("4")
-    persister.may_need_copy(4)  # a poll while the tier's newest is the one resumed from
+    if told_by == "a poll":
+        persister.may_need_copy(4)  # the tier's newest is the one resumed from
+    else:
+        tracker_path(memory).unlink()
+        persister.may_need_copy(None)
+        persister.resumed_from(4)
     fake_checkpoint(memory, 6)
     assert persister.needs_copy(6)
 

@@ -366,6 +366,25 @@ def test_a_persist_is_recorded_at_the_time_its_copy_finished_not_when_it_was_rea
     assert persisted["time"] <= finished_by
 
 
+@pytest.mark.parametrize("loaded, kept", [(100, None), (110, 110)])
+def test_an_attempt_that_loaded_an_older_checkpoint_lets_its_number_be_copied_again(tmp_path,
+                                                                                    loaded, kept):
+    """110 persisted, then a relaunch resumed from disk at 100 (110 loaded neither from memory
+    nor from disk), which set every memory checkpoint aside: the new timeline's 110 stayed
+    in memory alone, 110 being the iteration copied last."""
+    from ftmaster.launch import check_layout
+    from ftmaster.persist import Persister
+    from test_launch_parts import MODEL
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None))
+    supervisor = Supervisor(config, QuietMonitor())
+    supervisor.persister = Persister(tmp_path / "memory", tmp_path / "disk")
+    supervisor.persister.last_requested = 110
+    runfiles.append_event(tmp_path, "checkpoint_loaded", iteration=loaded, tier="disk")
+    supervisor._follow_events()
+    assert supervisor.persister.last_requested == kept
+
 def test_one_damaged_memory_checkpoint_is_one_failed_persist_not_three(tmp_path):
     """A copy failed at a poll was tried again at once when the attempt failed and again at
     the end of the run, each failing the same way: three persist_failed events and three

@@ -463,16 +463,22 @@ class Persister:
     def may_need_copy(self, iteration: int | None, retry_now: bool = False) -> bool:
         """:meth:`needs_copy` without its read of ``--save``: False in the common case, at
         every poll (already requested, or waiting to be tried again)."""
-        if iteration is not None and iteration < (self.last_requested or 0):
-            # A resume set newer checkpoints aside: the number copied last may come again,
-            # another state, which was never copied.
-            self.last_requested = None
+        if iteration is not None:  # the memory tier's newest older: a resume set newer aside
+            self.resumed_from(iteration)
         if iteration is None or iteration == self.last_requested:
             return False
         if self._retry is None or iteration != self._retry[0]:
             return True
         _, now_from, poll_from = self._retry
         return time.monotonic() >= (now_from if retry_now else poll_from)
+
+    def resumed_from(self, iteration: int) -> None:
+        """Training went back to ``iteration``: a copy asked for a newer one was of another
+        timeline, and its number may come again, another state, never copied. The memory
+        tier's newest tells (:meth:`may_need_copy`) unless a resume from disk set every
+        memory checkpoint aside; the attempt's ``checkpoint_loaded`` tells either way."""
+        if iteration < (self.last_requested or 0):
+            self.last_requested = None
 
     def newer_than_disk(self, iteration: int) -> bool:
         """Whether ``iteration`` is newer than what a load would take from ``--save``; True

@@ -872,6 +872,8 @@ class Supervisor:
             if event["event"] == "checkpoint_loaded":
                 self._loaded_iteration = event.get("iteration")
                 self._note_loaded_elsewhere(event)
+                if self.persister is not None and isinstance(self._loaded_iteration, int):
+                    self.persister.resumed_from(self._loaded_iteration)
                 known = (self._last_checkpoint or {}).get("iteration")
                 if self.progress is not None and known != self._loaded_iteration:
                     self.progress.last_checkpoint = event
