@@ -409,11 +409,14 @@ class StragglerTracker:
 
     def _count_fast(self, judged: Assessment) -> None:
         """A named rank is let go once its own figure stayed under the ratio ``iterations``
-        in a row. Not its window's least: two fast iterations in a row keep that under the
-        ratio for ``window`` iterations and more (before lone dips were raised, one did, and a
-        straggler slow 7 iterations in 8 was named anew every 8)."""
+        in a row, and never on one alone: :meth:`_count_slow` holds a lone fast figure as a
+        dip until the next (with ``--straggler-iterations 1`` one let it go, and the next slow
+        figure named the same slowdown again). Not its window's least: two fast iterations
+        in a row keep that under the ratio for ``window`` iterations and more (before lone
+        dips were raised, one did, and a straggler slow 7 iterations in 8 was named anew
+        every 8)."""
         fast = judged.latest < self.config.ratio
         self._fast_run[judged.rank] = self._fast_run.get(judged.rank, 0) + 1 if fast else 0
-        if self._fast_run[judged.rank] >= self.config.iterations:
+        if self._fast_run[judged.rank] >= max(self.config.iterations, 2):
             self._reported.discard(judged.rank)
             self._silent_since_named.discard(judged.rank)

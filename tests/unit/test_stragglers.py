@@ -123,6 +123,17 @@ def test_a_straggler_is_slow_since_its_windows_first_figure_however_many_are_unk
     (found,) = StragglerTracker().observe(rows, FOUR)
     assert found.since == 8
 
+@pytest.mark.parametrize("fast_at, namings", [((20,), [(11, 8)]), ((20, 21), [(11, 8), (25, 22)])])
+def test_with_one_iteration_to_name_a_lone_fast_figure_lets_no_straggler_go(fast_at, namings):
+    """--straggler-iterations 1: one fast figure let a named rank go while the same figure
+    was held as a dip, so the next slow one named the same slowdown (since 8) a second
+    time. Two fast ones in a row let it go, and a slowdown after them is named anew."""
+    rows = slow_rows(8, 30)
+    for iteration in fast_at:
+        rows[iteration][1] = 10.0
+    found = StragglerTracker(StragglerConfig(iterations=1)).observe(figures(rows), FOUR)
+    assert [(s.iteration, s.since) for s in found] == namings
+
 def test_by_default_a_rank_slowed_2x_from_iteration_8_is_reported_at_14_and_a_5_iteration_burst_never():
     tracker = StragglerTracker()
     assert [s.iteration for s in tracker.observe(figures(slow_rows(8, 30)), FOUR)] == [14]
