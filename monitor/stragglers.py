@@ -350,7 +350,8 @@ class StragglerTracker:
 
     def _forget_the_silent(self) -> None:
         """A rank not :func:`heard_lately` is unknown now: named, it stayed still slow for
-        the rest of the attempt, a slow mate of any straggler of its replica."""
+        the rest of the attempt, a slow mate of any straggler of its replica. Neither still
+        slow nor known fast, it is kept as such (:meth:`not_known_fast`)."""
         heard = heard_lately(list(self._figures.values()), self.config)
         for state in (self._slowdown, self._slow_run, self._slow_since, self._dipped,
                       self._fast_run):
