@@ -1590,20 +1590,21 @@ class Supervisor:
                 return Trigger.WAIT_TIMED_OUT
             self._sleep()
 
-    def _retire(self, gpus: dict[int, str]) -> None:
-        """Drop ``gpus`` for good: no more planning or monitoring for them."""
-        for gpu, why in gpus.items():
-            if gpu not in self.retired:
-                log.warning("retiring GPU %d: %s", gpu, why)
-                self.retired[gpu] = why
+    def _retire(self, gpus: dict[int, str]) -> dict[int, str]:
+        """Drop ``gpus`` for good: no more planning or monitoring for them. Returns those not
+        retired before."""
+        new = {gpu: why for gpu, why in gpus.items() if gpu not in self.retired}
+        for gpu, why in new.items():
+            log.warning("retiring GPU %d: %s", gpu, why)
+        self.retired.update(new)
         self.monitor.exclude_gpus(gpus)
+        return new
 
     def _retire_and_record(self, gpus: dict[int, str]) -> None:
         """:meth:`_retire`, recorded at once (a ``retired`` event) where no plan follows at
         once: a supervisor that ended before its next plan (a give-up, a lost store, a signal)
         left the next one on the same boot to plan on them again (:mod:`retirements`)."""
-        new = {gpu: why for gpu, why in gpus.items() if gpu not in self.retired}
-        self._retire(gpus)
+        new = self._retire(gpus)
         if new:
             self._event("retired", gpus_retired=self._gpu_entries(new))
 
