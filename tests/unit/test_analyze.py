@@ -340,11 +340,37 @@ def test_error_counters_count_only_errors_during_the_trace(tmp_path):
         "timestamp,gpu_id,ecc_dbe",
         "2026-01-01T00:00:00Z,0,40", "2026-01-01T00:00:00Z,1,[N/A]",
         "2026-01-01T00:00:01Z,0,41", "2026-01-01T00:00:01Z,1,[N/A]",
-        "2026-01-01T00:00:03Z,0,2",  # reloaded, then 2 more: 1 + 2 new
-        "2026-01-01T00:00:02Z,0,0"])  # rows out of time order still count in time order
+        "2026-01-01T00:00:02Z,0,0",  # reloaded
+        "2026-01-01T00:00:03Z,0,2"])  # 1 + 2 new
     rows = pd.read_csv(io.StringIO(summary_csv), index_col="gpu")
     assert rows.loc[0, "ecc_dbe_new"] == 3
     assert pd.isna(rows.loc[1, "ecc_dbe_new"])
+
+
+@pytest.mark.parametrize("readings, new", [
+    (["00:00:00Z,0,41", "00:00:01Z,0,2"], 2),  # the reload's first reading: 2 new errors
+    (["00:00:00Z,0,5", "00:00:10Z,0,3", "00:00:20Z,0,3"], 3),
+    # the clock stepped back between the second and the third reading, written in turn
+    (["00:01:40Z,0,0", "00:03:20Z,0,5", "00:02:30Z,0,8", "00:04:10Z,0,8"], 8),
+    # float32 reads 16777217 as 16777216: the rise of one went unseen
+    (["00:00:00Z,0,16777216", "00:00:01Z,0,16777217"], 1),
+])
+def test_a_counter_counts_in_the_order_written_and_from_zero_after_a_reset(
+        tmp_path, readings, new):
+    summary_csv, _ = analyze_csv(tmp_path, ["timestamp,gpu_id,ecc_sbe",
+                                            *(f"2026-01-01T{r}" for r in readings)])
+    assert pd.read_csv(io.StringIO(summary_csv), index_col="gpu").loc[0, "ecc_sbe_new"] == new
+
+
+def test_rows_without_a_time_or_gpu_are_left_out_with_a_warning(tmp_path):
+    csv_path = tmp_path / "gpu_metrics.csv"
+    csv_path.write_text("timestamp,gpu_id,errors\n2026-01-01T00:00:00Z,0,0\noops,0,7\n"
+                        "2026-01-01T00:00:20Z,,9\n2026-01-01T00:00:30Z,0,0\n")
+    result = CliRunner().invoke(main, ["analyze", str(csv_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (f"warning: {csv_path}: 2 row(s) without a valid timestamp or gpu_id "
+                             "left out\n")
+    assert pd.read_csv(tmp_path / "o" / "summary.csv").iloc[0]["samples"] == 2
 
 
 def test_the_xid_codes_each_gpu_reported_are_listed_in_the_order_first_seen(tmp_path):

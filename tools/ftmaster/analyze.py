@@ -168,12 +168,16 @@ def _parse_times(stamps: pd.Series) -> pd.Series:
 
 
 def load_metrics(csv_path: Path) -> pd.DataFrame:
-    """The CSV's needed columns: ``time`` (unix s, float64), ``gpu_id`` and float32 metrics.
-    A torn last row (a live monitor's, or a killed one's) is left out, and said on stderr."""
+    """The CSV's needed columns: ``time`` (unix s, float64), ``gpu_id``, float32 metrics and
+    float64 counters (float32 holds no whole number past 2**24 one by one: 16777217 errors
+    read as 16777216, and a rise of one went unseen). A torn last row (a live monitor's, or a
+    killed one's) is left out, and said on stderr; so are rows without a valid timestamp or
+    gpu_id."""
     header = _header(csv_path)
     numeric = [c for c in NUMERIC if c in header]
-    dtypes = {"timestamp": str, "gpu_id": "float64", **{c: "float32" for c in numeric}}
-    chunks = []
+    dtypes = {"timestamp": str, "gpu_id": "float64",
+              **{c: "float64" if c in COUNTERS else "float32" for c in numeric}}
+    chunks, unplaced = [], 0
     handle, torn = runfiles.open_whole_lines(csv_path, encoding="utf-8-sig", newline="")
     try:
         with handle, np.errstate(over="ignore"):  # a cell past float32 (1e39) reads as inf
@@ -184,7 +188,9 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
                 chunk.insert(0, "time", _parse_times(chunk.pop("timestamp")))
                 # an infinite cell is no reading: unknown, as an empty one, not an extreme
                 chunk[numeric] = chunk[numeric].where(np.isfinite(chunk[numeric]))
-                chunks.append(chunk.dropna(subset=["time", "gpu_id"]))
+                placed = chunk.dropna(subset=["time", "gpu_id"])
+                unplaced += len(chunk) - len(placed)
+                chunks.append(placed)
     except (ValueError, pd.errors.ParserError) as exc:
         reason = str(exc).splitlines()[0]
         raise _fail(f"{csv_path} is malformed ({reason}); expected gpu_metrics.csv rows") from None
@@ -194,6 +200,9 @@ def load_metrics(csv_path: Path) -> pd.DataFrame:
     if frame.empty:
         raise NoSamples(f"{csv_path} has no samples with a valid timestamp (ISO 8601, or unix "
                         "seconds up to 2096) and gpu_id")
+    if unplaced:  # the one line above says it when no row is left
+        click.echo(f"warning: {csv_path}: {unplaced} row(s) without a valid timestamp or gpu_id "
+                   "left out", err=True)
     fractional = frame["gpu_id"][frame["gpu_id"] % 1 != 0]
     if not fractional.empty:  # truncating would merge it into another GPU's samples
         raise _fail(f"{csv_path} has a gpu_id that is not a whole number ({fractional.iloc[0]:g}); "
@@ -330,12 +339,15 @@ def summarize(frame: pd.DataFrame, events: list[dict], threshold: float) -> tupl
 
 def _increase(frame: pd.DataFrame, counter: str) -> pd.Series:
     """Per GPU, how much a cumulative counter grew during the trace: its value at the first
-    sample also counts errors from before the trace. Only rises add up, so that a counter
-    reset by a driver reload does not subtract. NaN for a GPU that never reported it."""
+    sample also counts errors from before the trace. Readings count in the order they were
+    written, not by their stamps: a clock stepped back would interleave readings from either
+    side of the step and count a rise twice. A fall is a reset (a driver reload), after which
+    the whole value is new errors, as Prometheus' ``increase()`` reads it. NaN for a GPU that
+    never reported it."""
     keys = series_keys(frame)
-    known = frame.loc[frame[counter].notna(), [*keys, "time", counter]]
-    known = known.sort_values("time", kind="stable")
-    rises = known.groupby(keys)[counter].diff().clip(lower=0)
+    known = frame.loc[frame[counter].notna(), [*keys, counter]]
+    change = known.groupby(keys)[counter].diff()
+    rises = change.mask(change < 0, known[counter])
     return rises.groupby([known[k] for k in keys]).sum().astype("Int64")
 
 
