@@ -111,6 +111,28 @@ def test_no_number_on_the_page_is_unrounded(page):
     assert not re.findall(r"\d\.\d{3,}", body), re.findall(r".{30}\d\.\d{3,}.{10}", body)
 
 
+def test_goodput_reads_in_per_cent_so_close_strategies_differ(page):
+    """Two decimals of the fraction read 0.9975 and 0.9994 both as 1.00: no loss at all."""
+    body = text_of(page[0].read_text())
+    modelled = re.findall(r"<tr><td>[a-z -]+</td><td class='n'>([^<]*)</td></tr>", body)
+    assert len(modelled) == 3 and all(re.fullmatch(r"\d{1,3}\.\d\d%", v) for v in modelled)
+    assert re.search(r"this run: <b>\d{1,3}\.\d\d%</b>", body)
+
+
+def test_a_launch_without_its_layout_reads_as_unknown_degrees(tmp_path):
+    run_dir = two_failures(tmp_path / "run")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    for event in events:
+        if event["event"] == "launch":
+            for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                        "data_parallel_size"):
+                event.pop(key, None)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert run_report(run_dir).exit_code == 0
+    body = text_of((run_dir / "report.html").read_text())
+    assert "attempt 1: TP? x PP? x DP?" in body and "None" not in body
+
+
 @pytest.mark.parametrize("value, unit, text", [
     (None, "", "unknown"), (3, "", "3"), (12345, "", "12,345"), (16311.799805, "", "16,312"),
     (35.650002, "", "35.7"), (9.1945, "s", "9.19 s"), (0.0634, "s", "0.06 s"),

@@ -65,6 +65,12 @@ def human(value, unit: str = "") -> str:
     return f"{text} {unit}".strip()
 
 
+def share(value: float | None) -> str:
+    """A fraction such as goodput in per cent, to two decimals: 0.9975 and 0.9994 differ,
+    where two decimals of the fraction read both as 1.00, no loss at all."""
+    return "unknown" if value is None else f"{value:.2%}"
+
+
 def write_incident_page(run_dir: Path, report: dict, events: list[dict], frame) -> Path:
     """Write ``run_dir/report.html``; ``frame`` is the monitor's samples (None: no CSV)."""
     start = report["start_time"]
@@ -121,9 +127,9 @@ def _marker_kind(event: dict) -> str | None:
 
 
 def _layout_label(launch: dict) -> str:
-    return (f"attempt {launch.get('attempt')}: TP{launch.get('tensor_model_parallel_size')} x "
-            f"PP{launch.get('pipeline_model_parallel_size')} x "
-            f"DP{launch.get('data_parallel_size')}, {gpus_text(launch.get('gpus'))}")
+    tp, pp, dp = ("?" if launch.get(key) is None else launch[key] for key in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
+    return f"attempt {launch.get('attempt')}: TP{tp} x PP{pp} x DP{dp}, {gpus_text(launch.get('gpus'))}"
 
 
 def _items(value) -> str:
@@ -352,7 +358,7 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
     if seen is None:
         lines.append("<p>this run: unknown (no iteration times in its logs)</p>\n")
     else:
-        lines.append(f"<p>this run: <b>{human(seen['goodput'])}</b>: {human(seen['iterations'])} "
+        lines.append(f"<p>this run: <b>{share(seen['goodput'])}</b>: {human(seen['iterations'])} "
                      f"iterations at {human(seen['iteration_s'], 's')} each, "
                      f"{human(seen['useful_s'], 's')} of {human(seen['wall_s'], 's')} from the "
                      f"first launch (start-up included)</p>\n")
@@ -368,7 +374,7 @@ def _goodput(run_dir: Path, events: list[dict]) -> str:
                            x.periodic_only())["memory_interval"]))):
         why = goodput.first_order_breakdown(case) if name == "proactive" else None
         value = None if why else goodput.analytic(case)["goodput"]
-        rows.append(f"<tr><td>{name}</td><td class='n'>{human(value) if why is None else 'no estimate'}"
+        rows.append(f"<tr><td>{name}</td><td class='n'>{share(value) if why is None else 'no estimate'}"
                     f"</td></tr>\n")
     lines.append(f"<p>modelled (<code>ftmaster goodput</code>, {gpu_count_text(gpus)}, measured here: "
                  f"{html.escape(', '.join(sorted(measured)) or 'nothing')}; defaults otherwise):</p>\n"
