@@ -68,6 +68,8 @@ flex                         ETP x EP > 1 with the deepep (default) and ncclep b
 --use-tp-pp-dp-mapping       ``initialize_model_parallel``: with the order tp-cp-ep-pp-dp and PP > 1
                              the expert data-parallel size must equal DP (ETP x EP == TP x CP)
 --cpu-offloading             ``TransformerConfig.__post_init__``: PP == 1
+--overlap-moe-expert-        ``TransformerConfig.__post_init__``: EP > 1, and VPP > 1 at PP > 1
+parallel-comm                (interleaving is kept on)
 --defer-embedding-wgrad-     ``ModelParallelConfig.__post_init__``: PP > 1
 compute
 --hybrid-context-parallel    ``validate_args``: PP == 1; ``initialize_model_parallel``: DP x CP even
@@ -197,6 +199,8 @@ class RuleFlags:
     """``--cpu-offloading`` (or ``--cpu-offloading-num-layers`` > 0): needs PP 1."""
     defer_embedding_wgrad: bool = False
     """``--defer-embedding-wgrad-compute``: needs PP > 1."""
+    expert_overlap: bool = False
+    """``--overlap-moe-expert-parallel-comm``: needs EP > 1, and VPP > 1 at PP > 1."""
     hybrid_context_parallel: bool = False
     """``--hybrid-context-parallel``: needs PP 1 and an even DP x CP."""
     fixed_context_parallel: bool = False
@@ -317,6 +321,7 @@ def read_rule_flags(args: Sequence[str]) -> RuleFlags:
         cpu_offloading=(flag_present(args, "--cpu-offloading")
                         or (int_flag(args, "--cpu-offloading-num-layers", 0, positive=False) or 0) > 0),
         defer_embedding_wgrad=flag_present(args, "--defer-embedding-wgrad-compute"),
+        expert_overlap=flag_present(args, "--overlap-moe-expert-parallel-comm"),
         hybrid_context_parallel=flag_present(args, "--hybrid-context-parallel"),
         fixed_context_parallel=flag_present(args, "--hierarchical-context-parallel-sizes"),
         optimizer_instances=int_flag(args, "--num-distributed-optimizer-instances", 1))
@@ -489,7 +494,7 @@ def pipeline_splits(shape: ModelShape, flags: PipelineFlags, rules: RuleFlags,
         if pp == 1 and rules.defer_embedding_wgrad:
             continue
         split = pipeline_split(shape, flags, pp)
-        if split is not None and rules.needs_interleaving:
+        if split is not None and (rules.needs_interleaving or rules.expert_overlap and pp > 1):
             split = (replace(split, can_stop_interleaving=False) if split.virtual_size > 1
                      else None)
         if split is not None and rules.legacy_checkpoint:
@@ -551,13 +556,16 @@ def model_splits(shape: ModelShape, original: OriginalLayout, pipeline_flags: Pi
 
 def expert_layout_allows(split: ModelSplit, original: OriginalLayout, rules: RuleFlags) -> bool:
     """The rules on a whole split: a legacy checkpoint's TP, PP and EP; the flex dispatcher's
-    ETP x EP > 1; the tp-pp-dp order's expert DP equal to DP at PP > 1."""
+    ETP x EP > 1; the expert overlap's EP > 1; the tp-pp-dp order's expert DP equal to DP at
+    PP > 1."""
     if rules.legacy_checkpoint and (
             split.tensor, split.pipeline.size, split.expert) != (
             original.tensor_model_parallel_size, original.pipeline_model_parallel_size,
             original.expert_model_parallel_size):
         return False
     if rules.flex_dispatcher and split.expert_tensor * split.expert == 1:
+        return False
+    if rules.expert_overlap and split.expert == 1:
         return False
     return not (rules.tp_pp_dp_mapping and split.pipeline.size > 1
                 and split.expert_tensor * split.expert != split.tensor * split.context)

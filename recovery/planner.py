@@ -395,8 +395,10 @@ def _evaluate(problem: _Problem, model: _SplitModel, dp: int, batch: int, batche
         if any(later % (micro_batch * dp) for later in batches.schedule):
             continue
         micro_batches = per_replica // micro_batch
+        # each batch still to come in a step schedule runs the interleaved schedule too
+        counts = [micro_batches, *(later // (micro_batch * dp) for later in batches.schedule)]
         for vpp in _virtual_options(model):
-            if not interleaving_allows(facts.pipeline, pp, vpp, [micro_batches]):
+            if not interleaving_allows(facts.pipeline, pp, vpp, counts):
                 continue
             possible, eval_micro_batch = _eval_micro_batch(problem, pp, vpp, dp, micro_batch, batch)
             if not possible:

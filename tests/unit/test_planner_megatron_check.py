@@ -173,6 +173,8 @@ def megatron_problems(argv: list[str], world: int, ranks_per_node=None,
             problems.append("MoE bias with ETP > 1")
     if sp and (seq // cp) % tp:
         problems.append("(seq/CP) % TP with sequence parallelism")
+    if f.get("--overlap-moe-expert-parallel-comm") and (ep == 1 or pp > 1 and not vpp):
+        problems.append("the expert a2a overlap needs EP > 1, and VPP at PP > 1")
     # num_microbatches_calculator
     batches = [gbs]
     if schedule:
@@ -185,7 +187,7 @@ def megatron_problems(argv: list[str], world: int, ranks_per_node=None,
     # forward_backward_pipelining_with_interleaving
     if vpp:
         group = number(f, "--microbatch-group-size-per-virtual-pipeline-stage", pp)
-        for m in (batches[0] // (mbs * dp), eval_gbs // (eval_mbs * dp)):
+        for m in (*(batch // (mbs * dp) for batch in batches), eval_gbs // (eval_mbs * dp)):
             if not (pp <= group <= m) or 0 < m % group < pp:
                 problems.append(f"interleaved schedule with {m} micro-batches")
     if ranks_per_node is not None:

@@ -16,6 +16,7 @@ from ftmaster.recovery.layout_rules import (ModelSplit, PipelineFlags, RuleFlags
 from ftmaster.recovery.megatron_args import (ExpertShape, ModelShape, OriginalLayout, flag_value,
                                              read_script_args)
 from ftmaster.recovery.planner import PlanError, plan_layout, plan_nodes
+from test_planner_megatron_check import megatron_problems
 
 ORIGINAL = OriginalLayout(1, 1, 1, 8)
 
@@ -405,6 +406,35 @@ def test_the_flex_dispatcher_needs_expert_parallelism(backend, expert_split_need
             "--expert-model-parallel-size", "4", *backend]
     plan = plan_layout(args, 3, original_world_size=4)
     assert (plan.expert_model_parallel_size > 1) == expert_split_needed, plan
+
+
+@pytest.mark.parametrize("pipeline, gpus", [((), 3), ((), 5), (("--pipeline-model-parallel-size",
+                          "2", "--num-virtual-stages-per-pipeline-rank", "2"), 7)])
+def test_the_expert_all_to_all_overlap_needs_expert_parallelism_and_interleaving(pipeline, gpus):
+    # TransformerConfig.__post_init__: --overlap-moe-expert-parallel-comm asserts EP > 1, and a
+    # virtual pipeline at PP > 1. On 3 of 8 GPUs EP 1 x DP 3 was planned.
+    args = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "24",
+            "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall",
+            "--overlap-moe-expert-parallel-comm", "--disable-bias-linear",
+            "--expert-model-parallel-size", "4", *pipeline]
+    for mode in ("closest", "paper"):
+        plan = plan_layout(args, gpus, original_world_size=8, mode=mode)
+        assert megatron_problems(list(plan.command[1:]), plan.num_gpus_used) == [], (mode, plan)
+        assert plan.expert_model_parallel_size > 1
+
+
+def test_every_batch_still_to_come_in_a_step_schedule_runs_the_interleaved_schedule():
+    # schedules.py forward_backward_pipelining_with_interleaving: M % PP is 0 or at least PP
+    # for the later batch too. On 3 of 4 GPUs PP 3 x VPP 2 was planned: 12 micro-batches
+    # pass, the schedule's 16 raise after 1M samples.
+    args = ["t.py", "--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--vocab-size", "32000", "--pipeline-model-parallel-size", "4",
+            "--num-virtual-stages-per-pipeline-rank", "3", "--micro-batch-size", "1",
+            "--step-batch-size-schedule", "0:12 1M:16", "--eval-global-batch-size", "12",
+            "--train-samples", "100000"]
+    for mode in ("closest", "paper"):
+        plan = plan_nodes(args, (3,), original_world_size=4, consumed_samples=0, mode=mode)
+        assert megatron_problems(list(plan.command[1:]), plan.num_gpus_used) == [], (mode, plan)
 
 
 def test_hybrid_context_parallel_needs_an_even_dp_x_cp():
