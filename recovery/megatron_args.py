@@ -165,6 +165,31 @@ def set_optimizer_instances(args: Sequence[str], instances: int) -> tuple[list[s
             f"the relaunch runs {instances}")
 
 
+SCHEDULER_CHOICE_FLAGS = ("--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler")
+
+
+def keep_checkpoint_lr_schedule(args: Sequence[str], samples_per_step_kept: bool
+                                ) -> tuple[list[str], str | None]:
+    """``args`` resuming the checkpoint's learning-rate schedule, and the line that says so.
+
+    With a step schedule Megatron-LM sets the global batch to micro-batch x DP (``validate_args``),
+    and with ``--train-iters`` it counts the schedule's steps in that batch
+    (``get_optimizer_param_scheduler``: ``lr_decay_iters * global_batch_size``, the warm-up and
+    the weight-decay steps too). A relaunch at another micro-batch x DP then fails its load:
+    ``OptimizerParamScheduler._check_and_set`` refuses a decay that differs from the
+    checkpoint's. The checkpoint's values are the original run's schedule, so the relaunch keeps
+    them (``--use-checkpoint-opt-param-scheduler``), unless the command chose already.
+    """
+    if (samples_per_step_kept or flag_value(args, STEP_SCHEDULE_FLAG) is None
+            or flag_value(args, "--train-iters") is None
+            or any(flag_present(args, flag) for flag in SCHEDULER_CHOICE_FLAGS)):
+        return list(args), None
+    return ([*args, "--use-checkpoint-opt-param-scheduler"],
+            "--use-checkpoint-opt-param-scheduler added: with --step-batch-size-schedule and "
+            "--train-iters Megatron-LM counts the learning-rate schedule in micro-batch x DP "
+            "samples, which the new layout changes; the checkpoint keeps the original's")
+
+
 STARTING_WEIGHTS_ONLY = {"--no-load-optim": False, "--no-load-rng": False, "--finetune": False,
                          "--ckpt-step": True}
 """Flags that say what to take of the weights a run starts from (a fine-tune leaves the

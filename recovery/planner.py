@@ -66,7 +66,8 @@ from .layout_rules import (ModelSplit, context_sizes, data_parallel_allows, divi
                            expert_sizes, interleaving_allows, model_splits,
                            optimizer_instances_for, pipeline_split, sequence_parallel_allows,
                            tensor_sizes)
-from .megatron_args import ScriptFacts, read_script_args, rewrite_argv, set_optimizer_instances
+from .megatron_args import (ScriptFacts, keep_checkpoint_lr_schedule, read_script_args,
+                            rewrite_argv, set_optimizer_instances)
 from .memory_estimate import (ASSUMED_VOCAB_SIZE, GIB, RESERVE_GIB, StageMemory,
                               memory_warnings, peak_bytes, stage_memories)
 
@@ -726,6 +727,18 @@ def _rounded(value: float, digits: int) -> float:
     return rounded if rounded or value <= 0 else float(f"{value:.2g}")
 
 
+def _samples_per_step(layout: Layout) -> int:
+    return layout.micro_batch_size * layout.data_parallel_size
+
+
+def _original_samples_per_step(problem: _Problem) -> int | None:
+    """Micro-batch x DP of the command's layout; None when its GPU count is not known."""
+    original, world = problem.facts.original, problem.request.original_world_size
+    if world is None:
+        return None
+    return original.micro_batch_size * (world // original.model_parallel_size)
+
+
 def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str],
           chosen: _Candidate, original: _Candidate | None, reason: str,
           warnings: tuple[str, ...]) -> Plan:
@@ -739,6 +752,9 @@ def _plan(problem: _Problem, batches: _Batches, script: str, args: Sequence[str]
     rewritten, instances = set_optimizer_instances(
         rewritten, optimizer_instances_for(chosen.split, problem.facts.rules, layout.data_parallel_size))
     warnings += (instances,) if instances else ()
+    rewritten, kept_schedule = keep_checkpoint_lr_schedule(
+        rewritten, _samples_per_step(layout) == _original_samples_per_step(problem))
+    warnings += (kept_schedule,) if kept_schedule else ()
     vpp = layout.virtual_pipeline_size
     return Plan(
         layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,

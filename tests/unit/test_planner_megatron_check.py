@@ -29,7 +29,8 @@ STORE_TRUE = {"--swiglu", "--group-query-attention", "--sequence-parallel",
               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
               "--use-distributed-optimizer", "--bf16", "--account-for-embedding-in-pipeline-split",
               "--account-for-loss-in-pipeline-split", "--no-overlap-p2p-communication",
-              "--overlap-grad-reduce"}
+              "--overlap-grad-reduce", "--overlap-moe-expert-parallel-comm",
+              "--use-checkpoint-opt-param-scheduler", "--override-opt-param-scheduler"}
 
 
 # -- an independent reading of the command ---------------------------------------------------

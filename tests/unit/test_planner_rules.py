@@ -437,6 +437,31 @@ def test_every_batch_still_to_come_in_a_step_schedule_runs_the_interleaved_sched
         assert megatron_problems(list(plan.command[1:]), plan.num_gpus_used) == [], (mode, plan)
 
 
+SCHEDULED = ["t.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "1",
+             "--step-batch-size-schedule", "0:24 1M:48", "--train-iters", "1000"]
+
+
+@pytest.mark.parametrize("extra, gpus, added", [
+    ((), 6, True),  # micro-batch x DP 8 -> 6: lr_decay_steps 8000 -> 6000 fails the load
+    ((), 8, False),  # the original layout: the same steps
+    (("--override-opt-param-scheduler",), 6, False),  # the command chose
+    (("--use-checkpoint-opt-param-scheduler",), 6, False),
+])
+def test_a_step_schedule_in_iterations_keeps_the_checkpoints_lr_schedule_on_another_dp(
+        extra, gpus, added):
+    # validate_args sets the global batch to micro-batch x DP under a step schedule, and
+    # get_optimizer_param_scheduler multiplies --train-iters and --lr-decay-iters by it:
+    # OptimizerParamScheduler._check_and_set then refused the relaunch's load.
+    plan = plan_nodes([*SCHEDULED, *extra], (gpus,), original_world_size=8, consumed_samples=0)
+    assert plan.command.count("--use-checkpoint-opt-param-scheduler") == (
+        1 if added or "--use-checkpoint-opt-param-scheduler" in extra else 0)
+    assert any("--use-checkpoint-opt-param-scheduler added" in w for w in plan.warnings) == added
+    samples = ["t.py", *SCHEDULED[1:-2], "--train-samples", "24000"]  # counted in samples
+    assert "--use-checkpoint-opt-param-scheduler" not in plan_nodes(
+        samples, (gpus,), original_world_size=8, consumed_samples=0).command
+
+
 def test_hybrid_context_parallel_needs_an_even_dp_x_cp():
     # parallel_state.py initialize_model_parallel asserts an even DP x CP group.
     args = [*SMALL, "--micro-batch-size", "1", "--global-batch-size", "12",
