@@ -1,6 +1,7 @@
 """Which survivors make a checkpoint (the pure cut choice), the merge's coverage check on
 hand-made plans, and when the supervisor asks for a dump at all."""
 
+import errno
 import json
 import re
 import subprocess
@@ -427,6 +428,24 @@ def test_a_stop_signal_ends_the_wait_for_the_dumps_at_once(tmp_path):
     started = time.monotonic()
     assert recovery.dump_if_useful(attempt, "device_lost", [1], 16, 2, stop) is not None
     assert time.monotonic() - started < 2
+
+
+def test_a_merge_that_cannot_start_falls_back_in_one_line(tmp_path, monkeypatch):
+    """No process to be had right after every survivor copied its state into /dev/shm
+    (ENOMEM, EAGAIN): the OSError ended the supervisor in a traceback, not in a relaunch from
+    the newest checkpoint."""
+    said = []
+    recovery = ReplicaRecovery(tmp_path, tmp_path / "memory", tmp_path / "save",
+                               lambda name, **fields: said.append((name, fields["reason"])))
+    folder = with_a_complete_cut(tmp_path / "memory" / "replicas" / "attempt_1")
+
+    def no_process(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    assert recovery.start_merge(folder, threading.Event()) is None
+    assert said == [("replica_fallback",
+                     "the merge could not start: [Errno 12] Cannot allocate memory")]
 
 
 def test_dumps_without_a_complete_cut_fall_back_without_starting_a_merge(tmp_path, monkeypatch):

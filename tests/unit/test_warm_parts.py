@@ -55,6 +55,20 @@ def test_workers_taken_for_a_launch_that_failed_before_the_hand_over_are_ended(t
             worker.process.kill()
 
 
+def test_a_worker_taken_for_a_helper_whose_folder_cannot_be_made_is_ended(tmp_path):
+    """The replica merge's helper folder under a full or read-only run directory: the worker
+    taken from the pool waited on, holding torch, and the error escaped to the supervisor."""
+    worker = sleeping_worker()
+    starter = WarmStarter.__new__(WarmStarter)
+    starter.pool = SimpleNamespace(take=lambda count, timeout_s: [worker])
+    (tmp_path / "ranks").write_text("a file where the folder goes")
+    try:
+        assert starter.run_module(["-m", "json.tool"], tmp_path / "ranks" / "merge_1") is None
+        assert worker.process.poll() is not None
+    finally:
+        worker.process.kill()
+
+
 class RefusedAutogroup:
     """/proc/PID/autogroup refusing its first ``refusals`` writes, as the kernel does to
     writers without CAP_SYS_ADMIN beyond one write per 100 ms across the machine."""

@@ -214,6 +214,13 @@ class ReplicaRecovery:
         except NoCut as refusal:
             self.fall_back(str(refusal))
             return None
+        try:
+            return self._merge_started(folder)
+        except OSError as error:  # no process (ENOMEM, EAGAIN), no helper folder: not a traceback
+            self.fall_back(f"the merge could not start: {error}")
+            return None
+
+    def _merge_started(self, folder: Path) -> "Merging":
         newest = read_tracker(self.save_dir)  # the merge reads the memory tier's itself
         module = ["-m", "megatron.training.replica_merge", str(folder), str(self.memory_dir),
                   *(["--newest", str(newest)] if newest is not None else [])]

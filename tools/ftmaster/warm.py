@@ -682,11 +682,15 @@ class WarmStarter:
         workers = self.pool.take(1, timeout_s=0)
         if workers is None:
             return None
-        folder.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "RANK": "0", ERROR_FILE_ENV: str(error_file_path(folder, 0))}
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:  # taken from the pool, it would wait on, holding torch
+            kill_sessions(workers)
+            return None
+        try:
             return WarmRanks(workers, folder, [env], argv, folder / "output.log")
-        except OSError:
+        except OSError:  # every worker killed
             return None
 
     def close(self) -> None:
