@@ -227,14 +227,19 @@ class _SlotFile:
     def __init__(self, path: Path, learnt: dict[MetadataIndex, Record]) -> None:
         self.records = learnt
         self._fd = os.open(path, os.O_RDWR)
-        size = os.fstat(self._fd).st_size
-        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._address = self._bytes.data_ptr()
-        self._pinned = _pinned(self._bytes)
-        self._hash_states = (tuple(native_refill.hashes.create_state() for _ in range(2))
-                             if native_refill is not None and not self._pinned else None)
-        """The file's and the current item's XXH3 states, for the refill loop in C."""
+        self._map, self._bytes, self._pinned, self._hash_states = None, None, False, None
+        try:  # a mapping refused (ENOMEM, vm.max_map_count) left the file open at every save
+            size = os.fstat(self._fd).st_size
+            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            self._address = self._bytes.data_ptr()
+            self._pinned = _pinned(self._bytes)
+            self._hash_states = (tuple(native_refill.hashes.create_state() for _ in range(2))
+                                 if native_refill is not None and not self._pinned else None)
+            """The file's and the current item's XXH3 states, for the refill loop in C."""
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def set_up(cls, path: Path, storage_key: str, tensor_data: list,
@@ -379,8 +384,9 @@ class _SlotFile:
             from torch.cuda import _pin_memory_utils
 
             _pin_memory_utils.unpin_memory(self._bytes.data_ptr())
-        del self._bytes
-        self._map.close()
+        self._bytes = None  # the map closes only once no tensor views it
+        if self._map is not None:
+            self._map.close()
         os.close(self._fd)
 
 

@@ -2,6 +2,7 @@
 digests taken from the bytes copied, and the rules that keep a complete checkpoint safe."""
 
 import ctypes
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +47,23 @@ def test_the_third_save_refills_the_first_slot_in_place_with_the_new_bytes(tmp_p
         got = read_back(folder, result)
         assert got == expected if isinstance(got, bytes) else torch.equal(got, expected)
     assert slots.kept_iterations() == {2, 3}
+
+
+def test_a_slot_file_whose_mapping_is_refused_leaves_no_file_open(tmp_path, monkeypatch):
+    """mmap's ENOMEM (or vm.max_map_count reached) fails the save, as it should; the file
+    stayed open, one descriptor more at every such save."""
+    path = tmp_path / "shard.distcp"
+    path.write_bytes(bytes(4096))
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory_slots.mmap, "mmap", refused)
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            memory_slots._SlotFile(path, {})
+    assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_the_file_system_of_a_folder_is_its_deepest_mount_the_last_mounted(tmp_path):
