@@ -426,7 +426,9 @@ class MemorySlots(RecordWriter):
             previous = iteration_dir(self.memory_dir, iteration)
             with tracker_lock(self.memory_dir):
                 if previous.is_dir() and iteration not in kept_memory_checkpoints(self.memory_dir):
-                    for name in (MANIFEST_NAME, DCP_METADATA_FILE):  # no longer loadable
+                    # .metadata first: a folder killed with it and no manifest would load,
+                    # unverified, as a checkpoint of another tool's
+                    for name in (DCP_METADATA_FILE, MANIFEST_NAME):
                         (previous / name).unlink(missing_ok=True)
                     previous.rename(target)
                     self._drop_foreign_files(target)

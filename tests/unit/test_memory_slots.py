@@ -49,6 +49,30 @@ def test_the_third_save_refills_the_first_slot_in_place_with_the_new_bytes(tmp_p
     assert slots.kept_iterations() == {2, 3}
 
 
+def test_a_claim_killed_between_its_two_removals_leaves_the_slot_unloadable(
+        tmp_path, slots, monkeypatch):
+    """The manifest went first: killed then, the old slot kept its ``.metadata``, a
+    torch_dist checkpoint without a manifest, which a load takes unverified (as one written
+    by another tool)."""
+    save(slots, tmp_path, 1, state(1))
+    save(slots, tmp_path, 2, state(2))
+    (iteration_dir(tmp_path, 1) / memory_slots.DCP_METADATA_FILE).write_bytes(b"metadata")
+    removed = []
+    unlink = Path.unlink
+
+    def killed_after_one(path, missing_ok=False):
+        if removed:
+            raise SystemExit("killed")
+        removed.append(path.name)
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", killed_after_one)
+    with pytest.raises(SystemExit):
+        slots.claim(1, iteration_dir(tmp_path, 3))
+    assert removed == [memory_slots.DCP_METADATA_FILE]
+    assert (iteration_dir(tmp_path, 1) / MANIFEST_NAME).exists()
+
+
 def test_a_slot_file_whose_mapping_is_refused_leaves_no_file_open(tmp_path, monkeypatch):
     """mmap's ENOMEM (or vm.max_map_count reached) fails the save, as it should; the file
     stayed open, one descriptor more at every such save."""
