@@ -35,7 +35,6 @@ the minimum gap is one iteration, counted from the last save or from the start;
 from __future__ import annotations
 
 import collections
-import math
 import os
 import signal
 import statistics
@@ -45,11 +44,7 @@ from pathlib import Path
 
 import torch
 
-
-def minimum_gap(gap_frac: float, save_interval: int | None) -> int:
-    if not save_interval:
-        return 1
-    return max(1, math.ceil(gap_frac * save_interval))
+from ftmaster.recovery.gap_filter import minimum_gap
 
 
 @dataclass(frozen=True)

@@ -407,7 +407,7 @@ class Trainer:
 
     def save(self, kind: str, tier: str = "disk") -> None:
         self.model.sync_params()
-        if kind in ("final", "exit") or self._training_done():
+        if kind in ("final", "exit") or self._saves_last_state():
             # No later save would answer a request standing now (one still waiting out the
             # gap filter, say): this one does, or the next run on the folder saves unasked.
             self.requests.answer_with_last_save(self.state.iteration)
@@ -490,7 +490,7 @@ class Trainer:
             self._event("save_deferred", iteration=self.state.iteration,
                         until_iteration=decision.deferred_until)
         # The last iteration's checkpoint is the final one, on disk, not a memory copy.
-        if decision.save and not (decision.memory and self._training_done()):
+        if decision.save and not (decision.memory and self._saves_last_state()):
             self.save("emergency" if decision.emergency else "exit" if decision.exit
                       else "periodic", self._tier(decision))
         self._save_on_disk_after_memory_failure()
@@ -506,7 +506,7 @@ class Trainer:
         # The last iteration's save is the run's final one: on disk, never a memory copy that
         # a persist would race the final save with.
         to_memory = ((decision.memory or decision.emergency) and not decision.exit
-                     and not self._training_done())
+                     and not self._saves_last_state())
         return "memory" if to_memory and self.checkpointer.memory_dir is not None else "disk"
 
     def _save_on_disk_after_memory_failure(self) -> None:
@@ -518,13 +518,23 @@ class Trainer:
                 self.save(kind, "disk")
 
     def _exit_interval_reached(self) -> bool:
-        interval = self.args.exit_interval
-        if not interval or self.state.iteration % interval:
+        if not self._exit_interval_due():
             return False
         if self.args.save and not self.checkpointer.on_disk_at(self.state.iteration):
             self.save("exit")
-        log_rank0(f"exiting at iteration {self.state.iteration} (--exit-interval {interval})")
+        log_rank0(f"exiting at iteration {self.state.iteration} "
+                  f"(--exit-interval {self.args.exit_interval})")
         return True
+
+    def _exit_interval_due(self) -> bool:
+        interval = self.args.exit_interval
+        return bool(interval) and self.state.iteration % interval == 0
+
+    def _saves_last_state(self) -> bool:
+        """Whether a save now holds the run's last state: at its end, or at --exit-interval's
+        stop. Such a save goes to disk, and answers a request standing (the next run on the
+        folder would save it unasked)."""
+        return self._training_done() or self._exit_interval_due()
 
     def _training_done(self) -> bool:
         """The run ends at ``--train-iters``, as Megatron-LM's does (a resume at another

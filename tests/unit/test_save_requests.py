@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from ftmaster.runfiles import write_flag
+from ftmaster.goodput import gap_iterations
 from megatron.training.save_requests import Decision, SaveRequests, minimum_gap
 from helpers.process_group import process_group_of_one
 
@@ -31,9 +32,12 @@ def step(requests, iteration, last):
 
 
 @pytest.mark.parametrize("gap_frac, interval, expected", [
-    (0.25, 20, 5), (0.25, 100, 25), (0.5, 10, 5), (0.25, 3, 1), (0.0, 20, 1), (0.25, None, 1)])
+    (0.25, 20, 5), (0.25, 100, 25), (0.5, 10, 5), (0.25, 3, 1), (0.0, 20, 1), (0.25, None, 1),
+    # 7.000000000000001 and 55.00000000000001 in binary floating point: 8 and 56 were waited
+    (0.07, 100, 7), (0.55, 100, 55), (0.07, 101, 8)])
 def test_minimum_gap(gap_frac, interval, expected):
     assert minimum_gap(gap_frac, interval) == expected
+    assert gap_iterations(gap_frac, interval or 0) == expected  # the goodput model's
 
 
 def test_no_flag_only_periodic_saves(flag):

@@ -323,6 +323,72 @@ def test_a_failed_save_of_the_iteration_training_stopped_at_fails_the_end(kind, 
     assert (trainer._final_save_failure is failure) is final
 
 
+class SavesAsCalled:
+    """A checkpointer whose saves are durable at once, each one noted."""
+
+    def __init__(self, memory_dir):
+        self.memory_dir, self.last_saved_iteration, self.saves = memory_dir, None, []
+
+    def finalize_async(self):
+        pass
+
+    def on_disk_at(self, iteration):
+        return (self.saves[-1][1:] == ("disk", iteration)) if self.saves else False
+
+    def save(self, state, kind, tier, on_durable, on_failed):
+        self.last_saved_iteration = state.iteration
+        self.saves.append((kind, tier, state.iteration))
+        on_durable(types.SimpleNamespace(iteration=state.iteration))
+        return 0.1
+
+
+def trainer_at_the_exit_interval(requests, checkpointer, monkeypatch):
+    """A trainer ending iteration 10 of 100, with --exit-interval 10 and every save noted."""
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "kill_point", lambda *args: None)
+    trainer = training.Trainer.__new__(training.Trainer)
+    trainer.args = types.SimpleNamespace(exit_interval=10, save="/save", train_iters=100)
+    trainer.state = types.SimpleNamespace(iteration=10, consumed_train_samples=40)
+    trainer.checkpointer, trainer.requests = checkpointer, requests
+    trainer.model = types.SimpleNamespace(sync_params=lambda: None)
+    trainer.figures = types.SimpleNamespace(record=lambda *args: None)
+    trainer._event, trainer._retry_on_disk = (lambda *args, **fields: None), None
+    trainer._on_durable = lambda save, durable: requests.consume(durable.iteration)
+    trainer._on_save_failed = lambda *args: None
+    return trainer
+
+
+def test_a_periodic_save_at_the_exit_interval_answers_a_flag_written_during_its_iteration(
+        tmp_path, monkeypatch):
+    """The agreement sampled before the monitor wrote the flag; the periodic save at 10 is the
+    run's last (--exit-interval skips its own): it left the flag, and the next run on the
+    folder saved unasked."""
+    from megatron.training.save_requests import SaveRequests
+
+    flag = tmp_path / "save_now.flag"
+    requests = SaveRequests(flag, handle_sigterm=False, gap_frac=0.25, save_interval=10,
+                            can_save=True, group=object())
+    requests._pending_work, requests._issue_seconds = types.SimpleNamespace(wait=lambda: None), 0
+    flag.write_text("")
+    checkpointer = SavesAsCalled(None)
+    assert trainer_at_the_exit_interval(requests, checkpointer, monkeypatch)._after_iteration()
+    assert checkpointer.saves == [("periodic", "disk", 10)] and not flag.exists()
+
+
+def test_an_interval_memory_save_at_the_exit_interval_leaves_the_state_to_the_exit_save(
+        tmp_path, monkeypatch):
+    """A --non-persistent-save-interval save due at --exit-interval's stop went to memory,
+    then the exit save wrote the same iteration to disk, which a persist raced."""
+    from megatron.training.save_requests import SaveRequests
+
+    requests = SaveRequests(None, handle_sigterm=False, gap_frac=0.25, save_interval=100,
+                            can_save=True, memory_interval=5)
+    checkpointer = SavesAsCalled(tmp_path)
+    assert trainer_at_the_exit_interval(requests, checkpointer, monkeypatch)._after_iteration()
+    assert checkpointer.saves == [("exit", "disk", 10)]
+
+
 def test_a_common_state_that_does_not_pickle_fails_the_save_at_its_agreement(tmp_path):
     """Raised on rank 0 alone, before the planning's collectives the other ranks had entered:
     they waited there until the process-group timeout."""
@@ -379,7 +445,7 @@ def test_a_save_s_blocked_seconds_follow_it_to_its_event_and_no_further(in_fligh
     trainer = training.Trainer.__new__(training.Trainer)
     trainer.model = types.SimpleNamespace(sync_params=lambda: None)
     trainer.state = types.SimpleNamespace(iteration=8)
-    trainer.args = types.SimpleNamespace(keep_emergency=None)
+    trainer.args = types.SimpleNamespace(keep_emergency=None, exit_interval=0)
     trainer.checkpointer = types.SimpleNamespace(save=save, async_saves=object())
     trainer.board, trainer._training_done = None, lambda: False
     trainer._consume_answered_flag = lambda iteration: None

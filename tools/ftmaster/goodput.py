@@ -111,6 +111,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ftmaster import runfiles
+from ftmaster.recovery.gap_filter import GAP_DIGITS
 
 HOUR = 3600.0
 
@@ -243,7 +244,7 @@ def gap_iterations(gap_frac, save_interval):
     """The trainer's gap filter (``minimum_gap`` in megatron/training/save_requests.py): an
     emergency save waits this many iterations after the last save; at least the next one, so
     gap_frac 0 turns the filter off. Broadcasts over arrays."""
-    return np.maximum(1, np.ceil(np.multiply(gap_frac, save_interval)))
+    return np.maximum(1, np.ceil(np.round(np.multiply(gap_frac, save_interval), GAP_DIGITS)))
 
 
 def _nearest_divisor(number: int, near: int) -> int:
