@@ -241,7 +241,7 @@ class GoodputInputs:
 
 
 def gap_iterations(gap_frac, save_interval):
-    """The trainer's gap filter (``minimum_gap`` in megatron/training/save_requests.py): an
+    """The trainer's gap filter (``minimum_gap`` in recovery/gap_filter.py): an
     emergency save waits this many iterations after the last save; at least the next one, so
     gap_frac 0 turns the filter off. Broadcasts over arrays."""
     return np.maximum(1, np.ceil(np.round(np.multiply(gap_frac, save_interval), GAP_DIGITS)))
