@@ -231,8 +231,18 @@ class Candidates:
 
 
 def loading_candidates(save_dir: Path) -> Candidates:
-    """Iterations at or below a readable tracker; every folder when the tracker is unusable."""
+    """Iterations at or below a readable tracker; every folder when the tracker is unusable.
+    A folder that cannot be listed (EACCES, EIO, ESTALE) has none, and a note that says so,
+    which makes the load refuse on every rank rather than start fresh: raised, it was rank
+    0's traceback, with the other ranks waiting in their broadcast."""
     save_dir = Path(save_dir)
+    try:
+        return _loading_candidates(save_dir)
+    except OSError as error:
+        return Candidates(save_dir, (), (f"{save_dir} cannot be read ({error.strerror or error})",))
+
+
+def _loading_candidates(save_dir: Path) -> Candidates:
     tracker = read_tracker_state(save_dir)
     folders = list_iterations(save_dir)
     if tracker.problem is not None:

@@ -1424,6 +1424,9 @@ class Checkpointer:
                 prepare_fresh_start(folder)
         except CheckpointMismatch as problem:
             refusal = str(problem)
+        except OSError as error:  # rank 0's alone: the other ranks wait in first_problem
+            refusal = (f"{folder} cannot be checked before a fresh start "
+                       f"({describe_error(error)}): fix its permissions or give another folder")
         refusal = first_problem(refusal, self.group)
         if refusal is not None:
             raise CheckpointMismatch(refusal)

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -194,6 +195,46 @@ def test_an_unusable_tracker_scans_past_a_newer_broken_folder(save_dir):
     assert loading_candidates(save_dir).iterations == (40, 30, 20, 10)
     choice = find_loadable_checkpoint(save_dir)
     assert choice.iteration == 30 and choice.skipped == ((40, ".metadata is missing"),)
+
+
+def test_a_folder_that_cannot_be_listed_has_no_candidates_and_says_so(save_dir, tmp_path,
+                                                                      monkeypatch):
+    """Another user's memory folder, or EIO/ESTALE on NFS: iterdir's OSError was rank 0's
+    traceback in the search, with every other rank waiting in its broadcast. Now the folder
+    holds no candidate and a note, which the load refuses on (never a fresh start)."""
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    listed = Path.iterdir
+
+    def refused(path):
+        if path == memory:
+            raise PermissionError(13, "Permission denied")
+        return listed(path)
+
+    monkeypatch.setattr(Path, "iterdir", refused)
+    assert loading_candidates(memory) == Candidates(memory, (), (
+        f"{memory} cannot be read (Permission denied)",))
+    choice = find_loadable_checkpoint(save_dir, memory)
+    assert choice.iteration == 30 and f"{memory} cannot be read" in choice.describe()
+
+
+def test_a_save_folder_that_cannot_be_checked_before_a_fresh_start_is_one_refusal(
+        tmp_path, monkeypatch):
+    """An OSError there was rank 0's traceback, the other ranks waiting in first_problem."""
+    from helpers.process_group import process_group_of_one
+    from megatron.training import checkpointing
+
+    def unsearchable(folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(checkpointing, "holds_checkpoints", unsearchable)
+    checkpointer = checkpointing.Checkpointer.__new__(checkpointing.Checkpointer)
+    checkpointer.args = SimpleNamespace(save=str(tmp_path / "save"))
+    checkpointer.memory_owner, checkpointer.group = None, None
+    with process_group_of_one(tmp_path), pytest.raises(checkpointing.CheckpointMismatch) as refusal:
+        checkpointer.prepare_fresh_start()
+    assert str(refusal.value).startswith(f"{tmp_path / 'save'} cannot be checked before a fresh "
+                                         "start (EACCES")
 
 
 def test_nothing_at_all_is_a_fresh_start(tmp_path):
