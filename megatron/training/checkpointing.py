@@ -89,7 +89,6 @@ from ftmaster.recovery.checkpoints import (
     advance_tracker,
     advance_tracker_locked,
     checkpoint_problem,
-    find_loadable_checkpoint,
     folder_written_at,
     holds_checkpoints,
     iteration_dir,
@@ -1643,11 +1642,30 @@ def consumed_samples(loaded: dict) -> int:
 
 def checkpoint_args(load_dir: str | None, memory_dir: Path | None = None) -> dict | None:
     """The args saved with the checkpoint a load would pick first (either tier), without
-    loading it."""
-    chosen = find_loadable_checkpoint(Path(load_dir), memory_dir).path if load_dir else None
-    if chosen is None:
+    loading it: the first candidate that passes the load's own first checks. A node-local
+    memory checkpoint whose shards the peers hold counts, as the load reads them there; one
+    whose ``common.pt`` cannot be read, or differs from its manifest, does not, as the load
+    falls back past it. Any other choice built the model (its optimizer, padded vocabulary,
+    layers) for a checkpoint the load then did not take."""
+    if not load_dir:
+        return None
+    from_peers = bool(peer_clients(runfiles.run_dir_from_env()))
+    for candidate in tier_candidates(Path(load_dir), memory_dir).candidates:
+        if checkpoint_problem(candidate.path, candidate.tier == "memory" and from_peers) is None:
+            found = _common_args(candidate.path)
+            if found is not None:
+                return found
+    return None
+
+
+def _common_args(path: Path) -> dict | None:
+    """The args in ``path``'s ``common.pt``; None when it cannot be read or is not the
+    manifest's (the load's to report, with its fallback)."""
+    manifest = read_manifest(path)
+    if manifest is not None and COMMON_FILE in manifest.files and digest_problem(
+            path, manifest, [COMMON_FILE]) is not None:
         return None
     try:
-        return saved_args(dist_checkpointing.load_common_state_dict(str(chosen)))
-    except Exception:  # a broken common.pt is the load's to report, with its fallback
+        return saved_args(dist_checkpointing.load_common_state_dict(str(path)))
+    except Exception:  # any damage: the load says which, at this checkpoint
         return None

@@ -237,6 +237,52 @@ def test_a_save_folder_that_cannot_be_checked_before_a_fresh_start_is_one_refusa
                                          "start (EACCES")
 
 
+def with_args(path, marker):
+    torch.save({"iteration": marker, "args": {"marker": marker}}, path / "common.pt")
+    return path
+
+
+@pytest.mark.parametrize("damage", ["unreadable", "unlike its manifest"])
+def test_the_args_read_before_a_load_are_those_of_the_checkpoint_it_takes(save_dir, damage):
+    """30's common.pt damaged: the load falls back to 20, but the model was built from no
+    checkpoint's args (its optimizer, padded vocabulary and layers chosen afresh)."""
+    from megatron.training.checkpointing import checkpoint_args
+
+    for iteration in (10, 20, 30):
+        with_args(iteration_dir(save_dir, iteration), iteration)
+    common = iteration_dir(save_dir, 30) / "common.pt"
+    if damage == "unreadable":
+        common.write_bytes(b"not a pickle")
+    else:
+        folder = iteration_dir(save_dir, 30)
+        write_manifest(folder, "periodic", 30,
+                       {entry.name: digest_file(entry) for entry in folder.iterdir()})
+        with_args(folder, 31)  # readable, but not what was saved
+    assert checkpoint_args(str(save_dir)) == {"marker": 20}
+
+
+def test_the_args_of_a_node_local_memory_checkpoint_whose_shards_peers_hold(save_dir, tmp_path,
+                                                                            monkeypatch):
+    """The node's copy lacks the shards its peers hold, which the load reads from them: the
+    args came from disk's older checkpoint instead, another optimizer's, say."""
+    from megatron.training.checkpointing import checkpoint_args
+
+    for iteration in (10, 20, 30):
+        with_args(iteration_dir(save_dir, iteration), iteration)
+    memory = tmp_path / "memory"
+    folder = with_args(write_checkpoint(memory, 40), 40)
+    for shard in folder.glob("*.distcp"):
+        shard.unlink()  # on a peer
+    tracker_path(memory).write_text("40\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("FTMASTER_RUN_DIR", str(run_dir))
+    assert checkpoint_args(str(save_dir), memory) == {"marker": 30}  # no peers: not loadable
+    (run_dir / "peers.json").write_text(json.dumps({"peers": ["http://127.0.0.1:1"],
+                                                    "secret": "s"}))
+    assert checkpoint_args(str(save_dir), memory) == {"marker": 40}
+
+
 def test_nothing_at_all_is_a_fresh_start(tmp_path):
     assert loading_candidates(tmp_path) == Candidates(tmp_path, ())
     assert loading_candidates(tmp_path / "absent").iterations == ()
