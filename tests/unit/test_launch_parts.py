@@ -178,7 +178,8 @@ class StuckAttempt(StubAttempt):
         self.killed, self.stuck_gpus = True, {2: "process_stuck"}
 
 
-@pytest.mark.parametrize("ends", ["drained", "killed with a rank stuck"])
+@pytest.mark.parametrize("ends", ["drained", "killed with a rank stuck",
+                                  "stopped by a signal with a rank stuck"])
 def test_a_gpu_retired_before_a_plan_is_carried_over_by_the_next_supervisor(tmp_path, ends):
     """Retired, then no plan: the supervisor gave up (its restart budget spent), lost its
     store or was signalled first. A drained GPU, or one held by a rank stuck in the kernel,
@@ -196,9 +197,14 @@ def test_a_gpu_retired_before_a_plan_is_carried_over_by_the_next_supervisor(tmp_
         runfiles.append_event(tmp_path, "emergency_save", iteration=9)
         assert supervisor._drained() is Trigger.DRAINED
         expected = {1: "drained: its risk stayed critical after the emergency save"}
-    else:
+    elif ends == "killed with a rank stuck":
         supervisor.attempt = StuckAttempt()
         supervisor._kill_attempt()
+        expected = {2: "process_stuck"}
+    else:  # a SLURM preemption: the requeued ftmaster planned on the GPU still held
+        supervisor.attempt = StuckWhenStopped()
+        supervisor.request_stop(signal.SIGTERM)
+        assert supervisor._stop() is Trigger.STOPPED
         expected = {2: "process_stuck"}
     assert supervisor.retired == expected
     assert carried_over(runfiles.read_events(tmp_path), "this-boot", (0, 1, 2, 3)) == expected
@@ -225,6 +231,13 @@ class StoppedAttempt(StubAttempt):
 
     def failed_ranks(self):
         return {}
+
+
+class StuckWhenStopped(StoppedAttempt):
+    """Killed at the stop's deadline, one rank outliving the SIGKILL."""
+
+    def stop(self, deadline_s):
+        self.stuck_gpus = {2: "process_stuck"}
 
 
 @pytest.mark.parametrize("save, finished, trigger, event", [
@@ -2013,6 +2026,50 @@ def test_an_attempt_killed_again_later_never_signals_a_process_that_took_a_ranks
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_kill_again_after_a_stuck_rank_spares_a_process_that_took_an_ended_guards_pid(
+        tmp_path, monkeypatch):
+    """Rank 1 outlives its kill (stuck in the driver), so the attempt is killed again later
+    (ftmaster's end, a stop). Rank 0's guard had ended before the first kill: never seen,
+    its pid was looked up afresh at the later kill, and whatever process held it by then was
+    sent SIGKILL."""
+    import json
+
+    from ftmaster.guard import rank_record_path
+
+    torchrun = attempt_module.SessionProcess(["true"], start_new_session=True)
+    torchrun.wait()
+    stuck = subprocess.Popen(["sleep", "60"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def record(local_rank, pid, exit_code, ended_at=None):
+        rank_record_path(tmp_path, local_rank).write_text(json.dumps(dict(
+            local_rank=local_rank, rank=local_rank, pid=pid, guard_pid=pid,
+            exit_code=exit_code, ended_at=ended_at)))
+
+    record(0, gone.pid, 1, time.time() - 10)  # ended 10 s before
+    record(1, stuck.pid, None)
+    attempt = object.__new__(Attempt)
+    attempt.number, attempt.gpus, attempt.rank_dir, attempt.process = 1, (0, 1), tmp_path, torchrun
+    attempt.stuck_gpus, attempt._processes, attempt._killed = {}, {}, False
+    monkeypatch.setattr(attempt_module, "wait_until_dead",
+                        lambda processes, timeout: [p for p in processes if p.pid == stuck.pid])
+    bystander = None
+    try:
+        attempt.kill(timeout=0.1)
+        assert attempt.stuck_gpus == {1: "process_stuck"}
+        bystander = subprocess.Popen(["sleep", "60"])
+        record(0, bystander.pid, 1, json.loads(rank_record_path(tmp_path, 0).read_text())["ended_at"])
+        attempt.kill(timeout=0.1)  # the pid reused: played by the record naming the bystander's
+        time.sleep(0.2)
+        assert bystander.poll() is None
+    finally:
+        for process in (stuck, bystander):
+            if process is not None:
+                process.kill()
+                process.wait()
 
 
 def test_torch_elastic_keeps_its_folder_with_the_attempt(tmp_path):

@@ -247,10 +247,10 @@ class Attempt:
         self.started_at = time.time()
         self.stuck_gpus: dict[int, str] = {}
         """GPUs whose training process outlived a kill: they may hold memory and a context."""
-        self._processes: dict[int, psutil.Process] = {}
-        """Each rank and guard as first seen: psutil then tells it from a later process
-        that reuses its pid, which a kill long after (ftmaster's end, hours of standby on)
-        sent SIGKILL to."""
+        self._processes: dict[int, psutil.Process | None] = {}
+        """Each rank and guard as first seen (None: gone by then): psutil then tells it from
+        a later process that reuses its pid, which a kill long after (ftmaster's end, hours
+        of standby on) sent SIGKILL to."""
         self._killed = False
         env = naming_this_process({
             **inherited_environment(), **env, RANK_DIR_ENV: str(self.rank_dir),
@@ -352,13 +352,10 @@ class Attempt:
         for record in self.ranks().values():
             pids = (record.guard_pid,) if record.exit_code is not None else (record.pid, record.guard_pid)
             for pid in pids:
-                process = self._processes.get(pid)
-                if process is None:
-                    try:
-                        process = self._processes[pid] = psutil.Process(pid)
-                    except psutil.Error:
-                        continue
-                if _alive(process):
+                if pid not in self._processes:
+                    self._processes[pid] = _first_seen(pid, record.ended_at)
+                process = self._processes[pid]
+                if process is not None and _alive(process) and process not in live:
                     live.append(process)
         return live
 
@@ -373,7 +370,8 @@ class Attempt:
                 with contextlib.suppress(psutil.Error):
                     process.send_signal(sig)  # not to a process that took its pid since
         self.process.kill_group()
-        survivors = wait_until_dead(processes + self._live_processes(), timeout)
+        survivors = wait_until_dead(list(dict.fromkeys(processes + self._live_processes())),
+                                    timeout)
         self.stuck_gpus, self._killed = self._gpus_of(survivors), True
         if survivors:
             log.warning("attempt %d: process(es) %s survived SIGKILL for %g s (uninterruptible "
@@ -434,6 +432,24 @@ def wait_until_dead(processes: list[psutil.Process], timeout: float,
     while time.monotonic() < deadline and any(_alive(p) for p in processes):
         time.sleep(poll_s)
     return [p for p in processes if _alive(p)]
+
+
+START_TIME_SLACK_S = 2.0
+"""psutil's start times count from the boot time in whole seconds (about 0.3 s off here)."""
+
+
+def _first_seen(pid: int, ended_at: float | None) -> psutil.Process | None:
+    """The process of a rank's ``pid``, or None when it is gone. Once a rank has ended, its
+    guard exits right after writing so: a process of that pid started after it is another's
+    (a pid gone at the first look was looked up again at each later kill, and SIGKILLed
+    whoever took it since)."""
+    try:
+        process = psutil.Process(pid)
+        if ended_at is not None and process.create_time() > ended_at + START_TIME_SLACK_S:
+            return None
+        return process
+    except psutil.Error:
+        return None
 
 
 def _alive(process: psutil.Process) -> bool:

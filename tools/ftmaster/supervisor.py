@@ -1611,6 +1611,9 @@ class Supervisor:
     def _kill_attempt(self) -> None:
         """The attempt killed; a GPU that one of its ranks outlived the kill on is retired."""
         self.attempt.kill()
+        self._retire_stuck_gpus()
+
+    def _retire_stuck_gpus(self) -> None:
         if self.attempt.stuck_gpus:
             self._retire_and_record(self.attempt.stuck_gpus)
 
@@ -1927,6 +1930,8 @@ class Supervisor:
     def _stop(self) -> Trigger:
         log.warning("signal %s: asking training to save and exit", self.signum)
         code = self.attempt.stop(self.config.stop_timeout_s)
+        # a rank that outlived the stop's SIGKILL: the requeued ftmaster must not plan on it
+        self._retire_stuck_gpus()
         iteration = self._track_progress(runfiles.read_heartbeat(self.run_dir))
         self._follow_events()
         if self._training_finished():  # the signal came too late to stop anything
