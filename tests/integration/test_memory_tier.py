@@ -8,7 +8,8 @@ import uuid
 import pytest
 
 from ftmaster import runfiles
-from ftmaster.recovery.checkpoints import iteration_dir, list_iterations, read_tracker
+from ftmaster.recovery.checkpoints import (advance_tracker, iteration_dir, list_iterations,
+                                           read_tracker)
 from helpers.tmpfs import small_tmpfs
 from helpers.trainer import (RESUME_SCHEDULE, SMALL_GPT, iterations, kill_session, layout_args,
                              run_trainer, start_trainer, wait_until, worker_with_local_rank)
@@ -83,13 +84,17 @@ def test_a_memory_tier_too_small_sends_its_saves_to_disk(tmp_path, tiny_memory_t
 def test_a_final_save_at_the_iteration_resumed_from_memory_leaves_the_disk_copy_alone(
         tmp_path, shm_dir):
     """--train-iters lowered to the memory checkpoint a relaunch resumes from, which disk holds
-    too (persisted by the supervisor, or here the --exit-interval save): the final save wrote
-    over that complete disk copy in place, and a failure partway tore the only copy on disk."""
+    too (persisted by the supervisor): the final save wrote over that complete disk copy in
+    place, and a failure partway tore the only copy on disk. Here the disk copy is the
+    --exit-interval save, and the memory one its copy, as a persist makes them alike."""
     save, run_dir = tmp_path / "save", tmp_path / "run"
     args = SMALL_GPT + RESUME_SCHEDULE + layout_args(1, 1) + memory_tier(shm_dir, 4) + [
         "--save", str(save), "--load", str(save), "--save-interval", "100"]
     first = run_trainer(1, args + ["--exit-interval", "8"])
     assert first.returncode == 0, first.stdout[-3000:]
+    assert read_tracker(shm_dir) == 4  # the stop's state went to disk alone
+    shutil.copytree(iteration_dir(save, 8), iteration_dir(shm_dir, 8))
+    advance_tracker(shm_dir, 8)
     written = {path.name: path.stat().st_mtime_ns for path in iteration_dir(save, 8).iterdir()}
     lowered = run_trainer(1, args + ["--train-iters", "8", "--override-opt-param-scheduler"],
                           FTMASTER_RUN_DIR=str(run_dir))
