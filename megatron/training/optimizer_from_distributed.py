@@ -80,8 +80,10 @@ def apply(optimizer, loaded: dict, step: float) -> None:
     fp16 loss scaler the scale saved beside them (as ``DistributedOptimizer.load_state_dict``
     does: a fresh scaler starts at 2^32 again, and skips tens of steps finding its level)."""
     saved_scaler = (loaded.get("optimizer") or {}).get("grad_scaler")
-    if saved_scaler is not None and getattr(optimizer, "grad_scaler", None) is not None:
-        optimizer.grad_scaler.load_state_dict(saved_scaler)
+    # each inner optimizer's: megatron-core's ChainedOptimizer, what it builds, has none itself
+    for inner in distributed_optimizers(optimizer):
+        if saved_scaler is not None and getattr(inner, "grad_scaler", None) is not None:
+            inner.grad_scaler.load_state_dict(saved_scaler)
     tensors = loaded[KEY]
     for index, (_, main, adam) in enumerate(_main_params(optimizer)):
         state = tensors[index]

@@ -1,7 +1,7 @@
 """The trainer on CUDA as Megatron-LM users run it: bf16, the distributed optimizer and its
 resharded checkpoint, --no-load-optim refreshing the master weights, the asynchronous save,
-overlapped gradient reduce and parameter gather, and a checkpoint saved on CPU resumed on a
-GPU. Each test skips without the GPUs it needs."""
+overlapped gradient reduce and parameter gather, an fp16 distributed state resumed on the plain
+optimizer with its loss scale, and a checkpoint saved on CPU resumed on a GPU. Each test skips without the GPUs it needs."""
 
 import pytest
 
@@ -73,6 +73,28 @@ def test_no_load_optim_in_bf16_keeps_the_loaded_weights(tmp_path):
     resumed = train(1, PLAIN_OPTIMIZER + layout_args(1, 1), resume, "--load", str(resume),
                     "--no-load-optim")
     assert abs(resumed[4]["loss"] - reference[4]["loss"]) <= 0.05 * reference[4]["loss"]
+
+
+def loss_scales(folder) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars("loss-scale")}
+
+
+@needs_gpus(2)
+def test_an_fp16_distributed_state_resumes_on_the_plain_optimizer_with_its_loss_scale(tmp_path):
+    """The scale is the inner optimizers' (megatron-core's ChainedOptimizer has none): it was
+    looked for on the chain, and the resumed run began again at 2^32, skipping steps."""
+    fp16 = TINY_LLAMA + ["--fp16"] + layout_args(1, 1)
+    plain = [a for a in fp16 if a != "--use-distributed-optimizer"] + ["--no-use-distributed-optimizer"]
+    save = tmp_path / "save"
+    train(2, fp16, save, "--tensorboard-dir", str(tmp_path / "reference"))
+    resume = from_iteration_3(save, tmp_path)
+    train(2, plain, resume, "--load", str(resume), "--tensorboard-dir", str(tmp_path / "resumed"))
+    reference, resumed = loss_scales(tmp_path / "reference"), loss_scales(tmp_path / "resumed")
+    assert [resumed[it] for it in (4, 5, 6)] == [reference[it] for it in (4, 5, 6)]
 
 
 @needs_gpus(1)

@@ -52,10 +52,14 @@ def test_a_fused_adam_gets_the_step_in_its_param_groups_and_can_still_be_saved()
     adam.state_dict()  # what every later save calls
 
 
-def test_an_fp16_loss_scale_is_taken_from_the_checkpoint():
+@pytest.mark.parametrize("chained", [True, False])
+def test_an_fp16_loss_scale_is_taken_from_the_checkpoint(chained):
     """Resumed by the plain optimizer, a distributed optimizer's fp16 run went back to the
-    initial scale (2^32) and skipped tens of steps finding its level again."""
+    initial scale (2^32) and skipped tens of steps finding its level again. megatron-core's
+    get_megatron_optimizer returns a ChainedOptimizer, with no scaler of its own: the scale
+    was looked for there, and never loaded."""
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
     from megatron.training import cpu_compat
 
     cpu_compat.apply()  # megatron-core's scaler keeps its scale on the GPU
@@ -67,9 +71,11 @@ def test_an_fp16_loss_scale_is_taken_from_the_checkpoint():
     for _ in range(20):
         saved.update(found_inf=True)
     param = torch.nn.Parameter(torch.zeros(2, 3))
-    resumed = SimpleNamespace(optimizer=torch.optim.AdamW([param]), grad_scaler=scaler())
+    resumed = SimpleNamespace(optimizer=torch.optim.AdamW([param]), grad_scaler=scaler(),
+                              config=None)
     state = {name: torch.zeros(2, 3) for name in ("param", "exp_avg", "exp_avg_sq")}
-    apply(resumed, {KEY: {0: state}, "optimizer": {"grad_scaler": saved.state_dict()}}, 1.0)
+    apply(ChainedOptimizer([resumed]) if chained else resumed,
+          {KEY: {0: state}, "optimizer": {"grad_scaler": saved.state_dict()}}, 1.0)
     assert resumed.grad_scaler.scale.item() == saved.scale.item() < 2.0 ** 32
 
 
