@@ -270,7 +270,9 @@ def _fill_defaults(args):
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
-    if args.use_distributed_optimizer is None:
+    # kept: left to its default, the optimizer may follow a plain checkpoint (optimizer_choice)
+    args.distributed_optimizer_by_default = args.use_distributed_optimizer is None
+    if args.distributed_optimizer_by_default:
         args.use_distributed_optimizer = default_distributed_optimizer(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # Megatron-LM's validate_args: nothing to split

@@ -151,9 +151,12 @@ def optimizer_choice(args, saved: dict) -> bool:
     optimizer when the checkpoint resumed holds the plain optimizer's state, which it cannot
     read. A relaunch's default had switched it: under ``--replica-recovery`` on CUDA with two
     instances, a DP3 relaunch runs one instance, so the plain optimizer, and the next relaunch
-    back at two instances refused the plain checkpoint (exit 2, the run given up)."""
+    back at two instances refused the plain checkpoint (exit 2, the run given up). Not when
+    ``--overlap-param-gather`` was asked for: it gathers the distributed optimizer's shards."""
     chosen = uses_distributed_optimizer(args)
-    if (args.use_distributed_optimizer is None and chosen and not args.no_load_optim
+    by_default = getattr(args, "distributed_optimizer_by_default",
+                         args.use_distributed_optimizer is None)
+    if (by_default and chosen and not args.no_load_optim and not args.overlap_param_gather
             and saved.get("use_distributed_optimizer") is False):
         log_rank0("the checkpoint holds the plain optimizer's state, which the distributed "
                   "optimizer cannot read: resuming with the plain optimizer, one instance (give "

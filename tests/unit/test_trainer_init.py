@@ -87,8 +87,34 @@ def test_a_resume_keeps_the_plain_optimizer_its_checkpoint_has_state_for(
     from megatron.training import model, training
 
     monkeypatch.setattr(model, "default_distributed_optimizer", lambda args: default)
-    args = Namespace(use_distributed_optimizer=given, no_load_optim=no_load_optim)
+    args = Namespace(use_distributed_optimizer=given, no_load_optim=no_load_optim,
+                     overlap_param_gather=None)
     assert training.optimizer_choice(args, saved) is expected
+
+
+@pytest.mark.parametrize("given, expected", [
+    ([], False),  # the default follows the plain checkpoint
+    (["--use-distributed-optimizer"], True),  # asked for: refused at the load
+    (["--overlap-param-gather"], True),  # it gathers the distributed optimizer's shards
+])
+def test_parsed_arguments_left_to_the_default_follow_a_plain_checkpoint(
+        tmp_path, monkeypatch, given, expected):
+    """parse_args resolved the default before the trainer looked, so the rule above never
+    applied: under --replica-recovery on CUDA, the relaunch back at two instances refused the
+    plain checkpoint of the DP3 relaunch before it (exit 2, the run given up)."""
+    from megatron.training import arguments, training
+
+    monkeypatch.setattr(arguments, "_cuda_available", lambda: True)  # as on a CUDA node
+    args = arguments.parse_args([
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--mock-data", "--vocab-size", "100", "--micro-batch-size", "1",
+        "--train-iters", "4", "--lr", "1e-3", "--replica-recovery",
+        "--num-distributed-optimizer-instances", "2", "--save", str(tmp_path / "save"),
+        "--non-persistent-ckpt-type", "global", "--non-persistent-global-ckpt-dir",
+        str(tmp_path / "memory"),
+        *given], world_size=4)
+    assert args.use_distributed_optimizer
+    assert training.optimizer_choice(args, {"use_distributed_optimizer": False}) is expected
 
 
 @pytest.mark.parametrize("saved, given, refused", [
