@@ -1047,6 +1047,23 @@ def still_going(run_dir):
                      {1: [iteration_line(n, 30, 100) for n in range(1, 11)]})
 
 
+def test_an_end_before_a_requeued_ftmasters_launch_is_not_the_runs_outcome(tmp_path):
+    """A preemption's stop, then a requeued ftmaster that resumed on the same run directory
+    and was killed: the report said 'stopped: signal 15', the earlier ftmaster's end."""
+    run_dir = write_run(tmp_path / "run", [
+        launch(0, 1, [0, 1], 1, 1, 2), save("periodic_save", 10, 10, 0.5, 0.5),
+        event("stopped", 20, signal=15, exit_code=0, iteration=14),
+        launch(100, 2, [0, 1], 1, 1, 2),
+        event("checkpoint_loaded", 105, iteration=10, path="/c", seconds=1.0, bytes=10),
+        event("resumed", 106, attempt=2, iteration=11)],
+        {1: [iteration_line(n, 30, 1000) for n in range(1, 15)],
+         2: [loaded_line(10, 1, 10), iteration_line(11, 30, 1000)]})
+    result = run_report(run_dir)
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / "report.json").read_text())["outcome"].startswith(
+        "no end event")
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_a_run_without_an_end_says_whether_its_ftmaster_lives(tmp_path, held):
     """It said "still running, or ftmaster itself was killed" either way, while the run

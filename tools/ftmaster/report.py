@@ -984,8 +984,16 @@ def describe(event: dict) -> str:
 
 def _run_outcome(events: list[dict], folders: Iterable[Path]) -> str:
     """The last end event; across nodes one where the job ended, over a spare's that saw it.
-    Without one, whether the ftmaster of any of ``folders`` still lives (:func:`_without_end`)."""
-    ends = [event for event in events if event["event"] in END_EVENTS]
+    Only a node's end since its newest launch counts: an earlier one (a preemption's stop, a
+    give-up advising a requeue) was an ftmaster before the one that carried on. Without one,
+    whether the ftmaster of any of ``folders`` still lives (:func:`_without_end`)."""
+    newest_launch: dict = {}
+    for event in events:
+        if event["event"] == "launch":
+            node = event.get("node")
+            newest_launch[node] = max(newest_launch.get(node, event["time"]), event["time"])
+    ends = [event for event in events if event["event"] in END_EVENTS
+            and event["time"] >= newest_launch.get(event.get("node"), -math.inf)]
     if not ends:
         return _without_end(folders, launched=any(e["event"] == "launch" for e in events))
     event = next((e for e in reversed(ends) if not e.get("on_other_nodes")), ends[-1])
