@@ -192,6 +192,36 @@ def test_a_checkpoint_the_run_started_from_bounds_what_a_failure_before_any_save
     assert "  last checkpoint    iteration 100 (loaded, disk, durable at +5.00 s)" in result.stdout
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_fresh_start_logged_every_5_iterations_knows_the_time_a_failure_lost(tmp_path, nodes):
+    """No checkpoint, --log-interval 5: the line at 5 is the mean of iterations 1-5, timed
+    from the start as after a load, but only a load anchored it, so 1-4 had no time and the
+    failure at 10 lost 'unknown' seconds. Across nodes the start line is rank 0's and the
+    iteration lines the last stage's, on another node."""
+    events = [launch(0, 1, [0, 1], 1, 1, 2),
+              event("failure", 20, attempt=1, iteration=10, cause="exit", gpus=[1], exit_codes={}),
+              event("gave_up", 21, reason="no restarts left")]
+    start, lines = "training from iteration 0 to 30", [iteration_line(n, 30, 1000) for n in (5, 10)]
+    run_dir = write_run(tmp_path / "run", events, {1: [start, *lines] if nodes == 1 else lines})
+    if nodes == 2:  # rank 0's node: its log holds the start line alone
+        (run_dir / "logs").rename(run_dir / "last_stage_logs")
+        for node, text in ((0, start), (1, None)):
+            logs = run_dir / f"node_{node}" / "logs"
+            logs.mkdir(parents=True)
+            if text is None:
+                (run_dir / "last_stage_logs").rename(logs)
+            else:
+                (logs / "attempt_1.log").write_text(text + "\n")
+    from ftmaster.report import _read_logs
+
+    attempts = [(None, 1)] if nodes == 1 else [(0, 1), (1, 1)]
+    assert _read_logs(run_dir, attempts).seconds_between(0, 10) == pytest.approx(10.0)
+    if nodes == 1:
+        assert run_report(run_dir).exit_code == 0
+        (failure,) = json.loads((run_dir / "report.json").read_text())["failures"]
+        assert (failure["lost_iterations"], failure["lost_seconds"]) == (10, pytest.approx(10.0))
+
+
 def test_a_failure_before_the_attempts_first_iteration_is_detected_since_its_launch(tmp_path):
     """The supervisor records such a failure at the iteration the attempt resumes from, with
     before_first_iteration: the last progress is the launch, not unknown."""

@@ -132,6 +132,7 @@ _ITERATION = re.compile(r"iteration\s+(\d{1,18})/\s*\d+ \|.*?elapsed time per it
                         + DECIMAL)
 _LOADED = re.compile(r"loaded checkpoint from .+? at iteration (\d{1,18}) in " + DECIMAL
                      + r" s \((\d{1,18}) bytes\)")
+_STARTED = re.compile(r"training from iteration (\d{1,18}) to ")
 MAX_LOGGED_GAP = 100_000
 """Iterations between two logged ones that take the later one's time (``--log-interval``);
 a longer jump is no interval, and spread over every iteration it took gigabytes."""
@@ -364,9 +365,12 @@ class AttemptLog:
     iteration_s: dict[int, float] = field(default_factory=dict)
     """Seconds per iteration; a line logged every k iterations stands for all k of them."""
     unanchored_first: tuple[int, float] | None = None
-    """The first iteration line (iteration, seconds) when no ``loaded checkpoint`` line came
-    before it: after a load that another node's log holds, it stands for the iterations
-    since."""
+    """The first iteration line (iteration, seconds) when no ``loaded checkpoint`` or
+    ``training from`` line came before it: after a start that another node's log holds, it
+    stands for the iterations since."""
+    started_from: int | None = None
+    """The iteration training started from (rank 0's ``training from`` line): 0 on a fresh
+    start. The trainer times its first logged window from there, as from a load."""
 
     def seconds_between(self, after: int, upto: int) -> float | None:
         """Time of iterations ``after+1 .. upto``; None when one of them is not logged."""
@@ -397,6 +401,8 @@ def read_attempt_log(folder: Path, attempt: Any) -> AttemptLog:
         if loaded := _LOADED.search(line):
             log.loaded_iteration = previous = int(loaded.group(1))
             log.load_seconds, log.load_bytes = float(loaded.group(2)), int(loaded.group(3))
+        elif started := _STARTED.search(line):
+            log.started_from = previous = int(started.group(1))
         elif logged := _ITERATION.search(line):
             iteration, seconds = int(logged.group(1)), float(logged.group(2)) / 1000
             if previous is None:
@@ -412,17 +418,20 @@ def merge_logs(logs: list[AttemptLog]) -> AttemptLog:
     """One attempt's logs from several nodes as one; earlier logs win where they overlap."""
     loaded = next((log for log in logs if log.loaded_iteration is not None), AttemptLog())
     merged = AttemptLog(loaded.loaded_iteration, loaded.load_seconds, loaded.load_bytes)
+    merged.started_from = next((log.started_from for log in logs if log.started_from is not None),
+                               None)
     for log in logs:
         for iteration, seconds in log.iteration_s.items():
             merged.iteration_s.setdefault(iteration, seconds)
-    if merged.loaded_iteration is not None:
+    start = merged.loaded_iteration if merged.loaded_iteration is not None else merged.started_from
+    if start is not None:
         for log in logs:
             if log.unanchored_first is not None:
                 iteration, seconds = log.unanchored_first
-                if iteration - merged.loaded_iteration - 1 >= MAX_LOGGED_GAP:
+                if iteration - start - 1 >= MAX_LOGGED_GAP:
                     continue  # a garbled line: filled, it took all the memory there was
-                for since_load in range(merged.loaded_iteration + 1, iteration):
-                    merged.iteration_s.setdefault(since_load, seconds)
+                for since_start in range(start + 1, iteration):
+                    merged.iteration_s.setdefault(since_start, seconds)
     return merged
 
 
