@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import logging
 import os
@@ -125,17 +126,29 @@ class MetricsFileError(ValueError):
 
 
 class MetricsWriter:
-    """Appends sample rows to ``gpu_metrics.csv``: header once, whole lines per write."""
+    """Appends sample rows to ``gpu_metrics.csv``: header once, whole lines per write. The
+    path is followed: a file moved away (logrotate's ``create``, ``mv``) gives way to a new
+    one at the path, and one emptied in place (``copytruncate``) gets its header again, where
+    the rows went on into the moved file, or headerless into the emptied one (which a
+    restarted monitor then refused)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        if os.fstat(self._fd).st_size == 0:
-            self._write_whole(self._encode([CSV_COLUMNS]))
-        else:
-            self._check_header()
-            self._drop_torn_tail()
+        self._fd = self._opened()
+
+    def _opened(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            if os.fstat(fd).st_size == 0:
+                _write_whole(fd, self._encode([CSV_COLUMNS]))
+            else:
+                self._check_header()
+                self._drop_torn_tail(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _check_header(self) -> None:
         try:
@@ -144,7 +157,6 @@ class MetricsWriter:
         except csv.Error:  # e.g. an unclosed quote running past the field size limit
             header = []
         if tuple(header) != CSV_COLUMNS:
-            os.close(self._fd)
             raise MetricsFileError(f"{self.path} has other columns than gpu_metrics.csv's; "
                                    f"move it away or use another --run-dir")
 
@@ -154,40 +166,61 @@ class MetricsWriter:
         csv.writer(buffer, lineterminator="\n").writerows(rows)
         return buffer.getvalue().encode()
 
-    def _drop_torn_tail(self) -> None:
+    def _drop_torn_tail(self, fd: int) -> None:
         """A row cut short (a writer killed mid-write) would run into the first one appended.
         A header whose line ended there is whole (its columns were checked): it is ended, not
         cut, which left rows without a header."""
-        size = os.fstat(self._fd).st_size
-        tail = os.pread(self._fd, min(size, 1 << 16), max(0, size - (1 << 16)))
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, min(size, 1 << 16), max(0, size - (1 << 16)))
         if tail.endswith(b"\n"):
             return
         if b"\n" not in tail and size == len(tail):
-            self._write_whole(b"\n")
+            _write_whole(fd, b"\n")
             return
         keep = size - len(tail) + tail.rfind(b"\n") + 1
         log.warning("%s ended in a torn row (%d bytes): dropped", self.path, size - keep)
-        os.ftruncate(self._fd, keep)
+        os.ftruncate(fd, keep)
 
     def write(self, samples: list[GpuSample]) -> None:
         if samples:
-            self._write_whole(self._encode(to_row(s) for s in samples))
+            self._follow_the_path()
+            _write_whole(self._fd, self._encode(to_row(s) for s in samples))
 
-    def _write_whole(self, data: bytes) -> None:
-        """All of ``data`` or none of it: a write cut short (a full disk) is taken back, so
-        the file stays whole rows."""
-        start = os.fstat(self._fd).st_size
-        view = memoryview(data)
+    def _follow_the_path(self) -> None:
+        """OSError when the path now holds a file of other columns (the outage says it once)."""
+        mine = os.fstat(self._fd)
         try:
-            while view:
-                view = view[os.write(self._fd, view):]
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, start)
-            raise
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            found = None
+        if found is not None and (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino):
+            if mine.st_size == 0:
+                _write_whole(self._fd, self._encode([CSV_COLUMNS]))
+            return
+        try:
+            fd = self._opened()
+        except MetricsFileError as error:
+            raise OSError(errno.EEXIST, str(error)) from None
+        os.close(self._fd)
+        self._fd = fd
+        log.info("%s was moved or replaced: writing a new one", self.path)
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """All of ``data`` or none of it: a write cut short (a full disk) is taken back, so the
+    file stays whole rows."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
 
 
 ALERTING_CONDITIONS = ("row_remap_failure",)

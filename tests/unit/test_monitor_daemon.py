@@ -1,6 +1,7 @@
 """The monitor loop with the sim backend: injections, alerts, lost GPUs, backend errors."""
 
 import json
+import os
 import threading
 import time
 
@@ -433,6 +434,38 @@ def test_a_header_whose_line_was_cut_is_kept_and_ended(tmp_path):
     MetricsWriter(path).write([GpuSample(timestamp=1750000000.0, gpu_id=0, temperature=60.0)])
     rows = list(csv.reader(path.open()))
     assert tuple(rows[0]) == CSV_COLUMNS and len(rows) == 2 and rows[1][1] == "0"
+
+
+@pytest.mark.parametrize("rotation", ["moved away", "emptied in place", "replaced by another"])
+def test_the_csv_follows_its_path_through_a_rotation(tmp_path, rotation):
+    """logrotate's create (or mv) left the rows going into the moved file and none at the path;
+    its copytruncate left them headerless at offset 0, which a restarted monitor refused."""
+    import csv
+
+    from ftmaster.monitor.daemon import MetricsWriter
+    from ftmaster.monitor.schema import CSV_COLUMNS
+
+    path = runfiles.metrics_csv_path(tmp_path)
+    writer = MetricsWriter(path)
+    writer.write([GpuSample(timestamp=1750000000.0, gpu_id=0, temperature=60.0)])
+    if rotation == "moved away":
+        path.rename(tmp_path / "gpu_metrics.csv.1")
+    elif rotation == "emptied in place":
+        os.truncate(path, 0)
+    else:
+        path.rename(tmp_path / "gpu_metrics.csv.1")
+        path.write_text("a,b\n1,2\n")
+    sample = [GpuSample(timestamp=1750000010.0, gpu_id=1, temperature=61.0)]
+    if rotation == "replaced by another":  # not ours to write into: the outage says so once
+        with pytest.raises(OSError, match="other columns"):
+            writer.write(sample)
+        assert path.read_text() == "a,b\n1,2\n"
+        return
+    writer.write(sample)
+    writer.close()
+    rows = list(csv.reader(path.open()))
+    assert tuple(rows[0]) == CSV_COLUMNS and [row[1] for row in rows[1:]] == ["1"]
+    MetricsWriter(path).close()  # a restarted monitor takes the file
 
 
 def test_a_stop_during_a_long_first_sample_closes_the_readers_without_a_traceback(tmp_path):
