@@ -444,17 +444,18 @@ class NvmlBackend(PerGpuBackend):
     def _read_xids(self) -> dict[int, list[int]]:
         """XID codes per GPU since the last sample, read on the system worker within the read
         deadline; a read that overran hands its codes over once it returns."""
+        seen: dict[int, list[int]] = {}
+        if self._drain is not None and self._drain.done.is_set():
+            # taken from the driver's queue: delivered even while the set cannot be remade
+            seen, self._drain = self._drain.value or {}, None
         if self._events_broken:
             self._renew_event_set()
         if self._events is None or self._events_broken:
-            return {}
-        seen: dict[int, list[int]] = {}
+            return seen
         # Unread (a stuck call), every GPU's XIDs are unknown: an empty xid would read as none
         self._xids_unread = True
         if self._drain is not None:
-            if not self._drain.done.is_set():
-                return seen  # still stuck: no XIDs until it returns
-            seen, self._drain = self._drain.value or {}, None
+            return seen  # still stuck: no XIDs until it returns
         drain = self._system.submit(self._drain_xids)
         if not drain.done.wait(self.bounds.read_timeout_s):
             log.warning("nvml: reading XID events is stuck; XIDs are unknown until it returns")

@@ -493,6 +493,41 @@ def test_a_stuck_xid_read_delays_only_the_xids_and_loses_none():
     assert seen == [95]  # handed over once it returned, once
 
 
+def test_an_xid_a_late_drain_read_is_delivered_while_the_event_set_cannot_be_remade():
+    """The drain that overran returned an XID, then the set broke and could not be made
+    again: the code, already out of the driver's queue, waited unseen until a set could be."""
+    release, state = threading.Event(), {"waits": 0, "creates": 0}
+
+    def event_wait(_set, timeout_ms):
+        state["waits"] += 1
+        if state["waits"] == 1:
+            raise FakeError(TIMEOUT)  # the first sample: nothing pending
+        if state["waits"] == 2:
+            release.wait(60)  # the driver sits on it past the read deadline
+            return SimpleNamespace(device=0, eventData=79)
+        raise FakeError(UNKNOWN)  # then the set breaks
+
+    def event_set_create():
+        state["creates"] += 1
+        if state["creates"] > 1:
+            raise FakeError(UNKNOWN)
+        return "set"
+
+    backend = NvmlBackend(nvml=fake_nvml(nvmlEventSetWait=event_wait,
+                                         nvmlEventSetCreate=event_set_create), bounds=QUICK)
+    backend.xid_retry_s = 0.0
+    try:
+        backend.sample()
+        backend.sample()  # the drain overruns its deadline
+    finally:
+        release.set()
+    seen = []
+    for _ in range(50):
+        seen += [s.xid for s in backend.sample() if s.xid is not None]
+        time.sleep(0.01)
+    assert seen == [79]
+
+
 def test_every_gpu_stuck_is_a_wedged_driver_not_every_gpu_lost():
     release = threading.Event()
 
