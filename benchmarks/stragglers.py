@@ -7,7 +7,10 @@ Latency: ``ftmaster launch`` on 4 CPU ranks (TP1 x PP1 x DP4, the e2e test's mod
 ``--inject slow:gpu=1,factor=F,at=iter:8``; the latency is the iteration of the ``straggler``
 event less 8 ("-" when no event came before the run ended), medians over the repeats, at the
 default ``--straggler-ratio`` and ``--straggler-iterations``, with the slowdown each event
-reported.
+reported. The event's ``iteration`` is that of the last figure that named it; an iteration's
+figure rides the next one's agreement and reaches the heartbeat after the one after, so
+training had gone further when it was named: "trained" counts from 8 to the iteration training
+had reached then (the event's ``named_at_iteration``).
 
 Noise: the e2e test's healthy run (100 iterations, one micro-batch a rank), ``--healthy``
 times; for each, the highest slowdown a healthy rank held for ``--straggler-iterations`` in a
@@ -48,14 +51,18 @@ FACTORS = (1.2, 1.5, 2.0)
 SLOW_FROM = 8
 
 
-def latency(factor: float, iters: int, root: Path) -> tuple[int, float] | None:
-    """Iterations from the slowdown to the event, and the slowdown it reported."""
+def latency(factor: float, iters: int, root: Path) -> tuple[int, float, int] | None:
+    """Iterations from the slowdown to the figure that named it, the slowdown it reported,
+    and iterations from the slowdown to where training was when it was named."""
     run_dir = root / "run"
     result = run_launch(run_dir, 4, straggler_args(root / "ckpt", iters), "--inject",
                         f"slow:gpu=1,factor={factor},at=iter:{SLOW_FROM}", timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:]
     found = [e for e in events(run_dir, "straggler") if e["gpu"] == 1]
-    return (found[0]["iteration"] - SLOW_FROM, found[0]["slowdown"]) if found else None
+    if not found:
+        return None
+    return (found[0]["iteration"] - SLOW_FROM, found[0]["slowdown"],
+            found[0]["named_at_iteration"] - SLOW_FROM)
 
 
 def healthy_noise(root: Path, config: StragglerConfig) -> tuple[float, int]:
@@ -125,16 +132,21 @@ def main() -> None:
     print(f"straggler ratio {config.ratio}, {config.iterations} iterations in a row, window "
           f"{config.window}; 4 CPU ranks, slowed from iteration {SLOW_FROM}, "
           f"{options.iters} iterations")
-    print(f"{'factor':>7s} {'latency (iterations)':>22s} {'median':>7s}  slowdowns reported")
+    print(f"{'factor':>7s} {'latency (iterations)':>22s} {'median':>7s} {'trained':>10s} "
+          f"{'median':>7s}  slowdowns reported")
     with tempfile.TemporaryDirectory(prefix="ftmaster-stragglers-") as tmp:
         for factor in FACTORS:
             found = [latency(factor, options.iters, Path(tmp) / f"{factor}-{repeat}")
                      for repeat in range(options.repeats)]
-            detected = [f[0] for f in found if f is not None]
-            shown = " ".join("-" if f is None else str(f[0]) for f in found)
-            median = f"{statistics.median(detected):g}" if len(detected) > len(found) / 2 else "-"
+            columns = []
+            for which in (0, 2):  # the naming figure's lag, then training's
+                detected = [f[which] for f in found if f is not None]
+                columns.append(" ".join("-" if f is None else str(f[which]) for f in found))
+                columns.append(f"{statistics.median(detected):g}"
+                               if len(detected) > len(found) / 2 else "-")
             reported = " ".join(f"{f[1]:.2f}" for f in found if f is not None)
-            print(f"{factor:7.2f} {shown:>22s} {median:>7s}  {reported}", flush=True)
+            print(f"{factor:7.2f} {columns[0]:>22s} {columns[1]:>7s} {columns[2]:>10s} "
+                  f"{columns[3]:>7s}  {reported}", flush=True)
         print(f"\nhealthy 100-iteration runs: the highest slowdown a rank held for "
               f"{config.iterations} iterations in a row")
         for run in range(options.healthy):

@@ -650,6 +650,8 @@ def test_a_straggler_whose_replica_mate_is_slow_too_is_kept_until_the_mate_is_fa
     beats(1, 20, slow={0, 1})
     named = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler"]
     assert [(e["gpu"], e["slow_mates"]) for e in named] == [(0, [1]), (1, [0])]
+    # the figures here reach the heartbeat one iteration on: training was past the naming's
+    assert all(e["named_at_iteration"] == e["iteration"] + 1 for e in named)
     supervisor.stragglers.remeasured = lambda found: found
     assert supervisor._drain_straggler() is None and supervisor._drain_straggler() is None
     (kept,) = [e for e in runfiles.read_events(tmp_path) if e["event"] == "straggler_kept"

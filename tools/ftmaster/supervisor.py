@@ -1303,9 +1303,11 @@ class Supervisor:
                         straggler.slowdown, straggler.compute_ms, straggler.peers_ms,
                         straggler.since, f"; {self._slow_too(mates)}, and either may hold the "
                                          "other up" if mates else "")
+            # its figures reach the heartbeat two iterations after theirs: training is there
+            named_at = heartbeat.get("iteration") if heartbeat else None
             self._event("straggler", gpu=found.gpu, rank=straggler.rank,
                         slowdown=straggler.slowdown, iteration=straggler.iteration,
-                        since=straggler.since,
+                        named_at_iteration=named_at, since=straggler.since,
                         drift=straggler.drift, compute_ms=straggler.compute_ms,
                         peers_ms=straggler.peers_ms, typical_ms=straggler.typical_ms,
                         step_s=found.step_s,
