@@ -10,8 +10,9 @@ fork to done, megatron-core's finalize (``.metadata``), the agreement, manifest 
 tracker) and the writers' own time by kind (``writer_phases``: serialisation, write calls,
 hashing, fsync), summed over the writer processes, which run in parallel.
 
-Printed per size: the first save on its own line (it plans from scratch), then the medians of
-the others; each step as a share of the time training was blocked, and each kind of writer
+Printed per size: the first save on its own line (it plans from scratch), for the memory tier
+the second slot's set-up (its first save, at the second) on its own line too, then the medians
+of the others (the refills); each step as a share of the time training was blocked, and each kind of writer
 time as a share of the writers' summed time. ``wait`` is the share rank 0 spent waiting for
 the last rank to enter the save (``waited_for_ranks_seconds``), inside its steps (mostly
 ``prep``: the structure's all-reduce).
@@ -88,7 +89,12 @@ def main() -> None:
             extra = ["--ckpt-assume-constant-structure"] if options.constant_structure else []
             found = saves(hidden, options.saves + 1, options.tier, Path(tmp), Path(shm), extra)
             print(line("first", found[:1]))
-            print(line("median", found[1:]), flush=True)
+            # the memory tier's second slot is set up at the second save: not a refill
+            set_ups = [e for e in found[1:] if e.get("slot") == "new"]
+            if set_ups:
+                print(line("set-up", set_ups))
+            print(line("median", [e for e in found[1:] if e.get("slot", "refilled") == "refilled"]),
+                  flush=True)
 
 
 if __name__ == "__main__":
