@@ -154,9 +154,8 @@ def optimizer_choice(args, saved: dict) -> bool:
     back at two instances refused the plain checkpoint (exit 2, the run given up). Not when
     ``--overlap-param-gather`` was asked for: it gathers the distributed optimizer's shards."""
     chosen = uses_distributed_optimizer(args)
-    by_default = getattr(args, "distributed_optimizer_by_default",
-                         args.use_distributed_optimizer is None)
-    if (by_default and chosen and not args.no_load_optim and not args.overlap_param_gather
+    if (args.distributed_optimizer_by_default and chosen and not args.no_load_optim
+            and not args.overlap_param_gather
             and saved.get("use_distributed_optimizer") is False):
         log_rank0("the checkpoint holds the plain optimizer's state, which the distributed "
                   "optimizer cannot read: resuming with the plain optimizer, one instance (give "

@@ -88,7 +88,7 @@ def test_a_resume_keeps_the_plain_optimizer_its_checkpoint_has_state_for(
 
     monkeypatch.setattr(model, "default_distributed_optimizer", lambda args: default)
     args = Namespace(use_distributed_optimizer=given, no_load_optim=no_load_optim,
-                     overlap_param_gather=None)
+                     overlap_param_gather=None, distributed_optimizer_by_default=given is None)
     assert training.optimizer_choice(args, saved) is expected
 
 
