@@ -431,3 +431,18 @@ def test_the_help_says_which_defaults_follow_other_inputs():
     out = CliRunner().invoke(main, ["goodput", "--help"], terminal_width=200)
     assert "[default: a quarter of --save-block-s]" in out.output
     assert "[default: --save-persist-s]" in out.output
+
+
+def test_a_save_that_found_its_checkpoint_on_disk_is_no_save_time(tmp_path):
+    """An exit save at the iteration a persist had already copied writes nothing (0.01 s,
+    ``already_on_disk``): counted, it halved the measured cost of a save."""
+    run_dir = _run_dir(tmp_path)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events += [{"event": "periodic_save", "time": 300.0, "iteration": 20, "seconds": 0.01,
+                "tier": "disk", "already_on_disk": True},
+               {"event": "periodic_save", "time": 301.0, "iteration": 20, "seconds": 0.02,
+                "persist_seconds": 0.02, "tier": "disk", "already_on_disk": True}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = goodput_cli.measure(run_dir, report.load_events(run_dir))
+    assert measured["save_block_s"] == pytest.approx(5.0)  # of the 4 s and 6 s saves
+    assert measured["save_persist_s"] == pytest.approx(9.0)

@@ -80,9 +80,11 @@ def _event_field(events: list[dict], kinds: tuple[str, ...], key: str,
     """Median ``key`` in seconds of the events of ``kinds``; with ``tier``, of the saves that
     went there (a save without a ``tier`` field predates the memory tier: it went to disk). A
     value that is no time is left out, said in one warning line: taken as it came, true was
-    1 s and a negative time shifted the median."""
+    1 s and a negative time shifted the median. A save that found its checkpoint already on
+    disk (``already_on_disk``) wrote nothing: its time is no save's cost."""
     given = [e[key] for e in events if e["event"] in kinds and e.get(key) is not None
-             and (tier is None or e.get("tier", "disk") == tier)]
+             and (tier is None or e.get("tier", "disk") == tier)
+             and e.get("already_on_disk") is not True]
     times = [_seconds(value) for value in given]
     bad = [value for value, seconds in zip(given, times) if seconds is None]
     if bad:
