@@ -103,8 +103,10 @@ class GPT2BPETokenizer(_Tokenizer):
 
         self.encoder = _read_vocab(vocab_file)
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
-        lines = [line.split() for line in _read_text("--merge-file", merge_file).splitlines()]
-        merges = [tuple(pair) for pair in lines if len(pair) == 2 and not pair[0].startswith("#")]
+        lines = _read_text("--merge-file", merge_file).splitlines()
+        if lines and lines[0].startswith("#version"):  # GPT-2's header; "# #" is a merge
+            lines = lines[1:]
+        merges = [tuple(pair) for pair in map(str.split, lines) if len(pair) == 2]
         self.merge_ranks = {pair: rank for rank, pair in enumerate(merges)}
         self.byte_encoder = _bytes_to_unicode()
         self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}

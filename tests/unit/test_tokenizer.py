@@ -33,6 +33,18 @@ def test_gpt2_bpe_applies_merges_in_rank_order(tmp_path):
     assert tokenizer.eod == 8
 
 
+def test_gpt2_bpe_keeps_the_merges_of_hash_signs(tmp_path):
+    """GPT-2's merges.txt merges "# #" into "##" (and "## #", "## ##"): only its first line,
+    "#version: 0.2", is no merge. Skipping every line that starts with "#" split "##" in two."""
+    vocab = {"#": 0, "##": 1, "###": 2, "####": 3, "<|endoftext|>": 4}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n# #\n## #\n## ##\n")
+    tokenizer = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert tokenizer.tokenize("##") == [1]
+    assert tokenizer.tokenize("####") == [3]
+    assert tokenizer.tokenize("###") == [2]
+
+
 @pytest.mark.parametrize("vocab, said", [
     ("", "is not JSON"),
     ('{"a": 0', "is not JSON"),
