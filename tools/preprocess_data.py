@@ -63,15 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def text_documents(path: Path, split_on_lines: bool) -> Iterator[str]:
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:  # never train on replacement characters
-        line = data.count(b"\n", 0, error.start) + 1
-        raise InputError(f"{path}:{line} is not UTF-8 text") from None
-    text = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as read_text
-    pieces = text.splitlines() if split_on_lines else text.split("\n\n")
-    return (piece.strip() for piece in pieces if piece.strip())
+    """Read as it goes (a corpus may be larger than memory); a blank line ends a paragraph.
+    Line ends are universal newlines, as ``read_text`` takes them: \\n, \\r\\n and \\r, and
+    nothing else (a form feed or U+2028 inside a line does not split it)."""
+    paragraph: list[str] = []
+    with path.open("rb") as handle:  # decoded line by line, to name the line that is not UTF-8
+        for number, raw in enumerate(handle, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # never train on replacement characters
+                raise InputError(f"{path}:{number} is not UTF-8 text") from None
+            lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            if not lines[-1]:  # the line's own end
+                lines.pop()
+            for line in lines:
+                if split_on_lines:
+                    if line.strip():
+                        yield line.strip()
+                elif line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield "\n".join(paragraph).strip()
+                    paragraph = []
+    if paragraph:
+        yield "\n".join(paragraph).strip()
 
 
 def jsonl_documents(path: Path, keys: list[str]) -> Iterator[tuple[str, str]]:
@@ -91,6 +106,11 @@ def jsonl_documents(path: Path, keys: list[str]) -> Iterator[tuple[str, str]]:
                 if not isinstance(record, dict) or not isinstance(record.get(key), str):
                     raise InputError(f"{path}:{number} has no string field {key!r} "
                                      f"(choose fields with --json-keys)")
+                try:
+                    record[key].encode("utf-8")
+                except UnicodeEncodeError:  # valid JSON ("\\ud800"), but no Unicode text
+                    raise InputError(f"{path}:{number} field {key!r} holds a lone surrogate "
+                                     f"escape, which is no Unicode text") from None
                 yield key, record[key]
 
 
@@ -152,22 +172,23 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _fill(builders, documents, tokenizer, args) -> None:
+    """Every record adds a document to each key's dataset, an empty one for an empty field, so
+    that document i of one key is the same record's as of another; the end-of-document token
+    ends a document that holds text. Both as Megatron-LM's preprocess_data does."""
     start, count, tokens = time.perf_counter(), 0, 0
     for key, text in documents:
         ids = tokenizer.tokenize(text)
-        if args.append_eod:
+        if ids and args.append_eod:
             ids.append(tokenizer.eod)
-        if not ids:
-            continue
-        builders[key].add_document(torch.tensor(ids), [len(ids)])
+        builders[key].add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
         count += 1
         tokens += len(ids)
         if count % args.log_interval == 0:
             rate = tokens / (time.perf_counter() - start) / 1e6
             print(f"processed {count} documents, {tokens} tokens ({rate:.2f} M tokens/s)",
                   file=sys.stderr, flush=True)
-    if count == 0:
-        raise InputError(f"{args.input} holds no documents")
+    if tokens == 0:
+        raise InputError(f"{args.input} holds no text")
     print(f"done: {count} documents, {tokens} tokens in {time.perf_counter() - start:.1f} s",
           file=sys.stderr, flush=True)
 

@@ -94,3 +94,55 @@ def test_a_text_file_that_is_not_utf8_is_one_line_not_replacement_characters(
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and ":3 is not UTF-8" in error and "\n" not in error
     assert not (tmp_path / "out" / "docs_text_document.bin").exists()
+
+
+def _token_ids(prefix) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def _documents(prefix) -> list[bytes]:
+    return [bytes(ids) for ids in _token_ids(prefix)]
+
+
+def test_a_line_is_one_document_whatever_it_holds(preprocess_data, tmp_path):
+    """str.splitlines() also split at a form feed, \\x1c-\\x1e, U+0085, U+2028 and U+2029:
+    a line holding one was several documents. Line ends are \\n, \\r\\n and \\r alone."""
+    source = tmp_path / "corpus.txt"
+    source.write_bytes("one\x0cpage\r\ntwo\u2028three\rfour".encode())
+    assert run(preprocess_data, source, tmp_path / "lines", "--split-on-lines",
+               "--no-append-eod") == 0
+    assert _documents(tmp_path / "lines_text_document") == [
+        "one\x0cpage".encode(), "two\u2028three".encode(), b"four"]
+    source.write_bytes(b"first\nparagraph\n  \nsecond\n\n\nthird\n")
+    assert run(preprocess_data, source, tmp_path / "paragraphs", "--no-append-eod") == 0
+    assert _documents(tmp_path / "paragraphs_text_document") == [
+        b"first\nparagraph", b"second", b"third"]
+
+
+def test_a_lone_surrogate_is_one_line_naming_it(preprocess_data, tmp_path, capsys):
+    """Valid JSON ("\\ud800", truncated UTF-16 from the web) that is no Unicode text: it
+    ended in a UnicodeEncodeError's traceback."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 half"}\n')
+    assert run(preprocess_data, source, tmp_path / "out" / "docs") == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and ":2 field 'text'" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("eod", [True, False])
+def test_each_keys_documents_stay_the_records(preprocess_data, tmp_path, eod):
+    """An empty field was left out of its key's dataset alone (with --no-append-eod): document
+    i of "title" was no longer record i's. Megatron-LM adds an empty document, and the
+    end-of-document token only after text."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "a", "title": "A"}\n{"text": "b", "title": ""}\n'
+                      '{"text": "c", "title": "C"}\n')
+    extra = [] if eod else ["--no-append-eod"]
+    assert run(preprocess_data, source, tmp_path / "d", "--json-keys", "text", "title",
+               *extra) == 0
+    end = [256] if eod else []  # the byte tokenizer's end of document
+    assert _token_ids(tmp_path / "d_text_document") == [[97] + end, [98] + end, [99] + end]
+    assert _token_ids(tmp_path / "d_title_document") == [[65] + end, [], [67] + end]
