@@ -642,8 +642,10 @@ class AdaptiveScorer:
                  _thermally_settled(track, s, cfg)),
                 (track.drift_power, s.power_draw, peers.power, loaded_for >= cfg.drift.load_settle_s),
                 (track.drift_clock, s.sm_clock, peers.clock, loaded_for >= cfg.drift.load_settle_s)):
-            if value is not None and settled:
-                theirs = (peer.get(s.gpu_id) or 0.0) if relative else 0.0
+            theirs = peer.get(s.gpu_id) if relative else 0.0
+            # No peers' median for it (its utilisation unread this sample, so it is in no
+            # one's reference set): its part is unknown, and its raw value is no part of it.
+            if value is not None and settled and theirs is not None:
                 window.push(s.timestamp, value - theirs, track.loaded_s, theirs)
 
     def _drift_relative(self, peers: "Peers") -> bool:

@@ -165,6 +165,22 @@ def test_only_peers_at_work_are_a_loaded_gpus_reference():
     assert 2 not in peers.power  # nor a reference for itself while it idles
 
 
+def test_an_unread_utilisation_is_no_drift_toward_the_limit():
+    """GPU 0's utilisation unread for 15 minutes, its temperature, power and clock read and
+    flat: with no peers' median for it, its raw 70 C went into windows that held its part
+    against its peers (about 0): a steep rise, a slow_drift score of 1.0 after 4 minutes."""
+    scorer = AdaptiveScorer()
+
+    def samples(t, util0):
+        return [GpuSample(timestamp=t, gpu_id=g, temperature=70.0 + 0.3 * wiggle(int(t) + g),
+                          power_draw=300.0, power_limit=400.0, sm_clock=1980.0,
+                          gpu_utilization=util0 if g == 0 else 98.0) for g in range(4)]
+    for t in range(0, 3600, 15):
+        scorer.update(samples(float(t), 98.0))
+    scores = [scorer.update(samples(float(t), None))[0].score for t in range(3600, 4500, 15)]
+    assert max(scores) < 0.5, max(scores)
+
+
 def loaded_run(scorer, start, seconds, temperature, util=95.0):
     """Feed one GPU a sample every 5 s; ``temperature(t)`` from the stretch's start."""
     for t in range(0, seconds, 5):
