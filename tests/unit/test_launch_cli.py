@@ -133,6 +133,21 @@ def test_bad_input_is_one_line_and_launches_nothing(tmp_path, args, message):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("flag", ["--tensorboard-dir", "--emergency-save-flag-dir", "--load"])
+def test_a_flag_launch_reads_given_no_value_is_one_line_for_a_scripts_own_parser(tmp_path, flag):
+    """Upstream Megatron-LM's parser is not ours: launch reads these itself, and a bare
+    --tensorboard-dir was a ValueError's traceback that left the run directory and --save's
+    claim behind."""
+    script = tmp_path / "own_pretrain.py"
+    script.write_text("")
+    run_dir = tmp_path / "run"
+    result = launch(run_dir, "--nproc-per-node", "4", "--monitor-backend", "sim", "--",
+                    str(script), *MODEL, "--save", str(tmp_path / "ckpt"), flag, "--seed", "1")
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and f"{flag} needs a value" in result.stderr, result.stderr
+    assert not run_dir.exists() and not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("variable, value", [("FTMASTER_INJECT_KILL", "1:16:forwrd"),
                                              ("FTMASTER_INJECT_STALL", "0:x")])
 def test_a_rehearsal_variable_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, variable, value):

@@ -68,6 +68,9 @@ from ftmaster.replication import MIN_RATE_MB_S, Replication, ReplicationConfig
 from ftmaster.warm import WarmStarter, warm_up_for
 
 SAVE_REQUEST_DIR_FLAG = "--emergency-save-flag-dir"
+FOLDERS_LAUNCH_READS = ("--save", "--load", "--tensorboard-dir", SAVE_REQUEST_DIR_FLAG, DIR_FLAG)
+"""The training command's folders that launch reads itself, each checked to have a value
+before any folder is claimed."""
 STOP_POLL_S = 0.1
 """How often a wait before the supervisor exists looks for a stop signal."""
 
@@ -848,6 +851,8 @@ def supervisor_config(argv: list[str], devices: JobGpus, rendezvous: RendezvousC
     world = len(gpus) if rendezvous is None else len(gpus) * rendezvous.max_nodes
     try:
         check_script_values(argv[1:])
+        for flag in FOLDERS_LAUNCH_READS:  # a script with its own parser: not checked before
+            flag_value(argv[1:], flag)
     except ValueError as error:
         raise InputError(f"training arguments: {error}") from None
     argv, scratch = _with_memory_tier(argv, run_dir, rendezvous)
