@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+import shlex
 from itertools import groupby
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def summary(plan: Plan, original_gpus: int | None = None) -> str:
              f"ranks per node: {_ranks_per_node(plan.ranks_per_node)}",
              _throughput_line(plan, original_gpus),
              *(f"warning: {warning}" for warning in plan.warnings),
-             f"command: {' '.join(plan.command)}"]
+             f"command: {shlex.join(plan.command)}"]  # to paste into a shell as it is
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """``ftmaster plan``: the JSON contract, the summary, nodes, the tolerance, one-line errors."""
 
 import json
+import shlex
 import re
 import subprocess
 import sys
@@ -62,6 +63,16 @@ def test_without_json_flag_stdout_is_still_the_json_and_stderr_the_summary():
                         r"peak memory \S+ GiB; why: the original layout fits \(hot spare\)",
                         lines[2])
     assert lines[3:] == ["command: " + " ".join(SCRIPT_ARGS + ["--load", "/ckpt"])]
+
+
+def test_the_summarys_command_is_quoted_for_a_shell():
+    """A folder with a space read "--save my ckpt": pasted into a shell, another argv."""
+    args = [a if a != "/ckpt" else "/my ckpt" for a in SCRIPT_ARGS]
+    result = run_plan("--gpus", "4", "--", *args)
+    assert result.exit_code == 0, result.output
+    command = result.stderr.splitlines()[-1].removeprefix("command: ")
+    assert shlex.split(command) == json.loads(result.stdout)["command"]
+    assert "'/my ckpt'" in command
 
 
 @pytest.mark.parametrize("original, words", [
