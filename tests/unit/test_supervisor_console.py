@@ -7,6 +7,7 @@ import logging
 import signal
 import time
 from pathlib import Path
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -1800,3 +1801,79 @@ def test_a_suspended_job_is_no_hang_at_its_resume(tmp_path, gap, hung):
     now = time.monotonic()
     supervisor._progress, supervisor._polled_at = (5, now - 1000.0), now - gap
     assert supervisor._hung() is hung
+
+
+def test_a_failed_attempts_copy_that_could_not_start_is_due_at_the_next_poll(tmp_path, monkeypatch):
+    """An attempt failed while the copy of an older checkpoint was under way: "at once" was
+    forgotten, and the newest waited a whole --save-interval of time."""
+    import threading
+
+    from ftmaster import persist as persist_module
+    from ftmaster.recovery.checkpoints import read_tracker
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk, save_interval=500)
+    supervisor.progress = SimpleNamespace(seconds_per_iteration=1.0)  # due every 500 s
+    released, copy = threading.Event(), persist_module.persist
+    monkeypatch.setattr(persist_module, "persist",
+                        lambda *args, **kwargs: released.wait(30) and copy(*args, **kwargs))
+    fake_checkpoint(memory, 8, kind="emergency")
+    supervisor._persist_when_due()
+    assert supervisor.persister.busy
+    fake_checkpoint(memory, 12, kind="periodic")
+    supervisor._persist_when_due(now=True)  # the attempt failed
+    released.set()
+    supervisor.persister.wait(10)
+    supervisor._persist_when_due()
+    assert supervisor.persister.last_requested == 12
+    supervisor.persister.wait(10)
+    assert read_tracker(disk) == 12
+
+
+def test_the_end_of_the_run_copies_its_newest_when_the_look_at_save_is_stuck(tmp_path, monkeypatch):
+    """The shared look at --save was stuck on an earlier slow read: the end of the run left
+    its newest checkpoint in RAM alone, with no copy, no event, no line."""
+    import threading
+
+    from ftmaster import persist as persist_module
+    from ftmaster import supervisor as supervisor_module
+    from ftmaster.recovery.checkpoints import read_tracker
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 12, kind="emergency")
+    monkeypatch.setattr(supervisor_module, "CHECKPOINT_LOOK_S", 0.2)
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    stuck = threading.Event()
+    with pytest.raises(supervisor_module.CallTimeout):
+        supervisor._checkpoint_looks.call(0.1, stuck.wait, 30)
+    try:
+        supervisor._finish_persisting()
+    finally:
+        stuck.set()
+    assert read_tracker(disk) == 12
+
+
+def test_an_emergency_save_at_an_iteration_a_discarded_timeline_saved_is_copied_at_once(tmp_path):
+    """The kind of each memory checkpoint was kept by iteration for the whole run: after a
+    resume set iteration 8 aside, the new timeline's emergency save at 8 read as the old
+    periodic one and waited a whole --save-interval of time."""
+    from ftmaster.recovery.checkpoints import iteration_dir, read_tracker, set_tracker
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk, save_interval=500)
+    supervisor.progress = SimpleNamespace(seconds_per_iteration=1.0)
+    fake_checkpoint(memory, 4, kind="periodic")
+    fake_checkpoint(memory, 8, kind="periodic")
+    supervisor._persist_when_due()
+    assert supervisor.persister.last_requested is None  # not due for 500 s
+    shutil.rmtree(iteration_dir(memory, 8))  # a resume from 4 set it aside, then
+    set_tracker(memory, 4)
+    supervisor.persister.resumed_from(4)
+    fake_checkpoint(memory, 8, kind="emergency")
+    supervisor._persist_when_due()
+    assert supervisor.persister.last_requested == 8
+    supervisor.persister.wait(10)
+    assert read_tracker(disk) == 8

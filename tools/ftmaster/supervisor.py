@@ -101,6 +101,7 @@ from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints,
                                            read_save_kind, read_tracker, remove_abandoned_writes,
                                            same_folder, schedule_on_disk, unmark_peer_copies)
 from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
+from ftmaster.recovery.manifest import MANIFEST_NAME
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
 from ftmaster.recovery.torchrun import StaticWorld, shutdown_timeout_env
@@ -384,7 +385,7 @@ class Supervisor:
         self.persister = (Persister(self.tiers.memory, self.tiers.disk)
                           if self.tiers is not None and (self._persists_here or replication)
                           else None)
-        self._memory_kinds: dict[int, str | None] = {}
+        self._memory_kind_read: tuple[tuple | None, str | None] = (None, None)
         self.replicas = (ReplicaRecovery(self.run_dir, self.tiers.memory, self.tiers.disk,
                                          self._event, starter)
                          if REPLICA_FLAG in config.command and self.tiers is not None else None)
@@ -930,10 +931,13 @@ class Supervisor:
         return time.time() - max(written) if written else None
 
     # -- the memory tier ------------------------------------------------------------------------
-    def _persist_when_due(self, now: bool = False) -> None:
+    def _persist_when_due(self, now: bool = False, at_end: bool = False) -> None:
         """Copy the newest memory checkpoint to disk in the background: after an emergency
         save, at once when ``now`` (an attempt failed), otherwise at most once per
-        ``--save-interval`` iterations' worth of time."""
+        ``--save-interval`` iterations' worth of time. A copy asked for ``now`` that cannot
+        start yet (one under way, or --save's look unanswered) is due at the next poll. At
+        the end (``at_end``) --save's look is not waited for: the end waits for the copy, whose
+        own look tells whether disk lacks it."""
         if self.persister is None:
             return
         self._report_persisted()
@@ -947,18 +951,35 @@ class Supervisor:
         if not self.persister.may_need_copy(newest, retry_now=now):
             return
         try:  # a read of --save, which must not hold up the supervisor (a hung mount)
-            if not self._checkpoint_looks.call(CHECKPOINT_LOOK_S, self.persister.newer_than_disk,
-                                               newest):
+            if not at_end and not self._checkpoint_looks.call(
+                    CHECKPOINT_LOOK_S, self.persister.newer_than_disk, newest):
                 return
         except CallTimeout:
+            if now:
+                self._last_persist_start = float("-inf")
             return  # asked again at the next poll
-        if newest not in self._memory_kinds:
-            self._memory_kinds[newest] = read_save_kind(iteration_dir(self.persister.memory_dir, newest))
-        due = (now or self._memory_kinds[newest] == "emergency"
+        due = (now or self._memory_kind(newest) == "emergency"
                or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
         if due and self.persister.start(
                 newest, None if agreed is None else self.replication.fetcher(agreed)):
             self._last_persist_start = time.monotonic()
+        elif now:
+            self._last_persist_start = float("-inf")
+
+    def _memory_kind(self, iteration: int) -> str | None:
+        """The kind of the memory tier's checkpoint ``iteration``, read again when its
+        manifest is another file: a resume set a timeline aside, and the new one saved the
+        same iteration (an emergency save where the old one's was periodic)."""
+        manifest = iteration_dir(self.persister.memory_dir, iteration) / MANIFEST_NAME
+        try:
+            found = manifest.stat()
+            key = (iteration, found.st_ino, found.st_mtime_ns)
+        except OSError:  # a node-local copy's manifest is named for its node: read each time
+            key = None
+        if key is None or self._memory_kind_read[0] != key:
+            self._memory_kind_read = (key, read_save_kind(iteration_dir(
+                self.persister.memory_dir, iteration)))
+        return self._memory_kind_read[1]
 
     def _persist_interval_s(self) -> float:
         """``--save-interval`` iterations at the measured speed; 0 (every memory checkpoint)
@@ -1036,7 +1057,7 @@ class Supervisor:
         if self.persister is None:
             return
         self._await_persist_copy()
-        self._persist_when_due(now=True)
+        self._persist_when_due(now=True, at_end=True)
         self._await_persist_copy()
         self._report_persisted()
 
