@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -819,3 +820,18 @@ def test_an_incomplete_folder_of_the_iteration_on_disk_fails_the_copy_before_it_
     with pytest.raises(PersistError, match="iter_0000008 exists and is not a complete checkpoint"):
         persist(memory, disk, 8)
     assert os.listdir(disk) == ["iter_0000008"]
+
+
+def test_a_persisted_copy_is_dated_when_training_wrote_it_not_when_it_was_copied(tmp_path):
+    """The supervisor's hang check reads the newest checkpoint's time in --save as training
+    writing one: a copy landed by ftmaster while the trainer hung, dated now, put the hang
+    off by a whole --hang-timeout."""
+    from ftmaster.recovery.checkpoints import folder_written_at
+
+    source = fake_checkpoint(tmp_path / "shm", 8)
+    an_hour_ago = time.time() - 3600
+    for entry in (*source.iterdir(), source):
+        os.utime(entry, (an_hour_ago, an_hour_ago))
+    copied = persist(tmp_path / "shm", tmp_path / "ckpt", 8)
+    assert copied is not None and read_tracker(tmp_path / "ckpt") == 8
+    assert folder_written_at(copied.path) == pytest.approx(an_hour_ago, abs=1)

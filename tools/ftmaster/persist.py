@@ -305,6 +305,7 @@ def persist(memory_dir: Path, save_dir: Path, iteration: int,
         for name in remote:
             fsync_path(partial / name)
         _write_manifest_last(partial, text)
+        _dated_as_written(partial, source, manifest_name)
         _move_into_place(source, text, partial, target)
     except PeerMissing as error:
         raise PersistSuperseded(f"iteration {iteration} is no longer held by the peers (pruned "
@@ -342,6 +343,16 @@ def _write_manifest_last(partial: Path, text: bytes) -> None:
     except OSError as error:
         raise PersistError(f"writing the manifest into {partial}: {error}") from None
     fsync_path(partial)
+
+
+def _dated_as_written(partial: Path, source: Path, manifest_name: str) -> None:
+    """The copy's files and folder dated when the trainer completed the checkpoint (its
+    memory manifest's time), as ``cp -p`` keeps times: the supervisor's hang check reads a
+    fresh checkpoint in --save as the trainer writing one, and a copy landed by ftmaster
+    itself while the trainer hung put the hang off by a whole timeout."""
+    written = os.stat(source / manifest_name).st_mtime_ns
+    for entry in (*partial.iterdir(), partial):
+        os.utime(entry, ns=(written, written))
 
 
 def _read_bytes(path: Path) -> bytes | None:
