@@ -500,6 +500,27 @@ def test_ftmaster_puts_the_memory_tier_in_dev_shm_when_three_checkpoints_fit(tmp
     assert again == args  # the same folder for the same run directory (a restarted ftmaster)
 
 
+@pytest.mark.parametrize("made_by_another", ["writable by others", "a symlink"])
+def test_a_memory_folder_another_user_could_have_made_is_not_taken(tmp_path, made_by_another):
+    """The folder's name is known in advance: one made there by another user (world-writable,
+    or a symlink to a folder of theirs) was taken as the run's own, and its checkpoints loaded
+    and persisted as this run's."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = MODEL + ["--save", str(tmp_path / "save")]
+    ours = Path(flag_value(with_memory_dir(args, tmp_path / "run", shm)[0],
+                           "--non-persistent-global-ckpt-dir"))
+    if made_by_another == "a symlink":
+        (tmp_path / "theirs").mkdir()
+        ours.symlink_to(tmp_path / "theirs")
+    else:
+        ours.mkdir()
+        ours.chmod(0o777)
+    chosen, note = with_memory_dir(args, tmp_path / "run", shm)
+    assert chosen == args  # under --save
+    assert note.startswith("warning: ") and f"{ours} exists and is not this user's alone" in note
+
+
 def test_across_nodes_each_node_gets_a_memory_folder_of_its_own(tmp_path):
     """Two nodes on one host (loopback tests, or two containers sharing /dev/shm) never share
     one; a node that restarts finds its own again."""

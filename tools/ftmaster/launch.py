@@ -959,7 +959,9 @@ def _with_memory_tier(argv: list[str], run_dir: Path,
         chosen, note = with_memory_dir(args, run_dir, node_rank=node_rank)
     except ValueError as error:  # a flag without its value; the trainer's checks come later
         raise InputError(str(error)) from None
-    if note is not None:
+    if note is not None and note.startswith("warning: "):
+        logging.getLogger("ftmaster").warning(note.removeprefix("warning: "))
+    elif note is not None:
         logging.getLogger("ftmaster").info(note)
     picked = flag_value(chosen, DIR_FLAG) if chosen != args else None
     if rendezvous is not None and REPLICA_FLAG in args and picked is None:

@@ -105,6 +105,12 @@ def with_memory_dir(args: Sequence[str], run_dir: Path, shm: Path = SHM,
     node = "" if node_rank is None else f"-node{node_rank}"
     key = str(run) if node_rank is None else f"{run}#{node_rank}"
     folder = shm / f"ftmaster-{run.name}{node}-{uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:8]}"
+    if folder.is_dir() and not _ours_alone(folder):
+        # Its name is known in advance: another user may have made it, to read or swap
+        # the checkpoints that a load and a persist copy then take as this run's.
+        return args, (f"warning: the memory tier stays in {NON_PERSISTENT_SUBDIR}/ under --save: "
+                      f"{folder} exists and is not this user's alone (a symlink, another "
+                      f"user's, or writable by others); remove it to keep the tier in {shm}")
     if folder.is_dir():
         # An earlier ftmaster's, whose newest checkpoints may be there alone: its room, counted
         # again, is taken, and moving the tier would resume from older ones or from none.
