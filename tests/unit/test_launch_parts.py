@@ -512,6 +512,45 @@ def name_slow_rank(watch, gpus, rank, until=20):
     assert watch.tracker.still_slow(rank)
 
 
+@pytest.mark.parametrize("silent_one", ["kept behind", "weighed next"])
+def test_a_straggler_whose_figures_stopped_still_counts_slow_when_the_next_is_weighed(
+        tmp_path, silent_one):
+    """GPU 2 (1.8x) waits behind GPU 1 (2x), or is the one weighed; its figures stop. The
+    queue dropped it once it was not "still slow", so a later drain of GPU 1 counted GPU 2
+    healthy among the GPUs left (unknown is never healthy)."""
+    from ftmaster.monitor.stragglers import StragglerConfig
+    from ftmaster.stragglers import StragglerWatch
+
+    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(MODEL, 4, None, None), drain_stragglers=True)
+    supervisor = Supervisor(config, StubMonitor(True))
+    watch = supervisor.stragglers = StragglerWatch(StragglerConfig(), True, 600)
+    watch.new_attempt([0, 1, 2, 3], 0)
+    figures, found = {}, {}
+
+    def step(it, gpu1, gpu2):
+        figures[str(it)] = [40.0, gpu1, gpu2, 39.0]
+        beat = {"iteration": it, "first_iteration": 1, "time": 1000.0 + it,
+                "compute": {"stages": [0, 0, 0, 0], "replicas": [0, 1, 2, 3],
+                            "ms": {k: v for k, v in figures.items() if int(k) <= it - 2}}}
+        found.update((f.gpu, f) for f in watch.observe(beat))
+    for it in range(1, 20):
+        step(it, 80.0 if it >= 8 else 40.0, 72.0 if it >= 8 else 40.0)
+    assert set(found) == {1, 2}
+    if silent_one == "kept behind":
+        supervisor._stragglers_behind = [found[2]]
+    for it in range(20, 32):  # GPU 1 fast again, GPU 2 silent
+        step(it, 40.0, None)
+    assert watch.tracker.not_known_fast(2) and not watch.tracker.still_slow(2)
+    if silent_one == "kept behind":
+        assert supervisor._next_behind() is None
+    else:
+        supervisor.attempt = types.SimpleNamespace(gpus=[0, 1, 2, 3])
+        supervisor._straggler_to_drain = found[2]
+        assert supervisor._drain_straggler() is None
+    assert supervisor._slowest_staying([0, 2, 3]).gpu == 2
+
+
 def test_a_straggler_on_a_shrunk_layout_is_weighed_on_the_original_layouts_step(tmp_path):
     """The job ran 1.0 s/iteration on its 4 GPUs, lost GPU 3, and runs 3; then GPU 1 slows
     it. The planner's measured step is the original layout's: calibrated on the 3 GPUs' own

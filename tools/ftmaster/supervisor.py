@@ -1371,11 +1371,18 @@ class Supervisor:
             self._stragglers_behind.append(kept)
 
     def _next_behind(self) -> Found | None:
-        """The slowest straggler kept behind another that is still slow, taken from the queue."""
-        still = [f for f in self._stragglers_behind
-                 if self.stragglers.tracker.still_slow(f.straggler.rank)]
-        self._stragglers_behind = sorted(still, key=lambda f: f.straggler.slowdown)
-        return self._stragglers_behind.pop() if self._stragglers_behind else None
+        """The slowest straggler kept behind another that is still slow, taken from the queue.
+        One whose figures stopped stays in it: unknown is never healthy, and a drain of
+        another counts it slow among the GPUs left (:meth:`_slowest_staying`)."""
+        tracker = self.stragglers.tracker
+        self._stragglers_behind = sorted(
+            (f for f in self._stragglers_behind if tracker.not_known_fast(f.straggler.rank)),
+            key=lambda f: f.straggler.slowdown)
+        slow = [f for f in self._stragglers_behind if tracker.still_slow(f.straggler.rank)]
+        if not slow:
+            return None
+        self._stragglers_behind.remove(slow[-1])
+        return slow[-1]
 
     def _slow_too(self, mates: Sequence[int]) -> str:
         """Ranks of a straggler's model replica slow with it: they wait for each other."""
@@ -1416,6 +1423,9 @@ class Supervisor:
             return None
         if not self.stragglers.tracker.still_slow(found.straggler.rank):
             # Fast again since it was named (a new slowdown names it anew): the next in line.
+            # Silent since (unknown) it stays counted slow among the GPUs a drain leaves.
+            if self.stragglers.tracker.not_known_fast(found.straggler.rank):
+                self._stragglers_behind.append(found)
             self._straggler_to_drain = self._next_behind()
             return None
         if not self.stragglers.drain_allowed(now):
