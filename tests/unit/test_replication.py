@@ -1050,3 +1050,49 @@ def test_a_stop_during_a_fetch_the_peer_stalls_ends_the_catch_up_within_a_second
         replication.close()
         silent.close()
     assert read_tracker(folders[0]) is None
+
+
+class SlowDecider(AnnouncingStore):
+    """The deciding node announces ``after_s`` into the round: a wait shorter than that
+    gives up with nothing."""
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__()
+        self.after_s = after_s
+
+    def announcement(self, name, timeout_s, stop=None):
+        return super().announcement(name, timeout_s, stop) if timeout_s >= self.after_s else None
+
+
+def test_a_node_that_does_not_decide_waits_as_long_as_the_decider_may_be_busy(tmp_path):
+    """Rank 0's node merges the failed round's dumps (up to 320 s) before it decides; a node
+    that dumped none gave up after 60 s, read that as "none agreed" and launched without
+    the checkpoint every other node loads."""
+    from ftmaster.replica_recovery import DUMP_TIMEOUT_S, MERGE_TIMEOUT_S
+
+    busy_s = MERGE_TIMEOUT_S + DUMP_TIMEOUT_S
+    store = SlowDecider(after_s=busy_s + 30.0)
+    store.announce("memory_agreed/3", Agreed(4, "ab12", {"common.pt": (0, 1)}).to_json())
+    agreement = MemoryAgreement(store, SimpleNamespace(config=ReplicationConfig(
+        tmp_path / "memory", tmp_path, 1)))
+    assert agreement.decide(3, [0, 1], decides=False) is None
+    assert agreement.decide(3, [0, 1], decides=False, decider_busy_s=busy_s).iteration == 4
+
+
+@pytest.mark.parametrize("replica_recovery", [True, False])
+def test_with_replica_recovery_a_node_waits_for_the_merge_before_the_agreement(replica_recovery):
+    from ftmaster.replica_recovery import DUMP_TIMEOUT_S, MERGE_TIMEOUT_S
+    from ftmaster.supervisor import Supervisor
+
+    waits = []
+    supervisor = SimpleNamespace(
+        agreement=SimpleNamespace(publish=lambda number: None,
+                                  decide=lambda *args, decider_busy_s: waits.append(
+                                      decider_busy_s)),
+        replication=SimpleNamespace(catch_up=lambda *args: []),
+        replicas=object() if replica_recovery else None, _event=lambda *a, **k: None,
+        _report_replicated=lambda results: None, _stop_requested=threading.Event())
+    joined = SimpleNamespace(number=3, nodes=[SimpleNamespace(node_rank=0),
+                                              SimpleNamespace(node_rank=1)])
+    assert Supervisor._catch_up_on_agreed_memory(supervisor, joined, False) is None
+    assert waits == [MERGE_TIMEOUT_S + DUMP_TIMEOUT_S if replica_recovery else 0.0]

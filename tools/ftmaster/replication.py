@@ -707,13 +707,17 @@ class MemoryAgreement:
         self.membership.announce(f"memory/{round_number}/{self.replication.config.node_rank}",
                                  json.dumps(held), self.stop)
 
-    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool) -> Agreed | None:
+    def decide(self, round_number: int, node_ranks: Sequence[int], decides: bool,
+               decider_busy_s: float = 0.0) -> Agreed | None:
         """At the start of a round, after :meth:`publish`: the agreed checkpoint, or None (no
-        memory checkpoint is complete: the relaunch loads from disk)."""
+        memory checkpoint is complete: the relaunch loads from disk). A node that does not
+        decide also waits ``decider_busy_s``, what the deciding node may spend before it
+        decides (a replica merge): given up sooner, the wait read as "none agreed", and the
+        node launched without the checkpoint every other node loads."""
         word = f"memory_agreed/{round_number}"
         if not decides:
-            return Agreed.from_json(self.membership.announcement(word, 2 * AGREE_TIMEOUT_S,
-                                                                 self.stop))
+            return Agreed.from_json(self.membership.announcement(
+                word, 2 * AGREE_TIMEOUT_S + decider_busy_s, self.stop))
         agreed = newest_complete(self._records(round_number, node_ranks, AGREE_TIMEOUT_S))
         self.membership.announce(word, agreed.to_json() if agreed is not None else "none",
                                  self.stop)

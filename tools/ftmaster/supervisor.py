@@ -1806,8 +1806,11 @@ class Supervisor:
         checkpoint complete on the round's nodes, and each node makes it loadable here.
         Returns why it is not loadable here, if it is not."""
         self.agreement.publish(joined.number)
+        # With replica recovery, rank 0's node first merges the failed round's dumps; a node
+        # that dumped none (a spare, a restarted ftmaster) did not wait for that merge.
+        merging_s = MERGE_TIMEOUT_S + DUMP_TIMEOUT_S if self.replicas is not None else 0.0
         agreed = self.agreement.decide(joined.number, [node.node_rank for node in joined.nodes],
-                                       rank0_here)
+                                       rank0_here, decider_busy_s=merging_s)
         self._event("memory_agreed", round=joined.number,
                     iteration=None if agreed is None else agreed.iteration)
         results = self.replication.catch_up(agreed, rank0_here, self._stop_requested)
