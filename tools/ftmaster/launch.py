@@ -186,7 +186,8 @@ def optimizer_reshard_warning(argv: Sequence[str]) -> str | None:
         return None
     return ("--use-distributed-optimizer without --dist-ckpt-optim-fully-reshardable: Megatron-LM "
             "loads such a checkpoint only on the same TP and PP, so a relaunch on a new layout "
-            "would fail at its load; add the flag (or give --no-load-optim to relaunches)")
+            "would fail at its load; add the flag (a --no-load-optim given does not help: "
+            "relaunches from the run's own checkpoints load their optimizer state)")
 
 
 def uses_trainer_parser(script: Path) -> bool:
