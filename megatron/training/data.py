@@ -16,10 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
+import xxhash
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import get_bin_path
+from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 from torch.utils.data import default_collate
 
@@ -57,7 +58,7 @@ def build_datasets(args: argparse.Namespace, tokenizer):
         sequence_length=args.seq_length,
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
         split=args.split,
-        path_to_cache=args.data_cache_path,
+        path_to_cache=args.data_cache_path if args.mock_data else _cache_folder(args),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -78,6 +79,27 @@ def build_datasets(args: argparse.Namespace, tokenizer):
     except (OSError, ValueError, AssertionError, IndexError, struct.error) as error:
         raise DataError(f"cannot read the training data {' '.join(args.data_path)}: "
                         f"{type(error).__name__}: {error}") from error
+
+
+def _cache_folder(args: argparse.Namespace) -> str:
+    """Where megatron-core keeps the corpus's index cache: ``--data-cache-path`` (else beside
+    the first corpus, where megatron-core would), in a folder named for the digest of every
+    corpus's ``.idx``. megatron-core names its cache files after the corpus's path and the
+    config, never its contents: a corpus made again at the same prefix was read through the
+    old one's indices (an IndexError mid-training on a smaller one, a silent subset of a
+    larger one). The indices depend on the document lengths alone, which the ``.idx`` holds."""
+    digest = xxhash.xxh3_64()
+    prefixes = get_blend_from_list(args.data_path)[0]
+    try:
+        for prefix in prefixes:
+            with open(get_idx_path(prefix), "rb") as index:
+                while chunk := index.read(1 << 22):
+                    digest.update(chunk)
+    except OSError as error:
+        raise DataError(f"cannot read the training data's index {error.filename}: "
+                        f"{error.strerror}") from None
+    base = args.data_cache_path or os.path.join(prefixes[0], "cache")
+    return os.path.join(base, f"GPTDataset_indices-{digest.hexdigest()}")
 
 
 def _check_corpus(prefix: str, config: GPTDatasetConfig) -> None:

@@ -92,3 +92,21 @@ def test_mock_data_builds_only_the_splits_training_reads_and_train_draws_the_sam
     assert all(dataset is not None for dataset in every_split)
     for index in (0, 1, args.train_samples - 1):
         assert torch.equal(datasets[0][index]["tokens"], every_split[0][index]["tokens"])
+
+
+def test_a_corpus_made_again_at_the_same_prefix_is_not_read_through_the_old_ones_indices(
+        tmp_path):
+    """megatron-core names its index cache after the corpus's path and the config alone: a
+    smaller corpus made again at the same prefix was read through the old one's indices, 1215
+    samples where 96 were built, and a read past its documents raised mid-training."""
+    prefix = write_corpus(tmp_path / "corpus", 400)
+    args = data_args(prefix, tmp_path, split="100,0,0", eval_iters=0, data_cache_path=None)
+    before = len(build_datasets(args, ByteLevelTokenizer())[0])
+    write_corpus(tmp_path / "corpus", 40)
+    train = build_datasets(args, ByteLevelTokenizer())[0]
+    fresh = build_datasets(data_args(prefix, tmp_path, split="100,0,0", eval_iters=0,
+                                     data_cache_path=str(tmp_path / "fresh")),
+                           ByteLevelTokenizer())[0]
+    assert len(train) == len(fresh) < before
+    for index in range(len(train)):
+        assert torch.equal(train[index]["tokens"], fresh[index]["tokens"])
