@@ -1090,7 +1090,7 @@ def test_a_catch_up_given_up_fails_the_round_instead_of_resuming_from_an_older_c
     supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
     supervisor.agreement = types.SimpleNamespace(
         publish=lambda number: None,
-        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
+        decide=lambda number, node_ranks, decides, decider_busy_s: Agreed(4, "digest", {}))
     trigger = supervisor._plan()
     assert trigger is Trigger.FAILURE and supervisor.plan is None  # nothing launches
     events = {e["event"]: e for e in runfiles.read_events(tmp_path)}
@@ -1127,7 +1127,7 @@ def test_a_catch_up_that_fails_again_for_the_same_checkpoint_launches_rather_tha
     supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
     supervisor.agreement = types.SimpleNamespace(
         publish=lambda number: None,
-        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
+        decide=lambda number, node_ranks, decides, decider_busy_s: Agreed(4, "digest", {}))
     assert supervisor._plan() is Trigger.FAILURE
     assert supervisor._plan() is Trigger.PLANNED and supervisor.plan is not None
     failed = [e["round"] for e in runfiles.read_events(tmp_path) if e["event"] == "catch_up_failed"]
@@ -1161,7 +1161,7 @@ def test_a_stop_between_catch_up_tries_stops_the_node_and_fails_no_round(tmp_pat
     supervisor = Supervisor(config, PlanningMonitor(False), membership, replication=replication)
     supervisor.agreement = types.SimpleNamespace(
         publish=lambda number: None,
-        decide=lambda number, node_ranks, decides: Agreed(4, "digest", {}))
+        decide=lambda number, node_ranks, decides, decider_busy_s: Agreed(4, "digest", {}))
     assert supervisor._plan() is Trigger.SIGNALLED
     events = [e["event"] for e in runfiles.read_events(tmp_path)]
     assert events == ["round", "memory_agreed", "stopped"]
