@@ -1877,3 +1877,33 @@ def test_an_emergency_save_at_an_iteration_a_discarded_timeline_saved_is_copied_
     assert supervisor.persister.last_requested == 8
     supervisor.persister.wait(10)
     assert read_tracker(disk) == 8
+
+
+def test_a_memory_tier_that_stopped_answering_does_not_hold_up_the_supervisor(tmp_path,
+                                                                              monkeypatch):
+    """The memory tier under --save on a network file system (launch's fallback when
+    /dev/shm lacks room): its tracker was read on the supervisor's own thread at every poll,
+    so a mount that stopped answering stopped hang detection and signal handling with it."""
+    import os
+    import threading
+    import time
+
+    from ftmaster import supervisor as supervisor_module
+    from test_persist import fake_checkpoint
+
+    memory, disk = tmp_path / "shm", tmp_path / "ckpt"
+    fake_checkpoint(memory, 8)
+    tracker = memory / "latest_checkpointed_iteration.txt"
+    tracker.unlink()
+    os.mkfifo(tracker)  # an open that never returns, as on a hung mount
+    monkeypatch.setattr(supervisor_module, "CHECKPOINT_LOOK_S", 0.2)
+    supervisor = memory_tier_supervisor(tmp_path, memory, disk)
+    poll = threading.Thread(target=supervisor._persist_when_due, daemon=True)
+    started = time.monotonic()
+    poll.start()
+    poll.join(5)
+    answered = not poll.is_alive()
+    writer = os.open(tracker, os.O_WRONLY | os.O_NONBLOCK)  # lets the stuck look go
+    os.write(writer, b"8\n")
+    os.close(writer)
+    assert answered and time.monotonic() - started < 5

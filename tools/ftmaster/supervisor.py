@@ -921,8 +921,8 @@ class Supervisor:
         folders = ([Path(save)] if save is not None else []) + (
             [self.tiers.memory] if self.tiers is not None else [])
         try:
-            written = [t for t in self._checkpoint_looks.call(
-                CHECKPOINT_LOOK_S, lambda: list(map(last_checkpoint_write, folders))) if t is not None]
+            written = [t for t in self._look(lambda: list(map(last_checkpoint_write, folders)))
+                       if t is not None]
         except CallTimeout:
             if self._looks_unanswered_since is None:
                 self._looks_unanswered_since = time.monotonic()
@@ -935,36 +935,46 @@ class Supervisor:
         """Copy the newest memory checkpoint to disk in the background: after an emergency
         save, at once when ``now`` (an attempt failed), otherwise at most once per
         ``--save-interval`` iterations' worth of time. A copy asked for ``now`` that cannot
-        start yet (one under way, or --save's look unanswered) is due at the next poll. At
-        the end (``at_end``) --save's look is not waited for: the end waits for the copy, whose
-        own look tells whether disk lacks it."""
+        start yet (one under way, or a look at the tiers unanswered) is due at the next poll.
+        At the end (``at_end``) the tiers are read here, unbounded, and --save not looked at:
+        the look thread may still be stuck on an earlier look, and the end waits for the copy
+        anyway, whose own look tells whether disk lacks it."""
         if self.persister is None:
             return
         self._report_persisted()
         if not self._persists_here:
             return
-        newest, agreed = self.persister.newest_memory_checkpoint(), None
-        if newest is None and self.agreement is not None and self.round is not None:
-            agreed = self.agreement.current(self.round.number,
-                                            [node.node_rank for node in self.round.nodes])
-            newest = None if agreed is None else agreed.iteration
-        if not self.persister.may_need_copy(newest, retry_now=now):
-            return
-        try:  # a read of --save, which must not hold up the supervisor (a hung mount)
-            if not at_end and not self._checkpoint_looks.call(
-                    CHECKPOINT_LOOK_S, self.persister.newer_than_disk, newest):
+        try:  # reads of the tiers, which must not hold up the supervisor (a hung mount)
+            newest, agreed = self._look(self.persister.newest_memory_checkpoint,
+                                        unbounded=at_end), None
+            if newest is None and self.agreement is not None and self.round is not None:
+                agreed = self.agreement.current(self.round.number,
+                                                [node.node_rank for node in self.round.nodes])
+                newest = None if agreed is None else agreed.iteration
+            if not self.persister.may_need_copy(newest, retry_now=now):
                 return
+            if not at_end and not self._look(self.persister.newer_than_disk, newest):
+                return
+            kind = None if now else self._look(self._memory_kind, newest)
         except CallTimeout:
             if now:
                 self._last_persist_start = float("-inf")
             return  # asked again at the next poll
-        due = (now or self._memory_kind(newest) == "emergency"
+        due = (now or kind == "emergency"
                or time.monotonic() - self._last_persist_start >= self._persist_interval_s())
         if due and self.persister.start(
                 newest, None if agreed is None else self.replication.fetcher(agreed)):
             self._last_persist_start = time.monotonic()
         elif now:
             self._last_persist_start = float("-inf")
+
+    def _look(self, read: Callable, *args, unbounded: bool = False):
+        """``read(*args)`` on the look thread; CallTimeout past CHECKPOINT_LOOK_S (or while an
+        earlier look is still unanswered). ``unbounded``: on this thread, for as long as it
+        takes."""
+        if unbounded:
+            return read(*args)
+        return self._checkpoint_looks.call(CHECKPOINT_LOOK_S, read, *args)
 
     def _memory_kind(self, iteration: int) -> str | None:
         """The kind of the memory tier's checkpoint ``iteration``, read again when its
@@ -1690,7 +1700,7 @@ class Supervisor:
             schedule = read_step_schedule(args, int_flag(args, "--seq-length", 1))
             if schedule is None or save is None:
                 return None
-            newest = self._checkpoint_looks.call(CHECKPOINT_LOOK_S, newest_on_disk, Path(save))
+            newest = self._look(newest_on_disk, Path(save))
         except (ValueError, OSError, CallTimeout):
             return None
         return None if newest is None else schedule.consumed_after(newest)
