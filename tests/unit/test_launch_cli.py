@@ -58,6 +58,13 @@ def launch(run_dir, *args, env=None):
     (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject",
       "fail:gpu=1,at=iter:3,after=persisted", "--", PRETRAIN, *MODEL],
      "nothing is persisted without the memory tier"),
+    # the trainer saves only with --save: the rehearsal waited for a save that never came
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject",
+      "fail:gpu=1,at=iter:3,after=emergency_save", "--", PRETRAIN, *MODEL],
+     "training saves nothing without --save, so it would never fire"),
+    (["--nproc-per-node", "4", "--monitor-backend", "sim", "--inject",
+      "fail:gpu=1,at=iter:3,after=periodic_save", "--", PRETRAIN, *MODEL],
+     "training saves nothing without --save, so it would never fire"),
     # one entry per GPU: a traceback (10^20), or seconds and gigabytes before anything else
     (["--nproc-per-node", "99999999999999999999", "--monitor-backend", "sim", "--", PRETRAIN,
       *MODEL], "'--nproc-per-node': 99999999999999999999 is not in the range 1<=x<=1024"),

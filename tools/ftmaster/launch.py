@@ -267,6 +267,8 @@ def _why_never(injection: Injection, argv: Sequence[str], cold_restart: bool) ->
         return "no warm worker starts under --cold-restart"
     if injection.after == "persisted" and tiers_of(argv) is None:
         return "nothing is persisted without the memory tier (--non-persistent-ckpt-type global)"
+    if injection.after in ("emergency_save", "periodic_save") and flag_value(argv, "--save") is None:
+        return "training saves nothing without --save"
     return None
 
 
