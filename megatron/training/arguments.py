@@ -256,6 +256,8 @@ def _real(path) -> str:
 
 
 def _fill_defaults(args):
+    if not args.add_bias_linear:  # Megatron-LM's validate_args: no bias to fuse into GeLU
+        args.bias_gelu_fusion = False
     if args.ffn_hidden_size is None and args.hidden_size:
         args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length

@@ -503,3 +503,19 @@ def test_a_split_without_a_validation_part_runs_without_evaluation(split, evalua
     args = parse_args(with_args("--split", split, "--eval-iters", "2", "--eval-interval", "4"),
                       world_size=1)
     assert args.eval_iters == evaluations
+
+
+@pytest.mark.parametrize("swiglu", [[], ["--swiglu"]])
+def test_without_linear_biases_a_gelu_model_builds_on_cuda(monkeypatch, swiglu):
+    """On CUDA the fused bias-GeLU stayed on with --disable-bias-linear, which megatron-core's
+    TransformerConfig refuses ("add_bias_linear must also be True"): a traceback on every rank
+    at the model's build. Megatron-LM's validate_args turns the fusion off."""
+    import torch
+
+    from megatron.training.model import transformer_config
+
+    args = parse_args(with_args("--disable-bias-linear", *swiglu), world_size=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = transformer_config(args)
+    assert not config.add_bias_linear
+    assert config.bias_activation_fusion == bool(swiglu)
