@@ -7,6 +7,7 @@ when CUDA is present and on CPU + gloo otherwise (see ``cpu_compat``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import random
@@ -210,6 +211,32 @@ def describe_layout(args) -> str:
             f"x PP {args.pipeline_model_parallel_size}{virtual} x DP {args.data_parallel_size}, "
             f"{precision}, {optimizer} optimizer state"
             f"{', sequence parallel' if args.sequence_parallel else ''}")
+
+
+class LogWindow:
+    """The iterations since the last logged line: their losses, and their time as Megatron-LM's
+    ``interval-time`` timer counts it, evaluation and checkpointing left out (it stops around
+    both): counted, the iteration after each read many times its neighbours, and the medians
+    read from the log (goodput's iteration time) took them in."""
+
+    def __init__(self, iteration: int) -> None:
+        self.begin(iteration)
+
+    def begin(self, iteration: int) -> None:
+        self.started, self.losses, self.first = time.perf_counter(), [], iteration
+
+    def elapsed_ms(self, iteration: int) -> float:
+        """Per iteration up to ``iteration``: after a resume the first window holds fewer
+        than --log-interval, as Megatron-LM counts them."""
+        return (time.perf_counter() - self.started) * 1000 / max(1, iteration - self.first)
+
+    @contextlib.contextmanager
+    def left_out(self):
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - paused
 
 
 class Trainer:
@@ -563,7 +590,7 @@ class Trainer:
                                  if args.train_iters is not None
                                  else self.state.iteration + -(-remaining // args.global_batch_size))
         log_rank0(f"training from iteration {self.state.iteration} to {self.total_iterations}")
-        window_start, window_losses, window_from = time.perf_counter(), [], self.state.iteration
+        window = LogWindow(self.state.iteration)
         while not self._training_done():
             self.compute.start()
             started = time.perf_counter()
@@ -575,16 +602,15 @@ class Trainer:
                 startup.mark("first-iteration")
                 self._event("startup", **startup.agree(self.control_group))
             if loss is not None:
-                window_losses.append(loss)
+                window.losses.append(loss)
             if self.state.iteration % args.log_interval == 0:
-                # The iterations in the window, as Megatron-LM counts them: after a resume the
-                # first window holds fewer than --log-interval
-                self._log(window_start, window_losses, self.state.iteration - window_from)
-                window_start, window_losses = time.perf_counter(), []
-                window_from = self.state.iteration
-            if args.eval_iters and self.state.iteration % args.eval_interval == 0:
-                self.evaluate()
-            if self._after_iteration():
+                self._log(window)
+                window.begin(self.state.iteration)
+            with window.left_out():
+                if args.eval_iters and self.state.iteration % args.eval_interval == 0:
+                    self.evaluate()
+                done = self._after_iteration()
+            if done:
                 break
         else:
             self._final_save()
@@ -628,12 +654,12 @@ class Trainer:
                 and self._final_save_failure is None):
             self.save("final")
 
-    def _log(self, window_start: float, losses: list[float], iterations: int) -> None:
-        elapsed_ms = (time.perf_counter() - window_start) * 1000 / max(1, iterations)
+    def _log(self, window: LogWindow) -> None:
+        losses = window.losses
         log_last_rank(format_iteration_line(
             self.state.iteration, self.total_iterations, self.state.consumed_train_samples,
-            elapsed_ms, self.optimizer.param_groups[0]["lr"], self.args.global_batch_size,
-            sum(losses) / len(losses) if losses else None))
+            window.elapsed_ms(self.state.iteration), self.optimizer.param_groups[0]["lr"],
+            self.args.global_batch_size, sum(losses) / len(losses) if losses else None))
 
 
 def pretrain(args: argparse.Namespace) -> None:
