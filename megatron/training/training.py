@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import random
 import time
@@ -418,9 +419,9 @@ class Trainer:
                 self._heartbeat(evaluated=step + 1)
         self.model.train()
         loss = _average_loss(losses)
-        if loss is not None:
+        if loss is not None:  # Megatron-LM's line, its perplexity capped as there
             log_last_rank(f"validation loss at iteration {self.state.iteration} | "
-                          f"lm loss value: {loss:.6E} |")
+                          f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20, loss)):.6E} |")
         self.board.validation(self.state.iteration, loss)
 
     # ---- checkpoint events ------------------------------------------------------------------
@@ -613,6 +614,7 @@ class Trainer:
             if done:
                 break
         else:
+            self._evaluate_at_the_end()
             self._final_save()
         self._ended_at = self.state.iteration
         self.checkpointer.close()
@@ -648,6 +650,15 @@ class Trainer:
         if cost is not None:
             log_rank0(f"save-request check: median {cost:.1f} us per iteration over "
                       f"{len(self.requests.check_seconds)} iterations")
+
+    def _evaluate_at_the_end(self) -> None:
+        """Megatron-LM evaluates once more when training ends: a run shorter than
+        --eval-interval (1000 by default) reported no validation loss at all. Not again at an
+        iteration that evaluated, nor for a run that trained none (resumed at its end)."""
+        args = self.args
+        if (args.eval_iters and self.state.iteration >= self._first_iteration
+                and self.state.iteration % args.eval_interval):
+            self.evaluate()
 
     def _final_save(self) -> None:
         if (self.args.save and not self.checkpointer.on_disk_at(self.state.iteration)

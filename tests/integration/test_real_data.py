@@ -1,5 +1,7 @@
 """A text file goes through tools/preprocess_data.py into training, and the loss falls."""
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +37,19 @@ def test_loss_falls_on_a_repetitive_corpus(corpus):
         "--global-batch-size", "8", "--train-iters", "40", "--lr", "3e-3",
         "--lr-warmup-iters", "4", "--data-path", corpus, "--split", "98,2,0",
         "--tokenizer-type", "ByteLevelTokenizer", "--log-interval", "1", "--eval-iters", "2",
-        "--eval-interval", "40"])
+        "--eval-interval", "30"])
     assert result.returncode == 0, result.stdout[-3000:]
     losses = [entry["loss"] for _, entry in sorted(iterations(result.stdout).items())]
     assert len(losses) == 40
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.6 * first, f"loss {first:.3f} -> {last:.3f}"
-    assert "validation loss at iteration 40" in result.stdout
+    # at --eval-interval, and once more at the end, as Megatron-LM: a run shorter than
+    # --eval-interval reported no validation loss; its line carries the perplexity too
+    validations = re.findall(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \| "
+                             r"lm loss PPL: (\S+) \|", result.stdout)
+    assert [int(it) for it, _, _ in validations] == [30, 40]
+    assert all(float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
+               for _, loss, ppl in validations)
 
 
 def test_a_corrupt_corpus_is_a_data_error_named_once_never_a_gpu(corpus, tmp_path):
