@@ -38,16 +38,12 @@ Patch points (module: what it assumes -> what we do):
 8. ``CudaRNGStatesTracker.fork`` warns "CPU RNG state changed within GPU RNG context" when
    the CPU generator moves inside a fork; on CPU the forked stream *is* the CPU generator, so
    the warning is expected on every dropout -> that one message is filtered from its logger.
-9. ``transformer.torch_norm.WrappedTorchNorm`` (the local spec's norm without Apex) refuses
-   ``sequence_parallel`` -> it is built per token from a copy of the config without it (a
-   norm is correct on a sequence shard), and its weights are marked ``sequence_parallel`` as
-   Apex's ``FusedLayerNorm`` marks its own, so ``finalize_model_grads`` all-reduces their
-   gradients over TP. (Without the marking the TP ranks' norms drift apart.)
 
 CPU choices made elsewhere, as settings rather than patches: ``model.transformer_config``
 turns off the fused bias/dropout/activation/RoPE kernels and batched p2p without CUDA, and
 ``arguments`` refuses ``--fp16`` without CUDA. Bugs of megatron-core that hit GPUs as well
-are fixed in :mod:`mcore_fixes`, not here.
+are fixed in :mod:`mcore_fixes`, not here (the local spec's torch norm under
+``--sequence-parallel`` among them).
 
 Patches 1-4 are scoped: each patched module gets its own view of ``torch`` whose ``cuda``
 namespace and tensor factories are redirected, so code elsewhere (and torch itself) is
@@ -57,7 +53,6 @@ untouched.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import logging
 import types
@@ -204,30 +199,11 @@ def _reporting_cuda_type_names(init):
     return wrapped
 
 
-def _sequence_parallel_norm(original_new):
-    """Patch 9: a per-token norm on a sequence shard, its weights synchronised over TP."""
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-            zero_centered_gamma=False, normalization="LayerNorm"):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
-                                zero_centered_gamma, normalization)
-        per_token = copy.copy(config)
-        per_token.sequence_parallel = False
-        norm = original_new(cls, per_token, hidden_size, eps, persist_layer_norm,
-                            zero_centered_gamma, normalization)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-    return staticmethod(new)
-
-
 def _patch_classes() -> None:
     from megatron.core.optimizer import distrib_optimizer, optimizer
-    from megatron.core.transformer import torch_norm
 
     for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
         cls.__init__ = _reporting_cuda_type_names(cls.__init__)
-    torch_norm.WrappedTorchNorm.__new__ = _sequence_parallel_norm(torch_norm.WrappedTorchNorm.__new__)
 
 
 class _DropExpectedRngWarning(logging.Filter):

@@ -1,4 +1,4 @@
-"""Fixes for megatron-core 0.16.1's distributed optimizer, on CPU and GPU alike.
+"""Fixes for megatron-core 0.16.1, on CPU and GPU alike.
 
 Each is a wrapper around one method, applied once by :func:`apply` (idempotent). They are
 bugs of the pinned release, not CPU adaptations (those are in :mod:`cpu_compat`):
@@ -27,10 +27,21 @@ per-parameter ``step`` the code does not expect:
    reshardable format drops ``step``: the current one is kept;
 4. ``load_state_dict`` gives every parameter the same ``step`` tensor, which Adam then
    advances once per parameter per iteration: each gets its own copy.
+
+And outside the optimizer:
+
+5. ``transformer.torch_norm.WrappedTorchNorm`` (the local spec's norm without Apex: the CPU,
+   ``--transformer-impl local``, or CUDA without Transformer Engine) refuses
+   ``sequence_parallel``, an assertion at the model's build -> it is built per token from a
+   copy of the config without it (a norm is correct on a sequence shard), and its weights
+   are marked ``sequence_parallel`` as Apex's ``FusedLayerNorm`` marks its own, so
+   ``finalize_model_grads`` all-reduces their gradients over TP. (Without the marking the TP
+   ranks' norms drift apart.)
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from types import SimpleNamespace
 
@@ -168,12 +179,31 @@ def _unsharing_steps(load_state_dict):
     return wrapped
 
 
+def _sequence_parallel_norm(original_new):
+    """Fix 5: a per-token norm on a sequence shard, its weights synchronised over TP."""
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm,
+                                zero_centered_gamma, normalization)
+        per_token = copy.copy(config)
+        per_token.sequence_parallel = False
+        norm = original_new(cls, per_token, hidden_size, eps, persist_layer_norm,
+                            zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+    return staticmethod(new)
+
+
 def apply() -> None:
     global _applied
     if _applied:
         return
     from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.transformer import torch_norm
 
+    torch_norm.WrappedTorchNorm.__new__ = _sequence_parallel_norm(torch_norm.WrappedTorchNorm.__new__)
     optimizer = distrib_optimizer.DistributedOptimizer
     installed = optimizer.sharded_param_state_fully_reshardable
     fixed = _with_world_tensors_at_buffer_offsets(installed)

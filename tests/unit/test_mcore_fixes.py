@@ -47,6 +47,8 @@ def fresh_apply(monkeypatch):
     for name in ("sharded_param_state_fully_reshardable", "state_dict",
                  "_set_main_param_and_optimizer_states", "load_state_dict"):
         monkeypatch.setattr(Optimizer, name, getattr(Optimizer, name))
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    monkeypatch.setattr(WrappedTorchNorm, "__new__", WrappedTorchNorm.__dict__["__new__"])
 
 
 def test_the_installed_megatron_core_misplaces_the_state_and_gets_the_fix():
@@ -84,3 +86,27 @@ def test_a_megatron_core_the_check_does_not_recognise_is_left_as_it_is_with_a_wa
     assert Optimizer.sharded_param_state_fully_reshardable is unrecognised
     out = capsys.readouterr().out
     assert "warning" in out and "something_new" in out
+
+
+def test_the_torch_norm_takes_sequence_parallel_without_the_cpu_adaptations():
+    """In a fresh interpreter, as on CUDA (no cpu_compat): the local spec's torch norm
+    asserted "sequence parallel not supported by torch LayerNorm" at the model's build with
+    --sequence-parallel (--transformer-impl local, or CUDA without Transformer Engine)."""
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from megatron.core.transformer import TransformerConfig\n"
+        "from megatron.core.transformer.torch_norm import WrappedTorchNorm\n"
+        "from megatron.training import mcore_fixes\n"
+        "config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,\n"
+        "    tensor_model_parallel_size=2, sequence_parallel=True, use_cpu_initialization=True)\n"
+        "try:\n"
+        "    WrappedTorchNorm(config, 8)\n"
+        "except AssertionError:\n"
+        "    print('refused')\n"
+        "mcore_fixes.apply()\n"
+        "norm = WrappedTorchNorm(config, 8)\n"
+        "print(all(p.sequence_parallel for p in norm.parameters()))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["refused", "True"]
