@@ -44,10 +44,16 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 
 stamp=.venv/.ftmaster-setup-stamp
-# The refill's C loop is built when a compiler is there: one installed since builds it then
+# The refill's C loop is built when a compiler and Python's headers (python3-dev) are there:
+# one installed since builds it then. Without the headers the optional build fails quietly,
+# and is not tried again at every run.
 built() { compgen -G "megatron/training/_stream_copy*.so" >/dev/null; }
+can_build() {
+    command -v cc >/dev/null && "$py" -c 'import os, sys, sysconfig
+sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
+}
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ megatron/training/stream_copy.c -nt "$stamp" ] \
-        || { command -v cc >/dev/null && ! built; }; then
+        || { ! built && can_build; }; then
     echo "setup: installing ftmaster and its dependencies" >&2
     "$py" -m pip install --quiet -e ".[test,tensorboard]"
     touch "$stamp"

@@ -5,6 +5,7 @@ import ctypes
 import errno
 import os
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -237,7 +238,14 @@ def test_a_node_local_slot_drops_the_peer_copies_it_will_not_rewrite(tmp_path):
     assert SHARD in left and "__1_0.distcp" in left and not left & set(copies)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the refill copies with memmove")
+def _can_build_extensions() -> bool:
+    """A C compiler and Python's headers (Debian's python3-dev), as setup.sh checks."""
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    return shutil.which("cc") is not None and os.path.isfile(headers)
+
+
+@pytest.mark.skipif(not _can_build_extensions(),
+                    reason="no C compiler or no Python headers: the refill copies with memmove")
 def test_the_streaming_copy_was_built_where_a_compiler_is():
     assert copy_bytes is not ctypes.memmove
     assert memory_slots.native_refill is not None  # and python-xxhash exports XXH3's calls
