@@ -162,14 +162,17 @@ class ReplayBackend:
 
 def _group(samples: list[GpuSample]) -> list[list[GpuSample]]:
     """Time-ordered rows into samples: a new one begins when a GPU id repeats, or when a row
-    comes more than half the usual spacing after its sample began (a GPU back after a gap,
-    or first watched later, otherwise joined the sample before it, and every sample after)."""
+    comes more than half the usual spacing after the row before it (a GPU back after a gap,
+    or first watched later, otherwise joined the sample before it, and every sample after).
+    Not after the sample's first row: a tool that reads GPUs one after the other dates each
+    row on its own, and 4 GPUs read 0.2 s apart at 1 s were cut into samples that lacked
+    GPUs, the last of them lost."""
     gap = _spacing(samples) / 2
     batches: list[list[GpuSample]] = []
     seen: set[int] = set()
     for sample in samples:
         if (not batches or sample.gpu_id in seen
-                or (gap and sample.timestamp - batches[-1][0].timestamp > gap)):
+                or (gap and sample.timestamp - batches[-1][-1].timestamp > gap)):
             batches.append([])
             seen = set()
         batches[-1].append(sample)

@@ -78,6 +78,18 @@ def test_rows_are_grouped_by_time_when_a_gpu_comes_back_after_a_gap(tmp_path):
     assert {s.timestamp for b in batches for s in b if s.temperature is not None} == set(times)
 
 
+def test_gpus_read_one_after_the_other_stay_one_sample(tmp_path):
+    """4 GPUs dated 0.2 s apart, a sample a second: cut after the sample's first row, the
+    trace came back as 9 samples, a quarter of the rows unknown and GPU 0 lost at the end."""
+    rows = [[iso_time(T0 + k + 0.2 * gpu), str(gpu), "60", "0"] for k in range(6)
+            for gpu in range(4)]
+    backend = ReplayBackend(write_csv(tmp_path / "m.csv", ["timestamp", "gpu_id", "temperature",
+                                                          "ecc_dbe"], rows))
+    batches = drain(backend)
+    assert [[s.gpu_id for s in b] for b in batches] == [[0, 1, 2, 3]] * 6
+    assert all(s.temperature == 60 for b in batches for s in b)
+
+
 @pytest.mark.parametrize("text, words", [
     ("", "empty"),
     ("time,gpu\n1,0\n", "lacks the column"),
