@@ -152,6 +152,11 @@ class SmiBackend:
                 self._log_warning(line.strip())
                 continue
             listed += 1
+            gpu = _lost_row_index(line)
+            if gpu is not None:  # a row of the query, each reading NVML's "GPU is lost"
+                if gpu not in excluded and (ids is None or gpu in ids):
+                    self.conditions[gpu] = (GPU_IS_LOST,)
+                continue
             if _without_handle(line):
                 # "Unable to determine the device handle ... GPU is lost": left out, named by
                 # its index where its bus id is known.
@@ -305,6 +310,16 @@ def run_killable(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
         raise Unanswered(f"{argv[0]} did not answer within {timeout_s:g} s; killed it "
                          f"(pid {proc.pid})", proc) from None
     return proc.returncode, out, err
+
+
+def _lost_row_index(line: str) -> int | None:
+    """The index of a query row whose cells read ``[GPU is lost]`` (nvidia-smi prints each
+    field's NVML error in brackets); None for any other line. Such a row names its GPU by
+    its index, where the no-handle line names it by bus id alone."""
+    cells = [cell.strip() for cell in line.split(",")]
+    if len(cells) > 1 and cells[0].isdigit() and f"[{GPU_IS_LOST_WORDS}]" in map(str.lower, cells[1:]):
+        return int(cells[0])
+    return None
 
 
 def _without_handle(line: str) -> bool:

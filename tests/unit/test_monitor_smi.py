@@ -68,6 +68,17 @@ def test_a_gpu_without_a_handle_is_left_out_and_the_others_are_read(fake_smi, wh
     assert [s.gpu_id for s in SmiBackend().sample()] == [1]
 
 
+def test_a_row_whose_cells_read_gpu_is_lost_is_that_gpu_lost(fake_smi):
+    """nvidia-smi prints each field's NVML error in brackets: a row of "[GPU is lost]" cells
+    went down the no-handle path, which looks for a bus id the row does not have, and the GPU
+    was left out with no condition: never reported lost unless sampled before."""
+    lost = "0, " + ", ".join(["[GPU is lost]"] * 15)
+    fake_smi(f"cat <<'EOF'\n{lost}\n{GOOD.splitlines()[1]}\nEOF\n")
+    backend = SmiBackend()
+    assert [s.gpu_id for s in backend.sample()] == [1]
+    assert backend.conditions == {0: ("gpu_is_lost",)}
+
+
 def test_a_reading_that_is_no_number_is_unknown(fake_smi):
     """A nan kept in a GPU's baselines made its risk nan for good: it never alerted again."""
     fake_smi("echo '0, GPU, 570.1, nan, inf, 97, 41, 60000, 81559, 0, 7, 0, 0x4, 700.00, 1980, No'\n")
