@@ -107,6 +107,14 @@ class UtilizationCollapse(Anomaly):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StoppedRank(UtilizationCollapse):
+    """A ``hang`` rehearsal's rank, stopped: its GPU idles until the rank is gone (its attempt
+    ended), not for the rest of the run."""
+
+    level: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Xid(Anomaly):
     """An XID event, reported in the first sample once the anomaly shows."""
 
@@ -281,6 +289,13 @@ class AnomalyOverlay:
         """Clear every anomaly on ``gpu``: a lost GPU comes back, a degraded one heals."""
         self._active.pop(gpu, None)
 
+    def end_rank_faults(self) -> None:
+        """The ranks are gone (a new attempt): a stopped rank's GPU works again."""
+        for gpu, actives in list(self._active.items()):
+            self._active[gpu] = [a for a in actives if not isinstance(a.anomaly, StoppedRank)]
+            if not self._active[gpu]:
+                del self._active[gpu]
+
     def apply_fault(self, injection: Injection) -> None:
         """``degrade``: :func:`degrade_plan`; ``fail``: device lost; ``hang``: the stopped
         rank leaves its GPU idle; ``xid``: the XID in the next sample; ``recover``: clear the
@@ -292,7 +307,7 @@ class AnomalyOverlay:
         elif kind is Fault.FAIL:
             self.inject(gpu, DeviceLost())
         elif kind is Fault.HANG:
-            self.inject(gpu, UtilizationCollapse(level=0.0))
+            self.inject(gpu, StoppedRank())
         elif kind is Fault.XID:
             self.inject(gpu, Xid(code=injection.code))
         elif kind is Fault.RECOVER:

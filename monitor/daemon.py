@@ -318,8 +318,11 @@ class Monitor:
     def watch(self, gpus: Iterable[int] | None) -> None:
         """Sample only ``gpus`` (None: every GPU of the backend) from the next sample on: the
         GPUs the current attempt uses, plus any lost GPU still waited for. The others are
-        neither read, scored nor reported lost; their evidence is kept. Excluded GPUs stay out."""
+        neither read, scored nor reported lost; their evidence is kept. Excluded GPUs stay out.
+        The attempt is a new one: a rank a ``hang`` rehearsal stopped is gone, and its GPU
+        (relaunched on, idle for good) read as collapsed and asked for a save every cooldown."""
         with self._lock:
+            self.overlay.end_rank_faults()
             self._watched = None if gpus is None else frozenset(gpus)
             for gpu in list(self._known) + list(self._lost):
                 if not self._wanted(gpu):

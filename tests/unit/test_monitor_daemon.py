@@ -656,3 +656,21 @@ def test_an_impossibly_large_reading_is_unknown_and_keeps_every_score_a_number(t
                                                  temperature=60.0, gpu_utilization=95.0,
                                                  power_draw=300.0)]).values())[0]
     assert math.isfinite(last.score)
+
+
+def test_a_hang_rehearsals_idle_gpu_works_again_once_the_attempt_is_relaunched(tmp_path):
+    """The stopped rank's idleness stayed on its GPU for the rest of the run: relaunched on
+    it, the healthy GPU read 0% busy, and the monitor asked for a save every cooldown."""
+    from ftmaster.faults import parse_injection
+
+    monitor = sim_monitor(tmp_path, 10.0)
+    run(monitor, 30)
+    monitor.pending_injections.append(parse_injection("hang:gpu=1,at=iter:5").at_once())
+    run(monitor, 30)
+    monitor.watch([0, 1, 2, 3])  # the relaunch after the hang, on the same GPUs
+    alerts = len(monitor.alerts)
+    run(monitor, 200)  # over half an hour: several cooldowns
+    assert len(monitor.alerts) == alerts
+    assert not monitor.still_critical(1)
+    assert all(s.gpu_utilization > 50 for s in monitor.overlay.apply(monitor.backend.sample())
+               if s.gpu_id == 1)
