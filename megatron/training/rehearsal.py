@@ -32,10 +32,9 @@ import signal
 from pathlib import Path
 
 from ftmaster import runfiles
+from ftmaster.faults import CUDA_ERROR_ENV, CUDA_ERROR_SIGNAL
 
 NAN_ENV = "FTMASTER_INJECT_NAN"
-CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
-CUDA_ERROR_SIGNAL = signal.SIGUSR2
 SLOW_ENV = "FTMASTER_INJECT_SLOW"
 """``LOCAL_RANK:ITERATION:FACTOR[,...]``: that local rank computes FACTOR times slower from
 that iteration on (ftmaster's ``slow`` injection at an iteration, armed at launch)."""
@@ -120,6 +119,8 @@ def arm_cuda_errors(local_rank: int) -> None:
     if broken:
         raise RuntimeError(cuda_error_message(min(broken)))
     signal.signal(CUDA_ERROR_SIGNAL, _raise_cuda_error)
+    # Blocked from the rank's start by its guard: one sent before now is handled here.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {CUDA_ERROR_SIGNAL})
 
 
 class Slowdown:

@@ -98,3 +98,34 @@ def test_an_injected_kill_fires_once_per_run_directory(tmp_path):
     assert _rank_reaching_kill_point(run, "0:3:forward") == 0
     assert _rank_reaching_kill_point(run, "0:3:update,0:3:forward") == 0  # listed otherwise
     assert _rank_reaching_kill_point(tmp_path / "another run", "0:3:forward") == -signal.SIGKILL
+
+
+def test_an_xid_sent_before_the_rank_armed_its_handler_is_the_cuda_error(tmp_path):
+    """The supervisor signals a rank as soon as its guard records its pid; a rank still in its
+    imports (seconds of them) was killed by the bare SIGUSR2, and the root cause read "killed
+    by SIGUSR2 without an error of its own", not the rehearsed CUDA error."""
+    import subprocess
+    import sys
+    import time
+
+    from ftmaster.attempt import read_rank_records
+
+    (tmp_path / "cuda_error_0").write_text("95")
+    script = tmp_path / "rank.py"
+    script.write_text("import time\ntime.sleep(1.5)  # its imports\n"
+                      "from megatron.training import rehearsal\nrehearsal.arm_cuda_errors(0)\n"
+                      "time.sleep(30)\n")
+    env = {**os.environ, "FTMASTER_RANK_DIR": str(tmp_path), "LOCAL_RANK": "0", "RANK": "0",
+           rehearsal.CUDA_ERROR_ENV: ""}
+    guard = subprocess.Popen([sys.executable, "-m", "ftmaster.guard", "rank", str(script)],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while 0 not in read_rank_records(tmp_path, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(read_rank_records(tmp_path, 1)[0].pid, rehearsal.CUDA_ERROR_SIGNAL)
+        _, err = guard.communicate(timeout=60)
+    finally:
+        guard.kill()
+    assert guard.returncode == 1, err[-2000:]
+    assert "uncorrectable ECC error" in err and "XID 95" in err

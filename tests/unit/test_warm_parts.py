@@ -284,3 +284,22 @@ def test_a_worker_given_its_rank_leaves_sched_idle_in_every_thread():
         "release.set()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rehearsal", [True, False])
+def test_a_worker_holds_an_xid_signal_until_its_rank_arms_the_handler_in_a_rehearsal(
+        tmp_path, rehearsal):
+    """A rehearsed XID is signalled once the rank is handed over, which a worker took while
+    the trainer was still starting: the bare SIGUSR2 killed it, with no CUDA error. A worker
+    holds it back (blocked) from its start; outside a rehearsal it lets it go at the hand-over,
+    as nothing would unblock it later."""
+    log = tmp_path / "log"
+    env = {"PATH": "/usr/bin:/bin", **({"FTMASTER_INJECT_CUDA_ERROR": ""} if rehearsal else {})}
+    code = ("import signal, sys\n"
+            "from ftmaster import warm\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # as serve() starts\n"
+            f"warm._take_assignment({{'env': {env!r}, 'cwd': {str(tmp_path)!r}, "
+            f"'log': {str(log)!r}, 'argv': ['rank.py']}}, idle=False)\n"
+            "print(signal.SIGUSR2 in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert log.read_text().split() == [str(rehearsal)]

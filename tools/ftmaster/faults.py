@@ -35,7 +35,14 @@ from __future__ import annotations
 
 import enum
 import math
+import signal
 from dataclasses import dataclass, replace
+
+CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
+"""``LOCAL_RANK:XID[,...]`` (set, if empty, in every rehearsal): the ranks that fail at start-up
+with the CUDA error of that XID; its presence arms the others' handler for one sent later."""
+CUDA_ERROR_SIGNAL = signal.SIGUSR2
+"""What brings a rank the CUDA error of an XID injected while it runs (its handler raises)."""
 
 
 class Fault(enum.Enum):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ftmaster.runfiles import atomic_write_text
+from ftmaster.faults import CUDA_ERROR_ENV, CUDA_ERROR_SIGNAL
 
 PR_SET_PDEATHSIG = 1
 RANK_DIR_ENV = "FTMASTER_RANK_DIR"
@@ -161,13 +162,24 @@ def _error_file_env(local_rank: int) -> tuple[dict[str, str], Path | None, str |
     return {**os.environ, ERROR_FILE_ENV: str(ours)}, ours, torchrun_file
 
 
+def _start_rank(guard_pid: int, held: set[signal.Signals]) -> None:
+    """In the rank's process before its exec: it dies with its guard, and ``held`` signals
+    wait (blocked; the mask outlives the exec) until the rank unblocks them."""
+    die_with_parent(guard_pid)
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+
+
 def run_rank(script_args: list[str]) -> int:
     die_with_parent(_started_by())
     guard_pid = os.getpid()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env, error_file, torchrun_error_file = _error_file_env(local_rank)
+    # A rehearsed XID is a SIGUSR2 the rank's handler turns into the CUDA error; it may come
+    # before the rank's imports reach that handler, so it waits, blocked, until then.
+    held = {CUDA_ERROR_SIGNAL} if CUDA_ERROR_ENV in env else set()
     child = subprocess.Popen([sys.executable, "-u", *script_args], env=env,
-                             preexec_fn=lambda: die_with_parent(guard_pid))
+                             preexec_fn=lambda: _start_rank(guard_pid, held))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     record = {"local_rank": local_rank, "rank": int(os.environ.get("RANK", "0")),

@@ -83,7 +83,7 @@ from ftmaster.attempt import (Attempt, classify_exits, failed_despite_the_stop, 
                               with_exit_signal_handler)
 from ftmaster.console import (END_EVENTS, SAVE_EVENTS, FileTail, Progress, describe_event, gpus_text,
                               new_events)
-from ftmaster.faults import Fault, Injection
+from ftmaster.faults import CUDA_ERROR_ENV, CUDA_ERROR_SIGNAL, Fault, Injection
 from ftmaster.gpus import JobGpus
 from ftmaster.membership import (UNTOLD_END, JobEnded, JoinTimedOut, NodeMembership, NodeRecord,
                                  Round, StoreLost)
@@ -115,8 +115,6 @@ from ftmaster.warm import LaunchCancelled, WarmStarter
 
 # Read by megatron.training.rehearsal (the trainer side of injected faults).
 NAN_INJECTION_ENV = "FTMASTER_INJECT_NAN"
-CUDA_ERROR_ENV = "FTMASTER_INJECT_CUDA_ERROR"
-CUDA_ERROR_SIGNAL = signal.SIGUSR2
 SLOW_INJECTION_ENV = "FTMASTER_INJECT_SLOW"
 SLOW_FILE_PREFIX = "slow_"
 """``RANK_DIR/slow_<local rank>`` holds the factor an injected ``slow`` slows that rank by,

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ftmaster import runfiles
+from ftmaster.faults import CUDA_ERROR_ENV, CUDA_ERROR_SIGNAL
 from ftmaster.guard import (ERROR_FILE_ENV, RANK_DIR_ENV, die_with_parent, error_file_path,
                             write_rank_record)
 from ftmaster.membership import free_port
@@ -215,6 +216,8 @@ def _take_assignment(assignment: dict, idle: bool) -> None:
     os.environ.clear()
     os.environ.update(assignment["env"])
     os.environ[runfiles.ASSIGNED_AT_ENV] = repr(time.time())
+    if CUDA_ERROR_ENV not in os.environ:  # no rehearsal: no handler will unblock it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {CUDA_ERROR_SIGNAL})
     os.chdir(assignment["cwd"])
     restored = set_session_nice(os.getpid(), 0)
     if idle:
@@ -275,6 +278,9 @@ def serve() -> None:
     # The pool's pid, not getppid(): a pool that died while this interpreter started would
     # leave it reparented, and getppid() would then name the new parent.
     die_with_parent(int(sys.argv[2]))
+    # A rehearsed XID may be signalled once the rank is handed over, before the trainer arms
+    # its handler: it waits, blocked (for every thread started from here on), until then.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {CUDA_ERROR_SIGNAL})
     _show_command(["-m", "ftmaster.warm", *sys.argv[1:]])  # now: it reads the environment once
     idle = _idle_priority_reversibly()
     assignments, answers = _private_channel()
