@@ -282,6 +282,9 @@ class Monitor:
         self._evidence: dict[int, GpuEvidence] = {}
         self._unschedulable_logged: set[int] = set()
         self._started_at: float | None = None
+        self._heartbeats_from = time.time()
+        """A heartbeat written before the monitor started is an earlier run's (``ftmaster
+        monitor`` on a run directory kept): its iteration fires no ``at=iter:K``."""
         self._coverage_checked = False
         self._gpu_gaps: dict[int, tuple[str, ...]] = {}  # GPU -> hard signals it cannot show, as said
         self._stop = threading.Event()
@@ -399,9 +402,13 @@ class Monitor:
             self._started_at = now
         recovered = self._inject_due(now)
         with self._lock:
-            samples = self.overlay.apply([s for s in samples if self._wanted(s.gpu_id)])
+            wanted = [s for s in samples if self._wanted(s.gpu_id)]
+            # What the backend read, before a rehearsal's overlay took any GPU away: a fail
+            # due at the first sample is a GPU lost, not one never seen.
+            sampled = sorted({s.gpu_id for s in wanted})
+            samples = self.overlay.apply(wanted)
             conditions = {gpu: names for gpu, names in conditions.items() if self._wanted(gpu)}
-            newly_lost = self._track_presence(samples, conditions)
+            newly_lost = self._track_presence(samples, conditions, sampled)
             self._gather_evidence(samples, conditions)
             for gpu in recovered:  # the rehearsal's reset: what was seen before no longer holds
                 self._evidence.pop(gpu, None)
@@ -427,7 +434,7 @@ class Monitor:
         if samples and not self._coverage_checked:
             self._coverage_checked = True
             self._report_coverage(samples)
-            self._report_unsampled_injections(samples)
+            self._report_unsampled_injections(sampled)
         if samples:
             self._report_gpu_coverage()
         for listener in self.sample_listeners:
@@ -444,7 +451,8 @@ class Monitor:
         iteration = None
         if self.run_dir is not None:
             heartbeat = runfiles.read_heartbeat(self.run_dir)
-            iteration = None if heartbeat is None else heartbeat["iteration"]
+            if heartbeat is not None and heartbeat.get("time", self._heartbeats_from) >= self._heartbeats_from:
+                iteration = heartbeat["iteration"]
         elapsed = now - self._started_at
         recovered = []
         for injection in [i for i in self.pending_injections if i.due(iteration, elapsed)]:
@@ -464,8 +472,11 @@ class Monitor:
             injections_log.warning("the %s backend cannot wedge its reads: %s changes nothing",
                                    self.backend.name, injection)
 
-    def _track_presence(self, samples: list[GpuSample], conditions: dict[int, tuple[str, ...]]) -> list[int]:
-        """Update the known/lost sets; returns the GPUs lost in this sample."""
+    def _track_presence(self, samples: list[GpuSample], conditions: dict[int, tuple[str, ...]],
+                        sampled: Iterable[int]) -> list[int]:
+        """Update the known/lost sets; returns the GPUs lost in this sample. ``sampled``: the
+        GPUs the backend read, some of which an injected fault may have taken away."""
+        self._known |= set(sampled)
         present = {s.gpu_id for s in samples}
         for gpu in present & set(self._lost):
             log.info("GPU %d reports again", gpu)
@@ -526,11 +537,11 @@ class Monitor:
             if self.run_dir is not None:
                 self._append_event("monitor_coverage", gpu=gpu, unavailable=list(now))
 
-    def _report_unsampled_injections(self, samples: list[GpuSample]) -> None:
+    def _report_unsampled_injections(self, sampled: list[int]) -> None:
         """An injection for a GPU that is not sampled would never show, and the rehearsal
         would pass for one that ran: the sim backend's GPUs are checked before the start, but
-        NVML's and a replay's are known only from their first sample."""
-        sampled = sorted({s.gpu_id for s in samples})
+        NVML's and a replay's are known only from their first sample (``sampled``, as the
+        backend read it)."""
         for gpu, injection in self._injected_gpus.items():
             if gpu not in sampled:
                 injections_log.warning("--inject %s: GPU %d is not among the sampled %s; it "

@@ -674,3 +674,30 @@ def test_a_hang_rehearsals_idle_gpu_works_again_once_the_attempt_is_relaunched(t
     assert not monitor.still_critical(1)
     assert all(s.gpu_utilization > 50 for s in monitor.overlay.apply(monitor.backend.sample())
                if s.gpu_id == 1)
+
+
+def test_a_fail_due_at_the_first_sample_is_a_gpu_lost_not_one_never_sampled(tmp_path):
+    """The injection was laid over the first sample before the GPUs were counted: GPU 1
+    never counted as seen, so it was never lost, and the run said the injection changed
+    nothing (GPU 1 "is not among the sampled GPU 0")."""
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=1,at=0s"], num_gpus=2)
+    run(monitor, 3)
+    assert monitor.lost_gpus() == {1}
+    events = [e["event"] for e in runfiles.read_events(tmp_path)]
+    assert "injection_unsampled" not in events
+
+
+def test_an_earlier_runs_heartbeat_fires_no_injection_at_an_iteration(tmp_path):
+    """`ftmaster monitor` on a run directory kept from a run three days ago (iteration 30,
+    finished): at=iter:8 fired at the first sample, with no trainer running."""
+    import time
+
+    runfiles.write_heartbeat(tmp_path, iteration=30, consumed_samples=240, finished=True)
+    stale = json.loads(runfiles.heartbeat_path(tmp_path).read_text())
+    runfiles.heartbeat_path(tmp_path).write_text(json.dumps({**stale, "time": time.time() - 3 * 86400}))
+    monitor = sim_monitor(tmp_path, 1.0, ["fail:gpu=1,at=iter:8"], num_gpus=2)
+    run(monitor, 3)
+    assert monitor.lost_gpus() == set()
+    runfiles.write_heartbeat(tmp_path, iteration=8, consumed_samples=64)  # a trainer at work now
+    run(monitor, 3)
+    assert monitor.lost_gpus() == {1}
