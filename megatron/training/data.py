@@ -24,6 +24,8 @@ from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import Split, get_blend_from_list
 from torch.utils.data import default_collate
 
+from .console import log_last_rank
+
 
 def dataset_sizes(args: argparse.Namespace) -> list[int]:
     """Samples needed per split (train, valid, test), as Megatron-LM computes them."""
@@ -214,6 +216,7 @@ class BatchPrefetcher:
         self.pin_memory = pin_memory
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
         self._ahead: tuple[int, Future] | None = None
+        self._past_the_end_said = False
 
     def _build(self, consumed: int) -> list[dict[str, torch.Tensor]]:
         batches = list(MicroBatches(self.dataset, consumed, self.micro_batch_size,
@@ -224,6 +227,14 @@ class BatchPrefetcher:
         return batches
 
     def iteration(self, consumed: int) -> Iterator[dict[str, torch.Tensor]]:
+        if consumed + self.global_batch_size > len(self.dataset) and not self._past_the_end_said:
+            self._past_the_end_said = True
+            log_last_rank(
+                f"warning: training reads samples {consumed} to {consumed + self.global_batch_size - 1}, "
+                f"past the {len(self.dataset)} its split was built with: those past it are the "
+                f"split's first samples again (a --train-samples the global batch does not divide "
+                f"ends in a whole batch; a --train-iters resumed at a smaller global batch than "
+                f"the checkpoint's reads past its samples, which Megatron-LM's sampler refuses)")
         ahead, self._ahead = self._ahead, None
         batches = (ahead[1].result() if ahead is not None and ahead[0] == consumed
                    else self._build(consumed))

@@ -110,3 +110,29 @@ def test_a_corpus_made_again_at_the_same_prefix_is_not_read_through_the_old_ones
     assert len(train) == len(fresh) < before
     for index in range(len(train)):
         assert torch.equal(train[index]["tokens"], fresh[index]["tokens"])
+
+
+def test_training_that_reads_past_its_split_says_so_once(monkeypatch, capsys):
+    """A --train-iters resumed at a smaller global batch than the checkpoint's read past the
+    samples its split was built with, and the modulo read the split's first ones again,
+    silently (Megatron-LM's sampler refuses)."""
+    from megatron.core import parallel_state
+
+    from megatron.training.data import BatchPrefetcher
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda *a, **k: 1)
+    dataset = [{"tokens": torch.tensor([i])} for i in range(10)]
+    batches = BatchPrefetcher(dataset, micro_batch_size=2, num_micro_batches=2,
+                              global_batch_size=4, pin_memory=False)
+    try:
+        list(batches.iteration(4))
+        assert capsys.readouterr().out == ""
+        read = [int(t) for batch in batches.iteration(8) for t in batch["tokens"]]
+        list(batches.iteration(12))
+    finally:
+        batches.close()
+    assert read == [8, 9, 0, 1]
+    said = capsys.readouterr().out
+    assert said.count("warning: training reads samples 8 to 11, past the 10 its split") == 1
+    assert said.count("warning") == 1
