@@ -1477,6 +1477,15 @@ def test_read_flag_never_raises_for_a_flag_it_cannot_read(tmp_path, body):
     assert runfiles.read_flag(flag) == {"unreadable": True}
 
 
+@pytest.mark.timeout(20)
+def test_a_fifo_for_a_flag_is_a_request_not_a_wait_for_a_writer(tmp_path):
+    """A FIFO moved to save_now.flag held the listener's read until some writer came, and
+    every later request (a real GPU alert) with it."""
+    flag = tmp_path / "save_now.flag"
+    os.mkfifo(flag)
+    assert runfiles.read_flag(flag) == {"unreadable": True}
+
+
 def test_the_listener_outlives_any_error_of_one_poll(tmp_path, monkeypatch, caplog):
     polls = []
 

@@ -259,11 +259,13 @@ def read_flag(path: Path) -> dict[str, Any] | None:
     """Return the flag's request, or None when there is no flag.
 
     A flag that exists but is empty, malformed or unreadable (not UTF-8, JSON nested past
-    the parser's depth) is still a request: it comes back as ``{"unreadable": True}`` instead
-    of raising.
+    the parser's depth, a FIFO, whose open would wait for a writer forever and take every
+    later request with it) is still a request: it comes back as ``{"unreadable": True}``
+    instead of raising.
     """
     try:
-        text = Path(path).read_text()
+        with open(_open_regular(Path(path)), encoding="utf-8") as handle:
+            text = handle.read()
     except FileNotFoundError:
         return None
     except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
