@@ -157,7 +157,9 @@ _LAYER_PATTERN = re.compile(r"^\(?((?:\[[01]\]\*\d+\+?)+)\)?(?:\*(\d+))?$")
 
 def moe_layer_count(freq: str | None, num_layers: int) -> int | None:
     """MoE layers for ``--moe-layer-freq``: an int N (every N-th layer, Megatron's
-    ``moe_layer_pattern``) or a pattern like ``([0]*1+[1]*15)``; None when not understood."""
+    ``moe_layer_pattern``) or a pattern like ``([0]*1+[1]*15)``; None when not understood.
+    ValueError for a pattern of another length than ``num_layers``, which Megatron-LM
+    asserts against (ours counted negative dense layers for a longer one)."""
     if freq is None:
         return num_layers
     text = freq.replace(" ", "")
@@ -168,6 +170,10 @@ def moe_layer_count(freq: str | None, num_layers: int) -> int | None:
         return None
     pieces = re.findall(r"\[([01])\]\*(\d+)", match.group(1))
     repeat = int(match.group(2) or 1)
+    length = repeat * sum(int(count) for _, count in pieces)
+    if length != num_layers:
+        raise ValueError(f"--moe-layer-freq {freq} gives {length} layers, where --num-layers "
+                         f"is {num_layers}")
     return repeat * sum(int(count) for kind, count in pieces if kind == "1")
 
 

@@ -158,3 +158,17 @@ def test_a_step_time_too_short_to_calibrate_on_is_refused_in_one_line(measured):
     0 s and samples/s divided by it (ZeroDivisionError from ftmaster plan) (found in review)."""
     with pytest.raises(ValueError, match="too short"):
         plan_layout(layout(pp=4, gbs=32), 31, 8, original_world_size=32, measured_step_s=measured)
+
+
+@pytest.mark.parametrize("pattern", ["([1]*8)", "([1]*2)", "([0]*1+[1]*2)*2"])
+def test_a_moe_layer_pattern_of_another_length_than_the_model_is_refused(pattern):
+    """Megatron-LM asserts the pattern's length is --num-layers: a longer one was read as
+    more MoE layers than the model has, and counted negative dense layers."""
+    from ftmaster.recovery.model_facts import read_model_shape
+
+    args = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8",
+            "--seq-length", "128", "--vocab-size", "1024", "--num-experts", "8",
+            "--moe-layer-freq", pattern]
+    with pytest.raises(ValueError, match=rf"--moe-layer-freq .* gives \d+ layers, where "
+                                         rf"--num-layers is 4"):
+        read_model_shape(args)
