@@ -2572,3 +2572,25 @@ def test_the_supervisors_save_requests_say_who_and_why_as_the_monitors_do(tmp_pa
     flag = runfiles.read_flag(runfiles.trigger_flag_path(tmp_path))
     assert (flag["source"], flag["gpu"], flag["reasons"]) == ("straggler", 1,
                                                               ["draining GPU 1: ..."])
+
+
+def test_a_run_directory_lock_removed_while_another_launch_waits_is_not_the_one_it_takes(tmp_path):
+    """A refused launch takes its run directory's lock file away before it lets go of the
+    lock; a launch waiting on it then held a file no longer there, and a third launch locked
+    a new one: two ftmasters on one run directory."""
+    import threading
+
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    removed = threading.Timer(0.1, lambda: (first.path.unlink(), first.release()))
+    removed.start()
+    second = RunDirLock(tmp_path)
+    second.acquire()  # waits up to PROBE_HOLD_S: the first lets go at 0.1 s
+    removed.join()
+    try:
+        assert first.path.exists()
+        assert os.fstat(second._fd).st_ino == first.path.stat().st_ino
+        with pytest.raises(RunDirLocked):
+            RunDirLock(tmp_path).acquire()
+    finally:
+        second.release()

@@ -47,24 +47,36 @@ class RunDirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`RunDirLocked` naming the holder; OSError if
-        unwritable. On a file system without locks, goes on without one (``unlocked_because``)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            _lock_within(fd, PROBE_HOLD_S)
-        except OSError as error:
-            holder = _run_dir_holder(os.read(fd, 512).decode(errors="replace")) \
-                if error.errno == errno.ETIMEDOUT else ""
+        unwritable. On a file system without locks, goes on without one (``unlocked_because``).
+        A lock file removed while this waited for it (a refused launch takes away the run
+        directory it made) is let go, and the one at the path now taken: held, the removed
+        file let a third launch lock a new one, two ftmasters on one run directory."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                _lock_within(fd, PROBE_HOLD_S)
+            except OSError as error:
+                self._not_locked(fd, error)
+                return
+            if _is_at(fd, self.path):
+                break
             os.close(fd)
-            if holder:
-                raise RunDirLocked(f"another ftmaster ({holder}) is using {self.path.parent}; "
-                                   "wait for it to end or give another --run-dir") from None
-            if error.errno not in NO_LOCKS:
-                raise
-            self.unlocked_because = error.strerror
-            return
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self._fd = fd
+
+    def _not_locked(self, fd: int, error: OSError) -> None:
+        """``fd`` closed, then RunDirLocked naming the holder, ``error`` itself, or (no locks
+        on this file system) ``unlocked_because`` said."""
+        holder = _run_dir_holder(os.read(fd, 512).decode(errors="replace")) \
+            if error.errno == errno.ETIMEDOUT else ""
+        os.close(fd)
+        if holder:
+            raise RunDirLocked(f"another ftmaster ({holder}) is using {self.path.parent}; "
+                               "wait for it to end or give another --run-dir") from None
+        if error.errno not in NO_LOCKS:
+            raise error
+        self.unlocked_because = error.strerror
 
     def release(self) -> None:
         if self._fd is not None:
