@@ -35,6 +35,8 @@ import os
 import pickle
 import re
 import reprlib
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -143,6 +145,30 @@ def list_iterations(save_dir: Path) -> list[int]:
         return []
     found = (_ITER_DIR.match(entry.name) for entry in save_dir.iterdir() if entry.is_dir())
     return sorted((int(match.group(1)) for match in found if match), reverse=True)
+
+
+REMOVING = ".removing-"
+"""What a checkpoint folder being removed is renamed to first (``iter_*.removing-<id>``)."""
+
+
+def remove_checkpoint_folder(folder: Path) -> None:
+    """``folder`` out of every load's candidates at once (renamed), then emptied: a removal
+    cut short (a kill, a file an NFS server keeps busy) leaves a folder no load looks at, not
+    a checkpoint with its manifest and short of a shard, which a load without a tracker took
+    as complete, failed, and then refused every relaunch on (exit 66). Folders an earlier
+    removal left this way go too. Where the rename fails, emptied in place, manifest first."""
+    folder = Path(folder)
+    doomed = folder.with_name(f"{folder.name}{REMOVING}{uuid.uuid4().hex[:8]}")
+    try:
+        folder.rename(doomed)
+    except FileNotFoundError:
+        doomed = None
+    except OSError:
+        (folder / MANIFEST_NAME).unlink(missing_ok=True)
+        doomed = folder
+    for leftover in [doomed] + list(folder.parent.glob(f"iter_*{REMOVING}*")):
+        if leftover is not None:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def remove_abandoned_writes(save_dir: Path, older_than: float) -> None:
@@ -282,7 +308,8 @@ def _checkpoint_problem(path: Path, elsewhere: bool) -> str | None:
         if not (path / name).is_file():
             return f"{name} is missing"
     manifest = read_manifest(path)
-    if manifest is None and (path / MANIFEST_NAME).exists():
+    if (manifest is None and (path / MANIFEST_NAME).exists()) or \
+            (manifest is not None and manifest.lost_its_files):
         # Loaded as a checkpoint without one, its damaged shards would go unchecked.
         return f"{MANIFEST_NAME} is unreadable, so the checksums cannot be checked"
     if manifest is not None and manifest.files:

@@ -175,6 +175,14 @@ class Manifest:
     """Empty for a manifest written before checksums existed (``{"kind": ...}`` only)."""
     items: Mapping[str, Mapping[int, FileDigest]] = field(default_factory=dict)
     """Shard name -> item offset -> digest; empty when the writer recorded none."""
+    checksummed: bool = False
+    """Whether it names its checksum: written with checksums, so it must list its files."""
+
+    @property
+    def lost_its_files(self) -> bool:
+        """Written with checksums, and its file list gone ("files" one flipped bit from
+        "filgs"): taken as a manifest of before checksums, it left every file unchecked."""
+        return self.checksummed and not self.files
 
     @property
     def total_bytes(self) -> int:
@@ -232,7 +240,8 @@ def parse_manifest(text: str | bytes) -> Manifest | None:
     kind = body.get("kind")
     iteration = body.get("iteration")
     return Manifest(kind if kind in SAVE_KINDS else None,
-                    iteration if isinstance(iteration, int) else None, files, items)
+                    iteration if isinstance(iteration, int) else None, files, items,
+                    "checksum" in body)
 
 
 def is_plain_file_name(name: str) -> bool:

@@ -97,6 +97,7 @@ from ftmaster.recovery.checkpoints import (
     prunable_emergency_checkpoints,
     prunable_memory_checkpoints,
     read_tracker,
+    remove_checkpoint_folder,
     same_folder,
     tier_candidates,
     tracker_lock,
@@ -426,7 +427,9 @@ def prune_memory_checkpoints(memory_dir: Path, newest: int, slots: set[int],
     with tracker_lock(memory_dir):  # as pin() marks: never between its check and its mark
         doomed = [iteration_dir(memory_dir, it) for it in prunable_memory_checkpoints(
             memory_dir, newest, slots, superseded_below)]
-        for folder in doomed + list(Path(memory_dir).glob("iter_*.discarded-*")):
+        for folder in doomed:
+            remove_checkpoint_folder(folder)
+        for folder in Path(memory_dir).glob("iter_*.discarded-*"):
             shutil.rmtree(folder, ignore_errors=True)
         tracked = read_tracker(memory_dir)
         if tracked is not None and iteration_dir(memory_dir, tracked) in doomed:
@@ -1060,7 +1063,7 @@ def _remove_unless_tracked(folder: Path, iteration: int) -> bool:
     with tracker_lock(folder.parent):
         if read_tracker(folder.parent) == iteration:
             return False
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_checkpoint_folder(folder)
         return True
 
 

@@ -356,6 +356,7 @@ def test_a_shard_the_metadata_names_but_the_manifest_does_not_is_never_loaded_un
     lambda data: data[:100],                                   # truncated
     lambda data: b"",                                          # emptied
     lambda data: data.replace(b'"files"', b'"fil\xffs"'),     # a byte flipped
+    lambda data: data.replace(b'"files"', b'"filgs"'),         # a bit: read as before checksums
     lambda data: data.replace(b"xxh3_64", b"sha1"),            # a checksum this build cannot check
     lambda data: data.replace(b'"bytes": ', b'"bytes": 1e999', 1),  # a size no int can hold
     lambda data: b"[" * 100_000,                               # nested past the parser's depth

@@ -139,3 +139,29 @@ def test_a_failed_saves_clean_up_never_removes_a_folder_a_persist_copy_just_trac
     assert read_tracker(disk) == 12
     manifest = read_manifest(failed)
     assert manifest is not None and digest_problem(failed, manifest, sorted(manifest.files)) is None
+
+
+def test_a_failed_saves_folder_whose_removal_is_cut_short_is_no_candidate(tmp_path, monkeypatch):
+    """A first save whose tracker could not be written is removed; a kill partway through
+    that removal (ext4 lists the shards before the manifest) left a folder with its manifest
+    and short of a shard: with no tracker every load took it as complete, failed on it, and
+    refused every relaunch (exit 66), and a fresh start was refused over it."""
+    from ftmaster.recovery.checkpoints import holds_checkpoints, list_iterations
+
+    from test_persist import fake_checkpoint
+
+    folder = fake_checkpoint(tmp_path, 2)
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()  # its tracker never landed
+    removal = shutil.rmtree
+
+    def killed_after_one_file(path, *args, **kwargs):
+        next(p for p in Path(path).iterdir() if p.name != MANIFEST_NAME).unlink()
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing._remove_unless_tracked(folder, 2)
+    monkeypatch.setattr(shutil, "rmtree", removal)
+    assert list_iterations(tmp_path) == [] and not holds_checkpoints(tmp_path)
+    checkpointing._remove_unless_tracked(tmp_path / "iter_0000003", 3)  # the next removal
+    assert not list(tmp_path.glob("iter_*"))  # takes what the cut one left
