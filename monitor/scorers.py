@@ -540,7 +540,8 @@ class AdaptiveScorer:
             hard[s.gpu_id] = hard_reasons(track.error_counters, s)
             remember_counters(track.error_counters, s)
             dts[s.gpu_id] = max(0.0, s.timestamp - track.last)
-            self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id))
+            self._observe(track, s, peer_temp.get(s.gpu_id), peer_util.get(s.gpu_id),
+                          peers_sampled=len(samples) > 1)
             self._observe_drifts(track, s, peers)
             features[s.gpu_id] = self._features(
                 track, s, peers.clock.get(s.gpu_id) if self._drift_relative(peers) else None)
@@ -584,13 +585,16 @@ class AdaptiveScorer:
         return track.loaded_s >= self.config.warmup_s or t - track.first >= 3 * self.config.warmup_s
 
     def _observe(self, track: _Track, s: GpuSample, peer_temp: float | None,
-                 peer_util: float | None) -> None:
+                 peer_util: float | None, peers_sampled: bool = False) -> None:
         t = s.timestamp
         breaking = (s.gpu_utilization is not None and s.gpu_utilization < self.config.loaded_util
                     and _loaded_for(track, t) >= self.config.settle_s and track.raw.times)
         if breaking:  # the level it held, before this sample of the break joins the window
             track.warm_level = track.raw.mean()
-        if s.temperature is not None:
+        # Peers sampled whose temperatures are unread: its part against them is unknown this
+        # once. Taken as "no peers", a single failed read restarted its scale and relearnt its
+        # baseline at its present level, hot or not, twice.
+        if s.temperature is not None and (peer_temp is not None or not peers_sampled):
             with_peers = peer_temp is not None
             if track.with_peers is not None and with_peers != track.with_peers:
                 # Relative to peers vs absolute are different scales: start the residual afresh.
@@ -598,6 +602,7 @@ class AdaptiveScorer:
                 track.baseline = None
             track.with_peers = with_peers
             track.residual.push(t, s.temperature - (peer_temp or 0.0))
+        if s.temperature is not None:
             track.raw.push(t, s.temperature)
         track.power_limit = s.power_limit or track.power_limit
         if s.power_draw is not None:

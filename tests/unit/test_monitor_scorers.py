@@ -281,3 +281,27 @@ def test_a_score_holds_while_a_signal_the_gpu_showed_is_unread(power):
     for k in range(142, 154):
         step(k, 65.0)
     assert scores[-1] < hot
+
+
+def test_one_unread_temperature_of_the_only_peer_keeps_the_others_baseline():
+    """2 GPUs; GPU 1 warms 1.5 C a minute to 15 C over its peer. One failed read of GPU 0's
+    temperature read as "no peers": GPU 1's scale restarted twice and its baseline was
+    relearnt at its hot level, and its score fell to 0 while it stayed 15 C hotter."""
+    def run(unread_at):
+        scorer, scores, baselines = AdaptiveScorer(), [], []
+        for i in range(260):
+            t = T0 + 10 * i
+            hotter = min(max(i - 120, 0), 60) * 0.25
+            out = scorer.update([sample(t, 0, temperature=None if i == unread_at else 65.0,
+                                        sm_clock=1800.0),
+                                 sample(t, 1, temperature=65.0 + hotter, sm_clock=1800.0)])
+            scores.append(out[1].severities.get("temperature_trend", 0.0)
+                          if hasattr(out[1], "severities") else out[1].score)
+            baselines.append(scorer._tracks[1].baseline)
+        return scores, baselines
+
+    reference, reference_baselines = run(unread_at=None)
+    scores, baselines = run(unread_at=135)
+    # one point fewer in its windows, no more: the baseline and the score stay the reference's
+    assert max(abs(a - b) for a, b in zip(baselines[136:], reference_baselines[136:])) < 0.05
+    assert max(abs(a - b) for a, b in zip(scores[136:], reference[136:])) < 0.05
