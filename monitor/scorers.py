@@ -490,6 +490,7 @@ class _Track:
         # Cumulative counters at their last known values: a failed read must not hide a rise.
         self.error_counters: dict[str, int] = {}
         self.last_sbe: int | None = None
+        self.last_sbe_at = t  # when it was read
         self.power_limit: float | None = None  # its last known: a failed read moves no cap
         self.read_once: frozenset[str] = frozenset()  # main signals it has ever shown
         self.residual = Window(cfg.trend_window_s)
@@ -623,8 +624,9 @@ class AdaptiveScorer:
             track.throttle.push(t, float(bool(s.throttle_reasons & BAD_THROTTLE_MASK)))
         if s.ecc_sbe is not None:
             if track.last_sbe is not None and s.ecc_sbe > track.last_sbe:
-                track.sbe_events.append((t, s.ecc_sbe - track.last_sbe))
-            track.last_sbe = s.ecc_sbe
+                track.sbe_events.extend(_spread_over(track.last_sbe_at, t, s.ecc_sbe - track.last_sbe,
+                                                     self.config.sbe_window_s))
+            track.last_sbe, track.last_sbe_at = s.ecc_sbe, t
         while track.sbe_events and track.sbe_events[0][0] < t - 4 * self.config.sbe_window_s:
             track.sbe_events.popleft()
 
@@ -748,6 +750,17 @@ class AdaptiveScorer:
         reasons = tuple(k for k, v in sorted(severities.items(), key=lambda kv: -kv[1])
                         if v >= REASON_FLOOR)
         return Assessment(round(track.score, 4), reasons)
+
+
+def _spread_over(start: float, end: float, count: int, window_s: float) -> list[tuple[float, int]]:
+    """A counter's rise since its last read at ``start``, as events: all at ``end`` when the
+    reads were close, else spread evenly over the reads' gap, one per ``window_s`` (when they
+    came is unknown): all at the end, a steady rate's errors of a 30-minute outage read as a
+    burst, an alert."""
+    buckets = max(1, math.ceil((end - start) / window_s))
+    shares = ((start + (end - start) * (k + 1) / buckets,
+               count * (k + 1) // buckets - count * k // buckets) for k in range(buckets))
+    return [(when, share) for when, share in shares if share]
 
 
 def _sbe_excess(events: Iterable[tuple[float, int]], t: float, first: float, window_s: float) -> float:

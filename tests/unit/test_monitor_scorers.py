@@ -305,3 +305,22 @@ def test_one_unread_temperature_of_the_only_peer_keeps_the_others_baseline():
     # one point fewer in its windows, no more: the baseline and the score stay the reference's
     assert max(abs(a - b) for a, b in zip(baselines[136:], reference_baselines[136:])) < 0.05
     assert max(abs(a - b) for a, b in zip(scores[136:], reference[136:])) < 0.05
+
+
+def test_corrected_errors_counted_over_a_read_outage_are_no_burst():
+    """A steady corrected error every 2 minutes, GPU 1's counter unread for 30 minutes: the
+    whole rise landed at the first read after, in the recent window, an acceleration and an
+    alert (0.96)."""
+    def worst(unread):
+        scorer, policy, errors, alerts, top = AdaptiveScorer(), AlertPolicy(), 0, 0, 0.0
+        for i in range(500):
+            t = T0 + 10 * i
+            errors += i % 12 == 0 and i > 0
+            out = scorer.update([sample(t, g, ecc_sbe=None if g == 1 and unread(i) else
+                                        (errors if g == 1 else 0)) for g in range(4)])
+            top = max(top, out[1].score)
+            alerts += policy.decide(1, t, out[1])
+        return top, alerts
+
+    steady = worst(lambda i: False)
+    assert worst(lambda i: 200 <= i < 380) == (pytest.approx(steady[0], abs=0.1), 0)
