@@ -613,9 +613,9 @@ class Trainer:
                 done = self._after_iteration()
             if done:
                 break
-        else:
-            self._evaluate_at_the_end()
+        else:  # saved first, as Megatron-LM's pretrain: an evaluation that fails loses nothing
             self._final_save()
+            self._evaluate_at_the_end()
         self._ended_at = self.state.iteration
         self.checkpointer.close()
         self.board.close()

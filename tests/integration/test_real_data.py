@@ -30,14 +30,14 @@ def corpus(tmp_path):
     return prefix
 
 
-def test_loss_falls_on_a_repetitive_corpus(corpus):
+def test_loss_falls_on_a_repetitive_corpus(corpus, tmp_path):
     result = run_trainer(2, [
         "--pipeline-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4",
         "--global-batch-size", "8", "--train-iters", "40", "--lr", "3e-3",
         "--lr-warmup-iters", "4", "--data-path", corpus, "--split", "98,2,0",
         "--tokenizer-type", "ByteLevelTokenizer", "--log-interval", "1", "--eval-iters", "2",
-        "--eval-interval", "30"])
+        "--eval-interval", "30", "--save", str(tmp_path / "save"), "--save-interval", "100"])
     assert result.returncode == 0, result.stdout[-3000:]
     losses = [entry["loss"] for _, entry in sorted(iterations(result.stdout).items())]
     assert len(losses) == 40
@@ -50,6 +50,10 @@ def test_loss_falls_on_a_repetitive_corpus(corpus):
     assert [int(it) for it, _, _ in validations] == [30, 40]
     assert all(float(ppl) == pytest.approx(math.exp(float(loss)), rel=1e-5)
                for _, loss, ppl in validations)
+    # saved first, as Megatron-LM's pretrain: an evaluation that fails loses no training
+    out = result.stdout
+    assert out.index("saved final checkpoint at iteration 40") < \
+        out.index("validation loss at iteration 40")
 
 
 def test_a_corrupt_corpus_is_a_data_error_named_once_never_a_gpu(corpus, tmp_path):
