@@ -52,6 +52,8 @@ class RunDirLock:
         directory it made) is let go, and the one at the path now taken: held, the removed
         file let a third launch lock a new one, two ftmasters on one run directory."""
         while True:
+            # made again when a refused launch took away the run directory it had made
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 _lock_within(fd, PROBE_HOLD_S)
