@@ -50,7 +50,7 @@ from ftmaster.monitor.daemon import MetricsFileError, Monitor, MonitorConfig
 from ftmaster.monitor.scorers import SCORER_NAMES, make_scorer
 from ftmaster.recovery.cli import (MAX_NODE_GPUS, FiniteFloatRange, FolderPath, InputError,
                                    SeparatedCommand, script_command)
-from ftmaster.persist import (DIR_FLAG, mark_owner, persist_left_behind, tiers_of,
+from ftmaster.persist import (DIR_FLAG, make_ours_alone, mark_owner, persist_left_behind, tiers_of,
                               with_memory_dir)
 from ftmaster.replica_recovery import (FLAG as REPLICA_FLAG,
                                        unavailable_in as replica_recovery_unavailable)
@@ -1050,6 +1050,7 @@ def _replication(config: SupervisorConfig, membership: NodeMembership | None,
         return None
     held.will_make(config.scratch_memory_dir)
     try:
+        make_ours_alone(config.scratch_memory_dir)  # a relaunch takes it again only then
         return Replication(ReplicationConfig(
             config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
             options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))

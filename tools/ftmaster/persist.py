@@ -133,11 +133,17 @@ OWNER_FILE = ".ftmaster_owner.json"
 """In a memory folder ftmaster picked on one node: the ``--save`` and run directory it serves."""
 
 
-def mark_owner(folder: Path, save_dir: Path, run_dir: Path) -> None:
-    """Write :data:`OWNER_FILE` into the folder ftmaster picked (made here if need be, and
-    writable by this user alone, as a later launch trusts only such a folder)."""
+def make_ours_alone(folder: Path) -> None:
+    """The memory folder ftmaster picked, made here if need be and writable by this user
+    alone, whatever the umask (002 makes it group-writable): a later launch trusts only such
+    a folder (:func:`with_memory_dir`)."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     os.chmod(folder, stat.S_IMODE(os.stat(folder).st_mode) & ~0o022)
+
+
+def mark_owner(folder: Path, save_dir: Path, run_dir: Path) -> None:
+    """Write :data:`OWNER_FILE` into the folder ftmaster picked (:func:`make_ours_alone`)."""
+    make_ours_alone(folder)
     owner = {"save": str(Path(save_dir).resolve()), "run_dir": str(Path(run_dir).resolve())}
     atomic_write_text(Path(folder) / OWNER_FILE, json.dumps(owner), durable=False)
 
