@@ -112,6 +112,33 @@ def test_check_layout_accepts_the_scripts_own_layout():
             plan.data_parallel_size, plan.num_gpus_used) == (2, 2, 1, 4)
 
 
+def test_a_node_local_memory_folder_made_under_umask_002_is_taken_again_by_a_relaunch(tmp_path):
+    """Across nodes the folder was made with the process's umask: under 002 (a user's private
+    group) it was group-writable, so the relaunch refused it as maybe another user's, and the
+    node's newest memory checkpoints were left behind."""
+    from ftmaster.persist import with_memory_dir
+
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--vocab-size", "100", "--micro-batch-size", "1",
+            "--non-persistent-ckpt-type", "global", "--save", str(tmp_path / "save")]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    chosen, _ = with_memory_dir(args, tmp_path / "run", shm, node_rank=1)
+    folder = Path(flag_value(chosen, "--non-persistent-global-ckpt-dir"))
+    config = types.SimpleNamespace(scratch_memory_dir=folder, run_dir=tmp_path / "run")
+    membership = types.SimpleNamespace(config=types.SimpleNamespace(node_rank=1),
+                                       bind_host="127.0.0.1")
+    held = types.SimpleNamespace(will_make=lambda folder: None)
+    before = os.umask(0o002)
+    try:
+        replication = _replication(config, membership,
+                                   {"memory_replicas": 1, "replication_rate": 100.0}, held)
+    finally:
+        os.umask(before)
+    replication.close()
+    assert with_memory_dir(args, tmp_path / "run", shm, node_rank=1)[0] == chosen
+
+
 def test_a_node_local_memory_folder_that_cannot_be_made_is_one_line_at_launch(tmp_path):
     not_a_folder = tmp_path / "shm"
     not_a_folder.write_text("")
@@ -2574,23 +2601,30 @@ def test_the_supervisors_save_requests_say_who_and_why_as_the_monitors_do(tmp_pa
                                                               ["draining GPU 1: ..."])
 
 
-def test_a_run_directory_lock_removed_while_another_launch_waits_is_not_the_one_it_takes(tmp_path):
-    """A refused launch takes its run directory's lock file away before it lets go of the
-    lock; a launch waiting on it then held a file no longer there, and a third launch locked
-    a new one: two ftmasters on one run directory."""
+@pytest.mark.parametrize("removed", ["the lock file", "the run directory"])
+def test_a_run_directory_lock_removed_while_another_launch_waits_is_not_the_one_it_takes(
+        tmp_path, removed):
+    """A refused launch takes away the run directory it made, lock file and all, before it
+    lets go of the lock; a launch waiting on it then held a file no longer there, and a third
+    launch locked a new one: two ftmasters on one run directory."""
+    import shutil
     import threading
 
-    first = RunDirLock(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = RunDirLock(run_dir)
     first.acquire()
-    removed = threading.Timer(0.1, lambda: (first.path.unlink(), first.release()))
+    take_away = (first.path.unlink if removed == "the lock file"
+                 else lambda: shutil.rmtree(run_dir))
+    removed = threading.Timer(0.1, lambda: (take_away(), first.release()))
     removed.start()
-    second = RunDirLock(tmp_path)
+    second = RunDirLock(run_dir)
     second.acquire()  # waits up to PROBE_HOLD_S: the first lets go at 0.1 s
     removed.join()
     try:
         assert first.path.exists()
         assert os.fstat(second._fd).st_ino == first.path.stat().st_ino
         with pytest.raises(RunDirLocked):
-            RunDirLock(tmp_path).acquire()
+            RunDirLock(run_dir).acquire()
     finally:
         second.release()
