@@ -180,7 +180,9 @@ def _fill(builders, documents, tokenizer, args) -> None:
         ids = tokenizer.tokenize(text)
         if ids and args.append_eod:
             ids.append(tokenizer.eod)
-        builders[key].add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+        # An empty one has no sequence (Megatron-LM's sentence_lens=[]): a sequence of 0
+        # tokens in every document of a split part hung megatron-core's epoch count.
+        builders[key].add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)] if ids else [])
         count += 1
         tokens += len(ids)
         if count % args.log_interval == 0:

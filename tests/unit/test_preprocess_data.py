@@ -97,10 +97,14 @@ def test_a_text_file_that_is_not_utf8_is_one_line_not_replacement_characters(
 
 
 def _token_ids(prefix) -> list[list[int]]:
+    """Each document's tokens, by the index's document boundaries (an empty document has no
+    sequence)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(str(prefix))
-    return [dataset[i].tolist() for i in range(len(dataset))]
+    bounds = dataset.document_indices
+    return [[token for sequence in range(bounds[d], bounds[d + 1])
+             for token in dataset[sequence].tolist()] for d in range(len(bounds) - 1)]
 
 
 def _documents(prefix) -> list[bytes]:
@@ -146,3 +150,8 @@ def test_each_keys_documents_stay_the_records(preprocess_data, tmp_path, eod):
     end = [256] if eod else []  # the byte tokenizer's end of document
     assert _token_ids(tmp_path / "d_text_document") == [[97] + end, [98] + end, [99] + end]
     assert _token_ids(tmp_path / "d_title_document") == [[65] + end, [], [67] + end]
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    # no sequence of 0 tokens: one in every document of a split part hung megatron-core
+    assert list(IndexedDataset(str(tmp_path / "d_title_document")).sequence_lengths) == \
+        [1 + len(end), 1 + len(end)]
