@@ -9,7 +9,9 @@ planned change of global batch, the batch and the schedule arguments (``batch_sc
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, Sequence
 
 from .argv_flags import flag_present, flag_value, int_flag, remove_flag, set_flag, switched_on
@@ -218,3 +220,16 @@ def resume_from_save(args: Sequence[str], save_has_checkpoint: bool, *,
     for flag, takes_value in STARTING_WEIGHTS_ONLY.items():
         resumed = remove_flag(resumed, flag, takes_value=takes_value)
     return resumed
+
+
+def uses_trainer_parser(script: Path) -> bool:
+    """Whether ``script`` parses its arguments with ftmaster's trainer parser
+    (``megatron.training.arguments.parse_args``), as the bundled ``pretrain_gpt.py`` does; a
+    script with a parser of its own (upstream Megatron-LM's) is left to check itself."""
+    try:
+        tree = ast.parse(Path(script).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.ImportFrom) and node.module == "megatron.training.arguments"
+               and any(alias.name == "parse_args" for alias in node.names)
+               for node in ast.walk(tree))

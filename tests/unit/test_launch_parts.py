@@ -2628,3 +2628,23 @@ def test_a_run_directory_lock_removed_while_another_launch_waits_is_not_the_one_
             RunDirLock(run_dir).acquire()
     finally:
         second.release()
+
+
+@pytest.mark.parametrize("trainer", [True, False])
+def test_an_xid_rehearsal_holds_its_signal_only_for_the_trainer_that_arms_a_handler(tmp_path,
+                                                                                     trainer):
+    """The rank holds the XID's signal until the trainer's handler is armed; a script with
+    its own parser never arms one, so held, the XID changed nothing and the rank trained on.
+    Unheld, the signal kills that script's rank, as a lost GPU would."""
+    from ftmaster.faults import CUDA_ERROR_ENV
+    from helpers.trainer import PRETRAIN
+
+    script = PRETRAIN if trainer else str(tmp_path / "pretrain_gpt.py")
+    if not trainer:
+        Path(script).write_text("import argparse\n")
+    command = (script, *MODEL)
+    config = SupervisorConfig(run_dir=tmp_path, command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(list(command), 4, None, None),
+                              injections=(parse_injection("xid:gpu=1,code=95,at=iter:3"),))
+    supervisor = Supervisor(config, StubMonitor(False))
+    assert (CUDA_ERROR_ENV in supervisor._armed_injections((0, 1, 2, 3))) is trainer

@@ -13,7 +13,6 @@ after ``--stop-timeout`` seconds.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import errno
@@ -58,7 +57,7 @@ from ftmaster.monitor.stragglers import StragglerConfig
 from ftmaster.recovery.argv_flags import flag_present, flag_value, int_flag, set_flag
 from ftmaster.recovery.checkpoints import schedule_on_disk
 from ftmaster.recovery.layout_rules import LAYERS_PER_VIRTUAL_STAGE_FLAG, VIRTUAL_STAGES_FLAG
-from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args
+from ftmaster.recovery.megatron_args import ScriptFacts, read_script_args, uses_trainer_parser
 from ftmaster.recovery.planner import (HOT_SPARE, MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout)
 from ftmaster.recovery.training_values import check_script_values
@@ -188,19 +187,6 @@ def optimizer_reshard_warning(argv: Sequence[str]) -> str | None:
             "loads such a checkpoint only on the same TP and PP, so a relaunch on a new layout "
             "would fail at its load; add the flag (a --no-load-optim given does not help: "
             "relaunches from the run's own checkpoints load their optimizer state)")
-
-
-def uses_trainer_parser(script: Path) -> bool:
-    """Whether ``script`` parses its arguments with ftmaster's trainer parser
-    (``megatron.training.arguments.parse_args``), as the bundled ``pretrain_gpt.py`` does; a
-    script with a parser of its own (upstream Megatron-LM's) is left to check itself."""
-    try:
-        tree = ast.parse(Path(script).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return False
-    return any(isinstance(node, ast.ImportFrom) and node.module == "megatron.training.arguments"
-               and any(alias.name == "parse_args" for alias in node.names)
-               for node in ast.walk(tree))
 
 
 def check_trainer_arguments(command: Sequence[str], world_size: int) -> None:

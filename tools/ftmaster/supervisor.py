@@ -100,7 +100,8 @@ from ftmaster.recovery.checkpoints import (folder_written_at, holds_checkpoints,
                                            list_iterations, newest_held, newest_on_disk,
                                            read_save_kind, read_tracker, remove_abandoned_writes,
                                            same_folder, schedule_on_disk, unmark_peer_copies)
-from ftmaster.recovery.megatron_args import STARTING_WEIGHTS_ONLY, flag_value, resume_from_save
+from ftmaster.recovery.megatron_args import (STARTING_WEIGHTS_ONLY, flag_value, resume_from_save,
+                                             uses_trainer_parser)
 from ftmaster.recovery.manifest import MANIFEST_NAME
 from ftmaster.recovery.planner import (MAX_TOLERANCE_PCT, MODES, Plan, PlanError,
                                        plan_layout, plan_nodes)
@@ -329,7 +330,10 @@ class Supervisor:
         self.retired: dict[int, str] = {}  # GPU -> why it is never planned on again
         self.injected_lost: set[int] = set()
         self.injected_xids: dict[int, int] = {}  # GPU -> XID needing a reset, until a recover
-        self._rehearses_xids = any(i.kind is Fault.XID for i in config.injections)
+        # The trainer's handler turns an XID's signal into the CUDA error, and its rank holds
+        # the signal until the handler is armed; another script has none (the signal kills).
+        self._rehearses_xids = (any(i.kind is Fault.XID for i in config.injections)
+                                and uses_trainer_parser(Path(config.command[0])))
         self.signum: int | None = None
         if starter is not None:
             starter.stop_waiting_on(self._stop_requested)
