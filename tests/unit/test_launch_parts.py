@@ -2642,7 +2642,7 @@ def test_an_xid_rehearsal_holds_its_signal_only_for_the_trainer_that_arms_a_hand
     script = PRETRAIN if trainer else str(tmp_path / "pretrain_gpt.py")
     if not trainer:
         Path(script).write_text("import argparse\n")
-    command = (script, *MODEL)
+    command = (script, *MODEL[1:])
     config = SupervisorConfig(run_dir=tmp_path, command=command, gpus=(0, 1, 2, 3),
                               first_plan=check_layout(list(command), 4, None, None),
                               injections=(parse_injection("xid:gpu=1,code=95,at=iter:3"),))

@@ -324,3 +324,27 @@ def test_corrected_errors_counted_over_a_read_outage_are_no_burst():
 
     steady = worst(lambda i: False)
     assert worst(lambda i: 200 <= i < 380) == (pytest.approx(steady[0], abs=0.1), 0)
+
+
+@pytest.mark.parametrize("idle_minutes", [20, 60])
+def test_a_gpu_back_from_idling_is_judged_against_its_loaded_power_spread(idle_minutes):
+    """One GPU (no peers' spread) at 450 +- 50 W, then idle at a flat 80 W, then the same
+    load again: the idle flatness counted as steady and became its usual spread, and its
+    usual spread under load then read as instability (alerts at 0.97 and 1.0)."""
+    rng = random.Random(3)
+    scorer, policy, alerts = AdaptiveScorer(), AlertPolicy(), []
+    loaded, idle = 180, idle_minutes * 6
+    for i in range(loaded + idle + 180):
+        t = T0 + 10 * i
+        idling = loaded <= i < loaded + idle
+        (assessment,) = scorer.update([sample(
+            t, gpu_utilization=0.0 if idling else 95.0, temperature=40.0 if idling else 65.0,
+            power_draw=80 + rng.uniform(-1, 1) if idling else 450 + rng.uniform(-50, 50))]).values()
+        if policy.decide(0, t, assessment):
+            alerts.append((i, assessment.reasons))
+        if i == loaded - 1:
+            usual = scorer._tracks[0].spread_baseline
+        if i == loaded + idle - 1:
+            after_idling = scorer._tracks[0].spread_baseline
+    assert alerts == []
+    assert after_idling == pytest.approx(usual, rel=0.3)  # not the idle 80 W's flatness

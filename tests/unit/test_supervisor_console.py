@@ -1065,8 +1065,9 @@ def test_only_an_xid_that_needs_a_reset_fails_the_ranks_started_on_its_gpu_later
         health = HealthConfig()
         pending_injections: list = []
 
-    config = SupervisorConfig(run_dir=tmp_path, command=tuple(MODEL), gpus=(0, 1, 2, 3),
-                              first_plan=check_layout(MODEL, 4, None, None),
+    command = (PRETRAIN, *MODEL[1:])  # the trainer, whose handler the XID's error needs
+    config = SupervisorConfig(run_dir=tmp_path, command=command, gpus=(0, 1, 2, 3),
+                              first_plan=check_layout(list(command), 4, None, None),
                               injections=(parse_injection(f"xid:gpu=1,code={code},at=iter:8"),))
     supervisor = Supervisor(config, HealthyMonitor())
     assert supervisor._apply(config.injections[0])  # no attempt running: its GPU's state only
