@@ -280,6 +280,12 @@ class Window:
         self.values: deque[float] = deque()
 
     def push(self, t: float, value: float) -> None:
+        if self.keep and len(self.times) >= 2 and \
+                t - self.times[-1] > max(self.span_s, 3 * (self.times[-1] - self.times[-2])):
+            # Reads back after an outage: the points kept from before it (``keep`` holds
+            # them however old) would make one spread of two levels, an instability.
+            self.times.clear()
+            self.values.clear()
         self.times.append(t)
         self.values.append(value)
         while len(self.times) > self.keep and self.times[0] < t - self.span_s:
@@ -721,9 +727,12 @@ class AdaptiveScorer:
         track.clock_baseline += (s.sm_clock - track.clock_baseline) * weight
 
     def _update_spread_baseline(self, track: _Track, f: Features, dt: float, severity: float) -> None:
+        """Learnt at a steady load only: an idle GPU's flat power (an evaluation, a stall) is
+        steady too, and learnt there the baseline read the same load's usual spread, back
+        after it, as instability (alerts at 1.0 after an hour's idling)."""
         cfg = self.config
         if f.power_spread is None or f.util_range is None or f.util_range > cfg.steady_util_range \
-                or severity >= 0.3:
+                or severity >= 0.3 or min(track.util.values) < cfg.loaded_util:
             return
         if track.spread_baseline is None:
             track.spread_baseline = f.power_spread

@@ -348,3 +348,19 @@ def test_a_gpu_back_from_idling_is_judged_against_its_loaded_power_spread(idle_m
             after_idling = scorer._tracks[0].spread_baseline
     assert alerts == []
     assert after_idling == pytest.approx(usual, rel=0.3)  # not the idle 80 W's flatness
+
+
+def test_power_read_again_after_an_outage_is_no_spread_with_the_points_before_it():
+    """GPU 1's power unread for 30 minutes while the fleet went from 500 W to 430 W: the 16
+    points a power window keeps however old spanned both levels once reads came back, a
+    spread far above the peers', and an alert (1.0) on a steady GPU."""
+    rng = random.Random(1)
+    scorer, policy, alerts = AdaptiveScorer(), AlertPolicy(), []
+    for i in range(320):
+        t = T0 + 10 * i
+        out = scorer.update([sample(t, g, power_draw=None if g == 1 and 100 <= i < 280 else
+                                    (500.0 if i < 150 else 430.0) + rng.uniform(-3, 3))
+                             for g in range(4)])
+        if policy.decide(1, t, out[1]):
+            alerts.append((i, out[1].reasons))
+    assert alerts == []
