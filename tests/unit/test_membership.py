@@ -718,7 +718,7 @@ def test_a_refusal_after_the_peer_server_started_leaves_no_memory_folder(tmp_pat
         "launch", "--nproc-per-node", "2", "--monitor-backend", "sim", "--nnodes", "1:2",
         "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
         "--run-dir", str(run_dir), "--", PRETRAIN, *model])
-    assert result.exit_code == 1, result.stderr
+    assert result.exit_code == 2, result.stderr  # refused: no requeue
     assert result.stderr.count("\n") == 1 and "cannot start the warm workers" in result.stderr
     assert not memory.exists() and not (tmp_path / "ckpt").exists()
 

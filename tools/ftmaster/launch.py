@@ -383,7 +383,7 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except RunDirLocked as error:
-        raise click.ClickException(str(error)) from None
+        raise InputError(str(error)) from None
     except OSError as error:
         raise InputError(f"run directory {run_dir} is not writable ({error.strerror}); "
                          "give a writable --run-dir") from None
@@ -402,7 +402,7 @@ def _backend(spec: str, gpus: tuple[int, ...], seed: int) -> Backend:
     try:
         backend = make_backend(spec, num_gpus=len(gpus), seed=seed, gpu_ids=gpus)
     except BackendError as error:
-        raise click.ClickException(f"{spec} monitor backend unavailable ({error}); on a "
+        raise InputError(f"{spec} monitor backend unavailable ({error}); on a "
                                    "machine without NVIDIA GPUs use --monitor-backend sim") from None
     except ValueError as error:
         raise InputError(str(error)) from None
@@ -433,7 +433,7 @@ def _monitor(backend: Backend, run_dir: Path, seed: int, interval: float, scorer
                        config=MonitorConfig(interval_s=interval), seed=seed)
     except (MetricsFileError, OSError) as error:
         backend.close()
-        raise click.ClickException(str(error)) from None
+        raise InputError(str(error)) from None
 
 
 def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Monitor,
@@ -448,7 +448,7 @@ def _observers(options: dict, rendezvous: RendezvousConfig | None, monitor: Moni
             metrics, url = serve_metrics(options["metrics_port"], options["metrics_addr"],
                                          node_rank, config.run_dir)
         except MetricsUnavailable as error:
-            raise click.ClickException(str(error)) from None
+            raise InputError(str(error)) from None
         logging.getLogger("ftmaster").info("metrics: serving %s", url)
         observers.append(metrics)
     folder = RunBoard.folder_for(list(config.command), node_rank)
@@ -1041,7 +1041,7 @@ def _replication(config: SupervisorConfig, membership: NodeMembership | None,
             config.scratch_memory_dir, config.run_dir, membership.config.node_rank,
             options["memory_replicas"], options["replication_rate"] * 1e6, membership.bind_host))
     except OSError as error:
-        raise click.ClickException(
+        raise InputError(
             f"cannot serve this node's memory tier from "
             f"{runfiles.failed_path(error, config.scratch_memory_dir)} "
             f"({error.strerror or error})") from None
@@ -1057,7 +1057,7 @@ def _warm_starter(config: SupervisorConfig, gpus: int) -> WarmStarter:
                                                                           "warm_ready", **fields))
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
-        raise click.ClickException(f"cannot start the warm workers{where} "
+        raise InputError(f"cannot start the warm workers{where} "
                                    f"({error.strerror or error}); give a --run-dir ftmaster "
                                    "can write, or --cold-restart") from None
 
