@@ -2648,3 +2648,33 @@ def test_an_xid_rehearsal_holds_its_signal_only_for_the_trainer_that_arms_a_hand
                               injections=(parse_injection("xid:gpu=1,code=95,at=iter:3"),))
     supervisor = Supervisor(config, StubMonitor(False))
     assert (CUDA_ERROR_ENV in supervisor._armed_injections((0, 1, 2, 3))) is trainer
+
+
+def test_a_launch_refused_at_another_ones_lock_takes_away_nothing_of_it(tmp_path, monkeypatch):
+    """Two launches on a run directory that did not exist: the second saw it missing, the
+    first made it and took its lock, and the refused second then removed that lock file and
+    the run directory, so a third launch locked anew beside the first: two ftmasters."""
+    from ftmaster import launch as launch_module
+    from ftmaster.lock import LOCK_NAME
+
+    run_dir = tmp_path / "runs" / "first"
+    config = types.SimpleNamespace(command=("pretrain_gpt.py",), run_dir=run_dir,
+                                   scratch_memory_dir=None)
+    first = RunDirLock(run_dir)
+    lock_run_dir = launch_module._lock_run_dir
+
+    def first_launch_locks_meanwhile(folder):
+        folder.mkdir(parents=True)
+        first.acquire()
+        return lock_run_dir(folder)
+
+    monkeypatch.setattr(launch_module, "_lock_run_dir", first_launch_locks_meanwhile)
+    try:
+        with pytest.raises(click.ClickException) as refused:
+            HeldFolders(config, None)
+        assert refused.value.exit_code == 2 and "another ftmaster" in refused.value.message
+        assert (run_dir / LOCK_NAME).exists()
+        with pytest.raises(RunDirLocked):
+            RunDirLock(run_dir).acquire()
+    finally:
+        first.release()

@@ -279,6 +279,8 @@ class HeldFolders:
         self._made = [_missing_folders(config.run_dir, "--run-dir")]
         try:
             self._lock = _lock_run_dir(config.run_dir)
+        except RunDirHeld:  # another launch's: its lock file and run directory are its own
+            raise
         except InputError:  # not another launch's lock: what this one made can go
             if self._made[0]:
                 with contextlib.suppress(OSError):
@@ -377,13 +379,17 @@ def _claim(claim: FolderClaim) -> FolderClaim | None:
     return claim
 
 
+class RunDirHeld(InputError):
+    """Another ftmaster holds the run directory (exit 2, as every refused launch)."""
+
+
 def _lock_run_dir(run_dir: Path) -> RunDirLock:
     lock = RunDirLock(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except RunDirLocked as error:
-        raise InputError(str(error)) from None
+        raise RunDirHeld(str(error)) from None
     except OSError as error:
         raise InputError(f"run directory {run_dir} is not writable ({error.strerror}); "
                          "give a writable --run-dir") from None
