@@ -598,10 +598,13 @@ class AdaptiveScorer:
                     and _loaded_for(track, t) >= self.config.settle_s and track.raw.times)
         if breaking:  # the level it held, before this sample of the break joins the window
             track.warm_level = track.raw.mean()
-        # Peers sampled whose temperatures are unread: its part against them is unknown this
-        # once. Taken as "no peers", a single failed read restarted its scale and relearnt its
-        # baseline at its present level, hot or not, twice.
-        if s.temperature is not None and (peer_temp is not None or not peers_sampled):
+        # Peers sampled whose temperatures are unread: its part against them is unknown for a
+        # while. Taken as "no peers", a single failed read restarted its scale and relearnt its
+        # baseline at its present level, hot or not, twice. An outage longer than the level's
+        # window goes over to its own scale, as without peers, or the trend would go unread.
+        peers_unread = (peers_sampled and peer_temp is None and bool(track.residual.times)
+                        and t - track.residual.times[-1] < self.config.level_window_s)
+        if s.temperature is not None and not peers_unread:
             with_peers = peer_temp is not None
             if track.with_peers is not None and with_peers != track.with_peers:
                 # Relative to peers vs absolute are different scales: start the residual afresh.

@@ -364,3 +364,18 @@ def test_power_read_again_after_an_outage_is_no_spread_with_the_points_before_it
         if policy.decide(1, t, out[1]):
             alerts.append((i, out[1].reasons))
     assert alerts == []
+
+
+def test_a_peer_whose_temperature_stays_unread_leaves_the_trend_read_on_the_gpus_own_scale():
+    """2 GPUs, GPU 1's temperature unread from a minute before GPU 0 heats 30 C in 5
+    minutes: skipping every point while the peer stayed unread left the trend unread, and
+    the alert came 9 samples later, from the slow-drift detector alone."""
+    scorer, policy, first = AdaptiveScorer(), AlertPolicy(), None
+    for i in range(720):
+        t = T0 + 10 * i
+        heat = min(max(0, i - 360) * 30 / 30, 30)
+        out = scorer.update([sample(t, 0, temperature=65.0 + heat),
+                             sample(t, 1, temperature=None if i >= 350 else 65.0)])
+        if policy.decide(0, t, out[0]) and first is None:
+            first = (i - 360, out[0].reasons)
+    assert first is not None and "temperature_trend" in first[1] and first[0] <= 13
