@@ -129,13 +129,15 @@ def _check_split(prefix: str, sequences: int, config: GPTDatasetConfig) -> None:
     """Each part of --split must get a sequence of the corpus. megatron-core adds epochs until
     a part holds the samples asked for, and one with no sequence adds 0 tokens an epoch:
     start-up hung, on a corpus of under 500 sequences with the default --split 969,30,1.
-    The index's sequences are what tools/preprocess_data.py calls documents, so the line
-    says documents: a user reads "sequences" as --seq-length samples."""
+    The index's sequences are what tools/preprocess_data.py calls documents (those with
+    text: an empty one has none), so the line says non-empty documents: a user reads
+    "sequences" as --seq-length samples."""
     for name, bounds in zip(("train", "validation", "test"), config.split_matrix):
         # the builder's own rounding (_build_megatron_dataset_splits)
         if bounds is not None and round(bounds[0] * sequences) == round(bounds[1] * sequences):
             raise DataError(f"--split {config.split} gives the {name} part none of the "
-                            f"{sequences} documents of {prefix} (it divides whole documents, "
+                            f"{sequences} non-empty documents of {prefix} (it divides whole "
+                            f"documents, "
                             f"not --seq-length samples; tools/preprocess_data.py makes one per "
                             f"paragraph of a text file, or per line with --split-on-lines): "
                             f"give a larger corpus, or a --split that gives that part more or "

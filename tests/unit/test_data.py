@@ -64,7 +64,7 @@ def test_a_split_part_without_a_sequence_is_a_data_error_not_a_hang(tmp_path, se
     that --split divides them: "none of the 1 sequences" of a corpus of 600,000 tokens in one
     paragraph read as a count of --seq-length samples."""
     prefix = write_corpus(tmp_path / "corpus", sequences)
-    said = (f"--split {split} gives the {part} part none of the {sequences} documents of "
+    said = (f"--split {split} gives the {part} part none of the {sequences} non-empty documents of "
             f"{prefix} (it divides whole documents, not --seq-length samples; "
             f"tools/preprocess_data.py makes one per paragraph of a text file, or per line with "
             f"--split-on-lines): give a larger corpus, or a --split that gives that part more "
