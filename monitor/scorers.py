@@ -604,15 +604,9 @@ class AdaptiveScorer:
         # window goes over to its own scale, as without peers, or the trend would go unread.
         peers_unread = (peers_sampled and peer_temp is None and bool(track.residual.times)
                         and t - track.residual.times[-1] < self.config.level_window_s)
-        if s.temperature is not None and not peers_unread:
-            with_peers = peer_temp is not None
-            if track.with_peers is not None and with_peers != track.with_peers:
-                # Relative to peers vs absolute are different scales: start the residual afresh.
-                track.residual = Window(self.config.trend_window_s)
-                track.baseline = None
-            track.with_peers = with_peers
-            track.residual.push(t, s.temperature - (peer_temp or 0.0))
         if s.temperature is not None:
+            if not peers_unread:
+                self._observe_residual(track, t, s.temperature, peer_temp)
             track.raw.push(t, s.temperature)
         track.power_limit = s.power_limit or track.power_limit
         if s.power_draw is not None:
@@ -638,6 +632,17 @@ class AdaptiveScorer:
             track.last_sbe, track.last_sbe_at = s.ecc_sbe, t
         while track.sbe_events and track.sbe_events[0][0] < t - 4 * self.config.sbe_window_s:
             track.sbe_events.popleft()
+
+    def _observe_residual(self, track: _Track, t: float, temperature: float,
+                          peer_temp: float | None) -> None:
+        """Its temperature less its peers' median, or as it is without peers."""
+        with_peers = peer_temp is not None
+        if track.with_peers is not None and with_peers != track.with_peers:
+            # Relative to peers vs absolute are different scales: start the residual afresh.
+            track.residual = Window(self.config.trend_window_s)
+            track.baseline = None
+        track.with_peers = with_peers
+        track.residual.push(t, temperature - (peer_temp or 0.0))
 
     def _observe_drifts(self, track: _Track, s: GpuSample, peers: "Peers") -> None:
         """Under settled load only (the rebound after a checkpoint's dip, each GPU at its own

@@ -158,17 +158,15 @@ def remove_checkpoint_folder(folder: Path) -> None:
     as complete, failed, and then refused every relaunch on (exit 66). Folders an earlier
     removal left this way go too. Where the rename fails, emptied in place, manifest first."""
     folder = Path(folder)
-    doomed = folder.with_name(f"{folder.name}{REMOVING}{uuid.uuid4().hex[:8]}")
     try:
-        folder.rename(doomed)
+        folder.rename(folder.with_name(f"{folder.name}{REMOVING}{uuid.uuid4().hex[:8]}"))
     except FileNotFoundError:
-        doomed = None
+        pass
     except OSError:
         (folder / MANIFEST_NAME).unlink(missing_ok=True)
-        doomed = folder
-    for leftover in [doomed] + list(folder.parent.glob(f"iter_*{REMOVING}*")):
-        if leftover is not None:
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    for leftover in folder.parent.glob(f"iter_*{REMOVING}*"):  # this one's, and any left
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def remove_abandoned_writes(save_dir: Path, older_than: float) -> None:
