@@ -89,19 +89,34 @@ def _cache_folder(args: argparse.Namespace) -> str:
     corpus's ``.idx``. megatron-core names its cache files after the corpus's path and the
     config, never its contents: a corpus made again at the same prefix was read through the
     old one's indices (an IndexError mid-training on a smaller one, a silent subset of a
-    larger one). The indices depend on the document lengths alone, which the ``.idx`` holds."""
-    digest = xxhash.xxh3_64()
+    larger one). The indices depend on the document lengths alone, which the ``.idx`` holds.
+    Read by rank 0 alone and given to the others: a large corpus's index is gigabytes, read
+    at every relaunch."""
     prefixes = get_blend_from_list(args.data_path)[0]
+    distributed = torch.distributed.is_initialized()
+    found = [_index_digest(prefixes) if not distributed or torch.distributed.get_rank() == 0
+             else None]
+    if distributed:
+        torch.distributed.broadcast_object_list(found, src=0)
+    if isinstance(found[0], DataError):
+        raise found[0]
+    base = args.data_cache_path or os.path.join(prefixes[0], "cache")
+    return os.path.join(base, f"GPTDataset_indices-{found[0]}")
+
+
+def _index_digest(prefixes: list[str]) -> str | DataError:
+    """The digest of the corpora's ``.idx`` files, or the DataError of one that cannot be
+    read (returned: every rank raises it)."""
+    digest = xxhash.xxh3_64()
     try:
         for prefix in prefixes:
             with open(get_idx_path(prefix), "rb") as index:
                 while chunk := index.read(1 << 22):
                     digest.update(chunk)
     except OSError as error:
-        raise DataError(f"cannot read the training data's index {error.filename}: "
-                        f"{error.strerror}") from None
-    base = args.data_cache_path or os.path.join(prefixes[0], "cache")
-    return os.path.join(base, f"GPTDataset_indices-{digest.hexdigest()}")
+        return DataError(f"cannot read the training data's index {error.filename}: "
+                         f"{error.strerror}")
+    return digest.hexdigest()
 
 
 def _check_corpus(prefix: str, config: GPTDatasetConfig) -> None:
